@@ -1,0 +1,19 @@
+"""Liveness messages every service publishes and every service may watch."""
+
+from __future__ import annotations
+
+import msgspec
+
+
+class Heartbeat(msgspec.Struct, frozen=True, gc=False, omit_defaults=True):
+    """Published every `heartbeat_interval_s` on `subjects.heartbeat(service)`.
+
+    `alive=False` is the "dead" sentinel: a service that hits a fatal error or shuts down says so,
+    so that whoever waits on it fails fast instead of waiting for the heartbeat timeout.
+    """
+
+    service: str  # "scheduler" | "detokenizer" | "tokenizer"
+    instance_id: str
+    alive: bool = True
+    num_running: int = 0
+    reason: str | None = None

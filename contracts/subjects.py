@@ -1,0 +1,49 @@
+"""Every NATS subject Sparkwire uses, in one place. Each carries the wire version.
+
+Routing in one picture (instance ids are uuid4 hex strings chosen at start-up):
+
+    tokenizer ──request──▶ DETOKENIZER_REGISTER      (queue group: one detokenizer takes the rid)
+    tokenizer ──request──▶ SCHEDULER_CLAIM           (queue group: one scheduler takes the rid)
+    tokenizer ──publish──▶ scheduler_generate(id)    (direct: the claimed scheduler)
+    anyone    ──publish──▶ SCHEDULER_ABORT           (broadcast: unknown rids are ignored)
+    scheduler ──publish──▶ detokenizer_tokens(id)    (direct: one TokenBatch per step per detokenizer)
+    detok.    ──publish──▶ tokenizer_outputs(id)     (direct: one TextBatch per batch per tokenizer)
+    all       ──publish──▶ heartbeat(service)        (broadcast liveness + "dead" sentinel)
+    tokenizer ──request──▶ SCHEDULER_PING            (queue group: /health)
+
+Direct subjects have exactly one subscriber, which is what makes splitting a large message into
+chunks safe: every chunk reaches the same process, in order.
+"""
+
+from __future__ import annotations
+
+VERSION = "v1"
+PREFIX = f"sparkwire.{VERSION}"
+ALL = f"{PREFIX}.>"  # what `sparkwire record` captures
+
+SCHEDULER_CLAIM = f"{PREFIX}.scheduler.claim"
+SCHEDULER_ABORT = f"{PREFIX}.scheduler.abort"
+SCHEDULER_PING = f"{PREFIX}.scheduler.ping"
+DETOKENIZER_REGISTER = f"{PREFIX}.detokenizer.register"
+
+SCHEDULER_QUEUE = "scheduler"
+DETOKENIZER_QUEUE = "detokenizer"
+
+
+def scheduler_generate(instance_id: str) -> str:
+    return f"{PREFIX}.scheduler.{instance_id}.generate"
+
+
+def detokenizer_tokens(instance_id: str) -> str:
+    return f"{PREFIX}.detokenizer.{instance_id}.tokens"
+
+
+def tokenizer_outputs(instance_id: str) -> str:
+    return f"{PREFIX}.tokenizer.{instance_id}.outputs"
+
+
+def heartbeat(service: str) -> str:
+    return f"{PREFIX}.heartbeat.{service}"
+
+
+HEARTBEAT_ALL = f"{PREFIX}.heartbeat.*"

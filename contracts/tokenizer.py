@@ -1,0 +1,28 @@
+"""Messages the tokenizer (HTTP front end) receives: text batches from detokenizers."""
+
+from __future__ import annotations
+
+import msgspec
+
+from contracts.arrays import NDArray
+from contracts.detokenizer import Finish, RequestLogprobs
+
+
+class TextBatch(msgspec.Struct, frozen=True, gc=False, omit_defaults=True):
+    """Per-step output for the requests one tokenizer replica owns, columnar over R requests.
+
+    Same ragged layout as `TokenBatch`. Token ids and logprob entries after a matched stop
+    string are already cut; `text_deltas[i]` never ends inside a UTF-8 character and never
+    holds a prefix of a stop string that may still complete.
+    """
+
+    detokenizer_id: str
+    scheduler_id: str
+    rids: list[str]  # [R]
+    text_deltas: list[str]  # [R]
+    num_new_tokens: NDArray  # i32 [R]
+    new_token_ids: NDArray  # i32 [sum(num_new_tokens)]
+    prompt_tokens: NDArray  # i32 [R]
+    finish: list[Finish | None]  # [R]
+    logprobs: list[RequestLogprobs | None] | None = None  # [R], passed through from the scheduler
+    spec_verify_ct: NDArray | None = None  # i32 [R]

@@ -1,0 +1,40 @@
+"""The contract between the scheduler core and the model runner: one ragged forward batch.
+
+All sequences of a step (prefill chunks, decode tokens, speculative verify blocks) are flattened
+into T new tokens. Sequence b owns new tokens `query_start_loc[b]:query_start_loc[b+1]` and, after
+the step, `seq_lens[b]` tokens of KV (its cached prefix plus its new tokens). New token t's K/V is
+written to cache slot `slot_mapping[t]` = block_id * block_size + offset. Rolling back rejected
+speculative tokens is only a matter of the scheduler lowering its own length counter: stale slots
+are overwritten by the next write.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class ForwardBatch:
+    input_ids: torch.Tensor  # int64 [T]
+    positions: torch.Tensor  # int64 [T], position of each new token in its sequence
+    query_start_loc: torch.Tensor  # int32 [B + 1]
+    seq_lens: torch.Tensor  # int32 [B], KV length of each sequence after this step
+    block_tables: torch.Tensor  # int32 [B, max_blocks_per_seq], -1 padded
+    slot_mapping: torch.Tensor  # int64 [T]
+    capture_layers: tuple[int, ...] = ()  # layer indices whose outputs to return (DSpark context)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.input_ids.shape[0]
+
+    @property
+    def num_seqs(self) -> int:
+        return self.seq_lens.shape[0]
+
+
+@dataclass(frozen=True)
+class ForwardOutput:
+    hidden_states: torch.Tensor  # [T, H], after the final norm, in the model dtype
+    captured: torch.Tensor | None = None  # [T, len(capture_layers) * H], or None
