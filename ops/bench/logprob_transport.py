@@ -1,0 +1,173 @@
+"""`sparkwire bench logprob-transport`: prompt top logprobs, flat arrays vs nested rows.
+
+For each size (rows x k) it measures, in one run on this machine:
+- per hop: encode + decode of the message that carries the prompt top logprobs — nested rows
+  (per position `null` or a list of `(logprob, token_id, text)` triples, SGLang's layout) against
+  the flat arrays of `contracts.detokenizer.RequestLogprobs` (float32/int32 `[rows, k]`);
+- two hops over a real nats-server left at the default 1 MB `max_payload` (so large messages are
+  chunked by `services.common.transport`): sender -> relay (decode, re-encode, as the detokenizer
+  does) -> receiver (decode), wall time from before the first encode to after the last decode;
+- response building in the tokenizer: JSON float/int lists against base64 of little-endian bytes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import numpy as np
+import pybase64
+
+from contracts.detokenizer import RequestLogprobs
+from services.common.arrays import from_wire, to_wire
+from services.common.nats_server import PROJECT_CONFIG, start_nats_server
+from services.common.transport import Transport
+
+SIZES = ((32768, 2), (32768, 20), (131072, 20))
+NULL_PREFIX = 1  # the first prompt position has no logprobs
+Triple = tuple[float, int, None]
+
+
+class NestedPromptTop(msgspec.Struct, array_like=True, gc=False):
+    """The baseline layout: one Python row per prompt position."""
+
+    rows: list[list[Triple] | None]
+
+
+def make_arrays(rows: int, k: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    values = -np.sort(rng.exponential(2.0, size=(rows - NULL_PREFIX, k)).astype(np.float32), axis=1)  # [rows-1, k]
+    ids = rng.integers(0, 151936, size=(rows - NULL_PREFIX, k), dtype=np.int32)  # [rows-1, k]
+    return values, ids
+
+
+def nested_message(values: np.ndarray, ids: np.ndarray) -> NestedPromptTop:
+    rows: list[list[Triple] | None] = [None] * NULL_PREFIX
+    rows += [list(zip(v, i, [None] * len(v))) for v, i in zip(values.tolist(), ids.tolist())]
+    return NestedPromptTop(rows)
+
+
+def flat_message(values: np.ndarray, ids: np.ndarray) -> RequestLogprobs:
+    return RequestLogprobs(
+        input_top_logprobs_flat=to_wire(values), input_top_ids_flat=to_wire(ids), input_top_null_prefix=NULL_PREFIX
+    )
+
+
+def median_ms(fn: Callable[[], Any], repeat: int) -> float:
+    times = []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times)
+
+
+def per_hop(message: msgspec.Struct, message_type: type, repeat: int) -> dict[str, float]:
+    encoder, decoder = msgspec.msgpack.Encoder(), msgspec.msgpack.Decoder(message_type)
+    payload = encoder.encode(message)
+    encode_ms = median_ms(lambda: encoder.encode(message), repeat)
+    decode_ms = median_ms(lambda: _touch(decoder.decode(payload)), repeat)
+    return {"encode_ms": encode_ms, "decode_ms": decode_ms, "bytes": len(payload)}
+
+
+def _touch(message: Any) -> None:
+    """Decoding flat arrays must end in numpy views, as a real receiver would use them."""
+    if isinstance(message, RequestLogprobs):
+        from_wire(message.input_top_logprobs_flat)
+        from_wire(message.input_top_ids_flat)
+
+
+async def two_hops(url: str, message: msgspec.Struct, message_type: type, repeat: int) -> float:
+    sender, relay, receiver = [await Transport.connect(url, name) for name in ("sender", "relay", "receiver")]
+    arrived: asyncio.Queue[float] = asyncio.Queue()
+
+    async def forward(decoded: Any, _msg: Any) -> None:
+        _touch(decoded)
+        await relay.publish("sparkwire.v1.bench.hop2", decoded)
+
+    async def land(decoded: Any, _msg: Any) -> None:
+        _touch(decoded)
+        arrived.put_nowait(time.perf_counter())
+
+    await relay.subscribe("sparkwire.v1.bench.hop1", message_type, forward)
+    await receiver.subscribe("sparkwire.v1.bench.hop2", message_type, land)
+    await asyncio.sleep(0.2)
+    times = []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        await sender.publish("sparkwire.v1.bench.hop1", message)
+        times.append((await asyncio.wait_for(arrived.get(), 120) - start) * 1e3)
+    for transport in (sender, relay, receiver):
+        await transport.close()
+    return statistics.median(times)
+
+
+def response_building(values: np.ndarray, ids: np.ndarray, repeat: int) -> dict[str, float]:
+    def as_lists() -> bytes:
+        return msgspec.json.encode({"val": values.ravel().tolist(), "idx": ids.ravel().tolist()})
+
+    def as_b64() -> bytes:
+        little_values, little_ids = values.astype("<f4", copy=False), ids.astype("<i4", copy=False)
+        return msgspec.json.encode(
+            {"val": pybase64.b64encode(little_values.tobytes()), "idx": pybase64.b64encode(little_ids.tobytes())}
+        )
+
+    return {"json_lists_ms": median_ms(as_lists, repeat), "b64_ms": median_ms(as_b64, repeat)}
+
+
+def default_payload_config(directory: Path) -> Path:
+    """The project config with `max_payload` back at the NATS default (1 MB)."""
+    lines = [line for line in PROJECT_CONFIG.read_text().splitlines() if not line.startswith("max_payload")]
+    config = directory / "nats-default-payload.conf"
+    config.write_text("\n".join(lines + ["max_payload: 1MB"]) + "\n")
+    return config
+
+
+def bench_size(url: str, rows: int, k: int, repeat: int) -> dict[str, Any]:
+    values, ids = make_arrays(rows, k)
+    nested, flat = nested_message(values, ids), flat_message(values, ids)
+    result: dict[str, Any] = {"rows": rows, "k": k}
+    result["nested_hop"] = per_hop(nested, NestedPromptTop, max(3, repeat // 3))
+    result["flat_hop"] = per_hop(flat, RequestLogprobs, repeat)
+    result["nested_two_hops_ms"] = asyncio.run(two_hops(url, nested, NestedPromptTop, 3))
+    result["flat_two_hops_ms"] = asyncio.run(two_hops(url, flat, RequestLogprobs, repeat))
+    result["response"] = response_building(values, ids, max(3, repeat // 3))
+    hop = lambda key: result[key]["encode_ms"] + result[key]["decode_ms"]  # noqa: E731
+    result["per_hop_speedup"] = hop("nested_hop") / hop("flat_hop")
+    return result
+
+
+def table(results: list[dict[str, Any]]) -> str:
+    lines = [
+        "| rows x k | nested hop enc+dec ms | flat hop enc+dec ms | speedup | bytes nested / flat | 2 hops nested ms | 2 hops flat ms | JSON lists ms | b64 ms |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in results:
+        n, f, resp = r["nested_hop"], r["flat_hop"], r["response"]
+        lines.append(
+            f"| {r['rows']} x {r['k']} | {n['encode_ms']:.2f} + {n['decode_ms']:.2f} | {f['encode_ms']:.3f} + {f['decode_ms']:.3f}"
+            f" | {r['per_hop_speedup']:.0f}x | {n['bytes'] / 1e6:.2f} / {f['bytes'] / 1e6:.2f} MB"
+            f" | {r['nested_two_hops_ms']:.1f} | {r['flat_two_hops_ms']:.1f} | {resp['json_lists_ms']:.1f} | {resp['b64_ms']:.1f} |"
+        )
+    return "\n".join(lines)
+
+
+def run(out: Path, repeat: int = 9, sizes: tuple[tuple[int, int], ...] = SIZES) -> list[dict[str, Any]]:
+    with tempfile.TemporaryDirectory() as directory:
+        server = start_nats_server(default_payload_config(Path(directory)))
+        try:
+            results = [bench_size(server.url, rows, k, repeat) for rows, k in sizes]
+        finally:
+            server.stop()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"benchmark": "logprob-transport", "nats_max_payload": "1MB", "results": results}, indent=2))
+    print(table(results))
+    print(f"results written to {out}")
+    return results
