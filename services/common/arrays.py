@@ -10,7 +10,7 @@ from contracts.arrays import NDArray
 def to_wire(array: np.ndarray) -> NDArray:
     """One copy at most (none if already contiguous little-endian)."""
     little = np.ascontiguousarray(array, dtype=array.dtype.newbyteorder("<"))
-    return NDArray(dtype=little.dtype.str, shape=tuple(little.shape), data=memoryview(little).cast("B"))
+    return NDArray(dtype=little.dtype.str, shape=tuple(little.shape), data=memoryview(little.reshape(-1)).cast("B"))
 
 
 def from_wire(wire: NDArray) -> np.ndarray:

@@ -1,0 +1,1 @@
+"""Detokenizer service: incremental text, stop strings, routing to the owning tokenizer replica."""

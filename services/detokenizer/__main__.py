@@ -1,0 +1,57 @@
+"""`sparkwire detokenizer`: CLI wiring for one detokenizer service."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+from pathlib import Path
+
+import services
+from services.common.lifecycle import new_instance_id, stop_on_signals
+from services.common.logging import configure_logging
+from services.common.settings import EnvSettings
+from services.detokenizer.config import DetokenizerConfig, tokenizer_file
+from services.detokenizer.service import run
+
+BUNDLED_MODEL = Path(services.__file__).resolve().parents[1] / "ops" / "models" / "sparkwire-tiny"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    env = EnvSettings.from_environ()
+    parser.add_argument("--nats-url", default=env.nats_url or "nats://127.0.0.1:4222")
+    parser.add_argument("--model", default=env.model or str(BUNDLED_MODEL), help="model directory or tokenizer.json")
+    parser.add_argument("--instance-id", default=new_instance_id(), help="fixed id, e.g. to replay a recording")
+    parser.add_argument("--log-level", default=env.log_level)
+    parser.add_argument("--log-format", choices=("console", "json"), default=env.log_format)
+    parser.add_argument("--heartbeat-interval-s", type=float, default=env.heartbeat_interval_s)
+    parser.add_argument("--heartbeat-timeout-s", type=float, default=env.heartbeat_timeout_s)
+
+
+def config_from_args(args: argparse.Namespace) -> DetokenizerConfig:
+    return DetokenizerConfig(
+        nats_url=args.nats_url,
+        tokenizer_path=tokenizer_file(Path(args.model)),
+        instance_id=args.instance_id,
+        heartbeat_interval_s=args.heartbeat_interval_s,
+        heartbeat_timeout_s=args.heartbeat_timeout_s,
+    )
+
+
+def main(args: argparse.Namespace) -> int:
+    configure_logging(args.log_level, args.log_format)
+    config = config_from_args(args)
+
+    async def serve() -> None:
+        stop = asyncio.Event()
+        stop_on_signals(stop)
+        await run(config, stop)
+
+    asyncio.run(serve())
+    return 0
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(prog="sparkwire detokenizer")
+    add_arguments(parser)
+    sys.exit(main(parser.parse_args()))

@@ -1,0 +1,204 @@
+"""The detokenizer core: token batches in, one text batch per owning tokenizer out. No NATS here.
+
+Per request it keeps an `IncrementalDecoder` (complete UTF-8 only) and a `StopMatcher` (stop
+strings across token boundaries). A stop-string match finishes the request here: its text is
+trimmed, its token ids and output logprob rows after the completing token are cut, and an
+`AbortRequest(reason="stop")` is returned for the adapter to broadcast so the scheduler frees
+the slot. Logprob arrays are passed through as the same `NDArray` objects unless they must be
+cut, and a cut is a zero-copy slice of the received bytes.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+import msgspec
+import numpy as np
+import structlog
+from tokenizers import Tokenizer
+
+from contracts.arrays import NDArray
+from contracts.detokenizer import DetokenizerRegistration, Finish, FinishType, RequestLogprobs, TokenBatch
+from contracts.scheduler import AbortRequest
+from contracts.tokenizer import TextBatch
+from services.common.arrays import from_wire, to_wire
+from services.detokenizer.incremental import IncrementalDecoder
+from services.detokenizer.stops import StopMatcher
+
+log = structlog.get_logger(__name__)
+
+NUM_REMEMBERED_FINISHED = 65536  # late batches for these rids are dropped quietly
+OUTPUT_LOGPROB_FIELDS = ("output_token_logprobs", "output_top_logprobs", "output_top_ids", "output_ids_logprobs")
+
+
+@dataclass
+class _Request:
+    tokenizer_id: str
+    decoder: IncrementalDecoder
+    stops: StopMatcher
+    scheduler_id: str | None = None  # known from the first TokenBatch on
+
+
+@dataclass(frozen=True)
+class _Entry:
+    """One request's share of one TokenBatch, after detokenization."""
+
+    index: int  # position in the TokenBatch
+    text: str
+    token_ids: np.ndarray  # int32 [num_kept]
+    cut: bool  # token ids (and output logprob rows) after a stop match were dropped
+    finish: Finish | None
+    logprobs: RequestLogprobs | None
+
+
+@dataclass
+class DetokenizeResult:
+    outputs: dict[str, TextBatch] = field(default_factory=dict)  # tokenizer_id -> its batch
+    aborts: list[AbortRequest] = field(default_factory=list)  # broadcast on SCHEDULER_ABORT
+
+
+class DetokenizerCore:
+    def __init__(self, tokenizer: Tokenizer, instance_id: str) -> None:
+        self._tokenizer = tokenizer
+        self.instance_id = instance_id
+        self._requests: dict[str, _Request] = {}
+        self._finished: OrderedDict[str, None] = OrderedDict()
+
+    @property
+    def num_running(self) -> int:
+        return len(self._requests)
+
+    def register(self, registration: DetokenizerRegistration) -> None:
+        params = registration.params
+        if registration.rid in self._requests:
+            log.warning("detokenizer.reregistered", rid=registration.rid)
+        self._finished.pop(registration.rid, None)
+        self._requests[registration.rid] = _Request(
+            tokenizer_id=registration.tokenizer_id,
+            decoder=IncrementalDecoder(self._tokenizer, params.skip_special_tokens),
+            stops=StopMatcher(params.stop, keep_stop=params.no_stop_trim),
+        )
+
+    def process(self, batch: TokenBatch) -> DetokenizeResult:
+        token_ids = from_wire(batch.new_token_ids)  # int32 [T]
+        offsets = np.concatenate(([0], np.cumsum(from_wire(batch.num_new_tokens))))  # [R + 1]
+        result = DetokenizeResult()
+        by_owner: dict[str, list[_Entry]] = {}
+        for index, rid in enumerate(batch.rids):
+            request = self._lookup(rid, batch.scheduler_id)
+            if request is None:
+                continue
+            request.scheduler_id = batch.scheduler_id
+            entry = self._advance(batch, index, token_ids[offsets[index] : offsets[index + 1]], request)
+            by_owner.setdefault(request.tokenizer_id, []).append(entry)
+            if entry.finish is not None:
+                self._forget(rid)
+                if batch.finish[index] is None:  # finished here, by a stop string: free the slot
+                    result.aborts.append(AbortRequest(rid=rid, reason="stop"))
+        for tokenizer_id, entries in by_owner.items():
+            result.outputs[tokenizer_id] = self._text_batch(batch, entries)
+        return result
+
+    def forget_scheduler(self, scheduler_id: str) -> list[str]:
+        """A scheduler died: its requests get no more tokens (their tokenizers fail them on the
+        same heartbeat), so drop their state. Returns the dropped rids."""
+        rids = [rid for rid, request in self._requests.items() if request.scheduler_id == scheduler_id]
+        for rid in rids:
+            self._forget(rid)
+        return rids
+
+    def _lookup(self, rid: str, scheduler_id: str) -> _Request | None:
+        request = self._requests.get(rid)
+        if request is None and rid in self._finished:
+            log.debug("detokenizer.late_tokens_dropped", rid=rid, scheduler=scheduler_id)
+        elif request is None:
+            log.warning("detokenizer.unknown_rid_dropped", rid=rid, scheduler=scheduler_id)
+        return request
+
+    def _forget(self, rid: str) -> None:
+        del self._requests[rid]
+        self._finished[rid] = None
+        if len(self._finished) > NUM_REMEMBERED_FINISHED:
+            self._finished.popitem(last=False)
+
+    def _advance(self, batch: TokenBatch, index: int, ids: np.ndarray, request: _Request) -> _Entry:
+        text, num_kept, matched = _detokenize(request, ids.tolist())
+        scheduler_finish = batch.finish[index]
+        if matched is None and scheduler_finish is not None:
+            tail, matched = request.stops.feed(request.decoder.flush())
+            text += tail if matched is not None else tail + request.stops.flush()
+        finish = Finish(FinishType.STOP, matched=matched) if matched is not None else scheduler_finish
+        logprobs = batch.logprobs[index] if batch.logprobs is not None else None
+        cut = num_kept < len(ids)
+        if cut:
+            logprobs = _cut_output_logprobs(logprobs, num_kept)
+        return _Entry(index, text, ids[:num_kept], cut, finish, logprobs)
+
+    def _text_batch(self, batch: TokenBatch, entries: list[_Entry]) -> TextBatch:
+        indices = [entry.index for entry in entries]
+        whole = len(entries) == len(batch.rids) and not any(entry.cut for entry in entries)
+        return TextBatch(
+            detokenizer_id=self.instance_id,
+            scheduler_id=batch.scheduler_id,
+            rids=[batch.rids[i] for i in indices],
+            text_deltas=[entry.text for entry in entries],
+            num_new_tokens=batch.num_new_tokens if whole else _counts(entries),
+            new_token_ids=batch.new_token_ids if whole else _concat_ids(entries),
+            prompt_tokens=batch.prompt_tokens if whole else _take(batch.prompt_tokens, indices),
+            finish=[entry.finish for entry in entries],
+            logprobs=None if batch.logprobs is None else [entry.logprobs for entry in entries],
+            spec_verify_ct=batch.spec_verify_ct if whole else _take(batch.spec_verify_ct, indices),
+        )
+
+
+def _detokenize(request: _Request, ids: list[int]) -> tuple[str, int, str | None]:
+    """Return (text to emit, number of ids kept, matched stop string or None)."""
+    if not request.stops.active:
+        return request.decoder.push(ids), len(ids), None
+    # One id at a time, so a match is pinned to the id that completed it.
+    pieces = []
+    for position, token_id in enumerate(ids):
+        text, matched = request.stops.feed(request.decoder.push((token_id,)))
+        pieces.append(text)
+        if matched is None and (hit := _probe_held(request)) is not None:
+            pieces.append(hit[0])
+            matched = hit[1]
+        if matched is not None:
+            return "".join(pieces), position + 1, matched
+    return "".join(pieces), len(ids), None
+
+
+def _probe_held(request: _Request) -> tuple[str, str] | None:
+    """A stop string may be complete in text held only behind an incomplete character."""
+    held = request.decoder.peek()
+    return request.stops.probe(held) if held else None
+
+
+def _cut_output_logprobs(logprobs: RequestLogprobs | None, num_rows: int) -> RequestLogprobs | None:
+    if logprobs is None:
+        return None
+    cuts = {name: _head(getattr(logprobs, name), num_rows) for name in OUTPUT_LOGPROB_FIELDS}
+    return msgspec.structs.replace(logprobs, **cuts)
+
+
+def _head(array: NDArray | None, num_rows: int) -> NDArray | None:
+    """The first `num_rows` rows of a row-major array: a zero-copy slice of its bytes."""
+    if array is None or not array.shape or array.shape[0] <= num_rows:
+        return array
+    row_bytes = np.dtype(array.dtype).itemsize * math.prod(array.shape[1:])
+    data = memoryview(array.data).cast("B")[: num_rows * row_bytes]
+    return NDArray(dtype=array.dtype, shape=(num_rows, *array.shape[1:]), data=data)
+
+
+def _counts(entries: list[_Entry]) -> NDArray:
+    return to_wire(np.array([len(entry.token_ids) for entry in entries], dtype=np.int32))
+
+
+def _concat_ids(entries: list[_Entry]) -> NDArray:
+    return to_wire(np.concatenate([entry.token_ids for entry in entries]).astype(np.int32, copy=False))
+
+
+def _take(array: NDArray | None, indices: list[int]) -> NDArray | None:
+    return None if array is None else to_wire(from_wire(array)[indices])

@@ -1,0 +1,83 @@
+"""The detokenizer's NATS adapter: registrations and token batches in, text batches and stop
+aborts out. All the work is in `DetokenizerCore`."""
+
+from __future__ import annotations
+
+import asyncio
+
+import structlog
+from nats.aio.msg import Msg
+from tokenizers import Tokenizer
+
+from contracts import subjects
+from contracts.detokenizer import DetokenizerRegistration, DetokenizerRegistrationReply, TokenBatch
+from services.common.heartbeat import HeartbeatMonitor, HeartbeatPublisher
+from services.common.transport import Transport
+from services.detokenizer.config import DetokenizerConfig
+from services.detokenizer.core import DetokenizerCore
+
+log = structlog.get_logger(__name__)
+
+SERVICE = "detokenizer"
+
+
+class DetokenizerService:
+    def __init__(self, config: DetokenizerConfig, transport: Transport, core: DetokenizerCore) -> None:
+        self._config = config
+        self._transport = transport
+        self._core = core
+        self._heartbeat = HeartbeatPublisher(
+            transport, SERVICE, config.instance_id, config.heartbeat_interval_s, lambda: core.num_running
+        )
+        self._schedulers = HeartbeatMonitor(transport, "scheduler", config.heartbeat_timeout_s, self._on_scheduler_dead)
+
+    @classmethod
+    async def start(cls, config: DetokenizerConfig) -> DetokenizerService:
+        """Connect, subscribe, then beat: the first heartbeat means the subscriptions are live
+        (the server handles one connection's SUBs and PUBs in order)."""
+        core = DetokenizerCore(Tokenizer.from_file(str(config.tokenizer_path)), config.instance_id)
+        transport = await Transport.connect(config.nats_url, f"{SERVICE}-{config.instance_id}")
+        service = cls(config, transport, core)
+        await transport.subscribe(
+            subjects.DETOKENIZER_REGISTER,
+            DetokenizerRegistration,
+            service._on_register,
+            queue=subjects.DETOKENIZER_QUEUE,
+        )
+        await transport.subscribe(subjects.detokenizer_tokens(config.instance_id), TokenBatch, service._on_tokens)
+        await service._schedulers.start()
+        service._heartbeat.start()
+        log.info("detokenizer.started", instance=config.instance_id, nats=config.nats_url)
+        return service
+
+    async def _on_register(self, registration: DetokenizerRegistration, msg: Msg) -> None:
+        self._core.register(registration)
+        await self._transport.respond(msg, DetokenizerRegistrationReply(detokenizer_id=self._config.instance_id))
+
+    async def _on_tokens(self, batch: TokenBatch, _msg: Msg) -> None:
+        result = self._core.process(batch)
+        # Aborts first: the sooner the scheduler hears of a stop match, the fewer wasted steps.
+        for abort in result.aborts:
+            await self._transport.publish(subjects.SCHEDULER_ABORT, abort)
+        for tokenizer_id, text_batch in result.outputs.items():
+            await self._transport.publish(subjects.tokenizer_outputs(tokenizer_id), text_batch)
+
+    def _on_scheduler_dead(self, scheduler_id: str, reason: str) -> None:
+        dropped = self._core.forget_scheduler(scheduler_id)
+        if dropped:
+            log.warning("detokenizer.scheduler_dead", scheduler=scheduler_id, reason=reason, num_dropped=len(dropped))
+
+    async def close(self, reason: str = "shutdown") -> None:
+        """Say "dead" first so tokenizers fail our requests fast, then drain and close."""
+        await self._heartbeat.stop(reason)
+        await self._schedulers.stop()
+        await self._transport.close()
+        log.info("detokenizer.stopped", instance=self._config.instance_id, reason=reason)
+
+
+async def run(config: DetokenizerConfig, stop: asyncio.Event) -> None:
+    service = await DetokenizerService.start(config)
+    try:
+        await stop.wait()
+    finally:
+        await service.close()

@@ -1,0 +1,58 @@
+"""Stop strings for one request, found across token boundaries.
+
+Text that could still be the start of a stop string is held back, so the emitted deltas
+concatenate to exactly the final text whether or not a stop string completes later.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+
+class StopMatcher:
+    def __init__(self, stops: Sequence[str], keep_stop: bool = False) -> None:
+        self._stops = tuple(stop for stop in stops if stop)
+        self._keep_stop = keep_stop  # `no_stop_trim`: the matched string stays in the text
+        self._max_held = max((len(stop) for stop in self._stops), default=1) - 1
+        self._held = ""  # never emitted; always a proper prefix of some stop string
+
+    @property
+    def active(self) -> bool:
+        return bool(self._stops)
+
+    def feed(self, text: str) -> tuple[str, str | None]:
+        """Return (text safe to emit, the matched stop string or None)."""
+        hit = self.probe(text)
+        if hit is not None:
+            self._held = ""
+            return hit
+        held = self._held + text
+        num_held = self._stop_prefix_len(held)
+        self._held = held[len(held) - num_held :]
+        return held[: len(held) - num_held], None
+
+    def probe(self, text: str) -> tuple[str, str] | None:
+        """Like `feed` when `text` completes a stop string, else None; changes nothing."""
+        held = self._held + text
+        match = self._earliest_match(held)
+        if match is None:
+            return None
+        index, stop = match
+        return held[: index + len(stop) if self._keep_stop else index], stop
+
+    def flush(self) -> str:
+        """The request ended without a match: release what was held."""
+        held, self._held = self._held, ""
+        return held
+
+    def _earliest_match(self, text: str) -> tuple[int, str] | None:
+        found = [(index, stop) for stop in self._stops if (index := text.find(stop)) >= 0]
+        return min(found, key=lambda hit: (hit[0], -len(hit[1])), default=None)
+
+    def _stop_prefix_len(self, text: str) -> int:
+        """Length of the longest suffix of `text` that some stop string starts with."""
+        for size in range(min(len(text), self._max_held), 0, -1):
+            tail = text[-size:]
+            if any(stop.startswith(tail) for stop in self._stops):
+                return size
+        return 0

@@ -1,0 +1,63 @@
+"""Record golden message streams from a running stack, for the replay tests in tests/replay.
+
+`record_golden` records every `sparkwire.v1` message while it sends HTTP requests to the
+stack's tokenizer one at a time, and returns the HTTP responses. Commit the recording and the
+responses; the replay tests publish the recorded scheduler output into fresh detokenizer and
+tokenizer services and compare their answers with these responses. Standard library HTTP only,
+so a production install needs nothing extra.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from contracts import subjects
+from services.recorder.record import RecordStats, record
+
+
+@dataclass(frozen=True)
+class GoldenCase:
+    path: str  # e.g. "/generate", "/v1/completions"
+    body: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class GoldenResponse:
+    status: int
+    body: str  # raw: JSON, or SSE events for stream=true
+
+
+async def record_golden(
+    nats_url: str,
+    http_url: str,
+    cases: list[GoldenCase],
+    out: Path | str,
+    settle_s: float = 0.5,
+    timeout_s: float = 120.0,
+) -> tuple[list[GoldenResponse], RecordStats]:
+    """`settle_s` after the last response lets trailing messages (aborts, heartbeats) land."""
+    stop, ready = asyncio.Event(), asyncio.Event()
+    task = asyncio.create_task(record(nats_url, out, subjects.ALL, stop=stop, ready=ready))
+    await asyncio.wait_for(ready.wait(), timeout_s)
+    try:
+        responses = [await asyncio.to_thread(post_json, http_url + case.path, case.body, timeout_s) for case in cases]
+        await asyncio.sleep(settle_s)
+    finally:
+        stop.set()
+    return responses, await task
+
+
+def post_json(url: str, body: dict[str, Any], timeout_s: float) -> GoldenResponse:
+    request = urllib.request.Request(
+        url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}, method="POST"
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=timeout_s) as response:
+            return GoldenResponse(response.status, response.read().decode())
+    except urllib.error.HTTPError as error:
+        return GoldenResponse(error.code, error.read().decode())

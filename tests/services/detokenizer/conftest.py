@@ -1,0 +1,59 @@
+"""Fixtures and builders for detokenizer tests."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+import pytest
+from tokenizers import Tokenizer
+
+from contracts.detokenizer import Finish, RequestLogprobs, TokenBatch
+from services.common.arrays import to_wire
+
+TOKENIZER_PATH = Path(__file__).resolve().parents[3] / "ops" / "models" / "sparkwire-tiny" / "tokenizer.json"
+
+
+@pytest.fixture(scope="session")
+def tokenizer() -> Tokenizer:
+    return Tokenizer.from_file(str(TOKENIZER_PATH))
+
+
+@pytest.fixture(scope="session")
+def tokenizer_path() -> Path:
+    return TOKENIZER_PATH
+
+
+def token_batch(
+    entries: Sequence[tuple[str, Sequence[int], Finish | None]],
+    logprobs: Sequence[RequestLogprobs | None] | None = None,
+    step: int = 0,
+    scheduler_id: str = "sched-1",
+    spec_verify_ct: Sequence[int] | None = None,
+) -> TokenBatch:
+    """A TokenBatch over (rid, new ids, finish) entries; prompt_tokens[i] = 10 + i."""
+    counts = np.array([len(ids) for _, ids, _ in entries], dtype=np.int32)
+    flat = np.concatenate([np.asarray(ids, dtype=np.int32) for _, ids, _ in entries] or [np.zeros(0, np.int32)])
+    return TokenBatch(
+        scheduler_id=scheduler_id,
+        step=step,
+        rids=[rid for rid, _, _ in entries],
+        num_new_tokens=to_wire(counts),
+        new_token_ids=to_wire(flat.astype(np.int32)),
+        prompt_tokens=to_wire(np.arange(10, 10 + len(entries), dtype=np.int32)),
+        finish=[finish for _, _, finish in entries],
+        logprobs=None if logprobs is None else list(logprobs),
+        spec_verify_ct=None if spec_verify_ct is None else to_wire(np.asarray(spec_verify_ct, dtype=np.int32)),
+    )
+
+
+def output_logprobs(n: int, k: int, m: int, seed: int = 0) -> RequestLogprobs:
+    """Random output logprob arrays for n positions: [n], [n, k], [n, k], [n, m]."""
+    rng = np.random.default_rng(seed)
+    return RequestLogprobs(
+        output_token_logprobs=to_wire(-rng.random(n, dtype=np.float32)),
+        output_top_logprobs=to_wire(-rng.random((n, k), dtype=np.float32)),
+        output_top_ids=to_wire(rng.integers(0, 2048, (n, k), dtype=np.int32)),
+        output_ids_logprobs=to_wire(-rng.random((n, m), dtype=np.float32)),
+    )

@@ -1,0 +1,310 @@
+import numpy as np
+import pytest
+from tokenizers import Tokenizer
+
+from contracts.detokenizer import DetokenizeParams, DetokenizerRegistration, Finish, FinishType, RequestLogprobs
+from contracts.scheduler import AbortRequest
+from services.common.arrays import from_wire, to_wire
+from services.detokenizer.core import DetokenizerCore
+from tests.services.detokenizer.conftest import output_logprobs, token_batch
+
+LENGTH = Finish(FinishType.LENGTH)
+STOP_EOS = Finish(FinishType.STOP, matched=2)
+
+# Pools that exercise multi-byte UTF-8: accents, combining marks, CJK, emoji with modifiers and ZWJ.
+CHAR_POOLS = [
+    "abcdefghij klmnop qrstuvwxyz ,.!?\n",
+    "éüñçøå",
+    "e\u0301a\u0308o\u0303\u20dd",
+    "你好世界中文字符測試",
+    "日本語のテキスト",
+    "👍🏽👨\u200d👩\u200d👧🎉🚀",
+    "\u00a0\u2028𝔘𝔫𝔦𝔠𝔬𝔡𝔢",
+]
+
+
+def random_text(rng: np.random.Generator, length: int) -> str:
+    pool = "".join(CHAR_POOLS)
+    return "".join(pool[i] for i in rng.integers(0, len(pool), length))
+
+
+def make_core(tokenizer: Tokenizer, **requests: DetokenizeParams) -> DetokenizerCore:
+    core = DetokenizerCore(tokenizer, "detok-1")
+    for rid, params in requests.items():
+        core.register(DetokenizerRegistration(rid=rid, tokenizer_id="tok-1", params=params))
+    return core
+
+
+def stream_one_by_one(
+    core: DetokenizerCore, rid: str, ids: list[int], finish: Finish | None = LENGTH, aborts: list | None = None
+):
+    """Feed ids one per batch, finishing with the last; return (deltas, finish, kept ids)."""
+    deltas, kept, last_finish = [], [], None
+    for position, token_id in enumerate(ids):
+        final = finish if position == len(ids) - 1 else None
+        result = core.process(token_batch([(rid, [token_id], final)], step=position))
+        if aborts is not None:
+            aborts.extend(result.aborts)
+        for text_batch in result.outputs.values():
+            deltas.extend(text_batch.text_deltas)
+            kept.extend(from_wire(text_batch.new_token_ids).tolist())
+            last_finish = text_batch.finish[0]
+    return deltas, last_finish, kept
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_one_token_at_a_time_concatenates_to_full_decode(tokenizer, seed):
+    rng = np.random.default_rng(seed)
+    text = random_text(rng, 120)
+    ids = tokenizer.encode(text).ids
+    deltas, finish, kept = stream_one_by_one(make_core(tokenizer, r=DetokenizeParams()), "r", ids)
+    expected = tokenizer.decode(ids)
+    assert "".join(deltas) == expected
+    assert "\ufffd" not in expected
+    assert all("\ufffd" not in delta for delta in deltas)
+    assert finish == LENGTH
+    assert kept == ids
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_random_ids_concatenate_to_full_decode(tokenizer, seed):
+    """Model output need not be valid UTF-8: held bytes still come out, exactly as decode() has them."""
+    ids = np.random.default_rng(seed).integers(3, tokenizer.get_vocab_size(), 200).tolist()
+    deltas, _, _ = stream_one_by_one(make_core(tokenizer, r=DetokenizeParams()), "r", ids)
+    assert "".join(deltas) == tokenizer.decode(ids)
+
+
+def test_incomplete_character_is_held_until_complete(tokenizer):
+    ids = tokenizer.encode("x👍").ids
+    assert len(ids) > 2  # the emoji spans several byte-level tokens
+    deltas, _, _ = stream_one_by_one(make_core(tokenizer, r=DetokenizeParams()), "r", ids)
+    assert deltas[0] == "x"
+    assert deltas[1:-1] == [""] * (len(ids) - 2)
+    assert deltas[-1] == "👍"
+
+
+def test_incomplete_character_at_finish_is_flushed(tokenizer):
+    ids = tokenizer.encode("x👍").ids[:-1]
+    deltas, _, _ = stream_one_by_one(make_core(tokenizer, r=DetokenizeParams()), "r", ids)
+    assert "".join(deltas) == tokenizer.decode(ids)
+    assert deltas[-1].endswith("\ufffd")
+
+
+def first_token_completing(tokenizer: Tokenizer, ids: list[int], needle: str) -> int:
+    return next(k for k in range(1, len(ids) + 1) if needle in tokenizer.decode(ids[:k]))
+
+
+def test_stop_string_spanning_tokens_is_trimmed_and_cut(tokenizer):
+    text = "The answer is 42 and the end marker STOPHERE comes before the rest of it."
+    ids = tokenizer.encode(text).ids
+    num_kept = first_token_completing(tokenizer, ids, "STOPHERE")
+    assert num_kept < len(ids)
+    assert len(tokenizer.encode("STOPHERE").ids) > 1  # the stop string really spans tokens
+    core = make_core(tokenizer, r=DetokenizeParams(stop=("STOPHERE", "never")))
+    logprobs = output_logprobs(len(ids), k=3, m=2)
+    result = core.process(token_batch([("r", ids, None)], logprobs=[logprobs]))
+    out = result.outputs["tok-1"]
+    assert out.text_deltas == [text[: text.index("STOPHERE")]]
+    assert from_wire(out.new_token_ids).tolist() == ids[:num_kept]
+    assert from_wire(out.num_new_tokens).tolist() == [num_kept]
+    assert out.finish == [Finish(FinishType.STOP, matched="STOPHERE")]
+    assert result.aborts == [AbortRequest(rid="r", reason="stop")]
+    cut = out.logprobs[0]
+    for name in ("output_token_logprobs", "output_top_logprobs", "output_top_ids", "output_ids_logprobs"):
+        full = from_wire(getattr(logprobs, name))
+        np.testing.assert_array_equal(from_wire(getattr(cut, name)), full[:num_kept])
+    assert from_wire(cut.output_top_logprobs).shape == (num_kept, 3)
+
+
+def test_stop_string_one_token_per_batch_then_late_tokens_dropped(tokenizer):
+    text = "alpha beta STOPHERE gamma delta"
+    ids = tokenizer.encode(text).ids
+    num_kept = first_token_completing(tokenizer, ids, "STOPHERE")
+    core = make_core(tokenizer, r=DetokenizeParams(stop=("STOPHERE",)))
+    aborts = []
+    deltas, finish, kept = stream_one_by_one(core, "r", ids, aborts=aborts)
+    assert aborts == [AbortRequest(rid="r", reason="stop")]  # the match ended its batch: nothing cut
+    assert "".join(deltas) == "alpha beta "
+    assert finish == Finish(FinishType.STOP, matched="STOPHERE")
+    assert kept == ids[:num_kept]
+    assert core.num_running == 0
+    late = core.process(token_batch([("r", ids[:2], Finish(FinishType.ABORT))]))
+    assert late.outputs == {} and late.aborts == []
+
+
+def test_no_stop_trim_keeps_the_stop_string(tokenizer):
+    ids = tokenizer.encode("one two STOPHERE three").ids
+    core = make_core(tokenizer, r=DetokenizeParams(stop=("STOPHERE",), no_stop_trim=True))
+    out = core.process(token_batch([("r", ids, None)])).outputs["tok-1"]
+    assert out.text_deltas == ["one two STOPHERE"]
+
+
+def test_held_back_stop_prefix_is_released_when_it_does_not_complete(tokenizer):
+    text = "we see END but not ENDING, then ENDIN at the very end ENDI"
+    ids = tokenizer.encode(text).ids
+    core = make_core(tokenizer, r=DetokenizeParams(stop=("ENDINGX",)))
+    deltas, finish, kept = stream_one_by_one(core, "r", ids, finish=LENGTH)
+    assert "".join(deltas) == text
+    assert finish == LENGTH and kept == ids
+    # Text is held while it could still be the stop string.
+    emitted = ""
+    for delta in deltas[:-1]:
+        emitted += delta
+        assert not any("ENDINGX".startswith(emitted[-n:]) for n in range(1, 7) if len(emitted) >= n)
+
+
+def test_held_back_prefix_flushed_on_scheduler_finish(tokenizer):
+    ids = tokenizer.encode("hello world XY").ids
+    core = make_core(tokenizer, r=DetokenizeParams(stop=("XYZ",)))
+    first = core.process(token_batch([("r", ids, None)])).outputs["tok-1"]
+    assert first.text_deltas == ["hello world "]
+    last = core.process(token_batch([("r", [], STOP_EOS)])).outputs["tok-1"]
+    assert last.text_deltas == ["XY"]
+    assert last.finish == [STOP_EOS]
+    assert core.num_running == 0
+
+
+def test_multiple_owners_get_one_batch_each(tokenizer):
+    core = DetokenizerCore(tokenizer, "detok-1")
+    owners = {"a": "tok-A", "b": "tok-B", "c": "tok-A", "d": "tok-B"}
+    for rid, owner in owners.items():
+        core.register(DetokenizerRegistration(rid=rid, tokenizer_id=owner, params=DetokenizeParams()))
+    texts = {"a": "apple", "b": "banana split", "c": "", "d": "dates 🌴"}
+    entries = [(rid, tokenizer.encode(texts[rid]).ids, LENGTH if rid == "b" else None) for rid in owners]
+    result = core.process(token_batch(entries, spec_verify_ct=[1, 2, 3, 4]))
+    assert set(result.outputs) == {"tok-A", "tok-B"}
+    for owner, rids in {"tok-A": ["a", "c"], "tok-B": ["b", "d"]}.items():
+        out = result.outputs[owner]
+        assert out.rids == rids
+        assert out.text_deltas == [texts[rid] for rid in rids]
+        expected_ids = [token for rid in rids for token in tokenizer.encode(texts[rid]).ids]
+        assert from_wire(out.new_token_ids).tolist() == expected_ids
+        assert from_wire(out.num_new_tokens).tolist() == [len(tokenizer.encode(texts[rid]).ids) for rid in rids]
+        index = [list(owners).index(rid) for rid in rids]
+        assert from_wire(out.prompt_tokens).tolist() == [10 + i for i in index]
+        assert from_wire(out.spec_verify_ct).tolist() == [1 + i for i in index]
+        assert out.detokenizer_id == "detok-1" and out.scheduler_id == "sched-1"
+    assert result.outputs["tok-B"].finish == [LENGTH, None]
+    assert core.num_running == 3
+
+
+def flat_logprobs(n: int, rows: int, k: int) -> RequestLogprobs:
+    rng = np.random.default_rng(1)
+    outputs = output_logprobs(n, k, 1) if n else RequestLogprobs()
+    return RequestLogprobs(
+        output_token_logprobs=outputs.output_token_logprobs,
+        output_top_logprobs=outputs.output_top_logprobs,
+        input_start=0,
+        input_token_logprobs=to_wire(-rng.random(rows + 1, dtype=np.float32)),
+        input_top_logprobs_flat=to_wire(-rng.random((rows, k), dtype=np.float32)),
+        input_top_ids_flat=to_wire(rng.integers(0, 2048, (rows, k), dtype=np.int32)),
+        input_top_null_prefix=1,
+    )
+
+
+def test_logprobs_pass_through_untouched_without_cut(tokenizer):
+    ids = tokenizer.encode("plain text").ids
+    core = make_core(tokenizer, r=DetokenizeParams(stop=("nomatch",)))
+    logprobs = flat_logprobs(len(ids), rows=50, k=4)
+    batch = token_batch([("r", ids, None)], logprobs=[logprobs])
+    out = core.process(batch).outputs["tok-1"]
+    assert out.logprobs[0] is logprobs
+    assert out.new_token_ids is batch.new_token_ids  # one owner, nothing cut: same arrays
+
+
+def test_flat_fields_same_objects_when_output_is_cut(tokenizer):
+    ids = tokenizer.encode("keep this STOPHERE drop this").ids
+    num_kept = first_token_completing(tokenizer, ids, "STOPHERE")
+    core = make_core(tokenizer, r=DetokenizeParams(stop=("STOPHERE",)))
+    logprobs = flat_logprobs(len(ids), rows=50, k=4)
+    cut = core.process(token_batch([("r", ids, None)], logprobs=[logprobs])).outputs["tok-1"].logprobs[0]
+    for name in ("input_token_logprobs", "input_top_logprobs_flat", "input_top_ids_flat"):
+        assert getattr(cut, name) is getattr(logprobs, name)
+    assert cut.input_top_null_prefix == 1 and cut.input_start == 0
+    assert from_wire(cut.output_token_logprobs).shape == (num_kept,)
+    np.testing.assert_array_equal(
+        from_wire(cut.output_top_logprobs), from_wire(logprobs.output_top_logprobs)[:num_kept]
+    )
+
+
+def test_skip_special_tokens(tokenizer):
+    ids = tokenizer.encode("hi<|im_end|>there").ids
+    assert 2 in ids
+    core = make_core(tokenizer, skip=DetokenizeParams(), keep=DetokenizeParams(skip_special_tokens=False))
+    result = core.process(token_batch([("skip", ids, LENGTH), ("keep", ids, LENGTH)])).outputs["tok-1"]
+    assert result.text_deltas == ["hithere", "hi<|im_end|>there"]
+
+
+def test_unknown_rid_is_dropped(tokenizer):
+    core = make_core(tokenizer, known=DetokenizeParams())
+    ids = tokenizer.encode("abc").ids
+    out = core.process(token_batch([("ghost", [5, 6], None), ("known", ids, None)])).outputs["tok-1"]
+    assert out.rids == ["known"]
+    assert from_wire(out.new_token_ids).tolist() == ids
+    assert from_wire(out.prompt_tokens).tolist() == [11]
+
+
+def test_prefill_chunk_with_no_tokens_passes_logprobs(tokenizer):
+    core = make_core(tokenizer, r=DetokenizeParams(stop=("x",)))
+    logprobs = flat_logprobs(0, rows=8, k=2)
+    out = core.process(token_batch([("r", [], None)], logprobs=[logprobs])).outputs["tok-1"]
+    assert out.text_deltas == [""] and out.logprobs[0] is logprobs and out.finish == [None]
+
+
+@pytest.mark.parametrize("seed", range(12))
+@pytest.mark.parametrize("one_by_one", [True, False])
+def test_random_stop_strings_cut_at_the_completing_token(tokenizer, seed, one_by_one):
+    rng = np.random.default_rng(100 + seed)
+    ids = tokenizer.encode(random_text(rng, 80)).ids
+    full = tokenizer.decode(ids)
+    start = int(rng.integers(0, len(full) - 6))
+    stop = full[start : start + int(rng.integers(1, 6))]
+    num_kept = first_token_completing(tokenizer, ids, stop)
+    core = make_core(tokenizer, r=DetokenizeParams(stop=(stop,)))
+    if one_by_one:
+        deltas, finish, kept = stream_one_by_one(core, "r", ids)
+    else:
+        out = core.process(token_batch([("r", ids, None)])).outputs["tok-1"]
+        deltas, finish, kept = out.text_deltas, out.finish[0], from_wire(out.new_token_ids).tolist()
+    assert "".join(deltas) == full[: full.index(stop)]
+    assert finish == Finish(FinishType.STOP, matched=stop)
+    assert kept == ids[:num_kept]
+
+
+def split_char_tokenizer() -> Tokenizer:
+    """A byte-level BPE whose one merge joins "c" with the first byte of "é"/"è"/"ê"."""
+    from tokenizers import decoders, models, pre_tokenizers, trainers
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=257, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False
+    )
+    tokenizer.train_from_iterator(["cé cè cê"] * 100, trainer)
+    return tokenizer
+
+
+@pytest.mark.parametrize("one_by_one", [True, False])
+def test_stop_complete_before_an_incomplete_character_ends_at_that_token(one_by_one):
+    tokenizer = split_char_tokenizer()
+    ids = tokenizer.encode("abcé tail").ids
+    assert tokenizer.decode(ids[:3]) == "abc\ufffd"  # token 3 ends "abc" and starts "é"
+    core = make_core(tokenizer, r=DetokenizeParams(stop=("bc",)))
+    if one_by_one:
+        deltas, finish, kept = stream_one_by_one(core, "r", ids)
+    else:
+        out = core.process(token_batch([("r", ids, None)])).outputs["tok-1"]
+        deltas, finish, kept = out.text_deltas, out.finish[0], from_wire(out.new_token_ids).tolist()
+    assert "".join(deltas) == "a"
+    assert finish == Finish(FinishType.STOP, matched="bc")
+    assert kept == ids[:3]
+
+
+def test_forget_scheduler_drops_only_its_requests(tokenizer):
+    core = make_core(tokenizer, a=DetokenizeParams(), b=DetokenizeParams(), idle=DetokenizeParams())
+    core.process(token_batch([("a", [40], None)], scheduler_id="s-dead"))
+    core.process(token_batch([("b", [41], None)], scheduler_id="s-alive"))
+    assert core.forget_scheduler("s-dead") == ["a"]
+    assert core.num_running == 2
+    assert core.process(token_batch([("a", [42], None)], scheduler_id="s-dead")).outputs == {}
