@@ -1,0 +1,41 @@
+"""The tokenizer service's one config: built by `__main__` from CLI flags, validated here."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class TokenizerConfig:
+    model_dir: Path
+    nats_url: str
+    instance_id: str
+    host: str = "127.0.0.1"
+    port: int = 8000
+    served_model_name: str = ""  # empty: the model directory's name
+    max_model_len: int | None = None  # None: config.json `max_position_embeddings`
+    max_logprobs: int = 20  # upper bound of `logprobs`, `top_logprobs`, `top_logprobs_num`
+    request_timeout_s: float = 5.0  # NATS request/reply (claims, registration)
+    health_timeout_s: float = 1.0  # /health waits this long for a scheduler to answer a ping
+    heartbeat_interval_s: float = 0.5
+    heartbeat_timeout_s: float = 2.0
+    log_level: str = "info"
+
+    def __post_init__(self) -> None:
+        if not (self.model_dir / "tokenizer.json").is_file():
+            raise ValueError(f"{self.model_dir} has no tokenizer.json")
+        if not 0 <= self.port < 65536:
+            raise ValueError(f"port {self.port} out of range")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError("max_model_len must be >= 1")
+        if self.max_logprobs < 0:
+            raise ValueError("max_logprobs must be >= 0")
+        positive = ("request_timeout_s", "health_timeout_s", "heartbeat_interval_s", "heartbeat_timeout_s")
+        for name in positive:
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0")
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_name or self.model_dir.name

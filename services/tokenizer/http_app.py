@@ -1,0 +1,148 @@
+"""The HTTP front end: a Litestar app over one `TokenizerService` (PRODUCT §3).
+
+Why Litestar: it speaks msgspec natively, so request bodies are decoded straight into the
+msgspec Structs of `api_types` and responses are encoded by msgspec, with no pydantic
+conversion layer between the wire and our types. It is a plain ASGI app, so uvicorn serves it
+in-process on the same asyncio loop as the NATS adapter, and it still gives us routing, typed
+validation errors (turned into OpenAI-style 400s here) and an OpenAPI schema for free.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from litestar import Litestar, MediaType, Request, get, post
+from litestar.datastructures import State
+from litestar.di import Provide
+from litestar.exceptions import HTTPException, ValidationException
+from litestar.openapi import OpenAPIConfig
+from litestar.response import Response, Stream
+from litestar.types import Message, Scope
+
+from services.tokenizer import openai_api
+from services.tokenizer.api_types import DetokenizeBody, GenerateBody, TokenizeBody
+from services.tokenizer.frontend import SSE_HEADERS, ClientGone, Frontend, stream_then_abort
+from services.tokenizer.native import GenerationResult, error_body, native_events, native_response
+from services.tokenizer.requests import RequestFailed
+from services.tokenizer.service import ServiceUnavailable
+from services.tokenizer.validation import InvalidRequest, require, validate_generate
+
+MISSING_FIELD = re.compile(r"missing required field `([^`]+)`")
+
+
+@post("/generate", status_code=200, summary="Native generation API (SGLang-compatible)")
+async def generate(data: GenerateBody, frontend: Frontend, request: Request) -> Response[Any] | Stream:
+    specs, is_batch = validate_generate(data, frontend.model, frontend.config.max_logprobs)
+    pendings = await frontend.submit_all(specs)
+    if data.stream:
+        result = GenerationResult(specs[0])
+        events = native_events(pendings[0], frontend.model, result)
+        return Stream(stream_then_abort(frontend, pendings, events), media_type="text/event-stream", headers=SSE_HEADERS)
+    results = await frontend.collect_all(pendings, request)
+    frontend.observe("generate", results)
+    bodies = [native_response(result, frontend.model) for result in results]
+    return Response(bodies if is_batch else bodies[0])
+
+
+@get("/health", summary="200 when a scheduler answers a ping within ~1 s, else 503")
+async def health(frontend: Frontend) -> Response[dict[str, Any]]:
+    info = await frontend.service.ping()
+    if info is None:
+        return Response(error_body("no scheduler answered"), status_code=503)
+    body = {"status": "ok", "scheduler_id": info.scheduler_id, "model": info.model_name, "num_running": info.num_running}
+    return Response(body)
+
+
+@post("/tokenize", status_code=200, summary="Text to token ids (vLLM-compatible)")
+async def tokenize(data: TokenizeBody, frontend: Frontend) -> dict[str, Any]:
+    tokens = frontend.model.encode(data.prompt, add_special_tokens=data.add_special_tokens)
+    return {"tokens": tokens, "count": len(tokens), "max_model_len": frontend.model.max_model_len}
+
+
+@post("/detokenize", status_code=200, summary="Token ids to text (vLLM-compatible)")
+async def detokenize(data: DetokenizeBody, frontend: Frontend) -> dict[str, Any]:
+    bad = frontend.model.out_of_vocab(data.tokens)
+    require(bad is None, f"token id {bad} is outside the vocabulary [0, {frontend.model.vocab_size})", "tokens")
+    return {"prompt": frontend.model.decode(data.tokens, skip_special_tokens=False)}
+
+
+@get("/v1/models", summary="The served model")
+async def models(frontend: Frontend) -> dict[str, Any]:
+    card = {
+        "id": frontend.config.model_name,
+        "object": "model",
+        "created": frontend.created,
+        "owned_by": "sparkwire",
+        "root": str(frontend.config.model_dir),
+        "max_model_len": frontend.model.max_model_len,
+    }
+    return {"object": "list", "data": [card]}
+
+
+@get("/metrics", media_type=MediaType.TEXT, include_in_schema=False)
+async def metrics(frontend: Frontend) -> Response[bytes]:
+    return Response(frontend.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+
+@get("/openapi.json", include_in_schema=False)
+async def openapi_json(request: Request) -> dict[str, Any]:
+    return request.app.openapi_schema.to_schema()
+
+
+def _error(status: int, message: str, kind: str, param: str | None = None) -> Response[dict[str, Any]]:
+    return Response(error_body(message, kind, None if status == 400 else status, param), status_code=status)
+
+
+def _on_invalid(_request: Request, exc: InvalidRequest) -> Response[dict[str, Any]]:
+    return _error(400, f"{exc.param}: {exc.message}" if exc.param else exc.message, "invalid_request_error", exc.param)
+
+
+def _on_validation(_request: Request, exc: ValidationException) -> Response[dict[str, Any]]:
+    """msgspec's decode errors carry the field path (`sampling_params.temperature`)."""
+    extra = exc.extra[0] if isinstance(exc.extra, list) and exc.extra and isinstance(exc.extra[0], dict) else {}
+    message = str(extra.get("message", exc.detail))
+    key = extra.get("key")
+    parent = None if key in (None, "data") else str(key)
+    missing = MISSING_FIELD.search(message)
+    param = ".".join(filter(None, [parent, missing.group(1)])) if missing else parent
+    return _error(400, f"{param}: {message}" if param else str(message), "invalid_request_error", param)
+
+
+def _on_http(_request: Request, exc: HTTPException) -> Response[dict[str, Any]]:
+    kind = "invalid_request_error" if exc.status_code < 500 else "internal_error"
+    return _error(exc.status_code, exc.detail, kind)
+
+
+def _on_unavailable(_request: Request, exc: Exception) -> Response[dict[str, Any]]:
+    return _error(503, str(exc), "service_unavailable")
+
+
+def _on_client_gone(_request: Request, _exc: ClientGone) -> Response[dict[str, Any]]:
+    return _error(499, "client disconnected", "client_closed_request")
+
+
+def _count_responses(frontend: Frontend):  # type: ignore[no-untyped-def]
+    async def before_send(message: Message, scope: Scope) -> None:
+        if message["type"] == "http.response.start":
+            frontend.metrics.requests.labels(scope.get("path", ""), str(message["status"])).inc()
+
+    return before_send
+
+
+def create_app(frontend: Frontend) -> Litestar:
+    return Litestar(
+        route_handlers=[generate, health, tokenize, detokenize, models, metrics, openapi_json, *openai_api.ROUTES],
+        dependencies={"frontend": Provide(lambda: frontend, sync_to_thread=False)},
+        exception_handlers={
+            InvalidRequest: _on_invalid,
+            ValidationException: _on_validation,
+            HTTPException: _on_http,
+            ServiceUnavailable: _on_unavailable,
+            RequestFailed: _on_unavailable,
+            ClientGone: _on_client_gone,
+        },
+        before_send=[_count_responses(frontend)],
+        openapi_config=OpenAPIConfig(title="Sparkwire", version="0.1.0", path="/schema"),
+        state=State({"frontend": frontend}),
+    )

@@ -1,0 +1,184 @@
+"""Logprob arrays from the scheduler -> the JSON fields of the native /generate API.
+
+Pure functions over numpy arrays (no NATS, no HTTP). Conventions of
+`contracts.detokenizer.RequestLogprobs`: NaN is a null value, a row of -1 ids is a null row.
+A triple is `[logprob | None, token_id, text | None]`; text only with `return_text_in_logprobs`.
+Each field is built once from the request's complete arrays (non-stream), or once per SSE event
+from that event's new entries (stream).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import pybase64
+import structlog
+
+from contracts.detokenizer import RequestLogprobs
+from services.common.arrays import from_wire
+from services.common.flat_logprobs import FlatLogprobsError, FlatTopLogprobs, build_flat_top_logprobs
+
+log = structlog.get_logger(__name__)
+
+Triple = list[Any]  # [logprob | None, token_id, text | None]
+TextOf = Callable[[int], str] | None
+
+
+@dataclass(frozen=True)
+class FormatOptions:
+    top_logprobs_num: int = 0
+    token_ids_logprob: tuple[int, ...] | None = None  # None: not requested
+    text_of: TextOf = None  # token id -> text, only with return_text_in_logprobs
+    flat: bool = False
+    flat_b64: bool = False
+
+
+def concat(pieces: list[np.ndarray], dtype: str, width: int | None = None) -> np.ndarray:
+    if pieces:
+        return np.concatenate(pieces)
+    return np.empty((0,) if width is None else (0, width), dtype=dtype)
+
+
+@dataclass
+class LogprobChunks:
+    """One request's logprob entries gathered over one or more steps, kept as numpy pieces."""
+
+    output_token: list[np.ndarray] = field(default_factory=list)  # f32 [n] each
+    output_top_values: list[np.ndarray] = field(default_factory=list)  # f32 [n, k]
+    output_top_ids: list[np.ndarray] = field(default_factory=list)  # i32 [n, k]
+    output_ids_values: list[np.ndarray] = field(default_factory=list)  # f32 [n, m]
+    input_start: int | None = None
+    input_token: list[np.ndarray] = field(default_factory=list)  # f32 [p]
+    input_top_values: list[np.ndarray] = field(default_factory=list)  # f32 [p, k]
+    input_top_ids: list[np.ndarray] = field(default_factory=list)  # i32 [p, k]
+    input_ids_values: list[np.ndarray] = field(default_factory=list)  # f32 [p, m]
+    flat: FlatTopLogprobs | None = None  # as the scheduler sent it (PRODUCT §5)
+
+    def add(self, lp: RequestLogprobs) -> None:
+        pairs = (
+            (lp.output_token_logprobs, self.output_token),
+            (lp.output_top_logprobs, self.output_top_values),
+            (lp.output_top_ids, self.output_top_ids),
+            (lp.output_ids_logprobs, self.output_ids_values),
+            (lp.input_token_logprobs, self.input_token),
+            (lp.input_top_logprobs, self.input_top_values),
+            (lp.input_top_ids, self.input_top_ids),
+            (lp.input_ids_logprobs, self.input_ids_values),
+        )
+        for wire, pieces in pairs:
+            if wire is not None:
+                pieces.append(from_wire(wire))
+        if lp.input_start is not None and self.input_start is None:
+            self.input_start = lp.input_start
+        if lp.input_top_logprobs_flat is not None and lp.input_top_ids_flat is not None:
+            values, ids = from_wire(lp.input_top_logprobs_flat), from_wire(lp.input_top_ids_flat)
+            self.flat = FlatTopLogprobs(values, ids, lp.input_top_null_prefix or 0)
+
+    @property
+    def num_input(self) -> int:
+        return sum(len(piece) for piece in self.input_token)
+
+
+def _value(v: float) -> float | None:
+    return None if v != v else v  # NaN -> null
+
+
+def token_triples(values: np.ndarray, ids: Sequence[int], text_of: TextOf) -> list[Triple]:
+    """values f32 [n], ids [n] -> n triples."""
+    return [[_value(v), i, text_of(i) if text_of else None] for v, i in zip(values.tolist(), ids, strict=False)]
+
+
+def top_rows(values: np.ndarray, ids: np.ndarray, text_of: TextOf) -> list[list[Triple] | None]:
+    """values f32 [n, k], ids i32 [n, k] -> per position null (a -1 row) or k triples."""
+    rows: list[list[Triple] | None] = []
+    for vrow, irow in zip(values.tolist(), ids.tolist(), strict=True):
+        if all(i < 0 for i in irow):
+            rows.append(None)
+            continue
+        rows.append([[_value(v), i, text_of(i) if text_of else None] for v, i in zip(vrow, irow, strict=True) if i >= 0])
+    return rows
+
+
+def ids_rows(values: np.ndarray, token_ids: tuple[int, ...], text_of: TextOf) -> list[list[Triple] | None]:
+    """values f32 [n, m] for the requested ids -> per position null (an all-NaN row) or m triples."""
+    rows: list[list[Triple] | None] = []
+    for vrow in values.tolist():
+        if vrow and all(v != v for v in vrow):
+            rows.append(None)
+            continue
+        rows.append([[_value(v), i, text_of(i) if text_of else None] for v, i in zip(vrow, token_ids, strict=True)])
+    return rows
+
+
+def flat_fields(flat: FlatTopLogprobs, b64: bool) -> dict[str, Any]:
+    """PRODUCT §5 fields that replace `input_top_logprobs`; b64 bytes are little-endian."""
+    values = np.ascontiguousarray(flat.values, dtype="<f4")  # [rows, k]
+    ids = np.ascontiguousarray(flat.ids, dtype="<i4")  # [rows, k]
+    fields: dict[str, Any] = {
+        "input_top_logprobs_shape": list(values.shape),
+        "input_top_logprobs_null_prefix": flat.null_prefix,
+    }
+    if b64:
+        fields["input_top_logprobs_val_flat_b64"] = pybase64.b64encode(values.tobytes()).decode("ascii")
+        fields["input_top_logprobs_idx_flat_b64"] = pybase64.b64encode(ids.tobytes()).decode("ascii")
+        fields["input_top_logprobs_val_flat_b64_dtype"] = "float32"
+        fields["input_top_logprobs_idx_flat_b64_dtype"] = "int32"
+    else:
+        fields["input_top_logprobs_val_flat"] = values.ravel().tolist()
+        fields["input_top_logprobs_idx_flat"] = ids.ravel().tolist()
+    return fields
+
+
+def _input_top(chunks: LogprobChunks, opts: FormatOptions) -> dict[str, Any]:
+    """Nested rows, or the flat fields: the scheduler's arrays win over anything rebuilt here,
+    whenever they arrive; nested rows are converted only when no arrays came."""
+    k = opts.top_logprobs_num
+    values = concat(chunks.input_top_values, "<f4", k)  # [p, k]
+    ids = concat(chunks.input_top_ids, "<i4", k)  # [p, k]
+    if not opts.flat:
+        return {"input_top_logprobs": top_rows(values, ids, opts.text_of)}
+    if chunks.flat is not None:
+        return flat_fields(chunks.flat, opts.flat_b64)
+    try:
+        return flat_fields(build_flat_top_logprobs(values, ids, k), opts.flat_b64)
+    except FlatLogprobsError as exc:
+        log.warning("logprobs.flat_fallback_to_nested", error=str(exc))
+        return {"input_top_logprobs": top_rows(values, ids, opts.text_of)}
+
+
+def _input_fields(chunks: LogprobChunks, prompt_ids: Sequence[int], opts: FormatOptions) -> dict[str, Any]:
+    start = chunks.input_start or 0
+    token_values = concat(chunks.input_token, "<f4")  # [p]
+    ids = list(prompt_ids[start : start + len(token_values)])
+    fields: dict[str, Any] = {"input_token_logprobs": token_triples(token_values, ids, opts.text_of)}
+    if opts.top_logprobs_num > 0:
+        fields.update(_input_top(chunks, opts))
+    if opts.token_ids_logprob is not None:
+        m = len(opts.token_ids_logprob)
+        values = concat(chunks.input_ids_values, "<f4", m)  # [p, m]
+        fields["input_token_ids_logprobs"] = ids_rows(values, opts.token_ids_logprob, opts.text_of)
+    return fields
+
+
+def _output_fields(chunks: LogprobChunks, output_ids: Sequence[int], opts: FormatOptions) -> dict[str, Any]:
+    token_values = concat(chunks.output_token, "<f4")  # [n]
+    fields: dict[str, Any] = {"output_token_logprobs": token_triples(token_values, output_ids, opts.text_of)}
+    if opts.top_logprobs_num > 0:
+        k = opts.top_logprobs_num
+        values, ids = concat(chunks.output_top_values, "<f4", k), concat(chunks.output_top_ids, "<i4", k)
+        fields["output_top_logprobs"] = top_rows(values, ids, opts.text_of)
+    if opts.token_ids_logprob is not None:
+        values = concat(chunks.output_ids_values, "<f4", len(opts.token_ids_logprob))  # [n, m]
+        fields["output_token_ids_logprobs"] = ids_rows(values, opts.token_ids_logprob, opts.text_of)
+    return fields
+
+
+def meta_logprobs(
+    chunks: LogprobChunks, prompt_ids: Sequence[int], output_ids: Sequence[int], opts: FormatOptions
+) -> dict[str, Any]:
+    """The `meta_info` logprob fields for the entries in `chunks`; `output_ids` are the output
+    tokens those entries cover (all of them, or one SSE event's new ones)."""
+    return {**_input_fields(chunks, prompt_ids, opts), **_output_fields(chunks, output_ids, opts)}

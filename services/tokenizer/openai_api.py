@@ -1,0 +1,314 @@
+"""OpenAI-compatible endpoints: /v1/completions and /v1/chat/completions.
+
+Each prompt x `n` becomes one `GenerationSpec` (one scheduler request); the choices are
+assembled from their results with `openai_format`.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+from litestar import Request, post
+from litestar.response import Response, Stream
+
+from contracts.detokenizer import Finish
+from contracts.scheduler import SamplingParams
+from services.tokenizer.api_types import ChatBody, CompletionBody, SamplingParamsBody
+from services.tokenizer.frontend import SSE_HEADERS, Frontend, merged_deltas, stream_then_abort
+from services.tokenizer.logprobs_format import LogprobChunks
+from services.tokenizer.native import FINISH_NAMES, SSE_DONE, GenerationResult, error_body, sse
+from services.tokenizer.openai_format import (
+    Positions,
+    chat_content,
+    completion_logprobs,
+    output_positions,
+    prompt_positions,
+    visible_bytes,
+)
+from services.tokenizer.requests import Delta, RequestFailed
+from services.tokenizer.text_model import TextModel
+from services.tokenizer.validation import (
+    GenerationSpec,
+    InvalidRequest,
+    LogprobRequest,
+    check_logprobs,
+    check_prompt,
+    check_sampling,
+    require,
+)
+
+MAX_N = 64
+SAMPLING_NAMES = {name: name for name in SamplingParamsBody.__struct_fields__} | {"max_new_tokens": "max_tokens"}
+COMPLETION_LOGPROB_NAMES = {"logprob_start_len": "echo", "top_logprobs_num": "logprobs", "token_ids_logprob": "logprobs"}
+CHAT_LOGPROB_NAMES = {"logprob_start_len": "messages", "top_logprobs_num": "top_logprobs", "token_ids_logprob": "top_logprobs"}
+
+
+@dataclass(frozen=True)
+class Choice:
+    spec: GenerationSpec
+    prompt_text: str  # what `echo` returns
+
+
+@dataclass(frozen=True)
+class Plan:
+    """One OpenAI call: its id, choices (prompt-major, then n) and output options."""
+
+    id: str
+    created: int
+    model: str
+    choices: list[Choice]
+    echo: bool
+    top_k: int | None  # None: no logprobs
+    skip_special_tokens: bool
+
+
+def finish_name(finish: Finish | None) -> str | None:
+    return None if finish is None else FINISH_NAMES[finish.type]
+
+
+def completion_prompts(prompt: str | list[Any], model: TextModel) -> list[tuple[tuple[int, ...], str]]:
+    """(token ids, echo text) per prompt, for str, [str], [int] and [[int]] prompts."""
+    if isinstance(prompt, str):
+        return [(check_prompt(model.encode(prompt), model, "prompt"), prompt)]
+    require(len(prompt) > 0, "the prompt is empty", "prompt")
+    kinds = {type(item) for item in prompt}
+    require(len(kinds) == 1, "mixes strings, token ids and lists of token ids", "prompt")
+    if kinds == {str}:
+        return [(check_prompt(model.encode(p), model, "prompt"), p) for p in prompt]
+    rows = [prompt] if kinds == {int} else prompt
+    return [(check_prompt(row, model, "prompt"), model.decode(row, skip_special_tokens=False)) for row in rows]
+
+
+def _sampling_body(body: CompletionBody | ChatBody, max_tokens: int) -> SamplingParamsBody:
+    return SamplingParamsBody(
+        max_new_tokens=max_tokens,
+        temperature=1.0 if body.temperature is None else body.temperature,
+        top_p=1.0 if body.top_p is None else body.top_p,
+        top_k=-1 if body.top_k is None else body.top_k,
+        min_p=0.0 if body.min_p is None else body.min_p,
+        stop=body.stop,
+        stop_token_ids=body.stop_token_ids,
+        ignore_eos=body.ignore_eos,
+        skip_special_tokens=body.skip_special_tokens,
+        seed=body.seed,
+    )
+
+
+def _choices(
+    prompts: list[tuple[tuple[int, ...], str]],
+    body: CompletionBody | ChatBody,
+    model: TextModel,
+    request: LogprobRequest,
+    names: dict[str, str],
+    max_logprobs: int,
+    max_tokens: int,
+    call_id: str,
+) -> list[Choice]:
+    require(1 <= body.n <= MAX_N, f"must be in [1, {MAX_N}]", "n")
+    sampling_body = _sampling_body(body, max_tokens)
+    sampling, detokenize = check_sampling(sampling_body, model, SAMPLING_NAMES)
+    choices = []
+    for ids, text in prompts:
+        logprobs = check_logprobs(request, len(ids), model, max_logprobs, names)
+        for j in range(body.n):
+            seeded = sampling if body.seed is None else _with_seed(sampling, body.seed + j)
+            spec = GenerationSpec(f"{call_id}-{len(choices)}", ids, seeded, logprobs, detokenize, body.stream)
+            choices.append(Choice(spec, text))
+    return choices
+
+
+def _with_seed(sampling: SamplingParams, seed: int) -> SamplingParams:
+    return msgspec.structs.replace(sampling, seed=seed)
+
+
+def completion_plan(body: CompletionBody, frontend: Frontend) -> Plan:
+    model, limit = frontend.model, frontend.config.max_logprobs
+    require(body.logprobs is None or 0 <= body.logprobs <= limit, f"must be in [0, {limit}]", "logprobs")
+    wants = body.logprobs is not None
+    request = LogprobRequest(
+        return_logprob=wants, logprob_start_len=0 if wants and body.echo else -1, top_logprobs_num=body.logprobs or 0
+    )
+    call_id = f"cmpl-{uuid.uuid4().hex}"
+    max_tokens = 16 if body.max_tokens is None else body.max_tokens
+    prompts = completion_prompts(body.prompt, model)
+    choices = _choices(prompts, body, model, request, COMPLETION_LOGPROB_NAMES, limit, max_tokens, call_id)
+    name = frontend.config.model_name
+    return Plan(call_id, int(time.time()), name, choices, body.echo, body.logprobs, body.skip_special_tokens)
+
+
+def _chat_messages(body: ChatBody) -> list[dict[str, Any]]:
+    require(len(body.messages) > 0, "needs at least one message", "messages")
+    messages = []
+    for message in body.messages:
+        content = message.content
+        if isinstance(content, list):
+            content = "".join(part.text or "" for part in content if part.type == "text")
+        messages.append({"role": message.role, "content": content or ""})
+    return messages
+
+
+def chat_plan(body: ChatBody, frontend: Frontend) -> Plan:
+    model, limit = frontend.model, frontend.config.max_logprobs
+    top = body.top_logprobs or 0
+    require(0 <= top <= min(limit, 20), f"must be in [0, {min(limit, 20)}]", "top_logprobs")
+    require(body.logprobs or top == 0, "top_logprobs needs logprobs=true", "top_logprobs")
+    try:
+        text = model.render_chat(_chat_messages(body))
+    except ValueError as exc:
+        raise InvalidRequest(str(exc), "messages") from None
+    ids = check_prompt(model.encode(text, add_special_tokens=False), model, "messages")
+    max_tokens = body.max_completion_tokens or body.max_tokens
+    max_tokens = model.max_model_len - len(ids) if max_tokens is None else max_tokens
+    request = LogprobRequest(return_logprob=body.logprobs, top_logprobs_num=top)
+    call_id = f"chatcmpl-{uuid.uuid4().hex}"
+    choices = _choices([(ids, text)], body, model, request, CHAT_LOGPROB_NAMES, limit, max_tokens, call_id)
+    top_k = top if body.logprobs else None
+    name = frontend.config.model_name
+    return Plan(call_id, int(time.time()), name, choices, False, top_k, body.skip_special_tokens)
+
+
+def _usage(plan: Plan, results: list[GenerationResult]) -> dict[str, int]:
+    prompt = sum(len(spec.prompt_ids) for spec in {c.spec.prompt_ids: c.spec for c in plan.choices}.values())
+    completion = sum(len(r.output_ids) for r in results)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def _completion_logprobs(
+    plan: Plan, choice: Choice, chunks: LogprobChunks, output_ids: list[int], model: TextModel, echo: bool, offset: int
+) -> dict[str, Any] | None:
+    if plan.top_k is None:
+        return None
+    positions = output_positions(chunks, output_ids, plan.top_k)
+    visible = visible_bytes(output_ids, model, plan.skip_special_tokens)
+    if echo:
+        prompt = prompt_positions(chunks, choice.spec.prompt_ids, plan.top_k)
+        positions, visible = prompt + positions, [model.token_bytes[i] for i in prompt.ids] + visible
+    return completion_logprobs(positions, model, visible, offset)
+
+
+def completion_response(plan: Plan, results: list[GenerationResult], model: TextModel) -> dict[str, Any]:
+    choices = []
+    for index, (choice, result) in enumerate(zip(plan.choices, results, strict=True)):
+        prefix = choice.prompt_text if plan.echo else ""
+        logprobs = _completion_logprobs(plan, choice, result.chunks, result.output_ids, model, plan.echo, 0)
+        text = prefix + result.text
+        choices.append({"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_name(result.finish)})
+    return _body(plan, "text_completion", choices, _usage(plan, results))
+
+
+def _body(plan: Plan, kind: str, choices: list[dict[str, Any]], usage: dict[str, int] | None) -> dict[str, Any]:
+    body: dict[str, Any] = {"id": plan.id, "object": kind, "created": plan.created, "model": plan.model, "choices": choices}
+    if usage is not None:
+        body["usage"] = usage
+    return body
+
+
+def _chat_logprobs(plan: Plan, chunks: LogprobChunks, output_ids: list[int], model: TextModel) -> dict[str, Any] | None:
+    if plan.top_k is None:
+        return None
+    positions: Positions = output_positions(chunks, output_ids, plan.top_k)
+    return {"content": chat_content(positions, model)}
+
+
+def chat_response(plan: Plan, results: list[GenerationResult], model: TextModel) -> dict[str, Any]:
+    choices = [
+        {
+            "index": index,
+            "message": {"role": "assistant", "content": result.text},
+            "logprobs": _chat_logprobs(plan, result.chunks, result.output_ids, model),
+            "finish_reason": finish_name(result.finish),
+        }
+        for index, result in enumerate(results)
+    ]
+    return _body(plan, "chat.completion", choices, _usage(plan, results))
+
+
+def _delta_chunks(delta: Delta) -> LogprobChunks:
+    chunks = LogprobChunks()
+    if delta.logprobs is not None:
+        chunks.add(delta.logprobs)
+    return chunks
+
+
+class _StreamState:
+    """Per-choice progress of one streamed call: results so far and characters sent."""
+
+    def __init__(self, plan: Plan) -> None:
+        self.results = [GenerationResult(c.spec) for c in plan.choices]
+        self.offsets = [0] * len(plan.choices)  # characters of text already sent per choice
+        self.echoed = [False] * len(plan.choices)
+
+
+def _chunk(plan: Plan, kind: str, choices: list[dict[str, Any]], usage: dict[str, int] | None = None) -> bytes:
+    return sse(_body(plan, kind, choices, usage))
+
+
+def _completion_chunk(plan: Plan, state: _StreamState, index: int, delta: Delta, model: TextModel) -> bytes:
+    choice, result = plan.choices[index], state.results[index]
+    result.add(delta)
+    echo = plan.echo and not state.echoed[index]
+    state.echoed[index] = True
+    text = (choice.prompt_text if echo else "") + delta.text
+    logprobs = _completion_logprobs(plan, choice, _delta_chunks(delta), delta.token_ids, model, echo, state.offsets[index])
+    state.offsets[index] += len(text)
+    entry = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_name(delta.finish)}
+    return _chunk(plan, "text_completion", [entry])
+
+
+def _chat_chunk(plan: Plan, state: _StreamState, index: int, delta: Delta, model: TextModel) -> bytes:
+    state.results[index].add(delta)
+    logprobs = _chat_logprobs(plan, _delta_chunks(delta), delta.token_ids, model)
+    entry = {"index": index, "delta": {"content": delta.text}, "logprobs": logprobs, "finish_reason": finish_name(delta.finish)}
+    return _chunk(plan, "chat.completion.chunk", [entry])
+
+
+async def _events(plan: Plan, frontend: Frontend, pendings: list, chat: bool, include_usage: bool) -> AsyncIterator[bytes]:
+    state = _StreamState(plan)
+    if chat:
+        for index in range(len(plan.choices)):
+            role = {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+            yield _chunk(plan, "chat.completion.chunk", [role])
+    make = _chat_chunk if chat else _completion_chunk
+    try:
+        async for index, delta in merged_deltas(pendings):
+            yield make(plan, state, index, delta, frontend.model)
+    except RequestFailed as exc:
+        yield sse(error_body(str(exc)))
+        yield SSE_DONE
+        return
+    frontend.observe("chat" if chat else "completions", state.results)
+    if include_usage:
+        yield _chunk(plan, "chat.completion.chunk" if chat else "text_completion", [], _usage(plan, state.results))
+    yield SSE_DONE
+
+
+async def _serve(
+    plan: Plan, frontend: Frontend, request: Request, body: CompletionBody | ChatBody, chat: bool
+) -> Response[Any] | Stream:
+    pendings = await frontend.submit_all([c.spec for c in plan.choices])
+    if body.stream:
+        include_usage = body.stream_options is not None and body.stream_options.include_usage
+        events = _events(plan, frontend, pendings, chat, include_usage)
+        return Stream(stream_then_abort(frontend, pendings, events), media_type="text/event-stream", headers=SSE_HEADERS)
+    results = await frontend.collect_all(pendings, request)
+    frontend.observe("chat" if chat else "completions", results)
+    build = chat_response if chat else completion_response
+    return Response(build(plan, results, frontend.model))
+
+
+@post("/v1/completions", status_code=200, summary="OpenAI completions")
+async def completions(data: CompletionBody, frontend: Frontend, request: Request) -> Response[Any] | Stream:
+    return await _serve(completion_plan(data, frontend), frontend, request, data, chat=False)
+
+
+@post("/v1/chat/completions", status_code=200, summary="OpenAI chat completions")
+async def chat_completions(data: ChatBody, frontend: Frontend, request: Request) -> Response[Any] | Stream:
+    return await _serve(chat_plan(data, frontend), frontend, request, data, chat=True)
+
+
+ROUTES = [completions, chat_completions]

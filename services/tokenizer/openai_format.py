@@ -1,0 +1,111 @@
+"""Logprob arrays -> the OpenAI `logprobs` objects (completions and chat). Pure functions.
+
+Completions: `{tokens, token_logprobs, top_logprobs: [{token: logprob}], text_offset}` where
+`text_offset[i]` is the character offset, in the returned text (echoed prompt included), of the
+character that holds token i's first byte. Chat: `content` items `{token, bytes, logprob,
+top_logprobs: [{token, bytes, logprob}]}`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from services.tokenizer.logprobs_format import LogprobChunks, concat
+from services.tokenizer.text_model import TextModel
+
+CHAT_NULL_LOGPROB = -9999.0  # OpenAI's chat schema has no null logprob; it uses this floor
+
+
+@dataclass(frozen=True)
+class Positions:
+    """Token positions with their logprobs: None value = nothing predicts it; None top = null row."""
+
+    ids: list[int]  # [n]
+    values: list[float | None]  # [n]
+    top: list[list[tuple[int, float]] | None]  # [n] rows of (token id, logprob)
+
+    def __add__(self, other: Positions) -> Positions:
+        return Positions(self.ids + other.ids, self.values + other.values, self.top + other.top)
+
+
+def _positions(values: np.ndarray, ids: Sequence[int], top_v: np.ndarray, top_i: np.ndarray) -> Positions:
+    """values f32 [n], top_v f32 [n, k], top_i i32 [n, k] (k may be 0)."""
+    n = min(len(values), len(ids))
+    vals = [None if v != v else v for v in values[:n].tolist()]
+    top: list[list[tuple[int, float]] | None] = []
+    for row_v, row_i in zip(top_v[:n].tolist(), top_i[:n].tolist(), strict=True):
+        null = bool(row_i) and all(i < 0 for i in row_i)
+        top.append(None if null else [(i, v) for v, i in zip(row_v, row_i, strict=True) if i >= 0])
+    top += [[] for _ in range(n - len(top))]
+    return Positions(list(ids[:n]), vals, top)
+
+
+def prompt_positions(chunks: LogprobChunks, prompt_ids: Sequence[int], k: int) -> Positions:
+    start = chunks.input_start or 0
+    values = concat(chunks.input_token, "<f4")  # [p]
+    ids = list(prompt_ids[start : start + len(values)])
+    return _positions(values, ids, concat(chunks.input_top_values, "<f4", k), concat(chunks.input_top_ids, "<i4", k))
+
+
+def output_positions(chunks: LogprobChunks, output_ids: Sequence[int], k: int) -> Positions:
+    values = concat(chunks.output_token, "<f4")  # [n]
+    top_v, top_i = concat(chunks.output_top_values, "<f4", k), concat(chunks.output_top_ids, "<i4", k)
+    return _positions(values, output_ids, top_v, top_i)
+
+
+def text_offsets(pieces: Sequence[bytes], start: int = 0) -> list[int]:
+    """Character offset of each piece's first byte in the UTF-8 text the pieces join into,
+    plus `start`. A piece starting inside a multi-byte character gets that character's offset."""
+    data = np.frombuffer(b"".join(pieces), dtype=np.uint8)  # [num_bytes]
+    chars_through = np.cumsum((data & 0xC0) != 0x80)  # [num_bytes] characters begun at or before byte b
+    total = int(chars_through[-1]) if len(data) else 0
+    byte_starts = np.cumsum([0, *(len(p) for p in pieces[:-1])]) if pieces else []
+    return [start + (max(int(chars_through[s]) - 1, 0) if s < len(data) else total) for s in byte_starts]
+
+
+def token_label(model: TextModel, token_id: int) -> str:
+    """A token as OpenAI shows it: its text, or `bytes:\\xNN...` when not valid UTF-8 on its own."""
+    raw = model.token_bytes[token_id]
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
+
+
+def completion_logprobs(
+    positions: Positions, model: TextModel, visible: Sequence[bytes], start_offset: int = 0
+) -> dict[str, Any]:
+    """`visible[i]`: the bytes token i contributes to the returned text (b"" when skipped)."""
+    def text(token_id: int) -> str:
+        return token_label(model, token_id)
+
+    return {
+        "tokens": [text(i) for i in positions.ids],
+        "token_logprobs": positions.values,
+        "top_logprobs": [None if row is None else {text(i): v for i, v in row} for row in positions.top],
+        "text_offset": text_offsets(visible, start_offset),
+    }
+
+
+def visible_bytes(ids: Sequence[int], model: TextModel, skip_special_tokens: bool) -> list[bytes]:
+    skipped = model.special_ids if skip_special_tokens else frozenset()
+    return [b"" if i in skipped else model.token_bytes[i] for i in ids]
+
+
+def _chat_entry(model: TextModel, token_id: int, logprob: float | None) -> dict[str, Any]:
+    raw = model.token_bytes[token_id]
+    value = CHAT_NULL_LOGPROB if logprob is None else logprob
+    return {"token": token_label(model, token_id), "bytes": list(raw), "logprob": value}
+
+
+def chat_content(positions: Positions, model: TextModel) -> list[dict[str, Any]]:
+    items = []
+    for token_id, value, row in zip(positions.ids, positions.values, positions.top, strict=True):
+        item = _chat_entry(model, token_id, value)
+        item["top_logprobs"] = [_chat_entry(model, i, v) for i, v in row or []]
+        items.append(item)
+    return items

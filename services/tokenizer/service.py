@@ -1,0 +1,157 @@
+"""NATS side of the tokenizer: claim a detokenizer and a scheduler, submit, receive text batches.
+
+Steps 2-4 and 9-10 of docs/architecture.md. Death of a scheduler or detokenizer is learned from
+heartbeats (dead sentinel, or silence longer than `heartbeat_timeout_s`), never from a
+per-request timeout, so a request owned by a dead instance fails within about one timeout.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+
+import nats.errors
+import numpy as np
+import structlog
+from nats.aio.msg import Msg
+
+from contracts import subjects
+from contracts.detokenizer import DetokenizerRegistration, DetokenizerRegistrationReply
+from contracts.scheduler import AbortRequest, GenerateRequest, SchedulerClaim, SchedulerClaimReply, SchedulerInfo, SchedulerPing
+from contracts.tokenizer import TextBatch
+from services.common.arrays import to_wire
+from services.common.heartbeat import HeartbeatMonitor, HeartbeatPublisher
+from services.common.transport import Transport
+from services.tokenizer.config import TokenizerConfig
+from services.tokenizer.requests import PendingRequest, PendingRequests
+from services.tokenizer.validation import GenerationSpec, InvalidRequest
+
+log = structlog.get_logger(__name__)
+
+
+class ServiceUnavailable(Exception):
+    """No scheduler or detokenizer can take the request now (HTTP 503)."""
+
+
+class TokenizerService:
+    def __init__(self, config: TokenizerConfig, transport: Transport) -> None:
+        self.config = config
+        self.pending = PendingRequests()
+        self._transport = transport
+        self._heartbeat = HeartbeatPublisher(
+            transport, "tokenizer", config.instance_id, config.heartbeat_interval_s, lambda: len(self.pending)
+        )
+        timeout = config.heartbeat_timeout_s
+        self._schedulers = HeartbeatMonitor(transport, "scheduler", timeout, self._on_dead)
+        self._detokenizers = HeartbeatMonitor(transport, "detokenizer", timeout, self._on_dead)
+        self._watchdog: asyncio.Task[None] | None = None
+        self._background: set[asyncio.Task[None]] = set()
+
+    @classmethod
+    async def start(cls, config: TokenizerConfig) -> TokenizerService:
+        transport = await Transport.connect(config.nats_url, f"tokenizer-{config.instance_id}")
+        service = cls(config, transport)
+        await transport.subscribe(subjects.tokenizer_outputs(config.instance_id), TextBatch, service._on_outputs)
+        await service._schedulers.start()
+        await service._detokenizers.start()
+        service._heartbeat.start()
+        service._watchdog = asyncio.create_task(service._watch_unseen())
+        return service
+
+    async def close(self, reason: str = "tokenizer stopped") -> None:
+        self.pending.fail(lambda _p: True, reason)
+        if self._watchdog is not None:
+            self._watchdog.cancel()
+        await self._schedulers.stop()
+        await self._detokenizers.stop()
+        await self._heartbeat.stop(reason)
+        await asyncio.gather(*self._background, return_exceptions=True)
+        await self._transport.close()
+
+    async def submit(self, spec: GenerationSpec) -> PendingRequest:
+        """Register with a detokenizer, claim a scheduler, publish the request. The returned
+        request receives its deltas; raises `ServiceUnavailable` or `InvalidRequest`."""
+        pending = self.pending.add(spec)
+        try:
+            pending.detokenizer_id = await self._register(spec)
+            pending.scheduler_id = await self._claim(spec)
+            await self._transport.publish(subjects.scheduler_generate(pending.scheduler_id), self._request(pending))
+        except BaseException:
+            self.pending.remove(spec.rid)
+            if pending.detokenizer_id:
+                self._spawn(self._publish_abort(spec.rid))
+            raise
+        return pending
+
+    async def abort(self, rid: str) -> None:
+        """The client went away: stop generating (the scheduler frees the slot)."""
+        if self.pending.remove(rid) is not None:
+            await self._publish_abort(rid)
+
+    async def ping(self) -> SchedulerInfo | None:
+        with contextlib.suppress(nats.errors.Error, asyncio.TimeoutError):
+            return await self._transport.request(
+                subjects.SCHEDULER_PING, SchedulerPing(time.time()), SchedulerInfo, self.config.health_timeout_s
+            )
+        return None
+
+    async def _register(self, spec: GenerationSpec) -> str:
+        registration = DetokenizerRegistration(spec.rid, self.config.instance_id, spec.detokenize)
+        reply = await self._ask(subjects.DETOKENIZER_REGISTER, registration, DetokenizerRegistrationReply, "detokenizer")
+        return reply.detokenizer_id
+
+    async def _claim(self, spec: GenerationSpec) -> str:
+        claim = SchedulerClaim(spec.rid, len(spec.prompt_ids))
+        reply = await self._ask(subjects.SCHEDULER_CLAIM, claim, SchedulerClaimReply, "scheduler")
+        if not reply.accepted:
+            raise InvalidRequest(reply.error or "the scheduler refused the request")
+        return reply.scheduler_id
+
+    async def _ask(self, subject: str, message: object, reply_type: type, who: str):  # type: ignore[no-untyped-def]
+        timeout = self.config.request_timeout_s
+        try:
+            return await self._transport.request(subject, message, reply_type, timeout)  # type: ignore[arg-type]
+        except nats.errors.NoRespondersError:
+            raise ServiceUnavailable(f"no {who} is running; try again once one is up") from None
+        except (nats.errors.TimeoutError, asyncio.TimeoutError):
+            raise ServiceUnavailable(f"no {who} answered within {timeout}s") from None
+
+    def _request(self, pending: PendingRequest) -> GenerateRequest:
+        spec = pending.spec
+        ids = to_wire(np.asarray(spec.prompt_ids, dtype=np.int32))  # [num_prompt_tokens]
+        return GenerateRequest(spec.rid, ids, pending.detokenizer_id, spec.sampling, spec.logprobs, spec.stream)
+
+    async def _on_outputs(self, batch: TextBatch, _msg: Msg) -> None:
+        self.pending.dispatch(batch)
+
+    def _on_dead(self, instance_id: str, reason: str) -> None:
+        for rid in self.pending.fail_owned_by(instance_id, f"request failed: {reason}"):
+            self._spawn(self._publish_abort(rid))
+
+    async def _watch_unseen(self) -> None:
+        """Requests owned by an instance never heard from (or already declared dead) also fail."""
+        timeout = self.config.heartbeat_timeout_s
+        while True:
+            await asyncio.sleep(timeout / 4)
+            cutoff = time.monotonic() - timeout
+            failed = self.pending.fail(
+                lambda p: p.created_at < cutoff and self._silent_owner(p),
+                "request failed: its scheduler or detokenizer sends no heartbeat",
+            )
+            for rid in failed:
+                self._spawn(self._publish_abort(rid))
+
+    def _silent_owner(self, pending: PendingRequest) -> bool:
+        scheduler_gone = bool(pending.scheduler_id) and not self._schedulers.is_alive(pending.scheduler_id)
+        detokenizer_gone = bool(pending.detokenizer_id) and not self._detokenizers.is_alive(pending.detokenizer_id)
+        return scheduler_gone or detokenizer_gone
+
+    async def _publish_abort(self, rid: str) -> None:
+        with contextlib.suppress(Exception):
+            await self._transport.publish(subjects.SCHEDULER_ABORT, AbortRequest(rid, "abort"))
+
+    def _spawn(self, coro) -> None:  # type: ignore[no-untyped-def]
+        task = asyncio.create_task(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)

@@ -1,0 +1,91 @@
+"""The model's text side: `tokenizer.json`, the chat template and the limits from `config.json`.
+
+Everything here is plain and synchronous, so it is tested without NATS or HTTP.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import jinja2.sandbox
+from tokenizers import Tokenizer
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte-level alphabet: every byte maps to one printable character."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars = list(printable)
+    extra = 0
+    for byte in range(256):
+        if byte not in printable:
+            printable.append(byte)
+            chars.append(256 + extra)
+            extra += 1
+    return dict(zip(printable, (chr(c) for c in chars), strict=True))
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+@dataclass(frozen=True)
+class TextModel:
+    tokenizer: Tokenizer
+    token_bytes: tuple[bytes, ...]  # [vocab] each id's raw UTF-8 bytes (special tokens: their content)
+    special_ids: frozenset[int]
+    vocab_size: int  # ids >= this are rejected
+    max_model_len: int
+    chat_template: str | None
+
+    @classmethod
+    def from_dir(cls, model_dir: Path, max_model_len: int | None = None) -> TextModel:
+        tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+        config = _read_json(model_dir / "config.json")
+        tokenizer_config = _read_json(model_dir / "tokenizer_config.json")
+        vocab_size = int(config.get("vocab_size") or tokenizer.get_vocab_size(with_added_tokens=True))
+        limit = max_model_len or int(config.get("max_position_embeddings") or tokenizer_config.get("model_max_length") or 4096)
+        special = frozenset(i for i, t in tokenizer.get_added_tokens_decoder().items() if t.special)
+        template = tokenizer_config.get("chat_template")
+        return cls(tokenizer, _token_bytes_table(tokenizer, vocab_size), special, vocab_size, limit, template)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def token_text(self, token_id: int) -> str:
+        """One token shown on its own (partial UTF-8 shows as U+FFFD, as `decode([id])` does)."""
+        return self.token_bytes[token_id].decode("utf-8", errors="replace")
+
+    def out_of_vocab(self, ids: list[int]) -> int | None:
+        """The first id outside [0, vocab_size), or None."""
+        return next((i for i in ids if not 0 <= i < self.vocab_size), None)
+
+    def render_chat(self, messages: list[dict[str, Any]]) -> str:
+        if not self.chat_template:
+            raise ValueError("this model has no chat_template")
+        env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        return env.from_string(self.chat_template).render(messages=messages, add_generation_prompt=True)
+
+
+def _token_bytes_table(tokenizer: Tokenizer, vocab_size: int) -> tuple[bytes, ...]:
+    """Built once at start-up; ids past the tokenizer's vocabulary (model padding) are empty."""
+    added = {i: t.content.encode() for i, t in tokenizer.get_added_tokens_decoder().items()}
+    byte_level = json.loads(tokenizer.to_str()).get("decoder", {}) or {}
+    inverse = {c: b for b, c in _bytes_to_unicode().items()} if byte_level.get("type") == "ByteLevel" else None
+    table = []
+    for token_id in range(vocab_size):
+        piece = tokenizer.id_to_token(token_id)
+        if token_id in added:
+            table.append(added[token_id])
+        elif piece is None:
+            table.append(b"")
+        elif inverse is not None:
+            table.append(bytes(inverse[c] for c in piece))
+        else:
+            table.append(tokenizer.decode([token_id], skip_special_tokens=False).encode())
+    return tuple(table)

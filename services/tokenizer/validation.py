@@ -1,0 +1,188 @@
+"""Request bodies -> `GenerationSpec`s, or `InvalidRequest` naming the offending field.
+
+Every check that needs only the body and the model lives here, so a bad request never reaches
+NATS and the HTTP layer turns `InvalidRequest` into an OpenAI-style 400.
+"""
+
+from __future__ import annotations
+
+import math
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from contracts.detokenizer import DetokenizeParams
+from contracts.scheduler import LogprobParams, SamplingParams
+from services.tokenizer.api_types import GenerateBody, SamplingParamsBody
+from services.tokenizer.text_model import TextModel
+
+
+class InvalidRequest(Exception):
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+
+
+@dataclass(frozen=True)
+class GenerationSpec:
+    """One prompt's generation, validated: what the tokenizer sends and how it formats the answer."""
+
+    rid: str
+    prompt_ids: tuple[int, ...]
+    sampling: SamplingParams
+    logprobs: LogprobParams
+    detokenize: DetokenizeParams
+    stream: bool = False
+    text_in_logprobs: bool = False
+    flat_b64: bool = False
+
+
+@dataclass(frozen=True)
+class LogprobRequest:
+    """Logprob options as the three APIs spell them, before range checks."""
+
+    return_logprob: bool = False
+    logprob_start_len: int = -1
+    top_logprobs_num: int = 0
+    token_ids_logprob: tuple[int, ...] = ()
+    flat: bool = False
+    flat_b64: bool = False
+
+
+GENERATE_NAMES = {name: f"sampling_params.{name}" for name in SamplingParamsBody.__struct_fields__}
+
+
+def new_rid() -> str:
+    return uuid.uuid4().hex
+
+
+def require(condition: bool, message: str, param: str) -> None:
+    if not condition:
+        raise InvalidRequest(message, param)
+
+
+def check_prompt(ids: list[int], model: TextModel, param: str) -> tuple[int, ...]:
+    require(len(ids) > 0, "the prompt is empty", param)
+    bad = model.out_of_vocab(ids)
+    require(bad is None, f"token id {bad} is outside the vocabulary [0, {model.vocab_size})", param)
+    require(
+        len(ids) < model.max_model_len,
+        f"the prompt has {len(ids)} tokens; max_model_len is {model.max_model_len}",
+        param,
+    )
+    return tuple(ids)
+
+
+def check_sampling(
+    body: SamplingParamsBody, model: TextModel, names: Mapping[str, str] = GENERATE_NAMES
+) -> tuple[SamplingParams, DetokenizeParams]:
+    require(body.max_new_tokens >= 0, "must be >= 0", names["max_new_tokens"])
+    require(math.isfinite(body.temperature) and body.temperature >= 0, "must be >= 0", names["temperature"])
+    require(0 < body.top_p <= 1, "must be in (0, 1]", names["top_p"])
+    require(body.top_k == -1 or body.top_k >= 1, "must be -1 (disabled) or >= 1", names["top_k"])
+    require(0 <= body.min_p <= 1, "must be in [0, 1]", names["min_p"])
+    stop_ids = body.stop_token_ids or []
+    bad = model.out_of_vocab(stop_ids)
+    require(bad is None, f"token id {bad} is outside the vocabulary", names["stop_token_ids"])
+    stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+    require(all(stop), "stop strings must not be empty", names["stop"])
+    sampling = SamplingParams(
+        max_new_tokens=body.max_new_tokens,
+        temperature=body.temperature,
+        top_p=body.top_p,
+        top_k=body.top_k,
+        min_p=body.min_p,
+        seed=body.seed,
+        stop_token_ids=tuple(stop_ids),
+        ignore_eos=body.ignore_eos,
+    )
+    detokenize = DetokenizeParams(
+        stop=tuple(stop),
+        skip_special_tokens=body.skip_special_tokens,
+        spaces_between_special_tokens=body.spaces_between_special_tokens,
+        no_stop_trim=body.no_stop_trim,
+    )
+    return sampling, detokenize
+
+
+def check_logprobs(
+    request: LogprobRequest, num_prompt: int, model: TextModel, max_logprobs: int, names: Mapping[str, str]
+) -> LogprobParams:
+    start = request.logprob_start_len
+    require(-1 <= start < num_prompt, f"must be -1 or in [0, {num_prompt}) (the prompt length)", names["logprob_start_len"])
+    top = request.top_logprobs_num
+    require(0 <= top <= max_logprobs, f"must be in [0, {max_logprobs}]", names["top_logprobs_num"])
+    bad = model.out_of_vocab(list(request.token_ids_logprob))
+    require(bad is None, f"token id {bad} is outside the vocabulary", names["token_ids_logprob"])
+    require(
+        request.flat or not request.flat_b64,
+        "return_flat_raw_top_logprobs_b64 requires return_flat_raw_top_logprobs",
+        "return_flat_raw_top_logprobs_b64",
+    )
+    if not request.return_logprob:
+        return LogprobParams()
+    return LogprobParams(
+        return_logprob=True,
+        logprob_start_len=start,
+        top_logprobs_num=top,
+        token_ids_logprob=request.token_ids_logprob,
+        flat_prompt_top_logprobs=request.flat,
+    )
+
+
+GENERATE_LOGPROB_NAMES = {
+    "logprob_start_len": "logprob_start_len",
+    "top_logprobs_num": "top_logprobs_num",
+    "token_ids_logprob": "token_ids_logprob",
+}
+
+
+def generate_prompts(body: GenerateBody, model: TextModel) -> tuple[list[tuple[int, ...]], bool]:
+    """The prompts of a /generate body as token ids, and whether the body is a batch."""
+    require((body.text is None) != (body.input_ids is None), "give exactly one of text and input_ids", "text")
+    if body.text is not None:
+        texts = [body.text] if isinstance(body.text, str) else body.text
+        require(len(texts) > 0, "the batch is empty", "text")
+        return [check_prompt(model.encode(t), model, "text") for t in texts], not isinstance(body.text, str)
+    ids = body.input_ids or []
+    nested = any(isinstance(item, list) for item in ids)
+    require(not nested or all(isinstance(item, list) for item in ids), "mixes ids and lists of ids", "input_ids")
+    rows: list[list[int]] = ids if nested else [ids]  # type: ignore[assignment, list-item]
+    require(len(rows) > 0, "the batch is empty", "input_ids")
+    return [check_prompt(row, model, "input_ids") for row in rows], nested
+
+
+def batch_rids(rid: str | list[str] | None, count: int, is_batch: bool) -> list[str]:
+    if rid is None:
+        return [new_rid() for _ in range(count)]
+    if isinstance(rid, str):
+        require(not is_batch or count == 1, "a batch needs a list of rids", "rid")
+        return [rid]
+    require(len(rid) == count, f"has {len(rid)} entries for {count} prompts", "rid")
+    require(len(set(rid)) == count, "rids must be unique", "rid")
+    return list(rid)
+
+
+def validate_generate(body: GenerateBody, model: TextModel, max_logprobs: int) -> tuple[list[GenerationSpec], bool]:
+    """All specs of one /generate call, and whether the answer is a list (batch)."""
+    prompts, is_batch = generate_prompts(body, model)
+    require(not (is_batch and body.stream), "streaming a batch is not supported", "stream")
+    sampling, detokenize = check_sampling(body.sampling_params or SamplingParamsBody(), model)
+    request = LogprobRequest(
+        return_logprob=body.return_logprob,
+        logprob_start_len=body.logprob_start_len,
+        top_logprobs_num=body.top_logprobs_num,
+        token_ids_logprob=tuple(body.token_ids_logprob or ()),
+        flat=body.return_flat_raw_top_logprobs,
+        flat_b64=body.return_flat_raw_top_logprobs_b64,
+    )
+    specs = []
+    for rid, prompt in zip(batch_rids(body.rid, len(prompts), is_batch), prompts, strict=True):
+        logprobs = check_logprobs(request, len(prompt), model, max_logprobs, GENERATE_LOGPROB_NAMES)
+        specs.append(
+            GenerationSpec(
+                rid, prompt, sampling, logprobs, detokenize, body.stream, body.return_text_in_logprobs, request.flat_b64
+            )
+        )
+    return specs, is_batch

@@ -1,0 +1,184 @@
+"""Pure formatting: scheduler arrays -> response fields, no NATS, no HTTP."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pybase64
+import pytest
+
+from contracts.detokenizer import RequestLogprobs
+from services.common.arrays import to_wire
+from services.tokenizer.logprobs_format import FormatOptions, LogprobChunks, meta_logprobs
+from services.tokenizer.openai_format import (
+    chat_content,
+    completion_logprobs,
+    output_positions,
+    prompt_positions,
+    text_offsets,
+)
+
+NAN = float("nan")
+
+
+def chunks_of(*messages: RequestLogprobs) -> LogprobChunks:
+    chunks = LogprobChunks()
+    for message in messages:
+        chunks.add(message)
+    return chunks
+
+
+def f32(rows) -> object:
+    return to_wire(np.array(rows, dtype="<f4"))
+
+
+def i32(rows) -> object:
+    return to_wire(np.array(rows, dtype="<i4"))
+
+
+PROMPT = [11, 12, 13]
+INPUT = RequestLogprobs(
+    input_start=0,
+    input_token_logprobs=f32([NAN, -1.5, -2.5]),
+    input_top_logprobs=f32([[NAN, NAN], [-0.5, -1.5], [-0.25, -3.0]]),
+    input_top_ids=i32([[-1, -1], [12, 40], [13, 7]]),
+)
+OUTPUT = RequestLogprobs(
+    output_token_logprobs=f32([-0.75, -0.125]),
+    output_top_logprobs=f32([[-0.75, -1.0], [-0.125, -4.0]]),
+    output_top_ids=i32([[50, 51], [52, 53]]),
+)
+
+
+def test_triples_and_nan_is_null():
+    meta = meta_logprobs(chunks_of(INPUT, OUTPUT), PROMPT, [50, 52], FormatOptions(top_logprobs_num=2))
+    assert meta["input_token_logprobs"] == [[None, 11, None], [-1.5, 12, None], [-2.5, 13, None]]
+    assert meta["input_top_logprobs"] == [None, [[-0.5, 12, None], [-1.5, 40, None]], [[-0.25, 13, None], [-3.0, 7, None]]]
+    assert meta["output_token_logprobs"] == [[-0.75, 50, None], [-0.125, 52, None]]
+    assert meta["output_top_logprobs"][1] == [[-0.125, 52, None], [-4.0, 53, None]]
+
+
+def test_text_in_logprobs_and_defaults_off():
+    opts = FormatOptions(text_of=lambda i: f"<{i}>")
+    meta = meta_logprobs(chunks_of(INPUT, OUTPUT), PROMPT, [50, 52], opts)
+    assert meta["output_token_logprobs"][0] == [-0.75, 50, "<50>"]
+    # top_logprobs_num 0 and no token_ids_logprob: those fields are absent; no flat fields
+    assert set(meta) == {"input_token_logprobs", "output_token_logprobs"}
+
+
+def test_token_ids_logprob_rows():
+    message = RequestLogprobs(input_start=1, input_token_logprobs=f32([-1.0]), input_ids_logprobs=f32([[-2.0, -3.0]]),
+                              output_token_logprobs=f32([-0.5]), output_ids_logprobs=f32([[NAN, NAN]]))
+    meta = meta_logprobs(chunks_of(message), PROMPT, [9], FormatOptions(token_ids_logprob=(4, 5)))
+    assert meta["input_token_logprobs"] == [[-1.0, 12, None]]
+    assert meta["input_token_ids_logprobs"] == [[[-2.0, 4, None], [-3.0, 5, None]]]
+    assert meta["output_token_ids_logprobs"] == [None]
+
+
+def test_chunks_concatenate_in_order():
+    second = RequestLogprobs(output_token_logprobs=f32([-9.0]), output_top_logprobs=f32([[-9.0, -9.5]]), output_top_ids=i32([[1, 2]]))
+    meta = meta_logprobs(chunks_of(OUTPUT, second), PROMPT, [50, 52, 1], FormatOptions(top_logprobs_num=2))
+    assert [t[0] for t in meta["output_token_logprobs"]] == [-0.75, -0.125, -9.0]
+
+
+FLAT = RequestLogprobs(
+    input_start=0,
+    input_token_logprobs=f32([NAN, -1.5, -2.5]),
+    input_top_logprobs_flat=f32([[-0.5, -1.5], [-0.25, -3.0]]),
+    input_top_ids_flat=i32([[12, 40], [13, 7]]),
+    input_top_null_prefix=1,
+)
+
+
+def test_flat_lists():
+    meta = meta_logprobs(chunks_of(FLAT), PROMPT, [], FormatOptions(top_logprobs_num=2, flat=True))
+    assert "input_top_logprobs" not in meta
+    assert meta["input_top_logprobs_shape"] == [2, 2]
+    assert meta["input_top_logprobs_null_prefix"] == 1
+    assert meta["input_top_logprobs_val_flat"] == [-0.5, -1.5, -0.25, -3.0]
+    assert meta["input_top_logprobs_idx_flat"] == [12, 40, 13, 7]
+    assert meta["output_top_logprobs"] == []  # output stays nested
+
+
+def test_flat_b64_round_trip_little_endian():
+    meta = meta_logprobs(chunks_of(FLAT), PROMPT, [], FormatOptions(top_logprobs_num=2, flat=True, flat_b64=True))
+    values = np.frombuffer(pybase64.b64decode(meta["input_top_logprobs_val_flat_b64"]), dtype="<f4")
+    ids = np.frombuffer(pybase64.b64decode(meta["input_top_logprobs_idx_flat_b64"]), dtype="<i4")
+    assert values.tolist() == [-0.5, -1.5, -0.25, -3.0] and ids.tolist() == [12, 40, 13, 7]
+    assert meta["input_top_logprobs_val_flat_b64_dtype"] == "float32"
+    assert meta["input_top_logprobs_idx_flat_b64_dtype"] == "int32"
+    assert "input_top_logprobs_val_flat" not in meta
+
+
+def test_nested_rows_become_flat_when_no_arrays_came():
+    meta = meta_logprobs(chunks_of(INPUT), PROMPT, [], FormatOptions(top_logprobs_num=2, flat=True))
+    assert meta["input_top_logprobs_null_prefix"] == 1
+    assert meta["input_top_logprobs_idx_flat"] == [12, 40, 13, 7]
+
+
+def test_unrepresentable_rows_fall_back_to_nested():
+    bad = RequestLogprobs(input_start=0, input_token_logprobs=f32([-1.0, NAN]),
+                          input_top_logprobs=f32([[-0.5, -1.5], [NAN, NAN]]), input_top_ids=i32([[1, 2], [-1, -1]]))
+    meta = meta_logprobs(chunks_of(bad), PROMPT, [], FormatOptions(top_logprobs_num=2, flat=True))
+    assert meta["input_top_logprobs"] == [[[-0.5, 1, None], [-1.5, 2, None]], None]
+    assert "input_top_logprobs_shape" not in meta
+
+
+def test_arrays_arriving_after_a_nested_fallback_win():
+    chunks = chunks_of(INPUT)  # nested rows first (fallback material) ...
+    opts = FormatOptions(top_logprobs_num=2, flat=True)
+    first = meta_logprobs(chunks, PROMPT, [], opts)
+    later = RequestLogprobs(input_top_logprobs_flat=f32([[-7.0, -8.0], [-7.5, -8.5]]), input_top_ids_flat=i32([[1, 2], [3, 4]]),
+                            input_top_null_prefix=1)
+    chunks.add(later)  # ... then the scheduler's arrays
+    meta = meta_logprobs(chunks, PROMPT, [], opts)
+    assert first["input_top_logprobs_idx_flat"] == [12, 40, 13, 7]
+    assert meta["input_top_logprobs_idx_flat"] == [1, 2, 3, 4]
+    assert meta["input_top_logprobs_val_flat"] == [-7.0, -8.0, -7.5, -8.5]
+
+
+@pytest.mark.parametrize(
+    "pieces, expected",
+    [
+        ([b"ab", b"c", b" d"], [0, 2, 3]),
+        (["é".encode()[:1], "é".encode()[1:], b"x"], [0, 0, 1]),
+        (["你".encode(), b"", b"z"], [0, 1, 1]),
+        ([], []),
+    ],
+)
+def test_text_offsets(pieces, expected):
+    assert text_offsets(pieces) == expected
+    assert text_offsets(pieces, 10) == [10 + e for e in expected]
+
+
+def test_echo_puts_prompt_first_with_null_head(text_model):
+    prompt = text_model.encode("ab cd")
+    out = [text_model.encode("x")[0]]
+    message = RequestLogprobs(
+        input_start=0,
+        input_token_logprobs=f32([NAN] + [-1.0] * (len(prompt) - 1)),
+        input_top_logprobs=f32([[NAN]] + [[-0.5]] * (len(prompt) - 1)),
+        input_top_ids=i32([[-1]] + [[prompt[0]]] * (len(prompt) - 1)),
+        output_token_logprobs=f32([-0.25]),
+        output_top_logprobs=f32([[-0.25]]),
+        output_top_ids=i32([out]),
+    )
+    chunks = chunks_of(message)
+    positions = prompt_positions(chunks, prompt, 1) + output_positions(chunks, out, 1)
+    visible = [text_model.token_bytes[i] for i in prompt + out]
+    lp = completion_logprobs(positions, text_model, visible)
+    assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+    assert lp["token_logprobs"][-1] == -0.25
+    assert "".join(lp["tokens"]) == "ab cdx"
+    assert lp["text_offset"] == [sum(len(t) for t in lp["tokens"][:i]) for i in range(len(lp["tokens"]))]
+
+
+def test_chat_content_items_carry_bytes(text_model):
+    ids = text_model.encode("é!")
+    chunks = chunks_of(RequestLogprobs(output_token_logprobs=f32([-1.0] * len(ids)),
+                                       output_top_logprobs=f32([[-1.0]] * len(ids)), output_top_ids=i32([[i] for i in ids])))
+    items = chat_content(output_positions(chunks, ids, 1), text_model)
+    assert b"".join(bytes(item["bytes"]) for item in items) == "é!".encode()
+    assert all(item["top_logprobs"][0]["bytes"] == item["bytes"] for item in items)
+    assert all(math.isclose(item["logprob"], -1.0) for item in items)

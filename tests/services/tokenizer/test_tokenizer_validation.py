@@ -1,0 +1,65 @@
+"""Bad input -> HTTP 400 with an OpenAI-style body naming the field; the server keeps serving."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+pytestmark = pytest.mark.timeout(60)
+
+LONG = [5] * 32768
+
+CASES = [
+    ("/generate", {"text": 3}, "text"),
+    ("/generate", {"text": "hi", "sampling_params": {"temperature": "hot"}}, "sampling_params.temperature"),
+    ("/generate", {"text": "hi", "sampling_params": {"temperature": -0.5}}, "sampling_params.temperature"),
+    ("/generate", {"text": "hi", "sampling_params": {"top_p": 0}}, "sampling_params.top_p"),
+    ("/generate", {"text": "hi", "sampling_params": {"top_p": 1.5}}, "sampling_params.top_p"),
+    ("/generate", {"text": "hi", "sampling_params": {"top_k": 0}}, "sampling_params.top_k"),
+    ("/generate", {"text": "hi", "sampling_params": {"min_p": 2}}, "sampling_params.min_p"),
+    ("/generate", {"text": "hi", "sampling_params": {"max_new_tokens": -1}}, "sampling_params.max_new_tokens"),
+    ("/generate", {"text": "hi", "sampling_params": {"stop_token_ids": [99999]}}, "sampling_params.stop_token_ids"),
+    ("/generate", {"text": "hi", "return_logprob": True, "logprob_start_len": 5}, "logprob_start_len"),
+    ("/generate", {"text": "hi", "return_logprob": True, "logprob_start_len": -2}, "logprob_start_len"),
+    ("/generate", {"text": "hi", "return_logprob": True, "top_logprobs_num": -1}, "top_logprobs_num"),
+    ("/generate", {"text": "hi", "return_logprob": True, "top_logprobs_num": 21}, "top_logprobs_num"),
+    ("/generate", {"text": "hi", "return_logprob": True, "token_ids_logprob": [2048]}, "token_ids_logprob"),
+    ("/generate", {"text": "hi", "return_flat_raw_top_logprobs_b64": True}, "return_flat_raw_top_logprobs_b64"),
+    ("/generate", {"input_ids": [1, 2, 5000]}, "input_ids"),
+    ("/generate", {"input_ids": [-1]}, "input_ids"),
+    ("/generate", {"input_ids": LONG}, "input_ids"),
+    ("/generate", {"text": ""}, "text"),
+    ("/generate", {}, "text"),
+    ("/generate", {"text": "a", "input_ids": [1]}, "text"),
+    ("/generate", {"text": ["a", "b"], "stream": True}, "stream"),
+    ("/generate", {"text": "hi", "stream": "yes"}, "stream"),
+    ("/v1/completions", {"prompt": "hi", "logprobs": 21}, "logprobs"),
+    ("/v1/completions", {"prompt": "hi", "temperature": -1}, "temperature"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": -3}, "max_tokens"),
+    ("/v1/completions", {"prompt": "hi", "n": 0}, "n"),
+    ("/v1/completions", {"prompt": ""}, "prompt"),
+    ("/v1/completions", {"prompt": []}, "prompt"),
+    ("/v1/completions", {"prompt": ["a", 1]}, "prompt"),
+    ("/v1/completions", {}, "prompt"),
+    ("/v1/chat/completions", {"messages": []}, "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 3}, "top_logprobs"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    ("/v1/chat/completions", {"messages": [{"content": "x"}]}, "messages[0].role"),
+    ("/tokenize", {}, "prompt"),
+    ("/detokenize", {"tokens": ["a"]}, "tokens[0]"),
+]
+
+
+async def test_bad_input_gets_400_naming_the_field(url, backend):
+    async with httpx.AsyncClient(base_url=url) as client:
+        for path, body, param in CASES:
+            response = await client.post(path, json=body)
+            assert response.status_code == 400, (path, body, response.text)
+            error = response.json()["error"]
+            assert error["param"] == param, (path, body, error)
+            assert error["type"] == "invalid_request_error" and error["code"] is None and error["message"]
+        malformed = await client.post("/generate", content=b"{not json", headers={"content-type": "application/json"})
+        ok = await client.post("/generate", json={"text": "hi", "sampling_params": {"max_new_tokens": 2}})
+    assert malformed.status_code == 400 and "error" in malformed.json()
+    assert ok.status_code == 200
+    assert backend.requests and len(backend.requests) == 1  # no bad request reached the scheduler
