@@ -109,6 +109,15 @@ class DetokenizerCore:
             self._forget(rid)
         return rids
 
+    def forget_unstarted(self, rid: str) -> bool:
+        """An abort for a request no scheduler has sent tokens for (its claim failed, or the
+        client left first): nothing will ever finish it here, so drop it now."""
+        request = self._requests.get(rid)
+        if request is None or request.scheduler_id is not None:
+            return False
+        self._forget(rid)
+        return True
+
     def _lookup(self, rid: str, scheduler_id: str) -> _Request | None:
         request = self._requests.get(rid)
         if request is None and rid in self._finished:

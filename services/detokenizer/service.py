@@ -10,6 +10,7 @@ from nats.aio.msg import Msg
 from tokenizers import Tokenizer
 
 from contracts import subjects
+from contracts.scheduler import AbortRequest
 from contracts.detokenizer import DetokenizerRegistration, DetokenizerRegistrationReply, TokenBatch
 from services.common.heartbeat import HeartbeatMonitor, HeartbeatPublisher
 from services.common.transport import Transport
@@ -45,6 +46,7 @@ class DetokenizerService:
             queue=subjects.DETOKENIZER_QUEUE,
         )
         await transport.subscribe(subjects.detokenizer_tokens(config.instance_id), TokenBatch, service._on_tokens)
+        await transport.subscribe(subjects.SCHEDULER_ABORT, AbortRequest, service._on_abort)
         await service._schedulers.start()
         service._heartbeat.start()
         log.info("detokenizer.started", instance=config.instance_id, nats=config.nats_url)
@@ -61,6 +63,10 @@ class DetokenizerService:
             await self._transport.publish(subjects.SCHEDULER_ABORT, abort)
         for tokenizer_id, text_batch in result.outputs.items():
             await self._transport.publish(subjects.tokenizer_outputs(tokenizer_id), text_batch)
+
+    async def _on_abort(self, abort: AbortRequest, _msg: Msg) -> None:
+        if abort.reason != "stop" and self._core.forget_unstarted(abort.rid):
+            log.info("detokenizer.unstarted_request_dropped", rid=abort.rid, reason=abort.reason)
 
     def _on_scheduler_dead(self, scheduler_id: str, reason: str) -> None:
         dropped = self._core.forget_scheduler(scheduler_id)

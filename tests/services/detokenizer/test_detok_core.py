@@ -308,3 +308,14 @@ def test_forget_scheduler_drops_only_its_requests(tokenizer):
     assert core.forget_scheduler("s-dead") == ["a"]
     assert core.num_running == 2
     assert core.process(token_batch([("a", [42], None)], scheduler_id="s-dead")).outputs == {}
+
+
+def test_abort_drops_only_requests_without_tokens(tokenizer):
+    from contracts.detokenizer import DetokenizeParams, DetokenizerRegistration
+    from services.detokenizer.core import DetokenizerCore
+
+    core = DetokenizerCore(tokenizer, "d")
+    core.register(DetokenizerRegistration("never-claimed", "tok", DetokenizeParams()))
+    assert core.forget_unstarted("never-claimed") is True
+    assert core.num_running == 0
+    assert core.forget_unstarted("unknown") is False
