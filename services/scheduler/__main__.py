@@ -1,0 +1,98 @@
+"""`sparkwire scheduler ...` / `python -m services.scheduler ...`: one scheduler instance."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+
+from services.common.lifecycle import new_instance_id, stop_on_signals
+from services.common.logging import configure_logging
+from services.common.settings import EnvSettings
+from services.scheduler.config import (
+    BUNDLED_MODEL,
+    DEVICES,
+    DTYPES,
+    LOAD_FORMATS,
+    LOGPROBS_MODES,
+    SPECULATIVE_ALGORITHMS,
+    SchedulerConfig,
+)
+from services.scheduler.service import SchedulerService, build_core
+
+DEFAULT_NATS_URL = "nats://127.0.0.1:4222"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    env = EnvSettings.from_environ()
+    parser.add_argument("--model", default=env.model or str(BUNDLED_MODEL), help="model directory (HF layout)")
+    parser.add_argument("--draft-model", default=None, help="DSpark draft model directory")
+    parser.add_argument("--speculative-algorithm", choices=SPECULATIVE_ALGORITHMS, default="none")
+    parser.add_argument("--device", choices=DEVICES, default=env.device)
+    parser.add_argument("--dtype", choices=tuple(DTYPES), default=None, help="default: float32 on cpu, bfloat16 on cuda")
+    parser.add_argument("--load-format", choices=LOAD_FORMATS, default="auto")
+    parser.add_argument("--max-running-requests", type=int, default=64)
+    parser.add_argument("--chunked-prefill-size", type=int, default=2048, help="tokens per step")
+    parser.add_argument("--kv-block-size", type=int, default=16)
+    parser.add_argument("--num-kv-blocks", type=int, default=None, help="default: sized from memory")
+    parser.add_argument("--max-model-len", type=int, default=None, help="default: the model's context length")
+    parser.add_argument("--logprobs-mode", choices=LOGPROBS_MODES, default="raw")
+    parser.add_argument("--seed", type=int, default=0)
+    _add_common_arguments(parser, env)
+
+
+def _add_common_arguments(parser: argparse.ArgumentParser, env: EnvSettings) -> None:
+    parser.add_argument("--nats-url", default=env.nats_url or DEFAULT_NATS_URL)
+    parser.add_argument("--log-level", default=env.log_level)
+    parser.add_argument("--heartbeat-interval-s", type=float, default=env.heartbeat_interval_s)
+    parser.add_argument("--heartbeat-timeout-s", type=float, default=env.heartbeat_timeout_s)
+    parser.add_argument("--instance-id", default=None, help="default: a random id")
+
+
+def config_from_args(args: argparse.Namespace) -> SchedulerConfig:
+    return SchedulerConfig(
+        model=args.model,
+        draft_model=args.draft_model,
+        speculative_algorithm=args.speculative_algorithm,
+        device=args.device,
+        dtype=args.dtype,
+        load_format=args.load_format,
+        max_running_requests=args.max_running_requests,
+        chunked_prefill_size=args.chunked_prefill_size,
+        kv_block_size=args.kv_block_size,
+        num_kv_blocks=args.num_kv_blocks,
+        max_model_len=args.max_model_len,
+        logprobs_mode=args.logprobs_mode,
+        seed=args.seed,
+        instance_id=args.instance_id or new_instance_id(),
+        nats_url=args.nats_url,
+        heartbeat_interval_s=args.heartbeat_interval_s,
+        heartbeat_timeout_s=args.heartbeat_timeout_s,
+    )
+
+
+def main(args: argparse.Namespace) -> int:
+    configure_logging(args.log_level, EnvSettings.from_environ().log_format)
+    try:
+        config = config_from_args(args)
+    except ValueError as exc:
+        print(f"sparkwire scheduler: {exc}", file=sys.stderr)
+        return 2
+    return asyncio.run(_serve(config))
+
+
+async def _serve(config: SchedulerConfig) -> int:
+    stop = asyncio.Event()
+    stop_on_signals(stop)
+    try:
+        core = await asyncio.to_thread(build_core, config)
+    except (OSError, ValueError, KeyError) as exc:  # bad model directory, unsupported checkpoint
+        print(f"sparkwire scheduler: cannot load {config.model}: {exc}", file=sys.stderr)
+        return 2
+    return await SchedulerService(config, core).run(stop)
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(prog="sparkwire scheduler", description=__doc__)
+    add_arguments(parser)
+    sys.exit(main(parser.parse_args()))

@@ -1,0 +1,68 @@
+"""KV cache blocks: which fixed-size blocks each request owns.
+
+A request's table covers `capacity(rid)` token slots; the scheduler keeps the request's KV length
+itself. Growing by several tokens at once (a speculative verify block) is one `allocate`; rolling
+back rejected tokens is the scheduler lowering its length, optionally followed by `shrink` to give
+whole trailing blocks back.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int) -> None:
+        if num_blocks < 1 or block_size < 1:
+            raise ValueError(f"num_blocks ({num_blocks}) and block_size ({block_size}) must be positive")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self._free: list[int] = list(range(num_blocks - 1, -1, -1))  # stack: lowest id popped first
+        self._tables: dict[str, list[int]] = {}
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free)
+
+    def num_blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def capacity(self, rid: str) -> int:
+        return len(self._tables.get(rid, ())) * self.block_size
+
+    def num_new_blocks(self, rid: str, num_tokens: int) -> int:
+        """Blocks `allocate(rid, num_tokens)` would take from the free list."""
+        return max(0, self.num_blocks_for(num_tokens) - len(self._tables.get(rid, ())))
+
+    def can_allocate(self, rid: str, num_tokens: int) -> bool:
+        return self.num_new_blocks(rid, num_tokens) <= len(self._free)
+
+    def allocate(self, rid: str, num_tokens: int) -> None:
+        """Grow `rid`'s table to hold `num_tokens` tokens in all (a no-op if it already does)."""
+        needed = self.num_new_blocks(rid, num_tokens)
+        if needed > len(self._free):
+            raise MemoryError(f"{rid}: needs {needed} KV blocks, {len(self._free)} free")
+        table = self._tables.setdefault(rid, [])
+        table.extend(self._free.pop() for _ in range(needed))
+
+    def shrink(self, rid: str, num_tokens: int) -> None:
+        """Give back the blocks past the first `num_tokens` tokens (rollback)."""
+        table = self._tables.get(rid, [])
+        keep = self.num_blocks_for(num_tokens)
+        while len(table) > keep:
+            self._free.append(table.pop())
+
+    def free(self, rid: str) -> None:
+        self._free.extend(reversed(self._tables.pop(rid, [])))
+
+    def holds(self, rid: str) -> bool:
+        return rid in self._tables
+
+    def block_table(self, rid: str) -> list[int]:
+        return self._tables.get(rid, [])
+
+    def slots(self, rid: str, start: int, end: int) -> np.ndarray:
+        """Cache slots of token positions [start, end): block_id * block_size + offset."""
+        positions = np.arange(start, end, dtype=np.int64)  # [end - start]
+        table = np.asarray(self._tables[rid], dtype=np.int64)
+        return table[positions // self.block_size] * self.block_size + positions % self.block_size

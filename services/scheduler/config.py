@@ -1,0 +1,84 @@
+"""The scheduler's configuration: one frozen dataclass, validated when built."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+import services
+
+BUNDLED_MODEL = Path(services.__file__).resolve().parents[1] / "ops" / "models" / "sparkwire-tiny"
+
+DEVICES = ("auto", "cpu", "cuda")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+LOAD_FORMATS = ("auto", "dummy")
+LOGPROBS_MODES = ("raw", "processed")
+SPECULATIVE_ALGORITHMS = ("none", "dspark")
+
+
+class NotImplementedYetError(ValueError):
+    """A configured feature exists in the product definition but not in this build yet."""
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    model: str = str(BUNDLED_MODEL)
+    draft_model: str | None = None
+    speculative_algorithm: str = "none"
+    device: str = "auto"  # auto: cuda when available, else cpu
+    dtype: str | None = None  # None: float32 on cpu, bfloat16 on cuda
+    load_format: str = "auto"
+    max_running_requests: int = 64
+    chunked_prefill_size: int = 2048  # tokens per step, prefill chunks and decode tokens together
+    kv_block_size: int = 16
+    num_kv_blocks: int | None = None  # None: sized from kv_cache_bytes
+    kv_cache_bytes: int | None = None  # None: the model runner's default budget
+    max_model_len: int | None = None  # None: the model's max_position_embeddings
+    logprobs_mode: str = "raw"
+    seed: int = 0
+    instance_id: str = "scheduler"
+    nats_url: str = "nats://127.0.0.1:4222"
+    heartbeat_interval_s: float = 0.5
+    heartbeat_timeout_s: float = 2.0
+    claim_expiry_s: float = 30.0  # a claimed rid whose GenerateRequest never arrives is forgotten
+
+    def __post_init__(self) -> None:
+        _check_choice("device", self.device, DEVICES)
+        _check_choice("load_format", self.load_format, LOAD_FORMATS)
+        _check_choice("logprobs_mode", self.logprobs_mode, LOGPROBS_MODES)
+        _check_choice("speculative_algorithm", self.speculative_algorithm, SPECULATIVE_ALGORITHMS)
+        if self.dtype is not None:
+            _check_choice("dtype", self.dtype, tuple(DTYPES))
+        for name in ("max_running_requests", "chunked_prefill_size", "kv_block_size"):
+            _check_positive(name, getattr(self, name))
+        for name in ("num_kv_blocks", "kv_cache_bytes", "max_model_len"):
+            if getattr(self, name) is not None:
+                _check_positive(name, getattr(self, name))
+        for name in ("heartbeat_interval_s", "heartbeat_timeout_s", "claim_expiry_s"):
+            _check_positive(name, getattr(self, name))
+        if self.speculative_algorithm == "dspark":
+            raise NotImplementedYetError("--speculative-algorithm dspark is not implemented yet; use none")
+
+    @property
+    def resolved_device(self) -> str:
+        if self.device == "auto":
+            return "cuda" if torch.cuda.is_available() else "cpu"
+        return self.device
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        if self.dtype is not None:
+            return DTYPES[self.dtype]
+        return torch.bfloat16 if self.resolved_device == "cuda" else torch.float32
+
+
+def _check_choice(name: str, value: object, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {', '.join(choices)}; got {value!r}")
+
+
+def _check_positive(name: str, value: float) -> None:
+    if value <= 0:
+        raise ValueError(f"{name} must be positive; got {value}")

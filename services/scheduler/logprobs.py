@@ -1,0 +1,143 @@
+"""Logprobs of chosen rows: the target token's, the top-k, and those of requested token ids.
+
+Rows from many requests are computed together in row chunks, so a 32k-token prompt with top-20
+never holds a [32k, V] fp32 tensor at once; each request then takes its own slice (its k and its
+requested ids). Top-k rows are sorted by logprob descending, ties by the smaller token id.
+`raw` mode is log_softmax of the model's logits; `processed` divides by the request's
+temperature first (temperature 0 counts as 1).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+CHUNK_BYTES = 256 * 1024 * 1024  # fp32 logits held at once per chunk, at most (and 1024 rows)
+MAX_CHUNK_ROWS = 1024
+
+
+@dataclass(frozen=True)
+class LogprobQuery:
+    """One request's rows and what it wants from each of them."""
+
+    rows: np.ndarray  # int64 [n], rows of the step's hidden states (or of the given logits)
+    targets: np.ndarray  # int64 [n], the token whose logprob each row gives
+    top_k: int
+    token_ids: tuple[int, ...]
+    temperature: float = 1.0  # used in processed mode only
+
+
+@dataclass(frozen=True)
+class RowLogprobs:
+    token: np.ndarray  # f32 [n]
+    top_values: np.ndarray  # f32 [n, k]
+    top_ids: np.ndarray  # i32 [n, k]
+    ids: np.ndarray  # f32 [n, m]
+
+
+def top_k_sorted(logprobs: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """[n, V] -> values f32 [n, k], ids int64 [n, k]: descending, ties by the smaller id."""
+    n = logprobs.shape[0]
+    if k == 0 or n == 0:
+        return logprobs.new_empty(n, k), torch.empty(n, k, dtype=torch.int64, device=logprobs.device)
+    kth = logprobs.topk(k, dim=-1).values[:, -1:]  # [n, 1]
+    above = logprobs > kth  # [n, V]
+    tied = logprobs == kth  # [n, V]
+    room = k - above.sum(dim=-1, keepdim=True)  # [n, 1]: how many tied ids fit, lowest ids first
+    chosen = above | (tied & (tied.cumsum(dim=-1) <= room))  # exactly k per row
+    ids = chosen.nonzero()[:, 1].view(n, k)  # [n, k], ascending ids
+    values = logprobs.gather(1, ids)
+    order = values.sort(dim=-1, descending=True, stable=True).indices  # stable keeps id order on ties
+    return values.gather(1, order), ids.gather(1, order)
+
+
+def compute_logprobs(
+    queries: list[LogprobQuery],
+    source: torch.Tensor,
+    to_logits: Callable[[torch.Tensor], torch.Tensor] | None,
+    vocab_size: int,
+    processed: bool,
+) -> list[RowLogprobs]:
+    """`source` is hidden states [N, H] (then `to_logits` maps rows to f32 logits) or logits [N, V]."""
+    rows = np.concatenate([q.rows for q in queries]) if queries else np.zeros(0, np.int64)  # [n]
+    if rows.size == 0:
+        return [_empty(q) for q in queries]
+    targets = np.concatenate([q.targets for q in queries])  # [n]
+    temps = np.concatenate([np.full(len(q.rows), _temperature(q, processed), np.float32) for q in queries])
+    max_k = max(q.top_k for q in queries)
+    ids = _padded_ids(queries)  # [n, max_m]
+    chunk_rows = max(1, min(MAX_CHUNK_ROWS, CHUNK_BYTES // (4 * vocab_size)))
+    parts = []
+    for start in range(0, len(rows), chunk_rows):
+        end = min(start + chunk_rows, len(rows))
+        parts.append(_chunk(source, to_logits, rows[start:end], targets[start:end], temps[start:end], max_k, ids[start:end]))
+    token, top_values, top_ids, ids_lp = (np.concatenate(column) for column in zip(*parts, strict=True))
+    return _split(queries, token, top_values, top_ids, ids_lp)
+
+
+def _chunk(
+    source: torch.Tensor,
+    to_logits: Callable[[torch.Tensor], torch.Tensor] | None,
+    rows: np.ndarray,
+    targets: np.ndarray,
+    temps: np.ndarray,
+    max_k: int,
+    ids: np.ndarray,
+) -> tuple[np.ndarray, ...]:
+    device = source.device
+    picked = source[torch.from_numpy(rows).to(device)]
+    logits = to_logits(picked) if to_logits is not None else picked.float()  # [c, V]
+    logits = logits / torch.from_numpy(temps).to(device)[:, None]
+    logprobs = torch.log_softmax(logits.float(), dim=-1)  # [c, V]
+    token = logprobs.gather(1, torch.from_numpy(targets).to(device)[:, None])[:, 0]  # [c]
+    top_values, top_ids = top_k_sorted(logprobs, min(max_k, logprobs.shape[1]))
+    ids_lp = logprobs.gather(1, torch.from_numpy(np.maximum(ids, 0)).to(device))  # [c, max_m]
+    return (
+        token.cpu().numpy(),
+        top_values.cpu().numpy(),
+        top_ids.to(torch.int32).cpu().numpy(),
+        ids_lp.cpu().numpy(),
+    )
+
+
+def _temperature(query: LogprobQuery, processed: bool) -> float:
+    return query.temperature if processed and query.temperature > 0 else 1.0
+
+
+def _padded_ids(queries: list[LogprobQuery]) -> np.ndarray:
+    width = max(len(q.token_ids) for q in queries)
+    blocks = []
+    for q in queries:
+        block = np.full((len(q.rows), width), -1, np.int64)  # [n_q, max_m], -1 = not asked
+        block[:, : len(q.token_ids)] = np.asarray(q.token_ids, np.int64)
+        blocks.append(block)
+    return np.concatenate(blocks)
+
+
+def _split(queries, token, top_values, top_ids, ids_lp) -> list[RowLogprobs]:
+    out, start = [], 0
+    for q in queries:
+        end = start + len(q.rows)
+        m = len(q.token_ids)
+        out.append(
+            RowLogprobs(
+                token=token[start:end],
+                top_values=np.ascontiguousarray(top_values[start:end, : q.top_k]),
+                top_ids=np.ascontiguousarray(top_ids[start:end, : q.top_k]),
+                ids=np.ascontiguousarray(ids_lp[start:end, :m]),
+            )
+        )
+        start = end
+    return out
+
+
+def _empty(query: LogprobQuery) -> RowLogprobs:
+    return RowLogprobs(
+        token=np.zeros(0, np.float32),
+        top_values=np.zeros((0, query.top_k), np.float32),
+        top_ids=np.zeros((0, query.top_k), np.int32),
+        ids=np.zeros((0, len(query.token_ids)), np.float32),
+    )

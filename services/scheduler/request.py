@@ -1,0 +1,102 @@
+"""What the core holds per request, and what it returns per step."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from contracts.detokenizer import Finish
+from contracts.scheduler import GenerateRequest, LogprobParams, SamplingParams
+from services.common.arrays import from_wire
+
+
+@dataclass(frozen=True)
+class SchedulerRequest:
+    """A request as the core takes it: the decoded `GenerateRequest`, prompt ids owned (copied)."""
+
+    rid: str
+    prompt_ids: np.ndarray  # int32 [P]
+    detokenizer_id: str
+    sampling: SamplingParams = SamplingParams()
+    logprobs: LogprobParams = LogprobParams()
+
+    @classmethod
+    def from_generate(cls, request: GenerateRequest) -> SchedulerRequest:
+        prompt = np.array(from_wire(request.input_ids), dtype=np.int32)  # copy: frees the message buffer
+        return cls(request.rid, prompt, request.detokenizer_id, request.sampling, request.logprobs)
+
+
+@dataclass
+class LogprobEntries:
+    """One request's new logprob entries of one step; field names follow `RequestLogprobs`."""
+
+    output_token_logprobs: np.ndarray | None = None  # f32 [n]
+    output_top_logprobs: np.ndarray | None = None  # f32 [n, k]
+    output_top_ids: np.ndarray | None = None  # i32 [n, k]
+    output_ids_logprobs: np.ndarray | None = None  # f32 [n, m]
+    input_start: int | None = None
+    input_token_logprobs: np.ndarray | None = None  # f32 [p]
+    input_top_logprobs: np.ndarray | None = None  # f32 [p, k]
+    input_top_ids: np.ndarray | None = None  # i32 [p, k]
+    input_ids_logprobs: np.ndarray | None = None  # f32 [p, m]
+    input_top_logprobs_flat: np.ndarray | None = None  # f32 [rows, k]
+    input_top_ids_flat: np.ndarray | None = None  # i32 [rows, k]
+    input_top_null_prefix: int | None = None
+
+    def is_empty(self) -> bool:
+        return all(value is None for value in vars(self).values())
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    rid: str
+    detokenizer_id: str
+    new_token_ids: list[int]
+    prompt_tokens: int
+    finish: Finish | None
+    logprobs: LogprobEntries | None  # None when the request did not ask for logprobs
+
+
+@dataclass
+class Sequence:
+    """A request's live state. `tokens` is prompt + output; the first `num_computed` are in KV."""
+
+    request: SchedulerRequest
+    arrival: int
+    tokens: list[int]
+    max_outputs: int  # min(max_new_tokens, max_model_len - prompt length)
+    num_computed: int = 0
+    next_prompt_logprob: int = 0  # next prompt position whose entry is not yet returned
+    flat_values: list[np.ndarray | None] = field(default_factory=list)  # per prompt position
+    flat_ids: list[np.ndarray | None] = field(default_factory=list)
+    flat_sent: bool = False
+
+    @property
+    def rid(self) -> str:
+        return self.request.rid
+
+    @property
+    def num_prompt(self) -> int:
+        return len(self.request.prompt_ids)
+
+    @property
+    def num_outputs(self) -> int:
+        return len(self.tokens) - self.num_prompt
+
+    @property
+    def num_pending(self) -> int:
+        return len(self.tokens) - self.num_computed
+
+    @property
+    def wants_logprobs(self) -> bool:
+        return self.request.logprobs.return_logprob
+
+    @property
+    def prompt_logprob_start(self) -> int | None:
+        params = self.request.logprobs
+        return params.logprob_start_len if params.return_logprob and params.logprob_start_len >= 0 else None
+
+    @property
+    def wants_flat(self) -> bool:
+        return self.prompt_logprob_start is not None and self.request.logprobs.flat_prompt_top_logprobs

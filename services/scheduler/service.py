@@ -1,0 +1,181 @@
+"""The scheduler's NATS adapter around `SchedulerCore`.
+
+In: claims (queue group), generate requests (this instance's direct subject), aborts (broadcast),
+pings (queue group). Out: one `TokenBatch` per detokenizer per step, heartbeats. The decode loop
+runs each `core.step` in a worker thread and publishes only between steps, so the network is
+never awaited inside a step and the event loop never blocks on the model.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from pathlib import Path
+
+import structlog
+from nats.aio.msg import Msg
+
+from contracts import subjects
+from contracts.scheduler import (
+    AbortRequest,
+    GenerateRequest,
+    SchedulerClaim,
+    SchedulerClaimReply,
+    SchedulerInfo,
+    SchedulerPing,
+)
+from services.common.heartbeat import HeartbeatPublisher
+from services.common.transport import Transport
+from services.scheduler.config import SchedulerConfig
+from services.scheduler.core import SchedulerCore
+from services.scheduler.model import load_model_runner
+from services.scheduler.request import RequestOutput, SchedulerRequest
+from services.scheduler.wire import to_token_batches
+
+log = structlog.get_logger(__name__)
+
+SHUTDOWN_MESSAGE = "the scheduler is shutting down"
+
+
+def build_core(config: SchedulerConfig) -> SchedulerCore:
+    """Load the model (minutes for a large one: call it off the event loop) and wrap it in a core."""
+    runner = load_model_runner(
+        config.model,
+        device=config.resolved_device,
+        dtype=config.torch_dtype,
+        load_format=config.load_format,
+        num_kv_blocks=config.num_kv_blocks,
+        kv_block_size=config.kv_block_size,
+        kv_cache_bytes=config.kv_cache_bytes,
+        seed=config.seed,
+    )
+    return SchedulerCore(
+        runner,
+        max_running_requests=config.max_running_requests,
+        chunked_prefill_size=config.chunked_prefill_size,
+        max_model_len=config.max_model_len,
+        logprobs_mode=config.logprobs_mode,
+        seed=config.seed,
+    )
+
+
+class SchedulerService:
+    def __init__(self, config: SchedulerConfig, core: SchedulerCore) -> None:
+        self._config = config
+        self._core = core
+        self._id = config.instance_id
+        self._transport: Transport | None = None
+        self._heartbeat: HeartbeatPublisher | None = None
+        self._wake = asyncio.Event()
+        self._closing = False
+        self._claims: dict[str, float] = {}  # rid -> monotonic deadline for its GenerateRequest
+        self._aborted_claims: dict[str, float] = {}  # aborted before arrival -> deadline
+
+    async def run(self, stop: asyncio.Event) -> int:
+        """Serve until `stop` is set (0) or a step fails (1)."""
+        self._transport = await Transport.connect(self._config.nats_url, f"scheduler-{self._id}")
+        await self._subscribe()
+        self._heartbeat = HeartbeatPublisher(
+            self._transport, "scheduler", self._id, self._config.heartbeat_interval_s, lambda: self._core.num_running
+        )
+        self._heartbeat.start()  # the first beat follows the subscriptions: it means "ready"
+        decode = asyncio.create_task(self._decode_loop(), name="scheduler-decode")
+        expiry = asyncio.create_task(self._expire_claims(), name="scheduler-claims")
+        log.info("scheduler.ready", instance=self._id, model=self._config.model)
+        stopped = asyncio.create_task(stop.wait())
+        await asyncio.wait({decode, stopped}, return_when=asyncio.FIRST_COMPLETED)
+        stopped.cancel()
+        expiry.cancel()
+        return await self._shutdown(decode)
+
+    async def _subscribe(self) -> None:
+        transport = self._transport
+        await transport.subscribe(subjects.SCHEDULER_CLAIM, SchedulerClaim, self._on_claim, queue=subjects.SCHEDULER_QUEUE)
+        await transport.subscribe(subjects.scheduler_generate(self._id), GenerateRequest, self._on_generate)
+        await transport.subscribe(subjects.SCHEDULER_ABORT, AbortRequest, self._on_abort)
+        await transport.subscribe(subjects.SCHEDULER_PING, SchedulerPing, self._on_ping, queue=subjects.SCHEDULER_QUEUE)
+
+    # ---- handlers ----
+
+    async def _on_claim(self, claim: SchedulerClaim, msg: Msg) -> None:
+        error = SHUTDOWN_MESSAGE if self._closing else self._core.claim_error(claim.num_prompt_tokens)
+        if error is None:
+            self._claims[claim.rid] = time.monotonic() + self._config.claim_expiry_s
+        reply = SchedulerClaimReply(self._id, accepted=error is None, error=error)
+        await self._transport.respond(msg, reply)
+
+    async def _on_generate(self, request: GenerateRequest, _msg: Msg) -> None:
+        self._claims.pop(request.rid, None)
+        if self._aborted_claims.pop(request.rid, None) is not None:
+            return  # aborted between claim and arrival: the abort's sender already gave up on it
+        self._core.add(SchedulerRequest.from_generate(request))  # while closing, fail_all finishes it
+        self._wake.set()
+
+    async def _on_abort(self, abort: AbortRequest, _msg: Msg) -> None:
+        if self._claims.pop(abort.rid, None) is not None:
+            self._aborted_claims[abort.rid] = time.monotonic() + self._config.claim_expiry_s
+            return
+        self._core.abort(abort.rid, abort.reason)
+        self._wake.set()
+
+    async def _on_ping(self, _ping: SchedulerPing, msg: Msg) -> None:
+        info = SchedulerInfo(
+            scheduler_id=self._id,
+            model_name=Path(self._config.model).name,
+            max_model_len=self._core.max_model_len,
+            vocab_size=self._core.vocab_size,
+            speculative_algorithm=self._config.speculative_algorithm,
+            num_running=self._core.num_running,
+        )
+        await self._transport.respond(msg, info)
+
+    async def _expire_claims(self) -> None:
+        while True:
+            await asyncio.sleep(self._config.claim_expiry_s / 4)
+            now = time.monotonic()
+            for table in (self._claims, self._aborted_claims):
+                for rid in [rid for rid, deadline in table.items() if deadline < now]:
+                    del table[rid]
+
+    # ---- decode loop ----
+
+    async def _decode_loop(self) -> None:
+        while not self._closing:
+            if not self._core.has_work():
+                await self._wake.wait()
+                self._wake.clear()
+                continue
+            outputs = await asyncio.to_thread(self._core.step)
+            await self._publish(outputs, self._core.num_steps)
+
+    async def _publish(self, outputs: list[RequestOutput], step: int) -> None:
+        for detokenizer_id, batch in to_token_batches(outputs, self._id, step).items():
+            await self._transport.publish(subjects.detokenizer_tokens(detokenizer_id), batch)
+
+    # ---- shutdown ----
+
+    async def _shutdown(self, decode: asyncio.Task[None]) -> int:
+        self._closing = True
+        self._wake.set()
+        error = await _task_error(decode)
+        if error is not None:
+            log.error("scheduler.step_failed", error=error, exc_info=decode.exception())
+        reason = f"scheduler step failed: {error}" if error is not None else SHUTDOWN_MESSAGE
+        with contextlib.suppress(Exception):
+            await self._publish(self._core.fail_all(reason), self._core.num_steps + 1)
+        await self._heartbeat.stop(reason)
+        await self._transport.close()
+        log.info("scheduler.stopped", instance=self._id, reason=reason)
+        return 1 if error is not None else 0
+
+
+async def _task_error(task: asyncio.Task[None]) -> str | None:
+    """Wait for the decode loop to leave its current step; its error in words, or None."""
+    try:
+        await task
+    except asyncio.CancelledError:
+        return None
+    except Exception as exc:  # any failure of a step is fatal for this instance
+        return f"{type(exc).__name__}: {exc}"
+    return None

@@ -1,0 +1,53 @@
+"""A step's `RequestOutput`s -> one columnar `TokenBatch` per detokenizer."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from contracts.detokenizer import RequestLogprobs, TokenBatch
+from services.common.arrays import optional_to_wire, to_wire
+from services.scheduler.request import LogprobEntries, RequestOutput
+
+ARRAY_FIELDS = (
+    "output_token_logprobs",
+    "output_top_logprobs",
+    "output_top_ids",
+    "output_ids_logprobs",
+    "input_token_logprobs",
+    "input_top_logprobs",
+    "input_top_ids",
+    "input_ids_logprobs",
+    "input_top_logprobs_flat",
+    "input_top_ids_flat",
+)
+
+
+def to_request_logprobs(entries: LogprobEntries) -> RequestLogprobs:
+    arrays = {name: optional_to_wire(getattr(entries, name)) for name in ARRAY_FIELDS}
+    return RequestLogprobs(
+        **arrays, input_start=entries.input_start, input_top_null_prefix=entries.input_top_null_prefix
+    )
+
+
+def to_token_batches(outputs: list[RequestOutput], scheduler_id: str, step: int) -> dict[str, TokenBatch]:
+    """Group by detokenizer id, keeping each request's order within its group."""
+    groups: dict[str, list[RequestOutput]] = {}
+    for output in outputs:
+        groups.setdefault(output.detokenizer_id, []).append(output)
+    return {detokenizer_id: _token_batch(group, scheduler_id, step) for detokenizer_id, group in groups.items()}
+
+
+def _token_batch(outputs: list[RequestOutput], scheduler_id: str, step: int) -> TokenBatch:
+    new_ids = [token for output in outputs for token in output.new_token_ids]
+    any_logprobs = any(output.logprobs is not None for output in outputs)
+    logprobs = [None if o.logprobs is None else to_request_logprobs(o.logprobs) for o in outputs]
+    return TokenBatch(
+        scheduler_id=scheduler_id,
+        step=step,
+        rids=[output.rid for output in outputs],
+        num_new_tokens=to_wire(np.asarray([len(o.new_token_ids) for o in outputs], np.int32)),  # [R]
+        new_token_ids=to_wire(np.asarray(new_ids, np.int32)),  # [sum(num_new_tokens)]
+        prompt_tokens=to_wire(np.asarray([o.prompt_tokens for o in outputs], np.int32)),  # [R]
+        finish=[output.finish for output in outputs],
+        logprobs=logprobs if any_logprobs else None,
+    )

@@ -1,0 +1,33 @@
+"""Scheduler test fixtures: the bundled tiny model (CPU, fp32), loaded once per session.
+
+Cores built on the shared runner each own their block manager; the runner's KV cache is only
+scratch space that a core overwrites before reading, so sharing it between tests is safe as long
+as tests do not step two cores at the same time.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from services.scheduler.config import BUNDLED_MODEL
+from services.scheduler.core import SchedulerCore
+from services.scheduler.model import ModelRunner, load_model_runner
+
+NUM_KV_BLOCKS = 512
+KV_BLOCK_SIZE = 16
+
+
+@pytest.fixture(scope="session")
+def tiny_runner() -> ModelRunner:
+    return load_model_runner(BUNDLED_MODEL, device="cpu", dtype=torch.float32, num_kv_blocks=NUM_KV_BLOCKS, kv_block_size=KV_BLOCK_SIZE)
+
+
+@pytest.fixture
+def make_core(tiny_runner):
+    def make(**overrides) -> SchedulerCore:
+        options = {"max_running_requests": 64, "chunked_prefill_size": 256, "logprobs_mode": "raw", "seed": 0}
+        options.update(overrides)
+        return SchedulerCore(tiny_runner, **options)
+
+    return make

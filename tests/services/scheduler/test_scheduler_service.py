@@ -1,0 +1,157 @@
+"""The scheduler service alone over a real nats-server: claim -> generate -> TokenBatches."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+
+from contracts import subjects
+from contracts.control import Heartbeat
+from contracts.detokenizer import FinishType, TokenBatch
+from contracts.scheduler import (
+    AbortRequest,
+    GenerateRequest,
+    LogprobParams,
+    SamplingParams,
+    SchedulerClaim,
+    SchedulerClaimReply,
+    SchedulerInfo,
+    SchedulerPing,
+)
+from services.common.arrays import from_wire, to_wire
+from services.common.transport import Transport
+from services.scheduler.config import SchedulerConfig
+from services.scheduler.service import SchedulerService
+
+PROMPT = np.arange(10, 30, dtype=np.int32)
+
+
+class Harness:
+    """A running SchedulerService plus a client connection that plays tokenizer and detokenizer."""
+
+    def __init__(self, service: SchedulerService, task: asyncio.Task[int], stop: asyncio.Event, client: Transport):
+        self.service, self.task, self.stop, self.client = service, task, stop, client
+        self.batches: asyncio.Queue[TokenBatch] = asyncio.Queue()
+        self.beats: asyncio.Queue[Heartbeat] = asyncio.Queue()
+
+
+@pytest.fixture
+async def harness(nats_server, make_core):
+    config = SchedulerConfig(instance_id="sched-test", nats_url=nats_server.url, heartbeat_interval_s=0.2)
+    client = await Transport.connect(nats_server.url, "test-client")
+    stop = asyncio.Event()
+    service = SchedulerService(config, make_core(max_model_len=64))
+    h = Harness(service, None, stop, client)
+
+    async def on_batch(batch: TokenBatch, _msg) -> None:
+        h.batches.put_nowait(batch)
+
+    async def on_beat(beat: Heartbeat, _msg) -> None:
+        h.beats.put_nowait(beat)
+
+    await client.subscribe(subjects.detokenizer_tokens("detok-1"), TokenBatch, on_batch)
+    await client.subscribe(subjects.heartbeat("scheduler"), Heartbeat, on_beat)
+    await client._nc.flush()
+    h.task = asyncio.create_task(service.run(stop))
+    beat = await asyncio.wait_for(h.beats.get(), 10)  # the first beat means subscriptions are live
+    assert beat.alive and beat.instance_id == "sched-test"
+    yield h
+    stop.set()
+    await asyncio.wait_for(h.task, 10)
+    await client.close()
+
+
+async def _claim(h: Harness, rid: str, num_prompt_tokens: int) -> SchedulerClaimReply:
+    return await h.client.request(
+        subjects.SCHEDULER_CLAIM, SchedulerClaim(rid, num_prompt_tokens), SchedulerClaimReply, timeout=5
+    )
+
+
+async def _collect(h: Harness, rid: str) -> tuple[list[int], list[TokenBatch]]:
+    tokens, seen = [], []
+    while True:
+        batch = await asyncio.wait_for(h.batches.get(), 10)
+        seen.append(batch)
+        offsets = np.concatenate([[0], np.cumsum(from_wire(batch.num_new_tokens))])
+        ids = from_wire(batch.new_token_ids)
+        for index, batch_rid in enumerate(batch.rids):
+            if batch_rid == rid:
+                tokens.extend(ids[offsets[index] : offsets[index + 1]].tolist())
+                if batch.finish[index] is not None:
+                    return tokens, seen
+
+
+@pytest.mark.timeout(60)
+async def test_claim_generate_receive_until_finish(harness):
+    h = harness
+    reply = await _claim(h, "r1", len(PROMPT))
+    assert reply == SchedulerClaimReply("sched-test", accepted=True)
+    request = GenerateRequest(
+        rid="r1",
+        input_ids=to_wire(PROMPT),
+        detokenizer_id="detok-1",
+        sampling=SamplingParams(max_new_tokens=5, temperature=0.0, ignore_eos=True),
+        logprobs=LogprobParams(return_logprob=True, logprob_start_len=0, top_logprobs_num=2),
+    )
+    await h.client.publish(subjects.scheduler_generate("sched-test"), request)
+    tokens, batches = await _collect(h, "r1")
+    assert len(tokens) == 5
+    assert all(b.scheduler_id == "sched-test" for b in batches)
+    assert batches[-1].finish[-1].type == FinishType.LENGTH
+    output_logprobs = [
+        from_wire(lp.output_token_logprobs) for b in batches for lp in b.logprobs or [] if lp and lp.output_token_logprobs
+    ]
+    assert sum(len(x) for x in output_logprobs) == 5
+    prompt_logprobs = [from_wire(lp.input_token_logprobs) for b in batches for lp in b.logprobs or [] if lp and lp.input_token_logprobs]
+    assert sum(len(x) for x in prompt_logprobs) == len(PROMPT)
+
+
+@pytest.mark.timeout(60)
+async def test_claim_rejects_too_long_prompt_and_ping_answers(harness):
+    reply = await _claim(harness, "long", 65)
+    assert not reply.accepted and "max_model_len" in reply.error
+    info = await harness.client.request(subjects.SCHEDULER_PING, SchedulerPing(0.0), SchedulerInfo, timeout=5)
+    assert info.scheduler_id == "sched-test" and info.max_model_len == 64 and info.vocab_size == 2048
+
+
+@pytest.mark.timeout(60)
+async def test_abort_finishes_running_request_and_shutdown_sends_dead_sentinel(harness):
+    h = harness
+    await _claim(h, "r2", len(PROMPT))
+    request = GenerateRequest(
+        rid="r2", input_ids=to_wire(PROMPT), detokenizer_id="detok-1",
+        sampling=SamplingParams(max_new_tokens=40, temperature=0.0, ignore_eos=True),
+    )
+    await h.client.publish(subjects.scheduler_generate("sched-test"), request)
+    await asyncio.wait_for(h.batches.get(), 10)  # it is running
+    await h.client.publish(subjects.SCHEDULER_ABORT, AbortRequest("r2", reason="client gone"))
+    tokens, batches = await _collect(h, "r2")
+    assert len(tokens) < 40
+    assert batches[-1].finish[-1].type == FinishType.ABORT
+    h.stop.set()
+    assert await asyncio.wait_for(h.task, 10) == 0
+    while (beat := await asyncio.wait_for(h.beats.get(), 5)).alive:
+        pass
+    assert beat.reason == "the scheduler is shutting down"
+
+
+@pytest.mark.timeout(60)
+async def test_fatal_step_error_aborts_requests_sends_dead_sentinel_and_exits_nonzero(harness):
+    h = harness
+
+    def broken_step():
+        raise RuntimeError("device lost")
+
+    h.service._core.step = broken_step  # the next step fails
+    await _claim(h, "r3", len(PROMPT))
+    request = GenerateRequest(rid="r3", input_ids=to_wire(PROMPT), detokenizer_id="detok-1")
+    await h.client.publish(subjects.scheduler_generate("sched-test"), request)
+    tokens, batches = await _collect(h, "r3")
+    finish = batches[-1].finish[-1]
+    assert tokens == [] and finish.type == FinishType.ABORT and "device lost" in finish.message
+    assert await asyncio.wait_for(h.task, 10) == 1
+    while (beat := await asyncio.wait_for(h.beats.get(), 5)).alive:
+        pass
+    assert "device lost" in beat.reason

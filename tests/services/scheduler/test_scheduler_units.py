@@ -1,0 +1,178 @@
+"""Block manager, sampler, top-k ordering, config and TokenBatch encoding: no model needed."""
+
+from __future__ import annotations
+
+import msgspec
+import numpy as np
+import pytest
+import torch
+
+from contracts.arrays import NDArray
+from contracts.detokenizer import Finish, FinishType, TokenBatch
+from contracts.scheduler import SamplingParams
+from services.scheduler.block_manager import BlockManager
+from services.scheduler.config import NotImplementedYetError, SchedulerConfig
+from services.scheduler.logprobs import LogprobQuery, compute_logprobs, top_k_sorted
+from services.scheduler.request import LogprobEntries, RequestOutput
+from services.scheduler.sampler import Sampler, SampleRow
+from services.scheduler.wire import to_token_batches
+
+# ---- block manager ----
+
+
+def test_block_manager_allocates_appends_and_rolls_back():
+    blocks = BlockManager(num_blocks=4, block_size=4)
+    blocks.allocate("a", 5)  # 2 blocks
+    assert blocks.num_free_blocks == 2 and blocks.capacity("a") == 8
+    np.testing.assert_array_equal(blocks.slots("a", 3, 6), [3, 4, 5])
+    assert blocks.can_allocate("a", 16) and not blocks.can_allocate("a", 17)
+    blocks.allocate("a", 13)  # a verify block of several tokens at once
+    assert blocks.num_free_blocks == 0
+    blocks.shrink("a", 6)  # rejected tokens rolled back: whole trailing blocks come back
+    assert blocks.num_free_blocks == 2 and blocks.capacity("a") == 8
+    with pytest.raises(MemoryError):
+        blocks.allocate("b", 9)
+    blocks.free("a")
+    assert blocks.num_free_blocks == 4 and not blocks.holds("a")
+
+
+# ---- sampler ----
+
+
+def _rows(n, **params):
+    return [SampleRow(SamplingParams(**params), position) for position in range(n)]
+
+
+def test_greedy_picks_lowest_id_on_ties():
+    logits = torch.tensor([[0.0, 2.0, 2.0, 1.0]])
+    assert Sampler(0).sample(logits, _rows(1, temperature=0.0)).tolist() == [1]
+
+
+@pytest.mark.parametrize("params", [dict(top_k=1), dict(top_p=1e-6), dict(min_p=1.0)])
+def test_filters_that_keep_one_token_equal_greedy(params):
+    logits = torch.randn(8, 50, generator=torch.Generator().manual_seed(0))
+    sampled = Sampler(0).sample(logits, _rows(8, temperature=1.0, seed=7, **params))
+    assert sampled.tolist() == logits.argmax(dim=-1).tolist()
+
+
+def test_seeded_draw_depends_only_on_seed_and_position():
+    logits = torch.zeros(1, 1000)  # uniform: the draw is all noise
+    row = [SampleRow(SamplingParams(temperature=1.0, seed=5), 3)]
+    first = Sampler(0).sample(logits, row).item()
+    crowded = torch.zeros(4, 1000)
+    rows = [SampleRow(SamplingParams(temperature=1.0, seed=s), p) for s, p in ((1, 0), (5, 3), (9, 9), (5, 4))]
+    assert Sampler(123).sample(crowded, rows)[1].item() == first
+    draws = {Sampler(0).sample(logits, [SampleRow(SamplingParams(temperature=1.0, seed=5), p)]).item() for p in range(20)}
+    assert len(draws) > 10  # positions get different draws
+
+
+def test_sampling_follows_the_distribution():
+    probs = torch.tensor([0.7, 0.2, 0.1, 0.0])
+    logits = probs.log().expand(4000, 4).contiguous()
+    rows = [SampleRow(SamplingParams(temperature=1.0, seed=i), 0) for i in range(4000)]
+    counts = np.bincount(Sampler(0).sample(logits, rows).numpy(), minlength=4) / 4000
+    np.testing.assert_allclose(counts, probs.numpy(), atol=0.03)
+
+
+# ---- logprobs ----
+
+
+def test_top_k_sorted_breaks_ties_by_smaller_id():
+    logprobs = torch.tensor([[-1.0, -0.5, -1.0, -0.5, -3.0, -1.0]])
+    values, ids = top_k_sorted(logprobs, 4)
+    assert ids.tolist() == [[1, 3, 0, 2]]
+    assert values.tolist() == [[-0.5, -0.5, -1.0, -1.0]]
+
+
+def test_compute_logprobs_chunks_rows_and_slices_per_request(monkeypatch):
+    monkeypatch.setattr("services.scheduler.logprobs.MAX_CHUNK_ROWS", 2)
+    logits = torch.randn(5, 30, generator=torch.Generator().manual_seed(1))
+    queries = [
+        LogprobQuery(np.array([0, 2, 4]), np.array([1, 2, 3]), top_k=3, token_ids=(5,)),
+        LogprobQuery(np.array([1]), np.array([9]), top_k=0, token_ids=()),
+    ]
+    first, second = compute_logprobs(queries, logits, None, 30, processed=False)
+    expected = torch.log_softmax(logits, dim=-1)
+    np.testing.assert_allclose(first.token, expected[[0, 2, 4], [1, 2, 3]].numpy(), atol=1e-6)
+    np.testing.assert_allclose(first.top_values, expected[[0, 2, 4]].topk(3).values.numpy(), atol=1e-6)
+    np.testing.assert_allclose(first.ids[:, 0], expected[[0, 2, 4], 5].numpy(), atol=1e-6)
+    assert second.top_values.shape == (1, 0) and second.ids.shape == (1, 0)
+
+
+# ---- config ----
+
+
+def test_config_validates_and_rejects_dspark_for_now():
+    with pytest.raises(ValueError, match="device"):
+        SchedulerConfig(device="tpu")
+    with pytest.raises(ValueError, match="chunked_prefill_size"):
+        SchedulerConfig(chunked_prefill_size=0)
+    with pytest.raises(NotImplementedYetError, match="not implemented yet"):
+        SchedulerConfig(speculative_algorithm="dspark")
+    config = SchedulerConfig(device="cpu")
+    assert config.torch_dtype == torch.float32 and config.resolved_device == "cpu"
+
+
+# ---- wire ----
+
+
+class _OldRequestLogprobs(msgspec.Struct, frozen=True, gc=False, omit_defaults=True):
+    """RequestLogprobs as it was before the flat fields existed."""
+
+    output_token_logprobs: NDArray | None = None
+    output_top_logprobs: NDArray | None = None
+    output_top_ids: NDArray | None = None
+    output_ids_logprobs: NDArray | None = None
+    input_start: int | None = None
+    input_token_logprobs: NDArray | None = None
+    input_top_logprobs: NDArray | None = None
+    input_top_ids: NDArray | None = None
+    input_ids_logprobs: NDArray | None = None
+
+
+class _OldTokenBatch(msgspec.Struct, frozen=True, gc=False, omit_defaults=True):
+    scheduler_id: str
+    step: int
+    rids: list[str]
+    num_new_tokens: NDArray
+    new_token_ids: NDArray
+    prompt_tokens: NDArray
+    finish: list[Finish | None]
+    logprobs: list[_OldRequestLogprobs | None] | None = None
+
+
+def _outputs():
+    entries = LogprobEntries(
+        output_token_logprobs=np.array([-0.5], np.float32),
+        input_start=0,
+        input_token_logprobs=np.array([np.nan, -1.0], np.float32),
+        input_top_logprobs=np.array([[np.nan], [-1.0]], np.float32),
+        input_top_ids=np.array([[-1], [4]], np.int32),
+    )
+    return [
+        RequestOutput("a", "d1", [4], 2, None, entries),
+        RequestOutput("b", "d1", [], 3, Finish(FinishType.ABORT, message="gone"), None),
+        RequestOutput("c", "d2", [1, 2], 1, Finish(FinishType.LENGTH), None),
+    ]
+
+
+def test_token_batches_are_grouped_per_detokenizer_and_columnar():
+    batches = to_token_batches(_outputs(), "s", 7)
+    assert set(batches) == {"d1", "d2"}
+    d1 = msgspec.msgpack.decode(msgspec.msgpack.encode(batches["d1"]), type=TokenBatch)
+    assert d1.rids == ["a", "b"] and d1.step == 7
+    assert bytes(d1.num_new_tokens.data) == np.array([1, 0], "<i4").tobytes()
+    assert d1.logprobs[1] is None and d1.logprobs[0].input_start == 0
+    assert batches["d2"].logprobs is None  # nobody there asked
+
+
+def test_batch_without_flat_requests_encodes_as_if_the_fields_did_not_exist():
+    batch = to_token_batches(_outputs(), "s", 7)["d1"]
+    old = _OldTokenBatch(
+        **{f: getattr(batch, f) for f in _OldTokenBatch.__struct_fields__ if f != "logprobs"},
+        logprobs=[
+            None if lp is None else _OldRequestLogprobs(**{f: getattr(lp, f) for f in _OldRequestLogprobs.__struct_fields__})
+            for lp in batch.logprobs
+        ],
+    )
+    assert msgspec.msgpack.encode(batch) == msgspec.msgpack.encode(old)
