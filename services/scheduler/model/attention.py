@@ -1,0 +1,115 @@
+"""Paged causal attention over a ragged batch, with torch SDPA.
+
+Each step's sequences are split into groups once (`plan_attention`), and every layer reuses the
+plan. Short queries (decode, speculative verify) share one padded, batched SDPA call; each long
+query (a prefill chunk) gets its own call, so padding never multiplies a long prefill. The causal
+rule is by position: a query at position p sees cached keys 0..p of its own sequence.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from services.scheduler.model.batch import ForwardBatch
+
+MAX_BATCHED_QUERY_LEN = 16  # longer queries are prefill chunks, attended one sequence at a time
+
+
+@dataclass(frozen=True)
+class AttentionGroup:
+    token_index: torch.Tensor  # int64 [G, max_q], flat token of each padded query (0 on padding)
+    valid_rows: torch.Tensor  # int64 [N], rows of the flattened [G * max_q] padded queries that are real
+    valid_tokens: torch.Tensor  # int64 [N], the flat token each of those rows belongs to
+    blocks: torch.Tensor  # int64 [G, num_blocks], cache blocks to read (clamped to >= 0)
+    mask: torch.Tensor | None  # bool [G, 1, max_q, num_blocks * block_size]; None: plain causal
+    num_keys: int  # keys read per sequence: num_blocks * block_size, or seq_len when unmasked
+
+
+@dataclass(frozen=True)
+class AttentionPlan:
+    groups: tuple[AttentionGroup, ...]
+
+
+def plan_attention(batch: ForwardBatch, block_size: int) -> AttentionPlan:
+    """Group the batch's sequences for attention; the one host sync of the step reads their lengths."""
+    starts = batch.query_start_loc.tolist()
+    seq_lens = batch.seq_lens.tolist()
+    buckets: dict[tuple[int, int], list[int]] = {}
+    for b, seq_len in enumerate(seq_lens):
+        q_len = starts[b + 1] - starts[b]
+        # Long queries share a call only with others of identical shape, so nothing is padded.
+        key = (0, 0) if q_len <= MAX_BATCHED_QUERY_LEN else (q_len, seq_len)
+        buckets.setdefault(key, []).append(b)
+    groups = (_group(batch, seqs, starts, seq_lens, block_size) for seqs in buckets.values())
+    return AttentionPlan(groups=tuple(groups))
+
+
+def _group(
+    batch: ForwardBatch, seqs: list[int], starts: list[int], seq_lens: list[int], block_size: int
+) -> AttentionGroup:
+    device = batch.input_ids.device
+    q_lens = [starts[b + 1] - starts[b] for b in seqs]
+    max_q, max_kv = max(q_lens), max(seq_lens[b] for b in seqs)
+    # Index lists are built on the host, so no layer has to ask the device which rows are real.
+    rows = [(g * max_q + i, starts[b] + i) for g, b in enumerate(seqs) for i in range(q_lens[g])]
+    valid_rows = torch.tensor([r for r, _ in rows], device=device)  # [N]
+    valid_tokens = torch.tensor([t for _, t in rows], device=device)  # [N]
+    token_index = torch.zeros(len(seqs) * max_q, dtype=torch.int64, device=device)
+    token_index[valid_rows] = valid_tokens
+    token_index = token_index.view(len(seqs), max_q)  # [G, max_q]
+    num_blocks = -(-max_kv // block_size)
+    seq_index = torch.tensor(seqs, device=device)
+    blocks = batch.block_tables[seq_index, :num_blocks].long().clamp_min(0)  # [G, num_blocks]
+    if all(q_len == seq_lens[b] for q_len, b in zip(q_lens, seqs)) and len(set(q_lens)) == 1:
+        # Whole sequences of one length: positions 0..n-1 against keys 0..n-1 is plain causal.
+        return AttentionGroup(token_index, valid_rows, valid_tokens, blocks, None, max_kv)
+    token_valid = torch.zeros(len(seqs) * max_q, dtype=torch.bool, device=device)
+    token_valid[valid_rows] = True
+    mask = _causal_mask(batch, token_index, token_valid.view(len(seqs), max_q), seq_index, num_blocks * block_size)
+    return AttentionGroup(token_index, valid_rows, valid_tokens, blocks, mask, num_blocks * block_size)
+
+
+def _causal_mask(
+    batch: ForwardBatch, token_index: torch.Tensor, token_valid: torch.Tensor, seq_index: torch.Tensor, num_keys: int
+) -> torch.Tensor:
+    key_pos = torch.arange(num_keys, device=token_index.device)  # [K]
+    # Padded query rows see key 0 only, so softmax stays finite; their output is dropped.
+    query_pos = torch.where(token_valid, batch.positions[token_index], 0)  # [G, max_q]
+    seq_lens = batch.seq_lens[seq_index].long()  # [G]
+    mask = key_pos[None, None, :] <= query_pos[:, :, None]  # [G, max_q, K]
+    mask &= key_pos[None, None, :] < seq_lens[:, None, None]
+    return mask[:, None]  # [G, 1, max_q, K]
+
+
+def paged_attention(
+    query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, plan: AttentionPlan, scale: float
+) -> torch.Tensor:
+    """query [T, Hq, D]; caches [num_blocks, block_size, Hkv, D] (new K/V already written) -> [T, Hq, D]."""
+    out = torch.empty_like(query)
+    for group in plan.groups:
+        out.index_copy_(0, group.valid_tokens, _group_attention(query, key_cache, value_cache, group, scale))
+    return out
+
+
+def _group_attention(
+    query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, group: AttentionGroup, scale: float
+) -> torch.Tensor:
+    q = query[group.token_index].transpose(1, 2)  # [G, Hq, max_q, D]
+    k = _read_blocks(key_cache, group)  # [G, Hkv, K, D]
+    v = _read_blocks(value_cache, group)  # [G, Hkv, K, D]
+    repeats = q.shape[1] // k.shape[1]
+    if repeats > 1:
+        k = k.repeat_interleave(repeats, dim=1)  # [G, Hq, K, D]
+        v = v.repeat_interleave(repeats, dim=1)
+    causal = group.mask is None
+    o = F.scaled_dot_product_attention(q, k, v, attn_mask=group.mask, is_causal=causal, scale=scale)
+    return o.transpose(1, 2).flatten(0, 1).index_select(0, group.valid_rows)  # [N, Hq, D]
+
+
+def _read_blocks(cache: torch.Tensor, group: AttentionGroup) -> torch.Tensor:
+    g, n = group.blocks.shape
+    keys = cache[group.blocks].reshape(g, n * cache.shape[1], cache.shape[2], cache.shape[3])  # [G, K', Hkv, D]
+    return keys[:, : group.num_keys].transpose(1, 2)

@@ -1,0 +1,169 @@
+"""Llama / Qwen2 / Qwen3 decoder over ragged flattened tokens with a paged KV cache.
+
+The three families differ only by flags on `ModelConfig`: q/k/v (and o) biases, Qwen3's per-head
+RMSNorm on q and k, Llama 3 RoPE scaling, tied embeddings. Parameter names match the Hugging Face
+checkpoints (`model.layers.0.self_attn.q_proj.weight`, ...), so loading is a name-for-name copy.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from services.scheduler.model.attention import AttentionPlan, paged_attention, plan_attention
+from services.scheduler.model.batch import ForwardBatch
+from services.scheduler.model.config import ModelConfig, RopeScaling
+from services.scheduler.model.kv_cache import PagedKVCache
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in fp32, as the reference does, so bf16 models keep their published numerics.
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
+    """Inverse frequencies [head_dim // 2], fp32, with Llama 3 scaling when configured."""
+    exponents = torch.arange(0, config.head_dim, 2, dtype=torch.int64).float() / config.head_dim
+    inv_freq = 1.0 / (config.rope_theta**exponents)
+    if config.rope_scaling is not None:
+        inv_freq = _llama3_scale(inv_freq, config.rope_scaling)
+    return inv_freq
+
+
+def _llama3_scale(inv_freq: torch.Tensor, scaling: RopeScaling) -> torch.Tensor:
+    # Long wavelengths are slowed by `factor`, short ones kept, the band between interpolated.
+    old_len = scaling.original_max_position_embeddings
+    low_freq_wavelen = old_len / scaling.low_freq_factor
+    high_freq_wavelen = old_len / scaling.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / scaling.factor, inv_freq)
+    smooth = (old_len / wavelen - scaling.low_freq_factor) / (scaling.high_freq_factor - scaling.low_freq_factor)
+    smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
+    is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+def rope_cos_sin(inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+    freqs = positions.float()[:, None] * inv_freq[None, :]  # [T, D/2]
+    angles = torch.cat((freqs, freqs), dim=-1)[:, None, :]  # [T, 1, D]
+    return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [T, heads, D]; rotate-half convention of the Hugging Face checkpoints."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig, layer_index: int) -> None:
+        super().__init__()
+        self.layer_index = layer_index
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        self.q_proj = nn.Linear(config.hidden_size, q_size, bias=config.attention_bias)
+        self.k_proj = nn.Linear(config.hidden_size, kv_size, bias=config.attention_bias)
+        self.v_proj = nn.Linear(config.hidden_size, kv_size, bias=config.attention_bias)
+        self.o_proj = nn.Linear(q_size, config.hidden_size, bias=config.o_proj_bias)
+        if config.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+        self.qk_norm = config.qk_norm
+
+    def forward(
+        self, x: torch.Tensor, rope: tuple[torch.Tensor, ...], batch: ForwardBatch, cache: PagedKVCache, plan: AttentionPlan
+    ) -> torch.Tensor:
+        num_tokens = x.shape[0]
+        q = self.q_proj(x).view(num_tokens, self.num_heads, self.head_dim)  # [T, Hq, D]
+        k = self.k_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
+        v = self.v_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        cache.write(self.layer_index, batch.slot_mapping, k, v)
+        key_cache, value_cache = cache.key_cache(self.layer_index), cache.value_cache(self.layer_index)
+        out = paged_attention(q, key_cache, value_cache, plan, self.head_dim**-0.5)  # [T, Hq, D]
+        return self.o_proj(out.reshape(num_tokens, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=config.mlp_bias)
+        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=config.mlp_bias)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer_index: int) -> None:
+        super().__init__()
+        self.self_attn = Attention(config, layer_index)
+        self.mlp = MLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(
+        self, x: torch.Tensor, rope: tuple[torch.Tensor, ...], batch: ForwardBatch, cache: PagedKVCache, plan: AttentionPlan
+    ) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), rope, batch, cache, plan)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DecoderModel(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class CausalLM(nn.Module):
+    """`forward` returns final-normed hidden states [T, H] and the captured layers' outputs."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.model = DecoderModel(config)
+        if not config.tie_word_embeddings:
+            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.register_buffer("rope_inv_freq", rope_inv_freq(config), persistent=False)
+
+    @property
+    def lm_head_weight(self) -> torch.Tensor:
+        if self.config.tie_word_embeddings:
+            return self.model.embed_tokens.weight
+        return self.lm_head.weight  # [V, H]
+
+    def forward(self, batch: ForwardBatch, cache: PagedKVCache) -> tuple[torch.Tensor, torch.Tensor | None]:
+        x = self.model.embed_tokens(batch.input_ids)  # [T, H]
+        rope = rope_cos_sin(self.rope_inv_freq, batch.positions, x.dtype)
+        plan = plan_attention(batch, cache.block_size)
+        captured: dict[int, torch.Tensor] = {}
+        for index, layer in enumerate(self.model.layers):
+            x = layer(x, rope, batch, cache, plan)
+            if index in batch.capture_layers:
+                captured[index] = x
+        hidden = self.model.norm(x)  # [T, H]
+        if not batch.capture_layers:
+            return hidden, None
+        return hidden, torch.cat([captured[i] for i in batch.capture_layers], dim=-1)  # [T, C * H]
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return F.linear(hidden, self.lm_head_weight).float()  # [N, V]

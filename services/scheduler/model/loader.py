@@ -1,0 +1,146 @@
+"""Build a `ModelRunner` from a model directory: real safetensors weights or seeded random ones.
+
+load_format "auto" reads `*.safetensors` (one file, or shards listed in
+`model.safetensors.index.json`); a directory without weights whose config says
+`"sparkwire_weights": "seeded-random"` (the bundled tiny model) gets weights from its
+`sparkwire_seed`. load_format "dummy" always builds random weights from config.json alone.
+"""
+
+from __future__ import annotations
+
+import json
+import zlib
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from services.scheduler.model.config import ModelConfig
+from services.scheduler.model.kv_cache import PagedKVCache, bytes_per_block, num_blocks_for_budget
+from services.scheduler.model.llama import CausalLM, rope_inv_freq
+from services.scheduler.model.runner import ModelRunner
+
+LOAD_FORMATS = ("auto", "dummy")
+DUMMY_STD = 0.02  # the reference initializer_range
+# Random tensors larger than this repeat with this period: generating billions of values on the
+# host would dominate start-up of a dummy 8B model, and benchmarks only need plausible numbers.
+DUMMY_PERIOD = 4_000_037
+CPU_KV_CACHE_CAP_BYTES = 1 << 30
+CUDA_KV_CACHE_FRACTION = 0.8  # of the memory still free once weights are loaded
+
+
+class MissingTensorError(KeyError):
+    """A parameter the model needs is absent from the checkpoint's safetensors files."""
+
+    def __init__(self, name: str, model_dir: Path) -> None:
+        super().__init__(f"tensor {name!r} not found in the safetensors files of {model_dir}")
+        self.name = name
+        self.model_dir = model_dir
+
+    def __str__(self) -> str:
+        return str(self.args[0])
+
+
+class NoWeightsError(FileNotFoundError):
+    """load_format "auto" found neither safetensors nor a seeded-random marker."""
+
+
+def load_model_runner(
+    path: str | Path,
+    *,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype = torch.float32,
+    load_format: str = "auto",
+    num_kv_blocks: int | None = None,
+    kv_block_size: int = 16,
+    kv_cache_bytes: int | None = None,
+    seed: int = 0,
+) -> ModelRunner:
+    """Load the model at `path` onto `device` in `dtype` and allocate its paged KV cache."""
+    if load_format not in LOAD_FORMATS:
+        raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {load_format!r}")
+    model_dir = Path(path)
+    config = ModelConfig.from_pretrained(model_dir)
+    device = torch.device(device)
+    model = _empty_model(config, device, dtype)
+    _fill_weights(model, model_dir, config, load_format, seed)
+    model.eval()
+    num_blocks = num_kv_blocks or _default_num_blocks(config, kv_block_size, dtype, device, kv_cache_bytes)
+    cache = PagedKVCache(config, num_blocks, kv_block_size, dtype, device)
+    return ModelRunner(model, cache)
+
+
+def _empty_model(config: ModelConfig, device: torch.device, dtype: torch.dtype) -> CausalLM:
+    # Built on the meta device so no host memory or init kernels are spent on weights we overwrite.
+    with torch.device("meta"):
+        model = CausalLM(config).to(dtype)
+    model = model.to_empty(device=device)
+    model.rope_inv_freq = rope_inv_freq(config).to(device)  # stays fp32: positions need the precision
+    return model
+
+
+def _fill_weights(model: CausalLM, model_dir: Path, config: ModelConfig, load_format: str, seed: int) -> None:
+    if load_format == "dummy":
+        fill_random_weights(model, seed)
+    elif _safetensors_files(model_dir):
+        load_safetensors(model, model_dir)
+    elif config.sparkwire_weights == "seeded-random":
+        fill_random_weights(model, config.sparkwire_seed)
+    else:
+        raise NoWeightsError(
+            f"no *.safetensors files in {model_dir}; pass --load-format dummy for random weights"
+        )
+
+
+def _safetensors_files(model_dir: Path) -> list[Path]:
+    index_path = model_dir / "model.safetensors.index.json"
+    if index_path.is_file():
+        weight_map = json.loads(index_path.read_text(encoding="utf-8"))["weight_map"]
+        return sorted({model_dir / name for name in weight_map.values()})
+    return sorted(model_dir.glob("*.safetensors"))
+
+
+@torch.no_grad()
+def load_safetensors(model: CausalLM, model_dir: Path) -> None:
+    """Copy every parameter, by its Hugging Face name, from the directory's safetensors files."""
+    needed = dict(model.named_parameters())
+    for path in _safetensors_files(model_dir):
+        with safe_open(str(path), framework="pt", device="cpu") as handle:
+            for name in handle.keys():
+                if name in needed:
+                    needed.pop(name).copy_(handle.get_tensor(name))
+    if needed:
+        raise MissingTensorError(sorted(needed)[0], model_dir)
+
+
+@torch.no_grad()
+def fill_random_weights(model: CausalLM, seed: int) -> None:
+    """Deterministic weights: same seed, same values, on any device (drawn on the host, then moved)."""
+    for name, param in model.named_parameters():
+        if name.endswith("norm.weight"):
+            param.fill_(1.0)
+        else:
+            param.copy_(_random_tensor(name, param.shape, seed, param.device))
+
+
+def _random_tensor(name: str, shape: torch.Size, seed: int, device: torch.device) -> torch.Tensor:
+    # Each tensor has its own stream, so values do not depend on parameter order.
+    generator = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+    numel = shape.numel()
+    period = torch.empty(min(numel, DUMMY_PERIOD)).normal_(0.0, DUMMY_STD, generator=generator).to(device)
+    if numel <= DUMMY_PERIOD:
+        return period.view(shape)
+    return period.repeat(-(-numel // DUMMY_PERIOD))[:numel].view(shape)
+
+
+def _default_num_blocks(
+    config: ModelConfig, block_size: int, dtype: torch.dtype, device: torch.device, budget: int | None
+) -> int:
+    if budget is None and device.type == "cuda":
+        free_bytes, _ = torch.cuda.mem_get_info(device)
+        budget = int(free_bytes * CUDA_KV_CACHE_FRACTION)
+    if budget is None:
+        # Room for two full-length sequences, within a cap that keeps CPU runs light.
+        wanted = 2 * config.max_position_embeddings // block_size * bytes_per_block(config, block_size, dtype)
+        budget = min(wanted, CPU_KV_CACHE_CAP_BYTES)
+    return num_blocks_for_budget(config, block_size, dtype, budget)

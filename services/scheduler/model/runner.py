@@ -1,0 +1,81 @@
+"""The scheduler's handle on the model: one ragged forward per step, logits on demand.
+
+The scheduler core owns the block manager and builds each `ForwardBatch`; the runner owns the
+weights and the paged KV cache those blocks index into.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from services.scheduler.model.batch import ForwardBatch, ForwardOutput
+from services.scheduler.model.config import ModelConfig
+from services.scheduler.model.kv_cache import PagedKVCache
+from services.scheduler.model.llama import CausalLM
+
+
+class ModelRunner:
+    def __init__(self, model: CausalLM, kv_cache: PagedKVCache) -> None:
+        self.model = model
+        self.kv_cache = kv_cache
+
+    @property
+    def config(self) -> ModelConfig:
+        return self.model.config
+
+    @property
+    def device(self) -> torch.device:
+        return self.kv_cache.kv.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.kv_cache.kv.dtype
+
+    @property
+    def block_size(self) -> int:
+        return self.kv_cache.block_size
+
+    @property
+    def num_blocks(self) -> int:
+        return self.kv_cache.num_blocks
+
+    @property
+    def lm_head_weight(self) -> torch.Tensor:
+        return self.model.lm_head_weight  # [V, H]
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch) -> ForwardOutput:
+        """Run one step: write the new tokens' K/V, return final hidden states [T, H] (+ captures)."""
+        self._check(batch)
+        hidden, captured = self.model(self._on_device(batch), self.kv_cache)
+        return ForwardOutput(hidden_states=hidden, captured=captured)
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.model.compute_logits(hidden.to(self.device, self.dtype))  # [N, V] float32
+
+    @torch.inference_mode()
+    def embed_tokens(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.model.model.embed_tokens(ids.to(self.device))  # [..., H]
+
+    def _on_device(self, batch: ForwardBatch) -> ForwardBatch:
+        if batch.input_ids.device == self.device:
+            return batch
+        fields = ("input_ids", "positions", "query_start_loc", "seq_lens", "block_tables", "slot_mapping")
+        moved = {name: getattr(batch, name).to(self.device, non_blocking=True) for name in fields}
+        return dataclasses.replace(batch, **moved)
+
+    def _check(self, batch: ForwardBatch) -> None:
+        num_tokens = batch.num_tokens
+        if batch.positions.shape[0] != num_tokens or batch.slot_mapping.shape[0] != num_tokens:
+            raise ValueError(
+                f"input_ids, positions and slot_mapping must have one entry per token ({num_tokens}); got "
+                f"{batch.positions.shape[0]} positions and {batch.slot_mapping.shape[0]} slots"
+            )
+        if batch.query_start_loc.shape[0] != batch.num_seqs + 1:
+            raise ValueError(f"query_start_loc needs {batch.num_seqs + 1} entries, got {batch.query_start_loc.shape[0]}")
+        bad = [i for i in batch.capture_layers if not 0 <= i < self.config.num_hidden_layers]
+        if bad:
+            raise ValueError(f"capture_layers {bad} out of range for {self.config.num_hidden_layers} layers")
