@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import IO
 
 PROJECT_CONFIG = Path(__file__).resolve().parents[2] / "ops" / "nats" / "nats.conf"
 
@@ -32,6 +35,13 @@ def free_port() -> int:
 class NatsServer:
     process: subprocess.Popen[bytes]
     port: int
+    log_file: IO[bytes]  # the server's stderr; a file, not a pipe, so a chatty server never blocks
+
+    def log(self) -> str:
+        """Everything the server logged so far (slow consumers, payload violations, ...)."""
+        # pread, not seek+read: the server shares the file offset and keeps appending at it.
+        fd = self.log_file.fileno()
+        return os.pread(fd, os.fstat(fd).st_size, 0).decode(errors="replace")
 
     @property
     def url(self) -> str:
@@ -57,12 +67,16 @@ def start_nats_server(
     """Start on 127.0.0.1:`port` (a free one by default) and wait until it accepts connections."""
     port = port or free_port()
     args = [find_binary(), "-c", str(config), "-a", "127.0.0.1", "-p", str(port)]
-    process = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    server = NatsServer(process, port)
+    log_file = tempfile.TemporaryFile()
+    # Own session: a terminal Ctrl-C must not stop the server before the services have drained.
+    process = subprocess.Popen(
+        args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=log_file, start_new_session=True
+    )
+    server = NatsServer(process, port, log_file)
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if process.poll() is not None:
-            raise RuntimeError(f"nats-server exited: {process.stderr.read().decode(errors='replace')}")
+            raise RuntimeError(f"nats-server exited: {server.log()}")
         try:
             with socket.create_connection(("127.0.0.1", port), timeout=0.2):
                 return server

@@ -1,12 +1,23 @@
 """NATS transport shared by the three services: typed publish/subscribe, chunking, flow control.
 
-- `publish` never sends a message larger than the server's `max_payload` *including headers*:
-  a larger payload is split into chunks (headers `Sw-Msg`, `Sw-Chunk: i/n`) and reassembled by
-  `subscribe` on the other side. Chunked messages are only allowed on direct subjects (one
-  subscriber), see `contracts.subjects`.
-- Each subscription hands decoded messages to its handler from its own task, in arrival order,
-  so a slow handler never blocks the client's read loop (which is what trips slow-consumer
-  limits).
+- Size. The server counts headers + payload against `max_payload` (nats-py checks only the
+  payload). A payload of `FRAMED_MIN_BYTES` or more travels *framed*: split into chunks, each
+  with headers `Sw-Msg` (message id), `Sw-Chunk` (`i/n`, fixed width) and `Sw-Ack` (the sender's
+  ack inbox), sized so that the encoded header block + chunk is at most `max_payload`, exactly.
+  `subscribe` reassembles them. Framed messages are only for direct subjects (one subscriber),
+  see `contracts.subjects`. Requests travel in one message: too large raises `PayloadTooLarge`
+  at once, never a timeout.
+- Flow control. The receiver acks every chunk once it has taken it off its inbox (the last
+  chunk of a message only after the handler returned). The sender keeps at most `window_bytes`
+  of unacked chunks in flight per destination subject, so a burst of large messages never
+  piles up in the server's per-connection buffer (`max_pending`, slow-consumer disconnect) or in
+  the receiver's memory — also when the receiver's event loop is busy. Acks are per chunk, not
+  per message, because one message (21 MB of prompt logprobs) can exceed `max_pending` alone.
+  No ack progress for `ack_timeout_s` means the receiver is gone: `ReceiverGone` is raised.
+- Order. Publishes to one subject leave in call order (a per-subject lock), and each
+  subscription hands decoded messages to its handler from its own task, in arrival order, so a
+  slow handler never blocks the client's read loop.
+- Memory. A partial reassembly that gets no chunk for `reassembly_timeout_s` is dropped.
 - `close` drains (flushes pending publishes, finishes handlers) before closing.
 """
 
@@ -15,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import time
 import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -33,47 +45,134 @@ Handler = Callable[[T, Msg], Awaitable[None]]
 
 MSG_HEADER = "Sw-Msg"
 CHUNK_HEADER = "Sw-Chunk"
-HEADER_MARGIN = 256  # bytes kept free for the NATS header block framing
+ACK_HEADER = "Sw-Ack"
+NATS_HEADER_LINE = b"NATS/1.0\r\n"
+CRLF_LEN = 2
+
+FRAMED_MIN_BYTES = 256 * 1024  # from this size on, messages are framed and flow controlled
+DEFAULT_WINDOW_BYTES = 32 * 1024 * 1024  # unacked bytes in flight per destination subject
+DEFAULT_ACK_TIMEOUT_S = 10.0
+DEFAULT_REASSEMBLY_TIMEOUT_S = 30.0
 
 
-class PayloadTooLarge(Exception):
-    """A message that must travel in one piece (a request) exceeds `max_payload`."""
+class TransportError(Exception):
+    """Base of the errors this module raises."""
+
+
+class PayloadTooLarge(TransportError):
+    """A message that must travel in one piece (a request or a reply) exceeds `max_payload`."""
+
+
+class ReceiverGone(TransportError):
+    """Flow control: the receiver of a subject stopped acking (it died or left)."""
+
+
+def header_block_size(headers: dict[str, str]) -> int:
+    """Bytes of the encoded NATS header block: `NATS/1.0\\r\\n` + `Key: Value\\r\\n`... + `\\r\\n`."""
+    lines = sum(len(key.encode()) + 2 + len(value.encode()) + CRLF_LEN for key, value in headers.items())
+    return len(NATS_HEADER_LINE) + lines + CRLF_LEN
+
+
+def chunk_headers(msg_id: str, index: int, num_chunks: int, width: int, ack_subject: str | None) -> dict[str, str]:
+    headers = {MSG_HEADER: msg_id, CHUNK_HEADER: f"{index:0{width}d}/{num_chunks:0{width}d}"}
+    if ack_subject is not None:
+        headers[ACK_HEADER] = ack_subject
+    return headers
+
+
+def plan_chunks(payload_len: int, max_payload: int, msg_id: str, ack_subject: str | None) -> tuple[int, int, int]:
+    """(chunk_size, num_chunks, width) with header block + chunk <= max_payload for every chunk.
+
+    Chunk numbers are zero-padded to `width` digits so every header has the same size; the
+    smallest width that fits wins (a wider header leaves less room per chunk).
+    """
+    for width in itertools.count(1):
+        header = header_block_size(chunk_headers(msg_id, 0, 0, width, ack_subject))
+        chunk_size = max_payload - header
+        if chunk_size <= 0:
+            raise PayloadTooLarge(f"max_payload {max_payload} bytes leaves no room after a {header}-byte header")
+        num_chunks = max(1, -(-payload_len // chunk_size))
+        if num_chunks < 10**width:
+            return chunk_size, num_chunks, width
+    raise AssertionError("unreachable")
+
+
+@dataclass
+class ConnectionEvents:
+    """What the NATS client reported on one connection (tests assert on these)."""
+
+    disconnects: int = 0
+    reconnects: int = 0
+    errors: list[str] = field(default_factory=list)
+
+
+@dataclass
+class _Window:
+    """Flow-control state of one destination subject, on the sender side."""
+
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    changed: asyncio.Event = field(default_factory=asyncio.Event)
+    outstanding: dict[str, tuple[int, float]] = field(default_factory=dict)  # ack key -> (bytes, sent_at); oldest first
+    num_bytes: int = 0
+
+    def add(self, key: str, size: int) -> None:
+        self.outstanding[key] = (size, time.monotonic())
+        self.num_bytes += size
+
+    def release(self, key: str) -> None:
+        size, _ = self.outstanding.pop(key)
+        self.num_bytes -= size
+        self.changed.set()
+
+    def oldest_sent_at(self) -> float:
+        return next(iter(self.outstanding.values()))[1]
+
+    def forget(self) -> None:
+        self.outstanding.clear()
+        self.num_bytes = 0
 
 
 class Transport:
     """One NATS connection owned by one service instance."""
 
-    def __init__(self, nc: Client, name: str) -> None:
+    def __init__(
+        self,
+        nc: Client,
+        name: str,
+        events: ConnectionEvents | None = None,
+        window_bytes: int = DEFAULT_WINDOW_BYTES,
+        ack_timeout_s: float = DEFAULT_ACK_TIMEOUT_S,
+        reassembly_timeout_s: float = DEFAULT_REASSEMBLY_TIMEOUT_S,
+    ) -> None:
         self._nc = nc
         self._name = name
+        self.events = events or ConnectionEvents()
+        self._window_bytes = window_bytes  # 0 disables flow control
+        self._ack_timeout_s = ack_timeout_s
+        self._reassembly_timeout_s = reassembly_timeout_s
         self._sender_id = uuid.uuid4().hex[:12]
         self._seq = itertools.count()
         self._encoder = msgspec.msgpack.Encoder()
         self._tasks: list[asyncio.Task[None]] = []
-        self._subs: list[Any] = []
+        self._windows: dict[str, _Window] = {}
+        self._ack_keys: dict[str, str] = {}  # ack key -> destination subject
+        self._ack_subject: str | None = None
 
     @classmethod
-    async def connect(cls, url: str, name: str) -> Transport:
-        async def on_error(exc: Exception) -> None:
-            log.warning("nats.error", service=name, error=repr(exc))
-
-        async def on_disconnect() -> None:
-            log.warning("nats.disconnected", service=name)
-
-        async def on_reconnect() -> None:
-            log.info("nats.reconnected", service=name)
-
+    async def connect(
+        cls,
+        url: str,
+        name: str,
+        window_bytes: int = DEFAULT_WINDOW_BYTES,
+        ack_timeout_s: float = DEFAULT_ACK_TIMEOUT_S,
+        reassembly_timeout_s: float = DEFAULT_REASSEMBLY_TIMEOUT_S,
+    ) -> Transport:
+        events = ConnectionEvents()
         nc = await nats.connect(
-            servers=[url],
-            name=name,
-            error_cb=on_error,
-            disconnected_cb=on_disconnect,
-            reconnected_cb=on_reconnect,
-            max_reconnect_attempts=-1,
-            reconnect_time_wait=0.5,
-            connect_timeout=5,
-        )
-        return cls(nc, name)
+            servers=[url], name=name, max_reconnect_attempts=-1, reconnect_time_wait=0.5, connect_timeout=5,
+            **_callbacks(name, events),
+        )  # fmt: skip
+        return cls(nc, name, events, window_bytes, ack_timeout_s, reassembly_timeout_s)
 
     @property
     def max_payload(self) -> int:
@@ -87,47 +186,101 @@ class Transport:
         return self._encoder.encode(message)
 
     async def publish(self, subject: str, message: msgspec.Struct | bytes) -> None:
+        """Publish, framing and flow-controlling large payloads. Raises `ReceiverGone` when a
+        framed message's receiver stopped acking for `ack_timeout_s`."""
         payload = message if isinstance(message, bytes) else self.encode(message)
-        limit = self.max_payload - HEADER_MARGIN
-        if len(payload) <= limit:
-            await self._nc.publish(subject, payload)
-            return
-        msg_id = f"{self._sender_id}-{next(self._seq)}"
-        view = memoryview(payload)
-        num_chunks = -(-len(payload) // limit)
-        for index in range(num_chunks):
-            headers = {MSG_HEADER: msg_id, CHUNK_HEADER: f"{index}/{num_chunks}"}
-            await self._nc.publish(subject, bytes(view[index * limit : (index + 1) * limit]), headers=headers)
+        window = self._windows.get(subject) or self._windows.setdefault(subject, _Window())
+        flow_controlled = self._window_bytes > 0 and len(payload) >= FRAMED_MIN_BYTES
+        async with window.lock:
+            if flow_controlled or len(payload) > self.max_payload:
+                await self._publish_framed(subject, payload, window)
+            else:
+                await self._nc.publish(subject, payload)
 
-    async def request(
-        self, subject: str, message: msgspec.Struct, reply_type: type[T], timeout: float
-    ) -> T:
-        """Single-message request/reply. Raises `nats.errors.NoRespondersError` at once when
-        nobody listens, `nats.errors.TimeoutError` after `timeout`."""
+    async def _publish_framed(self, subject: str, payload: bytes, window: _Window) -> None:
+        ack_subject = await self._ensure_ack_inbox() if self._window_bytes > 0 else None
+        msg_id = f"{self._sender_id}-{next(self._seq)}"
+        chunk_size, num_chunks, width = plan_chunks(len(payload), self.max_payload, msg_id, ack_subject)
+        view = memoryview(payload)
+        for index in range(num_chunks):
+            chunk = bytes(view[index * chunk_size : (index + 1) * chunk_size])
+            if ack_subject is not None:
+                await self._acquire(subject, window, len(chunk))
+                key = f"{msg_id} {index}"
+                self._ack_keys[key] = subject
+                window.add(key, len(chunk))
+            headers = chunk_headers(msg_id, index, num_chunks, width, ack_subject)
+            await self._nc.publish(subject, chunk, headers=headers)
+
+    async def _acquire(self, subject: str, window: _Window, size: int) -> None:
+        """Wait until `size` more bytes fit in `subject`'s window (one chunk always fits an empty one)."""
+        while window.num_bytes and window.num_bytes + size > self._window_bytes:
+            remaining = window.oldest_sent_at() + self._ack_timeout_s - time.monotonic()
+            if remaining <= 0:
+                self._forget(window)
+                raise ReceiverGone(
+                    f"{subject}: no flow-control ack for {self._ack_timeout_s:.1f}s with "
+                    f"{window.num_bytes} bytes unacked; the receiver is gone or stuck"
+                )
+            window.changed.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(window.changed.wait(), remaining)
+
+    def _forget(self, window: _Window) -> None:
+        for key in window.outstanding:
+            self._ack_keys.pop(key, None)
+        window.forget()
+
+    async def _ensure_ack_inbox(self) -> str:
+        if self._ack_subject is None:
+            subject = self._nc.new_inbox()
+            await self._nc.subscribe(subject, cb=self._on_ack, pending_msgs_limit=-1, pending_bytes_limit=-1)
+            self._ack_subject = subject
+        return self._ack_subject
+
+    async def _on_ack(self, msg: Msg) -> None:
+        key = msg.data.decode(errors="replace")
+        subject = self._ack_keys.pop(key, None)
+        if subject is not None:  # unknown keys: duplicates, or acks for a forgotten window
+            self._windows[subject].release(key)
+
+    async def request(self, subject: str, message: msgspec.Struct, reply_type: type[T], timeout: float) -> T:
+        """Single-message request/reply. Raises `PayloadTooLarge` at once when the request does
+        not fit `max_payload`, `nats.errors.NoRespondersError` at once when nobody listens,
+        `nats.errors.TimeoutError` after `timeout`."""
         payload = self.encode(message)
-        if len(payload) > self.max_payload - HEADER_MARGIN:
-            raise PayloadTooLarge(f"{subject}: {len(payload)} bytes > max_payload {self.max_payload}")
+        self._check_single(subject, payload, "request")
         reply = await self._nc.request(subject, payload, timeout=timeout)
         return msgspec.msgpack.decode(reply.data, type=reply_type)
 
     async def respond(self, msg: Msg, message: msgspec.Struct) -> None:
-        await msg.respond(self.encode(message))
+        payload = self.encode(message)
+        self._check_single(msg.reply, payload, "reply")
+        await msg.respond(payload)
 
-    async def subscribe(
-        self, subject: str, message_type: type[T], handler: Handler[T], queue: str = ""
-    ) -> None:
+    def _check_single(self, subject: str, payload: bytes, kind: str) -> None:
+        if len(payload) > self.max_payload:
+            raise PayloadTooLarge(
+                f"{kind} on {subject}: payload {len(payload)} bytes > server max_payload "
+                f"{self.max_payload} bytes ({kind}s travel in one message, without chunking)"
+            )
+
+    async def subscribe(self, subject: str, message_type: type[T], handler: Handler[T], queue: str = "") -> None:
         """Decode every message on `subject` as `message_type` and await `handler` on it, in order."""
-        inbox: asyncio.Queue[Msg] = asyncio.Queue()
-
-        async def enqueue(msg: Msg) -> None:
-            inbox.put_nowait(msg)
-
-        sub = await self._nc.subscribe(
-            subject, queue=queue, cb=enqueue, pending_msgs_limit=-1, pending_bytes_limit=-1
+        receiver = _Receiver(self, subject, msgspec.msgpack.Decoder(message_type), handler)
+        # No client-side pending limits: beyond them nats-py drops messages. Memory is bounded by
+        # the senders' flow-control windows instead.
+        await self._nc.subscribe(
+            subject, queue=queue, cb=receiver.enqueue, pending_msgs_limit=-1, pending_bytes_limit=-1
         )
-        self._subs.append(sub)
-        decoder = msgspec.msgpack.Decoder(message_type)
-        self._tasks.append(asyncio.create_task(_dispatch(inbox, decoder, handler, subject)))
+        self._tasks += [asyncio.create_task(receiver.run()), asyncio.create_task(receiver.sweep())]
+
+    async def _send_ack(self, msg: Msg) -> None:
+        headers = msg.headers or {}
+        ack_subject = headers.get(ACK_HEADER)
+        if ack_subject:
+            with contextlib.suppress(Exception):  # a closing connection: the sender times out instead
+                await self._nc.publish(ack_subject, f"{headers[MSG_HEADER]} {int(headers[CHUNK_HEADER].split('/')[0])}".encode())
 
     async def close(self) -> None:
         """Drain: stop receiving, let handlers finish what arrived, flush publishes, close."""
@@ -140,45 +293,97 @@ class Transport:
             await self._nc.close()
 
 
+def _callbacks(name: str, events: ConnectionEvents) -> dict[str, Callable[..., Awaitable[None]]]:
+    async def error_cb(exc: Exception) -> None:
+        events.errors.append(repr(exc))
+        log.warning("nats.error", service=name, error=repr(exc))
+
+    async def disconnected_cb() -> None:
+        events.disconnects += 1
+        log.warning("nats.disconnected", service=name)
+
+    async def reconnected_cb() -> None:
+        events.reconnects += 1
+        log.info("nats.reconnected", service=name)
+
+    return {"error_cb": error_cb, "disconnected_cb": disconnected_cb, "reconnected_cb": reconnected_cb}
+
+
 @dataclass
 class _Reassembly:
+    expected: int
     chunks: list[bytes] = field(default_factory=list)
-    expected: int = 0
+    last_seen: float = field(default_factory=time.monotonic)
 
 
-async def _dispatch(
-    inbox: asyncio.Queue[Msg], decoder: msgspec.msgpack.Decoder, handler: Handler[Any], subject: str
-) -> None:
-    partial: dict[str, _Reassembly] = {}
-    while True:
-        msg = await inbox.get()
-        payload = _reassemble(msg, partial)
-        if payload is None:
-            continue
+class _Receiver:
+    """One subscription: inbox queue, reassembly, decode, handler, acks."""
+
+    def __init__(
+        self, transport: Transport, subject: str, decoder: msgspec.msgpack.Decoder, handler: Handler[Any]
+    ) -> None:
+        self._transport = transport
+        self._subject = subject
+        self._decoder = decoder
+        self._handler = handler
+        self._inbox: asyncio.Queue[Msg] = asyncio.Queue()
+        self._partial: dict[str, _Reassembly] = {}
+
+    async def enqueue(self, msg: Msg) -> None:
+        self._inbox.put_nowait(msg)
+
+    async def run(self) -> None:
+        while True:
+            msg = await self._inbox.get()
+            payload = self._reassemble(msg)
+            if payload is not None:
+                await self._handle(payload, msg)
+            if msg.headers and MSG_HEADER in msg.headers:
+                await self._transport._send_ack(msg)  # after the handler for a message's last chunk
+
+    async def sweep(self) -> None:
+        """Drop reassemblies that got no chunk for the timeout (the sender died mid-message)."""
+        timeout_s = self._transport._reassembly_timeout_s
+        while True:
+            await asyncio.sleep(timeout_s / 2)
+            self._drop_stale(timeout_s)
+
+    def _drop_stale(self, timeout_s: float) -> None:
+        now = time.monotonic()
+        for msg_id, state in list(self._partial.items()):
+            if now - state.last_seen > timeout_s:
+                log.warning("transport.reassembly_dropped", subject=self._subject, msg_id=msg_id,
+                            have=len(state.chunks), expected=state.expected)  # fmt: skip
+                del self._partial[msg_id]
+
+    def _reassemble(self, msg: Msg) -> bytes | None:
+        headers = msg.headers or {}
+        msg_id = headers.get(MSG_HEADER)
+        if msg_id is None:
+            return msg.data
+        index, total = (int(part) for part in headers[CHUNK_HEADER].split("/"))
+        if total == 1:
+            return msg.data
+        state = self._partial.setdefault(msg_id, _Reassembly(expected=total))
+        if index != len(state.chunks):  # a lost chunk (core NATS is at-most-once) or a late joiner
+            log.error("transport.chunk_out_of_order", subject=self._subject, msg_id=msg_id, index=index,
+                      have=len(state.chunks))  # fmt: skip
+            del self._partial[msg_id]
+            return None
+        state.chunks.append(msg.data)
+        state.last_seen = time.monotonic()
+        if len(state.chunks) < state.expected:
+            return None
+        del self._partial[msg_id]
+        return b"".join(state.chunks)
+
+    async def _handle(self, payload: bytes, msg: Msg) -> None:
         try:
-            message = decoder.decode(payload)
+            message = self._decoder.decode(payload)
         except msgspec.DecodeError as exc:
-            log.error("transport.bad_message", subject=subject, error=str(exc))
-            continue
+            log.error("transport.bad_message", subject=self._subject, error=str(exc))
+            return
         try:
-            await handler(message, msg)
+            await self._handler(message, msg)
         except Exception:
-            log.exception("transport.handler_failed", subject=subject)
-
-
-def _reassemble(msg: Msg, partial: dict[str, _Reassembly]) -> bytes | None:
-    headers = msg.headers or {}
-    msg_id = headers.get(MSG_HEADER)
-    if msg_id is None:
-        return msg.data
-    index, total = (int(part) for part in headers[CHUNK_HEADER].split("/"))
-    state = partial.setdefault(msg_id, _Reassembly(expected=total))
-    if index != len(state.chunks):
-        log.error("transport.chunk_out_of_order", msg_id=msg_id, index=index, have=len(state.chunks))
-        del partial[msg_id]
-        return None
-    state.chunks.append(msg.data)
-    if len(state.chunks) < state.expected:
-        return None
-    del partial[msg_id]
-    return b"".join(state.chunks)
+            log.exception("transport.handler_failed", subject=self._subject)

@@ -1,0 +1,205 @@
+"""`sparkwire up`: the whole stack on one machine.
+
+Starts an embedded nats-server (unless `--nats-url` is given), then the scheduler, detokenizer and
+tokenizer as separate processes, waits until `GET /health` answers 200 and prints the URL.
+Ctrl-C or SIGTERM stops everything: SIGTERM to each service, SIGKILL after a grace period, then
+the nats-server. A service that dies on its own is reported (name, exit code, last output lines)
+and the rest are stopped; `up` then exits non-zero. Service logs are echoed to stderr, prefixed with
+the service name; stdout carries only the ready line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+
+from services.common.nats_server import NatsServer, start_nats_server
+
+START_ORDER = ("scheduler", "detokenizer", "tokenizer")
+OUTPUT_TAIL_LINES = 20
+POLL_S = 0.2
+HEALTH_POLL_S = 0.5
+PROGRESS_EVERY_S = 5.0
+
+
+@dataclass
+class Child:
+    """One service process; its output (stdout + stderr, where structlog and tracebacks go) is
+    echoed to our stderr, prefixed with its name, and the last lines are kept for the report."""
+
+    name: str
+    process: subprocess.Popen[bytes]
+    tail: collections.deque[str] = field(default_factory=lambda: collections.deque(maxlen=OUTPUT_TAIL_LINES))
+    reader: threading.Thread | None = None
+
+    @classmethod
+    def start(cls, name: str, argv: list[str]) -> Child:
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        process = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
+        child = cls(name, process)
+        child.reader = threading.Thread(target=child._echo_output, name=f"{name}-output", daemon=True)
+        child.reader.start()
+        return child
+
+    def _echo_output(self) -> None:
+        assert self.process.stdout is not None
+        for raw in self.process.stdout:
+            line = raw.decode(errors="replace").rstrip("\n")
+            self.tail.append(line)
+            with contextlib.suppress(OSError, ValueError):  # our stderr gone: keep draining the pipe
+                print(f"[{self.name}] {line}", file=sys.stderr, flush=True)
+
+    def exit_code(self) -> int | None:
+        return self.process.poll()
+
+    def report(self) -> str:
+        if self.reader is not None:
+            self.reader.join(timeout=2.0)  # the last lines are the ones that explain the exit
+        lines = "\n".join(f"    {line}" for line in self.tail) or "    (no output)"
+        return f"sparkwire up: {self.name} exited with code {self.exit_code()}; last output lines:\n{lines}"
+
+
+def service_argv(name: str, nats_url: str, args: argparse.Namespace) -> list[str]:
+    """The command line of one service, as `sparkwire <name>` would be run by hand."""
+    argv = [sys.executable, "-m", "services.cli", name, "--nats-url", nats_url]
+    argv += ["--model", args.model, "--log-level", args.log_level]
+    if name == "scheduler":
+        argv += ["--speculative-algorithm", args.speculative_algorithm]
+        argv += ["--device", args.device, "--load-format", args.load_format]
+        if args.draft_model:
+            argv += ["--draft-model", args.draft_model]
+    if name == "tokenizer":
+        argv += ["--host", args.host, "--port", str(args.port)]
+    return argv
+
+
+def reachable_host(host: str) -> str:
+    return "127.0.0.1" if host in ("0.0.0.0", "") else host  # a wildcard bind is not an address
+
+
+def health_url(host: str, port: int) -> str:
+    return f"http://{reachable_host(host)}:{port}/health"
+
+
+def port_in_use(host: str, port: int) -> bool:
+    with socket.socket() as sock:
+        sock.settimeout(0.5)
+        return sock.connect_ex((reachable_host(host), port)) == 0
+
+
+def is_healthy(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=1.0) as response:
+            return response.status == 200
+    except (urllib.error.URLError, OSError):
+        return False
+
+
+class Stack:
+    """The processes `up` owns, stopped in reverse start order."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.nats: NatsServer | None = None
+        self.children: list[Child] = []
+        self.stop_requested = threading.Event()
+
+    def start(self) -> None:
+        nats_url = self.args.nats_url
+        if not nats_url:
+            self.nats = start_nats_server()
+            nats_url = self.nats.url
+            print(f"sparkwire up: nats-server on {nats_url}", file=sys.stderr, flush=True)
+        for name in START_ORDER:
+            self.children.append(Child.start(name, service_argv(name, nats_url, self.args)))
+
+    def dead_child(self) -> Child | None:
+        return next((child for child in self.children if child.exit_code() is not None), None)
+
+    def wait_ready(self) -> Child | None:
+        """Until /health is 200 (None), a child dies (that child), a stop is asked or time runs out."""
+        url = health_url(self.args.host, self.args.port)
+        started = time.monotonic()
+        next_progress = started + PROGRESS_EVERY_S
+        while not self.stop_requested.is_set():
+            if (dead := self.dead_child()) is not None:
+                return dead
+            if is_healthy(url):
+                return None
+            now = time.monotonic()
+            if now - started > self.args.ready_timeout_s:
+                raise TimeoutError(f"{url} not healthy after {self.args.ready_timeout_s:.0f}s")
+            if now >= next_progress:
+                print(f"sparkwire up: waiting for {url} ({now - started:.0f}s)", file=sys.stderr, flush=True)
+                next_progress = now + PROGRESS_EVERY_S
+            self.stop_requested.wait(HEALTH_POLL_S)
+        return None
+
+    def wait_stopped_or_dead(self) -> Child | None:
+        while not self.stop_requested.wait(POLL_S):
+            if (dead := self.dead_child()) is not None:
+                return dead
+        return None
+
+    def stop(self) -> None:
+        for child in reversed(self.children):
+            if child.exit_code() is None:
+                child.process.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + self.args.grace_s
+        for child in reversed(self.children):
+            _wait_or_kill(child, deadline)
+        if self.nats is not None:
+            self.nats.stop()
+
+
+def _wait_or_kill(child: Child, deadline: float) -> None:
+    try:
+        child.process.wait(timeout=max(0.0, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+        print(f"sparkwire up: {child.name} ignored SIGTERM, killing it", file=sys.stderr, flush=True)
+        child.process.kill()
+        child.process.wait()
+
+
+def main(args: argparse.Namespace) -> int:
+    stack = Stack(args)
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda _signum, _frame: stack.stop_requested.set())
+    try:
+        code = _run(stack)
+    finally:
+        stack.stop()
+    print("sparkwire up: stopped", file=sys.stderr, flush=True)
+    return code
+
+
+def _run(stack: Stack) -> int:
+    if port_in_use(stack.args.host, stack.args.port):
+        # Otherwise whatever listens there could answer /health and pass for Sparkwire.
+        print(f"sparkwire up: port {stack.args.port} is already in use; pick another with --port", file=sys.stderr)
+        return 1
+    stack.start()
+    try:
+        dead = stack.wait_ready()
+    except TimeoutError as exc:
+        print(f"sparkwire up: {exc}", file=sys.stderr, flush=True)
+        return 1
+    if dead is None and not stack.stop_requested.is_set():
+        url = f"http://{stack.args.host}:{stack.args.port}"
+        print(f"Sparkwire ready on {url}", flush=True)
+        dead = stack.wait_stopped_or_dead()
+    if dead is not None:
+        print(dead.report(), file=sys.stderr, flush=True)
+        return 1
+    return 0

@@ -1,0 +1,228 @@
+"""Wire contracts: MessagePack round trips of every type, zero-copy arrays, schema evolution,
+versioned subjects."""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import pkgutil
+
+import msgspec
+import numpy as np
+import pytest
+
+import contracts
+from contracts import subjects
+from contracts.arrays import NDArray
+from contracts.control import Heartbeat
+from contracts.detokenizer import (
+    DetokenizeParams,
+    DetokenizerRegistration,
+    DetokenizerRegistrationReply,
+    Finish,
+    FinishType,
+    RequestLogprobs,
+    TokenBatch,
+)
+from contracts.scheduler import (
+    AbortRequest,
+    GenerateRequest,
+    LogprobParams,
+    SamplingParams,
+    SchedulerClaim,
+    SchedulerClaimReply,
+    SchedulerInfo,
+    SchedulerPing,
+)
+from contracts.tokenizer import TextBatch
+from services.common.arrays import from_wire, to_wire
+
+
+def i32(*values: int) -> NDArray:
+    return to_wire(np.array(values, dtype=np.int32))
+
+
+def f32(rows: int, cols: int) -> NDArray:
+    return to_wire(np.arange(rows * cols, dtype=np.float32).reshape(rows, cols) - 0.5)
+
+
+LOGPROBS = RequestLogprobs(
+    output_token_logprobs=to_wire(np.array([-0.5, np.nan], dtype=np.float32)),
+    output_top_logprobs=f32(2, 3),
+    output_top_ids=i32(1, 2, 3, 4, 5, 6),
+    input_start=0,
+    input_top_logprobs_flat=f32(4, 2),
+    input_top_ids_flat=to_wire(np.arange(8, dtype=np.int32).reshape(4, 2)),
+    input_top_null_prefix=1,
+)
+
+SAMPLES: list[msgspec.Struct] = [
+    i32(1, 2, 3),
+    Heartbeat("scheduler", "abc", alive=False, num_running=3, reason="shutdown"),
+    Finish(FinishType.STOP, matched="\n\n"),
+    Finish(FinishType.ABORT, message="scheduler died"),
+    DetokenizeParams(stop=("</s>", "\n"), skip_special_tokens=False, no_stop_trim=True),
+    DetokenizerRegistration("rid-1", "tok-1", DetokenizeParams(stop=("x",))),
+    DetokenizerRegistrationReply("detok-1"),
+    LOGPROBS,
+    TokenBatch(
+        scheduler_id="s",
+        step=7,
+        rids=["a", "b", "c"],
+        num_new_tokens=i32(2, 0, 1),
+        new_token_ids=i32(10, 11, 12),
+        prompt_tokens=i32(5, 6, 7),
+        finish=[None, Finish(FinishType.LENGTH), None],
+        logprobs=[LOGPROBS, None, RequestLogprobs()],
+        spec_verify_ct=i32(1, 2, 3),
+    ),
+    SamplingParams(max_new_tokens=16, temperature=0.0, top_k=5, seed=42, stop_token_ids=(2, 3), ignore_eos=True),
+    LogprobParams(return_logprob=True, logprob_start_len=0, top_logprobs_num=2, token_ids_logprob=(5, 6)),
+    SchedulerClaim("rid-1", 32768),
+    SchedulerClaimReply("s", accepted=False, error="prompt too long"),
+    GenerateRequest("rid-1", i32(1, 2, 3), "detok-1", SamplingParams(temperature=0.0), LogprobParams(True), True),
+    AbortRequest("rid-1", reason="stop"),
+    SchedulerPing(sent_at=1.5),
+    SchedulerInfo("s", "sparkwire-tiny", 32768, 2048, speculative_algorithm="dspark", num_running=2),
+    TextBatch(
+        detokenizer_id="d",
+        scheduler_id="s",
+        rids=["a", "b"],
+        text_deltas=["hé", ""],
+        num_new_tokens=i32(1, 0),
+        new_token_ids=i32(10),
+        prompt_tokens=i32(3, 4),
+        finish=[Finish(FinishType.STOP, matched=2), None],
+        logprobs=[None, LOGPROBS],
+        spec_verify_ct=None,
+    ),
+]
+
+
+def contract_types() -> set[type]:
+    found = set()
+    for info in pkgutil.iter_modules(contracts.__path__):
+        module = importlib.import_module(f"contracts.{info.name}")
+        found |= {obj for obj in vars(module).values() if inspect.isclass(obj) and issubclass(obj, msgspec.Struct)
+                  and obj.__module__ == module.__name__}  # fmt: skip
+    return found
+
+
+def test_every_contract_type_has_a_round_trip_sample():
+    assert contract_types() <= {type(sample) for sample in SAMPLES}
+
+
+def assert_same(a: object, b: object) -> None:
+    """Struct equality, with NDArray compared by dtype, shape and values (NaN equal to NaN)."""
+    if isinstance(a, NDArray):
+        assert isinstance(b, NDArray) and (a.dtype, a.shape) == (b.dtype, b.shape)
+        np.testing.assert_array_equal(from_wire(a), from_wire(b))
+    elif isinstance(a, msgspec.Struct):
+        assert type(a) is type(b)
+        for name in a.__struct_fields__:
+            assert_same(getattr(a, name), getattr(b, name))
+    elif isinstance(a, (list, tuple)):
+        assert type(a) is type(b) and len(a) == len(b)
+        for x, y in zip(a, b, strict=True):
+            assert_same(x, y)
+    else:
+        assert a == b and type(a) is type(b)
+
+
+@pytest.mark.parametrize("sample", SAMPLES, ids=lambda s: type(s).__name__)
+def test_msgpack_round_trip(sample):
+    decoded = msgspec.msgpack.Decoder(type(sample)).decode(msgspec.msgpack.encode(sample))
+    assert_same(sample, decoded)
+
+
+def test_round_trip_keeps_none_entries_in_lists():
+    batch = SAMPLES[8]
+    decoded = msgspec.msgpack.decode(msgspec.msgpack.encode(batch), type=TokenBatch)
+    assert decoded.finish[0] is None and decoded.finish[1] == Finish(FinishType.LENGTH)
+    assert decoded.logprobs[1] is None and decoded.logprobs[2] == RequestLogprobs()
+
+
+def test_ndarray_decode_is_zero_copy_over_the_message_buffer():
+    ids = np.arange(1000, dtype=np.int32)
+    buffer = msgspec.msgpack.encode(GenerateRequest("rid", to_wire(ids), "d"))
+    decoded = msgspec.msgpack.decode(buffer, type=GenerateRequest)
+    array = np.frombuffer(decoded.input_ids.data, dtype=np.dtype(decoded.input_ids.dtype))
+    assert np.shares_memory(array, np.frombuffer(buffer, dtype=np.uint8))
+    np.testing.assert_array_equal(from_wire(decoded.input_ids), ids)
+    assert not array.flags.writeable
+
+
+def test_ndarray_bytes_are_little_endian_whatever_the_input_order():
+    big = np.array([1, 258], dtype=">i4")
+    wire = to_wire(big)
+    assert wire.dtype == "<i4" and bytes(wire.data) == b"\x01\x00\x00\x00\x02\x01\x00\x00"
+
+
+# Schema evolution: the "old" structs are what a reader built before the appended fields had.
+class OldTokenBatch(msgspec.Struct, frozen=True, gc=False, omit_defaults=True):
+    scheduler_id: str
+    step: int
+    rids: list[str]
+    num_new_tokens: NDArray
+    new_token_ids: NDArray
+    prompt_tokens: NDArray
+    finish: list[Finish | None]
+
+
+class OldSchedulerInfo(msgspec.Struct, frozen=True, gc=False, omit_defaults=True):
+    scheduler_id: str
+    model_name: str
+    max_model_len: int
+    vocab_size: int
+
+
+class OldFinish(msgspec.Struct, frozen=True, gc=False, array_like=True):
+    type: FinishType
+
+
+def test_old_reader_decodes_a_new_message():
+    new = SAMPLES[8]
+    old = msgspec.msgpack.decode(msgspec.msgpack.encode(new), type=OldTokenBatch)
+    assert (old.scheduler_id, old.step, old.rids) == (new.scheduler_id, new.step, new.rids)
+    assert msgspec.msgpack.decode(msgspec.msgpack.encode(Finish(FinishType.STOP, 7)), type=OldFinish).type == FinishType.STOP
+
+
+def test_new_reader_decodes_an_old_message_with_defaults():
+    old = OldSchedulerInfo("s", "m", 128, 2048)
+    new = msgspec.msgpack.decode(msgspec.msgpack.encode(old), type=SchedulerInfo)
+    assert new == SchedulerInfo("s", "m", 128, 2048)
+    assert (new.speculative_algorithm, new.num_running) == ("none", 0)
+    batch = msgspec.msgpack.decode(msgspec.msgpack.encode(OldTokenBatch("s", 1, [], i32(), i32(), i32(), [])), type=TokenBatch)
+    assert batch.logprobs is None and batch.spec_verify_ct is None
+    assert msgspec.msgpack.decode(msgspec.msgpack.encode(OldFinish(FinishType.LENGTH)), type=Finish) == Finish(FinishType.LENGTH)
+
+
+def test_unset_optional_fields_encode_as_if_they_did_not_exist():
+    """PRODUCT §5: a batch with no opted-in request encodes exactly as without the fields."""
+    full = SAMPLES[8]
+    bare = TokenBatch(full.scheduler_id, full.step, full.rids, full.num_new_tokens, full.new_token_ids,
+                      full.prompt_tokens, full.finish)  # fmt: skip
+    old = OldTokenBatch(full.scheduler_id, full.step, full.rids, full.num_new_tokens, full.new_token_ids,
+                        full.prompt_tokens, full.finish)  # fmt: skip
+    assert msgspec.msgpack.encode(bare) == msgspec.msgpack.encode(old)
+    assert msgspec.msgpack.encode(RequestLogprobs()) == msgspec.msgpack.encode({})
+
+
+def all_subjects() -> list[str]:
+    constants = [value for name, value in vars(subjects).items() if name.isupper() and isinstance(value, str)
+                 and name not in ("VERSION", "PREFIX") and not name.endswith("_QUEUE")]  # fmt: skip
+    functions = [obj("abc123") for obj in vars(subjects).values()
+                 if inspect.isfunction(obj) and obj.__module__ == subjects.__name__]  # fmt: skip
+    return constants + functions
+
+
+def test_every_subject_is_versioned():
+    found = all_subjects()
+    assert len(found) >= 10
+    assert all(subject.startswith("sparkwire.v1.") for subject in found), found
+
+
+def test_direct_subjects_embed_the_instance_id():
+    for make in (subjects.scheduler_generate, subjects.detokenizer_tokens, subjects.tokenizer_outputs):
+        assert ".abc123." in make("abc123")
+        assert make("a") != make("b")

@@ -1,0 +1,125 @@
+"""The three services as real processes against a real nats-server, for end-to-end tests.
+
+Each service runs as `python -m services.cli <name> ...` (exactly what `sparkwire <name>` runs);
+its output goes to a log file (not a pipe, which could fill up and block the service) that a
+failing test prints.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+from services.common.nats_server import NatsServer, free_port, start_nats_server
+
+ROOT = Path(__file__).resolve().parents[2]
+BUNDLED_MODEL = ROOT / "ops" / "models" / "sparkwire-tiny"
+READY_TIMEOUT_S = 120.0
+
+
+def service_argv(name: str, nats_url: str, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "services.cli", name, "--nats-url", nats_url, *extra]
+
+
+@dataclass
+class Service:
+    name: str
+    process: subprocess.Popen[bytes]
+    log_path: Path
+
+    @classmethod
+    def start(cls, name: str, argv: list[str], log_dir: Path) -> Service:
+        log_path = log_dir / f"{name}-{time.monotonic_ns()}.log"
+        with log_path.open("wb") as log:
+            env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+            process = subprocess.Popen(argv, cwd=ROOT, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=env)
+        return cls(name, process, log_path)
+
+    def log_tail(self, num_lines: int = 40) -> str:
+        lines = self.log_path.read_text(errors="replace").splitlines()[-num_lines:]
+        return f"--- {self.name} (exit code {self.process.poll()}) ---\n" + "\n".join(lines)
+
+    def stop(self, grace_s: float = 10.0) -> None:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+        try:
+            self.process.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+
+    def kill(self) -> None:
+        self.process.kill()
+        self.process.wait()
+
+
+@dataclass
+class Stack:
+    nats: NatsServer
+    log_dir: Path
+    port: int = field(default_factory=free_port)
+    services: dict[str, Service] = field(default_factory=dict)
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self, name: str) -> Service:
+        extra = ("--port", str(self.port)) if name == "tokenizer" else ()
+        self.services[name] = Service.start(name, service_argv(name, self.nats.url, *extra), self.log_dir)
+        return self.services[name]
+
+    def start_all(self) -> None:
+        for name in ("scheduler", "detokenizer", "tokenizer"):
+            self.start(name)
+        self.wait_healthy()
+
+    def wait_healthy(self, timeout_s: float = READY_TIMEOUT_S) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            self.raise_if_dead()
+            if health_status(self.base_url) == 200:
+                return
+            time.sleep(0.25)
+        raise TimeoutError(f"{self.base_url}/health not 200 after {timeout_s}s\n{self.logs()}")
+
+    def raise_if_dead(self) -> None:
+        dead = [service for service in self.services.values() if service.process.poll() is not None]
+        if dead:
+            raise RuntimeError("service exited:\n" + "\n".join(service.log_tail() for service in dead))
+
+    def logs(self) -> str:
+        return "\n".join(service.log_tail() for service in self.services.values())
+
+    def stop(self) -> None:
+        for service in reversed(list(self.services.values())):
+            service.stop()
+        self.nats.stop()
+
+
+def start_stack(log_dir: Path) -> Stack:
+    stack = Stack(start_nats_server(), log_dir)
+    try:
+        stack.start_all()
+    except BaseException:
+        stack.stop()
+        raise
+    return stack
+
+
+def health_status(base_url: str) -> int | None:
+    try:
+        return httpx.get(f"{base_url}/health", timeout=2.0).status_code
+    except httpx.HTTPError:
+        return None
+
+
+def generate_body(text: str = "def add(a, b):", max_new_tokens: int = 16, **extra: object) -> dict[str, object]:
+    return {"text": text, "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0}, **extra}

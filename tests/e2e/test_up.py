@@ -1,0 +1,135 @@
+"""`sparkwire up` as a user runs it: serves /generate, stops cleanly, reports a dying service."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from e2e.stack import ROOT, generate_body
+from services.cli import COMMANDS, build_parser
+from services.common.nats_server import free_port
+from services.launcher import service_argv
+
+
+def descendants(pid: int) -> set[int]:
+    """Every live process below `pid` (from /proc; the embedded nats-server runs in its own session)."""
+    parents: dict[int, int] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        parents[int(stat.parent.name)] = int(fields[1])
+    found, frontier = set(), {pid}
+    while frontier:
+        frontier = {child for child, parent in parents.items() if parent in frontier} - found
+        found |= frontier
+    return found
+
+
+def alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def start_up(tmp_path: Path, port: int, *extra: str) -> tuple[subprocess.Popen[str], Path]:
+    log = tmp_path / f"up-{port}.log"
+    with log.open("w") as out:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "services.cli", "up", "--port", str(port), *extra],
+            cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )  # fmt: skip
+    return process, log
+
+
+def wait_for_line(process: subprocess.Popen[str], log: Path, text: str, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while text not in log.read_text():
+        assert process.poll() is None, f"sparkwire up exited early:\n{log.read_text()[-4000:]}"
+        assert time.monotonic() < deadline, f"no {text!r} after {timeout_s}s:\n{log.read_text()[-4000:]}"
+        time.sleep(0.25)
+
+
+@pytest.mark.timeout(150)
+def test_up_serves_generate_and_stops_cleanly_on_sigint(tmp_path):
+    port = free_port()
+    process, log = start_up(tmp_path, port)
+    try:
+        wait_for_line(process, log, f"Sparkwire ready on http://127.0.0.1:{port}", 120)
+        children = descendants(process.pid)
+        assert len(children) >= 4, children  # nats-server + three services
+        response = httpx.post(f"http://127.0.0.1:{port}/generate", json=generate_body(), timeout=30)
+        assert response.status_code == 200 and response.json()["meta_info"]["completion_tokens"] > 0
+        process.send_signal(signal.SIGINT)
+        assert process.wait(timeout=20) == 0, log.read_text()[-4000:]
+        assert [pid for pid in children if alive(pid)] == []
+    finally:
+        if process.poll() is None:
+            process.kill()
+
+
+@pytest.mark.timeout(120)
+def test_up_reports_a_service_that_dies_and_exits_non_zero(tmp_path):
+    process, log = start_up(tmp_path, free_port(), "--model", str(tmp_path / "no-such-model"))
+    try:
+        assert process.wait(timeout=100) != 0
+        output = log.read_text()
+        assert "exited with code" in output and "last output lines" in output and "Traceback" in output, output[-4000:]
+        assert "Sparkwire ready" not in output
+    finally:
+        if process.poll() is None:
+            process.kill()
+
+
+# The CLI wiring behind `up`, without starting anything.
+
+
+def test_help_works_while_a_service_cannot_be_imported(monkeypatch, capsys):
+    for command in COMMANDS.values():
+        monkeypatch.setitem(sys.modules, command.module, None)  # importing it now raises ImportError
+    with pytest.raises(SystemExit) as done:
+        build_parser(["--help"]).parse_args(["--help"])
+    assert done.value.code == 0 and "scheduler" in capsys.readouterr().out
+    args = build_parser(["up", "--port", "9000"]).parse_args(["up", "--port", "9000"])
+    assert args.port == 9000 and args.nats_url is None
+    with pytest.raises(ImportError):
+        build_parser(["scheduler"])
+
+
+def test_up_passes_each_service_its_flags():
+    argv = ["up", "--model", "/m", "--draft-model", "/d", "--speculative-algorithm", "dspark", "--device", "cpu",
+            "--load-format", "dummy", "--port", "9001"]  # fmt: skip
+    args = build_parser(argv).parse_args(argv)
+    scheduler = service_argv("scheduler", "nats://x:1", args)
+    tokenizer = service_argv("tokenizer", "nats://x:1", args)
+    detokenizer = service_argv("detokenizer", "nats://x:1", args)
+    assert scheduler[1:4] == ["-m", "services.cli", "scheduler"]
+    for flag, value in [("--draft-model", "/d"), ("--speculative-algorithm", "dspark"), ("--device", "cpu"),
+                        ("--load-format", "dummy"), ("--nats-url", "nats://x:1"), ("--model", "/m")]:  # fmt: skip
+        assert scheduler[scheduler.index(flag) + 1] == value
+    assert tokenizer[tokenizer.index("--port") + 1] == "9001" and tokenizer[tokenizer.index("--host") + 1] == "127.0.0.1"
+    assert "--port" not in detokenizer and "--device" not in detokenizer
+    assert detokenizer[detokenizer.index("--model") + 1] == "/m"
+
+
+def test_the_service_commands_up_builds_parse_with_the_real_cli():
+    args = build_parser(["up"]).parse_args(["up"])
+    for name in ("scheduler", "detokenizer", "tokenizer"):
+        argv = service_argv(name, "nats://127.0.0.1:4222", args)[3:]
+        parsed = build_parser(argv).parse_args(argv)
+        assert parsed.command == name and callable(parsed.run)
+
+
+def test_bench_lists_the_benchmarks(capsys):
+    args = build_parser(["bench"]).parse_args(["bench"])
+    assert args.run(args) == 0 and "benchmarks" in capsys.readouterr().out

@@ -1,0 +1,81 @@
+"""Repository rules that no single module test would catch."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from contracts import subjects
+
+ROOT = Path(__file__).resolve().parents[1]
+FORBIDDEN_MODULES = {"pickle", "cloudpickle", "dill", "_pickle"}
+MAX_TRACKED_BYTES = 10 * 1024 * 1024
+
+
+def imported_modules(path: Path) -> set[str]:
+    tree = ast.parse(path.read_text(), filename=str(path))
+    names: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names |= {alias.name.split(".")[0] for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.add(node.module.split(".")[0])
+        elif isinstance(node, ast.Call) and getattr(node.func, "id", getattr(node.func, "attr", "")) == "import_module":
+            names |= {arg.value.split(".")[0] for arg in node.args if isinstance(arg, ast.Constant) and isinstance(arg.value, str)}
+    return names
+
+
+def python_files(*folders: str) -> list[Path]:
+    return [path for folder in folders for path in sorted((ROOT / folder).rglob("*.py"))]
+
+
+def test_no_pickle_anywhere_in_contracts_or_services():
+    offenders = {str(path.relative_to(ROOT)): sorted(imported_modules(path) & FORBIDDEN_MODULES)
+                 for path in python_files("contracts", "services")}  # fmt: skip
+    assert {path: names for path, names in offenders.items() if names} == {}
+
+
+def test_the_pickle_check_can_fail(tmp_path):
+    bad = tmp_path / "bad.py"
+    bad.write_text("import os\nfrom pickle import dumps\nimport importlib\nimportlib.import_module('dill')\n")
+    assert imported_modules(bad) & FORBIDDEN_MODULES == {"pickle", "dill"}
+
+
+def tracked_files() -> list[Path]:
+    try:
+        out = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, check=True).stdout
+    except (OSError, subprocess.CalledProcessError):
+        pytest.skip("not a git checkout")
+    return [ROOT / name for name in out.decode().split("\0") if name]
+
+
+def test_no_tracked_file_over_10_mb():
+    files = tracked_files()
+    assert files, "git ls-files listed nothing"
+    too_big = {str(path.relative_to(ROOT)): path.stat().st_size for path in files
+               if path.exists() and path.stat().st_size > MAX_TRACKED_BYTES}  # fmt: skip
+    assert too_big == {}
+
+
+def test_no_model_weights_are_tracked():
+    weights = [path.name for path in tracked_files() if path.suffix in (".safetensors", ".bin", ".pt", ".pth", ".gguf")]
+    assert weights == []
+
+
+def test_every_subject_in_the_subjects_module_is_versioned():
+    values = [value for name, value in vars(subjects).items()
+              if name.isupper() and isinstance(value, str) and name not in ("VERSION", "PREFIX")
+              and not name.endswith("_QUEUE")]  # fmt: skip
+    values += [make("x") for make in (subjects.scheduler_generate, subjects.detokenizer_tokens,
+                                      subjects.tokenizer_outputs, subjects.heartbeat)]  # fmt: skip
+    assert values and all(value.startswith(f"sparkwire.{subjects.VERSION}.") for value in values), values
+
+
+def test_subject_strings_are_only_spelled_in_the_subjects_module():
+    """Services build subjects through `contracts.subjects`, never by hand."""
+    offenders = [str(path.relative_to(ROOT)) for path in python_files("services")
+                 if "sparkwire.v1." in path.read_text()]  # fmt: skip
+    assert offenders == []
