@@ -95,9 +95,15 @@ class HeartbeatMonitor:
             self._declare_dead(beat.instance_id, beat.reason or f"{self._service} stopped")
 
     async def _watch(self) -> None:
+        period = self._timeout_s / 4
         while True:
-            await asyncio.sleep(self._timeout_s / 4)
+            before = time.monotonic()
+            await asyncio.sleep(period)
             now = time.monotonic()
+            if now - before > 2 * period:
+                # Our own loop was blocked: heartbeats that arrived meanwhile are still queued
+                # behind this wake-up. Judge silence only after they have been read.
+                continue
             for instance_id, seen in list(self._last_seen.items()):
                 if now - seen > self._timeout_s:
                     del self._last_seen[instance_id]

@@ -1,0 +1,145 @@
+"""PRODUCT §5 end to end: flat raw prompt top logprobs of any size.
+
+1. A real prompt of 8,192+ tokens with k = 20 through the real model and all three services;
+   the flat arrays equal the nested rows of the same request.
+2. 131072 x 20 arrays (~21 MB) built by the scheduler's own message code (`to_token_batches`)
+   go from the scheduler's output subject through the real detokenizer and tokenizer services
+   over a nats-server left at the default 1 MB `max_payload`, 8 requests at once, intact.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+
+import httpx
+import numpy as np
+import pybase64
+import pytest
+
+from contracts import subjects
+from contracts.detokenizer import Finish, FinishType
+from contracts.scheduler import GenerateRequest, SchedulerClaim, SchedulerClaimReply, SchedulerInfo, SchedulerPing
+from e2e.stack import Service, Stack, service_argv
+from services.common.heartbeat import HeartbeatPublisher
+from services.common.transport import Transport
+from services.scheduler.request import LogprobEntries, RequestOutput
+from services.scheduler.wire import to_token_batches
+
+LONG_ROWS, LONG_K = 131072, 20
+
+
+def flat_arrays(body: dict) -> tuple[np.ndarray, np.ndarray]:
+    meta = body["meta_info"]
+    rows, k = meta["input_top_logprobs_shape"]
+    assert meta["input_top_logprobs_val_flat_b64_dtype"] == "float32"
+    assert meta["input_top_logprobs_idx_flat_b64_dtype"] == "int32"
+    values = np.frombuffer(pybase64.b64decode(meta["input_top_logprobs_val_flat_b64"]), "<f4").reshape(rows, k)
+    ids = np.frombuffer(pybase64.b64decode(meta["input_top_logprobs_idx_flat_b64"]), "<i4").reshape(rows, k)
+    return values, ids
+
+
+@pytest.mark.timeout(300)
+def test_long_real_prompt_flat_equals_nested(stack: Stack) -> None:
+    prompt = [int(t) for t in np.random.default_rng(0).integers(3, 2000, size=8200)]
+    body = {"input_ids": prompt, "sampling_params": {"max_new_tokens": 2, "temperature": 0}, "return_logprob": True,
+            "logprob_start_len": 0, "top_logprobs_num": LONG_K}
+    with httpx.Client(base_url=stack.base_url, timeout=240) as client:
+        nested = client.post("/generate", json=body)
+        flat = client.post("/generate", json={**body, "return_flat_raw_top_logprobs": True,
+                                              "return_flat_raw_top_logprobs_b64": True})
+    assert nested.status_code == 200, nested.text
+    assert flat.status_code == 200, flat.text
+    values, ids = flat_arrays(flat.json())
+    meta = flat.json()["meta_info"]
+    assert meta["prompt_tokens"] == len(prompt)
+    assert meta["input_top_logprobs_null_prefix"] == 1
+    assert values.shape == (len(prompt) - 1, LONG_K)
+    rows = nested.json()["meta_info"]["input_top_logprobs"]
+    assert rows[0] is None and len(rows) == len(prompt)
+    np.testing.assert_array_equal(values, np.array([[e[0] for e in row] for row in rows[1:]], np.float32))
+    np.testing.assert_array_equal(ids, np.array([[e[1] for e in row] for row in rows[1:]], np.int32))
+    assert np.all(np.diff(values, axis=1) <= 0)  # each row sorted by logprob
+
+
+def expected_arrays(seed: int) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    values = -np.sort(rng.exponential(2.0, (LONG_ROWS, LONG_K)).astype(np.float32), axis=1)  # [rows, k]
+    ids = rng.integers(0, 2048, (LONG_ROWS, LONG_K), dtype=np.int32)  # [rows, k]
+    return values, ids
+
+
+class StandInScheduler:
+    """Answers claims and pings like a scheduler and, for each request, publishes the output a
+    131073-token prompt with k=20 flat prompt logprobs would produce, through the scheduler's own
+    `to_token_batches`. The prompt's first id picks the arrays' seed so each request differs."""
+
+    def __init__(self, transport: Transport) -> None:
+        self.transport = transport
+        self.instance_id = "standin-scheduler"
+        self.heartbeat = HeartbeatPublisher(transport, "scheduler", self.instance_id, 0.5)
+
+    async def start(self) -> None:
+        t = self.transport
+        await t.subscribe(subjects.SCHEDULER_CLAIM, SchedulerClaim, self.on_claim, queue=subjects.SCHEDULER_QUEUE)
+        await t.subscribe(subjects.SCHEDULER_PING, SchedulerPing, self.on_ping, queue=subjects.SCHEDULER_QUEUE)
+        await t.subscribe(subjects.scheduler_generate(self.instance_id), GenerateRequest, self.on_generate)
+        self.heartbeat.start()
+
+    async def on_claim(self, claim: SchedulerClaim, msg) -> None:
+        await self.transport.respond(msg, SchedulerClaimReply(self.instance_id))
+
+    async def on_ping(self, _ping: SchedulerPing, msg) -> None:
+        await self.transport.respond(msg, SchedulerInfo(self.instance_id, "standin", LONG_ROWS + 8, 2048))
+
+    async def on_generate(self, request: GenerateRequest, _msg) -> None:
+        num_prompt = request.input_ids.shape[0]
+        seed = int(np.frombuffer(request.input_ids.data, "<i4")[0])
+        values, ids = expected_arrays(seed)
+        token_logprobs = np.full(num_prompt, -1.5, np.float32)
+        token_logprobs[0] = np.nan
+        entries = LogprobEntries(
+            output_token_logprobs=np.array([-0.5], np.float32), input_start=0, input_token_logprobs=token_logprobs,
+            input_top_logprobs_flat=values, input_top_ids_flat=ids, input_top_null_prefix=1,
+        )
+        output = RequestOutput(request.rid, request.detokenizer_id, [7], num_prompt, Finish(FinishType.LENGTH), entries)
+        for detokenizer_id, batch in to_token_batches([output], self.instance_id, 0).items():
+            await self.transport.publish(subjects.detokenizer_tokens(detokenizer_id), batch)
+
+
+@pytest.mark.timeout(300)
+async def test_131072x20_through_real_services_at_1mb_max_payload(nats_server_factory, tmp_path) -> None:
+    server = nats_server_factory(max_payload="1MB")
+    stack = Stack(server, tmp_path)
+    stack.services["detokenizer"] = Service.start("detokenizer", service_argv("detokenizer", server.url), tmp_path)
+    tokenizer_argv = service_argv("tokenizer", server.url, "--port", str(stack.port), "--max-model-len", str(LONG_ROWS + 8))
+    stack.services["tokenizer"] = Service.start("tokenizer", tokenizer_argv, tmp_path)
+    transport = await Transport.connect(server.url, "standin-scheduler")
+    scheduler = StandInScheduler(transport)
+    await scheduler.start()
+    try:
+        await asyncio.to_thread(stack.wait_healthy, 120)
+        async with httpx.AsyncClient(base_url=stack.base_url, timeout=240) as client:
+            responses = await asyncio.gather(*(client.post("/generate", json=long_body(seed)) for seed in range(3, 11)))
+        for seed, response in zip(range(3, 11), responses):
+            assert response.status_code == 200, response.text[:500]
+            values, ids = flat_arrays(response.json())
+            want_values, want_ids = expected_arrays(seed)
+            np.testing.assert_array_equal(values, want_values)
+            np.testing.assert_array_equal(ids, want_ids)
+            assert response.json()["meta_info"]["input_top_logprobs_null_prefix"] == 1
+        stack.raise_if_dead()
+        assert "slow consumer" not in stack.logs().lower()
+    finally:
+        with contextlib.suppress(Exception):
+            await scheduler.heartbeat.stop("test over")
+        await transport.close()
+        for service in stack.services.values():
+            service.stop()
+
+
+def long_body(seed: int) -> dict:
+    prompt = [seed] + [5] * LONG_ROWS  # 131073 tokens: 131072 rows after the null prefix
+    return {"input_ids": prompt, "sampling_params": {"max_new_tokens": 1}, "return_logprob": True,
+            "logprob_start_len": 0, "top_logprobs_num": LONG_K, "return_flat_raw_top_logprobs": True,
+            "return_flat_raw_top_logprobs_b64": True}
