@@ -4,6 +4,12 @@ Each step's sequences are split into groups once (`plan_attention`), and every l
 plan. Short queries (decode, speculative verify) share one padded, batched SDPA call; each long
 query (a prefill chunk) gets its own call, so padding never multiplies a long prefill. The causal
 rule is by position: a query at position p sees cached keys 0..p of its own sequence.
+
+Pure decode steps (one query per sequence) can instead take a `DecodePlan`: no host sync, static
+shapes, so it can be captured in a CUDA graph. On CUDA its attention is a Triton paged-decode
+kernel (`triton_decode.py`) that walks each sequence's block table up to its own length; its CPU
+twin, `paged_decode_attention_torch`, computes the same function by gathering every block of the
+table and masking keys at or past `seq_len`.
 """
 
 from __future__ import annotations
@@ -31,6 +37,15 @@ class AttentionGroup:
 @dataclass(frozen=True)
 class AttentionPlan:
     groups: tuple[AttentionGroup, ...]
+
+
+@dataclass(frozen=True)
+class DecodePlan:
+    """One query token per sequence, at position seq_len - 1; every table entry a real block id."""
+
+    seq_lens: torch.Tensor  # int32 [B], keys each query sees (its own new key included)
+    block_tables: torch.Tensor  # int32 [B, M], entries past a sequence's blocks point at any valid block
+    use_kernel: bool  # True: the Triton kernel (CUDA only); False: the torch twin
 
 
 def plan_attention(batch: ForwardBatch, block_size: int) -> AttentionPlan:
@@ -85,9 +100,11 @@ def _causal_mask(
 
 
 def paged_attention(
-    query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, plan: AttentionPlan, scale: float
+    query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, plan: AttentionPlan | DecodePlan, scale: float
 ) -> torch.Tensor:
     """query [T, Hq, D]; caches [num_blocks, block_size, Hkv, D] (new K/V already written) -> [T, Hq, D]."""
+    if isinstance(plan, DecodePlan):
+        return paged_decode_attention(query, key_cache, value_cache, plan, scale)
     out = torch.empty_like(query)
     for group in plan.groups:
         out.index_copy_(0, group.valid_tokens, _group_attention(query, key_cache, value_cache, group, scale))
@@ -113,3 +130,41 @@ def _read_blocks(cache: torch.Tensor, group: AttentionGroup) -> torch.Tensor:
     g, n = group.blocks.shape
     keys = cache[group.blocks].reshape(g, n * cache.shape[1], cache.shape[2], cache.shape[3])  # [G, K', Hkv, D]
     return keys[:, : group.num_keys].transpose(1, 2)
+
+
+def paged_decode_attention(
+    query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, plan: DecodePlan, scale: float
+) -> torch.Tensor:
+    """query [B, Hq, D], one token per sequence -> [B, Hq, D]."""
+    if plan.use_kernel:
+        from services.scheduler.model.triton_decode import paged_decode_attention_triton  # CUDA only
+
+        return paged_decode_attention_triton(query, key_cache, value_cache, plan.seq_lens, plan.block_tables, scale)
+    return paged_decode_attention_torch(query, key_cache, value_cache, plan.seq_lens, plan.block_tables, scale)
+
+
+def paged_decode_attention_torch(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """The kernel's reference: softmax(q k^T * scale) v over keys 0..seq_len-1, fp32 inside.
+
+    query [B, Hq, D]; caches [N, block_size, Hkv, D]; seq_lens int32 [B]; block_tables int32 [B, M].
+    Query head h reads kv head h // (Hq / Hkv), as in the Hugging Face GQA layout.
+    """
+    num_seqs, num_heads, head_dim = query.shape
+    num_kv_heads = key_cache.shape[2]
+    blocks = block_tables.long().clamp_min(0)  # [B, M]
+    keys = key_cache[blocks].flatten(1, 2).float()  # [B, K, Hkv, D]
+    values = value_cache[blocks].flatten(1, 2).float()  # [B, K, Hkv, D]
+    q = query.float().view(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)  # [B, Hkv, G, D]
+    scores = torch.einsum("bhgd,bkhd->bhgk", q, keys) * scale  # [B, Hkv, G, K]
+    key_pos = torch.arange(keys.shape[1], device=query.device)  # [K]
+    visible = key_pos[None, :] < seq_lens[:, None].long()  # [B, K]
+    scores = scores.masked_fill(~visible[:, None, None, :], float("-inf"))
+    out = torch.einsum("bhgk,bkhd->bhgd", scores.softmax(dim=-1), values)  # [B, Hkv, G, D]
+    return out.reshape(num_seqs, num_heads, head_dim).to(query.dtype)

@@ -3,6 +3,8 @@
 One tensor holds every layer: [num_layers, 2 (K, V), num_blocks, block_size, kv_heads, head_dim].
 Slot s of a layer is block s // block_size, offset s % block_size; the scheduler's block manager
 decides which blocks a sequence owns and hands the runner `slot_mapping` and `block_tables`.
+One extra block past `num_blocks`, the trash block, is never handed out: padded rows of a
+CUDA-graph decode write their K/V there, so padding never touches a real sequence.
 """
 
 from __future__ import annotations
@@ -34,10 +36,14 @@ class PagedKVCache:
     ) -> None:
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"num_blocks ({num_blocks}) and block_size ({block_size}) must be positive")
-        self.num_blocks = num_blocks
+        self.num_blocks = num_blocks  # usable by the scheduler; the trash block comes after them
         self.block_size = block_size
-        shape = (config.num_hidden_layers, 2, num_blocks, block_size, config.num_key_value_heads, config.head_dim)
+        shape = (config.num_hidden_layers, 2, num_blocks + 1, block_size, config.num_key_value_heads, config.head_dim)
         self.kv = torch.zeros(shape, dtype=dtype, device=device)
+
+    @property
+    def trash_block(self) -> int:
+        return self.num_blocks
 
     def key_cache(self, layer: int) -> torch.Tensor:
         return self.kv[layer, 0]  # [num_blocks, block_size, kv_heads, head_dim]

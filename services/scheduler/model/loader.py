@@ -55,8 +55,12 @@ def load_model_runner(
     kv_block_size: int = 16,
     kv_cache_bytes: int | None = None,
     seed: int = 0,
+    cuda_graphs: bool | None = None,
 ) -> ModelRunner:
-    """Load the model at `path` onto `device` in `dtype` and allocate its paged KV cache."""
+    """Load the model at `path` onto `device` in `dtype` and allocate its paged KV cache.
+
+    cuda_graphs None: capture decode CUDA graphs when on CUDA with Triton; True/False forces it.
+    """
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {load_format!r}")
     model_dir = Path(path)
@@ -67,7 +71,10 @@ def load_model_runner(
     model.eval()
     num_blocks = num_kv_blocks or _default_num_blocks(config, kv_block_size, dtype, device, kv_cache_bytes)
     cache = PagedKVCache(config, num_blocks, kv_block_size, dtype, device)
-    return ModelRunner(model, cache)
+    runner = ModelRunner(model, cache)
+    if cuda_graphs if cuda_graphs is not None else runner.decode_kernel:
+        runner.prepare_decode_graphs()
+    return runner
 
 
 def _empty_model(config: ModelConfig, device: torch.device, dtype: torch.dtype) -> CausalLM:
@@ -103,7 +110,7 @@ def _safetensors_files(model_dir: Path) -> list[Path]:
 @torch.no_grad()
 def load_safetensors(model: CausalLM, model_dir: Path) -> None:
     """Copy every parameter, by its Hugging Face name, from the directory's safetensors files."""
-    needed = dict(model.named_parameters())
+    needed = dict(model.checkpoint_tensors())
     for path in _safetensors_files(model_dir):
         with safe_open(str(path), framework="pt", device="cpu") as handle:
             for name in handle.keys():
@@ -116,7 +123,7 @@ def load_safetensors(model: CausalLM, model_dir: Path) -> None:
 @torch.no_grad()
 def fill_random_weights(model: CausalLM, seed: int) -> None:
     """Deterministic weights: same seed, same values, on any device (drawn on the host, then moved)."""
-    for name, param in model.named_parameters():
+    for name, param in model.checkpoint_tensors():
         if name.endswith("norm.weight"):
             param.fill_(1.0)
         else:
@@ -143,4 +150,5 @@ def _default_num_blocks(
         # Room for two full-length sequences, within a cap that keeps CPU runs light.
         wanted = 2 * config.max_position_embeddings // block_size * bytes_per_block(config, block_size, dtype)
         budget = min(wanted, CPU_KV_CACHE_CAP_BYTES)
-    return num_blocks_for_budget(config, block_size, dtype, budget)
+    # One block of the budget is the cache's trash block (padded CUDA-graph rows write there).
+    return max(1, num_blocks_for_budget(config, block_size, dtype, budget) - 1)

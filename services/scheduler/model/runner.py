@@ -1,7 +1,10 @@
 """The scheduler's handle on the model: one ragged forward per step, logits on demand.
 
 The scheduler core owns the block manager and builds each `ForwardBatch`; the runner owns the
-weights and the paged KV cache those blocks index into.
+weights and the paged KV cache those blocks index into. Pure decode steps (one token per
+sequence) take the sync-free `DecodePlan` path: on CUDA the Triton paged-decode kernel, replayed
+from a CUDA graph once `prepare_decode_graphs` has captured them; everything else (prefill chunks,
+speculative verify blocks, layer captures) runs the ragged SDPA path eagerly.
 """
 
 from __future__ import annotations
@@ -10,16 +13,51 @@ import dataclasses
 
 import torch
 
+from services.scheduler.model.attention import DecodePlan
 from services.scheduler.model.batch import ForwardBatch, ForwardOutput
 from services.scheduler.model.config import ModelConfig
+from services.scheduler.model.graphs import DEFAULT_LADDER, DecodeGraphRunner, is_pure_decode
 from services.scheduler.model.kv_cache import PagedKVCache
 from services.scheduler.model.llama import CausalLM
 
 
+def triton_available() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
 class ModelRunner:
-    def __init__(self, model: CausalLM, kv_cache: PagedKVCache) -> None:
+    def __init__(self, model: CausalLM, kv_cache: PagedKVCache, decode_kernel: bool | None = None) -> None:
+        """decode_kernel: eager pure-decode steps use the Triton kernel (default: on CUDA with Triton)."""
         self.model = model
         self.kv_cache = kv_cache
+        if decode_kernel is None:
+            decode_kernel = kv_cache.kv.device.type == "cuda" and triton_available()
+        self.decode_kernel = decode_kernel
+        self.decode_graphs: DecodeGraphRunner | None = None
+
+    def prepare_decode_graphs(
+        self,
+        ladder: tuple[int, ...] = DEFAULT_LADDER,
+        max_blocks_per_seq: int | None = None,
+        capture: bool | None = None,
+    ) -> None:
+        """Route pure-decode steps of up to max(ladder) sequences through padded static buffers.
+
+        capture None: capture CUDA graphs when the kernel path is on (CUDA with Triton); False keeps
+        the padded eager twin (what CI tests on CPU). Call once at start-up, before serving.
+        """
+        capture = self.decode_kernel if capture is None else capture
+        with torch.inference_mode():
+            self.decode_graphs = DecodeGraphRunner(
+                self.model, self.kv_cache, ladder, max_blocks_per_seq, capture=capture, use_kernel=self.decode_kernel
+            )
+
+    def drop_decode_graphs(self) -> None:
+        self.decode_graphs = None
 
     @property
     def config(self) -> ModelConfig:
@@ -49,7 +87,14 @@ class ModelRunner:
     def forward(self, batch: ForwardBatch) -> ForwardOutput:
         """Run one step: write the new tokens' K/V, return final hidden states [T, H] (+ captures)."""
         self._check(batch)
-        hidden, captured = self.model(self._on_device(batch), self.kv_cache)
+        batch = self._on_device(batch)
+        if is_pure_decode(batch):
+            if self.decode_graphs is not None and self.decode_graphs.fits(batch):
+                return ForwardOutput(hidden_states=self.decode_graphs.run(batch))
+            if self.decode_kernel:
+                plan = DecodePlan(batch.seq_lens, batch.block_tables, use_kernel=True)
+                return ForwardOutput(hidden_states=self.model(batch, self.kv_cache, plan)[0])
+        hidden, captured = self.model(batch, self.kv_cache)
         return ForwardOutput(hidden_states=hidden, captured=captured)
 
     @torch.inference_mode()

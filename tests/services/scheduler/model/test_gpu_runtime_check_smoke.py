@@ -24,8 +24,9 @@ def test_cpu_smoke_reports_each_config_and_survives_a_bad_one(tmp_path: Path, ca
     argv = ["--device", "cpu", "--configs", str(REPO / "ops/models/sparkwire-tiny"), str(tmp_path / "missing"),
             "--batch-sizes", "1", "3", "--prefill-len", "20", "--decode-steps", "3", "--out", str(out)]
     assert script.main(argv) == 1  # the missing config fails, and says so
-    results = json.loads(out.read_text())
+    results = json.loads(out.read_text())["configs"]
     assert [r["error"] is None for r in results] == [True, False]
     assert [b["batch_size"] for b in results[0]["batches"]] == [1, 3]
-    assert all(b["decode_tok_s"] > 0 for b in results[0]["batches"])
-    assert "| sparkwire-tiny | float32 |" in capsys.readouterr().out
+    assert all(b["decode_tok_s"] > 0 and b["decode_ms"]["eager_sdpa"] > 0 for b in results[0]["batches"])
+    assert "| sparkwire-tiny |" in capsys.readouterr().out
+    assert "| sparkwire-tiny |" in out.with_suffix(".md").read_text()

@@ -1,0 +1,129 @@
+"""The decode path's CPU twins: paged decode attention, and the padded graph runner run eagerly.
+
+On CUDA the same code runs the Triton kernel and replays captured graphs
+(ops/bench/gpu_runtime_check.py checks those against the eager path on an H200); here CI checks
+that the twins compute the unpadded eager forward, and that padding only ever writes the trash block.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from services.scheduler.model.attention import paged_decode_attention_torch
+from services.scheduler.model.graphs import DecodeGraphRunner, is_pure_decode
+from services.scheduler.model.loader import load_model_runner
+
+BUNDLED = Path(__file__).resolve().parents[4] / "ops" / "models" / "sparkwire-tiny"
+BLOCK_SIZE = 4
+MAX_BLOCKS = 12
+
+
+def dense_decode_reference(q, key_cache, value_cache, seq_lens, tables, scale):
+    """Per sequence: gather its first seq_len keys block by block, SDPA in float64 with GQA repeat."""
+    outs = []
+    for b, seq_len in enumerate(seq_lens.tolist()):
+        blocks = tables[b, : -(-seq_len // key_cache.shape[1])].long()
+        k = key_cache[blocks].flatten(0, 1)[:seq_len].double().transpose(0, 1)  # [Hkv, L, D]
+        v = value_cache[blocks].flatten(0, 1)[:seq_len].double().transpose(0, 1)
+        repeats = q.shape[1] // k.shape[0]
+        k, v = k.repeat_interleave(repeats, 0), v.repeat_interleave(repeats, 0)  # [Hq, L, D]
+        outs.append(F.scaled_dot_product_attention(q[b].double()[:, None], k, v, scale=scale)[:, 0])
+    return torch.stack(outs)  # [B, Hq, D]
+
+
+@pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(4, 2), (6, 2), (4, 4)])
+def test_decode_attention_twin_matches_dense_reference_on_ragged_lengths(num_heads, num_kv_heads) -> None:
+    gen = torch.Generator().manual_seed(num_heads * 10 + num_kv_heads)
+    key_cache, value_cache = (torch.randn(40, BLOCK_SIZE, num_kv_heads, 16, generator=gen) for _ in range(2))
+    seq_lens = torch.tensor([1, 4, 5, 17, 30], dtype=torch.int32)  # one block, full block, ragged
+    tables = torch.randperm(40, generator=gen)[:40].view(5, 8).to(torch.int32)
+    tables[0, 1:] = -1  # unused entries, as the scheduler pads them
+    q = torch.randn(5, num_heads, 16, generator=gen)
+    got = paged_decode_attention_torch(q, key_cache, value_cache, seq_lens, tables, 0.25)
+    want = dense_decode_reference(q, key_cache, value_cache, seq_lens, tables, 0.25)
+    torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5)
+
+
+def test_pure_decode_is_one_token_per_sequence_without_captures(make_pager) -> None:
+    pager = make_pager(num_seqs=2, max_blocks_per_seq=4, block_size=BLOCK_SIZE)
+    assert is_pure_decode(pager.batch([(0, [3], 5), (1, [4], 2)]))
+    assert not is_pure_decode(pager.batch([(0, [3, 4], 5), (1, [4], 2)]))  # speculative verify
+    assert not is_pure_decode(pager.batch([(0, [3], 5)], capture_layers=(1,)))
+
+
+def prefilled_runner(make_pager, lengths: list[int]):
+    pager = make_pager(num_seqs=len(lengths), max_blocks_per_seq=MAX_BLOCKS, block_size=BLOCK_SIZE, seed=1)
+    runner = load_model_runner(BUNDLED, num_kv_blocks=pager.num_blocks, kv_block_size=BLOCK_SIZE)
+    gen = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(0, 2048, (n,), generator=gen).tolist() for n in lengths]
+    runner.forward(pager.batch([(s, toks, 0) for s, toks in enumerate(prompts)]))
+    return runner, pager
+
+
+def decode_step(pager, lengths: list[int], seqs: list[int]):
+    return pager.batch([(s, [11 + s], lengths[s]) for s in seqs])
+
+
+@pytest.mark.parametrize("seqs", [[0, 1, 2], [4, 0, 3, 1, 2], [2]])  # pads 3 -> 4, 5 -> 8; 1 needs none
+def test_graph_runner_twin_equals_unpadded_eager_forward(make_pager, seqs) -> None:
+    lengths = [3, 9, 16, 1, 22]
+    runner, pager = prefilled_runner(make_pager, lengths)
+    batch = decode_step(pager, lengths, seqs)
+    before = runner.kv_cache.kv.clone()
+    eager = runner.forward(batch).hidden_states  # ragged SDPA path: the reference
+    eager_kv = runner.kv_cache.kv.clone()
+    runner.kv_cache.kv.copy_(before)
+    graphs = DecodeGraphRunner(runner.model, runner.kv_cache, (1, 2, 4, 8), MAX_BLOCKS, capture=False, use_kernel=False)
+    with torch.inference_mode():
+        padded = graphs.run(batch)
+    assert padded.shape == eager.shape
+    torch.testing.assert_close(padded, eager, atol=1e-5, rtol=1e-5)
+    real = slice(0, runner.num_blocks)  # every block but the trash block
+    torch.testing.assert_close(runner.kv_cache.kv[:, :, real], eager_kv[:, :, real], atol=1e-5, rtol=1e-5)
+
+
+def test_runner_routes_decode_through_graph_twin_and_verify_through_sdpa(make_pager) -> None:
+    lengths = [5, 12, 2]
+    runner, pager = prefilled_runner(make_pager, lengths)
+    runner.prepare_decode_graphs(ladder=(2, 4), max_blocks_per_seq=MAX_BLOCKS, capture=False)
+    assert runner.decode_graphs is not None and not runner.decode_graphs.graphs  # CPU: nothing captured
+    kv = runner.kv_cache.kv.clone()
+    decode = decode_step(pager, lengths, [0, 1, 2])
+    routed = runner.forward(decode).hidden_states
+    runner.kv_cache.kv.copy_(kv)
+    runner.drop_decode_graphs()
+    torch.testing.assert_close(routed, runner.forward(decode).hidden_states, atol=1e-5, rtol=1e-5)
+    # A verify block (two tokens for one sequence) is not pure decode: same result either way.
+    verify = pager.batch([(0, [11, 12], 5), (1, [13], 12)])
+    runner.kv_cache.kv.copy_(kv)
+    eager = runner.forward(verify).hidden_states
+    runner.kv_cache.kv.copy_(kv)
+    runner.prepare_decode_graphs(ladder=(2, 4), max_blocks_per_seq=MAX_BLOCKS, capture=False)
+    torch.testing.assert_close(runner.forward(verify).hidden_states, eager, atol=0, rtol=0)
+
+
+def test_too_wide_or_too_large_batches_fall_back(make_pager) -> None:
+    lengths = [5, 12, 2]
+    runner, pager = prefilled_runner(make_pager, lengths)
+    graphs = DecodeGraphRunner(runner.model, runner.kv_cache, (1, 2), MAX_BLOCKS - 1, capture=False, use_kernel=False)
+    assert not graphs.fits(decode_step(pager, lengths, [0, 1, 2]))  # 3 > largest rung
+    assert not graphs.fits(decode_step(pager, lengths, [0]))  # table wider than the static buffer
+    assert graphs.rung(1) == 1 and graphs.rung(2) == 2
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="Triton kernel runs on CUDA only")
+def test_triton_kernel_matches_twin_on_cuda() -> None:
+    from services.scheduler.model.triton_decode import paged_decode_attention_triton
+
+    key_cache, value_cache = (torch.randn(64, 16, 8, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    seq_lens = torch.tensor([1, 16, 17, 190, 33], dtype=torch.int32, device="cuda")
+    tables = torch.randperm(64, device="cuda")[:60].view(5, 12).to(torch.int32)
+    q = torch.randn(5, 32, 128, device="cuda", dtype=torch.bfloat16)
+    got = paged_decode_attention_triton(q, key_cache, value_cache, seq_lens, tables, 128**-0.5)
+    want = paged_decode_attention_torch(q, key_cache, value_cache, seq_lens, tables, 128**-0.5)
+    torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
+
