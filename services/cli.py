@@ -19,7 +19,6 @@ from services.common.settings import EnvSettings
 
 SERVICES = ("tokenizer", "scheduler", "detokenizer")
 BUNDLED_MODEL = Path(services.__file__).resolve().parents[1] / "ops" / "models" / "sparkwire-tiny"
-BENCHMARKS: tuple[str, ...] = ()  # the lead registers `sparkwire bench <name>` entries here
 
 
 @dataclass(frozen=True)
@@ -43,6 +42,7 @@ COMMANDS: dict[str, Command] = {
     "replay": Command(
         "services.recorder.__main__", "add_replay_arguments", "replay_main", "publish a recorded file back to NATS"
     ),
+    "bench": Command("ops.bench.__main__", "add_arguments", "main", "benchmarks (PRODUCT.md section 9)"),
 }
 
 
@@ -59,7 +59,6 @@ def build_parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
         else:
             sub_parser.add_argument("rest", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
     _add_up(sub)
-    _add_bench(sub)
     return parser
 
 
@@ -92,18 +91,6 @@ def add_up_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--log-level", default=env.log_level)
     parser.add_argument("--ready-timeout-s", type=float, default=300.0, help="give up if /health is not 200 by then")
     parser.add_argument("--grace-s", type=float, default=10.0, help="wait this long after SIGTERM before SIGKILL")
-
-
-def _add_bench(sub: argparse._SubParsersAction) -> None:
-    parser = sub.add_parser("bench", help="benchmarks (see PRODUCT.md section 9)")
-    parser.add_argument("name", nargs="?", choices=BENCHMARKS or None, help="which benchmark")
-    parser.set_defaults(run=_bench_placeholder)
-
-
-def _bench_placeholder(args: argparse.Namespace) -> int:
-    available = ", ".join(BENCHMARKS) or "none yet"
-    print(f"sparkwire bench: available benchmarks: {available}")
-    return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -7,7 +7,11 @@ For each size (rows x k) it measures, in one run on this machine:
 - two hops over a real nats-server left at the default 1 MB `max_payload` (so large messages are
   chunked by `services.common.transport`): sender -> relay (decode, re-encode, as the detokenizer
   does) -> receiver (decode), wall time from before the first encode to after the last decode;
-- response building in the tokenizer: JSON float/int lists against base64 of little-endian bytes.
+- response building in the tokenizer: JSON float/int lists against base64 of little-endian bytes;
+- end to end over HTTP (131072 x 20 only): the real detokenizer and tokenizer services as
+  processes, a stand-in scheduler (`ops.bench.standin_scheduler`) emitting the arrays through the
+  scheduler's own message code, the same 131073-token prompt with prompt token logprobs, with and
+  without flat b64 top-k; "added" is the difference of the median latencies.
 """
 
 from __future__ import annotations
@@ -15,6 +19,8 @@ from __future__ import annotations
 import asyncio
 import json
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -27,7 +33,8 @@ import pybase64
 
 from contracts.detokenizer import RequestLogprobs
 from services.common.arrays import from_wire, to_wire
-from services.common.nats_server import PROJECT_CONFIG, start_nats_server
+from ops.bench.standin_scheduler import StandInScheduler
+from services.common.nats_server import PROJECT_CONFIG, free_port, start_nats_server
 from services.common.transport import Transport
 
 SIZES = ((32768, 2), (32768, 20), (131072, 20))
@@ -116,7 +123,7 @@ def response_building(values: np.ndarray, ids: np.ndarray, repeat: int) -> dict[
     def as_b64() -> bytes:
         little_values, little_ids = values.astype("<f4", copy=False), ids.astype("<i4", copy=False)
         return msgspec.json.encode(
-            {"val": pybase64.b64encode(little_values.tobytes()), "idx": pybase64.b64encode(little_ids.tobytes())}
+            {"val": pybase64.b64encode_as_string(little_values), "idx": pybase64.b64encode_as_string(little_ids)}
         )
 
     return {"json_lists_ms": median_ms(as_lists, repeat), "b64_ms": median_ms(as_b64, repeat)}
@@ -159,15 +166,87 @@ def table(results: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def start_front_half(url: str, port: int, max_model_len: int, log_dir: Path) -> list[subprocess.Popen[bytes]]:
+    """The real detokenizer and tokenizer services as processes, as `sparkwire <name>` runs them."""
+    argv = {
+        "detokenizer": [],
+        "tokenizer": ["--port", str(port), "--max-model-len", str(max_model_len), "--log-level", "warning"],
+    }
+    processes = []
+    for name, extra in argv.items():
+        log = (log_dir / f"{name}.log").open("wb")
+        command = [sys.executable, "-m", "services.cli", name, "--nats-url", url, *extra]
+        processes.append(subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT))
+    return processes
+
+
+async def http_end_to_end(url: str, rows: int, k: int, repeat: int, log_dir: Path) -> dict[str, float]:
+    import httpx
+
+    port = free_port()
+    processes = start_front_half(url, port, rows + 8, log_dir)
+    transport = await Transport.connect(url, "bench-standin-scheduler")
+    scheduler = StandInScheduler(transport, max_model_len=rows + 8)
+    await scheduler.start()
+    # Baseline: the same request with prompt token logprobs but no top-k, so the difference is
+    # what the flat [rows, k] arrays cost end to end.
+    base = {"input_ids": [3] + [5] * rows, "sampling_params": {"max_new_tokens": 1}, "return_logprob": True,
+            "logprob_start_len": 0}
+    flat = {**base, "top_logprobs_num": k, "return_flat_raw_top_logprobs": True,
+            "return_flat_raw_top_logprobs_b64": True}
+    try:
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=120) as client:
+            await _wait_healthy(client)
+            result = {"baseline_ms": await _median_request_ms(client, base, repeat),
+                      "flat_b64_ms": await _median_request_ms(client, flat, repeat)}
+    finally:
+        await scheduler.stop()
+        await transport.close()
+        for process in processes:
+            process.terminate()
+            process.wait(timeout=20)
+    result["added_ms"] = result["flat_b64_ms"] - result["baseline_ms"]
+    return result
+
+
+async def _wait_healthy(client: Any, timeout_s: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            if (await client.get("/health")).status_code == 200:
+                return
+        except Exception:
+            pass
+        await asyncio.sleep(0.25)
+    raise TimeoutError("the tokenizer did not become healthy")
+
+
+async def _median_request_ms(client: Any, body: dict[str, Any], repeat: int) -> float:
+    await client.post("/generate", json=body)  # warm-up
+    times = []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        response = await client.post("/generate", json=body)
+        times.append((time.perf_counter() - start) * 1e3)
+        response.raise_for_status()
+    return statistics.median(times)
+
+
 def run(out: Path, repeat: int = 9, sizes: tuple[tuple[int, int], ...] = SIZES) -> list[dict[str, Any]]:
     with tempfile.TemporaryDirectory() as directory:
         server = start_nats_server(default_payload_config(Path(directory)))
         try:
             results = [bench_size(server.url, rows, k, repeat) for rows, k in sizes]
+            rows, k = max(sizes)
+            end_to_end = asyncio.run(http_end_to_end(server.url, rows, k, max(3, repeat // 2), Path(directory)))
         finally:
             server.stop()
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"benchmark": "logprob-transport", "nats_max_payload": "1MB", "results": results}, indent=2))
+    document = {"benchmark": "logprob-transport", "nats_max_payload": "1MB", "results": results,
+                "http_end_to_end": {"rows": rows, "k": k, **end_to_end}}
+    out.write_text(json.dumps(document, indent=2))
     print(table(results))
+    print(f"HTTP end to end, {rows} x {k} flat b64 vs the same request without top-k: "
+          f"{end_to_end['flat_b64_ms']:.1f} vs {end_to_end['baseline_ms']:.1f} ms median, adds {end_to_end['added_ms']:.1f} ms")
     print(f"results written to {out}")
     return results

@@ -17,14 +17,9 @@ import numpy as np
 import pybase64
 import pytest
 
-from contracts import subjects
-from contracts.detokenizer import Finish, FinishType
-from contracts.scheduler import GenerateRequest, SchedulerClaim, SchedulerClaimReply, SchedulerInfo, SchedulerPing
 from e2e.stack import Service, Stack, service_argv
-from services.common.heartbeat import HeartbeatPublisher
+from ops.bench.standin_scheduler import StandInScheduler, seeded_top_logprobs
 from services.common.transport import Transport
-from services.scheduler.request import LogprobEntries, RequestOutput
-from services.scheduler.wire import to_token_batches
 
 LONG_ROWS, LONG_K = 131072, 20
 
@@ -63,48 +58,7 @@ def test_long_real_prompt_flat_equals_nested(stack: Stack) -> None:
 
 
 def expected_arrays(seed: int) -> tuple[np.ndarray, np.ndarray]:
-    rng = np.random.default_rng(seed)
-    values = -np.sort(rng.exponential(2.0, (LONG_ROWS, LONG_K)).astype(np.float32), axis=1)  # [rows, k]
-    ids = rng.integers(0, 2048, (LONG_ROWS, LONG_K), dtype=np.int32)  # [rows, k]
-    return values, ids
-
-
-class StandInScheduler:
-    """Answers claims and pings like a scheduler and, for each request, publishes the output a
-    131073-token prompt with k=20 flat prompt logprobs would produce, through the scheduler's own
-    `to_token_batches`. The prompt's first id picks the arrays' seed so each request differs."""
-
-    def __init__(self, transport: Transport) -> None:
-        self.transport = transport
-        self.instance_id = "standin-scheduler"
-        self.heartbeat = HeartbeatPublisher(transport, "scheduler", self.instance_id, 0.5)
-
-    async def start(self) -> None:
-        t = self.transport
-        await t.subscribe(subjects.SCHEDULER_CLAIM, SchedulerClaim, self.on_claim, queue=subjects.SCHEDULER_QUEUE)
-        await t.subscribe(subjects.SCHEDULER_PING, SchedulerPing, self.on_ping, queue=subjects.SCHEDULER_QUEUE)
-        await t.subscribe(subjects.scheduler_generate(self.instance_id), GenerateRequest, self.on_generate)
-        self.heartbeat.start()
-
-    async def on_claim(self, claim: SchedulerClaim, msg) -> None:
-        await self.transport.respond(msg, SchedulerClaimReply(self.instance_id))
-
-    async def on_ping(self, _ping: SchedulerPing, msg) -> None:
-        await self.transport.respond(msg, SchedulerInfo(self.instance_id, "standin", LONG_ROWS + 8, 2048))
-
-    async def on_generate(self, request: GenerateRequest, _msg) -> None:
-        num_prompt = request.input_ids.shape[0]
-        seed = int(np.frombuffer(request.input_ids.data, "<i4")[0])
-        values, ids = expected_arrays(seed)
-        token_logprobs = np.full(num_prompt, -1.5, np.float32)
-        token_logprobs[0] = np.nan
-        entries = LogprobEntries(
-            output_token_logprobs=np.array([-0.5], np.float32), input_start=0, input_token_logprobs=token_logprobs,
-            input_top_logprobs_flat=values, input_top_ids_flat=ids, input_top_null_prefix=1,
-        )
-        output = RequestOutput(request.rid, request.detokenizer_id, [7], num_prompt, Finish(FinishType.LENGTH), entries)
-        for detokenizer_id, batch in to_token_batches([output], self.instance_id, 0).items():
-            await self.transport.publish(subjects.detokenizer_tokens(detokenizer_id), batch)
+    return seeded_top_logprobs(seed, LONG_ROWS, LONG_K)
 
 
 @pytest.mark.timeout(300)
@@ -115,7 +69,7 @@ async def test_131072x20_through_real_services_at_1mb_max_payload(nats_server_fa
     tokenizer_argv = service_argv("tokenizer", server.url, "--port", str(stack.port), "--max-model-len", str(LONG_ROWS + 8))
     stack.services["tokenizer"] = Service.start("tokenizer", tokenizer_argv, tmp_path)
     transport = await Transport.connect(server.url, "standin-scheduler")
-    scheduler = StandInScheduler(transport)
+    scheduler = StandInScheduler(transport, max_model_len=LONG_ROWS + 8)
     await scheduler.start()
     try:
         await asyncio.to_thread(stack.wait_healthy, 120)
@@ -132,14 +86,14 @@ async def test_131072x20_through_real_services_at_1mb_max_payload(nats_server_fa
         assert "slow consumer" not in stack.logs().lower()
     finally:
         with contextlib.suppress(Exception):
-            await scheduler.heartbeat.stop("test over")
+            await scheduler.stop()
         await transport.close()
         for service in stack.services.values():
             service.stop()
 
 
 def long_body(seed: int) -> dict:
-    prompt = [seed] + [5] * LONG_ROWS  # 131073 tokens: 131072 rows after the null prefix
+    prompt = [seed] + [5] * LONG_ROWS  # 131073 tokens: 131072 rows after the null prefix; seed picks the arrays
     return {"input_ids": prompt, "sampling_params": {"max_new_tokens": 1}, "return_logprob": True,
             "logprob_start_len": 0, "top_logprobs_num": LONG_K, "return_flat_raw_top_logprobs": True,
             "return_flat_raw_top_logprobs_b64": True}

@@ -130,6 +130,7 @@ def test_the_service_commands_up_builds_parse_with_the_real_cli():
         assert parsed.command == name and callable(parsed.run)
 
 
-def test_bench_lists_the_benchmarks(capsys):
-    args = build_parser(["bench"]).parse_args(["bench"])
-    assert args.run(args) == 0 and "benchmarks" in capsys.readouterr().out
+def test_bench_names_its_benchmarks(capsys):
+    with pytest.raises(SystemExit):
+        build_parser(["bench", "--help"]).parse_args(["bench", "--help"])
+    assert "logprob-transport" in capsys.readouterr().out
