@@ -182,3 +182,33 @@ def test_chat_content_items_carry_bytes(text_model):
     assert b"".join(bytes(item["bytes"]) for item in items) == "é!".encode()
     assert all(item["top_logprobs"][0]["bytes"] == item["bytes"] for item in items)
     assert all(math.isclose(item["logprob"], -1.0) for item in items)
+
+
+def _nested_and_flat(num_rows: int, k: int, seed: int) -> tuple[RequestLogprobs, RequestLogprobs]:
+    """The same prompt top logprobs as nested rows (row 0 null) and as scheduler-built arrays."""
+    from services.common.flat_logprobs import build_flat_top_logprobs
+
+    rng = np.random.default_rng(seed)
+    values = -np.sort(rng.random((num_rows, k), dtype=np.float32), axis=1)  # [P, k]
+    ids = rng.integers(0, 2000, (num_rows, k)).astype(np.int32)  # [P, k]
+    values[0], ids[0] = np.nan, -1
+    token = np.full(num_rows, -1.0, np.float32)
+    token[0] = np.nan
+    nested = RequestLogprobs(input_start=0, input_token_logprobs=f32(token), input_top_logprobs=f32(values),
+                             input_top_ids=i32(ids))
+    flat = build_flat_top_logprobs(values, ids, k)
+    arrays = RequestLogprobs(input_start=0, input_token_logprobs=f32(token), input_top_logprobs_flat=f32(flat.values),
+                             input_top_ids_flat=i32(flat.ids), input_top_null_prefix=flat.null_prefix)
+    return nested, arrays
+
+
+@pytest.mark.parametrize("b64", [False, True])
+@pytest.mark.parametrize("num_rows", [1, 2, 9])  # 1: every row null -> shape [0, k]
+def test_array_path_equals_row_path_field_for_field(b64, num_rows):
+    nested, arrays = _nested_and_flat(num_rows, 3, seed=num_rows)
+    prompt = list(range(100, 100 + num_rows))
+    opts = FormatOptions(top_logprobs_num=3, flat=True, flat_b64=b64)
+    from_rows = meta_logprobs(chunks_of(nested), prompt, [], opts)
+    from_arrays = meta_logprobs(chunks_of(arrays), prompt, [], opts)
+    assert from_rows == from_arrays
+    assert from_arrays["input_top_logprobs_shape"] == [num_rows - 1, 3]
