@@ -86,6 +86,10 @@ def add_up_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--speculative-algorithm", choices=("none", "dspark"), default="none")
     parser.add_argument("--device", choices=("auto", "cuda", "cpu"), default=env.device)
     parser.add_argument("--load-format", choices=("auto", "dummy"), default="auto")
+    parser.add_argument("--logprobs-mode", choices=("raw", "processed"), default="raw",
+                        help="raw: logprobs of the model's own distribution; processed: after temperature")
+    parser.add_argument("--chunked-prefill-size", type=int, default=2048, help="tokens per scheduler step")
+    parser.add_argument("--max-logprobs", type=int, default=20, help="largest top-k a request may ask for")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--log-level", default=env.log_level)

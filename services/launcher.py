@@ -77,10 +77,11 @@ def service_argv(name: str, nats_url: str, args: argparse.Namespace) -> list[str
     if name == "scheduler":
         argv += ["--speculative-algorithm", args.speculative_algorithm]
         argv += ["--device", args.device, "--load-format", args.load_format]
+        argv += ["--logprobs-mode", args.logprobs_mode, "--chunked-prefill-size", str(args.chunked_prefill_size)]
         if args.draft_model:
             argv += ["--draft-model", args.draft_model]
     if name == "tokenizer":
-        argv += ["--host", args.host, "--port", str(args.port)]
+        argv += ["--host", args.host, "--port", str(args.port), "--max-logprobs", str(args.max_logprobs)]
     return argv
 
 

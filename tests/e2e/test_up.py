@@ -108,16 +108,19 @@ def test_help_works_while_a_service_cannot_be_imported(monkeypatch, capsys):
 
 def test_up_passes_each_service_its_flags():
     argv = ["up", "--model", "/m", "--draft-model", "/d", "--speculative-algorithm", "dspark", "--device", "cpu",
-            "--load-format", "dummy", "--port", "9001"]  # fmt: skip
+            "--load-format", "dummy", "--port", "9001", "--logprobs-mode", "processed", "--chunked-prefill-size", "64",
+            "--max-logprobs", "5"]  # fmt: skip
     args = build_parser(argv).parse_args(argv)
     scheduler = service_argv("scheduler", "nats://x:1", args)
     tokenizer = service_argv("tokenizer", "nats://x:1", args)
     detokenizer = service_argv("detokenizer", "nats://x:1", args)
     assert scheduler[1:4] == ["-m", "services.cli", "scheduler"]
     for flag, value in [("--draft-model", "/d"), ("--speculative-algorithm", "dspark"), ("--device", "cpu"),
-                        ("--load-format", "dummy"), ("--nats-url", "nats://x:1"), ("--model", "/m")]:  # fmt: skip
+                        ("--load-format", "dummy"), ("--nats-url", "nats://x:1"), ("--model", "/m"),
+                        ("--logprobs-mode", "processed"), ("--chunked-prefill-size", "64")]:  # fmt: skip
         assert scheduler[scheduler.index(flag) + 1] == value
     assert tokenizer[tokenizer.index("--port") + 1] == "9001" and tokenizer[tokenizer.index("--host") + 1] == "127.0.0.1"
+    assert tokenizer[tokenizer.index("--max-logprobs") + 1] == "5"
     assert "--port" not in detokenizer and "--device" not in detokenizer
     assert detokenizer[detokenizer.index("--model") + 1] == "/m"
 
