@@ -9,6 +9,7 @@ from that event's new entries (stream).
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -23,7 +24,7 @@ from services.common.flat_logprobs import FlatLogprobsError, FlatTopLogprobs, bu
 
 log = structlog.get_logger(__name__)
 
-Triple = list[Any]  # [logprob | None, token_id, text | None]
+Triple = list[Any] | tuple[Any, ...]  # [logprob | None, token_id, text | None]
 TextOf = Callable[[int], str] | None
 
 
@@ -87,8 +88,15 @@ def _value(v: float) -> float | None:
 
 
 def token_triples(values: np.ndarray, ids: Sequence[int], text_of: TextOf) -> list[Triple]:
-    """values f32 [n], ids [n] -> n triples."""
-    return [[_value(v), i, text_of(i) if text_of else None] for v, i in zip(values.tolist(), ids, strict=False)]
+    """values f32 [n], ids [n] -> n triples. Hot for long prompts (32k-128k positions): no
+    per-entry function call; the few NaNs (null positions) are patched afterwards."""
+    logprobs: list[float | None] = values.tolist()
+    for index in np.flatnonzero(np.isnan(values)).tolist():
+        logprobs[index] = None
+    # Tuples, not lists: JSON-encoded the same, but 3x cheaper to build (lists are tracked by the
+    # cyclic GC, whose collections dominate building 100k+ small lists).
+    texts = [text_of(i) for i in ids] if text_of else itertools.repeat(None)
+    return list(zip(logprobs, ids, texts))
 
 
 def top_rows(values: np.ndarray, ids: np.ndarray, text_of: TextOf) -> list[list[Triple] | None]:
@@ -122,8 +130,9 @@ def flat_fields(flat: FlatTopLogprobs, b64: bool) -> dict[str, Any]:
         "input_top_logprobs_null_prefix": flat.null_prefix,
     }
     if b64:
-        fields["input_top_logprobs_val_flat_b64"] = pybase64.b64encode(values.tobytes()).decode("ascii")
-        fields["input_top_logprobs_idx_flat_b64"] = pybase64.b64encode(ids.tobytes()).decode("ascii")
+        # Straight from the array buffers to str: no bytes copy, no ascii decode copy (21 MB at 131072 x 20).
+        fields["input_top_logprobs_val_flat_b64"] = pybase64.b64encode_as_string(values)
+        fields["input_top_logprobs_idx_flat_b64"] = pybase64.b64encode_as_string(ids)
         fields["input_top_logprobs_val_flat_b64_dtype"] = "float32"
         fields["input_top_logprobs_idx_flat_b64_dtype"] = "int32"
     else:

@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import math
 
+import msgspec
 import numpy as np
 import pybase64
 import pytest
 
 from contracts.detokenizer import RequestLogprobs
 from services.common.arrays import to_wire
-from services.tokenizer.logprobs_format import FormatOptions, LogprobChunks, meta_logprobs
+from services.tokenizer.logprobs_format import FormatOptions, LogprobChunks
+from services.tokenizer.logprobs_format import meta_logprobs as build_meta_logprobs
 from services.tokenizer.openai_format import (
     chat_content,
     completion_logprobs,
@@ -20,6 +22,11 @@ from services.tokenizer.openai_format import (
 )
 
 NAN = float("nan")
+
+
+def meta_logprobs(*args, **kwargs):
+    """The fields as a client sees them: through JSON (triples may be tuples in memory)."""
+    return msgspec.json.decode(msgspec.json.encode(build_meta_logprobs(*args, **kwargs)))
 
 
 def chunks_of(*messages: RequestLogprobs) -> LogprobChunks:
