@@ -46,12 +46,10 @@ class StreamOptions(msgspec.Struct, kw_only=True):
     include_usage: bool = False
 
 
-class CompletionBody(msgspec.Struct, kw_only=True):
-    """POST /v1/completions. `prompt`: str, [str], [int] or [[int]]."""
+class OpenAIBody(msgspec.Struct, kw_only=True):
+    """Fields /v1/completions and /v1/chat/completions share."""
 
-    prompt: str | list[str | int | list[int]]
     model: str | None = None
-    max_tokens: int | None = 16
     temperature: float | None = None
     top_p: float | None = None
     n: int = 1
@@ -59,14 +57,21 @@ class CompletionBody(msgspec.Struct, kw_only=True):
     seed: int | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    logprobs: int | None = None
-    echo: bool = False
     # vLLM/SGLang extras that clients send through `extra_body`.
     top_k: int | None = None
     min_p: float | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     skip_special_tokens: bool = True
+
+
+class CompletionBody(OpenAIBody, kw_only=True):
+    """POST /v1/completions. `prompt`: str, [str], [int] or [[int]]."""
+
+    prompt: str | list[str | int | list[int]]
+    max_tokens: int | None = 16
+    logprobs: int | None = None
+    echo: bool = False
 
 
 class ContentPart(msgspec.Struct, kw_only=True):
@@ -79,27 +84,14 @@ class ChatMessage(msgspec.Struct, kw_only=True):
     content: str | list[ContentPart] | None = None
 
 
-class ChatBody(msgspec.Struct, kw_only=True):
+class ChatBody(OpenAIBody, kw_only=True):
     """POST /v1/chat/completions."""
 
     messages: list[ChatMessage]
-    model: str | None = None
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    n: int = 1
-    stop: str | list[str] | None = None
-    seed: int | None = None
-    stream: bool = False
-    stream_options: StreamOptions | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
-    top_k: int | None = None
-    min_p: float | None = None
-    stop_token_ids: list[int] | None = None
-    ignore_eos: bool = False
-    skip_special_tokens: bool = True
 
 
 class TokenizeBody(msgspec.Struct, kw_only=True):
