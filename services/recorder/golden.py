@@ -1,10 +1,11 @@
 """Record golden message streams from a running stack, for the replay tests in tests/replay.
 
-`record_golden` records every `sparkwire.v1` message while it sends HTTP requests to the
-stack's tokenizer one at a time, and returns the HTTP responses. Commit the recording and the
+`record_golden` records the `sparkwire.v1` messages on `subject` while it sends HTTP requests to
+the stack's tokenizer one at a time, and returns the HTTP responses. Commit the recording and the
 responses; the replay tests publish the recorded scheduler output into fresh detokenizer and
-tokenizer services and compare their answers with these responses. Standard library HTTP only,
-so a production install needs nothing extra.
+tokenizer services and compare their answers with these responses (after `normalise`, which
+blanks what differs from run to run). Standard library HTTP only, so a production install needs
+nothing extra. `ops/record/record_goldens.py` (re)records the committed goldens.
 """
 
 from __future__ import annotations
@@ -39,10 +40,11 @@ async def record_golden(
     out: Path | str,
     settle_s: float = 0.5,
     timeout_s: float = 120.0,
+    subject: str = subjects.ALL,
 ) -> tuple[list[GoldenResponse], RecordStats]:
     """`settle_s` after the last response lets trailing messages (aborts, heartbeats) land."""
     stop, ready = asyncio.Event(), asyncio.Event()
-    task = asyncio.create_task(record(nats_url, out, subjects.ALL, stop=stop, ready=ready))
+    task = asyncio.create_task(record(nats_url, out, subject, stop=stop, ready=ready))
     await asyncio.wait_for(ready.wait(), timeout_s)
     try:
         responses = [await asyncio.to_thread(post_json, http_url + case.path, case.body, timeout_s) for case in cases]
@@ -61,3 +63,33 @@ def post_json(url: str, body: dict[str, Any], timeout_s: float) -> GoldenRespons
             return GoldenResponse(response.status, response.read().decode())
     except urllib.error.HTTPError as error:
         return GoldenResponse(error.code, error.read().decode())
+
+
+# Values that differ between two runs of the same request: timings, OpenAI call ids, timestamps.
+VOLATILE_KEYS = frozenset({"e2e_latency", "created"})
+OPENAI_ID_PREFIXES = ("cmpl-", "chatcmpl-")
+
+
+def parse_body(response: GoldenResponse) -> Any:
+    """A JSON body as JSON; an SSE body as its list of events (JSON, or the `[DONE]` string)."""
+    if not response.body.startswith("data: "):
+        return json.loads(response.body)
+    events = [block.removeprefix("data: ") for block in response.body.split("\n\n") if block.strip()]
+    return [event if event == "[DONE]" else json.loads(event) for event in events]
+
+
+def normalise(value: Any) -> Any:
+    """`value` with volatile fields blanked, so a replayed response can equal its golden."""
+    if isinstance(value, list):
+        return [normalise(item) for item in value]
+    if not isinstance(value, dict):
+        return value
+    return {key: _normalise_field(key, item) for key, item in value.items()}
+
+
+def _normalise_field(key: str, value: Any) -> Any:
+    if key in VOLATILE_KEYS:
+        return "<volatile>"
+    if key == "id" and isinstance(value, str) and value.startswith(OPENAI_ID_PREFIXES):
+        return value.split("-", 1)[0] + "-<id>"
+    return normalise(value)
