@@ -5,13 +5,14 @@ For each size (rows x k) it measures, in one run on this machine:
   (per position `null` or a list of `(logprob, token_id, text)` triples, SGLang's layout) against
   the flat arrays of `contracts.detokenizer.RequestLogprobs` (float32/int32 `[rows, k]`);
 - two hops over a real nats-server left at the default 1 MB `max_payload` (so large messages are
-  chunked by `services.common.transport`): sender -> relay (decode, re-encode, as the detokenizer
-  does) -> receiver (decode), wall time from before the first encode to after the last decode;
+  chunked by `services.common.transport`): sender -> relay (its own process, decoding and
+  re-encoding as the detokenizer does, `ops.bench.relay`) -> receiver (decode), wall time from
+  before the first encode to after the last decode;
 - response building in the tokenizer: JSON float/int lists against base64 of little-endian bytes;
 - end to end over HTTP (131072 x 20 only): the real detokenizer and tokenizer services as
   processes, a stand-in scheduler (`ops.bench.standin_scheduler`) emitting the arrays through the
   scheduler's own message code, the same 131073-token prompt with prompt token logprobs, with and
-  without flat b64 top-k; "added" is the difference of the median latencies.
+  without flat b64 top-k, timed by `curl`; "added" is the difference of the median latencies.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ import pybase64
 
 from contracts.detokenizer import RequestLogprobs
 from services.common.arrays import from_wire, to_wire
+from ops.bench.relay import HOP1, HOP2
 from ops.bench.standin_scheduler import StandInScheduler
 from services.common.nats_server import PROJECT_CONFIG, free_port, start_nats_server
 from services.common.transport import Transport
@@ -92,26 +94,27 @@ def _touch(message: Any) -> None:
 
 
 async def two_hops(url: str, message: msgspec.Struct, message_type: type, repeat: int) -> float:
-    sender, relay, receiver = [await Transport.connect(url, name) for name in ("sender", "relay", "receiver")]
+    """sender -> relay (its own process, like the detokenizer) -> receiver; median ms."""
+    layout = "flat" if message_type is RequestLogprobs else "nested"
+    relay = subprocess.Popen([sys.executable, "-m", "ops.bench.relay", url, layout],
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE)  # fmt: skip
+    sender, receiver = await Transport.connect(url, "sender"), await Transport.connect(url, "receiver")
     arrived: asyncio.Queue[float] = asyncio.Queue()
-
-    async def forward(decoded: Any, _msg: Any) -> None:
-        _touch(decoded)
-        await relay.publish("sparkwire.v1.bench.hop2", decoded)
 
     async def land(decoded: Any, _msg: Any) -> None:
         _touch(decoded)
         arrived.put_nowait(time.perf_counter())
 
-    await relay.subscribe("sparkwire.v1.bench.hop1", message_type, forward)
-    await receiver.subscribe("sparkwire.v1.bench.hop2", message_type, land)
-    await asyncio.sleep(0.2)
+    await receiver.subscribe(HOP2, message_type, land)
+    assert (await asyncio.to_thread(relay.stdout.readline)).strip() == b"ready"
     times = []
     for _ in range(repeat):
         start = time.perf_counter()
-        await sender.publish("sparkwire.v1.bench.hop1", message)
+        await sender.publish(HOP1, message)
         times.append((await asyncio.wait_for(arrived.get(), 120) - start) * 1e3)
-    for transport in (sender, relay, receiver):
+    relay.stdin.close()
+    relay.wait(timeout=30)
+    for transport in (sender, receiver):
         await transport.close()
     return statistics.median(times)
 
@@ -181,8 +184,8 @@ def start_front_half(url: str, port: int, max_model_len: int, log_dir: Path) -> 
 
 
 async def http_end_to_end(url: str, rows: int, k: int, repeat: int, log_dir: Path) -> dict[str, float]:
-    import httpx
-
+    """Median HTTP latency measured by curl (a separate process, so the client's own parsing of a
+    28 MB body and the stand-in scheduler do not share one Python event loop)."""
     port = free_port()
     processes = start_front_half(url, port, rows + 8, log_dir)
     transport = await Transport.connect(url, "bench-standin-scheduler")
@@ -194,11 +197,11 @@ async def http_end_to_end(url: str, rows: int, k: int, repeat: int, log_dir: Pat
             "logprob_start_len": 0}
     flat = {**base, "top_logprobs_num": k, "return_flat_raw_top_logprobs": True,
             "return_flat_raw_top_logprobs_b64": True}
+    endpoint = f"http://127.0.0.1:{port}/generate"
     try:
-        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=120) as client:
-            await _wait_healthy(client)
-            result = {"baseline_ms": await _median_request_ms(client, base, repeat),
-                      "flat_b64_ms": await _median_request_ms(client, flat, repeat)}
+        await _wait_healthy(f"http://127.0.0.1:{port}/health")
+        result = {"baseline_ms": await _median_curl_ms(endpoint, base, repeat, log_dir / "base.json"),
+                  "flat_b64_ms": await _median_curl_ms(endpoint, flat, repeat, log_dir / "flat.json")}
     finally:
         await scheduler.stop()
         await transport.close()
@@ -209,26 +212,33 @@ async def http_end_to_end(url: str, rows: int, k: int, repeat: int, log_dir: Pat
     return result
 
 
-async def _wait_healthy(client: Any, timeout_s: float = 120.0) -> None:
+async def _wait_healthy(url: str, timeout_s: float = 120.0) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        try:
-            if (await client.get("/health")).status_code == 200:
-                return
-        except Exception:
-            pass
+        if (await _curl(url)).startswith("200"):
+            return
         await asyncio.sleep(0.25)
     raise TimeoutError("the tokenizer did not become healthy")
 
 
-async def _median_request_ms(client: Any, body: dict[str, Any], repeat: int) -> float:
-    await client.post("/generate", json=body)  # warm-up
+async def _curl(url: str, body_file: Path | None = None) -> str:
+    """`curl` prints '<status> <seconds>'; the body is discarded."""
+    command = ["curl", "-s", "-o", "/dev/null", "-w", "%{http_code} %{time_total}", url]
+    if body_file is not None:
+        command += ["-H", "content-type: application/json", "--data-binary", f"@{body_file}"]
+    done = await asyncio.to_thread(subprocess.run, command, capture_output=True, text=True)
+    return done.stdout
+
+
+async def _median_curl_ms(url: str, body: dict[str, Any], repeat: int, body_file: Path) -> float:
+    body_file.write_bytes(msgspec.json.encode(body))
+    await _curl(url, body_file)  # warm-up
     times = []
     for _ in range(repeat):
-        start = time.perf_counter()
-        response = await client.post("/generate", json=body)
-        times.append((time.perf_counter() - start) * 1e3)
-        response.raise_for_status()
+        status, seconds = (await _curl(url, body_file)).split()
+        if status != "200":
+            raise RuntimeError(f"{url} answered {status}")
+        times.append(float(seconds) * 1e3)
     return statistics.median(times)
 
 
