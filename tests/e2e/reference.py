@@ -18,7 +18,8 @@ import torch
 from tokenizers import Tokenizer
 
 from services.scheduler.config import BUNDLED_MODEL
-from services.scheduler.model import ForwardBatch, ModelRunner, load_model_runner
+from plain_forward import reference_logprobs  # noqa: F401  (re-exported for the e2e tests)
+from services.scheduler.model import ModelRunner, load_model_runner
 
 TOL = 1e-4  # PRODUCT §4: fp32 logprobs within 1e-4 of a plain forward pass
 KV_BLOCKS = 64  # 1024 token slots: more than any test sequence here
@@ -27,23 +28,6 @@ KV_BLOCKS = 64  # 1024 token slots: more than any test sequence here
 def load_reference_runner(model_dir: Path = BUNDLED_MODEL) -> ModelRunner:
     """The scheduler's own defaults (seed 0): the same deterministic weights as the service."""
     return load_model_runner(model_dir, device="cpu", dtype=torch.float32, num_kv_blocks=KV_BLOCKS, kv_block_size=16, seed=0)
-
-
-@torch.inference_mode()
-def reference_logprobs(runner: ModelRunner, tokens: list[int]) -> torch.Tensor:
-    """One full forward pass over `tokens`: row r is log p(. | tokens[:r+1]), f32 [n, V]."""
-    n = len(tokens)
-    num_blocks = -(-n // runner.block_size)
-    batch = ForwardBatch(
-        input_ids=torch.tensor(tokens, dtype=torch.int64),
-        positions=torch.arange(n, dtype=torch.int64),
-        query_start_loc=torch.tensor([0, n], dtype=torch.int32),
-        seq_lens=torch.tensor([n], dtype=torch.int32),
-        block_tables=torch.arange(num_blocks, dtype=torch.int32)[None],
-        slot_mapping=torch.arange(n, dtype=torch.int64),
-    )
-    hidden = runner.forward(batch).hidden_states  # [n, H]
-    return torch.log_softmax(runner.compute_logits(hidden).float(), dim=-1)  # [n, V]
 
 
 def check_top(row: torch.Tensor, entries: list[tuple[float, int]], k: int) -> None:

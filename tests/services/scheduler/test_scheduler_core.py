@@ -12,8 +12,8 @@ import torch
 
 from contracts.detokenizer import Finish, FinishType
 from contracts.scheduler import LogprobParams, SamplingParams
-from services.scheduler.model import ForwardBatch
 from services.scheduler.request import SchedulerRequest
+from plain_forward import reference_logprobs
 
 TOL = 1e-4
 
@@ -93,22 +93,6 @@ def request(rid, prompt, max_new_tokens=8, temperature=0.0, seed=None, logprobs=
 
 def prompt_of(seed: int, length: int) -> list[int]:
     return np.random.default_rng(seed).integers(3, 2048, size=length).tolist()
-
-
-def reference_logprobs(runner, tokens: list[int]) -> torch.Tensor:
-    """A plain full forward pass over `tokens`: row r is log p(. | tokens[:r+1]), f32 [n, V]."""
-    n = len(tokens)
-    num_blocks = -(-n // runner.block_size)
-    batch = ForwardBatch(
-        input_ids=torch.tensor(tokens, dtype=torch.int64),
-        positions=torch.arange(n, dtype=torch.int64),
-        query_start_loc=torch.tensor([0, n], dtype=torch.int32),
-        seq_lens=torch.tensor([n], dtype=torch.int32),
-        block_tables=torch.arange(num_blocks, dtype=torch.int32)[None],
-        slot_mapping=torch.arange(n, dtype=torch.int64),
-    )
-    hidden = runner.forward(batch).hidden_states
-    return torch.log_softmax(runner.compute_logits(hidden).float(), dim=-1)
 
 
 ALL_LOGPROBS = LogprobParams(return_logprob=True, logprob_start_len=0, top_logprobs_num=5, token_ids_logprob=(7, 3, 1999))
