@@ -16,6 +16,17 @@ from typing import IO
 PROJECT_CONFIG = Path(__file__).resolve().parents[2] / "ops" / "nats" / "nats.conf"
 
 
+def stop_process(process: subprocess.Popen[bytes], grace_s: float) -> None:
+    """SIGTERM, wait up to `grace_s`, then SIGKILL: how every child process here is stopped."""
+    if process.poll() is None:
+        process.terminate()
+    try:
+        process.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+
+
 def find_binary() -> str:
     """The venv's nats-server first (installed next to this interpreter), then PATH."""
     beside = Path(sys.executable).parent / "nats-server"
@@ -48,13 +59,7 @@ class NatsServer:
         return f"nats://127.0.0.1:{self.port}"
 
     def stop(self) -> None:
-        if self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
+        stop_process(self.process, grace_s=5.0)
 
     def kill(self) -> None:
         self.process.kill()

@@ -8,7 +8,6 @@ failing test prints.
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -17,7 +16,7 @@ from pathlib import Path
 
 import httpx
 
-from services.common.nats_server import NatsServer, free_port, start_nats_server
+from services.common.nats_server import NatsServer, free_port, start_nats_server, stop_process
 
 ROOT = Path(__file__).resolve().parents[2]
 BUNDLED_MODEL = ROOT / "ops" / "models" / "sparkwire-tiny"
@@ -47,13 +46,7 @@ class Service:
         return f"--- {self.name} (exit code {self.process.poll()}) ---\n" + "\n".join(lines)
 
     def stop(self, grace_s: float = 10.0) -> None:
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-        try:
-            self.process.wait(timeout=grace_s)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait()
+        stop_process(self.process, grace_s)
 
     def kill(self) -> None:
         self.process.kill()
