@@ -119,8 +119,8 @@ class SchedulerCore:
 
     def claim_error(self, num_prompt_tokens: int) -> str | None:
         """Why a prompt of this length can never run here; None when it can."""
-        if num_prompt_tokens > self.max_model_len:
-            return f"the prompt has {num_prompt_tokens} tokens, more than max_model_len {self.max_model_len}"
+        if num_prompt_tokens >= self.max_model_len:  # as the tokenizer: room for one new token at least
+            return f"the prompt has {num_prompt_tokens} tokens; max_model_len is {self.max_model_len}"
         if self._blocks.num_blocks_for(num_prompt_tokens + 1) > self._blocks.num_blocks:
             return f"the prompt has {num_prompt_tokens} tokens, more than the KV cache holds"
         return None

@@ -202,8 +202,10 @@ def test_eos_finishes_unless_ignore_eos(tiny_runner):
 def test_max_model_len_and_invalid_requests(make_core):
     results = run(
         make_core(max_model_len=16),
-        [request("a", prompt_of(8, 12), max_new_tokens=50, ignore_eos=True), request("long", prompt_of(8, 17)), request("empty", [])],
+        [request("a", prompt_of(8, 12), max_new_tokens=50, ignore_eos=True), request("long", prompt_of(8, 17)),
+         request("exact", prompt_of(8, 16)), request("empty", [])],
     )
+    assert results["exact"].finish.type == FinishType.ABORT and "max_model_len" in results["exact"].finish.message
     assert len(results["a"].tokens) == 4 and results["a"].finish == Finish(FinishType.LENGTH)
     assert results["long"].finish.type == FinishType.ABORT and "max_model_len" in results["long"].finish.message
     assert results["empty"].finish.type == FinishType.ABORT and results["empty"].tokens == []
