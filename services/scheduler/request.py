@@ -58,7 +58,7 @@ class RequestOutput:
     logprobs: LogprobEntries | None  # None when the request did not ask for logprobs
 
 
-@dataclass
+@dataclass(eq=False)  # identity: `seq in running` and `running.remove(seq)` must not compare token lists
 class Sequence:
     """A request's live state. `tokens` is prompt + output; the first `num_computed` are in KV."""
 
