@@ -46,6 +46,7 @@ class RequestLogprobs(msgspec.Struct, frozen=True, gc=False, omit_defaults=True)
     Null positions (nothing predicts the first prompt token) are NaN in value arrays and -1 in id
     arrays. Top-k rows are sorted by logprob, ties by token id. `k` is the request's
     `top_logprobs_num`; `m` is `len(token_ids_logprob)` (the ids themselves are in the request).
+    With `--logprobs-mode processed`, tokens the request's top-k/top-p/min-p remove carry -9999.0.
 
     New fields are appended with a `None` default: with `omit_defaults` an old message encodes to
     the same bytes, and an old reader skips fields it does not know.

@@ -365,8 +365,7 @@ class SchedulerCore:
 
     def _query(self, seq: Sequence, rows: np.ndarray, targets: np.ndarray) -> LogprobQuery:
         params = seq.request.logprobs
-        temperature = seq.request.sampling.temperature
-        return LogprobQuery(rows, targets, params.top_logprobs_num, params.token_ids_logprob, temperature)
+        return LogprobQuery(rows, targets, params.top_logprobs_num, params.token_ids_logprob, seq.request.sampling)
 
     def _record_prompt(self, seq: Sequence, lo: int, hi: int, result: RowLogprobs, pending: dict[str, _Pending]) -> None:
         if lo == seq.prompt_logprob_start:

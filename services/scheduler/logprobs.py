@@ -3,8 +3,10 @@
 Rows from many requests are computed together in row chunks, so a 32k-token prompt with top-20
 never holds a [32k, V] fp32 tensor at once; each request then takes its own slice (its k and its
 requested ids). Top-k rows are sorted by logprob descending, ties by the smaller token id.
-`raw` mode is log_softmax of the model's logits; `processed` divides by the request's
-temperature first (temperature 0 counts as 1).
+`raw` mode is log_softmax of the model's logits. `processed` is the distribution the sampler
+draws from: logits over the request's temperature (0 counts as 1), then its top-k, top-p and min-p
+filters, renormalised; a filtered-out token gets `FILTERED_LOGPROB` (JSON has no -inf; vLLM uses
+the same floor).
 """
 
 from __future__ import annotations
@@ -15,8 +17,12 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from contracts.scheduler import SamplingParams
+from services.scheduler.sampler import filtered_out, unfiltered
+
 CHUNK_BYTES = 256 * 1024 * 1024  # fp32 logits held at once per chunk, at most (and 1024 rows)
 MAX_CHUNK_ROWS = 1024
+FILTERED_LOGPROB = -9999.0  # processed mode: tokens the request's sampling filters remove
 
 
 @dataclass(frozen=True)
@@ -27,7 +33,7 @@ class LogprobQuery:
     targets: np.ndarray  # int64 [n], the token whose logprob each row gives
     top_k: int
     token_ids: tuple[int, ...]
-    temperature: float = 1.0  # used in processed mode only
+    sampling: SamplingParams = SamplingParams()  # used in processed mode only
 
 
 @dataclass(frozen=True)
@@ -66,45 +72,51 @@ def compute_logprobs(
     if rows.size == 0:
         return [_empty(q) for q in queries]
     targets = np.concatenate([q.targets for q in queries])  # [n]
-    temps = np.concatenate([np.full(len(q.rows), _temperature(q, processed), np.float32) for q in queries])
+    sampling = [q.sampling if processed else None for q in queries for _ in range(len(q.rows))]  # [n]
     max_k = max(q.top_k for q in queries)
     ids = _padded_ids(queries)  # [n, max_m]
     chunk_rows = max(1, min(MAX_CHUNK_ROWS, CHUNK_BYTES // (4 * vocab_size)))
     parts = []
     for start in range(0, len(rows), chunk_rows):
         end = min(start + chunk_rows, len(rows))
-        parts.append(_chunk(source, to_logits, rows[start:end], targets[start:end], temps[start:end], max_k, ids[start:end]))
+        rows_logprobs = _RowsLogprobs(source, to_logits, sampling[start:end])
+        parts.append(rows_logprobs.gather(rows[start:end], targets[start:end], max_k, ids[start:end]))
     token, top_values, top_ids, ids_lp = (np.concatenate(column) for column in zip(*parts, strict=True))
     return _split(queries, token, top_values, top_ids, ids_lp)
 
 
-def _chunk(
-    source: torch.Tensor,
-    to_logits: Callable[[torch.Tensor], torch.Tensor] | None,
-    rows: np.ndarray,
-    targets: np.ndarray,
-    temps: np.ndarray,
-    max_k: int,
-    ids: np.ndarray,
-) -> tuple[np.ndarray, ...]:
-    device = source.device
-    picked = source[torch.from_numpy(rows).to(device)]
-    logits = to_logits(picked) if to_logits is not None else picked.float()  # [c, V]
-    logits = logits / torch.from_numpy(temps).to(device)[:, None]
-    logprobs = torch.log_softmax(logits.float(), dim=-1)  # [c, V]
-    token = logprobs.gather(1, torch.from_numpy(targets).to(device)[:, None])[:, 0]  # [c]
-    top_values, top_ids = top_k_sorted(logprobs, min(max_k, logprobs.shape[1]))
-    ids_lp = logprobs.gather(1, torch.from_numpy(np.maximum(ids, 0)).to(device))  # [c, max_m]
-    return (
-        token.cpu().numpy(),
-        top_values.cpu().numpy(),
-        top_ids.to(torch.int32).cpu().numpy(),
-        ids_lp.cpu().numpy(),
-    )
+@dataclass(frozen=True)
+class _RowsLogprobs:
+    """One chunk of rows: their logits, the (raw or processed) log-distribution, the gathers."""
 
+    source: torch.Tensor
+    to_logits: Callable[[torch.Tensor], torch.Tensor] | None
+    sampling: list[SamplingParams | None]  # [c]; None = raw
 
-def _temperature(query: LogprobQuery, processed: bool) -> float:
-    return query.temperature if processed and query.temperature > 0 else 1.0
+    def gather(self, rows: np.ndarray, targets: np.ndarray, max_k: int, ids: np.ndarray) -> tuple[np.ndarray, ...]:
+        device = self.source.device
+        picked = self.source[torch.from_numpy(rows).to(device)]
+        logits = self.to_logits(picked) if self.to_logits is not None else picked.float()  # [c, V]
+        logprobs = self._log_distribution(logits.float())  # [c, V]
+        token = logprobs.gather(1, torch.from_numpy(targets).to(device)[:, None])[:, 0]  # [c]
+        top_values, top_ids = top_k_sorted(logprobs, min(max_k, logprobs.shape[1]))
+        ids_lp = logprobs.gather(1, torch.from_numpy(np.maximum(ids, 0)).to(device))  # [c, max_m]
+        return (
+            token.cpu().numpy(),
+            top_values.cpu().numpy(),
+            top_ids.to(torch.int32).cpu().numpy(),
+            ids_lp.cpu().numpy(),
+        )
+
+    def _log_distribution(self, logits: torch.Tensor) -> torch.Tensor:
+        if all(params is None for params in self.sampling):
+            return torch.log_softmax(logits, dim=-1)
+        params = [p or SamplingParams(temperature=1.0) for p in self.sampling]
+        temps = torch.tensor([p.temperature if p.temperature > 0 else 1.0 for p in params], device=logits.device)
+        logits = logits / temps[:, None]  # [c, V]
+        if not all(unfiltered(p) for p in params):
+            logits = logits.masked_fill(filtered_out(torch.softmax(logits, dim=-1), params), float("-inf"))
+        return torch.log_softmax(logits, dim=-1).clamp_min(FILTERED_LOGPROB)
 
 
 def _padded_ids(queries: list[LogprobQuery]) -> np.ndarray:

@@ -54,20 +54,9 @@ class Sampler:
         device = logits.device
         temps = torch.tensor([max(r.params.temperature, 1e-6) for r in rows], device=device)  # [B]
         probs = torch.softmax(logits / temps[:, None], dim=-1)  # [B, V]
-        if all(_unfiltered(r.params) for r in rows):
+        if all(unfiltered(r.params) for r in rows):
             return probs
-        vocab = logits.shape[1]
-        top_k = torch.tensor([_top_k(r.params, vocab) for r in rows], device=device)  # [B]
-        top_p = torch.tensor([r.params.top_p for r in rows], device=device)  # [B]
-        min_p = torch.tensor([r.params.min_p for r in rows], device=device)  # [B]
-        sorted_p, order = probs.sort(dim=-1, descending=True, stable=True)  # [B, V]
-        ranks = torch.arange(vocab, device=device)  # [V]
-        mass_before = sorted_p.cumsum(dim=-1) - sorted_p  # [B, V]
-        drop = ranks[None, :] >= top_k[:, None]
-        drop |= mass_before > top_p[:, None]  # the token crossing top_p is kept
-        drop |= sorted_p < min_p[:, None] * sorted_p[:, :1]
-        kept = sorted_p.masked_fill(drop, 0.0)
-        return torch.zeros_like(probs).scatter_(1, order, kept)
+        return probs.masked_fill(filtered_out(probs, [r.params for r in rows]), 0.0)
 
     def _exponential_noise(self, rows: list[SampleRow], vocab: int, device: torch.device) -> torch.Tensor:
         noise = torch.empty(len(rows), vocab, device=device)  # [B, V]
@@ -82,9 +71,25 @@ class Sampler:
         return noise.clamp_min_(1e-30)  # E = 0 would turn p = 0 into 0/0
 
 
+def filtered_out(probs: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """probs f32 [B, V] (after temperature) -> bool [B, V]: the tokens each row's top-k, top-p
+    and min-p remove. The token whose cumulative mass crosses top_p is kept; ties keep the lower id."""
+    device, vocab = probs.device, probs.shape[1]
+    top_k = torch.tensor([_top_k(p, vocab) for p in params], device=device)  # [B]
+    top_p = torch.tensor([p.top_p for p in params], device=device)  # [B]
+    min_p = torch.tensor([p.min_p for p in params], device=device)  # [B]
+    sorted_p, order = probs.sort(dim=-1, descending=True, stable=True)  # [B, V]
+    ranks = torch.arange(vocab, device=device)  # [V]
+    mass_before = sorted_p.cumsum(dim=-1) - sorted_p  # [B, V]
+    drop = ranks[None, :] >= top_k[:, None]
+    drop |= mass_before > top_p[:, None]
+    drop |= sorted_p < min_p[:, None] * sorted_p[:, :1]
+    return torch.zeros_like(drop).scatter_(1, order, drop)
+
+
 def _top_k(params: SamplingParams, vocab: int) -> int:
     return vocab if params.top_k <= 0 else min(params.top_k, vocab)
 
 
-def _unfiltered(params: SamplingParams) -> bool:
+def unfiltered(params: SamplingParams) -> bool:
     return params.top_k <= 0 and params.top_p >= 1.0 and params.min_p <= 0.0

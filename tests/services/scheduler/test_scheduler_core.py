@@ -293,3 +293,15 @@ def test_flat_assembly_over_chunks_equals_nested_one_shot(make_core, chunk):
     np.testing.assert_array_equal(ids, nested.cat("input_top_ids")[1:])
     np.testing.assert_allclose(flat.cat("input_token"), nested.cat("input_token"), atol=TOL, equal_nan=True)
     assert len(flat.cat("output_top_values")) == 2  # output rows stay nested
+
+
+def test_processed_mode_logprobs_follow_the_request_filters(make_core):
+    from services.scheduler.logprobs import FILTERED_LOGPROB
+
+    params = LogprobParams(return_logprob=True, top_logprobs_num=5)
+    sampled = request("a", prompt_of(18, 8), max_new_tokens=6, temperature=0.8, seed=3, top_k=2, logprobs=params)
+    result = run(make_core(logprobs_mode="processed"), [sampled])["a"]
+    top = result.cat("output_top_values")  # [6, 5]
+    assert (top[:, 2:] == FILTERED_LOGPROB).all() and (top[:, :2] > FILTERED_LOGPROB).all()
+    np.testing.assert_allclose(np.exp(top[:, :2]).sum(axis=1), 1.0, atol=1e-5)
+    assert (result.cat("output_token") > FILTERED_LOGPROB).all()  # every sampled token was kept

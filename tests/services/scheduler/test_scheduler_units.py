@@ -176,3 +176,31 @@ def test_batch_without_flat_requests_encodes_as_if_the_fields_did_not_exist():
         ],
     )
     assert msgspec.msgpack.encode(batch) == msgspec.msgpack.encode(old)
+
+
+def test_processed_mode_is_the_filtered_sampling_distribution():
+    from contracts.scheduler import SamplingParams
+    from services.scheduler.logprobs import FILTERED_LOGPROB
+
+    logits = torch.randn(3, 40, generator=torch.Generator().manual_seed(2))
+    sampling = SamplingParams(temperature=0.5, top_k=3)
+    query = LogprobQuery(np.array([0, 1, 2]), np.array([0, 1, 2]), top_k=5, token_ids=(), sampling=sampling)
+    (result,) = compute_logprobs([query], logits, None, 40, processed=True)
+    scaled = logits / 0.5
+    kept = scaled.topk(3).indices  # [3, 3]
+    expected = torch.full_like(scaled, float("-inf")).scatter(1, kept, scaled.gather(1, kept)).log_softmax(-1)
+    np.testing.assert_allclose(result.top_values[:, :3], expected.topk(3).values.numpy(), atol=1e-5)
+    assert (result.top_values[:, 3:] == FILTERED_LOGPROB).all()  # beyond top_k: filtered, at the floor
+    assert np.allclose(np.exp(result.top_values[:, :3]).sum(axis=1), 1.0, atol=1e-5)  # renormalised
+    (raw,) = compute_logprobs([query], logits, None, 40, processed=False)
+    np.testing.assert_allclose(raw.top_values, logits.log_softmax(-1).topk(5).values.numpy(), atol=1e-5)
+
+
+def test_processed_top_p_keeps_the_token_that_crosses_the_mass():
+    from contracts.scheduler import SamplingParams
+
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
+    query = LogprobQuery(np.array([0]), np.array([2]), top_k=4, token_ids=(), sampling=SamplingParams(top_p=0.6))
+    (result,) = compute_logprobs([query], logits, None, 4, processed=True)
+    np.testing.assert_allclose(np.exp(result.top_values[0, :2]), [0.5 / 0.8, 0.3 / 0.8], atol=1e-6)
+    assert result.token[0] < -1000  # token 2 is outside the top-p set
