@@ -28,7 +28,7 @@ async def relay(url: str, layout: str) -> None:
         await transport.publish(HOP2, decoded)
 
     await transport.subscribe(HOP1, message_type, forward)
-    await transport._nc.flush()
+    await transport.flush()
     print("ready", flush=True)
     await asyncio.to_thread(sys.stdin.read)  # until the bench closes our stdin
     await transport.close()

@@ -286,6 +286,10 @@ class Transport:
             with contextlib.suppress(Exception):  # a closing connection: the sender times out instead
                 await self._nc.publish(ack_subject, f"{headers[MSG_HEADER]} {int(headers[CHUNK_HEADER].split('/')[0])}".encode())
 
+    async def flush(self) -> None:
+        """Round trip to the server: subscriptions made before this call are live after it."""
+        await self._nc.flush()
+
     async def close(self) -> None:
         """Drain: stop receiving, let handlers finish what arrived, flush publishes, close."""
         with contextlib.suppress(Exception):

@@ -96,7 +96,7 @@ async def test_record_then_replay_round_trip(nats_server_factory, tmp_path):
     receiver = await Transport.connect(target.url, "receiver")
     await receiver.subscribe(BIG_SUBJECT, Blob, on_blob)
     await watcher.flush()
-    await receiver._nc.flush()
+    await receiver.flush()
     replayed = await replay(target.url, out)
     assert replayed.num_messages == 7
     assert await asyncio.wait_for(reassembled.get(), 10) == holder["big"]

@@ -90,7 +90,7 @@ async def test_chunks_fill_max_payload_exactly_headers_included(nats_server_fact
     sender, receiver = await pair(server.url)
     got = Collector()
     await receiver.subscribe(SUBJECT, Blob, got)
-    await receiver._nc.flush()
+    await receiver.flush()
     sent = record_commands(sender)
     message = blob(7, 3 * MB + 12345)
     await sender.publish(SUBJECT, message)
@@ -132,7 +132,7 @@ async def test_5mb_message_through_1mb_server_arrives_intact(nats_server_factory
     sender, receiver = await pair(server.url)
     got = Collector()
     await receiver.subscribe(SUBJECT, Blob, got)
-    await receiver._nc.flush()
+    await receiver.flush()
     message = Blob(1, bytes(range(256)) * (5 * MB // 256))
     await sender.publish(SUBJECT, message)
     await got.wait_for(1, 10)
@@ -147,7 +147,7 @@ async def test_burst_of_20_5mb_messages_arrives_intact_and_in_order(nats_server_
     sender, receiver = await pair(server.url)
     got = Collector()
     await receiver.subscribe(SUBJECT, Blob, got)
-    await receiver._nc.flush()
+    await receiver.flush()
     sent = [blob(seq, 5 * MB) for seq in range(20)]
     for message in sent:
         await sender.publish(SUBJECT, message)
@@ -162,7 +162,7 @@ async def _burst_21mb(server, window_bytes: int, block_s: float) -> tuple[Collec
     sender, receiver = await pair(server.url, window_bytes=window_bytes)
     got = Collector(block_s=block_s)
     await receiver.subscribe(SUBJECT, Blob, got)
-    await receiver._nc.flush()
+    await receiver.flush()
     for seq in range(8):
         await sender.publish(SUBJECT, blob(seq, 21 * MB))
     return got, receiver
@@ -239,13 +239,13 @@ async def test_stale_partial_reassembly_is_dropped(nats_server, pause_s, deliver
     sender, receiver = await pair(nats_server.url, reassembly_timeout_s=0.4)
     got = Collector()
     await receiver.subscribe(SUBJECT, Blob, got)
-    await receiver._nc.flush()
+    await receiver.flush()
     payload = msgspec.msgpack.encode(blob(3, 1000))
     await _send_chunk(sender._nc, "m-1", 0, payload[:500])
-    await sender._nc.flush()
+    await sender.flush()
     await asyncio.sleep(pause_s)  # longer than the reassembly timeout: the first half is dropped
     await _send_chunk(sender._nc, "m-1", 1, payload[500:])
-    await sender._nc.flush()
+    await sender.flush()
     await asyncio.sleep(0.3)
     assert (got.got == [blob(3, 1000)]) is delivered
     await sender.close()
@@ -257,7 +257,7 @@ async def test_acks_give_the_whole_window_back_after_delivery(nats_server):
     sender, receiver = await pair(nats_server.url)
     got = Collector()
     await receiver.subscribe(SUBJECT, Blob, got)
-    await receiver._nc.flush()
+    await receiver.flush()
     sent = record_commands(sender)
     for seq in range(3):
         await sender.publish(SUBJECT, blob(seq, 1 * MB))  # under max_payload (8 MB), still framed

@@ -15,7 +15,7 @@ async def test_publish_subscribe_roundtrip(nats_server):
         got.put_nowait(message)
 
     await b.subscribe("sparkwire.v1.test", Heartbeat, handler)
-    await b._nc.flush()
+    await b.flush()
     await a.publish("sparkwire.v1.test", Heartbeat(service="x", instance_id="1", num_running=3))
     message = await asyncio.wait_for(got.get(), 5)
     assert message == Heartbeat(service="x", instance_id="1", num_running=3)
@@ -37,7 +37,7 @@ async def test_large_payload_is_chunked_under_1mb_limit(nats_server_factory):
         got.put_nowait(message.data)
 
     await b.subscribe("sparkwire.v1.blob", Blob, handler)
-    await b._nc.flush()
+    await b.flush()
     payload = bytes(range(256)) * (5 * 4096)  # 5 MiB
     await a.publish("sparkwire.v1.blob", Blob(payload))
     assert await asyncio.wait_for(got.get(), 10) == payload

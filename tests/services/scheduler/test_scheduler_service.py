@@ -53,7 +53,7 @@ async def harness(nats_server, make_core):
 
     await client.subscribe(subjects.detokenizer_tokens("detok-1"), TokenBatch, on_batch)
     await client.subscribe(subjects.heartbeat("scheduler"), Heartbeat, on_beat)
-    await client._nc.flush()
+    await client.flush()
     h.task = asyncio.create_task(service.run(stop))
     beat = await asyncio.wait_for(h.beats.get(), 10)  # the first beat means subscriptions are live
     assert beat.alive and beat.instance_id == "sched-test"

@@ -131,7 +131,7 @@ class FakeBackend:
         await t.subscribe(subjects.SCHEDULER_ABORT, AbortRequest, self._on_abort)
         if answer_pings:
             await t.subscribe(subjects.SCHEDULER_PING, SchedulerPing, self._on_ping, queue="scheduler")
-        await t._nc.flush()
+        await t.flush()
         self.beating = asyncio.create_task(self._beat())
 
     async def _beat(self) -> None:
