@@ -22,7 +22,3 @@ def from_wire(wire: NDArray) -> np.ndarray:
 
 def optional_to_wire(array: np.ndarray | None) -> NDArray | None:
     return None if array is None else to_wire(array)
-
-
-def optional_from_wire(wire: NDArray | None) -> np.ndarray | None:
-    return None if wire is None else from_wire(wire)
