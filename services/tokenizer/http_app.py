@@ -23,6 +23,7 @@ from litestar.types import Message, Scope
 from services.tokenizer import openai_api
 from services.tokenizer.api_types import DetokenizeBody, GenerateBody, TokenizeBody
 from services.tokenizer.frontend import SSE_HEADERS, ClientGone, Frontend, stream_then_abort
+from services.tokenizer.json_body import encode_json
 from services.tokenizer.native import GenerationResult, error_body, native_events, native_response
 from services.tokenizer.requests import RequestFailed
 from services.tokenizer.service import ServiceUnavailable
@@ -42,7 +43,7 @@ async def generate(data: GenerateBody, frontend: Frontend, request: Request) -> 
     results = await frontend.collect_all(pendings, request)
     frontend.observe("generate", results)
     bodies = [native_response(result, frontend.model) for result in results]
-    return Response(bodies if is_batch else bodies[0])
+    return Response(encode_json(bodies if is_batch else bodies[0]), media_type=MediaType.JSON)
 
 
 @get("/health", summary="200 when a scheduler answers a ping within ~1 s, else 503")

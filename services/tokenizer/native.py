@@ -11,9 +11,9 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
-import msgspec
 
 from contracts.detokenizer import Finish, FinishType
+from services.tokenizer.json_body import encode_json
 from services.tokenizer.logprobs_format import FormatOptions, LogprobChunks, meta_logprobs
 from services.tokenizer.requests import Delta, PendingRequest, RequestFailed
 from services.tokenizer.text_model import TextModel
@@ -24,7 +24,7 @@ SSE_DONE = b"data: [DONE]\n\n"
 
 
 def sse(payload: Any) -> bytes:
-    return b"data: " + msgspec.json.encode(payload) + b"\n\n"
+    return b"data: " + encode_json(payload) + b"\n\n"
 
 
 def error_body(

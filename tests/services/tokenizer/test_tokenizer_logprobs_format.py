@@ -11,6 +11,7 @@ import pytest
 
 from contracts.detokenizer import RequestLogprobs
 from services.common.arrays import to_wire
+from services.tokenizer.json_body import encode_json
 from services.tokenizer.logprobs_format import FormatOptions, LogprobChunks
 from services.tokenizer.logprobs_format import meta_logprobs as build_meta_logprobs
 from services.tokenizer.openai_format import (
@@ -26,7 +27,7 @@ NAN = float("nan")
 
 def meta_logprobs(*args, **kwargs):
     """The fields as a client sees them: through JSON (triples may be tuples in memory)."""
-    return msgspec.json.decode(msgspec.json.encode(build_meta_logprobs(*args, **kwargs)))
+    return msgspec.json.decode(encode_json(build_meta_logprobs(*args, **kwargs)))
 
 
 def chunks_of(*messages: RequestLogprobs) -> LogprobChunks:
