@@ -22,6 +22,7 @@ class EnvSettings:
     device: str = "auto"
     heartbeat_interval_s: float = 0.5
     heartbeat_timeout_s: float = 2.0
+    event_loop: str = "uvloop"  # "uvloop" or "asyncio" (the standard library's, for debugging)
 
     @classmethod
     def from_environ(cls, environ: Mapping[str, str] = os.environ) -> EnvSettings:
