@@ -7,18 +7,22 @@ For each size (rows x k) it measures, in one run on this machine:
 - two hops over a real nats-server left at the default 1 MB `max_payload` (so large messages are
   chunked by `services.common.transport`): sender -> relay (its own process, decoding and
   re-encoding as the detokenizer does, `ops.bench.relay`) -> receiver (decode), wall time from
-  before the first encode to after the last decode;
-- response building in the tokenizer: JSON float/int lists against base64 of little-endian bytes;
+  before the first encode to after the last decode; the flat arrays on both event loops the
+  services can run (uvloop, their default, and the standard library's asyncio);
+- response building in the tokenizer: JSON float/int lists, the b64 text as a Python str through
+  `msgspec.json.encode` (the first version), and `json_body.encode_json` (what `/generate` uses);
 - end to end over HTTP (131072 x 20 only): the real detokenizer and tokenizer services as
   processes, a stand-in scheduler (`ops.bench.standin_scheduler`) emitting the arrays through the
   scheduler's own message code, the same 131073-token prompt with prompt token logprobs, with and
   without flat b64 top-k, timed by `curl`; "added" is the difference of the median latencies.
+  Measured with the services on uvloop and again on asyncio.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -33,11 +37,13 @@ import numpy as np
 import pybase64
 
 from contracts.detokenizer import RequestLogprobs
-from services.common.arrays import from_wire, to_wire
 from ops.bench.relay import HOP1, HOP2
 from ops.bench.standin_scheduler import StandInScheduler
+from services.common.arrays import from_wire, to_wire
+from services.common.lifecycle import EVENT_LOOPS, run_event_loop
 from services.common.nats_server import PROJECT_CONFIG, free_port, start_nats_server
 from services.common.transport import Transport
+from services.tokenizer.json_body import Base64Field, encode_json
 
 SIZES = ((32768, 2), (32768, 20), (131072, 20))
 NULL_PREFIX = 1  # the first prompt position has no logprobs
@@ -93,10 +99,11 @@ def _touch(message: Any) -> None:
         from_wire(message.input_top_ids_flat)
 
 
-async def two_hops(url: str, message: msgspec.Struct, message_type: type, repeat: int) -> float:
-    """sender -> relay (its own process, like the detokenizer) -> receiver; median ms."""
+async def two_hops(url: str, message: msgspec.Struct, message_type: type, repeat: int, event_loop: str) -> float:
+    """sender -> relay (its own process, like the detokenizer) -> receiver; median ms. The relay
+    runs on `event_loop`, as does the caller."""
     layout = "flat" if message_type is RequestLogprobs else "nested"
-    relay = subprocess.Popen([sys.executable, "-m", "ops.bench.relay", url, layout],
+    relay = subprocess.Popen([sys.executable, "-m", "ops.bench.relay", url, layout, event_loop],
                              stdin=subprocess.PIPE, stdout=subprocess.PIPE)  # fmt: skip
     sender, receiver = await Transport.connect(url, "sender"), await Transport.connect(url, "receiver")
     arrived: asyncio.Queue[float] = asyncio.Queue()
@@ -120,16 +127,23 @@ async def two_hops(url: str, message: msgspec.Struct, message_type: type, repeat
 
 
 def response_building(values: np.ndarray, ids: np.ndarray, repeat: int) -> dict[str, float]:
+    """The two flat fields to JSON bytes, three ways."""
+
     def as_lists() -> bytes:
         return msgspec.json.encode({"val": values.ravel().tolist(), "idx": ids.ravel().tolist()})
 
-    def as_b64() -> bytes:
+    def as_b64_str() -> bytes:
         little_values, little_ids = values.astype("<f4", copy=False), ids.astype("<i4", copy=False)
         return msgspec.json.encode(
             {"val": pybase64.b64encode_as_string(little_values), "idx": pybase64.b64encode_as_string(little_ids)}
         )
 
-    return {"json_lists_ms": median_ms(as_lists, repeat), "b64_ms": median_ms(as_b64, repeat)}
+    def as_b64_fields() -> bytes:
+        return encode_json({"val": Base64Field(values), "idx": Base64Field(ids)})
+
+    assert as_b64_str() == as_b64_fields()
+    return {"json_lists_ms": median_ms(as_lists, repeat), "b64_str_ms": median_ms(as_b64_str, repeat),
+            "b64_ms": median_ms(as_b64_fields, repeat)}
 
 
 def default_payload_config(directory: Path) -> Path:
@@ -146,8 +160,10 @@ def bench_size(url: str, rows: int, k: int, repeat: int) -> dict[str, Any]:
     result: dict[str, Any] = {"rows": rows, "k": k}
     result["nested_hop"] = per_hop(nested, NestedPromptTop, max(3, repeat // 3))
     result["flat_hop"] = per_hop(flat, RequestLogprobs, repeat)
-    result["nested_two_hops_ms"] = asyncio.run(two_hops(url, nested, NestedPromptTop, 3))
-    result["flat_two_hops_ms"] = asyncio.run(two_hops(url, flat, RequestLogprobs, repeat))
+    result["nested_two_hops_ms"] = run_event_loop(two_hops(url, nested, NestedPromptTop, 3, "uvloop"))
+    for loop in EVENT_LOOPS:
+        key = "flat_two_hops_ms" if loop == "uvloop" else f"flat_two_hops_{loop}_ms"
+        result[key] = run_event_loop(two_hops(url, flat, RequestLogprobs, repeat, loop), loop)
     result["response"] = response_building(values, ids, max(3, repeat // 3))
     hop = lambda key: result[key]["encode_ms"] + result[key]["decode_ms"]  # noqa: E731
     result["per_hop_speedup"] = hop("nested_hop") / hop("flat_hop")
@@ -156,7 +172,8 @@ def bench_size(url: str, rows: int, k: int, repeat: int) -> dict[str, Any]:
 
 def table(results: list[dict[str, Any]]) -> str:
     lines = [
-        "| rows x k | nested hop enc+dec ms | flat hop enc+dec ms | speedup | bytes nested / flat | 2 hops nested ms | 2 hops flat ms | JSON lists ms | b64 ms |",
+        "| rows x k | nested hop enc+dec ms | flat hop enc+dec ms | speedup | bytes nested / flat | 2 hops nested ms"
+        " | 2 hops flat ms (asyncio) | JSON lists ms | b64 ms (as str) |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
@@ -164,13 +181,17 @@ def table(results: list[dict[str, Any]]) -> str:
         lines.append(
             f"| {r['rows']} x {r['k']} | {n['encode_ms']:.2f} + {n['decode_ms']:.2f} | {f['encode_ms']:.3f} + {f['decode_ms']:.3f}"
             f" | {r['per_hop_speedup']:.0f}x | {n['bytes'] / 1e6:.2f} / {f['bytes'] / 1e6:.2f} MB"
-            f" | {r['nested_two_hops_ms']:.1f} | {r['flat_two_hops_ms']:.1f} | {resp['json_lists_ms']:.1f} | {resp['b64_ms']:.1f} |"
+            f" | {r['nested_two_hops_ms']:.1f} | {r['flat_two_hops_ms']:.1f} ({r['flat_two_hops_asyncio_ms']:.1f})"
+            f" | {resp['json_lists_ms']:.1f} | {resp['b64_ms']:.1f} ({resp['b64_str_ms']:.1f}) |"
         )
     return "\n".join(lines)
 
 
-def start_front_half(url: str, port: int, max_model_len: int, log_dir: Path) -> list[subprocess.Popen[bytes]]:
+def start_front_half(
+    url: str, port: int, max_model_len: int, log_dir: Path, event_loop: str
+) -> list[subprocess.Popen[bytes]]:
     """The real detokenizer and tokenizer services as processes, as `sparkwire <name>` runs them."""
+    env = {**os.environ, "SPARKWIRE_EVENT_LOOP": event_loop}
     argv = {
         "detokenizer": [],
         "tokenizer": ["--port", str(port), "--max-model-len", str(max_model_len), "--log-level", "warning"],
@@ -179,15 +200,15 @@ def start_front_half(url: str, port: int, max_model_len: int, log_dir: Path) -> 
     for name, extra in argv.items():
         log = (log_dir / f"{name}.log").open("wb")
         command = [sys.executable, "-m", "services.cli", name, "--nats-url", url, *extra]
-        processes.append(subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT))
+        processes.append(subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env))
     return processes
 
 
-async def http_end_to_end(url: str, rows: int, k: int, repeat: int, log_dir: Path) -> dict[str, float]:
+async def http_end_to_end(url: str, rows: int, k: int, repeat: int, log_dir: Path, event_loop: str) -> dict[str, float]:
     """Median HTTP latency measured by curl (a separate process, so the client's own parsing of a
     28 MB body and the stand-in scheduler do not share one Python event loop)."""
     port = free_port()
-    processes = start_front_half(url, port, rows + 8, log_dir)
+    processes = start_front_half(url, port, rows + 8, log_dir, event_loop)
     transport = await Transport.connect(url, "bench-standin-scheduler")
     scheduler = StandInScheduler(transport, max_model_len=rows + 8)
     await scheduler.start()
@@ -248,15 +269,20 @@ def run(out: Path, repeat: int = 9, sizes: tuple[tuple[int, int], ...] = SIZES) 
         try:
             results = [bench_size(server.url, rows, k, repeat) for rows, k in sizes]
             rows, k = max(sizes)
-            end_to_end = asyncio.run(http_end_to_end(server.url, rows, k, max(3, repeat // 2), Path(directory)))
+            end_to_end = {
+                loop: run_event_loop(http_end_to_end(server.url, rows, k, max(3, repeat // 2), Path(directory), loop), loop)
+                for loop in EVENT_LOOPS
+            }
         finally:
             server.stop()
     out.parent.mkdir(parents=True, exist_ok=True)
     document = {"benchmark": "logprob-transport", "nats_max_payload": "1MB", "results": results,
-                "http_end_to_end": {"rows": rows, "k": k, **end_to_end}}
+                "http_end_to_end": {"rows": rows, "k": k, **end_to_end["uvloop"]},
+                "http_end_to_end_asyncio": {"rows": rows, "k": k, **end_to_end["asyncio"]}}
     out.write_text(json.dumps(document, indent=2))
     print(table(results))
-    print(f"HTTP end to end, {rows} x {k} flat b64 vs the same request without top-k: "
-          f"{end_to_end['flat_b64_ms']:.1f} vs {end_to_end['baseline_ms']:.1f} ms median, adds {end_to_end['added_ms']:.1f} ms")
+    for loop, figures in end_to_end.items():
+        print(f"HTTP end to end on {loop}, {rows} x {k} flat b64 vs the same request without top-k: "
+              f"{figures['flat_b64_ms']:.1f} vs {figures['baseline_ms']:.1f} ms median, adds {figures['added_ms']:.1f} ms")
     print(f"results written to {out}")
     return results

@@ -2,7 +2,7 @@
 decode each message from `sparkwire.v1.bench.hop1`, touch its arrays, re-encode it and publish it
 to `sparkwire.v1.bench.hop2`. Prints `ready` once subscribed; runs until stdin closes.
 
-    python -m ops.bench.relay NATS_URL flat|nested
+    python -m ops.bench.relay NATS_URL flat|nested [uvloop|asyncio]
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ import sys
 from typing import Any
 
 from contracts.detokenizer import RequestLogprobs
+from services.common.lifecycle import run_event_loop
 from services.common.transport import Transport
 
 HOP1, HOP2 = "sparkwire.v1.bench.hop1", "sparkwire.v1.bench.hop2"
@@ -35,4 +36,4 @@ async def relay(url: str, layout: str) -> None:
 
 
 if __name__ == "__main__":
-    asyncio.run(relay(sys.argv[1], sys.argv[2]))
+    run_event_loop(relay(sys.argv[1], sys.argv[2]), sys.argv[3] if len(sys.argv) > 3 else "uvloop")
