@@ -11,7 +11,7 @@ The seed of a request's arrays is its first prompt token id, so a client can rec
 from __future__ import annotations
 
 import numpy as np
-from nats.aio.msg import Msg
+from services.common.nats_reader import Delivery
 
 from contracts import subjects
 from contracts.detokenizer import Finish, FinishType
@@ -52,13 +52,13 @@ class StandInScheduler:
     async def stop(self) -> None:
         await self.heartbeat.stop("stand-in stopped")
 
-    async def _on_claim(self, _claim: SchedulerClaim, msg: Msg) -> None:
+    async def _on_claim(self, _claim: SchedulerClaim, msg: Delivery) -> None:
         await self.transport.respond(msg, SchedulerClaimReply(self.instance_id))
 
-    async def _on_ping(self, _ping: SchedulerPing, msg: Msg) -> None:
+    async def _on_ping(self, _ping: SchedulerPing, msg: Delivery) -> None:
         await self.transport.respond(msg, SchedulerInfo(self.instance_id, "standin", self.max_model_len, 2048))
 
-    async def _on_generate(self, request: GenerateRequest, _msg: Msg) -> None:
+    async def _on_generate(self, request: GenerateRequest, _msg: Delivery) -> None:
         output = RequestOutput(
             request.rid, request.detokenizer_id, [7], request.input_ids.shape[0], Finish(FinishType.LENGTH),
             self._logprobs(request),

@@ -12,7 +12,7 @@ import time
 from collections.abc import Callable
 
 import structlog
-from nats.aio.msg import Msg
+from services.common.nats_reader import Delivery
 
 from contracts import subjects
 from contracts.control import Heartbeat
@@ -84,7 +84,7 @@ class HeartbeatMonitor:
     def is_alive(self, instance_id: str) -> bool:
         return instance_id in self._last_seen
 
-    async def _on_beat(self, beat: Heartbeat, _msg: Msg) -> None:
+    async def _on_beat(self, beat: Heartbeat, _msg: Delivery) -> None:
         if beat.alive:
             self._last_seen[beat.instance_id] = time.monotonic()
         else:

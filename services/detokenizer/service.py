@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 
 import structlog
-from nats.aio.msg import Msg
+from services.common.nats_reader import Delivery
 from tokenizers import Tokenizer
 
 from contracts import subjects
@@ -52,11 +52,11 @@ class DetokenizerService:
         log.info("detokenizer.started", instance=config.instance_id, nats=config.nats_url)
         return service
 
-    async def _on_register(self, registration: DetokenizerRegistration, msg: Msg) -> None:
+    async def _on_register(self, registration: DetokenizerRegistration, msg: Delivery) -> None:
         self._core.register(registration)
         await self._transport.respond(msg, DetokenizerRegistrationReply(detokenizer_id=self._config.instance_id))
 
-    async def _on_tokens(self, batch: TokenBatch, _msg: Msg) -> None:
+    async def _on_tokens(self, batch: TokenBatch, _msg: Delivery) -> None:
         result = self._core.process(batch)
         # Aborts first: the sooner the scheduler hears of a stop match, the fewer wasted steps.
         for abort in result.aborts:
@@ -64,7 +64,7 @@ class DetokenizerService:
         for tokenizer_id, text_batch in result.outputs.items():
             await self._transport.publish(subjects.tokenizer_outputs(tokenizer_id), text_batch)
 
-    async def _on_abort(self, abort: AbortRequest, _msg: Msg) -> None:
+    async def _on_abort(self, abort: AbortRequest, _msg: Delivery) -> None:
         if abort.reason != "stop" and self._core.forget_unstarted(abort.rid):
             log.info("detokenizer.unstarted_request_dropped", rid=abort.rid, reason=abort.reason)
 

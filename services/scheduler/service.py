@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 import structlog
-from nats.aio.msg import Msg
+from services.common.nats_reader import Delivery
 
 from contracts import subjects
 from contracts.scheduler import (
@@ -98,28 +98,28 @@ class SchedulerService:
 
     # ---- handlers ----
 
-    async def _on_claim(self, claim: SchedulerClaim, msg: Msg) -> None:
+    async def _on_claim(self, claim: SchedulerClaim, msg: Delivery) -> None:
         error = SHUTDOWN_MESSAGE if self._closing else self._core.claim_error(claim.num_prompt_tokens)
         if error is None:
             self._claims[claim.rid] = time.monotonic() + self._config.claim_expiry_s
         reply = SchedulerClaimReply(self._id, accepted=error is None, error=error)
         await self._transport.respond(msg, reply)
 
-    async def _on_generate(self, request: GenerateRequest, _msg: Msg) -> None:
+    async def _on_generate(self, request: GenerateRequest, _msg: Delivery) -> None:
         self._claims.pop(request.rid, None)
         if self._aborted_claims.pop(request.rid, None) is not None:
             return  # aborted between claim and arrival: the abort's sender already gave up on it
         self._core.add(SchedulerRequest.from_generate(request))  # while closing, fail_all finishes it
         self._wake.set()
 
-    async def _on_abort(self, abort: AbortRequest, _msg: Msg) -> None:
+    async def _on_abort(self, abort: AbortRequest, _msg: Delivery) -> None:
         if self._claims.pop(abort.rid, None) is not None:
             self._aborted_claims[abort.rid] = time.monotonic() + self._config.claim_expiry_s
             return
         self._core.abort(abort.rid, abort.reason)
         self._wake.set()
 
-    async def _on_ping(self, _ping: SchedulerPing, msg: Msg) -> None:
+    async def _on_ping(self, _ping: SchedulerPing, msg: Delivery) -> None:
         info = SchedulerInfo(
             scheduler_id=self._id,
             model_name=Path(self._config.model).name,

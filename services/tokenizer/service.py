@@ -14,7 +14,7 @@ import time
 import nats.errors
 import numpy as np
 import structlog
-from nats.aio.msg import Msg
+from services.common.nats_reader import Delivery
 
 from contracts import subjects
 from contracts.detokenizer import DetokenizerRegistration, DetokenizerRegistrationReply
@@ -122,7 +122,7 @@ class TokenizerService:
         ids = to_wire(np.asarray(spec.prompt_ids, dtype=np.int32))  # [num_prompt_tokens]
         return GenerateRequest(spec.rid, ids, pending.detokenizer_id, spec.sampling, spec.logprobs, spec.stream)
 
-    async def _on_outputs(self, batch: TextBatch, _msg: Msg) -> None:
+    async def _on_outputs(self, batch: TextBatch, _msg: Delivery) -> None:
         self.pending.dispatch(batch)
 
     def _on_dead(self, instance_id: str, reason: str) -> None:

@@ -20,7 +20,7 @@ import msgspec
 import nats
 import numpy as np
 from nats.aio.client import Client
-from nats.aio.msg import Msg
+from services.common.nats_reader import Delivery
 
 from contracts import subjects
 from contracts.detokenizer import Finish, FinishType, TokenBatch
@@ -138,13 +138,13 @@ class ReplayScheduler:
         candidates = self.by_key.get(request_key(request), [])
         return next((c for c in candidates if c.rid == request.rid), candidates[0] if candidates else None)
 
-    async def _on_claim(self, _claim: SchedulerClaim, msg: Msg) -> None:
+    async def _on_claim(self, _claim: SchedulerClaim, msg: Delivery) -> None:
         await self.transport.respond(msg, SchedulerClaimReply(self.instance_id))
 
-    async def _on_ping(self, _ping: SchedulerPing, msg: Msg) -> None:
+    async def _on_ping(self, _ping: SchedulerPing, msg: Delivery) -> None:
         await self.transport.respond(msg, SchedulerInfo(self.instance_id, "replay", 32768, 2048))
 
-    async def _on_generate(self, request: GenerateRequest, _msg: Msg) -> None:
+    async def _on_generate(self, request: GenerateRequest, _msg: Delivery) -> None:
         subject = subjects.detokenizer_tokens(request.detokenizer_id)
         recorded = self.match(request)
         if recorded is None:

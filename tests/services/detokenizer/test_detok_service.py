@@ -7,7 +7,7 @@ from contextlib import asynccontextmanager
 
 import numpy as np
 import pytest
-from nats.aio.msg import Msg
+from services.common.nats_reader import Delivery
 
 from contracts import subjects
 from contracts.control import Heartbeat
@@ -36,7 +36,7 @@ class Inbox:
     def __init__(self) -> None:
         self.queue: asyncio.Queue = asyncio.Queue()
 
-    async def handler(self, message, _msg: Msg) -> None:
+    async def handler(self, message, _msg: Delivery) -> None:
         self.queue.put_nowait(message)
 
     async def get(self, timeout: float = 10.0):

@@ -1,0 +1,394 @@
+"""The receiving half of a service's NATS connection, hand-written for multi-MB messages.
+
+Why: nats-py's read path copies each payload about six times (the event loop's read buffer, the
+StreamReader buffer, 32 KiB reads, the parser's buffer, two slices) and takes ~650 loop turns per
+21 MB. Prompt top logprobs of a 131072 x 20 prompt (21 MB, chunked at 1 MB) cross two hops, and on
+the 2-core machine that read path was the largest part of what the arrays add end to end
+(`sparkwire bench logprob-transport` measures both readers in one run). Publishing, requests,
+replies and reconnect logic for them stay with nats-py in `transport.Transport`.
+
+What this is: one TCP connection that speaks the subscriber half of the NATS client protocol
+(INFO, CONNECT, SUB, PING/PONG, MSG/HMSG, +OK/-ERR) through an `asyncio.BufferedProtocol`. Control
+lines and small payloads are read into one reusable buffer; once a message's headers are known, its
+`PayloadSink` says where the payload goes (a framed chunk: its place in the message's reassembly
+buffer) and the rest of the payload is read from the socket straight into that place. It
+reconnects (and re-subscribes) after the server goes away, as nats-py does.
+
+All of a service's subscriptions live on its one reader, so messages from one publisher reach
+every subscription of a service in the order they were published (what NATS guarantees per pair
+of connections).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+from urllib.parse import unquote, urlsplit
+
+import structlog
+
+log = structlog.get_logger(__name__)
+
+CRLF = b"\r\n"
+CONTROL_BUFFER_BYTES = 64 * 1024  # control lines and small payloads; grows for a larger header block
+MAX_CONTROL_LINE_BYTES = 1024 * 1024  # an INFO with a long server list fits; more is a protocol error
+RECONNECT_WAIT_S = 0.5
+CONNECT_TIMEOUT_S = 5.0
+
+
+class ReaderError(Exception):
+    """The server refused the connection (auth, protocol) or did not answer in time."""
+
+
+@dataclass(frozen=True)
+class Delivery:
+    """Where a message came from: what a handler needs to answer it or to ack it."""
+
+    subject: str
+    reply: str | None = None
+    headers: dict[str, str] | None = None
+
+
+class PayloadSink(Protocol):
+    """A subscription's side of the reader: it chooses where each payload lands, then gets it."""
+
+    def target(self, delivery: Delivery, size: int) -> memoryview:
+        """A writable byte view of exactly `size` bytes for this message's payload."""
+        ...
+
+    def landed(self, delivery: Delivery, payload: memoryview) -> None:
+        """The payload is complete in the view `target` returned."""
+        ...
+
+
+def parse_headers(block: bytes) -> dict[str, str]:
+    """A NATS header block (`NATS/1.0[ status]\\r\\nKey: Value\\r\\n...\\r\\n`) -> {key: value}.
+    A repeated key keeps its last value, as nats-py's dict does."""
+    headers: dict[str, str] = {}
+    for line in block.decode(errors="replace").split("\r\n")[1:]:
+        key, sep, value = line.partition(":")
+        if sep:
+            headers[key.strip()] = value.strip()
+    return headers
+
+
+@dataclass
+class _Incoming:
+    """One MSG/HMSG whose header block, payload or trailing CRLF has not all arrived yet."""
+
+    sid: int
+    subject: str
+    reply: str | None
+    header_bytes: int
+    payload_bytes: int
+    delivery: Delivery | None = None
+    sink: PayloadSink | None = None
+    target: memoryview | None = None
+    filled: int = 0
+
+
+@dataclass
+class _Subscription:
+    subject: str
+    queue: str
+    sink: PayloadSink
+
+
+class _ReadProtocol(asyncio.BufferedProtocol):
+    """Parses the server's byte stream. Bytes [start, end) of `buffer` are read but not parsed."""
+
+    def __init__(self, reader: NatsReader) -> None:
+        self._reader = reader
+        self.transport: asyncio.Transport | None = None  # asyncio's or uvloop's (not a subclass)
+        self.buffer = bytearray(CONTROL_BUFFER_BYTES)
+        self.start = 0
+        self.end = 0
+        self.incoming: _Incoming | None = None
+        self._into_target = False
+        self.info: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
+        self.pongs: list[asyncio.Future[None]] = []
+        self.closed: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+
+    # asyncio.BufferedProtocol
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+
+    def get_buffer(self, sizehint: int) -> memoryview:
+        incoming = self.incoming
+        if (
+            incoming is not None
+            and incoming.target is not None
+            and self.start == self.end
+            and incoming.filled < incoming.payload_bytes
+        ):
+            self._into_target = True  # straight from the socket into the payload's final place
+            return incoming.target[incoming.filled :]
+        self._into_target = False
+        if self.start == self.end:
+            self.start = self.end = 0  # nothing unparsed: read into the whole buffer again
+        elif self.end == len(self.buffer):
+            self._make_room()
+        return memoryview(self.buffer)[self.end :]
+
+    def buffer_updated(self, nbytes: int) -> None:
+        if self._into_target:
+            assert self.incoming is not None
+            self.incoming.filled += nbytes
+        else:
+            self.end += nbytes
+        try:
+            self._parse()
+        except Exception as exc:  # a protocol violation: drop the connection, the reader reconnects
+            log.error("nats_reader.protocol_error", error=repr(exc))
+            if self.transport is not None:
+                self.transport.abort()
+
+    def eof_received(self) -> bool:
+        return False  # close the transport
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        for future in [self.info, *self.pongs, self.closed]:
+            if not future.done():
+                if future is self.closed:
+                    future.set_result(None)
+                else:
+                    future.set_exception(ConnectionError(f"connection to the NATS server lost: {exc!r}"))
+        self.pongs.clear()
+        self._reader._on_connection_lost(self, exc)
+
+    # writing
+
+    def write(self, data: bytes) -> None:
+        if self.transport is not None and not self.transport.is_closing():
+            self.transport.write(data)
+
+    def ping(self) -> asyncio.Future[None]:
+        future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self.pongs.append(future)
+        self.write(b"PING\r\n")
+        return future
+
+    # parsing
+
+    def _make_room(self) -> None:
+        """Move the unparsed bytes to the front; grow when they fill the whole buffer."""
+        pending = self.end - self.start
+        if self.start > 0:
+            self.buffer[:pending] = self.buffer[self.start : self.end]
+            self.start, self.end = 0, pending
+        if self.end == len(self.buffer):
+            if len(self.buffer) >= MAX_CONTROL_LINE_BYTES + CONTROL_BUFFER_BYTES:
+                raise ReaderError(f"control line or header block over {MAX_CONTROL_LINE_BYTES} bytes")
+            self.buffer.extend(bytes(len(self.buffer)))
+
+    def _parse(self) -> None:
+        while True:
+            if self.incoming is not None:
+                if not self._continue_incoming(self.incoming):
+                    return
+                continue
+            eol = self.buffer.find(CRLF, self.start, self.end)
+            if eol < 0:
+                if self.end - self.start > MAX_CONTROL_LINE_BYTES:
+                    raise ReaderError("control line too long")
+                return
+            line = bytes(self.buffer[self.start : eol])
+            self.start = eol + len(CRLF)
+            self._on_line(line)
+
+    def _on_line(self, line: bytes) -> None:
+        op, _, rest = line.partition(b" ")
+        op = op.upper()
+        if op == b"MSG":  # MSG <subject> <sid> [reply] <#bytes>
+            args = rest.split()
+            reply = args[2].decode() if len(args) == 4 else None
+            self.incoming = _Incoming(int(args[1]), args[0].decode(), reply, 0, int(args[-1]))
+        elif op == b"HMSG":  # HMSG <subject> <sid> [reply] <#header bytes> <#total bytes>
+            args = rest.split()
+            reply = args[2].decode() if len(args) == 5 else None
+            header_bytes, total = int(args[-2]), int(args[-1])
+            self.incoming = _Incoming(int(args[1]), args[0].decode(), reply, header_bytes, total - header_bytes)
+        elif op == b"PING":
+            self.write(b"PONG\r\n")
+        elif op == b"PONG":
+            if self.pongs:
+                future = self.pongs.pop(0)
+                if not future.done():
+                    future.set_result(None)
+        elif op == b"INFO":
+            info = json.loads(rest)
+            if not self.info.done():
+                self.info.set_result(info)
+        elif op == b"-ERR":
+            self._reader._on_server_error(rest.decode(errors="replace").strip().strip("'"))
+            error = ReaderError(f"NATS server error: {rest.decode(errors='replace')}")
+            for future in [self.info, *self.pongs]:
+                if not future.done():
+                    future.set_exception(error)
+            self.pongs.clear()
+        elif op != b"+OK":
+            raise ReaderError(f"unexpected protocol line {line[:80]!r}")
+
+    def _continue_incoming(self, incoming: _Incoming) -> bool:
+        """Advance the message in progress with what is in the buffer; True once it is done."""
+        if incoming.target is None:  # its header block first, so the sink can pick the place
+            if self.end - self.start < incoming.header_bytes:
+                if incoming.header_bytes > len(self.buffer) - self.start:
+                    self._make_room()
+                return False
+            headers = None
+            if incoming.header_bytes:
+                headers = parse_headers(bytes(self.buffer[self.start : self.start + incoming.header_bytes]))
+                self.start += incoming.header_bytes
+            incoming.delivery = Delivery(incoming.subject, incoming.reply, headers)
+            incoming.sink = self._reader._sink(incoming.sid)
+            size = incoming.payload_bytes
+            target = incoming.sink.target(incoming.delivery, size) if incoming.sink else None
+            if target is None or len(target) != size:  # no sink (a late message after unsubscribe)
+                incoming.sink, target = None, memoryview(bytearray(size))
+            incoming.target = target
+        if incoming.filled < incoming.payload_bytes:
+            take = min(self.end - self.start, incoming.payload_bytes - incoming.filled)
+            incoming.target[incoming.filled : incoming.filled + take] = self.buffer[self.start : self.start + take]
+            incoming.filled += take
+            self.start += take
+            if incoming.filled < incoming.payload_bytes:
+                return False
+        if self.end - self.start < len(CRLF):
+            return False
+        if self.buffer[self.start : self.start + len(CRLF)] != CRLF:
+            raise ReaderError(f"payload of {incoming.subject} not followed by CRLF")
+        self.start += len(CRLF)
+        self.incoming = None
+        if incoming.sink is not None and incoming.delivery is not None:
+            incoming.sink.landed(incoming.delivery, incoming.target)
+        return True
+
+
+@dataclass
+class ReaderEvents:
+    """What happened to the connection (the owner counts these with its own)."""
+
+    on_disconnect: Callable[[], None] = lambda: None
+    on_reconnect: Callable[[], None] = lambda: None
+    on_error: Callable[[str], None] = lambda _message: None
+
+
+@dataclass
+class NatsReader:
+    """A subscriber-only NATS connection. `connect`, then `subscribe` sinks, `flush`, `close`."""
+
+    url: str
+    name: str
+    events: ReaderEvents = field(default_factory=ReaderEvents)
+    _protocol: _ReadProtocol | None = None
+    _subscriptions: dict[int, _Subscription] = field(default_factory=dict)
+    _next_sid: int = 1
+    _closing: bool = False
+    _reconnecting: asyncio.Task[None] | None = None
+
+    @classmethod
+    async def connect(cls, url: str, name: str, events: ReaderEvents | None = None) -> NatsReader:
+        reader = cls(url, name, events or ReaderEvents())
+        reader._protocol = await reader._open()
+        return reader
+
+    @property
+    def is_connected(self) -> bool:
+        return self._protocol is not None and self._protocol.transport is not None and not self._protocol.closed.done()
+
+    def subscribe(self, subject: str, sink: PayloadSink, queue: str = "") -> int:
+        sid = self._next_sid
+        self._next_sid += 1
+        self._subscriptions[sid] = _Subscription(subject, queue, sink)
+        if self._protocol is not None:
+            self._protocol.write(_sub_line(subject, queue, sid))
+        return sid
+
+    def unsubscribe(self, sid: int) -> None:
+        if self._subscriptions.pop(sid, None) is not None and self._protocol is not None:
+            self._protocol.write(f"UNSUB {sid}\r\n".encode())
+
+    async def flush(self, timeout: float = CONNECT_TIMEOUT_S) -> None:
+        """Round trip to the server: every SUB written before it is in effect after it."""
+        if self._protocol is None:
+            raise ConnectionError("the NATS reader is not connected")
+        await asyncio.wait_for(self._protocol.ping(), timeout)
+
+    async def close(self) -> None:
+        self._closing = True
+        if self._reconnecting is not None:
+            self._reconnecting.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._reconnecting
+        protocol, self._protocol = self._protocol, None
+        if protocol is not None and protocol.transport is not None:
+            protocol.transport.close()
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(protocol.closed, 5)
+
+    # internals
+
+    def _sink(self, sid: int) -> PayloadSink | None:
+        subscription = self._subscriptions.get(sid)
+        return subscription.sink if subscription is not None else None
+
+    async def _open(self) -> _ReadProtocol:
+        parts = urlsplit(self.url if "://" in self.url else f"nats://{self.url}")
+        if parts.scheme not in ("nats", "tcp"):
+            raise ReaderError(f"{self.url}: only plain nats:// URLs are supported by the reader")
+        loop = asyncio.get_running_loop()
+        transport, protocol = await asyncio.wait_for(
+            loop.create_connection(lambda: _ReadProtocol(self), parts.hostname or "127.0.0.1", parts.port or 4222),
+            CONNECT_TIMEOUT_S,
+        )
+        try:
+            await asyncio.wait_for(protocol.info, CONNECT_TIMEOUT_S)
+            options: dict[str, Any] = {
+                "verbose": False, "pedantic": False, "tls_required": False, "name": self.name,
+                "lang": "python3-sparkwire-reader", "version": "0.1.0", "protocol": 1, "headers": True,
+                "no_responders": True,
+            }  # fmt: skip
+            if parts.username:
+                options |= {"user": unquote(parts.username), "pass": unquote(parts.password or "")}
+            protocol.write(b"CONNECT " + json.dumps(options).encode() + CRLF)
+            for sid, subscription in self._subscriptions.items():
+                protocol.write(_sub_line(subscription.subject, subscription.queue, sid))
+            await asyncio.wait_for(protocol.ping(), CONNECT_TIMEOUT_S)  # -ERR (auth) fails this PING
+        except BaseException:
+            transport.close()
+            raise
+        return protocol
+
+    def _on_server_error(self, message: str) -> None:
+        log.warning("nats_reader.server_error", service=self.name, error=message)
+        self.events.on_error(message)
+
+    def _on_connection_lost(self, protocol: _ReadProtocol, exc: Exception | None) -> None:
+        if protocol is not self._protocol or self._closing:
+            return
+        log.warning("nats_reader.disconnected", service=self.name, error=repr(exc))
+        self.events.on_disconnect()
+        self._reconnecting = asyncio.get_running_loop().create_task(self._reconnect())
+
+    async def _reconnect(self) -> None:
+        self._protocol = None
+        while not self._closing:
+            await asyncio.sleep(RECONNECT_WAIT_S)
+            try:
+                self._protocol = await self._open()
+            except (OSError, ConnectionError, ReaderError, TimeoutError) as exc:
+                log.debug("nats_reader.reconnect_failed", service=self.name, error=repr(exc))
+                continue
+            log.info("nats_reader.reconnected", service=self.name)
+            self.events.on_reconnect()
+            return
+
+
+def _sub_line(subject: str, queue: str, sid: int) -> bytes:
+    return (f"SUB {subject} {queue} {sid}\r\n" if queue else f"SUB {subject} {sid}\r\n").encode()
