@@ -9,6 +9,8 @@ For each size (rows x k) it measures, in one run on this machine:
   re-encoding as the detokenizer does, `ops.bench.relay`) -> receiver (decode), wall time from
   before the first encode to after the last decode; the flat arrays on both event loops the
   services can run (uvloop, their default, and the standard library's asyncio);
+- one hop of the flat arrays received two ways in the same run: `NatsReader` (what `Transport`
+  uses) against a plain nats-py subscription (`ops.bench.natspy_receiver`, the baseline);
 - response building in the tokenizer: JSON float/int lists, the b64 text as a Python str through
   `msgspec.json.encode` (the first version), and `json_body.encode_json` (what `/generate` uses);
 - end to end over HTTP (131072 x 20 only): the real detokenizer and tokenizer services as
@@ -33,11 +35,13 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
+import nats
 import numpy as np
 import pybase64
 
 from contracts.detokenizer import RequestLogprobs
 from ops.bench.relay import HOP1, HOP2
+from ops.bench.natspy_receiver import NatsPyReceiver
 from ops.bench.standin_scheduler import StandInScheduler
 from services.common.arrays import from_wire, to_wire
 from services.common.lifecycle import EVENT_LOOPS, run_event_loop
@@ -46,6 +50,7 @@ from services.common.transport import Transport
 from services.tokenizer.json_body import Base64Field, encode_json
 
 SIZES = ((32768, 2), (32768, 20), (131072, 20))
+ONE_HOP_NATS_PY, ONE_HOP_READER = "sparkwire.v1.bench.one_hop.nats_py", "sparkwire.v1.bench.one_hop.reader"
 NULL_PREFIX = 1  # the first prompt position has no logprobs
 Triple = tuple[float, int, None]
 
@@ -126,6 +131,39 @@ async def two_hops(url: str, message: msgspec.Struct, message_type: type, repeat
     return statistics.median(times)
 
 
+async def one_hop_readers(url: str, message: msgspec.Struct, repeat: int) -> dict[str, float]:
+    """One hop, sender -> receiver in this process, received two ways in the same run: a plain
+    nats-py subscription with reassembly (`natspy_receiver`, the baseline) and `Transport`'s
+    `NatsReader`. Median ms from before the encode to after the decode."""
+    sender = await Transport.connect(url, "bench-sender")
+    arrived: asyncio.Queue[float] = asyncio.Queue()
+
+    def land(decoded: Any, *_: Any) -> None:
+        _touch(decoded)
+        arrived.put_nowait(time.perf_counter())
+
+    async def land_async(decoded: Any, _delivery: Any) -> None:
+        land(decoded)
+
+    nc = await nats.connect(url, name="bench-natspy-receiver")
+    await NatsPyReceiver(nc, RequestLogprobs, land).subscribe(ONE_HOP_NATS_PY)
+    reader = await Transport.connect(url, "bench-reader-receiver")
+    await reader.subscribe(ONE_HOP_READER, RequestLogprobs, land_async)
+    await reader.flush()
+    result = {}
+    for key, subject in (("nats_py_ms", ONE_HOP_NATS_PY), ("reader_ms", ONE_HOP_READER)):
+        times = []
+        for _ in range(repeat):
+            start = time.perf_counter()
+            await sender.publish(subject, message)
+            times.append((await asyncio.wait_for(arrived.get(), 60) - start) * 1e3)
+        result[key] = statistics.median(times)
+    await nc.close()
+    for transport in (sender, reader):
+        await transport.close()
+    return result
+
+
 def response_building(values: np.ndarray, ids: np.ndarray, repeat: int) -> dict[str, float]:
     """The two flat fields to JSON bytes, three ways."""
 
@@ -164,6 +202,7 @@ def bench_size(url: str, rows: int, k: int, repeat: int) -> dict[str, Any]:
     for loop in EVENT_LOOPS:
         key = "flat_two_hops_ms" if loop == "uvloop" else f"flat_two_hops_{loop}_ms"
         result[key] = run_event_loop(two_hops(url, flat, RequestLogprobs, repeat, loop), loop)
+    result["flat_one_hop"] = run_event_loop(one_hop_readers(url, flat, repeat))
     result["response"] = response_building(values, ids, max(3, repeat // 3))
     hop = lambda key: result[key]["encode_ms"] + result[key]["decode_ms"]  # noqa: E731
     result["per_hop_speedup"] = hop("nested_hop") / hop("flat_hop")
@@ -173,8 +212,8 @@ def bench_size(url: str, rows: int, k: int, repeat: int) -> dict[str, Any]:
 def table(results: list[dict[str, Any]]) -> str:
     lines = [
         "| rows x k | nested hop enc+dec ms | flat hop enc+dec ms | speedup | bytes nested / flat | 2 hops nested ms"
-        " | 2 hops flat ms (asyncio) | JSON lists ms | b64 ms (as str) |",
-        "|---|---|---|---|---|---|---|---|---|",
+        " | 2 hops flat ms (asyncio) | 1 hop flat, NatsReader / nats-py ms | JSON lists ms | b64 ms (as str) |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
         n, f, resp = r["nested_hop"], r["flat_hop"], r["response"]
@@ -182,6 +221,7 @@ def table(results: list[dict[str, Any]]) -> str:
             f"| {r['rows']} x {r['k']} | {n['encode_ms']:.2f} + {n['decode_ms']:.2f} | {f['encode_ms']:.3f} + {f['decode_ms']:.3f}"
             f" | {r['per_hop_speedup']:.0f}x | {n['bytes'] / 1e6:.2f} / {f['bytes'] / 1e6:.2f} MB"
             f" | {r['nested_two_hops_ms']:.1f} | {r['flat_two_hops_ms']:.1f} ({r['flat_two_hops_asyncio_ms']:.1f})"
+            f" | {r['flat_one_hop']['reader_ms']:.1f} / {r['flat_one_hop']['nats_py_ms']:.1f}"
             f" | {resp['json_lists_ms']:.1f} | {resp['b64_ms']:.1f} ({resp['b64_str_ms']:.1f}) |"
         )
     return "\n".join(lines)
