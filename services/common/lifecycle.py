@@ -11,9 +11,11 @@ from typing import Any, TypeVar
 import uvloop
 
 from services.common.memory import keep_large_buffers_mapped
+from services.common.settings import EnvSettings
 
 T = TypeVar("T")
 EVENT_LOOPS = ("uvloop", "asyncio")
+ALLOCATOR_MODES = ("tuned", "default")
 
 
 def new_instance_id() -> str:
@@ -26,11 +28,21 @@ def stop_on_signals(stop: asyncio.Event) -> None:
         loop.add_signal_handler(sig, stop.set)
 
 
-def run_event_loop(main: Coroutine[Any, Any, T], event_loop: str = "uvloop") -> T:
+def run_event_loop(main: Coroutine[Any, Any, T], event_loop: str = "uvloop", allocator: str = "tuned") -> T:
     """Run a service's main coroutine to the end. uvloop (libuv's loop) is the default: it moves
-    large NATS messages with less CPU than asyncio's selector loop, which matters on a 2-core box
-    (`sparkwire bench logprob-transport` measures both in one run)."""
+    large NATS messages with less CPU than asyncio's selector loop, which matters on a 2-core box.
+    `allocator="tuned"` applies `memory.keep_large_buffers_mapped` first. (`sparkwire bench
+    logprob-transport` measures the defaults against each alternative in one run.)"""
     if event_loop not in EVENT_LOOPS:
         raise ValueError(f"event loop {event_loop!r}: expected one of {', '.join(EVENT_LOOPS)}")
-    keep_large_buffers_mapped()
+    if allocator not in ALLOCATOR_MODES:
+        raise ValueError(f"allocator {allocator!r}: expected one of {', '.join(ALLOCATOR_MODES)}")
+    if allocator == "tuned":
+        keep_large_buffers_mapped()
     return uvloop.run(main) if event_loop == "uvloop" else asyncio.run(main)
+
+
+def run_service(main: Coroutine[Any, Any, T]) -> T:
+    """`run_event_loop` with the event loop and allocator mode of the environment (`SPARKWIRE_*`)."""
+    env = EnvSettings.from_environ()
+    return run_event_loop(main, env.event_loop, env.allocator)

@@ -23,6 +23,7 @@ class EnvSettings:
     heartbeat_interval_s: float = 0.5
     heartbeat_timeout_s: float = 2.0
     event_loop: str = "uvloop"  # "uvloop" or "asyncio" (the standard library's, for debugging)
+    allocator: str = "tuned"  # "tuned" (services/common/memory.py) or "default" (glibc's own thresholds)
 
     @classmethod
     def from_environ(cls, environ: Mapping[str, str] = os.environ) -> EnvSettings:

@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 import services
-from services.common.lifecycle import new_instance_id, run_event_loop, stop_on_signals
+from services.common.lifecycle import new_instance_id, run_service, stop_on_signals
 from services.common.logging import configure_logging
 from services.common.settings import EnvSettings
 from services.detokenizer.config import DetokenizerConfig, tokenizer_file
@@ -47,7 +47,7 @@ def main(args: argparse.Namespace) -> int:
         stop_on_signals(stop)
         await run(config, stop)
 
-    run_event_loop(serve(), EnvSettings.from_environ().event_loop)
+    run_service(serve())
     return 0
 
 

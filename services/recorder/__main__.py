@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 
 from contracts import subjects
-from services.common.lifecycle import run_event_loop, stop_on_signals
+from services.common.lifecycle import run_service, stop_on_signals
 from services.common.logging import configure_logging
 from services.common.settings import EnvSettings
 from services.recorder.config import RecordConfig, ReplayConfig
@@ -56,7 +56,7 @@ def record_main(args: argparse.Namespace) -> int:
         stats = await task
         print(f"recorded {stats.num_messages} messages, {stats.num_bytes} bytes to {config.out}")
 
-    run_event_loop(run(), EnvSettings.from_environ().event_loop)
+    run_service(run())
     return 0
 
 
@@ -65,7 +65,7 @@ def replay_main(args: argparse.Namespace) -> int:
     config = ReplayConfig(nats_url=args.nats_url, path=args.file, timing=args.timing, only_subject=args.only_subject)
     progress = _Progress()
     replaying = replay(config.nats_url, config.path, config.timing, config.only_subject, progress)
-    stats = run_event_loop(replaying, EnvSettings.from_environ().event_loop)
+    stats = run_service(replaying)
     print(f"replayed {stats.num_messages} messages, {stats.num_bytes} bytes ({stats.num_skipped} skipped)")
     return 0
 

@@ -6,7 +6,7 @@ import argparse
 import asyncio
 import sys
 
-from services.common.lifecycle import new_instance_id, run_event_loop, stop_on_signals
+from services.common.lifecycle import new_instance_id, run_service, stop_on_signals
 from services.common.logging import configure_logging
 from services.common.settings import EnvSettings
 from services.scheduler.config import (
@@ -78,7 +78,7 @@ def main(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"sparkwire scheduler: {exc}", file=sys.stderr)
         return 2
-    return run_event_loop(_serve(config), EnvSettings.from_environ().event_loop)
+    return run_service(_serve(config))
 
 
 async def _serve(config: SchedulerConfig) -> int:

@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 import services
-from services.common.lifecycle import new_instance_id, run_event_loop, stop_on_signals
+from services.common.lifecycle import new_instance_id, run_service, stop_on_signals
 from services.common.logging import configure_logging
 from services.common.settings import EnvSettings
 from services.tokenizer.config import TokenizerConfig
@@ -59,7 +59,7 @@ async def _serve(args: argparse.Namespace) -> None:
 
 def main(args: argparse.Namespace) -> int:
     configure_logging(args.log_level)
-    run_event_loop(_serve(args), EnvSettings.from_environ().event_loop)
+    run_service(_serve(args))
     return 0
 
 
