@@ -17,7 +17,9 @@ For each size (rows x k) it measures, in one run on this machine:
   processes, a stand-in scheduler (`ops.bench.standin_scheduler`) emitting the arrays through the
   scheduler's own message code, the same 131073-token prompt with prompt token logprobs, with and
   without flat b64 top-k, timed by `curl`; "added" is the difference of the median latencies.
-  Measured with the services on uvloop and again on asyncio.
+  Measured with the services' defaults (uvloop, tuned allocator), then with asyncio's loop, then
+  with glibc's default allocator thresholds (`HTTP_RUNTIMES`); the stand-in scheduler in this
+  process keeps the defaults.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +53,22 @@ from services.common.transport import Transport
 from services.tokenizer.json_body import Base64Field, encode_json
 
 SIZES = ((32768, 2), (32768, 20), (131072, 20))
+
+
+@dataclass(frozen=True)
+class Runtime:
+    """How the front-half services run in the HTTP measurement (`SPARKWIRE_EVENT_LOOP`, `_ALLOCATOR`)."""
+
+    event_loop: str
+    allocator: str
+
+    @property
+    def name(self) -> str:
+        return f"{self.event_loop}+{self.allocator} allocator"
+
+
+# The services' defaults first, then each alternative with one setting changed.
+HTTP_RUNTIMES = (Runtime("uvloop", "tuned"), Runtime("asyncio", "tuned"), Runtime("uvloop", "default"))
 ONE_HOP_NATS_PY, ONE_HOP_READER = "sparkwire.v1.bench.one_hop.nats_py", "sparkwire.v1.bench.one_hop.reader"
 NULL_PREFIX = 1  # the first prompt position has no logprobs
 Triple = tuple[float, int, None]
@@ -228,10 +247,10 @@ def table(results: list[dict[str, Any]]) -> str:
 
 
 def start_front_half(
-    url: str, port: int, max_model_len: int, log_dir: Path, event_loop: str
+    url: str, port: int, max_model_len: int, log_dir: Path, runtime: Runtime
 ) -> list[subprocess.Popen[bytes]]:
     """The real detokenizer and tokenizer services as processes, as `sparkwire <name>` runs them."""
-    env = {**os.environ, "SPARKWIRE_EVENT_LOOP": event_loop}
+    env = {**os.environ, "SPARKWIRE_EVENT_LOOP": runtime.event_loop, "SPARKWIRE_ALLOCATOR": runtime.allocator}
     argv = {
         "detokenizer": [],
         "tokenizer": ["--port", str(port), "--max-model-len", str(max_model_len), "--log-level", "warning"],
@@ -244,11 +263,36 @@ def start_front_half(
     return processes
 
 
-async def http_end_to_end(url: str, rows: int, k: int, repeat: int, log_dir: Path, event_loop: str) -> dict[str, float]:
+class ProcessMeter:
+    """CPU time and minor page faults of some processes, from /proc (Linux)."""
+
+    def __init__(self, pids: dict[str, int]) -> None:
+        self.pids = pids
+
+    def read(self) -> dict[str, tuple[float, int]]:
+        ticks = os.sysconf("SC_CLK_TCK")
+        readings = {}
+        for name, pid in self.pids.items():
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            readings[name] = ((int(fields[11]) + int(fields[12])) / ticks, int(fields[7]))  # utime+stime, minflt
+        return readings
+
+    @staticmethod
+    def per_run(before: dict[str, tuple[float, int]], after: dict[str, tuple[float, int]], runs: int) -> dict[str, Any]:
+        return {name: {"cpu_ms": (after[name][0] - before[name][0]) * 1e3 / runs,
+                       "page_faults": (after[name][1] - before[name][1]) // runs} for name in before}  # fmt: skip
+
+
+async def http_end_to_end(
+    url: str, nats_pid: int, rows: int, k: int, repeat: int, log_dir: Path, runtime: Runtime
+) -> dict[str, Any]:
     """Median HTTP latency measured by curl (a separate process, so the client's own parsing of a
-    28 MB body and the stand-in scheduler do not share one Python event loop)."""
+    28 MB body and the stand-in scheduler do not share one Python event loop), and per request
+    the CPU time and page faults of each process on the path."""
     port = free_port()
-    processes = start_front_half(url, port, rows + 8, log_dir, event_loop)
+    processes = start_front_half(url, port, rows + 8, log_dir, runtime)
+    meter = ProcessMeter({"detokenizer": processes[0].pid, "tokenizer": processes[1].pid, "nats-server": nats_pid,
+                          "stand-in scheduler": os.getpid()})  # fmt: skip
     transport = await Transport.connect(url, "bench-standin-scheduler")
     scheduler = StandInScheduler(transport, max_model_len=rows + 8)
     await scheduler.start()
@@ -261,8 +305,14 @@ async def http_end_to_end(url: str, rows: int, k: int, repeat: int, log_dir: Pat
     endpoint = f"http://127.0.0.1:{port}/generate"
     try:
         await _wait_healthy(f"http://127.0.0.1:{port}/health")
-        result = {"baseline_ms": await _median_curl_ms(endpoint, base, repeat, log_dir / "base.json"),
-                  "flat_b64_ms": await _median_curl_ms(endpoint, flat, repeat, log_dir / "flat.json")}
+        result: dict[str, Any] = {}
+        for name, body in (("baseline", base), ("flat_b64", flat)):
+            body_file = log_dir / f"{name}.json"
+            body_file.write_bytes(msgspec.json.encode(body))
+            await _curl(endpoint, body_file)  # warm-up
+            before = meter.read()
+            result[f"{name}_ms"] = await _median_curl_ms(endpoint, body_file, repeat)
+            result[f"{name}_per_request"] = ProcessMeter.per_run(before, meter.read(), repeat)
     finally:
         await scheduler.stop()
         await transport.close()
@@ -291,9 +341,7 @@ async def _curl(url: str, body_file: Path | None = None) -> str:
     return done.stdout
 
 
-async def _median_curl_ms(url: str, body: dict[str, Any], repeat: int, body_file: Path) -> float:
-    body_file.write_bytes(msgspec.json.encode(body))
-    await _curl(url, body_file)  # warm-up
+async def _median_curl_ms(url: str, body_file: Path, repeat: int) -> float:
     times = []
     for _ in range(repeat):
         status, seconds = (await _curl(url, body_file)).split()
@@ -310,19 +358,25 @@ def run(out: Path, repeat: int = 9, sizes: tuple[tuple[int, int], ...] = SIZES) 
             results = [bench_size(server.url, rows, k, repeat) for rows, k in sizes]
             rows, k = max(sizes)
             end_to_end = {
-                loop: run_event_loop(http_end_to_end(server.url, rows, k, max(3, repeat // 2), Path(directory), loop), loop)
-                for loop in EVENT_LOOPS
+                runtime.name: run_event_loop(
+                    http_end_to_end(server.url, server.process.pid, rows, k, max(3, repeat // 2), Path(directory), runtime),
+                    runtime.event_loop,
+                )
+                for runtime in HTTP_RUNTIMES
             }
         finally:
             server.stop()
     out.parent.mkdir(parents=True, exist_ok=True)
     document = {"benchmark": "logprob-transport", "nats_max_payload": "1MB", "results": results,
-                "http_end_to_end": {"rows": rows, "k": k, **end_to_end["uvloop"]},
-                "http_end_to_end_asyncio": {"rows": rows, "k": k, **end_to_end["asyncio"]}}
+                "http_end_to_end": {name: {"rows": rows, "k": k, **figures} for name, figures in end_to_end.items()}}
     out.write_text(json.dumps(document, indent=2))
     print(table(results))
-    for loop, figures in end_to_end.items():
-        print(f"HTTP end to end on {loop}, {rows} x {k} flat b64 vs the same request without top-k: "
+    for name, figures in end_to_end.items():
+        print(f"HTTP end to end, services on {name}, {rows} x {k} flat b64 vs the same request without top-k: "
               f"{figures['flat_b64_ms']:.1f} vs {figures['baseline_ms']:.1f} ms median, adds {figures['added_ms']:.1f} ms")
+        for name in figures["flat_b64_per_request"]:
+            flat, base = figures["flat_b64_per_request"][name], figures["baseline_per_request"][name]
+            print(f"    {name}: CPU {flat['cpu_ms']:.1f} vs {base['cpu_ms']:.1f} ms, page faults {flat['page_faults']} vs "
+                  f"{base['page_faults']} per request")
     print(f"results written to {out}")
     return results
