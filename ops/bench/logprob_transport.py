@@ -351,7 +351,9 @@ async def _median_curl_ms(url: str, body_file: Path, repeat: int) -> float:
     return statistics.median(times)
 
 
-def run(out: Path, repeat: int = 9, sizes: tuple[tuple[int, int], ...] = SIZES) -> list[dict[str, Any]]:
+def run(
+    out: Path, repeat: int = 9, sizes: tuple[tuple[int, int], ...] = SIZES, http_runtimes: tuple[Runtime, ...] = HTTP_RUNTIMES
+) -> list[dict[str, Any]]:
     with tempfile.TemporaryDirectory() as directory:
         server = start_nats_server(default_payload_config(Path(directory)))
         try:
@@ -362,7 +364,7 @@ def run(out: Path, repeat: int = 9, sizes: tuple[tuple[int, int], ...] = SIZES) 
                     http_end_to_end(server.url, server.process.pid, rows, k, max(3, repeat // 2), Path(directory), runtime),
                     runtime.event_loop,
                 )
-                for runtime in HTTP_RUNTIMES
+                for runtime in http_runtimes
             }
         finally:
             server.stop()

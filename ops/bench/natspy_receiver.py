@@ -30,6 +30,9 @@ class NatsPyReceiver:
 
     async def _on_chunk(self, msg: Msg) -> None:
         headers = msg.headers or {}
+        if MSG_HEADER not in headers:  # small enough to travel whole
+            self._on_message(self._decoder.decode(msg.data))
+            return
         msg_id = headers[MSG_HEADER]
         index, total = (int(part) for part in headers[CHUNK_HEADER].split("/"))
         if index == 0:
