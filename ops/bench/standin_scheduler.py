@@ -11,13 +11,13 @@ The seed of a request's arrays is its first prompt token id, so a client can rec
 from __future__ import annotations
 
 import numpy as np
-from services.common.nats_reader import Delivery
 
 from contracts import subjects
 from contracts.detokenizer import Finish, FinishType
 from contracts.scheduler import GenerateRequest, SchedulerClaim, SchedulerClaimReply, SchedulerInfo, SchedulerPing
 from services.common.arrays import from_wire
 from services.common.heartbeat import HeartbeatPublisher
+from services.common.nats_reader import Delivery
 from services.common.transport import Transport
 from services.scheduler.request import LogprobEntries, RequestOutput
 from services.scheduler.wire import to_token_batches

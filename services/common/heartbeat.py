@@ -12,10 +12,10 @@ import time
 from collections.abc import Callable
 
 import structlog
-from services.common.nats_reader import Delivery
 
 from contracts import subjects
 from contracts.control import Heartbeat
+from services.common.nats_reader import Delivery
 from services.common.transport import Transport
 
 log = structlog.get_logger(__name__)

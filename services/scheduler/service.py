@@ -14,7 +14,6 @@ import time
 from pathlib import Path
 
 import structlog
-from services.common.nats_reader import Delivery
 
 from contracts import subjects
 from contracts.scheduler import (
@@ -26,6 +25,7 @@ from contracts.scheduler import (
     SchedulerPing,
 )
 from services.common.heartbeat import HeartbeatPublisher
+from services.common.nats_reader import Delivery
 from services.common.transport import Transport
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.core import SchedulerCore

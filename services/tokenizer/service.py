@@ -14,7 +14,6 @@ import time
 import nats.errors
 import numpy as np
 import structlog
-from services.common.nats_reader import Delivery
 
 from contracts import subjects
 from contracts.detokenizer import DetokenizerRegistration, DetokenizerRegistrationReply
@@ -22,6 +21,7 @@ from contracts.scheduler import AbortRequest, GenerateRequest, SchedulerClaim, S
 from contracts.tokenizer import TextBatch
 from services.common.arrays import to_wire
 from services.common.heartbeat import HeartbeatMonitor, HeartbeatPublisher
+from services.common.nats_reader import Delivery
 from services.common.transport import Transport
 from services.tokenizer.config import TokenizerConfig
 from services.tokenizer.requests import PendingRequest, PendingRequests

@@ -20,13 +20,13 @@ import msgspec
 import nats
 import numpy as np
 from nats.aio.client import Client
-from services.common.nats_reader import Delivery
 
 from contracts import subjects
 from contracts.detokenizer import Finish, FinishType, TokenBatch
 from contracts.scheduler import GenerateRequest, SchedulerClaim, SchedulerClaimReply, SchedulerInfo, SchedulerPing
 from services.common.arrays import to_wire
 from services.common.heartbeat import HeartbeatPublisher
+from services.common.nats_reader import Delivery
 from services.common.transport import CHUNK_HEADER, MSG_HEADER, Transport
 from services.recorder.format import RecordedMessage, read_recording
 

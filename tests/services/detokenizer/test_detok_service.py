@@ -7,7 +7,6 @@ from contextlib import asynccontextmanager
 
 import numpy as np
 import pytest
-from services.common.nats_reader import Delivery
 
 from contracts import subjects
 from contracts.control import Heartbeat
@@ -22,6 +21,7 @@ from contracts.detokenizer import (
 from contracts.scheduler import AbortRequest
 from contracts.tokenizer import TextBatch
 from services.common.arrays import from_wire, to_wire
+from services.common.nats_reader import Delivery
 from services.common.transport import Transport
 from services.detokenizer.config import DetokenizerConfig
 from services.detokenizer.service import DetokenizerService
