@@ -22,6 +22,7 @@ class EnvSettings:
     device: str = "auto"
     heartbeat_interval_s: float = 0.5
     heartbeat_timeout_s: float = 2.0
+    drain_timeout_s: float = 8.0  # on SIGTERM, tokenizer/detokenizer finish in-flight requests this long (< the 10 s grace)
     event_loop: str = "uvloop"  # "uvloop" or "asyncio" (the standard library's, for debugging)
     allocator: str = "tuned"  # "tuned" (services/common/memory.py) or "default" (glibc's own thresholds)
 

@@ -287,13 +287,21 @@ class Transport:
                 f"{self.max_payload} bytes ({kind}s travel in one message, without chunking)"
             )
 
-    async def subscribe(self, subject: str, message_type: type[T], handler: Handler[T], queue: str = "") -> None:
-        """Decode every message on `subject` as `message_type` and await `handler` on it, in order."""
+    async def subscribe(self, subject: str, message_type: type[T], handler: Handler[T], queue: str = "") -> int:
+        """Decode every message on `subject` as `message_type` and await `handler` on it, in order.
+        Returns the subscription's id, for `unsubscribe`."""
         receiver = _Receiver(self, subject, msgspec.msgpack.Decoder(message_type), handler)
         # No pending limits on the receiving side: memory is bounded by the senders' flow-control
         # windows instead.
-        self._reader.subscribe(subject, receiver, queue)
+        sid = self._reader.subscribe(subject, receiver, queue)
         self._tasks += [asyncio.create_task(receiver.run()), asyncio.create_task(receiver.sweep())]
+        return sid
+
+    async def unsubscribe(self, sid: int) -> None:
+        """No more messages for this subscription once this returns (a queue group's messages go
+        to its other members); what already arrived is still handled."""
+        self._reader.unsubscribe(sid)
+        await self._reader.flush()
 
     async def _send_ack(self, delivery: Delivery) -> None:
         headers = delivery.headers or {}

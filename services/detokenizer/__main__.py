@@ -26,6 +26,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--log-format", choices=("console", "json"), default=env.log_format)
     parser.add_argument("--heartbeat-interval-s", type=float, default=env.heartbeat_interval_s)
     parser.add_argument("--heartbeat-timeout-s", type=float, default=env.heartbeat_timeout_s)
+    parser.add_argument("--drain-timeout-s", type=float, default=env.drain_timeout_s,
+                        help="on SIGTERM, finish in-flight requests for at most this long before exiting")  # fmt: skip
 
 
 def config_from_args(args: argparse.Namespace) -> DetokenizerConfig:
@@ -35,6 +37,7 @@ def config_from_args(args: argparse.Namespace) -> DetokenizerConfig:
         instance_id=args.instance_id,
         heartbeat_interval_s=args.heartbeat_interval_s,
         heartbeat_timeout_s=args.heartbeat_timeout_s,
+        drain_timeout_s=args.drain_timeout_s,
     )
 
 

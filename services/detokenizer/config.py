@@ -13,6 +13,7 @@ class DetokenizerConfig:
     instance_id: str
     heartbeat_interval_s: float = 0.5
     heartbeat_timeout_s: float = 2.0
+    drain_timeout_s: float = 8.0  # on shutdown, finish the requests we hold for at most this long
 
     def __post_init__(self) -> None:
         if not self.nats_url:
@@ -23,6 +24,8 @@ class DetokenizerConfig:
             raise ValueError("instance_id must not be empty")
         if self.heartbeat_interval_s <= 0 or self.heartbeat_timeout_s <= self.heartbeat_interval_s:
             raise ValueError("need 0 < heartbeat_interval_s < heartbeat_timeout_s")
+        if self.drain_timeout_s < 0:
+            raise ValueError("drain_timeout_s must be >= 0")
 
 
 def tokenizer_file(model: Path) -> Path:

@@ -4,15 +4,16 @@ aborts out. All the work is in `DetokenizerCore`."""
 from __future__ import annotations
 
 import asyncio
+import time
 
 import structlog
-from services.common.nats_reader import Delivery
 from tokenizers import Tokenizer
 
 from contracts import subjects
 from contracts.scheduler import AbortRequest
 from contracts.detokenizer import DetokenizerRegistration, DetokenizerRegistrationReply, TokenBatch
 from services.common.heartbeat import HeartbeatMonitor, HeartbeatPublisher
+from services.common.nats_reader import Delivery
 from services.common.transport import Transport
 from services.detokenizer.config import DetokenizerConfig
 from services.detokenizer.core import DetokenizerCore
@@ -31,6 +32,7 @@ class DetokenizerService:
             transport, SERVICE, config.instance_id, config.heartbeat_interval_s, lambda: core.num_running
         )
         self._schedulers = HeartbeatMonitor(transport, "scheduler", config.heartbeat_timeout_s, self._on_scheduler_dead)
+        self._register_sid: int | None = None
 
     @classmethod
     async def start(cls, config: DetokenizerConfig) -> DetokenizerService:
@@ -39,7 +41,7 @@ class DetokenizerService:
         core = DetokenizerCore(Tokenizer.from_file(str(config.tokenizer_path)), config.instance_id)
         transport = await Transport.connect(config.nats_url, f"{SERVICE}-{config.instance_id}")
         service = cls(config, transport, core)
-        await transport.subscribe(
+        service._register_sid = await transport.subscribe(
             subjects.DETOKENIZER_REGISTER,
             DetokenizerRegistration,
             service._on_register,
@@ -73,8 +75,22 @@ class DetokenizerService:
         if dropped:
             log.warning("detokenizer.scheduler_dead", scheduler=scheduler_id, reason=reason, num_dropped=len(dropped))
 
+    async def drain(self) -> None:
+        """Leave without losing a token: take no new registrations (the queue group sends them to
+        the other replicas), then keep detokenizing until every request we hold has finished, for
+        at most `drain_timeout_s`."""
+        if self._register_sid is not None:
+            await self._transport.unsubscribe(self._register_sid)
+            self._register_sid = None
+        deadline = time.monotonic() + self._config.drain_timeout_s
+        log.info("detokenizer.draining", instance=self._config.instance_id, num_running=self._core.num_running)
+        while self._core.num_running and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        if self._core.num_running:
+            log.warning("detokenizer.drain_timeout", instance=self._config.instance_id, num_running=self._core.num_running)
+
     async def close(self, reason: str = "shutdown") -> None:
-        """Say "dead" first so tokenizers fail our requests fast, then drain and close."""
+        """Say "dead" first so tokenizers fail what we still hold fast, then close."""
         await self._heartbeat.stop(reason)
         await self._schedulers.stop()
         await self._transport.close()
@@ -85,5 +101,6 @@ async def run(config: DetokenizerConfig, stop: asyncio.Event) -> None:
     service = await DetokenizerService.start(config)
     try:
         await stop.wait()
+        await service.drain()
     finally:
         await service.close()

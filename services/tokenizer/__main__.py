@@ -30,6 +30,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--max-logprobs", type=int, default=20)
     parser.add_argument("--request-timeout-s", type=float, default=5.0)
+    parser.add_argument("--drain-timeout-s", type=float, default=env.drain_timeout_s,
+                        help="on SIGTERM, stop accepting connections and let in-flight requests finish this long")  # fmt: skip
 
 
 def build_config(args: argparse.Namespace) -> TokenizerConfig:
@@ -45,6 +47,7 @@ def build_config(args: argparse.Namespace) -> TokenizerConfig:
         request_timeout_s=args.request_timeout_s,
         heartbeat_interval_s=args.heartbeat_interval_s,
         heartbeat_timeout_s=args.heartbeat_timeout_s,
+        drain_timeout_s=args.drain_timeout_s,
         log_level=args.log_level,
     )
 

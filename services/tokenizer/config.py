@@ -20,6 +20,7 @@ class TokenizerConfig:
     health_timeout_s: float = 1.0  # /health waits this long for a scheduler to answer a ping
     heartbeat_interval_s: float = 0.5
     heartbeat_timeout_s: float = 2.0
+    drain_timeout_s: float = 8.0  # on shutdown, in-flight HTTP requests may finish for this long
     log_level: str = "info"
 
     def __post_init__(self) -> None:
@@ -31,7 +32,9 @@ class TokenizerConfig:
             raise ValueError("max_model_len must be >= 1")
         if self.max_logprobs < 0:
             raise ValueError("max_logprobs must be >= 0")
-        positive = ("request_timeout_s", "health_timeout_s", "heartbeat_interval_s", "heartbeat_timeout_s")
+        positive = (
+            "request_timeout_s", "health_timeout_s", "heartbeat_interval_s", "heartbeat_timeout_s", "drain_timeout_s"
+        )  # fmt: skip
         for name in positive:
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0")

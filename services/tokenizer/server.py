@@ -24,7 +24,10 @@ async def serving(config: TokenizerConfig) -> AsyncIterator[Frontend]:
     service = await TokenizerService.start(config)
     frontend = Frontend(config, model, service)
     server = uvicorn.Server(
-        uvicorn.Config(create_app(frontend), host=config.host, port=config.port, lifespan="on", log_level=config.log_level)
+        uvicorn.Config(
+            create_app(frontend), host=config.host, port=config.port, lifespan="on", log_level=config.log_level,
+            timeout_graceful_shutdown=config.drain_timeout_s,
+        )  # fmt: skip
     )
     # uvicorn owns signals only when it runs the loop itself; here the caller owns them.
     server.install_signal_handlers = lambda: None  # type: ignore[method-assign]
@@ -38,10 +41,12 @@ async def serving(config: TokenizerConfig) -> AsyncIterator[Frontend]:
         log.info("tokenizer.listening", host=config.host, port=config.port, instance=config.instance_id)
         yield frontend
     finally:
-        await service.close()
+        # Drain: uvicorn stops accepting connections and lets in-flight requests (streams too)
+        # finish for up to `drain_timeout_s`, while the NATS side still serves them; then close it.
         server.should_exit = True
         with contextlib.suppress(Exception):
-            await asyncio.wait_for(task, 10)
+            await asyncio.wait_for(task, config.drain_timeout_s + 5)
+        await service.close()
 
 
 async def run(config: TokenizerConfig, stop: asyncio.Event) -> None:

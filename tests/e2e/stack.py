@@ -107,6 +107,28 @@ def start_stack(log_dir: Path) -> Stack:
     return stack
 
 
+def start_replicas(log_dir: Path, count: int = 2) -> tuple[Stack, list[str]]:
+    """One scheduler, `count` detokenizers (`detokenizer-<i>`) and `count` tokenizers
+    (`tokenizer-<i>`, base URLs returned in order), all healthy."""
+    stack = Stack(start_nats_server(), log_dir)
+    urls = []
+    try:
+        stack.start("scheduler")
+        for index in range(count):
+            port = free_port()
+            for name, extra in (("detokenizer", ()), ("tokenizer", ("--port", str(port)))):
+                argv = service_argv(name, stack.nats.url, *extra)
+                stack.services[f"{name}-{index}"] = Service.start(f"{name}-{index}", argv, log_dir)
+            urls.append(f"http://127.0.0.1:{port}")
+        for url in urls:
+            stack.port = int(url.rsplit(":", 1)[1])
+            stack.wait_healthy()
+    except BaseException:
+        stack.stop()
+        raise
+    return stack, urls
+
+
 def health_status(base_url: str) -> int | None:
     try:
         return httpx.get(f"{base_url}/health", timeout=2.0).status_code

@@ -9,8 +9,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from e2e.stack import Service, Stack, generate_body, health_status, service_argv
-from services.common.nats_server import free_port, start_nats_server
+from e2e.stack import Stack, generate_body, health_status, start_replicas
 
 PROMPTS = ["def add(a, b):", "import os\n", "class Foo:", "for i in range(", "# the answer is", "x = [1, 2,",
            "while True:", "return None"]
@@ -18,23 +17,9 @@ PROMPTS = ["def add(a, b):", "import os\n", "class Foo:", "for i in range(", "# 
 
 @pytest.fixture(scope="module")
 def replicas(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Stack, list[str]]]:
-    log_dir = tmp_path_factory.mktemp("replica-logs")
-    stack = Stack(start_nats_server(), log_dir)
-    urls = []
-    try:
-        stack.start("scheduler")
-        for index in range(2):
-            port = free_port()
-            for name, extra in (("detokenizer", ()), ("tokenizer", ("--port", str(port)))):
-                argv = service_argv(name, stack.nats.url, *extra)
-                stack.services[f"{name}-{index}"] = Service.start(f"{name}-{index}", argv, log_dir)
-            urls.append(f"http://127.0.0.1:{port}")
-        for url in urls:
-            stack.port = int(url.rsplit(":", 1)[1])
-            stack.wait_healthy()
-        yield stack, urls
-    finally:
-        stack.stop()
+    stack, urls = start_replicas(tmp_path_factory.mktemp("replica-logs"))
+    yield stack, urls
+    stack.stop()
 
 
 async def generate_all(pairs: list[tuple[str, str]]) -> list[dict]:
