@@ -1,14 +1,14 @@
 """Process-wide allocator settings for services that move multi-MB messages.
 
-Measured on the 2-core machine: a first touch of a fresh 4 KiB page costs ~6 us here, so each
-new 21 MB buffer (a reassembled 131072 x 20 prompt-logprob message, a 28 MB response body) costs
-~30 ms in page faults alone. glibc serves blocks above its mmap threshold (dynamic, 128 KiB at
-start) with a fresh `mmap` and unmaps them on free, and trims the heap top when more than the
-trim threshold is free, so the same 21 MB is faulted in again for every request: 14,700 faults
-and ~40 ms of tokenizer CPU per request in `ops/bench/logprob_transport.py`'s HTTP run. Raising
-both thresholds keeps freed large blocks in the heap for reuse: page faults are paid once per
-high-water mark, not once per message (measured figures in README, "Prompt top logprobs over
-NATS").
+On the 2-core machine a first touch of a fresh 4 KiB page costs ~6 us (a fresh 21 MB buffer
+filled by one copy took ~31 ms, the same copy into reused memory ~1 ms). glibc serves blocks
+above its mmap threshold (dynamic, 128 KiB at start) with a fresh `mmap` and unmaps them on free,
+and trims the heap top when more than the trim threshold is free, so the buffers of every large
+message (a reassembled 131072 x 20 prompt-logprob message, a 28 MB response body) are faulted in
+again and again. `sparkwire bench logprob-transport` runs the HTTP path both ways: with glibc's
+defaults the tokenizer took 14,939 page faults and 158.6 ms of CPU per such request, with these
+settings 880 and 111.4 ms. Raising both thresholds keeps freed large blocks in the heap for
+reuse: page faults are paid once per high-water mark, not once per message.
 """
 
 from __future__ import annotations
