@@ -38,6 +38,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-model-len", type=int, default=None, help="default: the model's context length")
     parser.add_argument("--logprobs-mode", choices=LOGPROBS_MODES, default="raw")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--drain-timeout-s", type=float, default=env.drain_timeout_s,
+                        help="on SIGTERM, take no new requests and let running ones finish this long")  # fmt: skip
     _add_common_arguments(parser, env)
 
 
@@ -68,6 +70,7 @@ def config_from_args(args: argparse.Namespace) -> SchedulerConfig:
         nats_url=args.nats_url,
         heartbeat_interval_s=args.heartbeat_interval_s,
         heartbeat_timeout_s=args.heartbeat_timeout_s,
+        drain_timeout_s=args.drain_timeout_s,
     )
 
 

@@ -43,6 +43,7 @@ class SchedulerConfig:
     heartbeat_interval_s: float = 0.5
     heartbeat_timeout_s: float = 2.0
     claim_expiry_s: float = 30.0  # a claimed rid whose GenerateRequest never arrives is forgotten
+    drain_timeout_s: float = 8.0  # on shutdown, running requests may finish for this long
 
     def __post_init__(self) -> None:
         _check_choice("device", self.device, DEVICES)
@@ -56,6 +57,8 @@ class SchedulerConfig:
         for name in ("num_kv_blocks", "kv_cache_bytes", "max_model_len"):
             if getattr(self, name) is not None:
                 _check_positive(name, getattr(self, name))
+        if self.drain_timeout_s < 0:
+            raise ValueError("drain_timeout_s must be >= 0")
         for name in ("heartbeat_interval_s", "heartbeat_timeout_s", "claim_expiry_s"):
             _check_positive(name, getattr(self, name))
         if self.speculative_algorithm == "dspark":

@@ -71,6 +71,7 @@ class SchedulerService:
         self._closing = False
         self._claims: dict[str, float] = {}  # rid -> monotonic deadline for its GenerateRequest
         self._aborted_claims: dict[str, float] = {}  # aborted before arrival -> deadline
+        self._queue_subscriptions: list[int] = []  # claim and ping: left first when draining
 
     async def run(self, stop: asyncio.Event) -> int:
         """Serve until `stop` is set (0) or a step fails (1)."""
@@ -86,15 +87,33 @@ class SchedulerService:
         stopped = asyncio.create_task(stop.wait())
         await asyncio.wait({decode, stopped}, return_when=asyncio.FIRST_COMPLETED)
         stopped.cancel()
+        if not decode.done():
+            await self._drain(decode)
         expiry.cancel()
         return await self._shutdown(decode)
 
     async def _subscribe(self) -> None:
         transport = self._transport
-        await transport.subscribe(subjects.SCHEDULER_CLAIM, SchedulerClaim, self._on_claim, queue=subjects.SCHEDULER_QUEUE)
+        claims = await transport.subscribe(
+            subjects.SCHEDULER_CLAIM, SchedulerClaim, self._on_claim, queue=subjects.SCHEDULER_QUEUE
+        )
         await transport.subscribe(subjects.scheduler_generate(self._id), GenerateRequest, self._on_generate)
         await transport.subscribe(subjects.SCHEDULER_ABORT, AbortRequest, self._on_abort)
-        await transport.subscribe(subjects.SCHEDULER_PING, SchedulerPing, self._on_ping, queue=subjects.SCHEDULER_QUEUE)
+        pings = await transport.subscribe(subjects.SCHEDULER_PING, SchedulerPing, self._on_ping, queue=subjects.SCHEDULER_QUEUE)
+        self._queue_subscriptions = [claims, pings]
+
+    async def _drain(self, decode: asyncio.Task[None]) -> None:
+        """Leave without losing a token: leave the claim and ping queue groups (new requests go
+        to the other schedulers), then keep stepping until every claimed request has arrived and
+        finished, for at most `drain_timeout_s`. What is left then is failed by `_shutdown`."""
+        for sid in self._queue_subscriptions:
+            await self._transport.unsubscribe(sid)
+        deadline = time.monotonic() + self._config.drain_timeout_s
+        log.info("scheduler.draining", instance=self._id, num_running=self._core.num_running)
+        while (self._core.has_work() or self._claims) and not decode.done() and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        if self._core.has_work() or self._claims:
+            log.warning("scheduler.drain_timeout", instance=self._id, num_running=self._core.num_running)
 
     # ---- handlers ----
 

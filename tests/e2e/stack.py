@@ -107,13 +107,17 @@ def start_stack(log_dir: Path) -> Stack:
     return stack
 
 
-def start_replicas(log_dir: Path, count: int = 2) -> tuple[Stack, list[str]]:
-    """One scheduler, `count` detokenizers (`detokenizer-<i>`) and `count` tokenizers
-    (`tokenizer-<i>`, base URLs returned in order), all healthy."""
+def start_replicas(log_dir: Path, count: int = 2, schedulers: int = 1) -> tuple[Stack, list[str]]:
+    """`count` detokenizers (`detokenizer-<i>`) and tokenizers (`tokenizer-<i>`, base URLs returned
+    in order) on one scheduler (`scheduler`) or more (`scheduler-<i>`), all healthy."""
     stack = Stack(start_nats_server(), log_dir)
     urls = []
     try:
-        stack.start("scheduler")
+        if schedulers == 1:
+            stack.start("scheduler")
+        for index in range(schedulers if schedulers > 1 else 0):
+            argv = service_argv("scheduler", stack.nats.url)
+            stack.services[f"scheduler-{index}"] = Service.start(f"scheduler-{index}", argv, log_dir)
         for index in range(count):
             port = free_port()
             for name, extra in (("detokenizer", ()), ("tokenizer", ("--port", str(port)))):

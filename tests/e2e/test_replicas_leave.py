@@ -1,6 +1,6 @@
-"""Replicas leaving (PRODUCT §6): a detokenizer or tokenizer that gets SIGTERM while requests are
-in flight finishes them before it exits, so no token or character is lost; new requests go to
-the replicas that stay. (Own stack: these tests stop services.)"""
+"""Replicas leaving (PRODUCT §6): a detokenizer, tokenizer or scheduler that gets SIGTERM while
+requests are in flight finishes them before it exits, so no token or character is lost; new
+requests go to the replicas that stay. (Own stack: these tests stop services.)"""
 
 from __future__ import annotations
 
@@ -16,11 +16,16 @@ from e2e.stack import Stack, generate_body, start_replicas
 
 PROMPTS = ["def add(a, b):", "import os\n", "class Foo:"]
 NUM_TOKENS = 400
+DRAIN_TIMEOUT_S = 60.0
 
 
 @pytest.fixture(scope="module")
 def replicas(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Stack, list[str]]]:
-    stack, urls = start_replicas(tmp_path_factory.mktemp("leave-logs"))
+    # Two schedulers share 2 CPU cores here: give the drains room, so the tests check that they
+    # finish what they hold, not how fast this machine is.
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("SPARKWIRE_DRAIN_TIMEOUT_S", str(DRAIN_TIMEOUT_S))
+        stack, urls = start_replicas(tmp_path_factory.mktemp("leave-logs"), schedulers=2)
     yield stack, urls
     stack.stop()
 
@@ -57,7 +62,7 @@ async def streams_while(stack: Stack, url: str, leaving: str) -> tuple[list[list
         tasks = [asyncio.create_task(stream(client, url, PROMPTS[i % len(PROMPTS)], started))
                  for i, started in enumerate(starts)]  # fmt: skip
         await asyncio.wait_for(asyncio.gather(*(started.wait() for started in starts)), 60)
-        stopping = asyncio.create_task(asyncio.to_thread(stack.services[leaving].stop, 30.0))
+        stopping = asyncio.create_task(asyncio.to_thread(stack.services[leaving].stop, DRAIN_TIMEOUT_S + 30))
         results = await asyncio.gather(*tasks)
         await stopping
     return results, alone
@@ -74,23 +79,40 @@ def assert_complete(results: list[list], alone: list[dict]) -> None:
         assert len(last["output_ids"]) == NUM_TOKENS
 
 
-@pytest.mark.timeout(180)
+@pytest.mark.timeout(240)
 async def test_a_detokenizer_that_leaves_mid_stream_loses_no_token(replicas):
     stack, urls = replicas
     results, alone = await streams_while(stack, urls[0], leaving="detokenizer-0")
     assert_complete(results, alone)
     assert stack.services["detokenizer-0"].process.returncode == 0
-    log = stack.services["detokenizer-0"].log_path.read_text()
-    held = re.search(r"detokenizer.draining.*num_running=(\d+)", log)
-    assert held is not None and "detokenizer.drain_timeout" not in log
-    # The queue group spreads the 12 registrations; that none reached this replica has odds 1/4096.
-    assert int(held.group(1)) > 0
+    assert_drained(stack, "detokenizer-0", "detokenizer")
     async with httpx.AsyncClient(timeout=60) as client:  # the other detokenizer takes everything now
         again = await solo(client, urls[0], PROMPTS[0])
     assert again["text"] == alone[0]["text"]
 
 
-@pytest.mark.timeout(180)
+def assert_drained(stack: Stack, name: str, service: str) -> None:
+    """The replica logged a drain that held requests, and finished before its drain timeout."""
+    log = stack.services[name].log_path.read_text()
+    held = re.search(rf"{service}.draining.*num_running=(\d+)", log)
+    assert held is not None and f"{service}.drain_timeout" not in log
+    # The queue group spreads the 12 requests; that none reached this replica has odds 1/4096.
+    assert int(held.group(1)) > 0
+
+
+@pytest.mark.timeout(240)
+async def test_a_scheduler_that_leaves_mid_stream_finishes_its_requests(replicas):
+    stack, urls = replicas
+    results, alone = await streams_while(stack, urls[0], leaving="scheduler-0")
+    assert_complete(results, alone)
+    assert stack.services["scheduler-0"].process.returncode == 0
+    assert_drained(stack, "scheduler-0", "scheduler")
+    async with httpx.AsyncClient(timeout=60) as client:  # the other scheduler takes everything now
+        again = await solo(client, urls[0], PROMPTS[2])
+    assert again["text"] == alone[2]["text"]
+
+
+@pytest.mark.timeout(240)
 async def test_a_tokenizer_that_leaves_mid_stream_finishes_its_streams(replicas):
     stack, urls = replicas
     results, alone = await streams_while(stack, urls[1], leaving="tokenizer-1")
