@@ -140,5 +140,12 @@ def health_status(base_url: str) -> int | None:
         return None
 
 
+def generate(stack: Stack) -> dict:
+    """One greedy `/generate` through the stack's tokenizer; must answer 200."""
+    response = httpx.post(f"{stack.base_url}/generate", json=generate_body(), timeout=30)
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
 def generate_body(text: str = "def add(a, b):", max_new_tokens: int = 16, **extra: object) -> dict[str, object]:
     return {"text": text, "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0}, **extra}

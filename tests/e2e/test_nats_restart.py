@@ -6,17 +6,10 @@ both must come back, re-subscribe, and serve the same greedy output as before.
 
 from __future__ import annotations
 
-import httpx
 import pytest
 
-from e2e.stack import Stack, generate_body
+from e2e.stack import generate
 from services.common.nats_server import start_nats_server
-
-
-def generate(stack: Stack) -> dict:
-    response = httpx.post(f"{stack.base_url}/generate", json=generate_body(), timeout=30)
-    assert response.status_code == 200, response.text
-    return response.json()
 
 
 @pytest.mark.timeout(120)

@@ -79,18 +79,6 @@ def assert_complete(results: list[list], alone: list[dict]) -> None:
         assert len(last["output_ids"]) == NUM_TOKENS
 
 
-@pytest.mark.timeout(240)
-async def test_a_detokenizer_that_leaves_mid_stream_loses_no_token(replicas):
-    stack, urls = replicas
-    results, alone = await streams_while(stack, urls[0], leaving="detokenizer-0")
-    assert_complete(results, alone)
-    assert stack.services["detokenizer-0"].process.returncode == 0
-    assert_drained(stack, "detokenizer-0", "detokenizer")
-    async with httpx.AsyncClient(timeout=60) as client:  # the other detokenizer takes everything now
-        again = await solo(client, urls[0], PROMPTS[0])
-    assert again["text"] == alone[0]["text"]
-
-
 def assert_drained(stack: Stack, name: str, service: str) -> None:
     """The replica logged a drain that held requests, and finished before its drain timeout."""
     log = stack.services[name].log_path.read_text()
@@ -101,15 +89,18 @@ def assert_drained(stack: Stack, name: str, service: str) -> None:
 
 
 @pytest.mark.timeout(240)
-async def test_a_scheduler_that_leaves_mid_stream_finishes_its_requests(replicas):
+@pytest.mark.parametrize("service", ["detokenizer", "scheduler"])
+async def test_a_replica_that_leaves_mid_stream_finishes_what_it_holds(replicas, service):
+    """Its queue group sends new requests to the other replica; its own requests finish."""
     stack, urls = replicas
-    results, alone = await streams_while(stack, urls[0], leaving="scheduler-0")
+    leaving = f"{service}-0"
+    results, alone = await streams_while(stack, urls[0], leaving=leaving)
     assert_complete(results, alone)
-    assert stack.services["scheduler-0"].process.returncode == 0
-    assert_drained(stack, "scheduler-0", "scheduler")
-    async with httpx.AsyncClient(timeout=60) as client:  # the other scheduler takes everything now
-        again = await solo(client, urls[0], PROMPTS[2])
-    assert again["text"] == alone[2]["text"]
+    assert stack.services[leaving].process.returncode == 0
+    assert_drained(stack, leaving, service)
+    async with httpx.AsyncClient(timeout=60) as client:  # the other replica takes everything now
+        again = await solo(client, urls[0], PROMPTS[0])
+    assert again["text"] == alone[0]["text"]
 
 
 @pytest.mark.timeout(240)

@@ -9,15 +9,9 @@ import time
 import httpx
 import pytest
 
-from e2e.stack import Stack, generate_body, health_status
+from e2e.stack import generate, generate_body, health_status
 
 FAIL_WITHIN_S = 5.0
-
-
-def generate(stack: Stack) -> dict:
-    response = httpx.post(f"{stack.base_url}/generate", json=generate_body(), timeout=30)
-    assert response.status_code == 200, response.text
-    return response.json()
 
 
 @pytest.mark.timeout(120)
