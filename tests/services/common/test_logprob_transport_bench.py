@@ -25,4 +25,5 @@ def test_small_run_writes_every_figure(tmp_path):
     assert figures["flat_b64_ms"] > 0 and figures["baseline_ms"] > 0
     processes = figures["flat_b64_per_request"]
     assert set(processes) == {"detokenizer", "tokenizer", "nats-server", "stand-in scheduler"}
-    assert processes["tokenizer"]["cpu_ms"] > 0
+    # /proc counts CPU in 10 ms ticks: one small request may read as 0, never as negative.
+    assert all(p["cpu_ms"] >= 0 and p["page_faults"] >= 0 for p in processes.values())
