@@ -58,6 +58,15 @@ async def pair(url: str, **options) -> tuple[Transport, Transport]:
     return await Transport.connect(url, "sender", **options), await Transport.connect(url, "receiver", **options)
 
 
+async def subscribed_pair(url: str, block_s: float = 0.0, **options) -> tuple[Transport, Transport, Collector]:
+    """A sender, and a receiver whose subscription to SUBJECT collects `Blob`s and is live."""
+    sender, receiver = await pair(url, **options)
+    got = Collector(block_s=block_s)
+    await receiver.subscribe(SUBJECT, Blob, got)
+    await receiver.flush()
+    return sender, receiver, got
+
+
 def record_commands(transport: Transport) -> list[tuple[int, int]]:
     """(header bytes, header + payload bytes) of every HPUB the client writes."""
     sent: list[tuple[int, int]] = []
@@ -87,10 +96,7 @@ async def test_header_block_size_is_what_nats_py_sends(nats_server):
 @pytest.mark.timeout(30)
 async def test_chunks_fill_max_payload_exactly_headers_included(nats_server_factory):
     server = nats_server_factory(max_payload="1MB")
-    sender, receiver = await pair(server.url)
-    got = Collector()
-    await receiver.subscribe(SUBJECT, Blob, got)
-    await receiver.flush()
+    sender, receiver, got = await subscribed_pair(server.url)
     sent = record_commands(sender)
     message = blob(7, 3 * MB + 12345)
     await sender.publish(SUBJECT, message)
@@ -129,10 +135,7 @@ def test_plan_chunks_widens_the_chunk_number_when_needed():
 @pytest.mark.timeout(30)
 async def test_5mb_message_through_1mb_server_arrives_intact(nats_server_factory):
     server = nats_server_factory(max_payload="1MB")
-    sender, receiver = await pair(server.url)
-    got = Collector()
-    await receiver.subscribe(SUBJECT, Blob, got)
-    await receiver.flush()
+    sender, receiver, got = await subscribed_pair(server.url)
     message = Blob(1, bytes(range(256)) * (5 * MB // 256))
     await sender.publish(SUBJECT, message)
     await got.wait_for(1, 10)
@@ -144,10 +147,7 @@ async def test_5mb_message_through_1mb_server_arrives_intact(nats_server_factory
 @pytest.mark.timeout(60)
 async def test_burst_of_20_5mb_messages_arrives_intact_and_in_order(nats_server_factory):
     server = nats_server_factory(max_payload="1MB")
-    sender, receiver = await pair(server.url)
-    got = Collector()
-    await receiver.subscribe(SUBJECT, Blob, got)
-    await receiver.flush()
+    sender, receiver, got = await subscribed_pair(server.url)
     sent = [blob(seq, 5 * MB) for seq in range(20)]
     for message in sent:
         await sender.publish(SUBJECT, message)
@@ -159,10 +159,7 @@ async def test_burst_of_20_5mb_messages_arrives_intact_and_in_order(nats_server_
 
 
 async def _burst_21mb(server, window_bytes: int, block_s: float) -> tuple[Collector, Transport]:
-    sender, receiver = await pair(server.url, window_bytes=window_bytes)
-    got = Collector(block_s=block_s)
-    await receiver.subscribe(SUBJECT, Blob, got)
-    await receiver.flush()
+    sender, receiver, got = await subscribed_pair(server.url, window_bytes=window_bytes, block_s=block_s)
     for seq in range(8):
         await sender.publish(SUBJECT, blob(seq, 21 * MB))
     return got, receiver
@@ -236,10 +233,7 @@ async def _send_chunk(nc, msg_id: str, index: int, data: bytes) -> None:
 @pytest.mark.timeout(30)
 @pytest.mark.parametrize("pause_s, delivered", [(0.0, True), (1.0, False)])
 async def test_stale_partial_reassembly_is_dropped(nats_server, pause_s, delivered):
-    sender, receiver = await pair(nats_server.url, reassembly_timeout_s=0.4)
-    got = Collector()
-    await receiver.subscribe(SUBJECT, Blob, got)
-    await receiver.flush()
+    sender, receiver, got = await subscribed_pair(nats_server.url, reassembly_timeout_s=0.4)
     payload = msgspec.msgpack.encode(blob(3, 1000))
     half = -(-len(payload) // 2)  # as the sender plans chunks: no chunk larger than the first
     await _send_chunk(sender._nc, "m-1", 0, payload[:half])
@@ -255,10 +249,7 @@ async def test_stale_partial_reassembly_is_dropped(nats_server, pause_s, deliver
 
 @pytest.mark.timeout(30)
 async def test_acks_give_the_whole_window_back_after_delivery(nats_server):
-    sender, receiver = await pair(nats_server.url)
-    got = Collector()
-    await receiver.subscribe(SUBJECT, Blob, got)
-    await receiver.flush()
+    sender, receiver, got = await subscribed_pair(nats_server.url)
     sent = record_commands(sender)
     for seq in range(3):
         await sender.publish(SUBJECT, blob(seq, 1 * MB))  # under max_payload (8 MB), still framed
