@@ -31,13 +31,6 @@ class Base64Field:
         """The base64 text as a str (tests and small bodies)."""
         return pybase64.b64encode_as_string(self.array)
 
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, Base64Field) and self.array.dtype == other.array.dtype and np.array_equal(
-            self.array, other.array
-        )
-
-    __hash__ = None  # type: ignore[assignment]
-
     def __repr__(self) -> str:
         return f"Base64Field({self.array.dtype.str}, shape={self.array.shape})"
 
@@ -45,17 +38,19 @@ class Base64Field:
 def encode_json(body: Any) -> bytes:
     """`body` as JSON bytes, like `msgspec.json.encode`, with every `Base64Field` as a base64 string."""
     fields: list[Base64Field] = []
-    nonce = secrets.token_hex(8)  # per call: no user text can carry a marker by accident
+    nonce = ""  # drawn per call, at the first field: no user text can carry a marker by accident
 
     def marker(obj: Any) -> str:
+        nonlocal nonce
         if isinstance(obj, Base64Field):
+            nonce = nonce or secrets.token_hex(8)
             fields.append(obj)
             return f"sw-b64-{nonce}-{len(fields) - 1}"
         raise NotImplementedError(f"cannot encode {type(obj).__name__} as JSON")
 
     encoded = msgspec.json.Encoder(enc_hook=marker).encode(body)
     if not fields:
-        return encoded
+        return encoded  # the common case (every SSE event): no second pass
     parts: list[bytes] = []
     start = 0
     for index, field in enumerate(fields):
