@@ -412,14 +412,18 @@ class _Receiver:
         self._handler = handler
         self._inbox: asyncio.Queue[tuple[memoryview | None, Delivery]] = asyncio.Queue()
         self._partial: dict[str, _Reassembly] = {}
-        self._landing: tuple[str, int, _Reassembly] | None = None  # the chunk being read, if any
+        # What `target` decided for the payload being read: a chunk (message id, index, its
+        # reassembly), or None with `_whole` telling a whole message from a dropped chunk.
+        self._landing: tuple[str, int, _Reassembly] | None = None
+        self._whole = False
 
     # PayloadSink (called by the reader, one message at a time)
 
     def target(self, delivery: Delivery, size: int) -> memoryview:
         self._landing = None
         framing = _framing(delivery.headers)
-        if framing is None or framing[2] == 1:
+        self._whole = framing is None or framing[2] == 1
+        if self._whole:
             return memoryview(bytearray(size))
         msg_id, index, total = framing
         state = self._partial.get(msg_id)
@@ -435,10 +439,8 @@ class _Receiver:
 
     def landed(self, delivery: Delivery, payload: memoryview) -> None:
         landing, self._landing = self._landing, None
-        if landing is None:
-            framing = _framing(delivery.headers)
-            whole = framing is None or framing[2] == 1
-            self._inbox.put_nowait((payload if whole else None, delivery))
+        if landing is None:  # a whole message, or a dropped chunk (only acked)
+            self._inbox.put_nowait((payload if self._whole else None, delivery))
             return
         msg_id, index, state = landing
         complete = state.landed(index, len(payload))
