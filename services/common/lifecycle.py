@@ -5,7 +5,8 @@ from __future__ import annotations
 import asyncio
 import signal
 import uuid
-from collections.abc import Coroutine
+import time
+from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
 import uvloop
@@ -26,6 +27,17 @@ def stop_on_signals(stop: asyncio.Event) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
+
+
+async def wait_until(done: Callable[[], bool], timeout_s: float, poll_s: float = 0.02) -> bool:
+    """Poll `done` until it is true (True) or `timeout_s` has passed (False): how a draining
+    service waits for the work it holds to finish."""
+    deadline = time.monotonic() + timeout_s
+    while not done():
+        if time.monotonic() >= deadline:
+            return False
+        await asyncio.sleep(poll_s)
+    return True
 
 
 def run_event_loop(main: Coroutine[Any, Any, T], event_loop: str = "uvloop", allocator: str = "tuned") -> T:

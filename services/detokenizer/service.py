@@ -4,7 +4,6 @@ aborts out. All the work is in `DetokenizerCore`."""
 from __future__ import annotations
 
 import asyncio
-import time
 
 import structlog
 from tokenizers import Tokenizer
@@ -13,6 +12,7 @@ from contracts import subjects
 from contracts.scheduler import AbortRequest
 from contracts.detokenizer import DetokenizerRegistration, DetokenizerRegistrationReply, TokenBatch
 from services.common.heartbeat import HeartbeatMonitor, HeartbeatPublisher
+from services.common.lifecycle import wait_until
 from services.common.nats_reader import Delivery
 from services.common.transport import Transport
 from services.detokenizer.config import DetokenizerConfig
@@ -82,11 +82,8 @@ class DetokenizerService:
         if self._register_sid is not None:
             await self._transport.unsubscribe(self._register_sid)
             self._register_sid = None
-        deadline = time.monotonic() + self._config.drain_timeout_s
         log.info("detokenizer.draining", instance=self._config.instance_id, num_running=self._core.num_running)
-        while self._core.num_running and time.monotonic() < deadline:
-            await asyncio.sleep(0.02)
-        if self._core.num_running:
+        if not await wait_until(lambda: self._core.num_running == 0, self._config.drain_timeout_s):
             log.warning("detokenizer.drain_timeout", instance=self._config.instance_id, num_running=self._core.num_running)
 
     async def close(self, reason: str = "shutdown") -> None:

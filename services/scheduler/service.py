@@ -25,6 +25,7 @@ from contracts.scheduler import (
     SchedulerPing,
 )
 from services.common.heartbeat import HeartbeatPublisher
+from services.common.lifecycle import wait_until
 from services.common.nats_reader import Delivery
 from services.common.transport import Transport
 from services.scheduler.config import SchedulerConfig
@@ -108,11 +109,11 @@ class SchedulerService:
         finished, for at most `drain_timeout_s`. What is left then is failed by `_shutdown`."""
         for sid in self._queue_subscriptions:
             await self._transport.unsubscribe(sid)
-        deadline = time.monotonic() + self._config.drain_timeout_s
         log.info("scheduler.draining", instance=self._id, num_running=self._core.num_running)
-        while (self._core.has_work() or self._claims) and not decode.done() and time.monotonic() < deadline:
-            await asyncio.sleep(0.02)
-        if self._core.has_work() or self._claims:
+        finished = await wait_until(
+            lambda: decode.done() or not (self._core.has_work() or self._claims), self._config.drain_timeout_s
+        )
+        if not finished:
             log.warning("scheduler.drain_timeout", instance=self._id, num_running=self._core.num_running)
 
     # ---- handlers ----
