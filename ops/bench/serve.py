@@ -1,0 +1,205 @@
+"""`sparkwire bench serve`: an online serving benchmark against a running server.
+
+Requests arrive at a request rate (Poisson, or gamma with a burstiness) or all at once, optionally
+capped at a maximum concurrency; each is streamed, and the client times its first token, every
+later token and its end (`ops.bench.serve_metrics` defines the figures). The server is any that
+speaks `/generate` (Sparkwire, SGLang) or `/v1/completions` (OpenAI-compatible: a peer), at
+`--base-url`; with `--launch` the benchmark starts a `sparkwire up` of its own for the run.
+
+In-process use (the GPU scripts): `run_serve_benchmark(ServeConfig(...))` returns the results
+dict that the CLI writes as JSON; `benchmark(config)` is the same inside a running event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import math
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from ops.bench.serve_client import ENDPOINTS, RequestOptions, RequestRecord, send
+from ops.bench.serve_launch import launched_stack
+from ops.bench.serve_metrics import per_request, summarize, table
+from ops.bench.serve_workload import Prompt, arrival_offsets, jsonl_prompts, random_prompts, token_pool
+from services.cli import BUNDLED_MODEL
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    base_url: str = "http://127.0.0.1:8000"
+    endpoint: str = "generate"  # a key of serve_client.ENDPOINTS
+    num_prompts: int = 100
+    input_len: int = 128  # random prompts: token ids per prompt (mean, with range_ratio)
+    output_len: int = 128  # max tokens asked per request (exact with ignore_eos)
+    range_ratio: float = 0.0  # lengths uniform in [len * (1 - r), len * (1 + r)]
+    dataset_path: Path | None = None  # a JSONL file of prompts instead of random ones
+    vocab_from: Path = BUNDLED_MODEL  # a model directory whose tokenizer's ids random prompts use
+    request_rate: float = math.inf  # requests per second; inf: all at once
+    burstiness: float = 1.0  # gamma shape of the arrival intervals; 1: Poisson
+    max_concurrency: int | None = None  # at most this many requests in flight
+    ignore_eos: bool = False
+    temperature: float = 0.0
+    logprobs: int | None = None  # top-k logprobs per output token; None: none asked
+    model_name: str | None = None  # OpenAI `model`; None: the first of GET /v1/models
+    num_warmups: int = 0  # requests sent (and waited for) before the timed run, not counted
+    seed: int = 0
+    request_timeout_s: float = 600.0
+    api_key: str | None = None
+    progress: bool = True
+    launch: tuple[str, ...] | None = None  # `sparkwire up` flags: start a stack for this run
+    launch_log: Path | None = None
+
+    def __post_init__(self) -> None:
+        checks = {
+            "endpoint": self.endpoint in ENDPOINTS,
+            "num_prompts": self.num_prompts >= 1,
+            "input_len": self.input_len >= 1,
+            "output_len": self.output_len >= 1,
+            "range_ratio": 0.0 <= self.range_ratio < 1.0,
+            "request_rate": self.request_rate > 0,
+            "burstiness": self.burstiness > 0,
+            "max_concurrency": self.max_concurrency is None or self.max_concurrency >= 1,
+            "logprobs": self.logprobs is None or self.logprobs >= 0,
+            "num_warmups": self.num_warmups >= 0,
+        }
+        if bad := [name for name, ok in checks.items() if not ok]:
+            raise ValueError(f"invalid serve benchmark settings: {bad} ({self})")
+
+    def prompts(self) -> list[Prompt]:
+        if self.dataset_path is not None:
+            return jsonl_prompts(self.dataset_path, self.num_prompts, self.output_len)
+        pool = token_pool(self.vocab_from)
+        return random_prompts(self.num_prompts, self.input_len, self.output_len, self.range_ratio, pool, self.seed)
+
+    def as_json(self) -> dict[str, Any]:
+        """The settings as the results file records them (no secret, no infinity)."""
+        settings = {name: _json_value(value) for name, value in dataclasses.asdict(self).items()}
+        return {**settings, "api_key": None if self.api_key is None else "(set)"}
+
+
+def _json_value(value: Any) -> Any:
+    if isinstance(value, float) and math.isinf(value):
+        return "inf"
+    if isinstance(value, Path):
+        return str(value)
+    return value
+
+
+def run_serve_benchmark(config: ServeConfig) -> dict[str, Any]:
+    """The whole run, launching (and stopping) a stack first if the config says so."""
+    if config.launch is None:
+        return asyncio.run(benchmark(config))
+    log_path = config.launch_log or Path(tempfile.mkdtemp(prefix="sparkwire-bench-")) / "up.log"
+    with launched_stack(config.launch, config.base_url, log_path) as stack:
+        results = asyncio.run(benchmark(config))
+    launched = {"up_args": list(config.launch), "ready_s": stack.ready_s, "exit_code": stack.exit_code, "log": str(log_path)}
+    return {**results, "launched": launched}
+
+
+async def benchmark(config: ServeConfig) -> dict[str, Any]:
+    prompts = config.prompts()
+    async with _client(config) as client:
+        options = RequestOptions(config.ignore_eos, config.temperature, config.logprobs, await _model_name(client, config))
+        if config.num_warmups:
+            warm = [prompts[i % len(prompts)] for i in range(config.num_warmups)]
+            await _timed_run(client, dataclasses.replace(config, request_rate=math.inf, progress=False), options, warm)
+        records, duration_s = await _timed_run(client, config, options, prompts)
+    return {"config": config.as_json(), **summarize(records, duration_s), "requests": per_request(records)}
+
+
+def _client(config: ServeConfig) -> httpx.AsyncClient:
+    headers = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
+    # No connection cap: max_concurrency is the benchmark's to set, not the pool's. No proxies
+    # from the environment: they would sit between the client and the server being measured.
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    timeout = httpx.Timeout(config.request_timeout_s)
+    return httpx.AsyncClient(base_url=config.base_url, headers=headers, limits=limits, timeout=timeout, trust_env=False)
+
+
+async def _model_name(client: httpx.AsyncClient, config: ServeConfig) -> str | None:
+    if config.model_name is not None or config.endpoint != "completions":
+        return config.model_name
+    try:
+        models = (await client.get("/v1/models")).json()["data"]
+    except (httpx.HTTPError, ValueError, KeyError, TypeError):
+        return None  # servers that do not list models accept requests without one
+    return models[0]["id"] if models else None
+
+
+async def _timed_run(
+    client: httpx.AsyncClient, config: ServeConfig, options: RequestOptions, prompts: Sequence[Prompt]
+) -> tuple[list[RequestRecord], float]:
+    """Every prompt sent at its arrival offset (waiting for a concurrency slot after that)."""
+    endpoint, bar = ENDPOINTS[config.endpoint], progress_bar(len(prompts), config.progress)
+    offsets = arrival_offsets(len(prompts), config.request_rate, config.burstiness, config.seed)
+    slots = asyncio.Semaphore(config.max_concurrency or len(prompts))
+    start = time.perf_counter()
+
+    async def arrive(prompt: Prompt, offset: float) -> RequestRecord:
+        await asyncio.sleep(max(0.0, start + offset - time.perf_counter()))
+        async with slots:
+            record = await send(client, endpoint, prompt, options)
+        bar.update(1)
+        return record
+
+    records = await asyncio.gather(*(arrive(p, float(o)) for p, o in zip(prompts, offsets, strict=True)))
+    duration_s = time.perf_counter() - start
+    bar.close()
+    return list(records), duration_s
+
+
+class TextProgress:
+    """A progress line on stderr for machines without tqdm."""
+
+    WIDTH = 30
+
+    def __init__(self, total: int) -> None:
+        self.total, self.done = total, 0
+
+    def update(self, count: int) -> None:
+        self.done += count
+        filled = self.WIDTH * self.done // self.total
+        print(f"\r[{'#' * filled}{'.' * (self.WIDTH - filled)}] {self.done}/{self.total} requests", end="", file=sys.stderr)
+
+    def close(self) -> None:
+        print(file=sys.stderr)
+
+
+class NoProgress:
+    def update(self, count: int) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def progress_bar(total: int, enabled: bool) -> Any:
+    """tqdm where it is installed (it comes with the test extras), else a plain line."""
+    if not enabled:
+        return NoProgress()
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return TextProgress(total)
+    return tqdm(total=total, unit="req", desc="bench serve", file=sys.stderr)
+
+
+def run(config: ServeConfig, out: Path) -> dict[str, Any]:
+    """Run, write the JSON to `out`, print the table; the results dict is returned as written."""
+    results = run_serve_benchmark(config)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(results, indent=2) + "\n")
+    print(table(results))
+    for error in results["errors"]:
+        print(f"failed: {error}", file=sys.stderr)
+    print(f"results: {out}")
+    return results
