@@ -1,0 +1,141 @@
+"""DSpark serving: the `Proposer` the model worker calls (inject every row, propose every anchor).
+
+The drafter owns a paged KV cache shaped like the target's (same num_blocks and block_size, one
+trash block after them, the draft layers' kv heads) and addressed by the same slots and block
+tables, so the target's block manager allocates for both. `inject` writes each row's context K/V
+(see dspark_model: fc + RMSNorm of the captured target layers, then each draft layer's k/v
+projection, k-norm and RoPE at the row's position) at the row's slot. `propose` drafts a block
+from each anchor at position a: its queries read the cached context at positions < a, which are
+exactly the committed tokens before the anchor (rows past a are stale and masked), plus the
+block's own keys, which are never cached.
+
+Drafting, per slot k = 0..gamma-1, left to right (the Markov head needs the previous draft):
+logits_k = z_k + W2 W1[prev_k]; q_k = softmax(logits_k / T); greedy rows (T <= 0) take the argmax,
+the others sample d_k = argmax(q_k / E_k) with E_k ~ Exp(1) (the exponential race: exact sampling
+from q_k), the noise drawn per row from a generator seeded with the row's seed, so a row's drafts do
+not depend on the batch around it. No host sync: anchors stay on the device and the only host
+input is `max_anchor_position`, which sizes how many context blocks are read.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from services.scheduler.model.kv_cache import PagedKVCache
+from services.scheduler.spec.base import ContextRows, DraftProposal, DraftRequest
+from services.scheduler.spec.dspark_model import DSparkDrafter, block_positions
+
+
+class DSparkProposer:
+    def __init__(self, drafter: DSparkDrafter, num_blocks: int, block_size: int, num_draft_tokens: int | None = None) -> None:
+        """num_blocks/block_size: the target cache's; num_draft_tokens: <= the config's block_size (default all).
+
+        A shorter gamma still runs the whole trained block and keeps its first tokens.
+        """
+        gamma = drafter.num_draft_tokens if num_draft_tokens is None else num_draft_tokens
+        if not 1 <= gamma <= drafter.num_draft_tokens:
+            raise ValueError(f"num_draft_tokens must be in [1, {drafter.num_draft_tokens}] (the draft's block_size), got {gamma}")
+        weight = drafter.fc.weight
+        self.drafter = drafter
+        self.num_draft_tokens = gamma
+        self.capture_layers = drafter.config.target_layer_ids
+        self.kv_cache = PagedKVCache(drafter.config.backbone, num_blocks, block_size, weight.dtype, weight.device)
+
+    @property
+    def device(self) -> torch.device:
+        return self.kv_cache.kv.device
+
+    @torch.inference_mode()
+    def inject(self, context: ContextRows) -> None:
+        projected = self.drafter.project_context(context.hidden.to(self.device, self.kv_cache.kv.dtype))  # [T, H]
+        key_values = self.drafter.context_key_values(projected, context.positions.to(self.device))
+        for layer, (key, value) in enumerate(key_values):
+            self.kv_cache.write(layer, context.slots.to(self.device), key, value)
+
+    @torch.inference_mode()
+    def propose(self, request: DraftRequest) -> DraftProposal:
+        hidden = self.block_hidden(request)[:, : self.num_draft_tokens]  # [B, gamma, H]
+        return self._draft(hidden, request)
+
+    def block_hidden(self, request: DraftRequest) -> torch.Tensor:
+        """The drafter's final-normed block outputs [B, block_size, H] for each anchor."""
+        anchors = request.anchor_positions.to(self.device)  # [B]
+        blocks = self._context_blocks(request)  # [B, n]
+        mask = _serving_mask(anchors, blocks.shape[1] * self.kv_cache.block_size, self.drafter.num_draft_tokens)
+        x = self.drafter.block_embeddings(request.anchor_tokens.to(self.device))  # [B, G, H]
+        positions = block_positions(anchors, self.drafter.num_draft_tokens)  # [B, G]
+
+        def context(layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+            key_cache, value_cache = self.kv_cache.key_cache(layer), self.kv_cache.value_cache(layer)
+            return key_cache[blocks].flatten(1, 2), value_cache[blocks].flatten(1, 2)  # [B, n * block_size, Hkv, D]
+
+        return self.drafter.run_block(x, positions, context, mask)
+
+    def _context_blocks(self, request: DraftRequest) -> torch.Tensor:
+        # Context keys sit at positions < anchor <= max_anchor_position: that many blocks cover them.
+        num_blocks = -(-request.max_anchor_position // self.kv_cache.block_size)
+        table = request.block_tables.to(self.device)
+        return table[:, : min(num_blocks, table.shape[1])].long().clamp_min(0)  # -1 padding: any block, masked
+
+    def _draft(self, hidden: torch.Tensor, request: DraftRequest) -> DraftProposal:
+        sampler = _BlockSampler(request, hidden.shape[1], self.drafter.config.vocab_size, self.device)
+        base = self.drafter.base_logits(hidden)  # [B, gamma, V]
+        prev = request.anchor_tokens.to(self.device)  # [B]
+        tokens, probs, confidence = [], [], []
+        for slot in range(hidden.shape[1]):
+            confidence.append(self.drafter.confidence_logit(hidden[:, slot], prev))
+            token, q = sampler.draw(base[:, slot] + self.drafter.markov_bias(prev), slot)
+            tokens.append(token)
+            probs.append(q)
+            prev = token
+        return DraftProposal(
+            tokens=torch.stack(tokens, dim=1),
+            probs=None if sampler.all_greedy else torch.stack(probs, dim=1),
+            confidence=None if confidence[0] is None else torch.stack(confidence, dim=1).sigmoid(),
+        )
+
+
+class _BlockSampler:
+    """Per-slot draws for one block: argmax for greedy rows, the exponential race for the others."""
+
+    def __init__(self, request: DraftRequest, gamma: int, vocab_size: int, device: torch.device) -> None:
+        temperatures = request.temperatures
+        self.all_greedy = all(t <= 0 for t in temperatures)
+        if self.all_greedy:
+            return
+        self.is_greedy = _to_device([t <= 0 for t in temperatures], torch.bool, device)  # [B]
+        self.temperatures = _to_device([t if t > 0 else 1.0 for t in temperatures], torch.float32, device)[:, None]
+        self.noise = torch.stack([
+            _exponential_noise(seed, gamma, vocab_size, device) for seed in request.seeds
+        ])  # fmt: skip  # [B, gamma, V]
+
+    def draw(self, logits: torch.Tensor, slot: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """logits f32 [B, V] (Markov-corrected) -> (token int64 [B], q f32 [B, V] or None when all greedy)."""
+        greedy = logits.argmax(dim=-1)
+        if self.all_greedy:
+            return greedy, None
+        q = (logits / self.temperatures).softmax(dim=-1)  # greedy rows: softmax at T = 1, ignored by accept
+        sampled = (q / self.noise[:, slot]).argmax(dim=-1)
+        return torch.where(self.is_greedy, greedy, sampled), q
+
+
+def _exponential_noise(seed: int, gamma: int, vocab_size: int, device: torch.device) -> torch.Tensor:
+    generator = torch.Generator(device=device).manual_seed(seed)
+    noise = torch.empty(gamma, vocab_size, device=device).exponential_(generator=generator)
+    return noise.clamp_min_(torch.finfo(torch.float32).tiny)  # E = 0 would make q / E undefined
+
+
+def _serving_mask(anchors: torch.Tensor, num_context_keys: int, gamma: int) -> torch.Tensor:
+    """bool [B, 1, gamma, C + gamma]: context keys at positions < anchor, and the whole block."""
+    batch = anchors.shape[0]
+    sees_context = torch.arange(num_context_keys, device=anchors.device)[None, :] < anchors[:, None]  # [B, C]
+    sees_context = sees_context[:, None, :].expand(batch, gamma, num_context_keys)
+    sees_block = torch.ones(batch, gamma, gamma, dtype=torch.bool, device=anchors.device)
+    return torch.cat((sees_context, sees_block), dim=2)[:, None]
+
+
+def _to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    host = torch.tensor(values, dtype=dtype)
+    if device.type == "cuda":
+        return host.pin_memory().to(device, non_blocking=True)  # no wait on the queued work
+    return host

@@ -1,0 +1,110 @@
+"""Load and save DSpark drafters: DeepSpec-layout safetensors checkpoints, or seeded random weights.
+
+A draft directory holds `config.json` (see dspark_config) and `*.safetensors` (one file, or shards
+in `model.safetensors.index.json`). load_format "auto" reads the safetensors, or, for a directory
+whose config says `"sparkwire_weights": "seeded-random"`, draws them from `sparkwire_seed`;
+"dummy" always draws random weights (normal(0, 0.02), norms 1) from the config and `seed`.
+
+Parameter names, as in DeepSpec's Qwen3DSparkModel checkpoints (SGLang's Qwen3DSparkModel loads the
+same names); i = draft layer, V = vocab, H = hidden, K = len(target_layer_ids), r = markov_rank:
+
+    fc.weight                                   [H, K*H]   context projection
+    hidden_norm.weight                          [H]        RMSNorm after fc
+    layers.i.input_layernorm.weight             [H]
+    layers.i.self_attn.{q,k,v,o}_proj.weight    Qwen3 shapes (+ .bias when attention_bias)
+    layers.i.self_attn.{q,k}_norm.weight        [head_dim]
+    layers.i.post_attention_layernorm.weight    [H]
+    layers.i.mlp.{gate,up,down}_proj.weight     Qwen3 shapes (gate/up fused here, sliced on load)
+    norm.weight                                 [H]        before the (target's) LM head
+    markov_head.markov_w1.weight                [V, r]     W1, an embedding      (markov_rank > 0)
+    markov_head.markov_w2.weight                [V, r]     W2, a linear r -> V
+    confidence_head.proj.weight                 [1, H (+ r with_markov)]         (enable_confidence_head)
+    confidence_head.proj.bias                   [1]
+
+Published checkpoints also carry `embed_tokens.weight` and `lm_head.weight` (frozen copies of the
+target's); they are ignored here: the drafter uses the target's own, and `save_drafter` leaves
+them out. A missing tensor the config needs (a confidence head the config enables, say) raises
+`MissingTensorError`.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+from torch import nn
+
+from services.scheduler.model.config import ModelConfig
+from services.scheduler.model.llama import rope_inv_freq
+from services.scheduler.model.loader import LOAD_FORMATS, NoWeightsError, fill_random_weights, load_safetensors
+from services.scheduler.model.runner import ModelRunner
+from services.scheduler.spec.dspark import DSparkProposer
+from services.scheduler.spec.dspark_config import DSparkConfig
+from services.scheduler.spec.dspark_model import DSparkDrafter
+
+WEIGHTS_FILE = "model.safetensors"
+
+
+def load_dspark_proposer(
+    path: str | Path, runner: ModelRunner, *, load_format: str = "auto", seed: int = 0, num_draft_tokens: int | None = None
+) -> DSparkProposer:
+    """The drafter at `path`, on the runner's device and dtype, with a KV cache shaped like the runner's."""
+    drafter = load_drafter(
+        path, runner.model.model.embed_tokens, runner.lm_head_weight, runner.config,
+        load_format=load_format, seed=seed,
+    )  # fmt: skip
+    return DSparkProposer(drafter, runner.num_blocks, runner.block_size, num_draft_tokens)
+
+
+def load_drafter(
+    path: str | Path,
+    embed_tokens: nn.Module,
+    lm_head_weight: torch.Tensor,
+    target_config: ModelConfig,
+    *,
+    load_format: str = "auto",
+    seed: int = 0,
+) -> DSparkDrafter:
+    """Build the drafter of `path` on the device and dtype of the target's LM head, checked against the target."""
+    if load_format not in LOAD_FORMATS:
+        raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {load_format!r}")
+    draft_dir = Path(path)
+    config = DSparkConfig.from_pretrained(draft_dir)
+    config.check_target(target_config)
+    drafter = empty_drafter(config, embed_tokens, lm_head_weight)
+    _fill_weights(drafter, draft_dir, load_format, seed)
+    return drafter.eval()
+
+
+def empty_drafter(config: DSparkConfig, embed_tokens: nn.Module, lm_head_weight: torch.Tensor) -> DSparkDrafter:
+    """Uninitialised weights on the LM head's device and dtype (built on meta: no wasted init kernels)."""
+    with torch.device("meta"):
+        drafter = DSparkDrafter(config, embed_tokens, lm_head_weight).to(lm_head_weight.dtype)
+    drafter = drafter.to_empty(device=lm_head_weight.device)
+    drafter.rope_inv_freq = rope_inv_freq(config.backbone).to(lm_head_weight.device)  # fp32, like the target's
+    return drafter
+
+
+def _fill_weights(drafter: DSparkDrafter, draft_dir: Path, load_format: str, seed: int) -> None:
+    backbone = drafter.config.backbone
+    if load_format == "dummy":
+        fill_random_weights(drafter, seed)
+    elif any(draft_dir.glob("*.safetensors")):
+        load_safetensors(drafter, draft_dir)
+    elif backbone.sparkwire_weights == "seeded-random":
+        fill_random_weights(drafter, backbone.sparkwire_seed)
+    else:
+        raise NoWeightsError(f"no *.safetensors files in draft directory {draft_dir}; pass --load-format dummy")
+
+
+def save_drafter(drafter: DSparkDrafter, directory: str | Path) -> Path:
+    """Write config.json and model.safetensors (DeepSpec names, no embedding or LM head); returns the directory."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    config_text = json.dumps(drafter.config.to_dict(), indent=2) + "\n"
+    (directory / "config.json").write_text(config_text, encoding="utf-8")
+    tensors = {name: tensor.detach().contiguous().cpu().clone() for name, tensor in drafter.checkpoint_tensors()}
+    save_file(tensors, str(directory / WEIGHTS_FILE))
+    return directory

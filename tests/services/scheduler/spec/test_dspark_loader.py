@@ -1,0 +1,90 @@
+"""Loading and saving DSpark drafters; the worker's path: a runner, its captured layers, inject, propose."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from services.scheduler.model import ForwardBatch, MissingTensorError, NoWeightsError, load_model_runner
+from services.scheduler.spec.base import ContextRows, DraftRequest
+from services.scheduler.spec.dspark_loader import WEIGHTS_FILE, load_drafter, load_dspark_proposer, save_drafter
+from tests.services.scheduler.spec.conftest import TARGET_CONFIG
+
+
+def load_like(target, target_config, path, **options):
+    return load_drafter(path, target.model.embed_tokens, target.lm_head_weight, target_config, **options)
+
+
+def same_weights(a, b) -> bool:
+    theirs = dict(b.checkpoint_tensors())
+    return all(torch.equal(tensor, theirs[name]) for name, tensor in a.checkpoint_tensors())
+
+
+def test_save_then_load_round_trips_without_the_target_tensors(tmp_path, drafter, target, target_config):
+    save_drafter(drafter, tmp_path)
+    loaded = load_like(target, target_config, tmp_path)
+    assert loaded.config == drafter.config and same_weights(loaded, drafter)
+    with safe_open(str(tmp_path / WEIGHTS_FILE), framework="pt") as handle:
+        names = set(handle.keys())
+    assert names == {name for name, _ in drafter.checkpoint_tensors()}
+    assert "layers.0.mlp.gate_proj.weight" in names and not any(n.startswith(("embed_tokens", "lm_head")) for n in names)
+    assert json.loads((tmp_path / "config.json").read_text())["architectures"] == ["Qwen3DSparkModel"]
+
+
+def test_a_deepspec_checkpoint_with_its_embedding_and_lm_head_copies_loads(tmp_path, drafter, target, target_config):
+    tensors = {name: t.detach().clone() for name, t in drafter.checkpoint_tensors()}
+    tensors["embed_tokens.weight"] = torch.zeros_like(target.model.embed_tokens.weight)  # ignored: the target's are used
+    tensors["lm_head.weight"] = torch.zeros_like(target.lm_head_weight)
+    (tmp_path / "config.json").write_text(json.dumps(drafter.config.to_dict()))
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    loaded = load_like(target, target_config, tmp_path)
+    assert same_weights(loaded, drafter)
+    assert loaded.target.lm_head_weight is target.lm_head_weight
+
+
+def test_a_missing_tensor_is_named(tmp_path, drafter, target, target_config):
+    tensors = {n: t.detach().clone() for n, t in drafter.checkpoint_tensors() if not n.startswith("confidence_head.")}
+    (tmp_path / "config.json").write_text(json.dumps(drafter.config.to_dict()))  # enables the confidence head
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    with pytest.raises(MissingTensorError, match="confidence_head.proj"):
+        load_like(target, target_config, tmp_path)
+
+
+def test_dummy_weights_are_seeded(tmp_path, drafter, target, target_config):
+    (tmp_path / "config.json").write_text(json.dumps(drafter.config.to_dict()))
+    first, again, other = (load_like(target, target_config, tmp_path, load_format="dummy", seed=s) for s in (3, 3, 4))
+    assert same_weights(first, again) and not same_weights(first, other)
+    with pytest.raises(NoWeightsError, match="--load-format dummy"):
+        load_like(target, target_config, tmp_path)
+    with pytest.raises(ValueError, match="load_format"):
+        load_like(target, target_config, tmp_path, load_format="pt")
+
+
+def test_the_worker_path_runner_capture_inject_propose_matches_training(tmp_path, drafter):
+    """What the model worker does: capture the draft's layers in a target forward, inject every row,
+    propose from the sampled token; the drafts equal the training forward on the same hidden states."""
+    target_dir, draft_dir = tmp_path / "target", tmp_path / "draft"
+    target_dir.mkdir()
+    (target_dir / "config.json").write_text(json.dumps(TARGET_CONFIG))
+    save_drafter(drafter, draft_dir)
+    runner = load_model_runner(target_dir, load_format="dummy", num_kv_blocks=16, kv_block_size=4, seed=5)
+    proposer = load_dspark_proposer(draft_dir, runner)
+    ids, table = torch.randint(0, 60, (10,), generator=torch.Generator().manual_seed(0)), [3, 7, 1]
+    slots = torch.tensor(table)[torch.arange(10) // 4] * 4 + torch.arange(10) % 4
+    batch = ForwardBatch(
+        input_ids=ids, positions=torch.arange(10), query_start_loc=torch.tensor([0, 10], dtype=torch.int32),
+        seq_lens=torch.tensor([10], dtype=torch.int32), block_tables=torch.tensor([table], dtype=torch.int32),
+        slot_mapping=slots, capture_layers=proposer.capture_layers,
+    )  # fmt: skip
+    captured = runner.forward(batch).captured  # [10, K*H]
+    proposer.inject(ContextRows(hidden=captured, positions=batch.positions, slots=slots))
+    anchor = torch.tensor([41])  # the token sampled after the prompt, at position 10
+    proposal = proposer.propose(DraftRequest(("r",), anchor, torch.tensor([10]), batch.block_tables, 10, (0.0,), (0,)))
+    teacher = torch.cat((ids, anchor, proposal.tokens[0, :-1]))  # prev_k = the drafts
+    hidden = torch.cat((captured, torch.zeros(len(teacher) - 10, captured.shape[1])))
+    logits = proposer.drafter.forward_train(hidden[None], teacher[None], torch.tensor([[10]])).logits[0, 0]
+    assert torch.equal(logits.argmax(-1), proposal.tokens[0])
