@@ -1,0 +1,194 @@
+"""Online serving through the whole stack on one GPU: `sparkwire up --device cuda --load-format
+dummy` on a model shape (default Qwen3-8B), then `sparkwire bench serve` scenarios against it, with
+the scheduler core's batch figure for the same shape measured first, in the same run, as the bar
+the stack is held to (issue 12: stack output tok/s >= 0.9x the core's at batch = concurrency).
+
+Scenarios (128-token random prompts, 128 output tokens, `ignore_eos`, streamed to /generate):
+- `concurrency`: at most `--concurrency` (64) requests in flight, `--num-prompts` of them;
+- `concurrency_logprobs`: the same with top-20 output logprobs per token;
+- `batch1` / `batch1_logprobs`: one request at a time (its TPOT is the stack's ms per decode step);
+- `poisson`: Poisson arrivals at `--load` (0.8) x the request rate `concurrency` sustained.
+
+The model directory the stack serves is the shape's `config.json` beside the bundled model's
+tokenizer (the shapes in ops/model_configs carry no tokenizer): ids the tokenizer lacks decode to
+empty text, which costs the detokenizer nothing a real tokenizer would not.
+
+    PATH=/tmp/site/bin:$PATH PYTHONPATH=/tmp/site:. python3 ops/bench/gpu_serve_check.py --out $OUT/gpu_serve.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import shutil
+import subprocess
+import sys
+import tempfile
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ops.bench.serve import ServeConfig, run_serve_benchmark
+from ops.bench.serve_launch import launched_stack
+from services.cli import BUNDLED_MODEL
+from services.common.nats_server import free_port
+
+REPO = Path(__file__).resolve().parents[2]
+SCENARIOS = ("concurrency", "concurrency_logprobs", "batch1", "batch1_logprobs", "poisson")
+TOP_LOGPROBS = 20
+SHAPE_FILES = ("config.json", "generation_config.json")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+
+
+@dataclass(frozen=True)
+class CheckConfig:
+    model_config: Path = REPO / "ops/model_configs/Qwen3-8B"
+    device: str = "cuda"
+    concurrency: int = 64
+    num_prompts: int = 320  # five waves of `concurrency`: a steady state, not one batch
+    batch1_prompts: int = 8
+    input_len: int = 128
+    output_len: int = 128
+    load: float = 0.8  # the Poisson rate as a fraction of what `concurrency` sustained
+    request_rate: float | None = None  # the Poisson rate itself, instead of `load`
+    num_warmups: int = 16  # before each scenario: graphs captured, allocator warm
+    core_baseline: bool = True  # the scheduler core at batch = concurrency, first (GPU only)
+    scenarios: tuple[str, ...] = SCENARIOS
+    up_args: tuple[str, ...] = ()  # more `sparkwire up` flags
+    progress: bool = True
+
+
+def serving_model_dir(model_config: Path, into: Path) -> Path:
+    """The shape's config beside the bundled tokenizer: a directory `sparkwire up` can serve."""
+    into.mkdir(parents=True, exist_ok=True)
+    for name in SHAPE_FILES:
+        if (model_config / name).is_file():
+            shutil.copy(model_config / name, into / name)
+    for name in TOKENIZER_FILES:
+        if not (into / name).exists():
+            shutil.copy(BUNDLED_MODEL / name, into / name)
+    return into
+
+
+def core_baseline(check: CheckConfig, work: Path) -> dict[str, Any]:
+    """`gpu_scheduler_check.py` at batch = concurrency in a child process (the GPU is then all
+    the stack's); its tok/s counts generated tokens over the core's wall time, as ours does."""
+    out = work / "core.json"
+    command = [sys.executable, str(REPO / "ops/bench/gpu_scheduler_check.py"), "--configs", str(check.model_config),
+               "--batch-sizes", str(check.concurrency), "--prompt-len", str(check.input_len),
+               "--new-tokens", str(check.output_len), "--no-peer", "--out", str(out)]  # fmt: skip
+    done = subprocess.run(command, cwd=REPO, capture_output=True, text=True)
+    rows = json.loads(out.read_text())["rows"] if out.is_file() else []
+    if done.returncode != 0 or not rows:
+        return {"error": (done.stdout + done.stderr)[-3000:]}
+    return {"batch": check.concurrency, "tok_s": rows[0]["sparkwire"]["tok_s"],
+            "tok_s_logprobs": rows[0]["sparkwire_logprobs"]["tok_s"]}  # fmt: skip
+
+
+def scenario_config(name: str, check: CheckConfig, base_url: str, measured: dict[str, dict]) -> ServeConfig:
+    base = ServeConfig(
+        base_url=base_url, num_prompts=check.num_prompts, input_len=check.input_len, output_len=check.output_len,
+        ignore_eos=True, max_concurrency=check.concurrency, num_warmups=check.num_warmups, progress=check.progress,
+    )  # fmt: skip
+    batch1 = dataclasses.replace(base, max_concurrency=1, num_prompts=check.batch1_prompts, num_warmups=2)
+    if name == "poisson":
+        return dataclasses.replace(base, max_concurrency=None, request_rate=poisson_rate(check, measured))
+    configs = {"concurrency": base, "concurrency_logprobs": dataclasses.replace(base, logprobs=TOP_LOGPROBS),
+               "batch1": batch1, "batch1_logprobs": dataclasses.replace(batch1, logprobs=TOP_LOGPROBS)}  # fmt: skip
+    return configs[name]
+
+
+def poisson_rate(check: CheckConfig, measured: dict[str, dict]) -> float:
+    if check.request_rate is not None:
+        return check.request_rate
+    if "concurrency" not in measured:
+        raise ValueError("the poisson scenario needs --request-rate or the concurrency scenario before it")
+    return check.load * measured["concurrency"]["request_throughput"]
+
+
+def run(check: CheckConfig, out: Path) -> dict[str, Any]:
+    result: dict[str, Any] = {"check": {k: str(v) if isinstance(v, Path) else v for k, v in dataclasses.asdict(check).items()}}
+    with tempfile.TemporaryDirectory(prefix="sparkwire-gpu-serve-") as tmp:
+        work = Path(tmp)
+        if check.core_baseline:
+            result["core_baseline"] = core_baseline(check, work)
+        model_dir = serving_model_dir(check.model_config, work / "model")
+        up_args = ("--device", check.device, "--load-format", "dummy", "--model", str(model_dir), *check.up_args)
+        base_url = f"http://127.0.0.1:{free_port()}"
+        with launched_stack(up_args, base_url, out.parent / "gpu_serve_up.log") as stack:
+            result["ready_s"] = stack.ready_s
+            result["scenarios"] = run_scenarios(check, base_url)
+        result["up_exit_code"] = stack.exit_code
+    result["stack_vs_core"] = stack_vs_core(result)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    print(table(result))
+    return result
+
+
+def run_scenarios(check: CheckConfig, base_url: str) -> dict[str, dict]:
+    """Each scenario in order; one that fails is recorded and the rest still run."""
+    measured: dict[str, dict] = {}
+    for name in check.scenarios:
+        try:
+            measured[name] = run_serve_benchmark(scenario_config(name, check, base_url, measured))
+        except Exception:
+            measured[name] = {"error": traceback.format_exc()[-3000:]}
+    return measured
+
+
+def stack_vs_core(result: dict[str, Any]) -> float | None:
+    core = result.get("core_baseline", {}).get("tok_s")
+    stack = result["scenarios"].get("concurrency", {}).get("output_throughput")
+    return stack / core if core and stack else None
+
+
+def table(result: dict[str, Any]) -> str:
+    lines = ["| scenario | ok / failed | req/s | output tok/s | TTFT p50 / p99 ms | ITL p50 / p99 ms | TPOT p50 ms | E2E p50 ms |",
+             "|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    for name, r in result["scenarios"].items():
+        if "error" in r:
+            lines.append(f"| {name} | error: {r['error'].splitlines()[-1][:80]} | | | | | | |")
+            continue
+        ttft, itl = r["ttft_ms"], r["itl_ms"]
+        lines.append(f"| {name} | {r['completed']} / {r['failed']} | {r['request_throughput']:.2f} | {r['output_throughput']:.0f} | "
+                     f"{_ms(ttft['p50'])} / {_ms(ttft['p99'])} | {_ms(itl['p50'])} / {_ms(itl['p99'])} | "
+                     f"{_ms(r['tpot_ms']['p50'])} | {_ms(r['e2el_ms']['p50'])} |")  # fmt: skip
+    core = result.get("core_baseline")
+    if core:
+        lines.append(f"\ncore at batch {core.get('batch')}: {core.get('tok_s', 'error')} tok/s; "
+                     f"stack / core = {result['stack_vs_core']}")  # fmt: skip
+    return "\n".join(lines)
+
+
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model-config", type=Path, default=CheckConfig.model_config)
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--concurrency", type=int, default=64)
+    parser.add_argument("--num-prompts", type=int, default=320)
+    parser.add_argument("--input-len", type=int, default=128)
+    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--load", type=float, default=0.8)
+    parser.add_argument("--request-rate", type=float, default=None)
+    parser.add_argument("--no-core-baseline", action="store_true")
+    parser.add_argument("--scenarios", nargs="*", choices=SCENARIOS, default=list(SCENARIOS))
+    parser.add_argument("--up-args", default="", help='more `sparkwire up` flags, e.g. --up-args="--chunked-prefill-size 8192"')
+    parser.add_argument("--out", type=Path, default=REPO / "ops/bench/results/gpu_serve.json")
+    args = parser.parse_args()
+    check = CheckConfig(
+        model_config=args.model_config, device=args.device, concurrency=args.concurrency, num_prompts=args.num_prompts,
+        input_len=args.input_len, output_len=args.output_len, load=args.load, request_rate=args.request_rate,
+        core_baseline=not args.no_core_baseline, scenarios=tuple(args.scenarios), up_args=tuple(args.up_args.split()),
+    )  # fmt: skip
+    run(check, args.out)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,50 @@
+"""`ops/bench/gpu_serve_check.py` at toy size on CPU, so the H200 script cannot rot: every scenario
+runs through a launched stack serving a shape directory with no tokenizer of its own."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from ops.bench.gpu_serve_check import SCENARIOS, CheckConfig, run, serving_model_dir
+from services.cli import BUNDLED_MODEL
+
+
+@pytest.fixture
+def shape_dir(tmp_path):
+    """The bundled model's config with a vocabulary twice its tokenizer's, like an 8B shape
+    served with the bundled tokenizer: generated ids past the tokenizer must not break anything."""
+    config = json.loads((BUNDLED_MODEL / "config.json").read_text())
+    shape = tmp_path / "shape"
+    shape.mkdir()
+    (shape / "config.json").write_text(json.dumps({**config, "vocab_size": 2 * config["vocab_size"]}))
+    return shape
+
+
+def test_serving_dir_has_the_shape_and_the_bundled_tokenizer(shape_dir, tmp_path):
+    served = serving_model_dir(shape_dir, tmp_path / "served")
+    assert json.loads((served / "config.json").read_text())["vocab_size"] == 4096
+    assert (served / "tokenizer.json").read_bytes() == (BUNDLED_MODEL / "tokenizer.json").read_bytes()
+
+
+@pytest.mark.timeout(120)
+def test_every_scenario_runs_at_toy_size(shape_dir, tmp_path, capsys):
+    check = CheckConfig(model_config=shape_dir, device="cpu", concurrency=3, num_prompts=6, batch1_prompts=2,
+                        input_len=8, output_len=4, num_warmups=1, core_baseline=False, progress=False)  # fmt: skip
+    out = tmp_path / "gpu_serve.json"
+    run(check, out)
+    result = json.loads(out.read_text())
+    assert list(result["scenarios"]) == list(SCENARIOS) and result["up_exit_code"] == 0
+    for name, figures in result["scenarios"].items():
+        expected = 2 if name.startswith("batch1") else 6
+        assert "error" not in figures, figures.get("error")
+        assert (figures["completed"], figures["failed"]) == (expected, 0), name
+        assert figures["total_output_tokens"] == expected * 4 and figures["total_input_tokens"] == expected * 8, name
+    scenarios = result["scenarios"]
+    assert scenarios["concurrency_logprobs"]["config"]["logprobs"] == 20
+    assert scenarios["batch1"]["config"]["max_concurrency"] == 1 and scenarios["concurrency"]["config"]["max_concurrency"] == 3
+    rate = scenarios["poisson"]["config"]["request_rate"]
+    assert rate == pytest.approx(0.8 * scenarios["concurrency"]["request_throughput"])
+    assert result["stack_vs_core"] is None  # no core baseline on CPU
+    assert "| poisson | 6 / 0 |" in capsys.readouterr().out
