@@ -18,6 +18,7 @@ import services
 from services.common.settings import EnvSettings
 
 SERVICES = ("tokenizer", "scheduler", "detokenizer")
+TORCH_HINT = "pip install 'sparkwire[scheduler]' (the tokenizer and detokenizer run without it)"
 BUNDLED_MODEL = Path(services.__file__).resolve().parents[1] / "ops" / "models" / "sparkwire-tiny"
 
 
@@ -67,7 +68,13 @@ def _selected_command(argv: Sequence[str]) -> str | None:
 
 
 def _resolve(command: Command, attribute: str) -> Callable[..., object]:
-    return getattr(importlib.import_module(command.module), attribute)
+    try:
+        module = importlib.import_module(command.module)
+    except ModuleNotFoundError as exc:
+        if exc.name != "torch":
+            raise
+        raise SystemExit(f"sparkwire: {command.module} needs torch: {TORCH_HINT}") from None
+    return getattr(module, attribute)
 
 
 def _add_up(sub: argparse._SubParsersAction) -> None:

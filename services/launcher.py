@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import collections
 import contextlib
+import importlib.util
 import os
 import signal
 import socket
@@ -186,6 +187,9 @@ def main(args: argparse.Namespace) -> int:
 
 
 def _run(stack: Stack) -> int:
+    if importlib.util.find_spec("torch") is None:  # fail before starting anything, in words
+        print("sparkwire up: the scheduler needs torch: pip install 'sparkwire[scheduler]'", file=sys.stderr)
+        return 1
     if port_in_use(stack.args.host, stack.args.port):
         # Otherwise whatever listens there could answer /health and pass for Sparkwire.
         print(f"sparkwire up: port {stack.args.port} is already in use; pick another with --port", file=sys.stderr)
