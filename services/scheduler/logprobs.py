@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from contracts.scheduler import SamplingParams
+from services.scheduler.request import RowLogprobs
 from services.scheduler.sampler import filtered_out, unfiltered
 
 CHUNK_BYTES = 256 * 1024 * 1024  # fp32 logits held at once per chunk, at most (and 1024 rows)
@@ -30,34 +31,41 @@ class LogprobQuery:
     """One request's rows and what it wants from each of them."""
 
     rows: np.ndarray  # int64 [n], rows of the step's hidden states (or of the given logits)
-    targets: np.ndarray  # int64 [n], the token whose logprob each row gives
+    targets: np.ndarray | torch.Tensor  # int64 [n], the token whose logprob each row gives (host or device)
     top_k: int
     token_ids: tuple[int, ...]
     sampling: SamplingParams = SamplingParams()  # used in processed mode only
 
 
-@dataclass(frozen=True)
-class RowLogprobs:
-    token: np.ndarray  # f32 [n]
-    top_values: np.ndarray  # f32 [n, k]
-    top_ids: np.ndarray  # i32 [n, k]
-    ids: np.ndarray  # f32 [n, m]
-
-
 def top_k_sorted(logprobs: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """[n, V] -> values f32 [n, k], ids int64 [n, k]: descending, ties by the smaller id."""
-    n = logprobs.shape[0]
+    """[n, V] -> values f32 [n, k], ids int64 [n, k]: descending, ties by the smaller id. No host sync."""
+    n, vocab = logprobs.shape
     if k == 0 or n == 0:
         return logprobs.new_empty(n, k), torch.empty(n, k, dtype=torch.int64, device=logprobs.device)
     kth = logprobs.topk(k, dim=-1).values[:, -1:]  # [n, 1]
     above = logprobs > kth  # [n, V]
     tied = logprobs == kth  # [n, V]
     room = k - above.sum(dim=-1, keepdim=True)  # [n, 1]: how many tied ids fit, lowest ids first
-    chosen = above | (tied & (tied.cumsum(dim=-1) <= room))  # exactly k per row
-    ids = chosen.nonzero()[:, 1].view(n, k)  # [n, k], ascending ids
+    chosen = above | (tied & (tied.cumsum(dim=-1) <= room))  # exactly k per row (NaN rows: none)
+    # The chosen ids in ascending order, without nonzero() (a host sync): smaller ids get larger keys.
+    key = chosen.long() * (vocab - torch.arange(vocab, device=logprobs.device))  # [n, V]
+    ids = key.topk(k, dim=-1).indices.sort(dim=-1).values  # [n, k]
     values = logprobs.gather(1, ids)
     order = values.sort(dim=-1, descending=True, stable=True).indices  # stable keeps id order on ties
     return values.gather(1, order), ids.gather(1, order)
+
+
+@dataclass(frozen=True)
+class DeviceLogprobs:
+    """Every query's rows, concatenated, still on the device (they reach the host in the step's one copy)."""
+
+    token: torch.Tensor  # f32 [n]
+    top_values: torch.Tensor  # f32 [n, max_k]
+    top_ids: torch.Tensor  # int32 [n, max_k]
+    ids: torch.Tensor  # f32 [n, max_m]
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        return self.token, self.top_values, self.top_ids, self.ids
 
 
 def compute_logprobs(
@@ -68,21 +76,42 @@ def compute_logprobs(
     processed: bool,
 ) -> list[RowLogprobs]:
     """`source` is hidden states [N, H] (then `to_logits` maps rows to f32 logits) or logits [N, V]."""
+    on_device = logprobs_on_device(queries, source, to_logits, vocab_size, processed)
+    host = [t.cpu().numpy() for t in on_device.tensors()] if on_device is not None else None
+    return split_logprobs(queries, host)
+
+
+def logprobs_on_device(
+    queries: list[LogprobQuery],
+    source: torch.Tensor,
+    to_logits: Callable[[torch.Tensor], torch.Tensor] | None,
+    vocab_size: int,
+    processed: bool,
+) -> DeviceLogprobs | None:
+    """The queries' rows in chunks (so a 32k-row prompt never holds [32k, V] logits); None if no rows."""
     rows = np.concatenate([q.rows for q in queries]) if queries else np.zeros(0, np.int64)  # [n]
     if rows.size == 0:
-        return [_empty(q) for q in queries]
-    targets = np.concatenate([q.targets for q in queries])  # [n]
+        return None
+    device = source.device
+    targets = torch.cat([torch.as_tensor(q.targets).to(device) for q in queries])  # [n]
     sampling = [q.sampling if processed else None for q in queries for _ in range(len(q.rows))]  # [n]
     max_k = max(q.top_k for q in queries)
-    ids = _padded_ids(queries)  # [n, max_m]
+    ids = torch.from_numpy(_padded_ids(queries)).to(device)  # [n, max_m]
+    row_index = torch.from_numpy(rows).to(device)
     chunk_rows = max(1, min(MAX_CHUNK_ROWS, CHUNK_BYTES // (4 * vocab_size)))
     parts = []
     for start in range(0, len(rows), chunk_rows):
         end = min(start + chunk_rows, len(rows))
         rows_logprobs = _RowsLogprobs(source, to_logits, sampling[start:end])
-        parts.append(rows_logprobs.gather(rows[start:end], targets[start:end], max_k, ids[start:end]))
-    token, top_values, top_ids, ids_lp = (np.concatenate(column) for column in zip(*parts, strict=True))
-    return _split(queries, token, top_values, top_ids, ids_lp)
+        parts.append(rows_logprobs.gather(row_index[start:end], targets[start:end], max_k, ids[start:end]))
+    return DeviceLogprobs(*(torch.cat(column) for column in zip(*parts, strict=True)))
+
+
+def split_logprobs(queries: list[LogprobQuery], host: list[np.ndarray] | None) -> list[RowLogprobs]:
+    """Host copies of `DeviceLogprobs.tensors()` -> each query's own slice (its k, its ids)."""
+    if host is None:
+        return [_empty(q) for q in queries]
+    return _split(queries, *host)
 
 
 @dataclass(frozen=True)
@@ -93,20 +122,16 @@ class _RowsLogprobs:
     to_logits: Callable[[torch.Tensor], torch.Tensor] | None
     sampling: list[SamplingParams | None]  # [c]; None = raw
 
-    def gather(self, rows: np.ndarray, targets: np.ndarray, max_k: int, ids: np.ndarray) -> tuple[np.ndarray, ...]:
-        device = self.source.device
-        picked = self.source[torch.from_numpy(rows).to(device)]
+    def gather(
+        self, rows: torch.Tensor, targets: torch.Tensor, max_k: int, ids: torch.Tensor
+    ) -> tuple[torch.Tensor, ...]:
+        picked = self.source[rows]
         logits = self.to_logits(picked) if self.to_logits is not None else picked.float()  # [c, V]
         logprobs = self._log_distribution(logits.float())  # [c, V]
-        token = logprobs.gather(1, torch.from_numpy(targets).to(device)[:, None])[:, 0]  # [c]
+        token = logprobs.gather(1, targets[:, None].long().clamp_min(0))[:, 0]  # [c]
         top_values, top_ids = top_k_sorted(logprobs, min(max_k, logprobs.shape[1]))
-        ids_lp = logprobs.gather(1, torch.from_numpy(np.maximum(ids, 0)).to(device))  # [c, max_m]
-        return (
-            token.cpu().numpy(),
-            top_values.cpu().numpy(),
-            top_ids.to(torch.int32).cpu().numpy(),
-            ids_lp.cpu().numpy(),
-        )
+        ids_lp = logprobs.gather(1, ids.clamp_min(0))  # [c, max_m]
+        return token, top_values, top_ids.to(torch.int32), ids_lp
 
     def _log_distribution(self, logits: torch.Tensor) -> torch.Tensor:
         if all(params is None for params in self.sampling):

@@ -1,4 +1,4 @@
-"""What the core holds per request, and what it returns per step."""
+"""What the core holds per request, and what it returns per step. No torch."""
 
 from __future__ import annotations
 
@@ -27,6 +27,29 @@ class SchedulerRequest:
         return cls(request.rid, prompt, request.detokenizer_id, request.sampling, request.logprobs)
 
 
+@dataclass(frozen=True)
+class RowLogprobs:
+    """Logprobs of n rows: the target token's, the top-k (sorted, ties by id), the requested ids'."""
+
+    token: np.ndarray  # f32 [n]
+    top_values: np.ndarray  # f32 [n, k]
+    top_ids: np.ndarray  # i32 [n, k]
+    ids: np.ndarray  # f32 [n, m]
+
+    def head(self, n: int) -> RowLogprobs:
+        return RowLogprobs(self.token[:n], self.top_values[:n], self.top_ids[:n], self.ids[:n])
+
+    def with_null_row(self) -> RowLogprobs:
+        """Prepend the null entry of the first returned prompt position: NaN values, -1 ids."""
+        k, m = self.top_values.shape[1], self.ids.shape[1]
+        return RowLogprobs(
+            token=np.concatenate([np.full(1, np.nan, np.float32), self.token]),
+            top_values=np.concatenate([np.full((1, k), np.nan, np.float32), self.top_values]),
+            top_ids=np.concatenate([np.full((1, k), -1, np.int32), self.top_ids]),
+            ids=np.concatenate([np.full((1, m), np.nan, np.float32), self.ids]),
+        )
+
+
 @dataclass
 class LogprobEntries:
     """One request's new logprob entries of one step; field names follow `RequestLogprobs`."""
@@ -47,6 +70,15 @@ class LogprobEntries:
     def is_empty(self) -> bool:
         return all(value is None for value in vars(self).values())
 
+    def set_output(self, rows: RowLogprobs, params: LogprobParams) -> None:
+        """The rows of this step's new output tokens (n of them, n = the step's new token count)."""
+        self.output_token_logprobs = rows.token
+        if params.top_logprobs_num > 0:
+            self.output_top_logprobs = rows.top_values
+            self.output_top_ids = rows.top_ids
+        if params.token_ids_logprob:
+            self.output_ids_logprobs = rows.ids
+
 
 @dataclass(frozen=True)
 class RequestOutput:
@@ -56,6 +88,7 @@ class RequestOutput:
     prompt_tokens: int
     finish: Finish | None
     logprobs: LogprobEntries | None  # None when the request did not ask for logprobs
+    spec_verify_ct: int | None = None  # verify passes so far; None without speculative decoding
 
 
 @dataclass(eq=False)  # identity: `seq in running` and `running.remove(seq)` must not compare token lists
@@ -71,6 +104,11 @@ class Sequence:
     flat_values: list[np.ndarray | None] = field(default_factory=list)  # per prompt position
     flat_ids: list[np.ndarray | None] = field(default_factory=list)
     flat_sent: bool = False
+    sampling_seed: int = 0  # the request's seed, or one the scheduler drew for it
+    drafts: list[int] = field(default_factory=list)  # the proposed block the next step verifies
+    draft_confidence: list[float] | None = None  # the proposer's survival estimate per draft
+    speculative: bool = False  # the scheduler runs a proposer: report spec_verify_ct
+    spec_verify_ct: int = 0
 
     @property
     def rid(self) -> str:

@@ -34,6 +34,9 @@ class SampleRow:
     position: int  # output index of the token this row samples
 
 
+ACCEPT_SALT = 0x5DEECE66D  # the accept test's uniforms use their own stream of the same key
+
+
 class Sampler:
     def __init__(self, seed: int) -> None:
         self._rng = random.Random(seed)  # seeds requests that bring none; per scheduler, not global
@@ -44,31 +47,53 @@ class Sampler:
         temperatures = [row.params.temperature for row in rows]
         if all(t <= 0 for t in temperatures):
             return greedy_ids
-        probs = self._filtered_probs(logits, rows)  # [B, V]
-        noise = self._exponential_noise(rows, logits.shape[1], logits.device)  # [B, V]
+        probs = sampling_probs(logits, [r.params for r in rows])  # [B, V]
+        seeds = [self._seed(row) for row in rows]
+        noise, _ = draw_noise(seeds, [row.position for row in rows], 0, logits.shape[1], logits.device)
         sampled = (probs / noise).argmax(dim=-1)  # [B]
         is_greedy = torch.tensor([t <= 0 for t in temperatures], device=logits.device)
         return torch.where(is_greedy, greedy_ids, sampled)
 
-    def _filtered_probs(self, logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
-        device = logits.device
-        temps = torch.tensor([max(r.params.temperature, 1e-6) for r in rows], device=device)  # [B]
-        probs = torch.softmax(logits / temps[:, None], dim=-1)  # [B, V]
-        if all(unfiltered(r.params) for r in rows):
-            return probs
-        return probs.masked_fill(filtered_out(probs, [r.params for r in rows]), 0.0)
+    def _seed(self, row: SampleRow) -> int | None:
+        if row.params.temperature <= 0:
+            return None
+        return row.params.seed if row.params.seed is not None else self._rng.getrandbits(63)
 
-    def _exponential_noise(self, rows: list[SampleRow], vocab: int, device: torch.device) -> torch.Tensor:
-        noise = torch.empty(len(rows), vocab, device=device)  # [B, V]
-        for index, row in enumerate(rows):
-            if row.params.temperature <= 0:
-                noise[index] = 1.0
-                continue
-            seed = row.params.seed if row.params.seed is not None else self._rng.getrandbits(63)
-            generator = torch.Generator(device=device)
-            generator.manual_seed(mix_seed(seed, row.position))
-            noise[index].exponential_(generator=generator)
-        return noise.clamp_min_(1e-30)  # E = 0 would turn p = 0 into 0/0
+
+def sampling_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """The distribution each row samples from: softmax(logits / T), then top-k/top-p/min-p. [B, V]."""
+    device = logits.device
+    temps = torch.tensor([max(p.temperature, 1e-6) for p in params], device=device)  # [B]
+    probs = torch.softmax(logits / temps[:, None], dim=-1)  # [B, V]
+    if all(unfiltered(p) for p in params):
+        return probs
+    return probs.masked_fill(filtered_out(probs, params), 0.0)
+
+
+def draw_noise(
+    seeds: list[int | None], positions: list[int], num_uniforms: int, vocab: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row: Exp(1) noise [B, V] for a Gumbel-max draw and U(0, 1) uniforms [B, num_uniforms].
+
+    Row i's values come from generators keyed by mix_seed(seeds[i], positions[i]) alone; a row with
+    seed None (greedy) gets noise 1 and uniforms 0.
+    """
+    noise = torch.ones(len(seeds), vocab, device=device)  # [B, V]
+    uniforms = torch.zeros(len(seeds), num_uniforms, device=device)  # [B, K]
+    for index, (seed, position) in enumerate(zip(seeds, positions, strict=True)):
+        if seed is None:
+            continue
+        key = mix_seed(seed, position)
+        noise[index].exponential_(generator=_generator(key, device))
+        if num_uniforms:
+            uniforms[index].uniform_(generator=_generator(key ^ ACCEPT_SALT, device))
+    return noise.clamp_min_(1e-30), uniforms  # E = 0 would turn p = 0 into 0/0
+
+
+def _generator(key: int, device: torch.device) -> torch.Generator:
+    generator = torch.Generator(device=device)
+    generator.manual_seed(key)
+    return generator
 
 
 def filtered_out(probs: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:

@@ -14,6 +14,7 @@ table and masking keys at or past `seq_len`.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -49,9 +50,14 @@ class DecodePlan:
 
 
 def plan_attention(batch: ForwardBatch, block_size: int) -> AttentionPlan:
-    """Group the batch's sequences for attention; the one host sync of the step reads their lengths."""
-    starts = batch.query_start_loc.tolist()
-    seq_lens = batch.seq_lens.tolist()
+    """Group the batch's sequences for attention (lengths read back from the device only when the
+    batch does not carry them on the host)."""
+    if batch.host_query_lens is not None and batch.host_seq_lens is not None:
+        starts = [0, *itertools.accumulate(batch.host_query_lens)]
+        seq_lens = list(batch.host_seq_lens)
+    else:
+        starts = batch.query_start_loc.tolist()
+        seq_lens = batch.seq_lens.tolist()
     buckets: dict[tuple[int, int], list[int]] = {}
     for b, seq_len in enumerate(seq_lens):
         q_len = starts[b + 1] - starts[b]

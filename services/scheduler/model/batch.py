@@ -24,6 +24,10 @@ class ForwardBatch:
     block_tables: torch.Tensor  # int32 [B, max_blocks_per_seq], -1 padded
     slot_mapping: torch.Tensor  # int64 [T]
     capture_layers: tuple[int, ...] = ()  # layer indices whose outputs to return (DSpark context)
+    # The same lengths as host tuples, when the caller has them: planning attention then reads
+    # nothing back from the device.
+    host_query_lens: tuple[int, ...] | None = None  # [B]
+    host_seq_lens: tuple[int, ...] | None = None  # [B]
 
     @property
     def num_tokens(self) -> int:

@@ -1,0 +1,77 @@
+"""The worker's two host<->device crossings per step: one upload, one readback.
+
+`HostUpload` packs a step's host arrays (token ids, positions, slots, tables, sampling
+parameters) into one persistent buffer — pinned on CUDA, so the copy is asynchronous — and sends
+it with one non-blocking copy. Reusing the buffer is safe because each step ends with the
+readback, which waits for every earlier copy on the stream.
+
+`HostReadback` collects the step's device results (sampled tokens, accepted counts, drafts,
+logprob rows) and brings them all back with one device->host copy: every part is 32 bits wide
+(float32 travels as its int32 bit pattern), so they concatenate into one int32 buffer.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+
+class HostUpload:
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._pinned = device.type == "cuda"
+        self._buffer = torch.empty(0, dtype=torch.int64)
+
+    def send(self, arrays: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
+        """int64 arrays stay int64, float64 arrays arrive as float32; shapes kept."""
+        sizes = [a.size for a in arrays.values()]
+        total = sum(sizes)
+        if self._buffer.numel() < total:
+            self._buffer = torch.empty(max(total, 2 * self._buffer.numel()), dtype=torch.int64, pin_memory=self._pinned)
+        host = self._buffer.numpy()
+        offset = 0
+        for array, size in zip(arrays.values(), sizes, strict=True):
+            host[offset : offset + size] = np.ascontiguousarray(array).reshape(-1).view(np.int64)
+            offset += size
+        on_device = self._buffer[:total].to(self.device, non_blocking=True)
+        return dict(zip(arrays, _unpack(on_device, arrays.values(), sizes), strict=True))
+
+
+def _unpack(flat: torch.Tensor, arrays, sizes) -> list[torch.Tensor]:
+    out, offset = [], 0
+    for array, size in zip(arrays, sizes, strict=True):
+        part = flat[offset : offset + size].view(array.shape)
+        out.append(part.view(torch.float64).float() if array.dtype == np.float64 else part)
+        offset += size
+    return out
+
+
+class HostReadback:
+    """Register device tensors during a step, then `fetch` them all with one copy."""
+
+    def __init__(self) -> None:
+        self.num_copies = 0  # device->host copies made, over the worker's life
+        self._parts: list[torch.Tensor] = []
+        self._kinds: list[tuple[torch.dtype, tuple[int, ...]]] = []
+
+    def add(self, tensor: torch.Tensor) -> int:
+        """A handle for `fetch`'s result. float32 and 32-bit-representable integers only."""
+        self._kinds.append((tensor.dtype, tuple(tensor.shape)))
+        if tensor.dtype == torch.float32:
+            tensor = tensor.contiguous().view(torch.int32)
+        self._parts.append(tensor.reshape(-1).to(torch.int32))
+        return len(self._parts) - 1
+
+    def fetch(self) -> list[np.ndarray]:
+        parts, kinds = self._parts, self._kinds
+        self._parts, self._kinds = [], []
+        if not parts:
+            return []
+        host = torch.cat(parts).cpu().numpy()  # the step's one device->host copy
+        self.num_copies += 1
+        out, offset = [], 0
+        for (dtype, shape), part in zip(kinds, parts, strict=True):
+            chunk = host[offset : offset + part.numel()]
+            offset += part.numel()
+            out.append((chunk.view(np.float32) if dtype == torch.float32 else chunk).reshape(shape))
+        return out

@@ -1,0 +1,431 @@
+"""The scheduling policy: who runs this step, with which tokens. No torch, no device.
+
+`schedule()` returns a `StepPlan`: per sequence, the query tokens to compute this step (committed
+tokens not yet in KV, then draft tokens to verify) and whether it produces tokens. The worker runs
+the plan and `update(plan, results)` takes back, per sequence, the tokens it gained (ragged: the
+accepted drafts and one more), their logprob rows, and its next draft block. Plain decoding is the
+case of zero draft tokens.
+
+Scheduling: running requests first, oldest first (a decode is its last token plus its drafts; a
+prefill chunk takes what is left of `chunk_budget`), then waiting requests while the token budget,
+the running limit and free KV blocks allow. When a running request needs a block and none is free,
+the newest running request is preempted: its blocks are freed and it goes back to the front of
+the queue; on resume it re-prefills prompt + generated tokens (its pending drafts ride on the last
+chunk), and since sampling depends only on (seed, output position) and logprobs already returned
+are not returned again, its results are those it would have had alone.
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+from collections import deque
+from dataclasses import dataclass, field
+
+import numpy as np
+import structlog
+
+from contracts.detokenizer import Finish, FinishType
+from services.common.flat_logprobs import FlatLogprobsError, build_flat_top_logprobs
+from services.scheduler.block_manager import BlockManager
+from services.scheduler.request import LogprobEntries, RequestOutput, RowLogprobs, SchedulerRequest, Sequence
+
+log = structlog.get_logger(__name__)
+
+
+@dataclass(frozen=True)
+class SeqStep:
+    """One sequence's share of a step."""
+
+    seq: Sequence
+    start: int  # KV position of the first query token
+    query: list[int]  # committed tokens not yet in KV, then `num_draft` draft tokens
+    num_draft: int
+    samples: bool  # the query reaches the last committed token and output budget is left
+    prompt_lo: int  # prompt positions [prompt_lo, prompt_hi] get their logprob entries this step
+    prompt_hi: int
+    slots: np.ndarray  # int64 [len(query)], KV slot of each query token
+    block_table: list[int]
+
+    @property
+    def num_committed(self) -> int:
+        return len(self.query) - self.num_draft
+
+    @property
+    def drafts(self) -> list[int]:
+        return self.query[self.num_committed :]
+
+    @property
+    def output_position(self) -> int:
+        """Output index of the first token this step produces."""
+        return self.seq.num_outputs
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    steps: list[SeqStep]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(s.query) for s in self.steps)
+
+
+@dataclass(frozen=True)
+class SeqResult:
+    """What the worker returns for one sequence of the plan."""
+
+    tokens: list[int] = field(default_factory=list)  # accepted drafts, then the next token
+    output_logprobs: RowLogprobs | None = None  # one row per entry of `tokens`
+    prompt_logprobs: RowLogprobs | None = None  # positions [prompt_lo, prompt_hi]; the null row not included
+    drafts: list[int] = field(default_factory=list)  # the next block to verify
+    draft_confidence: list[float] | None = None
+
+
+@dataclass
+class _Pending:
+    """One request's output under construction during a step."""
+
+    seq: Sequence
+    new_token_ids: list[int] = field(default_factory=list)
+    logprobs: LogprobEntries = field(default_factory=LogprobEntries)
+    finish: Finish | None = None
+
+
+class Policy:
+    def __init__(
+        self,
+        *,
+        num_blocks: int,
+        block_size: int,
+        max_running_requests: int,
+        chunk_budget: int,
+        max_model_len: int,
+        vocab_size: int,
+        eos_ids: frozenset[int],
+        num_draft_tokens: int = 0,
+        verify_mode: str = "static",
+        confidence_threshold: float = 0.3,
+        seed: int = 0,
+    ) -> None:
+        self.blocks = BlockManager(num_blocks, block_size)
+        self.max_model_len = max_model_len
+        self.vocab_size = vocab_size
+        self.num_draft_tokens = num_draft_tokens
+        self.verify_mode = verify_mode
+        self.confidence_threshold = confidence_threshold
+        self._eos_ids = eos_ids
+        self._max_running = max_running_requests
+        self._chunk_budget = chunk_budget
+        self._rng = random.Random(seed)  # sampling seeds of requests that bring none
+        self._waiting: deque[Sequence] = deque()
+        self._running: list[Sequence] = []
+        self._arrivals = itertools.count()
+        self._pending: dict[str, _Pending] = {}
+        self.num_preemptions = 0
+
+    # ---- what the core asks ----
+
+    @property
+    def num_running(self) -> int:
+        return len(self._running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+    def has_work(self) -> bool:
+        return bool(self._waiting or self._running or self._pending)
+
+    def held(self) -> list[Sequence]:
+        return [*self._running, *self._waiting]
+
+    def claim_error(self, num_prompt_tokens: int) -> str | None:
+        """Why a prompt of this length can never run here; None when it can."""
+        if num_prompt_tokens >= self.max_model_len:  # as the tokenizer: room for one new token at least
+            return f"the prompt has {num_prompt_tokens} tokens; max_model_len is {self.max_model_len}"
+        if self.blocks.num_blocks_for(num_prompt_tokens + 1) > self.blocks.num_blocks:
+            return f"the prompt has {num_prompt_tokens} tokens, more than the KV cache holds"
+        return None
+
+    # ---- requests in and out ----
+
+    def add(self, request: SchedulerRequest) -> None:
+        seq = Sequence(request, next(self._arrivals), request.prompt_ids.tolist(), max_outputs=0)
+        error = self.validate(request)
+        if error is not None:
+            self._entry(seq).finish = Finish(FinishType.ABORT, message=error)
+            return
+        seq.max_outputs = min(request.sampling.max_new_tokens, self.max_model_len - seq.num_prompt)
+        start = seq.prompt_logprob_start
+        seq.next_prompt_logprob = seq.num_prompt if start is None else start
+        seed = request.sampling.seed
+        seq.sampling_seed = seed if seed is not None else self._rng.getrandbits(63)
+        seq.speculative = self.num_draft_tokens > 0
+        self._waiting.append(seq)
+
+    def validate(self, request: SchedulerRequest) -> str | None:
+        """Why the core cannot run `request`, in words for the user; None when it can."""
+        num_prompt = len(request.prompt_ids)
+        if num_prompt == 0:
+            return "the prompt is empty"
+        too_long = self.claim_error(num_prompt)
+        if too_long is not None:
+            return too_long
+        if request.prompt_ids.min() < 0 or request.prompt_ids.max() >= self.vocab_size:
+            return f"prompt token ids must be in [0, {self.vocab_size})"
+        ids = request.logprobs.token_ids_logprob
+        if ids and (min(ids) < 0 or max(ids) >= self.vocab_size):
+            return f"token_ids_logprob must be in [0, {self.vocab_size})"
+        if not 0 <= request.logprobs.top_logprobs_num <= self.vocab_size:
+            return f"top_logprobs_num must be in [0, {self.vocab_size}]"
+        if request.sampling.max_new_tokens < 0:
+            return "max_new_tokens must be >= 0"
+        return None
+
+    def abort(self, rid: str, reason: str) -> None:
+        seq = self._remove(rid)
+        if seq is not None:
+            self._entry(seq).finish = Finish(FinishType.ABORT, message=reason)
+
+    def fail_all(self, message: str) -> list[RequestOutput]:
+        """Finish every request held with ABORT (fatal errors, shutdown)."""
+        for seq in self.held():
+            self.blocks.free(seq.rid)
+            self._entry(seq).finish = Finish(FinishType.ABORT, message=message)
+        self._running.clear()
+        self._waiting.clear()
+        return self.take_outputs()
+
+    def take_outputs(self) -> list[RequestOutput]:
+        """The outputs built since the last call (requests with news only)."""
+        pending, self._pending = self._pending, {}
+        return [_to_output(p) for p in pending.values() if _has_news(p)]
+
+    def _remove(self, rid: str) -> Sequence | None:
+        for queue in (self._running, self._waiting):
+            for seq in queue:
+                if seq.rid == rid:
+                    queue.remove(seq)
+                    self.blocks.free(rid)
+                    return seq
+        return None
+
+    # ---- schedule ----
+
+    def schedule(self) -> StepPlan:
+        budget = self._chunk_budget
+        chosen: list[tuple[Sequence, int, int]] = []  # (seq, committed tokens, drafts)
+        for seq in list(self._running):
+            if seq not in self._running:
+                continue  # preempted for an older request this step
+            num_tokens, num_draft = self._query_size(seq, budget)
+            if num_tokens <= 0:
+                continue
+            if not self._reserve(seq, seq.num_computed + num_tokens + num_draft):
+                break  # seq itself was the newest: preempted (or failed)
+            chosen.append((seq, num_tokens, num_draft))
+            budget -= num_tokens + num_draft
+        chosen.extend(self._admit(budget))
+        return StepPlan([self._seq_step(seq, n, k) for seq, n, k in chosen])
+
+    def _query_size(self, seq: Sequence, budget: int) -> tuple[int, int]:
+        """(committed tokens, drafts) to compute: a decode always runs; a prefill chunk fits the budget;
+        drafts ride along only once every committed token is in the query."""
+        pending = seq.num_pending
+        num_tokens = pending if pending == 1 else min(pending, budget)
+        if num_tokens < pending:
+            return num_tokens, 0
+        room = seq.max_outputs - seq.num_outputs - 1  # each accepted draft and the bonus are outputs
+        left = budget - num_tokens if pending > 1 else len(seq.drafts)
+        return num_tokens, max(0, min(self._num_to_verify(seq), room, left))
+
+    def _num_to_verify(self, seq: Sequence) -> int:
+        """`static`: the whole block. `compact`: the longest prefix whose survival, the product of the
+        drafter's confidences, stays >= `confidence_threshold` (at least one draft). Choosing fewer
+        drafts from the drafter's own outputs keeps verification lossless."""
+        if self.verify_mode == "static" or seq.draft_confidence is None:
+            return len(seq.drafts)
+        survival, count = 1.0, 0
+        for confidence in seq.draft_confidence[: len(seq.drafts)]:
+            survival *= confidence
+            if survival < self.confidence_threshold and count > 0:
+                break
+            count += 1
+        return count
+
+    def _reserve(self, seq: Sequence, num_tokens: int) -> bool:
+        """Make room for `num_tokens` of `seq` in KV, preempting the newest running requests."""
+        while not self.blocks.can_allocate(seq.rid, num_tokens):
+            victim = self._running[-1]
+            if victim is seq and len(self._running) == 1:
+                self._running.remove(seq)
+                self.blocks.free(seq.rid)
+                message = f"the KV cache cannot hold {num_tokens} tokens of this request"
+                self._entry(seq).finish = Finish(FinishType.ABORT, message=message)
+                return False
+            self._preempt(victim)
+            if victim is seq:
+                return False
+        self.blocks.allocate(seq.rid, num_tokens)
+        return True
+
+    def _preempt(self, seq: Sequence) -> None:
+        self._running.remove(seq)
+        self.blocks.free(seq.rid)
+        seq.num_computed = 0
+        self._waiting.appendleft(seq)
+        self.num_preemptions += 1
+        log.debug("scheduler.preempt", rid=seq.rid, tokens=len(seq.tokens))
+
+    def _admit(self, budget: int) -> list[tuple[Sequence, int, int]]:
+        admitted = []
+        while self._waiting and budget > 0 and len(self._running) < self._max_running:
+            seq = self._waiting[0]
+            num_tokens, num_draft = self._query_size(seq, budget)
+            # keep one block per running request free so admissions rarely force a preemption
+            reserve = len(self._running)
+            needed = self.blocks.num_new_blocks(seq.rid, num_tokens + num_draft) + reserve
+            if needed > self.blocks.num_free_blocks and self._running:
+                break
+            if not self.blocks.can_allocate(seq.rid, num_tokens + num_draft):
+                if not self._running:  # alone and still too big: it can never run
+                    self._waiting.popleft()
+                    message = f"the KV cache cannot hold {num_tokens} tokens of this request"
+                    self._entry(seq).finish = Finish(FinishType.ABORT, message=message)
+                    continue
+                break
+            self._waiting.popleft()
+            self.blocks.allocate(seq.rid, num_tokens + num_draft)
+            self._running.append(seq)
+            admitted.append((seq, num_tokens, num_draft))
+            budget -= num_tokens + num_draft
+        return admitted
+
+    def _seq_step(self, seq: Sequence, num_tokens: int, num_draft: int) -> SeqStep:
+        start = seq.num_computed
+        end = start + num_tokens  # committed tokens computed through this step
+        query = seq.tokens[start:end] + seq.drafts[:num_draft]
+        samples = end == len(seq.tokens) and seq.num_outputs < seq.max_outputs
+        lo, hi = seq.next_prompt_logprob, min(end, seq.num_prompt - 1)  # position p comes from row p - 1
+        slots = self.blocks.slots(seq.rid, start, start + len(query))
+        return SeqStep(seq, start, query, num_draft, samples, lo, hi, slots, list(self.blocks.block_table(seq.rid)))
+
+    # ---- update ----
+
+    def update(self, plan: StepPlan, results: list[SeqResult]) -> list[RequestOutput]:
+        """Advance every planned sequence by its result; returns the step's outputs."""
+        for step, result in zip(plan.steps, results, strict=True):
+            seq = step.seq
+            if seq not in self._running:
+                continue  # aborted while the step ran is not possible (aborts apply between steps)
+            self._record_prompt(step, result)
+            num_accepted = max(0, len(result.tokens) - 1)
+            seq.num_computed = step.start + step.num_committed + num_accepted
+            if seq.wants_flat and not seq.flat_sent and seq.num_computed >= seq.num_prompt:
+                self._attach_flat(seq)
+            if step.samples:
+                self._append_tokens(step, result)
+            elif step.start + step.num_committed == len(seq.tokens) and seq.num_outputs >= seq.max_outputs:
+                self._finish(seq, Finish(FinishType.LENGTH))  # nothing left to generate
+        return self.take_outputs()
+
+    def _append_tokens(self, step: SeqStep, result: SeqResult) -> None:
+        seq = step.seq
+        if step.num_draft > 0 and self.num_draft_tokens > 0:
+            seq.spec_verify_ct += 1
+        kept = 0
+        finish = None
+        for token in result.tokens:
+            seq.tokens.append(token)
+            kept += 1
+            finish = self._finish_reason(seq, token)
+            if finish is not None:
+                break
+        entry = self._entry(seq)
+        entry.new_token_ids.extend(result.tokens[:kept])
+        if result.output_logprobs is not None:
+            entry.logprobs.set_output(result.output_logprobs.head(kept), seq.request.logprobs)
+        seq.drafts = result.drafts if finish is None else []
+        seq.draft_confidence = result.draft_confidence
+        if finish is not None:
+            self._finish(seq, finish)
+
+    def _finish_reason(self, seq: Sequence, token_id: int) -> Finish | None:
+        sampling = seq.request.sampling
+        if token_id in sampling.stop_token_ids:
+            return Finish(FinishType.STOP, matched=token_id)
+        if token_id in self._eos_ids and not sampling.ignore_eos:
+            return Finish(FinishType.STOP, matched=token_id)
+        if seq.num_outputs >= seq.max_outputs:
+            return Finish(FinishType.LENGTH)
+        return None
+
+    def _finish(self, seq: Sequence, finish: Finish) -> None:
+        self._running.remove(seq)
+        self.blocks.free(seq.rid)
+        self._entry(seq).finish = finish
+
+    # ---- prompt logprobs ----
+
+    def _record_prompt(self, step: SeqStep, result: SeqResult) -> None:
+        if result.prompt_logprobs is None:
+            return
+        seq, lo, hi = step.seq, step.prompt_lo, step.prompt_hi
+        rows = result.prompt_logprobs
+        if lo == seq.prompt_logprob_start:
+            rows = rows.with_null_row()
+        entries = self._entry(seq).logprobs
+        entries.input_start = lo
+        entries.input_token_logprobs = rows.token
+        entries.input_ids_logprobs = rows.ids if seq.request.logprobs.token_ids_logprob else None
+        if seq.wants_flat:
+            seq.flat_values.append(rows.top_values)
+            seq.flat_ids.append(rows.top_ids)
+        elif seq.request.logprobs.top_logprobs_num > 0:
+            entries.input_top_logprobs = rows.top_values
+            entries.input_top_ids = rows.top_ids
+        seq.next_prompt_logprob = hi + 1
+
+    def _attach_flat(self, seq: Sequence) -> None:
+        """PRODUCT §5: build the flat prompt top arrays once, when the whole prompt is in. Rows that
+        cannot be represented fall back to nested rows (with a warning) for this request only."""
+        k = seq.request.logprobs.top_logprobs_num
+        values = np.concatenate(seq.flat_values) if seq.flat_values else np.zeros((0, k), np.float32)
+        ids = np.concatenate(seq.flat_ids) if seq.flat_ids else np.zeros((0, k), np.int32)
+        seq.flat_values, seq.flat_ids, seq.flat_sent = [], [], True
+        entries = self._entry(seq).logprobs
+        try:
+            flat = build_flat_top_logprobs(values, ids, k)
+        except FlatLogprobsError as exc:
+            log.warning("scheduler.flat_logprobs_fallback", rid=seq.rid, error=str(exc))
+            entries.input_top_logprobs, entries.input_top_ids = values, ids  # every prompt row, in order
+            return
+        entries.input_top_logprobs_flat = flat.values
+        entries.input_top_ids_flat = flat.ids
+        entries.input_top_null_prefix = flat.null_prefix
+
+    # ---- outputs ----
+
+    def _entry(self, seq: Sequence) -> _Pending:
+        entry = self._pending.get(seq.rid)
+        if entry is None or entry.seq is not seq:
+            entry = self._pending[seq.rid] = _Pending(seq)
+        return entry
+
+
+def _to_output(entry: _Pending) -> RequestOutput:
+    seq = entry.seq
+    request = seq.request
+    return RequestOutput(
+        rid=request.rid,
+        detokenizer_id=request.detokenizer_id,
+        new_token_ids=entry.new_token_ids,
+        prompt_tokens=len(request.prompt_ids),
+        finish=entry.finish,
+        logprobs=entry.logprobs if seq.wants_logprobs else None,
+        spec_verify_ct=seq.spec_verify_ct if seq.speculative else None,
+    )
+
+
+def _has_news(entry: _Pending) -> bool:
+    return bool(entry.new_token_ids) or entry.finish is not None or not entry.logprobs.is_empty()

@@ -1,0 +1,327 @@
+"""The model worker: runs a `StepPlan` on the device and hands back per-sequence results.
+
+One `execute`:
+
+    1. lay out      host arrays of the ragged batch (queries, slots, tables, verify rows)
+    2. upload       one non-blocking copy (`HostUpload`)
+    3. forward      the target over every query token (+ the proposer's layers, captured)
+    4. verify       logits of each producing sequence's last 1 + k rows; the accept rule
+                    (`spec.accept`) keeps the longest valid draft prefix and one more token
+    5. logprobs     prompt rows and the rows of every produced token, on the device
+    6. propose      the drafter takes the step's rows as context and drafts the next blocks
+    7. read back    one device->host copy carries tokens, counts, drafts and logprob rows
+
+Plain decoding is k = 0: the accept rule then reduces to the sampler's draw from the last row.
+The worker keeps sequence lengths on the host, so nothing is read back to plan attention.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from services.scheduler.host_io import HostReadback, HostUpload
+from services.scheduler.logprobs import LogprobQuery, logprobs_on_device, split_logprobs
+from services.scheduler.model.batch import ForwardBatch
+from services.scheduler.policy import SeqResult, SeqStep, StepPlan
+from services.scheduler.request import RowLogprobs
+from services.scheduler.sampler import draw_noise, mix_seed, sampling_probs
+from services.scheduler.spec.accept import VerifyBlock, accept
+from services.scheduler.spec.base import ContextRows, DraftRequest, Proposer
+
+DRAFT_SALT = 0x2545F4914F6CDD1D  # draft sampling noise: its own stream of the request's seed
+
+
+@dataclass(frozen=True)
+class _Layout:
+    """Host-side shape of one step (step i owns rows [row_start[i], row_start[i] + len(query))."""
+
+    row_start: list[int]
+    producers: list[int]  # indices into plan.steps of the sequences that produce tokens
+    max_draft: int  # K: drafts per producer, padded
+
+    def verify_rows(self, plan: StepPlan) -> np.ndarray:
+        """int64 [P, K + 1]: rows of each producer's anchor and drafts (padding repeats the last)."""
+        rows = np.zeros((len(self.producers), self.max_draft + 1), np.int64)
+        for p, i in enumerate(self.producers):
+            step = plan.steps[i]
+            first = self.row_start[i] + step.num_committed - 1
+            rows[p] = first + np.minimum(np.arange(self.max_draft + 1), step.num_draft)
+        return rows
+
+
+class ModelWorker:
+    def __init__(self, runner, *, logprobs_mode: str = "raw", proposer: Proposer | None = None) -> None:
+        self.runner = runner
+        self.proposer = proposer
+        self.vocab_size = runner.config.vocab_size
+        self._processed = logprobs_mode == "processed"
+        self._upload = HostUpload(runner.device)
+        self._readback = HostReadback()
+        self._draft_probs: dict[str, torch.Tensor] = {}  # rid -> q [gamma, V] of its pending block
+
+    @property
+    def num_host_reads(self) -> int:
+        return self._readback.num_copies
+
+    def release(self, rids: list[str]) -> None:
+        for rid in rids:
+            self._draft_probs.pop(rid, None)
+
+    @torch.inference_mode()
+    def execute(self, plan: StepPlan) -> list[SeqResult]:
+        layout = _lay_out(plan)  # 1
+        arrays = self._upload.send(self._host_arrays(plan, layout))  # 2
+        out = self.runner.forward(self._batch(plan, arrays))  # 3
+        verified = self._verify(plan, layout, out.hidden_states, arrays)  # 4
+        handles = _Handles(self._readback)
+        handles.verify(verified)
+        handles.logprobs(self._logprobs(plan, layout, out.hidden_states, verified))  # 5
+        proposal = self._propose(plan, layout, out.captured, arrays, verified)  # 6
+        handles.proposal(proposal)
+        host = self._readback.fetch()  # 7
+        self._keep_draft_probs(plan, layout, proposal)
+        return handles.results(plan, layout, host)
+
+    # 1-2. layout and upload
+
+    def _host_arrays(self, plan: StepPlan, layout: _Layout) -> dict[str, np.ndarray]:
+        steps = plan.steps
+        tables = [s.block_table for s in steps]
+        block_tables = np.full((len(steps), max(map(len, tables))), -1, np.int64)  # [B, max_blocks]
+        for index, table in enumerate(tables):
+            block_tables[index, : len(table)] = table
+        query_start = np.zeros(len(steps) + 1, np.int64)  # [B + 1]
+        query_start[1:] = np.cumsum([len(s.query) for s in steps])
+        arrays = {
+            "input_ids": np.concatenate([np.asarray(s.query, np.int64) for s in steps]),  # [T]
+            "positions": np.concatenate([np.arange(s.start, s.start + len(s.query)) for s in steps]).astype(np.int64),
+            "slots": np.concatenate([s.slots for s in steps]).astype(np.int64),  # [T]
+            "query_start_loc": query_start,
+            "seq_lens": np.asarray([s.start + len(s.query) for s in steps], np.int64),  # [B]
+            "block_tables": block_tables,
+        }
+        producers = [steps[i] for i in layout.producers]
+        drafts = np.zeros((len(producers), layout.max_draft), np.int64)  # [P, K]
+        for p, step in enumerate(producers):
+            drafts[p, : step.num_draft] = step.drafts
+        arrays["verify_rows"] = layout.verify_rows(plan)  # [P, K + 1]
+        arrays["drafts"] = drafts
+        arrays["num_draft"] = np.asarray([s.num_draft for s in producers], np.int64)  # [P]
+        arrays["anchor_base"] = np.asarray([s.start + s.num_committed - 1 for s in producers], np.int64)  # [P]
+        arrays["is_greedy"] = np.asarray([s.seq.request.sampling.temperature <= 0 for s in producers], np.int64)
+        arrays["producers"] = np.asarray(layout.producers, np.int64)  # [P], rows of the batch's tables
+        return arrays
+
+    def _batch(self, plan: StepPlan, arrays: dict[str, torch.Tensor]) -> ForwardBatch:
+        capture = self.proposer.capture_layers if self.proposer is not None else ()
+        return ForwardBatch(
+            input_ids=arrays["input_ids"],
+            positions=arrays["positions"],
+            query_start_loc=arrays["query_start_loc"].to(torch.int32),
+            seq_lens=arrays["seq_lens"].to(torch.int32),
+            block_tables=arrays["block_tables"].to(torch.int32),
+            slot_mapping=arrays["slots"],
+            capture_layers=tuple(capture),
+            host_query_lens=tuple(len(s.query) for s in plan.steps),
+            host_seq_lens=tuple(s.start + len(s.query) for s in plan.steps),
+        )
+
+    # 4. verify
+
+    def _verify(
+        self, plan: StepPlan, layout: _Layout, hidden: torch.Tensor, arrays: dict[str, torch.Tensor]
+    ) -> _Verified | None:
+        if not layout.producers:
+            return None
+        producers = [plan.steps[i] for i in layout.producers]
+        width = layout.max_draft + 1
+        logits = self.runner.compute_logits(hidden[arrays["verify_rows"].reshape(-1)])  # [P * (K + 1), V]
+        logits = logits.view(len(producers), width, -1)  # [P, K + 1, V]
+        block = VerifyBlock(
+            target_argmax=logits.argmax(dim=-1),
+            drafts=arrays["drafts"],
+            num_draft=arrays["num_draft"],
+            is_greedy=arrays["is_greedy"].bool(),
+            **self._sampling_inputs(producers, logits, arrays["drafts"]),
+        )
+        num_accepted, next_token = accept(block)  # [P], [P]
+        slots = torch.arange(width, device=logits.device)  # [K + 1]
+        padded = torch.cat([block.drafts, next_token[:, None]], dim=1)  # [P, K + 1]
+        tokens = torch.where(slots[None, :] < num_accepted[:, None], padded, next_token[:, None])  # [P, K + 1]
+        return _Verified(logits, num_accepted, next_token, tokens)
+
+    def _sampling_inputs(
+        self, producers: list[SeqStep], logits: torch.Tensor, drafts: torch.Tensor
+    ) -> dict[str, torch.Tensor | None]:
+        params = [s.seq.request.sampling for s in producers]
+        if all(p.temperature <= 0 for p in params):
+            return {}
+        num_rows, width, vocab = logits.shape
+        row_params = [p for p in params for _ in range(width)]
+        probs = sampling_probs(logits.reshape(-1, vocab), row_params).view(num_rows, width, vocab)
+        seeds = [None if s.seq.request.sampling.temperature <= 0 else s.seq.sampling_seed for s in producers]
+        noise, uniforms = draw_noise(seeds, [s.output_position for s in producers], width - 1, vocab, logits.device)
+        draft_probs = self._stacked_draft_probs(producers, drafts, vocab)
+        return {"target_probs": probs, "draft_probs": draft_probs, "uniforms": uniforms, "noise": noise}
+
+    def _stacked_draft_probs(self, producers: list[SeqStep], drafts: torch.Tensor, vocab: int) -> torch.Tensor | None:
+        """q [P, K, V] of the blocks being verified; None when every block came without q (point masses)."""
+        num_slots = drafts.shape[1]
+        stored = [self._draft_probs.get(s.seq.rid) if s.num_draft > 0 else None for s in producers]
+        if num_slots == 0 or all(q is None for q in stored):
+            return None
+        point_masses = torch.nn.functional.one_hot(drafts, vocab).float()  # [P, K, V]
+        rows = [point_masses[p] if q is None else _fit_rows(q, num_slots) for p, q in enumerate(stored)]
+        return torch.stack(rows)
+
+    # 5. logprobs
+
+    def _logprobs(self, plan: StepPlan, layout: _Layout, hidden: torch.Tensor, verified: _Verified | None):
+        prompt = [(i, self._prompt_query(plan.steps[i], layout.row_start[i])) for i in range(len(plan.steps))]
+        prompt = [(i, q) for i, q in prompt if q is not None]
+        output = []
+        if verified is not None:
+            width = layout.max_draft + 1
+            for p, i in enumerate(layout.producers):
+                if plan.steps[i].seq.wants_logprobs:
+                    rows = np.arange(p * width, (p + 1) * width, dtype=np.int64)
+                    output.append((i, self._query(plan.steps[i], rows, verified.tokens[p])))
+        prompt_lp = logprobs_on_device([q for _, q in prompt], hidden, self.runner.compute_logits, self.vocab_size, self._processed)
+        output_lp = None
+        if output:
+            logits = verified.logits.view(-1, verified.logits.shape[-1])
+            output_lp = logprobs_on_device([q for _, q in output], logits, None, self.vocab_size, self._processed)
+        return _LogprobJobs(prompt, prompt_lp, output, output_lp)
+
+    def _prompt_query(self, step: SeqStep, row_start: int) -> LogprobQuery | None:
+        seq, lo, hi = step.seq, step.prompt_lo, step.prompt_hi
+        if lo > hi:
+            return None
+        first = lo + 1 if lo == seq.prompt_logprob_start else lo  # the first returned position is null
+        positions = np.arange(first, hi + 1, dtype=np.int64)  # [p]
+        rows = row_start + positions - 1 - step.start
+        return self._query(step, rows, np.asarray(seq.tokens[first : hi + 1], np.int64))
+
+    def _query(self, step: SeqStep, rows: np.ndarray, targets) -> LogprobQuery:
+        params = step.seq.request.logprobs
+        sampling = step.seq.request.sampling
+        return LogprobQuery(rows, targets, params.top_logprobs_num, params.token_ids_logprob, sampling)
+
+    # 6. propose
+
+    def _propose(self, plan, layout, captured, arrays, verified):
+        if self.proposer is None or verified is None:
+            return None
+        if captured is not None:
+            self.proposer.inject(ContextRows(captured, arrays["positions"], arrays["slots"]))
+        producers = [plan.steps[i] for i in layout.producers]
+        request = DraftRequest(
+            rids=tuple(s.seq.rid for s in producers),
+            anchor_tokens=verified.next_token,
+            anchor_positions=arrays["anchor_base"] + verified.num_accepted + 1,
+            block_tables=arrays["block_tables"][arrays["producers"]].to(torch.int32),
+            max_anchor_position=max(s.start + len(s.query) for s in producers),
+            temperatures=tuple(s.seq.request.sampling.temperature for s in producers),
+            seeds=tuple(mix_seed(s.seq.sampling_seed ^ DRAFT_SALT, s.output_position) for s in producers),
+        )
+        return self.proposer.propose(request)
+
+    def _keep_draft_probs(self, plan: StepPlan, layout: _Layout, proposal) -> None:
+        if proposal is None or proposal.probs is None:
+            return
+        for p, i in enumerate(layout.producers):
+            if plan.steps[i].seq.request.sampling.temperature > 0:
+                self._draft_probs[plan.steps[i].seq.rid] = proposal.probs[p]
+
+
+@dataclass(frozen=True)
+class _Verified:
+    logits: torch.Tensor  # f32 [P, K + 1, V]
+    num_accepted: torch.Tensor  # int64 [P]
+    next_token: torch.Tensor  # int64 [P]
+    tokens: torch.Tensor  # int64 [P, K + 1]: accepted drafts, then next_token (then padding)
+
+
+@dataclass(frozen=True)
+class _LogprobJobs:
+    prompt: list[tuple[int, LogprobQuery]]  # (step index, query)
+    prompt_rows: object  # DeviceLogprobs | None
+    output: list[tuple[int, LogprobQuery]]
+    output_rows: object
+
+
+class _Handles:
+    """Which readback slots hold what, and turning the host copy into `SeqResult`s."""
+
+    def __init__(self, readback: HostReadback) -> None:
+        self._readback = readback
+        self.verified: tuple[int, int] | None = None
+        self.jobs: _LogprobJobs | None = None
+        self.prompt: list[int] | None = None
+        self.output: list[int] | None = None
+        self.drafts: int | None = None
+        self.confidence: int | None = None
+
+    def verify(self, verified: _Verified | None) -> None:
+        if verified is not None:
+            self.verified = (self._readback.add(verified.num_accepted), self._readback.add(verified.tokens))
+
+    def logprobs(self, jobs: _LogprobJobs) -> None:
+        self.jobs = jobs
+        if jobs.prompt_rows is not None:
+            self.prompt = [self._readback.add(t) for t in jobs.prompt_rows.tensors()]
+        if jobs.output_rows is not None:
+            self.output = [self._readback.add(t) for t in jobs.output_rows.tensors()]
+
+    def proposal(self, proposal) -> None:
+        if proposal is None:
+            return
+        self.drafts = self._readback.add(proposal.tokens)
+        if proposal.confidence is not None:
+            self.confidence = self._readback.add(proposal.confidence.float())
+
+    def results(self, plan: StepPlan, layout: _Layout, host: list[np.ndarray]) -> list[SeqResult]:
+        tokens: dict[int, list[int]] = {}
+        if self.verified is not None:
+            num_accepted, block = host[self.verified[0]], host[self.verified[1]]
+            tokens = {i: block[p, : num_accepted[p] + 1].tolist() for p, i in enumerate(layout.producers)}
+        prompt_rows = self._rows(self.jobs.prompt, self.prompt, host)
+        output_rows = self._rows(self.jobs.output, self.output, host)
+        drafts = self._per_producer(layout, host, self.drafts)
+        confidence = self._per_producer(layout, host, self.confidence)
+        return [
+            SeqResult(tokens.get(i, []), output_rows.get(i), prompt_rows.get(i), drafts.get(i, []), confidence.get(i))
+            for i in range(len(plan.steps))
+        ]
+
+    def _rows(self, jobs, handles, host) -> dict[int, RowLogprobs]:
+        if not jobs:
+            return {}
+        rows = split_logprobs([q for _, q in jobs], None if handles is None else [host[h] for h in handles])
+        return {i: r for (i, _), r in zip(jobs, rows, strict=True)}
+
+    def _per_producer(self, layout: _Layout, host: list[np.ndarray], handle: int | None) -> dict[int, list]:
+        if handle is None:
+            return {}
+        return {i: host[handle][p].tolist() for p, i in enumerate(layout.producers)}
+
+
+def _lay_out(plan: StepPlan) -> _Layout:
+    row_start, row = [], 0
+    for step in plan.steps:
+        row_start.append(row)
+        row += len(step.query)
+    producers = [i for i, step in enumerate(plan.steps) if step.samples]
+    max_draft = max((plan.steps[i].num_draft for i in producers), default=0)
+    return _Layout(row_start, producers, max_draft)
+
+
+def _fit_rows(q: torch.Tensor, num_slots: int) -> torch.Tensor:
+    """q [gamma, V] -> [num_slots, V]: cut, or padded with copies of its last row (never read)."""
+    if q.shape[0] >= num_slots:
+        return q[:num_slots]
+    return torch.cat([q, q[-1:].expand(num_slots - q.shape[0], -1)])
+
