@@ -46,6 +46,7 @@ class SeqStep:
     prompt_hi: int
     slots: np.ndarray  # int64 [len(query)], KV slot of each query token
     block_table: list[int]
+    output_position: int  # output index of the first token this step produces
 
     @property
     def num_committed(self) -> int:
@@ -54,11 +55,6 @@ class SeqStep:
     @property
     def drafts(self) -> list[int]:
         return self.query[self.num_committed :]
-
-    @property
-    def output_position(self) -> int:
-        """Output index of the first token this step produces."""
-        return self.seq.num_outputs
 
 
 @dataclass(frozen=True)
@@ -308,7 +304,8 @@ class Policy:
         samples = end == len(seq.tokens) and seq.num_outputs < seq.max_outputs
         lo, hi = seq.next_prompt_logprob, min(end, seq.num_prompt - 1)  # position p comes from row p - 1
         slots = self.blocks.slots(seq.rid, start, start + len(query))
-        return SeqStep(seq, start, query, num_draft, samples, lo, hi, slots, list(self.blocks.block_table(seq.rid)))
+        table = list(self.blocks.block_table(seq.rid))
+        return SeqStep(seq, start, query, num_draft, samples, lo, hi, slots, table, seq.num_outputs)
 
     # ---- update ----
 
@@ -331,8 +328,8 @@ class Policy:
 
     def _append_tokens(self, step: SeqStep, result: SeqResult) -> None:
         seq = step.seq
-        if step.num_draft > 0 and self.num_draft_tokens > 0:
-            seq.spec_verify_ct += 1
+        if self.num_draft_tokens > 0 and step.output_position > 0:
+            seq.spec_verify_ct += 1  # every forward after the first token verifies a block (maybe empty)
         kept = 0
         finish = None
         for token in result.tokens:

@@ -34,12 +34,14 @@ class Result:
     output_ids: list[np.ndarray] = field(default_factory=list)
     flat: tuple | None = None
     num_input_entries: int = 0
+    spec_verify_ct: int | None = None
 
     def absorb(self, output) -> None:
         assert self.finish is None, "nothing may follow a finish"
         self.num_outputs += 1
         self.tokens.extend(output.new_token_ids)
         self.finish = output.finish
+        self.spec_verify_ct = output.spec_verify_ct
         lp = output.logprobs
         if lp is None:
             return
