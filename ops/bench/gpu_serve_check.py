@@ -146,16 +146,16 @@ def stack_vs_core(result: dict[str, Any]) -> float | None:
 
 
 def table(result: dict[str, Any]) -> str:
-    lines = ["| scenario | ok / failed | req/s | output tok/s | TTFT p50 / p99 ms | ITL p50 / p99 ms | TPOT p50 ms | E2E p50 ms |",
-             "|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    lines = ["| scenario | ok / failed | req/s | output tok/s | TTFT p50 / p99 ms | ITL p50 / p99 ms | TPOT p50 ms | E2E p50 ms "
+             "| client CPU |", "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for name, r in result["scenarios"].items():
         if "error" in r:
-            lines.append(f"| {name} | error: {r['error'].splitlines()[-1][:80]} | | | | | | |")
+            lines.append(f"| {name} | error: {r['error'].splitlines()[-1][:80]} | | | | | | | |")
             continue
         ttft, itl = r["ttft_ms"], r["itl_ms"]
         lines.append(f"| {name} | {r['completed']} / {r['failed']} | {r['request_throughput']:.2f} | {r['output_throughput']:.0f} | "
                      f"{_ms(ttft['p50'])} / {_ms(ttft['p99'])} | {_ms(itl['p50'])} / {_ms(itl['p99'])} | "
-                     f"{_ms(r['tpot_ms']['p50'])} | {_ms(r['e2el_ms']['p50'])} |")  # fmt: skip
+                     f"{_ms(r['tpot_ms']['p50'])} | {_ms(r['e2el_ms']['p50'])} | {r['client_cpu_fraction']:.2f} |")  # fmt: skip
     core = result.get("core_baseline")
     if core:
         lines.append(f"\ncore at batch {core.get('batch')}: {core.get('tok_s', 'error')} tok/s; "

@@ -112,8 +112,12 @@ async def benchmark(config: ServeConfig) -> dict[str, Any]:
         if config.num_warmups:
             warm = [prompts[i % len(prompts)] for i in range(config.num_warmups)]
             await _timed_run(client, dataclasses.replace(config, request_rate=math.inf, progress=False), options, warm)
+        cpu_start = time.process_time()
         records, duration_s = await _timed_run(client, config, options, prompts)
-    return {"config": config.as_json(), **summarize(records, duration_s), "requests": per_request(records)}
+        client_cpu_s = time.process_time() - cpu_start
+    # A client near 1.0 CPU fraction is the bottleneck: its timestamps lag the server's events.
+    client = {"client_cpu_s": client_cpu_s, "client_cpu_fraction": client_cpu_s / duration_s}
+    return {"config": config.as_json(), **summarize(records, duration_s), **client, "requests": per_request(records)}
 
 
 def _client(config: ServeConfig) -> httpx.AsyncClient:

@@ -90,6 +90,7 @@ def table(results: dict[str, Any]) -> str:
         ("request/s", f"{results['request_throughput']:.2f}"),
         ("output tok/s", f"{results['output_throughput']:.1f}"),
         ("total tok/s", f"{results['total_token_throughput']:.1f}"),
+        ("benchmark client CPU (fraction of one core)", f"{results.get('client_cpu_fraction', 0.0):.2f}"),
         *((f"{name} ms mean / p50 / p90 / p99", _latency_cell(results[f"{name.lower()}_ms"]))
           for name in ("TTFT", "ITL", "TPOT", "E2EL")),
     ]  # fmt: skip

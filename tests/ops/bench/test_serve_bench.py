@@ -56,6 +56,8 @@ def test_cli_launches_the_stack_and_writes_consistent_figures(tmp_path):
     assert_consistent(results, num=6, input_len=12, output_len=5)
     assert results["launched"]["exit_code"] == 0 and results["launched"]["up_args"] == ["--device", "cpu"]
     assert "| output tok/s |" in done.stdout
+    client_cpu_s = results["client_cpu_s"]
+    assert client_cpu_s > 0 and results["client_cpu_fraction"] == pytest.approx(client_cpu_s / results["duration_s"])
     assert results["config"]["request_rate"] == 60 and results["config"]["max_concurrency"] == 3
 
 
