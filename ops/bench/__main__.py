@@ -53,6 +53,8 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     load.add_argument("--ignore-eos", action="store_true", help="generate exactly the asked lengths")
     load.add_argument("--temperature", type=float, default=0.0)
     load.add_argument("--logprobs", type=int, default=None, help="ask top-k logprobs per output token (measures their cost)")
+    load.add_argument("--prompt-logprobs", action="store_true",
+                      help="with --logprobs, on /generate: the same top-k for every prompt position too")
     load.add_argument("--num-warmups", type=int, default=0)
     load.add_argument("--seed", type=int, default=0)
     load.add_argument("--request-timeout-s", type=float, default=600.0)
@@ -68,7 +70,7 @@ def _serve(args: argparse.Namespace) -> int:
 
     names = ("base_url", "endpoint", "model_name", "api_key", "num_prompts", "input_len", "output_len", "range_ratio",
              "dataset_path", "request_rate", "burstiness", "max_concurrency", "ignore_eos", "temperature", "logprobs",
-             "num_warmups", "seed", "request_timeout_s")  # fmt: skip
+             "prompt_logprobs", "num_warmups", "seed", "request_timeout_s")  # fmt: skip
     settings = {name: getattr(args, name) for name in names}
     if args.vocab_from is not None:
         settings["vocab_from"] = args.vocab_from

@@ -40,6 +40,7 @@ SCENARIOS = ("concurrency", "concurrency_logprobs", "batch1", "batch1_logprobs",
 TOP_LOGPROBS = 20
 SHAPE_FILES = ("config.json", "generation_config.json")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+CORE_TIMEOUT_S = 300.0  # leaves most of a 10-minute device call to the stack
 
 
 @dataclass(frozen=True)
@@ -79,7 +80,10 @@ def core_baseline(check: CheckConfig, work: Path) -> dict[str, Any]:
     command = [sys.executable, str(REPO / "ops/bench/gpu_scheduler_check.py"), "--configs", str(check.model_config),
                "--batch-sizes", str(check.concurrency), "--prompt-len", str(check.input_len),
                "--new-tokens", str(check.output_len), "--no-peer", "--out", str(out)]  # fmt: skip
-    done = subprocess.run(command, cwd=REPO, capture_output=True, text=True)
+    try:
+        done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=CORE_TIMEOUT_S)
+    except subprocess.TimeoutExpired as exc:
+        return {"error": f"timed out after {exc.timeout:.0f}s"}
     rows = json.loads(out.read_text())["rows"] if out.is_file() else []
     if done.returncode != 0 or not rows:
         return {"error": (done.stdout + done.stderr)[-3000:]}
@@ -114,18 +118,24 @@ def run(check: CheckConfig, out: Path) -> dict[str, Any]:
         work = Path(tmp)
         if check.core_baseline:
             result["core_baseline"] = core_baseline(check, work)
-        model_dir = serving_model_dir(check.model_config, work / "model")
-        up_args = ("--device", check.device, "--load-format", "dummy", "--model", str(model_dir), *check.up_args)
-        base_url = f"http://127.0.0.1:{free_port()}"
-        with launched_stack(up_args, base_url, out.parent / "gpu_serve_up.log") as stack:
-            result["ready_s"] = stack.ready_s
-            result["scenarios"] = run_scenarios(check, base_url)
-        result["up_exit_code"] = stack.exit_code
+        try:
+            result.update(serve_scenarios(check, serving_model_dir(check.model_config, work / "model"), out.parent))
+        except Exception as exc:  # the stack did not come up: keep what was measured, and why
+            headline = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
+            result.update(stack_error=headline, stack_error_detail=traceback.format_exc()[-4000:], scenarios={})
     result["stack_vs_core"] = stack_vs_core(result)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
     print(table(result))
     return result
+
+
+def serve_scenarios(check: CheckConfig, model_dir: Path, log_dir: Path) -> dict[str, Any]:
+    up_args = ("--device", check.device, "--load-format", "dummy", "--model", str(model_dir), *check.up_args)
+    base_url = f"http://127.0.0.1:{free_port()}"
+    with launched_stack(up_args, base_url, log_dir / "gpu_serve_up.log") as stack:
+        scenarios = run_scenarios(check, base_url)
+    return {"ready_s": stack.ready_s, "up_exit_code": stack.exit_code, "scenarios": scenarios}
 
 
 def run_scenarios(check: CheckConfig, base_url: str) -> dict[str, dict]:
@@ -156,6 +166,8 @@ def table(result: dict[str, Any]) -> str:
         lines.append(f"| {name} | {r['completed']} / {r['failed']} | {r['request_throughput']:.2f} | {r['output_throughput']:.0f} | "
                      f"{_ms(ttft['p50'])} / {_ms(ttft['p99'])} | {_ms(itl['p50'])} / {_ms(itl['p99'])} | "
                      f"{_ms(r['tpot_ms']['p50'])} | {_ms(r['e2el_ms']['p50'])} | {r['client_cpu_fraction']:.2f} |")  # fmt: skip
+    if "stack_error" in result:
+        lines.append(f"\nthe stack did not serve: {result['stack_error'][:200]}")
     core = result.get("core_baseline")
     if core:
         lines.append(f"\ncore at batch {core.get('batch')}: {core.get('tok_s', 'error')} tok/s; "
@@ -186,6 +198,7 @@ def main() -> None:
         model_config=args.model_config, device=args.device, concurrency=args.concurrency, num_prompts=args.num_prompts,
         input_len=args.input_len, output_len=args.output_len, load=args.load, request_rate=args.request_rate,
         core_baseline=not args.no_core_baseline, scenarios=tuple(args.scenarios), up_args=tuple(args.up_args.split()),
+        progress=sys.stderr.isatty(),  # a captured log gets the table, not thousands of bar updates
     )  # fmt: skip
     run(check, args.out)
 

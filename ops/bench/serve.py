@@ -49,6 +49,7 @@ class ServeConfig:
     ignore_eos: bool = False
     temperature: float = 0.0
     logprobs: int | None = None  # top-k logprobs per output token; None: none asked
+    prompt_logprobs: bool = False  # /generate: logprobs (top-k as `logprobs`) of every prompt position too
     model_name: str | None = None  # OpenAI `model`; None: the first of GET /v1/models
     num_warmups: int = 0  # requests sent (and waited for) before the timed run, not counted
     seed: int = 0
@@ -69,6 +70,8 @@ class ServeConfig:
             "burstiness": self.burstiness > 0,
             "max_concurrency": self.max_concurrency is None or self.max_concurrency >= 1,
             "logprobs": self.logprobs is None or self.logprobs >= 0,
+            # OpenAI's way (echo) streams the prompt back as if generated; /generate keeps them apart.
+            "prompt_logprobs": not self.prompt_logprobs or (self.endpoint == "generate" and self.logprobs is not None),
             "num_warmups": self.num_warmups >= 0,
         }
         if bad := [name for name, ok in checks.items() if not ok]:
@@ -108,7 +111,8 @@ def run_serve_benchmark(config: ServeConfig) -> dict[str, Any]:
 async def benchmark(config: ServeConfig) -> dict[str, Any]:
     prompts = config.prompts()
     async with _client(config) as client:
-        options = RequestOptions(config.ignore_eos, config.temperature, config.logprobs, await _model_name(client, config))
+        model_name = await _model_name(client, config)
+        options = RequestOptions(config.ignore_eos, config.temperature, config.logprobs, config.prompt_logprobs, model_name)
         if config.num_warmups:
             warm = [prompts[i % len(prompts)] for i in range(config.num_warmups)]
             await _timed_run(client, dataclasses.replace(config, request_rate=math.inf, progress=False), options, warm)

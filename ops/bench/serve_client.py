@@ -29,6 +29,7 @@ class RequestOptions:
     ignore_eos: bool = False
     temperature: float = 0.0
     logprobs: int | None = None  # top-k logprobs per output token; None: no logprobs
+    prompt_logprobs: bool = False  # /generate only: the same top-k for every prompt position too
     model_name: str | None = None  # OpenAI `model`
 
 
@@ -58,6 +59,8 @@ class NativeEndpoint:
         body.update({"input_ids": list(prompt.input_ids)} if prompt.input_ids is not None else {"text": prompt.text})
         if options.logprobs is not None:
             body.update(return_logprob=True, top_logprobs_num=options.logprobs)
+        if options.prompt_logprobs:
+            body["logprob_start_len"] = 0
         return body
 
     def read(self, event: dict[str, Any], tokens_so_far: int) -> EventFigures:

@@ -48,3 +48,15 @@ def test_every_scenario_runs_at_toy_size(shape_dir, tmp_path, capsys):
     assert rate == pytest.approx(0.8 * scenarios["concurrency"]["request_throughput"])
     assert result["stack_vs_core"] is None  # no core baseline on CPU
     assert "| poisson | 6 / 0 |" in capsys.readouterr().out
+
+
+@pytest.mark.timeout(120)
+def test_a_stack_that_does_not_come_up_is_recorded_not_lost(tmp_path, capsys):
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "config.json").write_text(json.dumps({"model_type": "no-such-architecture", "vocab_size": 64}))
+    out = tmp_path / "gpu_serve.json"
+    run(CheckConfig(model_config=broken, device="cpu", core_baseline=False, progress=False), out)
+    result = json.loads(out.read_text())
+    assert "sparkwire up exited" in result["stack_error"] and result["scenarios"] == {}
+    assert "the stack did not serve" in capsys.readouterr().out

@@ -69,7 +69,7 @@ def test_openai_endpoint_with_logprobs_and_varied_lengths(tmp_path):
     )  # fmt: skip
     with launched_stack(["--device", "cpu"], config.base_url, tmp_path / "up.log") as stack:
         results = run_serve_benchmark(config)
-        varied = run_serve_benchmark(dataclasses.replace(config, endpoint="generate", range_ratio=0.5, seed=3))
+        varied = run_serve_benchmark(dataclasses.replace(config, endpoint="generate", range_ratio=0.5, seed=3, prompt_logprobs=True))
     assert stack.exit_code == 0 and stack.ready_s > 0
     assert_consistent(results, num=5, input_len=10, output_len=4)
     assert "launched" not in results

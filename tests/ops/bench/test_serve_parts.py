@@ -95,6 +95,9 @@ def test_native_events_count_new_ids_of_the_cumulative_output():
     body = endpoint.body(Prompt((7, 8), None, 4), RequestOptions(ignore_eos=True, logprobs=2))
     assert body["input_ids"] == [7, 8] and body["sampling_params"]["max_new_tokens"] == 4
     assert body["sampling_params"]["ignore_eos"] and body["top_logprobs_num"] == 2 and body["stream"]
+    assert "logprob_start_len" not in body  # output logprobs only, the server's default
+    prompt_too = endpoint.body(Prompt((7, 8), None, 4), RequestOptions(logprobs=2, prompt_logprobs=True))
+    assert prompt_too["logprob_start_len"] == 0 and prompt_too["return_logprob"]
     event = {"text": "ab", "output_ids": [3, 4, 5], "meta_info": {"prompt_tokens": 2}}
     assert endpoint.read(event, tokens_so_far=1) == EventFigures(2, 2, 3)
     assert endpoint.read({"error": {"message": "boom"}}, 0).error == "boom"
@@ -117,6 +120,8 @@ def test_settings_are_checked_and_recorded_without_the_api_key():
         ServeConfig(endpoint="chat")
     with pytest.raises(ValueError, match="request_rate"):
         ServeConfig(request_rate=0)
+    with pytest.raises(ValueError, match="prompt_logprobs"):
+        ServeConfig(endpoint="completions", logprobs=2, prompt_logprobs=True)
     recorded = ServeConfig(api_key="secret").as_json()
     assert recorded["api_key"] == "(set)" and recorded["request_rate"] == "inf" and json.dumps(recorded)
 
