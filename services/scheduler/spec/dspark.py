@@ -11,10 +11,11 @@ block's own keys, which are never cached.
 
 Drafting, per slot k = 0..gamma-1, left to right (the Markov head needs the previous draft):
 logits_k = z_k + W2 W1[prev_k]; q_k = softmax(logits_k / T); greedy rows (T <= 0) take the argmax,
-the others sample d_k = argmax(q_k / E_k) with E_k ~ Exp(1) (the exponential race: exact sampling
-from q_k), the noise drawn per row from a generator seeded with the row's seed, so a row's drafts do
-not depend on the batch around it. No host sync: anchors stay on the device and the only host
-input is `max_anchor_position`, which sizes how many context blocks are read.
+the others sample d_k = the first token whose cumulative q_k (float64) exceeds u_k, one uniform per
+slot from `counter_rng` keyed by the row's seed: a row's drafts depend neither on the batch around
+it nor on the device, and no generator object is involved (B x gamma numbers per step, capturable
+in a CUDA graph). No host sync: anchors stay on the device; the host inputs are the temperatures and
+seeds (uploaded without waiting) and `max_anchor_position`, which sizes how many context blocks are read.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import torch
 
 from services.scheduler.model.kv_cache import PagedKVCache
 from services.scheduler.spec.base import ContextRows, DraftProposal, DraftRequest
+from services.scheduler.spec.counter_rng import fold_seed, seeded_uniforms
 from services.scheduler.spec.dspark_model import DSparkDrafter, block_positions
 
 
@@ -78,7 +80,7 @@ class DSparkProposer:
         return table[:, : min(num_blocks, table.shape[1])].long().clamp_min(0)  # -1 padding: any block, masked
 
     def _draft(self, hidden: torch.Tensor, request: DraftRequest) -> DraftProposal:
-        sampler = _BlockSampler(request, hidden.shape[1], self.drafter.config.vocab_size, self.device)
+        sampler = _BlockSampler(request, hidden.shape[1], self.device)
         base = self.drafter.base_logits(hidden)  # [B, gamma, V]
         prev = request.anchor_tokens.to(self.device)  # [B]
         tokens, probs, confidence = [], [], []
@@ -96,18 +98,17 @@ class DSparkProposer:
 
 
 class _BlockSampler:
-    """Per-slot draws for one block: argmax for greedy rows, the exponential race for the others."""
+    """Per-slot draws for one block: argmax for greedy rows, inverse-CDF sampling of q for the others."""
 
-    def __init__(self, request: DraftRequest, gamma: int, vocab_size: int, device: torch.device) -> None:
+    def __init__(self, request: DraftRequest, gamma: int, device: torch.device) -> None:
         temperatures = request.temperatures
         self.all_greedy = all(t <= 0 for t in temperatures)
         if self.all_greedy:
             return
         self.is_greedy = _to_device([t <= 0 for t in temperatures], torch.bool, device)  # [B]
         self.temperatures = _to_device([t if t > 0 else 1.0 for t in temperatures], torch.float32, device)[:, None]
-        self.noise = torch.stack([
-            _exponential_noise(seed, gamma, vocab_size, device) for seed in request.seeds
-        ])  # fmt: skip  # [B, gamma, V]
+        seeds = _to_device([fold_seed(seed) for seed in request.seeds], torch.int64, device)  # [B]
+        self.uniforms = seeded_uniforms(seeds, gamma)  # f64 [B, gamma]
 
     def draw(self, logits: torch.Tensor, slot: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         """logits f32 [B, V] (Markov-corrected) -> (token int64 [B], q f32 [B, V] or None when all greedy)."""
@@ -115,14 +116,11 @@ class _BlockSampler:
         if self.all_greedy:
             return greedy, None
         q = (logits / self.temperatures).softmax(dim=-1)  # greedy rows: softmax at T = 1, ignored by accept
-        sampled = (q / self.noise[:, slot]).argmax(dim=-1)
+        cdf = q.double().cumsum(dim=-1)  # [B, V]; float64 so the drawn law is q to ~1e-16, not 1e-7
+        # The first token whose cdf exceeds u * total: zero-probability tokens are never drawn.
+        point = self.uniforms[:, slot : slot + 1] * cdf[:, -1:]  # [B, 1]
+        sampled = torch.searchsorted(cdf, point, right=True)[:, 0].clamp_max(q.shape[1] - 1)
         return torch.where(self.is_greedy, greedy, sampled), q
-
-
-def _exponential_noise(seed: int, gamma: int, vocab_size: int, device: torch.device) -> torch.Tensor:
-    generator = torch.Generator(device=device).manual_seed(seed)
-    noise = torch.empty(gamma, vocab_size, device=device).exponential_(generator=generator)
-    return noise.clamp_min_(torch.finfo(torch.float32).tiny)  # E = 0 would make q / E undefined
 
 
 def _serving_mask(anchors: torch.Tensor, num_context_keys: int, gamma: int) -> torch.Tensor:
