@@ -86,13 +86,13 @@ class DraftAttention(nn.Module):
     def forward(self, x: torch.Tensor, rope: Rope, context: tuple[torch.Tensor, ...], mask: torch.Tensor) -> torch.Tensor:
         """x [N, Q, H]; context K, V [N, C, Hkv, D]; mask bool [N, 1, Q, C + Q] -> [N, Q, H]."""
         n, num_queries = x.shape[:2]
-        flat = x.reshape(n * num_queries, -1)  # [N*Q, H]
+        flat = x.reshape(n * num_queries, x.shape[2])  # [N*Q, H]
         q = apply_rope(self.q_norm(self.q_proj(flat).view(-1, self.num_heads, self.head_dim)), *rope)
         k, v = self.key_value(flat, rope)  # [N*Q, Hkv, D]
         keys = torch.cat((context[0], k.view(n, num_queries, self.num_kv_heads, self.head_dim)), dim=1)
         values = torch.cat((context[1], v.view(n, num_queries, self.num_kv_heads, self.head_dim)), dim=1)
         out = masked_attention(q.view(n, num_queries, self.num_heads, self.head_dim), keys, values, mask)
-        return self.o_proj(out.reshape(n, num_queries, -1))
+        return self.o_proj(out.reshape(n, num_queries, self.num_heads * self.head_dim))
 
 
 def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
