@@ -5,14 +5,16 @@ distributed as the target's. Chi-square on each emitted position's marginal, thr
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from services.scheduler.spec.accept import VerifyBlock, accept
 from services.scheduler.spec.base import ContextRows, DraftRequest
 from services.scheduler.spec.dspark import DSparkProposer
+from services.scheduler.spec.verify_plan import verify_lengths
 from tests.services.scheduler.spec.chi_square import chi_square_p_value
 
-NUM_TRIALS = 20_000
+NUM_TRIALS = 10_000
 ANCHOR_TOKEN, ANCHOR_POSITION = 11, 6
 P_VALUE_THRESHOLD = 1e-4
 
@@ -43,7 +45,7 @@ def propose_many(drafter) -> tuple[torch.Tensor, torch.Tensor]:
             seeds=tuple(range(NUM_TRIALS)),
         )
     )
-    return proposal.tokens, proposal.probs  # [N, gamma], [N, gamma, V]
+    return proposal.tokens, proposal.probs, proposal.confidence  # [N, gamma], [N, gamma, V], [N, gamma]
 
 
 def sample_from(rows: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
@@ -51,12 +53,13 @@ def sample_from(rows: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
     return (cdf[:, :-1] <= torch.rand(rows.shape[0], 1, generator=generator, dtype=cdf.dtype)).sum(dim=-1)
 
 
-def emitted_marginal_p_values(drafts, q, p_chain, generator) -> list[float]:
+def emitted_marginal_p_values(drafts, q, p_chain, generator, num_draft=None) -> list[float]:
     gamma = drafts.shape[1]
+    num_draft = torch.full((NUM_TRIALS,), gamma) if num_draft is None else num_draft
     prefix = torch.cat((torch.full((NUM_TRIALS, 1), ANCHOR_TOKEN), drafts), dim=1)  # [N, gamma + 1]
     p_rows = torch.stack([p_chain[j][prefix[:, j]] for j in range(gamma + 1)], dim=1).float()  # [N, gamma + 1, V]
     block = VerifyBlock(
-        target_argmax=p_rows.argmax(dim=-1), drafts=drafts, num_draft=torch.full((NUM_TRIALS,), gamma),
+        target_argmax=p_rows.argmax(dim=-1), drafts=drafts, num_draft=num_draft,
         is_greedy=torch.zeros(NUM_TRIALS, dtype=torch.bool), target_probs=p_rows, draft_probs=q,
         uniforms=torch.rand(NUM_TRIALS, gamma, generator=generator),
         noise=torch.empty(NUM_TRIALS, q.shape[2]).exponential_(generator=generator),
@@ -73,11 +76,27 @@ def emitted_marginal_p_values(drafts, q, p_chain, generator) -> list[float]:
     return p_values
 
 
-def test_dspark_drafts_verified_by_accept_follow_the_target(drafter):
-    drafts, q = propose_many(drafter)
+@pytest.fixture(scope="module")
+def proposals(drafter):
+    return propose_many(drafter)
+
+
+def test_dspark_drafts_verified_by_accept_follow_the_target(proposals):
+    drafts, q, _ = proposals
     p_chain = target_chain(q.shape[2], drafts.shape[1], torch.Generator().manual_seed(1))
     assert (q.double() - p_chain[0][ANCHOR_TOKEN]).abs().sum(dim=-1).mean() > 0.5  # q and p differ strongly
     p_values = emitted_marginal_p_values(drafts, q, p_chain, torch.Generator().manual_seed(2))
     assert min(p_values) > P_VALUE_THRESHOLD, p_values
     wrong = emitted_marginal_p_values(drafts, q.roll(1, dims=1), p_chain, torch.Generator().manual_seed(2))
     assert min(wrong) < 1e-9, wrong
+
+
+def test_verify_lengths_cut_by_this_blocks_confidence_stay_lossless(proposals):
+    """`compact`: each request verifies the prefix its prefix survival earns in a fixed budget."""
+    drafts, q, confidence = proposals
+    confidence = confidence + 0.3 * torch.rand(confidence.shape, generator=torch.Generator().manual_seed(4))
+    num_draft = verify_lengths(confidence, num_extra_rows=2 * NUM_TRIALS)  # half the slots, unevenly
+    assert len(set(num_draft.tolist())) > 2
+    p_chain = target_chain(q.shape[2], drafts.shape[1], torch.Generator().manual_seed(1))
+    p_values = emitted_marginal_p_values(drafts, q, p_chain, torch.Generator().manual_seed(3), num_draft)
+    assert min(p_values) > P_VALUE_THRESHOLD, p_values
