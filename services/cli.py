@@ -86,11 +86,12 @@ def _add_up(sub: argparse._SubParsersAction) -> None:
 
 
 def add_up_arguments(parser: argparse.ArgumentParser) -> None:
+    from services.scheduler.flags import add_speculative_arguments  # light: no torch
+
     env = EnvSettings.from_environ()
     parser.add_argument("--nats-url", default=env.nats_url or None, help="use this NATS server instead of starting one")
     parser.add_argument("--model", default=env.model or str(BUNDLED_MODEL), help="target model directory")
-    parser.add_argument("--draft-model", default=None, help="DSpark draft model directory")
-    parser.add_argument("--speculative-algorithm", choices=("none", "dspark"), default="none")
+    add_speculative_arguments(parser)
     parser.add_argument("--device", choices=("auto", "cuda", "cpu"), default=env.device)
     parser.add_argument("--load-format", choices=("auto", "dummy"), default="auto")
     parser.add_argument("--logprobs-mode", choices=("raw", "processed"), default="raw",

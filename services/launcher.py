@@ -26,6 +26,7 @@ import urllib.request
 from dataclasses import dataclass, field
 
 from services.common.nats_server import NatsServer, start_nats_server
+from services.scheduler.flags import speculative_argv
 
 START_ORDER = ("scheduler", "detokenizer", "tokenizer")
 OUTPUT_TAIL_LINES = 20
@@ -76,11 +77,9 @@ def service_argv(name: str, nats_url: str, args: argparse.Namespace) -> list[str
     argv = [sys.executable, "-m", "services.cli", name, "--nats-url", nats_url]
     argv += ["--model", args.model, "--log-level", args.log_level]
     if name == "scheduler":
-        argv += ["--speculative-algorithm", args.speculative_algorithm]
+        argv += speculative_argv(args)
         argv += ["--device", args.device, "--load-format", args.load_format]
         argv += ["--logprobs-mode", args.logprobs_mode, "--chunked-prefill-size", str(args.chunked_prefill_size)]
-        if args.draft_model:
-            argv += ["--draft-model", args.draft_model]
     if name == "tokenizer":
         argv += ["--host", args.host, "--port", str(args.port), "--max-logprobs", str(args.max_logprobs)]
     return argv

@@ -15,9 +15,9 @@ from services.scheduler.config import (
     DTYPES,
     LOAD_FORMATS,
     LOGPROBS_MODES,
-    SPECULATIVE_ALGORITHMS,
     SchedulerConfig,
 )
+from services.scheduler.flags import add_speculative_arguments
 from services.scheduler.service import SchedulerService, build_core
 
 DEFAULT_NATS_URL = "nats://127.0.0.1:4222"
@@ -26,8 +26,7 @@ DEFAULT_NATS_URL = "nats://127.0.0.1:4222"
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     env = EnvSettings.from_environ()
     parser.add_argument("--model", default=env.model or str(BUNDLED_MODEL), help="model directory (HF layout)")
-    parser.add_argument("--draft-model", default=None, help="DSpark draft model directory")
-    parser.add_argument("--speculative-algorithm", choices=SPECULATIVE_ALGORITHMS, default="none")
+    add_speculative_arguments(parser)
     parser.add_argument("--device", choices=DEVICES, default=env.device)
     parser.add_argument("--dtype", choices=tuple(DTYPES), default=None, help="default: float32 on cpu, bfloat16 on cuda")
     parser.add_argument("--load-format", choices=LOAD_FORMATS, default="auto")
@@ -56,6 +55,8 @@ def config_from_args(args: argparse.Namespace) -> SchedulerConfig:
         model=args.model,
         draft_model=args.draft_model,
         speculative_algorithm=args.speculative_algorithm,
+        num_draft_tokens=args.speculative_num_draft_tokens,
+        verify_mode=args.verify_mode,
         device=args.device,
         dtype=args.dtype,
         load_format=args.load_format,

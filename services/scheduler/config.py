@@ -8,25 +8,24 @@ from pathlib import Path
 import torch
 
 import services
+from services.scheduler.flags import SPECULATIVE_ALGORITHMS, VERIFY_MODES
 
 BUNDLED_MODEL = Path(services.__file__).resolve().parents[1] / "ops" / "models" / "sparkwire-tiny"
+BUNDLED_DRAFT_MODEL: Path | None = None  # the bundled pair's drafter, once one is trained and shipped
 
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 LOAD_FORMATS = ("auto", "dummy")
 LOGPROBS_MODES = ("raw", "processed")
-SPECULATIVE_ALGORITHMS = ("none", "dspark")
-
-
-class NotImplementedYetError(ValueError):
-    """A configured feature exists in the product definition but not in this build yet."""
 
 
 @dataclass(frozen=True)
 class SchedulerConfig:
     model: str = str(BUNDLED_MODEL)
-    draft_model: str | None = None
+    draft_model: str | None = None  # None with dspark: the bundled drafter
     speculative_algorithm: str = "none"
+    num_draft_tokens: int | None = None  # gamma; None: the drafter's block size
+    verify_mode: str = "static"  # static: verify every draft; compact: by the confidence head
     device: str = "auto"  # auto: cuda when available, else cpu
     dtype: str | None = None  # None: float32 on cpu, bfloat16 on cuda
     load_format: str = "auto"
@@ -61,8 +60,17 @@ class SchedulerConfig:
             raise ValueError("drain_timeout_s must be >= 0")
         for name in ("heartbeat_interval_s", "heartbeat_timeout_s", "claim_expiry_s"):
             _check_positive(name, getattr(self, name))
-        if self.speculative_algorithm == "dspark":
-            raise NotImplementedYetError("--speculative-algorithm dspark is not implemented yet; use none")
+        _check_choice("verify_mode", self.verify_mode, VERIFY_MODES)
+        if self.num_draft_tokens is not None:
+            _check_positive("num_draft_tokens", self.num_draft_tokens)
+        if self.speculative_algorithm == "dspark" and self.resolved_draft_model is None:
+            raise ValueError("--speculative-algorithm dspark needs --draft-model (no bundled drafter in this build)")
+
+    @property
+    def resolved_draft_model(self) -> str | None:
+        if self.draft_model is not None:
+            return self.draft_model
+        return str(BUNDLED_DRAFT_MODEL) if BUNDLED_DRAFT_MODEL is not None else None
 
     @property
     def resolved_device(self) -> str:

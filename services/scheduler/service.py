@@ -51,8 +51,18 @@ def build_core(config: SchedulerConfig) -> SchedulerCore:
         kv_cache_bytes=config.kv_cache_bytes,
         seed=config.seed,
     )
+    proposer = None
+    if config.speculative_algorithm == "dspark":
+        from services.scheduler.spec.dspark_loader import load_dspark_proposer
+
+        proposer = load_dspark_proposer(
+            config.resolved_draft_model, runner, load_format=config.load_format, seed=config.seed,
+            num_draft_tokens=config.num_draft_tokens,
+        )  # fmt: skip
     return SchedulerCore(
         runner,
+        proposer=proposer,
+        verify_mode=config.verify_mode,
         max_running_requests=config.max_running_requests,
         chunked_prefill_size=config.chunked_prefill_size,
         max_model_len=config.max_model_len,

@@ -11,7 +11,7 @@ from contracts.arrays import NDArray
 from contracts.detokenizer import Finish, FinishType, TokenBatch
 from contracts.scheduler import SamplingParams
 from services.scheduler.block_manager import BlockManager
-from services.scheduler.config import NotImplementedYetError, SchedulerConfig
+from services.scheduler.config import SchedulerConfig
 from services.scheduler.logprobs import LogprobQuery, compute_logprobs, top_k_sorted
 from services.scheduler.request import LogprobEntries, RequestOutput
 from services.scheduler.sampler import Sampler, SampleRow
@@ -102,13 +102,16 @@ def test_compute_logprobs_chunks_rows_and_slices_per_request(monkeypatch):
 # ---- config ----
 
 
-def test_config_validates_and_rejects_dspark_for_now():
+def test_config_validates_its_choices():
     with pytest.raises(ValueError, match="device"):
         SchedulerConfig(device="tpu")
     with pytest.raises(ValueError, match="chunked_prefill_size"):
         SchedulerConfig(chunked_prefill_size=0)
-    with pytest.raises(NotImplementedYetError, match="not implemented yet"):
-        SchedulerConfig(speculative_algorithm="dspark")
+    with pytest.raises(ValueError, match="verify_mode"):
+        SchedulerConfig(verify_mode="loose")
+    with pytest.raises(ValueError, match="num_draft_tokens"):
+        SchedulerConfig(num_draft_tokens=0)
+    assert SchedulerConfig(speculative_algorithm="dspark", draft_model="/some/draft").resolved_draft_model == "/some/draft"
     config = SchedulerConfig(device="cpu")
     assert config.torch_dtype == torch.float32 and config.resolved_device == "cpu"
 
