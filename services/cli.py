@@ -15,7 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import services
-from services.common.settings import EnvSettings
+from services.common.connection import add_connection_arguments
+from services.common.settings import EnvSettings, connection_values
 
 SERVICES = ("tokenizer", "scheduler", "detokenizer")
 TORCH_HINT = "pip install 'sparkwire[scheduler]' (the tokenizer and detokenizer run without it)"
@@ -89,7 +90,7 @@ def add_up_arguments(parser: argparse.ArgumentParser) -> None:
     from services.scheduler.flags import add_speculative_arguments  # light: no torch
 
     env = EnvSettings.from_environ()
-    parser.add_argument("--nats-url", default=env.nats_url or None, help="use this NATS server instead of starting one")
+    add_connection_arguments(parser, connection_values())  # --nats-url empty: start an embedded nats-server
     parser.add_argument("--model", default=env.model or str(BUNDLED_MODEL), help="target model directory")
     add_speculative_arguments(parser)
     parser.add_argument("--device", choices=("auto", "cuda", "cpu"), default=env.device)

@@ -25,7 +25,11 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 
+import msgspec
+
+from services.common.connection import NatsConnection, connection_from_args
 from services.common.nats_server import NatsServer, start_nats_server
+from services.common.settings import PREFIX, connection_environ, connection_values
 from services.scheduler.flags import speculative_argv
 
 START_ORDER = ("scheduler", "detokenizer", "tokenizer")
@@ -46,8 +50,7 @@ class Child:
     reader: threading.Thread | None = None
 
     @classmethod
-    def start(cls, name: str, argv: list[str]) -> Child:
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    def start(cls, name: str, argv: list[str], env: dict[str, str]) -> Child:
         process = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
         child = cls(name, process)
         child.reader = threading.Thread(target=child._echo_output, name=f"{name}-output", daemon=True)
@@ -72,9 +75,10 @@ class Child:
         return f"sparkwire up: {self.name} exited with code {self.exit_code()}; last output lines:\n{lines}"
 
 
-def service_argv(name: str, nats_url: str, args: argparse.Namespace) -> list[str]:
-    """The command line of one service, as `sparkwire <name>` would be run by hand."""
-    argv = [sys.executable, "-m", "services.cli", name, "--nats-url", nats_url]
+def service_argv(name: str, args: argparse.Namespace) -> list[str]:
+    """The command line of one service, as `sparkwire <name>` would be run by hand; the NATS
+    connection travels in its environment (`service_environ`), where no secret shows in `ps`."""
+    argv = [sys.executable, "-m", "services.cli", name]
     argv += ["--model", args.model, "--log-level", args.log_level]
     if name == "scheduler":
         argv += speculative_argv(args)
@@ -83,6 +87,13 @@ def service_argv(name: str, nats_url: str, args: argparse.Namespace) -> list[str
     if name == "tokenizer":
         argv += ["--host", args.host, "--port", str(args.port), "--max-logprobs", str(args.max_logprobs)]
     return argv
+
+
+def service_environ(connection: NatsConnection) -> dict[str, str]:
+    """Ours, minus any inherited connection variable, plus the child's own connection."""
+    inherited = {PREFIX + name.upper() for name in NatsConnection.__struct_fields__}
+    env = {key: value for key, value in os.environ.items() if key not in inherited}
+    return env | connection_environ(connection) | {"PYTHONUNBUFFERED": "1"}
 
 
 def reachable_host(host: str) -> str:
@@ -117,13 +128,13 @@ class Stack:
         self.stop_requested = threading.Event()
 
     def start(self) -> None:
-        nats_url = self.args.nats_url
-        if not nats_url:
+        connection = connection_from_args(self.args, connection_values())
+        if not connection.nats_url:
             self.nats = start_nats_server()
-            nats_url = self.nats.url
-            print(f"sparkwire up: nats-server on {nats_url}", file=sys.stderr, flush=True)
+            connection = msgspec.structs.replace(connection, nats_url=self.nats.url)
+            print(f"sparkwire up: nats-server on {self.nats.url}", file=sys.stderr, flush=True)
         for name in START_ORDER:
-            self.children.append(Child.start(name, service_argv(name, nats_url, self.args)))
+            self.children.append(Child.start(name, service_argv(name, self.args), service_environ(connection)))
 
     def dead_child(self) -> Child | None:
         return next((child for child in self.children if child.exit_code() is not None), None)

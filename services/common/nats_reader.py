@@ -22,14 +22,19 @@ of connections).
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Protocol
-from urllib.parse import unquote, urlsplit
+from urllib.parse import urlsplit
 
+import nkeys
 import structlog
+
+from services.common.connection import WEBSOCKET_SCHEMES, NatsConnection, host_and_port, redact_url, url_credentials
 
 log = structlog.get_logger(__name__)
 
@@ -224,6 +229,7 @@ class _ReadProtocol(asyncio.BufferedProtocol):
             info = json.loads(rest)
             if not self.info.done():
                 self.info.set_result(info)
+            self._reader._on_info(info)
         elif op == b"-ERR":
             self._reader._on_server_error(rest.decode(errors="replace").strip().strip("'"))
             error = ReaderError(f"NATS server error: {rest.decode(errors='replace')}")
@@ -281,9 +287,13 @@ class ReaderEvents:
 
 @dataclass
 class NatsReader:
-    """A subscriber-only NATS connection. `connect`, then `subscribe` sinks, `flush`, `close`."""
+    """A subscriber-only NATS connection. `connect`, then `subscribe` sinks, `flush`, `close`.
 
-    url: str
+    Servers: those of the connection, in order, then any the cluster announces (INFO
+    `connect_urls`); each attempt starts after the server last lost, so a dead node is tried last.
+    """
+
+    connection: NatsConnection
     name: str
     events: ReaderEvents = field(default_factory=ReaderEvents)
     _protocol: _ReadProtocol | None = None
@@ -291,11 +301,21 @@ class NatsReader:
     _next_sid: int = 1
     _closing: bool = False
     _reconnecting: asyncio.Task[None] | None = None
+    _servers: list[str] = field(default_factory=list)  # configured first, then discovered
+    _server_index: int = 0  # the server in use, or the one to try first
+
+    @staticmethod
+    def unsupported(connection: NatsConnection) -> str | None:
+        """Why this reader cannot speak `connection` (the owner then falls back), or None."""
+        websocket = [redact_url(url) for url in connection.servers if urlsplit(url).scheme in WEBSOCKET_SCHEMES]
+        return f"websocket servers ({', '.join(websocket)})" if websocket else None
 
     @classmethod
-    async def connect(cls, url: str, name: str, events: ReaderEvents | None = None) -> NatsReader:
-        reader = cls(url, name, events or ReaderEvents())
-        reader._protocol = await reader._open()
+    async def connect(cls, connection: NatsConnection | str, name: str, events: ReaderEvents | None = None) -> NatsReader:
+        if isinstance(connection, str):
+            connection = NatsConnection(nats_url=connection)
+        reader = cls(connection, name, events or ReaderEvents(), _servers=list(connection.servers))
+        reader._protocol = await reader._open_any()
         return reader
 
     @property
@@ -338,32 +358,70 @@ class NatsReader:
         subscription = self._subscriptions.get(sid)
         return subscription.sink if subscription is not None else None
 
-    async def _open(self) -> _ReadProtocol:
-        parts = urlsplit(self.url if "://" in self.url else f"nats://{self.url}")
-        if parts.scheme not in ("nats", "tcp"):
-            raise ReaderError(f"{self.url}: only plain nats:// URLs are supported by the reader")
+    async def _open_any(self) -> _ReadProtocol:
+        """Each known server once, from `_server_index` on; the first that lets us in."""
+        errors = []
+        for step in range(len(self._servers)):
+            index = (self._server_index + step) % len(self._servers)
+            try:
+                protocol = await self._open(self._servers[index])
+            except (OSError, ConnectionError, ReaderError, TimeoutError) as exc:
+                errors.append(f"{redact_url(self._servers[index])}: {exc!r}")
+                continue
+            self._server_index = index
+            return protocol
+        raise ReaderError("no NATS server let the reader in: " + "; ".join(errors))
+
+    async def _open(self, url: str) -> _ReadProtocol:
+        """TCP, the server's INFO, TLS when either side wants it, CONNECT with our credentials,
+        the subscriptions again, and a PING whose PONG says the server accepted all of it."""
         loop = asyncio.get_running_loop()
+        host, port = host_and_port(url)
         transport, protocol = await asyncio.wait_for(
-            loop.create_connection(lambda: _ReadProtocol(self), parts.hostname or "127.0.0.1", parts.port or 4222),
-            CONNECT_TIMEOUT_S,
+            loop.create_connection(lambda: _ReadProtocol(self), host, port), CONNECT_TIMEOUT_S
         )
         try:
-            await asyncio.wait_for(protocol.info, CONNECT_TIMEOUT_S)
-            options: dict[str, Any] = {
-                "verbose": False, "pedantic": False, "tls_required": False, "name": self.name,
-                "lang": "python3-sparkwire-reader", "version": "0.1.0", "protocol": 1, "headers": True,
-                "no_responders": True,
-            }  # fmt: skip
-            if parts.username:
-                options |= {"user": unquote(parts.username), "pass": unquote(parts.password or "")}
+            info = await asyncio.wait_for(protocol.info, CONNECT_TIMEOUT_S)
+            if self.connection.tls or info.get("tls_required"):
+                await self._start_tls(protocol, host)
+            options = self._connect_options(url, info)
             protocol.write(b"CONNECT " + json.dumps(options).encode() + CRLF)
             for sid, subscription in self._subscriptions.items():
                 protocol.write(_sub_line(subscription.subject, subscription.queue, sid))
             await asyncio.wait_for(protocol.ping(), CONNECT_TIMEOUT_S)  # -ERR (auth) fails this PING
         except BaseException:
-            transport.close()
+            (protocol.transport or transport).close()
             raise
         return protocol
+
+    async def _start_tls(self, protocol: _ReadProtocol, host: str) -> None:
+        """Upgrade in place after INFO, as the protocol has it; our protocol object keeps parsing."""
+        context = self.connection.ssl_context()
+        if context is None:
+            raise ReaderError("the server requires TLS: give --nats-tls-ca (or a tls:// URL)")
+        assert protocol.transport is not None
+        loop = asyncio.get_running_loop()
+        protocol.transport = await asyncio.wait_for(
+            loop.start_tls(protocol.transport, protocol, context, server_hostname=host), CONNECT_TIMEOUT_S
+        )
+
+    def _connect_options(self, url: str, info: dict[str, Any]) -> dict[str, Any]:
+        options: dict[str, Any] = {
+            "verbose": False, "pedantic": False, "tls_required": self.connection.tls, "name": self.name,
+            "lang": "python3-sparkwire-reader", "version": "0.1.0", "protocol": 1, "headers": True,
+            "no_responders": True,
+        }  # fmt: skip
+        return options | auth_options(self.connection, url, info.get("nonce"))
+
+    def _on_info(self, info: dict[str, Any]) -> None:
+        """Remember servers the cluster announces, for failover (what nats-py does too)."""
+        scheme = urlsplit(self._servers[self._server_index]).scheme
+        known = {host_and_port(url) for url in self._servers}
+        for address in info.get("connect_urls") or ():
+            url = f"{scheme}://{address}"
+            if host_and_port(url) not in known:
+                self._servers.append(url)
+                known.add(host_and_port(url))
 
     def _on_server_error(self, message: str) -> None:
         log.warning("nats_reader.server_error", service=self.name, error=message)
@@ -372,7 +430,9 @@ class NatsReader:
     def _on_connection_lost(self, protocol: _ReadProtocol, exc: Exception | None) -> None:
         if protocol is not self._protocol or self._closing:
             return
-        log.warning("nats_reader.disconnected", service=self.name, error=repr(exc))
+        log.warning("nats_reader.disconnected", service=self.name, error=repr(exc),
+                    server=redact_url(self._servers[self._server_index]))  # fmt: skip
+        self._server_index = (self._server_index + 1) % len(self._servers)  # the lost one is tried last
         self.events.on_disconnect()
         self._reconnecting = asyncio.get_running_loop().create_task(self._reconnect())
 
@@ -381,13 +441,45 @@ class NatsReader:
         while not self._closing:
             await asyncio.sleep(RECONNECT_WAIT_S)
             try:
-                self._protocol = await self._open()
+                self._protocol = await self._open_any()
             except (OSError, ConnectionError, ReaderError, TimeoutError) as exc:
                 log.debug("nats_reader.reconnect_failed", service=self.name, error=repr(exc))
                 continue
             log.info("nats_reader.reconnected", service=self.name)
             self.events.on_reconnect()
             return
+
+
+def auth_options(connection: NatsConnection, url: str, nonce: str | None) -> dict[str, str]:
+    """The CONNECT fields of the connection's one auth method (see `NatsConnection.auth_method`)."""
+    method = connection.auth_method
+    if method in ("creds", "nkey"):
+        if nonce is None:
+            raise ReaderError("nkey/creds auth configured but the server sent no nonce to sign")
+        jwt, seed = read_creds(Path(connection.nats_creds)) if method == "creds" else (None, Path(connection.nats_nkey_seed).read_bytes().strip())
+        key_pair = nkeys.from_seed(bytearray(seed))
+        signed = {"sig": base64.b64encode(key_pair.sign(nonce.encode())).decode()}
+        return signed | ({"jwt": jwt} if jwt else {"nkey": key_pair.public_key.decode()})
+    if method == "token":
+        return {"auth_token": connection.nats_token}
+    if method == "user":
+        return {"user": connection.nats_user, "pass": connection.nats_password}
+    credentials = url_credentials(url)
+    if credentials is None:
+        return {}
+    user, password = credentials
+    return {"auth_token": user} if password is None else {"user": user, "pass": password}  # nats://token@host
+
+
+def read_creds(path: Path) -> tuple[str, bytes]:
+    """(user JWT, nkey seed) from a .creds file: each is the line after its BEGIN marker."""
+    lines = path.read_bytes().splitlines()
+    after = {marker: next(line.strip() for line in lines[i + 1 :] if line.strip())
+             for i, line in enumerate(lines) for marker in (b"USER JWT", b"NKEY SEED")
+             if line.startswith(b"-----BEGIN") and marker in line}  # fmt: skip
+    if set(after) != {b"USER JWT", b"NKEY SEED"}:
+        raise ReaderError(f"{path}: not a .creds file (needs a user JWT and an nkey seed)")
+    return after[b"USER JWT"].decode(), after[b"NKEY SEED"]
 
 
 def _sub_line(subject: str, queue: str, sid: int) -> bytes:

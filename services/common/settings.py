@@ -2,6 +2,10 @@
 
 Only this module reads the environment. The CLI uses these values as argument defaults, so a
 flag always wins over the environment, and the environment over the built-in default.
+
+Two tables: `EnvSettings` below, and the fields of `NatsConnection` (services/common/connection.py:
+servers, TLS, auth, heartbeat, drain), each read from `SPARKWIRE_<FIELD>` by
+`connection_from_environ`; `connection_environ` writes one back, for a child process.
 """
 
 from __future__ import annotations
@@ -10,19 +14,19 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 
+import msgspec
+
+from services.common.connection import NatsConnection
+
 PREFIX = "SPARKWIRE_"
 
 
 @dataclass(frozen=True)
 class EnvSettings:
-    nats_url: str = ""  # empty: `sparkwire up` starts its own nats-server
     log_level: str = "info"
     log_format: str = "console"  # "console" or "json"
     model: str = ""  # empty: the bundled model (ops/models/sparkwire-tiny)
     device: str = "auto"
-    heartbeat_interval_s: float = 0.5
-    heartbeat_timeout_s: float = 2.0
-    drain_timeout_s: float = 8.0  # on SIGTERM, tokenizer/detokenizer finish in-flight requests this long (< the 10 s grace)
     event_loop: str = "uvloop"  # "uvloop" or "asyncio" (the standard library's, for debugging)
     allocator: str = "tuned"  # "tuned" (services/common/memory.py) or "default" (glibc's own thresholds)
 
@@ -34,3 +38,23 @@ class EnvSettings:
             if raw is not None:
                 values[spec.name] = type(spec.default)(raw)
         return cls(**values)
+
+
+def connection_values(environ: Mapping[str, str] = os.environ) -> dict[str, str]:
+    """`SPARKWIRE_NATS_URL`, `SPARKWIRE_NATS_TLS_CA`, ..., `SPARKWIRE_DRAIN_TIMEOUT_S`: one variable
+    per field of `NatsConnection`, the secrets (`SPARKWIRE_NATS_PASSWORD`, `_TOKEN`) included.
+    Raw values, checked only once flags are added (`connection.connection_from_args`)."""
+    return {name: environ[PREFIX + name.upper()] for name in NatsConnection.__struct_fields__ if PREFIX + name.upper() in environ}
+
+
+def connection_from_environ(environ: Mapping[str, str] = os.environ) -> NatsConnection:
+    return msgspec.convert(connection_values(environ), NatsConnection, strict=False)
+
+
+def connection_environ(connection: NatsConnection) -> dict[str, str]:
+    """The variables that make `connection_from_environ` return `connection` (fields left at
+    their defaults are left out): how `sparkwire up` hands a connection to a child process
+    without putting a secret on its command line."""
+    defaults = NatsConnection()
+    return {PREFIX + name.upper(): str(getattr(connection, name)) for name in NatsConnection.__struct_fields__
+            if getattr(connection, name) != getattr(defaults, name)}  # fmt: skip

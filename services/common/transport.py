@@ -44,7 +44,9 @@ import structlog
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 
+from services.common.connection import NatsConnection, nats_py_options
 from services.common.nats_reader import Delivery, NatsReader, ReaderEvents
+from services.common.natspy_reader import NatsPyReader
 
 log = structlog.get_logger(__name__)
 
@@ -146,7 +148,7 @@ class Transport:
     def __init__(
         self,
         nc: Client,
-        reader: NatsReader,
+        reader: NatsReader | NatsPyReader,
         name: str,
         events: ConnectionEvents | None = None,
         window_bytes: int = DEFAULT_WINDOW_BYTES,
@@ -171,19 +173,22 @@ class Transport:
     @classmethod
     async def connect(
         cls,
-        url: str,
+        connection: NatsConnection | str,
         name: str,
         window_bytes: int = DEFAULT_WINDOW_BYTES,
         ack_timeout_s: float = DEFAULT_ACK_TIMEOUT_S,
         reassembly_timeout_s: float = DEFAULT_REASSEMBLY_TIMEOUT_S,
     ) -> Transport:
+        """`connection`: servers, TLS and auth (a plain URL string is one server without either)."""
+        if isinstance(connection, str):
+            connection = NatsConnection(nats_url=connection)
         events = ConnectionEvents()
         nc = await nats.connect(
-            servers=[url], name=name, max_reconnect_attempts=-1, reconnect_time_wait=0.5, connect_timeout=5,
-            **_callbacks(name, events),
+            name=name, max_reconnect_attempts=-1, reconnect_time_wait=0.5, connect_timeout=5,
+            **nats_py_options(connection), **_callbacks(name, events),
         )  # fmt: skip
         try:
-            reader = await NatsReader.connect(url, name, _reader_events(events))
+            reader = await _open_reader(connection, name, _reader_events(events))
         except BaseException:
             await nc.close()
             raise
@@ -342,6 +347,16 @@ def _callbacks(name: str, events: ConnectionEvents) -> dict[str, Callable[..., A
         log.info("nats.reconnected", service=name)
 
     return {"error_cb": error_cb, "disconnected_cb": disconnected_cb, "reconnected_cb": reconnected_cb}
+
+
+async def _open_reader(connection: NatsConnection, name: str, events: ReaderEvents) -> NatsReader | NatsPyReader:
+    """`NatsReader`, or a nats-py subscription connection where it cannot speak the connection."""
+    reason = NatsReader.unsupported(connection)
+    if reason is None:
+        return await NatsReader.connect(connection, name, events)
+    log.warning("transport.reader_fallback", service=name, reason=f"NatsReader does not speak {reason}",
+                effect="subscriptions go through nats-py: slower for multi-MB messages")  # fmt: skip
+    return await NatsPyReader.connect(connection, name, events)
 
 
 def _reader_events(events: ConnectionEvents) -> ReaderEvents:

@@ -8,9 +8,10 @@ import sys
 from pathlib import Path
 
 import services
+from services.common.connection import add_connection_arguments, connection_from_args
 from services.common.lifecycle import new_instance_id, run_service, stop_on_signals
 from services.common.logging import configure_logging
-from services.common.settings import EnvSettings
+from services.common.settings import EnvSettings, connection_values
 from services.detokenizer.config import DetokenizerConfig, tokenizer_file
 from services.detokenizer.service import run
 
@@ -19,25 +20,18 @@ BUNDLED_MODEL = Path(services.__file__).resolve().parents[1] / "ops" / "models" 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     env = EnvSettings.from_environ()
-    parser.add_argument("--nats-url", default=env.nats_url or "nats://127.0.0.1:4222")
     parser.add_argument("--model", default=env.model or str(BUNDLED_MODEL), help="model directory or tokenizer.json")
     parser.add_argument("--instance-id", default=new_instance_id(), help="fixed id, e.g. to replay a recording")
     parser.add_argument("--log-level", default=env.log_level)
     parser.add_argument("--log-format", choices=("console", "json"), default=env.log_format)
-    parser.add_argument("--heartbeat-interval-s", type=float, default=env.heartbeat_interval_s)
-    parser.add_argument("--heartbeat-timeout-s", type=float, default=env.heartbeat_timeout_s)
-    parser.add_argument("--drain-timeout-s", type=float, default=env.drain_timeout_s,
-                        help="on SIGTERM, finish in-flight requests for at most this long before exiting")  # fmt: skip
+    add_connection_arguments(parser, connection_values())
 
 
 def config_from_args(args: argparse.Namespace) -> DetokenizerConfig:
     return DetokenizerConfig(
-        nats_url=args.nats_url,
+        nats=connection_from_args(args, connection_values()),
         tokenizer_path=tokenizer_file(Path(args.model)),
         instance_id=args.instance_id,
-        heartbeat_interval_s=args.heartbeat_interval_s,
-        heartbeat_timeout_s=args.heartbeat_timeout_s,
-        drain_timeout_s=args.drain_timeout_s,
     )
 
 

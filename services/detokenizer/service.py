@@ -29,9 +29,9 @@ class DetokenizerService:
         self._transport = transport
         self._core = core
         self._heartbeat = HeartbeatPublisher(
-            transport, SERVICE, config.instance_id, config.heartbeat_interval_s, lambda: core.num_running
+            transport, SERVICE, config.instance_id, config.nats.heartbeat_interval_s, lambda: core.num_running
         )
-        self._schedulers = HeartbeatMonitor(transport, "scheduler", config.heartbeat_timeout_s, self._on_scheduler_dead)
+        self._schedulers = HeartbeatMonitor(transport, "scheduler", config.nats.heartbeat_timeout_s, self._on_scheduler_dead)
         self._register_sid: int | None = None
 
     @classmethod
@@ -39,7 +39,7 @@ class DetokenizerService:
         """Connect, subscribe, then beat: the first heartbeat means the subscriptions are live
         (the server handles one connection's SUBs and PUBs in order)."""
         core = DetokenizerCore(Tokenizer.from_file(str(config.tokenizer_path)), config.instance_id)
-        transport = await Transport.connect(config.nats_url, f"{SERVICE}-{config.instance_id}")
+        transport = await Transport.connect(config.nats, f"{SERVICE}-{config.instance_id}")
         service = cls(config, transport, core)
         service._register_sid = await transport.subscribe(
             subjects.DETOKENIZER_REGISTER,
@@ -51,7 +51,7 @@ class DetokenizerService:
         await transport.subscribe(subjects.SCHEDULER_ABORT, AbortRequest, service._on_abort)
         await service._schedulers.start()
         service._heartbeat.start()
-        log.info("detokenizer.started", instance=config.instance_id, nats=config.nats_url)
+        log.info("detokenizer.started", instance=config.instance_id, nats=config.nats.redacted_url)
         return service
 
     async def _on_register(self, registration: DetokenizerRegistration, msg: Delivery) -> None:
@@ -83,7 +83,7 @@ class DetokenizerService:
             await self._transport.unsubscribe(self._register_sid)
             self._register_sid = None
         log.info("detokenizer.draining", instance=self._config.instance_id, num_running=self._core.num_running)
-        if not await wait_until(lambda: self._core.num_running == 0, self._config.drain_timeout_s):
+        if not await wait_until(lambda: self._core.num_running == 0, self._config.nats.drain_timeout_s):
             log.warning("detokenizer.drain_timeout", instance=self._config.instance_id, num_running=self._core.num_running)
 
     async def close(self, reason: str = "shutdown") -> None:

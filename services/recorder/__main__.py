@@ -9,9 +9,10 @@ import time
 from pathlib import Path
 
 from contracts import subjects
+from services.common.connection import add_connection_arguments, connection_from_args
 from services.common.lifecycle import run_service, stop_on_signals
 from services.common.logging import configure_logging
-from services.common.settings import EnvSettings
+from services.common.settings import EnvSettings, connection_values
 from services.recorder.config import RecordConfig, ReplayConfig
 from services.recorder.record import record
 from services.recorder.replay import ReplayStats, replay
@@ -21,7 +22,7 @@ PROGRESS_INTERVAL_S = 1.0
 
 def _add_common(parser: argparse.ArgumentParser) -> None:
     env = EnvSettings.from_environ()
-    parser.add_argument("--nats-url", default=env.nats_url or "nats://127.0.0.1:4222")
+    add_connection_arguments(parser, connection_values())
     parser.add_argument("--log-level", default=env.log_level)
 
 
@@ -41,18 +42,18 @@ def add_replay_arguments(parser: argparse.ArgumentParser) -> None:
 
 def record_main(args: argparse.Namespace) -> int:
     configure_logging(args.log_level)
-    config = RecordConfig(nats_url=args.nats_url, out=args.out, subject=args.subject, duration_s=args.duration)
+    config = RecordConfig(nats=connection_from_args(args, connection_values()), out=args.out, subject=args.subject, duration_s=args.duration)
 
     async def run() -> None:
         stop = asyncio.Event()
         stop_on_signals(stop)
         ready = asyncio.Event()
-        task = asyncio.create_task(record(config.nats_url, config.out, config.subject, config.duration_s, stop, ready))
+        task = asyncio.create_task(record(config.nats, config.out, config.subject, config.duration_s, stop, ready))
         ready_wait = asyncio.create_task(ready.wait())
         await asyncio.wait({task, ready_wait}, return_when=asyncio.FIRST_COMPLETED)  # task fails: no hang
         ready_wait.cancel()
         if ready.is_set():
-            print(f"recording {config.subject} from {config.nats_url} to {config.out} (Ctrl-C stops)", file=sys.stderr)
+            print(f"recording {config.subject} from {config.nats.redacted_url} to {config.out} (Ctrl-C stops)", file=sys.stderr)
         stats = await task
         print(f"recorded {stats.num_messages} messages, {stats.num_bytes} bytes to {config.out}")
 
@@ -62,9 +63,9 @@ def record_main(args: argparse.Namespace) -> int:
 
 def replay_main(args: argparse.Namespace) -> int:
     configure_logging(args.log_level)
-    config = ReplayConfig(nats_url=args.nats_url, path=args.file, timing=args.timing, only_subject=args.only_subject)
+    config = ReplayConfig(nats=connection_from_args(args, connection_values()), path=args.file, timing=args.timing, only_subject=args.only_subject)
     progress = _Progress()
-    replaying = replay(config.nats_url, config.path, config.timing, config.only_subject, progress)
+    replaying = replay(config.nats, config.path, config.timing, config.only_subject, progress)
     stats = run_service(replaying)
     print(f"replayed {stats.num_messages} messages, {stats.num_bytes} bytes ({stats.num_skipped} skipped)")
     return 0

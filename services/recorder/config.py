@@ -6,18 +6,17 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from contracts import subjects
+from services.common.connection import NatsConnection
 
 
 @dataclass(frozen=True)
 class RecordConfig:
-    nats_url: str
+    nats: NatsConnection
     out: Path
     subject: str = subjects.ALL
     duration_s: float | None = None  # None: until SIGINT/SIGTERM
 
     def __post_init__(self) -> None:
-        if not self.nats_url:
-            raise ValueError("nats_url is required")
         if self.duration_s is not None and self.duration_s <= 0:
             raise ValueError("duration_s must be positive")
         if not self.out.parent.is_dir():
@@ -26,14 +25,12 @@ class RecordConfig:
 
 @dataclass(frozen=True)
 class ReplayConfig:
-    nats_url: str
+    nats: NatsConnection
     path: Path
     timing: str = "fast"  # "fast" or "original"
     only_subject: str | None = None  # NATS wildcard pattern
 
     def __post_init__(self) -> None:
-        if not self.nats_url:
-            raise ValueError("nats_url is required")
         if self.timing not in ("fast", "original"):
             raise ValueError(f"timing must be 'fast' or 'original', not {self.timing!r}")
         if not self.path.is_file():

@@ -13,6 +13,7 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 
 from contracts import subjects
+from services.common.connection import NatsConnection, nats_py_options
 from services.recorder.format import FORMAT_VERSION, MAGIC, RecordedMessage, RecordingHeader, RecordingWriter
 
 
@@ -23,7 +24,7 @@ class RecordStats:
 
 
 async def record(
-    nats_url: str,
+    nats_url: NatsConnection | str,
     out: Path | str,
     subject: str = subjects.ALL,
     duration_s: float | None = None,
@@ -32,10 +33,11 @@ async def record(
 ) -> RecordStats:
     """Record until `stop` is set or `duration_s` passes. `ready` is set once the subscription is
     live on the server, so a caller knows from when on nothing is missed."""
-    nc = await nats.connect(servers=[nats_url], name="sparkwire-recorder", max_reconnect_attempts=-1)
+    connection = NatsConnection(nats_url=nats_url) if isinstance(nats_url, str) else nats_url
+    nc = await nats.connect(name="sparkwire-recorder", max_reconnect_attempts=-1, **nats_py_options(connection))
     try:
         with open(out, "wb") as stream:
-            writer = RecordingWriter(stream, RecordingHeader(MAGIC, FORMAT_VERSION, time.time(), nats_url, subject))
+            writer = RecordingWriter(stream, RecordingHeader(MAGIC, FORMAT_VERSION, time.time(), connection.redacted_url, subject))
             await _subscribe(nc, subject, writer)
             if ready is not None:
                 ready.set()

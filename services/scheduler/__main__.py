@@ -6,9 +6,10 @@ import argparse
 import asyncio
 import sys
 
+from services.common.connection import add_connection_arguments, connection_from_args
 from services.common.lifecycle import new_instance_id, run_service, stop_on_signals
 from services.common.logging import configure_logging
-from services.common.settings import EnvSettings
+from services.common.settings import EnvSettings, connection_values
 from services.scheduler.config import (
     BUNDLED_MODEL,
     DEVICES,
@@ -19,9 +20,6 @@ from services.scheduler.config import (
 )
 from services.scheduler.flags import add_speculative_arguments
 from services.scheduler.service import SchedulerService, build_core
-
-DEFAULT_NATS_URL = "nats://127.0.0.1:4222"
-
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     env = EnvSettings.from_environ()
@@ -37,16 +35,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-model-len", type=int, default=None, help="default: the model's context length")
     parser.add_argument("--logprobs-mode", choices=LOGPROBS_MODES, default="raw")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--drain-timeout-s", type=float, default=env.drain_timeout_s,
-                        help="on SIGTERM, take no new requests and let running ones finish this long")  # fmt: skip
     _add_common_arguments(parser, env)
 
 
 def _add_common_arguments(parser: argparse.ArgumentParser, env: EnvSettings) -> None:
-    parser.add_argument("--nats-url", default=env.nats_url or DEFAULT_NATS_URL)
     parser.add_argument("--log-level", default=env.log_level)
-    parser.add_argument("--heartbeat-interval-s", type=float, default=env.heartbeat_interval_s)
-    parser.add_argument("--heartbeat-timeout-s", type=float, default=env.heartbeat_timeout_s)
+    add_connection_arguments(parser, connection_values())
     parser.add_argument("--instance-id", default=None, help="default: a random id")
 
 
@@ -68,10 +62,7 @@ def config_from_args(args: argparse.Namespace) -> SchedulerConfig:
         logprobs_mode=args.logprobs_mode,
         seed=args.seed,
         instance_id=args.instance_id or new_instance_id(),
-        nats_url=args.nats_url,
-        heartbeat_interval_s=args.heartbeat_interval_s,
-        heartbeat_timeout_s=args.heartbeat_timeout_s,
-        drain_timeout_s=args.drain_timeout_s,
+        nats=connection_from_args(args, connection_values()),
     )
 
 

@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 
 import services
+from services.common.connection import NatsConnection
 from services.scheduler.flags import SPECULATIVE_ALGORITHMS, VERIFY_MODES
 
 BUNDLED_MODEL = Path(services.__file__).resolve().parents[1] / "ops" / "models" / "sparkwire-tiny"
@@ -38,11 +39,8 @@ class SchedulerConfig:
     logprobs_mode: str = "raw"
     seed: int = 0
     instance_id: str = "scheduler"
-    nats_url: str = "nats://127.0.0.1:4222"
-    heartbeat_interval_s: float = 0.5
-    heartbeat_timeout_s: float = 2.0
+    nats: NatsConnection = NatsConnection()
     claim_expiry_s: float = 30.0  # a claimed rid whose GenerateRequest never arrives is forgotten
-    drain_timeout_s: float = 8.0  # on shutdown, running requests may finish for this long
 
     def __post_init__(self) -> None:
         _check_choice("device", self.device, DEVICES)
@@ -56,10 +54,7 @@ class SchedulerConfig:
         for name in ("num_kv_blocks", "kv_cache_bytes", "max_model_len"):
             if getattr(self, name) is not None:
                 _check_positive(name, getattr(self, name))
-        if self.drain_timeout_s < 0:
-            raise ValueError("drain_timeout_s must be >= 0")
-        for name in ("heartbeat_interval_s", "heartbeat_timeout_s", "claim_expiry_s"):
-            _check_positive(name, getattr(self, name))
+        _check_positive("claim_expiry_s", self.claim_expiry_s)
         _check_choice("verify_mode", self.verify_mode, VERIFY_MODES)
         if self.num_draft_tokens is not None:
             _check_positive("num_draft_tokens", self.num_draft_tokens)

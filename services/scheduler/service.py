@@ -86,10 +86,10 @@ class SchedulerService:
 
     async def run(self, stop: asyncio.Event) -> int:
         """Serve until `stop` is set (0) or a step fails (1)."""
-        self._transport = await Transport.connect(self._config.nats_url, f"scheduler-{self._id}")
+        self._transport = await Transport.connect(self._config.nats, f"scheduler-{self._id}")
         await self._subscribe()
         self._heartbeat = HeartbeatPublisher(
-            self._transport, "scheduler", self._id, self._config.heartbeat_interval_s, lambda: self._core.num_running
+            self._transport, "scheduler", self._id, self._config.nats.heartbeat_interval_s, lambda: self._core.num_running
         )
         self._heartbeat.start()  # the first beat follows the subscriptions: it means "ready"
         decode = asyncio.create_task(self._decode_loop(), name="scheduler-decode")
@@ -121,7 +121,7 @@ class SchedulerService:
             await self._transport.unsubscribe(sid)
         log.info("scheduler.draining", instance=self._id, num_running=self._core.num_running)
         finished = await wait_until(
-            lambda: decode.done() or not (self._core.has_work() or self._claims), self._config.drain_timeout_s
+            lambda: decode.done() or not (self._core.has_work() or self._claims), self._config.nats.drain_timeout_s
         )
         if not finished:
             log.warning("scheduler.drain_timeout", instance=self._id, num_running=self._core.num_running)

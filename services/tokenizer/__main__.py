@@ -8,9 +8,10 @@ import sys
 from pathlib import Path
 
 import services
+from services.common.connection import add_connection_arguments, connection_from_args
 from services.common.lifecycle import new_instance_id, run_service, stop_on_signals
 from services.common.logging import configure_logging
-from services.common.settings import EnvSettings
+from services.common.settings import EnvSettings, connection_values
 from services.tokenizer.config import TokenizerConfig
 
 BUNDLED_MODEL = Path(services.__file__).resolve().parents[1] / "ops" / "models" / "sparkwire-tiny"
@@ -18,10 +19,7 @@ BUNDLED_MODEL = Path(services.__file__).resolve().parents[1] / "ops" / "models" 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     env = EnvSettings.from_environ()
-    parser.add_argument("--nats-url", default=env.nats_url or "nats://127.0.0.1:4222")
     parser.add_argument("--log-level", default=env.log_level)
-    parser.add_argument("--heartbeat-interval-s", type=float, default=env.heartbeat_interval_s)
-    parser.add_argument("--heartbeat-timeout-s", type=float, default=env.heartbeat_timeout_s)
     parser.add_argument("--instance-id", default=None, help="default: a random uuid hex")
     parser.add_argument("--model", type=Path, default=Path(env.model) if env.model else BUNDLED_MODEL)
     parser.add_argument("--host", default="127.0.0.1")
@@ -30,14 +28,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--max-logprobs", type=int, default=20)
     parser.add_argument("--request-timeout-s", type=float, default=5.0)
-    parser.add_argument("--drain-timeout-s", type=float, default=env.drain_timeout_s,
-                        help="on SIGTERM, stop accepting connections and let in-flight requests finish this long")  # fmt: skip
+    add_connection_arguments(parser, connection_values())
 
 
 def build_config(args: argparse.Namespace) -> TokenizerConfig:
     return TokenizerConfig(
         model_dir=args.model,
-        nats_url=args.nats_url,
+        nats=connection_from_args(args, connection_values()),
         instance_id=args.instance_id or new_instance_id(),
         host=args.host,
         port=args.port,
@@ -45,9 +42,6 @@ def build_config(args: argparse.Namespace) -> TokenizerConfig:
         max_model_len=args.max_model_len,
         max_logprobs=args.max_logprobs,
         request_timeout_s=args.request_timeout_s,
-        heartbeat_interval_s=args.heartbeat_interval_s,
-        heartbeat_timeout_s=args.heartbeat_timeout_s,
-        drain_timeout_s=args.drain_timeout_s,
         log_level=args.log_level,
     )
 

@@ -5,11 +5,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from services.common.connection import NatsConnection
+
 
 @dataclass(frozen=True)
 class TokenizerConfig:
     model_dir: Path
-    nats_url: str
+    nats: NatsConnection
     instance_id: str
     host: str = "127.0.0.1"
     port: int = 8000
@@ -18,9 +20,6 @@ class TokenizerConfig:
     max_logprobs: int = 20  # upper bound of `logprobs`, `top_logprobs`, `top_logprobs_num`
     request_timeout_s: float = 5.0  # NATS request/reply (claims, registration)
     health_timeout_s: float = 1.0  # /health waits this long for a scheduler to answer a ping
-    heartbeat_interval_s: float = 0.5
-    heartbeat_timeout_s: float = 2.0
-    drain_timeout_s: float = 8.0  # on shutdown, in-flight HTTP requests may finish for this long
     log_level: str = "info"
 
     def __post_init__(self) -> None:
@@ -32,10 +31,7 @@ class TokenizerConfig:
             raise ValueError("max_model_len must be >= 1")
         if self.max_logprobs < 0:
             raise ValueError("max_logprobs must be >= 0")
-        positive = (
-            "request_timeout_s", "health_timeout_s", "heartbeat_interval_s", "heartbeat_timeout_s", "drain_timeout_s"
-        )  # fmt: skip
-        for name in positive:
+        for name in ("request_timeout_s", "health_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0")
 

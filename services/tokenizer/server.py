@@ -26,7 +26,7 @@ async def serving(config: TokenizerConfig) -> AsyncIterator[Frontend]:
     server = uvicorn.Server(
         uvicorn.Config(
             create_app(frontend), host=config.host, port=config.port, lifespan="on", log_level=config.log_level,
-            timeout_graceful_shutdown=config.drain_timeout_s,
+            timeout_graceful_shutdown=config.nats.drain_timeout_s,
         )  # fmt: skip
     )
     # uvicorn owns signals only when it runs the loop itself; here the caller owns them.
@@ -45,7 +45,7 @@ async def serving(config: TokenizerConfig) -> AsyncIterator[Frontend]:
         # finish for up to `drain_timeout_s`, while the NATS side still serves them; then close it.
         server.should_exit = True
         with contextlib.suppress(Exception):
-            await asyncio.wait_for(task, config.drain_timeout_s + 5)
+            await asyncio.wait_for(task, config.nats.drain_timeout_s + 5)
         await service.close()
 
 

@@ -40,9 +40,9 @@ class TokenizerService:
         self.pending = PendingRequests()
         self._transport = transport
         self._heartbeat = HeartbeatPublisher(
-            transport, "tokenizer", config.instance_id, config.heartbeat_interval_s, lambda: len(self.pending)
+            transport, "tokenizer", config.instance_id, config.nats.heartbeat_interval_s, lambda: len(self.pending)
         )
-        timeout = config.heartbeat_timeout_s
+        timeout = config.nats.heartbeat_timeout_s
         self._schedulers = HeartbeatMonitor(transport, "scheduler", timeout, self._on_dead)
         self._detokenizers = HeartbeatMonitor(transport, "detokenizer", timeout, self._on_dead)
         self._watchdog: asyncio.Task[None] | None = None
@@ -50,7 +50,7 @@ class TokenizerService:
 
     @classmethod
     async def start(cls, config: TokenizerConfig) -> TokenizerService:
-        transport = await Transport.connect(config.nats_url, f"tokenizer-{config.instance_id}")
+        transport = await Transport.connect(config.nats, f"tokenizer-{config.instance_id}")
         service = cls(config, transport)
         await transport.subscribe(subjects.tokenizer_outputs(config.instance_id), TextBatch, service._on_outputs)
         await service._schedulers.start()
@@ -131,7 +131,7 @@ class TokenizerService:
 
     async def _watch_unseen(self) -> None:
         """Requests owned by an instance never heard from (or already declared dead) also fail."""
-        timeout = self.config.heartbeat_timeout_s
+        timeout = self.config.nats.heartbeat_timeout_s
         while True:
             await asyncio.sleep(timeout / 4)
             cutoff = time.monotonic() - timeout

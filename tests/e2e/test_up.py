@@ -15,7 +15,9 @@ import pytest
 from e2e.stack import ROOT, generate_body
 from services.cli import COMMANDS, build_parser
 from services.common.nats_server import free_port
-from services.launcher import service_argv
+from services.common.connection import connection_from_args
+from services.common.settings import connection_from_environ, connection_values
+from services.launcher import service_argv, service_environ
 
 
 def descendants(pid: int) -> set[int]:
@@ -101,7 +103,7 @@ def test_help_works_while_a_service_cannot_be_imported(monkeypatch, capsys):
         build_parser(["--help"]).parse_args(["--help"])
     assert done.value.code == 0 and "scheduler" in capsys.readouterr().out
     args = build_parser(["up", "--port", "9000"]).parse_args(["up", "--port", "9000"])
-    assert args.port == 9000 and args.nats_url is None
+    assert args.port == 9000 and args.nats_url == ""  # empty: start an embedded nats-server
     with pytest.raises(ImportError):
         build_parser(["scheduler"])
 
@@ -111,12 +113,12 @@ def test_up_passes_each_service_its_flags():
             "--load-format", "dummy", "--port", "9001", "--logprobs-mode", "processed", "--chunked-prefill-size", "64",
             "--max-logprobs", "5"]  # fmt: skip
     args = build_parser(argv).parse_args(argv)
-    scheduler = service_argv("scheduler", "nats://x:1", args)
-    tokenizer = service_argv("tokenizer", "nats://x:1", args)
-    detokenizer = service_argv("detokenizer", "nats://x:1", args)
+    scheduler = service_argv("scheduler", args)
+    tokenizer = service_argv("tokenizer", args)
+    detokenizer = service_argv("detokenizer", args)
     assert scheduler[1:4] == ["-m", "services.cli", "scheduler"]
     for flag, value in [("--draft-model", "/d"), ("--speculative-algorithm", "dspark"), ("--device", "cpu"),
-                        ("--load-format", "dummy"), ("--nats-url", "nats://x:1"), ("--model", "/m"),
+                        ("--load-format", "dummy"), ("--model", "/m"),
                         ("--logprobs-mode", "processed"), ("--chunked-prefill-size", "64")]:  # fmt: skip
         assert scheduler[scheduler.index(flag) + 1] == value
     assert tokenizer[tokenizer.index("--port") + 1] == "9001" and tokenizer[tokenizer.index("--host") + 1] == "127.0.0.1"
@@ -125,10 +127,24 @@ def test_up_passes_each_service_its_flags():
     assert detokenizer[detokenizer.index("--model") + 1] == "/m"
 
 
+def test_up_hands_each_service_the_connection_through_its_environment_not_its_argv(monkeypatch):
+    monkeypatch.setenv("SPARKWIRE_NATS_PASSWORD", "hunter2")
+    monkeypatch.setenv("SPARKWIRE_NATS_TOKEN", "stale")  # inherited but not part of the connection
+    argv = ["up", "--nats-url", "tls://a:1,tls://b:2", "--nats-user", "sched", "--heartbeat-interval-s", "0.25"]
+    args = build_parser(argv).parse_args(argv)
+    monkeypatch.delenv("SPARKWIRE_NATS_TOKEN")
+    connection = connection_from_args(args, connection_values())
+    env = service_environ(connection)
+    assert not any("hunter2" in arg or "tls://" in arg for arg in service_argv("scheduler", args))
+    assert env["SPARKWIRE_NATS_PASSWORD"] == "hunter2" and "SPARKWIRE_NATS_TOKEN" not in env
+    assert connection_from_environ(env) == connection and connection.servers == ("tls://a:1", "tls://b:2")
+    assert "hunter2" not in repr(connection)
+
+
 def test_the_service_commands_up_builds_parse_with_the_real_cli():
     args = build_parser(["up"]).parse_args(["up"])
     for name in ("scheduler", "detokenizer", "tokenizer"):
-        argv = service_argv(name, "nats://127.0.0.1:4222", args)[3:]
+        argv = service_argv(name, args)[3:]
         parsed = build_parser(argv).parse_args(argv)
         assert parsed.command == name and callable(parsed.run)
 

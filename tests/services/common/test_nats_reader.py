@@ -50,6 +50,9 @@ class FakeReader:
     def _on_connection_lost(self, protocol: object, exc: Exception | None) -> None:
         pass
 
+    def _on_info(self, info: dict) -> None:
+        pass
+
 
 class FakeTransport:
     def __init__(self) -> None:

@@ -20,6 +20,7 @@ from contracts.detokenizer import (
 )
 from contracts.scheduler import AbortRequest
 from contracts.tokenizer import TextBatch
+from services.common.connection import NatsConnection
 from services.common.arrays import from_wire, to_wire
 from services.common.nats_reader import Delivery
 from services.common.transport import Transport
@@ -49,7 +50,7 @@ async def running_detokenizer(url: str, tokenizer_path):
     client = await Transport.connect(url, "test-client")
     beats = Inbox()
     await client.subscribe(subjects.heartbeat("detokenizer"), Heartbeat, beats.handler)
-    config = DetokenizerConfig(url, tokenizer_path, instance_id=DETOK_ID, heartbeat_interval_s=0.2)
+    config = DetokenizerConfig(NatsConnection(nats_url=url, heartbeat_interval_s=0.2), tokenizer_path, instance_id=DETOK_ID)
     service = await DetokenizerService.start(config)
     try:
         beat = await beats.get()

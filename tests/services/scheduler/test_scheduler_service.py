@@ -20,6 +20,7 @@ from contracts.scheduler import (
     SchedulerInfo,
     SchedulerPing,
 )
+from services.common.connection import NatsConnection
 from services.common.arrays import from_wire, to_wire
 from services.common.transport import Transport
 from services.scheduler.config import SchedulerConfig
@@ -39,7 +40,7 @@ class Harness:
 
 @pytest.fixture
 async def harness(nats_server, make_core):
-    config = SchedulerConfig(instance_id="sched-test", nats_url=nats_server.url, heartbeat_interval_s=0.2)
+    config = SchedulerConfig(instance_id="sched-test", nats=NatsConnection(nats_url=nats_server.url, heartbeat_interval_s=0.2))
     client = await Transport.connect(nats_server.url, "test-client")
     stop = asyncio.Event()
     service = SchedulerService(config, make_core(max_model_len=64))

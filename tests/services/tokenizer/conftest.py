@@ -30,6 +30,7 @@ from contracts.scheduler import (
     SchedulerPing,
 )
 from contracts.tokenizer import TextBatch
+from services.common.connection import NatsConnection
 from services.common.arrays import from_wire, to_wire
 from services.common.nats_server import free_port
 from services.common.transport import Transport
@@ -210,11 +211,9 @@ async def backend(nats_server, text_model) -> AsyncIterator[FakeBackend]:
 def tokenizer_config(nats_url: str, **overrides) -> TokenizerConfig:
     values = dict(
         model_dir=MODEL_DIR,
-        nats_url=nats_url,
+        nats=NatsConnection(nats_url=nats_url, heartbeat_interval_s=0.2, heartbeat_timeout_s=1.0),
         instance_id="tok-test",
         port=free_port(),
-        heartbeat_interval_s=0.2,
-        heartbeat_timeout_s=1.0,
         request_timeout_s=2.0,
         log_level="warning",
     )
