@@ -217,3 +217,33 @@ def test_training_mask_and_targets_align_slot_k_with_position_a_plus_k_plus_1():
     assert mask[:, 4:].int().tolist() == expected_block
     labels, valid = draft_targets(torch.tensor([[10, 11, 12, 13]]), torch.tensor([[1, 2]]), gamma=2)
     assert labels[0].tolist()[0] == [12, 13] and valid[0].tolist() == [[True, True], [True, False]]
+
+
+def test_an_empty_batch_proposes_an_empty_block(drafter):
+    proposer = DSparkProposer(drafter, NUM_KV_BLOCKS, KV_BLOCK_SIZE)
+    empty = DraftRequest((), torch.zeros(0, dtype=torch.int64), torch.zeros(0, dtype=torch.int64),
+                         torch.zeros(0, 2, dtype=torch.int32), 0, (), ())  # fmt: skip
+    proposal = proposer.propose(empty)
+    assert proposal.tokens.shape == (0, BLOCK_SIZE) and proposal.probs is None
+
+
+def test_bfloat16_serving_keeps_its_dtypes_and_stays_close_to_fp32(drafter, draft_config, target):
+    """The CUDA dtype path, on CPU: bf16 weights and cache, fp32 logits and probs."""
+    from services.scheduler.spec.dspark_model import DSparkDrafter
+
+    embed = torch.nn.Embedding.from_pretrained(target.model.embed_tokens.weight.bfloat16())
+    half = DSparkDrafter(draft_config, embed, target.lm_head_weight.bfloat16())
+    half.load_state_dict(drafter.state_dict())
+    half = half.bfloat16()
+    half.rope_inv_freq = drafter.rope_inv_freq  # fp32, as the loader keeps it
+    table, hidden = [2, 5, 7], context_hidden(drafter, 10, seed=90)
+    results = []
+    for model in (drafter, half):
+        proposer = DSparkProposer(model, NUM_KV_BLOCKS, KV_BLOCK_SIZE)
+        inject_rows(proposer, hidden.to(model.fc.weight.dtype), table, torch.arange(10))
+        results.append(proposer.propose(request([4, 4], [9, 6], [table, table], [1.0, 0.0], seeds=[1, 2])))
+    full, bf16 = results
+    assert proposer.kv_cache.kv.dtype == torch.bfloat16
+    assert bf16.probs.dtype == torch.float32 and bf16.confidence.dtype == torch.float32
+    distance = (bf16.probs[0, 0] - full.probs[0, 0]).abs().sum()  # slot 0: the same prefix in both
+    assert distance < 0.01, distance
