@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import shlex
 import shutil
 import subprocess
 import sys
@@ -77,7 +78,7 @@ def core_baseline(check: CheckConfig, work: Path) -> dict[str, Any]:
     """`gpu_scheduler_check.py` at batch = concurrency in a child process (the GPU is then all
     the stack's); its tok/s counts generated tokens over the core's wall time, as ours does."""
     out = work / "core.json"
-    command = [sys.executable, str(REPO / "ops/bench/gpu_scheduler_check.py"), "--configs", str(check.model_config),
+    command = [sys.executable, "-m", "ops.bench.gpu_scheduler_check", "--configs", str(check.model_config),
                "--batch-sizes", str(check.concurrency), "--prompt-len", str(check.input_len),
                "--new-tokens", str(check.output_len), "--no-peer", "--out", str(out)]  # fmt: skip
     try:
@@ -197,7 +198,7 @@ def main() -> None:
     check = CheckConfig(
         model_config=args.model_config, device=args.device, concurrency=args.concurrency, num_prompts=args.num_prompts,
         input_len=args.input_len, output_len=args.output_len, load=args.load, request_rate=args.request_rate,
-        core_baseline=not args.no_core_baseline, scenarios=tuple(args.scenarios), up_args=tuple(args.up_args.split()),
+        core_baseline=not args.no_core_baseline, scenarios=tuple(args.scenarios), up_args=tuple(shlex.split(args.up_args)),
         progress=sys.stderr.isatty(),  # a captured log gets the table, not thousands of bar updates
     )  # fmt: skip
     run(check, args.out)

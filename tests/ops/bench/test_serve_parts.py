@@ -8,7 +8,7 @@ import math
 import numpy as np
 import pytest
 
-from ops.bench.serve import ServeConfig
+from ops.bench.serve import ServeConfig, TextProgress
 from ops.bench.serve_client import CompletionsEndpoint, EventFigures, NativeEndpoint, RequestOptions, RequestRecord
 from ops.bench.serve_launch import up_command
 from ops.bench.serve_metrics import distribution, inter_token_latencies, summarize, time_per_output_token
@@ -133,3 +133,12 @@ def test_launch_takes_host_and_port_from_the_base_url():
         up_command(["--port=9"], "http://127.0.0.1:8123")
     with pytest.raises(ValueError, match="port"):
         up_command([], "http://127.0.0.1")
+
+
+def test_the_plain_progress_line_counts_to_the_total(capsys):
+    bar = TextProgress(total=4)
+    for _ in range(4):
+        bar.update(1)
+    bar.close()
+    last = capsys.readouterr().err.split("\r")[-1]
+    assert last.strip() == f"[{'#' * TextProgress.WIDTH}] 4/4 requests"
