@@ -85,11 +85,13 @@ def core_baseline(check: CheckConfig, work: Path) -> dict[str, Any]:
         done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=CORE_TIMEOUT_S)
     except subprocess.TimeoutExpired as exc:
         return {"error": f"timed out after {exc.timeout:.0f}s"}
-    rows = json.loads(out.read_text())["rows"] if out.is_file() else []
+    written = json.loads(out.read_text()) if out.is_file() else {}
+    rows = written.get("rows") or []
     if done.returncode != 0 or not rows:
         return {"error": (done.stdout + done.stderr)[-3000:]}
     return {"batch": check.concurrency, "tok_s": rows[0]["sparkwire"]["tok_s"],
-            "tok_s_logprobs": rows[0]["sparkwire_logprobs"]["tok_s"]}  # fmt: skip
+            "tok_s_logprobs": rows[0]["sparkwire_logprobs"]["tok_s"], "device": written.get("device"),
+            "torch": written.get("torch")}  # fmt: skip
 
 
 def scenario_config(name: str, check: CheckConfig, base_url: str, measured: dict[str, dict]) -> ServeConfig:
