@@ -98,13 +98,21 @@ class DraftAttention(nn.Module):
 def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """q [N, Q, Hq, D]; k, v [N, K, Hkv, D]; mask bool [N, 1, Q, K] (True: visible) -> [N, Q, Hq, D].
 
-    Query head h reads kv head h // (Hq / Hkv), the Hugging Face GQA layout. Every query sees at
-    least its own block's keys, so no softmax row is empty.
+    Query head h reads kv head h // g (g = Hq / Hkv, the Hugging Face GQA layout). The g query heads
+    of a kv head ride along the query axis ([N, Hkv, g * Q, D]), so the context K/V is never copied
+    g times. Every query sees at least its own block's keys, so no softmax row is empty.
     """
-    repeats = q.shape[2] // k.shape[2]
-    k, v = (t.transpose(1, 2).repeat_interleave(repeats, dim=1) for t in (k, v))  # [N, Hq, K, D]
-    out = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, attn_mask=mask, scale=q.shape[-1] ** -0.5)
-    return out.transpose(1, 2)
+    n, num_queries, num_heads, head_dim = q.shape
+    num_kv_heads = k.shape[2]
+    group = num_heads // num_kv_heads
+    grouped = q.view(n, num_queries, num_kv_heads, group, head_dim).permute(0, 2, 3, 1, 4)  # [N, Hkv, g, Q, D]
+    grouped = grouped.reshape(n, num_kv_heads, group * num_queries, head_dim)
+    grouped_mask = mask[:, :, None].expand(n, 1, group, num_queries, mask.shape[-1]).flatten(2, 3)  # [N, 1, g*Q, K]
+    out = F.scaled_dot_product_attention(
+        grouped, k.transpose(1, 2), v.transpose(1, 2), attn_mask=grouped_mask, scale=head_dim**-0.5
+    )  # [N, Hkv, g * Q, D]
+    out = out.view(n, num_kv_heads, group, num_queries, head_dim).permute(0, 3, 1, 2, 4)  # [N, Q, Hkv, g, D]
+    return out.reshape(n, num_queries, num_heads, head_dim)
 
 
 class DraftLayer(nn.Module):
