@@ -50,6 +50,7 @@ def build_core(config: SchedulerConfig) -> SchedulerCore:
         kv_block_size=config.kv_block_size,
         kv_cache_bytes=config.kv_cache_bytes,
         seed=config.seed,
+        cuda_graphs=False,  # captured below, once the verify width and captured layers are known
     )
     proposer = None
     if config.speculative_algorithm == "dspark":
@@ -59,6 +60,10 @@ def build_core(config: SchedulerConfig) -> SchedulerCore:
             config.resolved_draft_model, runner, load_format=config.load_format, seed=config.seed,
             num_draft_tokens=config.num_draft_tokens,
         )  # fmt: skip
+    if runner.decode_kernel:
+        query_lens = (1,) if proposer is None else (1, proposer.num_draft_tokens + 1)
+        capture_layers = () if proposer is None else tuple(proposer.capture_layers)
+        runner.prepare_decode_graphs(query_lens=query_lens, capture_layers=capture_layers)
     return SchedulerCore(
         runner,
         proposer=proposer,

@@ -42,11 +42,14 @@ class AttentionPlan:
 
 @dataclass(frozen=True)
 class DecodePlan:
-    """One query token per sequence, at position seq_len - 1; every table entry a real block id."""
+    """`query_len` query tokens per sequence (1: decode; k + 1: a verify block), the last at
+    position seq_len - 1, each seeing the keys up to its own position; every table entry a real
+    block id. Token t belongs to sequence t // query_len."""
 
-    seq_lens: torch.Tensor  # int32 [B], keys each query sees (its own new key included)
+    seq_lens: torch.Tensor  # int32 [B], KV length of each sequence after this step
     block_tables: torch.Tensor  # int32 [B, M], entries past a sequence's blocks point at any valid block
     use_kernel: bool  # True: the Triton kernel (CUDA only); False: the torch twin
+    query_len: int = 1
 
 
 def plan_attention(batch: ForwardBatch, block_size: int) -> AttentionPlan:
@@ -141,12 +144,13 @@ def _read_blocks(cache: torch.Tensor, group: AttentionGroup) -> torch.Tensor:
 def paged_decode_attention(
     query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, plan: DecodePlan, scale: float
 ) -> torch.Tensor:
-    """query [B, Hq, D], one token per sequence -> [B, Hq, D]."""
+    """query [B * query_len, Hq, D] -> [B * query_len, Hq, D]."""
+    args = (query, key_cache, value_cache, plan.seq_lens, plan.block_tables, scale, plan.query_len)
     if plan.use_kernel:
         from services.scheduler.model.triton_decode import paged_decode_attention_triton  # CUDA only
 
-        return paged_decode_attention_triton(query, key_cache, value_cache, plan.seq_lens, plan.block_tables, scale)
-    return paged_decode_attention_torch(query, key_cache, value_cache, plan.seq_lens, plan.block_tables, scale)
+        return paged_decode_attention_triton(*args)
+    return paged_decode_attention_torch(*args)
 
 
 def paged_decode_attention_torch(
@@ -156,21 +160,31 @@ def paged_decode_attention_torch(
     seq_lens: torch.Tensor,
     block_tables: torch.Tensor,
     scale: float,
+    query_len: int = 1,
 ) -> torch.Tensor:
-    """The kernel's reference: softmax(q k^T * scale) v over keys 0..seq_len-1, fp32 inside.
+    """The kernel's reference: softmax(q k^T * scale) v over each token's visible keys, fp32 inside.
 
-    query [B, Hq, D]; caches [N, block_size, Hkv, D]; seq_lens int32 [B]; block_tables int32 [B, M].
-    Query head h reads kv head h // (Hq / Hkv), as in the Hugging Face GQA layout.
+    query [T = B * query_len, Hq, D]; caches [N, block_size, Hkv, D]; seq_lens int32 [B];
+    block_tables int32 [B, M]. Token t of sequence b = t // query_len sees keys
+    0 .. seq_lens[b] - query_len + t % query_len. Query head h reads kv head h // (Hq / Hkv).
     """
-    num_seqs, num_heads, head_dim = query.shape
+    num_tokens, num_heads, head_dim = query.shape
     num_kv_heads = key_cache.shape[2]
-    blocks = block_tables.long().clamp_min(0)  # [B, M]
+    token_seq, seq_lens = token_lengths(seq_lens, query_len)  # [T], [T]
+    blocks = block_tables.long().clamp_min(0)[token_seq]  # [T, M]
     keys = key_cache[blocks].flatten(1, 2).float()  # [B, K, Hkv, D]
     values = value_cache[blocks].flatten(1, 2).float()  # [B, K, Hkv, D]
-    q = query.float().view(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)  # [B, Hkv, G, D]
+    q = query.float().view(num_tokens, num_kv_heads, num_heads // num_kv_heads, head_dim)  # [T, Hkv, G, D]
     scores = torch.einsum("bhgd,bkhd->bhgk", q, keys) * scale  # [B, Hkv, G, K]
     key_pos = torch.arange(keys.shape[1], device=query.device)  # [K]
-    visible = key_pos[None, :] < seq_lens[:, None].long()  # [B, K]
+    visible = key_pos[None, :] < seq_lens[:, None].long()  # [T, K]
     scores = scores.masked_fill(~visible[:, None, None, :], float("-inf"))
-    out = torch.einsum("bhgk,bkhd->bhgd", scores.softmax(dim=-1), values)  # [B, Hkv, G, D]
-    return out.reshape(num_seqs, num_heads, head_dim).to(query.dtype)
+    out = torch.einsum("bhgk,bkhd->bhgd", scores.softmax(dim=-1), values)  # [T, Hkv, G, D]
+    return out.reshape(num_tokens, num_heads, head_dim).to(query.dtype)
+
+
+def token_lengths(seq_lens: torch.Tensor, query_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sequence of each query token int64 [T], keys it sees int64 [T]) for query_len tokens per sequence."""
+    tokens = torch.arange(seq_lens.shape[0] * query_len, device=seq_lens.device)  # [T]
+    token_seq = tokens // query_len
+    return token_seq, seq_lens.long()[token_seq] - (query_len - 1 - tokens % query_len)

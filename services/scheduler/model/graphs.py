@@ -1,11 +1,13 @@
-"""Decode over a ladder of padded batch sizes, replayed from CUDA graphs.
+"""Decode and verify steps over a ladder of padded batch sizes, replayed from CUDA graphs.
 
 A decode step launches ~1.6k small kernels; replaying a captured graph removes the launch gaps.
-`DecodeGraphRunner` owns static input buffers sized for the largest ladder rung. Each step copies
-the batch into them, pads up to the next rung (padded rows: token 0 at position 0, seq_len 1, every
-block and slot in the cache's trash block, so their K/V writes never reach a real sequence), then
-replays the rung's graph, or, with `capture=False` (the CPU twin CI tests), runs the very same
-padded forward eagerly.
+A step qualifies when every sequence has the same number q of query tokens (q = 1: decode;
+q = k + 1: a speculative verify block), so graphs are keyed by (rung, q). `DecodeGraphRunner`
+owns static input buffers sized for the largest rung and q. Each step copies the batch into them,
+pads up to the next rung (padded sequences: tokens 0 at positions 0..q-1, seq_len q, every block
+and slot in the cache's trash block, so their K/V writes never reach a real sequence), then
+replays the graph, or, with `capture=False` (the CPU twin CI tests), runs the very same padded
+forward eagerly. With `capture_layers` the graphs also return those layers' outputs (DSpark).
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import bisect
 
 import torch
 
-from services.scheduler.model.attention import DecodePlan
+from services.scheduler.model.attention import MAX_BATCHED_QUERY_LEN, DecodePlan
 from services.scheduler.model.batch import ForwardBatch
 from services.scheduler.model.kv_cache import PagedKVCache
 from services.scheduler.model.llama import CausalLM
@@ -27,6 +29,17 @@ def is_pure_decode(batch: ForwardBatch) -> bool:
     return batch.num_tokens == batch.num_seqs and not batch.capture_layers
 
 
+def uniform_query_len(batch: ForwardBatch) -> int | None:
+    """q when every sequence of the batch has the same short query of q tokens (the worker's queries
+    always end at their sequence's seq_len); else None. Long queries (prefill chunks) go to SDPA."""
+    if batch.num_tokens == batch.num_seqs:
+        return 1
+    lens = batch.host_query_lens
+    if lens is None or len(set(lens)) != 1 or lens[0] > MAX_BATCHED_QUERY_LEN:
+        return None
+    return lens[0]
+
+
 class DecodeGraphRunner:
     def __init__(
         self,
@@ -36,88 +49,110 @@ class DecodeGraphRunner:
         max_blocks_per_seq: int | None = None,
         capture: bool = True,
         use_kernel: bool = True,
+        query_lens: tuple[int, ...] = (1,),
+        capture_layers: tuple[int, ...] = (),
     ) -> None:
-        if not ladder or min(ladder) < 1:
-            raise ValueError(f"ladder must hold positive batch sizes, got {ladder}")
+        if not ladder or min(ladder) < 1 or not query_lens or min(query_lens) < 1:
+            raise ValueError(f"ladder and query_lens must hold positive sizes, got {ladder}, {query_lens}")
         self.model, self.cache, self.use_kernel = model, cache, use_kernel
         self.ladder = tuple(sorted(set(ladder)))
+        self.query_lens = tuple(sorted(set(query_lens)))
+        self.capture_layers = tuple(capture_layers)
         self.max_blocks = max_blocks_per_seq or -(-model.config.max_position_embeddings // cache.block_size)
-        self._allocate(self.ladder[-1], cache.kv.device)
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[int, torch.Tensor] = {}  # rung -> static hidden [rung, H]
+        self._allocate(self.ladder[-1], self.query_lens[-1], cache.kv.device)
+        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor | None]] = {}
         if capture:
             self._capture_all()
 
-    def _allocate(self, size: int, device: torch.device) -> None:
+    def _allocate(self, size: int, max_q: int, device: torch.device) -> None:
         trash = self.cache.trash_block
-        self.input_ids = torch.zeros(size, dtype=torch.int64, device=device)  # [R]
-        self.positions = torch.zeros(size, dtype=torch.int64, device=device)  # [R]
+        tokens = size * max_q
+        self.input_ids = torch.zeros(tokens, dtype=torch.int64, device=device)  # [R * Q]
+        self.positions = torch.zeros(tokens, dtype=torch.int64, device=device)  # [R * Q]
+        self.slot_mapping = torch.full((tokens,), trash * self.cache.block_size, dtype=torch.int64, device=device)
         self.seq_lens = torch.ones(size, dtype=torch.int32, device=device)  # [R]
-        self.slot_mapping = torch.full((size,), trash * self.cache.block_size, dtype=torch.int64, device=device)
         self.block_tables = torch.full((size, self.max_blocks), trash, dtype=torch.int32, device=device)  # [R, M]
-        self.query_start_loc = torch.arange(size + 1, dtype=torch.int32, device=device)  # [R + 1]
+        self.query_start_loc = torch.arange(size + 1, dtype=torch.int32, device=device)  # rewritten per q
 
-    def fits(self, batch: ForwardBatch) -> bool:
-        return batch.num_seqs <= self.ladder[-1] and batch.block_tables.shape[1] <= self.max_blocks
+    def fits(self, batch: ForwardBatch, query_len: int = 1) -> bool:
+        return (
+            batch.num_seqs <= self.ladder[-1]
+            and query_len in self.query_lens
+            and batch.block_tables.shape[1] <= self.max_blocks
+            and tuple(batch.capture_layers) in ((), self.capture_layers)
+        )
 
     def rung(self, num_seqs: int) -> int:
         return self.ladder[bisect.bisect_left(self.ladder, num_seqs)]
 
-    def run(self, batch: ForwardBatch) -> torch.Tensor:
-        """Hidden states [B, H] of a pure-decode batch that `fits`."""
-        num_seqs = batch.num_seqs
-        rung = self.rung(num_seqs)
-        self._load(batch, rung)
-        if rung in self.graphs:
-            self.graphs[rung].replay()
-            return self.outputs[rung][:num_seqs].clone()  # the next replay overwrites the static output
-        return self._forward(rung)[:num_seqs]
+    def run(self, batch: ForwardBatch, query_len: int = 1) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(hidden [T, H], captured [T, C * H] or None) of a uniform-query batch that `fits`."""
+        num_tokens = batch.num_tokens
+        rung = self.rung(batch.num_seqs)
+        self._load(batch, rung, query_len)
+        key = (rung, query_len)
+        if key in self.graphs:
+            self.graphs[key].replay()
+            hidden, captured = self.outputs[key]  # the next replay overwrites the static outputs
+            return hidden[:num_tokens].clone(), _head(captured, num_tokens, batch)
+        hidden, captured = self._forward(rung, query_len)
+        return hidden[:num_tokens], _head(captured, num_tokens, batch)
 
-    def _load(self, batch: ForwardBatch, rung: int) -> None:
-        num_seqs, width = batch.num_seqs, batch.block_tables.shape[1]
+    def _load(self, batch: ForwardBatch, rung: int, query_len: int) -> None:
+        num_seqs, num_tokens, width = batch.num_seqs, batch.num_tokens, batch.block_tables.shape[1]
         trash = self.cache.trash_block
-        self.input_ids[:num_seqs].copy_(batch.input_ids)
-        self.positions[:num_seqs].copy_(batch.positions)
+        self.input_ids[:num_tokens].copy_(batch.input_ids)
+        self.positions[:num_tokens].copy_(batch.positions)
+        self.slot_mapping[:num_tokens].copy_(batch.slot_mapping)
         self.seq_lens[:num_seqs].copy_(batch.seq_lens)
-        self.slot_mapping[:num_seqs].copy_(batch.slot_mapping)
         self.block_tables[:rung].fill_(trash)
         tables = batch.block_tables
         self.block_tables[:num_seqs, :width].copy_(tables.masked_fill(tables < 0, trash))
-        self._pad(num_seqs, rung)
+        self._pad(num_seqs, rung, query_len)
 
-    def _pad(self, start: int, rung: int) -> None:
+    def _pad(self, start: int, rung: int, query_len: int) -> None:
         if start == rung:
             return
-        self.input_ids[start:rung].zero_()
-        self.positions[start:rung].zero_()
-        self.seq_lens[start:rung].fill_(1)
-        self.slot_mapping[start:rung].fill_(self.cache.trash_block * self.cache.block_size)
+        tokens = slice(start * query_len, rung * query_len)
+        self.input_ids[tokens].zero_()
+        self.positions[tokens].copy_(torch.arange(query_len, device=self.positions.device).repeat(rung - start))
+        self.seq_lens[start:rung].fill_(query_len)
+        self.slot_mapping[tokens].fill_(self.cache.trash_block * self.cache.block_size)
 
-    def _static_batch(self, rung: int) -> ForwardBatch:
+    def _static_batch(self, rung: int, query_len: int) -> ForwardBatch:
+        num_tokens = rung * query_len
         return ForwardBatch(
-            input_ids=self.input_ids[:rung],
-            positions=self.positions[:rung],
-            query_start_loc=self.query_start_loc[: rung + 1],
+            input_ids=self.input_ids[:num_tokens],
+            positions=self.positions[:num_tokens],
+            query_start_loc=self.query_start_loc[: rung + 1],  # unused by the decode plan
             seq_lens=self.seq_lens[:rung],
             block_tables=self.block_tables[:rung],
-            slot_mapping=self.slot_mapping[:rung],
+            slot_mapping=self.slot_mapping[:num_tokens],
+            capture_layers=self.capture_layers,
         )
 
-    def _forward(self, rung: int) -> torch.Tensor:
-        plan = DecodePlan(self.seq_lens[:rung], self.block_tables[:rung], self.use_kernel)
-        hidden, _ = self.model(self._static_batch(rung), self.cache, plan)
-        return hidden  # [rung, H]
+    def _forward(self, rung: int, query_len: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        plan = DecodePlan(self.seq_lens[:rung], self.block_tables[:rung], self.use_kernel, query_len)
+        return self.model(self._static_batch(rung, query_len), self.cache, plan)  # [rung * q, H], captures
 
     def _capture_all(self) -> None:
-        # Largest first, all rungs in one memory pool: smaller graphs reuse the largest one's blocks.
-        self._pad(0, self.ladder[-1])  # every row padded: warm-up and capture touch the trash block only
+        # Largest first, all graphs in one memory pool: smaller graphs reuse the largest one's blocks.
         pool = None
-        for rung in reversed(self.ladder):
-            self._forward(rung)  # warm-up: Triton compile, cuBLAS plan selection, allocator growth
-            torch.cuda.synchronize(self.cache.kv.device)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                self.outputs[rung] = self._forward(rung)
-            pool = graph.pool()
-            self.graphs[rung] = graph
+        for query_len in reversed(self.query_lens):
+            self._pad(0, self.ladder[-1], query_len)  # every row padded: capture touches the trash block only
+            for rung in reversed(self.ladder):
+                self._forward(rung, query_len)  # warm-up: Triton compile, cuBLAS plans, allocator growth
+                torch.cuda.synchronize(self.cache.kv.device)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    self.outputs[(rung, query_len)] = self._forward(rung, query_len)
+                pool = graph.pool()
+                self.graphs[(rung, query_len)] = graph
         torch.cuda.synchronize(self.cache.kv.device)
+
+
+def _head(captured: torch.Tensor | None, num_tokens: int, batch: ForwardBatch) -> torch.Tensor | None:
+    if captured is None or not batch.capture_layers:
+        return None
+    return captured[:num_tokens].clone()

@@ -1,10 +1,11 @@
 """The scheduler's handle on the model: one ragged forward per step, logits on demand.
 
-The scheduler core owns the block manager and builds each `ForwardBatch`; the runner owns the
-weights and the paged KV cache those blocks index into. Pure decode steps (one token per
-sequence) take the sync-free `DecodePlan` path: on CUDA the Triton paged-decode kernel, replayed
-from a CUDA graph once `prepare_decode_graphs` has captured them; everything else (prefill chunks,
-speculative verify blocks, layer captures) runs the ragged SDPA path eagerly.
+The worker builds each `ForwardBatch` from the policy's plan; the runner owns the weights and the
+paged KV cache those blocks index into. Steps where every sequence has the same number q of query
+tokens (decode, q = 1; speculative verify, q = k + 1) take the sync-free `DecodePlan` path: on
+CUDA the Triton paged kernel, replayed from a CUDA graph keyed by (batch rung, q) once
+`prepare_decode_graphs` has captured them; ragged steps (prefill chunks, mixed batches) run the
+ragged SDPA path eagerly.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import torch
 from services.scheduler.model.attention import DecodePlan
 from services.scheduler.model.batch import ForwardBatch, ForwardOutput
 from services.scheduler.model.config import ModelConfig
-from services.scheduler.model.graphs import DEFAULT_LADDER, DecodeGraphRunner, is_pure_decode
+from services.scheduler.model.graphs import DEFAULT_LADDER, DecodeGraphRunner, uniform_query_len
 from services.scheduler.model.kv_cache import PagedKVCache
 from services.scheduler.model.llama import CausalLM
 
@@ -44,8 +45,11 @@ class ModelRunner:
         ladder: tuple[int, ...] = DEFAULT_LADDER,
         max_blocks_per_seq: int | None = None,
         capture: bool | None = None,
+        query_lens: tuple[int, ...] = (1,),
+        capture_layers: tuple[int, ...] = (),
     ) -> None:
-        """Route pure-decode steps of up to max(ladder) sequences through padded static buffers.
+        """Route uniform-query steps (decode: q = 1; verify: q = k + 1, for each q in `query_lens`) of
+        up to max(ladder) sequences through padded static buffers, returning `capture_layers` too.
 
         capture None: capture CUDA graphs when the kernel path is on (CUDA with Triton); False keeps
         the padded eager twin (what CI tests on CPU). Call once at start-up, before serving.
@@ -53,8 +57,9 @@ class ModelRunner:
         capture = self.decode_kernel if capture is None else capture
         with torch.inference_mode():
             self.decode_graphs = DecodeGraphRunner(
-                self.model, self.kv_cache, ladder, max_blocks_per_seq, capture=capture, use_kernel=self.decode_kernel
-            )
+                self.model, self.kv_cache, ladder, max_blocks_per_seq, capture=capture, use_kernel=self.decode_kernel,
+                query_lens=query_lens, capture_layers=capture_layers,
+            )  # fmt: skip
 
     def drop_decode_graphs(self) -> None:
         self.decode_graphs = None
@@ -88,12 +93,12 @@ class ModelRunner:
         """Run one step: write the new tokens' K/V, return final hidden states [T, H] (+ captures)."""
         self._check(batch)
         batch = self._on_device(batch)
-        if is_pure_decode(batch):
-            if self.decode_graphs is not None and self.decode_graphs.fits(batch):
-                return ForwardOutput(hidden_states=self.decode_graphs.run(batch))
-            if self.decode_kernel:
-                plan = DecodePlan(batch.seq_lens, batch.block_tables, use_kernel=True)
-                return ForwardOutput(hidden_states=self.model(batch, self.kv_cache, plan)[0])
+        query_len = uniform_query_len(batch)
+        if query_len is not None and self.decode_graphs is not None and self.decode_graphs.fits(batch, query_len):
+            return ForwardOutput(*self.decode_graphs.run(batch, query_len))
+        if query_len is not None and self.decode_kernel:
+            plan = DecodePlan(batch.seq_lens, batch.block_tables, use_kernel=True, query_len=query_len)
+            return ForwardOutput(*self.model(batch, self.kv_cache, plan))
         hidden, captured = self.model(batch, self.kv_cache)
         return ForwardOutput(hidden_states=hidden, captured=captured)
 

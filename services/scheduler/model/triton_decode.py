@@ -1,4 +1,5 @@
-"""Triton paged-decode attention: one program per (sequence, kv head), one query token per sequence.
+"""Triton paged-decode attention: one program per (query token, kv head); a sequence has 1 query token
+(decode) or k + 1 (a speculative verify block, causal inside it).
 
 Imported lazily and only on CUDA (the CPU image has no Triton). The program loads the query heads
 that share its kv head (GQA group), walks the sequence's block table one cache block at a time up
@@ -19,16 +20,19 @@ def _paged_decode_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, seq_lens_ptr, tables_ptr, scale,
     stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_ot, stride_oh, stride_tb,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    QUERY_LEN: tl.constexpr,
 ):
-    seq = tl.program_id(0)
+    token = tl.program_id(0)
     kv_head = tl.program_id(1)
-    seq_len = tl.load(seq_lens_ptr + seq)
+    seq = token // QUERY_LEN
+    # token j of a verify block sees the keys up to its own position (causal inside the block)
+    seq_len = tl.load(seq_lens_ptr + seq) - (QUERY_LEN - 1 - token % QUERY_LEN)
     g = tl.arange(0, GROUP_PAD)
     d = tl.arange(0, HEAD_DIM)
     s = tl.arange(0, BLOCK_SIZE)
     g_ok = g < GROUP
     heads = kv_head * GROUP + g
-    q_offs = seq * stride_qt + heads[:, None] * stride_qh + d[None, :]
+    q_offs = token * stride_qt + heads[:, None] * stride_qh + d[None, :]
     q = tl.load(q_ptr + q_offs, mask=g_ok[:, None], other=0.0).to(tl.float32) * scale  # [G, D]
     m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     den = tl.zeros([GROUP_PAD], tl.float32)
@@ -48,7 +52,7 @@ def _paged_decode_kernel(
         acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
         m = m_new
     out = acc / den[:, None]
-    o_offs = seq * stride_ot + heads[:, None] * stride_oh + d[None, :]
+    o_offs = token * stride_ot + heads[:, None] * stride_oh + d[None, :]
     tl.store(out_ptr + o_offs, out.to(out_ptr.dtype.element_ty), mask=g_ok[:, None])
 
 
@@ -59,18 +63,20 @@ def paged_decode_attention_triton(
     seq_lens: torch.Tensor,
     block_tables: torch.Tensor,
     scale: float,
+    query_len: int = 1,
 ) -> torch.Tensor:
-    """query [B, Hq, D]; caches [N, block_size, Hkv, D]; seq_lens int32 [B] (>= 1); tables int32 [B, M]."""
-    num_seqs, num_heads, head_dim = query.shape
+    """query [B * query_len, Hq, D]; caches [N, block_size, Hkv, D]; seq_lens int32 [B] (>= query_len);
+    tables int32 [B, M]. Token t belongs to sequence t // query_len (see DecodePlan)."""
+    num_tokens, num_heads, head_dim = query.shape
     num_kv_heads, block_size = key_cache.shape[2], key_cache.shape[1]
     group = num_heads // num_kv_heads
     query = query.contiguous() if query.stride(-1) != 1 else query
     out = torch.empty_like(query)
-    _paged_decode_kernel[(num_seqs, num_kv_heads)](
+    _paged_decode_kernel[(num_tokens, num_kv_heads)](
         query, key_cache, value_cache, out, seq_lens, block_tables, scale,
         query.stride(0), query.stride(1), key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         out.stride(0), out.stride(1), block_tables.stride(0),
         GROUP=group, GROUP_PAD=triton.next_power_of_2(group), HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
-        num_warps=4,
+        QUERY_LEN=query_len, num_warps=4,
     )
     return out

@@ -77,6 +77,22 @@ def test_oracle_drafts_are_all_accepted_and_output_equals_plain_greedy(make_core
         assert spec[r.rid].spec_verify_ct == expected_verifies, r.rid
 
 
+def test_verify_blocks_through_the_graph_twin_equal_plain_greedy(make_core, tiny_runner):
+    requests = _requests(4, LOGPROBS)
+    plain = _plain(make_core, requests)
+    sequences = {r.rid: r.prompt_ids.tolist() + plain[r.rid].tokens for r in requests}
+    tiny_runner.prepare_decode_graphs(ladder=(1, 2, 4), max_blocks_per_seq=8, capture=False, query_lens=(1, GAMMA + 1))
+    try:
+        routed = []
+        original = tiny_runner.decode_graphs.run
+        tiny_runner.decode_graphs.run = lambda batch, q=1: routed.append(q) or original(batch, q)
+        spec = run(make_core(proposer=OracleProposer(sequences, 2048)), requests)
+    finally:
+        tiny_runner.drop_decode_graphs()
+    _assert_same(plain, spec)
+    assert GAMMA + 1 in routed  # full verify blocks went through the padded static buffers
+
+
 def test_random_drafts_are_rarely_accepted_and_output_still_equals_plain_greedy(make_core):
     requests = _requests(5, LOGPROBS)
     plain = _plain(make_core, requests)

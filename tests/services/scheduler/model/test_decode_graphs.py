@@ -79,7 +79,7 @@ def test_graph_runner_twin_equals_unpadded_eager_forward(make_pager, seqs) -> No
     runner.kv_cache.kv.copy_(before)
     graphs = DecodeGraphRunner(runner.model, runner.kv_cache, (1, 2, 4, 8), MAX_BLOCKS, capture=False, use_kernel=False)
     with torch.inference_mode():
-        padded = graphs.run(batch)
+        padded, _ = graphs.run(batch)
     assert padded.shape == eager.shape
     torch.testing.assert_close(padded, eager, atol=1e-5, rtol=1e-5)
     real = slice(0, runner.num_blocks)  # every block but the trash block
@@ -127,3 +127,34 @@ def test_triton_kernel_matches_twin_on_cuda() -> None:
     want = paged_decode_attention_torch(q, key_cache, value_cache, seq_lens, tables, 128**-0.5)
     torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
 
+
+
+@pytest.mark.parametrize("query_len", [2, 5])
+def test_verify_attention_twin_is_causal_inside_each_block(query_len) -> None:
+    gen = torch.Generator().manual_seed(query_len)
+    key_cache, value_cache = (torch.randn(40, BLOCK_SIZE, 2, 16, generator=gen) for _ in range(2))
+    seq_lens = torch.tensor([query_len, 9, 23], dtype=torch.int32)
+    tables = torch.randperm(40, generator=gen)[:24].view(3, 8).to(torch.int32)
+    q = torch.randn(3 * query_len, 4, 16, generator=gen)
+    got = paged_decode_attention_torch(q, key_cache, value_cache, seq_lens, tables, 0.25, query_len)
+    # token j of sequence b is a one-token decode of a sequence of length seq_len - (q - 1 - j)
+    per_token_lens = torch.tensor([n - (query_len - 1 - j) for n in seq_lens.tolist() for j in range(query_len)], dtype=torch.int32)
+    want = dense_decode_reference(q, key_cache, value_cache, per_token_lens, tables.repeat_interleave(query_len, 0), 0.25)
+    torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5)
+
+
+def test_graph_twin_runs_verify_blocks_with_captures_as_the_eager_forward(make_pager) -> None:
+    import dataclasses
+
+    lengths = [5, 12, 2]
+    runner, pager = prefilled_runner(make_pager, lengths)
+    kv = runner.kv_cache.kv.clone()
+    block = [(b, [7 + b, 8 + b, 9 + b], lengths[b]) for b in range(3)]  # q = 3 tokens per sequence
+    verify = dataclasses.replace(pager.batch(block, capture_layers=(0, 1)), host_query_lens=(3, 3, 3))
+    eager = runner.forward(dataclasses.replace(verify, host_query_lens=None))
+    runner.kv_cache.kv.copy_(kv)
+    runner.prepare_decode_graphs(ladder=(2, 4), max_blocks_per_seq=MAX_BLOCKS, capture=False, query_lens=(1, 3), capture_layers=(0, 1))
+    routed = runner.forward(verify)  # padded to the rung of 4, through the decode plan's twin
+    torch.testing.assert_close(routed.hidden_states, eager.hidden_states, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(routed.captured, eager.captured, atol=1e-5, rtol=1e-5)
+    runner.drop_decode_graphs()
