@@ -56,11 +56,12 @@ class SchedulerCore:
         num_blocks: int | None = None,  # use only this many of the runner's KV blocks (tests)
         proposer: Proposer | None = None,
         verify_mode: str = "static",
+        simulate_accept_len: int | None = None,  # benchmarks only: see ModelWorker
     ) -> None:
         config = runner.config
         self.vocab_size = config.vocab_size
         self.max_model_len = max_model_len or config.max_position_embeddings
-        self.worker = ModelWorker(runner, logprobs_mode=logprobs_mode, proposer=proposer)
+        self.worker = ModelWorker(runner, logprobs_mode=logprobs_mode, proposer=proposer, simulate_accept_len=simulate_accept_len)
         self.policy = Policy(
             num_blocks=min(num_blocks or runner.num_blocks, runner.num_blocks),
             block_size=runner.block_size,

@@ -87,17 +87,25 @@ def logprobs_on_device(
     to_logits: Callable[[torch.Tensor], torch.Tensor] | None,
     vocab_size: int,
     processed: bool,
+    upload=None,
 ) -> DeviceLogprobs | None:
-    """The queries' rows in chunks (so a 32k-row prompt never holds [32k, V] logits); None if no rows."""
+    """The queries' rows in chunks (so a 32k-row prompt never holds [32k, V] logits); None if no rows.
+
+    upload: a `HostUpload` of its own, to send the host-side indices without a synchronizing copy.
+    """
     rows = np.concatenate([q.rows for q in queries]) if queries else np.zeros(0, np.int64)  # [n]
     if rows.size == 0:
         return None
     device = source.device
-    targets = torch.cat([torch.as_tensor(q.targets).to(device) for q in queries])  # [n]
+    host = {"rows": rows.astype(np.int64), "ids": _padded_ids(queries)}  # [n], [n, max_m]
+    on_host_targets = all(isinstance(q.targets, np.ndarray) for q in queries)
+    if on_host_targets:
+        host["targets"] = np.concatenate([q.targets for q in queries]).astype(np.int64)  # [n]
+    sent = upload.send(host) if upload is not None else {k: torch.from_numpy(v).to(device) for k, v in host.items()}
+    targets = sent["targets"] if on_host_targets else torch.cat([torch.as_tensor(q.targets).to(device) for q in queries])
     sampling = [q.sampling if processed else None for q in queries for _ in range(len(q.rows))]  # [n]
     max_k = max(q.top_k for q in queries)
-    ids = torch.from_numpy(_padded_ids(queries)).to(device)  # [n, max_m]
-    row_index = torch.from_numpy(rows).to(device)
+    ids, row_index = sent["ids"], sent["rows"]
     chunk_rows = max(1, min(MAX_CHUNK_ROWS, CHUNK_BYTES // (4 * vocab_size)))
     parts = []
     for start in range(0, len(rows), chunk_rows):

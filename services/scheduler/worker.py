@@ -53,12 +53,21 @@ class _Layout:
 
 
 class ModelWorker:
-    def __init__(self, runner, *, logprobs_mode: str = "raw", proposer: Proposer | None = None) -> None:
+    def __init__(
+        self, runner, *, logprobs_mode: str = "raw", proposer: Proposer | None = None, simulate_accept_len: int | None = None
+    ) -> None:
+        """simulate_accept_len: BENCHMARKS ONLY — every verify keeps min(this - 1, k) drafts whatever the
+        target says, so a draft/verify loop can be timed at a chosen accept length (output is not the model's)."""
         self.runner = runner
         self.proposer = proposer
+        self.simulate_accept_len = simulate_accept_len
         self.vocab_size = runner.config.vocab_size
         self._processed = logprobs_mode == "processed"
         self._upload = HostUpload(runner.device)
+        # the logprob indices travel in their own pinned buffers: a buffer is reused only after the
+        # step's readback, which waits for its copy
+        self._upload_prompt_rows = HostUpload(runner.device)
+        self._upload_output_rows = HostUpload(runner.device)
         self._readback = HostReadback()
         self._draft_probs: dict[str, torch.Tensor] = {}  # rid -> q [gamma, V] of its pending block
 
@@ -148,6 +157,9 @@ class ModelWorker:
             **self._sampling_inputs(producers, logits, arrays["drafts"]),
         )
         num_accepted, next_token = accept(block)  # [P], [P]
+        if self.simulate_accept_len is not None:
+            num_accepted = block.num_draft.clamp(max=self.simulate_accept_len - 1)
+            next_token = block.target_argmax.gather(1, num_accepted[:, None])[:, 0]
         slots = torch.arange(width, device=logits.device)  # [K + 1]
         padded = torch.cat([block.drafts, next_token[:, None]], dim=1)  # [P, K + 1]
         tokens = torch.where(slots[None, :] < num_accepted[:, None], padded, next_token[:, None])  # [P, K + 1]
@@ -189,11 +201,13 @@ class ModelWorker:
                 if plan.steps[i].seq.wants_logprobs:
                     rows = np.arange(p * width, (p + 1) * width, dtype=np.int64)
                     output.append((i, self._query(plan.steps[i], rows, verified.tokens[p])))
-        prompt_lp = logprobs_on_device([q for _, q in prompt], hidden, self.runner.compute_logits, self.vocab_size, self._processed)
+        prompt_lp = logprobs_on_device([q for _, q in prompt], hidden, self.runner.compute_logits, self.vocab_size,
+                                       self._processed, self._upload_prompt_rows)  # fmt: skip
         output_lp = None
         if output:
             logits = verified.logits.view(-1, verified.logits.shape[-1])
-            output_lp = logprobs_on_device([q for _, q in output], logits, None, self.vocab_size, self._processed)
+            output_lp = logprobs_on_device([q for _, q in output], logits, None, self.vocab_size, self._processed,
+                                           self._upload_output_rows)  # fmt: skip
         return _LogprobJobs(prompt, prompt_lp, output, output_lp)
 
     def _prompt_query(self, step: SeqStep, row_start: int) -> LogprobQuery | None:

@@ -1,0 +1,212 @@
+"""The scheduler core's step on one GPU: before/after the policy/worker split, the runner's graph
+step as the floor, verify steps (q = k + 1), and DSpark at a simulated accept length.
+
+All on the Qwen3-8B shape with dummy bf16 weights (`ops/model_configs/Qwen3-8B`), 128-token prompts:
+
+- runner: one graph replay of a decode step (q = 1) and a verify step (q = 8) at batch 1 and 64
+  (CUDA events, median of 50) — the floor a core step can reach;
+- core: ms per decode step at batch 1 and 64 (plain greedy, and with top-20 output logprobs), this
+  tree and, in a subprocess on `--before PATH` (an export of the previous tree), the old core;
+- host syncs per decode step: torch.cuda.set_sync_debug_mode counts synchronizing calls;
+- DSpark with the 8B-shape dummy drafter (`ops/model_configs/Qwen3-8B-dspark`), EXPLICITLY
+  SIMULATED accept length (`--simulate-accept-len`, default 4: every verify keeps 3 drafts + the
+  bonus, whatever the target says): draft + verify ms per step and output tok/s against plain
+  decoding, with and without top-20 logprobs.
+
+    python ops/bench/gpu_core_check.py --before .devcarry/before --out $OUT/gpu_core.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from contracts.scheduler import LogprobParams, SamplingParams
+from services.scheduler.core import SchedulerCore
+from services.scheduler.model.loader import load_model_runner
+from services.scheduler.request import SchedulerRequest
+
+REPO = Path(__file__).resolve().parents[2]
+TARGET = REPO / "ops/model_configs/Qwen3-8B"
+DRAFT = REPO / "ops/model_configs/Qwen3-8B-dspark"
+TOP20 = LogprobParams(return_logprob=True, top_logprobs_num=20)
+
+
+def requests(batch: int, prompt_len: int, new_tokens: int, vocab: int, logprobs: LogprobParams, tag: str):
+    prompts = np.random.default_rng(batch).integers(0, vocab, size=(batch, prompt_len), dtype=np.int32)
+    sampling = SamplingParams(max_new_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+    return [SchedulerRequest(f"{tag}{i}", p, "d", sampling, logprobs) for i, p in enumerate(prompts)]
+
+
+def sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def time_core(core, reqs, warm_steps: int = 3) -> dict:
+    """Prefill, then time the decode steps (after `warm_steps`) until every request finishes."""
+    for r in reqs:
+        core.add(r)
+    tokens, steps = 0, 0
+    for _ in range(1 + warm_steps):  # prefill (and the first token), then a few decode steps
+        core.step()
+    device = core.worker.runner.device.type if hasattr(core, "worker") else core._runner.device.type
+    sync(device)
+    start = time.perf_counter()
+    while core.has_work():
+        tokens += sum(len(o.new_token_ids) for o in core.step())
+        steps += 1
+    sync(device)
+    wall = time.perf_counter() - start
+    return {"ms_per_step": 1e3 * wall / max(steps, 1), "tok_s": tokens / wall, "steps": steps, "tokens": tokens}
+
+
+def core_rows(runner, batches, prompt_len, new_tokens) -> list[dict]:
+    rows = []
+    for batch in batches:
+        for name, logprobs in (("plain", LogprobParams()), ("top20", TOP20)):
+            core = SchedulerCore(runner, max_running_requests=max(batches), chunked_prefill_size=16384)
+            time_core(core, requests(batch, 16, 6, runner.config.vocab_size, logprobs, "w"))  # warm-up
+            row = time_core(core, requests(batch, prompt_len, new_tokens, runner.config.vocab_size, logprobs, "r"))
+            rows.append({"batch": batch, "logprobs": name, **row})
+    return rows
+
+
+def graph_rows(runner, batches, widths) -> list[dict]:
+    """The runner's graph replay alone (the step's floor): static buffers as the last step left them."""
+    graphs = runner.decode_graphs
+    rows = []
+    if graphs is None or not graphs.graphs:
+        return rows  # CPU: nothing captured
+    for batch in batches:
+        for q in widths:
+            key = (graphs.rung(batch), q)
+            graph = graphs.graphs[key]
+            times = []
+            for _ in range(50):
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                graph.replay()
+                end.record()
+                end.synchronize()
+                times.append(start.elapsed_time(end))
+            rows.append({"batch": batch, "query_len": q, "graph_ms": float(np.median(times))})
+    return rows
+
+
+def sync_count(runner, batch: int) -> dict:
+    """Synchronizing calls during decode steps, as torch's sync debug mode reports them."""
+    if runner.device.type != "cuda":
+        return {"batch": batch, "syncs_per_decode_step": None}
+    core = SchedulerCore(runner, max_running_requests=batch, chunked_prefill_size=16384)
+    for r in requests(batch, 32, 12, runner.config.vocab_size, TOP20, "s"):
+        core.add(r)
+    core.step()
+    core.step()
+    counts = []
+    for _ in range(4):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            core.step()
+            torch.cuda.set_sync_debug_mode("default")
+        counts.append(sum("synchroniz" in str(w.message) for w in caught))
+    return {"batch": batch, "syncs_per_decode_step": counts, "host_reads_per_step": 1}
+
+
+def dspark_rows(runner, draft: Path, batches, prompt_len, new_tokens, accept_len) -> list[dict]:
+    from services.scheduler.spec.dspark_loader import load_dspark_proposer
+
+    proposer = load_dspark_proposer(draft, runner, load_format="dummy")
+    gamma = proposer.num_draft_tokens
+    if runner.decode_kernel:
+        runner.prepare_decode_graphs(query_lens=(1, gamma + 1), capture_layers=tuple(proposer.capture_layers))
+    rows = []
+    for batch in batches:
+        for name, logprobs in (("plain", LogprobParams()), ("top20", TOP20)):
+            core = SchedulerCore(runner, max_running_requests=max(batches), chunked_prefill_size=16384,
+                                 proposer=proposer, simulate_accept_len=accept_len)  # fmt: skip
+            time_core(core, requests(batch, 16, 12, runner.config.vocab_size, logprobs, "w"))
+            row = time_core(core, requests(batch, prompt_len, new_tokens, runner.config.vocab_size, logprobs, "r"))
+            rows.append({"batch": batch, "logprobs": name, "gamma": gamma, "simulated_accept_len": accept_len, **row})
+    return rows
+
+
+def core_only(args) -> dict:
+    """This tree's (or --before's, when run under its PYTHONPATH) plain core rows."""
+    runner = load_model_runner(args.target, device=args.device, dtype=_dtype(args.device), load_format="dummy")
+    return {"core": core_rows(runner, args.batches, args.prompt_len, args.new_tokens)}
+
+
+def _dtype(device: str) -> torch.dtype:
+    return torch.bfloat16 if device == "cuda" else torch.float32
+
+
+def before(args) -> dict | None:
+    if args.before is None:
+        return None
+    env = {**os.environ, "PYTHONPATH": str(args.before.resolve())}
+    command = [sys.executable, __file__, "--core-only", "--batches", *map(str, args.batches),
+               "--prompt-len", str(args.prompt_len), "--new-tokens", str(args.new_tokens),
+               "--target", str(args.target.resolve()), "--device", args.device]  # fmt: skip
+    done = subprocess.run(command, cwd=args.before, env=env, capture_output=True, text=True, timeout=900)
+    if done.returncode != 0:
+        return {"error": done.stderr[-3000:]}
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def table(result: dict) -> str:
+    lines = ["| what | batch | ms/step | tok/s |", "|---|---|---|---|"]
+    for label, rows in (("before: core", (result.get("before") or {}).get("core", [])), ("core", result["core"])):
+        for r in rows:
+            lines.append(f"| {label} {r['logprobs']} | {r['batch']} | {r['ms_per_step']:.2f} | {r['tok_s']:.0f} |")
+    for r in result["graph"]:
+        lines.append(f"| runner graph q={r['query_len']} | {r['batch']} | {r['graph_ms']:.2f} | |")
+    for r in result["dspark"]:
+        lines.append(f"| DSpark gamma={r['gamma']} SIMULATED accept {r['simulated_accept_len']} {r['logprobs']} | "
+                     f"{r['batch']} | {r['ms_per_step']:.2f} | {r['tok_s']:.0f} |")
+    lines.append(f"syncs per decode step (sync debug mode): {result['syncs']}")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--batches", nargs="*", type=int, default=[1, 64])
+    parser.add_argument("--prompt-len", type=int, default=128)
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--simulate-accept-len", type=int, default=4)
+    parser.add_argument("--before", type=Path, default=None, help="an export of the previous tree, to time its core")
+    parser.add_argument("--core-only", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--target", type=Path, default=TARGET, help="target config directory (dummy weights)")
+    parser.add_argument("--draft", type=Path, default=DRAFT, help="DSpark draft config directory (dummy weights)")
+    parser.add_argument("--device", default="cuda", help="cuda; cpu only for the smoke test")
+    parser.add_argument("--out", type=Path, default=REPO / "ops/bench/results/gpu_core.json")
+    args = parser.parse_args()
+    if args.core_only:
+        print(json.dumps(core_only(args)))
+        return
+    name = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
+    result = {"device": name, "torch": torch.__version__, "before": before(args)}
+    runner = load_model_runner(args.target, device=args.device, dtype=_dtype(args.device), load_format="dummy", cuda_graphs=False)
+    if runner.decode_kernel:
+        runner.prepare_decode_graphs(query_lens=(1, 8))
+    result["core"] = core_rows(runner, args.batches, args.prompt_len, args.new_tokens)
+    result["graph"] = graph_rows(runner, args.batches, (1, 8))
+    result["syncs"] = [sync_count(runner, b) for b in args.batches]
+    result["dspark"] = dspark_rows(runner, args.draft, args.batches, args.prompt_len, args.new_tokens, args.simulate_accept_len)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2))
+    print(table(result))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,36 @@
+"""ops/bench/gpu_core_check.py at toy size on CPU (tiny target, a dummy drafter for it): it cannot rot."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from services.scheduler.model.config import ModelConfig
+from services.scheduler.spec.dspark_config import draft_config_for_target
+
+REPO = Path(__file__).resolve().parents[3]
+TINY = REPO / "ops/models/sparkwire-tiny"
+
+
+def test_gpu_core_check_runs_on_cpu_and_reports_the_simulated_accept_length(tmp_path):
+    draft = tmp_path / "draft"
+    draft.mkdir()
+    config = draft_config_for_target(ModelConfig.from_pretrained(TINY), num_draft_layers=1, mask_token_id=5, block_size=3, markov_rank=4)
+    (draft / "config.json").write_text(json.dumps(config.to_dict()))
+    out = tmp_path / "core.json"
+    command = [sys.executable, "ops/bench/gpu_core_check.py", "--device", "cpu", "--target", str(TINY), "--draft", str(draft),
+               "--batches", "1", "2", "--prompt-len", "8", "--new-tokens", "30", "--simulate-accept-len", "3", "--out", str(out)]
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    result = json.loads(out.read_text())
+    assert [(r["batch"], r["logprobs"]) for r in result["core"]] == [(1, "plain"), (1, "top20"), (2, "plain"), (2, "top20")]
+    for row in result["dspark"]:
+        # 30 tokens each: 1 from prefill, then every verify keeps 2 drafts + 1 token, whatever the target says;
+        # 3 warm-up verifies (9 tokens) come before the timed steps, which make the other 20: 7 steps
+        assert row["simulated_accept_len"] == 3 and row["gamma"] == 3
+        assert row["tokens"] == row["batch"] * 20 and row["steps"] == 7
+    assert all(r["tok_s"] > 0 for r in result["core"])
