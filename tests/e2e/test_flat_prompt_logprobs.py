@@ -97,3 +97,49 @@ def long_body(seed: int) -> dict:
     return {"input_ids": prompt, "sampling_params": {"max_new_tokens": 1}, "return_logprob": True,
             "logprob_start_len": 0, "top_logprobs_num": LONG_K, "return_flat_raw_top_logprobs": True,
             "return_flat_raw_top_logprobs_b64": True}
+
+
+@pytest.mark.timeout(240)
+def test_rows_flat_cannot_hold_come_back_nested_through_the_whole_path(tmp_path, monkeypatch) -> None:
+    """A model whose hidden states turn NaN at one token (as an fp16 overflow would): the prompt's top
+    rows after it hold NaN, which flat arrays cannot represent (PRODUCT §5), so the scheduler sends
+    nested rows for that request and the response carries them, with a warning in the log."""
+    import shutil
+
+    import torch
+    from safetensors.torch import save_file
+
+    from e2e.stack import BUNDLED_MODEL, start_stack
+    from services.scheduler.model.loader import load_model_runner
+
+    poison = 77
+    model_dir = tmp_path / "nan-model"
+    shutil.copytree(BUNDLED_MODEL, model_dir)
+    runner = load_model_runner(BUNDLED_MODEL, num_kv_blocks=4)
+    tensors = {name: t.detach().clone().contiguous() for name, t in runner.model.checkpoint_tensors()}
+    tensors["model.embed_tokens.weight"][poison] = float("nan")
+    save_file(tensors, str(model_dir / "model.safetensors"))
+    monkeypatch.setenv("SPARKWIRE_MODEL", str(model_dir))
+    (tmp_path / "logs").mkdir()
+    stack = start_stack(tmp_path / "logs")
+    try:
+        prompt = [5, 9, 11, 13, poison, 17, 19, 23]
+        body = {"input_ids": prompt, "sampling_params": {"max_new_tokens": 2, "temperature": 0}, "return_logprob": True,
+                "logprob_start_len": 0, "top_logprobs_num": 2, "return_flat_raw_top_logprobs": True,
+                "return_flat_raw_top_logprobs_b64": True}  # fmt: skip
+        with httpx.Client(base_url=stack.base_url, timeout=60) as client:
+            flat = client.post("/generate", json=body)
+            nested = client.post("/generate", json={**body, "return_flat_raw_top_logprobs": False,
+                                                    "return_flat_raw_top_logprobs_b64": False})  # fmt: skip
+        assert flat.status_code == 200, flat.text
+        meta = flat.json()["meta_info"]
+        assert "input_top_logprobs_shape" not in meta  # no (empty) flat arrays pretending to be the rows
+        rows = meta["input_top_logprobs"]
+        assert len(rows) == len(prompt) and rows[0] is None
+        # the same rows a plain nested request gets (masked NaN values may leak into earlier rows through
+        # attention's 0 * NaN; what matters is that every row arrives, in place, NaN as null)
+        assert rows == nested.json()["meta_info"]["input_top_logprobs"]
+        assert all(len(row) == 2 and entry[0] is None for row in rows[5:] for entry in row)
+        assert "flat_logprobs_fallback" in stack.logs()
+    finally:
+        stack.stop()
