@@ -82,11 +82,12 @@ class DSparkProposer:
     def _draft(self, hidden: torch.Tensor, request: DraftRequest) -> DraftProposal:
         sampler = _BlockSampler(request, hidden.shape[1], self.device)
         base = self.drafter.base_logits(hidden)  # [B, gamma, V]
-        prev = request.anchor_tokens.to(self.device)  # [B]
+        prev, state = request.anchor_tokens.to(self.device), None  # [B]; the recurrent Markov head's state
         tokens, probs, confidence = [], [], []
         for slot in range(hidden.shape[1]):
             confidence.append(self.drafter.confidence_logit(hidden[:, slot], prev))
-            token, q = sampler.draw(base[:, slot] + self.drafter.markov_bias(prev), slot)
+            bias, state = self.drafter.markov_step(prev, hidden[:, slot], state)
+            token, q = sampler.draw(base[:, slot] + bias, slot)
             tokens.append(token)
             probs.append(q)
             prev = token

@@ -15,10 +15,10 @@ layers, heads, `head_dim`, `intermediate_size`, `rope_theta`, ...) with
   output of decoder layer i, 0-based; DeepSpec's -1, the embedding output, is not captured by this
   runtime and is refused). `num_target_layers`: the target's layer count, checked against it.
 - `num_anchors`: anchors sampled per training sequence (training only).
-- `markov_rank` r (0: no Markov head), `markov_head_type` ("vanilla" only, see below).
+- `markov_rank` r (0: no Markov head), `markov_head_type`: "vanilla" (W2 W1[prev], the paper's
+  default), "gated" or "rnn" (its variants; see dspark_model).
 - `enable_confidence_head`, `confidence_head_with_markov` (the head also sees W1[prev]).
 
-`markov_head_type` "gated" and "rnn" (the paper's marginal variants) are refused with a clear error.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from typing import Any
 from services.scheduler.model.config import ModelConfig, UnsupportedModelError
 
 DSPARK_ARCHITECTURE = "Qwen3DSparkModel"
-MARKOV_HEAD_TYPES = ("vanilla",)
+MARKOV_HEAD_TYPES = ("vanilla", "gated", "rnn")
 DEFAULT_NUM_ANCHORS = 512  # the paper's anchors per training sequence
 # Qwen3 shape keys a draft config.json carries (besides the DSpark fields).
 _SHAPE_KEYS = (

@@ -18,6 +18,8 @@ same names); i = draft layer, V = vocab, H = hidden, K = len(target_layer_ids), 
     norm.weight                                 [H]        before the (target's) LM head
     markov_head.markov_w1.weight                [V, r]     W1, an embedding      (markov_rank > 0)
     markov_head.markov_w2.weight                [V, r]     W2, a linear r -> V
+    markov_head.gate_proj.{weight,bias}         [r, H + r], [r]     (markov_head_type "gated")
+    markov_head.joint_proj.{weight,bias}        [3r, 2r + H], [3r]  (markov_head_type "rnn")
     confidence_head.proj.weight                 [1, H (+ r with_markov)]         (enable_confidence_head)
     confidence_head.proj.bias                   [1]
 

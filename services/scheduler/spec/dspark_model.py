@@ -10,6 +10,8 @@ Math, for one block drafted from anchor token x_a at position a (gamma = block_s
               positions < a and to all gamma block keys (non-causal inside the block)
     logits    z_k = lm_head(RMSNorm(h_k))                             the target's LM head, k = 0..gamma-1
     Markov    q_k = softmax((z_k + W2 W1[prev_k]) / T),  prev_0 = x_a,  prev_k = d_k (the draft at slot k-1)
+              (variants: "gated" W2 (sigmoid(G[h_k ; W1[prev_k]]) * W1[prev_k]); "rnn" a recurrent state
+              over the block, see RecurrentMarkovHead)
     confidence c_k = sigmoid(w . [RMSNorm(h_k) ; W1[prev_k]] + b)     (W1 part only with_markov)
 
 Slot k predicts the token at position a + k + 1. Serving (`dspark.DSparkProposer`) runs this with
@@ -129,15 +131,66 @@ class DraftLayer(nn.Module):
 
 
 class MarkovHead(nn.Module):
-    """Rank-r bigram correction of the draft logits: bias(prev) = W2 W1[prev]."""
+    """`vanilla`: a rank-r bigram correction of the draft logits, bias(prev) = W2 W1[prev].
 
-    def __init__(self, vocab_size: int, rank: int) -> None:
+    `step` serves one slot (carrying `state` for the recurrent variant); `block` computes all
+    gamma slots of teacher-forced blocks at once. The same formula is behind both.
+    """
+
+    def __init__(self, vocab_size: int, rank: int, hidden_size: int) -> None:
         super().__init__()
         self.markov_w1 = nn.Embedding(vocab_size, rank)  # W1 [V, r]
         self.markov_w2 = nn.Linear(rank, vocab_size, bias=False)  # W2: r -> V
 
-    def forward(self, prev: torch.Tensor) -> torch.Tensor:
-        return self.markov_w2(self.markov_w1(prev)).float()  # [..., V]
+    def latent(self, prev: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        return self.markov_w1(prev)  # [..., r]
+
+    def step(self, prev: torch.Tensor, hidden: torch.Tensor, state: torch.Tensor | None) -> tuple[torch.Tensor, None]:
+        """prev int64 [B], hidden [B, H] (final-normed) -> (bias f32 [B, V], next state)."""
+        return self.markov_w2(self.latent(prev, hidden)).float(), None
+
+    def block(self, prev: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        """prev int64 [..., gamma], hidden [..., gamma, H] -> bias f32 [..., gamma, V]."""
+        return self.markov_w2(self.latent(prev, hidden)).float()
+
+
+class GatedMarkovHead(MarkovHead):
+    """`gated`: bias = W2 (sigmoid(G [h ; W1[prev]]) * W1[prev]), the slot's hidden state gating the bigram."""
+
+    def __init__(self, vocab_size: int, rank: int, hidden_size: int) -> None:
+        super().__init__(vocab_size, rank, hidden_size)
+        self.gate_proj = nn.Linear(hidden_size + rank, rank)
+
+    def latent(self, prev: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        embedded = self.markov_w1(prev)
+        return torch.sigmoid(self.gate_proj(torch.cat((hidden, embedded), dim=-1))) * embedded
+
+
+class RecurrentMarkovHead(MarkovHead):
+    """`rnn`: a gated recurrent state s over the block (s_0 = 0), bias_k = W2 tanh(o_k), where
+    [g, c, o] = J [s_{k-1} ; W1[prev_k] ; h_k] and s_k = sigmoid(g) s_{k-1} + (1 - sigmoid(g)) tanh(c)."""
+
+    def __init__(self, vocab_size: int, rank: int, hidden_size: int) -> None:
+        super().__init__(vocab_size, rank, hidden_size)
+        self.joint_proj = nn.Linear(2 * rank + hidden_size, 3 * rank)
+
+    def step(self, prev: torch.Tensor, hidden: torch.Tensor, state: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        embedded = self.markov_w1(prev)  # [..., r]
+        state = torch.zeros_like(embedded) if state is None else state
+        gate, candidate, output = self.joint_proj(torch.cat((state, embedded, hidden), dim=-1)).chunk(3, dim=-1)
+        gate = torch.sigmoid(gate)
+        state = gate * state + (1.0 - gate) * torch.tanh(candidate)
+        return self.markov_w2(torch.tanh(output)).float(), state
+
+    def block(self, prev: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        biases, state = [], None
+        for slot in range(prev.shape[-1]):
+            bias, state = self.step(prev[..., slot], hidden[..., slot, :], state)
+            biases.append(bias)
+        return torch.stack(biases, dim=-2)
+
+
+MARKOV_HEADS = {"vanilla": MarkovHead, "gated": GatedMarkovHead, "rnn": RecurrentMarkovHead}
 
 
 class ConfidenceHead(nn.Module):
@@ -159,7 +212,10 @@ class DSparkDrafter(nn.Module):
         self.hidden_norm = RMSNorm(backbone.hidden_size, backbone.rms_norm_eps)
         self.layers = nn.ModuleList(DraftLayer(backbone) for _ in range(backbone.num_hidden_layers))
         self.norm = RMSNorm(backbone.hidden_size, backbone.rms_norm_eps)
-        self.markov_head = MarkovHead(backbone.vocab_size, config.markov_rank) if config.markov_rank > 0 else None
+        self.markov_head = None
+        if config.markov_rank > 0:
+            head = MARKOV_HEADS[config.markov_head_type]
+            self.markov_head = head(backbone.vocab_size, config.markov_rank, backbone.hidden_size)
         self.confidence_head = None
         if config.enable_confidence_head:
             extra = config.markov_rank if config.confidence_uses_markov else 0
@@ -210,8 +266,9 @@ class DSparkDrafter(nn.Module):
     def base_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return F.linear(hidden, self.target.lm_head_weight).float()  # [..., V]
 
-    def markov_bias(self, prev: torch.Tensor) -> torch.Tensor | float:
-        return 0.0 if self.markov_head is None else self.markov_head(prev)  # [..., V]
+    def markov_step(self, prev: torch.Tensor, hidden: torch.Tensor, state: torch.Tensor | None) -> tuple:
+        """One serving slot's Markov bias ([B, V], or 0.0 without the head) and the head's next state."""
+        return (0.0, None) if self.markov_head is None else self.markov_head.step(prev, hidden, state)
 
     def confidence_logit(self, hidden: torch.Tensor, prev: torch.Tensor) -> torch.Tensor | None:
         """hidden [..., H] (final-normed), prev int64 [...] -> logit [...] (None without the head)."""
@@ -241,7 +298,9 @@ class DSparkDrafter(nn.Module):
         mask = training_mask(anchor_positions, seq_len, gamma)  # [B, 1, A*gamma, S + A*gamma]
         hidden = self.run_block(x, positions, layer_kv.__getitem__, mask).view(batch, num_anchors, gamma, -1)
         prev = teacher_forced_prev(input_ids, anchor_positions, gamma)  # [B, A, gamma]
-        logits = self.base_logits(hidden) + self.markov_bias(prev)  # [B, A, gamma, V]
+        logits = self.base_logits(hidden)  # [B, A, gamma, V]
+        if self.markov_head is not None:
+            logits = logits + self.markov_head.block(prev, hidden)
         return DraftTrainOutput(logits=logits, confidence=self.confidence_logit(hidden, prev))
 
 

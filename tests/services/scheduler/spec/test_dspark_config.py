@@ -75,8 +75,8 @@ def test_a_missing_field_is_named():
 
 
 def test_an_unsupported_markov_head_type_is_refused():
-    with pytest.raises(UnsupportedModelError, match="markov_head_type 'rnn'"):
-        DSparkConfig.from_dict({**DEEPSPEC_4B, "markov_head_type": "rnn"})
+    with pytest.raises(UnsupportedModelError, match="markov_head_type 'lstm'"):
+        DSparkConfig.from_dict({**DEEPSPEC_4B, "markov_head_type": "lstm"})
 
 
 @pytest.mark.parametrize(

@@ -88,3 +88,15 @@ def test_the_worker_path_runner_capture_inject_propose_matches_training(tmp_path
     hidden = torch.cat((captured, torch.zeros(len(teacher) - 10, captured.shape[1])))
     logits = proposer.drafter.forward_train(hidden[None], teacher[None], torch.tensor([[10]])).logits[0, 0]
     assert torch.equal(logits.argmax(-1), proposal.tokens[0])
+
+
+def test_a_recurrent_markov_head_round_trips(tmp_path, draft_config, target, target_config):
+    import dataclasses
+
+    from tests.services.scheduler.spec.conftest import random_drafter
+
+    drafter = random_drafter(dataclasses.replace(draft_config, markov_head_type="rnn"), target, seed=8)
+    save_drafter(drafter, tmp_path)
+    loaded = load_like(target, target_config, tmp_path)
+    assert loaded.config.markov_head_type == "rnn" and same_weights(loaded, drafter)
+    assert "markov_head.joint_proj.weight" in dict(loaded.checkpoint_tensors())

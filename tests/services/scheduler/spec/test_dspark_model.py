@@ -154,7 +154,7 @@ def test_draft_probs_are_the_markov_corrected_softmax_at_the_row_temperature(dra
     proposal = proposer.propose(ask)
     block = proposer.block_hidden(ask)[0]  # [gamma, H]
     prev = torch.cat((torch.tensor([33]), proposal.tokens[0, :-1]))
-    z = drafter.base_logits(block) + drafter.markov_head(prev)  # [gamma, V]
+    z = drafter.base_logits(block) + drafter.markov_head.block(prev, block)  # [gamma, V]
     torch.testing.assert_close(proposal.probs[0], (z / 0.5).softmax(-1), atol=1e-6, rtol=0)
     features = torch.cat((block, drafter.markov_head.markov_w1(prev)), dim=-1)
     expected = torch.sigmoid(features @ drafter.confidence_head.proj.weight[0] + drafter.confidence_head.proj.bias)
@@ -247,3 +247,33 @@ def test_bfloat16_serving_keeps_its_dtypes_and_stays_close_to_fp32(drafter, draf
     assert bf16.probs.dtype == torch.float32 and bf16.confidence.dtype == torch.float32
     distance = (bf16.probs[0, 0] - full.probs[0, 0]).abs().sum()  # slot 0: the same prefix in both
     assert distance < 0.01, distance
+
+
+@pytest.mark.parametrize("head_type", ["gated", "rnn"])
+def test_markov_variants_serve_as_they_train(draft_config, target, head_type):
+    drafter = random_drafter(dataclasses.replace(draft_config, markov_head_type=head_type), target, seed=5)
+    table, hidden = [9, 3, 6], context_hidden(drafter, 11, seed=100)
+    ids = torch.randint(0, 60, (11,), generator=torch.Generator().manual_seed(101))
+    proposer = DSparkProposer(drafter, NUM_KV_BLOCKS, KV_BLOCK_SIZE)
+    inject_rows(proposer, hidden, table, torch.arange(11))
+    proposal = proposer.propose(request([int(ids[8])], [8], [table], [1.0], seeds=[3]))
+    logits, confidence = dense_reference(drafter, hidden, ids, 8, proposal.tokens[0])
+    torch.testing.assert_close(proposal.probs[0].log(), logits.log_softmax(-1), atol=ATOL, rtol=0)
+    torch.testing.assert_close(proposal.confidence[0], confidence.sigmoid(), atol=ATOL, rtol=0)
+
+
+def test_markov_variant_formulas(draft_config, target):
+    gated = random_drafter(dataclasses.replace(draft_config, markov_head_type="gated"), target, seed=6).markov_head
+    rnn = random_drafter(dataclasses.replace(draft_config, markov_head_type="rnn"), target, seed=7).markov_head
+    prev, hidden = torch.tensor([[4, 17]]), torch.randn(1, 2, draft_config.hidden_size)
+    with torch.no_grad():
+        w1 = gated.markov_w1.weight[prev]  # [1, 2, r]
+        gate = torch.sigmoid(torch.cat((hidden, w1), -1) @ gated.gate_proj.weight.T + gated.gate_proj.bias)
+        torch.testing.assert_close(gated.block(prev, hidden), (gate * w1) @ gated.markov_w2.weight.T)
+        state, expected = torch.zeros(1, draft_config.markov_rank), []
+        for slot in range(2):  # the state carries from slot 0 into slot 1
+            z = torch.cat((state, rnn.markov_w1.weight[prev[:, slot]], hidden[:, slot]), -1)
+            g, c, o = (z @ rnn.joint_proj.weight.T + rnn.joint_proj.bias).chunk(3, -1)
+            state = torch.sigmoid(g) * state + (1 - torch.sigmoid(g)) * torch.tanh(c)
+            expected.append(torch.tanh(o) @ rnn.markov_w2.weight.T)
+        torch.testing.assert_close(rnn.block(prev, hidden), torch.stack(expected, dim=1))
