@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 import msgspec
 
 from services.common.connection import NatsConnection, connection_from_args
-from services.common.nats_server import NatsServer, start_nats_server
+from services.common.nats_server import NatsServer, free_port, start_nats_server
 from services.common.settings import PREFIX, connection_environ, connection_values
 from services.scheduler.flags import speculative_argv
 
@@ -75,11 +75,13 @@ class Child:
         return f"sparkwire up: {self.name} exited with code {self.exit_code()}; last output lines:\n{lines}"
 
 
-def service_argv(name: str, args: argparse.Namespace) -> list[str]:
+def service_argv(name: str, args: argparse.Namespace, metrics_port: int | None = None) -> list[str]:
     """The command line of one service, as `sparkwire <name>` would be run by hand; the NATS
     connection travels in its environment (`service_environ`), where no secret shows in `ps`."""
     argv = [sys.executable, "-m", "services.cli", name]
     argv += ["--model", args.model, "--log-level", args.log_level]
+    if metrics_port is not None:
+        argv += ["--metrics-port", str(metrics_port)]
     if name == "scheduler":
         argv += speculative_argv(args)
         argv += ["--device", args.device, "--load-format", args.load_format]
@@ -126,6 +128,7 @@ class Stack:
         self.nats: NatsServer | None = None
         self.children: list[Child] = []
         self.stop_requested = threading.Event()
+        self.metrics_urls: dict[str, str] = {}
 
     def start(self) -> None:
         connection = connection_from_args(self.args, connection_values())
@@ -133,8 +136,14 @@ class Stack:
             self.nats = start_nats_server()
             connection = msgspec.structs.replace(connection, nats_url=self.nats.url)
             print(f"sparkwire up: nats-server on {self.nats.url}", file=sys.stderr, flush=True)
+        ports = {name: free_port() for name in START_ORDER if name != "tokenizer"}  # the tokenizer's is its HTTP port
+        env = service_environ(connection)
+        if getattr(self.args, "api_key", None):
+            env["SPARKWIRE_API_KEY"] = self.args.api_key  # not in argv: `ps` shows argv
         for name in START_ORDER:
-            self.children.append(Child.start(name, service_argv(name, self.args), service_environ(connection)))
+            self.children.append(Child.start(name, service_argv(name, self.args, ports.get(name)), env))
+        self.metrics_urls = {name: f"http://127.0.0.1:{port}/metrics" for name, port in ports.items()}
+        self.metrics_urls["tokenizer"] = f"http://{reachable_host(self.args.host)}:{self.args.port}/metrics"
 
     def dead_child(self) -> Child | None:
         return next((child for child in self.children if child.exit_code() is not None), None)
@@ -213,6 +222,8 @@ def _run(stack: Stack) -> int:
     if dead is None and not stack.stop_requested.is_set():
         url = f"http://{stack.args.host}:{stack.args.port}"
         print(f"Sparkwire ready on {url}", flush=True)
+        where = ", ".join(f"{name} {metrics}" for name, metrics in stack.metrics_urls.items())
+        print(f"sparkwire up: Prometheus metrics: {where}", file=sys.stderr, flush=True)
         dead = stack.wait_stopped_or_dead()
     if dead is not None:
         print(dead.report(), file=sys.stderr, flush=True)

@@ -28,6 +28,7 @@ class EnvSettings:
     model: str = ""  # empty: the bundled model (ops/models/sparkwire-tiny)
     device: str = "auto"
     event_loop: str = "uvloop"  # "uvloop" or "asyncio" (the standard library's, for debugging)
+    api_key: str = ""  # SPARKWIRE_API_KEY: the tokenizer's --api-key (kept out of process lists)
     allocator: str = "tuned"  # "tuned" (services/common/memory.py) or "default" (glibc's own thresholds)
 
     @classmethod

@@ -209,22 +209,29 @@ class Transport:
         self._encoder.encode_into(message, buffer)
         return buffer
 
-    async def publish(self, subject: str, message: msgspec.Struct | bytes | bytearray) -> None:
+    async def publish(
+        self, subject: str, message: msgspec.Struct | bytes | bytearray, headers: dict[str, str] | None = None
+    ) -> None:
         """Publish, framing and flow-controlling large payloads. Raises `ReceiverGone` when a
-        framed message's receiver stopped acking for `ack_timeout_s`."""
+        framed message's receiver stopped acking for `ack_timeout_s`. `headers` (e.g. the
+        request id) travel with the message, on every chunk of a framed one."""
         payload = message if isinstance(message, (bytes, bytearray)) else self.encode(message)
         window = self._windows.get(subject) or self._windows.setdefault(subject, _Window())
         flow_controlled = self._window_bytes > 0 and len(payload) >= FRAMED_MIN_BYTES
         async with window.lock:
-            if flow_controlled or len(payload) > self.max_payload:
-                await self._publish_framed(subject, payload, window)
+            if flow_controlled or len(payload) + (header_block_size(headers) if headers else 0) > self.max_payload:
+                await self._publish_framed(subject, payload, window, headers or {})
             else:
-                await self._nc.publish(subject, payload)
+                await self._nc.publish(subject, payload, headers=headers)
 
-    async def _publish_framed(self, subject: str, payload: bytes | bytearray, window: _Window) -> None:
+    async def _publish_framed(
+        self, subject: str, payload: bytes | bytearray, window: _Window, extra: dict[str, str]
+    ) -> None:
         ack_subject = await self._ensure_ack_inbox() if self._window_bytes > 0 else None
         msg_id = f"{self._sender_id}-{next(self._seq)}"
-        chunk_size, num_chunks, width = plan_chunks(len(payload), self.max_payload, msg_id, ack_subject)
+        # The extra headers' own block size over-counts their share by the block's fixed framing: safe.
+        budget = self.max_payload - (header_block_size(extra) if extra else 0)
+        chunk_size, num_chunks, width = plan_chunks(len(payload), budget, msg_id, ack_subject)
         view = memoryview(payload).cast("B")  # byte-sized items: len(chunk) is its size in bytes
         for index in range(num_chunks):
             chunk = view[index * chunk_size : (index + 1) * chunk_size]  # no copy; nats-py joins it once
@@ -233,7 +240,7 @@ class Transport:
                 key = f"{msg_id} {index}"
                 self._ack_keys[key] = subject
                 window.add(key, len(chunk))
-            headers = chunk_headers(msg_id, index, num_chunks, width, ack_subject)
+            headers = extra | chunk_headers(msg_id, index, num_chunks, width, ack_subject)
             await self._nc.publish(subject, chunk, headers=headers)
 
     async def _acquire(self, subject: str, window: _Window, size: int) -> None:
@@ -268,13 +275,16 @@ class Transport:
         if subject is not None:  # unknown keys: duplicates, or acks for a forgotten window
             self._windows[subject].release(key)
 
-    async def request(self, subject: str, message: msgspec.Struct, reply_type: type[T], timeout: float) -> T:
+    async def request(
+        self, subject: str, message: msgspec.Struct, reply_type: type[T], timeout: float,
+        headers: dict[str, str] | None = None,
+    ) -> T:  # fmt: skip
         """Single-message request/reply. Raises `PayloadTooLarge` at once when the request does
         not fit `max_payload`, `nats.errors.NoRespondersError` at once when nobody listens,
         `nats.errors.TimeoutError` after `timeout`."""
         payload = self.encode(message)
         self._check_single(subject, payload, "request")
-        reply = await self._nc.request(subject, payload, timeout=timeout)
+        reply = await self._nc.request(subject, payload, timeout=timeout, headers=headers)
         return msgspec.msgpack.decode(reply.data, type=reply_type)
 
     async def respond(self, request: Delivery, message: msgspec.Struct) -> None:

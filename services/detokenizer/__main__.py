@@ -25,6 +25,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--log-level", default=env.log_level)
     parser.add_argument("--log-format", choices=("console", "json"), default=env.log_format)
     add_connection_arguments(parser, connection_values())
+    parser.add_argument("--metrics-host", default="127.0.0.1", help="bind address of --metrics-port")
+    parser.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus /metrics here (0: any free port)")
 
 
 def config_from_args(args: argparse.Namespace) -> DetokenizerConfig:
@@ -32,12 +34,18 @@ def config_from_args(args: argparse.Namespace) -> DetokenizerConfig:
         nats=connection_from_args(args, connection_values()),
         tokenizer_path=tokenizer_file(Path(args.model)),
         instance_id=args.instance_id,
+        metrics_host=args.metrics_host,
+        metrics_port=args.metrics_port,
     )
 
 
 def main(args: argparse.Namespace) -> int:
     configure_logging(args.log_level, args.log_format)
-    config = config_from_args(args)
+    try:
+        config = config_from_args(args)
+    except ValueError as exc:  # e.g. a --model without tokenizer.json: one line, no traceback
+        print(f"sparkwire detokenizer: {exc}", file=sys.stderr)
+        return 2
 
     async def serve() -> None:
         stop = asyncio.Event()

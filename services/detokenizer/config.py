@@ -13,6 +13,8 @@ class DetokenizerConfig:
     nats: NatsConnection
     tokenizer_path: Path  # a tokenizer.json
     instance_id: str
+    metrics_host: str = "127.0.0.1"
+    metrics_port: int | None = None  # None: no /metrics endpoint; 0: any free port (logged)
 
     def __post_init__(self) -> None:
         if not self.tokenizer_path.is_file():

@@ -13,10 +13,12 @@ from contracts.scheduler import AbortRequest
 from contracts.detokenizer import DetokenizerRegistration, DetokenizerRegistrationReply, TokenBatch
 from services.common.heartbeat import HeartbeatMonitor, HeartbeatPublisher
 from services.common.lifecycle import wait_until
+from services.common.logging import request_id_from
 from services.common.nats_reader import Delivery
 from services.common.transport import Transport
 from services.detokenizer.config import DetokenizerConfig
 from services.detokenizer.core import DetokenizerCore
+from services.detokenizer.metrics import DetokenizerTelemetry
 
 log = structlog.get_logger(__name__)
 
@@ -33,6 +35,7 @@ class DetokenizerService:
         )
         self._schedulers = HeartbeatMonitor(transport, "scheduler", config.nats.heartbeat_timeout_s, self._on_scheduler_dead)
         self._register_sid: int | None = None
+        self.telemetry = DetokenizerTelemetry(lambda: core.num_running)
 
     @classmethod
     async def start(cls, config: DetokenizerConfig) -> DetokenizerService:
@@ -51,15 +54,18 @@ class DetokenizerService:
         await transport.subscribe(subjects.SCHEDULER_ABORT, AbortRequest, service._on_abort)
         await service._schedulers.start()
         service._heartbeat.start()
+        await service.telemetry.start(config.metrics_host, config.metrics_port)
         log.info("detokenizer.started", instance=config.instance_id, nats=config.nats.redacted_url)
         return service
 
     async def _on_register(self, registration: DetokenizerRegistration, msg: Delivery) -> None:
         self._core.register(registration)
+        self.telemetry.registered(registration.rid, request_id_from(msg.headers))
         await self._transport.respond(msg, DetokenizerRegistrationReply(detokenizer_id=self._config.instance_id))
 
     async def _on_tokens(self, batch: TokenBatch, _msg: Delivery) -> None:
         result = self._core.process(batch)
+        self.telemetry.processed(batch, result.outputs.values(), len(result.aborts))
         # Aborts first: the sooner the scheduler hears of a stop match, the fewer wasted steps.
         for abort in result.aborts:
             await self._transport.publish(subjects.SCHEDULER_ABORT, abort)
@@ -68,10 +74,12 @@ class DetokenizerService:
 
     async def _on_abort(self, abort: AbortRequest, _msg: Delivery) -> None:
         if abort.reason != "stop" and self._core.forget_unstarted(abort.rid):
+            self.telemetry.forgotten([abort.rid])
             log.info("detokenizer.unstarted_request_dropped", rid=abort.rid, reason=abort.reason)
 
     def _on_scheduler_dead(self, scheduler_id: str, reason: str) -> None:
         dropped = self._core.forget_scheduler(scheduler_id)
+        self.telemetry.forgotten(dropped)
         if dropped:
             log.warning("detokenizer.scheduler_dead", scheduler=scheduler_id, reason=reason, num_dropped=len(dropped))
 
@@ -90,6 +98,7 @@ class DetokenizerService:
         """Say "dead" first so tokenizers fail what we still hold fast, then close."""
         await self._heartbeat.stop(reason)
         await self._schedulers.stop()
+        await self.telemetry.close()
         await self._transport.close()
         log.info("detokenizer.stopped", instance=self._config.instance_id, reason=reason)
 

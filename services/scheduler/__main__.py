@@ -42,6 +42,8 @@ def _add_common_arguments(parser: argparse.ArgumentParser, env: EnvSettings) -> 
     parser.add_argument("--log-level", default=env.log_level)
     add_connection_arguments(parser, connection_values())
     parser.add_argument("--instance-id", default=None, help="default: a random id")
+    parser.add_argument("--metrics-host", default="127.0.0.1", help="bind address of --metrics-port")
+    parser.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus /metrics here (0: any free port)")
 
 
 def config_from_args(args: argparse.Namespace) -> SchedulerConfig:
@@ -63,6 +65,8 @@ def config_from_args(args: argparse.Namespace) -> SchedulerConfig:
         seed=args.seed,
         instance_id=args.instance_id or new_instance_id(),
         nats=connection_from_args(args, connection_values()),
+        metrics_host=args.metrics_host,
+        metrics_port=args.metrics_port,
     )
 
 

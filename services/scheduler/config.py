@@ -41,6 +41,8 @@ class SchedulerConfig:
     instance_id: str = "scheduler"
     nats: NatsConnection = NatsConnection()
     claim_expiry_s: float = 30.0  # a claimed rid whose GenerateRequest never arrives is forgotten
+    metrics_host: str = "127.0.0.1"
+    metrics_port: int | None = None  # None: no /metrics endpoint; 0: any free port (logged)
 
     def __post_init__(self) -> None:
         _check_choice("device", self.device, DEVICES)

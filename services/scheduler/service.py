@@ -26,6 +26,8 @@ from contracts.scheduler import (
 )
 from services.common.heartbeat import HeartbeatPublisher
 from services.common.lifecycle import wait_until
+from services.common.logging import bound_request_id, request_id_from
+from services.common.metrics_scheduler import SchedulerStats, SchedulerTelemetry
 from services.common.nats_reader import Delivery
 from services.common.transport import Transport
 from services.scheduler.config import SchedulerConfig
@@ -88,6 +90,15 @@ class SchedulerService:
         self._claims: dict[str, float] = {}  # rid -> monotonic deadline for its GenerateRequest
         self._aborted_claims: dict[str, float] = {}  # aborted before arrival -> deadline
         self._queue_subscriptions: list[int] = []  # claim and ping: left first when draining
+        self._telemetry = SchedulerTelemetry(self._stats, Path(config.model).name)
+
+    def _stats(self) -> SchedulerStats:
+        core = self._core.stats()
+        return SchedulerStats(
+            num_running=core.num_running, num_waiting=core.num_waiting, kv_cache_usage=core.kv_usage,
+            num_preemptions=core.num_preemptions, num_spec_draft_tokens=core.num_drafted_tokens,
+            num_spec_accepted_tokens=core.num_accepted_tokens,
+        )  # fmt: skip
 
     async def run(self, stop: asyncio.Event) -> int:
         """Serve until `stop` is set (0) or a step fails (1)."""
@@ -97,6 +108,7 @@ class SchedulerService:
             self._transport, "scheduler", self._id, self._config.nats.heartbeat_interval_s, lambda: self._core.num_running
         )
         self._heartbeat.start()  # the first beat follows the subscriptions: it means "ready"
+        await self._telemetry.start(self._config.metrics_host, self._config.metrics_port)
         decode = asyncio.create_task(self._decode_loop(), name="scheduler-decode")
         expiry = asyncio.create_task(self._expire_claims(), name="scheduler-claims")
         log.info("scheduler.ready", instance=self._id, model=self._config.model)
@@ -140,7 +152,9 @@ class SchedulerService:
         reply = SchedulerClaimReply(self._id, accepted=error is None, error=error)
         await self._transport.respond(msg, reply)
 
-    async def _on_generate(self, request: GenerateRequest, _msg: Delivery) -> None:
+    async def _on_generate(self, request: GenerateRequest, msg: Delivery) -> None:
+        with bound_request_id(request_id_from(msg.headers)):
+            log.info("scheduler.request_added", rid=request.rid, prompt_tokens=request.input_ids.shape[0])
         self._claims.pop(request.rid, None)
         if self._aborted_claims.pop(request.rid, None) is not None:
             return  # aborted between claim and arrival: the abort's sender already gave up on it
@@ -185,6 +199,7 @@ class SchedulerService:
             await self._publish(outputs, self._core.num_steps)
 
     async def _publish(self, outputs: list[RequestOutput], step: int) -> None:
+        self._telemetry.observe_step(outputs)
         for detokenizer_id, batch in to_token_batches(outputs, self._id, step).items():
             await self._transport.publish(subjects.detokenizer_tokens(detokenizer_id), batch)
 
@@ -200,6 +215,7 @@ class SchedulerService:
         with contextlib.suppress(Exception):
             await self._publish(self._core.fail_all(reason), self._core.num_steps + 1)
         await self._heartbeat.stop(reason)
+        await self._telemetry.close()
         await self._transport.close()
         log.info("scheduler.stopped", instance=self._id, reason=reason)
         return 1 if error is not None else 0

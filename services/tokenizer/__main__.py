@@ -10,7 +10,7 @@ from pathlib import Path
 import services
 from services.common.connection import add_connection_arguments, connection_from_args
 from services.common.lifecycle import new_instance_id, run_service, stop_on_signals
-from services.common.logging import configure_logging
+from services.common.logging import LOG_FORMATS, configure_logging
 from services.common.settings import EnvSettings, connection_values
 from services.tokenizer.config import TokenizerConfig
 
@@ -19,15 +19,21 @@ BUNDLED_MODEL = Path(services.__file__).resolve().parents[1] / "ops" / "models" 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     env = EnvSettings.from_environ()
-    parser.add_argument("--log-level", default=env.log_level)
-    parser.add_argument("--instance-id", default=None, help="default: a random uuid hex")
-    parser.add_argument("--model", type=Path, default=Path(env.model) if env.model else BUNDLED_MODEL)
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=8000)
-    parser.add_argument("--served-model-name", default="")
-    parser.add_argument("--max-model-len", type=int, default=None)
-    parser.add_argument("--max-logprobs", type=int, default=20)
-    parser.add_argument("--request-timeout-s", type=float, default=5.0)
+    add = parser.add_argument
+    add("--log-level", default=env.log_level, help="debug, info, warning or error")
+    add("--log-format", choices=LOG_FORMATS, default=env.log_format, help="console lines or one JSON object per line")
+    add("--instance-id", default=None, help="default: a random uuid hex")
+    add("--model", type=Path, default=Path(env.model) if env.model else BUNDLED_MODEL,
+        help="model directory (tokenizer.json, tokenizer_config.json, config.json)")  # fmt: skip
+    add("--host", default="127.0.0.1", help="HTTP bind address")
+    add("--port", type=int, default=8000, help="HTTP port")
+    add("--served-model-name", default="", help="the model name clients send and see (default: the directory name)")
+    add("--max-model-len", type=int, default=None, help="longest prompt + output (default: the model's)")
+    add("--max-logprobs", type=int, default=20, help="largest top-k a request may ask for")
+    add("--request-timeout-s", type=float, default=5.0, help="NATS request/reply timeout (claims, registration)")
+    add("--api-key", default=env.api_key or None,
+        help="require `Authorization: Bearer KEY` on every route but /health (env: SPARKWIRE_API_KEY)")  # fmt: skip
+    add("--metrics-require-api-key", action="store_true", help="/metrics needs the API key too")
     add_connection_arguments(parser, connection_values())
 
 
@@ -43,20 +49,27 @@ def build_config(args: argparse.Namespace) -> TokenizerConfig:
         max_logprobs=args.max_logprobs,
         request_timeout_s=args.request_timeout_s,
         log_level=args.log_level,
+        api_key=args.api_key,
+        metrics_require_api_key=args.metrics_require_api_key,
     )
 
 
-async def _serve(args: argparse.Namespace) -> None:
+async def _serve(config: TokenizerConfig) -> None:
     from services.tokenizer.server import run
 
     stop = asyncio.Event()
     stop_on_signals(stop)
-    await run(build_config(args), stop)
+    await run(config, stop)
 
 
 def main(args: argparse.Namespace) -> int:
-    configure_logging(args.log_level)
-    run_service(_serve(args))
+    configure_logging(args.log_level, args.log_format)
+    try:
+        config = build_config(args)
+    except ValueError as exc:  # e.g. a --model directory without tokenizer.json: one line, no traceback
+        print(f"sparkwire tokenizer: {exc}", file=sys.stderr)
+        return 2
+    run_service(_serve(config))
     return 0
 
 

@@ -21,6 +21,8 @@ class TokenizerConfig:
     request_timeout_s: float = 5.0  # NATS request/reply (claims, registration)
     health_timeout_s: float = 1.0  # /health waits this long for a scheduler to answer a ping
     log_level: str = "info"
+    api_key: str | None = None  # set: every route but /health needs `Authorization: Bearer <key>`
+    metrics_require_api_key: bool = False  # /metrics too needs the key (scrapers often send none)
 
     def __post_init__(self) -> None:
         if not (self.model_dir / "tokenizer.json").is_file():

@@ -8,15 +8,18 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
+import structlog
 from litestar import Request
 
 from services.tokenizer.config import TokenizerConfig
 from services.tokenizer.metrics import Metrics
-from services.tokenizer.native import GenerationResult, collect
+from services.tokenizer.native import SSE_DONE, GenerationResult, collect, error_body, sse
 from services.tokenizer.requests import Delta, PendingRequest, RequestFailed
 from services.tokenizer.service import TokenizerService
 from services.tokenizer.text_model import TextModel
 from services.tokenizer.validation import GenerationSpec
+
+log = structlog.get_logger(__name__)
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
@@ -62,9 +65,23 @@ class Frontend:
         work.cancel()
         raise ClientGone()
 
-    def observe(self, endpoint: str, results: list[GenerationResult]) -> None:
-        for result in results:
-            self.metrics.observe_generation(endpoint, result.e2e_latency, result.prompt_tokens, len(result.output_ids))
+
+
+def request_left(metrics: Metrics, pending: PendingRequest) -> None:
+    """Every request, once, when it leaves: metrics and the one-line summary (vLLM prints
+    something similar per request; here it is the line to grep a request id for)."""
+    metrics.observe_request(pending)
+    timing = pending.timing
+    log.info(
+        "request.finished", request_id=pending.spec.request_id, rid=pending.rid, outcome=pending.outcome,
+        prompt_tokens=pending.prompt_tokens, completion_tokens=timing.num_output_tokens,
+        ttft_s=_rounded(timing.first_token_at, timing.arrived_at), e2e_s=round(timing.e2e_s(), 4),
+        scheduler=pending.scheduler_id, detokenizer=pending.detokenizer_id,
+    )  # fmt: skip
+
+
+def _rounded(at: float | None, since: float) -> float | None:
+    return None if at is None else round(at - since, 4)
 
 
 async def _until_disconnect(request: Request) -> None:
@@ -75,10 +92,15 @@ async def _until_disconnect(request: Request) -> None:
 async def stream_then_abort(
     frontend: Frontend, pendings: list[PendingRequest], events: AsyncIterator[bytes]
 ) -> AsyncIterator[bytes]:
-    """Wrap an SSE generator: if the client leaves mid-stream, abort the request."""
+    """Wrap an SSE generator: if the client leaves mid-stream, abort the request. A bug while
+    streaming (the status line is long sent) becomes a logged error event, then [DONE]."""
     try:
         async for event in events:
             yield event
+    except Exception as exc:
+        log.error("http.stream_failed", error=f"{type(exc).__name__}: {exc}", exc_info=exc)
+        yield sse(error_body("internal server error while streaming", "internal_error", 500))
+        yield SSE_DONE
     finally:
         for pending in pendings:
             if not pending.finished:

@@ -12,15 +12,18 @@ from __future__ import annotations
 import re
 from typing import Any
 
+import structlog
+
 from litestar import Litestar, MediaType, Request, get, post
 from litestar.datastructures import State
 from litestar.di import Provide
 from litestar.exceptions import HTTPException, ValidationException
 from litestar.openapi import OpenAPIConfig
 from litestar.response import Response, Stream
-from litestar.types import Message, Scope
+from litestar.types import ASGIApp
 
 from services.tokenizer import openai_api
+from services.tokenizer.edge import HttpEdge, request_id_of
 from services.tokenizer.api_types import DetokenizeBody, GenerateBody, TokenizeBody
 from services.tokenizer.frontend import SSE_HEADERS, ClientGone, Frontend, stream_then_abort
 from services.tokenizer.json_body import encode_json
@@ -29,19 +32,20 @@ from services.tokenizer.requests import RequestFailed
 from services.tokenizer.service import ServiceUnavailable
 from services.tokenizer.validation import InvalidRequest, require, validate_generate
 
+log = structlog.get_logger(__name__)
+
 MISSING_FIELD = re.compile(r"missing required field `([^`]+)`")
 
 
 @post("/generate", status_code=200, summary="Native generation API (SGLang-compatible)")
 async def generate(data: GenerateBody, frontend: Frontend, request: Request) -> Response[Any] | Stream:
-    specs, is_batch = validate_generate(data, frontend.model, frontend.config.max_logprobs)
+    specs, is_batch = validate_generate(data, frontend.model, frontend.config.max_logprobs, request_id_of(request))
     pendings = await frontend.submit_all(specs)
     if data.stream:
         result = GenerationResult(specs[0])
         events = native_events(pendings[0], frontend.model, result)
         return Stream(stream_then_abort(frontend, pendings, events), media_type="text/event-stream", headers=SSE_HEADERS)
     results = await frontend.collect_all(pendings, request)
-    frontend.observe("generate", results)
     bodies = [native_response(result, frontend.model) for result in results]
     return Response(encode_json(bodies if is_batch else bodies[0]), media_type=MediaType.JSON)
 
@@ -123,17 +127,19 @@ def _on_client_gone(_request: Request, _exc: ClientGone) -> Response[dict[str, A
     return _error(499, "client disconnected", "client_closed_request")
 
 
-def _count_responses(frontend: Frontend):  # type: ignore[no-untyped-def]
-    async def before_send(message: Message, scope: Scope) -> None:
-        if message["type"] == "http.response.start":
-            frontend.metrics.requests.labels(scope.get("path", ""), str(message["status"])).inc()
+def _on_unexpected(_request: Request, exc: Exception) -> Response[dict[str, Any]]:
+    """A bug, not bad input: logged with its traceback (and the request id, bound by the edge),
+    answered in the same error shape as every other error."""
+    log.error("http.unexpected_error", error=f"{type(exc).__name__}: {exc}", exc_info=exc)
+    return _error(500, "internal server error; the server log has the details under this request's id", "internal_error")
 
-    return before_send
+
+ROUTE_HANDLERS = [generate, health, tokenize, detokenize, models, metrics, openapi_json, *openai_api.ROUTES]
 
 
 def create_app(frontend: Frontend) -> Litestar:
     return Litestar(
-        route_handlers=[generate, health, tokenize, detokenize, models, metrics, openapi_json, *openai_api.ROUTES],
+        route_handlers=ROUTE_HANDLERS,
         dependencies={"frontend": Provide(lambda: frontend, sync_to_thread=False)},
         exception_handlers={
             InvalidRequest: _on_invalid,
@@ -142,8 +148,17 @@ def create_app(frontend: Frontend) -> Litestar:
             ServiceUnavailable: _on_unavailable,
             RequestFailed: _on_unavailable,
             ClientGone: _on_client_gone,
+            Exception: _on_unexpected,
         },
-        before_send=[_count_responses(frontend)],
         openapi_config=OpenAPIConfig(title="Sparkwire", version="0.1.0", path="/schema"),
         state=State({"frontend": frontend}),
+        logging_config=None,  # Litestar's default would replace the process's handlers (ours: JSON, redaction)
     )
+
+
+def create_asgi(frontend: Frontend) -> ASGIApp:
+    """The app as uvicorn serves it: Litestar inside the edge (request id, API key, HTTP metrics)."""
+    app = create_app(frontend)
+    paths = {path for handler in ROUTE_HANDLERS for path in handler.paths}
+    config = frontend.config
+    return HttpEdge(app, frontend.metrics, paths, config.api_key, config.metrics_require_api_key)

@@ -1,33 +1,76 @@
-"""Prometheus metrics of one tokenizer replica, in a registry of its own (no global state)."""
+"""Prometheus metrics of one tokenizer replica (vLLM's names and meanings, `sparkwire:` prefix).
+
+Every request is observed once, when it leaves the pending table (finished, failed or aborted),
+whatever the endpoint and whether it streamed; HTTP requests are counted per route template
+(`/v1/completions`), never per raw path, so unknown paths cannot grow the series without bound.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Histogram
 
-LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+from services.common.metrics import INTER_TOKEN_BUCKETS, LATENCY_BUCKETS, TOKEN_COUNT_BUCKETS, name, render
+from services.tokenizer.requests import PendingRequest
+
+UNMATCHED_ROUTE = "<unmatched>"  # the handler label of requests no route matched (404s)
 
 
 @dataclass
 class Metrics:
+    model_name: str = ""
     registry: CollectorRegistry = field(default_factory=CollectorRegistry)
 
     def __post_init__(self) -> None:
-        self.requests = Counter(
-            "sparkwire_http_requests", "HTTP requests by path and status", ["path", "status"], registry=self.registry
-        )
-        self.latency = Histogram(
-            "sparkwire_request_latency_seconds", "End-to-end latency of generation requests", ["endpoint"],
-            buckets=LATENCY_BUCKETS, registry=self.registry,
-        )
-        self.prompt_tokens = Counter("sparkwire_prompt_tokens", "Prompt tokens processed", registry=self.registry)
-        self.generation_tokens = Counter("sparkwire_generation_tokens", "Tokens generated", registry=self.registry)
+        model, r = ["model_name"], self.registry
+        self.http_requests = Counter(
+            name("http_requests"), "HTTP requests by route template, method and status", ["handler", "method", "status"],
+            registry=r,
+        )  # fmt: skip
+        self.http_latency = Histogram(
+            name("http_request_duration_seconds"), "HTTP request duration until the response started (streams: "
+            "until their headers)", ["handler", "method"], buckets=LATENCY_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.prompt_tokens = Counter(name("prompt_tokens"), "Prompt tokens of finished requests", model, registry=r)
+        self.generation_tokens = Counter(name("generation_tokens"), "Tokens generated", model, registry=r)
+        self.request_success = Counter(
+            name("request_success"), "Requests that left the server, by finished_reason (stop, length, abort, error)",
+            [*model, "finished_reason"], registry=r,
+        )  # fmt: skip
+        self.ttft = self._histogram("time_to_first_token_seconds", "From arrival to the first token", LATENCY_BUCKETS)
+        self.itl = self._histogram("inter_token_latency_seconds", "Between successive token deliveries", INTER_TOKEN_BUCKETS)
+        self.e2e = self._histogram("e2e_request_latency_seconds", "From arrival to the last token", LATENCY_BUCKETS)
+        self.queue = self._histogram(
+            "request_queue_time_seconds", "From arrival until a scheduler holds the request (detokenizer "
+            "registration, scheduler claim, submit); time in the scheduler's own queue is the scheduler's metric",
+            LATENCY_BUCKETS,
+        )  # fmt: skip
+        self.prompt_len = self._histogram("request_prompt_tokens", "Prompt length per request", TOKEN_COUNT_BUCKETS)
+        self.generation_len = self._histogram("request_generation_tokens", "Tokens generated per request", TOKEN_COUNT_BUCKETS)
 
-    def observe_generation(self, endpoint: str, latency_s: float, prompt_tokens: int, completion_tokens: int) -> None:
-        self.latency.labels(endpoint).observe(latency_s)
-        self.prompt_tokens.inc(prompt_tokens)
-        self.generation_tokens.inc(completion_tokens)
+    def _histogram(self, metric: str, documentation: str, buckets: tuple[float, ...]) -> Histogram:
+        return Histogram(name(metric), documentation, ["model_name"], buckets=buckets, registry=self.registry)
+
+    def observe_http(self, handler: str, method: str, status: int, duration_s: float) -> None:
+        self.http_requests.labels(handler, method, str(status)).inc()
+        self.http_latency.labels(handler, method).observe(duration_s)
+
+    def observe_request(self, pending: PendingRequest) -> None:
+        """One request left the pending table: count its tokens, outcome and timings."""
+        model, timing = self.model_name, pending.timing
+        self.request_success.labels(model, pending.outcome).inc()
+        self.prompt_tokens.labels(model).inc(pending.prompt_tokens)
+        self.generation_tokens.labels(model).inc(timing.num_output_tokens)
+        self.prompt_len.labels(model).observe(pending.prompt_tokens)
+        self.generation_len.labels(model).observe(timing.num_output_tokens)
+        self.e2e.labels(model).observe(timing.e2e_s())
+        if timing.submitted_at is not None:
+            self.queue.labels(model).observe(timing.submitted_at - timing.arrived_at)
+        if timing.first_token_at is not None:
+            self.ttft.labels(model).observe(timing.first_token_at - timing.arrived_at)
+        for gap in timing.gaps:
+            self.itl.labels(model).observe(gap)
 
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        return render(self.registry)

@@ -12,14 +12,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 
-from contracts.detokenizer import Finish, FinishType
+from contracts.detokenizer import Finish
 from services.tokenizer.json_body import encode_json
 from services.tokenizer.logprobs_format import FormatOptions, LogprobChunks, meta_logprobs
-from services.tokenizer.requests import Delta, PendingRequest, RequestFailed
+from services.tokenizer.requests import FINISH_OUTCOMES, Delta, PendingRequest, RequestFailed
 from services.tokenizer.text_model import TextModel
 from services.tokenizer.validation import GenerationSpec
 
-FINISH_NAMES = {FinishType.STOP: "stop", FinishType.LENGTH: "length", FinishType.ABORT: "abort"}
+FINISH_NAMES = FINISH_OUTCOMES
 SSE_DONE = b"data: [DONE]\n\n"
 
 
@@ -91,7 +91,7 @@ async def collect(pending: PendingRequest, result: GenerationResult | None = Non
 
 def meta_info(result: GenerationResult, logprob_fields: dict[str, Any]) -> dict[str, Any]:
     meta: dict[str, Any] = {
-        "id": result.spec.rid,
+        "id": result.spec.response_id or result.spec.rid,
         "prompt_tokens": result.prompt_tokens or len(result.spec.prompt_ids),
         "completion_tokens": len(result.output_ids),
         "finish_reason": finish_reason(result.finish),

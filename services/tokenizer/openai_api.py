@@ -7,7 +7,6 @@ assembled from their results with `openai_format`.
 from __future__ import annotations
 
 import time
-import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
@@ -19,6 +18,7 @@ from litestar.response import Response, Stream
 from contracts.detokenizer import Finish
 from contracts.scheduler import SamplingParams
 from services.tokenizer.api_types import ChatBody, CompletionBody, SamplingParamsBody
+from services.tokenizer.edge import request_id_of
 from services.tokenizer.frontend import SSE_HEADERS, Frontend, merged_deltas, stream_then_abort
 from services.tokenizer.logprobs_format import LogprobChunks
 from services.tokenizer.native import FINISH_NAMES, SSE_DONE, GenerationResult, error_body, sse
@@ -40,6 +40,7 @@ from services.tokenizer.validation import (
     check_prompt,
     check_sampling,
     require,
+    wire_rids,
 )
 
 MAX_N = 64
@@ -107,17 +108,18 @@ def _choices(
     names: dict[str, str],
     max_logprobs: int,
     max_tokens: int,
-    call_id: str,
+    request_id: str,
 ) -> list[Choice]:
     require(1 <= body.n <= MAX_N, f"must be in [1, {MAX_N}]", "n")
     sampling_body = _sampling_body(body, max_tokens)
     sampling, detokenize = check_sampling(sampling_body, model, SAMPLING_NAMES)
+    rids = iter(wire_rids(request_id, len(prompts) * body.n))
     choices = []
     for ids, text in prompts:
         logprobs = check_logprobs(request, len(ids), model, max_logprobs, names)
         for j in range(body.n):
             seeded = sampling if body.seed is None else _with_seed(sampling, body.seed + j)
-            spec = GenerationSpec(f"{call_id}-{len(choices)}", ids, seeded, logprobs, detokenize, body.stream)
+            spec = GenerationSpec(next(rids), ids, seeded, logprobs, detokenize, body.stream, request_id=request_id)
             choices.append(Choice(spec, text))
     return choices
 
@@ -126,19 +128,18 @@ def _with_seed(sampling: SamplingParams, seed: int) -> SamplingParams:
     return msgspec.structs.replace(sampling, seed=seed)
 
 
-def completion_plan(body: CompletionBody, frontend: Frontend) -> Plan:
+def completion_plan(body: CompletionBody, frontend: Frontend, request_id: str) -> Plan:
     model, limit = frontend.model, frontend.config.max_logprobs
     require(body.logprobs is None or 0 <= body.logprobs <= limit, f"must be in [0, {limit}]", "logprobs")
     wants = body.logprobs is not None
     request = LogprobRequest(
         return_logprob=wants, logprob_start_len=0 if wants and body.echo else -1, top_logprobs_num=body.logprobs or 0
     )
-    call_id = f"cmpl-{uuid.uuid4().hex}"
     max_tokens = 16 if body.max_tokens is None else body.max_tokens
     prompts = completion_prompts(body.prompt, model)
-    choices = _choices(prompts, body, model, request, COMPLETION_LOGPROB_NAMES, limit, max_tokens, call_id)
+    choices = _choices(prompts, body, model, request, COMPLETION_LOGPROB_NAMES, limit, max_tokens, request_id)
     name = frontend.config.model_name
-    return Plan(call_id, int(time.time()), name, choices, body.echo, body.logprobs, body.skip_special_tokens)
+    return Plan(f"cmpl-{request_id}", int(time.time()), name, choices, body.echo, body.logprobs, body.skip_special_tokens)
 
 
 def _chat_messages(body: ChatBody) -> list[dict[str, Any]]:
@@ -152,7 +153,7 @@ def _chat_messages(body: ChatBody) -> list[dict[str, Any]]:
     return messages
 
 
-def chat_plan(body: ChatBody, frontend: Frontend) -> Plan:
+def chat_plan(body: ChatBody, frontend: Frontend, request_id: str) -> Plan:
     model, limit = frontend.model, frontend.config.max_logprobs
     top = body.top_logprobs or 0
     require(0 <= top <= min(limit, 20), f"must be in [0, {min(limit, 20)}]", "top_logprobs")
@@ -165,11 +166,10 @@ def chat_plan(body: ChatBody, frontend: Frontend) -> Plan:
     max_tokens = body.max_completion_tokens or body.max_tokens
     max_tokens = model.max_model_len - len(ids) if max_tokens is None else max_tokens
     request = LogprobRequest(return_logprob=body.logprobs, top_logprobs_num=top)
-    call_id = f"chatcmpl-{uuid.uuid4().hex}"
-    choices = _choices([(ids, text)], body, model, request, CHAT_LOGPROB_NAMES, limit, max_tokens, call_id)
+    choices = _choices([(ids, text)], body, model, request, CHAT_LOGPROB_NAMES, limit, max_tokens, request_id)
     top_k = top if body.logprobs else None
     name = frontend.config.model_name
-    return Plan(call_id, int(time.time()), name, choices, False, top_k, body.skip_special_tokens)
+    return Plan(f"chatcmpl-{request_id}", int(time.time()), name, choices, False, top_k, body.skip_special_tokens)
 
 
 def _usage(plan: Plan, results: list[GenerationResult]) -> dict[str, int]:
@@ -281,7 +281,6 @@ async def _events(plan: Plan, frontend: Frontend, pendings: list, chat: bool, in
         yield sse(error_body(str(exc)))
         yield SSE_DONE
         return
-    frontend.observe("chat" if chat else "completions", state.results)
     if include_usage:
         yield _chunk(plan, "chat.completion.chunk" if chat else "text_completion", [], _usage(plan, state.results))
     yield SSE_DONE
@@ -296,19 +295,18 @@ async def _serve(
         events = _events(plan, frontend, pendings, chat, include_usage)
         return Stream(stream_then_abort(frontend, pendings, events), media_type="text/event-stream", headers=SSE_HEADERS)
     results = await frontend.collect_all(pendings, request)
-    frontend.observe("chat" if chat else "completions", results)
     build = chat_response if chat else completion_response
     return Response(build(plan, results, frontend.model))
 
 
 @post("/v1/completions", status_code=200, summary="OpenAI completions")
 async def completions(data: CompletionBody, frontend: Frontend, request: Request) -> Response[Any] | Stream:
-    return await _serve(completion_plan(data, frontend), frontend, request, data, chat=False)
+    return await _serve(completion_plan(data, frontend, request_id_of(request)), frontend, request, data, chat=False)
 
 
 @post("/v1/chat/completions", status_code=200, summary="OpenAI chat completions")
 async def chat_completions(data: ChatBody, frontend: Frontend, request: Request) -> Response[Any] | Stream:
-    return await _serve(chat_plan(data, frontend), frontend, request, data, chat=True)
+    return await _serve(chat_plan(data, frontend, request_id_of(request)), frontend, request, data, chat=True)
 
 
 ROUTES = [completions, chat_completions]

@@ -2,7 +2,8 @@
 
 `PendingRequests` is a plain object (no NATS): the service feeds it `TextBatch`es and liveness
 news, HTTP handlers consume each request's queue. A request leaves the table when its finish
-arrives, when it fails, or when its client goes away.
+arrives, when it fails, or when its client goes away; then (and only then) `on_done` sees it,
+once, with its outcome and timings: that is where metrics and the one-line summary come from.
 """
 
 from __future__ import annotations
@@ -12,10 +13,13 @@ import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
-from contracts.detokenizer import Finish, RequestLogprobs
+from contracts.detokenizer import Finish, FinishType, RequestLogprobs
 from contracts.tokenizer import TextBatch
 from services.common.arrays import from_wire
 from services.tokenizer.validation import GenerationSpec, InvalidRequest
+
+
+FINISH_OUTCOMES = {FinishType.STOP: "stop", FinishType.LENGTH: "length", FinishType.ABORT: "abort"}
 
 
 class RequestFailed(Exception):
@@ -40,17 +44,48 @@ class Failure:
 
 
 @dataclass
+class RequestTiming:
+    """Monotonic timestamps of one request, for TTFT, inter-token latency, queue and e2e time."""
+
+    arrived_at: float = field(default_factory=time.monotonic)
+    submitted_at: float | None = None  # a scheduler holds it (claimed and published)
+    first_token_at: float | None = None
+    last_token_at: float | None = None
+    left_at: float | None = None  # left the pending table
+    num_output_tokens: int = 0
+    gaps: list[float] = field(default_factory=list)  # between successive deliveries with tokens
+
+    def tokens_arrived(self, count: int, now: float) -> None:
+        if count == 0:
+            return
+        if self.last_token_at is not None:
+            self.gaps.append(now - self.last_token_at)
+        self.first_token_at = self.first_token_at or now
+        self.last_token_at = now
+        self.num_output_tokens += count
+
+    def e2e_s(self) -> float:
+        return (self.left_at or time.monotonic()) - self.arrived_at
+
+
+@dataclass
 class PendingRequest:
     spec: GenerationSpec
-    created_at: float = field(default_factory=time.monotonic)
+    timing: RequestTiming = field(default_factory=RequestTiming)
     scheduler_id: str = ""
     detokenizer_id: str = ""
     finished: bool = False
+    prompt_tokens: int = 0
+    outcome: str = ""  # once it left: "stop", "length", "abort" (client gone or aborted) or "error"
     queue: asyncio.Queue[Delta | Failure] = field(default_factory=asyncio.Queue)
 
     @property
     def rid(self) -> str:
         return self.spec.rid
+
+    @property
+    def created_at(self) -> float:
+        return self.timing.arrived_at
 
     async def deltas(self) -> AsyncIterator[Delta]:
         """Every delta up to and including the finishing one; raises `RequestFailed`."""
@@ -63,9 +98,13 @@ class PendingRequest:
                 return
 
 
+OnDone = Callable[[PendingRequest], None]
+
+
 class PendingRequests:
-    def __init__(self) -> None:
+    def __init__(self, on_done: OnDone | None = None) -> None:
         self._by_rid: dict[str, PendingRequest] = {}
+        self._on_done = on_done
 
     def __len__(self) -> int:
         return len(self._by_rid)
@@ -73,12 +112,19 @@ class PendingRequests:
     def add(self, spec: GenerationSpec) -> PendingRequest:
         if spec.rid in self._by_rid:
             raise InvalidRequest(f"rid {spec.rid!r} is already in use", "rid")
-        pending = PendingRequest(spec)
+        pending = PendingRequest(spec, prompt_tokens=len(spec.prompt_ids))
         self._by_rid[spec.rid] = pending
         return pending
 
-    def remove(self, rid: str) -> PendingRequest | None:
-        return self._by_rid.pop(rid, None)
+    def remove(self, rid: str, outcome: str | None = "abort") -> PendingRequest | None:
+        """Take `rid` out of the table; `outcome` None: it never reached a scheduler (not counted)."""
+        pending = self._by_rid.pop(rid, None)
+        if pending is not None and outcome is not None:
+            pending.outcome = outcome
+            pending.timing.left_at = time.monotonic()
+            if self._on_done is not None:
+                self._on_done(pending)
+        return pending
 
     def dispatch(self, batch: TextBatch) -> None:
         counts = from_wire(batch.num_new_tokens).tolist()  # [R]
@@ -97,16 +143,18 @@ class PendingRequests:
             start = end
 
     def _push(self, pending: PendingRequest, delta: Delta) -> None:
+        pending.timing.tokens_arrived(len(delta.token_ids), time.monotonic())
+        pending.prompt_tokens = delta.prompt_tokens or pending.prompt_tokens
         pending.queue.put_nowait(delta)
         if delta.finish is not None:
             pending.finished = True
-            self.remove(pending.rid)
+            self.remove(pending.rid, FINISH_OUTCOMES[delta.finish.type])
 
     def fail(self, select: Callable[[PendingRequest], bool], message: str) -> list[str]:
         """Fail every pending request `select` picks; returns their rids."""
         failed = [p for p in self._by_rid.values() if select(p)]
         for pending in failed:
-            self.remove(pending.rid)
+            self.remove(pending.rid, "error")
             pending.queue.put_nowait(Failure(message))
         return [p.rid for p in failed]
 

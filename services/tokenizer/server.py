@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 from collections.abc import AsyncIterator
 
 import structlog
 import uvicorn
 
 from services.tokenizer.config import TokenizerConfig
-from services.tokenizer.http_app import Frontend, create_app
+from services.tokenizer.frontend import request_left
+from services.tokenizer.http_app import Frontend, create_asgi
+from services.tokenizer.metrics import Metrics
 from services.tokenizer.service import TokenizerService
 from services.tokenizer.text_model import TextModel
 
@@ -21,12 +24,15 @@ log = structlog.get_logger(__name__)
 async def serving(config: TokenizerConfig) -> AsyncIterator[Frontend]:
     """The whole tokenizer up (HTTP listening) inside the block; drained and stopped after it."""
     model = TextModel.from_dir(config.model_dir, config.max_model_len)
-    service = await TokenizerService.start(config)
-    frontend = Frontend(config, model, service)
+    metrics = Metrics(config.model_name)
+    service = await TokenizerService.start(config, functools.partial(request_left, metrics))
+    frontend = Frontend(config, model, service, metrics)
+    # log_config=None: uvicorn keeps its hands off logging, so its lines go through ours
+    # (JSON when asked, with the request id of the call they are about).
     server = uvicorn.Server(
         uvicorn.Config(
-            create_app(frontend), host=config.host, port=config.port, lifespan="on", log_level=config.log_level,
-            timeout_graceful_shutdown=config.nats.drain_timeout_s,
+            create_asgi(frontend), host=config.host, port=config.port, lifespan="on", log_level=config.log_level,
+            timeout_graceful_shutdown=config.nats.drain_timeout_s, log_config=None,
         )  # fmt: skip
     )
     # uvicorn owns signals only when it runs the loop itself; here the caller owns them.

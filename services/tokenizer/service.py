@@ -24,7 +24,8 @@ from services.common.heartbeat import HeartbeatMonitor, HeartbeatPublisher
 from services.common.nats_reader import Delivery
 from services.common.transport import Transport
 from services.tokenizer.config import TokenizerConfig
-from services.tokenizer.requests import PendingRequest, PendingRequests
+from services.common.logging import request_headers
+from services.tokenizer.requests import OnDone, PendingRequest, PendingRequests
 from services.tokenizer.validation import GenerationSpec, InvalidRequest
 
 log = structlog.get_logger(__name__)
@@ -35,9 +36,9 @@ class ServiceUnavailable(Exception):
 
 
 class TokenizerService:
-    def __init__(self, config: TokenizerConfig, transport: Transport) -> None:
+    def __init__(self, config: TokenizerConfig, transport: Transport, on_done: OnDone | None = None) -> None:
         self.config = config
-        self.pending = PendingRequests()
+        self.pending = PendingRequests(on_done)
         self._transport = transport
         self._heartbeat = HeartbeatPublisher(
             transport, "tokenizer", config.instance_id, config.nats.heartbeat_interval_s, lambda: len(self.pending)
@@ -49,9 +50,10 @@ class TokenizerService:
         self._background: set[asyncio.Task[None]] = set()
 
     @classmethod
-    async def start(cls, config: TokenizerConfig) -> TokenizerService:
+    async def start(cls, config: TokenizerConfig, on_done: OnDone | None = None) -> TokenizerService:
+        """`on_done` sees every request once, when it leaves (metrics, the summary line)."""
         transport = await Transport.connect(config.nats, f"tokenizer-{config.instance_id}")
-        service = cls(config, transport)
+        service = cls(config, transport, on_done)
         await transport.subscribe(subjects.tokenizer_outputs(config.instance_id), TextBatch, service._on_outputs)
         await service._schedulers.start()
         await service._detokenizers.start()
@@ -73,21 +75,25 @@ class TokenizerService:
         """Register with a detokenizer, claim a scheduler, publish the request. The returned
         request receives its deltas; raises `ServiceUnavailable` or `InvalidRequest`."""
         pending = self.pending.add(spec)
+        headers = request_headers(spec.request_id)
         try:
             pending.detokenizer_id = await self._register(spec)
             pending.scheduler_id = await self._claim(spec)
-            await self._transport.publish(subjects.scheduler_generate(pending.scheduler_id), self._request(pending))
+            subject = subjects.scheduler_generate(pending.scheduler_id)
+            await self._transport.publish(subject, self._request(pending), headers)
+            pending.timing.submitted_at = time.monotonic()
         except BaseException:
-            self.pending.remove(spec.rid)
+            self.pending.remove(spec.rid, outcome=None)
             if pending.detokenizer_id:
-                self._spawn(self._publish_abort(spec.rid))
+                self._spawn(self._publish_abort(spec.rid, spec.request_id))
             raise
         return pending
 
     async def abort(self, rid: str) -> None:
         """The client went away: stop generating (the scheduler frees the slot)."""
-        if self.pending.remove(rid) is not None:
-            await self._publish_abort(rid)
+        pending = self.pending.remove(rid)
+        if pending is not None:
+            await self._publish_abort(rid, pending.spec.request_id)
 
     async def ping(self) -> SchedulerInfo | None:
         with contextlib.suppress(nats.errors.Error, asyncio.TimeoutError):
@@ -98,20 +104,22 @@ class TokenizerService:
 
     async def _register(self, spec: GenerationSpec) -> str:
         registration = DetokenizerRegistration(spec.rid, self.config.instance_id, spec.detokenize)
-        reply = await self._ask(subjects.DETOKENIZER_REGISTER, registration, DetokenizerRegistrationReply, "detokenizer")
+        reply = await self._ask(
+            subjects.DETOKENIZER_REGISTER, registration, DetokenizerRegistrationReply, "detokenizer", spec.request_id
+        )
         return reply.detokenizer_id
 
     async def _claim(self, spec: GenerationSpec) -> str:
         claim = SchedulerClaim(spec.rid, len(spec.prompt_ids))
-        reply = await self._ask(subjects.SCHEDULER_CLAIM, claim, SchedulerClaimReply, "scheduler")
+        reply = await self._ask(subjects.SCHEDULER_CLAIM, claim, SchedulerClaimReply, "scheduler", spec.request_id)
         if not reply.accepted:
             raise InvalidRequest(reply.error or "the scheduler refused the request")
         return reply.scheduler_id
 
-    async def _ask(self, subject: str, message: object, reply_type: type, who: str):  # type: ignore[no-untyped-def]
-        timeout = self.config.request_timeout_s
+    async def _ask(self, subject: str, message: object, reply_type: type, who: str, request_id: str):  # type: ignore[no-untyped-def]
+        timeout, headers = self.config.request_timeout_s, request_headers(request_id)
         try:
-            return await self._transport.request(subject, message, reply_type, timeout)  # type: ignore[arg-type]
+            return await self._transport.request(subject, message, reply_type, timeout, headers)  # type: ignore[arg-type]
         except nats.errors.NoRespondersError:
             raise ServiceUnavailable(f"no {who} is running; try again once one is up") from None
         except (nats.errors.TimeoutError, asyncio.TimeoutError):
@@ -147,9 +155,9 @@ class TokenizerService:
         detokenizer_gone = bool(pending.detokenizer_id) and not self._detokenizers.is_alive(pending.detokenizer_id)
         return scheduler_gone or detokenizer_gone
 
-    async def _publish_abort(self, rid: str) -> None:
+    async def _publish_abort(self, rid: str, request_id: str = "") -> None:
         with contextlib.suppress(Exception):
-            await self._transport.publish(subjects.SCHEDULER_ABORT, AbortRequest(rid, "abort"))
+            await self._transport.publish(subjects.SCHEDULER_ABORT, AbortRequest(rid, "abort"), request_headers(request_id))
 
     def _spawn(self, coro) -> None:  # type: ignore[no-untyped-def]
         task = asyncio.create_task(coro)

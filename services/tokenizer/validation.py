@@ -28,7 +28,7 @@ class InvalidRequest(Exception):
 class GenerationSpec:
     """One prompt's generation, validated: what the tokenizer sends and how it formats the answer."""
 
-    rid: str
+    rid: str  # unique on the wire (`wire_rids`): two clients' equal `rid`s never meet
     prompt_ids: tuple[int, ...]
     sampling: SamplingParams
     logprobs: LogprobParams
@@ -36,6 +36,8 @@ class GenerationSpec:
     stream: bool = False
     text_in_logprobs: bool = False
     flat_b64: bool = False
+    request_id: str = ""  # the HTTP call's id (X-Request-Id): logs, NATS headers, response header
+    response_id: str = ""  # what the response shows as this prompt's id (native: the client's rid)
 
 
 @dataclass(frozen=True)
@@ -53,8 +55,16 @@ class LogprobRequest:
 GENERATE_NAMES = {name: f"sampling_params.{name}" for name in SamplingParamsBody.__struct_fields__}
 
 
-def new_rid() -> str:
+def new_request_id() -> str:
     return uuid.uuid4().hex
+
+
+def wire_rids(request_id: str, count: int) -> list[str]:
+    """The scheduler/detokenizer keys of one call's `count` requests: the request id (so log
+    lines keyed by rid still show it) plus a fresh nonce, unique even when a client reuses its
+    X-Request-Id or `rid` (another client, another replica, a reconnect racing an abort)."""
+    nonce = uuid.uuid4().hex[:12]
+    return [f"{request_id}-{nonce}-{index}" for index in range(count)]
 
 
 def require(condition: bool, message: str, param: str) -> None:
@@ -153,9 +163,11 @@ def generate_prompts(body: GenerateBody, model: TextModel) -> tuple[list[tuple[i
     return [check_prompt(row, model, "input_ids") for row in rows], nested
 
 
-def batch_rids(rid: str | list[str] | None, count: int, is_batch: bool) -> list[str]:
+def response_ids(rid: str | list[str] | None, count: int, is_batch: bool, request_id: str) -> list[str]:
+    """`meta_info.id` per prompt: the client's `rid`s (a label, as SGLang returns them), else the
+    request id (`-<index>` per prompt of a batch)."""
     if rid is None:
-        return [new_rid() for _ in range(count)]
+        return [f"{request_id}-{i}" for i in range(count)] if is_batch else [request_id]
     if isinstance(rid, str):
         require(not is_batch or count == 1, "a batch needs a list of rids", "rid")
         return [rid]
@@ -164,7 +176,9 @@ def batch_rids(rid: str | list[str] | None, count: int, is_batch: bool) -> list[
     return list(rid)
 
 
-def validate_generate(body: GenerateBody, model: TextModel, max_logprobs: int) -> tuple[list[GenerationSpec], bool]:
+def validate_generate(
+    body: GenerateBody, model: TextModel, max_logprobs: int, request_id: str
+) -> tuple[list[GenerationSpec], bool]:
     """All specs of one /generate call, and whether the answer is a list (batch)."""
     prompts, is_batch = generate_prompts(body, model)
     require(not (is_batch and body.stream), "streaming a batch is not supported", "stream")
@@ -178,11 +192,13 @@ def validate_generate(body: GenerateBody, model: TextModel, max_logprobs: int) -
         flat_b64=body.return_flat_raw_top_logprobs_b64,
     )
     specs = []
-    for rid, prompt in zip(batch_rids(body.rid, len(prompts), is_batch), prompts, strict=True):
+    shown = response_ids(body.rid, len(prompts), is_batch, request_id)
+    for rid, shown_id, prompt in zip(wire_rids(request_id, len(prompts)), shown, prompts, strict=True):
         logprobs = check_logprobs(request, len(prompt), model, max_logprobs, GENERATE_LOGPROB_NAMES)
         specs.append(
             GenerationSpec(
-                rid, prompt, sampling, logprobs, detokenize, body.stream, body.return_text_in_logprobs, request.flat_b64
-            )
+                rid, prompt, sampling, logprobs, detokenize, body.stream, body.return_text_in_logprobs,
+                request.flat_b64, request_id, shown_id,
+            )  # fmt: skip
         )
     return specs, is_batch

@@ -80,20 +80,20 @@ def load_requests(path: Path, scheduler_id: str, detokenizer_id: str) -> list[Re
 
 
 def with_rid(parts: Parts, old: str, new: str) -> Parts:
-    """The same message with `new` in place of the rid `old`, split at the recorded chunk sizes."""
+    """The same message with `new` in place of the rid `old`, split at the recorded chunk sizes
+    (a rid of another length changes the last chunk's size only)."""
     if old == new:
         return parts
     old_bytes, new_bytes = msgspec.msgpack.encode(old), msgspec.msgpack.encode(new)
-    if len(old_bytes) != len(new_bytes):
-        raise ValueError(f"rid {new!r} is not as long as the recorded {old!r}")
     data = payload(parts)
     if data.count(old_bytes) != 1:
         raise ValueError(f"rid {old!r} is not exactly once in its recorded batch")
     data = data.replace(old_bytes, new_bytes)
     out, start = [], 0
-    for part in parts:
-        out.append(msgspec.structs.replace(part, data=data[start : start + len(part.data)]))
-        start += len(part.data)
+    for index, part in enumerate(parts):
+        end = len(data) if index == len(parts) - 1 else start + len(part.data)
+        out.append(msgspec.structs.replace(part, data=data[start:end]))
+        start = end
     return out
 
 

@@ -132,5 +132,6 @@ def test_openai_rid_swap_keeps_sizes_and_headers() -> None:
     assert [len(p.data) for p in swapped] == [len(p.data) for p in parts]
     assert [p.headers for p in swapped] == [p.headers for p in parts]
     assert decode(swapped).rids == [new_rid]
-    with pytest.raises(ValueError, match="not as long"):
-        with_rid(parts, openai.rid, "cmpl-short")
+    shorter = with_rid(parts, openai.rid, "cmpl-short")  # live rids may differ in length
+    assert [p.headers for p in shorter] == [p.headers for p in parts]
+    assert decode(shorter).rids == ["cmpl-short"]

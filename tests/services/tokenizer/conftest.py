@@ -121,6 +121,7 @@ class FakeBackend:
     registrations: list[DetokenizerRegistration] = field(default_factory=list)
     requests: list[GenerateRequest] = field(default_factory=list)
     aborts: list[AbortRequest] = field(default_factory=list)
+    request_headers: list[dict[str, str] | None] = field(default_factory=list)  # NATS headers per GenerateRequest
     beating: asyncio.Task[None] | None = None
     tasks: set[asyncio.Task[None]] = field(default_factory=set)
 
@@ -165,8 +166,9 @@ class FakeBackend:
     async def _on_abort(self, msg: AbortRequest, _raw) -> None:
         self.aborts.append(msg)
 
-    async def _on_generate(self, request: GenerateRequest, _raw) -> None:
+    async def _on_generate(self, request: GenerateRequest, raw) -> None:
         self.requests.append(request)
+        self.request_headers.append(raw.headers)
         if not self.hang:
             task = asyncio.create_task(self._play(request))
             self.tasks.add(task)

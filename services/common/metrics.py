@@ -1,0 +1,84 @@
+"""What every service's Prometheus metrics share: the `sparkwire:` names, bucket ladders and a
+tiny `/metrics` HTTP endpoint for the services that have no HTTP server of their own.
+
+Names and meanings follow vLLM's (`vllm:time_to_first_token_seconds` is
+`sparkwire:time_to_first_token_seconds` here), so existing dashboards need only the prefix
+changed. Each service builds its metrics in a `CollectorRegistry` of its own: no global state,
+and two services in one test process never share a counter.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Sequence
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+
+PREFIX = "sparkwire:"
+
+
+def name(metric: str) -> str:
+    """`name("num_requests_running")` -> `"sparkwire:num_requests_running"`."""
+    return PREFIX + metric
+
+
+def geometric_buckets(start: float, factor: float, count: int) -> tuple[float, ...]:
+    """`count` upper bounds `start * factor**i`, rounded to 4 significant digits."""
+    return tuple(float(f"{start * factor**i:.4g}") for i in range(count))
+
+
+# Latency ladders from 1 ms (the tiny CPU model's steps) up to ~15 min (32k-token prompts on a busy
+# server): a factor of ~2 keeps quantile error under 2x with 20-odd series per histogram.
+LATENCY_BUCKETS = geometric_buckets(0.001, 2.0, 21)  # 1 ms .. ~17 min
+INTER_TOKEN_BUCKETS = geometric_buckets(0.0005, 2.0, 16)  # 0.5 ms .. ~16 s
+TOKEN_COUNT_BUCKETS = geometric_buckets(1, 2.0, 18)  # 1 .. 131072 tokens
+
+
+def render(registry: CollectorRegistry) -> bytes:
+    return generate_latest(registry)
+
+
+class MetricsServer:
+    """`GET /metrics` over plain HTTP/1.0 on its own port (scheduler, detokenizer). Anything
+    else gets a 404; one response per connection. Runs on the service's event loop."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self._registry = registry
+        self._server: asyncio.Server | None = None
+
+    @property
+    def port(self) -> int:
+        assert self._server is not None, "start() first"
+        return self._server.sockets[0].getsockname()[1]
+
+    async def start(self, host: str, port: int) -> MetricsServer:
+        self._server = await asyncio.start_server(self._answer, host, port)
+        return self
+
+    async def close(self) -> None:
+        if self._server is not None:
+            self._server.close()
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self._server.wait_closed(), 1.0)
+
+    async def _answer(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5.0)
+            writer.write(self._response(head.split(b"\r\n", 1)[0].split(b" ")))
+            await writer.drain()
+        except (asyncio.IncompleteReadError, asyncio.LimitOverrunError, asyncio.TimeoutError, ConnectionError):
+            pass
+        finally:
+            writer.close()
+
+    def _response(self, request_line: Sequence[bytes]) -> bytes:
+        method, target = (*request_line, b"", b"")[:2]
+        if method == b"GET" and target.split(b"?")[0] == b"/metrics":
+            return _http(200, "OK", CONTENT_TYPE_LATEST, render(self._registry))
+        return _http(404, "Not Found", "text/plain; charset=utf-8", b"only GET /metrics is served here\n")
+
+
+def _http(status: int, reason: str, content_type: str, body: bytes) -> bytes:
+    head = f"HTTP/1.0 {status} {reason}\r\nContent-Type: {content_type}\r\nContent-Length: {len(body)}\r\n\r\n"
+    return head.encode() + body

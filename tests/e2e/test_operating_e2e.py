@@ -1,0 +1,155 @@
+"""Issue 14 end to end: every service's /metrics after a known mix of requests (plain, streamed,
+preempted, aborted), and one request id followed through the JSON logs of all three services.
+
+Its own stack: JSON logs, metrics ports, and a KV cache small enough that four long requests
+at once must preempt.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from e2e.stack import Service, Stack, generate_body, service_argv
+from services.common.nats_server import free_port, start_nats_server
+
+pytestmark = pytest.mark.timeout(120)
+
+MODEL = (("model_name", "sparkwire-tiny"),)
+NUM_PARALLEL, PARALLEL_TOKENS = 4, 60  # 4 x (prompt + 60) tokens > the 12 x 16 KV slots
+FOLLOWED_ID = "follow-me-42"
+
+
+def samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    return {
+        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    }
+
+
+class OperatedStack(Stack):
+    metrics_ports: dict[str, int]
+
+
+@pytest.fixture(scope="module")
+def operated(tmp_path_factory: pytest.TempPathFactory) -> Iterator[OperatedStack]:
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("SPARKWIRE_LOG_FORMAT", "json")
+        stack = OperatedStack(start_nats_server(), tmp_path_factory.mktemp("operating-logs"))
+        stack.metrics_ports = {"scheduler": free_port(), "detokenizer": free_port()}
+        extra = {
+            "scheduler": ["--num-kv-blocks", "12", "--kv-block-size", "16"],
+            "detokenizer": [],
+            "tokenizer": ["--port", str(stack.port)],
+        }
+        try:
+            for name in ("scheduler", "detokenizer", "tokenizer"):
+                metrics = ["--metrics-port", str(stack.metrics_ports[name])] if name in stack.metrics_ports else []
+                argv = service_argv(name, stack.nats.url, *extra[name], *metrics)
+                stack.services[name] = Service.start(name, argv, stack.log_dir)
+            stack.wait_healthy()
+        except BaseException:
+            stack.stop()
+            raise
+    yield stack
+    stack.stop()
+
+
+def post_generate(stack: Stack, max_new_tokens: int, **extra: object) -> httpx.Response:
+    body = generate_body(max_new_tokens=max_new_tokens, **extra)
+    body["sampling_params"]["ignore_eos"] = True
+    return httpx.post(f"{stack.base_url}/generate", json=body, timeout=60)
+
+
+def leave_mid_stream(stack: Stack) -> None:
+    body = generate_body(max_new_tokens=150, stream=True)
+    body["sampling_params"]["ignore_eos"] = True
+    with httpx.stream("POST", f"{stack.base_url}/generate", json=body, timeout=30) as response:
+        for line in response.iter_lines():
+            if line.startswith("data: "):
+                break
+
+
+def scrape(stack: OperatedStack) -> dict[str, dict]:
+    urls = {name: f"http://127.0.0.1:{port}/metrics" for name, port in stack.metrics_ports.items()}
+    urls["tokenizer"] = f"{stack.base_url}/metrics"
+    return {name: samples(httpx.get(url, timeout=5).text) for name, url in urls.items()}
+
+
+def wait_for(condition, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.1)
+
+
+def test_every_service_exports_metrics_of_a_known_mix(operated: OperatedStack) -> None:
+    with concurrent.futures.ThreadPoolExecutor(NUM_PARALLEL) as pool:
+        parallel = list(pool.map(lambda _: post_generate(operated, PARALLEL_TOKENS), range(NUM_PARALLEL)))
+    streamed = httpx.post(f"{operated.base_url}/generate", json=generate_body(max_new_tokens=8, stream=True), timeout=30)
+    leave_mid_stream(operated)
+    assert all(r.status_code == 200 for r in parallel) and streamed.status_code == 200, operated.logs()
+    finished_tokens = sum(r.json()["meta_info"]["completion_tokens"] for r in parallel)
+    streamed_tokens = json.loads(streamed.text.split("data: ")[-2])["meta_info"]["completion_tokens"]
+    abort_key = ("sparkwire:request_success_total", (("finished_reason", "abort"), *MODEL))
+    wait_for(lambda: scrape(operated)["scheduler"].get(abort_key) == 1)
+    time.sleep(0.3)  # the abort's finish reaches the detokenizer and tokenizer
+    got = scrape(operated)
+    scheduler, detokenizer, tokenizer = got["scheduler"], got["detokenizer"], got["tokenizer"]
+    assert finished_tokens == NUM_PARALLEL * PARALLEL_TOKENS
+
+    length = lambda reason: ("sparkwire:request_success_total", (("finished_reason", reason), *MODEL))  # noqa: E731
+    assert scheduler[length("length")] == NUM_PARALLEL + (1 if streamed_tokens == 8 else 0)
+    assert scheduler[("sparkwire:num_preemptions_total", MODEL)] > 0
+    assert scheduler[("sparkwire:generation_tokens_total", MODEL)] > finished_tokens + streamed_tokens
+    assert scheduler[("sparkwire:iteration_tokens_total_count", MODEL)] > 0
+    assert scheduler[("sparkwire:num_requests_running", MODEL)] == 0
+
+    assert detokenizer[("sparkwire:detokenizer_registrations_total", ())] == NUM_PARALLEL + 2
+    assert detokenizer[("sparkwire:detokenizer_requests_finished_total", (("finished_reason", "abort"),))] == 1
+    assert detokenizer[("sparkwire:detokenizer_tokens_total", ())] == scheduler[("sparkwire:generation_tokens_total", MODEL)]
+
+    assert tokenizer[abort_key] == 1
+    assert tokenizer[("sparkwire:request_success_total", (("finished_reason", "length"), *MODEL))] >= NUM_PARALLEL
+    for histogram in ("time_to_first_token_seconds", "e2e_request_latency_seconds", "request_queue_time_seconds"):
+        assert tokenizer[(f"sparkwire:{histogram}_count", MODEL)] == NUM_PARALLEL + 2, histogram
+        assert tokenizer[(f"sparkwire:{histogram}_sum", MODEL)] > 0, histogram
+    assert tokenizer[("sparkwire:inter_token_latency_seconds_count", MODEL)] >= NUM_PARALLEL * (PARALLEL_TOKENS - 1)
+    generate_200 = ("sparkwire:http_requests_total", (("handler", "/generate"), ("method", "POST"), ("status", "200")))
+    assert tokenizer[generate_200] == NUM_PARALLEL + 2  # streamed ones included
+
+
+def json_lines(path: Path) -> list[dict]:
+    lines = []
+    for raw in path.read_text(errors="replace").splitlines():
+        if raw.startswith("{"):
+            lines.append(json.loads(raw))
+    return lines
+
+
+def test_one_request_id_through_all_three_services_and_the_response(operated: OperatedStack) -> None:
+    response = post_generate(operated, 5, **{})
+    followed = httpx.post(
+        f"{operated.base_url}/generate", json=generate_body(max_new_tokens=5), headers={"X-Request-Id": FOLLOWED_ID},
+        timeout=30,
+    )  # fmt: skip
+    assert response.status_code == followed.status_code == 200
+    assert followed.headers["x-request-id"] == FOLLOWED_ID and followed.json()["meta_info"]["id"] == FOLLOWED_ID
+    time.sleep(0.3)
+    events: dict[str, set[str]] = {}
+    for name, service in operated.services.items():
+        lines = json_lines(service.log_path)
+        assert lines, f"{name} wrote no JSON lines"
+        events[name] = {line["event"] for line in lines if line.get("request_id") == FOLLOWED_ID}
+    assert "scheduler.request_added" in events["scheduler"]
+    assert {"detokenizer.registered", "detokenizer.finished"} <= events["detokenizer"]
+    assert "request.finished" in events["tokenizer"]
+    assert any("POST /generate" in event for event in events["tokenizer"])  # uvicorn's access line, as JSON
