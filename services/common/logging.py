@@ -71,8 +71,9 @@ def configure_logging(level: str = "info", fmt: str = "console") -> None:
     root.handlers[:] = [handler]
     root.setLevel(numeric)
     for name in ("uvicorn", "uvicorn.error", "uvicorn.access"):
-        logging.getLogger(name).handlers[:] = []  # propagate to ours instead of uvicorn's own
-        logging.getLogger(name).propagate = True
+        logger = logging.getLogger(name)  # propagate to ours instead of uvicorn's own handlers
+        logger.handlers[:], logger.propagate, logger.disabled = [], True, False
+        logger.setLevel(logging.NOTSET)
     structlog.configure(
         processors=[*_shared_processors(), _renderer(fmt)],
         wrapper_class=structlog.make_filtering_bound_logger(numeric),
