@@ -231,7 +231,9 @@ class Policy:
         num_tokens = pending if pending == 1 else min(pending, budget)
         if num_tokens < pending:
             return num_tokens, 0
-        room = seq.max_outputs - seq.num_outputs - 1  # each accepted draft and the bonus are outputs
+        # Drafts past max_new_tokens are verified anyway (the finish drops what follows it): a full block
+        # for every decoding sequence keeps the step's queries uniform, so it replays a CUDA graph.
+        room = self.max_model_len - len(seq.tokens)  # KV positions left after the anchor
         left = budget - num_tokens if pending > 1 else len(seq.drafts)
         return num_tokens, max(0, min(self._num_to_verify(seq), room, left))
 

@@ -113,8 +113,8 @@ def test_ragged_acceptance_gives_the_model_continuation():
     result = drive(make_policy(), worker, [req("a", [11, 12, 13], max_new=12)])["a"]
     assert result["tokens"] == continuation(13, 12) and result["finish"] == Finish(FinishType.LENGTH)
     verify_sizes = [len(p.steps[0].query) for p in worker.plans[1:]]
-    # each verify: the anchor + a full block, until the last one, cut to the 2 outputs left
-    assert verify_sizes == [1 + GAMMA] * 3 + [2]
+    # each verify: the anchor + a full block (the last one too: uniform queries replay graphs)
+    assert verify_sizes == [1 + GAMMA] * 4
     assert len(worker.plans) == 1 + -(-11 // 3)  # prefill, then 3 tokens per verify (2 accepted + 1)
 
 
@@ -128,11 +128,18 @@ def test_stop_token_mid_block_drops_the_tokens_after_it_and_their_logprob_rows()
     assert result["output_lp"] == [-float(i) for i in range(len(result["tokens"]))]  # one row per kept token
 
 
-def test_max_new_tokens_limits_the_drafts_verified():
+def test_max_new_tokens_cuts_the_accepted_block_and_max_model_len_limits_the_drafts():
     worker = FakeWorker(accept=GAMMA)
-    result = drive(make_policy(), worker, [req("a", [5], max_new=7)])["a"]
-    assert len(result["tokens"]) == 7 and result["finish"] == Finish(FinishType.LENGTH)
-    assert [p.steps[0].num_draft for p in worker.plans] == [0, GAMMA, 0]  # 1 + 5 + 1 outputs
+    logprobs = LogprobParams(return_logprob=True, top_logprobs_num=2)
+    result = drive(make_policy(), worker, [req("a", [5], max_new=7, logprobs=logprobs)])["a"]
+    assert result["tokens"] == continuation(5, 7) and result["finish"] == Finish(FinishType.LENGTH)
+    assert len(result["output_lp"]) == 7  # rows of the tokens past max_new_tokens are dropped too
+    assert [p.steps[0].num_draft for p in worker.plans] == [0, GAMMA, GAMMA]  # 1 + 5 + 1 (of 5) outputs
+    near_the_end = make_policy()
+    near_the_end.max_model_len = 10
+    worker = FakeWorker(accept=GAMMA)
+    drive(near_the_end, worker, [req("b", [5, 6, 7], max_new=100)])
+    assert [p.steps[0].num_draft for p in worker.plans] == [0, GAMMA, 1]  # KV room: positions 3..9
 
 
 def test_chunked_prefill_splits_by_budget_and_drafts_ride_the_last_chunk():

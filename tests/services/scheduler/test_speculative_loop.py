@@ -3,6 +3,7 @@ decodes greedily) and a random one. Output and every logprob must equal plain de
 
 from __future__ import annotations
 
+import msgspec
 import numpy as np
 import pytest
 import torch
@@ -53,6 +54,12 @@ class RandomProposer:
         return DraftProposal(tokens, probs=None)
 
 
+def _longer(r, extra: int):
+    import dataclasses
+
+    return dataclasses.replace(r, sampling=msgspec.structs.replace(r.sampling, max_new_tokens=r.sampling.max_new_tokens + extra))
+
+
 def _requests(num: int, logprobs: LogprobParams | None = None):
     return [request(f"r{i}", prompt_of(100 + i, 3 + 5 * i), max_new_tokens=9 + i, ignore_eos=True, logprobs=logprobs) for i in range(num)]
 
@@ -65,7 +72,9 @@ def _plain(make_core, requests, **options):
 def test_oracle_drafts_are_all_accepted_and_output_equals_plain_greedy(make_core, chunk):
     requests = _requests(6, LOGPROBS)
     plain = _plain(make_core, requests, chunked_prefill_size=chunk)
-    sequences = {r.rid: r.prompt_ids.tolist() + plain[r.rid].tokens for r in requests}
+    # the oracle knows the continuation past max_new_tokens too: the last block is verified whole
+    longer = _plain(make_core, [_longer(r, GAMMA + 1) for r in requests])
+    sequences = {r.rid: r.prompt_ids.tolist() + longer[r.rid].tokens for r in requests}
     core = make_core(chunked_prefill_size=chunk, proposer=OracleProposer(sequences, 2048))
     spec = run(core, requests)
     _assert_same(plain, spec)
