@@ -82,19 +82,22 @@ class DSparkProposer:
     def _draft(self, hidden: torch.Tensor, request: DraftRequest) -> DraftProposal:
         sampler = _BlockSampler(request, hidden.shape[1], self.device)
         base = self.drafter.base_logits(hidden)  # [B, gamma, V]
-        prev, state = request.anchor_tokens.to(self.device), None  # [B]; the recurrent Markov head's state
-        tokens, probs, confidence = [], [], []
+        anchor = request.anchor_tokens.to(self.device)  # [B]
+        prev, state = anchor, None  # state: the recurrent Markov head's
+        tokens, probs = [], []
         for slot in range(hidden.shape[1]):
-            confidence.append(self.drafter.confidence_logit(hidden[:, slot], prev))
             bias, state = self.drafter.markov_step(prev, hidden[:, slot], state)
             token, q = sampler.draw(base[:, slot] + bias, slot)
             tokens.append(token)
             probs.append(q)
             prev = token
+        tokens = torch.stack(tokens, dim=1)  # [B, gamma]
+        # The confidence head needs every slot's prev only, so it runs once, after the left-to-right loop.
+        confidence = self.drafter.confidence_logit(hidden, torch.cat((anchor[:, None], tokens[:, :-1]), dim=1))
         return DraftProposal(
-            tokens=torch.stack(tokens, dim=1),
+            tokens=tokens,
             probs=None if sampler.all_greedy else torch.stack(probs, dim=1),
-            confidence=None if confidence[0] is None else torch.stack(confidence, dim=1).sigmoid(),
+            confidence=None if confidence is None else confidence.sigmoid(),
         )
 
 
