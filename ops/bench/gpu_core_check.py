@@ -103,6 +103,29 @@ def graph_rows(runner, batches, widths) -> list[dict]:
     return rows
 
 
+def kernel_rows(context: int = 256) -> list[dict]:
+    """Both paged kernels against the torch twin (max abs error) and timed, 8B heads, bf16."""
+    from triton.testing import do_bench
+
+    from services.scheduler.model.attention import paged_decode_attention_torch
+    from services.scheduler.model.triton_decode import paged_block_attention_triton, paged_decode_attention_triton
+
+    rows = []
+    for batch, q in ((1, 1), (64, 1), (1, 8), (64, 8)):
+        blocks = batch * (context // 16 + 1)
+        key_cache, value_cache = (torch.randn(blocks, 16, 8, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+        tables = torch.randperm(blocks, device="cuda").view(batch, -1).to(torch.int32)
+        seq_lens = torch.randint(context // 2, context, (batch,), device="cuda", dtype=torch.int32)
+        query = torch.randn(batch * q, 32, 128, device="cuda", dtype=torch.bfloat16)
+        args = (query, key_cache, value_cache, seq_lens, tables, 128**-0.5, q)
+        want = paged_decode_attention_torch(*args).float()
+        for name, kernel in (("per_token", paged_decode_attention_triton), ("per_sequence", paged_block_attention_triton)):
+            error = (kernel(*args).float() - want).abs().max().item()
+            ms = do_bench(lambda: kernel(*args), warmup=25, rep=100, return_mode="median")
+            rows.append({"kernel": name, "batch": batch, "query_len": q, "max_abs_err": error, "ms": ms})
+    return rows
+
+
 def sync_count(runner, batch: int) -> dict:
     """Synchronizing calls during decode steps, as torch's sync debug mode reports them."""
     if runner.device.type != "cuda":
@@ -135,7 +158,7 @@ def dspark_rows(runner, draft: Path, batches, prompt_len, new_tokens, accept_len
         for name, logprobs in (("plain", LogprobParams()), ("top20", TOP20)):
             core = SchedulerCore(runner, max_running_requests=max(batches), chunked_prefill_size=16384,
                                  proposer=proposer, simulate_accept_len=accept_len)  # fmt: skip
-            time_core(core, requests(batch, 16, 12, runner.config.vocab_size, logprobs, "w"))
+            time_core(core, requests(batch, prompt_len, 40, runner.config.vocab_size, logprobs, "w"))  # warm-up
             row = time_core(core, requests(batch, prompt_len, new_tokens, runner.config.vocab_size, logprobs, "r"))
             rows.append({"batch": batch, "logprobs": name, "gamma": gamma, "simulated_accept_len": accept_len, **row})
     return rows
@@ -154,7 +177,7 @@ def _dtype(device: str) -> torch.dtype:
 def before(args) -> dict | None:
     if args.before is None:
         return None
-    env = {**os.environ, "PYTHONPATH": str(args.before.resolve())}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(args.before.resolve()), os.environ.get("PYTHONPATH", "")])}
     command = [sys.executable, __file__, "--core-only", "--batches", *map(str, args.batches),
                "--prompt-len", str(args.prompt_len), "--new-tokens", str(args.new_tokens),
                "--target", str(args.target.resolve()), "--device", args.device]  # fmt: skip
@@ -174,6 +197,8 @@ def table(result: dict) -> str:
     for r in result["dspark"]:
         lines.append(f"| DSpark gamma={r['gamma']} SIMULATED accept {r['simulated_accept_len']} {r['logprobs']} | "
                      f"{r['batch']} | {r['ms_per_step']:.2f} | {r['tok_s']:.0f} |")
+    for r in result.get("kernels", []):
+        lines.append(f"| kernel {r['kernel']} q={r['query_len']} (err {r['max_abs_err']:.1e}) | {r['batch']} | {r['ms']:.4f} | |")
     lines.append(f"syncs per decode step (sync debug mode): {result['syncs']}")
     return "\n".join(lines)
 
@@ -182,7 +207,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--batches", nargs="*", type=int, default=[1, 64])
     parser.add_argument("--prompt-len", type=int, default=128)
-    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--simulate-accept-len", type=int, default=4)
     parser.add_argument("--before", type=Path, default=None, help="an export of the previous tree, to time its core")
     parser.add_argument("--core-only", action="store_true", help=argparse.SUPPRESS)
@@ -202,6 +227,7 @@ def main() -> None:
     result["core"] = core_rows(runner, args.batches, args.prompt_len, args.new_tokens)
     result["graph"] = graph_rows(runner, args.batches, (1, 8))
     result["syncs"] = [sync_count(runner, b) for b in args.batches]
+    result["kernels"] = kernel_rows() if args.device == "cuda" else []
     result["dspark"] = dspark_rows(runner, args.draft, args.batches, args.prompt_len, args.new_tokens, args.simulate_accept_len)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2))

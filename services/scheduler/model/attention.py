@@ -146,10 +146,11 @@ def paged_decode_attention(
 ) -> torch.Tensor:
     """query [B * query_len, Hq, D] -> [B * query_len, Hq, D]."""
     args = (query, key_cache, value_cache, plan.seq_lens, plan.block_tables, scale, plan.query_len)
-    if plan.use_kernel:
-        from services.scheduler.model.triton_decode import paged_decode_attention_triton  # CUDA only
+    if plan.use_kernel:  # CUDA only: one program per token for decode, per sequence for verify blocks
+        from services.scheduler.model import triton_decode
 
-        return paged_decode_attention_triton(*args)
+        kernel = triton_decode.paged_decode_attention_triton if plan.query_len == 1 else triton_decode.paged_block_attention_triton
+        return kernel(*args)
     return paged_decode_attention_torch(*args)
 
 
