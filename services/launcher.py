@@ -28,7 +28,8 @@ from dataclasses import dataclass, field
 import msgspec
 
 from services.common.connection import NatsConnection, connection_from_args
-from services.common.nats_server import NatsServer, free_port, start_nats_server
+from services.common.nats_auth import draw_passwords, server_environ
+from services.common.nats_server import SECURED_CONFIG, NatsServer, free_port, start_nats_server
 from services.common.settings import PREFIX, connection_environ, connection_values
 from services.scheduler.flags import speculative_argv
 
@@ -132,18 +133,28 @@ class Stack:
 
     def start(self) -> None:
         connection = connection_from_args(self.args, connection_values())
+        identities = {name: connection for name in START_ORDER}  # a given server: the given credentials
         if not connection.nats_url:
-            self.nats = start_nats_server()
-            connection = msgspec.structs.replace(connection, nats_url=self.nats.url)
-            print(f"sparkwire up: nats-server on {self.nats.url}", file=sys.stderr, flush=True)
+            identities = self._start_embedded_nats(connection)
         ports = {name: free_port() for name in START_ORDER if name != "tokenizer"}  # the tokenizer's is its HTTP port
-        env = service_environ(connection)
-        if getattr(self.args, "api_key", None):
-            env["SPARKWIRE_API_KEY"] = self.args.api_key  # not in argv: `ps` shows argv
         for name in START_ORDER:
+            env = service_environ(identities[name])
+            if getattr(self.args, "api_key", None):
+                env["SPARKWIRE_API_KEY"] = self.args.api_key  # not in argv: `ps` shows argv
             self.children.append(Child.start(name, service_argv(name, self.args, ports.get(name)), env))
         self.metrics_urls = {name: f"http://127.0.0.1:{port}/metrics" for name, port in ports.items()}
         self.metrics_urls["tokenizer"] = f"http://{reachable_host(self.args.host)}:{self.args.port}/metrics"
+
+    def _start_embedded_nats(self, connection: NatsConnection) -> dict[str, NatsConnection]:
+        """Our own nats-server, with a user per service kind and fresh passwords: each child
+        gets only its own identity, so none can speak for another (services/common/nats_auth.py)."""
+        passwords = draw_passwords()
+        self.nats = start_nats_server(SECURED_CONFIG, env=server_environ(passwords))
+        print(f"sparkwire up: nats-server on {self.nats.url}", file=sys.stderr, flush=True)
+        return {
+            name: msgspec.structs.replace(connection, nats_url=self.nats.url, nats_user=name, nats_password=passwords[name])
+            for name in START_ORDER
+        }
 
     def dead_child(self) -> Child | None:
         return next((child for child in self.children if child.exit_code() is not None), None)

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import IO
 
 PROJECT_CONFIG = Path(__file__).resolve().parents[2] / "ops" / "nats" / "nats.conf"
+SECURED_CONFIG = PROJECT_CONFIG.with_name("secured.conf")  # + a user per service kind (nats_auth.py)
 
 
 def stop_process(process: subprocess.Popen[bytes], grace_s: float) -> None:
@@ -67,16 +68,18 @@ class NatsServer:
 
 
 def start_nats_server(
-    config: Path = PROJECT_CONFIG, port: int | None = None, timeout_s: float = 10.0
+    config: Path = PROJECT_CONFIG, port: int | None = None, timeout_s: float = 10.0, env: dict[str, str] | None = None
 ) -> NatsServer:
-    """Start on 127.0.0.1:`port` (a free one by default) and wait until it accepts connections."""
+    """Start on 127.0.0.1:`port` (a free one by default) and wait until it accepts connections.
+    `env`: variables the config reads (passwords), added to ours; never on the command line."""
     port = port or free_port()
     args = [find_binary(), "-c", str(config), "-a", "127.0.0.1", "-p", str(port)]
     log_file = tempfile.TemporaryFile()
     # Own session: a terminal Ctrl-C must not stop the server before the services have drained.
     process = subprocess.Popen(
-        args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=log_file, start_new_session=True
-    )
+        args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=log_file, start_new_session=True,
+        env={**os.environ, **(env or {})},
+    )  # fmt: skip
     server = NatsServer(process, port, log_file)
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:

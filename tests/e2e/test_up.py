@@ -44,6 +44,20 @@ def alive(pid: int) -> bool:
     return state != "Z"
 
 
+def assert_no_secret_on_a_command_line(pids: set[int]) -> set[str]:
+    """Each service has its own NATS password (in its environment, readable only by its user);
+    none of them is in any process's command line, which every user can read."""
+    environs = [dict(item.split("=", 1) for item in Path(f"/proc/{pid}/environ").read_text().split("\0") if "=" in item)
+                for pid in pids if alive(pid)]  # fmt: skip
+    services = [env for env in environs if "SPARKWIRE_NATS_PASSWORD" in env]
+    assert {env["SPARKWIRE_NATS_USER"] for env in services} == {"scheduler", "detokenizer", "tokenizer"}
+    passwords = {env["SPARKWIRE_NATS_PASSWORD"] for env in services}
+    assert len(passwords) == 3
+    cmdlines = [Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace") for pid in pids if alive(pid)]
+    assert not [line for line in cmdlines for password in passwords if password in line]
+    return passwords
+
+
 def start_up(tmp_path: Path, port: int, *extra: str) -> tuple[subprocess.Popen[str], Path]:
     log = tmp_path / f"up-{port}.log"
     with log.open("w") as out:
@@ -72,8 +86,10 @@ def test_up_serves_generate_and_stops_cleanly_on_sigint(tmp_path):
         assert len(children) >= 4, children  # nats-server + three services
         response = httpx.post(f"http://127.0.0.1:{port}/generate", json=generate_body(), timeout=30)
         assert response.status_code == 200 and response.json()["meta_info"]["completion_tokens"] > 0
+        passwords = assert_no_secret_on_a_command_line(children)
         process.send_signal(signal.SIGINT)
         assert process.wait(timeout=20) == 0, log.read_text()[-4000:]
+        assert not any(password in log.read_text() for password in passwords)  # nor in any log line
         assert [pid for pid in children if alive(pid)] == []
     finally:
         if process.poll() is None:
