@@ -16,6 +16,12 @@ class SamplingParams(msgspec.Struct, frozen=True, gc=False, omit_defaults=True):
     seed: int | None = None  # same seed, same prompt -> same output, also inside a busy batch
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    # Appended (schema evolution): logit processors, see services/scheduler/logits_processing.py.
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_new_tokens: int = 0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias added to its logit)
 
 
 class LogprobParams(msgspec.Struct, frozen=True, gc=False, omit_defaults=True):

@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from services.scheduler.host_io import HostReadback, HostUpload
+from services.scheduler.logits_processing import is_identity, process_logits, verify_row_contexts
 from services.scheduler.logprobs import LogprobQuery, logprobs_on_device, split_logprobs
 from services.scheduler.model.batch import ForwardBatch
 from services.scheduler.policy import SeqResult, SeqStep, StepPlan
@@ -149,12 +150,13 @@ class ModelWorker:
         width = layout.max_draft + 1
         logits = self.runner.compute_logits(hidden[arrays["verify_rows"].reshape(-1)])  # [P * (K + 1), V]
         logits = logits.view(len(producers), width, -1)  # [P, K + 1, V]
+        chosen = self._processed_logits(producers, logits)  # what argmax and sampling see; logprobs stay raw
         block = VerifyBlock(
-            target_argmax=logits.argmax(dim=-1),
+            target_argmax=chosen.argmax(dim=-1),
             drafts=arrays["drafts"],
             num_draft=arrays["num_draft"],
             is_greedy=arrays["is_greedy"].bool(),
-            **self._sampling_inputs(producers, logits, arrays["drafts"]),
+            **self._sampling_inputs(producers, chosen, arrays["drafts"]),
         )
         num_accepted, next_token = accept(block)  # [P], [P]
         if self.simulate_accept_len is not None:
@@ -164,6 +166,22 @@ class ModelWorker:
         padded = torch.cat([block.drafts, next_token[:, None]], dim=1)  # [P, K + 1]
         tokens = torch.where(slots[None, :] < num_accepted[:, None], padded, next_token[:, None])  # [P, K + 1]
         return _Verified(logits, num_accepted, next_token, tokens)
+
+    def _processed_logits(self, producers: list[SeqStep], logits: torch.Tensor) -> torch.Tensor:
+        """logit_bias, min_tokens and the penalties (logits_processing.py), per verify row. [P, K + 1, V]"""
+        if all(is_identity(s.seq.request.sampling) for s in producers):
+            return logits
+        num_rows, width, vocab = logits.shape
+        eos = frozenset(self.runner.config.eos_token_ids)
+        contexts = [
+            context
+            for s in producers
+            for context in verify_row_contexts(
+                s.seq.request.sampling, s.seq.request.prompt_ids.tolist(),
+                s.seq.tokens[s.seq.num_prompt : s.seq.num_prompt + s.output_position], s.drafts, width, eos,
+            )  # fmt: skip
+        ]
+        return process_logits(logits.reshape(-1, vocab), contexts).view(num_rows, width, vocab)
 
     def _sampling_inputs(
         self, producers: list[SeqStep], logits: torch.Tensor, drafts: torch.Tensor

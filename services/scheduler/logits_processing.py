@@ -1,0 +1,136 @@
+"""Result-changing logit processors, as pure torch functions over a batch of rows.
+
+Applied to the target's raw logits f32 [B, V] before temperature, top-k/top-p/min-p and the
+draw, in vLLM's order, each row with its own parameters:
+
+1. `logit_bias` (OpenAI): `l[t] += bias[t]` for the listed token ids.
+2. `min_tokens`: while a row has produced fewer than `min_tokens` tokens, its stop tokens (EOS
+   unless `ignore_eos`, and `stop_token_ids`) get `-inf`, so the row cannot finish on them.
+3. `repetition_penalty` r (CTRL / Hugging Face): for every token t seen in the prompt or the
+   output so far, `l[t] = l[t] / r` if `l[t] > 0` else `l[t] * r` (r > 1 discourages, r < 1
+   encourages; r = 1 is the identity).
+4. `frequency_penalty` f and `presence_penalty` p (OpenAI): over the output so far only,
+   `l[t] -= f * count(t) + p * [count(t) > 0]`.
+
+A row is one position a token is drawn for. Under speculative decoding the rows of one request's
+verify block differ in their output so far (row j has also seen draft tokens 1..j), which is
+why every row brings its own context rather than one per request.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from contracts.scheduler import SamplingParams
+
+
+@dataclass(frozen=True)
+class RowContext:
+    """What one row's processors read besides its logits."""
+
+    params: SamplingParams
+    prompt_ids: Sequence[int]  # the request's prompt (repetition penalty)
+    output_ids: Sequence[int]  # every token generated before this row (draft tokens before it included)
+    eos_ids: frozenset[int] = frozenset()  # the model's EOS ids (min_tokens holds them back unless ignore_eos)
+
+    @property
+    def min_tokens_blocked(self) -> frozenset[int]:
+        """Token ids this row may not produce yet (empty once min_tokens are out)."""
+        if len(self.output_ids) >= self.params.min_new_tokens:
+            return frozenset()
+        eos = frozenset() if self.params.ignore_eos else self.eos_ids
+        return eos | frozenset(self.params.stop_token_ids)
+
+
+def is_identity(params: SamplingParams) -> bool:
+    """True when none of the processors changes this request's logits."""
+    return (
+        not params.logit_bias
+        and params.min_new_tokens == 0
+        and params.repetition_penalty == 1.0
+        and params.frequency_penalty == 0.0
+        and params.presence_penalty == 0.0
+    )
+
+
+def apply_logit_bias(logits: torch.Tensor, rows: torch.Tensor, token_ids: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """logits f32 [B, V]; rows, token_ids int64 [N], bias f32 [N] (sparse (row, id, value) triples)."""
+    return logits.index_put((rows, token_ids), bias, accumulate=True)
+
+
+def apply_min_tokens(logits: torch.Tensor, blocked: torch.Tensor) -> torch.Tensor:
+    """logits f32 [B, V]; blocked bool [B, V]: ids each row may not produce yet -> -inf."""
+    return logits.masked_fill(blocked, float("-inf"))
+
+
+def apply_repetition_penalty(logits: torch.Tensor, seen: torch.Tensor, penalty: torch.Tensor) -> torch.Tensor:
+    """logits f32 [B, V]; seen bool [B, V] (in the prompt or the output so far); penalty f32 [B]."""
+    r = penalty[:, None].expand_as(logits)  # [B, V]
+    penalized = torch.where(logits > 0, logits / r, logits * r)
+    return torch.where(seen, penalized, logits)
+
+
+def apply_frequency_presence(
+    logits: torch.Tensor, counts: torch.Tensor, frequency: torch.Tensor, presence: torch.Tensor
+) -> torch.Tensor:
+    """logits f32 [B, V]; counts f32 [B, V] of each id in the output so far; frequency, presence f32 [B]."""
+    return logits - frequency[:, None] * counts - presence[:, None] * (counts > 0).to(logits.dtype)
+
+
+def token_counts(rows: Sequence[Sequence[int]], vocab: int, device: torch.device) -> torch.Tensor:
+    """How often each id occurs in each row's list: f32 [B, V]."""
+    lengths = [len(ids) for ids in rows]
+    flat = torch.tensor([t for ids in rows for t in ids], dtype=torch.int64, device=device)  # [sum(lengths)]
+    row_of = torch.repeat_interleave(torch.arange(len(rows), device=device), torch.tensor(lengths, device=device))
+    counts = torch.zeros(len(rows), vocab, device=device)  # [B, V]
+    return counts.index_put_((row_of, flat), torch.ones_like(flat, dtype=counts.dtype), accumulate=True)
+
+
+def process_logits(logits: torch.Tensor, contexts: Sequence[RowContext]) -> torch.Tensor:
+    """Steps 1-4 of the module docstring for every row; a new tensor, `logits` is not modified."""
+    if all(is_identity(c.params) for c in contexts):
+        return logits
+    vocab, device = logits.shape[1], logits.device
+    logits = _bias(logits, contexts)
+    blocked = [(row, t) for row, c in enumerate(contexts) for t in c.min_tokens_blocked if t < vocab]
+    if blocked:
+        mask = torch.zeros_like(logits, dtype=torch.bool)
+        mask[tuple(torch.tensor(blocked, device=device).T)] = True
+        logits = apply_min_tokens(logits, mask)
+    return _penalties(logits, contexts)
+
+
+def _bias(logits: torch.Tensor, contexts: Sequence[RowContext]) -> torch.Tensor:
+    triples = [(row, t, b) for row, c in enumerate(contexts) for t, b in c.params.logit_bias]
+    if not triples:
+        return logits
+    rows, ids, values = zip(*triples, strict=True)
+    device = logits.device
+    as_long = lambda values: torch.tensor(values, dtype=torch.int64, device=device)  # noqa: E731
+    return apply_logit_bias(logits, as_long(rows), as_long(ids), torch.tensor(values, dtype=logits.dtype, device=device))
+
+
+def _penalties(logits: torch.Tensor, contexts: Sequence[RowContext]) -> torch.Tensor:
+    vocab, device = logits.shape[1], logits.device
+    params = [c.params for c in contexts]
+    as_float = lambda values: torch.tensor(values, dtype=logits.dtype, device=device)  # noqa: E731
+    if any(p.frequency_penalty or p.presence_penalty or p.repetition_penalty != 1.0 for p in params):
+        counts = token_counts([c.output_ids for c in contexts], vocab, device)  # [B, V]
+        if any(p.repetition_penalty != 1.0 for p in params):
+            seen = (counts > 0) | (token_counts([c.prompt_ids for c in contexts], vocab, device) > 0)
+            logits = apply_repetition_penalty(logits, seen, as_float([p.repetition_penalty for p in params]))
+        frequency, presence = as_float([p.frequency_penalty for p in params]), as_float([p.presence_penalty for p in params])
+        logits = apply_frequency_presence(logits, counts, frequency, presence)
+    return logits
+
+
+def verify_row_contexts(
+    params: SamplingParams, prompt_ids: Sequence[int], outputs: Sequence[int], drafts: Sequence[int], width: int,
+    eos_ids: frozenset[int],
+) -> list[RowContext]:  # fmt: skip
+    """The `width` rows of one request's verify block: row j follows the committed `outputs` and
+    draft tokens 1..j (rows past the drafts are padding and see all of them)."""
+    return [RowContext(params, prompt_ids, [*outputs, *drafts[:j]], eos_ids) for j in range(width)]

@@ -1,0 +1,82 @@
+"""The logit processors inside the scheduler core (tiny model, CPU): greedy choices equal the
+argmax of the processed raw distribution, computed here from the returned raw logprobs."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from contracts.detokenizer import FinishType
+from contracts.scheduler import LogprobParams
+from services.scheduler.model import ForwardBatch
+from tests.services.scheduler.test_scheduler_core import prompt_of, request, run
+
+VOCAB = 2048
+FULL = LogprobParams(return_logprob=True, top_logprobs_num=VOCAB)
+
+
+def full_rows(result) -> np.ndarray:
+    """Raw logprobs of every output position over the whole vocabulary: f32 [n, V]."""
+    values, ids = result.cat("output_top_values"), result.cat("output_top_ids")  # [n, V] each
+    rows = np.empty_like(values)
+    np.put_along_axis(rows, ids.astype(np.int64), values, axis=1)
+    return rows
+
+
+def test_frequency_and_presence_penalties_pick_the_argmax_of_the_penalized_distribution(make_core):
+    prompt = prompt_of(11, 12)
+    params = {"frequency_penalty": 1.5, "presence_penalty": 0.5, "ignore_eos": True}
+    penalized = run(make_core(), [request("p", prompt, max_new_tokens=16, logprobs=FULL, **params)])["p"]
+    plain = run(make_core(), [request("q", prompt, max_new_tokens=16, ignore_eos=True)])["q"]
+    rows = full_rows(penalized)
+    for position, token in enumerate(penalized.tokens):
+        counts = np.bincount(penalized.tokens[:position], minlength=VOCAB)
+        expected = rows[position] - 1.5 * counts - 0.5 * (counts > 0)  # shifts by a constant: same argmax as logits
+        assert token == int(np.argmax(expected)), position
+    assert penalized.tokens != plain.tokens  # the penalty mattered on this prompt
+
+
+def test_logit_bias_forces_a_token_and_logprobs_stay_raw(make_core):
+    prompt = prompt_of(3, 8)
+    result = run(make_core(), [request("b", prompt, max_new_tokens=6, logprobs=FULL, logit_bias=((7, 100.0),))])["b"]
+    plain = run(make_core(), [request("c", prompt, max_new_tokens=6, logprobs=FULL)])["c"]
+    assert result.tokens == [7] * 6
+    rows = full_rows(result)
+    assert not np.allclose(rows[:, 7], 0.0, atol=1e-3)  # raw: the bias is not in the returned logprobs
+    assert np.allclose(full_rows(plain)[0], rows[0], atol=1e-5)  # same first position, same raw row
+
+
+def test_min_tokens_keeps_a_stop_token_back_until_reached(make_core):
+    prompt = prompt_of(5, 8)
+    first = run(make_core(), [request("a", prompt, max_new_tokens=8, ignore_eos=True)])["a"].tokens[0]
+    stopped = run(make_core(), [request("s", prompt, max_new_tokens=8, stop_token_ids=(first,))])["s"]
+    held = run(make_core(), [request("m", prompt, max_new_tokens=8, stop_token_ids=(first,), min_new_tokens=3)])["m"]
+    assert stopped.tokens == [first] and stopped.finish.type == FinishType.STOP
+    assert len(held.tokens) >= 3 and first not in held.tokens[:3]
+
+
+@torch.inference_mode()
+def reference_logits(runner, tokens: list[int]) -> torch.Tensor:
+    """Row r: the raw logits after tokens[:r+1], from one plain forward pass. f32 [n, V]"""
+    n = len(tokens)
+    batch = ForwardBatch(
+        input_ids=torch.tensor(tokens, dtype=torch.int64), positions=torch.arange(n, dtype=torch.int64),
+        query_start_loc=torch.tensor([0, n], dtype=torch.int32), seq_lens=torch.tensor([n], dtype=torch.int32),
+        block_tables=torch.arange(-(-n // runner.block_size), dtype=torch.int32)[None],
+        slot_mapping=torch.arange(n, dtype=torch.int64),
+    )  # fmt: skip
+    return runner.compute_logits(runner.forward(batch).hidden_states).float()
+
+
+def test_repetition_penalty_picks_the_argmax_of_the_penalized_logits(make_core, tiny_runner):
+    prompt, r = prompt_of(2, 10), 1.8
+    sampling = {"repetition_penalty": r, "ignore_eos": True}
+    result = run(make_core(), [request("r", prompt, max_new_tokens=12, **sampling)])["r"]
+    plain = run(make_core(), [request("s", prompt, max_new_tokens=12, ignore_eos=True)])["s"]
+    logits = reference_logits(tiny_runner, prompt + result.tokens)[len(prompt) - 1 :]  # [n + 1, V]
+    for position, token in enumerate(result.tokens):
+        row = logits[position].clone()
+        seen = sorted(set(prompt) | set(result.tokens[:position]))
+        row[seen] = torch.where(row[seen] > 0, row[seen] / r, row[seen] * r)
+        assert token == int(row.argmax()), position
+    assert result.tokens != plain.tokens
