@@ -16,9 +16,15 @@ slot from `counter_rng` keyed by the row's seed: a row's drafts depend neither o
 it nor on the device, and no generator object is involved (B x gamma numbers per step, capturable
 in a CUDA graph). No host sync: anchors stay on the device; the host inputs are the temperatures and
 seeds (uploaded without waiting) and `max_anchor_position`, which sizes how many context blocks are read.
+
+`propose` = `draft(draft_inputs(request))`: `draft_inputs` does the uploads, `draft` only device work
+whose shapes follow its inputs' (B, n context blocks, greedy or not), so it can be captured in a
+CUDA graph per (B, n, greedy) with `DraftInputs.padded` rows filling B up to a captured size.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -56,15 +62,39 @@ class DSparkProposer:
 
     @torch.inference_mode()
     def propose(self, request: DraftRequest) -> DraftProposal:
-        hidden = self.block_hidden(request)[:, : self.num_draft_tokens]  # [B, gamma, H]
-        return self._draft(hidden, request)
+        return self.draft(self.draft_inputs(request))
 
-    def block_hidden(self, request: DraftRequest) -> torch.Tensor:
+    def draft_inputs(self, request: DraftRequest) -> DraftInputs:
+        """Upload the request's host fields (without waiting on the device) and cut the context blocks."""
+        temperatures = request.temperatures
+        all_greedy = all(t <= 0 for t in temperatures)
+        sampling = None
+        if not all_greedy:
+            sampling = (
+                _to_device([t if t > 0 else 1.0 for t in temperatures], torch.float32, self.device),
+                _to_device([t <= 0 for t in temperatures], torch.bool, self.device),
+                _to_device([fold_seed(seed) for seed in request.seeds], torch.int64, self.device),
+            )
+        return DraftInputs(
+            anchor_tokens=request.anchor_tokens.to(self.device),
+            anchor_positions=request.anchor_positions.to(self.device),
+            context_blocks=self._context_blocks(request),
+            temperatures=None if sampling is None else sampling[0],
+            is_greedy=None if sampling is None else sampling[1],
+            seeds=None if sampling is None else sampling[2],
+        )
+
+    @torch.inference_mode()
+    def draft(self, inputs: DraftInputs) -> DraftProposal:
+        """Device work only, shapes fixed by the inputs' shapes: a CUDA graph can capture it per (B, n, greedy)."""
+        hidden = self.block_hidden(inputs)[:, : self.num_draft_tokens]  # [B, gamma, H]
+        return self._draft(hidden, inputs)
+
+    def block_hidden(self, inputs: DraftInputs) -> torch.Tensor:
         """The drafter's final-normed block outputs [B, block_size, H] for each anchor."""
-        anchors = request.anchor_positions.to(self.device)  # [B]
-        blocks = self._context_blocks(request)  # [B, n]
+        anchors, blocks = inputs.anchor_positions, inputs.context_blocks  # [B], [B, n]
         mask = _serving_mask(anchors, blocks.shape[1] * self.kv_cache.block_size, self.drafter.num_draft_tokens)
-        x = self.drafter.block_embeddings(request.anchor_tokens.to(self.device))  # [B, G, H]
+        x = self.drafter.block_embeddings(inputs.anchor_tokens)  # [B, G, H]
         positions = block_positions(anchors, self.drafter.num_draft_tokens)  # [B, G]
 
         def context(layer: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -79,11 +109,10 @@ class DSparkProposer:
         table = request.block_tables.to(self.device)
         return table[:, : min(num_blocks, table.shape[1])].long().clamp_min(0)  # -1 padding: any block, masked
 
-    def _draft(self, hidden: torch.Tensor, request: DraftRequest) -> DraftProposal:
-        sampler = _BlockSampler(request, hidden.shape[1], self.device)
+    def _draft(self, hidden: torch.Tensor, inputs: DraftInputs) -> DraftProposal:
+        sampler = _BlockSampler(inputs, hidden.shape[1])
         base = self.drafter.base_logits(hidden)  # [B, gamma, V]
-        anchor = request.anchor_tokens.to(self.device)  # [B]
-        prev, state = anchor, None  # state: the recurrent Markov head's
+        prev, state = inputs.anchor_tokens, None  # state: the recurrent Markov head's
         tokens, probs = [], []
         for slot in range(hidden.shape[1]):
             bias, state = self.drafter.markov_step(prev, hidden[:, slot], state)
@@ -93,7 +122,8 @@ class DSparkProposer:
             prev = token
         tokens = torch.stack(tokens, dim=1)  # [B, gamma]
         # The confidence head needs every slot's prev only, so it runs once, after the left-to-right loop.
-        confidence = self.drafter.confidence_logit(hidden, torch.cat((anchor[:, None], tokens[:, :-1]), dim=1))
+        prevs = torch.cat((inputs.anchor_tokens[:, None], tokens[:, :-1]), dim=1)  # [B, gamma]
+        confidence = self.drafter.confidence_logit(hidden, prevs)
         return DraftProposal(
             tokens=tokens,
             probs=None if sampler.all_greedy else torch.stack(probs, dim=1),
@@ -101,18 +131,42 @@ class DSparkProposer:
         )
 
 
+@dataclass(frozen=True)
+class DraftInputs:
+    """One propose's device inputs; the sampling fields are None when every row is greedy."""
+
+    anchor_tokens: torch.Tensor  # int64 [B]
+    anchor_positions: torch.Tensor  # int64 [B]
+    context_blocks: torch.Tensor  # int64 [B, n], blocks holding positions < anchor (any valid block past them)
+    temperatures: torch.Tensor | None = None  # f32 [B], 1.0 on greedy rows
+    is_greedy: torch.Tensor | None = None  # bool [B]
+    seeds: torch.Tensor | None = None  # int64 [B], each in [0, 2^32) (counter_rng.fold_seed)
+
+    def padded(self, batch: int, block: int) -> DraftInputs:
+        """Rows appended up to `batch` (a graph's size): anchor 0 at position 0, every block `block`
+        (the cache's trash block); they see no context and never touch a real row's result."""
+        extra = batch - self.anchor_tokens.shape[0]
+        fills = {"anchor_tokens": 0, "anchor_positions": 0, "context_blocks": block, "temperatures": 1.0,
+                 "is_greedy": True, "seeds": 0}  # fmt: skip
+        return DraftInputs(**{name: _pad(getattr(self, name), extra, fill) for name, fill in fills.items()})
+
+
+def _pad(tensor: torch.Tensor | None, extra: int, fill) -> torch.Tensor | None:
+    if tensor is None:
+        return None
+    return torch.cat((tensor, torch.full((extra, *tensor.shape[1:]), fill, dtype=tensor.dtype, device=tensor.device)))
+
+
 class _BlockSampler:
     """Per-slot draws for one block: argmax for greedy rows, inverse-CDF sampling of q for the others."""
 
-    def __init__(self, request: DraftRequest, gamma: int, device: torch.device) -> None:
-        temperatures = request.temperatures
-        self.all_greedy = all(t <= 0 for t in temperatures)
+    def __init__(self, inputs: DraftInputs, gamma: int) -> None:
+        self.all_greedy = inputs.temperatures is None
         if self.all_greedy:
             return
-        self.is_greedy = _to_device([t <= 0 for t in temperatures], torch.bool, device)  # [B]
-        self.temperatures = _to_device([t if t > 0 else 1.0 for t in temperatures], torch.float32, device)[:, None]
-        seeds = _to_device([fold_seed(seed) for seed in request.seeds], torch.int64, device)  # [B]
-        self.uniforms = seeded_uniforms(seeds, gamma)  # f64 [B, gamma]
+        self.is_greedy = inputs.is_greedy  # [B]
+        self.temperatures = inputs.temperatures[:, None]  # [B, 1]
+        self.uniforms = seeded_uniforms(inputs.seeds, gamma)  # f64 [B, gamma]
 
     def draw(self, logits: torch.Tensor, slot: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         """logits f32 [B, V] (Markov-corrected) -> (token int64 [B], q f32 [B, V] or None when all greedy)."""

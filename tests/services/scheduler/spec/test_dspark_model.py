@@ -111,11 +111,11 @@ def test_stale_context_past_the_anchor_is_masked_but_committed_context_matters(d
     proposer = DSparkProposer(drafter, NUM_KV_BLOCKS, KV_BLOCK_SIZE)
     inject_rows(proposer, hidden, table, torch.arange(10))
     ask = request([9], [6], [table], [0.0])
-    before = proposer.block_hidden(ask)
+    before = proposer.block_hidden(proposer.draft_inputs(ask))
     inject_rows(proposer, hidden * -3.0, table, torch.arange(6, 10))  # rows at and past the anchor
-    torch.testing.assert_close(proposer.block_hidden(ask), before, atol=0, rtol=0)
+    torch.testing.assert_close(proposer.block_hidden(proposer.draft_inputs(ask)), before, atol=0, rtol=0)
     inject_rows(proposer, hidden * -3.0, table, torch.arange(5, 6))  # the last committed row
-    assert (proposer.block_hidden(ask) - before).abs().max() > 1e-3
+    assert (proposer.block_hidden(proposer.draft_inputs(ask)) - before).abs().max() > 1e-3
 
 
 def test_greedy_drafts_are_the_argmax_chain_and_come_without_probs(drafter):
@@ -152,7 +152,7 @@ def test_draft_probs_are_the_markov_corrected_softmax_at_the_row_temperature(dra
     inject_rows(proposer, hidden, table, torch.arange(7))
     ask = request([33], [7], [table], [0.5])
     proposal = proposer.propose(ask)
-    block = proposer.block_hidden(ask)[0]  # [gamma, H]
+    block = proposer.block_hidden(proposer.draft_inputs(ask))[0]  # [gamma, H]
     prev = torch.cat((torch.tensor([33]), proposal.tokens[0, :-1]))
     z = drafter.base_logits(block) + drafter.markov_head.block(prev, block)  # [gamma, V]
     torch.testing.assert_close(proposal.probs[0], (z / 0.5).softmax(-1), atol=1e-6, rtol=0)
@@ -277,3 +277,19 @@ def test_markov_variant_formulas(draft_config, target):
             state = torch.sigmoid(g) * state + (1 - torch.sigmoid(g)) * torch.tanh(c)
             expected.append(torch.tanh(o) @ rnn.markov_w2.weight.T)
         torch.testing.assert_close(rnn.block(prev, hidden), torch.stack(expected, dim=1))
+
+
+def test_padded_rows_leave_the_real_rows_unchanged(drafter):
+    """What a graph ladder does: pad B up to a captured size with trash-block rows; the real rows'
+    drafts, q and confidence are the unpadded ones."""
+    table, hidden = [3, 4, 5], context_hidden(drafter, 10, seed=110)
+    proposer = DSparkProposer(drafter, NUM_KV_BLOCKS, KV_BLOCK_SIZE)
+    inject_rows(proposer, hidden, table, torch.arange(10))
+    for temperatures in ([0.0, 0.0], [1.0, 0.0]):
+        inputs = proposer.draft_inputs(request([5, 8], [9, 4], [table, table], temperatures, seeds=[1, 2]))
+        alone = proposer.draft(inputs)
+        padded = proposer.draft(inputs.padded(8, proposer.kv_cache.trash_block))
+        assert padded.tokens.shape == (8, BLOCK_SIZE) and torch.equal(padded.tokens[:2], alone.tokens)
+        torch.testing.assert_close(padded.confidence[:2], alone.confidence, atol=1e-6, rtol=0)
+        if alone.probs is not None:
+            torch.testing.assert_close(padded.probs[:2], alone.probs, atol=1e-6, rtol=0)
