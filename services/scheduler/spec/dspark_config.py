@@ -19,6 +19,10 @@ layers, heads, `head_dim`, `intermediate_size`, `rope_theta`, ...) with
   default), "gated" or "rnn" (its variants; see dspark_model).
 - `enable_confidence_head`, `confidence_head_with_markov` (the head also sees W1[prev]).
 
+Also read: `target_layer_ids` / `mask_token_id` nested in a `dflash_config` dict (SpecForge's layout).
+Refused: `speculators_model_type` (the speculators convention, slot j predicting anchor + j, would
+load and silently draft one position off; SGLang refuses it too) and non-full-attention `layer_types`.
+
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ from services.scheduler.model.config import ModelConfig, UnsupportedModelError
 DSPARK_ARCHITECTURE = "Qwen3DSparkModel"
 MARKOV_HEAD_TYPES = ("vanilla", "gated", "rnn")
 DEFAULT_NUM_ANCHORS = 512  # the paper's anchors per training sequence
+_NESTED_KEYS = ("target_layer_ids", "mask_token_id")
 # Qwen3 shape keys a draft config.json carries (besides the DSpark fields).
 _SHAPE_KEYS = (
     "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
@@ -111,6 +116,9 @@ class DSparkConfig:
         architectures = raw.get("architectures") or []
         _check(architectures[:1] == [DSPARK_ARCHITECTURE],
                f"draft config architectures must be [{DSPARK_ARCHITECTURE!r}], got {architectures}")
+        _refuse_other_conventions(raw)
+        # SpecForge-trained drafts keep these two in a nested `dflash_config`.
+        raw = {**{k: v for k, v in (raw.get("dflash_config") or {}).items() if k in _NESTED_KEYS}, **raw}
         for key in ("block_size", "mask_token_id", "target_layer_ids", "num_target_layers"):
             _check(key in raw, f"draft config.json lacks {key!r}")
         markov_rank = int(raw.get("markov_rank", 0))
@@ -168,6 +176,18 @@ def default_target_layer_ids(num_target_layers: int, num_context_layers: int) ->
     first, last = 1, num_target_layers - 3
     step = (last - first) / (num_context_layers - 1)
     return tuple(int(round(first + i * step)) for i in range(num_context_layers))
+
+
+def _refuse_other_conventions(raw: dict[str, Any]) -> None:
+    if raw.get("speculators_model_type"):
+        raise UnsupportedModelError(
+            "this draft was trained in the speculators convention (slot j predicts anchor + j, slot 0 unused); "
+            "DeepSpec's, used here, has slot k predict anchor + k + 1: it would load but draft one position "
+            "off (accept length ~1), so it is refused"
+        )
+    layer_types = raw.get("layer_types") or []
+    if any(kind != "full_attention" for kind in layer_types):
+        raise UnsupportedModelError(f"draft layer_types {layer_types}: only full_attention layers are supported")
 
 
 def _check_layer_ids(layer_ids: tuple[int, ...], num_target_layers: int) -> None:

@@ -97,3 +97,16 @@ def test_mask_token_must_lie_inside_the_target_vocabulary():
     config = DSparkConfig.from_dict(DEEPSPEC_4B)  # mask 151669
     with pytest.raises(DraftConfigError, match="mask_token_id 151669 >= the target's vocab_size 151600"):
         config.check_target(ModelConfig.from_dict({**QWEN3_4B_TARGET, "vocab_size": 151600}))
+
+
+def test_specforge_nested_fields_are_read():
+    raw = {key: value for key, value in DEEPSPEC_4B.items() if key not in ("target_layer_ids", "mask_token_id")}
+    raw["dflash_config"] = {"target_layer_ids": [1, 9, 17, 25, 33], "mask_token_id": 151669}
+    assert DSparkConfig.from_dict(raw) == DSparkConfig.from_dict(DEEPSPEC_4B)
+
+
+def test_other_conventions_and_layer_kinds_are_refused():
+    with pytest.raises(UnsupportedModelError, match="speculators convention"):
+        DSparkConfig.from_dict({**DEEPSPEC_4B, "speculators_model_type": "dspark"})
+    with pytest.raises(UnsupportedModelError, match="sliding_attention"):
+        DSparkConfig.from_dict({**DEEPSPEC_4B, "layer_types": ["full_attention", "sliding_attention"] * 2 + ["full_attention"]})
