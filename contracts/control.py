@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import msgspec
 
+from contracts.limits import Count, InstanceId, Reason
+
 
 class Heartbeat(msgspec.Struct, frozen=True, gc=False, omit_defaults=True):
     """Published every `heartbeat_interval_s` on `subjects.heartbeat(service)`.
@@ -12,8 +14,8 @@ class Heartbeat(msgspec.Struct, frozen=True, gc=False, omit_defaults=True):
     so that whoever waits on it fails fast instead of waiting for the heartbeat timeout.
     """
 
-    service: str  # "scheduler" | "detokenizer" | "tokenizer"
-    instance_id: str
+    service: InstanceId  # "scheduler" | "detokenizer" | "tokenizer"
+    instance_id: InstanceId
     alive: bool = True
-    num_running: int = 0
-    reason: str | None = None
+    num_running: Count = 0
+    reason: Reason | None = None

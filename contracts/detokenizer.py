@@ -3,10 +3,20 @@
 from __future__ import annotations
 
 import enum
+from typing import Annotated
 
 import msgspec
 
 from contracts.arrays import NDArray
+from contracts.limits import (
+    MAX_STOP_STRINGS,
+    Count,
+    InstanceId,
+    Reason,
+    Rid,
+    StopString,
+    TokenId,
+)
 
 
 class FinishType(enum.IntEnum):
@@ -17,12 +27,12 @@ class FinishType(enum.IntEnum):
 
 class Finish(msgspec.Struct, frozen=True, gc=False, array_like=True):
     type: FinishType
-    matched: int | str | None = None  # the stop token id or stop string that ended the request
-    message: str | None = None  # for ABORT: why, in words a user can act on
+    matched: TokenId | StopString | None = None  # the stop token id or stop string that ended the request
+    message: Reason | None = None  # for ABORT: why, in words a user can act on
 
 
 class DetokenizeParams(msgspec.Struct, frozen=True, gc=False, omit_defaults=True):
-    stop: tuple[str, ...] = ()
+    stop: Annotated[tuple[StopString, ...], msgspec.Meta(max_length=MAX_STOP_STRINGS)] = ()
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     no_stop_trim: bool = False  # keep the matched stop string in the text
@@ -31,13 +41,13 @@ class DetokenizeParams(msgspec.Struct, frozen=True, gc=False, omit_defaults=True
 class DetokenizerRegistration(msgspec.Struct, frozen=True, gc=False):
     """Request (queue group): one detokenizer takes ownership of `rid` before any token exists."""
 
-    rid: str
-    tokenizer_id: str  # outputs go to `subjects.tokenizer_outputs(tokenizer_id)`
+    rid: Rid
+    tokenizer_id: InstanceId  # outputs go to `subjects.tokenizer_outputs(tokenizer_id)`
     params: DetokenizeParams
 
 
 class DetokenizerRegistrationReply(msgspec.Struct, frozen=True, gc=False):
-    detokenizer_id: str
+    detokenizer_id: InstanceId
 
 
 class RequestLogprobs(msgspec.Struct, frozen=True, gc=False, omit_defaults=True):
@@ -58,7 +68,7 @@ class RequestLogprobs(msgspec.Struct, frozen=True, gc=False, omit_defaults=True)
     output_top_ids: NDArray | None = None  # i32 [n, k]
     output_ids_logprobs: NDArray | None = None  # f32 [n, m]
     # Prompt positions new in this step: [input_start, input_start + p) of the prompt.
-    input_start: int | None = None
+    input_start: Count | None = None
     input_token_logprobs: NDArray | None = None  # f32 [p]
     input_top_logprobs: NDArray | None = None  # f32 [p, k]
     input_top_ids: NDArray | None = None  # i32 [p, k]
@@ -67,7 +77,22 @@ class RequestLogprobs(msgspec.Struct, frozen=True, gc=False, omit_defaults=True)
     # nested `input_top_*` fields above stay None for that request.
     input_top_logprobs_flat: NDArray | None = None  # f32 [rows, k], rows after the null prefix
     input_top_ids_flat: NDArray | None = None  # i32 [rows, k]
-    input_top_null_prefix: int | None = None
+    input_top_null_prefix: Count | None = None
+
+    def __post_init__(self) -> None:
+        """Invariant: arrays of one kind of position agree on their row count, top-k values and
+        ids on their shape, so readers slice and format them without checking again."""
+        _check_rows([self.output_token_logprobs, self.output_top_logprobs, self.output_top_ids, self.output_ids_logprobs])
+        _check_rows([self.input_token_logprobs, self.input_top_logprobs, self.input_top_ids, self.input_ids_logprobs])
+        _check_pair(self.output_top_logprobs, self.output_top_ids)
+        _check_pair(self.input_top_logprobs, self.input_top_ids)
+        _check_pair(self.input_top_logprobs_flat, self.input_top_ids_flat)
+        if (self.input_top_logprobs_flat is None) != (self.input_top_ids_flat is None):
+            raise ValueError("flat prompt top logprobs need both values and ids")
+
+    def num_output_rows(self) -> int | None:
+        arrays = [self.output_token_logprobs, self.output_top_logprobs, self.output_top_ids, self.output_ids_logprobs]
+        return next((array.shape[0] for array in arrays if array is not None), None)
 
 
 class TokenBatch(msgspec.Struct, frozen=True, gc=False, omit_defaults=True):
@@ -77,12 +102,54 @@ class TokenBatch(msgspec.Struct, frozen=True, gc=False, omit_defaults=True):
     `offsets = [0, *cumsum(num_new_tokens)]` (0 new tokens is valid: a prefill chunk).
     """
 
-    scheduler_id: str
-    step: int
-    rids: list[str]  # [R]
+    scheduler_id: InstanceId
+    step: Count
+    rids: list[Rid]  # [R]
     num_new_tokens: NDArray  # i32 [R]
     new_token_ids: NDArray  # i32 [sum(num_new_tokens)]
     prompt_tokens: NDArray  # i32 [R]
     finish: list[Finish | None]  # [R]; None while running
     logprobs: list[RequestLogprobs | None] | None = None  # [R]; None when nobody asked
     spec_verify_ct: NDArray | None = None  # i32 [R], cumulative verify passes (speculative only)
+
+    def __post_init__(self) -> None:
+        check_columns(self.rids, self.num_new_tokens, self.new_token_ids, self.prompt_tokens, self.finish,
+                      self.logprobs, self.spec_verify_ct)  # fmt: skip
+
+
+def check_columns(
+    rids: list[str],
+    num_new_tokens: NDArray,
+    new_token_ids: NDArray,
+    prompt_tokens: NDArray,
+    finish: list[Finish | None],
+    logprobs: list[RequestLogprobs | None] | None,
+    spec_verify_ct: NDArray | None,
+) -> None:
+    """Invariant of the ragged columnar batches (`TokenBatch`, `TextBatch`): every column has R
+    entries, the counts are >= 0 and add up to the ids, and a request's output logprob rows are
+    its new tokens. Raises ValueError (on decode: the message is rejected)."""
+    count = len(rids)
+    for name, column in (("num_new_tokens", num_new_tokens), ("prompt_tokens", prompt_tokens),
+                         ("spec_verify_ct", spec_verify_ct)):  # fmt: skip
+        if column is not None and not column.is_vector("<i4", count):
+            raise ValueError(f"{name} must be an int32 vector of {count} entries")
+    if len(finish) != count or (logprobs is not None and len(logprobs) != count):
+        raise ValueError(f"finish and logprobs must have {count} entries")
+    counts = memoryview(num_new_tokens.data).cast("B").cast("i").tolist()  # little-endian hosts only, as numpy's views
+    if min(counts, default=0) < 0 or not new_token_ids.is_vector("<i4", sum(counts)):
+        raise ValueError("num_new_tokens must be >= 0 and add up to new_token_ids")
+    for num, entry in zip(counts, logprobs or (), strict=False):
+        if entry is not None and entry.num_output_rows() not in (None, num):
+            raise ValueError("output logprob rows must match the request's new tokens")
+
+
+def _check_rows(arrays: list[NDArray | None]) -> None:
+    rows = {array.shape[0] if array.shape else -1 for array in arrays if array is not None}
+    if len(rows) > 1 or -1 in rows:
+        raise ValueError("logprob arrays of the same positions must have the same number of rows")
+
+
+def _check_pair(values: NDArray | None, ids: NDArray | None) -> None:
+    if values is not None and ids is not None and values.shape != ids.shape:
+        raise ValueError("top-k values and ids must have the same shape")

@@ -2,19 +2,35 @@
 
 from __future__ import annotations
 
+from typing import Annotated
+
 import msgspec
 
 from contracts.arrays import NDArray
+from contracts.limits import (
+    MAX_STOP_TOKEN_IDS,
+    MAX_TOKEN_IDS_LOGPROB,
+    MAX_TOKENS,
+    MAX_TOP_LOGPROBS,
+    Count,
+    InstanceId,
+    Probability,
+    Reason,
+    Rid,
+    Seed,
+    Temperature,
+    TokenId,
+)
 
 
 class SamplingParams(msgspec.Struct, frozen=True, gc=False, omit_defaults=True):
-    max_new_tokens: int = 128
-    temperature: float = 1.0  # 0 means greedy
-    top_p: float = 1.0
-    top_k: int = -1  # -1 means the whole vocabulary
-    min_p: float = 0.0
-    seed: int | None = None  # same seed, same prompt -> same output, also inside a busy batch
-    stop_token_ids: tuple[int, ...] = ()
+    max_new_tokens: Count = 128
+    temperature: Temperature = 1.0  # 0 means greedy
+    top_p: Probability = 1.0
+    top_k: Annotated[int, msgspec.Meta(ge=-1, le=MAX_TOKENS)] = -1  # -1 means the whole vocabulary
+    min_p: Probability = 0.0
+    seed: Seed | None = None  # same seed, same prompt -> same output, also inside a busy batch
+    stop_token_ids: Annotated[tuple[TokenId, ...], msgspec.Meta(max_length=MAX_STOP_TOKEN_IDS)] = ()
     ignore_eos: bool = False
     # Appended (schema evolution): logit processors, see services/scheduler/logits_processing.py.
     frequency_penalty: float = 0.0
@@ -28,9 +44,9 @@ class LogprobParams(msgspec.Struct, frozen=True, gc=False, omit_defaults=True):
     """What logprobs one request wants. Requests in one batch may differ freely."""
 
     return_logprob: bool = False
-    logprob_start_len: int = -1  # -1: output only; k >= 0: prompt positions k.. and output
-    top_logprobs_num: int = 0
-    token_ids_logprob: tuple[int, ...] = ()
+    logprob_start_len: Annotated[int, msgspec.Meta(ge=-1, le=MAX_TOKENS)] = -1  # -1: output only; k >= 0: prompt positions k.. and output
+    top_logprobs_num: Annotated[int, msgspec.Meta(ge=0, le=MAX_TOP_LOGPROBS)] = 0
+    token_ids_logprob: Annotated[tuple[TokenId, ...], msgspec.Meta(max_length=MAX_TOKEN_IDS_LOGPROB)] = ()
     # PRODUCT §5: prompt top logprobs assembled once in the scheduler as flat [rows, k] arrays.
     flat_prompt_top_logprobs: bool = False
 
@@ -38,32 +54,36 @@ class LogprobParams(msgspec.Struct, frozen=True, gc=False, omit_defaults=True):
 class SchedulerClaim(msgspec.Struct, frozen=True, gc=False):
     """Request (queue group): "which scheduler takes this request?". Small on purpose."""
 
-    rid: str
-    num_prompt_tokens: int
+    rid: Rid
+    num_prompt_tokens: Count
 
 
 class SchedulerClaimReply(msgspec.Struct, frozen=True, gc=False, omit_defaults=True):
-    scheduler_id: str
+    scheduler_id: InstanceId
     accepted: bool = True
-    error: str | None = None  # why not accepted (e.g. prompt longer than max_model_len)
+    error: Reason | None = None  # why not accepted (e.g. prompt longer than max_model_len)
 
 
 class GenerateRequest(msgspec.Struct, frozen=True, gc=False, omit_defaults=True):
     """Published to `subjects.scheduler_generate(scheduler_id)` after a successful claim."""
 
-    rid: str
+    rid: Rid
     input_ids: NDArray  # int32 [num_prompt_tokens]
-    detokenizer_id: str  # where this request's TokenBatch entries go
+    detokenizer_id: InstanceId  # where this request's TokenBatch entries go
     sampling: SamplingParams = SamplingParams()
     logprobs: LogprobParams = LogprobParams()
     stream: bool = False
+
+    def __post_init__(self) -> None:
+        if not self.input_ids.is_vector("<i4") or self.input_ids.shape[0] == 0:
+            raise ValueError("input_ids must be a non-empty int32 vector")
 
 
 class AbortRequest(msgspec.Struct, frozen=True, gc=False, omit_defaults=True):
     """Broadcast to every scheduler; a scheduler ignores rids it does not hold."""
 
-    rid: str
-    reason: str = "abort"  # "abort" (client gone), "stop" (detokenizer matched a stop string)
+    rid: Rid
+    reason: Annotated[str, msgspec.Meta(max_length=64)] = "abort"  # "abort" (client gone), "stop" (detokenizer matched a stop string)
 
 
 class SchedulerPing(msgspec.Struct, frozen=True, gc=False):
@@ -73,9 +93,9 @@ class SchedulerPing(msgspec.Struct, frozen=True, gc=False):
 class SchedulerInfo(msgspec.Struct, frozen=True, gc=False, omit_defaults=True):
     """Reply to a ping: what the answering scheduler serves."""
 
-    scheduler_id: str
-    model_name: str
-    max_model_len: int
-    vocab_size: int
-    speculative_algorithm: str = "none"
-    num_running: int = 0
+    scheduler_id: InstanceId
+    model_name: Reason
+    max_model_len: Count
+    vocab_size: Count
+    speculative_algorithm: Annotated[str, msgspec.Meta(max_length=64)] = "none"
+    num_running: Count = 0

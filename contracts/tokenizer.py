@@ -5,7 +5,8 @@ from __future__ import annotations
 import msgspec
 
 from contracts.arrays import NDArray
-from contracts.detokenizer import Finish, RequestLogprobs
+from contracts.detokenizer import Finish, RequestLogprobs, check_columns
+from contracts.limits import InstanceId, Rid
 
 
 class TextBatch(msgspec.Struct, frozen=True, gc=False, omit_defaults=True):
@@ -16,9 +17,9 @@ class TextBatch(msgspec.Struct, frozen=True, gc=False, omit_defaults=True):
     holds a prefix of a stop string that may still complete.
     """
 
-    detokenizer_id: str
-    scheduler_id: str
-    rids: list[str]  # [R]
+    detokenizer_id: InstanceId
+    scheduler_id: InstanceId
+    rids: list[Rid]  # [R]
     text_deltas: list[str]  # [R]
     num_new_tokens: NDArray  # i32 [R]
     new_token_ids: NDArray  # i32 [sum(num_new_tokens)]
@@ -26,3 +27,9 @@ class TextBatch(msgspec.Struct, frozen=True, gc=False, omit_defaults=True):
     finish: list[Finish | None]  # [R]
     logprobs: list[RequestLogprobs | None] | None = None  # [R], passed through from the scheduler
     spec_verify_ct: NDArray | None = None  # i32 [R]
+
+    def __post_init__(self) -> None:
+        if len(self.text_deltas) != len(self.rids):
+            raise ValueError(f"text_deltas must have {len(self.rids)} entries")
+        check_columns(self.rids, self.num_new_tokens, self.new_token_ids, self.prompt_tokens, self.finish,
+                      self.logprobs, self.spec_verify_ct)  # fmt: skip

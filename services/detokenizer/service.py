@@ -11,13 +11,14 @@ from tokenizers import Tokenizer
 from contracts import subjects
 from contracts.scheduler import AbortRequest
 from contracts.detokenizer import DetokenizerRegistration, DetokenizerRegistrationReply, TokenBatch
+from contracts.tokenizer import TextBatch
 from services.common.heartbeat import HeartbeatMonitor, HeartbeatPublisher
 from services.common.lifecycle import wait_until
 from services.common.logging import request_id_from
 from services.common.nats_reader import Delivery
 from services.common.transport import Transport
 from services.detokenizer.config import DetokenizerConfig
-from services.detokenizer.core import DetokenizerCore
+from services.detokenizer.core import DetokenizeResult, DetokenizerCore
 from services.detokenizer.metrics import DetokenizerTelemetry
 
 log = structlog.get_logger(__name__)
@@ -66,11 +67,21 @@ class DetokenizerService:
     async def _on_tokens(self, batch: TokenBatch, _msg: Delivery) -> None:
         result = self._core.process(batch)
         self.telemetry.processed(batch, result.outputs.values(), len(result.aborts))
+        await self._send(result)
+
+    async def _send(self, result: DetokenizeResult) -> None:
         # Aborts first: the sooner the scheduler hears of a stop match, the fewer wasted steps.
         for abort in result.aborts:
-            await self._transport.publish(subjects.SCHEDULER_ABORT, abort)
+            await self._publish(subjects.SCHEDULER_ABORT, abort, [abort.rid])
         for tokenizer_id, text_batch in result.outputs.items():
-            await self._transport.publish(subjects.tokenizer_outputs(tokenizer_id), text_batch)
+            await self._publish(subjects.tokenizer_outputs(tokenizer_id), text_batch, text_batch.rids)
+
+    async def _publish(self, subject: str, message: TextBatch | AbortRequest, rids: list[str]) -> None:
+        """One destination that cannot be published to never stops the others' outputs."""
+        try:
+            await self._transport.publish(subject, message)
+        except Exception as exc:
+            log.error("detokenizer.publish_failed", subject=subject, error=repr(exc), rids=rids[:8])
 
     async def _on_abort(self, abort: AbortRequest, _msg: Delivery) -> None:
         if abort.reason != "stop" and self._core.forget_unstarted(abort.rid):

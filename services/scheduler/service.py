@@ -16,6 +16,7 @@ from pathlib import Path
 import structlog
 
 from contracts import subjects
+from contracts.detokenizer import TokenBatch
 from contracts.scheduler import (
     AbortRequest,
     GenerateRequest,
@@ -201,7 +202,17 @@ class SchedulerService:
     async def _publish(self, outputs: list[RequestOutput], step: int) -> None:
         self._telemetry.observe_step(outputs)
         for detokenizer_id, batch in to_token_batches(outputs, self._id, step).items():
+            await self._publish_to(detokenizer_id, batch)
+
+    async def _publish_to(self, detokenizer_id: str, batch: TokenBatch) -> None:
+        """A destination that cannot be published to (gone, refused) fails only its own requests:
+        they are aborted, and the decode loop goes on for everyone else."""
+        try:
             await self._transport.publish(subjects.detokenizer_tokens(detokenizer_id), batch)
+        except Exception as exc:
+            log.error("scheduler.publish_failed", detokenizer=detokenizer_id, error=repr(exc), rids=batch.rids[:8])
+            for rid in batch.rids:
+                self._core.abort(rid, "abort")
 
     # ---- shutdown ----
 

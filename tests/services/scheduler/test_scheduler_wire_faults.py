@@ -1,0 +1,102 @@
+"""Nothing from the wire is fatal to the scheduler: a hostile GenerateRequest is dropped at the
+decoder, and a destination that cannot be published to fails only its own requests."""
+
+from __future__ import annotations
+
+import asyncio
+
+import msgspec
+import numpy as np
+import pytest
+
+from contracts import subjects
+from contracts.control import Heartbeat
+from contracts.detokenizer import FinishType, TokenBatch
+from contracts.scheduler import GenerateRequest, SamplingParams, SchedulerClaim, SchedulerClaimReply
+from services.common.arrays import from_wire, to_wire
+from services.common.transport import Transport
+from services.scheduler.config import SchedulerConfig
+from services.scheduler.service import SchedulerService
+
+SCHEDULER_ID = "sched-faults"
+PROMPT = np.arange(10, 30, dtype=np.int32)
+
+
+@pytest.fixture
+async def scheduler(nats_server, make_core):
+    """(service, its run task, a client whose detok-1 subscription collects TokenBatches)."""
+    config = SchedulerConfig(instance_id=SCHEDULER_ID, nats_url=nats_server.url, heartbeat_interval_s=0.2)
+    client = await Transport.connect(nats_server.url, "test-client")
+    batches: asyncio.Queue[TokenBatch] = asyncio.Queue()
+    beats: asyncio.Queue[Heartbeat] = asyncio.Queue()
+
+    async def on_batch(batch: TokenBatch, _msg) -> None:
+        batches.put_nowait(batch)
+
+    async def on_beat(beat: Heartbeat, _msg) -> None:
+        beats.put_nowait(beat)
+
+    await client.subscribe(subjects.detokenizer_tokens("detok-1"), TokenBatch, on_batch)
+    await client.subscribe(subjects.heartbeat("scheduler"), Heartbeat, on_beat)
+    await client.flush()
+    stop = asyncio.Event()
+    service = SchedulerService(config, make_core(max_model_len=64))
+    task = asyncio.create_task(service.run(stop))
+    await asyncio.wait_for(beats.get(), 10)
+    yield service, task, client, batches
+    stop.set()
+    await asyncio.wait_for(task, 10)
+    await client.close()
+
+
+async def submit(client: Transport, rid: str, detokenizer_id: str, max_new_tokens: int = 4) -> None:
+    reply = await client.request(subjects.SCHEDULER_CLAIM, SchedulerClaim(rid, len(PROMPT)), SchedulerClaimReply, 5)
+    assert reply.accepted
+    sampling = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0, ignore_eos=True)
+    request = GenerateRequest(rid=rid, input_ids=to_wire(PROMPT), detokenizer_id=detokenizer_id, sampling=sampling)
+    await client.publish(subjects.scheduler_generate(SCHEDULER_ID), request)
+
+
+async def finished_tokens(batches: asyncio.Queue[TokenBatch], rid: str) -> tuple[int, FinishType]:
+    count = 0
+    while True:
+        batch = await asyncio.wait_for(batches.get(), 10)
+        for index, batch_rid in enumerate(batch.rids):
+            if batch_rid == rid:
+                count += int(from_wire(batch.num_new_tokens)[index])
+                if batch.finish[index] is not None:
+                    return count, batch.finish[index].type
+
+
+@pytest.mark.timeout(60)
+async def test_a_detokenizer_id_with_a_space_is_dropped_and_the_scheduler_serves_on(scheduler):
+    _service, task, client, batches = scheduler
+    hostile = msgspec.msgpack.encode({"rid": "evil", "input_ids": to_wire(PROMPT), "detokenizer_id": "detok 1"})
+    await client.publish(subjects.scheduler_generate(SCHEDULER_ID), hostile)
+    await submit(client, "good", "detok-1")
+    assert await finished_tokens(batches, "good") == (4, FinishType.LENGTH)
+    assert not task.done()
+
+
+@pytest.mark.timeout(60)
+async def test_a_failing_destination_fails_only_its_own_requests(scheduler):
+    service, task, client, batches = scheduler
+    transport = service._transport
+    publish = transport.publish
+    broken = subjects.detokenizer_tokens("detok-broken")
+    attempts: list[list[str]] = []
+
+    async def failing_for_one_subject(subject, message):
+        if subject == broken:
+            attempts.append(list(message.rids))
+            raise ConnectionError("this destination is gone")
+        await publish(subject, message)
+
+    transport.publish = failing_for_one_subject
+    await submit(client, "lost", "detok-broken", max_new_tokens=40)
+    await submit(client, "kept", "detok-1")
+    assert await finished_tokens(batches, "kept") == (4, FinishType.LENGTH)
+    assert not task.done()
+    assert attempts and attempts[0] == ["lost"]
+    await asyncio.sleep(0.3)
+    assert len(attempts) < 40 and not service._core.has_work()  # aborted, not run to its 40 tokens
