@@ -56,6 +56,7 @@ class Delivery:
     subject: str
     reply: str | None = None
     headers: dict[str, str] | None = None
+    missed: int = 0  # messages from this message's sender to this subject lost right before it
 
 
 class PayloadSink(Protocol):
@@ -254,8 +255,8 @@ class _ReadProtocol(asyncio.BufferedProtocol):
             incoming.delivery = Delivery(incoming.subject, incoming.reply, headers)
             incoming.sink = self._reader._sink(incoming.sid)
             size = incoming.payload_bytes
-            target = incoming.sink.target(incoming.delivery, size) if incoming.sink else None
-            if target is None or len(target) != size:  # no sink (a late message after unsubscribe)
+            target = _sink_target(incoming.sink, incoming.delivery, size) if incoming.sink else None
+            if target is None or len(target) != size:  # no sink (a late message after unsubscribe) or it failed
                 incoming.sink, target = None, memoryview(bytearray(size))
             incoming.target = target
         if incoming.filled < incoming.payload_bytes:
@@ -272,8 +273,27 @@ class _ReadProtocol(asyncio.BufferedProtocol):
         self.start += len(CRLF)
         self.incoming = None
         if incoming.sink is not None and incoming.delivery is not None:
-            incoming.sink.landed(incoming.delivery, incoming.target)
+            _sink_landed(incoming.sink, incoming.delivery, incoming.target)
         return True
+
+
+# A sink's failure is one message's problem: it is logged and the message dropped, while the
+# connection (every other subscription's messages) stays up. Only protocol errors drop it.
+
+
+def _sink_target(sink: PayloadSink, delivery: Delivery, size: int) -> memoryview | None:
+    try:
+        return sink.target(delivery, size)
+    except Exception:
+        log.exception("nats_reader.sink_failed", subject=delivery.subject, size=size)
+        return None
+
+
+def _sink_landed(sink: PayloadSink, delivery: Delivery, payload: memoryview) -> None:
+    try:
+        sink.landed(delivery, payload)
+    except Exception:
+        log.exception("nats_reader.sink_failed", subject=delivery.subject, size=len(payload))
 
 
 @dataclass

@@ -22,6 +22,15 @@
   buffer (a chunk into its place in the reassembly buffer): nats-py's read path was the largest
   cost of a 21 MB message on the 2-core machine. All of one service's subscriptions share the
   reader, so one publisher's messages reach them in publish order, as on one connection.
+- Gaps. Every published message carries `Sw-Seq: <sender> <n>`, numbered per (sender,
+  destination subject). A receiver that sees a number skipped hands the next message over with
+  `Delivery.missed` > 0, and when its reading connection had to reconnect (anything in flight to
+  it may be lost) it calls the `on_receive_loss` listeners: the services fail the requests whose
+  outputs may be gone, so a lost message never becomes a short answer presented as complete.
+- Nothing from the wire is fatal. A malformed framing header, a chunk count or size over
+  `max_message_bytes`, or reassemblies over `max_partial_bytes` per subscription: the chunk is
+  read, logged with its subject and dropped (still acked), the connection stays up. A message
+  that fails to decode (every field is bounded, see `contracts.limits`) is logged and dropped.
 - Memory. A partial reassembly that gets no chunk for `reassembly_timeout_s` is dropped.
 - `close` drains (flushes pending publishes, finishes handlers) before closing.
 """
@@ -30,9 +39,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import itertools
+import re
 import time
 import uuid
+from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -56,6 +68,7 @@ Handler = Callable[[T, Delivery], Awaitable[None]]
 MSG_HEADER = "Sw-Msg"
 CHUNK_HEADER = "Sw-Chunk"
 ACK_HEADER = "Sw-Ack"
+SEQ_HEADER = "Sw-Seq"
 NATS_HEADER_LINE = b"NATS/1.0\r\n"
 CRLF_LEN = 2
 
@@ -63,6 +76,16 @@ FRAMED_MIN_BYTES = 256 * 1024  # from this size on, messages are framed and flow
 DEFAULT_WINDOW_BYTES = 32 * 1024 * 1024  # unacked bytes in flight per destination subject
 DEFAULT_ACK_TIMEOUT_S = 10.0
 DEFAULT_REASSEMBLY_TIMEOUT_S = 30.0
+# The largest message a receiver reassembles: 128k prompt positions x top-20 as flat arrays are
+# ~21 MB, the nested form about as much again, so 256 MiB leaves room without trusting a header.
+DEFAULT_MAX_MESSAGE_BYTES = 256 * 1024 * 1024
+DEFAULT_MAX_PARTIAL_BYTES = 1024 * 1024 * 1024  # all reassemblies in progress, per subscription
+MAX_TRACKED_SENDERS = 4096  # per subscription; the least recently heard sender is forgotten first
+CHUNK_FIELD = re.compile(r"(\d{1,9})/(\d{1,9})")
+# Our message ids are `<sender hex>-<n>`. Held to that, the ack a receiver sends back
+# (`<msg id> <index>`, all bytes < 0x80: MessagePack fixints) can never decode as a message, on
+# whatever subject a hostile `Sw-Ack` names.
+MSG_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")
 
 
 class TransportError(Exception):
@@ -83,21 +106,26 @@ def header_block_size(headers: dict[str, str]) -> int:
     return len(NATS_HEADER_LINE) + lines + CRLF_LEN
 
 
-def chunk_headers(msg_id: str, index: int, num_chunks: int, width: int, ack_subject: str | None) -> dict[str, str]:
-    headers = {MSG_HEADER: msg_id, CHUNK_HEADER: f"{index:0{width}d}/{num_chunks:0{width}d}"}
+def chunk_headers(
+    msg_id: str, index: int, num_chunks: int, width: int, ack_subject: str | None, extra: dict[str, str] | None = None
+) -> dict[str, str]:
+    """A chunk's headers: the message's own (`extra`: Sw-Seq, the request id) and the framing."""
+    headers = (extra or {}) | {MSG_HEADER: msg_id, CHUNK_HEADER: f"{index:0{width}d}/{num_chunks:0{width}d}"}
     if ack_subject is not None:
         headers[ACK_HEADER] = ack_subject
     return headers
 
 
-def plan_chunks(payload_len: int, max_payload: int, msg_id: str, ack_subject: str | None) -> tuple[int, int, int]:
+def plan_chunks(
+    payload_len: int, max_payload: int, msg_id: str, ack_subject: str | None, extra: dict[str, str] | None = None
+) -> tuple[int, int, int]:
     """(chunk_size, num_chunks, width) with header block + chunk <= max_payload for every chunk.
 
     Chunk numbers are zero-padded to `width` digits so every header has the same size; the
     smallest width that fits wins (a wider header leaves less room per chunk).
     """
     for width in itertools.count(1):
-        header = header_block_size(chunk_headers(msg_id, 0, 0, width, ack_subject))
+        header = header_block_size(chunk_headers(msg_id, 0, 0, width, ack_subject, extra))
         chunk_size = max_payload - header
         if chunk_size <= 0:
             raise PayloadTooLarge(f"max_payload {max_payload} bytes leaves no room after a {header}-byte header")
@@ -114,6 +142,9 @@ class ConnectionEvents:
     disconnects: int = 0
     reconnects: int = 0
     errors: list[str] = field(default_factory=list)
+    # Called when the receiving connection came back after a disconnect: whatever was in
+    # flight to this service meanwhile may be lost.
+    loss_listeners: list[Callable[[], None]] = field(default_factory=list)
 
 
 @dataclass
@@ -124,6 +155,7 @@ class _Window:
     changed: asyncio.Event = field(default_factory=asyncio.Event)
     outstanding: dict[str, tuple[int, float]] = field(default_factory=dict)  # ack key -> (bytes, sent_at); oldest first
     num_bytes: int = 0
+    seq: itertools.count[int] = field(default_factory=itertools.count)  # next Sw-Seq number to this subject
 
     def add(self, key: str, size: int) -> None:
         self.outstanding[key] = (size, time.monotonic())
@@ -154,6 +186,8 @@ class Transport:
         window_bytes: int = DEFAULT_WINDOW_BYTES,
         ack_timeout_s: float = DEFAULT_ACK_TIMEOUT_S,
         reassembly_timeout_s: float = DEFAULT_REASSEMBLY_TIMEOUT_S,
+        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+        max_partial_bytes: int = DEFAULT_MAX_PARTIAL_BYTES,
     ) -> None:
         self._nc = nc
         self._reader = reader
@@ -162,6 +196,10 @@ class Transport:
         self._window_bytes = window_bytes  # 0 disables flow control
         self._ack_timeout_s = ack_timeout_s
         self._reassembly_timeout_s = reassembly_timeout_s
+        self.max_message_bytes = max_message_bytes
+        self.max_partial_bytes = max_partial_bytes
+        self._receivers: list[_Receiver] = []
+        self.events.loss_listeners.append(self._forget_sequences)
         self._sender_id = uuid.uuid4().hex[:12]
         self._seq = itertools.count()
         self._encoder = msgspec.msgpack.Encoder()
@@ -178,6 +216,7 @@ class Transport:
         window_bytes: int = DEFAULT_WINDOW_BYTES,
         ack_timeout_s: float = DEFAULT_ACK_TIMEOUT_S,
         reassembly_timeout_s: float = DEFAULT_REASSEMBLY_TIMEOUT_S,
+        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
     ) -> Transport:
         """`connection`: servers, TLS and auth (a plain URL string is one server without either)."""
         if isinstance(connection, str):
@@ -192,7 +231,7 @@ class Transport:
         except BaseException:
             await nc.close()
             raise
-        return cls(nc, reader, name, events, window_bytes, ack_timeout_s, reassembly_timeout_s)
+        return cls(nc, reader, name, events, window_bytes, ack_timeout_s, reassembly_timeout_s, max_message_bytes)
 
     @property
     def max_payload(self) -> int:
@@ -218,20 +257,19 @@ class Transport:
         payload = message if isinstance(message, (bytes, bytearray)) else self.encode(message)
         window = self._windows.get(subject) or self._windows.setdefault(subject, _Window())
         flow_controlled = self._window_bytes > 0 and len(payload) >= FRAMED_MIN_BYTES
-        async with window.lock:
-            if flow_controlled or len(payload) + (header_block_size(headers) if headers else 0) > self.max_payload:
-                await self._publish_framed(subject, payload, window, headers or {})
+        async with window.lock:  # Sw-Seq numbers are taken in send order
+            extra = (headers or {}) | {SEQ_HEADER: f"{self._sender_id} {next(window.seq)}"}
+            if flow_controlled or len(payload) + header_block_size(extra) > self.max_payload:
+                await self._publish_framed(subject, payload, window, extra)
             else:
-                await self._nc.publish(subject, payload, headers=headers)
+                await self._nc.publish(subject, payload, headers=extra)
 
     async def _publish_framed(
         self, subject: str, payload: bytes | bytearray, window: _Window, extra: dict[str, str]
     ) -> None:
         ack_subject = await self._ensure_ack_inbox() if self._window_bytes > 0 else None
         msg_id = f"{self._sender_id}-{next(self._seq)}"
-        # The extra headers' own block size over-counts their share by the block's fixed framing: safe.
-        budget = self.max_payload - (header_block_size(extra) if extra else 0)
-        chunk_size, num_chunks, width = plan_chunks(len(payload), budget, msg_id, ack_subject)
+        chunk_size, num_chunks, width = plan_chunks(len(payload), self.max_payload, msg_id, ack_subject, extra)
         view = memoryview(payload).cast("B")  # byte-sized items: len(chunk) is its size in bytes
         for index in range(num_chunks):
             chunk = view[index * chunk_size : (index + 1) * chunk_size]  # no copy; nats-py joins it once
@@ -240,7 +278,7 @@ class Transport:
                 key = f"{msg_id} {index}"
                 self._ack_keys[key] = subject
                 window.add(key, len(chunk))
-            headers = extra | chunk_headers(msg_id, index, num_chunks, width, ack_subject)
+            headers = chunk_headers(msg_id, index, num_chunks, width, ack_subject, extra)
             await self._nc.publish(subject, chunk, headers=headers)
 
     async def _acquire(self, subject: str, window: _Window, size: int) -> None:
@@ -305,12 +343,24 @@ class Transport:
     async def subscribe(self, subject: str, message_type: type[T], handler: Handler[T], queue: str = "") -> int:
         """Decode every message on `subject` as `message_type` and await `handler` on it, in order.
         Returns the subscription's id, for `unsubscribe`."""
-        receiver = _Receiver(self, subject, msgspec.msgpack.Decoder(message_type), handler)
+        receiver = _Receiver(self, subject, msgspec.msgpack.Decoder(message_type), handler, counts_gaps=not queue)
         # No pending limits on the receiving side: memory is bounded by the senders' flow-control
         # windows instead.
         sid = self._reader.subscribe(subject, receiver, queue)
+        self._receivers.append(receiver)
         self._tasks += [asyncio.create_task(receiver.run()), asyncio.create_task(receiver.sweep())]
         return sid
+
+    def on_receive_loss(self, listener: Callable[[], None]) -> None:
+        """`listener()` runs each time the receiving connection came back after a disconnect:
+        messages sent to this service meanwhile may be lost, with no later message to tell."""
+        self.events.loss_listeners.append(listener)
+
+    def _forget_sequences(self) -> None:
+        """After a reconnect every sender is heard from anew: the loss listeners already failed
+        what the lost messages belonged to, so the next number is not a gap."""
+        for receiver in self._receivers:
+            receiver.forget_senders()
 
     async def unsubscribe(self, sid: int) -> None:
         """No more messages for this subscription once this returns (a queue group's messages go
@@ -321,9 +371,11 @@ class Transport:
     async def _send_ack(self, delivery: Delivery) -> None:
         headers = delivery.headers or {}
         ack_subject = headers.get(ACK_HEADER)
-        if ack_subject:
-            with contextlib.suppress(Exception):  # a closing connection: the sender times out instead
-                await self._nc.publish(ack_subject, f"{headers[MSG_HEADER]} {int(headers[CHUNK_HEADER].split('/')[0])}".encode())
+        with contextlib.suppress(BadFraming):
+            framing = parse_framing(headers)
+            if ack_subject and framing is not None:
+                with contextlib.suppress(Exception):  # a closing connection: the sender times out instead
+                    await self._nc.publish(ack_subject, f"{framing[0]} {framing[1]}".encode())
 
     async def flush(self) -> None:
         """Round trips to the server: subscriptions made and messages published before this call
@@ -377,17 +429,37 @@ def _reader_events(events: ConnectionEvents) -> ReaderEvents:
 
     def reconnected() -> None:
         events.reconnects += 1
+        for listener in events.loss_listeners:
+            listener()
 
     return ReaderEvents(on_disconnect=disconnected, on_reconnect=reconnected, on_error=events.errors.append)
 
 
-def _framing(headers: dict[str, str] | None) -> tuple[str, int, int] | None:
-    """(message id, chunk index, number of chunks) of a framed chunk, None for a plain message."""
+class BadFraming(ValueError):
+    """A chunk whose framing headers cannot be from our sender (or announce too much)."""
+
+
+def parse_framing(headers: dict[str, str] | None) -> tuple[str, int, int] | None:
+    """(message id, chunk index, number of chunks) of a framed chunk, None for a plain message.
+    Raises `BadFraming` for anything else: the headers are the sender's word, not to be trusted."""
     msg_id = headers.get(MSG_HEADER) if headers else None
     if msg_id is None or headers is None:
         return None
-    index, total = (int(part) for part in headers[CHUNK_HEADER].split("/"))
+    match = CHUNK_FIELD.fullmatch(headers.get(CHUNK_HEADER, ""))
+    if MSG_ID.fullmatch(msg_id) is None:
+        raise BadFraming(f"{MSG_HEADER} {msg_id[:80]!r} is not a message id")
+    if match is None:
+        raise BadFraming(f"{CHUNK_HEADER} {headers.get(CHUNK_HEADER, '')[:80]!r} is not <index>/<count>")
+    index, total = int(match[1]), int(match[2])
+    if not 0 <= index < total:
+        raise BadFraming(f"chunk {index} of {total}")
     return msg_id, index, total
+
+
+def parse_seq(headers: dict[str, str] | None) -> tuple[str, int] | None:
+    """(sender, number) from `Sw-Seq`, None when absent or malformed (nothing to check then)."""
+    sender, _, number = (headers or {}).get(SEQ_HEADER, "").partition(" ")
+    return (sender, int(number)) if sender and number.isdigit() and len(number) < 20 else None
 
 
 @dataclass
@@ -426,17 +498,26 @@ class _Reassembly:
 class _Receiver:
     """One subscription, as the reader's `PayloadSink`: picks where each payload lands (a chunk:
     its place in its message's buffer), then queues complete messages for decode and handler,
-    and every chunk for its ack."""
+    and every chunk for its ack. It also counts each sender's `Sw-Seq` numbers (not for a queue
+    group, whose members each see only a share of the messages)."""
 
     def __init__(
-        self, transport: Transport, subject: str, decoder: msgspec.msgpack.Decoder, handler: Handler[Any]
+        self,
+        transport: Transport,
+        subject: str,
+        decoder: msgspec.msgpack.Decoder,
+        handler: Handler[Any],
+        counts_gaps: bool = True,
     ) -> None:
         self._transport = transport
         self._subject = subject
         self._decoder = decoder
         self._handler = handler
+        self._counts_gaps = counts_gaps
         self._inbox: asyncio.Queue[tuple[memoryview | None, Delivery]] = asyncio.Queue()
         self._partial: dict[str, _Reassembly] = {}
+        self._partial_bytes = 0  # reserved by the reassemblies in `_partial`
+        self._last_seq: OrderedDict[str, int] = OrderedDict()  # sender -> last Sw-Seq number seen
         # What `target` decided for the payload being read: a chunk (message id, index, its
         # reassembly), or None with `_whole` telling a whole message from a dropped chunk.
         self._landing: tuple[str, int, _Reassembly] | None = None
@@ -446,32 +527,77 @@ class _Receiver:
 
     def target(self, delivery: Delivery, size: int) -> memoryview:
         self._landing = None
-        framing = _framing(delivery.headers)
+        try:
+            framing = parse_framing(delivery.headers)
+        except BadFraming as exc:
+            return self._drop(delivery, size, "transport.bad_framing", error=str(exc))
         self._whole = framing is None or framing[2] == 1
         if self._whole:
             return memoryview(bytearray(size))
         msg_id, index, total = framing
         state = self._partial.get(msg_id)
         if state is None and index == 0:
+            if (refusal := self._refusal(total, size)) is not None:
+                return self._drop(delivery, size, "transport.reassembly_refused", msg_id=msg_id, error=refusal)
             state = self._partial[msg_id] = _Reassembly(expected=total, chunk_size=size)
-        if state is None or not state.fits(index, size):  # a lost chunk (core NATS is at-most-once) or a late joiner
-            log.error("transport.chunk_out_of_order", subject=self._subject, msg_id=msg_id, index=index,
-                      have=state.received if state else None)  # fmt: skip
-            self._partial.pop(msg_id, None)
-            return memoryview(bytearray(size))  # read and dropped; still acked
+            self._partial_bytes += state.buffer.nbytes
+        if state is None or total != state.expected or not state.fits(index, size):
+            # a lost chunk (core NATS is at-most-once) or a late joiner
+            self._discard(msg_id)
+            return self._drop(delivery, size, "transport.chunk_out_of_order", msg_id=msg_id, index=index,
+                              have=state.received if state else None)  # fmt: skip
         self._landing = (msg_id, index, state)
         return state.slot(index, size)
 
     def landed(self, delivery: Delivery, payload: memoryview) -> None:
         landing, self._landing = self._landing, None
         if landing is None:  # a whole message, or a dropped chunk (only acked)
-            self._inbox.put_nowait((payload if self._whole else None, delivery))
+            self._inbox.put_nowait((payload, self._counted(delivery)) if self._whole else (None, delivery))
             return
         msg_id, index, state = landing
         complete = state.landed(index, len(payload))
         if complete is not None:
-            self._partial.pop(msg_id, None)  # the sweep may have dropped it meanwhile
+            self._discard(msg_id)  # the sweep may have dropped it meanwhile
+            delivery = self._counted(delivery)
         self._inbox.put_nowait((complete, delivery))
+
+    def forget_senders(self) -> None:
+        self._last_seq.clear()
+
+    def _refusal(self, total: int, chunk_size: int) -> str | None:
+        """Why a message announced by its first chunk must not get a buffer; None when it may."""
+        announced = total * chunk_size
+        if announced > self._transport.max_message_bytes:
+            return f"{total} chunks of {chunk_size} bytes exceed max_message_bytes {self._transport.max_message_bytes}"
+        if self._partial_bytes + announced > self._transport.max_partial_bytes:
+            return f"reassemblies in progress already hold {self._partial_bytes} bytes"
+        return None
+
+    def _drop(self, delivery: Delivery, size: int, event: str, **details: Any) -> memoryview:
+        """Read the payload into scratch space and forget it (it is still acked)."""
+        log.error(event, subject=self._subject, size=size, **details)
+        self._whole = False
+        return memoryview(bytearray(size))
+
+    def _discard(self, msg_id: str) -> None:
+        state = self._partial.pop(msg_id, None)
+        if state is not None:
+            self._partial_bytes -= state.buffer.nbytes
+
+    def _counted(self, delivery: Delivery) -> Delivery:
+        """The delivery of a complete message, with `missed` set when its sender skipped numbers."""
+        seq = parse_seq(delivery.headers) if self._counts_gaps else None
+        if seq is None:
+            return delivery
+        sender, number = seq
+        last = self._last_seq.pop(sender, None)
+        self._last_seq[sender] = number
+        if len(self._last_seq) > MAX_TRACKED_SENDERS:
+            self._last_seq.popitem(last=False)
+        if last is None or number <= last + 1:  # first contact, in order, or a duplicate
+            return delivery
+        log.error("transport.messages_lost", subject=self._subject, sender=sender, missed=number - last - 1)
+        return dataclasses.replace(delivery, missed=number - last - 1)
 
     # the subscription's task
 
@@ -496,7 +622,7 @@ class _Receiver:
             if now - state.last_seen > timeout_s:
                 log.warning("transport.reassembly_dropped", subject=self._subject, msg_id=msg_id,
                             have=state.received, expected=state.expected)  # fmt: skip
-                del self._partial[msg_id]
+                self._discard(msg_id)
 
     async def _handle(self, payload: memoryview, delivery: Delivery) -> None:
         try:

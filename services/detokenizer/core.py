@@ -109,11 +109,42 @@ class DetokenizerCore:
             self._forget(rid)
         return rids
 
+    def fail(self, rids: list[str], message: str) -> DetokenizeResult:
+        """Finish the held requests among `rids` with ABORT and `message` (their tokens may be
+        lost): one text batch per owning tokenizer tells the clients, an abort per rid frees the
+        scheduler's slot. Nothing is ever presented as complete that may be short."""
+        result = DetokenizeResult()
+        owned: dict[str, list[str]] = {}
+        for rid in rids:
+            request = self._requests.get(rid)
+            if request is not None:
+                owned.setdefault(request.tokenizer_id, []).append(rid)
+                self._forget(rid)
+                result.aborts.append(AbortRequest(rid=rid, reason="abort"))
+        finish = Finish(FinishType.ABORT, message=message)
+        for tokenizer_id, failed in owned.items():
+            result.outputs[tokenizer_id] = self._failure_batch(failed, finish)
+        return result
+
+    def rids_from(self, scheduler_id: str, batch: TokenBatch | None = None) -> list[str]:
+        """The held requests `scheduler_id` serves, and those in `batch` not yet started (their
+        first tokens may be what was lost)."""
+        rids = [rid for rid, request in self._requests.items() if request.scheduler_id == scheduler_id]
+        unstarted = [rid for rid in (batch.rids if batch else ()) if self._unstarted(rid)]
+        return rids + unstarted
+
+    def _unstarted(self, rid: str) -> bool:
+        request = self._requests.get(rid)
+        return request is not None and request.scheduler_id is None
+
+    @property
+    def held_rids(self) -> list[str]:
+        return list(self._requests)
+
     def forget_unstarted(self, rid: str) -> bool:
         """An abort for a request no scheduler has sent tokens for (its claim failed, or the
         client left first): nothing will ever finish it here, so drop it now."""
-        request = self._requests.get(rid)
-        if request is None or request.scheduler_id is not None:
+        if not self._unstarted(rid):
             return False
         self._forget(rid)
         return True
@@ -144,6 +175,20 @@ class DetokenizerCore:
         if cut:
             logprobs = _cut_output_logprobs(logprobs, num_kept)
         return _Entry(index, text, ids[:num_kept], cut, finish, logprobs)
+
+    def _failure_batch(self, rids: list[str], finish: Finish) -> TextBatch:
+        """No text or tokens, only the ABORT finish; its sender is this detokenizer on both ends."""
+        none = to_wire(np.zeros(len(rids), dtype=np.int32))  # [R]
+        return TextBatch(
+            detokenizer_id=self.instance_id,
+            scheduler_id=self.instance_id,
+            rids=rids,
+            text_deltas=[""] * len(rids),
+            num_new_tokens=none,
+            new_token_ids=to_wire(np.zeros(0, dtype=np.int32)),
+            prompt_tokens=none,
+            finish=[finish] * len(rids),
+        )
 
     def _text_batch(self, batch: TokenBatch, entries: list[_Entry]) -> TextBatch:
         indices = [entry.index for entry in entries]

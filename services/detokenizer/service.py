@@ -4,6 +4,8 @@ aborts out. All the work is in `DetokenizerCore`."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Coroutine
+from typing import Any
 
 import structlog
 from tokenizers import Tokenizer
@@ -37,6 +39,8 @@ class DetokenizerService:
         self._schedulers = HeartbeatMonitor(transport, "scheduler", config.nats.heartbeat_timeout_s, self._on_scheduler_dead)
         self._register_sid: int | None = None
         self.telemetry = DetokenizerTelemetry(lambda: core.num_running)
+        self._background: set[asyncio.Task[None]] = set()
+        transport.on_receive_loss(self._on_receive_loss)
 
     @classmethod
     async def start(cls, config: DetokenizerConfig) -> DetokenizerService:
@@ -64,10 +68,31 @@ class DetokenizerService:
         self.telemetry.registered(registration.rid, request_id_from(msg.headers))
         await self._transport.respond(msg, DetokenizerRegistrationReply(detokenizer_id=self._config.instance_id))
 
-    async def _on_tokens(self, batch: TokenBatch, _msg: Delivery) -> None:
+    async def _on_tokens(self, batch: TokenBatch, msg: Delivery) -> None:
+        if msg.missed:  # batches of this scheduler were lost: whoever they carried tokens for is short
+            message = f"request failed: {msg.missed} token batches from scheduler {batch.scheduler_id} were lost in transit"
+            await self._send(self._fail(self._core.rids_from(batch.scheduler_id, batch), message))
         result = self._core.process(batch)
         self.telemetry.processed(batch, result.outputs.values(), len(result.aborts))
         await self._send(result)
+
+    def _fail(self, rids: list[str], message: str) -> DetokenizeResult:
+        result = self._core.fail(rids, message)
+        self.telemetry.forgotten([abort.rid for abort in result.aborts])
+        return result
+
+    def _on_receive_loss(self) -> None:
+        """Our receiving connection dropped and came back: any batch sent meanwhile is gone."""
+        rids = self._core.held_rids
+        if rids:
+            log.error("detokenizer.receive_loss", num_failed=len(rids))
+            result = self._fail(rids, "request failed: the detokenizer lost its NATS connection mid-stream")
+            self._spawn(self._send(result))
+
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.create_task(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     async def _send(self, result: DetokenizeResult) -> None:
         # Aborts first: the sooner the scheduler hears of a stop match, the fewer wasted steps.
@@ -109,6 +134,7 @@ class DetokenizerService:
         """Say "dead" first so tokenizers fail what we still hold fast, then close."""
         await self._heartbeat.stop(reason)
         await self._schedulers.stop()
+        await asyncio.gather(*self._background, return_exceptions=True)
         await self.telemetry.close()
         await self._transport.close()
         log.info("detokenizer.stopped", instance=self._config.instance_id, reason=reason)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from collections.abc import Callable
 
 import nats.errors
 import numpy as np
@@ -48,6 +49,7 @@ class TokenizerService:
         self._detokenizers = HeartbeatMonitor(transport, "detokenizer", timeout, self._on_dead)
         self._watchdog: asyncio.Task[None] | None = None
         self._background: set[asyncio.Task[None]] = set()
+        transport.on_receive_loss(lambda: self._fail_lost(lambda _p: True, "the tokenizer lost its NATS connection mid-request"))
 
     @classmethod
     async def start(cls, config: TokenizerConfig, on_done: OnDone | None = None) -> TokenizerService:
@@ -130,8 +132,19 @@ class TokenizerService:
         ids = to_wire(np.asarray(spec.prompt_ids, dtype=np.int32))  # [num_prompt_tokens]
         return GenerateRequest(spec.rid, ids, pending.detokenizer_id, spec.sampling, spec.logprobs, spec.stream)
 
-    async def _on_outputs(self, batch: TextBatch, _msg: Delivery) -> None:
+    async def _on_outputs(self, batch: TextBatch, msg: Delivery) -> None:
+        if msg.missed:  # text batches of this detokenizer were lost: its requests may be short
+            self._fail_lost(lambda p: p.detokenizer_id == batch.detokenizer_id,
+                            f"{msg.missed} text batches from detokenizer {batch.detokenizer_id} were lost in transit")  # fmt: skip
         self.pending.dispatch(batch)
+
+    def _fail_lost(self, select: Callable[[PendingRequest], bool], why: str) -> None:
+        """Fail (and abort) requests whose outputs may be lost: never a short answer as complete."""
+        failed = self.pending.fail(select, f"request failed: {why}")
+        if failed:
+            log.error("tokenizer.outputs_lost", reason=why, num_failed=len(failed))
+        for rid in failed:
+            self._spawn(self._publish_abort(rid))
 
     def _on_dead(self, instance_id: str, reason: str) -> None:
         for rid in self.pending.fail_owned_by(instance_id, f"request failed: {reason}"):

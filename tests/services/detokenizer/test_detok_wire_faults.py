@@ -9,7 +9,9 @@ import numpy as np
 import pytest
 
 from contracts import subjects
+from contracts.detokenizer import DetokenizeParams, DetokenizerRegistration, Finish, FinishType
 from contracts.tokenizer import TextBatch
+from services.detokenizer.core import DetokenizerCore
 from tests.services.detokenizer.conftest import token_batch
 from tests.services.detokenizer.test_detok_service import DETOK_ID, Inbox, register, running_detokenizer
 
@@ -50,3 +52,17 @@ async def test_a_token_batch_whose_columns_disagree_is_dropped(nats_server, toke
         await client.publish(subjects.detokenizer_tokens(DETOK_ID), token_batch([("good", [41, 42], None)]))
         text_batch = await outputs.get()
         assert text_batch.rids == ["good"] and len(text_batch.new_token_ids.data) == 2 * 4
+
+
+def test_a_gap_fails_the_schedulers_requests_and_those_it_had_not_started(tokenizer):
+    core = DetokenizerCore(tokenizer, "detok-1")
+    for rid, owner in (("a", "tok-A"), ("b", "tok-B"), ("c", "tok-A"), ("other", "tok-A")):
+        core.register(DetokenizerRegistration(rid=rid, tokenizer_id=owner, params=DetokenizeParams()))
+    core.process(token_batch([("a", [40], None), ("b", [41], None)], scheduler_id="sched-1"))
+    core.process(token_batch([("other", [42], None)], scheduler_id="sched-2"))
+    after_gap = token_batch([("a", [43], None), ("c", [44], None)], scheduler_id="sched-1")
+    result = core.fail(core.rids_from("sched-1", after_gap), "lost")
+    assert sorted(abort.rid for abort in result.aborts) == ["a", "b", "c"]
+    assert {owner: batch.rids for owner, batch in result.outputs.items()} == {"tok-A": ["a", "c"], "tok-B": ["b"]}
+    assert all(f == Finish(FinishType.ABORT, message="lost") for batch in result.outputs.values() for f in batch.finish)
+    assert core.held_rids == ["other"] and core.process(after_gap).outputs == {}
