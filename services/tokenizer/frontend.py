@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import ParamSpec, TypeVar
 
 import structlog
 from litestar import Request
@@ -22,6 +24,13 @@ from services.tokenizer.validation import GenerationSpec
 log = structlog.get_logger(__name__)
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+# Bodies from this size on are validated and tokenized in a worker thread: tokenizing a few MB
+# takes seconds. Smaller ones stay on the loop (microseconds), so they never queue behind them.
+OFF_LOOP_MIN_BODY_BYTES = 64 * 1024
+NUM_TOKENIZE_WORKERS = 2
+
+P = ParamSpec("P")
+R = TypeVar("R")
 
 
 class ClientGone(Exception):
@@ -37,6 +46,16 @@ class Frontend:
     service: TokenizerService
     metrics: Metrics = field(default_factory=Metrics)
     created: int = field(default_factory=lambda: int(time.time()))
+    workers: ThreadPoolExecutor = field(
+        default_factory=lambda: ThreadPoolExecutor(NUM_TOKENIZE_WORKERS, thread_name_prefix="tokenize")
+    )
+
+    async def prepare(self, request: Request, work: Callable[P, R], *args: P.args, **kwargs: P.kwargs) -> R:
+        """Run `work` (validation and tokenization: plain CPU work) for this request's body, in a
+        worker thread when the body is large, so no prompt stalls the other requests."""
+        if int(request.headers.get("content-length") or 0) < OFF_LOOP_MIN_BODY_BYTES:
+            return work(*args, **kwargs)
+        return await asyncio.get_running_loop().run_in_executor(self.workers, lambda: work(*args, **kwargs))
 
     async def submit_all(self, specs: list[GenerationSpec]) -> list[PendingRequest]:
         """Submit every spec; on a failure abort those already submitted and re-raise."""

@@ -30,16 +30,21 @@ from services.tokenizer.json_body import encode_json
 from services.tokenizer.native import GenerationResult, error_body, native_events, native_response
 from services.tokenizer.requests import RequestFailed
 from services.tokenizer.service import ServiceUnavailable
-from services.tokenizer.validation import InvalidRequest, require, validate_generate
+from services.tokenizer.validation import MAX_BODY_BYTES, InvalidRequest, require, validate_generate
 
 log = structlog.get_logger(__name__)
 
 MISSING_FIELD = re.compile(r"missing required field `([^`]+)`")
+# The content types a browser sends cross-site without a CORS preflight: refused, so a web page
+# cannot drive a server on localhost by posting "JSON" as a form or as text.
+NON_JSON_MEDIA_TYPES = ("text/plain", "application/x-www-form-urlencoded", "multipart/form-data")
 
 
 @post("/generate", status_code=200, summary="Native generation API (SGLang-compatible)")
 async def generate(data: GenerateBody, frontend: Frontend, request: Request) -> Response[Any] | Stream:
-    specs, is_batch = validate_generate(data, frontend.model, frontend.config.max_logprobs, request_id_of(request))
+    specs, is_batch = await frontend.prepare(
+        request, validate_generate, data, frontend.model, frontend.config.max_logprobs, request_id_of(request)
+    )
     pendings = await frontend.submit_all(specs)
     if data.stream:
         result = GenerationResult(specs[0])
@@ -60,8 +65,8 @@ async def health(frontend: Frontend) -> Response[dict[str, Any]]:
 
 
 @post("/tokenize", status_code=200, summary="Text to token ids (vLLM-compatible)")
-async def tokenize(data: TokenizeBody, frontend: Frontend) -> dict[str, Any]:
-    tokens = frontend.model.encode(data.prompt, add_special_tokens=data.add_special_tokens)
+async def tokenize(data: TokenizeBody, frontend: Frontend, request: Request) -> dict[str, Any]:
+    tokens = await frontend.prepare(request, frontend.model.encode, data.prompt, add_special_tokens=data.add_special_tokens)
     return {"tokens": tokens, "count": len(tokens), "max_model_len": frontend.model.max_model_len}
 
 
@@ -109,6 +114,8 @@ def _on_validation(_request: Request, exc: ValidationException) -> Response[dict
     message = str(extra.get("message", exc.detail))
     key = extra.get("key")
     parent = None if key in (None, "data") else str(key)
+    if key == "data" and message == "'data'":  # Litestar's words for "there was no body"
+        return _error(400, "the request body is empty; send a JSON object", "invalid_request_error")
     missing = MISSING_FIELD.search(message)
     param = ".".join(filter(None, [parent, missing.group(1)])) if missing else parent
     return _error(400, f"{param}: {message}" if param else str(message), "invalid_request_error", param)
@@ -117,6 +124,20 @@ def _on_validation(_request: Request, exc: ValidationException) -> Response[dict
 def _on_http(_request: Request, exc: HTTPException) -> Response[dict[str, Any]]:
     kind = "invalid_request_error" if exc.status_code < 500 else "internal_error"
     return _error(exc.status_code, exc.detail, kind)
+
+
+async def _json_bodies_only(request: Request) -> Response[dict[str, Any]] | None:
+    if request.method == "POST":
+        media_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
+        if media_type in NON_JSON_MEDIA_TYPES:
+            return _error(415, f"a {media_type} body is not accepted; send JSON with content-type: application/json",
+                          "invalid_request_error")  # fmt: skip
+    return None
+
+
+def _on_too_deep(_request: Request, _exc: RecursionError) -> Response[dict[str, Any]]:
+    """The JSON decoder gives up on bodies nested thousands deep (no API field nests so)."""
+    return _error(400, "the request body is nested too deeply", "invalid_request_error")
 
 
 def _on_unavailable(_request: Request, exc: Exception) -> Response[dict[str, Any]]:
@@ -148,8 +169,11 @@ def create_app(frontend: Frontend) -> Litestar:
             ServiceUnavailable: _on_unavailable,
             RequestFailed: _on_unavailable,
             ClientGone: _on_client_gone,
+            RecursionError: _on_too_deep,
             Exception: _on_unexpected,
         },
+        request_max_body_size=MAX_BODY_BYTES,
+        before_request=_json_bodies_only,
         openapi_config=OpenAPIConfig(title="Sparkwire", version="0.1.0", path="/schema"),
         state=State({"frontend": frontend}),
         logging_config=None,  # Litestar's default would replace the process's handlers (ours: JSON, redaction)

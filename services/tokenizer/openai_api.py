@@ -37,8 +37,10 @@ from services.tokenizer.validation import (
     InvalidRequest,
     LogprobRequest,
     check_logprobs,
+    check_fan_out,
     check_prompt,
     check_sampling,
+    check_text_size,
     require,
     wire_rids,
 )
@@ -74,6 +76,9 @@ def finish_name(finish: Finish | None) -> str | None:
 
 def completion_prompts(prompt: str | list[Any], model: TextModel) -> list[tuple[tuple[int, ...], str]]:
     """(token ids, echo text) per prompt, for str, [str], [int] and [[int]] prompts."""
+    for text in [prompt] if isinstance(prompt, str) else prompt:
+        if isinstance(text, str):
+            check_text_size(text, model, "prompt")
     if isinstance(prompt, str):
         return [(check_prompt(model.encode(prompt), model, "prompt"), prompt)]
     require(len(prompt) > 0, "the prompt is empty", "prompt")
@@ -111,6 +116,7 @@ def _choices(
     request_id: str,
 ) -> list[Choice]:
     require(1 <= body.n <= MAX_N, f"must be in [1, {MAX_N}]", "n")
+    check_fan_out(len(prompts), body.n, "n")
     sampling_body = _sampling_body(body, max_tokens)
     sampling, detokenize = check_sampling(sampling_body, model, SAMPLING_NAMES)
     rids = iter(wire_rids(request_id, len(prompts) * body.n))
@@ -162,8 +168,9 @@ def chat_plan(body: ChatBody, frontend: Frontend, request_id: str) -> Plan:
         text = model.render_chat(_chat_messages(body))
     except ValueError as exc:
         raise InvalidRequest(str(exc), "messages") from None
+    check_text_size(text, model, "messages")
     ids = check_prompt(model.encode(text, add_special_tokens=False), model, "messages")
-    max_tokens = body.max_completion_tokens or body.max_tokens
+    max_tokens = body.max_tokens if body.max_completion_tokens is None else body.max_completion_tokens
     max_tokens = model.max_model_len - len(ids) if max_tokens is None else max_tokens
     request = LogprobRequest(return_logprob=body.logprobs, top_logprobs_num=top)
     choices = _choices([(ids, text)], body, model, request, CHAT_LOGPROB_NAMES, limit, max_tokens, request_id)
@@ -301,12 +308,14 @@ async def _serve(
 
 @post("/v1/completions", status_code=200, summary="OpenAI completions")
 async def completions(data: CompletionBody, frontend: Frontend, request: Request) -> Response[Any] | Stream:
-    return await _serve(completion_plan(data, frontend, request_id_of(request)), frontend, request, data, chat=False)
+    plan = await frontend.prepare(request, completion_plan, data, frontend, request_id_of(request))
+    return await _serve(plan, frontend, request, data, chat=False)
 
 
 @post("/v1/chat/completions", status_code=200, summary="OpenAI chat completions")
 async def chat_completions(data: ChatBody, frontend: Frontend, request: Request) -> Response[Any] | Stream:
-    return await _serve(chat_plan(data, frontend, request_id_of(request)), frontend, request, data, chat=True)
+    plan = await frontend.prepare(request, chat_plan, data, frontend, request_id_of(request))
+    return await _serve(plan, frontend, request, data, chat=True)
 
 
 ROUTES = [completions, chat_completions]

@@ -52,7 +52,9 @@ class TextModel:
         return cls(tokenizer, _token_bytes_table(tokenizer, vocab_size), special, vocab_size, limit, template)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+        # `encode_batch` releases the GIL while it works (`encode` holds it), so a large prompt
+        # tokenized in a worker thread leaves the event loop free.
+        return self.tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)

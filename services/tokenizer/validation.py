@@ -12,6 +12,14 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from contracts.detokenizer import DetokenizeParams
+from contracts.limits import (
+    MAX_CLIENT_RID_CHARS,
+    MAX_STOP_CHARS,
+    MAX_STOP_STRINGS,
+    MAX_STOP_TOKEN_IDS,
+    MAX_TOKEN_IDS_LOGPROB,
+    MAX_TOKENS,
+)
 from contracts.scheduler import LogprobParams, SamplingParams
 from services.tokenizer.api_types import GenerateBody, SamplingParamsBody
 from services.tokenizer.text_model import TextModel
@@ -54,6 +62,14 @@ class LogprobRequest:
 
 GENERATE_NAMES = {name: f"sampling_params.{name}" for name in SamplingParamsBody.__struct_fields__}
 
+# Documented limits (README, "Limits"): a request outside them is a 400 naming the field, never a
+# 500 from deeper down, and one call cannot fan out into unbounded work.
+MAX_BODY_BYTES = 10 * 1024 * 1024  # larger bodies get 413 before they are parsed
+MAX_SEQUENCES_PER_CALL = 128  # prompts x n of one call
+MAX_SEED = 2**63 - 1 - MAX_SEQUENCES_PER_CALL  # int64 on the wire, with room for the per-choice seed + j
+MIN_SEED = -(2**63)
+MAX_PROMPT_CHARS_PER_TOKEN = 32  # text longer than max_model_len x this is refused before tokenizing
+
 
 def new_request_id() -> str:
     return uuid.uuid4().hex
@@ -84,9 +100,50 @@ def check_prompt(ids: list[int], model: TextModel, param: str) -> tuple[int, ...
     return tuple(ids)
 
 
+def check_sampling_bounds(body: SamplingParamsBody, names: Mapping[str, str]) -> None:
+    """Integer ranges and list sizes the wire (`contracts.limits`) and the scheduler can hold."""
+    require(body.max_new_tokens <= MAX_TOKENS, f"must be <= {MAX_TOKENS}", names["max_new_tokens"])
+    require(body.top_k <= MAX_TOKENS, f"must be <= {MAX_TOKENS}", names["top_k"])
+    seed_ok = body.seed is None or MIN_SEED <= body.seed <= MAX_SEED
+    require(seed_ok, f"must be in [{MIN_SEED}, {MAX_SEED}]", names["seed"])
+    require(len(body.stop_token_ids or ()) <= MAX_STOP_TOKEN_IDS, f"at most {MAX_STOP_TOKEN_IDS} ids", names["stop_token_ids"])
+    stop = [body.stop] if isinstance(body.stop, str) else body.stop or []
+    require(len(stop) <= MAX_STOP_STRINGS, f"at most {MAX_STOP_STRINGS} stop strings", names["stop"])
+    require(all(len(s) <= MAX_STOP_CHARS for s in stop), f"stop strings are at most {MAX_STOP_CHARS} characters", names["stop"])
+
+
+def check_generate_bounds(body: GenerateBody) -> None:
+    """/generate fields outside `SamplingParamsBody` that have a size limit."""
+    rids = [body.rid] if isinstance(body.rid, str) else body.rid or []
+    require(all(0 < len(rid) <= MAX_CLIENT_RID_CHARS for rid in rids), f"1 to {MAX_CLIENT_RID_CHARS} characters", "rid")
+    num_ids = len(body.token_ids_logprob or ())
+    require(num_ids <= MAX_TOKEN_IDS_LOGPROB, f"at most {MAX_TOKEN_IDS_LOGPROB} ids", "token_ids_logprob")
+    check_fan_out(_num_prompts(body), 1, "text" if body.text is not None else "input_ids")
+
+
+def _num_prompts(body: GenerateBody) -> int:
+    if isinstance(body.text, list):
+        return len(body.text)
+    ids = body.input_ids or []
+    return len(ids) if ids and isinstance(ids[0], list) else 1
+
+
+def check_fan_out(num_prompts: int, n: int, param: str) -> None:
+    """One call becomes prompts x n scheduler requests: bounded, so a small body stays small work."""
+    total = num_prompts * n
+    require(total <= MAX_SEQUENCES_PER_CALL, f"{num_prompts} prompts x n={n} is {total} sequences; at most {MAX_SEQUENCES_PER_CALL}", param)
+
+
+def check_text_size(text: str, model: TextModel, param: str) -> None:
+    """Refuse text that cannot fit max_model_len before spending seconds tokenizing it."""
+    limit = model.max_model_len * MAX_PROMPT_CHARS_PER_TOKEN
+    require(len(text) <= limit, f"the prompt has {len(text)} characters; at most {limit} (max_model_len x {MAX_PROMPT_CHARS_PER_TOKEN})", param)
+
+
 def check_sampling(
     body: SamplingParamsBody, model: TextModel, names: Mapping[str, str] = GENERATE_NAMES
 ) -> tuple[SamplingParams, DetokenizeParams]:
+    check_sampling_bounds(body, names)
     require(body.max_new_tokens >= 0, "must be >= 0", names["max_new_tokens"])
     require(math.isfinite(body.temperature) and body.temperature >= 0, "must be >= 0", names["temperature"])
     require(0 < body.top_p <= 1, "must be in (0, 1]", names["top_p"])
@@ -154,6 +211,8 @@ def generate_prompts(body: GenerateBody, model: TextModel) -> tuple[list[tuple[i
     if body.text is not None:
         texts = [body.text] if isinstance(body.text, str) else body.text
         require(len(texts) > 0, "the batch is empty", "text")
+        for text in texts:
+            check_text_size(text, model, "text")
         return [check_prompt(model.encode(t), model, "text") for t in texts], not isinstance(body.text, str)
     ids = body.input_ids or []
     nested = any(isinstance(item, list) for item in ids)
@@ -180,6 +239,7 @@ def validate_generate(
     body: GenerateBody, model: TextModel, max_logprobs: int, request_id: str
 ) -> tuple[list[GenerationSpec], bool]:
     """All specs of one /generate call, and whether the answer is a list (batch)."""
+    check_generate_bounds(body)
     prompts, is_batch = generate_prompts(body, model)
     require(not (is_batch and body.stream), "streaming a batch is not supported", "stream")
     sampling, detokenize = check_sampling(body.sampling_params or SamplingParamsBody(), model)
