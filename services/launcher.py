@@ -3,9 +3,12 @@
 Starts an embedded nats-server (unless `--nats-url` is given), then the scheduler, detokenizer and
 tokenizer as separate processes, waits until `GET /health` answers 200 and prints the URL.
 Ctrl-C or SIGTERM stops everything: SIGTERM to each service, SIGKILL after a grace period, then
-the nats-server. A service that dies on its own is reported (name, exit code, last output lines)
-and the rest are stopped; `up` then exits non-zero. Service logs are echoed to stderr, prefixed with
-the service name; stdout carries only the ready line.
+the nats-server. Once ready, `up` supervises: a service that dies is reported (name, exit code,
+last output lines) and restarted after a backoff (0.5 s, doubling to 30 s; back to 0.5 s once it
+stayed up for a minute), and so is the embedded nats-server, on the same port so the services
+reconnect. A service that dies before the stack was ever ready (a bad flag, a missing model), or
+dies again and again without staying up, stops `up` with a non-zero exit. Service logs are echoed to
+stderr, prefixed with the service name; stdout carries only the ready line.
 """
 
 from __future__ import annotations
@@ -38,6 +41,10 @@ OUTPUT_TAIL_LINES = 20
 POLL_S = 0.2
 HEALTH_POLL_S = 0.5
 PROGRESS_EVERY_S = 5.0
+FIRST_RESTART_WAIT_S = 0.5
+MAX_RESTART_WAIT_S = 30.0
+STABLE_AFTER_S = 60.0  # up this long: the next crash is a first one again
+MAX_RESTARTS_IN_A_ROW = 8  # without staying up STABLE_AFTER_S in between: give up
 
 
 @dataclass
@@ -49,6 +56,7 @@ class Child:
     process: subprocess.Popen[bytes]
     tail: collections.deque[str] = field(default_factory=lambda: collections.deque(maxlen=OUTPUT_TAIL_LINES))
     reader: threading.Thread | None = None
+    started_at: float = field(default_factory=time.monotonic)
 
     @classmethod
     def start(cls, name: str, argv: list[str], env: dict[str, str]) -> Child:
@@ -121,40 +129,116 @@ def is_healthy(url: str) -> bool:
         return False
 
 
+@dataclass
+class Backoff:
+    """Restarts of one process: how long to wait before the next, and when to give up."""
+
+    in_a_row: int = 0
+    due_at: float | None = None  # a restart is scheduled for then
+
+    def schedule(self, up_for_s: float) -> float:
+        """Plan the next restart of a process that ran `up_for_s`; returns the wait."""
+        if up_for_s >= STABLE_AFTER_S:
+            self.in_a_row = 0
+        wait = min(MAX_RESTART_WAIT_S, FIRST_RESTART_WAIT_S * 2**self.in_a_row)
+        self.in_a_row += 1
+        self.due_at = time.monotonic() + wait
+        return wait
+
+    def is_due(self) -> bool:
+        return self.due_at is not None and time.monotonic() >= self.due_at
+
+    @property
+    def exhausted(self) -> bool:
+        return self.in_a_row >= MAX_RESTARTS_IN_A_ROW
+
+
+def say(message: str) -> None:
+    print(f"sparkwire up: {message}", file=sys.stderr, flush=True)
+
+
 class Stack:
     """The processes `up` owns, stopped in reverse start order."""
 
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
         self.nats: NatsServer | None = None
+        self.nats_started_at = 0.0
+        self.connection: NatsConnection = connection_from_args(args, connection_values())
+        self.passwords: dict[str, str] = {}  # of the embedded server's users
         self.children: list[Child] = []
+        self.backoffs: dict[str, Backoff] = collections.defaultdict(Backoff)
         self.stop_requested = threading.Event()
         self.metrics_urls: dict[str, str] = {}
+        # the tokenizer's metrics are on its HTTP port
+        self.metrics_ports = {name: free_port() for name in START_ORDER if name != "tokenizer"}
 
     def start(self) -> None:
-        connection = connection_from_args(self.args, connection_values())
-        identities = {name: connection for name in START_ORDER}  # a given server: the given credentials
-        if not connection.nats_url:
-            identities = self._start_embedded_nats(connection)
-        ports = {name: free_port() for name in START_ORDER if name != "tokenizer"}  # the tokenizer's is its HTTP port
+        if not self.connection.nats_url:
+            self._start_nats()
         for name in START_ORDER:
-            env = service_environ(identities[name])
-            if getattr(self.args, "api_key", None):
-                env["SPARKWIRE_API_KEY"] = self.args.api_key  # not in argv: `ps` shows argv
-            self.children.append(Child.start(name, service_argv(name, self.args, ports.get(name)), env))
-        self.metrics_urls = {name: f"http://127.0.0.1:{port}/metrics" for name, port in ports.items()}
+            self.children.append(self._start_child(name))
+        self.metrics_urls = {name: f"http://127.0.0.1:{port}/metrics" for name, port in self.metrics_ports.items()}
         self.metrics_urls["tokenizer"] = f"http://{reachable_host(self.args.host)}:{self.args.port}/metrics"
 
-    def _start_embedded_nats(self, connection: NatsConnection) -> dict[str, NatsConnection]:
-        """Our own nats-server, with a user per service kind and fresh passwords: each child
-        gets only its own identity, so none can speak for another (services/common/nats_auth.py)."""
-        passwords = draw_passwords()
-        self.nats = start_nats_server(SECURED_CONFIG, env=server_environ(passwords))
-        print(f"sparkwire up: nats-server on {self.nats.url}", file=sys.stderr, flush=True)
-        return {
-            name: msgspec.structs.replace(connection, nats_url=self.nats.url, nats_user=name, nats_password=passwords[name])
-            for name in START_ORDER
-        }
+    def _start_child(self, name: str) -> Child:
+        """The same command line and environment on every (re)start: same identity and metrics port."""
+        env = service_environ(self._identity(name))
+        if getattr(self.args, "api_key", None):
+            env["SPARKWIRE_API_KEY"] = self.args.api_key  # not in argv: `ps` shows argv
+        return Child.start(name, service_argv(name, self.args, self.metrics_ports.get(name)), env)
+
+    def _identity(self, name: str) -> NatsConnection:
+        """A given server: the given credentials. Our own: a user per service kind with a fresh
+        password, so none can speak for another (services/common/nats_auth.py)."""
+        if self.nats is None:
+            return self.connection
+        user = {"nats_url": self.nats.url, "nats_user": name, "nats_password": self.passwords[name]}
+        return msgspec.structs.replace(self.connection, **user)
+
+    def _start_nats(self, port: int | None = None) -> None:
+        """Our own nats-server; on a restart the same port and passwords, so the services reconnect."""
+        self.passwords = self.passwords or draw_passwords()
+        self.nats = start_nats_server(SECURED_CONFIG, port=port, env=server_environ(self.passwords))
+        self.nats_started_at = time.monotonic()
+        say(f"nats-server on {self.nats.url}")
+
+    def supervise(self) -> Child | None:
+        """Until a stop is asked (None): restart whatever dies, after its backoff. Returns a
+        child that died `MAX_RESTARTS_IN_A_ROW` times without staying up: `up` gives up."""
+        while not self.stop_requested.wait(POLL_S):
+            self._watch_nats()
+            for index, child in enumerate(self.children):
+                if child.exit_code() is None:
+                    continue
+                backoff = self.backoffs[child.name]
+                if backoff.due_at is None:
+                    if backoff.exhausted:
+                        return child
+                    print(child.report(), file=sys.stderr, flush=True)
+                    wait = backoff.schedule(time.monotonic() - child.started_at)
+                    say(f"restarting {child.name} in {wait:.1f}s (restart {backoff.in_a_row} in a row)")
+                elif backoff.is_due():
+                    backoff.due_at = None
+                    self.children[index] = self._start_child(child.name)
+                    say(f"{child.name} restarted (pid {self.children[index].process.pid})")
+        return None
+
+    def _watch_nats(self) -> None:
+        """The embedded nats-server comes back on the same port: the services reconnect to it."""
+        if self.nats is None or self.nats.process.poll() is None:
+            return
+        backoff = self.backoffs["nats-server"]
+        if backoff.due_at is None:
+            wait = backoff.schedule(time.monotonic() - self.nats_started_at)
+            say(f"nats-server exited with code {self.nats.process.poll()}; restarting it in {wait:.1f}s")
+        elif backoff.is_due():
+            backoff.due_at = None
+            try:
+                self._start_nats(port=self.nats.port)
+                say(f"nats-server restarted on {self.nats.url}")
+            except (OSError, RuntimeError, TimeoutError) as exc:
+                say(f"nats-server did not start again: {exc}")
 
     def dead_child(self) -> Child | None:
         return next((child for child in self.children if child.exit_code() is not None), None)
@@ -176,12 +260,6 @@ class Stack:
                 print(f"sparkwire up: waiting for {url} ({now - started:.0f}s)", file=sys.stderr, flush=True)
                 next_progress = now + PROGRESS_EVERY_S
             self.stop_requested.wait(HEALTH_POLL_S)
-        return None
-
-    def wait_stopped_or_dead(self) -> Child | None:
-        while not self.stop_requested.wait(POLL_S):
-            if (dead := self.dead_child()) is not None:
-                return dead
         return None
 
     def stop(self) -> None:
@@ -235,7 +313,7 @@ def _run(stack: Stack) -> int:
         print(f"Sparkwire ready on {url}", flush=True)
         where = ", ".join(f"{name} {metrics}" for name, metrics in stack.metrics_urls.items())
         print(f"sparkwire up: Prometheus metrics: {where}", file=sys.stderr, flush=True)
-        dead = stack.wait_stopped_or_dead()
+        dead = stack.supervise()
     if dead is not None:
         print(dead.report(), file=sys.stderr, flush=True)
         return 1

@@ -84,6 +84,10 @@ class HeartbeatMonitor:
     def is_alive(self, instance_id: str) -> bool:
         return instance_id in self._last_seen
 
+    def alive_instances(self) -> list[str]:
+        """Instances heard from within the timeout (and not declared dead since)."""
+        return list(self._last_seen)
+
     async def _on_beat(self, beat: Heartbeat, _msg: Delivery) -> None:
         if beat.alive:
             self._last_seen[beat.instance_id] = time.monotonic()

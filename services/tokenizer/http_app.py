@@ -55,13 +55,26 @@ async def generate(data: GenerateBody, frontend: Frontend, request: Request) -> 
     return Response(encode_json(bodies if is_batch else bodies[0]), media_type=MediaType.JSON)
 
 
-@get("/health", summary="200 when a scheduler answers a ping within ~1 s, else 503")
-async def health(frontend: Frontend) -> Response[dict[str, Any]]:
+@get("/health", summary="200 when a scheduler answers a ping and a detokenizer is alive, else 503; ?verbose: each service's state")
+async def health(frontend: Frontend, request: Request) -> Response[dict[str, Any]]:
     info = await frontend.service.ping()
-    if info is None:
-        return Response(error_body("no scheduler answered"), status_code=503)
-    body = {"status": "ok", "scheduler_id": info.scheduler_id, "model": info.model_name, "num_running": info.num_running}
-    return Response(body)
+    alive = frontend.service.liveness()
+    problem = "no scheduler answered" if info is None else None if alive["detokenizer"] else "no detokenizer is running"
+    body = error_body(problem) if problem else {"status": "ok"}
+    if info is not None:
+        body |= {"scheduler_id": info.scheduler_id, "model": info.model_name, "num_running": info.num_running}
+    if "verbose" in request.query_params:
+        body["services"] = _service_states(frontend, alive, info is not None)
+    return Response(body, status_code=503 if problem else 200)
+
+
+def _service_states(frontend: Frontend, alive: dict[str, list[str]], scheduler_answered: bool) -> dict[str, Any]:
+    """Per service kind: its live instances (heartbeats) and whether it can serve now."""
+    states: dict[str, Any] = {kind: {"ok": bool(ids), "instances": ids} for kind, ids in alive.items()}
+    states["scheduler"]["ok"] = scheduler_answered
+    tokenizer = frontend.service.config.instance_id
+    states["tokenizer"] = {"ok": frontend.service.is_connected, "instances": [tokenizer]}
+    return states
 
 
 @post("/tokenize", status_code=200, summary="Text to token ids (vLLM-compatible)")

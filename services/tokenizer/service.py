@@ -104,6 +104,14 @@ class TokenizerService:
             )
         return None
 
+    @property
+    def is_connected(self) -> bool:
+        return self._transport.is_connected
+
+    def liveness(self) -> dict[str, list[str]]:
+        """The live instances of each service this tokenizer depends on, from their heartbeats."""
+        return {"scheduler": self._schedulers.alive_instances(), "detokenizer": self._detokenizers.alive_instances()}
+
     async def _register(self, spec: GenerationSpec) -> str:
         registration = DetokenizerRegistration(spec.rid, self.config.instance_id, spec.detokenize)
         reply = await self._ask(
