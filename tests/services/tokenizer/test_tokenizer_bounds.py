@@ -80,7 +80,7 @@ async def test_an_empty_body_and_a_non_json_content_type_are_named_plainly(url, 
 async def test_a_large_prompt_is_tokenized_off_the_event_loop(url, backend):
     """A prompt that takes the tokenizer a second or more (and then turns out too long) must not
     hold up a small request sent after it: the small one is answered first."""
-    large = {"text": "hello world, this is a test of things. " * 4000}  # > max_model_len tokens: a 400
+    large = {"text": "hello world, this is a test of things. " * 25000}  # ~1M chars, > max_model_len tokens: a 400
     small = {"text": "hi", "sampling_params": {"max_new_tokens": 2}}
     done: list[str] = []
     async with httpx.AsyncClient(base_url=url, timeout=60) as client:
@@ -91,7 +91,7 @@ async def test_a_large_prompt_is_tokenized_off_the_event_loop(url, backend):
             return response.status_code
 
         slow = asyncio.create_task(post("large", large))
-        await asyncio.sleep(0.3)  # the large one is being tokenized by now
+        await asyncio.sleep(0.2)  # the large one is being tokenized by now (it takes ~0.6 s on an idle core)
         assert await post("small", small) == 200
         assert await slow == 400
     assert done == ["small", "large"]
