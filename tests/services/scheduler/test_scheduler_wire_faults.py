@@ -14,6 +14,7 @@ from contracts.control import Heartbeat
 from contracts.detokenizer import FinishType, TokenBatch
 from contracts.scheduler import GenerateRequest, SamplingParams, SchedulerClaim, SchedulerClaimReply
 from services.common.arrays import from_wire, to_wire
+from services.common.connection import NatsConnection
 from services.common.transport import Transport
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.service import SchedulerService
@@ -25,7 +26,7 @@ PROMPT = np.arange(10, 30, dtype=np.int32)
 @pytest.fixture
 async def scheduler(nats_server, make_core):
     """(service, its run task, a client whose detok-1 subscription collects TokenBatches)."""
-    config = SchedulerConfig(instance_id=SCHEDULER_ID, nats_url=nats_server.url, heartbeat_interval_s=0.2)
+    config = SchedulerConfig(instance_id=SCHEDULER_ID, nats=NatsConnection(nats_url=nats_server.url, heartbeat_interval_s=0.2))
     client = await Transport.connect(nats_server.url, "test-client")
     batches: asyncio.Queue[TokenBatch] = asyncio.Queue()
     beats: asyncio.Queue[Heartbeat] = asyncio.Queue()
