@@ -164,6 +164,52 @@ def dspark_rows(runner, draft: Path, batches, prompt_len, new_tokens, accept_len
     return rows
 
 
+def pair_rows(target: Path, draft: Path, batches, new_tokens: int, device: str) -> list[dict]:
+    """The trained pair: plain greedy against DSpark greedy on Python prompts (the device's own standard
+    library, first lines of files), the same tokens expected; accept length = tokens / verify passes."""
+    import glob
+
+    from tokenizers import Tokenizer
+
+    from services.scheduler.spec.dspark_loader import load_dspark_proposer
+
+    tokenizer = Tokenizer.from_file(str(target / "tokenizer.json"))
+    files = sorted(glob.glob("/usr/lib/python3*/[a-z]*.py"))[: max(batches)] or [__file__] * max(batches)
+    prompts = [np.asarray(tokenizer.encode(Path(f).read_text(errors="replace")[:400]).ids[:64], np.int32) for f in files]
+    prompts = [p for p in prompts if len(p) > 4] or [np.arange(5, 40, dtype=np.int32)]
+    runner = load_model_runner(target, device=device, dtype=_dtype(device), cuda_graphs=False)
+    proposer = load_dspark_proposer(draft, runner)
+    if runner.decode_kernel:
+        runner.prepare_decode_graphs(query_lens=(1, proposer.num_draft_tokens + 1), capture_layers=tuple(proposer.capture_layers))
+    sampling = SamplingParams(max_new_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+    rows = []
+    for batch in batches:
+        reqs = [SchedulerRequest(f"p{i}", prompts[i % len(prompts)], "d", sampling) for i in range(batch)]
+        outputs = {}
+        for name, spec in (("plain", None), ("dspark", proposer)):
+            core = SchedulerCore(runner, max_running_requests=max(batches), chunked_prefill_size=16384, proposer=spec)
+            time_core(core, reqs)  # warm-up (and the tokens, below, from a second run)
+            for r in reqs:
+                core.add(r)
+            tokens: dict[str, list[int]] = {}
+            verify: dict[str, int] = {}
+            sync(device)
+            start = time.perf_counter()
+            while core.has_work():
+                for o in core.step():
+                    tokens.setdefault(o.rid, []).extend(o.new_token_ids)
+                    verify[o.rid] = o.spec_verify_ct or 0
+            sync(device)
+            wall = time.perf_counter() - start
+            outputs[name] = tokens
+            row = {"batch": batch, "mode": name, "tok_s": sum(map(len, tokens.values())) / wall}
+            if spec is not None:
+                row["accept_len"] = (sum(map(len, tokens.values())) - batch) / max(1, sum(verify.values()))
+                row["same_tokens_as_plain"] = sum(outputs["plain"][r] == tokens[r] for r in tokens) / batch
+            rows.append(row)
+    return rows
+
+
 def core_only(args) -> dict:
     """This tree's (or --before's, when run under its PYTHONPATH) plain core rows."""
     runner = load_model_runner(args.target, device=args.device, dtype=_dtype(args.device), load_format="dummy")
@@ -199,6 +245,9 @@ def table(result: dict) -> str:
                      f"{r['batch']} | {r['ms_per_step']:.2f} | {r['tok_s']:.0f} |")
     for r in result.get("kernels", []):
         lines.append(f"| kernel {r['kernel']} q={r['query_len']} (err {r['max_abs_err']:.1e}) | {r['batch']} | {r['ms']:.4f} | |")
+    for r in result.get("pair", []):
+        extra = f" accept {r['accept_len']:.2f}, same tokens {r['same_tokens_as_plain']:.2f}" if "accept_len" in r else ""
+        lines.append(f"| trained pair {r['mode']}{extra} | {r['batch']} | | {r['tok_s']:.0f} |")
     lines.append(f"syncs per decode step (sync debug mode): {result['syncs']}")
     return "\n".join(lines)
 
@@ -214,6 +263,8 @@ def main() -> None:
     parser.add_argument("--target", type=Path, default=TARGET, help="target config directory (dummy weights)")
     parser.add_argument("--draft", type=Path, default=DRAFT, help="DSpark draft config directory (dummy weights)")
     parser.add_argument("--device", default="cuda", help="cuda; cpu only for the smoke test")
+    parser.add_argument("--pair", nargs=2, type=Path, default=None, metavar=("TARGET", "DRAFT"),
+                        help="a trained target and its DSpark drafter: accept length and tok/s against plain")
     parser.add_argument("--out", type=Path, default=REPO / "ops/bench/results/gpu_core.json")
     args = parser.parse_args()
     if args.core_only:
@@ -229,6 +280,8 @@ def main() -> None:
     result["syncs"] = [sync_count(runner, b) for b in args.batches]
     result["kernels"] = kernel_rows() if args.device == "cuda" else []
     result["dspark"] = dspark_rows(runner, args.draft, args.batches, args.prompt_len, args.new_tokens, args.simulate_accept_len)
+    if args.pair is not None:
+        result["pair"] = pair_rows(*args.pair, (1, 16), args.new_tokens, args.device)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2))
     print(table(result))

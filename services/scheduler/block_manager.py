@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import numpy as np
 
+SMALL_RANGE = 32  # ranges up to this many positions are computed in plain Python
+
 
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int) -> None:
@@ -63,6 +65,12 @@ class BlockManager:
 
     def slots(self, rid: str, start: int, end: int) -> np.ndarray:
         """Cache slots of token positions [start, end): block_id * block_size + offset."""
+        if end - start <= SMALL_RANGE:  # a decode or verify block: numpy's per-call cost would dominate
+            return np.asarray(self.slot_list(rid, start, end), dtype=np.int64)
         positions = np.arange(start, end, dtype=np.int64)  # [end - start]
         table = np.asarray(self._tables[rid], dtype=np.int64)
         return table[positions // self.block_size] * self.block_size + positions % self.block_size
+
+    def slot_list(self, rid: str, start: int, end: int) -> list[int]:
+        table, size = self._tables[rid], self.block_size
+        return [table[p // size] * size + p % size for p in range(start, end)]

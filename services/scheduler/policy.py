@@ -27,7 +27,7 @@ import structlog
 
 from contracts.detokenizer import Finish, FinishType
 from services.common.flat_logprobs import FlatLogprobsError, build_flat_top_logprobs
-from services.scheduler.block_manager import BlockManager
+from services.scheduler.block_manager import SMALL_RANGE, BlockManager
 from services.scheduler.request import LogprobEntries, RequestOutput, RowLogprobs, SchedulerRequest, Sequence
 
 log = structlog.get_logger(__name__)
@@ -44,7 +44,7 @@ class SeqStep:
     samples: bool  # the query reaches the last committed token and output budget is left
     prompt_lo: int  # prompt positions [prompt_lo, prompt_hi] get their logprob entries this step
     prompt_hi: int
-    slots: np.ndarray  # int64 [len(query)], KV slot of each query token
+    slots: np.ndarray | list[int]  # int64 [len(query)], KV slot of each query token
     block_table: list[int]
     output_position: int  # output index of the first token this step produces
 
@@ -305,7 +305,8 @@ class Policy:
         query = seq.tokens[start:end] + seq.drafts[:num_draft]
         samples = end == len(seq.tokens) and seq.num_outputs < seq.max_outputs
         lo, hi = seq.next_prompt_logprob, min(end, seq.num_prompt - 1)  # position p comes from row p - 1
-        slots = self.blocks.slots(seq.rid, start, start + len(query))
+        slots = self.blocks.slot_list(seq.rid, start, start + len(query)) if len(query) <= SMALL_RANGE else \
+            self.blocks.slots(seq.rid, start, start + len(query))  # fmt: skip
         table = list(self.blocks.block_table(seq.rid))
         return SeqStep(seq, start, query, num_draft, samples, lo, hi, slots, table, seq.num_outputs)
 

@@ -45,12 +45,10 @@ class _Layout:
 
     def verify_rows(self, plan: StepPlan) -> np.ndarray:
         """int64 [P, K + 1]: rows of each producer's anchor and drafts (padding repeats the last)."""
-        rows = np.zeros((len(self.producers), self.max_draft + 1), np.int64)
-        for p, i in enumerate(self.producers):
-            step = plan.steps[i]
-            first = self.row_start[i] + step.num_committed - 1
-            rows[p] = first + np.minimum(np.arange(self.max_draft + 1), step.num_draft)
-        return rows
+        steps = [plan.steps[i] for i in self.producers]
+        first = np.asarray([self.row_start[i] + s.num_committed - 1 for i, s in zip(self.producers, steps)], np.int64)
+        num_draft = np.asarray([s.num_draft for s in steps], np.int64)
+        return first[:, None] + np.minimum(np.arange(self.max_draft + 1)[None, :], num_draft[:, None])
 
 
 class ModelWorker:
@@ -105,10 +103,11 @@ class ModelWorker:
             block_tables[index, : len(table)] = table
         query_start = np.zeros(len(steps) + 1, np.int64)  # [B + 1]
         query_start[1:] = np.cumsum([len(s.query) for s in steps])
+        # flat Python lists, one numpy conversion each: per-sequence numpy calls cost more than the work
         arrays = {
-            "input_ids": np.concatenate([np.asarray(s.query, np.int64) for s in steps]),  # [T]
-            "positions": np.concatenate([np.arange(s.start, s.start + len(s.query)) for s in steps]).astype(np.int64),
-            "slots": np.concatenate([s.slots for s in steps]).astype(np.int64),  # [T]
+            "input_ids": np.asarray([t for s in steps for t in s.query], np.int64),  # [T]
+            "positions": np.asarray([p for s in steps for p in range(s.start, s.start + len(s.query))], np.int64),
+            "slots": _flat_slots(steps),  # [T]
             "query_start_loc": query_start,
             "seq_lens": np.asarray([s.start + len(s.query) for s in steps], np.int64),  # [B]
             "block_tables": block_tables,
@@ -318,8 +317,8 @@ class _Handles:
     def results(self, plan: StepPlan, layout: _Layout, host: list[np.ndarray]) -> list[SeqResult]:
         tokens: dict[int, list[int]] = {}
         if self.verified is not None:
-            num_accepted, block = host[self.verified[0]], host[self.verified[1]]
-            tokens = {i: block[p, : num_accepted[p] + 1].tolist() for p, i in enumerate(layout.producers)}
+            num_accepted, block = host[self.verified[0]].tolist(), host[self.verified[1]].tolist()
+            tokens = {i: block[p][: num_accepted[p] + 1] for p, i in enumerate(layout.producers)}
         prompt_rows = self._rows(self.jobs.prompt, self.prompt, host)
         output_rows = self._rows(self.jobs.output, self.output, host)
         drafts = self._per_producer(layout, host, self.drafts)
@@ -338,7 +337,8 @@ class _Handles:
     def _per_producer(self, layout: _Layout, host: list[np.ndarray], handle: int | None) -> dict[int, list]:
         if handle is None:
             return {}
-        return {i: host[handle][p].tolist() for p, i in enumerate(layout.producers)}
+        rows = host[handle].tolist()
+        return {i: rows[p] for p, i in enumerate(layout.producers)}
 
 
 def _lay_out(plan: StepPlan) -> _Layout:
@@ -349,6 +349,12 @@ def _lay_out(plan: StepPlan) -> _Layout:
     producers = [i for i, step in enumerate(plan.steps) if step.samples]
     max_draft = max((plan.steps[i].num_draft for i in producers), default=0)
     return _Layout(row_start, producers, max_draft)
+
+
+def _flat_slots(steps: list[SeqStep]) -> np.ndarray:
+    if all(isinstance(s.slots, list) for s in steps):
+        return np.asarray([slot for s in steps for slot in s.slots], np.int64)
+    return np.concatenate([np.asarray(s.slots, np.int64) for s in steps])
 
 
 def _fit_rows(q: torch.Tensor, num_slots: int) -> torch.Tensor:

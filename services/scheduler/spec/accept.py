@@ -39,6 +39,8 @@ class VerifyBlock:
 
 def accept(block: VerifyBlock) -> tuple[torch.Tensor, torch.Tensor]:
     """-> (num_accepted int64 [B], next_token int64 [B]); the sequence gains d_1..d_a, next_token."""
+    if block.drafts.shape[1] == 0 and block.target_probs is None:  # plain greedy decoding
+        return torch.zeros_like(block.num_draft), block.target_argmax[:, 0]
     valid = _draft_positions(block)  # [B, K]
     matched = block.drafts == block.target_argmax[:, :-1]  # [B, K]
     greedy_accepted = _leading_true(matched & valid)  # [B]
