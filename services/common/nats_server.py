@@ -15,6 +15,7 @@ from typing import IO
 
 PROJECT_CONFIG = Path(__file__).resolve().parents[2] / "ops" / "nats" / "nats.conf"
 SECURED_CONFIG = PROJECT_CONFIG.with_name("secured.conf")  # + a user per service kind (nats_auth.py)
+CLUSTER_CONFIG = PROJECT_CONFIG.with_name("cluster.conf")  # one node of the three-node TLS cluster
 
 
 def stop_process(process: subprocess.Popen[bytes], grace_s: float) -> None:
@@ -68,12 +69,14 @@ class NatsServer:
 
 
 def start_nats_server(
-    config: Path = PROJECT_CONFIG, port: int | None = None, timeout_s: float = 10.0, env: dict[str, str] | None = None
+    config: Path = PROJECT_CONFIG, port: int | None = None, timeout_s: float = 10.0, env: dict[str, str] | None = None,
+    extra_args: tuple[str, ...] = (),
 ) -> NatsServer:
     """Start on 127.0.0.1:`port` (a free one by default) and wait until it accepts connections.
-    `env`: variables the config reads (passwords), added to ours; never on the command line."""
+    `env`: variables the config reads (passwords), added to ours; never on the command line.
+    `extra_args`: more nats-server flags (a cluster node's name, cluster port and routes)."""
     port = port or free_port()
-    args = [find_binary(), "-c", str(config), "-a", "127.0.0.1", "-p", str(port)]
+    args = [find_binary(), "-c", str(config), "-a", "127.0.0.1", "-p", str(port), *extra_args]
     log_file = tempfile.TemporaryFile()
     # Own session: a terminal Ctrl-C must not stop the server before the services have drained.
     process = subprocess.Popen(

@@ -34,10 +34,11 @@ class Service:
     log_path: Path
 
     @classmethod
-    def start(cls, name: str, argv: list[str], log_dir: Path) -> Service:
+    def start(cls, name: str, argv: list[str], log_dir: Path, env: dict[str, str] | None = None) -> Service:
+        """`env`: variables added to ours (e.g. the service's NATS identity)."""
         log_path = log_dir / f"{name}-{time.monotonic_ns()}.log"
         with log_path.open("wb") as log:
-            env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+            env = {**os.environ, **(env or {}), "PYTHONUNBUFFERED": "1"}
             process = subprocess.Popen(argv, cwd=ROOT, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=env)
         return cls(name, process, log_path)
 
