@@ -1,13 +1,18 @@
 """HTTP request bodies, decoded straight from JSON by msgspec (via Litestar).
 
-Field names are the ones SGLang, OpenAI and vLLM clients send. Unknown fields are ignored, so
-OpenAI clients' `extra_body` fields and options we do not implement never cause an error.
-Range checks live in `validation`; these types only fix the JSON shapes.
+Field names are the ones SGLang, OpenAI and vLLM clients send. Fields that change results but
+are not implemented are declared too, typed `Unsupported`, so that `validation` can refuse them
+with a 400 naming them instead of ignoring them; fields that change nothing (`user`, `metadata`,
+...) stay unknown and ignored. Range checks live in `validation`; these types only fix the shapes.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 import msgspec
+
+Unsupported = Any  # any JSON: refused (400) unless absent or its neutral value, see validation.UNSUPPORTED
 
 
 class SamplingParamsBody(msgspec.Struct, kw_only=True):
@@ -23,6 +28,17 @@ class SamplingParamsBody(msgspec.Struct, kw_only=True):
     spaces_between_special_tokens: bool = True
     no_stop_trim: bool = False
     seed: int | None = None
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_new_tokens: int = 0
+    logit_bias: dict[str, float] | None = None  # token id (as a string, as OpenAI's) -> bias
+    n: Unsupported = None
+    regex: Unsupported = None
+    json_schema: Unsupported = None
+    ebnf: Unsupported = None
+    structural_tag: Unsupported = None
+    custom_params: Unsupported = None
 
 
 class GenerateBody(msgspec.Struct, kw_only=True):
@@ -40,6 +56,11 @@ class GenerateBody(msgspec.Struct, kw_only=True):
     return_text_in_logprobs: bool = False
     return_flat_raw_top_logprobs: bool = False
     return_flat_raw_top_logprobs_b64: bool = False
+    custom_logit_processor: Unsupported = None
+    lora_path: Unsupported = None
+    image_data: Unsupported = None
+    input_embeds: Unsupported = None
+    return_hidden_states: Unsupported = None
 
 
 class StreamOptions(msgspec.Struct, kw_only=True):
@@ -63,6 +84,24 @@ class OpenAIBody(msgspec.Struct, kw_only=True):
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     skip_special_tokens: bool = True
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    repetition_penalty: float | None = None  # vLLM extra
+    min_tokens: int = 0  # vLLM extra
+    best_of: Unsupported = None
+    use_beam_search: Unsupported = None
+    guided_json: Unsupported = None
+    guided_regex: Unsupported = None
+    guided_choice: Unsupported = None
+    guided_grammar: Unsupported = None
+    structured_outputs: Unsupported = None
+    response_format: Unsupported = None
+    allowed_token_ids: Unsupported = None
+    bad_words: Unsupported = None
+    prompt_logprobs: Unsupported = None
+    truncate_prompt_tokens: Unsupported = None
+    logits_processors: Unsupported = None
 
 
 class CompletionBody(OpenAIBody, kw_only=True):
@@ -72,6 +111,7 @@ class CompletionBody(OpenAIBody, kw_only=True):
     max_tokens: int | None = 16
     logprobs: int | None = None
     echo: bool = False
+    suffix: Unsupported = None
 
 
 class ContentPart(msgspec.Struct, kw_only=True):
@@ -92,6 +132,21 @@ class ChatBody(OpenAIBody, kw_only=True):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
+    add_generation_prompt: bool = True  # vLLM extra: passed to the chat template
+    continue_final_message: bool = False  # vLLM extra: the last (assistant) message is continued
+    chat_template_kwargs: dict[str, Any] | None = None  # vLLM extra: more template variables
+    tools: Unsupported = None
+    tool_choice: Unsupported = None
+    functions: Unsupported = None
+    function_call: Unsupported = None
+    audio: Unsupported = None
+    modalities: Unsupported = None
+    prediction: Unsupported = None
+    reasoning_effort: Unsupported = None
+    web_search_options: Unsupported = None
+    chat_template: Unsupported = None
+    documents: Unsupported = None
+    echo: Unsupported = None
 
 
 class TokenizeBody(msgspec.Struct, kw_only=True):

@@ -79,12 +79,14 @@ def _service_states(frontend: Frontend, alive: dict[str, list[str]], scheduler_a
 
 @post("/tokenize", status_code=200, summary="Text to token ids (vLLM-compatible)")
 async def tokenize(data: TokenizeBody, frontend: Frontend, request: Request) -> dict[str, Any]:
+    openai_api.check_model(data.model, frontend)
     tokens = await frontend.prepare(request, frontend.model.encode, data.prompt, add_special_tokens=data.add_special_tokens)
     return {"tokens": tokens, "count": len(tokens), "max_model_len": frontend.model.max_model_len}
 
 
 @post("/detokenize", status_code=200, summary="Token ids to text (vLLM-compatible)")
 async def detokenize(data: DetokenizeBody, frontend: Frontend) -> dict[str, Any]:
+    openai_api.check_model(data.model, frontend)
     bad = frontend.model.out_of_vocab(data.tokens)
     require(bad is None, f"token id {bad} is outside the vocabulary [0, {frontend.model.vocab_size})", "tokens")
     return {"prompt": frontend.model.decode(data.tokens, skip_special_tokens=False)}
@@ -157,6 +159,12 @@ def _on_unavailable(_request: Request, exc: Exception) -> Response[dict[str, Any
     return _error(503, str(exc), "service_unavailable")
 
 
+def _on_model_not_found(_request: Request, exc: openai_api.ModelNotFound) -> Response[dict[str, Any]]:
+    body = error_body(str(exc), "invalid_request_error", None, "model")
+    body["error"]["code"] = "model_not_found"  # OpenAI's code for it
+    return Response(body, status_code=404)
+
+
 def _on_client_gone(_request: Request, _exc: ClientGone) -> Response[dict[str, Any]]:
     return _error(499, "client disconnected", "client_closed_request")
 
@@ -183,6 +191,7 @@ def create_app(frontend: Frontend) -> Litestar:
             RequestFailed: _on_unavailable,
             ClientGone: _on_client_gone,
             RecursionError: _on_too_deep,
+            openai_api.ModelNotFound: _on_model_not_found,
             Exception: _on_unexpected,
         },
         request_max_body_size=MAX_BODY_BYTES,

@@ -41,12 +41,25 @@ from services.tokenizer.validation import (
     check_prompt,
     check_sampling,
     check_text_size,
+    refuse_unsupported,
     require,
     wire_rids,
 )
 
+
+class ModelNotFound(Exception):
+    """The body names a model this server does not serve (HTTP 404)."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(f"The model `{name}` does not exist.")
+        self.name = name
+
 MAX_N = 64
-SAMPLING_NAMES = {name: name for name in SamplingParamsBody.__struct_fields__} | {"max_new_tokens": "max_tokens"}
+SAMPLING_NAMES = {name: name for name in SamplingParamsBody.__struct_fields__} | {
+    "max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens",
+}  # fmt: skip
+SEED_STRIDE = 0x9E3779B97F4A7C15  # choice j of a seeded call: a seed far from seed + 1, seed + 2, ...
+MASK_63 = (1 << 63) - 1
 COMPLETION_LOGPROB_NAMES = {"logprob_start_len": "echo", "top_logprobs_num": "logprobs", "token_ids_logprob": "logprobs"}
 CHAT_LOGPROB_NAMES = {"logprob_start_len": "messages", "top_logprobs_num": "top_logprobs", "token_ids_logprob": "top_logprobs"}
 
@@ -102,7 +115,25 @@ def _sampling_body(body: CompletionBody | ChatBody, max_tokens: int) -> Sampling
         ignore_eos=body.ignore_eos,
         skip_special_tokens=body.skip_special_tokens,
         seed=body.seed,
+        frequency_penalty=body.frequency_penalty or 0.0,
+        presence_penalty=body.presence_penalty or 0.0,
+        repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
+        min_new_tokens=body.min_tokens,
+        logit_bias=body.logit_bias,
     )
+
+
+def choice_seed(seed: int, index: int) -> int:
+    """The seed of choice `index` of an `n`-choice call: choice 0 keeps `seed` (the same answer as
+    `n=1`), the others get distinct seeds derived from it, so every choice is reproducible."""
+    return seed if index == 0 else (seed + index * SEED_STRIDE) & MASK_63
+
+
+def check_model(name: str | None, frontend: Frontend) -> None:
+    """An unknown `model` is a 404 in OpenAI's shape (absent or empty: the served model)."""
+    served = {frontend.config.model_name, str(frontend.config.model_dir)}
+    if name and name not in served:
+        raise ModelNotFound(name)
 
 
 def _choices(
@@ -124,7 +155,7 @@ def _choices(
     for ids, text in prompts:
         logprobs = check_logprobs(request, len(ids), model, max_logprobs, names)
         for j in range(body.n):
-            seeded = sampling if body.seed is None else _with_seed(sampling, body.seed + j)
+            seeded = sampling if body.seed is None else _with_seed(sampling, choice_seed(body.seed, j))
             spec = GenerationSpec(next(rids), ids, seeded, logprobs, detokenize, body.stream, request_id=request_id)
             choices.append(Choice(spec, text))
     return choices
@@ -135,6 +166,8 @@ def _with_seed(sampling: SamplingParams, seed: int) -> SamplingParams:
 
 
 def completion_plan(body: CompletionBody, frontend: Frontend, request_id: str) -> Plan:
+    check_model(body.model, frontend)
+    refuse_unsupported(body, n=body.n)
     model, limit = frontend.model, frontend.config.max_logprobs
     require(body.logprobs is None or 0 <= body.logprobs <= limit, f"must be in [0, {limit}]", "logprobs")
     wants = body.logprobs is not None
@@ -160,6 +193,8 @@ def _chat_messages(body: ChatBody) -> list[dict[str, Any]]:
 
 
 def chat_plan(body: ChatBody, frontend: Frontend, request_id: str) -> Plan:
+    check_model(body.model, frontend)
+    refuse_unsupported(body, n=body.n)
     model, limit = frontend.model, frontend.config.max_logprobs
     top = body.top_logprobs or 0
     require(0 <= top <= min(limit, 20), f"must be in [0, {min(limit, 20)}]", "top_logprobs")

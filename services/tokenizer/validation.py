@@ -6,10 +6,14 @@ NATS and the HTTP layer turns `InvalidRequest` into an OpenAI-style 400.
 
 from __future__ import annotations
 
+import functools
 import math
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
+
+import msgspec
 
 from contracts.detokenizer import DetokenizeParams
 from contracts.limits import (
@@ -21,7 +25,7 @@ from contracts.limits import (
     MAX_TOKENS,
 )
 from contracts.scheduler import LogprobParams, SamplingParams
-from services.tokenizer.api_types import GenerateBody, SamplingParamsBody
+from services.tokenizer.api_types import GenerateBody, SamplingParamsBody, Unsupported
 from services.tokenizer.text_model import TextModel
 
 
@@ -61,6 +65,7 @@ class LogprobRequest:
 
 
 GENERATE_NAMES = {name: f"sampling_params.{name}" for name in SamplingParamsBody.__struct_fields__}
+MAX_LOGIT_BIAS = 1024
 
 # Documented limits (README, "Limits"): a request outside them is a 400 naming the field, never a
 # 500 from deeper down, and one call cannot fan out into unbounded work.
@@ -154,6 +159,7 @@ def check_sampling(
     require(bad is None, f"token id {bad} is outside the vocabulary", names["stop_token_ids"])
     stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
     require(all(stop), "stop strings must not be empty", names["stop"])
+    check_penalties(body, names)
     sampling = SamplingParams(
         max_new_tokens=body.max_new_tokens,
         temperature=body.temperature,
@@ -163,6 +169,11 @@ def check_sampling(
         seed=body.seed,
         stop_token_ids=tuple(stop_ids),
         ignore_eos=body.ignore_eos,
+        frequency_penalty=body.frequency_penalty,
+        presence_penalty=body.presence_penalty,
+        repetition_penalty=body.repetition_penalty,
+        min_new_tokens=body.min_new_tokens,
+        logit_bias=check_logit_bias(body.logit_bias, model, names["logit_bias"]),
     )
     detokenize = DetokenizeParams(
         stop=tuple(stop),
@@ -171,6 +182,53 @@ def check_sampling(
         no_stop_trim=body.no_stop_trim,
     )
     return sampling, detokenize
+
+
+def check_penalties(body: SamplingParamsBody, names: Mapping[str, str]) -> None:
+    for name in ("frequency_penalty", "presence_penalty"):
+        value = getattr(body, name)
+        require(math.isfinite(value) and -2 <= value <= 2, "must be in [-2, 2]", names[name])
+    require(math.isfinite(body.repetition_penalty) and 0 < body.repetition_penalty <= 10, "must be in (0, 10]",
+            names["repetition_penalty"])  # fmt: skip
+    require(0 <= body.min_new_tokens <= body.max_new_tokens, "must be in [0, max tokens]", names["min_new_tokens"])
+
+
+def check_logit_bias(bias: Mapping[str, float] | None, model: TextModel, param: str) -> tuple[tuple[int, float], ...]:
+    """OpenAI's `{"<token id>": bias}` -> sorted (id, bias) pairs; ids in the vocabulary, bias in [-100, 100]."""
+    if not bias:
+        return ()
+    require(len(bias) <= MAX_LOGIT_BIAS, f"at most {MAX_LOGIT_BIAS} entries", param)
+    pairs = []
+    for key, value in bias.items():
+        require(key.strip().lstrip("-").isdigit(), f"key {key!r} is not a token id", param)
+        token = int(key)
+        require(model.out_of_vocab([token]) is None, f"token id {token} is outside the vocabulary", param)
+        require(math.isfinite(value) and -100 <= value <= 100, f"bias of {token} must be in [-100, 100]", param)
+        pairs.append((token, float(value)))
+    return tuple(sorted(pairs))
+
+
+def _neutral(name: str, value: Any) -> bool:
+    """Whether an unsupported field's value asks for nothing beyond what we do anyway."""
+    if value is None or value == [] or value == {}:
+        return True
+    neutral = {"response_format": ({"type": "text"},), "tool_choice": ("none", "auto"), "modalities": (["text"],), "n": (1,)}
+    return value in neutral.get(name, ())
+
+
+def refuse_unsupported(body: msgspec.Struct, prefix: str = "", n: int = 1) -> None:
+    """400 naming the first result-changing field this server does not implement (the fields
+    `api_types` declares as `Unsupported`) that carries more than its neutral value."""
+    for name in unsupported_fields(type(body)):
+        value = getattr(body, name)
+        if name == "best_of" and value in (1, n):
+            continue
+        require(_neutral(name, value), "is not supported by this server (it would change the result)", prefix + name)
+
+
+@functools.cache
+def unsupported_fields(kind: type[msgspec.Struct]) -> tuple[str, ...]:
+    return tuple(f.name for f in msgspec.structs.fields(kind) if f.type is Unsupported)
 
 
 def check_logprobs(
@@ -240,6 +298,8 @@ def validate_generate(
 ) -> tuple[list[GenerationSpec], bool]:
     """All specs of one /generate call, and whether the answer is a list (batch)."""
     check_generate_bounds(body)
+    refuse_unsupported(body)
+    refuse_unsupported(body.sampling_params or SamplingParamsBody(), "sampling_params.")
     prompts, is_batch = generate_prompts(body, model)
     require(not (is_batch and body.stream), "streaming a batch is not supported", "stream")
     sampling, detokenize = check_sampling(body.sampling_params or SamplingParamsBody(), model)

@@ -42,7 +42,7 @@ async def test_completion_echo_logprobs(client, text_model):
 
 async def test_completion_extra_body_and_ids_prompt(client):
     result = await client.completions.create(
-        model="m", prompt=[[5, 6, 7], [8, 9]], max_tokens=2, n=2, extra_body={"top_k": 5, "unknown_field": 1}
+        model="sparkwire-tiny", prompt=[[5, 6, 7], [8, 9]], max_tokens=2, n=2, extra_body={"top_k": 5, "unknown_field": 1}
     )
     assert [c.index for c in result.choices] == [0, 1, 2, 3]
     assert all(c.logprobs is None and c.finish_reason == "length" for c in result.choices)
@@ -50,7 +50,7 @@ async def test_completion_extra_body_and_ids_prompt(client):
 
 
 async def test_completion_stream_matches_non_stream(client):
-    kwargs = dict(model="m", prompt="Say hi", max_tokens=8, logprobs=2, echo=True)
+    kwargs = dict(model="sparkwire-tiny", prompt="Say hi", max_tokens=8, logprobs=2, echo=True)
     plain = (await client.completions.create(**kwargs)).choices[0]
     chunks = [c async for c in await client.completions.create(stream=True, **kwargs)]
     text = "".join(c.choices[0].text for c in chunks)
@@ -62,7 +62,7 @@ async def test_completion_stream_matches_non_stream(client):
 
 async def test_chat_logprobs(client, text_model):
     result = await client.chat.completions.create(
-        model="m", messages=[{"role": "user", "content": "hi"}], max_tokens=6, logprobs=True, top_logprobs=2
+        model="sparkwire-tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=6, logprobs=True, top_logprobs=2
     )
     choice = result.choices[0]
     assert choice.message.content == text_model.decode(text_model.encode(REPLY)[:6])
@@ -76,7 +76,7 @@ async def test_chat_logprobs(client, text_model):
 
 async def test_chat_stream(client):
     stream = await client.chat.completions.create(
-        model="m", messages=[{"role": "user", "content": "hi"}], max_completion_tokens=6, stream=True, logprobs=True,
+        model="sparkwire-tiny", messages=[{"role": "user", "content": "hi"}], max_completion_tokens=6, stream=True, logprobs=True,
         stream_options={"include_usage": True},
     )
     chunks = [c async for c in stream]
@@ -95,5 +95,5 @@ async def test_chat_template_reaches_scheduler(url, backend, text_model):
 
 async def test_openai_client_sees_400(client):
     with pytest.raises(openai.BadRequestError) as info:
-        await client.completions.create(model="m", prompt="hi", logprobs=21)
+        await client.completions.create(model="sparkwire-tiny", prompt="hi", logprobs=21)
     assert info.value.body["param"] == "logprobs"

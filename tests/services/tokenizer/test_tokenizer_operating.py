@@ -10,7 +10,10 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from services.common.logging import REQUEST_ID_HEADER
+from services.tokenizer.api_types import ChatBody, CompletionBody, GenerateBody, SamplingParamsBody
 from services.tokenizer.http_app import ROUTE_HANDLERS
+from services.tokenizer.openai_api import choice_seed
+from services.tokenizer.validation import unsupported_fields
 from services.tokenizer.text_model import TextModel
 from tests.services.tokenizer.conftest import base_url
 from tests.services.tokenizer.test_tokenizer_service import sse_payloads, wait_until
@@ -169,3 +172,87 @@ async def test_metrics_can_require_the_key_too(start_tokenizer, backend):
             assert (await client.get("/metrics", headers={"Authorization": f"Bearer {KEY}"})).status_code == 200
             assert (await client.get("/health")).status_code == 200
 
+
+
+# ---- no silent ignoring ----
+
+CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+COMPLETION = {"prompt": "hi", "max_tokens": 2}
+
+
+def unsupported_cases() -> list[tuple[str, dict, str]]:
+    """(path, body, param the 400 must name) for every declared unsupported field."""
+    cases = [("/generate", generate(2) | {name: True}, name) for name in unsupported_fields(GenerateBody)]
+    for name in unsupported_fields(SamplingParamsBody):
+        body = generate(2)
+        body["sampling_params"][name] = {"x": 1}
+        cases.append(("/generate", body, f"sampling_params.{name}"))
+    cases += [("/v1/completions", COMPLETION | {name: {"x": 1}}, name) for name in unsupported_fields(CompletionBody)]
+    cases += [("/v1/chat/completions", CHAT | {name: {"x": 1}}, name) for name in unsupported_fields(ChatBody)]
+    return cases
+
+
+async def test_every_unsupported_result_changing_parameter_is_a_400_naming_it(url, backend):
+    cases = unsupported_cases()
+    assert {"response_format", "tools", "regex", "json_schema"} <= {param.split(".")[-1] for _, _, param in cases}
+    async with httpx.AsyncClient(base_url=url) as client:
+        for path, body, param in cases:
+            response = await client.post(path, json=body)
+            assert response.status_code == 400, (path, param, response.text)
+            assert response.json()["error"]["param"] == param, (path, param)
+    assert backend.requests == []  # none of them reached a scheduler
+
+
+async def test_neutral_values_of_unsupported_fields_are_accepted(url, backend):
+    neutral = {"response_format": {"type": "text"}, "tools": [], "tool_choice": "none", "best_of": 1}
+    async with httpx.AsyncClient(base_url=url) as client:
+        response = await client.post("/v1/chat/completions", json=CHAT | neutral)
+    assert response.status_code == 200, response.text
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions", "/tokenize"])
+async def test_an_unknown_model_is_a_404_in_openai_shape(url, path):
+    body = {"/v1/completions": COMPLETION, "/v1/chat/completions": CHAT, "/tokenize": {"prompt": "hi"}}[path]
+    async with httpx.AsyncClient(base_url=url) as client:
+        response = await client.post(path, json=body | {"model": "gpt-17"})
+        served = await client.post(path, json=body | {"model": "sparkwire-tiny"})
+    assert response.status_code == 404 and served.status_code == 200
+    assert response.json()["error"] == {
+        "message": "The model `gpt-17` does not exist.", "type": "invalid_request_error", "param": "model",
+        "code": "model_not_found",
+    }  # fmt: skip
+
+
+async def test_penalties_logit_bias_and_min_tokens_reach_the_scheduler(url, backend):
+    native = generate(4)
+    native["sampling_params"] |= {"frequency_penalty": 0.5, "presence_penalty": -0.25, "repetition_penalty": 1.2,
+                                  "min_new_tokens": 2, "logit_bias": {"7": 5.0, "3": -100}}  # fmt: skip
+    openai_body = COMPLETION | {"frequency_penalty": 0.5, "presence_penalty": -0.25, "repetition_penalty": 1.2,
+                                "min_tokens": 2, "logit_bias": {"7": 5.0, "3": -100}}  # fmt: skip
+    async with httpx.AsyncClient(base_url=url) as client:
+        assert (await client.post("/generate", json=native)).status_code == 200
+        assert (await client.post("/v1/completions", json=openai_body)).status_code == 200
+        assert (await client.post("/v1/chat/completions", json=CHAT | openai_body)).status_code == 200
+    for request in backend.requests:
+        sampling = request.sampling
+        assert (sampling.frequency_penalty, sampling.presence_penalty, sampling.repetition_penalty) == (0.5, -0.25, 1.2)
+        assert sampling.min_new_tokens == 2 and sampling.logit_bias == ((3, -100.0), (7, 5.0))
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("frequency_penalty", 2.5), ("presence_penalty", -3), ("repetition_penalty", 0), ("min_tokens", 99),
+     ("logit_bias", {"abc": 1}), ("logit_bias", {"999999": 1}), ("logit_bias", {"5": 101})],
+)  # fmt: skip
+async def test_out_of_range_penalties_are_400s(url, field, value):
+    async with httpx.AsyncClient(base_url=url) as client:
+        response = await client.post("/v1/completions", json=COMPLETION | {field: value})
+    assert response.status_code == 400 and response.json()["error"]["param"] == field
+
+
+async def test_n_choices_get_distinct_seeds_derived_from_the_call_seed(url, backend):
+    async with httpx.AsyncClient(base_url=url) as client:
+        response = await client.post("/v1/completions", json=COMPLETION | {"n": 3, "seed": 11, "temperature": 1.0})
+    assert [c["index"] for c in response.json()["choices"]] == [0, 1, 2]
+    seeds = [request.sampling.seed for request in backend.requests]
+    assert seeds == [11, choice_seed(11, 1), choice_seed(11, 2)] and len(set(seeds)) == 3
