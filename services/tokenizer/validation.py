@@ -169,11 +169,7 @@ def check_sampling(
         seed=body.seed,
         stop_token_ids=tuple(stop_ids),
         ignore_eos=body.ignore_eos,
-        frequency_penalty=body.frequency_penalty,
-        presence_penalty=body.presence_penalty,
-        repetition_penalty=body.repetition_penalty,
-        min_new_tokens=body.min_new_tokens,
-        logit_bias=check_logit_bias(body.logit_bias, model, names["logit_bias"]),
+        **_processor_fields(body, check_logit_bias(body.logit_bias, model, names["logit_bias"])),
     )
     detokenize = DetokenizeParams(
         stop=tuple(stop),
@@ -191,6 +187,17 @@ def check_penalties(body: SamplingParamsBody, names: Mapping[str, str]) -> None:
     require(math.isfinite(body.repetition_penalty) and 0 < body.repetition_penalty <= 10, "must be in (0, 10]",
             names["repetition_penalty"])  # fmt: skip
     require(0 <= body.min_new_tokens <= body.max_new_tokens, "must be in [0, max tokens]", names["min_new_tokens"])
+
+
+def _processor_fields(body: SamplingParamsBody, logit_bias: tuple[tuple[int, float], ...]) -> dict[str, Any]:
+    """Only the logit-processor fields that differ from their defaults: a request without them
+    encodes exactly as before they existed (omit_defaults compares floats by identity)."""
+    values = {
+        "frequency_penalty": body.frequency_penalty, "presence_penalty": body.presence_penalty,
+        "repetition_penalty": body.repetition_penalty, "min_new_tokens": body.min_new_tokens, "logit_bias": logit_bias,
+    }  # fmt: skip
+    defaults = SamplingParams()
+    return {name: value for name, value in values.items() if value != getattr(defaults, name)}
 
 
 def check_logit_bias(bias: Mapping[str, float] | None, model: TextModel, param: str) -> tuple[tuple[int, float], ...]:
