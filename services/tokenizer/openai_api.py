@@ -200,7 +200,10 @@ def chat_plan(body: ChatBody, frontend: Frontend, request_id: str) -> Plan:
     require(0 <= top <= min(limit, 20), f"must be in [0, {min(limit, 20)}]", "top_logprobs")
     require(body.logprobs or top == 0, "top_logprobs needs logprobs=true", "top_logprobs")
     try:
-        text = model.render_chat(_chat_messages(body))
+        text = model.render_chat(
+            _chat_messages(body), add_generation_prompt=body.add_generation_prompt,
+            continue_final_message=body.continue_final_message, extra=body.chat_template_kwargs,
+        )  # fmt: skip
     except ValueError as exc:
         raise InvalidRequest(str(exc), "messages") from None
     check_text_size(text, model, "messages")

@@ -10,8 +10,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import jinja2.sandbox
 from tokenizers import Tokenizer
+
+from services.tokenizer.chat_template import ChatTemplate, ChatTemplateError, special_tokens, template_source
 
 
 def _bytes_to_unicode() -> dict[int, str]:
@@ -39,6 +40,7 @@ class TextModel:
     vocab_size: int  # ids >= this are rejected
     max_model_len: int
     chat_template: str | None
+    chat: ChatTemplate | None = None  # compiled `chat_template`, with the tokenizer's special tokens
 
     @classmethod
     def from_dir(cls, model_dir: Path, max_model_len: int | None = None) -> TextModel:
@@ -48,8 +50,9 @@ class TextModel:
         vocab_size = int(config.get("vocab_size") or tokenizer.get_vocab_size(with_added_tokens=True))
         limit = max_model_len or int(config.get("max_position_embeddings") or tokenizer_config.get("model_max_length") or 4096)
         special = frozenset(i for i, t in tokenizer.get_added_tokens_decoder().items() if t.special)
-        template = tokenizer_config.get("chat_template")
-        return cls(tokenizer, _token_bytes_table(tokenizer, vocab_size), special, vocab_size, limit, template)
+        source = template_source(tokenizer_config)
+        chat = ChatTemplate(source, special_tokens(tokenizer_config)) if source else None
+        return cls(tokenizer, _token_bytes_table(tokenizer, vocab_size), special, vocab_size, limit, source, chat)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         # `encode_batch` releases the GIL while it works (`encode` holds it), so a large prompt
@@ -67,11 +70,13 @@ class TextModel:
         """The first id outside [0, vocab_size), or None."""
         return next((i for i in ids if not 0 <= i < self.vocab_size), None)
 
-    def render_chat(self, messages: list[dict[str, Any]]) -> str:
-        if not self.chat_template:
-            raise ValueError("this model has no chat_template")
-        env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-        return env.from_string(self.chat_template).render(messages=messages, add_generation_prompt=True)
+    def render_chat(self, messages: list[dict[str, Any]], **options: Any) -> str:
+        """The prompt text of a conversation, as `transformers`' `apply_chat_template` renders it
+        (`options`: add_generation_prompt, continue_final_message, tools, documents, extra).
+        Raises `ChatTemplateError` (a ValueError) with the template's message."""
+        if self.chat is None:
+            raise ChatTemplateError("this model has no chat_template")
+        return self.chat.render(messages, **options)
 
 
 def _token_bytes_table(tokenizer: Tokenizer, vocab_size: int) -> tuple[bytes, ...]:
