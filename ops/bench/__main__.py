@@ -18,6 +18,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     transport.add_argument("--repeat", type=int, default=9, help="timed repetitions per figure (median)")
     transport.set_defaults(bench=_logprob_transport)
     _add_serve(sub)
+    _add_reliability(sub)
 
 
 def _logprob_transport(args: argparse.Namespace) -> int:
@@ -78,6 +79,36 @@ def _serve(args: argparse.Namespace) -> int:
     config = ServeConfig(**settings, progress=not args.no_progress, launch=launch, launch_log=args.up_log)
     results = run(config, args.out)
     return 0 if results["failed"] == 0 else 1  # a failed request fails the command (scripts, CI)
+
+
+def _add_reliability(sub: argparse._SubParsersAction) -> None:
+    from ops.bench.reliability import ALL_CASES, ReliabilityConfig
+
+    defaults = ReliabilityConfig()
+    reliability = sub.add_parser("reliability", help="hostile HTTP and NATS input, kill -9 of each service and of nats-server, "
+                                 "concurrent streams, against a `sparkwire up` of its own; lost/short/5xx must be 0")  # fmt: skip
+    reliability.add_argument("--cases", nargs="+", choices=ALL_CASES, default=list(ALL_CASES))
+    reliability.add_argument("--num-concurrent", type=int, default=defaults.num_concurrent)
+    reliability.add_argument("--num-in-flight", type=int, default=defaults.num_in_flight, help="requests running at each fault")
+    reliability.add_argument("--max-new-tokens", type=int, default=defaults.max_new_tokens)
+    reliability.add_argument("--fault-tokens", type=int, default=defaults.fault_tokens, help="tokens per request hit by a fault")
+    reliability.add_argument("--up-args", default="", help='flags for the launched `sparkwire up`, e.g. --up-args="--device cpu"')
+    reliability.add_argument("--up-log", type=Path, default=None)
+    reliability.add_argument("--out", type=Path, default=RESULTS / "reliability.json")
+    reliability.set_defaults(bench=_reliability)
+
+
+def _reliability(args: argparse.Namespace) -> int:
+    import shlex
+
+    from ops.bench.reliability import ReliabilityConfig, run
+
+    config = ReliabilityConfig(
+        cases=tuple(args.cases), num_concurrent=args.num_concurrent, num_in_flight=args.num_in_flight,
+        max_new_tokens=args.max_new_tokens, fault_tokens=args.fault_tokens, up_args=tuple(shlex.split(args.up_args)),
+        up_log=args.up_log,
+    )  # fmt: skip
+    return 0 if run(args.out, config)["passed"] else 1
 
 
 def main(args: argparse.Namespace) -> int:
