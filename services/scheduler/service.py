@@ -63,6 +63,10 @@ def build_core(config: SchedulerConfig) -> SchedulerCore:
             config.resolved_draft_model, runner, load_format=config.load_format, seed=config.seed,
             num_draft_tokens=config.num_draft_tokens,
         )  # fmt: skip
+        if runner.decode_kernel:  # CUDA: greedy drafts replay graphs
+            from services.scheduler.spec.draft_graphs import DraftGraphs
+
+            proposer = DraftGraphs(proposer)
     if runner.decode_kernel:
         query_lens = (1,) if proposer is None else (1, proposer.num_draft_tokens + 1)
         capture_layers = () if proposer is None else tuple(proposer.capture_layers)

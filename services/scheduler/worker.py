@@ -83,7 +83,7 @@ class ModelWorker:
         layout = _lay_out(plan)  # 1
         arrays = self._upload.send(self._host_arrays(plan, layout))  # 2
         out = self.runner.forward(self._batch(plan, arrays))  # 3
-        verified = self._verify(plan, layout, out.hidden_states, arrays)  # 4
+        verified = self._verify(plan, layout, out, arrays)  # 4
         handles = _Handles(self._readback)
         handles.verify(verified)
         handles.logprobs(self._logprobs(plan, layout, out.hidden_states, verified))  # 5
@@ -140,14 +140,16 @@ class ModelWorker:
 
     # 4. verify
 
-    def _verify(
-        self, plan: StepPlan, layout: _Layout, hidden: torch.Tensor, arrays: dict[str, torch.Tensor]
-    ) -> _Verified | None:
+    def _verify(self, plan: StepPlan, layout: _Layout, out, arrays: dict[str, torch.Tensor]) -> _Verified | None:
         if not layout.producers:
             return None
         producers = [plan.steps[i] for i in layout.producers]
         width = layout.max_draft + 1
-        logits = self.runner.compute_logits(hidden[arrays["verify_rows"].reshape(-1)])  # [P * (K + 1), V]
+        rows = arrays["verify_rows"].reshape(-1)
+        if out.logits is not None:  # a graph step computed every row's logits already
+            logits = out.logits[rows]  # [P * (K + 1), V]
+        else:
+            logits = self.runner.compute_logits(out.hidden_states[rows])
         logits = logits.view(len(producers), width, -1)  # [P, K + 1, V]
         chosen = self._processed_logits(producers, logits)  # what argmax and sampling see; logprobs stay raw
         block = VerifyBlock(

@@ -42,3 +42,4 @@ class ForwardBatch:
 class ForwardOutput:
     hidden_states: torch.Tensor  # [T, H], after the final norm, in the model dtype
     captured: torch.Tensor | None = None  # [T, len(capture_layers) * H], or None
+    logits: torch.Tensor | None = None  # f32 [T, V], when the step replayed a graph that computes them

@@ -17,7 +17,7 @@ import bisect
 import torch
 
 from services.scheduler.model.attention import MAX_BATCHED_QUERY_LEN, DecodePlan
-from services.scheduler.model.batch import ForwardBatch
+from services.scheduler.model.batch import ForwardBatch, ForwardOutput
 from services.scheduler.model.kv_cache import PagedKVCache
 from services.scheduler.model.llama import CausalLM
 
@@ -61,7 +61,7 @@ class DecodeGraphRunner:
         self.max_blocks = max_blocks_per_seq or -(-model.config.max_position_embeddings // cache.block_size)
         self._allocate(self.ladder[-1], self.query_lens[-1], cache.kv.device)
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor | None]] = {}
+        self.outputs: dict[tuple[int, int], ForwardOutput] = {}
         if capture:
             self._capture_all()
 
@@ -86,18 +86,19 @@ class DecodeGraphRunner:
     def rung(self, num_seqs: int) -> int:
         return self.ladder[bisect.bisect_left(self.ladder, num_seqs)]
 
-    def run(self, batch: ForwardBatch, query_len: int = 1) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """(hidden [T, H], captured [T, C * H] or None) of a uniform-query batch that `fits`."""
+    def run(self, batch: ForwardBatch, query_len: int = 1) -> ForwardOutput:
+        """Hidden states [T, H], captures and logits [T, V] of a uniform-query batch that `fits`.
+
+        On CUDA these are views of the graph's static outputs: read them before the next step's replay.
+        """
         num_tokens = batch.num_tokens
         rung = self.rung(batch.num_seqs)
         self._load(batch, rung, query_len)
         key = (rung, query_len)
         if key in self.graphs:
             self.graphs[key].replay()
-            hidden, captured = self.outputs[key]  # the next replay overwrites the static outputs
-            return hidden[:num_tokens].clone(), _head(captured, num_tokens, batch)
-        hidden, captured = self._forward(rung, query_len)
-        return hidden[:num_tokens], _head(captured, num_tokens, batch)
+            return _head(self.outputs[key], num_tokens, batch)
+        return _head(self._forward(rung, query_len), num_tokens, batch)
 
     def _load(self, batch: ForwardBatch, rung: int, query_len: int) -> None:
         num_seqs, num_tokens, width = batch.num_seqs, batch.num_tokens, batch.block_tables.shape[1]
@@ -132,9 +133,11 @@ class DecodeGraphRunner:
             capture_layers=self.capture_layers,
         )
 
-    def _forward(self, rung: int, query_len: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _forward(self, rung: int, query_len: int) -> ForwardOutput:
         plan = DecodePlan(self.seq_lens[:rung], self.block_tables[:rung], self.use_kernel, query_len)
-        return self.model(self._static_batch(rung, query_len), self.cache, plan)  # [rung * q, H], captures
+        hidden, captured = self.model(self._static_batch(rung, query_len), self.cache, plan)  # [rung * q, H]
+        # every row of a uniform step is a row the worker verifies: the LM head belongs in the graph
+        return ForwardOutput(hidden, captured, self.model.compute_logits(hidden))  # logits f32 [rung * q, V]
 
     def _capture_all(self) -> None:
         # Largest first, all graphs in one memory pool: smaller graphs reuse the largest one's blocks.
@@ -152,7 +155,6 @@ class DecodeGraphRunner:
         torch.cuda.synchronize(self.cache.kv.device)
 
 
-def _head(captured: torch.Tensor | None, num_tokens: int, batch: ForwardBatch) -> torch.Tensor | None:
-    if captured is None or not batch.capture_layers:
-        return None
-    return captured[:num_tokens].clone()
+def _head(out: ForwardOutput, num_tokens: int, batch: ForwardBatch) -> ForwardOutput:
+    captured = out.captured[:num_tokens] if out.captured is not None and batch.capture_layers else None
+    return ForwardOutput(out.hidden_states[:num_tokens], captured, out.logits[:num_tokens])

@@ -95,7 +95,7 @@ class ModelRunner:
         batch = self._on_device(batch)
         query_len = uniform_query_len(batch)
         if query_len is not None and self.decode_graphs is not None and self.decode_graphs.fits(batch, query_len):
-            return ForwardOutput(*self.decode_graphs.run(batch, query_len))
+            return self.decode_graphs.run(batch, query_len)
         if query_len is not None and self.decode_kernel:
             plan = DecodePlan(batch.seq_lens, batch.block_tables, use_kernel=True, query_len=query_len)
             return ForwardOutput(*self.model(batch, self.kv_cache, plan))

@@ -28,6 +28,7 @@ def test_gpu_core_check_runs_on_cpu_and_reports_the_simulated_accept_length(tmp_
     assert done.returncode == 0, done.stderr[-2000:]
     result = json.loads(out.read_text())
     assert [(r["batch"], r["logprobs"]) for r in result["core"]] == [(1, "plain"), (1, "top20"), (2, "plain"), (2, "top20")]
+    assert len(result["dspark"]) == 2 * 4  # batches x (plain, top20) x 2 passes
     for row in result["dspark"]:
         # 30 tokens each: 1 from prefill, then every verify keeps 2 drafts + 1 token, whatever the target says;
         # 3 warm-up verifies (9 tokens) come before the timed steps, which make the other 20: 7 steps
