@@ -143,6 +143,12 @@ class Policy:
             return f"the prompt has {num_prompt_tokens} tokens, more than the KV cache holds"
         return None
 
+    def has_room(self, num_prompt_tokens: int, num_pending: int) -> bool:
+        """A new request would start soon: running + waiting + `num_pending` (added or claimed,
+        not yet here) stay under the running limit, and the prompt's KV blocks are free now."""
+        num_held = len(self._running) + len(self._waiting) + num_pending
+        return num_held < self._max_running and self.blocks.num_free_blocks >= self.blocks.num_blocks_for(num_prompt_tokens + 1)
+
     # ---- requests in and out ----
 
     def add(self, request: SchedulerRequest) -> None:
