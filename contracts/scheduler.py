@@ -56,12 +56,14 @@ class SchedulerClaim(msgspec.Struct, frozen=True, gc=False):
 
     rid: Rid
     num_prompt_tokens: Count
+    force: bool = False  # take it even without room (the tokenizer waited long enough for one with room)
 
 
 class SchedulerClaimReply(msgspec.Struct, frozen=True, gc=False, omit_defaults=True):
     scheduler_id: InstanceId
     accepted: bool = True
     error: Reason | None = None  # why not accepted (e.g. prompt longer than max_model_len)
+    busy: bool = False  # not accepted for now: no room here (ask again: another scheduler may have some)
 
 
 class GenerateRequest(msgspec.Struct, frozen=True, gc=False, omit_defaults=True):

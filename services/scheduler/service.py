@@ -152,9 +152,10 @@ class SchedulerService:
 
     async def _on_claim(self, claim: SchedulerClaim, msg: Delivery) -> None:
         error = SHUTDOWN_MESSAGE if self._closing else self._core.claim_error(claim.num_prompt_tokens)
-        if error is None:
+        busy = error is None and not claim.force and not self._core.has_room(claim.num_prompt_tokens, len(self._claims))
+        if error is None and not busy:
             self._claims[claim.rid] = time.monotonic() + self._config.claim_expiry_s
-        reply = SchedulerClaimReply(self._id, accepted=error is None, error=error)
+        reply = SchedulerClaimReply(self._id, accepted=error is None and not busy, error=error, busy=busy)
         await self._transport.respond(msg, reply)
 
     async def _on_generate(self, request: GenerateRequest, msg: Delivery) -> None:

@@ -19,6 +19,7 @@ class TokenizerConfig:
     max_model_len: int | None = None  # None: config.json `max_position_embeddings`
     max_logprobs: int = 20  # upper bound of `logprobs`, `top_logprobs`, `top_logprobs_num`
     request_timeout_s: float = 5.0  # NATS request/reply (claims, registration)
+    claim_wait_s: float = 30.0  # every scheduler busy this long: the next one takes it anyway
     health_timeout_s: float = 1.0  # /health waits this long for a scheduler to answer a ping
     log_level: str = "info"
     api_key: str | None = None  # set: every route but /health needs `Authorization: Bearer <key>`
@@ -33,7 +34,7 @@ class TokenizerConfig:
             raise ValueError("max_model_len must be >= 1")
         if self.max_logprobs < 0:
             raise ValueError("max_logprobs must be >= 0")
-        for name in ("request_timeout_s", "health_timeout_s"):
+        for name in ("request_timeout_s", "health_timeout_s", "claim_wait_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0")
 

@@ -32,6 +32,10 @@ from services.tokenizer.validation import GenerationSpec, InvalidRequest
 log = structlog.get_logger(__name__)
 
 
+CLAIM_RETRY_FIRST_S = 0.005  # pauses between claims that found no room: 0, 5 ms, 10 ms, ... 100 ms
+CLAIM_RETRY_MAX_S = 0.1
+
+
 class ServiceUnavailable(Exception):
     """No scheduler or detokenizer can take the request now (HTTP 503)."""
 
@@ -120,8 +124,17 @@ class TokenizerService:
         return reply.detokenizer_id
 
     async def _claim(self, spec: GenerationSpec) -> str:
-        claim = SchedulerClaim(spec.rid, len(spec.prompt_ids))
-        reply = await self._ask(subjects.SCHEDULER_CLAIM, claim, SchedulerClaimReply, "scheduler", spec.request_id)
+        """Load-aware placement (docs/architecture.md): a scheduler without room answers `busy`;
+        ask again (the queue group picks a member at random each time) with a growing pause,
+        until one with room takes it, or `claim_wait_s` passed and any must (`force`)."""
+        deadline, pause = time.monotonic() + self.config.claim_wait_s, 0.0
+        while True:
+            claim = SchedulerClaim(spec.rid, len(spec.prompt_ids), force=time.monotonic() >= deadline)
+            reply = await self._ask(subjects.SCHEDULER_CLAIM, claim, SchedulerClaimReply, "scheduler", spec.request_id)
+            if not reply.busy:
+                break
+            await asyncio.sleep(pause)
+            pause = min(max(2 * pause, CLAIM_RETRY_FIRST_S), CLAIM_RETRY_MAX_S)
         if not reply.accepted:
             raise InvalidRequest(reply.error or "the scheduler refused the request")
         return reply.scheduler_id
