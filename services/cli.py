@@ -91,20 +91,30 @@ def add_up_arguments(parser: argparse.ArgumentParser) -> None:
 
     env = EnvSettings.from_environ()
     add_connection_arguments(parser, connection_values())  # --nats-url empty: start an embedded nats-server
-    parser.add_argument("--model", default=env.model or str(BUNDLED_MODEL), help="target model directory")
+    add = parser.add_argument
+    add("--model", default=env.model or str(BUNDLED_MODEL), help="target model directory (Hugging Face layout)")
     add_speculative_arguments(parser)
-    parser.add_argument("--device", choices=("auto", "cuda", "cpu"), default=env.device)
-    parser.add_argument("--load-format", choices=("auto", "dummy"), default="auto")
-    parser.add_argument("--logprobs-mode", choices=("raw", "processed"), default="raw",
-                        help="raw: logprobs of the model's own distribution; processed: after temperature")
-    parser.add_argument("--chunked-prefill-size", type=int, default=2048, help="tokens per scheduler step")
-    parser.add_argument("--max-logprobs", type=int, default=20, help="largest top-k a request may ask for")
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=8000)
-    parser.add_argument("--log-level", default=env.log_level)
-    parser.add_argument("--ready-timeout-s", type=float, default=300.0, help="give up if /health is not 200 by then")
-    parser.add_argument("--grace-s", type=float, default=10.0, help="wait this long after SIGTERM before SIGKILL")
-
+    add("--device", choices=("auto", "cuda", "cpu"), default=env.device, help="auto: cuda when available, else cpu")
+    add("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
+        help="weights and KV cache (default: float32 on cpu, bfloat16 on cuda)")  # fmt: skip
+    add("--load-format", choices=("auto", "dummy"), default="auto", help="dummy: random weights from config.json")
+    add("--logprobs-mode", choices=("raw", "processed"), default="raw",
+        help="raw: logprobs of the model's own distribution; processed: after temperature")  # fmt: skip
+    add("--chunked-prefill-size", type=int, default=2048, help="tokens per scheduler step")
+    add("--max-running-requests", type=int, default=64, help="most requests the scheduler decodes at once")
+    add("--max-model-len", type=int, default=None, help="longest prompt + output (default: the model's)")
+    add("--kv-cache-memory-fraction", type=float, default=0.8,
+        help="CUDA: the share of device memory left free by the weights that the KV cache takes")  # fmt: skip
+    add("--served-model-name", default="", help="the model name clients send and see (default: the directory name)")
+    add("--max-logprobs", type=int, default=20, help="largest top-k a request may ask for")
+    add("--api-key", default=env.api_key or None,
+        help="require `Authorization: Bearer KEY` on every route but /health (better: SPARKWIRE_API_KEY)")  # fmt: skip
+    add("--host", default="127.0.0.1", help="HTTP bind address")
+    add("--port", type=int, default=8000, help="HTTP port")
+    add("--log-level", default=env.log_level, help="debug, info, warning or error")
+    add("--log-format", choices=("console", "json"), default=env.log_format, help="every service's log lines")
+    add("--ready-timeout-s", type=float, default=300.0, help="give up if /health is not 200 by then")
+    add("--grace-s", type=float, default=10.0, help="wait this long after SIGTERM before SIGKILL")
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)

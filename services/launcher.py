@@ -95,8 +95,14 @@ def service_argv(name: str, args: argparse.Namespace, metrics_port: int | None =
         argv += speculative_argv(args)
         argv += ["--device", args.device, "--load-format", args.load_format]
         argv += ["--logprobs-mode", args.logprobs_mode, "--chunked-prefill-size", str(args.chunked_prefill_size)]
+        argv += ["--max-running-requests", str(args.max_running_requests)]
+        argv += ["--kv-cache-memory-fraction", str(args.kv_cache_memory_fraction)]
+        argv += ["--dtype", args.dtype] if args.dtype else []
     if name == "tokenizer":
         argv += ["--host", args.host, "--port", str(args.port), "--max-logprobs", str(args.max_logprobs)]
+        argv += ["--served-model-name", args.served_model_name] if args.served_model_name else []
+    if name in ("scheduler", "tokenizer") and args.max_model_len:
+        argv += ["--max-model-len", str(args.max_model_len)]
     return argv
 
 
@@ -184,8 +190,9 @@ class Stack:
     def _start_child(self, name: str) -> Child:
         """The same command line and environment on every (re)start: same identity and metrics port."""
         env = service_environ(self._identity(name))
-        if getattr(self.args, "api_key", None):
+        if self.args.api_key:
             env["SPARKWIRE_API_KEY"] = self.args.api_key  # not in argv: `ps` shows argv
+        env["SPARKWIRE_LOG_FORMAT"] = self.args.log_format
         return Child.start(name, service_argv(name, self.args, self.metrics_ports.get(name)), env)
 
     def _identity(self, name: str) -> NatsConnection:

@@ -25,23 +25,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     env = EnvSettings.from_environ()
     parser.add_argument("--model", default=env.model or str(BUNDLED_MODEL), help="model directory (HF layout)")
     add_speculative_arguments(parser)
-    parser.add_argument("--device", choices=DEVICES, default=env.device)
+    parser.add_argument("--device", choices=DEVICES, default=env.device, help="auto: cuda when available, else cpu")
     parser.add_argument("--dtype", choices=tuple(DTYPES), default=None, help="default: float32 on cpu, bfloat16 on cuda")
-    parser.add_argument("--load-format", choices=LOAD_FORMATS, default="auto")
-    parser.add_argument("--max-running-requests", type=int, default=64)
+    parser.add_argument("--load-format", choices=LOAD_FORMATS, default="auto", help="dummy: random weights from config.json")
+    parser.add_argument("--max-running-requests", type=int, default=64, help="most requests decoded at once")
     parser.add_argument("--chunked-prefill-size", type=int, default=2048, help="tokens per step")
-    parser.add_argument("--kv-block-size", type=int, default=16)
+    parser.add_argument("--kv-block-size", type=int, default=16, help="tokens per paged KV block")
     parser.add_argument("--num-kv-blocks", type=int, default=None, help="default: sized from memory")
     parser.add_argument("--max-model-len", type=int, default=None, help="default: the model's context length")
-    parser.add_argument("--logprobs-mode", choices=LOGPROBS_MODES, default="raw")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--logprobs-mode", choices=LOGPROBS_MODES, default="raw",
+                        help="raw: the model's own distribution; processed: after temperature")  # fmt: skip
+    parser.add_argument("--seed", type=int, default=0, help="seeds the draws of requests that bring no seed")
     _add_common_arguments(parser, env)
 
 
 def _add_common_arguments(parser: argparse.ArgumentParser, env: EnvSettings) -> None:
-    parser.add_argument("--log-level", default=env.log_level)
+    parser.add_argument("--log-level", default=env.log_level, help="debug, info, warning or error")
     add_connection_arguments(parser, connection_values())
     parser.add_argument("--instance-id", default=None, help="default: a random id")
+    parser.add_argument("--kv-cache-memory-fraction", type=float, default=0.8,
+                        help="CUDA: the share of device memory left free by the weights that the KV cache takes")  # fmt: skip
     parser.add_argument("--metrics-host", default="127.0.0.1", help="bind address of --metrics-port")
     parser.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus /metrics here (0: any free port)")
 
@@ -65,6 +68,7 @@ def config_from_args(args: argparse.Namespace) -> SchedulerConfig:
         seed=args.seed,
         instance_id=args.instance_id or new_instance_id(),
         nats=connection_from_args(args, connection_values()),
+        kv_cache_memory_fraction=args.kv_cache_memory_fraction,
         metrics_host=args.metrics_host,
         metrics_port=args.metrics_port,
     )

@@ -41,6 +41,7 @@ class SchedulerConfig:
     instance_id: str = "scheduler"
     nats: NatsConnection = NatsConnection()
     claim_expiry_s: float = 30.0  # a claimed rid whose GenerateRequest never arrives is forgotten
+    kv_cache_memory_fraction: float = 0.8  # CUDA: the KV cache's share of the memory free once weights are loaded
     metrics_host: str = "127.0.0.1"
     metrics_port: int | None = None  # None: no /metrics endpoint; 0: any free port (logged)
 
@@ -57,6 +58,8 @@ class SchedulerConfig:
             if getattr(self, name) is not None:
                 _check_positive(name, getattr(self, name))
         _check_positive("claim_expiry_s", self.claim_expiry_s)
+        if not 0 < self.kv_cache_memory_fraction <= 1:
+            raise ValueError(f"kv_cache_memory_fraction must be in (0, 1]; got {self.kv_cache_memory_fraction}")
         _check_choice("verify_mode", self.verify_mode, VERIFY_MODES)
         if self.num_draft_tokens is not None:
             _check_positive("num_draft_tokens", self.num_draft_tokens)

@@ -52,6 +52,7 @@ def build_core(config: SchedulerConfig) -> SchedulerCore:
         num_kv_blocks=config.num_kv_blocks,
         kv_block_size=config.kv_block_size,
         kv_cache_bytes=config.kv_cache_bytes,
+        kv_cache_fraction=config.kv_cache_memory_fraction,
         seed=config.seed,
         cuda_graphs=False,  # captured below, once the verify width and captured layers are known
     )

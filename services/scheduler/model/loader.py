@@ -56,6 +56,7 @@ def load_model_runner(
     kv_cache_bytes: int | None = None,
     seed: int = 0,
     cuda_graphs: bool | None = None,
+    kv_cache_fraction: float = CUDA_KV_CACHE_FRACTION,
 ) -> ModelRunner:
     """Load the model at `path` onto `device` in `dtype` and allocate its paged KV cache.
 
@@ -69,7 +70,7 @@ def load_model_runner(
     model = _empty_model(config, device, dtype)
     _fill_weights(model, model_dir, config, load_format, seed)
     model.eval()
-    num_blocks = num_kv_blocks or _default_num_blocks(config, kv_block_size, dtype, device, kv_cache_bytes)
+    num_blocks = num_kv_blocks or _default_num_blocks(config, kv_block_size, dtype, device, kv_cache_bytes, kv_cache_fraction)
     cache = PagedKVCache(config, num_blocks, kv_block_size, dtype, device)
     runner = ModelRunner(model, cache)
     if cuda_graphs if cuda_graphs is not None else runner.decode_kernel:
@@ -141,11 +142,12 @@ def _random_tensor(name: str, shape: torch.Size, seed: int, device: torch.device
 
 
 def _default_num_blocks(
-    config: ModelConfig, block_size: int, dtype: torch.dtype, device: torch.device, budget: int | None
+    config: ModelConfig, block_size: int, dtype: torch.dtype, device: torch.device, budget: int | None,
+    fraction: float = CUDA_KV_CACHE_FRACTION,
 ) -> int:
     if budget is None and device.type == "cuda":
         free_bytes, _ = torch.cuda.mem_get_info(device)
-        budget = int(free_bytes * CUDA_KV_CACHE_FRACTION)
+        budget = int(free_bytes * fraction)
     if budget is None:
         # Room for two full-length sequences, within a cap that keeps CPU runs light.
         wanted = 2 * config.max_position_embeddings // block_size * bytes_per_block(config, block_size, dtype)

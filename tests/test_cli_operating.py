@@ -1,0 +1,70 @@
+"""`sparkwire up` and the service commands: the operating flags (issue 14) reach the service that
+uses them, parse with the real CLI, and every flag has help text."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from services.cli import build_parser
+from services.launcher import service_argv
+
+OPERATING = ["--served-model-name", "tiny-prod", "--max-model-len", "512", "--max-running-requests", "8",
+             "--dtype", "bfloat16", "--kv-cache-memory-fraction", "0.5"]  # fmt: skip
+
+
+def value_after(argv: list[str], flag: str) -> str | None:
+    return argv[argv.index(flag) + 1] if flag in argv else None
+
+
+def test_up_passes_the_operating_flags_to_the_services_that_use_them():
+    args = build_parser(["up", *OPERATING]).parse_args(["up", *OPERATING])
+    scheduler, tokenizer, detokenizer = (service_argv(name, args) for name in ("scheduler", "tokenizer", "detokenizer"))
+    assert [value_after(scheduler, f) for f in ("--max-model-len", "--max-running-requests", "--dtype",
+                                                "--kv-cache-memory-fraction")] == ["512", "8", "bfloat16", "0.5"]  # fmt: skip
+    assert value_after(tokenizer, "--served-model-name") == "tiny-prod" and value_after(tokenizer, "--max-model-len") == "512"
+    assert "--served-model-name" not in scheduler and "--dtype" not in detokenizer
+    for argv in (scheduler, tokenizer, detokenizer):
+        parsed = build_parser(argv[3:]).parse_args(argv[3:])  # what the child parses
+        assert callable(parsed.run)
+    parsed = build_parser(scheduler[3:]).parse_args(scheduler[3:])
+    assert (parsed.max_model_len, parsed.max_running_requests, parsed.dtype, parsed.kv_cache_memory_fraction) == (
+        512, 8, "bfloat16", 0.5,
+    )  # fmt: skip
+
+
+def test_the_api_key_is_not_on_any_command_line():
+    args = build_parser(["up", "--api-key", "sk-secret"]).parse_args(["up", "--api-key", "sk-secret"])
+    assert args.api_key == "sk-secret"
+    assert all("sk-secret" not in " ".join(service_argv(name, args)) for name in ("scheduler", "tokenizer", "detokenizer"))
+
+
+def test_the_api_key_defaults_from_the_environment(monkeypatch):
+    monkeypatch.setenv("SPARKWIRE_API_KEY", "from-env")
+    assert build_parser(["up"]).parse_args(["up"]).api_key == "from-env"
+    assert build_parser(["tokenizer"]).parse_args(["tokenizer"]).api_key == "from-env"
+
+
+@pytest.mark.parametrize("command", ["up", "tokenizer", "scheduler", "detokenizer"])
+def test_every_flag_has_help_text(command):
+    parser = build_parser([command])
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices[command]
+    missing = [a.option_strings[0] for a in sub._actions if a.option_strings and a.help in (None, "") and a.dest != "help"]
+    assert missing == []
+
+
+def test_a_bad_kv_cache_fraction_is_one_clear_line(capsys):
+    argv = ["scheduler", "--kv-cache-memory-fraction", "1.5"]
+    args = build_parser(argv).parse_args(argv)
+    assert args.run(args) == 2
+    assert "kv_cache_memory_fraction must be in (0, 1]" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", ["tokenizer", "detokenizer", "scheduler"])
+def test_a_bad_model_path_is_one_clear_line_not_a_traceback(command, tmp_path, capfd):
+    argv = [command, "--model", str(tmp_path / "no-such-model")]
+    args = build_parser(argv).parse_args(argv)
+    assert args.run(args) == 2
+    err = capfd.readouterr().err
+    assert "no-such-model" in err and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
