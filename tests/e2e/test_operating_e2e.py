@@ -1,8 +1,10 @@
 """Issue 14 end to end: every service's /metrics after a known mix of requests (plain, streamed,
-preempted, aborted), and one request id followed through the JSON logs of all three services.
+preempted, aborted, speculative), and one request id followed through the JSON logs of all three
+services.
 
-Its own stack: JSON logs, metrics ports, and a KV cache small enough that four long requests
-at once must preempt.
+Its own stack: JSON logs, metrics ports, DSpark speculative decoding (a one-layer drafter with
+dummy weights, so drafts are proposed and some accepted) and a KV cache small enough that four
+long requests at once must preempt.
 """
 
 from __future__ import annotations
@@ -17,7 +19,9 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from e2e.stack import Service, Stack, generate_body, service_argv
+from e2e.stack import BUNDLED_MODEL, Service, Stack, generate_body, service_argv
+from services.scheduler.model.config import ModelConfig
+from services.scheduler.spec.dspark_config import draft_config_for_target
 from services.common.nats_server import free_port, start_nats_server
 
 pytestmark = pytest.mark.timeout(120)
@@ -39,14 +43,24 @@ class OperatedStack(Stack):
     metrics_ports: dict[str, int]
 
 
+def dummy_drafter(directory: Path) -> Path:
+    """A DSpark draft config for the bundled target (weights: `--load-format dummy`)."""
+    target = ModelConfig.from_pretrained(BUNDLED_MODEL)
+    config = draft_config_for_target(target, num_draft_layers=1, mask_token_id=2047, block_size=4, markov_rank=4)
+    (directory / "config.json").write_text(json.dumps(config.to_dict()))
+    return directory
+
+
 @pytest.fixture(scope="module")
 def operated(tmp_path_factory: pytest.TempPathFactory) -> Iterator[OperatedStack]:
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("SPARKWIRE_LOG_FORMAT", "json")
         stack = OperatedStack(start_nats_server(), tmp_path_factory.mktemp("operating-logs"))
         stack.metrics_ports = {"scheduler": free_port(), "detokenizer": free_port()}
+        draft = dummy_drafter(tmp_path_factory.mktemp("drafter"))
         extra = {
-            "scheduler": ["--num-kv-blocks", "12", "--kv-block-size", "16"],
+            "scheduler": ["--num-kv-blocks", "12", "--kv-block-size", "16", "--speculative-algorithm", "dspark",
+                          "--draft-model", str(draft), "--load-format", "dummy"],  # fmt: skip
             "detokenizer": [],
             "tokenizer": ["--port", str(stack.port)],
         }
@@ -112,6 +126,10 @@ def test_every_service_exports_metrics_of_a_known_mix(operated: OperatedStack) -
     assert scheduler[("sparkwire:generation_tokens_total", MODEL)] > finished_tokens + streamed_tokens
     assert scheduler[("sparkwire:iteration_tokens_total_count", MODEL)] > 0
     assert scheduler[("sparkwire:num_requests_running", MODEL)] == 0
+    assert scheduler[("sparkwire:num_requests_waiting", MODEL)] == 0
+    assert scheduler[("sparkwire:kv_cache_usage_perc", MODEL)] == 0  # everything finished: all blocks free
+    drafted = scheduler[("sparkwire:spec_decode_num_draft_tokens_total", MODEL)]
+    assert drafted > 0 and 0 <= scheduler[("sparkwire:spec_decode_num_accepted_tokens_total", MODEL)] <= drafted
 
     assert detokenizer[("sparkwire:detokenizer_registrations_total", ())] == NUM_PARALLEL + 2
     assert detokenizer[("sparkwire:detokenizer_requests_finished_total", (("finished_reason", "abort"),))] == 1
@@ -122,7 +140,8 @@ def test_every_service_exports_metrics_of_a_known_mix(operated: OperatedStack) -
     for histogram in ("time_to_first_token_seconds", "e2e_request_latency_seconds", "request_queue_time_seconds"):
         assert tokenizer[(f"sparkwire:{histogram}_count", MODEL)] == NUM_PARALLEL + 2, histogram
         assert tokenizer[(f"sparkwire:{histogram}_sum", MODEL)] > 0, histogram
-    assert tokenizer[("sparkwire:inter_token_latency_seconds_count", MODEL)] >= NUM_PARALLEL * (PARALLEL_TOKENS - 1)
+    gaps = tokenizer[("sparkwire:inter_token_latency_seconds_count", MODEL)]  # one per delivery after the first
+    assert NUM_PARALLEL <= gaps <= NUM_PARALLEL * (PARALLEL_TOKENS - 1) + streamed_tokens + 150  # spec: several tokens each
     generate_200 = ("sparkwire:http_requests_total", (("handler", "/generate"), ("method", "POST"), ("status", "200")))
     assert tokenizer[generate_200] == NUM_PARALLEL + 2  # streamed ones included
 
