@@ -1,23 +1,41 @@
-"""compose.yaml is real: its commands parse with the real CLI, and run as local processes (the
-nats host swapped for a local nats-server) they serve /generate. No Docker engine needed."""
+"""compose.yaml is real, without a Docker engine: it validates against the Compose specification's
+JSON schema, its images are built per role as documented, and its services' commands run as
+local processes behind the real HAProxy with the committed config (two tokenizers, two
+detokenizers), serving /generate on the proxy's one port.
+
+Only the addresses differ locally: Docker's DNS (127.0.0.11) becomes a tiny DNS responder here
+that answers `tokenizer` with one loopback address per replica, as Docker's does per container.
+"""
 
 from __future__ import annotations
 
+import importlib.resources
+import json
 import re
+import shutil
+import socket
+import struct
+import subprocess
 import sys
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
+import jsonschema
 import pytest
 import yaml
 
-from e2e.stack import Service, Stack, generate_body
+from e2e.stack import Service, generate_body
 from services.cli import build_parser
-from services.common.nats_server import start_nats_server
+from services.common.nats_server import free_port, start_nats_server, stop_process
 
 ROOT = Path(__file__).resolve().parents[1]
-APP_SERVICES = ("scheduler", "detokenizer", "tokenizer")
-COMPOSE_NATS_URL = "nats://nats:4222"
+APP_SERVICES = ("scheduler", "scheduler-cpu", "detokenizer", "tokenizer")
+HAPROXY_CFG = ROOT / "ops" / "docker" / "haproxy.cfg"
+REPLICA_HOSTS = ("127.0.0.2", "127.0.0.3")
 
 
 @pytest.fixture(scope="module")
@@ -25,70 +43,202 @@ def compose() -> dict:
     return yaml.safe_load((ROOT / "compose.yaml").read_text())
 
 
-def test_compose_has_nats_and_the_three_services(compose):
-    assert set(compose["services"]) == {"nats", *APP_SERVICES}
+def compose_schema() -> dict:
+    """The Compose specification's schema, as the check-jsonschema package ships it (Apache-2.0)."""
+    vendor = importlib.resources.files("check_jsonschema.builtin_schemas.vendor")
+    return json.loads(vendor.joinpath("compose-spec.json").read_text())
 
 
-def test_nats_uses_the_official_image_the_project_config_and_a_healthcheck(compose):
-    nats = compose["services"]["nats"]
-    assert nats["image"].split(":")[0] == "nats"
-    command = nats["command"]
-    assert command[command.index("-c") + 1] == "/etc/nats/nats.conf" and "-m" in command
-    mounts = {mount.split(":")[1]: mount.split(":")[0] for mount in nats["volumes"]}
-    assert (ROOT / mounts["/etc/nats/nats.conf"]).resolve() == ROOT / "ops" / "nats" / "nats.conf"
-    probe = " ".join(nats["healthcheck"]["test"])
-    assert f":{command[command.index('-m') + 1]}/healthz" in probe
+def schema_errors(document: dict) -> list[str]:
+    schema = compose_schema()
+    validator = jsonschema.validators.validator_for(schema)(schema)
+    return [f"{list(error.path)}: {error.message}" for error in validator.iter_errors(document)]
 
 
-@pytest.mark.parametrize("name", APP_SERVICES)
-def test_service_is_built_from_the_one_dockerfile_and_waits_for_nats(compose, name):
-    service = compose["services"][name]
-    assert (ROOT / service["build"]["context"] / service["build"]["dockerfile"]).resolve() == ROOT / "ops" / "docker" / "Dockerfile"
-    assert service["depends_on"]["nats"]["condition"] == "service_healthy"
-    assert service["command"][:2] == ["sparkwire", name]
-    assert COMPOSE_NATS_URL in service["command"]
+def test_compose_yaml_validates_against_the_compose_specification(compose):
+    assert schema_errors(compose) == []
+    broken = {**compose, "services": {**compose["services"], "tokenizer": {**compose["services"]["tokenizer"], "ports": "8000"}}}
+    assert schema_errors(broken)  # the check can fail
 
 
-def test_tokenizer_publishes_port_8000(compose):
-    tokenizer = compose["services"]["tokenizer"]
-    assert "8000:8000" in tokenizer["ports"]
-    command = tokenizer["command"]
-    assert command[command.index("--port") + 1] == "8000" and command[command.index("--host") + 1] == "0.0.0.0"
+def test_every_service_has_a_healthcheck(compose):
+    assert set(compose["services"]) == {"nats", "proxy", *APP_SERVICES}
+    assert all(service["healthcheck"]["test"] for service in compose["services"].values())
+
+
+def test_scheduler_reserves_a_gpu_and_a_cpu_profile_runs_without_one(compose):
+    devices = compose["services"]["scheduler"]["deploy"]["resources"]["reservations"]["devices"]
+    assert devices == [{"driver": "nvidia", "count": 1, "capabilities": ["gpu"]}]
+    cpu = compose["services"]["scheduler-cpu"]
+    assert cpu["profiles"] == ["cpu"] and "deploy" not in cpu and "--device" in cpu["command"]
+    assert cpu["command"][cpu["command"].index("--device") + 1] == "cpu"
+
+
+def test_one_port_through_the_proxy_and_none_on_the_replicas(compose):
+    proxy = compose["services"]["proxy"]
+    assert proxy["image"].split(":")[0] == "haproxy" and proxy["ports"] == ["8000:8000"]
+    assert (ROOT / proxy["volumes"][0].split(":")[0]).resolve() == HAPROXY_CFG
+    assert all("ports" not in compose["services"][name] for name in APP_SERVICES)
+    assert re.search(r"server-template \w+ \d+ tokenizer:8000", HAPROXY_CFG.read_text())
+
+
+def dockerfile_lines(name: str) -> list[str]:
+    """Instructions only (comments dropped)."""
+    lines = (line.strip() for line in (ROOT / "ops" / "docker" / name).read_text().splitlines())
+    return [line for line in lines if not line.startswith("#")]
+
+
+@pytest.mark.parametrize("name, dockerfile", [("scheduler", "scheduler.Dockerfile"), ("scheduler-cpu", "scheduler.Dockerfile"),
+                                               ("detokenizer", "frontend.Dockerfile"), ("tokenizer", "frontend.Dockerfile")])  # fmt: skip
+def test_images_per_role_install_dependencies_before_the_source(compose, name, dockerfile):
+    build = compose["services"][name]["build"]
+    assert (ROOT / build["context"] / build["dockerfile"]).resolve() == ROOT / "ops" / "docker" / dockerfile
+    lines = dockerfile_lines(dockerfile)
+    dependencies = next(i for i, line in enumerate(lines) if "pip install -r /tmp/requirements.txt" in line)
+    source = next(i for i, line in enumerate(lines) if line.startswith("COPY services"))
+    assert dependencies < source
+
+
+def test_the_frontend_image_has_no_torch_and_the_scheduler_image_a_compiler():
+    frontend, scheduler = " ".join(dockerfile_lines("frontend.Dockerfile")), " ".join(dockerfile_lines("scheduler.Dockerfile"))
+    assert "torch" not in frontend and "'dependencies'" in frontend and "optional-dependencies" not in frontend
+    assert "ARG BASE_IMAGE=nvidia/cuda:" in scheduler and "gcc" in scheduler and "python3-dev" in scheduler
+    assert scheduler.index('pip install "torch==${TORCH_VERSION}"') < scheduler.index("COPY services")
 
 
 @pytest.mark.parametrize("name", APP_SERVICES)
 def test_service_command_parses_with_the_real_cli(compose, name):
     argv = compose["services"][name]["command"][1:]
     args = build_parser(argv).parse_args(argv)
-    assert args.command == name and args.nats_url == COMPOSE_NATS_URL
-    assert callable(args.run)
+    assert args.command == name.removesuffix("-cpu") and callable(args.run)
+    assert compose["services"][name]["environment"]["SPARKWIRE_NATS_URL"] == "nats://nats:4222"
 
 
-def test_dockerfile_installs_torch_before_the_project():
-    lines = [line.strip() for line in (ROOT / "ops" / "docker" / "Dockerfile").read_text().splitlines()]
-    assert "FROM python:3.11-slim" in lines
-    assert "ARG TORCH_VERSION=2.13.0" in lines
-    torch_at = next(i for i, line in enumerate(lines) if re.search(r"pip install \"torch==\$\{TORCH_VERSION\}\"", line))
-    project_at = next(i for i, line in enumerate(lines) if line.startswith("RUN pip install -e ."))
-    assert torch_at < project_at
+# ---- the local run ----
 
 
-def local_argv(command: list[str], nats_url: str, port: int) -> list[str]:
-    """The compose command with the compose network swapped for this machine."""
-    swap = {COMPOSE_NATS_URL: nats_url, "0.0.0.0": "127.0.0.1", "8000": str(port)}
-    return [swap.get(arg, arg) for arg in command[1:]]
+class FakeDockerDns:
+    """Answers A queries for `tokenizer` with one address per replica; anything else: no answer."""
+
+    def __init__(self, name: str, addresses: tuple[str, ...]) -> None:
+        self.name, self.addresses = name, addresses
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.settimeout(0.2)
+        self.port = self.sock.getsockname()[1]
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        while not self.stop.is_set():
+            try:
+                query, peer = self.sock.recvfrom(4096)
+            except TimeoutError:
+                continue
+            self.sock.sendto(self.answer(query), peer)
+
+    def answer(self, query: bytes) -> bytes:
+        end = 12
+        labels = []
+        while query[end]:
+            labels.append(query[end + 1 : end + 1 + query[end]].decode())
+            end += 1 + query[end]
+        question = query[12 : end + 5]  # name, its 0 byte, type and class
+        qtype = struct.unpack("!H", query[end + 1 : end + 3])[0]
+        found = self.addresses if qtype == 1 and labels and labels[0] == self.name else ()
+        header = struct.pack("!HHHHHH", struct.unpack("!H", query[:2])[0], 0x8180, 1, len(found), 0, 0)
+        records = b"".join(struct.pack("!HHHIH", 0xC00C, 1, 1, 1, 4) + socket.inet_aton(address) for address in found)
+        return header + question + records
+
+    def close(self) -> None:
+        self.stop.set()
+        self.thread.join()
+        self.sock.close()
 
 
-@pytest.mark.timeout(180)
-def test_compose_commands_run_locally_serve_generate(compose, tmp_path):
-    stack = Stack(start_nats_server(), tmp_path)
+def local_haproxy_cfg(dns_port: int, proxy_port: int, health_port: int, tokenizer_port: int) -> str:
+    """The committed config with only this machine's addresses swapped in."""
+    swaps = {"127.0.0.11:53": f"127.0.0.1:{dns_port}", "bind :8000": f"bind 127.0.0.1:{proxy_port}",
+             "bind :8404": f"bind 127.0.0.1:{health_port}", "tokenizer:8000": f"tokenizer:{tokenizer_port}"}  # fmt: skip
+    text = HAPROXY_CFG.read_text()
+    for old, new in swaps.items():
+        assert old in text, old
+        text = text.replace(old, new)
+    return text
+
+
+def local_argv(command: list[str], swaps: dict[str, str]) -> list[str]:
+    return [sys.executable, "-m", "services.cli", *(swaps.get(arg, arg) for arg in command[1:])]
+
+
+def count_in_log(service: Service, text: str) -> int:
+    return service.log_path.read_text(errors="replace").count(text)
+
+
+@pytest.fixture
+def local_compose(compose, tmp_path) -> Iterator[tuple[str, dict[str, Service], Path]]:
+    """nats, scheduler-cpu, 2 detokenizers, 2 tokenizers and the proxy, as local processes."""
+    haproxy = shutil.which("haproxy")
+    assert haproxy, "haproxy is not installed (.ci/run installs Debian's package)"
+    nats = start_nats_server()
+    dns = FakeDockerDns("tokenizer", REPLICA_HOSTS)
+    services: dict[str, Service] = {}
+    tokenizer_port, proxy_port, health_port = free_port(), free_port(), free_port()
+    env = {**compose["services"]["tokenizer"]["environment"], "SPARKWIRE_NATS_URL": nats.url}
+    proxy = None
     try:
-        for name in APP_SERVICES:
-            argv = [sys.executable, "-m", "services.cli", *local_argv(compose["services"][name]["command"], stack.nats.url, stack.port)]
-            stack.services[name] = Service.start(name, argv, tmp_path)
-        stack.wait_healthy()
-        response = httpx.post(f"{stack.base_url}/generate", json=generate_body(max_new_tokens=4), timeout=30)
-        assert response.status_code == 200, f"{response.text}\n{stack.logs()}"
-        assert response.json()["meta_info"]["completion_tokens"] > 0
+        plan = [("scheduler-cpu", "scheduler-cpu", {}), *((f"detokenizer-{i}", "detokenizer", {}) for i in range(2)),
+                *((f"tokenizer-{i}", "tokenizer", {"0.0.0.0": host, "8000": str(tokenizer_port)}) for i, host in enumerate(REPLICA_HOSTS))]  # fmt: skip
+        for label, name, swaps in plan:
+            swaps = {"9090": str(free_port()), **swaps}  # each replica's metrics port (a container each in compose)
+            services[label] = Service.start(label, local_argv(compose["services"][name]["command"], swaps), tmp_path, env=env)
+        config = tmp_path / "haproxy.cfg"
+        config.write_text(local_haproxy_cfg(dns.port, proxy_port, health_port, tokenizer_port))
+        with (tmp_path / "haproxy.log").open("wb") as log:
+            proxy = subprocess.Popen([haproxy, "-db", "-f", str(config)], stdout=log, stderr=subprocess.STDOUT)
+        yield f"http://127.0.0.1:{proxy_port}", services, tmp_path / "haproxy.log"
     finally:
-        stack.stop()
+        if proxy is not None:
+            stop_process(proxy, grace_s=5)
+        for service in services.values():
+            service.stop()
+        dns.close()
+        nats.stop()
+
+
+def wait_until_served(base_url: str, services: dict[str, Service], timeout_s: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        dead = [service.log_tail() for service in services.values() if service.process.poll() is not None]
+        assert not dead, "\n".join(dead)
+        try:
+            if httpx.get(f"{base_url}/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.3)
+    raise TimeoutError("\n".join(service.log_tail() for service in services.values()))
+
+
+def wait_for_replicas_up(proxy_log: Path, count: int, timeout_s: float = 30.0) -> None:
+    """HAProxy found `count` replicas through DNS and their /health checks passed."""
+    deadline = time.monotonic() + timeout_s
+    while len(set(re.findall(r"Server tokenizers/(tokenizer\d+) is UP", proxy_log.read_text()))) < count:
+        assert time.monotonic() < deadline, proxy_log.read_text()[-3000:]
+        time.sleep(0.2)
+
+
+@pytest.mark.timeout(240)
+def test_compose_commands_serve_behind_the_proxy_with_two_tokenizers_and_two_detokenizers(local_compose):
+    base_url, services, proxy_log = local_compose
+    wait_until_served(base_url, services)
+    wait_for_replicas_up(proxy_log, len(REPLICA_HOSTS))
+    prompts = [f"def step_{index}(x):" for index in range(12)]
+    with ThreadPoolExecutor(4) as pool:
+        responses = list(pool.map(lambda p: httpx.post(f"{base_url}/generate", json=generate_body(text=p, max_new_tokens=4), timeout=60), prompts))
+    assert [response.status_code for response in responses] == [200] * len(prompts), responses[0].text
+    served_by = re.findall(r"tokenizers/(tokenizer\d+) .*\"POST /generate", proxy_log.read_text())
+    assert len(served_by) == len(prompts) and len(set(served_by)) == 2, served_by
+    registered = [count_in_log(services[f"detokenizer-{i}"], "detokenizer.registered") for i in range(2)]
+    assert sum(registered) >= len(prompts) and min(registered) > 0, registered

@@ -1,0 +1,44 @@
+# The scheduler image (`sparkwire scheduler ...`): a CUDA base, with a C compiler and the Python
+# headers because Triton compiles its kernels' launchers when they first run; torch on its own layer.
+# CPU profile (compose.yaml `scheduler-cpu`): BASE_IMAGE=debian:bookworm-slim and the CPU wheel index.
+ARG BASE_IMAGE=nvidia/cuda:12.8.1-runtime-ubuntu24.04
+FROM ${BASE_IMAGE}
+
+ARG TORCH_VERSION=2.13.0
+ARG TORCH_INDEX_URL=""
+
+ENV PYTHONUNBUFFERED=1 \
+    PIP_NO_CACHE_DIR=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    SPARKWIRE_LOG_FORMAT=json \
+    PATH=/opt/venv/bin:$PATH
+
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends python3 python3-venv python3-dev gcc libc6-dev \
+    && rm -rf /var/lib/apt/lists/* \
+    && python3 -m venv /opt/venv
+
+RUN if [ -n "$TORCH_INDEX_URL" ]; then \
+        pip install "torch==${TORCH_VERSION}" --index-url "$TORCH_INDEX_URL"; \
+    else \
+        pip install "torch==${TORCH_VERSION}"; \
+    fi
+
+WORKDIR /app
+# The other dependencies (the project's and the scheduler extra's), from pyproject.toml alone:
+# rebuilt only when they change, not on every source edit.
+COPY pyproject.toml ./
+RUN python -c "import tomllib; p = tomllib.load(open('pyproject.toml', 'rb'))['project']; \
+print('\n'.join(p['dependencies'] + p['optional-dependencies']['scheduler']))" > /tmp/requirements.txt \
+    && pip install -r /tmp/requirements.txt
+
+COPY README.md LICENSE ./
+COPY contracts ./contracts
+COPY services ./services
+COPY ops ./ops
+RUN pip install --no-deps . && rm -rf /app/build
+
+RUN useradd --create-home --uid 10001 sparkwire
+USER sparkwire
+EXPOSE 9090
+CMD ["sparkwire", "scheduler", "--help"]
