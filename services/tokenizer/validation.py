@@ -160,6 +160,9 @@ def check_sampling(
     stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
     require(all(stop), "stop strings must not be empty", names["stop"])
     check_penalties(body, names)
+    # vLLM's min_tokens also holds stop strings back; stop strings are matched by the detokenizer,
+    # which does not count toward min_tokens yet: refused rather than half applied.
+    require(not (stop and body.min_new_tokens), "cannot be combined with stop strings yet", names["min_new_tokens"])
     sampling = SamplingParams(
         max_new_tokens=body.max_new_tokens,
         temperature=body.temperature,

@@ -242,11 +242,13 @@ async def test_penalties_logit_bias_and_min_tokens_reach_the_scheduler(url, back
 @pytest.mark.parametrize(
     ("field", "value"),
     [("frequency_penalty", 2.5), ("presence_penalty", -3), ("repetition_penalty", 0), ("min_tokens", 99),
-     ("logit_bias", {"abc": 1}), ("logit_bias", {"999999": 1}), ("logit_bias", {"5": 101})],
+     ("logit_bias", {"abc": 1}), ("logit_bias", {"999999": 1}), ("logit_bias", {"5": 101}),
+     ("min_tokens", {"min_tokens": 1, "stop": ["x"]})],
 )  # fmt: skip
 async def test_out_of_range_penalties_are_400s(url, field, value):
     async with httpx.AsyncClient(base_url=url) as client:
-        response = await client.post("/v1/completions", json=COMPLETION | {field: value})
+        body = COMPLETION | (value if isinstance(value, dict) and field == "min_tokens" else {field: value})
+        response = await client.post("/v1/completions", json=body)
     assert response.status_code == 400 and response.json()["error"]["param"] == field
 
 
