@@ -16,7 +16,7 @@ from pathlib import Path
 import structlog
 
 from contracts import subjects
-from contracts.detokenizer import TokenBatch
+from contracts.detokenizer import Finish, FinishType, TokenBatch
 from contracts.scheduler import (
     AbortRequest,
     GenerateRequest,
@@ -25,6 +25,7 @@ from contracts.scheduler import (
     SchedulerInfo,
     SchedulerPing,
 )
+from services.common.arrays import from_wire
 from services.common.heartbeat import HeartbeatPublisher
 from services.common.lifecycle import wait_until
 from services.common.logging import bound_request_id, request_id_from
@@ -82,6 +83,23 @@ def build_core(config: SchedulerConfig) -> SchedulerCore:
         logprobs_mode=config.logprobs_mode,
         seed=config.seed,
     )
+
+
+def unservable(request: GenerateRequest, vocab_size: int, max_model_len: int) -> str | None:
+    """Why this model cannot serve a request that is well-formed on the wire (the decoder checked
+    that): ids outside the vocabulary, more top logprobs than tokens, a prompt too long. Such a
+    request fails alone; admitted, it would make a step raise, which is fatal for the scheduler."""
+    prompt = from_wire(request.input_ids)  # int32 [num_prompt_tokens]
+    ids = [*(prompt.min(), prompt.max()), *request.logprobs.token_ids_logprob, *request.sampling.stop_token_ids]
+    if bad := [int(i) for i in ids if not 0 <= i < vocab_size]:
+        return f"token id {bad[0]} is outside the vocabulary [0, {vocab_size})"
+    if len(prompt) >= max_model_len:
+        return f"the prompt has {len(prompt)} tokens; max_model_len is {max_model_len}"
+    if request.logprobs.top_logprobs_num > vocab_size:
+        return f"top_logprobs_num {request.logprobs.top_logprobs_num} exceeds the vocabulary ({vocab_size})"
+    if request.logprobs.logprob_start_len >= len(prompt):
+        return f"logprob_start_len {request.logprobs.logprob_start_len} is not inside the {len(prompt)}-token prompt"
+    return None
 
 
 class SchedulerService:
@@ -165,6 +183,12 @@ class SchedulerService:
         self._claims.pop(request.rid, None)
         if self._aborted_claims.pop(request.rid, None) is not None:
             return  # aborted between claim and arrival: the abort's sender already gave up on it
+        if (error := unservable(request, self._core.vocab_size, self._core.max_model_len)) is not None:
+            log.warning("scheduler.request_refused", rid=request.rid, error=error)
+            refusal = RequestOutput(request.rid, request.detokenizer_id, [], request.input_ids.shape[0],
+                                    Finish(FinishType.ABORT, message=f"request refused: {error}"), None)  # fmt: skip
+            await self._publish([refusal], self._core.num_steps)
+            return
         self._core.add(SchedulerRequest.from_generate(request))  # while closing, fail_all finishes it
         self._wake.set()
 

@@ -12,7 +12,7 @@ import pytest
 from contracts import subjects
 from contracts.control import Heartbeat
 from contracts.detokenizer import FinishType, TokenBatch
-from contracts.scheduler import GenerateRequest, SamplingParams, SchedulerClaim, SchedulerClaimReply
+from contracts.scheduler import GenerateRequest, LogprobParams, SamplingParams, SchedulerClaim, SchedulerClaimReply
 from services.common.arrays import from_wire, to_wire
 from services.common.connection import NatsConnection
 from services.common.transport import Transport
@@ -101,3 +101,27 @@ async def test_a_failing_destination_fails_only_its_own_requests(scheduler):
     assert attempts and attempts[0] == ["lost"]
     await asyncio.sleep(0.3)
     assert len(attempts) < 40 and not service._core.has_work()  # aborted, not run to its 40 tokens
+
+
+OUT_OF_MODEL = [  # well-formed on the wire, impossible for this model (vocab 2048, max_model_len 64)
+    {"input_ids": to_wire(np.array([5, 99999], dtype=np.int32))},
+    {"input_ids": to_wire(np.arange(100, dtype=np.int32))},
+    {"logprobs": LogprobParams(return_logprob=True, top_logprobs_num=3000)},
+    {"logprobs": LogprobParams(return_logprob=True, token_ids_logprob=(5, 4096))},
+    {"logprobs": LogprobParams(return_logprob=True, logprob_start_len=50)},
+    {"sampling": SamplingParams(stop_token_ids=(70000,))},
+]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("fields", OUT_OF_MODEL, ids=lambda f: ",".join(f))
+async def test_a_request_this_model_cannot_serve_fails_alone(scheduler, fields):
+    _service, task, client, batches = scheduler
+    await client.request(subjects.SCHEDULER_CLAIM, SchedulerClaim("odd", len(PROMPT)), SchedulerClaimReply, 5)
+    request = GenerateRequest(**({"rid": "odd", "input_ids": to_wire(PROMPT), "detokenizer_id": "detok-1"} | fields))
+    await client.publish(subjects.scheduler_generate(SCHEDULER_ID), request)
+    count, finish = await finished_tokens(batches, "odd")
+    assert (count, finish) == (0, FinishType.ABORT)
+    await submit(client, "good", "detok-1")
+    assert await finished_tokens(batches, "good") == (4, FinishType.LENGTH)
+    assert not task.done()
