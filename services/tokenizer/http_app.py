@@ -25,6 +25,7 @@ from litestar.types import ASGIApp
 from services.tokenizer import openai_api
 from services.tokenizer.edge import HttpEdge, request_id_of
 from services.tokenizer.api_types import DetokenizeBody, GenerateBody, TokenizeBody
+from services.tokenizer.error_schema import ERROR_RESPONSES
 from services.tokenizer.frontend import SSE_HEADERS, ClientGone, Frontend, stream_then_abort
 from services.tokenizer.json_body import encode_json
 from services.tokenizer.native import GenerationResult, error_body, native_events, native_response
@@ -40,7 +41,7 @@ MISSING_FIELD = re.compile(r"missing required field `([^`]+)`")
 NON_JSON_MEDIA_TYPES = ("text/plain", "application/x-www-form-urlencoded", "multipart/form-data")
 
 
-@post("/generate", status_code=200, summary="Native generation API (SGLang-compatible)")
+@post("/generate", status_code=200, responses=ERROR_RESPONSES, summary="Native generation API (SGLang-compatible)")
 async def generate(data: GenerateBody, frontend: Frontend, request: Request) -> Response[Any] | Stream:
     specs, is_batch = await frontend.prepare(
         request, validate_generate, data, frontend.model, frontend.config.max_logprobs, request_id_of(request)
@@ -55,7 +56,7 @@ async def generate(data: GenerateBody, frontend: Frontend, request: Request) -> 
     return Response(encode_json(bodies if is_batch else bodies[0]), media_type=MediaType.JSON)
 
 
-@get("/health", summary="200 when a scheduler answers a ping and a detokenizer is alive, else 503; ?verbose: each service's state")
+@get("/health", responses=ERROR_RESPONSES, summary="200 when a scheduler answers a ping and a detokenizer is alive, else 503; ?verbose: each service's state")
 async def health(frontend: Frontend, request: Request) -> Response[dict[str, Any]]:
     info = await frontend.service.ping()
     alive = frontend.service.liveness()
@@ -77,14 +78,14 @@ def _service_states(frontend: Frontend, alive: dict[str, list[str]], scheduler_a
     return states
 
 
-@post("/tokenize", status_code=200, summary="Text to token ids (vLLM-compatible)")
+@post("/tokenize", status_code=200, responses=ERROR_RESPONSES, summary="Text to token ids (vLLM-compatible)")
 async def tokenize(data: TokenizeBody, frontend: Frontend, request: Request) -> dict[str, Any]:
     openai_api.check_model(data.model, frontend)
     tokens = await frontend.prepare(request, frontend.model.encode, data.prompt, add_special_tokens=data.add_special_tokens)
     return {"tokens": tokens, "count": len(tokens), "max_model_len": frontend.model.max_model_len}
 
 
-@post("/detokenize", status_code=200, summary="Token ids to text (vLLM-compatible)")
+@post("/detokenize", status_code=200, responses=ERROR_RESPONSES, summary="Token ids to text (vLLM-compatible)")
 async def detokenize(data: DetokenizeBody, frontend: Frontend) -> dict[str, Any]:
     openai_api.check_model(data.model, frontend)
     bad = frontend.model.out_of_vocab(data.tokens)
@@ -92,7 +93,7 @@ async def detokenize(data: DetokenizeBody, frontend: Frontend) -> dict[str, Any]
     return {"prompt": frontend.model.decode(data.tokens, skip_special_tokens=False)}
 
 
-@get("/v1/models", summary="The served model")
+@get("/v1/models", responses=ERROR_RESPONSES, summary="The served model")
 async def models(frontend: Frontend) -> dict[str, Any]:
     card = {
         "id": frontend.config.model_name,

@@ -19,6 +19,7 @@ from contracts.detokenizer import Finish
 from contracts.scheduler import SamplingParams
 from services.tokenizer.api_types import ChatBody, CompletionBody, SamplingParamsBody
 from services.tokenizer.edge import request_id_of
+from services.tokenizer.error_schema import ERROR_RESPONSES
 from services.tokenizer.frontend import SSE_HEADERS, Frontend, merged_deltas, stream_then_abort
 from services.tokenizer.logprobs_format import LogprobChunks
 from services.tokenizer.native import FINISH_NAMES, SSE_DONE, GenerationResult, error_body, sse
@@ -344,13 +345,13 @@ async def _serve(
     return Response(build(plan, results, frontend.model))
 
 
-@post("/v1/completions", status_code=200, summary="OpenAI completions")
+@post("/v1/completions", status_code=200, responses=ERROR_RESPONSES, summary="OpenAI completions")
 async def completions(data: CompletionBody, frontend: Frontend, request: Request) -> Response[Any] | Stream:
     plan = await frontend.prepare(request, completion_plan, data, frontend, request_id_of(request))
     return await _serve(plan, frontend, request, data, chat=False)
 
 
-@post("/v1/chat/completions", status_code=200, summary="OpenAI chat completions")
+@post("/v1/chat/completions", status_code=200, responses=ERROR_RESPONSES, summary="OpenAI chat completions")
 async def chat_completions(data: ChatBody, frontend: Frontend, request: Request) -> Response[Any] | Stream:
     plan = await frontend.prepare(request, chat_plan, data, frontend, request_id_of(request))
     return await _serve(plan, frontend, request, data, chat=True)

@@ -32,6 +32,7 @@ from contracts.scheduler import (
 from contracts.tokenizer import TextBatch
 from services.common.connection import NatsConnection
 from services.common.arrays import from_wire, to_wire
+from services.common.lifecycle import wait_until
 from services.common.nats_server import free_port
 from services.common.transport import Transport
 from services.tokenizer.config import TokenizerConfig
@@ -233,6 +234,8 @@ def start_tokenizer(nats_server) -> Callable[..., contextlib.AbstractAsyncContex
 @pytest.fixture
 async def tokenizer(start_tokenizer, backend) -> AsyncIterator[Frontend]:
     async with start_tokenizer() as frontend:
+        # /health wants a live detokenizer: wait for the backend's first heartbeats
+        await wait_until(lambda: all(frontend.service.liveness().values()), 5.0)
         yield frontend
 
 
