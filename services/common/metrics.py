@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
+from typing import Protocol
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, Metric
 
 PREFIX = "sparkwire:"
 
@@ -37,6 +39,36 @@ TOKEN_COUNT_BUCKETS = geometric_buckets(1, 2.0, 18)  # 1 .. 131072 tokens
 
 def render(registry: CollectorRegistry) -> bytes:
     return generate_latest(registry)
+
+
+class TrafficCounts(Protocol):
+    """`transport.Traffic`: what crossed one service's NATS transport."""
+
+    messages_sent: int
+    chunks_sent: int
+    bytes_sent: int
+    messages_received: int
+    chunks_received: int
+    bytes_received: int
+
+
+class TrafficCollector:
+    """`sparkwire:nats_{messages,chunks,bytes}_total{direction}`, read from the transport's
+    counts at scrape time (`traffic` returns None until the transport exists)."""
+
+    def __init__(self, traffic: Callable[[], TrafficCounts | None]) -> None:
+        self._traffic = traffic
+
+    def collect(self) -> Iterator[Metric]:
+        traffic = self._traffic()
+        if traffic is None:
+            return
+        for unit, documentation in (("messages", "NATS messages"), ("chunks", "NATS chunks (a whole message is one)"),
+                                    ("bytes", "NATS payload bytes")):  # fmt: skip
+            family = CounterMetricFamily(name(f"nats_{unit}"), documentation, labels=["direction"])
+            for direction in ("sent", "received"):
+                family.add_metric([direction], getattr(traffic, f"{unit}_{direction}"))
+            yield family
 
 
 class MetricsServer:

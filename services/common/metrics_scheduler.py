@@ -24,7 +24,14 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from contracts.detokenizer import Finish, FinishType
-from services.common.metrics import TOKEN_COUNT_BUCKETS, MetricsServer, name, render
+from services.common.metrics import (
+    TOKEN_COUNT_BUCKETS,
+    MetricsServer,
+    TrafficCollector,
+    TrafficCounts,
+    name,
+    render,
+)
 
 log = structlog.get_logger(__name__)
 
@@ -159,8 +166,12 @@ class SchedulerTelemetry:
     """All a scheduler adapter holds for observability: metrics, their `/metrics` endpoint (when
     a port is given) and the periodic engine line. Four calls: start, observe_step, close."""
 
-    def __init__(self, stats: Callable[[], SchedulerStats], model_name: str, interval_s: float = ENGINE_LOG_INTERVAL_S):
+    def __init__(
+        self, stats: Callable[[], SchedulerStats], model_name: str, interval_s: float = ENGINE_LOG_INTERVAL_S,
+        traffic: Callable[[], TrafficCounts | None] = lambda: None,
+    ) -> None:  # fmt: skip
         self.metrics = SchedulerMetrics(stats, model_name)
+        self.metrics.registry.register(TrafficCollector(traffic))
         self._line = EngineLine(self.metrics)
         self._interval_s = interval_s
         self._server: MetricsServer | None = None

@@ -136,9 +136,23 @@ def plan_chunks(
 
 
 @dataclass
+class Traffic:
+    """Messages, chunks and payload bytes through one transport (for `sparkwire:nats_*` metrics).
+    A whole message counts as one chunk; a framed one as its chunks."""
+
+    messages_sent: int = 0
+    chunks_sent: int = 0
+    bytes_sent: int = 0
+    messages_received: int = 0
+    chunks_received: int = 0
+    bytes_received: int = 0
+
+
+@dataclass
 class ConnectionEvents:
     """What the NATS client reported on one connection (tests assert on these)."""
 
+    traffic: Traffic = field(default_factory=Traffic)
     disconnects: int = 0
     reconnects: int = 0
     errors: list[str] = field(default_factory=list)
@@ -263,6 +277,9 @@ class Transport:
                 await self._publish_framed(subject, payload, window, extra)
             else:
                 await self._nc.publish(subject, payload, headers=extra)
+                self.events.traffic.chunks_sent += 1
+            self.events.traffic.messages_sent += 1
+            self.events.traffic.bytes_sent += len(payload)
 
     async def _publish_framed(
         self, subject: str, payload: bytes | bytearray, window: _Window, extra: dict[str, str]
@@ -280,6 +297,7 @@ class Transport:
                 window.add(key, len(chunk))
             headers = chunk_headers(msg_id, index, num_chunks, width, ack_subject, extra)
             await self._nc.publish(subject, chunk, headers=headers)
+            self.events.traffic.chunks_sent += 1
 
     async def _acquire(self, subject: str, window: _Window, size: int) -> None:
         """Wait until `size` more bytes fit in `subject`'s window (one chunk always fits an empty one)."""
@@ -551,6 +569,9 @@ class _Receiver:
 
     def landed(self, delivery: Delivery, payload: memoryview) -> None:
         landing, self._landing = self._landing, None
+        traffic = self._transport.events.traffic
+        traffic.chunks_received += 1
+        traffic.bytes_received += len(payload)
         if landing is None:  # a whole message, or a dropped chunk (only acked)
             self._inbox.put_nowait((payload, self._counted(delivery)) if self._whole else (None, delivery))
             return
@@ -605,6 +626,7 @@ class _Receiver:
         while True:
             payload, delivery = await self._inbox.get()
             if payload is not None:
+                self._transport.events.traffic.messages_received += 1
                 await self._handle(payload, delivery)
             if delivery.headers and MSG_HEADER in delivery.headers:
                 await self._transport._send_ack(delivery)  # after the handler for a message's last chunk

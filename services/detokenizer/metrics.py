@@ -17,7 +17,7 @@ from contracts.detokenizer import FinishType, TokenBatch
 from contracts.tokenizer import TextBatch
 from services.common.arrays import from_wire
 from services.common.logging import bound_request_id
-from services.common.metrics import MetricsServer, name
+from services.common.metrics import MetricsServer, TrafficCollector, TrafficCounts, name
 
 log = structlog.get_logger(__name__)
 
@@ -27,6 +27,7 @@ FINISH_REASONS = {FinishType.STOP: "stop", FinishType.LENGTH: "length", FinishTy
 @dataclass
 class DetokenizerTelemetry:
     num_running: Callable[[], int] | None = None  # requests held, read at scrape time
+    traffic: Callable[[], TrafficCounts | None] = lambda: None  # the transport's counts
     registry: CollectorRegistry = field(default_factory=CollectorRegistry)
     _request_ids: dict[str, str] = field(default_factory=dict)  # rid -> request id, while held
     _server: MetricsServer | None = None
@@ -42,6 +43,7 @@ class DetokenizerTelemetry:
             name("detokenizer_requests_finished"), "Requests finished, by finished_reason", ["finished_reason"], registry=r
         )
         running = Gauge(name("detokenizer_num_requests"), "Requests whose text state this replica holds", registry=r)
+        r.register(TrafficCollector(self.traffic))
         if self.num_running is not None:
             running.set_function(self.num_running)
 

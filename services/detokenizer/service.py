@@ -38,7 +38,7 @@ class DetokenizerService:
         )
         self._schedulers = HeartbeatMonitor(transport, "scheduler", config.nats.heartbeat_timeout_s, self._on_scheduler_dead)
         self._register_sid: int | None = None
-        self.telemetry = DetokenizerTelemetry(lambda: core.num_running)
+        self.telemetry = DetokenizerTelemetry(lambda: core.num_running, lambda: transport.events.traffic)
         self._background: set[asyncio.Task[None]] = set()
         transport.on_receive_loss(self._on_receive_loss)
 

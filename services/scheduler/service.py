@@ -31,7 +31,7 @@ from services.common.lifecycle import wait_until
 from services.common.logging import bound_request_id, request_id_from
 from services.common.metrics_scheduler import SchedulerStats, SchedulerTelemetry
 from services.common.nats_reader import Delivery
-from services.common.transport import Transport
+from services.common.transport import Traffic, Transport
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.core import SchedulerCore
 from services.scheduler.model import load_model_runner
@@ -114,7 +114,10 @@ class SchedulerService:
         self._claims: dict[str, float] = {}  # rid -> monotonic deadline for its GenerateRequest
         self._aborted_claims: dict[str, float] = {}  # aborted before arrival -> deadline
         self._queue_subscriptions: list[int] = []  # claim and ping: left first when draining
-        self._telemetry = SchedulerTelemetry(self._stats, Path(config.model).name)
+        self._telemetry = SchedulerTelemetry(self._stats, Path(config.model).name, traffic=self._traffic)
+
+    def _traffic(self) -> Traffic | None:
+        return None if self._transport is None else self._transport.events.traffic
 
     def _stats(self) -> SchedulerStats:
         core = self._core.stats()

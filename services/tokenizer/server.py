@@ -11,6 +11,7 @@ import structlog
 import uvicorn
 
 from services.tokenizer.config import TokenizerConfig
+from services.common.metrics import TrafficCollector
 from services.tokenizer.frontend import request_left
 from services.tokenizer.http_app import Frontend, create_asgi
 from services.tokenizer.metrics import Metrics
@@ -26,6 +27,7 @@ async def serving(config: TokenizerConfig) -> AsyncIterator[Frontend]:
     model = TextModel.from_dir(config.model_dir, config.max_model_len)
     metrics = Metrics(config.model_name)
     service = await TokenizerService.start(config, functools.partial(request_left, metrics))
+    metrics.registry.register(TrafficCollector(lambda: service.traffic))
     frontend = Frontend(config, model, service, metrics)
     # log_config=None: uvicorn keeps its hands off logging, so its lines go through ours
     # (JSON when asked, with the request id of the call they are about).

@@ -23,7 +23,7 @@ from contracts.tokenizer import TextBatch
 from services.common.arrays import to_wire
 from services.common.heartbeat import HeartbeatMonitor, HeartbeatPublisher
 from services.common.nats_reader import Delivery
-from services.common.transport import Transport
+from services.common.transport import Traffic, Transport
 from services.tokenizer.config import TokenizerConfig
 from services.common.logging import request_headers
 from services.tokenizer.requests import OnDone, PendingRequest, PendingRequests
@@ -66,6 +66,11 @@ class TokenizerService:
         service._heartbeat.start()
         service._watchdog = asyncio.create_task(service._watch_unseen())
         return service
+
+    @property
+    def traffic(self) -> Traffic:
+        """What crossed this service's NATS transport (metrics)."""
+        return self._transport.events.traffic
 
     async def close(self, reason: str = "tokenizer stopped") -> None:
         self.pending.fail(lambda _p: True, reason)

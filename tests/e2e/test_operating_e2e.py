@@ -142,6 +142,11 @@ def test_every_service_exports_metrics_of_a_known_mix(operated: OperatedStack) -
         assert tokenizer[(f"sparkwire:{histogram}_sum", MODEL)] > 0, histogram
     gaps = tokenizer[("sparkwire:inter_token_latency_seconds_count", MODEL)]  # one per delivery after the first
     assert NUM_PARALLEL <= gaps <= NUM_PARALLEL * (PARALLEL_TOKENS - 1) + streamed_tokens + 150  # spec: several tokens each
+    for name, page in got.items():  # every service's NATS traffic, in messages, chunks and bytes
+        for direction in ("sent", "received"):
+            label = (("direction", direction),)
+            messages, chunks = page[("sparkwire:nats_messages_total", label)], page[("sparkwire:nats_chunks_total", label)]
+            assert 0 < messages <= chunks < page[("sparkwire:nats_bytes_total", label)], (name, direction)
     generate_200 = ("sparkwire:http_requests_total", (("handler", "/generate"), ("method", "POST"), ("status", "200")))
     assert tokenizer[generate_200] == NUM_PARALLEL + 2  # streamed ones included
 

@@ -112,3 +112,42 @@ async def test_telemetry_serves_metrics_on_a_port_and_closes():
         await telemetry.close()
     assert status == 200
     assert samples(body)[("sparkwire:generation_tokens_total", (("model_name", "tiny"),))] == 2
+
+
+async def test_transport_traffic_counts_messages_chunks_and_bytes(nats_server_factory):
+    nats_server = nats_server_factory(max_payload="1MB")
+    import msgspec
+
+    from services.common.connection import NatsConnection
+    from services.common.transport import Transport
+
+    connection = NatsConnection(nats_url=nats_server.url)
+    sender, receiver = await Transport.connect(connection, "send"), await Transport.connect(connection, "recv")
+    got = asyncio.Event()
+
+    async def on_message(_message, _delivery):
+        got.set()
+
+    try:
+        await receiver.subscribe("sparkwire.v1.test.traffic", bytes, on_message)
+        await receiver.flush()
+        big = bytearray(msgspec.msgpack.encode(b"x" * (3 << 20)))  # framed: several chunks
+        await sender.publish("sparkwire.v1.test.traffic", big)
+        await asyncio.wait_for(got.wait(), 10)
+        sent, received = sender.events.traffic, receiver.events.traffic
+        page = samples(_render_traffic(sent))
+    finally:
+        await sender.close()
+        await receiver.close()
+    assert sent.messages_sent == 1 and sent.chunks_sent > 1 and sent.bytes_sent == len(big)
+    assert received.messages_received == 1 and received.chunks_received == sent.chunks_sent
+    assert received.bytes_received == len(big)
+    assert page[("sparkwire:nats_chunks_total", (("direction", "sent"),))] == sent.chunks_sent
+
+
+def _render_traffic(traffic) -> str:
+    from services.common.metrics import TrafficCollector, render
+
+    registry = CollectorRegistry()
+    registry.register(TrafficCollector(lambda: traffic))
+    return render(registry).decode()
