@@ -12,6 +12,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
+import msgspec
 import structlog
 
 from litestar import Litestar, MediaType, Request, get, post
@@ -24,7 +25,7 @@ from litestar.types import ASGIApp
 
 from services.tokenizer import openai_api
 from services.tokenizer.edge import HttpEdge, request_id_of
-from services.tokenizer.api_types import DetokenizeBody, GenerateBody, TokenizeBody
+from services.tokenizer.api_types import ChatBody, CompletionBody, DetokenizeBody, GenerateBody, TokenizeBody
 from services.tokenizer.error_schema import ERROR_RESPONSES
 from services.tokenizer.frontend import SSE_HEADERS, ClientGone, Frontend, stream_then_abort
 from services.tokenizer.json_body import encode_json
@@ -39,6 +40,9 @@ MISSING_FIELD = re.compile(r"missing required field `([^`]+)`")
 # The content types a browser sends cross-site without a CORS preflight: refused, so a web page
 # cannot drive a server on localhost by posting "JSON" as a form or as text.
 NON_JSON_MEDIA_TYPES = ("text/plain", "application/x-www-form-urlencoded", "multipart/form-data")
+WRONG_TYPE = re.compile(r"(Expected .*) - at `\$\.?([^`]*)`$")
+STRICT_BODY_TYPES = {"/generate": GenerateBody, "/v1/completions": CompletionBody, "/v1/chat/completions": ChatBody,
+                     "/tokenize": TokenizeBody, "/detokenize": DetokenizeBody}  # fmt: skip
 
 
 @post("/generate", status_code=200, responses=ERROR_RESPONSES, summary="Native generation API (SGLang-compatible)")
@@ -143,11 +147,28 @@ def _on_http(_request: Request, exc: HTTPException) -> Response[dict[str, Any]]:
 
 
 async def _json_bodies_only(request: Request) -> Response[dict[str, Any]] | None:
-    if request.method == "POST":
-        media_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
-        if media_type in NON_JSON_MEDIA_TYPES:
-            return _error(415, f"a {media_type} body is not accepted; send JSON with content-type: application/json",
-                          "invalid_request_error")  # fmt: skip
+    if request.method != "POST":
+        return None
+    media_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    if media_type in NON_JSON_MEDIA_TYPES:
+        return _error(415, f"a {media_type} body is not accepted; send JSON with content-type: application/json",
+                      "invalid_request_error")  # fmt: skip
+    body_type = STRICT_BODY_TYPES.get(request.url.path)
+    return await _strict_types(request, body_type) if body_type is not None else None
+
+
+async def _strict_types(request: Request, body_type: type) -> Response[dict[str, Any]] | None:
+    """Litestar converts bodies leniently ("10" for an int, 1.0 for `n`); a client that sends the
+    wrong JSON type gets a 400 naming the field instead of a silently converted value. Other
+    problems (missing fields, malformed JSON) are left to Litestar's own decoding and messages."""
+    try:
+        msgspec.json.decode(await request.body(), type=body_type)
+    except msgspec.ValidationError as exc:
+        wrong = WRONG_TYPE.match(str(exc))
+        if wrong is not None:
+            return _error(400, f"{wrong[2]}: {wrong[1]}", "invalid_request_error", wrong[2])
+    except (msgspec.DecodeError, RecursionError):
+        pass
     return None
 
 

@@ -53,7 +53,7 @@ async def test_a_body_over_the_size_limit_gets_413_and_deep_nesting_400(url, bac
         big = b'{"text": "' + b"a" * MAX_BODY_BYTES + b'"}'
         response = await client.post("/generate", content=big, headers={"content-type": "application/json"})
         assert response.status_code == 413 and response.json()["error"]["message"]
-        deep = b'{"text": "hi", "rid": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+        deep = b'{"text": "hi", "extra": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"  # an ignored field
         response = await client.post("/generate", content=deep, headers={"content-type": "application/json"})
         assert response.status_code == 400, response.text[:300]
         assert "nested" in response.json()["error"]["message"]
@@ -95,3 +95,14 @@ async def test_a_large_prompt_is_tokenized_off_the_event_loop(url, backend):
         assert await post("small", small) == 200
         assert await slow == 400
     assert done == ["small", "large"]
+
+
+async def test_wrong_json_types_are_refused_not_converted(url, backend):
+    cases = [("/generate", {"text": "hi", "sampling_params": {"max_new_tokens": "10"}}, "sampling_params.max_new_tokens"),
+             ("/v1/completions", {"prompt": "hi", "n": 1.0}, "n"),
+             ("/v1/chat/completions", {"messages": [{"role": "user", "content": 5}]}, "messages[0].content")]  # fmt: skip
+    async with httpx.AsyncClient(base_url=url, timeout=30) as client:
+        for path, body, param in cases:
+            response = await client.post(path, json=body)
+            assert response.status_code == 400, (path, response.text)
+            assert response.json()["error"]["param"] == param, response.text
