@@ -57,6 +57,9 @@ class SchedulerClaim(msgspec.Struct, frozen=True, gc=False):
     rid: Rid
     num_prompt_tokens: Count
     force: bool = False  # take it even without room (the tokenizer waited long enough for one with room)
+    # Where the request's outputs go: if its GenerateRequest is lost in transit, the scheduler
+    # fails it there when the claim expires, so it never hangs.
+    detokenizer_id: InstanceId | None = None
 
 
 class SchedulerClaimReply(msgspec.Struct, frozen=True, gc=False, omit_defaults=True):

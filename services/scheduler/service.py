@@ -112,6 +112,7 @@ class SchedulerService:
         self._wake = asyncio.Event()
         self._closing = False
         self._claims: dict[str, float] = {}  # rid -> monotonic deadline for its GenerateRequest
+        self._claim_owners: dict[str, str] = {}  # rid -> detokenizer id, for claims that name one
         self._aborted_claims: dict[str, float] = {}  # aborted before arrival -> deadline
         self._queue_subscriptions: list[int] = []  # claim and ping: left first when draining
         self._telemetry = SchedulerTelemetry(self._stats, Path(config.model).name, traffic=self._traffic)
@@ -177,6 +178,8 @@ class SchedulerService:
         busy = error is None and not claim.force and not self._core.has_room(claim.num_prompt_tokens, len(self._claims))
         if error is None and not busy:
             self._claims[claim.rid] = time.monotonic() + self._config.claim_expiry_s
+            if claim.detokenizer_id:
+                self._claim_owners[claim.rid] = claim.detokenizer_id
         reply = SchedulerClaimReply(self._id, accepted=error is None and not busy, error=error, busy=busy)
         await self._transport.respond(msg, reply)
 
@@ -184,6 +187,7 @@ class SchedulerService:
         with bound_request_id(request_id_from(msg.headers)):
             log.info("scheduler.request_added", rid=request.rid, prompt_tokens=request.input_ids.shape[0])
         self._claims.pop(request.rid, None)
+        self._claim_owners.pop(request.rid, None)
         if self._aborted_claims.pop(request.rid, None) is not None:
             return  # aborted between claim and arrival: the abort's sender already gave up on it
         if (error := unservable(request, self._core.vocab_size, self._core.max_model_len)) is not None:
@@ -196,6 +200,7 @@ class SchedulerService:
         self._wake.set()
 
     async def _on_abort(self, abort: AbortRequest, _msg: Delivery) -> None:
+        self._claim_owners.pop(abort.rid, None)
         if self._claims.pop(abort.rid, None) is not None:
             self._aborted_claims[abort.rid] = time.monotonic() + self._config.claim_expiry_s
             return
@@ -220,6 +225,18 @@ class SchedulerService:
             for table in (self._claims, self._aborted_claims):
                 for rid in [rid for rid, deadline in table.items() if deadline < now]:
                     del table[rid]
+            await self._fail_unarrived()
+
+    async def _fail_unarrived(self) -> None:
+        """Claims whose GenerateRequest never came (lost in transit) fail at their detokenizer:
+        the client gets an error instead of waiting forever."""
+        lost = [(rid, owner) for rid, owner in self._claim_owners.items() if rid not in self._claims]
+        for rid, owner in lost:
+            del self._claim_owners[rid]
+            log.warning("scheduler.claim_expired", rid=rid, detokenizer=owner)
+            message = "request failed: it never reached the scheduler (lost in transit)"
+            await self._publish([RequestOutput(rid, owner, [], 0, Finish(FinishType.ABORT, message=message), None)],
+                                self._core.num_steps)  # fmt: skip
 
     # ---- decode loop ----
 

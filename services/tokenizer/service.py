@@ -89,7 +89,7 @@ class TokenizerService:
         headers = request_headers(spec.request_id)
         try:
             pending.detokenizer_id = await self._register(spec)
-            pending.scheduler_id = await self._claim(spec)
+            pending.scheduler_id = await self._claim(spec, pending.detokenizer_id)
             subject = subjects.scheduler_generate(pending.scheduler_id)
             await self._transport.publish(subject, self._request(pending), headers)
             pending.timing.submitted_at = time.monotonic()
@@ -128,13 +128,13 @@ class TokenizerService:
         )
         return reply.detokenizer_id
 
-    async def _claim(self, spec: GenerationSpec) -> str:
+    async def _claim(self, spec: GenerationSpec, detokenizer_id: str) -> str:
         """Load-aware placement (docs/architecture.md): a scheduler without room answers `busy`;
         ask again (the queue group picks a member at random each time) with a growing pause,
         until one with room takes it, or `claim_wait_s` passed and any must (`force`)."""
         deadline, pause = time.monotonic() + self.config.claim_wait_s, 0.0
         while True:
-            claim = SchedulerClaim(spec.rid, len(spec.prompt_ids), force=time.monotonic() >= deadline)
+            claim = SchedulerClaim(spec.rid, len(spec.prompt_ids), time.monotonic() >= deadline, detokenizer_id)
             reply = await self._ask(subjects.SCHEDULER_CLAIM, claim, SchedulerClaimReply, "scheduler", spec.request_id)
             if not reply.busy:
                 break

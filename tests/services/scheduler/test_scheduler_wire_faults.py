@@ -4,6 +4,7 @@ decoder, and a destination that cannot be published to fails only its own reques
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 import msgspec
 import numpy as np
@@ -125,3 +126,34 @@ async def test_a_request_this_model_cannot_serve_fails_alone(scheduler, fields):
     await submit(client, "good", "detok-1")
     assert await finished_tokens(batches, "good") == (4, FinishType.LENGTH)
     assert not task.done()
+
+
+@pytest.mark.timeout(60)
+async def test_a_claim_whose_request_is_lost_in_transit_fails_at_its_detokenizer(nats_server, make_core):
+    config = SchedulerConfig(instance_id=SCHEDULER_ID, claim_expiry_s=0.4,
+                             nats=NatsConnection(nats_url=nats_server.url, heartbeat_interval_s=0.2))  # fmt: skip
+    client = await Transport.connect(nats_server.url, "test-client")
+    batches: asyncio.Queue[TokenBatch] = asyncio.Queue()
+
+    async def on_batch(batch: TokenBatch, _msg) -> None:
+        batches.put_nowait(batch)
+
+    await client.subscribe(subjects.detokenizer_tokens("detok-1"), TokenBatch, on_batch)
+    await client.flush()
+    stop = asyncio.Event()
+    task = asyncio.create_task(SchedulerService(config, make_core(max_model_len=64)).run(stop))
+    try:
+        claim = SchedulerClaim("never-sent", len(PROMPT), detokenizer_id="detok-1")
+        async with asyncio.timeout(10):
+            while True:  # until the scheduler is subscribed and answers
+                with contextlib.suppress(Exception):
+                    assert (await client.request(subjects.SCHEDULER_CLAIM, claim, SchedulerClaimReply, 1)).accepted
+                    break
+                await asyncio.sleep(0.1)
+        batch = await asyncio.wait_for(batches.get(), 10)  # its GenerateRequest is never published
+        assert batch.rids == ["never-sent"] and batch.finish[0].type == FinishType.ABORT
+        assert "lost in transit" in batch.finish[0].message
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, 10)
+        await client.close()
