@@ -9,14 +9,17 @@ the same id in all three services.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import re
-from collections.abc import Iterator, Mapping
-from typing import Any
+import time
+from collections.abc import Awaitable, Iterator, Mapping
+from typing import Any, TypeVar
 
 import structlog
 
+T = TypeVar("T")
 REQUEST_ID_HEADER = "Sw-Request-Id"  # NATS header: the request id of the message's request
 LOG_FORMATS = ("console", "json")
 # `scheme://userinfo@host`: NATS URLs carry `user:password` or a bare token there.
@@ -98,3 +101,19 @@ def bound_request_id(request_id: str | None) -> Iterator[None]:
         return
     with structlog.contextvars.bound_contextvars(request_id=request_id):
         yield
+
+
+async def with_progress(event: str, work: Awaitable[T], every_s: float = 10.0, **fields: Any) -> T:
+    """Await `work` (e.g. a model load and graph capture in a thread) with a line when it starts,
+    one every `every_s` while it runs, and one with its duration when it is done."""
+    log = structlog.get_logger("sparkwire.progress")
+    started = time.monotonic()
+    log.info(f"{event}.started", **fields)
+    task = asyncio.ensure_future(work)
+    while not task.done():
+        await asyncio.wait({task}, timeout=every_s)
+        if not task.done():
+            log.info(f"{event}.running", seconds=round(time.monotonic() - started), **fields)
+    result = task.result()
+    log.info(f"{event}.done", seconds=round(time.monotonic() - started, 2), **fields)
+    return result

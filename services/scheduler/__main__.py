@@ -8,7 +8,7 @@ import sys
 
 from services.common.connection import add_connection_arguments, connection_from_args
 from services.common.lifecycle import new_instance_id, run_service, stop_on_signals
-from services.common.logging import configure_logging
+from services.common.logging import configure_logging, with_progress
 from services.common.settings import EnvSettings, connection_values
 from services.scheduler.config import (
     BUNDLED_MODEL,
@@ -88,7 +88,7 @@ async def _serve(config: SchedulerConfig) -> int:
     stop = asyncio.Event()
     stop_on_signals(stop)
     try:
-        core = await asyncio.to_thread(build_core, config)
+        core = await with_progress("scheduler.load", asyncio.to_thread(build_core, config), model=config.model)
     except (OSError, ValueError, KeyError) as exc:  # bad model directory, unsupported checkpoint
         print(f"sparkwire scheduler: cannot load {config.model}: {exc}", file=sys.stderr)
         return 2

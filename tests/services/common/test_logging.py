@@ -68,3 +68,18 @@ def test_request_id_travels_in_one_header():
     assert request_headers("") is None
     assert request_id_from(request_headers("abc")) == "abc"
     assert request_id_from(None) is None
+
+
+async def test_with_progress_reports_start_running_and_done(restore_logging, capsys):
+    import asyncio
+
+    from services.common.logging import with_progress
+
+    configure_logging("info", "json")
+    assert await with_progress("thing.load", asyncio.sleep(0.25, result=42), every_s=0.1, model="m") == 42
+    captured = capsys.readouterr()
+    events = [json.loads(line) for line in captured.out.splitlines() if line.startswith("{")]
+    names = [e["event"] for e in events]
+    assert names[0] == "thing.load.started" and names[-1] == "thing.load.done"
+    assert "thing.load.running" in names and all(e["model"] == "m" for e in events)
+    assert events[-1]["seconds"] >= 0.25
