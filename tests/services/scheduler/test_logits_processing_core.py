@@ -3,6 +3,9 @@ argmax of the processed raw distribution, computed here from the returned raw lo
 
 from __future__ import annotations
 
+import dataclasses
+
+import msgspec
 import numpy as np
 import torch
 
@@ -10,6 +13,7 @@ from contracts.detokenizer import FinishType
 from contracts.scheduler import LogprobParams
 from services.scheduler.model import ForwardBatch
 from tests.services.scheduler.test_scheduler_core import prompt_of, request, run
+from tests.services.scheduler.test_speculative_loop import GAMMA, OracleProposer, RandomProposer
 
 VOCAB = 2048
 FULL = LogprobParams(return_logprob=True, top_logprobs_num=VOCAB)
@@ -80,3 +84,29 @@ def test_repetition_penalty_picks_the_argmax_of_the_penalized_logits(make_core, 
         row[seen] = torch.where(row[seen] > 0, row[seen] / r, row[seen] * r)
         assert token == int(row.argmax()), position
     assert result.tokens != plain.tokens
+
+
+PROCESSED = {"frequency_penalty": 0.8, "presence_penalty": 0.4, "repetition_penalty": 1.3, "ignore_eos": True}
+
+
+def penalized_requests():
+    return [request(f"s{i}", prompt_of(40 + i, 4 + 3 * i), max_new_tokens=10 + i, **PROCESSED) for i in range(4)] + [
+        request("bias", prompt_of(60, 6), max_new_tokens=8, logit_bias=((9, 4.0), (11, -100.0)), min_new_tokens=5)
+    ]
+
+
+def test_under_speculation_processed_greedy_equals_plain_processed_greedy(make_core):
+    """Row j of a verify block sees drafts 1..j as output: with oracle drafts (the plain processed
+    continuation) every draft is accepted, with random drafts the output is still the same."""
+    requests = penalized_requests()
+    plain = run(make_core(), requests)
+    longer = run(make_core(), [dataclasses.replace(r, sampling=msgspec.structs.replace(
+        r.sampling, max_new_tokens=r.sampling.max_new_tokens + GAMMA + 1)) for r in requests])  # fmt: skip
+    sequences = {r.rid: r.prompt_ids.tolist() + longer[r.rid].tokens for r in requests}
+    oracle_core = make_core(proposer=OracleProposer(sequences, VOCAB))
+    oracle = run(oracle_core, requests)
+    random_drafts = run(make_core(proposer=RandomProposer(VOCAB)), requests)
+    for r in requests:
+        assert oracle[r.rid].tokens == plain[r.rid].tokens == random_drafts[r.rid].tokens, r.rid
+    stats = oracle_core.stats()
+    assert stats.num_drafted_tokens > 0 and stats.num_accepted_tokens == stats.num_drafted_tokens
