@@ -1,7 +1,7 @@
 """The worker's two host<->device crossings per step: one upload, one readback.
 
 `HostUpload` packs a step's host arrays (token ids, positions, slots, tables, sampling
-parameters) into one persistent buffer — pinned on CUDA, so the copy is asynchronous — and sends
+parameters; each in its own dtype) into one persistent byte buffer — pinned on CUDA, so the copy is asynchronous — and sends
 it with one non-blocking copy. Reusing the buffer is safe because each step ends with the
 readback, which waits for every earlier copy on the stream.
 
@@ -20,30 +20,29 @@ class HostUpload:
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self._pinned = device.type == "cuda"
-        self._buffer = torch.empty(0, dtype=torch.int64)
+        self._buffer = torch.empty(0, dtype=torch.uint8)
 
     def send(self, arrays: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
-        """int64 arrays stay int64, float64 arrays arrive as float32; shapes kept."""
-        sizes = [a.size for a in arrays.values()]
-        total = sum(sizes)
+        """Each array arrives with its own dtype and shape (int64, int32, float32, bool ...)."""
+        offsets, total = [], 0
+        for array in arrays.values():
+            total = -(-total // ALIGN) * ALIGN  # every part starts 8-byte aligned, so it can be viewed as its dtype
+            offsets.append(total)
+            total += array.nbytes
         if self._buffer.numel() < total:
-            self._buffer = torch.empty(max(total, 2 * self._buffer.numel()), dtype=torch.int64, pin_memory=self._pinned)
+            self._buffer = torch.empty(max(total, 2 * self._buffer.numel()), dtype=torch.uint8, pin_memory=self._pinned)
         host = self._buffer.numpy()
-        offset = 0
-        for array, size in zip(arrays.values(), sizes, strict=True):
-            host[offset : offset + size] = np.ascontiguousarray(array).reshape(-1).view(np.int64)
-            offset += size
+        for array, offset in zip(arrays.values(), offsets, strict=True):
+            host[offset : offset + array.nbytes] = np.ascontiguousarray(array).reshape(-1).view(np.uint8)
         on_device = self._buffer[:total].to(self.device, non_blocking=True)
-        return dict(zip(arrays, _unpack(on_device, arrays.values(), sizes), strict=True))
+        return {
+            name: on_device[offset : offset + array.nbytes].view(_TORCH_DTYPES[array.dtype.str]).view(array.shape)
+            for (name, array), offset in zip(arrays.items(), offsets, strict=True)
+        }
 
 
-def _unpack(flat: torch.Tensor, arrays, sizes) -> list[torch.Tensor]:
-    out, offset = [], 0
-    for array, size in zip(arrays, sizes, strict=True):
-        part = flat[offset : offset + size].view(array.shape)
-        out.append(part.view(torch.float64).float() if array.dtype == np.float64 else part)
-        offset += size
-    return out
+ALIGN = 8
+_TORCH_DTYPES = {"<i8": torch.int64, "<i4": torch.int32, "<f4": torch.float32, "|b1": torch.bool}
 
 
 class HostReadback:

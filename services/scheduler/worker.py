@@ -98,10 +98,11 @@ class ModelWorker:
     def _host_arrays(self, plan: StepPlan, layout: _Layout) -> dict[str, np.ndarray]:
         steps = plan.steps
         tables = [s.block_table for s in steps]
-        block_tables = np.full((len(steps), max(map(len, tables))), -1, np.int64)  # [B, max_blocks]
+        # past a sequence's own blocks: the trash block, a valid id no real sequence owns (graphs read it)
+        block_tables = np.full((len(steps), max(map(len, tables))), self.runner.kv_cache.trash_block, np.int32)
         for index, table in enumerate(tables):
             block_tables[index, : len(table)] = table
-        query_start = np.zeros(len(steps) + 1, np.int64)  # [B + 1]
+        query_start = np.zeros(len(steps) + 1, np.int32)  # [B + 1]
         query_start[1:] = np.cumsum([len(s.query) for s in steps])
         # flat Python lists, one numpy conversion each: per-sequence numpy calls cost more than the work
         arrays = {
@@ -109,14 +110,16 @@ class ModelWorker:
             "positions": np.asarray([p for s in steps for p in range(s.start, s.start + len(s.query))], np.int64),
             "slots": _flat_slots(steps),  # [T]
             "query_start_loc": query_start,
-            "seq_lens": np.asarray([s.start + len(s.query) for s in steps], np.int64),  # [B]
+            "seq_lens": np.asarray([s.start + len(s.query) for s in steps], np.int32),  # [B]
             "block_tables": block_tables,
         }
+        arrays["verify_rows"] = layout.verify_rows(plan)  # [P, K + 1]
         producers = [steps[i] for i in layout.producers]
+        if self._plain_greedy(producers, layout):
+            return arrays  # the accept rule needs no more
         drafts = np.zeros((len(producers), layout.max_draft), np.int64)  # [P, K]
         for p, step in enumerate(producers):
             drafts[p, : step.num_draft] = step.drafts
-        arrays["verify_rows"] = layout.verify_rows(plan)  # [P, K + 1]
         arrays["drafts"] = drafts
         arrays["num_draft"] = np.asarray([s.num_draft for s in producers], np.int64)  # [P]
         arrays["anchor_base"] = np.asarray([s.start + s.num_committed - 1 for s in producers], np.int64)  # [P]
@@ -129,9 +132,10 @@ class ModelWorker:
         return ForwardBatch(
             input_ids=arrays["input_ids"],
             positions=arrays["positions"],
-            query_start_loc=arrays["query_start_loc"].to(torch.int32),
-            seq_lens=arrays["seq_lens"].to(torch.int32),
-            block_tables=arrays["block_tables"].to(torch.int32),
+            query_start_loc=arrays["query_start_loc"],
+            seq_lens=arrays["seq_lens"],
+            block_tables=arrays["block_tables"],
+            tables_padded_with_trash=True,
             slot_mapping=arrays["slots"],
             capture_layers=tuple(capture),
             host_query_lens=tuple(len(s.query) for s in plan.steps),
@@ -152,6 +156,9 @@ class ModelWorker:
             logits = self.runner.compute_logits(out.hidden_states[rows])
         logits = logits.view(len(producers), width, -1)  # [P, K + 1, V]
         chosen = self._processed_logits(producers, logits)  # what argmax and sampling see; logprobs stay raw
+        if "drafts" not in arrays:  # plain greedy decoding: the argmax is the token
+            next_token = chosen[:, 0].argmax(dim=-1)
+            return _Verified(logits, torch.zeros_like(next_token), next_token, next_token[:, None])
         block = VerifyBlock(
             target_argmax=chosen.argmax(dim=-1),
             drafts=arrays["drafts"],
@@ -167,6 +174,12 @@ class ModelWorker:
         padded = torch.cat([block.drafts, next_token[:, None]], dim=1)  # [P, K + 1]
         tokens = torch.where(slots[None, :] < num_accepted[:, None], padded, next_token[:, None])  # [P, K + 1]
         return _Verified(logits, num_accepted, next_token, tokens)
+
+    def _plain_greedy(self, producers: list[SeqStep], layout: _Layout) -> bool:
+        """No drafts, no proposer, every producer greedy: the step's token is the argmax, nothing more."""
+        if layout.max_draft > 0 or self.proposer is not None or self.simulate_accept_len is not None:
+            return False
+        return all(s.seq.request.sampling.temperature <= 0 for s in producers)
 
     def _processed_logits(self, producers: list[SeqStep], logits: torch.Tensor) -> torch.Tensor:
         """logit_bias, min_tokens and the penalties (logits_processing.py), per verify row. [P, K + 1, V]"""
@@ -255,7 +268,7 @@ class ModelWorker:
             rids=tuple(s.seq.rid for s in producers),
             anchor_tokens=verified.next_token,
             anchor_positions=arrays["anchor_base"] + verified.num_accepted + 1,
-            block_tables=arrays["block_tables"][arrays["producers"]].to(torch.int32),
+            block_tables=arrays["block_tables"][arrays["producers"]],
             max_anchor_position=max(s.start + len(s.query) for s in producers),
             temperatures=tuple(s.seq.request.sampling.temperature for s in producers),
             seeds=tuple(mix_seed(s.seq.sampling_seed ^ DRAFT_SALT, s.output_position) for s in producers),

@@ -28,6 +28,7 @@ class ForwardBatch:
     # nothing back from the device.
     host_query_lens: tuple[int, ...] | None = None  # [B]
     host_seq_lens: tuple[int, ...] | None = None  # [B]
+    tables_padded_with_trash: bool = False  # block_tables' unused entries hold the trash block, not -1
 
     @property
     def num_tokens(self) -> int:

@@ -107,15 +107,17 @@ class DecodeGraphRunner:
         self.positions[:num_tokens].copy_(batch.positions)
         self.slot_mapping[:num_tokens].copy_(batch.slot_mapping)
         self.seq_lens[:num_seqs].copy_(batch.seq_lens)
-        self.block_tables[:rung].fill_(trash)
+        # Entries past the batch's width keep an earlier step's (valid) ids: the kernel reads only the
+        # blocks below each seq_len. Padded rows get the trash block in `_pad`.
         tables = batch.block_tables
-        self.block_tables[:num_seqs, :width].copy_(tables.masked_fill(tables < 0, trash))
+        self.block_tables[:num_seqs, :width].copy_(tables if batch.tables_padded_with_trash else tables.masked_fill(tables < 0, trash))
         self._pad(num_seqs, rung, query_len)
 
     def _pad(self, start: int, rung: int, query_len: int) -> None:
         if start == rung:
             return
         tokens = slice(start * query_len, rung * query_len)
+        self.block_tables[start:rung].fill_(self.cache.trash_block)
         self.input_ids[tokens].zero_()
         self.positions[tokens].copy_(torch.arange(query_len, device=self.positions.device).repeat(rung - start))
         self.seq_lens[start:rung].fill_(query_len)
