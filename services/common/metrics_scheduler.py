@@ -50,6 +50,8 @@ class SchedulerStats:
     num_spec_drafts: int = 0
     num_spec_draft_tokens: int = 0
     num_spec_accepted_tokens: int = 0
+    num_prompt_tokens: int | None = None  # prompt tokens computed (prefill, re-prefills included)
+    num_generated_tokens: int | None = None
 
 
 class StepOutput(Protocol):
@@ -142,8 +144,10 @@ class EngineLine:
 
     def fields(self, now: float | None = None) -> dict[str, float | int | None] | None:
         now = time.monotonic() if now is None else now
-        tokens, prompt = self.metrics.num_generated_tokens, self.metrics.num_prompt_tokens
         stats = self.metrics.stats()
+        # The core's own counts when it has them (prefill as it is computed), else ours (at finish).
+        tokens = _first_known(stats.num_generated_tokens, self.metrics.num_generated_tokens)
+        prompt = _first_known(stats.num_prompt_tokens, self.metrics.num_prompt_tokens)
         elapsed = max(now - self._last_at, 1e-9)
         idle = tokens == self._last_tokens and stats.num_running == 0 and not stats.num_waiting
         line = {
@@ -160,6 +164,10 @@ class EngineLine:
         line = self.fields()
         if line is not None:
             log.info("engine.stats", **line)
+
+
+def _first_known(value: int | None, fallback: int) -> int:
+    return fallback if value is None else value
 
 
 class SchedulerTelemetry:

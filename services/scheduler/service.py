@@ -125,7 +125,8 @@ class SchedulerService:
         return SchedulerStats(
             num_running=core.num_running, num_waiting=core.num_waiting, kv_cache_usage=core.kv_usage,
             num_preemptions=core.num_preemptions, num_spec_draft_tokens=core.num_drafted_tokens,
-            num_spec_accepted_tokens=core.num_accepted_tokens,
+            num_spec_accepted_tokens=core.num_accepted_tokens, num_prompt_tokens=core.num_prompt_tokens,
+            num_generated_tokens=core.num_generated_tokens,
         )  # fmt: skip
 
     async def run(self, stop: asyncio.Event) -> int:

@@ -100,6 +100,9 @@ def test_engine_line_reports_throughput_since_the_last_line_and_is_silent_when_i
     assert first["running"] == 2 and first["waiting"] == 1
     current["stats"] = SchedulerStats(num_running=0, num_waiting=0)
     assert line.fields(now=120.0) is None  # nothing generated, nothing held: no line
+    current["stats"] = SchedulerStats(num_running=1, num_prompt_tokens=500, num_generated_tokens=60)
+    third = line.fields(now=130.0)  # the core's own counts win over ours when it reports them
+    assert third["prompt_tokens_per_s"] == 50.0 and third["generation_tokens_per_s"] == 3.0
 
 
 async def test_telemetry_serves_metrics_on_a_port_and_closes():
