@@ -535,7 +535,8 @@ class _Receiver:
         self._inbox: asyncio.Queue[tuple[memoryview | None, Delivery]] = asyncio.Queue()
         self._partial: dict[str, _Reassembly] = {}
         self._partial_bytes = 0  # reserved by the reassemblies in `_partial`
-        self._last_seq: OrderedDict[str, int] = OrderedDict()  # sender -> last Sw-Seq number seen
+        # (sender, subject) -> last Sw-Seq number seen; the subject matters for wildcard subscriptions
+        self._last_seq: OrderedDict[tuple[str, str], int] = OrderedDict()
         # What `target` decided for the payload being read: a chunk (message id, index, its
         # reassembly), or None with `_whole` telling a whole message from a dropped chunk.
         self._landing: tuple[str, int, _Reassembly] | None = None
@@ -611,8 +612,9 @@ class _Receiver:
         if seq is None:
             return delivery
         sender, number = seq
-        last = self._last_seq.pop(sender, None)
-        self._last_seq[sender] = number
+        key = (sender, delivery.subject)
+        last = self._last_seq.pop(key, None)
+        self._last_seq[key] = number
         if len(self._last_seq) > MAX_TRACKED_SENDERS:
             self._last_seq.popitem(last=False)
         if last is None or number <= last + 1:  # first contact, in order, or a duplicate

@@ -107,3 +107,23 @@ async def test_a_reconnect_of_the_receiving_connection_is_reported_as_a_possible
             await asyncio.sleep(0.05)
     assert losses == [True]
     await receiver.close()
+
+
+@pytest.mark.timeout(30)
+async def test_a_wildcard_subscription_counts_each_subject_apart(nats_server):
+    sender, receiver = await Transport.connect(nats_server.url, "s"), await Transport.connect(nats_server.url, "r")
+    deliveries = []
+
+    async def keep(message: Blob, delivery) -> None:
+        deliveries.append(delivery.missed)
+
+    await receiver.subscribe(f"{SUBJECT}.*", Blob, keep)
+    await receiver.flush()
+    for seq, leaf in enumerate("aaabaa"):  # one sender, two subjects, numbered apart: no gap on either
+        await sender.publish(f"{SUBJECT}.{leaf}", blob(seq, 10))
+    async with asyncio.timeout(10):
+        while len(deliveries) < 6:
+            await asyncio.sleep(0.02)
+    assert deliveries == [0] * 6
+    await sender.close()
+    await receiver.close()
