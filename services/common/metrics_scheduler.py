@@ -21,7 +21,7 @@ from typing import Protocol
 
 import structlog
 from prometheus_client import CollectorRegistry, Counter, Histogram
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 
 from contracts.detokenizer import Finish, FinishType
 from services.common.metrics import (
@@ -52,6 +52,9 @@ class SchedulerStats:
     num_spec_accepted_tokens: int = 0
     num_prompt_tokens: int | None = None  # prompt tokens computed (prefill, re-prefills included)
     num_generated_tokens: int | None = None
+    spec_accept_lengths: tuple[int, ...] = ()  # verify passes by tokens gained (index = tokens, bonus included)
+    forward_seconds: float = 0.0  # target forward + verify, summed over steps (device time on CUDA)
+    draft_seconds: float = 0.0  # drafter inject + propose, summed over steps
 
 
 class StepOutput(Protocol):
@@ -82,10 +85,28 @@ class _SnapshotCollector:
             ("spec_decode_num_draft_tokens", "Draft tokens proposed", stats.num_spec_draft_tokens),
             ("spec_decode_num_accepted_tokens", "Draft tokens accepted", stats.num_spec_accepted_tokens),
         )
+        counters += (
+            ("spec_decode_verify_seconds", "Target forward + verify time of the steps", stats.forward_seconds),
+            ("spec_decode_draft_seconds", "Drafter inject + propose time of the steps", stats.draft_seconds),
+        ) if stats.spec_accept_lengths else ()  # fmt: skip
         for metric, documentation, value in counters:
             family = CounterMetricFamily(name(metric), documentation, labels=["model_name"])
             family.add_metric([self._model], value)
             yield family
+        if stats.spec_accept_lengths:
+            yield self._accept_length_histogram(stats.spec_accept_lengths)
+
+    def _accept_length_histogram(self, counts: tuple[int, ...]) -> HistogramMetricFamily:
+        """Tokens gained per verify pass (accepted drafts + the bonus), one bucket per length."""
+        family = HistogramMetricFamily(name("spec_decode_accept_length"), "Tokens gained per verify pass", labels=["model_name"])
+        cumulative, buckets = 0, []
+        for length, count in enumerate(counts):
+            cumulative += count
+            buckets.append((str(float(length)), cumulative))
+        buckets.append(("+Inf", cumulative))
+        total = sum(length * count for length, count in enumerate(counts))
+        family.add_metric([self._model], buckets, sum_value=total)
+        return family
 
     def _gauge(self, metric: str, documentation: str, value: float) -> GaugeMetricFamily:
         family = GaugeMetricFamily(name(metric), documentation, labels=["model_name"])

@@ -37,6 +37,9 @@ class SchedulerStats:
     num_generated_tokens: int
     num_drafted_tokens: int  # draft tokens sent to verification
     num_accepted_tokens: int  # of those, accepted
+    accept_lengths: tuple[int, ...] = ()  # [gamma + 2]: verify passes that yielded n tokens (bonus included)
+    forward_s: float = 0.0  # target forward + verify + logprobs, summed over steps
+    draft_s: float = 0.0  # drafter inject + propose, summed over steps
 
     @property
     def kv_usage(self) -> float:
@@ -78,7 +81,9 @@ class SchedulerCore:
         self._inbox: list[SchedulerRequest] = []
         self._inbox_aborts: list[tuple[str, str]] = []
         self.num_steps = 0
-        self._counts = {"prompt": 0, "generated": 0, "drafted": 0, "accepted": 0}
+        self._counts = {"prompt": 0, "generated": 0, "drafted": 0, "accepted": 0, "forward_s": 0.0, "draft_s": 0.0}
+        gamma = proposer.num_draft_tokens if proposer is not None else 0
+        self._accept_lengths = [0] * (gamma + 2) if proposer is not None else []
 
     # ---- thread-safe entry points ----
 
@@ -125,7 +130,7 @@ class SchedulerCore:
         return SchedulerStats(
             self.policy.num_running, self.policy.num_waiting, blocks.num_free_blocks, blocks.num_blocks,
             self.policy.num_preemptions, self.num_steps, counts["prompt"], counts["generated"],
-            counts["drafted"], counts["accepted"],
+            counts["drafted"], counts["accepted"], tuple(self._accept_lengths), counts["forward_s"], counts["draft_s"],
         )  # fmt: skip
 
     def fail_all(self, message: str) -> list[RequestOutput]:
@@ -177,3 +182,7 @@ class SchedulerCore:
             if step.samples:
                 counts["drafted"] += step.num_draft
                 counts["accepted"] += max(0, len(result.tokens) - 1)
+                if self._accept_lengths and step.output_position > 0:  # a verify pass (see spec_verify_ct)
+                    self._accept_lengths[min(len(result.tokens), len(self._accept_lengths) - 1)] += 1
+        counts["forward_s"] += self.worker.last_forward_s
+        counts["draft_s"] += self.worker.last_draft_s

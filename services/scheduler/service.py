@@ -126,7 +126,8 @@ class SchedulerService:
             num_running=core.num_running, num_waiting=core.num_waiting, kv_cache_usage=core.kv_usage,
             num_preemptions=core.num_preemptions, num_spec_draft_tokens=core.num_drafted_tokens,
             num_spec_accepted_tokens=core.num_accepted_tokens, num_prompt_tokens=core.num_prompt_tokens,
-            num_generated_tokens=core.num_generated_tokens,
+            num_generated_tokens=core.num_generated_tokens, num_spec_drafts=sum(core.accept_lengths),
+            spec_accept_lengths=core.accept_lengths, forward_seconds=core.forward_s, draft_seconds=core.draft_s,
         )  # fmt: skip
 
     async def run(self, stop: asyncio.Event) -> int:

@@ -17,6 +17,7 @@ The worker keeps sequence lengths on the host, so nothing is read back to plan a
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -69,6 +70,8 @@ class ModelWorker:
         self._upload_output_rows = HostUpload(runner.device)
         self._readback = HostReadback()
         self._draft_probs: dict[str, torch.Tensor] = {}  # rid -> q [gamma, V] of its pending block
+        self.last_forward_s = 0.0  # the last step's forward + verify + logprobs, device time on CUDA
+        self.last_draft_s = 0.0  # the last step's inject + propose
 
     @property
     def num_host_reads(self) -> int:
@@ -82,14 +85,18 @@ class ModelWorker:
     def execute(self, plan: StepPlan) -> list[SeqResult]:
         layout = _lay_out(plan)  # 1
         arrays = self._upload.send(self._host_arrays(plan, layout))  # 2
+        clock = _StepClock(self.runner.device)
         out = self.runner.forward(self._batch(plan, arrays))  # 3
         verified = self._verify(plan, layout, out, arrays)  # 4
         handles = _Handles(self._readback)
         handles.verify(verified)
         handles.logprobs(self._logprobs(plan, layout, out.hidden_states, verified))  # 5
+        clock.mark()
         proposal = self._propose(plan, layout, out.captured, arrays, verified)  # 6
         handles.proposal(proposal)
+        clock.mark()
         host = self._readback.fetch()  # 7
+        self.last_forward_s, self.last_draft_s = clock.intervals()  # the readback waited: events are done
         self._keep_draft_probs(plan, layout, proposal)
         return handles.results(plan, layout, host)
 
@@ -354,6 +361,30 @@ class _Handles:
             return {}
         rows = host[handle].tolist()
         return {i: rows[p] for p, i in enumerate(layout.producers)}
+
+
+class _StepClock:
+    """Marks inside a step: CUDA events (read after the step's readback, so no extra sync), or the
+    host clock on the CPU."""
+
+    def __init__(self, device: torch.device) -> None:
+        self._cuda = device.type == "cuda"
+        self._marks = [self._now()]
+
+    def mark(self) -> None:
+        self._marks.append(self._now())
+
+    def intervals(self) -> list[float]:
+        if self._cuda:
+            return [a.elapsed_time(b) / 1e3 for a, b in zip(self._marks, self._marks[1:])]
+        return [b - a for a, b in zip(self._marks, self._marks[1:])]
+
+    def _now(self):
+        if not self._cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
 
 
 def _lay_out(plan: StepPlan) -> _Layout:
