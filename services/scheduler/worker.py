@@ -162,10 +162,11 @@ class ModelWorker:
         else:
             logits = self.runner.compute_logits(out.hidden_states[rows])
         logits = logits.view(len(producers), width, -1)  # [P, K + 1, V]
-        chosen = self._processed_logits(producers, logits)  # what argmax and sampling see; logprobs stay raw
+        chosen = self._processed_logits(producers, logits)  # what argmax and sampling see
+        reported = chosen if self._processed else logits  # raw logprobs: before the processors too
         if "drafts" not in arrays:  # plain greedy decoding: the argmax is the token
             next_token = chosen[:, 0].argmax(dim=-1)
-            return _Verified(logits, torch.zeros_like(next_token), next_token, next_token[:, None])
+            return _Verified(reported, torch.zeros_like(next_token), next_token, next_token[:, None])
         block = VerifyBlock(
             target_argmax=chosen.argmax(dim=-1),
             drafts=arrays["drafts"],
@@ -180,7 +181,7 @@ class ModelWorker:
         slots = torch.arange(width, device=logits.device)  # [K + 1]
         padded = torch.cat([block.drafts, next_token[:, None]], dim=1)  # [P, K + 1]
         tokens = torch.where(slots[None, :] < num_accepted[:, None], padded, next_token[:, None])  # [P, K + 1]
-        return _Verified(logits, num_accepted, next_token, tokens)
+        return _Verified(reported, num_accepted, next_token, tokens)
 
     def _plain_greedy(self, producers: list[SeqStep], layout: _Layout) -> bool:
         """No drafts, no proposer, every producer greedy: the step's token is the argmax, nothing more."""
@@ -292,7 +293,7 @@ class ModelWorker:
 
 @dataclass(frozen=True)
 class _Verified:
-    logits: torch.Tensor  # f32 [P, K + 1, V]
+    logits: torch.Tensor  # f32 [P, K + 1, V], what output logprobs read: raw, or after logits_processing when processed
     num_accepted: torch.Tensor  # int64 [P]
     next_token: torch.Tensor  # int64 [P]
     tokens: torch.Tensor  # int64 [P, K + 1]: accepted drafts, then next_token (then padding)

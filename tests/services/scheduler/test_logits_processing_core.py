@@ -110,3 +110,12 @@ def test_under_speculation_processed_greedy_equals_plain_processed_greedy(make_c
         assert oracle[r.rid].tokens == plain[r.rid].tokens == random_drafts[r.rid].tokens, r.rid
     stats = oracle_core.stats()
     assert stats.num_drafted_tokens > 0 and stats.num_accepted_tokens == stats.num_drafted_tokens
+
+
+def test_processed_logprobs_include_the_processors_and_raw_ones_do_not(make_core):
+    sampling = {"temperature": 1.0, "seed": 3, "logit_bias": ((7, 100.0),), "logprobs": LogprobParams(return_logprob=True)}
+    raw = run(make_core(), [request("raw", prompt_of(8, 6), max_new_tokens=4, **sampling)])["raw"]
+    processed = run(make_core(logprobs_mode="processed"), [request("p", prompt_of(8, 6), max_new_tokens=4, **sampling)])["p"]
+    assert raw.tokens == processed.tokens == [7] * 4
+    assert np.all(processed.cat("output_token") > -1e-3)  # p(7) ~ 1 after a +100 bias
+    assert np.all(raw.cat("output_token") < -1.0)  # the model's own p(7) is small
