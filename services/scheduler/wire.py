@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from contracts.arrays import NDArray
 from contracts.detokenizer import RequestLogprobs, TokenBatch
 from services.common.arrays import optional_to_wire, to_wire
 from services.scheduler.request import LogprobEntries, RequestOutput
@@ -50,4 +51,12 @@ def _token_batch(outputs: list[RequestOutput], scheduler_id: str, step: int) -> 
         prompt_tokens=to_wire(np.asarray([o.prompt_tokens for o in outputs], np.int32)),  # [R]
         finish=[output.finish for output in outputs],
         logprobs=logprobs if any_logprobs else None,
+        spec_verify_ct=_verify_counts(outputs),
     )
+
+
+def _verify_counts(outputs: list[RequestOutput]) -> NDArray | None:
+    """i32 [R], cumulative verify passes per request; absent when no request runs speculatively."""
+    if all(o.spec_verify_ct is None for o in outputs):
+        return None
+    return to_wire(np.asarray([o.spec_verify_ct or 0 for o in outputs], np.int32))
