@@ -214,7 +214,7 @@ def run(config: TwoGpuConfig, out: Path) -> dict[str, Any]:
 
 
 def summary(result: dict[str, Any]) -> str:
-    lines = ["| phase | ok / failed | output tok/s | requests per scheduler |", "|---|---|---|---|"]
+    lines = ["| phase | ok / failed | output tok/s | requests per scheduler (warmups included) |", "|---|---|---|---|"]
     for name, phase in result.items():
         if isinstance(phase, dict) and "output_throughput" in phase:
             lines.append(f"| {name} | {phase['completed']} / {phase['failed']} | {phase['output_throughput']:.0f} | "

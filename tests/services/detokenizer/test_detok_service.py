@@ -20,8 +20,8 @@ from contracts.detokenizer import (
 )
 from contracts.scheduler import AbortRequest
 from contracts.tokenizer import TextBatch
-from services.common.connection import NatsConnection
 from services.common.arrays import from_wire, to_wire
+from services.common.connection import NatsConnection
 from services.common.nats_reader import Delivery
 from services.common.transport import Transport
 from services.detokenizer.config import DetokenizerConfig

@@ -20,8 +20,8 @@ from contracts.scheduler import (
     SchedulerInfo,
     SchedulerPing,
 )
-from services.common.connection import NatsConnection
 from services.common.arrays import from_wire, to_wire
+from services.common.connection import NatsConnection
 from services.common.transport import Transport
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.service import SchedulerService

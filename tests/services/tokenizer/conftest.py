@@ -30,8 +30,8 @@ from contracts.scheduler import (
     SchedulerPing,
 )
 from contracts.tokenizer import TextBatch
-from services.common.connection import NatsConnection
 from services.common.arrays import from_wire, to_wire
+from services.common.connection import NatsConnection
 from services.common.lifecycle import wait_until
 from services.common.nats_server import free_port
 from services.common.transport import Transport
