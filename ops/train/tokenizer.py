@@ -1,0 +1,99 @@
+"""The bundled tokenizer: byte-level BPE trained on the corpus's train split.
+
+    python -m ops.train.tokenizer --corpus /tmp/corpus --out ops/models/sparkwire-micro
+
+Writes `tokenizer.json` and `tokenizer_config.json` (with a ChatML chat template) into `--out`.
+Byte-level pre-tokenization and decoding make every byte string encodable and every decode exact.
+Each newline is its own pre-token, so no token spans a line break: indentation is a token of its
+own after "\n", and a prompt that ends with "\n" (a common way to type `def f(n):\n`) sits on a
+token boundary the model saw in training, instead of a lone "\n" it never saw before spaces.
+Ids 0..3 are the special tokens, in SPECIAL_TOKENS order, so every recipe agrees on them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+from ops.train.corpus import read_split
+
+END_OF_TEXT = "<|endoftext|>"  # separates documents in training; the pad token
+IM_START, IM_END = "<|im_start|>", "<|im_end|>"  # ChatML role delimiters; IM_END ends a turn (eos)
+MASK = "<|mask|>"  # the DSpark drafter's mask input (never produced by the tokenizer from text)
+SPECIAL_TOKENS = (END_OF_TEXT, IM_START, IM_END, MASK)
+VOCAB_SIZE = 4096  # specials included; a multiple of 64 so the embedding table shards evenly
+MODEL_MAX_LENGTH = 4096
+
+# ChatML, as Qwen writes it, minus tools. The tokenizer service renders it with trim_blocks and
+# lstrip_blocks, so every newline inside the output is an explicit '\n'.
+CHAT_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+
+def train_tokenizer(texts: list[str], vocab_size: int = VOCAB_SIZE) -> Tokenizer:
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex("\n"), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+    ])  # fmt: skip
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.post_processor = processors.ByteLevel(trim_offsets=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(texts, trainer=trainer)
+    if tokenizer.get_vocab_size() != vocab_size:
+        raise RuntimeError(f"trained vocab has {tokenizer.get_vocab_size()} tokens, wanted {vocab_size}")
+    return tokenizer
+
+
+def special_ids(tokenizer: Tokenizer) -> dict[str, int]:
+    return {token: tokenizer.token_to_id(token) for token in SPECIAL_TOKENS}
+
+
+def tokenizer_config() -> dict:
+    return {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": None,
+        "eos_token": IM_END,
+        "pad_token": END_OF_TEXT,
+        "unk_token": None,
+        "mask_token": MASK,
+        "add_bos_token": False,
+        "add_prefix_space": False,
+        "clean_up_tokenization_spaces": False,
+        "model_max_length": MODEL_MAX_LENGTH,
+        "chat_template": CHAT_TEMPLATE,
+    }
+
+
+def save_tokenizer(tokenizer: Tokenizer, out: Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer.save(str(out / "tokenizer.json"), pretty=False)
+    (out / "tokenizer_config.json").write_text(json.dumps(tokenizer_config(), indent=2) + "\n", encoding="utf-8")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--corpus", type=Path, required=True, help="a directory built by ops.train.corpus")
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--vocab-size", type=int, default=VOCAB_SIZE)
+    args = parser.parse_args(argv)
+    tokenizer = train_tokenizer([text for _, text in read_split(args.corpus, "train")], args.vocab_size)
+    save_tokenizer(tokenizer, args.out)
+    print(f"wrote {args.out}/tokenizer.json: vocab {tokenizer.get_vocab_size()}, special ids {special_ids(tokenizer)}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
