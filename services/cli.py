@@ -12,15 +12,13 @@ import importlib
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 
-import services
 from services.common.connection import add_connection_arguments
 from services.common.settings import EnvSettings, connection_values
+from services.models import BUNDLED_MODEL
 
 SERVICES = ("tokenizer", "scheduler", "detokenizer")
 TORCH_HINT = "pip install 'sparkwire[scheduler]' (the tokenizer and detokenizer run without it)"
-BUNDLED_MODEL = Path(services.__file__).resolve().parents[1] / "ops" / "models" / "sparkwire-tiny"
 
 
 @dataclass(frozen=True)

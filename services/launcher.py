@@ -34,6 +34,7 @@ from services.common.connection import NatsConnection, connection_from_args
 from services.common.nats_auth import draw_passwords, server_environ
 from services.common.nats_server import SECURED_CONFIG, NatsServer, free_port, start_nats_server
 from services.common.settings import PREFIX, connection_environ, connection_values
+from services.models import BUNDLED_DRAFT_MODEL
 from services.scheduler.flags import speculative_argv
 
 START_ORDER = ("scheduler", "detokenizer", "tokenizer")
@@ -182,6 +183,8 @@ class Stack:
     def start(self) -> None:
         if not self.connection.nats_url:
             self._start_nats()
+        draft = f", draft {self.args.draft_model or BUNDLED_DRAFT_MODEL}" if self.args.speculative_algorithm == "dspark" else ""
+        print(f"sparkwire up: serving {self.args.model}{draft}", file=sys.stderr, flush=True)
         for name in START_ORDER:
             self.children.append(self._start_child(name))
         self.metrics_urls = {name: f"http://127.0.0.1:{port}/metrics" for name, port in self.metrics_ports.items()}

@@ -9,10 +9,13 @@ from pathlib import Path
 import pytest
 
 from contracts import subjects
+from services.models import BUNDLED_DRAFT_MODEL, BUNDLED_MODEL
 
 ROOT = Path(__file__).resolve().parents[1]
 FORBIDDEN_MODULES = {"pickle", "cloudpickle", "dill", "_pickle"}
 MAX_TRACKED_BYTES = 10 * 1024 * 1024
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
+BUNDLED_WEIGHTS = {f"{model.relative_to(ROOT).as_posix()}/model.safetensors" for model in (BUNDLED_MODEL, BUNDLED_DRAFT_MODEL)}
 
 
 def imported_modules(path: Path) -> set[str]:
@@ -60,9 +63,15 @@ def test_no_tracked_file_over_10_mb():
     assert too_big == {}
 
 
-def test_no_model_weights_are_tracked():
-    weights = [path.name for path in tracked_files() if path.suffix in (".safetensors", ".bin", ".pt", ".pth", ".gguf")]
-    assert weights == []
+def test_the_only_tracked_weights_are_the_bundled_pair():
+    weights = {path.relative_to(ROOT).as_posix() for path in tracked_files() if path.suffix in WEIGHT_SUFFIXES}
+    assert weights == BUNDLED_WEIGHTS
+
+
+def test_the_bundled_pair_is_under_10_mb_together():
+    pair = [path for path in tracked_files() if path.parent in (BUNDLED_MODEL, BUNDLED_DRAFT_MODEL)]
+    assert any(path.suffix == ".safetensors" for path in pair)
+    assert sum(path.stat().st_size for path in pair) <= MAX_TRACKED_BYTES
 
 
 def test_every_subject_in_the_subjects_module_is_versioned():

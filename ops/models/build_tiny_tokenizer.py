@@ -1,5 +1,6 @@
-"""Build the bundled tiny model directory: its byte-level BPE tokenizer (trained deterministically
-from local text) and its config files; weights are seeded-random, so none are written.
+"""Build the random tiny test model (`services.models.RANDOM_TINY_MODEL`; the bundled default is the
+trained pair, see ops/train/): its byte-level BPE tokenizer (trained deterministically from local
+text) and its config files; weights are seeded-random, so none are written.
 
 The corpus is the top-level CPython stdlib sources of the running interpreter (a fixed, sorted
 file list), so anyone can rebuild the exact tokenizer without a download. Byte-level

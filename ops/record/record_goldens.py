@@ -1,6 +1,6 @@
 """(Re)record the golden streams of tests/replay: `python ops/record/record_goldens.py`.
 
-Starts a real stack on the bundled tiny model (CPU) with fixed instance ids, sends a fixed list of
+Starts a real stack on the random tiny model (CPU) with fixed instance ids, sends a fixed list of
 HTTP cases one at a time while recording the scheduler's input (`GenerateRequest`s) and output
 (`TokenBatch`es, raw, chunk headers included), and writes to tests/replay/goldens/:
 
@@ -31,12 +31,12 @@ from typing import Any
 
 from contracts import subjects
 from services.common.nats_server import NatsServer, free_port, start_nats_server
+from services.models import RANDOM_TINY_MODEL
 from services.recorder.format import FORMAT_VERSION, MAGIC, RecordingHeader, RecordingWriter, read_recording
 from services.recorder.golden import GoldenCase, GoldenResponse, parse_body, post_json, record_golden
 from services.tokenizer.text_model import TextModel
 
 ROOT = Path(__file__).resolve().parents[2]
-BUNDLED_MODEL = ROOT / "ops" / "models" / "sparkwire-tiny"
 GOLDENS = ROOT / "tests" / "replay" / "goldens"
 SCHEDULER_ID, DETOKENIZER_ID, TOKENIZER_ID = "golden-sched", "golden-detok", "golden-tok"
 DIRECT_SUBJECTS = f"{subjects.PREFIX}.*.*.*"  # <service>.<instance>.<kind>: no claims, no heartbeats
@@ -85,7 +85,9 @@ def cases(stop: str, utf8_seed: int) -> list[tuple[str, GoldenCase]]:
 
 
 def service_argv(name: str, nats_url: str, instance_id: str, *extra: str) -> list[str]:
-    return [sys.executable, "-m", "services.cli", name, "--nats-url", nats_url, "--instance-id", instance_id, *extra]
+    # The committed goldens were recorded on the random tiny model, so every service loads it.
+    return [sys.executable, "-m", "services.cli", name, "--nats-url", nats_url, "--instance-id", instance_id,
+            "--model", str(RANDOM_TINY_MODEL), *extra]
 
 
 def start_services(nats: NatsServer, port: int, log_dir: Path) -> list[subprocess.Popen[bytes]]:
@@ -152,7 +154,7 @@ def splits_a_character(output_ids: list[int], text: str, model: TextModel) -> bo
 
 
 def pick_utf8_seed(http_url: str) -> int:
-    model = TextModel.from_dir(BUNDLED_MODEL)
+    model = TextModel.from_dir(RANDOM_TINY_MODEL)
     sampling = {"max_new_tokens": UTF8_MAX_NEW_TOKENS, "temperature": UTF8_TEMPERATURE}
 
     def split(seed: int) -> bool:

@@ -109,6 +109,9 @@ def run_speculative(core: SchedulerCore, prompts: list[list[int]], temperature: 
     verify: dict[str, int] = {}
     for _ in range(MAX_STEPS):
         if not core.has_work():
+            short = {rid: len(ids) for rid, ids in tokens.items() if len(ids) != num_new}
+            if short:  # an aborted request (say, an empty prompt) would bias the figures silently
+                raise RuntimeError(f"requests finished with fewer than {num_new} tokens: {short}")
             return {"tokens": tokens, "verify": verify}
         for output in core.step():
             tokens[output.rid] += output.new_token_ids

@@ -27,6 +27,11 @@ both() {  # both "name" command-with-RUN: runs it for run 1 and run 2 at once, t
     grep -hv 'it/s' "$work/${name}1.log" "$work/${name}2.log" | tail -n 20
     return $status
 }
+# Evaluation goes through the scheduler core, which needs the project's own dependencies (msgspec,
+# structlog, ...): the GPU image lacks some, so carry them as wheels in .whl/ (see the device notes).
+if [ -d .whl ]; then
+    $py -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
+fi
 $py -c 'import platform, torch, transformers; print("python", platform.python_version(), "torch", torch.__version__, "transformers", transformers.__version__, torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu")'
 
 both target '$py -m ops.train.train_target --corpus "$corpus" --tokenizer "$tokenizer" --recipe $recipe --seed 0 \

@@ -25,7 +25,10 @@ IM_START, IM_END = "<|im_start|>", "<|im_end|>"  # ChatML role delimiters; IM_EN
 MASK = "<|mask|>"  # the DSpark drafter's mask input (never produced by the tokenizer from text)
 SPECIAL_TOKENS = (END_OF_TEXT, IM_START, IM_END, MASK)
 VOCAB_SIZE = 4096  # specials included; a multiple of 64 so the embedding table shards evenly
-MODEL_MAX_LENGTH = 4096
+# Positions are RoPE only (nothing learnt per position), so the context the server accepts is a
+# serving limit: long prompts (the product's 32k prompt-logprob case) run; text quality past the
+# 512-token training windows is not promised.
+MODEL_MAX_LENGTH = 32768
 
 # ChatML, as Qwen writes it, minus tools. The tokenizer service renders it with trim_blocks and
 # lstrip_blocks, so every newline inside the output is an explicit '\n'.

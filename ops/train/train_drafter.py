@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import math
+import json
 import time
 from pathlib import Path
 
@@ -48,7 +48,7 @@ from ops.train.common import (
 from ops.train.recipes import DRAFTERS, DrafterRecipe
 from ops.train.tokenizer import MASK
 from services.scheduler.model.config import ModelConfig
-from services.scheduler.spec.dspark_config import draft_config_for_target, default_target_layer_ids
+from services.scheduler.spec.dspark_config import default_target_layer_ids, draft_config_for_target
 from services.scheduler.spec.dspark_loader import save_drafter
 from services.scheduler.spec.dspark_model import DSparkDrafter, block_positions, draft_targets
 
@@ -245,7 +245,7 @@ def train(drafter, features_of, recipe: DrafterRecipe, batches: Batches, held_ou
 def save(drafter: DSparkDrafter, out: Path, recipe_name: str, seed: int) -> None:
     save_drafter(drafter.to(torch.bfloat16), out)  # shared target tensors are not the drafter's: untouched
     config_path = out / "config.json"
-    config = __import__("json").loads(config_path.read_text(encoding="utf-8"))
+    config = json.loads(config_path.read_text(encoding="utf-8"))
     config.update({"torch_dtype": "bfloat16", "sparkwire_weights": "trained", "sparkwire_recipe": recipe_name,
                    "sparkwire_seed": seed})  # fmt: skip
     write_json(config_path, config)

@@ -25,7 +25,7 @@ PREFIX = "SPARKWIRE_"
 class EnvSettings:
     log_level: str = "info"
     log_format: str = "console"  # "console" or "json"
-    model: str = ""  # empty: the bundled model (ops/models/sparkwire-tiny)
+    model: str = ""  # empty: the bundled model (services/models.py: ops/models/sparkwire-micro)
     device: str = "auto"
     event_loop: str = "uvloop"  # "uvloop" or "asyncio" (the standard library's, for debugging)
     api_key: str = ""  # SPARKWIRE_API_KEY: the tokenizer's --api-key (kept out of process lists)

@@ -3,16 +3,13 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
-import services
 from services.common.connection import NatsConnection
+from services.models import BUNDLED_DRAFT_MODEL, BUNDLED_MODEL
 from services.scheduler.flags import SPECULATIVE_ALGORITHMS, VERIFY_MODES
 
-BUNDLED_MODEL = Path(services.__file__).resolve().parents[1] / "ops" / "models" / "sparkwire-tiny"
-BUNDLED_DRAFT_MODEL: Path | None = None  # the bundled pair's drafter, once one is trained and shipped
 
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -63,14 +60,10 @@ class SchedulerConfig:
         _check_choice("verify_mode", self.verify_mode, VERIFY_MODES)
         if self.num_draft_tokens is not None:
             _check_positive("num_draft_tokens", self.num_draft_tokens)
-        if self.speculative_algorithm == "dspark" and self.resolved_draft_model is None:
-            raise ValueError("--speculative-algorithm dspark needs --draft-model (no bundled drafter in this build)")
 
     @property
-    def resolved_draft_model(self) -> str | None:
-        if self.draft_model is not None:
-            return self.draft_model
-        return str(BUNDLED_DRAFT_MODEL) if BUNDLED_DRAFT_MODEL is not None else None
+    def resolved_draft_model(self) -> str:
+        return self.draft_model if self.draft_model is not None else str(BUNDLED_DRAFT_MODEL)
 
     @property
     def resolved_device(self) -> str:

@@ -7,14 +7,13 @@ import asyncio
 import sys
 from pathlib import Path
 
-import services
 from services.common.connection import add_connection_arguments, connection_from_args
 from services.common.lifecycle import new_instance_id, run_service, stop_on_signals
 from services.common.logging import LOG_FORMATS, configure_logging
 from services.common.settings import EnvSettings, connection_values
+from services.models import BUNDLED_MODEL
 from services.tokenizer.config import TokenizerConfig
 
-BUNDLED_MODEL = Path(services.__file__).resolve().parents[1] / "ops" / "models" / "sparkwire-tiny"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -17,9 +17,9 @@ from pathlib import Path
 import httpx
 
 from services.common.nats_server import NatsServer, free_port, start_nats_server, stop_process
+from services.models import RANDOM_TINY_MODEL
 
 ROOT = Path(__file__).resolve().parents[2]
-BUNDLED_MODEL = ROOT / "ops" / "models" / "sparkwire-tiny"
 READY_TIMEOUT_S = 120.0
 
 

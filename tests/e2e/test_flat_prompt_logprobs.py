@@ -109,13 +109,13 @@ def test_rows_flat_cannot_hold_come_back_nested_through_the_whole_path(tmp_path,
     import torch
     from safetensors.torch import save_file
 
-    from e2e.stack import BUNDLED_MODEL, start_stack
+    from e2e.stack import RANDOM_TINY_MODEL, start_stack
     from services.scheduler.model.loader import load_model_runner
 
     poison = 77
     model_dir = tmp_path / "nan-model"
-    shutil.copytree(BUNDLED_MODEL, model_dir)
-    runner = load_model_runner(BUNDLED_MODEL, num_kv_blocks=4)
+    shutil.copytree(RANDOM_TINY_MODEL, model_dir)
+    runner = load_model_runner(RANDOM_TINY_MODEL, num_kv_blocks=4)
     tensors = {name: t.detach().clone().contiguous() for name, t in runner.model.checkpoint_tensors()}
     tensors["model.embed_tokens.weight"][poison] = float("nan")
     save_file(tensors, str(model_dir / "model.safetensors"))

@@ -18,6 +18,7 @@ from services.common.nats_server import free_port
 from services.common.connection import connection_from_args
 from services.common.settings import connection_from_environ, connection_values
 from services.launcher import service_argv, service_environ
+from services.models import BUNDLED_MODEL
 
 
 def descendants(pid: int) -> set[int]:
@@ -82,6 +83,7 @@ def test_up_serves_generate_and_stops_cleanly_on_sigint(tmp_path):
     process, log = start_up(tmp_path, port)
     try:
         wait_for_line(process, log, f"Sparkwire ready on http://127.0.0.1:{port}", 120)
+        assert "sparkwire up: serving " + str(BUNDLED_MODEL) in log.read_text()  # the trained pair, by default
         children = descendants(process.pid)
         assert len(children) >= 4, children  # nats-server + three services
         response = httpx.post(f"http://127.0.0.1:{port}/generate", json=generate_body(), timeout=30)

@@ -24,6 +24,7 @@ from e2e.stack import Service, health_status, service_argv
 from replay.replay_scheduler import BackgroundLoop, Parts, ReplayScheduler, load_requests, payload, with_rid
 from services.common.arrays import from_wire, to_wire
 from services.common.nats_server import NatsServer, free_port, start_nats_server
+from services.models import RANDOM_TINY_MODEL
 from services.recorder.golden import GoldenResponse, normalise, parse_body
 
 GOLDENS = Path(__file__).resolve().parent / "goldens"
@@ -57,8 +58,9 @@ def wait_healthy(front: FrontHalf) -> None:
 @pytest.fixture(scope="module")
 def front(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FrontHalf]:
     log_dir, nats_server, port = tmp_path_factory.mktemp("replay-logs"), start_nats_server(), free_port()
-    detok = ("--instance-id", GOLDEN["detokenizer_id"])
-    tok = ("--instance-id", GOLDEN["tokenizer_id"], "--port", str(port))
+    model = ("--model", str(RANDOM_TINY_MODEL))  # the goldens were recorded on it
+    detok = ("--instance-id", GOLDEN["detokenizer_id"], *model)
+    tok = ("--instance-id", GOLDEN["tokenizer_id"], "--port", str(port), *model)
     services = [
         Service.start("detokenizer", service_argv("detokenizer", nats_server.url, *detok), log_dir),
         Service.start("tokenizer", service_argv("tokenizer", nats_server.url, *tok), log_dir),

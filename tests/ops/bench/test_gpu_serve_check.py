@@ -24,7 +24,8 @@ def shape_dir(tmp_path):
 
 def test_serving_dir_has_the_shape_and_the_bundled_tokenizer(shape_dir, tmp_path):
     served = serving_model_dir(shape_dir, tmp_path / "served")
-    assert json.loads((served / "config.json").read_text())["vocab_size"] == 4096
+    bundled_vocab = json.loads((BUNDLED_MODEL / "config.json").read_text())["vocab_size"]
+    assert json.loads((served / "config.json").read_text())["vocab_size"] == 2 * bundled_vocab
     assert (served / "tokenizer.json").read_bytes() == (BUNDLED_MODEL / "tokenizer.json").read_bytes()
 
 

@@ -70,10 +70,10 @@ def test_poisson_arrivals_have_the_asked_rate_and_burstiness_spreads_them():
 
 def test_random_prompts_have_the_asked_lengths_and_no_special_tokens():
     pool = token_pool(BUNDLED_MODEL)
-    assert not np.isin([0, 1, 2], pool).any() and pool.max() < 2048  # the bundled tokenizer's specials
+    assert not np.isin([0, 1, 2, 3], pool).any() and pool.max() < 4096  # the bundled tokenizer's specials
     exact = random_prompts(20, 16, 5, 0.0, pool, seed=0)
     assert {len(p.input_ids) for p in exact} == {16} and {p.output_len for p in exact} == {5}
-    assert not set().union(*(p.input_ids for p in exact)) & {0, 1, 2}
+    assert not set().union(*(p.input_ids for p in exact)) & {0, 1, 2, 3}
     spread = random_prompts(200, 16, 10, 0.5, pool, seed=0)
     assert {len(p.input_ids) for p in spread} <= set(range(8, 25)) and len({len(p.input_ids) for p in spread}) > 5
     assert random_prompts(3, 16, 5, 0.0, pool, seed=1) != random_prompts(3, 16, 5, 0.0, pool, seed=2)

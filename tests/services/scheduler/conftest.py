@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.scheduler.config import BUNDLED_MODEL
+from services.models import RANDOM_TINY_MODEL
 from services.scheduler.core import SchedulerCore
 from services.scheduler.model import ModelRunner, load_model_runner
 
@@ -20,7 +20,7 @@ KV_BLOCK_SIZE = 16
 
 @pytest.fixture(scope="session")
 def tiny_runner() -> ModelRunner:
-    return load_model_runner(BUNDLED_MODEL, device="cpu", dtype=torch.float32, num_kv_blocks=NUM_KV_BLOCKS, kv_block_size=KV_BLOCK_SIZE)
+    return load_model_runner(RANDOM_TINY_MODEL, device="cpu", dtype=torch.float32, num_kv_blocks=NUM_KV_BLOCKS, kv_block_size=KV_BLOCK_SIZE)
 
 
 @pytest.fixture
