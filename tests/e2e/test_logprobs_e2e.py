@@ -225,7 +225,8 @@ def test_chunked_prefill_gives_the_same_prompt_logprobs(client, chunked_stack, r
     want, got = one_shot["meta_info"], chunked["meta_info"]
     for name in ("input_token_logprobs", "input_top_logprobs", "input_token_ids_logprobs"):
         assert len(got[name]) == len(want[name]) == len(prompt)
-    assert_close_lists(got, want, 1e-5)
+    # fp32, chunked vs one shot: within PRODUCT §4's 1e-4 (a trained model's -20 logprobs round at ~1e-5)
+    assert_close_lists(got, want, 1e-4)
     check_full(runner, prompt, chunked, LONG_REQUEST)
 
 

@@ -23,10 +23,11 @@ from e2e.stack import BUNDLED_MODEL, Service, Stack, generate_body, service_argv
 from services.scheduler.model.config import ModelConfig
 from services.scheduler.spec.dspark_config import draft_config_for_target
 from services.common.nats_server import free_port, start_nats_server
+from services.models import BUNDLED_MODEL
 
 pytestmark = pytest.mark.timeout(120)
 
-MODEL = (("model_name", "sparkwire-tiny"),)
+MODEL = (("model_name", BUNDLED_MODEL.name),)  # the stack serves the default model
 NUM_PARALLEL, PARALLEL_TOKENS = 4, 60  # 4 x (prompt + 60) tokens > the 12 x 16 KV slots
 FOLLOWED_ID = "follow-me-42"
 
