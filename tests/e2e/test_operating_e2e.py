@@ -19,11 +19,11 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from e2e.stack import BUNDLED_MODEL, Service, Stack, generate_body, service_argv
-from services.scheduler.model.config import ModelConfig
-from services.scheduler.spec.dspark_config import draft_config_for_target
+from e2e.stack import Service, Stack, generate_body, service_argv
 from services.common.nats_server import free_port, start_nats_server
 from services.models import BUNDLED_MODEL
+from services.scheduler.model.config import ModelConfig
+from services.scheduler.spec.dspark_config import draft_config_for_target
 
 pytestmark = pytest.mark.timeout(120)
 
