@@ -69,6 +69,7 @@ MSG_HEADER = "Sw-Msg"
 CHUNK_HEADER = "Sw-Chunk"
 ACK_HEADER = "Sw-Ack"
 SEQ_HEADER = "Sw-Seq"
+MARK_HEADER = "Sw-Mark"  # no message: the sender's last Sw-Seq number to this subject
 NATS_HEADER_LINE = b"NATS/1.0\r\n"
 CRLF_LEN = 2
 
@@ -80,6 +81,8 @@ DEFAULT_REASSEMBLY_TIMEOUT_S = 30.0
 # ~21 MB, the nested form about as much again, so 256 MiB leaves room without trusting a header.
 DEFAULT_MAX_MESSAGE_BYTES = 256 * 1024 * 1024
 DEFAULT_MAX_PARTIAL_BYTES = 1024 * 1024 * 1024  # all reassemblies in progress, per subscription
+MARK_PAUSES_S = (0.0, 0.5, 1.0, 2.0, 4.0)  # Sw-Mark sends after a publishing reconnect
+MARK_RECENT_S = 60.0  # subjects published to this recently get them
 MAX_TRACKED_SENDERS = 4096  # per subscription; the least recently heard sender is forgotten first
 CHUNK_FIELD = re.compile(r"(\d{1,9})/(\d{1,9})")
 # Our message ids are `<sender hex>-<n>`. Held to that, the ack a receiver sends back
@@ -159,6 +162,8 @@ class ConnectionEvents:
     # Called when the receiving connection came back after a disconnect: whatever was in
     # flight to this service meanwhile may be lost.
     loss_listeners: list[Callable[[], None]] = field(default_factory=list)
+    # Called when the publishing connection came back: what it sent just before may be lost.
+    send_loss_listeners: list[Callable[[], None]] = field(default_factory=list)
 
 
 @dataclass
@@ -170,6 +175,8 @@ class _Window:
     outstanding: dict[str, tuple[int, float]] = field(default_factory=dict)  # ack key -> (bytes, sent_at); oldest first
     num_bytes: int = 0
     seq: itertools.count[int] = field(default_factory=itertools.count)  # next Sw-Seq number to this subject
+    last_number: int | None = None  # the last Sw-Seq number sent to this subject
+    last_sent: float = 0.0
 
     def add(self, key: str, size: int) -> None:
         self.outstanding[key] = (size, time.monotonic())
@@ -214,6 +221,7 @@ class Transport:
         self.max_partial_bytes = max_partial_bytes
         self._receivers: list[_Receiver] = []
         self.events.loss_listeners.append(self._forget_sequences)
+        self.events.send_loss_listeners.append(self._mark_sequences_soon)
         self._sender_id = uuid.uuid4().hex[:12]
         self._seq = itertools.count()
         self._encoder = msgspec.msgpack.Encoder()
@@ -272,7 +280,8 @@ class Transport:
         window = self._windows.get(subject) or self._windows.setdefault(subject, _Window())
         flow_controlled = self._window_bytes > 0 and len(payload) >= FRAMED_MIN_BYTES
         async with window.lock:  # Sw-Seq numbers are taken in send order
-            extra = (headers or {}) | {SEQ_HEADER: f"{self._sender_id} {next(window.seq)}"}
+            window.last_number, window.last_sent = next(window.seq), time.monotonic()
+            extra = (headers or {}) | {SEQ_HEADER: f"{self._sender_id} {window.last_number}"}
             if flow_controlled or len(payload) + header_block_size(extra) > self.max_payload:
                 await self._publish_framed(subject, payload, window, extra)
             else:
@@ -358,10 +367,14 @@ class Transport:
                 f"{self.max_payload} bytes ({kind}s travel in one message, without chunking)"
             )
 
-    async def subscribe(self, subject: str, message_type: type[T], handler: Handler[T], queue: str = "") -> int:
+    async def subscribe(
+        self, subject: str, message_type: type[T], handler: Handler[T], queue: str = "",
+        on_gap: Callable[[str], None] | None = None,
+    ) -> int:  # fmt: skip
         """Decode every message on `subject` as `message_type` and await `handler` on it, in order.
         Returns the subscription's id, for `unsubscribe`."""
-        receiver = _Receiver(self, subject, msgspec.msgpack.Decoder(message_type), handler, counts_gaps=not queue)
+        decoder = msgspec.msgpack.Decoder(message_type)
+        receiver = _Receiver(self, subject, decoder, handler, counts_gaps=not queue, on_gap=on_gap)
         # No pending limits on the receiving side: memory is bounded by the senders' flow-control
         # windows instead.
         sid = self._reader.subscribe(subject, receiver, queue)
@@ -373,6 +386,24 @@ class Transport:
         """`listener()` runs each time the receiving connection came back after a disconnect:
         messages sent to this service meanwhile may be lost, with no later message to tell."""
         self.events.loss_listeners.append(listener)
+
+    def _mark_sequences_soon(self) -> None:
+        self._tasks.append(asyncio.get_running_loop().create_task(self._send_marks()))
+
+    async def _send_marks(self) -> None:
+        """Our publishing connection dropped and came back. What it sent just before may be lost,
+        and when that was a subject's last message no later one shows the gap: tell each recent
+        destination the last number sent (`Sw-Mark`), a few times, since its own connection may
+        come back later than ours."""
+        for pause in MARK_PAUSES_S:
+            await asyncio.sleep(pause)
+            now = time.monotonic()
+            for subject, window in list(self._windows.items()):
+                if window.last_number is not None and now - window.last_sent < MARK_RECENT_S:
+                    async with window.lock:  # after any message already numbered
+                        mark = {SEQ_HEADER: f"{self._sender_id} {window.last_number}", MARK_HEADER: "1"}
+                        with contextlib.suppress(Exception):
+                            await self._nc.publish(subject, b"", headers=mark)
 
     def _forget_sequences(self) -> None:
         """After a reconnect every sender is heard from anew: the loss listeners already failed
@@ -424,6 +455,8 @@ def _callbacks(name: str, events: ConnectionEvents) -> dict[str, Callable[..., A
 
     async def reconnected_cb() -> None:
         events.reconnects += 1
+        for listener in events.send_loss_listeners:
+            listener()
         log.info("nats.reconnected", service=name)
 
     return {"error_cb": error_cb, "disconnected_cb": disconnected_cb, "reconnected_cb": reconnected_cb}
@@ -472,6 +505,23 @@ def parse_framing(headers: dict[str, str] | None) -> tuple[str, int, int] | None
     if not 0 <= index < total:
         raise BadFraming(f"chunk {index} of {total}")
     return msg_id, index, total
+
+
+def remember_sender(table: OrderedDict[str, str], delivery: Delivery, instance_id: str) -> None:
+    """Map a message's Sw-Seq sender to the instance that sent it (what an `on_gap(sender)`
+    handler needs), keeping the most recent `MAX_TRACKED_SENDERS`."""
+    sender = sender_of(delivery)
+    if sender is not None and table.get(sender) != instance_id:
+        table[sender] = instance_id
+        table.move_to_end(sender)
+        if len(table) > MAX_TRACKED_SENDERS:
+            table.popitem(last=False)
+
+
+def sender_of(delivery: Delivery) -> str | None:
+    """The Sw-Seq sender of a message: who an `on_gap(sender)` is about."""
+    seq = parse_seq(delivery.headers)
+    return seq[0] if seq is not None else None
 
 
 def parse_seq(headers: dict[str, str] | None) -> tuple[str, int] | None:
@@ -526,12 +576,14 @@ class _Receiver:
         decoder: msgspec.msgpack.Decoder,
         handler: Handler[Any],
         counts_gaps: bool = True,
+        on_gap: Callable[[str], None] | None = None,
     ) -> None:
         self._transport = transport
         self._subject = subject
         self._decoder = decoder
         self._handler = handler
         self._counts_gaps = counts_gaps
+        self._on_gap = on_gap  # (sender) for gaps a Sw-Mark reveals: no message to flag
         self._inbox: asyncio.Queue[tuple[memoryview | None, Delivery]] = asyncio.Queue()
         self._partial: dict[str, _Reassembly] = {}
         self._partial_bytes = 0  # reserved by the reassemblies in `_partial`
@@ -574,7 +626,10 @@ class _Receiver:
         traffic.chunks_received += 1
         traffic.bytes_received += len(payload)
         if landing is None:  # a whole message, or a dropped chunk (only acked)
-            self._inbox.put_nowait((payload, self._counted(delivery)) if self._whole else (None, delivery))
+            if self._whole and MARK_HEADER in (delivery.headers or {}):
+                self._marked(delivery)
+            else:
+                self._inbox.put_nowait((payload, self._counted(delivery)) if self._whole else (None, delivery))
             return
         msg_id, index, state = landing
         complete = state.landed(index, len(payload))
@@ -608,19 +663,32 @@ class _Receiver:
 
     def _counted(self, delivery: Delivery) -> Delivery:
         """The delivery of a complete message, with `missed` set when its sender skipped numbers."""
+        missed = self._missed(delivery, after_last=True)
+        return dataclasses.replace(delivery, missed=missed) if missed else delivery
+
+    def _marked(self, delivery: Delivery) -> None:
+        """A Sw-Mark: its number is the sender's last; anything after what we saw is lost."""
+        missed = self._missed(delivery, after_last=False)
+        seq = parse_seq(delivery.headers)
+        if missed and seq is not None and self._on_gap is not None:
+            self._on_gap(seq[0])
+
+    def _missed(self, delivery: Delivery, after_last: bool) -> int:
+        """Numbers skipped before this one (a message's own number comes after the last seen;
+        a mark's is the last sent). 0 on first contact, in order, or for a duplicate."""
         seq = parse_seq(delivery.headers) if self._counts_gaps else None
         if seq is None:
-            return delivery
+            return 0
         sender, number = seq
         key = (sender, delivery.subject)
         last = self._last_seq.pop(key, None)
-        self._last_seq[key] = number
+        self._last_seq[key] = number if last is None else max(number, last)
         if len(self._last_seq) > MAX_TRACKED_SENDERS:
             self._last_seq.popitem(last=False)
-        if last is None or number <= last + 1:  # first contact, in order, or a duplicate
-            return delivery
-        log.error("transport.messages_lost", subject=self._subject, sender=sender, missed=number - last - 1)
-        return dataclasses.replace(delivery, missed=number - last - 1)
+        missed = 0 if last is None else number - last - (1 if after_last else 0)
+        if missed > 0:
+            log.error("transport.messages_lost", subject=self._subject, sender=sender, missed=missed)
+        return max(missed, 0)
 
     # the subscription's task
 

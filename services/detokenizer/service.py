@@ -4,6 +4,7 @@ aborts out. All the work is in `DetokenizerCore`."""
 from __future__ import annotations
 
 import asyncio
+from collections import OrderedDict
 from collections.abc import Coroutine
 from typing import Any
 
@@ -18,7 +19,7 @@ from services.common.heartbeat import HeartbeatMonitor, HeartbeatPublisher
 from services.common.lifecycle import wait_until
 from services.common.logging import request_id_from
 from services.common.nats_reader import Delivery
-from services.common.transport import Transport
+from services.common.transport import Transport, remember_sender
 from services.detokenizer.config import DetokenizerConfig
 from services.detokenizer.core import DetokenizeResult, DetokenizerCore
 from services.detokenizer.metrics import DetokenizerTelemetry
@@ -40,6 +41,7 @@ class DetokenizerService:
         self._register_sid: int | None = None
         self.telemetry = DetokenizerTelemetry(lambda: core.num_running, lambda: transport.events.traffic)
         self._background: set[asyncio.Task[None]] = set()
+        self._schedulers_by_sender: OrderedDict[str, str] = OrderedDict()  # Sw-Seq sender -> scheduler id
         transport.on_receive_loss(self._on_receive_loss)
 
     @classmethod
@@ -55,7 +57,8 @@ class DetokenizerService:
             service._on_register,
             queue=subjects.DETOKENIZER_QUEUE,
         )
-        await transport.subscribe(subjects.detokenizer_tokens(config.instance_id), TokenBatch, service._on_tokens)
+        tokens = subjects.detokenizer_tokens(config.instance_id)
+        await transport.subscribe(tokens, TokenBatch, service._on_tokens, on_gap=service._on_tokens_lost)
         await transport.subscribe(subjects.SCHEDULER_ABORT, AbortRequest, service._on_abort)
         await service._schedulers.start()
         service._heartbeat.start()
@@ -69,6 +72,7 @@ class DetokenizerService:
         await self._transport.respond(msg, DetokenizerRegistrationReply(detokenizer_id=self._config.instance_id))
 
     async def _on_tokens(self, batch: TokenBatch, msg: Delivery) -> None:
+        remember_sender(self._schedulers_by_sender, msg, batch.scheduler_id)
         if msg.missed:  # batches of this scheduler were lost: whoever they carried tokens for is short
             message = f"request failed: {msg.missed} token batches from scheduler {batch.scheduler_id} were lost in transit"
             await self._send(self._fail(self._core.rids_from(batch.scheduler_id, batch), message))
@@ -80,6 +84,14 @@ class DetokenizerService:
         result = self._core.fail(rids, message)
         self.telemetry.forgotten([abort.rid for abort in result.aborts])
         return result
+
+    def _on_tokens_lost(self, sender: str) -> None:
+        """A scheduler's last batches to us were lost (its connection came back and said how many
+        it had sent): its requests here will get no more tokens."""
+        scheduler_id = self._schedulers_by_sender.get(sender)
+        if scheduler_id is not None:
+            message = f"request failed: token batches from scheduler {scheduler_id} were lost in transit"
+            self._spawn(self._send(self._fail(self._core.rids_from(scheduler_id), message)))
 
     def _on_receive_loss(self) -> None:
         """Our receiving connection dropped and came back: any batch sent meanwhile is gone."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 
 import nats.errors
@@ -23,7 +24,7 @@ from contracts.tokenizer import TextBatch
 from services.common.arrays import to_wire
 from services.common.heartbeat import HeartbeatMonitor, HeartbeatPublisher
 from services.common.nats_reader import Delivery
-from services.common.transport import Traffic, Transport
+from services.common.transport import Traffic, Transport, remember_sender
 from services.tokenizer.config import TokenizerConfig
 from services.common.logging import request_headers
 from services.tokenizer.requests import OnDone, PendingRequest, PendingRequests
@@ -53,6 +54,7 @@ class TokenizerService:
         self._detokenizers = HeartbeatMonitor(transport, "detokenizer", timeout, self._on_dead)
         self._watchdog: asyncio.Task[None] | None = None
         self._background: set[asyncio.Task[None]] = set()
+        self._detokenizers_by_sender: OrderedDict[str, str] = OrderedDict()  # Sw-Seq sender -> detokenizer id
         transport.on_receive_loss(lambda: self._fail_lost(lambda _p: True, "the tokenizer lost its NATS connection mid-request"))
 
     @classmethod
@@ -60,7 +62,8 @@ class TokenizerService:
         """`on_done` sees every request once, when it leaves (metrics, the summary line)."""
         transport = await Transport.connect(config.nats, f"tokenizer-{config.instance_id}")
         service = cls(config, transport, on_done)
-        await transport.subscribe(subjects.tokenizer_outputs(config.instance_id), TextBatch, service._on_outputs)
+        outputs = subjects.tokenizer_outputs(config.instance_id)
+        await transport.subscribe(outputs, TextBatch, service._on_outputs, on_gap=service._on_outputs_lost)
         await service._schedulers.start()
         await service._detokenizers.start()
         service._heartbeat.start()
@@ -159,10 +162,15 @@ class TokenizerService:
         return GenerateRequest(spec.rid, ids, pending.detokenizer_id, spec.sampling, spec.logprobs, spec.stream)
 
     async def _on_outputs(self, batch: TextBatch, msg: Delivery) -> None:
+        remember_sender(self._detokenizers_by_sender, msg, batch.detokenizer_id)
         if msg.missed:  # text batches of this detokenizer were lost: its requests may be short
             self._fail_lost(lambda p: p.detokenizer_id == batch.detokenizer_id,
                             f"{msg.missed} text batches from detokenizer {batch.detokenizer_id} were lost in transit")  # fmt: skip
         self.pending.dispatch(batch)
+
+    def _on_outputs_lost(self, sender: str) -> None:
+        if (detokenizer_id := self._detokenizers_by_sender.get(sender)) is not None:
+            self._fail_lost(lambda p: p.detokenizer_id == detokenizer_id, f"text batches from detokenizer {detokenizer_id} were lost in transit")
 
     def _fail_lost(self, select: Callable[[PendingRequest], bool], why: str) -> None:
         """Fail (and abort) requests whose outputs may be lost: never a short answer as complete."""

@@ -127,3 +127,31 @@ async def test_a_wildcard_subscription_counts_each_subject_apart(nats_server):
     assert deliveries == [0] * 6
     await sender.close()
     await receiver.close()
+
+
+@pytest.mark.timeout(30)
+async def test_a_lost_last_message_is_reported_by_the_mark_sent_after_a_reconnect(nats_server):
+    sender, receiver = await Transport.connect(nats_server.url, "s"), await Transport.connect(nats_server.url, "r")
+    got, gaps = [], []
+
+    async def keep(message: Blob, _delivery) -> None:
+        got.append(message.seq)
+
+    await receiver.subscribe(SUBJECT, Blob, keep, on_gap=gaps.append)
+    await receiver.flush()
+    publish = sender._nc.publish
+
+    async def lose_the_last_two(subject, payload=b"", reply="", headers=None):
+        if not payload or msgspec.msgpack.decode(bytes(payload), type=Blob).seq < 1:
+            await publish(subject, payload, reply, headers)
+
+    sender._nc.publish = lose_the_last_two  # inside a server that then died, say
+    for seq in range(3):
+        await sender.publish(SUBJECT, blob(seq, 10))
+    sender._mark_sequences_soon()  # what its reconnect does
+    async with asyncio.timeout(10):
+        while not gaps:
+            await asyncio.sleep(0.02)
+    assert got == [0] and gaps[0] == sender._sender_id
+    await sender.close()
+    await receiver.close()
