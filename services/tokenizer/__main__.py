@@ -30,6 +30,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--max-model-len", type=int, default=None, help="longest prompt + output (default: the model's)")
     add("--max-logprobs", type=int, default=20, help="largest top-k a request may ask for")
     add("--request-timeout-s", type=float, default=5.0, help="NATS request/reply timeout (claims, registration)")
+    add("--claim-wait-s", type=float, default=30.0,
+        help="every scheduler busy this long: the request goes to one anyway (load-aware placement)")
     add("--api-key", default=env.api_key or None,
         help="require `Authorization: Bearer KEY` on every route but /health (env: SPARKWIRE_API_KEY)")  # fmt: skip
     add("--metrics-require-api-key", action="store_true", help="/metrics needs the API key too")
@@ -47,6 +49,7 @@ def build_config(args: argparse.Namespace) -> TokenizerConfig:
         max_model_len=args.max_model_len,
         max_logprobs=args.max_logprobs,
         request_timeout_s=args.request_timeout_s,
+        claim_wait_s=args.claim_wait_s,
         log_level=args.log_level,
         api_key=args.api_key,
         metrics_require_api_key=args.metrics_require_api_key,

@@ -3,7 +3,7 @@ takes a claim only while it has room, so the slow one, full for longer, takes me
 and every output equals the same request's solo run.
 
 The slow scheduler is slowed from outside, without a test-only code path: a thread stops and
-continues its process (SIGSTOP 90 ms, SIGCONT 15 ms: it runs about a seventh of the time, slower
+continues its process (SIGSTOP 190 ms, SIGCONT 10 ms: it runs a twentieth of the time, slower
 than the other even on a machine whose cores are all busy; its heartbeats, every 0.5 s of wall
 time against a 2 s timeout, still arrive).
 """
@@ -25,11 +25,14 @@ from services.common.nats_server import free_port, start_nats_server
 MAX_RUNNING = 2  # per scheduler: the flood keeps both full
 NUM_REQUESTS = 24
 MAX_NEW_TOKENS = 16
-# A slowed process on a machine whose cores are busy may stay silent past the default 2 s.
+# A slowed process on a machine whose cores are busy may stay silent past the default 2 s; and
+# on such a machine a request may wait for room longer than the default 30 s before it is forced
+# onto any scheduler, which would measure chance instead of placement.
 ENV = {"SPARKWIRE_HEARTBEAT_TIMEOUT_S": "6"}
+CLAIM_WAIT_S = "240"
 
 
-def duty_cycle(pid: int, stop: threading.Event, off_s: float = 0.09, on_s: float = 0.015) -> None:
+def duty_cycle(pid: int, stop: threading.Event, off_s: float = 0.19, on_s: float = 0.01) -> None:
     while not stop.is_set():
         os.kill(pid, signal.SIGSTOP)
         stop.wait(off_s)
@@ -57,7 +60,7 @@ def test_a_flood_is_spread_by_load_and_outputs_equal_solo_runs(tmp_path):
         for name in ("fast", "slow"):
             argv = [sys.executable, "-m", "services.cli", "scheduler", "--nats-url", stack.nats.url, *scheduler_argv]
             stack.services[f"scheduler-{name}"] = Service.start(f"scheduler-{name}", argv, tmp_path, env=ENV)
-        for name, extra in (("detokenizer", []), ("tokenizer", ["--port", str(stack.port)])):
+        for name, extra in (("detokenizer", []), ("tokenizer", ["--port", str(stack.port), "--claim-wait-s", CLAIM_WAIT_S])):
             argv = [sys.executable, "-m", "services.cli", name, "--nats-url", stack.nats.url, *extra]
             stack.services[name] = Service.start(name, argv, tmp_path, env=ENV)
         stack.wait_healthy()
