@@ -321,6 +321,7 @@ class NatsReader:
     _next_sid: int = 1
     _closing: bool = False
     _reconnecting: asyncio.Task[None] | None = None
+    _keepalive: asyncio.Task[None] | None = None
     _servers: list[str] = field(default_factory=list)  # configured first, then discovered
     _server_index: int = 0  # the server in use, or the one to try first
 
@@ -336,6 +337,7 @@ class NatsReader:
             connection = NatsConnection(nats_url=connection)
         reader = cls(connection, name, events or ReaderEvents(), _servers=list(connection.servers))
         reader._protocol = await reader._open_any()
+        reader._keepalive = asyncio.get_running_loop().create_task(reader._ping_forever())
         return reader
 
     @property
@@ -362,10 +364,11 @@ class NatsReader:
 
     async def close(self) -> None:
         self._closing = True
-        if self._reconnecting is not None:
-            self._reconnecting.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._reconnecting
+        for task in (self._reconnecting, self._keepalive):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
         protocol, self._protocol = self._protocol, None
         if protocol is not None and protocol.transport is not None:
             protocol.transport.close()
@@ -373,6 +376,22 @@ class NatsReader:
                 await asyncio.wait_for(protocol.closed, 5)
 
     # internals
+
+    async def _ping_forever(self) -> None:
+        """A PING every `nats_ping_interval_s`; no PONG within two intervals means the link is dead
+        (a vanished host sends no FIN), so drop it and reconnect, as nats-py does on its side."""
+        interval = self.connection.nats_ping_interval_s
+        while not self._closing:
+            await asyncio.sleep(interval)
+            protocol = self._protocol
+            if protocol is None or protocol.transport is None or protocol.closed.done():
+                continue
+            try:
+                await asyncio.wait_for(protocol.ping(), 2 * interval)
+            except (TimeoutError, ConnectionError, ReaderError):
+                if protocol is self._protocol and protocol.transport is not None:
+                    log.warning("nats_reader.no_pong", service=self.name, waited_s=2 * interval)
+                    protocol.transport.abort()
 
     def _sink(self, sid: int) -> PayloadSink | None:
         subscription = self._subscriptions.get(sid)

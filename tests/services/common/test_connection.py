@@ -25,7 +25,7 @@ from services.common.connection import (
     redact_url,
 )
 from services.common.lifecycle import run_event_loop
-from services.common.nats_reader import NatsReader, auth_options, read_creds
+from services.common.nats_reader import NatsReader, ReaderEvents, auth_options, read_creds
 from services.common.nats_server import free_port
 from services.common.natspy_reader import NatsPyReader
 from services.common.settings import connection_environ, connection_from_environ, connection_values
@@ -208,3 +208,36 @@ def test_tls_is_on_exactly_when_configured(tmp_path: Path):
     connection = NatsConnection(nats_tls_ca=str(tls.ca))
     assert connection.tls and connection.ssl_context() is not None
     assert NatsConnection().ssl_context() is None
+
+
+def test_the_reader_drops_a_link_whose_server_stopped_answering_and_reconnects():
+    """A server that goes silent (no FIN: a vanished host) is noticed by the reader's own PINGs."""
+
+    async def scenario() -> tuple[int, int]:
+        connections: list[asyncio.StreamWriter] = []
+
+        async def silent_after_connect(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            connections.append(writer)
+            writer.write(b'INFO {"server_id":"fake","headers":true,"max_payload":1048576}\r\n')
+            while line := await reader.readline():
+                if line.startswith(b"PING") and len(connections) == 1 and not getattr(writer, "answered", False):
+                    writer.answered = True  # type: ignore[attr-defined]
+                    writer.write(b"PONG\r\n")  # the connect handshake's PING only; then silence
+                elif line.startswith(b"PING") and len(connections) > 1:
+                    writer.write(b"PONG\r\n")
+
+        server = await asyncio.start_server(silent_after_connect, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        counts = {"down": 0, "up": 0}
+        events = ReaderEvents(on_disconnect=lambda: counts.__setitem__("down", counts["down"] + 1),
+                              on_reconnect=lambda: counts.__setitem__("up", counts["up"] + 1))  # fmt: skip
+        reader = await NatsReader.connect(NatsConnection(nats_url=f"nats://127.0.0.1:{port}", nats_ping_interval_s=0.2), "r", events)
+        for _ in range(50):
+            if counts["up"]:
+                break
+            await asyncio.sleep(0.05)
+        await reader.close()
+        server.close()
+        return counts["down"], counts["up"]
+
+    assert run_event_loop(scenario(), "uvloop") == (1, 1)
