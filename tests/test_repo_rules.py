@@ -88,3 +88,16 @@ def test_subject_strings_are_only_spelled_in_the_subjects_module():
     offenders = [str(path.relative_to(ROOT)) for path in python_files("services")
                  if "sparkwire.v1." in path.read_text()]  # fmt: skip
     assert offenders == []
+
+
+def test_the_quick_start_installs_what_sparkwire_up_needs():
+    """`sparkwire up` runs a scheduler, whose torch and safetensors live in the `scheduler` extra:
+    a quick start that installs only the base package would end in the scheduler's ImportError."""
+    import re
+    import tomllib
+
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    command = next(line for line in readme.splitlines() if "sparkwire up" in line and "pip install" in line)
+    installs = re.findall(r"pip install (?:-e )?'?([^\s']+)'?", command)
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))["project"]["optional-dependencies"]
+    assert "scheduler" in extras and any(target.startswith(".[") and "scheduler" in target for target in installs), command
