@@ -18,6 +18,7 @@ from services.common.settings import EnvSettings, connection_values
 from services.models import BUNDLED_MODEL
 
 SERVICES = ("tokenizer", "scheduler", "detokenizer")
+SCHEDULER_PACKAGES = ("torch", "safetensors")  # the `scheduler` extra of pyproject.toml
 TORCH_HINT = "pip install 'sparkwire[scheduler]' (the tokenizer and detokenizer run without it)"
 
 
@@ -70,9 +71,9 @@ def _resolve(command: Command, attribute: str) -> Callable[..., object]:
     try:
         module = importlib.import_module(command.module)
     except ModuleNotFoundError as exc:
-        if exc.name != "torch":
+        if exc.name not in SCHEDULER_PACKAGES:
             raise
-        raise SystemExit(f"sparkwire: {command.module} needs torch: {TORCH_HINT}") from None
+        raise SystemExit(f"sparkwire: {command.module} needs {exc.name}: {TORCH_HINT}") from None
     return getattr(module, attribute)
 
 

@@ -305,8 +305,11 @@ def main(args: argparse.Namespace) -> int:
 
 
 def _run(stack: Stack) -> int:
-    if importlib.util.find_spec("torch") is None:  # fail before starting anything, in words
-        print("sparkwire up: the scheduler needs torch: pip install 'sparkwire[scheduler]'", file=sys.stderr)
+    from services.cli import SCHEDULER_PACKAGES, TORCH_HINT
+
+    missing = [name for name in SCHEDULER_PACKAGES if importlib.util.find_spec(name) is None]
+    if missing:  # fail before starting anything, in words
+        print(f"sparkwire up: the scheduler needs {' and '.join(missing)}: {TORCH_HINT}", file=sys.stderr)
         return 1
     if port_in_use(stack.args.host, stack.args.port):
         # Otherwise whatever listens there could answer /health and pass for Sparkwire.
