@@ -3,7 +3,8 @@
 One `execute`:
 
     1. lay out      host arrays of the ragged batch (queries, slots, tables, verify rows)
-    2. upload       one non-blocking copy (`HostUpload`)
+    2. upload       one non-blocking copy from a pinned buffer (`HostUpload`; logprob row
+                    indices, when asked for, travel in two more)
     3. forward      the target over every query token (+ the proposer's layers, captured)
     4. verify       logits of each producing sequence's last 1 + k rows; the accept rule
                     (`spec.accept`) keeps the longest valid draft prefix and one more token
