@@ -21,6 +21,11 @@ from services.models import RANDOM_TINY_MODEL
 
 ROOT = Path(__file__).resolve().parents[2]
 READY_TIMEOUT_S = 120.0
+# Replica tests run two schedulers, two tokenizers and two detokenizers on CI's 2 cores: a
+# heartbeat can be late by more than the 2 s default there, and a replica wrongly declared dead
+# fails its requests. They test graceful leaving (the "dead" sentinel), never silence, so they
+# get a timeout no scheduling hiccup reaches; the kill tests keep the default.
+REPLICA_HEARTBEAT_TIMEOUT_S = 15.0
 
 
 def service_argv(name: str, nats_url: str, *extra: str) -> list[str]:
@@ -112,18 +117,17 @@ def start_replicas(log_dir: Path, count: int = 2, schedulers: int = 1) -> tuple[
     """`count` detokenizers (`detokenizer-<i>`) and tokenizers (`tokenizer-<i>`, base URLs returned
     in order) on one scheduler (`scheduler`) or more (`scheduler-<i>`), all healthy."""
     stack = Stack(start_nats_server(), log_dir)
+    env = {"SPARKWIRE_HEARTBEAT_TIMEOUT_S": str(REPLICA_HEARTBEAT_TIMEOUT_S)}
     urls = []
     try:
-        if schedulers == 1:
-            stack.start("scheduler")
-        for index in range(schedulers if schedulers > 1 else 0):
-            argv = service_argv("scheduler", stack.nats.url)
-            stack.services[f"scheduler-{index}"] = Service.start(f"scheduler-{index}", argv, log_dir)
+        names = ["scheduler"] if schedulers == 1 else [f"scheduler-{index}" for index in range(schedulers)]
+        for name in names:
+            stack.services[name] = Service.start(name, service_argv("scheduler", stack.nats.url), log_dir, env)
         for index in range(count):
             port = free_port()
             for name, extra in (("detokenizer", ()), ("tokenizer", ("--port", str(port)))):
                 argv = service_argv(name, stack.nats.url, *extra)
-                stack.services[f"{name}-{index}"] = Service.start(f"{name}-{index}", argv, log_dir)
+                stack.services[f"{name}-{index}"] = Service.start(f"{name}-{index}", argv, log_dir, env)
             urls.append(f"http://127.0.0.1:{port}")
         for url in urls:
             stack.port = int(url.rsplit(":", 1)[1])

@@ -231,11 +231,15 @@ def start_tokenizer(nats_server) -> Callable[..., contextlib.AbstractAsyncContex
     return start
 
 
+async def wait_live(frontend: Frontend) -> None:
+    """/health wants a live scheduler and detokenizer: wait for the backend's first heartbeats."""
+    assert await wait_until(lambda: all(frontend.service.liveness().values()), 10.0), frontend.service.liveness()
+
+
 @pytest.fixture
 async def tokenizer(start_tokenizer, backend) -> AsyncIterator[Frontend]:
     async with start_tokenizer() as frontend:
-        # /health wants a live detokenizer: wait for the backend's first heartbeats
-        await wait_until(lambda: all(frontend.service.liveness().values()), 5.0)
+        await wait_live(frontend)
         yield frontend
 
 

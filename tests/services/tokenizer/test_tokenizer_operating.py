@@ -15,7 +15,7 @@ from services.tokenizer.http_app import ROUTE_HANDLERS
 from services.tokenizer.openai_api import choice_seed
 from services.tokenizer.validation import unsupported_fields
 from services.tokenizer.text_model import TextModel
-from tests.services.tokenizer.conftest import base_url
+from tests.services.tokenizer.conftest import base_url, wait_live
 from tests.services.tokenizer.test_tokenizer_service import sse_payloads, wait_until
 
 pytestmark = pytest.mark.timeout(30)
@@ -153,6 +153,7 @@ async def test_api_key_guards_every_route_but_health_and_metrics(start_tokenizer
     routes = all_routes()
     assert len(routes) >= 9
     async with start_tokenizer(api_key=KEY) as frontend, httpx.AsyncClient(base_url=base_url(frontend)) as client:
+        await wait_live(frontend)
         for method, path in routes:
             missing = await call(client, method, path, {})
             wrong = await call(client, method, path, {"Authorization": "Bearer nope"})
@@ -167,6 +168,7 @@ async def test_api_key_guards_every_route_but_health_and_metrics(start_tokenizer
 
 async def test_metrics_can_require_the_key_too(start_tokenizer, backend):
     async with start_tokenizer(api_key=KEY, metrics_require_api_key=True) as frontend:
+        await wait_live(frontend)
         async with httpx.AsyncClient(base_url=base_url(frontend)) as client:
             assert (await client.get("/metrics")).status_code == 401
             assert (await client.get("/metrics", headers={"Authorization": f"Bearer {KEY}"})).status_code == 200
