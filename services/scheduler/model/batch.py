@@ -21,14 +21,15 @@ class ForwardBatch:
     positions: torch.Tensor  # int64 [T], position of each new token in its sequence
     query_start_loc: torch.Tensor  # int32 [B + 1]
     seq_lens: torch.Tensor  # int32 [B], KV length of each sequence after this step
-    block_tables: torch.Tensor  # int32 [B, max_blocks_per_seq], -1 padded
+    # int32 [B, max_blocks_per_seq]; entries past a sequence's own blocks hold a valid block id that no
+    # sequence owns: the KV cache's trash block (graphs copy tables as they are, with no fix-up kernel)
+    block_tables: torch.Tensor
     slot_mapping: torch.Tensor  # int64 [T]
     capture_layers: tuple[int, ...] = ()  # layer indices whose outputs to return (DSpark context)
     # The same lengths as host tuples, when the caller has them: planning attention then reads
     # nothing back from the device.
     host_query_lens: tuple[int, ...] | None = None  # [B]
     host_seq_lens: tuple[int, ...] | None = None  # [B]
-    tables_padded_with_trash: bool = False  # block_tables' unused entries hold the trash block, not -1
 
     @property
     def num_tokens(self) -> int:

@@ -30,8 +30,11 @@ def is_pure_decode(batch: ForwardBatch) -> bool:
 
 
 def uniform_query_len(batch: ForwardBatch) -> int | None:
-    """q when every sequence of the batch has the same short query of q tokens (the worker's queries
-    always end at their sequence's seq_len); else None. Long queries (prefill chunks) go to SDPA."""
+    """q when every sequence of the batch has the same short query of q tokens; else None. Long
+    queries (prefill chunks) go to SDPA. Decode attention lets token t of sequence b see the keys
+    below seq_lens[b] - q + t % q + 1: that relies on `ForwardBatch`'s contract (a sequence's new
+    tokens are the last of its seq_lens[b]), which every builder keeps and the twin tests check
+    against eager forwards."""
     if batch.num_tokens == batch.num_seqs:
         return 1
     lens = batch.host_query_lens
@@ -102,15 +105,13 @@ class DecodeGraphRunner:
 
     def _load(self, batch: ForwardBatch, rung: int, query_len: int) -> None:
         num_seqs, num_tokens, width = batch.num_seqs, batch.num_tokens, batch.block_tables.shape[1]
-        trash = self.cache.trash_block
         self.input_ids[:num_tokens].copy_(batch.input_ids)
         self.positions[:num_tokens].copy_(batch.positions)
         self.slot_mapping[:num_tokens].copy_(batch.slot_mapping)
         self.seq_lens[:num_seqs].copy_(batch.seq_lens)
         # Entries past the batch's width keep an earlier step's (valid) ids: the kernel reads only the
         # blocks below each seq_len. Padded rows get the trash block in `_pad`.
-        tables = batch.block_tables
-        self.block_tables[:num_seqs, :width].copy_(tables if batch.tables_padded_with_trash else tables.masked_fill(tables < 0, trash))
+        self.block_tables[:num_seqs, :width].copy_(batch.block_tables)
         self._pad(num_seqs, rung, query_len)
 
     def _pad(self, start: int, rung: int, query_len: int) -> None:

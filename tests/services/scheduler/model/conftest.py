@@ -70,7 +70,8 @@ def save_hf_model(model: torch.nn.Module, out: Path, sharded: bool = False) -> P
 
 
 class LinearPager:
-    """Test-only block manager: each sequence owns a fixed run of blocks, drawn from a shuffled pool."""
+    """Test-only block manager: each sequence owns a fixed run of blocks, drawn from a shuffled pool.
+    Its tables pad with block `num_blocks`: the trash block of a KV cache sized `num_blocks`."""
 
     def __init__(self, num_seqs: int, max_blocks_per_seq: int, block_size: int, seed: int = 0) -> None:
         pool = torch.randperm(num_seqs * max_blocks_per_seq, generator=torch.Generator().manual_seed(seed))
@@ -107,7 +108,7 @@ class LinearPager:
     def _tables(self, seqs: list[int], lens: list[int]) -> torch.Tensor:
         rows = self.tables[seqs].clone()  # [B, M]
         used = -(-torch.tensor(lens) // self.block_size)  # [B]
-        rows[torch.arange(rows.shape[1])[None, :] >= used[:, None]] = -1
+        rows[torch.arange(rows.shape[1])[None, :] >= used[:, None]] = self.num_blocks
         return rows.to(torch.int32)
 
 
