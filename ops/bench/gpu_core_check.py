@@ -19,6 +19,7 @@ All on the Qwen3-8B shape with dummy bf16 weights (`ops/model_configs/Qwen3-8B`)
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import subprocess
@@ -34,6 +35,8 @@ from contracts.scheduler import LogprobParams, SamplingParams
 from services.scheduler.core import SchedulerCore
 from services.scheduler.model.loader import load_model_runner
 from services.scheduler.request import SchedulerRequest
+from services.scheduler.spec.accept import VerifyBlock
+from services.scheduler.worker import ModelWorker
 
 REPO = Path(__file__).resolve().parents[2]
 TARGET = REPO / "ops/model_configs/Qwen3-8B"
@@ -50,6 +53,19 @@ def requests(batch: int, prompt_len: int, new_tokens: int, vocab: int, logprobs:
 def sync(device: str) -> None:
     if device == "cuda":
         torch.cuda.synchronize()
+
+
+class SimulatedAcceptWorker(ModelWorker):
+    """BENCHMARK ONLY: every verify keeps min(accept_len - 1, k) drafts whatever the target says, so a
+    draft/verify loop is timed at a chosen accept length (the output is not the model's)."""
+
+    def __init__(self, accept_len: int, runner, **kwargs) -> None:
+        super().__init__(runner, **kwargs)
+        self.accept_len = accept_len
+
+    def _accept(self, block: VerifyBlock) -> tuple[torch.Tensor, torch.Tensor]:
+        num_accepted = block.num_draft.clamp(max=self.accept_len - 1)  # [P]
+        return num_accepted, block.target_argmax.gather(1, num_accepted[:, None])[:, 0]
 
 
 def time_core(core, reqs, warm_steps: int = 3) -> dict:
@@ -162,7 +178,7 @@ def dspark_rows(runner, draft: Path, batches, prompt_len, new_tokens, accept_len
     for batch in batches:
         for repeat, (name, logprobs) in enumerate(runs):
             core = SchedulerCore(runner, max_running_requests=max(batches), chunked_prefill_size=16384,
-                                 proposer=proposer, simulate_accept_len=accept_len)  # fmt: skip
+                                 proposer=proposer, make_worker=functools.partial(SimulatedAcceptWorker, accept_len))  # fmt: skip
             time_core(core, requests(batch, prompt_len, 40, runner.config.vocab_size, logprobs, "w"))  # warm-up
             row = time_core(core, requests(batch, prompt_len, new_tokens, runner.config.vocab_size, logprobs, "r"))
             rows.append({"batch": batch, "logprobs": name, "pass": repeat // 2 + 1, "gamma": gamma,

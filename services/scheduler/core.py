@@ -15,6 +15,7 @@ block drafted for it the step before, and it gains the accepted drafts plus one 
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from services.scheduler.policy import Policy
@@ -59,12 +60,12 @@ class SchedulerCore:
         num_blocks: int | None = None,  # use only this many of the runner's KV blocks (tests)
         proposer: Proposer | None = None,
         verify_mode: str = "static",
-        simulate_accept_len: int | None = None,  # benchmarks only: see ModelWorker
+        make_worker: Callable[..., ModelWorker] = ModelWorker,  # benchmarks swap in a subclass
     ) -> None:
         config = runner.config
         self.vocab_size = config.vocab_size
         self.max_model_len = max_model_len or config.max_position_embeddings
-        self.worker = ModelWorker(runner, logprobs_mode=logprobs_mode, proposer=proposer, simulate_accept_len=simulate_accept_len)
+        self.worker = make_worker(runner, logprobs_mode=logprobs_mode, proposer=proposer)
         self.policy = Policy(
             num_blocks=min(num_blocks or runner.num_blocks, runner.num_blocks),
             block_size=runner.block_size,

@@ -54,14 +54,9 @@ class _Layout:
 
 
 class ModelWorker:
-    def __init__(
-        self, runner, *, logprobs_mode: str = "raw", proposer: Proposer | None = None, simulate_accept_len: int | None = None
-    ) -> None:
-        """simulate_accept_len: BENCHMARKS ONLY — every verify keeps min(this - 1, k) drafts whatever the
-        target says, so a draft/verify loop can be timed at a chosen accept length (output is not the model's)."""
+    def __init__(self, runner, *, logprobs_mode: str = "raw", proposer: Proposer | None = None) -> None:
         self.runner = runner
         self.proposer = proposer
-        self.simulate_accept_len = simulate_accept_len
         self.vocab_size = runner.config.vocab_size
         self._processed = logprobs_mode == "processed"
         self._upload = HostUpload(runner.device)
@@ -143,7 +138,6 @@ class ModelWorker:
             query_start_loc=arrays["query_start_loc"],
             seq_lens=arrays["seq_lens"],
             block_tables=arrays["block_tables"],
-            tables_padded_with_trash=True,
             slot_mapping=arrays["slots"],
             capture_layers=tuple(capture),
             host_query_lens=tuple(len(s.query) for s in plan.steps),
@@ -175,18 +169,19 @@ class ModelWorker:
             is_greedy=arrays["is_greedy"].bool(),
             **self._sampling_inputs(producers, chosen, arrays["drafts"]),
         )
-        num_accepted, next_token = accept(block)  # [P], [P]
-        if self.simulate_accept_len is not None:
-            num_accepted = block.num_draft.clamp(max=self.simulate_accept_len - 1)
-            next_token = block.target_argmax.gather(1, num_accepted[:, None])[:, 0]
+        num_accepted, next_token = self._accept(block)  # [P], [P]
         slots = torch.arange(width, device=logits.device)  # [K + 1]
         padded = torch.cat([block.drafts, next_token[:, None]], dim=1)  # [P, K + 1]
         tokens = torch.where(slots[None, :] < num_accepted[:, None], padded, next_token[:, None])  # [P, K + 1]
         return _Verified(reported, num_accepted, next_token, tokens)
 
+    def _accept(self, block: VerifyBlock) -> tuple[torch.Tensor, torch.Tensor]:
+        """The accept rule (`spec.accept`); a benchmark's subclass may replace it."""
+        return accept(block)
+
     def _plain_greedy(self, producers: list[SeqStep], layout: _Layout) -> bool:
         """No drafts, no proposer, every producer greedy: the step's token is the argmax, nothing more."""
-        if layout.max_draft > 0 or self.proposer is not None or self.simulate_accept_len is not None:
+        if layout.max_draft > 0 or self.proposer is not None:
             return False
         return all(s.seq.request.sampling.temperature <= 0 for s in producers)
 
