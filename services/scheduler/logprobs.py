@@ -31,7 +31,7 @@ class LogprobQuery:
     """One request's rows and what it wants from each of them."""
 
     rows: np.ndarray  # int64 [n], rows of the step's hidden states (or of the given logits)
-    targets: np.ndarray | torch.Tensor  # int64 [n], the token whose logprob each row gives (host or device)
+    targets: np.ndarray | None  # int64 [n], the token whose logprob each row gives; None: sampled this step
     top_k: int
     token_ids: tuple[int, ...]
     sampling: SamplingParams = SamplingParams()  # used in processed mode only
@@ -55,19 +55,6 @@ def top_k_sorted(logprobs: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Te
     return values.gather(1, order), ids.gather(1, order)
 
 
-@dataclass(frozen=True)
-class DeviceLogprobs:
-    """Every query's rows, concatenated, still on the device (they reach the host in the step's one copy)."""
-
-    token: torch.Tensor  # f32 [n]
-    top_values: torch.Tensor  # f32 [n, max_k]
-    top_ids: torch.Tensor  # int32 [n, max_k]
-    ids: torch.Tensor  # f32 [n, max_m]
-
-    def tensors(self) -> tuple[torch.Tensor, ...]:
-        return self.token, self.top_values, self.top_ids, self.ids
-
-
 def compute_logprobs(
     queries: list[LogprobQuery],
     source: torch.Tensor,
@@ -76,47 +63,58 @@ def compute_logprobs(
     processed: bool,
 ) -> list[RowLogprobs]:
     """`source` is hidden states [N, H] (then `to_logits` maps rows to f32 logits) or logits [N, V]."""
-    on_device = logprobs_on_device(queries, source, to_logits, vocab_size, processed)
-    host = [t.cpu().numpy() for t in on_device.tensors()] if on_device is not None else None
+    inputs = {name: torch.from_numpy(a).to(source.device) for name, a in logprob_inputs(queries).items()}
+    on_device = logprobs_on_device(queries, inputs, source, to_logits, vocab_size, processed)
+    host = [t.cpu().numpy() for t in on_device.columns()] if on_device is not None else None
     return split_logprobs(queries, host)
+
+
+def logprob_inputs(queries: list[LogprobQuery]) -> dict[str, np.ndarray]:
+    """The host arrays `logprobs_on_device` reads (the worker sends them in the step's one upload):
+    rows int64 [n], requested ids int64 [n, max_m] (-1 = not asked), targets int64 [n] when every
+    query's targets are on the host."""
+    rows = np.concatenate([q.rows for q in queries]).astype(np.int64) if queries else np.zeros(0, np.int64)
+    if rows.size == 0:
+        return {}
+    inputs = {"rows": rows, "ids": _padded_ids(queries)}
+    if all(q.targets is not None for q in queries):
+        inputs["targets"] = np.concatenate([q.targets for q in queries]).astype(np.int64)
+    return inputs
 
 
 def logprobs_on_device(
     queries: list[LogprobQuery],
+    inputs: dict[str, torch.Tensor],
     source: torch.Tensor,
     to_logits: Callable[[torch.Tensor], torch.Tensor] | None,
     vocab_size: int,
     processed: bool,
-    upload=None,
-) -> DeviceLogprobs | None:
-    """The queries' rows in chunks (so a 32k-row prompt never holds [32k, V] logits); None if no rows.
+    targets: torch.Tensor | None = None,
+) -> RowLogprobs[torch.Tensor] | None:
+    """Every query's rows, concatenated (k padded to the largest: [n, max_k], ids to [n, max_m]), still on
+    the device; computed in chunks, so a 32k-row prompt never holds [32k, V] logits. None if no rows.
 
-    upload: a `HostUpload` of its own, to send the host-side indices without a synchronizing copy.
+    inputs: `logprob_inputs(queries)` on the device. targets: int64 [n] on the device, for queries
+    whose targets were sampled this step (their `targets` is None).
     """
-    rows = np.concatenate([q.rows for q in queries]) if queries else np.zeros(0, np.int64)  # [n]
-    if rows.size == 0:
+    if not inputs:
         return None
-    device = source.device
-    host = {"rows": rows.astype(np.int64), "ids": _padded_ids(queries)}  # [n], [n, max_m]
-    on_host_targets = all(isinstance(q.targets, np.ndarray) for q in queries)
-    if on_host_targets:
-        host["targets"] = np.concatenate([q.targets for q in queries]).astype(np.int64)  # [n]
-    sent = upload.send(host) if upload is not None else {k: torch.from_numpy(v).to(device) for k, v in host.items()}
-    targets = sent["targets"] if on_host_targets else torch.cat([torch.as_tensor(q.targets).to(device) for q in queries])
+    targets = inputs["targets"] if targets is None else targets
     sampling = [q.sampling if processed else None for q in queries for _ in range(len(q.rows))]  # [n]
     max_k = max(q.top_k for q in queries)
-    ids, row_index = sent["ids"], sent["rows"]
+    ids, row_index = inputs["ids"], inputs["rows"]
+    num_rows = row_index.shape[0]
     chunk_rows = max(1, min(MAX_CHUNK_ROWS, CHUNK_BYTES // (4 * vocab_size)))
     parts = []
-    for start in range(0, len(rows), chunk_rows):
-        end = min(start + chunk_rows, len(rows))
+    for start in range(0, num_rows, chunk_rows):
+        end = min(start + chunk_rows, num_rows)
         rows_logprobs = _RowsLogprobs(source, to_logits, sampling[start:end])
         parts.append(rows_logprobs.gather(row_index[start:end], targets[start:end], max_k, ids[start:end]))
-    return DeviceLogprobs(*(torch.cat(column) for column in zip(*parts, strict=True)))
+    return RowLogprobs(*(torch.cat(column) for column in zip(*parts, strict=True)))
 
 
 def split_logprobs(queries: list[LogprobQuery], host: list[np.ndarray] | None) -> list[RowLogprobs]:
-    """Host copies of `DeviceLogprobs.tensors()` -> each query's own slice (its k, its ids)."""
+    """Host copies of `logprobs_on_device(...).columns()` -> each query's own slice (its k, its ids)."""
     if host is None:
         return [_empty(q) for q in queries]
     return _split(queries, *host)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Generic, TypeVar
 
 import numpy as np
 
@@ -27,14 +28,23 @@ class SchedulerRequest:
         return cls(request.rid, prompt, request.detokenizer_id, request.sampling, request.logprobs)
 
 
-@dataclass(frozen=True)
-class RowLogprobs:
-    """Logprobs of n rows: the target token's, the top-k (sorted, ties by id), the requested ids'."""
+Array = TypeVar("Array")  # np.ndarray on the host; torch.Tensor on the device, before the step's readback
 
-    token: np.ndarray  # f32 [n]
-    top_values: np.ndarray  # f32 [n, k]
-    top_ids: np.ndarray  # i32 [n, k]
-    ids: np.ndarray  # f32 [n, m]
+
+@dataclass(frozen=True)
+class RowLogprobs(Generic[Array]):
+    """Logprobs of n rows: the target token's, the top-k (sorted, ties by id), the requested ids'.
+    One layout on both sides of the readback: the worker builds `RowLogprobs[torch.Tensor]` for
+    every query of a step at once, and each request gets its `RowLogprobs[np.ndarray]` slice."""
+
+    token: Array  # f32 [n]
+    top_values: Array  # f32 [n, k]
+    top_ids: Array  # i32 [n, k]
+    ids: Array  # f32 [n, m]
+
+    def columns(self) -> tuple[Array, Array, Array, Array]:
+        """In field order: what the readback carries, and what `RowLogprobs(*columns)` rebuilds."""
+        return self.token, self.top_values, self.top_ids, self.ids
 
     def head(self, n: int) -> RowLogprobs:
         return RowLogprobs(self.token[:n], self.top_values[:n], self.top_ids[:n], self.ids[:n])

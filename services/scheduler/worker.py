@@ -3,8 +3,8 @@
 One `execute`:
 
     1. lay out      host arrays of the ragged batch (queries, slots, tables, verify rows)
-    2. upload       one non-blocking copy from a pinned buffer (`HostUpload`; logprob row
-                    indices, when asked for, travel in two more)
+    2. upload       one non-blocking copy from a pinned buffer (`HostUpload`), logprob row
+                    indices and requested ids included
     3. forward      the target over every query token (+ the proposer's layers, captured)
     4. verify       logits of each producing sequence's last 1 + k rows; the accept rule
                     (`spec.accept`) keeps the longest valid draft prefix and one more token
@@ -26,7 +26,7 @@ import torch
 
 from services.scheduler.host_io import HostReadback, HostUpload
 from services.scheduler.logits_processing import is_identity, process_logits, verify_row_contexts
-from services.scheduler.logprobs import LogprobQuery, logprobs_on_device, split_logprobs
+from services.scheduler.logprobs import LogprobQuery, logprob_inputs, logprobs_on_device, split_logprobs
 from services.scheduler.model.batch import ForwardBatch
 from services.scheduler.policy import SeqResult, SeqStep, StepPlan
 from services.scheduler.request import RowLogprobs
@@ -60,10 +60,6 @@ class ModelWorker:
         self.vocab_size = runner.config.vocab_size
         self._processed = logprobs_mode == "processed"
         self._upload = HostUpload(runner.device)
-        # the logprob indices travel in their own pinned buffers: a buffer is reused only after the
-        # step's readback, which waits for its copy
-        self._upload_prompt_rows = HostUpload(runner.device)
-        self._upload_output_rows = HostUpload(runner.device)
         self._readback = HostReadback()
         self._draft_probs: dict[str, torch.Tensor] = {}  # rid -> q [gamma, V] of its pending block
         self.last_forward_s = 0.0  # the last step's forward + verify + logprobs, device time on CUDA
@@ -80,13 +76,14 @@ class ModelWorker:
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> list[SeqResult]:
         layout = _lay_out(plan)  # 1
-        arrays = self._upload.send(self._host_arrays(plan, layout))  # 2
+        wanted = self._logprob_queries(plan, layout)
+        arrays = self._upload.send(self._host_arrays(plan, layout) | wanted.inputs())  # 2
         clock = _StepClock(self.runner.device)
         out = self.runner.forward(self._batch(plan, arrays))  # 3
         verified = self._verify(plan, layout, out, arrays)  # 4
         handles = _Handles(self._readback)
         handles.verify(verified)
-        handles.logprobs(self._logprobs(plan, layout, out.hidden_states, verified))  # 5
+        handles.logprobs(self._logprobs(wanted, arrays, out.hidden_states, verified))  # 5
         clock.mark()
         proposal = self._propose(plan, layout, out.captured, arrays, verified)  # 6
         handles.proposal(proposal)
@@ -227,24 +224,30 @@ class ModelWorker:
 
     # 5. logprobs
 
-    def _logprobs(self, plan: StepPlan, layout: _Layout, hidden: torch.Tensor, verified: _Verified | None):
+    def _logprob_queries(self, plan: StepPlan, layout: _Layout) -> _LogprobQueries:
+        """Known before the forward (so their indices ride in the step's one upload): every prompt
+        row asked for, and the verify rows of each producer that wants logprobs."""
         prompt = [(i, self._prompt_query(plan.steps[i], layout.row_start[i])) for i in range(len(plan.steps))]
-        prompt = [(i, q) for i, q in prompt if q is not None]
-        output = []
-        if verified is not None:
-            width = layout.max_draft + 1
-            for p, i in enumerate(layout.producers):
-                if plan.steps[i].seq.wants_logprobs:
-                    rows = np.arange(p * width, (p + 1) * width, dtype=np.int64)
-                    output.append((i, self._query(plan.steps[i], rows, verified.tokens[p])))
-        prompt_lp = logprobs_on_device([q for _, q in prompt], hidden, self.runner.compute_logits, self.vocab_size,
-                                       self._processed, self._upload_prompt_rows)  # fmt: skip
+        width = layout.max_draft + 1
+        output = [
+            (p, i, self._query(plan.steps[i], np.arange(p * width, (p + 1) * width, dtype=np.int64), None))
+            for p, i in enumerate(layout.producers)
+            if plan.steps[i].seq.wants_logprobs
+        ]
+        return _LogprobQueries([(i, q) for i, q in prompt if q is not None], output)
+
+    def _logprobs(self, wanted: _LogprobQueries, arrays, hidden: torch.Tensor, verified: _Verified | None):
+        prompt = [q for _, q in wanted.prompt]
+        prompt_lp = logprobs_on_device(prompt, _section(arrays, PROMPT_LP), hidden, self.runner.compute_logits,
+                                       self.vocab_size, self._processed)  # fmt: skip
         output_lp = None
-        if output:
-            logits = verified.logits.view(-1, verified.logits.shape[-1])
-            output_lp = logprobs_on_device([q for _, q in output], logits, None, self.vocab_size, self._processed,
-                                           self._upload_output_rows)  # fmt: skip
-        return _LogprobJobs(prompt, prompt_lp, output, output_lp)
+        if wanted.output and verified is not None:
+            logits = verified.logits.view(-1, verified.logits.shape[-1])  # [P * (K + 1), V]
+            targets = torch.cat([verified.tokens[p] for p, _, _ in wanted.output])  # sampled this step
+            output_lp = logprobs_on_device([q for _, _, q in wanted.output], _section(arrays, OUTPUT_LP), logits,
+                                           None, self.vocab_size, self._processed, targets)  # fmt: skip
+        output = [(i, q) for _, i, q in wanted.output]
+        return _LogprobJobs(wanted.prompt, prompt_lp, output, output_lp)
 
     def _prompt_query(self, step: SeqStep, row_start: int) -> LogprobQuery | None:
         seq, lo, hi = step.seq, step.prompt_lo, step.prompt_hi
@@ -255,7 +258,7 @@ class ModelWorker:
         rows = row_start + positions - 1 - step.start
         return self._query(step, rows, np.asarray(seq.tokens[first : hi + 1], np.int64))
 
-    def _query(self, step: SeqStep, rows: np.ndarray, targets) -> LogprobQuery:
+    def _query(self, step: SeqStep, rows: np.ndarray, targets: np.ndarray | None) -> LogprobQuery:
         params = step.seq.request.logprobs
         sampling = step.seq.request.sampling
         return LogprobQuery(rows, targets, params.top_logprobs_num, params.token_ids_logprob, sampling)
@@ -295,12 +298,30 @@ class _Verified:
     tokens: torch.Tensor  # int64 [P, K + 1]: accepted drafts, then next_token (then padding)
 
 
+PROMPT_LP, OUTPUT_LP = "prompt_logprobs.", "output_logprobs."  # their inputs' names in the upload
+
+
+@dataclass(frozen=True)
+class _LogprobQueries:
+    prompt: list[tuple[int, LogprobQuery]]  # (step index, query)
+    output: list[tuple[int, int, LogprobQuery]]  # (producer index, step index, query: targets sampled)
+
+    def inputs(self) -> dict[str, np.ndarray]:
+        prompt = logprob_inputs([q for _, q in self.prompt])
+        output = logprob_inputs([q for _, _, q in self.output])
+        return {PROMPT_LP + k: v for k, v in prompt.items()} | {OUTPUT_LP + k: v for k, v in output.items()}
+
+
+def _section(arrays: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:
+    return {name.removeprefix(prefix): t for name, t in arrays.items() if name.startswith(prefix)}
+
+
 @dataclass(frozen=True)
 class _LogprobJobs:
     prompt: list[tuple[int, LogprobQuery]]  # (step index, query)
-    prompt_rows: object  # DeviceLogprobs | None
+    prompt_rows: RowLogprobs[torch.Tensor] | None
     output: list[tuple[int, LogprobQuery]]
-    output_rows: object
+    output_rows: RowLogprobs[torch.Tensor] | None
 
 
 class _Handles:
@@ -322,9 +343,9 @@ class _Handles:
     def logprobs(self, jobs: _LogprobJobs) -> None:
         self.jobs = jobs
         if jobs.prompt_rows is not None:
-            self.prompt = [self._readback.add(t) for t in jobs.prompt_rows.tensors()]
+            self.prompt = [self._readback.add(t) for t in jobs.prompt_rows.columns()]
         if jobs.output_rows is not None:
-            self.output = [self._readback.add(t) for t in jobs.output_rows.tensors()]
+            self.output = [self._readback.add(t) for t in jobs.output_rows.columns()]
 
     def proposal(self, proposal) -> None:
         if proposal is None:

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from contracts.scheduler import LogprobParams
+from services.scheduler.host_io import HostUpload
 from services.scheduler.spec.base import ContextRows, DraftProposal, DraftRequest
 from test_scheduler_core import TOL, prompt_of, request, run
 
@@ -167,6 +168,25 @@ def test_one_device_to_host_copy_per_decode_step(make_core, monkeypatch):
         monkeypatch.undo()
         # the readback's .cpu() is the only device read (oracle proposers read anchors on the host: excluded)
         assert reads["cpu"] == 3 and reads["tolist"] == (3 if proposer else 0) and reads["item"] == 0
+
+
+def test_one_host_to_device_upload_per_step_with_prompt_and_output_logprobs(make_core, monkeypatch):
+    """Batch arrays, prompt logprob rows and output logprob rows travel in one upload."""
+    requests = _requests(4, LOGPROBS)
+    plain = _plain(make_core, requests)
+    sequences = {r.rid: r.prompt_ids.tolist() + plain[r.rid].tokens for r in requests}
+    sends = []
+    original = HostUpload.send
+    monkeypatch.setattr(HostUpload, "send", lambda self, arrays: sends.append(sorted(arrays)) or original(self, arrays))
+    for proposer in (None, OracleProposer(sequences, 2048)):
+        core = make_core(proposer=proposer)
+        for r in requests:
+            core.add(r)
+        for step in range(4):  # the prefill (prompt and output logprobs), then decode or verify steps
+            sends.clear()
+            core.step()
+            assert len(sends) == 1, sends
+            assert ("prompt_logprobs.rows" in sends[0]) == (step == 0) and "output_logprobs.rows" in sends[0]
 
 
 def _count_reads(monkeypatch) -> dict[str, int]:
