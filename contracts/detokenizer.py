@@ -36,6 +36,7 @@ class DetokenizeParams(msgspec.Struct, frozen=True, gc=False, omit_defaults=True
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     no_stop_trim: bool = False  # keep the matched stop string in the text
+    min_tokens: Count = 0  # vLLM: a stop string ending in the first min_tokens output tokens is no stop
 
 
 class DetokenizerRegistration(msgspec.Struct, frozen=True, gc=False):

@@ -4,7 +4,9 @@ Per request it keeps an `IncrementalDecoder` (complete UTF-8 only) and a `StopMa
 strings across token boundaries). A stop-string match finishes the request here: its text is
 trimmed, its token ids and output logprob rows after the completing token are cut, and an
 `AbortRequest(reason="stop")` is returned for the adapter to broadcast so the scheduler frees
-the slot. Logprob arrays are passed through as the same `NDArray` objects unless they must be
+the slot. Under `min_tokens` (vLLM's meaning) the text of the first `min_tokens` output tokens
+cannot end a stop string; tokens are counted one by one, so a step that delivers several (DSpark)
+is judged exactly as single-token steps would be. Logprob arrays are passed through as the same `NDArray` objects unless they must be
 cut, and a cut is a zero-copy slice of the received bytes.
 """
 
@@ -38,7 +40,13 @@ class _Request:
     tokenizer_id: str
     decoder: IncrementalDecoder
     stops: StopMatcher
+    min_tokens: int = 0  # output tokens whose text cannot end a stop string
+    num_tokens: int = 0  # output tokens decoded so far
     scheduler_id: str | None = None  # known from the first TokenBatch on
+
+    def within_min_tokens(self) -> bool:
+        """The token just decoded is one of the first `min_tokens`."""
+        return self.num_tokens <= self.min_tokens
 
 
 @dataclass(frozen=True)
@@ -79,6 +87,7 @@ class DetokenizerCore:
             tokenizer_id=registration.tokenizer_id,
             decoder=IncrementalDecoder(self._tokenizer, params.skip_special_tokens),
             stops=StopMatcher(params.stop, keep_stop=params.no_stop_trim),
+            min_tokens=params.min_tokens,
         )
 
     def process(self, batch: TokenBatch) -> DetokenizeResult:
@@ -167,7 +176,10 @@ class DetokenizerCore:
         text, num_kept, matched = _detokenize(request, ids.tolist())
         scheduler_finish = batch.finish[index]
         if matched is None and scheduler_finish is not None:
-            tail, matched = request.stops.feed(request.decoder.flush())
+            tail = request.decoder.flush()
+            if request.within_min_tokens():
+                request.stops.protect(len(tail))
+            tail, matched = request.stops.feed(tail)
             text += tail if matched is not None else tail + request.stops.flush()
         finish = Finish(FinishType.STOP, matched=matched) if matched is not None else scheduler_finish
         logprobs = batch.logprobs[index] if batch.logprobs is not None else None
@@ -214,7 +226,11 @@ def _detokenize(request: _Request, ids: list[int]) -> tuple[str, int, str | None
     # One id at a time, so a match is pinned to the id that completed it.
     pieces = []
     for position, token_id in enumerate(ids):
-        text, matched = request.stops.feed(request.decoder.push((token_id,)))
+        text = request.decoder.push((token_id,))
+        request.num_tokens += 1
+        if request.within_min_tokens():
+            request.stops.protect(len(text) + len(request.decoder.peek()))
+        text, matched = request.stops.feed(text)
         pieces.append(text)
         if matched is None and (hit := _probe_held(request)) is not None:
             pieces.append(hit[0])

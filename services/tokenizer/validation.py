@@ -160,9 +160,6 @@ def check_sampling(
     stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
     require(all(stop), "stop strings must not be empty", names["stop"])
     check_penalties(body, names)
-    # vLLM's min_tokens also holds stop strings back; stop strings are matched by the detokenizer,
-    # which does not count toward min_tokens yet: refused rather than half applied.
-    require(not (stop and body.min_new_tokens), "cannot be combined with stop strings yet", names["min_new_tokens"])
     sampling = SamplingParams(
         max_new_tokens=body.max_new_tokens,
         temperature=body.temperature,
@@ -179,6 +176,7 @@ def check_sampling(
         skip_special_tokens=body.skip_special_tokens,
         spaces_between_special_tokens=body.spaces_between_special_tokens,
         no_stop_trim=body.no_stop_trim,
+        min_tokens=body.min_new_tokens,
     )
     return sampling, detokenize
 

@@ -200,3 +200,28 @@ def test_logit_bias_changes_the_output_through_the_stack(operated: OperatedStack
     body = {"text": "def add(a, b):", "sampling_params": {"max_new_tokens": 6, "temperature": 0, "logit_bias": {"7": 100}}}
     forced = httpx.post(f"{operated.base_url}/generate", json=body, timeout=30).json()
     assert forced["output_ids"] == [7] * 6  # the penalties' exact effect is tested in the scheduler core
+
+
+def test_min_tokens_holds_stop_strings_back_through_the_stack(operated: OperatedStack) -> None:
+    """vLLM's min_tokens with a stop string, on the speculative stack (steps may bring several
+    tokens): the stop inside the first min_tokens tokens is text, the first one after ends it."""
+    from tokenizers import Tokenizer
+
+    def sampled(**params: object) -> dict:
+        body = generate_body(max_new_tokens=32)
+        body["sampling_params"] |= {"ignore_eos": True, **params}
+        response = httpx.post(f"{operated.base_url}/generate", json=body, timeout=60)
+        assert response.status_code == 200, response.text
+        return response.json()
+
+    free = sampled()
+    min_tokens = 10
+    protected = Tokenizer.from_file(str(BUNDLED_MODEL / "tokenizer.json")).decode(free["output_ids"][:min_tokens])
+    assert free["text"].startswith(protected)
+    stop = next(c for c in protected if c in free["text"][len(protected) :])  # occurs before and after
+    early = sampled(stop=[stop])
+    held = sampled(stop=[stop], min_new_tokens=min_tokens)
+    assert early["text"] == free["text"][: free["text"].index(stop)]
+    assert held["text"] == free["text"][: free["text"].index(stop, len(protected))]
+    assert held["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
+    assert min_tokens < held["meta_info"]["completion_tokens"] == len(held["output_ids"])

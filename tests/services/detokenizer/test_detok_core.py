@@ -319,3 +319,109 @@ def test_abort_drops_only_requests_without_tokens(tokenizer):
     assert core.forget_unstarted("never-claimed") is True
     assert core.num_running == 0
     assert core.forget_unstarted("unknown") is False
+
+
+# min_tokens with stop strings (vLLM's rule): the text of the first min_tokens output tokens cannot
+# end a stop string; a match that ends after it is a stop, even if it starts inside it.
+
+
+def batches_of(ids: list[int], sizes: list[int]) -> list[list[int]]:
+    """`ids` split into consecutive batches of `sizes` (a DSpark step delivers several tokens)."""
+    assert sum(sizes) >= len(ids)
+    edges = np.cumsum([0, *sizes]).tolist()
+    return [ids[a:b] for a, b in zip(edges, edges[1:]) if a < len(ids)]
+
+
+def stream_batches(core: DetokenizerCore, rid: str, batches: list[list[int]], finish: Finish | None = LENGTH):
+    """Feed each batch as one TokenBatch, finishing with the last; return (text, finish, kept ids)."""
+    text, kept, last_finish = "", [], None
+    for step, ids in enumerate(batches):
+        final = finish if step == len(batches) - 1 else None
+        for out in core.process(token_batch([(rid, ids, final)], step=step)).outputs.values():
+            text += out.text_deltas[0]
+            kept.extend(from_wire(out.new_token_ids).tolist())
+            last_finish = out.finish[0]
+    return text, last_finish, kept
+
+
+def min_tokens_reference(tokenizer: Tokenizer, ids: list[int], stop: str, min_tokens: int) -> tuple[str, int] | None:
+    """(text, ids kept) under vLLM's rule, from whole decodes; None when no stop counts."""
+    visible = lambda k: tokenizer.decode(ids[:k]).rstrip("\ufffd")  # noqa: E731 (complete characters)
+    num_protected = len(visible(min_tokens))
+    for k in range(min_tokens + 1, len(ids) + 1):
+        index = visible(k).find(stop, max(0, num_protected - len(stop) + 1))
+        if index >= 0:
+            return visible(k)[:index], k
+    return None
+
+
+A_B = "a b a b a b a b"  # tokens 'a', ' b', ' a', ' b', ...: " b" ends tokens 2, 4, 6 and 8
+
+
+@pytest.mark.parametrize("sizes", [[1] * 8, [8], [2, 2, 2, 2], [1, 3, 4], [3, 5]])
+def test_stop_string_inside_min_tokens_is_ignored_and_the_next_honoured(tokenizer, sizes):
+    ids = tokenizer.encode(A_B).ids
+    assert len(ids) == 8
+    core = make_core(tokenizer, r=DetokenizeParams(stop=(" b",), min_tokens=3))
+    aborts = []
+    text, finish, kept = "", None, []
+    for step, batch in enumerate(batches_of(ids, sizes)):
+        result = core.process(token_batch([("r", batch, None)], step=step))
+        aborts.extend(result.aborts)
+        for out in result.outputs.values():
+            text, finish = text + out.text_deltas[0], out.finish[0]
+            kept.extend(from_wire(out.new_token_ids).tolist())
+    assert text == "a b a"  # the " b" of token 2 is text, the one of token 4 the stop
+    assert finish == Finish(FinishType.STOP, matched=" b")
+    assert kept == ids[:4]
+    assert aborts == [AbortRequest(rid="r", reason="stop")]
+
+
+@pytest.mark.parametrize("sizes", [[1] * 17, [17], [4, 4, 4, 5], [2, 7, 8]])
+def test_a_match_that_starts_inside_min_tokens_and_ends_after_is_a_stop(tokenizer, sizes):
+    ids = tokenizer.encode("xx END yy END zz END ww").ids  # 'x', 'x', ' E', 'N', 'D', ...
+    ends_inside = make_core(tokenizer, r=DetokenizeParams(stop=("END",), min_tokens=5))
+    text, finish, kept = stream_batches(ends_inside, "r", batches_of(ids, sizes))
+    assert (text, finish, kept) == ("xx END yy ", Finish(FinishType.STOP, matched="END"), ids[:10])
+    ends_after = make_core(tokenizer, r=DetokenizeParams(stop=("END",), min_tokens=4))
+    text, finish, kept = stream_batches(ends_after, "r", batches_of(ids, sizes))
+    assert (text, finish, kept) == ("xx ", Finish(FinishType.STOP, matched="END"), ids[:5])
+
+
+def test_a_request_that_ends_within_min_tokens_keeps_every_stop_string(tokenizer):
+    ids = tokenizer.encode(A_B).ids
+    core = make_core(tokenizer, r=DetokenizeParams(stop=(" b", "a b a b a b a b!"), min_tokens=8))
+    assert stream_batches(core, "r", batches_of(ids, [3, 5])) == (A_B, LENGTH, ids)
+
+
+def test_min_tokens_without_stop_strings_changes_nothing(tokenizer):
+    ids = tokenizer.encode(A_B).ids
+    core = make_core(tokenizer, r=DetokenizeParams(min_tokens=5))
+    assert stream_batches(core, "r", batches_of(ids, [2, 6])) == (A_B, LENGTH, ids)
+
+
+@pytest.mark.parametrize("seed", range(16))
+def test_random_min_tokens_and_batches_match_the_reference(tokenizer, seed):
+    rng = np.random.default_rng(300 + seed)
+    ids = tokenizer.encode(random_text(rng, 60)).ids
+    full = tokenizer.decode(ids)
+    start = int(rng.integers(0, len(full) - 4))
+    stop = full[start : start + int(rng.integers(1, 4))]
+    min_tokens = int(rng.integers(0, len(ids)))
+    sizes = rng.integers(1, 8, len(ids)).tolist()  # ragged steps, as DSpark's accepted lengths
+    core = make_core(tokenizer, r=DetokenizeParams(stop=(stop,), min_tokens=min_tokens))
+    text, finish, kept = stream_batches(core, "r", batches_of(ids, sizes))
+    expected = min_tokens_reference(tokenizer, ids, stop, min_tokens)
+    if expected is None:
+        assert (text, finish, kept) == (full, LENGTH, ids)
+    else:
+        assert (text, finish, kept) == (expected[0], Finish(FinishType.STOP, matched=stop), ids[: expected[1]])
+
+
+@pytest.mark.parametrize("sizes", [[1] * 9, [9], [2, 7], [3, 6]])
+def test_a_stop_seen_behind_an_incomplete_character_within_min_tokens_is_ignored(sizes):
+    tokenizer = split_char_tokenizer()
+    ids = tokenizer.encode("abcé tail").ids
+    assert len(ids) == 9 and tokenizer.decode(ids[:3]) == "abc\ufffd"  # "bc" is visible at token 3, before "é"
+    core = make_core(tokenizer, r=DetokenizeParams(stop=("bc",), min_tokens=3))
+    assert stream_batches(core, "r", batches_of(ids, sizes)) == ("abcé tail", LENGTH, ids)

@@ -241,16 +241,25 @@ async def test_penalties_logit_bias_and_min_tokens_reach_the_scheduler(url, back
         assert sampling.min_new_tokens == 2 and sampling.logit_bias == ((3, -100.0), (7, 5.0))
 
 
+async def test_min_tokens_with_stop_strings_reaches_the_detokenizer(url, backend):
+    native = generate(4)
+    native["sampling_params"] |= {"min_new_tokens": 3, "stop": ["x"]}
+    async with httpx.AsyncClient(base_url=url) as client:
+        assert (await client.post("/generate", json=native)).status_code == 200
+        assert (await client.post("/v1/completions", json=COMPLETION | {"min_tokens": 2, "stop": "x"})).status_code == 200
+        assert (await client.post("/v1/chat/completions", json=CHAT | {"min_tokens": 1, "stop": ["x"]})).status_code == 200
+    assert [(r.params.min_tokens, r.params.stop) for r in backend.registrations] == [(3, ("x",)), (2, ("x",)), (1, ("x",))]
+    assert [r.sampling.min_new_tokens for r in backend.requests] == [3, 2, 1]  # stop ids and EOS: the scheduler
+
+
 @pytest.mark.parametrize(
     ("field", "value"),
     [("frequency_penalty", 2.5), ("presence_penalty", -3), ("repetition_penalty", 0), ("min_tokens", 99),
-     ("logit_bias", {"abc": 1}), ("logit_bias", {"999999": 1}), ("logit_bias", {"5": 101}),
-     ("min_tokens", {"min_tokens": 1, "stop": ["x"]})],
+     ("logit_bias", {"abc": 1}), ("logit_bias", {"999999": 1}), ("logit_bias", {"5": 101})],
 )  # fmt: skip
 async def test_out_of_range_penalties_are_400s(url, field, value):
     async with httpx.AsyncClient(base_url=url) as client:
-        body = COMPLETION | (value if isinstance(value, dict) and field == "min_tokens" else {field: value})
-        response = await client.post("/v1/completions", json=body)
+        response = await client.post("/v1/completions", json=COMPLETION | {field: value})
     assert response.status_code == 400 and response.json()["error"]["param"] == field
 
 
