@@ -23,6 +23,7 @@ MAX_TOP_LOGPROBS = 4096  # the wire's bound; a tokenizer's --max-logprobs is the
 MAX_TOKENS = 2**31 - 1  # token counts and positions: int32 on the wire and in the scheduler
 MAX_REASON_CHARS = 4096
 MAX_ARRAY_DIMS = 4
+MAX_FORKED_CHOICES = 127  # the other choices of one n > 1 request (the tokenizer's fan-out limit, less one)
 
 # An instance id becomes one token of a subject (`sparkwire.v1.detokenizer.<id>.tokens`): no dots,
 # wildcards or whitespace, which would make a publish fail or reach other subscribers.

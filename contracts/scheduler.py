@@ -8,6 +8,7 @@ import msgspec
 
 from contracts.arrays import NDArray
 from contracts.limits import (
+    MAX_FORKED_CHOICES,
     MAX_STOP_TOKEN_IDS,
     MAX_TOKEN_IDS_LOGPROB,
     MAX_TOKENS,
@@ -51,6 +52,18 @@ class LogprobParams(msgspec.Struct, frozen=True, gc=False, omit_defaults=True):
     flat_prompt_top_logprobs: bool = False
 
 
+class ForkedChoice(msgspec.Struct, frozen=True, gc=False, omit_defaults=True):
+    """One more choice of an `n` > 1 call: the request's prompt and parameters, its own rid, seed
+    and detokenizer. The scheduler computes the prompt once and forks a sequence per choice."""
+
+    rid: Rid
+    detokenizer_id: InstanceId
+    seed: Seed | None = None  # None: the scheduler draws one, as for a request without a seed
+
+
+ForkedChoices = Annotated[tuple[ForkedChoice, ...], msgspec.Meta(max_length=MAX_FORKED_CHOICES)]
+
+
 class SchedulerClaim(msgspec.Struct, frozen=True, gc=False):
     """Request (queue group): "which scheduler takes this request?". Small on purpose."""
 
@@ -60,6 +73,9 @@ class SchedulerClaim(msgspec.Struct, frozen=True, gc=False):
     # Where the request's outputs go: if its GenerateRequest is lost in transit, the scheduler
     # fails it there when the claim expires, so it never hangs.
     detokenizer_id: InstanceId | None = None
+    # Appended (schema evolution): the other choices of an n > 1 request, so that a lost
+    # GenerateRequest fails them too; a scheduler that reads them says so with `forks`.
+    choices: ForkedChoices = ()
 
 
 class SchedulerClaimReply(msgspec.Struct, frozen=True, gc=False, omit_defaults=True):
@@ -67,6 +83,9 @@ class SchedulerClaimReply(msgspec.Struct, frozen=True, gc=False, omit_defaults=T
     accepted: bool = True
     error: Reason | None = None  # why not accepted (e.g. prompt longer than max_model_len)
     busy: bool = False  # not accepted for now: no room here (ask again: another scheduler may have some)
+    # Appended: this scheduler forks the claim's choices from one prefill. False (an older
+    # scheduler): send it choice 0 alone and claim the other choices as requests of their own.
+    forks: bool = False
 
 
 class GenerateRequest(msgspec.Struct, frozen=True, gc=False, omit_defaults=True):
@@ -78,6 +97,9 @@ class GenerateRequest(msgspec.Struct, frozen=True, gc=False, omit_defaults=True)
     sampling: SamplingParams = SamplingParams()
     logprobs: LogprobParams = LogprobParams()
     stream: bool = False
+    # Appended (schema evolution): choices 1..n-1 of an n > 1 call (this request is choice 0),
+    # sent only to a scheduler whose claim reply said `forks`.
+    choices: ForkedChoices = ()
 
     def __post_init__(self) -> None:
         if not self.input_ids.is_vector("<i4") or self.input_ids.shape[0] == 0:

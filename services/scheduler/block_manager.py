@@ -4,6 +4,11 @@ A request's table covers `capacity(rid)` token slots; the scheduler keeps the re
 itself. Growing by several tokens at once (a speculative verify block) is one `allocate`; rolling
 back rejected tokens is the scheduler lowering its length, optionally followed by `shrink` to give
 whole trailing blocks back.
+
+Blocks are refcounted: `fork` gives a child the parent's first full blocks (the choices of an
+`n` > 1 request share their prompt's KV). A shared block is never written again: every writer
+writes only past its own computed length, which lies past the shared blocks. A block returns to
+the free list when its last holder frees it.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ class BlockManager:
         self.block_size = block_size
         self._free: list[int] = list(range(num_blocks - 1, -1, -1))  # stack: lowest id popped first
         self._tables: dict[str, list[int]] = {}
+        self._refs = [0] * num_blocks  # holders of each block
 
     @property
     def num_free_blocks(self) -> int:
@@ -45,17 +51,36 @@ class BlockManager:
         if needed > len(self._free):
             raise MemoryError(f"{rid}: needs {needed} KV blocks, {len(self._free)} free")
         table = self._tables.setdefault(rid, [])
-        table.extend(self._free.pop() for _ in range(needed))
+        for _ in range(needed):
+            block = self._free.pop()
+            self._refs[block] = 1
+            table.append(block)
+
+    def fork(self, parent: str, child: str, num_tokens: int) -> None:
+        """`child` starts with the blocks of `parent`'s first `num_tokens` tokens (a whole number of
+        blocks), shared, not copied."""
+        if num_tokens % self.block_size or child in self._tables:
+            raise ValueError(f"fork {parent} -> {child}: {num_tokens} tokens is not whole blocks, or {child} holds blocks")
+        shared = self._tables[parent][: num_tokens // self.block_size]
+        for block in shared:
+            self._refs[block] += 1
+        self._tables[child] = list(shared)
 
     def shrink(self, rid: str, num_tokens: int) -> None:
         """Give back the blocks past the first `num_tokens` tokens (rollback)."""
         table = self._tables.get(rid, [])
         keep = self.num_blocks_for(num_tokens)
         while len(table) > keep:
-            self._free.append(table.pop())
+            self._release(table.pop())
 
     def free(self, rid: str) -> None:
-        self._free.extend(reversed(self._tables.pop(rid, [])))
+        for block in reversed(self._tables.pop(rid, [])):
+            self._release(block)
+
+    def _release(self, block: int) -> None:
+        self._refs[block] -= 1
+        if self._refs[block] == 0:
+            self._free.append(block)
 
     def holds(self, rid: str) -> bool:
         return rid in self._tables

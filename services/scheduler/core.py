@@ -115,12 +115,12 @@ class SchedulerCore:
     def claim_error(self, num_prompt_tokens: int) -> str | None:
         return self.policy.claim_error(num_prompt_tokens)
 
-    def has_room(self, num_prompt_tokens: int, num_claimed: int = 0) -> bool:
-        """Load-aware placement: whether this core should take one more request now (claimed
-        requests whose GenerateRequest has not arrived count as held)."""
+    def has_room(self, num_prompt_tokens: int, num_claimed: int = 0, num_choices: int = 1) -> bool:
+        """Load-aware placement: whether this core should take one more request (of `num_choices`
+        forked choices) now; claimed requests whose GenerateRequest has not arrived count as held."""
         with self._lock:
             num_pending = len(self._inbox) + num_claimed
-        return self.policy.has_room(num_prompt_tokens, num_pending)
+        return self.policy.has_room(num_prompt_tokens, num_pending, num_choices)
 
     def validate(self, request: SchedulerRequest) -> str | None:
         return self.policy.validate(request)

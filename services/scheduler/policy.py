@@ -13,10 +13,17 @@ the newest running request is preempted: its blocks are freed and it goes back t
 the queue; on resume it re-prefills prompt + generated tokens (its pending drafts ride on the last
 chunk), and since sampling depends only on (seed, output position) and logprobs already returned
 are not returned again, its results are those it would have had alone.
+
+Forks (`n` > 1): a request's other choices wait on it (`Sequence.forks`) until its prefill is
+done, then each starts with the prompt's full blocks shared (`BlockManager.fork`) and the
+prompt's logprob entries copied; it computes only the prompt's tail itself (see `_fork`). From
+then on a forked choice is a sequence like any other: aborting it frees its own holds, a
+preempted one re-prefills its whole prompt + output alone.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import random
 from collections import deque
@@ -127,12 +134,16 @@ class Policy:
 
     @property
     def num_waiting(self) -> int:
-        return len(self._waiting)
+        return len(self._waiting) + sum(len(seq.forks) for seq in self._held_parents())
 
     def has_work(self) -> bool:
         return bool(self._waiting or self._running or self._pending)
 
     def held(self) -> list[Sequence]:
+        parents = [*self._running, *self._waiting]
+        return [*parents, *(child for seq in parents for child in seq.forks)]
+
+    def _held_parents(self) -> list[Sequence]:
         return [*self._running, *self._waiting]
 
     def claim_error(self, num_prompt_tokens: int) -> str | None:
@@ -143,27 +154,39 @@ class Policy:
             return f"the prompt has {num_prompt_tokens} tokens, more than the KV cache holds"
         return None
 
-    def has_room(self, num_prompt_tokens: int, num_pending: int) -> bool:
+    def has_room(self, num_prompt_tokens: int, num_pending: int, num_choices: int = 1) -> bool:
         """A new request would start soon: running + waiting + `num_pending` (added or claimed,
-        not yet here) stay under the running limit, and the prompt's KV blocks are free now."""
-        num_held = len(self._running) + len(self._waiting) + num_pending
-        return num_held < self._max_running and self.blocks.num_free_blocks >= self.blocks.num_blocks_for(num_prompt_tokens + 1)
+        not yet here) stay under the running limit, and the KV blocks of the prompt and of its
+        choices' own tails (the prompt's full blocks counted once) are free now."""
+        num_held = len(self._running) + self.num_waiting + num_pending
+        blocks = self.blocks.num_blocks_for(num_prompt_tokens + 1)
+        tail_blocks = blocks - self._num_shared_tokens(num_prompt_tokens) // self.blocks.block_size
+        return num_held < self._max_running and self.blocks.num_free_blocks >= blocks + (num_choices - 1) * tail_blocks
+
+    def _num_shared_tokens(self, num_prompt: int) -> int:
+        """Prompt tokens forks share: the full blocks before the last prompt token (see `_fork`)."""
+        return (num_prompt - 1) // self.blocks.block_size * self.blocks.block_size
 
     # ---- requests in and out ----
 
     def add(self, request: SchedulerRequest) -> None:
-        seq = Sequence(request, next(self._arrivals), request.prompt_ids.tolist(), max_outputs=0)
+        seq = self._sequence(request)
+        seq.forks = [self._sequence(request.choice(choice)) for choice in request.choices]
         error = self.validate(request)
         if error is not None:
-            self._entry(seq).finish = Finish(FinishType.ABORT, message=error)
+            self._fail(seq, Finish(FinishType.ABORT, message=error))
             return
+        self._waiting.append(seq)
+
+    def _sequence(self, request: SchedulerRequest) -> Sequence:
+        seq = Sequence(request, next(self._arrivals), request.prompt_ids.tolist(), max_outputs=0)
         seq.max_outputs = min(request.sampling.max_new_tokens, self.max_model_len - seq.num_prompt)
         start = seq.prompt_logprob_start
         seq.next_prompt_logprob = seq.num_prompt if start is None else start
         seed = request.sampling.seed
         seq.sampling_seed = seed if seed is not None else self._rng.getrandbits(63)
         seq.speculative = self.num_draft_tokens > 0
-        self._waiting.append(seq)
+        return seq
 
     def validate(self, request: SchedulerRequest) -> str | None:
         """Why the core cannot run `request`, in words for the user; None when it can."""
@@ -209,8 +232,26 @@ class Policy:
                 if seq.rid == rid:
                     queue.remove(seq)
                     self.blocks.free(rid)
+                    self._pass_forks_on(seq)
                     return seq
+                for child in seq.forks:
+                    if child.rid == rid:
+                        seq.forks.remove(child)
+                        return child
         return None
+
+    def _pass_forks_on(self, seq: Sequence) -> None:
+        """`seq` leaves before its prefill was done: its first fork takes the others and prefills alone."""
+        if seq.forks:
+            heir, *others = seq.forks
+            heir.forks, seq.forks = others, []
+            self._waiting.appendleft(heir)
+
+    def _fail(self, seq: Sequence, finish: Finish) -> None:
+        """Finish `seq` (holding no blocks) and the forks waiting on it: they share its prompt."""
+        for each in (seq, *seq.forks):
+            self._entry(each).finish = finish
+        seq.forks = []
 
     # ---- schedule ----
 
@@ -265,7 +306,7 @@ class Policy:
                 self._running.remove(seq)
                 self.blocks.free(seq.rid)
                 message = f"the KV cache cannot hold {num_tokens} tokens of this request"
-                self._entry(seq).finish = Finish(FinishType.ABORT, message=message)
+                self._fail(seq, Finish(FinishType.ABORT, message=message))
                 return False
             self._preempt(victim)
             if victim is seq:
@@ -286,20 +327,22 @@ class Policy:
         while self._waiting and budget > 0 and len(self._running) < self._max_running:
             seq = self._waiting[0]
             num_tokens, num_draft = self._query_size(seq, budget)
+            total = seq.num_computed + num_tokens + num_draft  # a fork starts with its prompt's shared blocks
             # keep one block per running request free so admissions rarely force a preemption
             reserve = len(self._running)
-            needed = self.blocks.num_new_blocks(seq.rid, num_tokens + num_draft) + reserve
+            needed = self.blocks.num_new_blocks(seq.rid, total) + reserve
             if needed > self.blocks.num_free_blocks and self._running:
                 break
-            if not self.blocks.can_allocate(seq.rid, num_tokens + num_draft):
+            if not self.blocks.can_allocate(seq.rid, total):
                 if not self._running:  # alone and still too big: it can never run
                     self._waiting.popleft()
+                    self.blocks.free(seq.rid)
                     message = f"the KV cache cannot hold {num_tokens} tokens of this request"
-                    self._entry(seq).finish = Finish(FinishType.ABORT, message=message)
+                    self._fail(seq, Finish(FinishType.ABORT, message=message))
                     continue
                 break
             self._waiting.popleft()
-            self.blocks.allocate(seq.rid, num_tokens + num_draft)
+            self.blocks.allocate(seq.rid, total)
             self._running.append(seq)
             admitted.append((seq, num_tokens, num_draft))
             budget -= num_tokens + num_draft
@@ -329,6 +372,10 @@ class Policy:
             seq.num_computed = step.start + step.num_committed + num_accepted
             if seq.wants_flat and not seq.flat_sent and seq.num_computed >= seq.num_prompt:
                 self._attach_flat(seq)
+            if seq.forks:
+                self._keep_prompt_part(seq)
+                if seq.num_computed >= seq.num_prompt:
+                    self._fork(seq)
             if step.samples:
                 self._append_tokens(step, result)
             elif step.start + step.num_committed == len(seq.tokens) and seq.num_outputs >= seq.max_outputs:
@@ -370,6 +417,33 @@ class Policy:
         self._running.remove(seq)
         self.blocks.free(seq.rid)
         self._entry(seq).finish = finish
+
+    # ---- forks ----
+
+    def _keep_prompt_part(self, seq: Sequence) -> None:
+        entry = self._pending.get(seq.rid)
+        if entry is not None and entry.seq is seq and not entry.logprobs.is_empty():
+            seq.prompt_parts.append(entry.logprobs.prompt_part())
+
+    def _fork(self, parent: Sequence) -> None:
+        """The prompt is in KV: each waiting choice starts from it, first in the queue.
+
+        A fork shares the prompt's full blocks before the last prompt token and recomputes the
+        rest itself (1 to block_size tokens) instead of copying the partial last block on the
+        device: the partial block is the fork's own to write into from its first output on, the
+        recompute needs no worker change, it writes the drafter's context rows (same slots) too,
+        and it samples the fork's first token from its own row with its own seed, as if alone.
+        """
+        shared = self._num_shared_tokens(parent.num_prompt)
+        prompt = LogprobEntries.joined_prompt(parent.prompt_parts)
+        for child in parent.forks:
+            self.blocks.fork(parent.rid, child.rid, shared)
+            child.num_computed = shared
+            child.next_prompt_logprob, child.flat_sent = child.num_prompt, True  # returned here, once
+            if child.wants_logprobs and not prompt.is_empty():
+                self._entry(child).logprobs = dataclasses.replace(prompt)
+        self._waiting.extendleft(reversed(parent.forks))
+        parent.forks, parent.prompt_parts = [], []
 
     # ---- prompt logprobs ----
 

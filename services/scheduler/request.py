@@ -8,7 +8,9 @@ from typing import Generic, TypeVar
 import numpy as np
 
 from contracts.detokenizer import Finish
-from contracts.scheduler import GenerateRequest, LogprobParams, SamplingParams
+import msgspec
+
+from contracts.scheduler import ForkedChoice, GenerateRequest, LogprobParams, SamplingParams
 from services.common.arrays import from_wire
 
 
@@ -21,11 +23,17 @@ class SchedulerRequest:
     detokenizer_id: str
     sampling: SamplingParams = SamplingParams()
     logprobs: LogprobParams = LogprobParams()
+    choices: tuple[ForkedChoice, ...] = ()  # choices 1..n-1 of an n > 1 call: forked after the prefill
 
     @classmethod
     def from_generate(cls, request: GenerateRequest) -> SchedulerRequest:
         prompt = np.array(from_wire(request.input_ids), dtype=np.int32)  # copy: frees the message buffer
-        return cls(request.rid, prompt, request.detokenizer_id, request.sampling, request.logprobs)
+        return cls(request.rid, prompt, request.detokenizer_id, request.sampling, request.logprobs, request.choices)
+
+    def choice(self, choice: ForkedChoice) -> SchedulerRequest:
+        """One forked choice as a request of its own: this prompt and these parameters, its rid and seed."""
+        sampling = msgspec.structs.replace(self.sampling, seed=choice.seed)
+        return SchedulerRequest(choice.rid, self.prompt_ids, choice.detokenizer_id, sampling, self.logprobs)
 
 
 Array = TypeVar("Array")  # np.ndarray on the host; torch.Tensor on the device, before the step's readback
@@ -80,6 +88,23 @@ class LogprobEntries:
     def is_empty(self) -> bool:
         return all(value is None for value in vars(self).values())
 
+    def prompt_part(self) -> LogprobEntries:
+        """Only the prompt (input) entries."""
+        return LogprobEntries(**{name: value for name, value in vars(self).items() if name.startswith("input_")})
+
+    @staticmethod
+    def joined_prompt(parts: list[LogprobEntries]) -> LogprobEntries:
+        """The prompt entries of several steps as one step's: arrays concatenated in order, the
+        first start, the flat arrays (sent once, so in one part)."""
+        joined = LogprobEntries()
+        for name in PROMPT_ARRAYS:
+            arrays = [getattr(part, name) for part in parts if getattr(part, name) is not None]
+            setattr(joined, name, np.concatenate(arrays) if arrays else None)
+        for name in ("input_top_logprobs_flat", "input_top_ids_flat", "input_top_null_prefix"):
+            setattr(joined, name, next((getattr(p, name) for p in parts if getattr(p, name) is not None), None))
+        joined.input_start = next((p.input_start for p in parts if p.input_start is not None), None)
+        return joined
+
     def set_output(self, rows: RowLogprobs, params: LogprobParams) -> None:
         """The rows of this step's new output tokens (n of them, n = the step's new token count)."""
         self.output_token_logprobs = rows.token
@@ -88,6 +113,9 @@ class LogprobEntries:
             self.output_top_ids = rows.top_ids
         if params.token_ids_logprob:
             self.output_ids_logprobs = rows.ids
+
+
+PROMPT_ARRAYS = ("input_token_logprobs", "input_top_logprobs", "input_top_ids", "input_ids_logprobs")
 
 
 @dataclass(frozen=True)
@@ -119,6 +147,8 @@ class Sequence:
     draft_confidence: list[float] | None = None  # the proposer's survival estimate per draft
     speculative: bool = False  # the scheduler runs a proposer: report spec_verify_ct
     spec_verify_ct: int = 0
+    forks: list[Sequence] = field(default_factory=list)  # choices waiting for this prefill, then forked
+    prompt_parts: list[LogprobEntries] = field(default_factory=list)  # prompt entries returned so far, for forks
 
     @property
     def rid(self) -> str:

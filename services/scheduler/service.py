@@ -97,6 +97,9 @@ def unservable(request: GenerateRequest, vocab_size: int, max_model_len: int) ->
         return f"the prompt has {len(prompt)} tokens; max_model_len is {max_model_len}"
     if request.logprobs.top_logprobs_num > vocab_size:
         return f"top_logprobs_num {request.logprobs.top_logprobs_num} exceeds the vocabulary ({vocab_size})"
+    rids = [request.rid, *(c.rid for c in request.choices)]
+    if len(set(rids)) < len(rids):
+        return "the request's choices must have distinct rids"
     if request.logprobs.logprob_start_len >= len(prompt):
         return f"logprob_start_len {request.logprobs.logprob_start_len} is not inside the {len(prompt)}-token prompt"
     return None
@@ -177,28 +180,38 @@ class SchedulerService:
 
     async def _on_claim(self, claim: SchedulerClaim, msg: Delivery) -> None:
         error = SHUTDOWN_MESSAGE if self._closing else self._core.claim_error(claim.num_prompt_tokens)
-        busy = error is None and not claim.force and not self._core.has_room(claim.num_prompt_tokens, len(self._claims))
+        num_choices = 1 + len(claim.choices)
+        busy = error is None and not claim.force and not self._core.has_room(claim.num_prompt_tokens, len(self._claims), num_choices)
         if error is None and not busy:
-            self._claims[claim.rid] = time.monotonic() + self._config.claim_expiry_s
-            if claim.detokenizer_id:
-                self._claim_owners[claim.rid] = claim.detokenizer_id
-        reply = SchedulerClaimReply(self._id, accepted=error is None and not busy, error=error, busy=busy)
+            deadline = time.monotonic() + self._config.claim_expiry_s
+            owners = [(claim.rid, claim.detokenizer_id), *((c.rid, c.detokenizer_id) for c in claim.choices)]
+            for rid, owner in owners:  # every choice: each can be aborted, or fail if the request is lost
+                self._claims[rid] = deadline
+                if owner:
+                    self._claim_owners[rid] = owner
+        reply = SchedulerClaimReply(self._id, accepted=error is None and not busy, error=error, busy=busy, forks=True)
         await self._transport.respond(msg, reply)
 
     async def _on_generate(self, request: GenerateRequest, msg: Delivery) -> None:
         with bound_request_id(request_id_from(msg.headers)):
             log.info("scheduler.request_added", rid=request.rid, prompt_tokens=request.input_ids.shape[0])
-        self._claims.pop(request.rid, None)
-        self._claim_owners.pop(request.rid, None)
-        if self._aborted_claims.pop(request.rid, None) is not None:
-            return  # aborted between claim and arrival: the abort's sender already gave up on it
+        routes = [(request.rid, request.detokenizer_id), *((c.rid, c.detokenizer_id) for c in request.choices)]
+        for rid, _ in routes:
+            self._claims.pop(rid, None)
+            self._claim_owners.pop(rid, None)
+        # aborted between claim and arrival: the abort's sender already gave up on them
+        aborted = [rid for rid, _ in routes if self._aborted_claims.pop(rid, None) is not None]
+        if len(aborted) == len(routes):
+            return
         if (error := unservable(request, self._core.vocab_size, self._core.max_model_len)) is not None:
             log.warning("scheduler.request_refused", rid=request.rid, error=error)
-            refusal = RequestOutput(request.rid, request.detokenizer_id, [], request.input_ids.shape[0],
-                                    Finish(FinishType.ABORT, message=f"request refused: {error}"), None)  # fmt: skip
-            await self._publish([refusal], self._core.num_steps)
+            finish = Finish(FinishType.ABORT, message=f"request refused: {error}")
+            refusals = [RequestOutput(rid, owner, [], request.input_ids.shape[0], finish, None) for rid, owner in routes]
+            await self._publish(refusals, self._core.num_steps)
             return
         self._core.add(SchedulerRequest.from_generate(request))  # while closing, fail_all finishes it
+        for rid in aborted:  # applied right after the add (the core drains adds, then aborts)
+            self._core.abort(rid, "abort")
         self._wake.set()
 
     async def _on_abort(self, abort: AbortRequest, _msg: Delivery) -> None:

@@ -26,6 +26,7 @@ from contracts.detokenizer import (
 )
 from contracts.scheduler import (
     AbortRequest,
+    ForkedChoice,
     GenerateRequest,
     LogprobParams,
     SamplingParams,
@@ -79,7 +80,11 @@ SAMPLES: list[msgspec.Struct] = [
     SamplingParams(max_new_tokens=16, temperature=0.0, top_k=5, seed=42, stop_token_ids=(2, 3), ignore_eos=True),
     LogprobParams(return_logprob=True, logprob_start_len=0, top_logprobs_num=2, token_ids_logprob=(5, 6)),
     SchedulerClaim("rid-1", 32768),
+    SchedulerClaim("rid-1", 12, detokenizer_id="d", choices=(ForkedChoice("rid-2", "d2", seed=-5), ForkedChoice("rid-3", "d"))),
     SchedulerClaimReply("s", accepted=False, error="prompt too long"),
+    SchedulerClaimReply("s", forks=True),
+    GenerateRequest("rid-1", i32(1, 2), "d", choices=(ForkedChoice("rid-2", "d2", seed=7),)),
+    ForkedChoice("rid-2", "d2", seed=2**63 - 1),
     GenerateRequest("rid-1", i32(1, 2, 3), "detok-1", SamplingParams(temperature=0.0), LogprobParams(True), True),
     AbortRequest("rid-1", reason="stop"),
     SchedulerPing(sent_at=1.5),
@@ -195,6 +200,43 @@ def test_new_reader_decodes_an_old_message_with_defaults():
     batch = msgspec.msgpack.decode(msgspec.msgpack.encode(OldTokenBatch("s", 1, [], i32(), i32(), i32(), [])), type=TokenBatch)
     assert batch.logprobs is None and batch.spec_verify_ct is None
     assert msgspec.msgpack.decode(msgspec.msgpack.encode(OldFinish(FinishType.LENGTH)), type=Finish) == Finish(FinishType.LENGTH)
+
+
+class OldGenerateRequest(msgspec.Struct, frozen=True, gc=False, omit_defaults=True):
+    rid: str
+    input_ids: NDArray
+    detokenizer_id: str
+    sampling: SamplingParams = SamplingParams()
+    logprobs: LogprobParams = LogprobParams()
+    stream: bool = False
+
+
+class OldSchedulerClaim(msgspec.Struct, frozen=True, gc=False):
+    rid: str
+    num_prompt_tokens: int
+    force: bool = False
+    detokenizer_id: str | None = None
+
+
+class OldSchedulerClaimReply(msgspec.Struct, frozen=True, gc=False, omit_defaults=True):
+    scheduler_id: str
+    accepted: bool = True
+    error: str | None = None
+    busy: bool = False
+
+
+def test_forked_choices_evolve_the_schema():
+    """An old scheduler reads choice 0 of a forked request and says nothing of `forks` (the
+    tokenizer then claims the other choices on their own); old messages read as one choice."""
+    forked = GenerateRequest("rid-1", i32(1, 2), "d", choices=(ForkedChoice("rid-2", "d2", seed=7),))
+    old = msgspec.msgpack.decode(msgspec.msgpack.encode(forked), type=OldGenerateRequest)
+    assert (old.rid, old.detokenizer_id) == ("rid-1", "d")
+    reply = msgspec.msgpack.decode(msgspec.msgpack.encode(OldSchedulerClaimReply("s")), type=SchedulerClaimReply)
+    assert reply.accepted and not reply.forks
+    new = msgspec.msgpack.decode(msgspec.msgpack.encode(OldGenerateRequest("r", i32(1), "d")), type=GenerateRequest)
+    assert new.choices == ()
+    claim = SchedulerClaim("r", 3, choices=(ForkedChoice("r2", "d"),))
+    assert msgspec.msgpack.decode(msgspec.msgpack.encode(claim), type=OldSchedulerClaim) == OldSchedulerClaim("r", 3)
 
 
 def test_unset_optional_fields_encode_as_if_they_did_not_exist():

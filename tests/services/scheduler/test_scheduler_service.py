@@ -12,6 +12,7 @@ from contracts.control import Heartbeat
 from contracts.detokenizer import FinishType, TokenBatch
 from contracts.scheduler import (
     AbortRequest,
+    ForkedChoice,
     GenerateRequest,
     LogprobParams,
     SamplingParams,
@@ -88,7 +89,7 @@ async def _collect(h: Harness, rid: str) -> tuple[list[int], list[TokenBatch]]:
 async def test_claim_generate_receive_until_finish(harness):
     h = harness
     reply = await _claim(h, "r1", len(PROMPT))
-    assert reply == SchedulerClaimReply("sched-test", accepted=True)
+    assert reply == SchedulerClaimReply("sched-test", accepted=True, forks=True)
     request = GenerateRequest(
         rid="r1",
         input_ids=to_wire(PROMPT),
@@ -107,6 +108,30 @@ async def test_claim_generate_receive_until_finish(harness):
     assert sum(len(x) for x in output_logprobs) == 5
     prompt_logprobs = [from_wire(lp.input_token_logprobs) for b in batches for lp in b.logprobs or [] if lp and lp.input_token_logprobs]
     assert sum(len(x) for x in prompt_logprobs) == len(PROMPT)
+
+
+@pytest.mark.timeout(60)
+async def test_forked_choices_one_claim_one_request_each_choice_finishes_and_one_aborted_early(harness):
+    h = harness
+    choices = tuple(ForkedChoice(f"f{j}", "detok-1", seed=j) for j in (1, 2, 3))
+    claim = SchedulerClaim("f0", len(PROMPT), detokenizer_id="detok-1", choices=choices)
+    reply = await h.client.request(subjects.SCHEDULER_CLAIM, claim, SchedulerClaimReply, timeout=5)
+    assert reply.accepted and reply.forks
+    await h.client.publish(subjects.SCHEDULER_ABORT, AbortRequest("f2"))  # before the request arrives
+    sampling = SamplingParams(max_new_tokens=4, temperature=1.0, seed=0, ignore_eos=True)
+    request = GenerateRequest("f0", to_wire(PROMPT), "detok-1", sampling, choices=choices)
+    await h.client.publish(subjects.scheduler_generate("sched-test"), request)
+    tokens, finishes = {}, {}
+    while len(finishes) < 4:
+        batch = await asyncio.wait_for(h.batches.get(), 10)
+        offsets = np.concatenate([[0], np.cumsum(from_wire(batch.num_new_tokens))])
+        for index, rid in enumerate(batch.rids):
+            tokens.setdefault(rid, []).extend(from_wire(batch.new_token_ids)[offsets[index] : offsets[index + 1]].tolist())
+            if batch.finish[index] is not None:
+                finishes[rid] = batch.finish[index].type
+    assert finishes == {"f0": FinishType.LENGTH, "f1": FinishType.LENGTH, "f2": FinishType.ABORT, "f3": FinishType.LENGTH}
+    assert tokens["f2"] == [] and all(len(tokens[r]) == 4 for r in ("f0", "f1", "f3"))
+    assert len({tuple(tokens[r]) for r in ("f0", "f1", "f3")}) == 3  # distinct seeds, distinct samples
 
 
 @pytest.mark.timeout(60)
