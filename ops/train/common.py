@@ -1,18 +1,31 @@
-"""What the training scripts share: seeding, the token stream, batches, the schedule, the outputs."""
+"""What the training scripts share: seeding, the token stream, batches, the schedule, the
+optimisation loop, the CLI flags of a run and its outputs. What each script trains (the model, its
+loss, its held-out score, its checkpoint) stays in the script."""
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
 import json
 import math
 import platform
 import random
+from collections.abc import Callable, Mapping
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 from tokenizers import Tokenizer
 
 from ops.train.corpus import read_split
+from ops.train.recipes import DrafterRecipe, TargetRecipe
 from ops.train.tokenizer import END_OF_TEXT
+
+LOG_EVERY = 50  # steps between host reads of the training loss (each read is a device sync)
+BETAS = (0.9, 0.95)
+CLIP_NORM = 1.0
+Recipe = TypeVar("Recipe", TargetRecipe, DrafterRecipe)
+History = dict[str, list[tuple[int, float]]]
 
 
 def seed_everything(seed: int) -> None:
@@ -69,6 +82,96 @@ def lr_at(step: int, peak: float, warmup: int, total: int, floor: float = 0.1) -
         return peak * (step + 1) / warmup
     progress = (step - warmup) / max(1, total - warmup)
     return peak * (floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def adamw(params: list[torch.nn.Parameter], lr: float, weight_decay: float, decay_vectors: bool = True) -> torch.optim.AdamW:
+    """AdamW at BETAS; `decay_vectors=False` decays matrices only (norms and biases keep 0)."""
+    if decay_vectors:
+        return torch.optim.AdamW(params, lr=lr, betas=BETAS, weight_decay=weight_decay)
+    groups = [
+        {"params": [p for p in params if p.ndim >= 2], "weight_decay": weight_decay},
+        {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
+    ]
+    return torch.optim.AdamW(groups, lr=lr, betas=BETAS)
+
+
+def train_loop(
+    module: torch.nn.Module, params: list[torch.nn.Parameter], optimizer: torch.optim.Optimizer,
+    recipe: TargetRecipe | DrafterRecipe, step_loss: Callable[[], torch.Tensor],
+    evaluate: Callable[[], Mapping[str, float]], desc: str,
+) -> History:  # fmt: skip
+    """`recipe.steps` optimiser steps on `step_loss()` (the next batch's loss, under autocast) at the
+    lr_at schedule, gradients clipped to CLIP_NORM over `params`. Returns {"train": [(step, mean
+    loss over the last LOG_EVERY steps)], then one list per name `evaluate()` returns, a point every
+    `recipe.eval_every` steps}; both also at the last step. `module` trains throughout: `evaluate`
+    leaves it in training mode."""
+    history: History = {"train": []}
+    running = torch.zeros((), device=params[0].device)  # summed on the device: no sync per step
+    bar = progress(recipe.steps, desc)
+    module.train()
+    for step in range(recipe.steps):
+        set_lr(optimizer, lr_at(step, recipe.lr, recipe.warmup_steps, recipe.steps))
+        loss = step_loss()
+        optimizer_step(loss, params, optimizer)
+        running += loss.detach()
+        done, last = step + 1, step + 1 == recipe.steps
+        if done % LOG_EVERY == 0 or last:
+            history["train"].append((done, float(running) / ((step % LOG_EVERY) + 1)))
+            running.zero_()
+            bar.set_postfix(loss=f"{history['train'][-1][1]:.3f}")
+        if done % recipe.eval_every == 0 or last:
+            for name, value in evaluate().items():
+                history.setdefault(name, []).append((done, value))
+        bar.update(1)
+    bar.close()
+    return history
+
+
+def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+
+
+def optimizer_step(loss: torch.Tensor, params: list[torch.nn.Parameter], optimizer: torch.optim.Optimizer) -> None:
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(params, CLIP_NORM)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+def add_run_arguments(parser: argparse.ArgumentParser, recipes: Mapping[str, object], out_help: str) -> None:
+    """The flags every training script takes after its inputs: which recipe, seed, device, where to."""
+    parser.add_argument("--recipe", choices=tuple(recipes), default="micro")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--steps", type=int, default=None, help="override the recipe's step count (timing runs)")
+    parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    parser.add_argument("--out", type=Path, required=True, help=out_help)
+    parser.add_argument("--results", type=Path, required=True, help="results JSON (the loss PNG goes beside it)")
+
+
+def run_recipe(recipes: Mapping[str, Recipe], args: argparse.Namespace) -> Recipe:
+    """The named recipe, with `--steps` (warm-up shortened to fit) where given."""
+    recipe = recipes[args.recipe]
+    if args.steps is None:
+        return recipe
+    return dataclasses.replace(recipe, steps=args.steps, warmup_steps=min(recipe.warmup_steps, args.steps - 1))
+
+
+def write_results(
+    args: argparse.Namespace, recipe: TargetRecipe | DrafterRecipe, curves: History, title: str, figures: dict,
+    history: dict,
+) -> dict:  # fmt: skip
+    """The loss PNG of `curves` beside `args.results`, then the results JSON: the run's recipe and
+    seed, the script's `figures`, the PNG's name (None without matplotlib), history, environment."""
+    png = args.results.with_suffix(".png")
+    args.results.parent.mkdir(parents=True, exist_ok=True)
+    wrote_png = write_loss_curve(png, curves, title)
+    results = {
+        "recipe": args.recipe, "seed": args.seed, "recipe_settings": dataclasses.asdict(recipe), **figures,
+        "loss_curve_png": png.name if wrote_png else None, "history": history, "environment": environment(),
+    }  # fmt: skip
+    write_json(args.results, results)
+    return results
 
 
 def progress(total: int, desc: str):

@@ -22,7 +22,6 @@ The target's embedding and LM head are shared and frozen; only the drafter's own
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import time
 from pathlib import Path
@@ -32,18 +31,19 @@ import torch.nn.functional as F
 from tokenizers import Tokenizer
 
 from ops.train.common import (
+    add_run_arguments,
+    adamw,
     autocast,
-    environment,
     eval_windows,
     load_hf_target,
-    lr_at,
     pick_device,
-    progress,
+    run_recipe,
     sample_windows,
     seed_everything,
     token_stream,
+    train_loop,
     write_json,
-    write_loss_curve,
+    write_results,
 )
 from ops.train.recipes import DRAFTERS, DrafterRecipe
 from ops.train.tokenizer import MASK
@@ -54,7 +54,6 @@ from services.scheduler.spec.dspark_model import DSparkDrafter, block_positions,
 
 LOSS_WEIGHTS = {"ce": 0.1, "tv": 0.9, "bce": 1.0}
 POSITION_DECAY = 4.0  # w_k = exp(-k / POSITION_DECAY)
-LOG_EVERY = 50
 GENERATE_BATCH = 1024  # rows per generation batch (the KV of 1024 x 256 micro tokens is ~0.3 GB)
 INIT_STD = 0.02
 
@@ -190,6 +189,15 @@ def distilled_pool(model, recipe: DrafterRecipe, stream: torch.Tensor, device, g
     return continue_with_target(model, prompts, recipe.distill_new_tokens, greedy, device, device_generator)
 
 
+def batch_loss(drafter, features_of, ids: torch.Tensor, recipe: DrafterRecipe, device, generator):
+    """The loss (and its stats) on sequences ids [B, S]: target features, random anchors, drafts."""
+    ids = ids.to(device, non_blocking=True)
+    logits_p, features = features_of(ids, device)
+    anchors = random_anchors(ids.shape[0], ids.shape[1], recipe.anchors_per_seq, device, generator)
+    with autocast(device):
+        return dspark_loss(drafter, logits_p, features, ids, anchors)
+
+
 @torch.no_grad()
 def held_out(drafter, features_of, windows: torch.Tensor, recipe: DrafterRecipe, device) -> dict[str, float]:
     generator = torch.Generator().manual_seed(1234)  # the same anchors at every evaluation
@@ -197,11 +205,7 @@ def held_out(drafter, features_of, windows: torch.Tensor, recipe: DrafterRecipe,
     sums: dict[str, float] = {}
     chunks = windows.split(recipe.batch_size)
     for chunk in chunks:
-        ids = chunk.to(device)
-        logits_p, features = features_of(ids, device)
-        anchors = random_anchors(ids.shape[0], ids.shape[1], recipe.anchors_per_seq, device, generator)
-        with autocast(device):
-            loss, stats = dspark_loss(drafter, logits_p, features, ids, anchors)
+        loss, stats = batch_loss(drafter, features_of, chunk, recipe, device, generator)
         for name, value in {"loss": loss, **stats}.items():
             sums[name] = sums.get(name, 0.0) + float(value) / len(chunks)
     drafter.train()
@@ -209,37 +213,19 @@ def held_out(drafter, features_of, windows: torch.Tensor, recipe: DrafterRecipe,
 
 
 def train(drafter, features_of, recipe: DrafterRecipe, batches: Batches, held_out_windows, device) -> dict:
+    """The shared loop on dspark_loss; returns {"train": [...], "eval": [...], "eval_greedy_accept": [...]}."""
     params = [p for p in drafter.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=recipe.lr, betas=(0.9, 0.95), weight_decay=recipe.weight_decay)
+    optimizer = adamw(params, recipe.lr, recipe.weight_decay)
     generator = torch.Generator().manual_seed(batches.generator.initial_seed() + 1)
-    history: dict[str, list] = {"train": [], "eval": [], "eval_greedy_accept": []}
-    running = torch.zeros((), device=device)
-    bar = progress(recipe.steps, "drafter")
-    drafter.train()
-    for step in range(recipe.steps):
-        for group in optimizer.param_groups:
-            group["lr"] = lr_at(step, recipe.lr, recipe.warmup_steps, recipe.steps)
-        ids = batches.next().to(device, non_blocking=True)
-        logits_p, features = features_of(ids, device)
-        anchors = random_anchors(ids.shape[0], ids.shape[1], recipe.anchors_per_seq, device, generator)
-        with autocast(device):
-            loss, _ = dspark_loss(drafter, logits_p, features, ids, anchors)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        running += loss.detach()
-        if (step + 1) % LOG_EVERY == 0 or step + 1 == recipe.steps:
-            history["train"].append((step + 1, float(running) / ((step % LOG_EVERY) + 1)))
-            running.zero_()
-            bar.set_postfix(loss=f"{history['train'][-1][1]:.3f}")
-        if (step + 1) % recipe.eval_every == 0 or step + 1 == recipe.steps:
-            scores = held_out(drafter, features_of, held_out_windows, recipe, device)
-            history["eval"].append((step + 1, scores["loss"]))
-            history["eval_greedy_accept"].append((step + 1, scores["greedy_accept"]))
-        bar.update(1)
-    bar.close()
-    return history
+
+    def step_loss() -> torch.Tensor:
+        return batch_loss(drafter, features_of, batches.next(), recipe, device, generator)[0]
+
+    def evaluate() -> dict[str, float]:
+        scores = held_out(drafter, features_of, held_out_windows, recipe, device)
+        return {"eval": scores["loss"], "eval_greedy_accept": scores["greedy_accept"]}
+
+    return train_loop(drafter, params, optimizer, recipe, step_loss, evaluate, "drafter")
 
 
 def save(drafter: DSparkDrafter, out: Path, recipe_name: str, seed: int) -> None:
@@ -255,16 +241,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--corpus", type=Path, required=True)
     parser.add_argument("--target", type=Path, required=True, help="the trained target's directory (HF layout)")
-    parser.add_argument("--recipe", choices=tuple(DRAFTERS), default="micro")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--steps", type=int, default=None, help="override the recipe's step count (timing runs)")
-    parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
-    parser.add_argument("--out", type=Path, required=True, help="the draft model directory to write")
-    parser.add_argument("--results", type=Path, required=True, help="results JSON (the loss PNG goes beside it)")
+    add_run_arguments(parser, DRAFTERS, out_help="the draft model directory to write")
     args = parser.parse_args(argv)
-    recipe, device = DRAFTERS[args.recipe], pick_device(args.device)
-    if args.steps is not None:
-        recipe = dataclasses.replace(recipe, steps=args.steps, warmup_steps=min(recipe.warmup_steps, args.steps - 1))
+    recipe, device = run_recipe(DRAFTERS, args), pick_device(args.device)
     seed_everything(args.seed)
     generator = torch.Generator().manual_seed(args.seed)
     tokenizer = Tokenizer.from_file(str(args.target / "tokenizer.json"))
@@ -280,22 +259,17 @@ def main(argv: list[str] | None = None) -> int:
     history = train(drafter, features_of, recipe, batches, eval_windows(eval_tokens, recipe.seq_len, recipe.eval_windows), device)
     seconds = time.perf_counter() - started
     save(drafter, args.out, args.recipe, args.seed)
-    png = args.results.with_suffix(".png")
-    args.results.parent.mkdir(parents=True, exist_ok=True)
-    wrote_png = write_loss_curve(png, {"train": history["train"], "held-out": history["eval"]},
-                                 f"DSpark drafter ({args.recipe}, seed {args.seed})")  # fmt: skip
     parameters = sum(p.numel() for p in drafter.parameters())
-    results = {
-        "recipe": args.recipe, "seed": args.seed, "recipe_settings": dataclasses.asdict(recipe),
+    figures = {
         "target_layer_ids": list(drafter.config.target_layer_ids), "parameters": parameters,
         "distilled_sequences": pool.shape[0], "distill_seconds": round(distill_seconds, 1),
         "train_seconds": round(seconds, 1), "final_train_loss": history["train"][-1][1],
         "final_eval_loss": history["eval"][-1][1],
         "final_eval_teacher_forced_greedy_accept": history["eval_greedy_accept"][-1][1],
         "loss_weights": LOSS_WEIGHTS, "position_decay": POSITION_DECAY,
-        "loss_curve_png": png.name if wrote_png else None, "history": history, "environment": environment(),
     }  # fmt: skip
-    write_json(args.results, results)
+    curves = {"train": history["train"], "held-out": history["eval"]}
+    results = write_results(args, recipe, curves, f"DSpark drafter ({args.recipe}, seed {args.seed})", figures, history)
     print(f"drafter {args.recipe} seed {args.seed}: {parameters:,} params, {seconds:.0f} s, train loss "
           f"{results['final_train_loss']:.3f}, held-out loss {results['final_eval_loss']:.3f}, teacher-forced "
           f"greedy accept {results['final_eval_teacher_forced_greedy_accept']:.2f}")  # fmt: skip

@@ -12,7 +12,6 @@ the results JSON go the loss curve (`<results>.png`) and the per-step history.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import shutil
 import time
 from pathlib import Path
@@ -22,23 +21,23 @@ from safetensors.torch import save_file
 from tokenizers import Tokenizer
 
 from ops.train.common import (
+    add_run_arguments,
+    adamw,
     autocast,
-    environment,
     eval_windows,
-    lr_at,
     pick_device,
-    progress,
+    run_recipe,
     sample_windows,
     seed_everything,
     token_stream,
+    train_loop,
     write_json,
-    write_loss_curve,
+    write_results,
 )
 from ops.train.recipes import TARGETS, TargetRecipe
 from ops.train.tokenizer import END_OF_TEXT, IM_END, MODEL_MAX_LENGTH
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
-LOG_EVERY = 50  # steps between host reads of the training loss (each read is a device sync)
 
 
 def hf_config(recipe: TargetRecipe, tokenizer: Tokenizer, recipe_name: str, seed: int) -> dict:
@@ -78,16 +77,6 @@ def build_model(config: dict, device: torch.device) -> torch.nn.Module:
     return model.to(device)
 
 
-def make_optimizer(model: torch.nn.Module, recipe: TargetRecipe) -> torch.optim.Optimizer:
-    # Matrices decay; norms (and nothing else: there are no biases) do not.
-    params = [p for p in model.parameters() if p.requires_grad]
-    groups = [
-        {"params": [p for p in params if p.ndim >= 2], "weight_decay": recipe.weight_decay},
-        {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
-    ]
-    return torch.optim.AdamW(groups, lr=recipe.lr, betas=(0.9, 0.95), eps=1e-8)
-
-
 @torch.no_grad()
 def held_out_loss(model: torch.nn.Module, windows: torch.Tensor, device: torch.device, batch: int = 16) -> float:
     """Mean next-token cross-entropy (nats) over the windows [n, S]."""
@@ -107,35 +96,22 @@ def train(
     model: torch.nn.Module, recipe: TargetRecipe, train_tokens: torch.Tensor, eval_tokens: torch.Tensor,
     device: torch.device, seed: int,
 ) -> dict:  # fmt: skip
-    """The optimisation loop; returns the loss history {"train": [(step, loss)], "eval": [...]}."""
+    """The shared loop on next-token cross-entropy; returns {"train": [(step, loss)], "eval": [...]}."""
     generator = torch.Generator().manual_seed(seed)
-    optimizer = make_optimizer(model, recipe)
+    params = [p for p in model.parameters() if p.requires_grad]
+    # Matrices decay; norms (and nothing else: there are no biases) do not.
+    optimizer = adamw(params, recipe.lr, recipe.weight_decay, decay_vectors=False)
     held_out = eval_windows(eval_tokens, recipe.seq_len, recipe.eval_windows)
-    history: dict[str, list[tuple[int, float]]] = {"train": [], "eval": []}
-    running = torch.zeros((), device=device)
-    bar = progress(recipe.steps, "target")
-    model.train()
-    for step in range(recipe.steps):
-        for group in optimizer.param_groups:
-            group["lr"] = lr_at(step, recipe.lr, recipe.warmup_steps, recipe.steps)
+
+    def step_loss() -> torch.Tensor:
         batch = sample_windows(train_tokens, recipe.batch_size, recipe.seq_len, generator).to(device, non_blocking=True)
         with autocast(device):
-            loss = model(input_ids=batch, labels=batch).loss
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        running += loss.detach()
-        if (step + 1) % LOG_EVERY == 0 or step + 1 == recipe.steps:
-            window = (step % LOG_EVERY) + 1
-            history["train"].append((step + 1, float(running) / window))
-            running.zero_()
-            bar.set_postfix(loss=f"{history['train'][-1][1]:.3f}")
-        if (step + 1) % recipe.eval_every == 0 or step + 1 == recipe.steps:
-            history["eval"].append((step + 1, held_out_loss(model, held_out, device)))
-        bar.update(1)
-    bar.close()
-    return history
+            return model(input_ids=batch, labels=batch).loss
+
+    def evaluate() -> dict[str, float]:
+        return {"eval": held_out_loss(model, held_out, device)}
+
+    return train_loop(model, params, optimizer, recipe, step_loss, evaluate, "target")
 
 
 def save_checkpoint(model: torch.nn.Module, config: dict, tokenizer_dir: Path, out: Path) -> None:
@@ -160,16 +136,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--corpus", type=Path, required=True, help="a directory built by ops.train.corpus")
     parser.add_argument("--tokenizer", type=Path, required=True, help="a directory with tokenizer.json")
-    parser.add_argument("--recipe", choices=tuple(TARGETS), default="micro")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--steps", type=int, default=None, help="override the recipe's step count (timing runs)")
-    parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
-    parser.add_argument("--out", type=Path, required=True, help="the model directory to write")
-    parser.add_argument("--results", type=Path, required=True, help="results JSON (the loss PNG goes beside it)")
+    add_run_arguments(parser, TARGETS, out_help="the model directory to write")
     args = parser.parse_args(argv)
-    recipe, device = TARGETS[args.recipe], pick_device(args.device)
-    if args.steps is not None:
-        recipe = dataclasses.replace(recipe, steps=args.steps, warmup_steps=min(recipe.warmup_steps, args.steps - 1))
+    recipe, device = run_recipe(TARGETS, args), pick_device(args.device)
     seed_everything(args.seed)
     tokenizer = Tokenizer.from_file(str(args.tokenizer / "tokenizer.json"))
     train_tokens = token_stream(tokenizer, args.corpus, "train")
@@ -180,17 +149,12 @@ def main(argv: list[str] | None = None) -> int:
     history = train(model, recipe, train_tokens, eval_tokens, device, args.seed)
     seconds = time.perf_counter() - started
     save_checkpoint(model, config, args.tokenizer, args.out)
-    png = args.results.with_suffix(".png")
-    args.results.parent.mkdir(parents=True, exist_ok=True)
-    wrote_png = write_loss_curve(png, history, f"target ({args.recipe}, seed {args.seed})")
-    results = {
-        "recipe": args.recipe, "seed": args.seed, "recipe_settings": dataclasses.asdict(recipe),
+    figures = {
         "parameters": count_parameters(model), "train_tokens": train_tokens.numel(), "eval_tokens": eval_tokens.numel(),
         "tokens_seen": recipe.steps * recipe.batch_size * recipe.seq_len, "train_seconds": round(seconds, 1),
         "final_train_loss": history["train"][-1][1], "final_eval_loss": history["eval"][-1][1],
-        "loss_curve_png": png.name if wrote_png else None, "history": history, "environment": environment(),
     }  # fmt: skip
-    write_json(args.results, results)
+    results = write_results(args, recipe, history, f"target ({args.recipe}, seed {args.seed})", figures, history)
     print(f"target {args.recipe} seed {args.seed}: {results['parameters']:,} params, {seconds:.0f} s, "
           f"train loss {results['final_train_loss']:.3f}, held-out loss {results['final_eval_loss']:.3f}")  # fmt: skip
     return 0
