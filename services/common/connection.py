@@ -39,6 +39,8 @@ HELP = {
     "nats_nkey_seed": "file holding this service's nkey seed (SU...)",
     "nats_creds": "a .creds file (user JWT + nkey seed), as `nsc` writes it",
     "nats_ping_interval_s": "seconds between the client's PINGs to the server (a dead link is noticed after two)",
+    "nats_start_timeout_s": "at start, keep trying to reach NATS this long, then exit (rejected credentials exit at "
+                            "once); once connected, reconnects never give up",
     "heartbeat_interval_s": "seconds between this service's Sparkwire heartbeats",
     "heartbeat_timeout_s": "a service silent this long is declared dead",
     "drain_timeout_s": "on SIGTERM, finish in-flight requests for at most this long before exiting",
@@ -62,6 +64,7 @@ class NatsConnection(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     nats_nkey_seed: str = ""
     nats_creds: str = ""
     nats_ping_interval_s: float = 10.0
+    nats_start_timeout_s: float = 30.0  # services/common/nats_start.py
     heartbeat_interval_s: float = 0.5
     heartbeat_timeout_s: float = 2.0
     drain_timeout_s: float = 8.0  # < compose's 10 s stop grace period
@@ -80,8 +83,8 @@ class NatsConnection(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
             raise ValueError("--nats-tls-cert and --nats-tls-key go together")
         if not 0 < self.heartbeat_interval_s < self.heartbeat_timeout_s:
             raise ValueError("need 0 < heartbeat_interval_s < heartbeat_timeout_s")
-        if self.drain_timeout_s < 0 or self.nats_ping_interval_s <= 0:
-            raise ValueError("drain_timeout_s must be >= 0 and nats_ping_interval_s > 0")
+        if self.drain_timeout_s < 0 or self.nats_ping_interval_s <= 0 or self.nats_start_timeout_s <= 0:
+            raise ValueError("drain_timeout_s must be >= 0, nats_ping_interval_s and nats_start_timeout_s > 0")
         missing = [f"{name}={getattr(self, name)}" for name in FILE_FIELDS
                    if getattr(self, name) and not Path(getattr(self, name)).is_file()]  # fmt: skip
         if missing:
@@ -121,6 +124,15 @@ class NatsConnection(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
         if self.nats_user:
             return "user"
         return "url" if any(urlsplit(url).username for url in self.servers) else "none"
+
+    @property
+    def auth_description(self) -> str:
+        """The auth method in words, for an error line: names and paths, never a secret."""
+        return {
+            "creds": f"creds file {self.nats_creds}", "nkey": f"nkey seed file {self.nats_nkey_seed}",
+            "token": "a token", "user": f"user {self.nats_user!r} with a password",
+            "url": "credentials in the server URL", "none": "no credentials",
+        }[self.auth_method]  # fmt: skip
 
     def ssl_context(self) -> ssl.SSLContext | None:
         """Verifies the server against `nats_tls_ca` (else the system's CAs); presents our

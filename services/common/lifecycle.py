@@ -12,6 +12,7 @@ from typing import Any, TypeVar
 import uvloop
 
 from services.common.memory import keep_large_buffers_mapped
+from services.common.nats_start import NatsStartError
 from services.common.settings import EnvSettings
 
 T = TypeVar("T")
@@ -55,6 +56,10 @@ def run_event_loop(main: Coroutine[Any, Any, T], event_loop: str = "uvloop", all
 
 
 def run_service(main: Coroutine[Any, Any, T]) -> T:
-    """`run_event_loop` with the event loop and allocator mode of the environment (`SPARKWIRE_*`)."""
+    """`run_event_loop` with the event loop and allocator mode of the environment (`SPARKWIRE_*`).
+    A service that cannot make its first NATS connection exits with one line and status 1."""
     env = EnvSettings.from_environ()
-    return run_event_loop(main, env.event_loop, env.allocator)
+    try:
+        return run_event_loop(main, env.event_loop, env.allocator)
+    except NatsStartError as exc:
+        raise SystemExit(f"sparkwire: {exc}") from None

@@ -12,13 +12,13 @@ import contextlib
 import itertools
 from dataclasses import dataclass, field
 
-import nats
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
-from services.common.connection import NatsConnection, nats_py_options
+from services.common.connection import NatsConnection
 from services.common.nats_reader import Delivery, PayloadSink, ReaderEvents
+from services.common.nats_start import connect_nats_py
 
 
 @dataclass
@@ -39,10 +39,9 @@ class NatsPyReader:
         async def error(exc: Exception) -> None:
             events.on_error(repr(exc))
 
-        nc = await nats.connect(
-            name=f"{name}-reader", max_reconnect_attempts=-1, reconnect_time_wait=0.5, connect_timeout=5,
-            disconnected_cb=disconnected, reconnected_cb=reconnected, error_cb=error, **nats_py_options(connection),
-        )  # fmt: skip
+        nc = await connect_nats_py(
+            connection, f"{name}-reader", error, disconnected_cb=disconnected, reconnected_cb=reconnected
+        )
         return cls(nc)
 
     @property

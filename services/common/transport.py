@@ -50,14 +50,14 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import msgspec
-import nats
 import numpy as np
 import structlog
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 
-from services.common.connection import NatsConnection, nats_py_options
-from services.common.nats_reader import Delivery, NatsReader, ReaderEvents
+from services.common.connection import NatsConnection
+from services.common.nats_reader import Delivery, NatsReader, ReaderError, ReaderEvents
+from services.common.nats_start import auth_rejected, connect_nats_py, is_auth_rejection, unreachable
 from services.common.natspy_reader import NatsPyReader
 
 log = structlog.get_logger(__name__)
@@ -240,16 +240,18 @@ class Transport:
         reassembly_timeout_s: float = DEFAULT_REASSEMBLY_TIMEOUT_S,
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
     ) -> Transport:
-        """`connection`: servers, TLS and auth (a plain URL string is one server without either)."""
+        """`connection`: servers, TLS and auth (a plain URL string is one server without either).
+        Raises `NatsStartError` when the server rejects the credentials, or none can be reached
+        within `nats_start_timeout_s` (services/common/nats_start.py); reconnects after that are unlimited."""
         if isinstance(connection, str):
             connection = NatsConnection(nats_url=connection)
         events = ConnectionEvents()
-        nc = await nats.connect(
-            name=name, max_reconnect_attempts=-1, reconnect_time_wait=0.5, connect_timeout=5,
-            **nats_py_options(connection), **_callbacks(name, events),
-        )  # fmt: skip
+        nc = await connect_nats_py(connection, name, **_callbacks(name, events))  # bounded at start
         try:
             reader = await _open_reader(connection, name, _reader_events(events))
+        except ReaderError as exc:  # nats-py just got in: the server went away, or refused only the reader
+            await nc.close()
+            raise auth_rejected(connection, name) if is_auth_rejection(exc) else unreachable(connection, name, str(exc)) from None
         except BaseException:
             await nc.close()
             raise

@@ -8,13 +8,17 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import nats
+import structlog
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 
 from contracts import subjects
-from services.common.connection import NatsConnection, nats_py_options
+from services.common.connection import NatsConnection
+from services.common.nats_start import connect_nats_py
 from services.recorder.format import FORMAT_VERSION, MAGIC, RecordedMessage, RecordingHeader, RecordingWriter
+
+
+log = structlog.get_logger(__name__)
 
 
 @dataclass(frozen=True)
@@ -34,7 +38,7 @@ async def record(
     """Record until `stop` is set or `duration_s` passes. `ready` is set once the subscription is
     live on the server, so a caller knows from when on nothing is missed."""
     connection = NatsConnection(nats_url=nats_url) if isinstance(nats_url, str) else nats_url
-    nc = await nats.connect(name="sparkwire-recorder", max_reconnect_attempts=-1, **nats_py_options(connection))
+    nc = await connect_nats_py(connection, "sparkwire-recorder", _log_error)
     try:
         with open(out, "wb") as stream:
             writer = RecordingWriter(stream, RecordingHeader(MAGIC, FORMAT_VERSION, time.time(), connection.redacted_url, subject))
@@ -47,6 +51,10 @@ async def record(
     finally:
         if not nc.is_closed:
             await nc.close()
+
+
+async def _log_error(exc: Exception) -> None:
+    log.warning("recorder.nats_error", error=repr(exc))
 
 
 async def _subscribe(nc: Client, subject: str, writer: RecordingWriter) -> None:
