@@ -7,8 +7,10 @@ counts become Prometheus counters here; the core only counts.
 
 vLLM's meanings: `num_requests_running` are requests being decoded or prefilled this step,
 `num_requests_waiting` those queued for admission, `kv_cache_usage_perc` the fraction (0..1) of
-KV blocks in use, `num_preemptions_total` requests evicted and later re-prefilled; speculative
-decoding counts drafts (verify passes), draft tokens proposed and draft tokens accepted.
+KV blocks in use, `num_preemptions_total` requests evicted and later re-prefilled,
+`request_queue_time_seconds` the time from a request's arrival at this scheduler until a step
+first schedules it (observed then, once per request; vLLM observes the same span at finish);
+speculative decoding counts drafts (verify passes), draft tokens proposed and draft tokens accepted.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 
 from contracts.detokenizer import Finish, FinishType
 from services.common.metrics import (
+    LATENCY_BUCKETS,
     TOKEN_COUNT_BUCKETS,
     MetricsServer,
     TrafficCollector,
@@ -132,6 +135,10 @@ class SchedulerMetrics:
             name("iteration_tokens_total"), "Tokens generated per scheduler step", model,
             buckets=TOKEN_COUNT_BUCKETS, registry=r,
         )  # fmt: skip
+        self.queue_time = Histogram(
+            name("request_queue_time_seconds"), "From arrival at this scheduler until first scheduled (its first "
+            "prefill chunk)", model, buckets=LATENCY_BUCKETS, registry=r,
+        )  # fmt: skip
         self.num_steps = 0
         self.num_generated_tokens = 0  # the counters' totals, for the engine line
         self.num_prompt_tokens = 0
@@ -148,6 +155,10 @@ class SchedulerMetrics:
         self.generation_tokens.labels(self.model_name).inc(generated)
         self.iteration_tokens.labels(self.model_name).observe(generated)
         self.num_steps += 1
+
+    def observe_queue_times(self, seconds: Iterable[float]) -> None:
+        for value in seconds:
+            self.queue_time.labels(self.model_name).observe(value)
 
     def render(self) -> bytes:
         return render(self.registry)
@@ -193,7 +204,7 @@ def _first_known(value: int | None, fallback: int) -> int:
 
 class SchedulerTelemetry:
     """All a scheduler adapter holds for observability: metrics, their `/metrics` endpoint (when
-    a port is given) and the periodic engine line. Four calls: start, observe_step, close."""
+    a port is given) and the periodic engine line. Calls: start, observe_step, observe_queue_times, close."""
 
     def __init__(
         self, stats: Callable[[], SchedulerStats], model_name: str, interval_s: float = ENGINE_LOG_INTERVAL_S,
@@ -219,6 +230,9 @@ class SchedulerTelemetry:
 
     def observe_step(self, outputs: Iterable[StepOutput]) -> None:
         self.metrics.observe_step(outputs)
+
+    def observe_queue_times(self, seconds: Iterable[float]) -> None:
+        self.metrics.observe_queue_times(seconds)
 
     async def close(self) -> None:
         if self._task is not None:

@@ -8,13 +8,15 @@ append to a lock-protected inbox that `step` drains first. One `step`:
     3. schedule (policy)
 
 The policy (`policy.py`) knows no tensors; the worker (`worker.py`) owns the device and crosses
-to the host once per step. With a proposer, each sequence's query is its last token plus the
+to the host once per step. Queue time (vLLM's `request_queue_time_seconds`) is measured here: from
+`add` until the first step whose plan includes the request (its first prefill chunk). With a proposer, each sequence's query is its last token plus the
 block drafted for it the step before, and it gains the accepted drafts plus one token.
 """
 
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -61,6 +63,7 @@ class SchedulerCore:
         proposer: Proposer | None = None,
         verify_mode: str = "static",
         make_worker: Callable[..., ModelWorker] = ModelWorker,  # benchmarks swap in a subclass
+        clock: Callable[[], float] = time.monotonic,  # arrival and scheduling times (queue time)
     ) -> None:
         config = runner.config
         self.vocab_size = config.vocab_size
@@ -81,6 +84,10 @@ class SchedulerCore:
         self._lock = threading.Lock()
         self._inbox: list[SchedulerRequest] = []
         self._inbox_aborts: list[tuple[str, str]] = []
+        self._inbox_arrivals: dict[str, float] = {}  # rid -> when `add` took it
+        self._clock = clock
+        self._unscheduled: dict[str, float] = {}  # rid -> arrival, until a plan first includes it
+        self._queue_times: dict[str, float] = {}  # rid -> seconds from arrival to first scheduled, until taken
         self.num_steps = 0
         self._counts = {"prompt": 0, "generated": 0, "drafted": 0, "accepted": 0, "forward_s": 0.0, "draft_s": 0.0}
         gamma = proposer.num_draft_tokens if proposer is not None else 0
@@ -91,6 +98,9 @@ class SchedulerCore:
     def add(self, request: SchedulerRequest) -> None:
         with self._lock:
             self._inbox.append(request)
+            now = self._clock()
+            for rid in (request.rid, *(choice.rid for choice in request.choices)):  # forks: first scheduled apart
+                self._inbox_arrivals[rid] = now
 
     def abort(self, rid: str, reason: str = "abort") -> None:
         with self._lock:
@@ -125,6 +135,12 @@ class SchedulerCore:
     def validate(self, request: SchedulerRequest) -> str | None:
         return self.policy.validate(request)
 
+    def take_queue_times(self) -> dict[str, float]:
+        """rid -> seconds from `add` until first scheduled, for requests first scheduled since the
+        last call. Call between steps (the adapter: after each step)."""
+        taken, self._queue_times = self._queue_times, {}
+        return taken
+
     def stats(self) -> SchedulerStats:
         blocks = self.policy.blocks
         counts = self._counts
@@ -145,6 +161,7 @@ class SchedulerCore:
         held = [seq.rid for seq in self.policy.held()]
         outputs = self.policy.fail_all(message)
         self.worker.release(held)
+        self._unscheduled.clear()
         return outputs
 
     # ---- the step ----
@@ -156,6 +173,7 @@ class SchedulerCore:
         for rid, reason in aborts:  # 2
             self.policy.abort(rid, reason)
         plan = self.policy.schedule()  # 3
+        self._note_first_scheduled(plan)
         if not plan.steps:
             self.num_steps += 1
             return self._finished(self.policy.take_outputs())
@@ -169,10 +187,22 @@ class SchedulerCore:
         with self._lock:
             requests, self._inbox = self._inbox, []
             aborts, self._inbox_aborts = self._inbox_aborts, []
+            arrivals, self._inbox_arrivals = self._inbox_arrivals, {}
+        self._unscheduled.update(arrivals)
         return requests, aborts
 
+    def _note_first_scheduled(self, plan) -> None:
+        now = self._clock()
+        for step in plan.steps:
+            arrived = self._unscheduled.pop(step.seq.rid, None)
+            if arrived is not None:
+                self._queue_times[step.seq.rid] = now - arrived
+
     def _finished(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
-        self.worker.release([o.rid for o in outputs if o.finish is not None])
+        finished = [o.rid for o in outputs if o.finish is not None]
+        self.worker.release(finished)
+        for rid in finished:  # refused or aborted before it was ever scheduled: no queue time
+            self._unscheduled.pop(rid, None)
         return outputs
 
     def _count(self, plan, results, outputs: list[RequestOutput]) -> None:

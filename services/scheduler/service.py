@@ -262,6 +262,7 @@ class SchedulerService:
                 self._wake.clear()
                 continue
             outputs = await asyncio.to_thread(self._core.step)
+            self._telemetry.observe_queue_times(self._core.take_queue_times().values())
             await self._publish(outputs, self._core.num_steps)
 
     async def _publish(self, outputs: list[RequestOutput], step: int) -> None:

@@ -41,9 +41,11 @@ class Metrics:
         self.ttft = self._histogram("time_to_first_token_seconds", "From arrival to the first token", LATENCY_BUCKETS)
         self.itl = self._histogram("inter_token_latency_seconds", "Between successive token deliveries", INTER_TOKEN_BUCKETS)
         self.e2e = self._histogram("e2e_request_latency_seconds", "From arrival to the last token", LATENCY_BUCKETS)
-        self.queue = self._histogram(
-            "request_queue_time_seconds", "From arrival until a scheduler holds the request (detokenizer "
-            "registration, scheduler claim, submit); time in the scheduler's own queue is the scheduler's metric",
+        # Not vLLM's queue time: that one (arrival at the engine until first scheduled) is the
+        # scheduler's `request_queue_time_seconds`; this is the front end's part before it.
+        self.placement = self._histogram(
+            "request_placement_time_seconds", "From arrival until a scheduler holds the request (detokenizer "
+            "registration, scheduler claim, submit); the scheduler's request_queue_time_seconds follows it",
             LATENCY_BUCKETS,
         )  # fmt: skip
         self.prompt_len = self._histogram("request_prompt_tokens", "Prompt length per request", TOKEN_COUNT_BUCKETS)
@@ -66,7 +68,7 @@ class Metrics:
         self.generation_len.labels(model).observe(timing.num_output_tokens)
         self.e2e.labels(model).observe(timing.e2e_s())
         if timing.submitted_at is not None:
-            self.queue.labels(model).observe(timing.submitted_at - timing.arrived_at)
+            self.placement.labels(model).observe(timing.submitted_at - timing.arrived_at)
         if timing.first_token_at is not None:
             self.ttft.labels(model).observe(timing.first_token_at - timing.arrived_at)
         for gap in timing.gaps:

@@ -126,6 +126,9 @@ def test_every_service_exports_metrics_of_a_known_mix(operated: OperatedStack) -
     assert scheduler[("sparkwire:num_preemptions_total", MODEL)] > 0
     assert scheduler[("sparkwire:generation_tokens_total", MODEL)] > finished_tokens + streamed_tokens
     assert scheduler[("sparkwire:iteration_tokens_total_count", MODEL)] > 0
+    assert scheduler[("sparkwire:request_queue_time_seconds_count", MODEL)] == NUM_PARALLEL + 2  # once each
+    assert scheduler[("sparkwire:request_queue_time_seconds_sum", MODEL)] > 0
+    assert ("sparkwire:request_queue_time_seconds_count", MODEL) not in tokenizer  # the front end's is placement
     assert scheduler[("sparkwire:num_requests_running", MODEL)] == 0
     assert scheduler[("sparkwire:num_requests_waiting", MODEL)] == 0
     assert scheduler[("sparkwire:kv_cache_usage_perc", MODEL)] == 0  # everything finished: all blocks free
@@ -138,7 +141,7 @@ def test_every_service_exports_metrics_of_a_known_mix(operated: OperatedStack) -
 
     assert tokenizer[abort_key] == 1
     assert tokenizer[("sparkwire:request_success_total", (("finished_reason", "length"), *MODEL))] >= NUM_PARALLEL
-    for histogram in ("time_to_first_token_seconds", "e2e_request_latency_seconds", "request_queue_time_seconds"):
+    for histogram in ("time_to_first_token_seconds", "e2e_request_latency_seconds", "request_placement_time_seconds"):
         assert tokenizer[(f"sparkwire:{histogram}_count", MODEL)] == NUM_PARALLEL + 2, histogram
         assert tokenizer[(f"sparkwire:{histogram}_sum", MODEL)] > 0, histogram
     gaps = tokenizer[("sparkwire:inter_token_latency_seconds_count", MODEL)]  # one per delivery after the first

@@ -60,7 +60,7 @@ async def test_metrics_count_a_known_mix_of_requests(url, backend):
     assert got[("sparkwire:request_success_total", (("finished_reason", "length"), *MODEL))] == 5
     assert got[("sparkwire:request_success_total", (("finished_reason", "abort"), *MODEL))] == 1
     assert got[("sparkwire:generation_tokens_total", MODEL)] == finished + 2  # the leaver got one step
-    for histogram in ("time_to_first_token_seconds", "e2e_request_latency_seconds", "request_queue_time_seconds"):
+    for histogram in ("time_to_first_token_seconds", "e2e_request_latency_seconds", "request_placement_time_seconds"):
         assert got[(f"sparkwire:{histogram}_count", MODEL)] == 6, histogram
         assert got[(f"sparkwire:{histogram}_sum", MODEL)] > 0, histogram
     assert got[("sparkwire:inter_token_latency_seconds_count", MODEL)] == 1 + 1 + 0 + 0  # 2-token steps
