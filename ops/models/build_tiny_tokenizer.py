@@ -3,8 +3,9 @@ trained pair, see ops/train/): its byte-level BPE tokenizer (trained determinist
 text) and its config files; weights are seeded-random, so none are written.
 
 The corpus is the top-level CPython stdlib sources of the running interpreter (a fixed, sorted
-file list), so anyone can rebuild the exact tokenizer without a download. Byte-level
-pre-tokenization and decoding make every byte string encodable and every decode exact.
+file list), so anyone can rebuild the exact tokenizer without a download. The tokenizer is the
+bundled one's byte-level BPE (`ops.train.tokenizer.train_byte_level_bpe`, with its ChatML
+`tokenizer_config.json`), minus the mask token and the newline split.
 
     python ops/models/build_tiny_tokenizer.py [--out ops/models/sparkwire-tiny]
 """
@@ -17,20 +18,24 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+if __package__ in (None, ""):  # run as a file: the repository root, not this folder, holds `ops`
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
-VOCAB_SIZE = 2048  # specials included; a multiple of 64 so the embedding table shards evenly
-MODEL_MAX_LENGTH = 32768
-DEFAULT_OUT = Path(__file__).resolve().parent / "sparkwire-tiny"
+from tokenizers import Tokenizer
 
-# Qwen's ChatML template, minus tools: the tiny model is only for plumbing tests.
-CHAT_TEMPLATE = (
-    "{%- for message in messages %}"
-    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
-    "{%- endfor %}"
-    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+from ops.train.tokenizer import (
+    END_OF_TEXT,
+    IM_END,
+    IM_START,
+    MODEL_MAX_LENGTH,
+    save_tokenizer,
+    tokenizer_config,
+    train_byte_level_bpe,
 )
+
+SPECIAL_TOKENS = (END_OF_TEXT, IM_START, IM_END)
+VOCAB_SIZE = 2048  # specials included; a multiple of 64 so the embedding table shards evenly
+DEFAULT_OUT = Path(__file__).resolve().parent / "sparkwire-tiny"
 
 
 def corpus_files() -> list[Path]:
@@ -47,33 +52,7 @@ def iter_corpus(files: list[Path]) -> Iterator[str]:
 
 
 def train_tokenizer(files: list[Path]) -> Tokenizer:
-    tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    tokenizer.decoder = decoders.ByteLevel()
-    tokenizer.post_processor = processors.ByteLevel(trim_offsets=False)
-    trainer = trainers.BpeTrainer(
-        vocab_size=VOCAB_SIZE,
-        special_tokens=list(SPECIAL_TOKENS),
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tokenizer.train_from_iterator(iter_corpus(files), trainer=trainer)
-    return tokenizer
-
-
-def tokenizer_config() -> dict:
-    return {
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "bos_token": None,
-        "eos_token": "<|im_end|>",
-        "pad_token": "<|endoftext|>",
-        "unk_token": None,
-        "add_bos_token": False,
-        "add_prefix_space": False,
-        "clean_up_tokenization_spaces": False,
-        "model_max_length": MODEL_MAX_LENGTH,
-        "chat_template": CHAT_TEMPLATE,
-    }
+    return train_byte_level_bpe(iter_corpus(files), VOCAB_SIZE, SPECIAL_TOKENS, split_newlines=False)
 
 
 def model_config(eos_ids: list[int]) -> dict:
@@ -114,13 +93,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
     args = parser.parse_args(argv)
-    args.out.mkdir(parents=True, exist_ok=True)
     tokenizer = train_tokenizer(corpus_files())
-    if tokenizer.get_vocab_size() != VOCAB_SIZE:
-        raise RuntimeError(f"trained vocab has {tokenizer.get_vocab_size()} tokens, wanted {VOCAB_SIZE}")
-    tokenizer.save(str(args.out / "tokenizer.json"), pretty=False)
-    eos_ids = [tokenizer.token_to_id("<|im_end|>"), tokenizer.token_to_id("<|endoftext|>")]
-    write_json(args.out / "tokenizer_config.json", tokenizer_config())
+    save_tokenizer(tokenizer, args.out, tokenizer_config(mask_token=None))
+    eos_ids = [tokenizer.token_to_id(IM_END), tokenizer.token_to_id(END_OF_TEXT)]
     write_json(args.out / "config.json", model_config(eos_ids))
     write_json(args.out / "generation_config.json", generation_config(eos_ids))
     ids = {tok: tokenizer.token_to_id(tok) for tok in SPECIAL_TOKENS}

@@ -8,12 +8,17 @@ Each newline is its own pre-token, so no token spans a line break: indentation i
 own after "\n", and a prompt that ends with "\n" (a common way to type `def f(n):\n`) sits on a
 token boundary the model saw in training, instead of a lone "\n" it never saw before spaces.
 Ids 0..3 are the special tokens, in SPECIAL_TOKENS order, so every recipe agrees on them.
+
+The BPE setup itself (`train_byte_level_bpe`), the ChatML template and `tokenizer_config.json` are
+also what `ops/models/build_tiny_tokenizer.py` builds the random test model's tokenizer with: it
+imports them from here (this module imports nothing of ops/models, so there is no cycle).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
@@ -41,16 +46,26 @@ CHAT_TEMPLATE = (
 
 
 def train_tokenizer(texts: list[str], vocab_size: int = VOCAB_SIZE) -> Tokenizer:
+    """The bundled tokenizer: SPECIAL_TOKENS first, a newline never inside a token."""
+    return train_byte_level_bpe(texts, vocab_size, SPECIAL_TOKENS, split_newlines=True)
+
+
+def train_byte_level_bpe(
+    texts: Iterable[str], vocab_size: int, special_tokens: Sequence[str], split_newlines: bool
+) -> Tokenizer:
+    """Byte-level BPE of exactly `vocab_size` tokens, `special_tokens` taking ids 0.., deterministic
+    for the same texts. `split_newlines`: each "\n" is a pre-token of its own (module docstring)."""
     tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex("\n"), behavior="isolated"),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
-    ])  # fmt: skip
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    if split_newlines:
+        tokenizer.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex("\n"), behavior="isolated"), byte_level])
+    else:
+        tokenizer.pre_tokenizer = byte_level
     tokenizer.decoder = decoders.ByteLevel()
     tokenizer.post_processor = processors.ByteLevel(trim_offsets=False)
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
-        special_tokens=list(SPECIAL_TOKENS),
+        special_tokens=list(special_tokens),
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
@@ -64,26 +79,32 @@ def special_ids(tokenizer: Tokenizer) -> dict[str, int]:
     return {token: tokenizer.token_to_id(token) for token in SPECIAL_TOKENS}
 
 
-def tokenizer_config() -> dict:
-    return {
+def tokenizer_config(mask_token: str | None = MASK) -> dict:
+    """tokenizer_config.json; `mask_token=None` leaves the key out (a tokenizer without MASK)."""
+    config = {
         "tokenizer_class": "PreTrainedTokenizerFast",
         "bos_token": None,
         "eos_token": IM_END,
         "pad_token": END_OF_TEXT,
         "unk_token": None,
-        "mask_token": MASK,
+        "mask_token": mask_token,
         "add_bos_token": False,
         "add_prefix_space": False,
         "clean_up_tokenization_spaces": False,
         "model_max_length": MODEL_MAX_LENGTH,
         "chat_template": CHAT_TEMPLATE,
     }
+    if mask_token is None:
+        del config["mask_token"]
+    return config
 
 
-def save_tokenizer(tokenizer: Tokenizer, out: Path) -> None:
+def save_tokenizer(tokenizer: Tokenizer, out: Path, config: dict | None = None) -> None:
+    """tokenizer.json and tokenizer_config.json (`config`, by default `tokenizer_config()`) in `out`."""
     out.mkdir(parents=True, exist_ok=True)
     tokenizer.save(str(out / "tokenizer.json"), pretty=False)
-    (out / "tokenizer_config.json").write_text(json.dumps(tokenizer_config(), indent=2) + "\n", encoding="utf-8")
+    text = json.dumps(tokenizer_config() if config is None else config, indent=2) + "\n"
+    (out / "tokenizer_config.json").write_text(text, encoding="utf-8")
 
 
 def main(argv: list[str] | None = None) -> int:

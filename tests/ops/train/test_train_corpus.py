@@ -17,7 +17,14 @@ from ops.train.corpus import (
     listing_sha256,
     read_split,
 )
-from ops.train.tokenizer import SPECIAL_TOKENS, special_ids, train_tokenizer
+from ops.train.tokenizer import (
+    SPECIAL_TOKENS,
+    save_tokenizer,
+    special_ids,
+    tokenizer_config,
+    train_byte_level_bpe,
+    train_tokenizer,
+)
 from services.models import BUNDLED_MODEL
 from services.tokenizer.text_model import TextModel
 
@@ -68,6 +75,22 @@ def test_tokenizer_specials_round_trip_and_newlines_stand_alone():
     encoding = tokenizer.encode(texts[0] + "é€😀")
     assert tokenizer.decode(encoding.ids) == texts[0] + "é€😀"
     assert all(token == "Ċ" or "Ċ" not in token for token in encoding.tokens)
+
+
+def test_the_shared_bpe_builder_splits_newlines_only_when_asked(tmp_path):
+    texts = ["def f(n):\n    if n < 2:\n        return n\n    return f(n - 1)\n"] * 20
+    specials = SPECIAL_TOKENS[:3]  # build_tiny_tokenizer's set: no mask
+    joined = train_byte_level_bpe(texts, 266, specials, split_newlines=False)  # 7 merges
+    split = train_byte_level_bpe(texts, 266, specials, split_newlines=True)
+    assert [joined.id_to_token(i) for i in range(3)] == list(specials)
+    assert any("Ċ" in token and token != "Ċ" for token in joined.get_vocab())  # a merge across "\n"
+    assert all("Ċ" not in token or token == "Ċ" for token in split.get_vocab())
+    with pytest.raises(RuntimeError, match="wanted 999"):
+        train_byte_level_bpe(texts, 999, specials, split_newlines=False)  # too little text for that many merges
+    save_tokenizer(joined, tmp_path, tokenizer_config(mask_token=None))
+    written = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    assert list(written) == [key for key in tokenizer_config() if key != "mask_token"]
+    assert Tokenizer.from_file(str(tmp_path / "tokenizer.json")).get_vocab_size() == 266
 
 
 def test_bundled_tokenizer_has_the_specials_and_a_chat_template():
