@@ -103,7 +103,7 @@ def add_up_arguments(parser: argparse.ArgumentParser) -> None:
     add("--max-running-requests", type=int, default=64, help="most requests the scheduler decodes at once")
     add("--max-model-len", type=int, default=None, help="longest prompt + output (default: the model's)")
     add("--kv-cache-memory-fraction", type=float, default=0.8,
-        help="CUDA: the share of device memory left free by the weights that the KV cache takes")  # fmt: skip
+        help="CUDA: the share of device memory left free by the weights (a drafter's included) that the KV caches take")  # fmt: skip
     add("--served-model-name", default="", help="the model name clients send and see (default: the directory name)")
     add("--max-logprobs", type=int, default=20, help="largest top-k a request may ask for")
     add("--api-key", default=env.api_key or None,

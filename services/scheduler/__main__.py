@@ -44,7 +44,7 @@ def _add_common_arguments(parser: argparse.ArgumentParser, env: EnvSettings) -> 
     add_connection_arguments(parser, connection_values())
     parser.add_argument("--instance-id", default=None, help="default: a random id")
     parser.add_argument("--kv-cache-memory-fraction", type=float, default=0.8,
-                        help="CUDA: the share of device memory left free by the weights that the KV cache takes")  # fmt: skip
+                        help="CUDA: the share of device memory left free by the weights (a drafter's included) that the KV caches take")  # fmt: skip
     parser.add_argument("--metrics-host", default="127.0.0.1", help="bind address of --metrics-port")
     parser.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus /metrics here (0: any free port)")
 

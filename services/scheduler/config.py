@@ -31,14 +31,14 @@ class SchedulerConfig:
     chunked_prefill_size: int = 2048  # tokens per step, prefill chunks and decode tokens together
     kv_block_size: int = 16
     num_kv_blocks: int | None = None  # None: sized from kv_cache_bytes
-    kv_cache_bytes: int | None = None  # None: the model runner's default budget
+    kv_cache_bytes: int | None = None  # the target's and a drafter's KV caches together; None: the runner's default budget
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     logprobs_mode: str = "raw"
     seed: int = 0
     instance_id: str = "scheduler"
     nats: NatsConnection = NatsConnection()
     claim_expiry_s: float = 30.0  # a claimed rid whose GenerateRequest never arrives is forgotten
-    kv_cache_memory_fraction: float = 0.8  # CUDA: the KV cache's share of the memory free once weights are loaded
+    kv_cache_memory_fraction: float = 0.8  # CUDA: the KV caches' share of the memory free once weights (a drafter's too) are loaded
     metrics_host: str = "127.0.0.1"
     metrics_port: int | None = None  # None: no /metrics endpoint; 0: any free port (logged)
 

@@ -34,7 +34,7 @@ from services.common.nats_reader import Delivery
 from services.common.transport import Traffic, Transport
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.core import SchedulerCore
-from services.scheduler.model import load_model_runner
+from services.scheduler.model import MemoryReserve, ModelConfig, load_model_runner
 from services.scheduler.request import RequestOutput, SchedulerRequest
 from services.scheduler.wire import to_token_batches
 
@@ -45,6 +45,12 @@ SHUTDOWN_MESSAGE = "the scheduler is shutting down"
 
 def build_core(config: SchedulerConfig) -> SchedulerCore:
     """Load the model (minutes for a large one: call it off the event loop) and wrap it in a core."""
+    reserve = MemoryReserve()
+    if config.speculative_algorithm == "dspark":
+        from services.scheduler.spec.dspark_loader import drafter_memory
+
+        target_config = ModelConfig.from_pretrained(config.model)
+        reserve = drafter_memory(config.resolved_draft_model, target_config, config.torch_dtype, config.kv_block_size)
     runner = load_model_runner(
         config.model,
         device=config.resolved_device,
@@ -54,6 +60,7 @@ def build_core(config: SchedulerConfig) -> SchedulerCore:
         kv_block_size=config.kv_block_size,
         kv_cache_bytes=config.kv_cache_bytes,
         kv_cache_fraction=config.kv_cache_memory_fraction,
+        reserve=reserve,
         seed=config.seed,
         cuda_graphs=False,  # captured below, once the verify width and captured layers are known
     )

@@ -2,12 +2,13 @@
 
 from services.scheduler.model.batch import ForwardBatch, ForwardOutput
 from services.scheduler.model.config import ModelConfig, UnsupportedModelError
-from services.scheduler.model.loader import MissingTensorError, NoWeightsError, load_model_runner
+from services.scheduler.model.loader import MemoryReserve, MissingTensorError, NoWeightsError, load_model_runner
 from services.scheduler.model.runner import ModelRunner
 
 __all__ = [
     "ForwardBatch",
     "ForwardOutput",
+    "MemoryReserve",
     "MissingTensorError",
     "ModelConfig",
     "ModelRunner",

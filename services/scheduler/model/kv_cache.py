@@ -19,14 +19,15 @@ def bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) ->
     return config.num_hidden_layers * 2 * block_size * config.num_key_value_heads * config.head_dim * element_size
 
 
-def num_blocks_for_budget(config: ModelConfig, block_size: int, dtype: torch.dtype, budget_bytes: int) -> int:
-    """How many blocks fit in `budget_bytes` (at least one, else the budget is an error)."""
-    num_blocks = budget_bytes // bytes_per_block(config, block_size, dtype)
+def num_blocks_for_budget(
+    config: ModelConfig, block_size: int, dtype: torch.dtype, budget_bytes: int, extra_bytes_per_block: int = 0
+) -> int:
+    """How many blocks fit in `budget_bytes` when each also costs `extra_bytes_per_block` elsewhere
+    (a drafter's KV cache); at least one, else the budget is an error."""
+    block_bytes = bytes_per_block(config, block_size, dtype) + extra_bytes_per_block
+    num_blocks = budget_bytes // block_bytes
     if num_blocks < 1:
-        raise ValueError(
-            f"KV cache budget of {budget_bytes} bytes holds no block of "
-            f"{bytes_per_block(config, block_size, dtype)} bytes"
-        )
+        raise ValueError(f"KV cache budget of {budget_bytes} bytes holds no block of {block_bytes} bytes")
     return int(num_blocks)
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import zlib
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -45,6 +46,16 @@ class NoWeightsError(FileNotFoundError):
     """load_format "auto" found neither safetensors nor a seeded-random marker."""
 
 
+@dataclass(frozen=True)
+class MemoryReserve:
+    """Device memory the KV cache budget must leave to others: a drafter's weights (loaded after
+    the target, once its embedding and LM head exist) and its own KV cache, which has as many
+    blocks as the target's."""
+
+    weight_bytes: int = 0  # taken from the free memory before the cache is sized (CUDA)
+    bytes_per_block: int = 0  # each cache block costs this much more elsewhere
+
+
 def load_model_runner(
     path: str | Path,
     *,
@@ -57,10 +68,13 @@ def load_model_runner(
     seed: int = 0,
     cuda_graphs: bool | None = None,
     kv_cache_fraction: float = CUDA_KV_CACHE_FRACTION,
+    reserve: MemoryReserve = MemoryReserve(),
 ) -> ModelRunner:
     """Load the model at `path` onto `device` in `dtype` and allocate its paged KV cache.
 
     cuda_graphs None: capture decode CUDA graphs when on CUDA with Triton; True/False forces it.
+    kv_cache_bytes (or, on CUDA, `kv_cache_fraction` of the memory free after the weights and the
+    reserve's weights) holds the cache's blocks together with the reserve's per-block bytes.
     """
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {load_format!r}")
@@ -70,7 +84,7 @@ def load_model_runner(
     model = _empty_model(config, device, dtype)
     _fill_weights(model, model_dir, config, load_format, seed)
     model.eval()
-    num_blocks = num_kv_blocks or _default_num_blocks(config, kv_block_size, dtype, device, kv_cache_bytes, kv_cache_fraction)
+    num_blocks = num_kv_blocks or _default_num_blocks(config, kv_block_size, dtype, device, kv_cache_bytes, kv_cache_fraction, reserve)
     cache = PagedKVCache(config, num_blocks, kv_block_size, dtype, device)
     runner = ModelRunner(model, cache)
     if cuda_graphs if cuda_graphs is not None else runner.decode_kernel:
@@ -143,14 +157,19 @@ def _random_tensor(name: str, shape: torch.Size, seed: int, device: torch.device
 
 def _default_num_blocks(
     config: ModelConfig, block_size: int, dtype: torch.dtype, device: torch.device, budget: int | None,
-    fraction: float = CUDA_KV_CACHE_FRACTION,
+    fraction: float = CUDA_KV_CACHE_FRACTION, reserve: MemoryReserve = MemoryReserve(),
 ) -> int:
     if budget is None and device.type == "cuda":
         free_bytes, _ = torch.cuda.mem_get_info(device)
-        budget = int(free_bytes * fraction)
+        budget = cuda_kv_budget(free_bytes, fraction, reserve)
     if budget is None:
         # Room for two full-length sequences, within a cap that keeps CPU runs light.
-        wanted = 2 * config.max_position_embeddings // block_size * bytes_per_block(config, block_size, dtype)
-        budget = min(wanted, CPU_KV_CACHE_CAP_BYTES)
+        block_bytes = bytes_per_block(config, block_size, dtype) + reserve.bytes_per_block
+        budget = min(2 * config.max_position_embeddings // block_size * block_bytes, CPU_KV_CACHE_CAP_BYTES)
     # One block of the budget is the cache's trash block (padded CUDA-graph rows write there).
-    return max(1, num_blocks_for_budget(config, block_size, dtype, budget) - 1)
+    return max(1, num_blocks_for_budget(config, block_size, dtype, budget, reserve.bytes_per_block) - 1)
+
+
+def cuda_kv_budget(free_bytes: int, fraction: float, reserve: MemoryReserve) -> int:
+    """Bytes for the KV caches: `fraction` of what stays free once the reserve's weights load."""
+    return int(max(0, free_bytes - reserve.weight_bytes) * fraction)

@@ -39,8 +39,9 @@ from safetensors.torch import save_file
 from torch import nn
 
 from services.scheduler.model.config import ModelConfig
+from services.scheduler.model.kv_cache import bytes_per_block
 from services.scheduler.model.llama import rope_inv_freq
-from services.scheduler.model.loader import LOAD_FORMATS, NoWeightsError, fill_random_weights, load_safetensors
+from services.scheduler.model.loader import LOAD_FORMATS, MemoryReserve, NoWeightsError, fill_random_weights, load_safetensors
 from services.scheduler.model.runner import ModelRunner
 from services.scheduler.spec.dspark import DSparkProposer
 from services.scheduler.spec.dspark_config import DSparkConfig
@@ -58,6 +59,18 @@ def load_dspark_proposer(
         load_format=load_format, seed=seed,
     )  # fmt: skip
     return DSparkProposer(drafter, runner.num_blocks, runner.block_size, num_draft_tokens)
+
+
+def drafter_memory(path: str | Path, target_config: ModelConfig, dtype: torch.dtype, block_size: int) -> MemoryReserve:
+    """What the drafter at `path` will hold on the device besides the target (its weights, and its
+    KV cache per block), known before the target loads, so the target's KV cache leaves room for it."""
+    config = DSparkConfig.from_pretrained(Path(path))
+    config.check_target(target_config)
+    with torch.device("meta"):
+        embed = nn.Embedding(target_config.vocab_size, target_config.hidden_size)
+        drafter = DSparkDrafter(config, embed, torch.empty(target_config.vocab_size, target_config.hidden_size)).to(dtype)
+    weight_bytes = sum(p.numel() * p.element_size() for p in drafter.parameters())  # shares no target tensor
+    return MemoryReserve(weight_bytes, bytes_per_block(config.backbone, block_size, dtype))
 
 
 def load_drafter(

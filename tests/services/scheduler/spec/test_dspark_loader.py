@@ -100,3 +100,40 @@ def test_a_recurrent_markov_head_round_trips(tmp_path, draft_config, target, tar
     loaded = load_like(target, target_config, tmp_path)
     assert loaded.config.markov_head_type == "rnn" and same_weights(loaded, drafter)
     assert "markov_head.joint_proj.weight" in dict(loaded.checkpoint_tensors())
+
+
+def test_the_drafters_memory_is_known_before_the_target_loads():
+    """`drafter_memory` (counted on the meta device) is what the loaded drafter holds: its weights,
+    and its KV cache per block."""
+    from services.models import BUNDLED_DRAFT_MODEL, BUNDLED_MODEL
+    from services.scheduler.model import ModelConfig
+    from services.scheduler.spec.dspark_loader import drafter_memory
+
+    reserve = drafter_memory(BUNDLED_DRAFT_MODEL, ModelConfig.from_pretrained(BUNDLED_MODEL), torch.float32, 16)
+    runner = load_model_runner(BUNDLED_MODEL, num_kv_blocks=8, kv_block_size=16)
+    proposer = load_dspark_proposer(BUNDLED_DRAFT_MODEL, runner)
+    assert reserve.weight_bytes == sum(p.numel() * p.element_size() for p in proposer.drafter.parameters()) > 0
+    draft_kv = proposer.kv_cache.kv
+    assert reserve.bytes_per_block == draft_kv.numel() * draft_kv.element_size() // (8 + 1)  # + the trash block
+
+
+def test_dspark_scheduler_fits_both_kv_caches_in_its_budget():
+    """kv_cache_bytes holds the target's and the drafter's KV caches together, not the target's alone."""
+    from services.scheduler.config import SchedulerConfig
+    from services.scheduler.service import build_core
+
+    budget = 4 * 2**20
+    plain = build_core(SchedulerConfig(device="cpu", kv_cache_bytes=budget)).worker.runner
+    core = build_core(SchedulerConfig(speculative_algorithm="dspark", device="cpu", kv_cache_bytes=budget))
+    target, draft = core.worker.runner.kv_cache.kv, core.worker.proposer.kv_cache.kv
+    used = target.numel() * target.element_size() + draft.numel() * draft.element_size()
+    assert used <= budget < used * 1.1  # the whole budget, less its rounding to blocks
+    assert core.worker.runner.num_blocks < plain.num_blocks
+
+
+def test_cuda_kv_budget_leaves_the_drafters_weights_out():
+    from services.scheduler.model.loader import MemoryReserve, cuda_kv_budget
+
+    assert cuda_kv_budget(100 * 2**30, 0.8, MemoryReserve()) == int(80 * 2**30)
+    assert cuda_kv_budget(100 * 2**30, 0.8, MemoryReserve(weight_bytes=10 * 2**30)) == int(72 * 2**30)
+    assert cuda_kv_budget(2**30, 0.8, MemoryReserve(weight_bytes=2**31)) == 0
