@@ -354,7 +354,7 @@ def run(out: Path, config: ReliabilityConfig = ReliabilityConfig()) -> dict[str,
     url = f"http://127.0.0.1:{free_port()}"
     log_path = config.up_log or Path(tempfile.mkdtemp(prefix="sparkwire-reliability-")) / "up.log"
     with launched_stack(config.up_args, url, log_path) as stack:
-        tallies = asyncio.run(run_cases(config, url, stack.process.pid, log_path))
+        tallies = asyncio.run(run_cases(config, url, stack.up.process.pid, log_path))
     totals = {key: sum(getattr(t, key) for t in tallies.values()) for key in MUST_BE_ZERO}
     document = {
         "benchmark": "reliability",

@@ -1,9 +1,11 @@
-"""`sparkwire bench serve --launch`: run the benchmark against a `sparkwire up` of its own.
+"""`sparkwire bench serve --launch`: run the benchmark against a `sparkwire up` of its own; and the
+child-process handling every bench script that starts services shares (`LoggedProcess`).
 
 The stack is started with the given `up` flags on the host and port of the benchmark's base URL,
 waited for until `/health` answers 200, and stopped (SIGTERM, which `up` passes on to every
 service) when the block ends, also on error. Its output goes to a log file, never a pipe that
-could fill up and stall the services mid-run.
+could fill up and stall the services mid-run. Scripts that start the services one by one (to pin
+each to a GPU, or stop one mid-run: `two_gpu_serve.py`) use `LoggedProcess` and `health_ok` alone.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit
@@ -23,21 +25,62 @@ import httpx
 from services.common.nats_server import stop_process
 
 REPO = Path(__file__).resolve().parents[2]
-HEALTH_POLL_S = 0.25
+POLL_S = 0.25
 STOP_GRACE_S = 60.0  # `up` itself gives each service 10 s after SIGTERM, and they drain first
 LOG_TAIL_CHARS = 4000
 OWNED_FLAGS = ("--host", "--port")  # taken from the base URL, so the benchmark hits what it started
 
 
 @dataclass
-class LaunchedStack:
+class LoggedProcess:
+    """A child process run from the repository root, its output (stdout and stderr) in `log_path`."""
+
+    name: str
     process: subprocess.Popen[bytes]
     log_path: Path
+
+    @classmethod
+    def start(
+        cls, name: str, argv: Sequence[str], log_path: Path, env: dict[str, str] | None = None, append: bool = False
+    ) -> LoggedProcess:
+        """`env`: variables added to ours; `append`: keep what the log file holds (a restart)."""
+        with log_path.open("ab" if append else "wb") as log:
+            env = {**os.environ, **(env or {}), "PYTHONUNBUFFERED": "1"}
+            process = subprocess.Popen(argv, cwd=REPO, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=env)
+        return cls(name, process, log_path)
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def log_tail(self) -> str:
+        return self.log()[-LOG_TAIL_CHARS:]
+
+    def wait_until(self, ready: Callable[[], bool], timeout_s: float, waiting_for: str) -> float:
+        """Seconds until `ready()`; raises with the log's tail if the process exits or time runs out."""
+        start = time.monotonic()
+        while not ready():
+            if self.process.poll() is not None:
+                raise RuntimeError(f"{self.name} exited with {self.process.returncode}:\n{self.log_tail()}")
+            if time.monotonic() - start > timeout_s:
+                raise TimeoutError(f"{waiting_for} after {timeout_s:.0f}s:\n{self.log_tail()}")
+            time.sleep(POLL_S)
+        return time.monotonic() - start
+
+    def stop(self, grace_s: float) -> None:
+        stop_process(self.process, grace_s)
+
+
+@dataclass
+class LaunchedStack:
+    up: LoggedProcess  # `sparkwire up`
     ready_s: float = 0.0
     exit_code: int | None = None
 
-    def log_tail(self) -> str:
-        return self.log_path.read_text(errors="replace")[-LOG_TAIL_CHARS:]
+
+def health_ok(base_url: str) -> bool:
+    with contextlib.suppress(httpx.HTTPError):
+        return httpx.get(f"{base_url}/health", timeout=2.0).status_code == 200
+    return False
 
 
 def up_command(up_args: Sequence[str], base_url: str) -> list[str]:
@@ -56,26 +99,10 @@ def launched_stack(
 ) -> Iterator[LaunchedStack]:
     command = up_command(up_args, base_url)
     log_path.parent.mkdir(parents=True, exist_ok=True)
-    with log_path.open("wb") as log:
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-        process = subprocess.Popen(command, cwd=REPO, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=env)
-    stack = LaunchedStack(process, log_path)
+    stack = LaunchedStack(LoggedProcess.start("sparkwire up", command, log_path))
     try:
-        stack.ready_s = wait_healthy(stack, base_url, ready_timeout_s)
+        stack.ready_s = stack.up.wait_until(lambda: health_ok(base_url), ready_timeout_s, f"{base_url}/health not 200")
         yield stack
     finally:
-        stop_process(process, STOP_GRACE_S)
-        stack.exit_code = process.returncode
-
-
-def wait_healthy(stack: LaunchedStack, base_url: str, timeout_s: float) -> float:
-    """Seconds until `GET /health` is 200; raises with the log's tail if `up` exits or time runs out."""
-    start = time.monotonic()
-    while time.monotonic() - start < timeout_s:
-        if stack.process.poll() is not None:
-            raise RuntimeError(f"sparkwire up exited with {stack.process.returncode}:\n{stack.log_tail()}")
-        with contextlib.suppress(httpx.HTTPError):
-            if httpx.get(f"{base_url}/health", timeout=2.0).status_code == 200:
-                return time.monotonic() - start
-        time.sleep(HEALTH_POLL_S)
-    raise TimeoutError(f"{base_url}/health not 200 after {timeout_s:.0f}s:\n{stack.log_tail()}")
+        stack.up.stop(STOP_GRACE_S)
+        stack.exit_code = stack.up.process.returncode

@@ -30,9 +30,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
 import signal
-import subprocess
 import sys
 import tempfile
 import threading
@@ -44,7 +42,8 @@ from typing import Any
 
 from ops.bench.gpu_serve_check import serving_model_dir
 from ops.bench.serve import ServeConfig, run_serve_benchmark
-from services.common.nats_server import NatsServer, free_port, start_nats_server, stop_process
+from ops.bench.serve_launch import LoggedProcess
+from services.common.nats_server import NatsServer, free_port, start_nats_server
 
 REPO = Path(__file__).resolve().parents[2]
 READY_TIMEOUT_S = 600.0
@@ -67,19 +66,6 @@ class TwoGpuConfig:
 
 
 @dataclass
-class Process:
-    name: str
-    popen: subprocess.Popen[bytes]
-    log_path: Path
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
-
-    def count(self, event: str) -> int:
-        return self.log().count(event)
-
-
-@dataclass
 class Fleet:
     """The processes of one run; schedulers come and go between phases."""
 
@@ -88,56 +74,42 @@ class Fleet:
     log_dir: Path
     nats: NatsServer
     port: int = field(default_factory=free_port)
-    processes: dict[str, Process] = field(default_factory=dict)
+    processes: dict[str, LoggedProcess] = field(default_factory=dict)
 
     @property
     def base_url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
-    def start(self, name: str, args: list[str], env: dict[str, str] | None = None) -> Process:
-        log_path = self.log_dir / f"{name}.log"
+    def start(self, name: str, args: list[str], env: dict[str, str] | None = None) -> LoggedProcess:
         argv = [sys.executable, "-m", "services.cli", *args, "--nats-url", self.nats.url, "--model", str(self.model_dir)]
-        with log_path.open("ab") as log:
-            popen = subprocess.Popen(argv, cwd=REPO, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                                     env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})  # fmt: skip
-        self.processes[name] = Process(name, popen, log_path)
+        # Appended: a scheduler restarted for the next phase keeps one log.
+        self.processes[name] = LoggedProcess.start(name, argv, self.log_dir / f"{name}.log", env, append=True)
         return self.processes[name]
 
     def start_front(self) -> None:
         self.start("detokenizer", ["detokenizer"])
         self.start("tokenizer", ["tokenizer", "--port", str(self.port)])
 
-    def start_scheduler(self, index: int, dspark: bool) -> Process:
+    def start_scheduler(self, index: int, dspark: bool) -> LoggedProcess:
         args = ["scheduler", "--device", self.config.device, "--load-format", "dummy",
                 "--max-running-requests", str(self.config.concurrency)]  # fmt: skip
         if dspark:
             args += ["--speculative-algorithm", "dspark", "--draft-model", str(self.config.draft_model)]
         env = {"CUDA_VISIBLE_DEVICES": str(index)} if self.config.device == "cuda" else {}
         process = self.start(f"scheduler-{index}", args, env)
-        wait_for(lambda: "scheduler.ready" in process.log(), process, READY_TIMEOUT_S)
+        process.wait_until(lambda: "scheduler.ready" in process.log(), READY_TIMEOUT_S, f"{process.name} not ready")
         return process
 
     def stop(self, name: str) -> None:
-        process = self.processes.pop(name)
-        stop_process(process.popen, STOP_GRACE_S)
+        self.processes.pop(name).stop(STOP_GRACE_S)
 
-    def schedulers(self) -> list[Process]:
+    def schedulers(self) -> list[LoggedProcess]:
         return [process for name, process in self.processes.items() if name.startswith("scheduler-")]
 
     def close(self) -> None:
         for name in list(self.processes):
             self.stop(name)
         self.nats.stop()
-
-
-def wait_for(ready, process: Process, timeout_s: float) -> None:  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout_s
-    while not ready():
-        if process.popen.poll() is not None:
-            raise RuntimeError(f"{process.name} exited with {process.popen.returncode}:\n{process.log()[-3000:]}")
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{process.name} not ready after {timeout_s:.0f}s")
-        time.sleep(0.25)
 
 
 def serve_config(fleet: Fleet, num_schedulers: int, num_warmups: int | None = None) -> ServeConfig:
@@ -152,9 +124,9 @@ def serve_config(fleet: Fleet, num_schedulers: int, num_warmups: int | None = No
 
 def measured(fleet: Fleet, serve: ServeConfig) -> dict[str, Any]:
     """One benchmark run, with how many requests each scheduler took during it."""
-    before = {process.name: process.count("scheduler.request_added") for process in fleet.schedulers()}
+    before = {process.name: process.log().count("scheduler.request_added") for process in fleet.schedulers()}
     result = run_serve_benchmark(serve)
-    taken = {process.name: process.count("scheduler.request_added") - before[process.name] for process in fleet.schedulers()}
+    taken = {process.name: process.log().count("scheduler.request_added") - before[process.name] for process in fleet.schedulers()}
     return {**result, "requests_per_scheduler": taken}
 
 
@@ -166,13 +138,13 @@ def stop_mid_run(fleet: Fleet) -> dict[str, Any]:
     running.start()
     time.sleep(fleet.config.stop_after_s)
     leaving = fleet.schedulers()[-1]
-    leaving.popen.send_signal(signal.SIGTERM)
+    leaving.process.send_signal(signal.SIGTERM)
     started = time.monotonic()
-    leaving.popen.wait(timeout=STOP_GRACE_S)
+    leaving.process.wait(timeout=STOP_GRACE_S)
     running.join()
     fleet.processes.pop(leaving.name)
     after = run_serve_benchmark(serve_config(fleet, len(fleet.schedulers()), num_warmups=0))
-    return {"during": holder["result"], "stopped": leaving.name, "exit_code": leaving.popen.returncode,
+    return {"during": holder["result"], "stopped": leaving.name, "exit_code": leaving.process.returncode,
             "exit_s": time.monotonic() - started, "after": after}  # fmt: skip
 
 
