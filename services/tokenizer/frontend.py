@@ -57,12 +57,14 @@ class Frontend:
             return work(*args, **kwargs)
         return await asyncio.get_running_loop().run_in_executor(self.workers, lambda: work(*args, **kwargs))
 
-    async def submit_all(self, specs: list[GenerationSpec]) -> list[PendingRequest]:
-        """Submit every spec; on a failure abort those already submitted and re-raise."""
+    async def submit_all(self, specs: list[GenerationSpec], n: int = 1) -> list[PendingRequest]:
+        """Submit every spec (prompt-major: each run of `n` is one prompt's choices, submitted
+        together so one scheduler computes the prompt once); on a failure abort those already
+        submitted and re-raise."""
         submitted: list[PendingRequest] = []
         try:
-            for spec in specs:
-                submitted.append(await self.service.submit(spec))
+            for start in range(0, len(specs), n):
+                submitted.extend(await self.service.submit_choices(specs[start : start + n]))
         except BaseException:
             for pending in submitted:
                 await self.service.abort(pending.rid)

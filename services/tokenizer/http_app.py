@@ -10,6 +10,7 @@ validation errors (turned into OpenAI-style 400s here) and an OpenAPI schema for
 from __future__ import annotations
 
 import re
+from collections.abc import AsyncIterator
 from typing import Any
 
 import msgspec
@@ -27,9 +28,17 @@ from services.tokenizer import openai_api
 from services.tokenizer.edge import HttpEdge, request_id_of
 from services.tokenizer.api_types import ChatBody, CompletionBody, DetokenizeBody, GenerateBody, TokenizeBody
 from services.tokenizer.error_schema import ERROR_RESPONSES
-from services.tokenizer.frontend import SSE_HEADERS, ClientGone, Frontend, stream_then_abort
+from services.tokenizer.frontend import SSE_HEADERS, ClientGone, Frontend, merged_deltas, stream_then_abort
 from services.tokenizer.json_body import encode_json
-from services.tokenizer.native import GenerationResult, error_body, native_events, native_response
+from services.tokenizer.native import (
+    SSE_DONE,
+    GenerationResult,
+    error_body,
+    native_event,
+    native_events,
+    native_response,
+    sse,
+)
 from services.tokenizer.requests import RequestFailed
 from services.tokenizer.service import ServiceUnavailable
 from services.tokenizer.validation import MAX_BODY_BYTES, InvalidRequest, require, validate_generate
@@ -47,17 +56,31 @@ STRICT_BODY_TYPES = {"/generate": GenerateBody, "/v1/completions": CompletionBod
 
 @post("/generate", status_code=200, responses=ERROR_RESPONSES, summary="Native generation API (SGLang-compatible)")
 async def generate(data: GenerateBody, frontend: Frontend, request: Request) -> Response[Any] | Stream:
-    specs, is_batch = await frontend.prepare(
+    plan = await frontend.prepare(
         request, validate_generate, data, frontend.model, frontend.config.max_logprobs, request_id_of(request)
     )
-    pendings = await frontend.submit_all(specs)
+    pendings = await frontend.submit_all(plan.specs, plan.n)
     if data.stream:
-        result = GenerationResult(specs[0])
-        events = native_events(pendings[0], frontend.model, result)
+        if plan.n == 1:
+            events = native_events(pendings[0], frontend.model, GenerationResult(plan.specs[0]))
+        else:
+            events = _indexed_events(pendings, frontend.model, [GenerationResult(spec) for spec in plan.specs])
         return Stream(stream_then_abort(frontend, pendings, events), media_type="text/event-stream", headers=SSE_HEADERS)
     results = await frontend.collect_all(pendings, request)
     bodies = [native_response(result, frontend.model) for result in results]
-    return Response(encode_json(bodies if is_batch else bodies[0]), media_type=MediaType.JSON)
+    return Response(encode_json(bodies if plan.is_list else bodies[0]), media_type=MediaType.JSON)
+
+
+async def _indexed_events(pendings: list, model, results: list[GenerationResult]) -> AsyncIterator[bytes]:
+    """`n` > 1 streamed as SGLang streams several outputs: one event per output's news, in arrival
+    order, each the output's own event (cumulative text and ids) plus its `index` in the answer."""
+    try:
+        async for index, delta in merged_deltas(pendings):
+            results[index].add(delta)
+            yield sse(native_event(results[index], delta, model) | {"index": index})
+    except RequestFailed as exc:
+        yield sse(error_body(str(exc)))
+    yield SSE_DONE
 
 
 @get("/health", responses=ERROR_RESPONSES, summary="200 when a scheduler answers a ping and a detokenizer is alive, else 503; ?verbose: each service's state")

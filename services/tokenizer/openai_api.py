@@ -1,7 +1,8 @@
 """OpenAI-compatible endpoints: /v1/completions and /v1/chat/completions.
 
-Each prompt x `n` becomes one `GenerationSpec` (one scheduler request); the choices are
-assembled from their results with `openai_format`.
+Each prompt x `n` becomes one `GenerationSpec`; a prompt's `n` choices are submitted together
+(one scheduler request that forks them after one prefill), and the choices are assembled from
+their results with `openai_format`.
 """
 
 from __future__ import annotations
@@ -11,12 +12,10 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
-import msgspec
 from litestar import Request, post
 from litestar.response import Response, Stream
 
 from contracts.detokenizer import Finish
-from contracts.scheduler import SamplingParams
 from services.tokenizer.api_types import ChatBody, CompletionBody, SamplingParamsBody
 from services.tokenizer.edge import request_id_of
 from services.tokenizer.error_schema import ERROR_RESPONSES
@@ -38,7 +37,9 @@ from services.tokenizer.validation import (
     InvalidRequest,
     LogprobRequest,
     check_logprobs,
-    check_fan_out,
+    check_n,
+    choice_sampling,
+    choice_seed,  # noqa: F401 (part of this module's interface)
     check_prompt,
     check_sampling,
     check_text_size,
@@ -55,12 +56,9 @@ class ModelNotFound(Exception):
         super().__init__(f"The model `{name}` does not exist.")
         self.name = name
 
-MAX_N = 64
 SAMPLING_NAMES = {name: name for name in SamplingParamsBody.__struct_fields__} | {
     "max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens",
 }  # fmt: skip
-SEED_STRIDE = 0x9E3779B97F4A7C15  # choice j of a seeded call: a seed far from seed + 1, seed + 2, ...
-MASK_63 = (1 << 63) - 1
 COMPLETION_LOGPROB_NAMES = {"logprob_start_len": "echo", "top_logprobs_num": "logprobs", "token_ids_logprob": "logprobs"}
 CHAT_LOGPROB_NAMES = {"logprob_start_len": "messages", "top_logprobs_num": "top_logprobs", "token_ids_logprob": "top_logprobs"}
 
@@ -124,12 +122,6 @@ def _sampling_body(body: CompletionBody | ChatBody, max_tokens: int) -> Sampling
     )
 
 
-def choice_seed(seed: int, index: int) -> int:
-    """The seed of choice `index` of an `n`-choice call: choice 0 keeps `seed` (the same answer as
-    `n=1`), the others get distinct seeds derived from it, so every choice is reproducible."""
-    return seed if index == 0 else (seed + index * SEED_STRIDE) & MASK_63
-
-
 def check_model(name: str | None, frontend: Frontend) -> None:
     """An unknown `model` is a 404 in OpenAI's shape (absent or empty: the served model)."""
     served = {frontend.config.model_name, str(frontend.config.model_dir)}
@@ -147,8 +139,7 @@ def _choices(
     max_tokens: int,
     request_id: str,
 ) -> list[Choice]:
-    require(1 <= body.n <= MAX_N, f"must be in [1, {MAX_N}]", "n")
-    check_fan_out(len(prompts), body.n, "n")
+    check_n(body.n, len(prompts), "n")
     sampling_body = _sampling_body(body, max_tokens)
     sampling, detokenize = check_sampling(sampling_body, model, SAMPLING_NAMES)
     rids = iter(wire_rids(request_id, len(prompts) * body.n))
@@ -156,14 +147,10 @@ def _choices(
     for ids, text in prompts:
         logprobs = check_logprobs(request, len(ids), model, max_logprobs, names)
         for j in range(body.n):
-            seeded = sampling if body.seed is None else _with_seed(sampling, choice_seed(body.seed, j))
+            seeded = choice_sampling(sampling, j)
             spec = GenerationSpec(next(rids), ids, seeded, logprobs, detokenize, body.stream, request_id=request_id)
             choices.append(Choice(spec, text))
     return choices
-
-
-def _with_seed(sampling: SamplingParams, seed: int) -> SamplingParams:
-    return msgspec.structs.replace(sampling, seed=seed)
 
 
 def completion_plan(body: CompletionBody, frontend: Frontend, request_id: str) -> Plan:
@@ -335,7 +322,7 @@ async def _events(plan: Plan, frontend: Frontend, pendings: list, chat: bool, in
 async def _serve(
     plan: Plan, frontend: Frontend, request: Request, body: CompletionBody | ChatBody, chat: bool
 ) -> Response[Any] | Stream:
-    pendings = await frontend.submit_all([c.spec for c in plan.choices])
+    pendings = await frontend.submit_all([c.spec for c in plan.choices], body.n)
     if body.stream:
         include_usage = body.stream_options is not None and body.stream_options.include_usage
         events = _events(plan, frontend, pendings, chat, include_usage)

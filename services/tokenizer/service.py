@@ -19,7 +19,15 @@ import structlog
 
 from contracts import subjects
 from contracts.detokenizer import DetokenizerRegistration, DetokenizerRegistrationReply
-from contracts.scheduler import AbortRequest, GenerateRequest, SchedulerClaim, SchedulerClaimReply, SchedulerInfo, SchedulerPing
+from contracts.scheduler import (
+    AbortRequest,
+    ForkedChoice,
+    GenerateRequest,
+    SchedulerClaim,
+    SchedulerClaimReply,
+    SchedulerInfo,
+    SchedulerPing,
+)
 from contracts.tokenizer import TextBatch
 from services.common.arrays import to_wire
 from services.common.heartbeat import HeartbeatMonitor, HeartbeatPublisher
@@ -88,20 +96,47 @@ class TokenizerService:
     async def submit(self, spec: GenerationSpec) -> PendingRequest:
         """Register with a detokenizer, claim a scheduler, publish the request. The returned
         request receives its deltas; raises `ServiceUnavailable` or `InvalidRequest`."""
-        pending = self.pending.add(spec)
-        headers = request_headers(spec.request_id)
+        return (await self.submit_choices([spec]))[0]
+
+    async def submit_choices(self, specs: list[GenerationSpec]) -> list[PendingRequest]:
+        """The choices of one prompt (`n` > 1: the same prompt and parameters, their own seeds):
+        each registers with a detokenizer; one claim names them all, and a scheduler that forks
+        them (reply `forks`) gets one GenerateRequest and computes the prompt once. An older one
+        gets choice 0, and the others are claimed and sent as requests of their own."""
+        pendings = [self.pending.add(spec) for spec in specs]
         try:
-            pending.detokenizer_id = await self._register(spec)
-            pending.scheduler_id = await self._claim(spec, pending.detokenizer_id)
-            subject = subjects.scheduler_generate(pending.scheduler_id)
-            await self._transport.publish(subject, self._request(pending), headers)
-            pending.timing.submitted_at = time.monotonic()
+            await self._register_all(pendings)
+            reply = await self._claim(pendings[0], pendings[1:])
+            together = pendings if reply.forks else pendings[:1]
+            await self._send(reply.scheduler_id, together)
+            for pending in pendings[len(together) :]:
+                await self._send((await self._claim(pending, [])).scheduler_id, [pending])
         except BaseException:
-            self.pending.remove(spec.rid, outcome=None)
-            if pending.detokenizer_id:
-                self._spawn(self._publish_abort(spec.rid, spec.request_id))
+            for pending in pendings:
+                self.pending.remove(pending.rid, outcome=None)
+                if pending.detokenizer_id:
+                    self._spawn(self._publish_abort(pending.rid, pending.spec.request_id))
             raise
-        return pending
+        return pendings
+
+    async def _register_all(self, pendings: list[PendingRequest]) -> None:
+        ids = await asyncio.gather(*(self._register(p.spec) for p in pendings), return_exceptions=True)
+        for pending, detokenizer_id in zip(pendings, ids, strict=True):
+            if isinstance(detokenizer_id, str):
+                pending.detokenizer_id = detokenizer_id
+        for error in ids:
+            if isinstance(error, BaseException):
+                raise error
+
+    async def _send(self, scheduler_id: str, pendings: list[PendingRequest]) -> None:
+        """Publish one GenerateRequest for `pendings` (choice 0, then its forked choices)."""
+        for pending in pendings:
+            pending.scheduler_id = scheduler_id
+        headers = request_headers(pendings[0].spec.request_id)
+        await self._transport.publish(subjects.scheduler_generate(scheduler_id), self._request(pendings), headers)
+        now = time.monotonic()
+        for pending in pendings:
+            pending.timing.submitted_at = now
 
     async def abort(self, rid: str) -> None:
         """The client went away: stop generating (the scheduler frees the slot)."""
@@ -131,13 +166,15 @@ class TokenizerService:
         )
         return reply.detokenizer_id
 
-    async def _claim(self, spec: GenerationSpec, detokenizer_id: str) -> str:
+    async def _claim(self, pending: PendingRequest, forks: list[PendingRequest]) -> SchedulerClaimReply:
         """Load-aware placement (docs/architecture.md): a scheduler without room answers `busy`;
         ask again (the queue group picks a member at random each time) with a growing pause,
         until one with room takes it, or `claim_wait_s` passed and any must (`force`)."""
+        spec, choices = pending.spec, _forked_choices(forks)
         deadline, pause = time.monotonic() + self.config.claim_wait_s, 0.0
         while True:
-            claim = SchedulerClaim(spec.rid, len(spec.prompt_ids), time.monotonic() >= deadline, detokenizer_id)
+            force = time.monotonic() >= deadline
+            claim = SchedulerClaim(spec.rid, len(spec.prompt_ids), force, pending.detokenizer_id, choices)
             reply = await self._ask(subjects.SCHEDULER_CLAIM, claim, SchedulerClaimReply, "scheduler", spec.request_id)
             if not reply.busy:
                 break
@@ -145,7 +182,7 @@ class TokenizerService:
             pause = min(max(2 * pause, CLAIM_RETRY_FIRST_S), CLAIM_RETRY_MAX_S)
         if not reply.accepted:
             raise InvalidRequest(reply.error or "the scheduler refused the request")
-        return reply.scheduler_id
+        return reply
 
     async def _ask(self, subject: str, message: object, reply_type: type, who: str, request_id: str):  # type: ignore[no-untyped-def]
         timeout, headers = self.config.request_timeout_s, request_headers(request_id)
@@ -156,10 +193,11 @@ class TokenizerService:
         except (nats.errors.TimeoutError, asyncio.TimeoutError):
             raise ServiceUnavailable(f"no {who} answered within {timeout}s") from None
 
-    def _request(self, pending: PendingRequest) -> GenerateRequest:
-        spec = pending.spec
+    def _request(self, pendings: list[PendingRequest]) -> GenerateRequest:
+        first, spec = pendings[0], pendings[0].spec
         ids = to_wire(np.asarray(spec.prompt_ids, dtype=np.int32))  # [num_prompt_tokens]
-        return GenerateRequest(spec.rid, ids, pending.detokenizer_id, spec.sampling, spec.logprobs, spec.stream)
+        choices = _forked_choices(pendings[1:])
+        return GenerateRequest(spec.rid, ids, first.detokenizer_id, spec.sampling, spec.logprobs, spec.stream, choices)
 
     async def _on_outputs(self, batch: TextBatch, msg: Delivery) -> None:
         remember_sender(self._detokenizers_by_sender, msg, batch.detokenizer_id)
@@ -210,3 +248,7 @@ class TokenizerService:
         task = asyncio.create_task(coro)
         self._background.add(task)
         task.add_done_callback(self._background.discard)
+
+
+def _forked_choices(pendings: list[PendingRequest]) -> tuple[ForkedChoice, ...]:
+    return tuple(ForkedChoice(p.rid, p.detokenizer_id, p.spec.sampling.seed) for p in pendings)

@@ -74,6 +74,9 @@ MAX_SEQUENCES_PER_CALL = 128  # prompts x n of one call
 MAX_SEED = 2**63 - 1 - MAX_SEQUENCES_PER_CALL  # int64 on the wire, with room for the per-choice seed + j
 MIN_SEED = -(2**63)
 MAX_PROMPT_CHARS_PER_TOKEN = 32  # text longer than max_model_len x this is refused before tokenizing
+MAX_N = 64  # choices per prompt
+SEED_STRIDE = 0x9E3779B97F4A7C15  # choice j of a seeded call: a seed far from seed + 1, seed + 2, ...
+MASK_63 = (1 << 63) - 1
 
 
 def new_request_id() -> str:
@@ -137,6 +140,25 @@ def check_fan_out(num_prompts: int, n: int, param: str) -> None:
     """One call becomes prompts x n scheduler requests: bounded, so a small body stays small work."""
     total = num_prompts * n
     require(total <= MAX_SEQUENCES_PER_CALL, f"{num_prompts} prompts x n={n} is {total} sequences; at most {MAX_SEQUENCES_PER_CALL}", param)
+
+
+def check_n(n: int, num_prompts: int, param: str) -> None:
+    require(1 <= n <= MAX_N, f"must be in [1, {MAX_N}]", param)
+    check_fan_out(num_prompts, n, param)
+
+
+def choice_seed(seed: int, index: int) -> int:
+    """The seed of choice `index` of an `n`-choice call: choice 0 keeps `seed` (the same answer as
+    `n=1`), the others get distinct seeds derived from it, so every choice is reproducible."""
+    return seed if index == 0 else (seed + index * SEED_STRIDE) & MASK_63
+
+
+def choice_sampling(sampling: SamplingParams, index: int) -> SamplingParams:
+    """Choice `index`'s parameters: the call's, with its seed from `choice_seed` (unseeded: the
+    scheduler draws one per choice)."""
+    if sampling.seed is None or index == 0:
+        return sampling
+    return msgspec.structs.replace(sampling, seed=choice_seed(sampling.seed, index))
 
 
 def check_text_size(text: str, model: TextModel, param: str) -> None:
@@ -301,16 +323,27 @@ def response_ids(rid: str | list[str] | None, count: int, is_batch: bool, reques
     return list(rid)
 
 
-def validate_generate(
-    body: GenerateBody, model: TextModel, max_logprobs: int, request_id: str
-) -> tuple[list[GenerationSpec], bool]:
-    """All specs of one /generate call, and whether the answer is a list (batch)."""
+@dataclass(frozen=True)
+class GeneratePlan:
+    """One /generate call: its specs (prompt-major, then the `n` choices of each prompt)."""
+
+    specs: list[GenerationSpec]
+    is_list: bool  # the answer is a list: a batch of prompts, or n > 1 (as SGLang answers)
+    n: int
+
+
+def validate_generate(body: GenerateBody, model: TextModel, max_logprobs: int, request_id: str) -> GeneratePlan:
+    """All specs of one /generate call. With `sampling_params.n` > 1 each prompt has n choices
+    (choice j's seed from `choice_seed`, its `meta_info.id` the prompt's id + `-j`)."""
     check_generate_bounds(body)
+    sampling_body = body.sampling_params or SamplingParamsBody()
     refuse_unsupported(body)
-    refuse_unsupported(body.sampling_params or SamplingParamsBody(), "sampling_params.")
+    refuse_unsupported(sampling_body, "sampling_params.")
     prompts, is_batch = generate_prompts(body, model)
+    n = sampling_body.n
+    check_n(n, len(prompts), "sampling_params.n")
     require(not (is_batch and body.stream), "streaming a batch is not supported", "stream")
-    sampling, detokenize = check_sampling(body.sampling_params or SamplingParamsBody(), model)
+    sampling, detokenize = check_sampling(sampling_body, model)
     request = LogprobRequest(
         return_logprob=body.return_logprob,
         logprob_start_len=body.logprob_start_len,
@@ -321,12 +354,14 @@ def validate_generate(
     )
     specs = []
     shown = response_ids(body.rid, len(prompts), is_batch, request_id)
-    for rid, shown_id, prompt in zip(wire_rids(request_id, len(prompts)), shown, prompts, strict=True):
+    rids = iter(wire_rids(request_id, len(prompts) * n))
+    for shown_id, prompt in zip(shown, prompts, strict=True):
         logprobs = check_logprobs(request, len(prompt), model, max_logprobs, GENERATE_LOGPROB_NAMES)
-        specs.append(
-            GenerationSpec(
-                rid, prompt, sampling, logprobs, detokenize, body.stream, body.return_text_in_logprobs,
-                request.flat_b64, request_id, shown_id,
-            )  # fmt: skip
-        )
-    return specs, is_batch
+        for j in range(n):
+            specs.append(
+                GenerationSpec(
+                    next(rids), prompt, choice_sampling(sampling, j), logprobs, detokenize, body.stream,
+                    body.return_text_in_logprobs, request.flat_b64, request_id, shown_id if n == 1 else f"{shown_id}-{j}",
+                )  # fmt: skip
+            )
+    return GeneratePlan(specs, is_batch or n > 1, n)

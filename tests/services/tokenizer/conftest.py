@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import msgspec
 import numpy as np
 import pytest
 
@@ -119,6 +120,8 @@ class FakeBackend:
     step_delay_s: float = 0.01
     hang: bool = False  # accept requests but never answer them
     claim_error: str | None = None
+    forks: bool = False  # answer claims as a scheduler that forks n > 1 choices (else as an older one)
+    claims: list[SchedulerClaim] = field(default_factory=list)
     registrations: list[DetokenizerRegistration] = field(default_factory=list)
     requests: list[GenerateRequest] = field(default_factory=list)
     aborts: list[AbortRequest] = field(default_factory=list)
@@ -158,8 +161,9 @@ class FakeBackend:
         await self.transport.respond(raw, DetokenizerRegistrationReply(DETOKENIZER_ID))
 
     async def _on_claim(self, msg: SchedulerClaim, raw) -> None:
+        self.claims.append(msg)
         accepted = self.claim_error is None
-        await self.transport.respond(raw, SchedulerClaimReply(SCHEDULER_ID, accepted, self.claim_error))
+        await self.transport.respond(raw, SchedulerClaimReply(SCHEDULER_ID, accepted, self.claim_error, forks=self.forks))
 
     async def _on_ping(self, msg: SchedulerPing, raw) -> None:
         await self.transport.respond(raw, SchedulerInfo(SCHEDULER_ID, "sparkwire-tiny", 32768, 2048))
@@ -170,8 +174,12 @@ class FakeBackend:
     async def _on_generate(self, request: GenerateRequest, raw) -> None:
         self.requests.append(request)
         self.request_headers.append(raw.headers)
-        if not self.hang:
-            task = asyncio.create_task(self._play(request))
+        if self.hang:
+            return
+        choices = [msgspec.structs.replace(request, rid=c.rid, detokenizer_id=c.detokenizer_id, choices=())
+                   for c in request.choices]  # fmt: skip
+        for each in [request, *choices]:
+            task = asyncio.create_task(self._play(each))
             self.tasks.add(task)
             task.add_done_callback(self.tasks.discard)
 
