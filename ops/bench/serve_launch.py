@@ -33,11 +33,13 @@ OWNED_FLAGS = ("--host", "--port")  # taken from the base URL, so the benchmark 
 
 @dataclass
 class LoggedProcess:
-    """A child process run from the repository root, its output (stdout and stderr) in `log_path`."""
+    """A child process run from the repository root, its output (stdout and stderr) in `log_path`
+    from byte `log_start` on (what the file held before, with `append`, is an earlier process's)."""
 
     name: str
     process: subprocess.Popen[bytes]
     log_path: Path
+    log_start: int = 0
 
     @classmethod
     def start(
@@ -47,10 +49,13 @@ class LoggedProcess:
         with log_path.open("ab" if append else "wb") as log:
             env = {**os.environ, **(env or {}), "PYTHONUNBUFFERED": "1"}
             process = subprocess.Popen(argv, cwd=REPO, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=env)
-        return cls(name, process, log_path)
+            return cls(name, process, log_path, log.tell())
 
     def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
+        """What this process has written so far."""
+        with self.log_path.open("rb") as log:
+            log.seek(self.log_start)
+            return log.read().decode(errors="replace")
 
     def log_tail(self) -> str:
         return self.log()[-LOG_TAIL_CHARS:]

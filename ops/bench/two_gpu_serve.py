@@ -21,7 +21,7 @@ processes that share nothing but NATS). On the two-GPU machine:
     python3 -m ops.bench.two_gpu_serve --out ops/bench/results/two_gpu_serve.json
 A CPU rehearsal of the same path (tiny numbers, no GPU):
 
-    python3 -m ops.bench.two_gpu_serve --device cpu --model-config ops/models/sparkwire-tiny \\
+    python3 -m ops.bench.two_gpu_serve --device cpu --model-config ops/models/sparkwire-micro \\
         --concurrency 4 --prompts-per-scheduler 8 --input-len 16 --output-len 16 --num-warmups 1 --out /tmp/two.json
 """
 
@@ -42,7 +42,7 @@ from typing import Any
 
 from ops.bench.gpu_serve_check import serving_model_dir
 from ops.bench.serve import ServeConfig, run_serve_benchmark
-from ops.bench.serve_launch import LoggedProcess
+from ops.bench.serve_launch import LoggedProcess, health_ok
 from services.common.nats_server import NatsServer, free_port, start_nats_server
 
 REPO = Path(__file__).resolve().parents[2]
@@ -100,6 +100,10 @@ class Fleet:
         process.wait_until(lambda: "scheduler.ready" in process.log(), READY_TIMEOUT_S, f"{process.name} not ready")
         return process
 
+    def wait_healthy(self) -> None:
+        """Until /health is 200: the tokenizer sees a scheduler and the detokenizer."""
+        self.processes["tokenizer"].wait_until(lambda: health_ok(self.base_url), READY_TIMEOUT_S, f"{self.base_url}/health not 200")
+
     def stop(self, name: str) -> None:
         self.processes.pop(name).stop(STOP_GRACE_S)
 
@@ -152,6 +156,7 @@ def run_phases(fleet: Fleet, dspark: bool) -> dict[str, Any]:
     prefix = "dspark_" if dspark else ""
     phases: dict[str, Any] = {}
     fleet.start_scheduler(0, dspark)
+    fleet.wait_healthy()
     phases[f"{prefix}one_scheduler"] = measured(fleet, serve_config(fleet, 1))
     for index in range(1, fleet.config.num_schedulers):
         fleet.start_scheduler(index, dspark)

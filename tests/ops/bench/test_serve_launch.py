@@ -21,11 +21,12 @@ def python(code: str) -> list[str]:
 @pytest.mark.timeout(60)
 def test_a_child_runs_from_the_repository_logs_to_its_file_and_stops(tmp_path):
     log_path = tmp_path / "child.log"
-    log_path.write_text("earlier run\n")
+    log_path.write_text("ready, said an earlier run\n")
     child = LoggedProcess.start("child", python(WAITER), log_path, env={"MARK": "m1"}, append=True)
     try:
         assert child.wait_until(lambda: "ready" in child.log(), 30, "child not ready") >= 0
-        assert child.log() == f"earlier run\nready {REPO} m1\n"
+        assert child.log() == f"ready {REPO} m1\n"  # its own output: the earlier run's "ready" is not
+        assert log_path.read_text() == f"ready, said an earlier run\nready {REPO} m1\n"
     finally:
         child.stop(grace_s=10)
     assert child.process.returncode == -signal.SIGTERM
