@@ -18,7 +18,7 @@ from services.common.settings import EnvSettings, connection_values
 from services.models import BUNDLED_MODEL
 
 SERVICES = ("tokenizer", "scheduler", "detokenizer")
-SCHEDULER_PACKAGES = ("torch", "safetensors")  # the `scheduler` extra of pyproject.toml
+SCHEDULER_PACKAGES = ("torch", "safetensors", "tqdm")  # the `scheduler` extra of pyproject.toml
 TORCH_HINT = "pip install 'sparkwire[scheduler]' (the tokenizer and detokenizer run without it)"
 
 

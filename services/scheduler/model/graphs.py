@@ -16,6 +16,7 @@ import bisect
 
 import torch
 
+from services.common.progress import Progress
 from services.scheduler.model.attention import MAX_BATCHED_QUERY_LEN, DecodePlan
 from services.scheduler.model.batch import ForwardBatch, ForwardOutput
 from services.scheduler.model.kv_cache import PagedKVCache
@@ -145,6 +146,7 @@ class DecodeGraphRunner:
     def _capture_all(self) -> None:
         # Largest first, all graphs in one memory pool: smaller graphs reuse the largest one's blocks.
         pool = None
+        progress = Progress("cuda_graphs.capture", "graphs", len(self.query_lens) * len(self.ladder))
         for query_len in reversed(self.query_lens):
             self._pad(0, self.ladder[-1], query_len)  # every row padded: capture touches the trash block only
             for rung in reversed(self.ladder):
@@ -155,7 +157,9 @@ class DecodeGraphRunner:
                     self.outputs[(rung, query_len)] = self._forward(rung, query_len)
                 pool = graph.pool()
                 self.graphs[(rung, query_len)] = graph
+                progress.advance(rung=rung, query_len=query_len)
         torch.cuda.synchronize(self.cache.kv.device)
+        progress.close()
 
 
 def _head(out: ForwardOutput, num_tokens: int, batch: ForwardBatch) -> ForwardOutput:

@@ -4,6 +4,7 @@ load_format "auto" reads `*.safetensors` (one file, or shards listed in
 `model.safetensors.index.json`); a directory without weights whose config says
 `"sparkwire_weights": "seeded-random"` (the bundled tiny model) gets weights from its
 `sparkwire_seed`. load_format "dummy" always builds random weights from config.json alone.
+Either way every tensor filled counts on one `Progress` (a bar on a terminal, else log records).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from services.common.progress import Progress
 from services.scheduler.model.config import ModelConfig
 from services.scheduler.model.kv_cache import PagedKVCache, bytes_per_block, num_blocks_for_budget
 from services.scheduler.model.llama import CausalLM, rope_inv_freq
@@ -126,23 +128,41 @@ def _safetensors_files(model_dir: Path) -> list[Path]:
 def load_safetensors(model: CausalLM, model_dir: Path) -> None:
     """Copy every parameter, by its Hugging Face name, from the directory's safetensors files."""
     needed = dict(model.checkpoint_tensors())
+    progress = _load_progress(model, needed.values(), path=str(model_dir))
     for path in _safetensors_files(model_dir):
         with safe_open(str(path), framework="pt", device="cpu") as handle:
             for name in handle.keys():
                 if name in needed:
-                    needed.pop(name).copy_(handle.get_tensor(name))
+                    param = needed.pop(name)
+                    param.copy_(handle.get_tensor(name))
+                    progress.advance(num_bytes=_nbytes(param), tensor=name)
     if needed:
         raise MissingTensorError(sorted(needed)[0], model_dir)
+    progress.close()
 
 
 @torch.no_grad()
 def fill_random_weights(model: CausalLM, seed: int) -> None:
     """Deterministic weights: same seed, same values, on any device (drawn on the host, then moved)."""
-    for name, param in model.checkpoint_tensors():
+    tensors = list(model.checkpoint_tensors())
+    progress = _load_progress(model, [param for _, param in tensors], weights="random")
+    for name, param in tensors:
         if name.endswith("norm.weight"):
             param.fill_(1.0)
         else:
             param.copy_(_random_tensor(name, param.shape, seed, param.device))
+        progress.advance(num_bytes=_nbytes(param), tensor=name)
+    progress.close()
+
+
+def _load_progress(model: torch.nn.Module, params, **fields: str) -> Progress:
+    params = list(params)
+    total = sum(_nbytes(param) for param in params)
+    return Progress("model.load", "tensors", len(params), total_bytes=total, model=type(model).__name__, **fields)
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
 
 
 def _random_tensor(name: str, shape: torch.Size, seed: int, device: torch.device) -> torch.Tensor:

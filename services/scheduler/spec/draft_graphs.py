@@ -79,6 +79,8 @@ class DraftGraphs:
                 log.warning("dspark.draft_graphs_off", error=str(exc))
                 self.capture, graph = False, None
         entry = self._graphs[(rung, bucket)] = _Graph(static, output, graph)
+        if graph is not None:  # captured on first use, so one line each rather than a bar
+            log.info("dspark.draft_graph_captured", rung=rung, context_blocks=bucket, graphs=len(self._graphs))
         return entry
 
 

@@ -7,6 +7,8 @@ as tests do not step two cores at the same time.
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -31,3 +33,20 @@ def make_core(tiny_runner):
         return SchedulerCore(tiny_runner, **options)
 
     return make
+
+
+@pytest.fixture
+def fake_cuda_capture(monkeypatch):
+    """What graph capture calls of torch.cuda, made no-ops: capture loops run on the CPU, eagerly
+    (their progress and bookkeeping can be checked; the graphs replay nothing)."""
+
+    class Graph:
+        def pool(self):
+            return None
+
+        def replay(self):
+            pass
+
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", Graph)
+    monkeypatch.setattr(torch.cuda, "graph", lambda graph, pool=None: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+from structlog.testing import capture_logs
 
 from services.scheduler.spec.draft_graphs import DraftGraphs, _bucket
 from services.scheduler.spec.dspark import DSparkProposer
@@ -31,3 +32,14 @@ def test_padded_greedy_proposals_equal_the_plain_proposer(drafter):
 
 def test_sampled_batches_stay_eager_and_buckets_round_up():
     assert [_bucket(n) for n in (1, 2, 3, 5, 64, 65, 130)] == [1, 2, 4, 8, 64, 128, 192]
+
+
+def test_each_draft_graph_captured_on_first_use_is_one_line(drafter, fake_cuda_capture):
+    graphs = DraftGraphs(DSparkProposer(drafter, NUM_KV_BLOCKS, KV_BLOCK_SIZE), capture=True, ladder=(1, 4))
+    table = [7, 1, 12, 3, 9]
+    inject_rows(graphs, context_hidden(drafter, 9, seed=3), table, torch.arange(9))
+    with capture_logs() as records:
+        for rows in ([0], [0, 0, 0], [0]):  # rungs 1, 4, then 1 again (replayed: no line)
+            graphs.propose(request([5] * len(rows), [9] * len(rows), [table] * len(rows), [0.0] * len(rows)))
+    captured = [(r["rung"], r["graphs"]) for r in records if r["event"] == "dspark.draft_graph_captured"]
+    assert captured == [(1, 1), (4, 2)]
