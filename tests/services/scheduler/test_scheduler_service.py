@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import time
 
 import numpy as np
 import pytest
@@ -108,6 +110,47 @@ async def test_claim_generate_receive_until_finish(harness):
     assert sum(len(x) for x in output_logprobs) == 5
     prompt_logprobs = [from_wire(lp.input_token_logprobs) for b in batches for lp in b.logprobs or [] if lp and lp.input_token_logprobs]
     assert sum(len(x) for x in prompt_logprobs) == len(PROMPT)
+
+
+@pytest.mark.timeout(60)
+async def test_the_next_step_runs_while_the_last_steps_outputs_are_published(harness):
+    """The decode loop starts step N + 1 before it publishes step N's outputs, and the tokens still
+    arrive complete and in order."""
+    h, loop = harness, asyncio.get_running_loop()
+    core, service = h.service._core, h.service
+    step_of: dict[int, int] = {}  # id(outputs) -> the step call that made them
+    calls = [0]
+    stepped = asyncio.Event()
+
+    def slow_step():
+        calls[0] += 1
+        index = calls[0]
+        loop.call_soon_threadsafe(stepped.set)
+        time.sleep(0.02)  # the device at work
+        outputs = original_step()
+        step_of[id(outputs)] = index
+        return outputs
+
+    async def watched_publish(outputs, step):
+        index = step_of.get(id(outputs))
+        if index is not None:
+            deadline = loop.time() + 1.0
+            while calls[0] <= index and loop.time() < deadline:  # has a later step begun?
+                stepped.clear()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(stepped.wait(), deadline - loop.time())
+            overlapped.append(calls[0] > index)
+        await original_publish(outputs, step)
+
+    original_step, original_publish, overlapped = core.step, service._publish, []
+    core.step, service._publish = slow_step, watched_publish
+    assert (await _claim(h, "r1", len(PROMPT))).accepted
+    sampling = SamplingParams(max_new_tokens=6, temperature=0.0, ignore_eos=True)
+    await h.client.publish(subjects.scheduler_generate("sched-test"), GenerateRequest("r1", to_wire(PROMPT), "detok-1", sampling))
+    tokens, _ = await _collect(h, "r1")
+    assert len(tokens) == 6
+    # every step's publication but the last ran beside the next step
+    assert len(overlapped) >= 6 and all(overlapped[:-1]) and not overlapped[-1], overlapped
 
 
 @pytest.mark.timeout(60)
