@@ -226,11 +226,7 @@ def _detokenize(request: _Request, ids: list[int]) -> tuple[str, int, str | None
     # One id at a time, so a match is pinned to the id that completed it.
     pieces = []
     for position, token_id in enumerate(ids):
-        text = request.decoder.push((token_id,))
-        request.num_tokens += 1
-        if request.within_min_tokens():
-            request.stops.protect(len(text) + len(request.decoder.peek()))
-        text, matched = request.stops.feed(text)
+        text, matched = request.stops.feed(_push_one(request, token_id))
         pieces.append(text)
         if matched is None and (hit := _probe_held(request)) is not None:
             pieces.append(hit[0])
@@ -238,6 +234,16 @@ def _detokenize(request: _Request, ids: list[int]) -> tuple[str, int, str | None
         if matched is not None:
             return "".join(pieces), position + 1, matched
     return "".join(pieces), len(ids), None
+
+
+def _push_one(request: _Request, token_id: int) -> str:
+    """Decode one id. While it is one of the first `min_tokens`, every character visible so far
+    (those held behind an incomplete one included) is protected from ending a stop string."""
+    text = request.decoder.push((token_id,))
+    request.num_tokens += 1
+    if request.within_min_tokens():
+        request.stops.protect(len(text) + len(request.decoder.peek()))
+    return text
 
 
 def _probe_held(request: _Request) -> tuple[str, str] | None:
