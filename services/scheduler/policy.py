@@ -303,6 +303,8 @@ class Policy:
         while not self.blocks.can_allocate(seq.rid, num_tokens):
             victim = self._running[-1]
             if victim is seq and len(self._running) == 1:
+                if self._drop_waiting_holds():
+                    continue
                 self._running.remove(seq)
                 self.blocks.free(seq.rid)
                 message = f"the KV cache cannot hold {num_tokens} tokens of this request"
@@ -335,6 +337,8 @@ class Policy:
                 break
             if not self.blocks.can_allocate(seq.rid, total):
                 if not self._running:  # alone and still too big: it can never run
+                    if self._drop_waiting_holds():
+                        continue
                     self._waiting.popleft()
                     self.blocks.free(seq.rid)
                     message = f"the KV cache cannot hold {num_tokens} tokens of this request"
@@ -424,6 +428,16 @@ class Policy:
         entry = self._pending.get(seq.rid)
         if entry is not None and entry.seq is seq and not entry.logprobs.is_empty():
             seq.prompt_parts.append(entry.logprobs.prompt_part())
+
+    def _drop_waiting_holds(self) -> bool:
+        """Waiting forks hold their prompt's shared blocks, the last holders once choice 0 was
+        preempted or finished: before anything is aborted for want of KV, they let go of them and
+        will re-prefill alone (as preempted). Whether any did."""
+        holders = [seq for seq in self._waiting if self.blocks.holds(seq.rid)]
+        for seq in holders:
+            self.blocks.free(seq.rid)
+            seq.num_computed = 0
+        return bool(holders)
 
     def _fork(self, parent: Sequence) -> None:
         """The prompt is in KV: each waiting choice starts from it, first in the queue.

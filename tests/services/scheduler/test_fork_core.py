@@ -152,3 +152,17 @@ def test_block_manager_refcounts_shared_blocks():
     assert blocks.num_free_blocks == 6
     with pytest.raises(ValueError):
         blocks.fork("c", "d", 3)
+
+
+def test_waiting_forks_give_up_their_shared_blocks_before_a_lone_request_is_aborted(make_core):
+    """Choice 0 preempted while its forks wait: the forks alone hold the prompt's blocks. A request
+    that then runs alone and needs a block must get theirs (the forks recompute), not an abort."""
+    older = request("old", prompt_of(8, 5), max_new_tokens=60, ignore_eos=True)
+    options = dict(temperature=1.0, max_new_tokens=40, ignore_eos=True)
+    expected = run(make_core(), [older, *alone("r", PROMPT, SEEDS[:3], **options)])
+    core = make_core(num_blocks=5, max_running_requests=2)
+    got = run(core, [older, forked("r", PROMPT, SEEDS[:3], **options)])
+    assert core.num_preemptions > 0
+    assert all(r.finish == Finish(FinishType.LENGTH) for r in got.values()), {k: r.finish for k, r in got.items()}
+    _assert_same(expected, got)
+    assert core.stats().num_free_blocks == core.stats().num_blocks

@@ -13,7 +13,7 @@ import pytest
 from contracts import subjects
 from contracts.control import Heartbeat
 from contracts.detokenizer import FinishType, TokenBatch
-from contracts.scheduler import GenerateRequest, LogprobParams, SamplingParams, SchedulerClaim, SchedulerClaimReply
+from contracts.scheduler import ForkedChoice, GenerateRequest, LogprobParams, SamplingParams, SchedulerClaim, SchedulerClaimReply
 from services.common.arrays import from_wire, to_wire
 from services.common.connection import NatsConnection
 from services.common.transport import Transport
@@ -129,7 +129,8 @@ async def test_a_request_this_model_cannot_serve_fails_alone(scheduler, fields):
 
 
 @pytest.mark.timeout(60)
-async def test_a_claim_whose_request_is_lost_in_transit_fails_at_its_detokenizer(nats_server, make_core):
+@pytest.mark.parametrize("num_choices", [1, 3])
+async def test_a_claim_whose_request_is_lost_in_transit_fails_at_its_detokenizer(nats_server, make_core, num_choices):
     config = SchedulerConfig(instance_id=SCHEDULER_ID, claim_expiry_s=0.4,
                              nats=NatsConnection(nats_url=nats_server.url, heartbeat_interval_s=0.2))  # fmt: skip
     client = await Transport.connect(nats_server.url, "test-client")
@@ -143,16 +144,20 @@ async def test_a_claim_whose_request_is_lost_in_transit_fails_at_its_detokenizer
     stop = asyncio.Event()
     task = asyncio.create_task(SchedulerService(config, make_core(max_model_len=64)).run(stop))
     try:
-        claim = SchedulerClaim("never-sent", len(PROMPT), detokenizer_id="detok-1")
+        choices = tuple(ForkedChoice(f"never-sent.{j}", "detok-1") for j in range(1, num_choices))
+        claim = SchedulerClaim("never-sent", len(PROMPT), detokenizer_id="detok-1", choices=choices)
         async with asyncio.timeout(10):
             while True:  # until the scheduler is subscribed and answers
                 with contextlib.suppress(Exception):
                     assert (await client.request(subjects.SCHEDULER_CLAIM, claim, SchedulerClaimReply, 1)).accepted
                     break
                 await asyncio.sleep(0.1)
-        batch = await asyncio.wait_for(batches.get(), 10)  # its GenerateRequest is never published
-        assert batch.rids == ["never-sent"] and batch.finish[0].type == FinishType.ABORT
-        assert "lost in transit" in batch.finish[0].message
+        failed = {}
+        while len(failed) < num_choices:  # its GenerateRequest is never published: every choice fails
+            batch = await asyncio.wait_for(batches.get(), 10)
+            failed |= {rid: finish for rid, finish in zip(batch.rids, batch.finish, strict=True)}
+        assert set(failed) == {"never-sent", *(c.rid for c in choices)}
+        assert all(f.type == FinishType.ABORT and "lost in transit" in f.message for f in failed.values())
     finally:
         stop.set()
         await asyncio.wait_for(task, 10)
