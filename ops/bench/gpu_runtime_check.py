@@ -268,14 +268,14 @@ def kernel_check(device: torch.device) -> float | None:
     if device.type != "cuda":
         return None
     from services.scheduler.model.attention import paged_decode_attention_torch
-    from services.scheduler.model.triton_decode import paged_decode_attention_triton
+    from services.scheduler.model.triton_decode import paged_block_attention_triton
 
     gen = torch.Generator(device=device).manual_seed(0)
     caches = [torch.randn(1024, 16, 8, 128, device=device, generator=gen).bfloat16() for _ in range(2)]
     seq_lens = torch.tensor([1, 15, 16, 17, 333, 1000, 64, 2], dtype=torch.int32, device=device)
     tables = torch.randperm(1024, device=device, generator=gen)[:8 * 63].view(8, 63).to(torch.int32)
     q = torch.randn(8, 32, 128, device=device, generator=gen).bfloat16()
-    got = paged_decode_attention_triton(q, *caches, seq_lens, tables, 128**-0.5)
+    got = paged_block_attention_triton(q, *caches, seq_lens, tables, 128**-0.5)
     want = paged_decode_attention_torch(q, *caches, seq_lens, tables, 128**-0.5)
     return float((got.float() - want.float()).abs().max())
 

@@ -1,11 +1,12 @@
-"""Triton paged-decode attention: one program per (query token, kv head); a sequence has 1 query token
-(decode) or k + 1 (a speculative verify block, causal inside it).
+"""Triton paged attention for short queries: one program per (sequence, kv head); a sequence has
+1 query token (decode) or q (a speculative verify block, causal inside it).
 
-Imported lazily and only on CUDA (the CPU image has no Triton). The program loads the query heads
-that share its kv head (GQA group), walks the sequence's block table one cache block at a time up
-to `seq_len`, and keeps an online softmax in fp32, so nothing is padded to the longest sequence
-and no host sync is needed (the kernel is CUDA-graph safe). Reference semantics, tested against
-this kernel on the GPU: `attention.paged_decode_attention_torch`.
+Imported lazily and only on CUDA (the CPU image has no Triton). The program loads every query row
+of its kv head (q tokens x the GQA group), walks the sequence's block table one cache block at a
+time up to `seq_len`, and keeps an online softmax in fp32, so nothing is padded to the longest
+sequence and no host sync is needed (the kernel is CUDA-graph safe). Reference semantics, tested
+against this kernel on the GPU: `attention.paged_decode_attention_torch`. (An earlier kernel with
+one program per query token was slower at every measured shape, ops/bench/results/gpu_core.md.)
 """
 
 from __future__ import annotations
@@ -13,73 +14,6 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-
-
-@triton.jit
-def _paged_decode_kernel(
-    q_ptr, k_ptr, v_ptr, out_ptr, seq_lens_ptr, tables_ptr, scale,
-    stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_ot, stride_oh, stride_tb,
-    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    QUERY_LEN: tl.constexpr,
-):
-    token = tl.program_id(0)
-    kv_head = tl.program_id(1)
-    seq = token // QUERY_LEN
-    # token j of a verify block sees the keys up to its own position (causal inside the block)
-    seq_len = tl.load(seq_lens_ptr + seq) - (QUERY_LEN - 1 - token % QUERY_LEN)
-    g = tl.arange(0, GROUP_PAD)
-    d = tl.arange(0, HEAD_DIM)
-    s = tl.arange(0, BLOCK_SIZE)
-    g_ok = g < GROUP
-    heads = kv_head * GROUP + g
-    q_offs = token * stride_qt + heads[:, None] * stride_qh + d[None, :]
-    q = tl.load(q_ptr + q_offs, mask=g_ok[:, None], other=0.0).to(tl.float32) * scale  # [G, D]
-    m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
-    den = tl.zeros([GROUP_PAD], tl.float32)
-    acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
-    for i in range(0, tl.cdiv(seq_len, BLOCK_SIZE)):
-        block = tl.load(tables_ptr + seq * stride_tb + i).to(tl.int64)
-        valid = i * BLOCK_SIZE + s < seq_len  # [S]
-        kv_offs = block * stride_kb + s[:, None] * stride_ks + kv_head * stride_kh + d[None, :]
-        k = tl.load(k_ptr + kv_offs, mask=valid[:, None], other=0.0).to(tl.float32)  # [S, D]
-        v = tl.load(v_ptr + kv_offs, mask=valid[:, None], other=0.0).to(tl.float32)  # [S, D]
-        scores = tl.sum(q[:, None, :] * k[None, :, :], axis=2)  # [G, S]
-        scores = tl.where(valid[None, :], scores, float("-inf"))
-        m_new = tl.maximum(m, tl.max(scores, axis=1))
-        alpha = tl.exp(m - m_new)
-        p = tl.exp(scores - m_new[:, None])  # [G, S]
-        den = den * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
-        m = m_new
-    out = acc / den[:, None]
-    o_offs = token * stride_ot + heads[:, None] * stride_oh + d[None, :]
-    tl.store(out_ptr + o_offs, out.to(out_ptr.dtype.element_ty), mask=g_ok[:, None])
-
-
-def paged_decode_attention_triton(
-    query: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    seq_lens: torch.Tensor,
-    block_tables: torch.Tensor,
-    scale: float,
-    query_len: int = 1,
-) -> torch.Tensor:
-    """query [B * query_len, Hq, D]; caches [N, block_size, Hkv, D]; seq_lens int32 [B] (>= query_len);
-    tables int32 [B, M]. Token t belongs to sequence t // query_len (see DecodePlan)."""
-    num_tokens, num_heads, head_dim = query.shape
-    num_kv_heads, block_size = key_cache.shape[2], key_cache.shape[1]
-    group = num_heads // num_kv_heads
-    query = query.contiguous() if query.stride(-1) != 1 else query
-    out = torch.empty_like(query)
-    _paged_decode_kernel[(num_tokens, num_kv_heads)](
-        query, key_cache, value_cache, out, seq_lens, block_tables, scale,
-        query.stride(0), query.stride(1), key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
-        out.stride(0), out.stride(1), block_tables.stride(0),
-        GROUP=group, GROUP_PAD=triton.next_power_of_2(group), HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
-        QUERY_LEN=query_len, num_warps=4,
-    )
-    return out
 
 
 @triton.jit
@@ -136,7 +70,8 @@ def paged_block_attention_triton(
     scale: float,
     query_len: int = 1,
 ) -> torch.Tensor:
-    """Same contract as `paged_decode_attention_triton`; one program per (sequence, kv head)."""
+    """query [B * query_len, Hq, D]; caches [N, block_size, Hkv, D]; seq_lens int32 [B] (>= query_len);
+    tables int32 [B, M]. Token t belongs to sequence t // query_len (see DecodePlan)."""
     num_tokens, num_heads, head_dim = query.shape
     num_kv_heads, block_size = key_cache.shape[2], key_cache.shape[1]
     group = num_heads // num_kv_heads
