@@ -131,20 +131,23 @@ class DetokenizerService:
         if dropped:
             log.warning("detokenizer.scheduler_dead", scheduler=scheduler_id, reason=reason, num_dropped=len(dropped))
 
-    async def drain(self) -> None:
+    async def drain(self) -> bool:
         """Leave without losing a token: take no new registrations (the queue group sends them to
         the other replicas), then keep detokenizing until every request we hold has finished, for
-        at most `drain_timeout_s`."""
+        at most `drain_timeout_s`. True when it finished (the dead sentinel then says `drained`)."""
         if self._register_sid is not None:
             await self._transport.unsubscribe(self._register_sid)
             self._register_sid = None
         log.info("detokenizer.draining", instance=self._config.instance_id, num_running=self._core.num_running)
         if not await wait_until(lambda: self._core.num_running == 0, self._config.nats.drain_timeout_s):
             log.warning("detokenizer.drain_timeout", instance=self._config.instance_id, num_running=self._core.num_running)
+            return False
+        return True
 
-    async def close(self, reason: str = "shutdown") -> None:
-        """Say "dead" first so tokenizers fail what we still hold fast, then close."""
-        await self._heartbeat.stop(reason)
+    async def close(self, reason: str = "shutdown", drained: bool = False) -> None:
+        """Say "dead" first so tokenizers fail what we still hold fast (or, `drained`, let our
+        last text batches arrive first), then close."""
+        await self._heartbeat.stop(reason, drained=drained)
         await self._schedulers.stop()
         await asyncio.gather(*self._background, return_exceptions=True)
         await self.telemetry.close()
@@ -154,8 +157,9 @@ class DetokenizerService:
 
 async def run(config: DetokenizerConfig, stop: asyncio.Event) -> None:
     service = await DetokenizerService.start(config)
+    drained = False
     try:
         await stop.wait()
-        await service.drain()
+        drained = await service.drain()
     finally:
-        await service.close()
+        await service.close(drained=drained)

@@ -9,7 +9,6 @@ never awaited inside a step and the event loop never blocks on the model.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 from pathlib import Path
 
@@ -290,12 +289,15 @@ class SchedulerService:
             await self._publish(*unsent)
         return None
 
-    async def _publish(self, outputs: list[RequestOutput], step: int) -> None:
+    async def _publish(self, outputs: list[RequestOutput], step: int) -> bool:
+        """True when every destination's batch was published."""
         self._telemetry.observe_step(outputs)
+        published = True
         for detokenizer_id, batch in to_token_batches(outputs, self._id, step).items():
-            await self._publish_to(detokenizer_id, batch)
+            published &= await self._publish_to(detokenizer_id, batch)
+        return published
 
-    async def _publish_to(self, detokenizer_id: str, batch: TokenBatch) -> None:
+    async def _publish_to(self, detokenizer_id: str, batch: TokenBatch) -> bool:
         """A destination that cannot be published to (gone, refused) fails only its own requests:
         they are aborted, and the decode loop goes on for everyone else."""
         try:
@@ -304,6 +306,8 @@ class SchedulerService:
             log.error("scheduler.publish_failed", detokenizer=detokenizer_id, error=repr(exc), rids=batch.rids[:8])
             for rid in batch.rids:
                 self._core.abort(rid, "abort")
+            return False
+        return True
 
     # ---- shutdown ----
 
@@ -314,13 +318,27 @@ class SchedulerService:
         if error is not None:
             log.error("scheduler.step_failed", error=error, exc_info=decode.exception())
         reason = f"scheduler step failed: {error}" if error is not None else SHUTDOWN_MESSAGE
-        with contextlib.suppress(Exception):
-            await self._publish(self._core.fail_all(reason), self._core.num_steps + 1)
-        await self._heartbeat.stop(reason)
+        drained = await self._publish_last(reason)
+        await self._heartbeat.stop(reason, drained=drained)
         await self._telemetry.close()
         await self._transport.close()
         log.info("scheduler.stopped", instance=self._id, reason=reason)
         return 1 if error is not None else 0
+
+    async def _publish_last(self, reason: str) -> bool:
+        """Finish with `reason` whatever is still held: running and queued requests, and claims
+        whose request never arrived. True when all of it was published: the dead sentinel then
+        says `drained`, so dependents let these last batches (and the ones before, which the
+        sentinel may overtake) arrive instead of failing the requests at once."""
+        finish = Finish(FinishType.ABORT, message=reason)
+        unarrived = [RequestOutput(rid, owner, [], 0, finish, None) for rid, owner in self._claim_owners.items()]
+        ownerless = set(self._claims) - set(self._claim_owners)  # nobody to tell but the sentinel
+        try:
+            published = await self._publish(self._core.fail_all(reason) + unarrived, self._core.num_steps + 1)
+        except Exception:
+            log.exception("scheduler.last_publish_failed")
+            return False
+        return published and not ownerless and not self._core.has_work()
 
 
 async def _task_error(task: asyncio.Task[None]) -> str | None:

@@ -2,7 +2,9 @@
 
 Steps 2-4 and 9-10 of docs/architecture.md. Death of a scheduler or detokenizer is learned from
 heartbeats (dead sentinel, or silence longer than `heartbeat_timeout_s`), never from a
-per-request timeout, so a request owned by a dead instance fails within about one timeout.
+per-request timeout, so a request owned by a dead instance fails within about one timeout. A
+drained sentinel takes effect one timeout late (`HeartbeatMonitor`): the leaver's last outputs,
+already published, finish its requests first.
 """
 
 from __future__ import annotations
@@ -236,8 +238,8 @@ class TokenizerService:
                 self._spawn(self._publish_abort(rid))
 
     def _silent_owner(self, pending: PendingRequest) -> bool:
-        scheduler_gone = bool(pending.scheduler_id) and not self._schedulers.is_alive(pending.scheduler_id)
-        detokenizer_gone = bool(pending.detokenizer_id) and not self._detokenizers.is_alive(pending.detokenizer_id)
+        scheduler_gone = bool(pending.scheduler_id) and self._schedulers.is_gone(pending.scheduler_id)
+        detokenizer_gone = bool(pending.detokenizer_id) and self._detokenizers.is_gone(pending.detokenizer_id)
         return scheduler_gone or detokenizer_gone
 
     async def _publish_abort(self, rid: str, request_id: str = "") -> None:

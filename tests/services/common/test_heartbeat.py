@@ -26,9 +26,9 @@ def beat_in_thread(url: str, stop: threading.Event, alive_for_s: float | None = 
     return thread
 
 
-async def start_monitor(url: str, dead: list[str]) -> tuple[Transport, HeartbeatMonitor]:
+async def start_monitor(url: str, dead: list[str], timeout_s: float = 0.6) -> tuple[Transport, HeartbeatMonitor]:
     transport = await Transport.connect(url, "watcher")
-    monitor = HeartbeatMonitor(transport, "scheduler", 0.6, lambda instance, reason: dead.append(reason))
+    monitor = HeartbeatMonitor(transport, "scheduler", timeout_s, lambda instance, reason: dead.append(reason))
     await monitor.start()
     return transport, monitor
 
@@ -62,5 +62,39 @@ async def test_silence_is_declared_dead(nats_server):
     await asyncio.to_thread(thread.join, 10)
     await asyncio.sleep(1.2)
     assert dead and "silent" in dead[0]
+    await monitor.stop()
+    await transport.close()
+
+
+async def publish_sentinel(url: str, drained: bool) -> None:
+    transport = await Transport.connect(url, "leaver")
+    await HeartbeatPublisher(transport, "scheduler", "s1", 0.1).stop("the scheduler is shutting down", drained=drained)
+    await transport.close()
+
+
+@pytest.mark.timeout(30)
+async def test_a_drained_sentinel_takes_effect_one_timeout_later(nats_server):
+    """Its last messages, already published, may be on a longer path than the sentinel's."""
+    dead: list[str] = []
+    transport, monitor = await start_monitor(nats_server.url, dead, timeout_s=3.0)
+    await publish_sentinel(nats_server.url, drained=True)
+    while monitor.is_alive("s1") or not transport.events.traffic.messages_received:
+        await asyncio.sleep(0.01)
+    assert dead == [] and not monitor.is_gone("s1")  # heard, and within the grace
+    while not dead:
+        await asyncio.sleep(0.05)
+    assert dead == ["the scheduler is shutting down"] and monitor.is_gone("s1")
+    await monitor.stop()
+    await transport.close()
+
+
+@pytest.mark.timeout(30)
+async def test_a_sentinel_that_is_not_drained_is_acted_on_at_once(nats_server):
+    dead: list[str] = []
+    transport, monitor = await start_monitor(nats_server.url, dead)
+    await publish_sentinel(nats_server.url, drained=False)
+    while not transport.events.traffic.messages_received:
+        await asyncio.sleep(0.01)
+    assert dead == ["the scheduler is shutting down"] and monitor.is_gone("s1")
     await monitor.stop()
     await transport.close()

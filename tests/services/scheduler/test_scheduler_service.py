@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import time
 
+import msgspec
 import numpy as np
 import pytest
 
@@ -204,6 +206,7 @@ async def test_abort_finishes_running_request_and_shutdown_sends_dead_sentinel(h
     while (beat := await asyncio.wait_for(h.beats.get(), 5)).alive:
         pass
     assert beat.reason == "the scheduler is shutting down"
+    assert beat.drained  # everything it held was finished and published before the sentinel
 
 
 @pytest.mark.timeout(60)
@@ -224,3 +227,20 @@ async def test_fatal_step_error_aborts_requests_sends_dead_sentinel_and_exits_no
     while (beat := await asyncio.wait_for(h.beats.get(), 5)).alive:
         pass
     assert "device lost" in beat.reason
+    assert beat.drained  # the failure reached the request's detokenizer before the sentinel
+
+
+@pytest.mark.timeout(60)
+async def test_a_claim_whose_request_never_came_is_failed_at_its_detokenizer_on_shutdown(harness):
+    h = harness
+    connection = msgspec.structs.replace(h.service._config.nats, drain_timeout_s=0.2)
+    h.service._config = dataclasses.replace(h.service._config, nats=connection)
+    claim = SchedulerClaim("r4", len(PROMPT), detokenizer_id="detok-1")
+    assert (await h.client.request(subjects.SCHEDULER_CLAIM, claim, SchedulerClaimReply, timeout=5)).accepted
+    h.stop.set()  # the drain waits 0.2 s for r4's GenerateRequest, which never comes
+    tokens, batches = await _collect(h, "r4")
+    assert tokens == [] and batches[-1].finish[-1].type == FinishType.ABORT
+    assert await asyncio.wait_for(h.task, 10) == 0
+    while (beat := await asyncio.wait_for(h.beats.get(), 5)).alive:
+        pass
+    assert beat.drained
