@@ -190,6 +190,13 @@ async def test_claim_rejects_too_long_prompt_and_ping_answers(harness):
 @pytest.mark.timeout(60)
 async def test_abort_finishes_running_request_and_shutdown_sends_dead_sentinel(harness):
     h = harness
+    core_step = h.service._core.step
+
+    def paced_step():  # 40 steps take 0.8 s: the abort lands long before the last (the tiny model alone is faster)
+        time.sleep(0.02)
+        return core_step()
+
+    h.service._core.step = paced_step
     await _claim(h, "r2", len(PROMPT))
     request = GenerateRequest(
         rid="r2", input_ids=to_wire(PROMPT), detokenizer_id="detok-1",
