@@ -134,17 +134,16 @@ class Policy:
 
     @property
     def num_waiting(self) -> int:
-        return len(self._waiting) + sum(len(seq.forks) for seq in self._held_parents())
+        """Waiting sequences, forks waiting for their prompt's prefill included."""
+        return len(self._waiting) + sum(len(seq.forks) for seq in (*self._running, *self._waiting))
 
     def has_work(self) -> bool:
         return bool(self._waiting or self._running or self._pending)
 
     def held(self) -> list[Sequence]:
+        """Running and waiting sequences, and the forks waiting on them."""
         parents = [*self._running, *self._waiting]
         return [*parents, *(child for seq in parents for child in seq.forks)]
-
-    def _held_parents(self) -> list[Sequence]:
-        return [*self._running, *self._waiting]
 
     def claim_error(self, num_prompt_tokens: int) -> str | None:
         """Why a prompt of this length can never run here; None when it can."""
