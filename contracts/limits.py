@@ -23,6 +23,7 @@ MAX_TOP_LOGPROBS = 4096  # the wire's bound; a tokenizer's --max-logprobs is the
 MAX_TOKENS = 2**31 - 1  # token counts and positions: int32 on the wire and in the scheduler
 MAX_REASON_CHARS = 4096
 MAX_ARRAY_DIMS = 4
+MAX_TEMPERATURE = 1e6
 MAX_FORKED_CHOICES = 127  # the other choices of one n > 1 request (the tokenizer's fan-out limit, less one)
 
 # An instance id becomes one token of a subject (`sparkwire.v1.detokenizer.<id>.tokens`): no dots,
@@ -36,5 +37,5 @@ TokenId = Annotated[int, msgspec.Meta(ge=0, le=MAX_TOKENS)]
 # int64: what msgspec can bound, inside torch.Generator.manual_seed's range and MessagePack's.
 Seed = Annotated[int, msgspec.Meta(ge=-(2**63), le=2**63 - 1)]
 Probability = Annotated[float, msgspec.Meta(ge=0.0, le=1.0)]
-Temperature = Annotated[float, msgspec.Meta(ge=0.0, le=1e6)]  # also rejects NaN
+Temperature = Annotated[float, msgspec.Meta(ge=0.0, le=MAX_TEMPERATURE)]  # also rejects NaN
 Dim = Annotated[int, msgspec.Meta(ge=0, le=2**40)]

@@ -22,6 +22,7 @@ from contracts.limits import (
     MAX_STOP_STRINGS,
     MAX_STOP_TOKEN_IDS,
     MAX_TOKEN_IDS_LOGPROB,
+    MAX_TEMPERATURE,
     MAX_TOKENS,
 )
 from contracts.scheduler import LogprobParams, SamplingParams
@@ -172,7 +173,8 @@ def check_sampling(
 ) -> tuple[SamplingParams, DetokenizeParams]:
     check_sampling_bounds(body, names)
     require(body.max_new_tokens >= 0, "must be >= 0", names["max_new_tokens"])
-    require(math.isfinite(body.temperature) and body.temperature >= 0, "must be >= 0", names["temperature"])
+    temperature_ok = math.isfinite(body.temperature) and 0 <= body.temperature <= MAX_TEMPERATURE
+    require(temperature_ok, f"must be in [0, {MAX_TEMPERATURE:g}]", names["temperature"])
     require(0 < body.top_p <= 1, "must be in (0, 1]", names["top_p"])
     require(body.top_k == -1 or body.top_k >= 1, "must be -1 (disabled) or >= 1", names["top_k"])
     require(0 <= body.min_p <= 1, "must be in [0, 1]", names["min_p"])
@@ -200,7 +202,20 @@ def check_sampling(
         no_stop_trim=body.no_stop_trim,
         min_tokens=body.min_new_tokens,
     )
-    return sampling, detokenize
+    return wire_checked(sampling, names), wire_checked(detokenize, names)
+
+
+def wire_checked(message: msgspec.Struct, names: Mapping[str, str]) -> msgspec.Struct:
+    """`message` decoded as its receiver will decode it: a bound of the wire types
+    (`contracts.limits`) that the checks here missed is a 400 naming the field, never a message
+    the scheduler or detokenizer drops (the client would wait for a request that never runs)."""
+    try:
+        msgspec.msgpack.decode(msgspec.msgpack.encode(message), type=type(message))
+    except msgspec.ValidationError as exc:
+        problem, _, where = str(exc).partition(" - at `$.")
+        field = where.rstrip("`").split(".")[0].split("[")[0]
+        raise InvalidRequest(problem, names.get(field, field or None)) from None
+    return message
 
 
 def check_penalties(body: SamplingParamsBody, names: Mapping[str, str]) -> None:
@@ -277,13 +292,14 @@ def check_logprobs(
     )
     if not request.return_logprob:
         return LogprobParams()
-    return LogprobParams(
+    params = LogprobParams(
         return_logprob=True,
         logprob_start_len=start,
         top_logprobs_num=top,
         token_ids_logprob=request.token_ids_logprob,
         flat_prompt_top_logprobs=request.flat,
     )
+    return wire_checked(params, names)
 
 
 GENERATE_LOGPROB_NAMES = {

@@ -35,6 +35,9 @@ CASES = [
     ("/generate", {"text": "hi", "stream": "yes"}, "stream"),
     ("/v1/completions", {"prompt": "hi", "logprobs": 21}, "logprobs"),
     ("/v1/completions", {"prompt": "hi", "temperature": -1}, "temperature"),
+    # above the wire's bound: before, it passed here and the scheduler's decoder dropped the request
+    ("/v1/completions", {"prompt": "hi", "temperature": 5.03e16}, "temperature"),
+    ("/generate", {"text": "hi", "sampling_params": {"temperature": 1e7}}, "sampling_params.temperature"),
     ("/v1/completions", {"prompt": "hi", "max_tokens": -3}, "max_tokens"),
     ("/v1/completions", {"prompt": "hi", "n": 0}, "n"),
     ("/v1/completions", {"prompt": ""}, "prompt"),
@@ -63,3 +66,22 @@ async def test_bad_input_gets_400_naming_the_field(url, backend):
     assert malformed.status_code == 400 and "error" in malformed.json()
     assert ok.status_code == 200
     assert backend.requests and len(backend.requests) == 1  # no bad request reached the scheduler
+
+
+def test_every_bound_of_the_wire_types_is_a_400_naming_the_field():
+    """The net under the hand-written checks: what the receiver's typed decoder would refuse."""
+    from contracts.detokenizer import DetokenizeParams
+    from contracts.scheduler import LogprobParams, SamplingParams
+    from services.tokenizer.validation import InvalidRequest, wire_checked
+
+    names = {"temperature": "sampling_params.temperature", "stop": "sampling_params.stop"}
+    cases = [
+        (SamplingParams(temperature=2e6), "sampling_params.temperature", "<= 1000000.0"),
+        (DetokenizeParams(stop=("x" * 5000,)), "sampling_params.stop", "length <= 1024"),
+        (LogprobParams(top_logprobs_num=10**5), "top_logprobs_num", "<= 4096"),
+    ]
+    for message, param, problem in cases:
+        with pytest.raises(InvalidRequest) as refused:
+            wire_checked(message, names)
+        assert refused.value.param == param and problem in refused.value.message
+    assert wire_checked(SamplingParams(temperature=0.7), names) == SamplingParams(temperature=0.7)
