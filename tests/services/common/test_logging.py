@@ -19,16 +19,6 @@ from services.common.logging import (
 )
 
 
-@pytest.fixture
-def restore_logging():
-    root = logging.getLogger()
-    handlers, level = root.handlers[:], root.level
-    yield
-    root.handlers[:] = handlers
-    root.setLevel(level)
-    structlog.reset_defaults()
-
-
 @pytest.mark.parametrize(
     ("text", "expected"),
     [

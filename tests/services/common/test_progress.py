@@ -4,10 +4,7 @@ from __future__ import annotations
 
 import io
 import json
-import logging
 
-import pytest
-import structlog
 from structlog.testing import capture_logs
 
 from services.common.logging import configure_logging
@@ -17,16 +14,6 @@ from services.common.progress import Progress
 class Terminal(io.StringIO):
     def isatty(self) -> bool:
         return True
-
-
-@pytest.fixture
-def restore_logging():
-    root = logging.getLogger()
-    handlers, level = root.handlers[:], root.level
-    yield
-    root.handlers[:] = handlers
-    root.setLevel(level)
-    structlog.reset_defaults()
 
 
 def run(progress: Progress, sizes: list[int]) -> None:
