@@ -3,17 +3,14 @@ the capture ladder is counted (here as log records: no terminal under pytest).""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
 from structlog.testing import capture_logs
 
 from services.common import progress
+from services.models import RANDOM_TINY_MODEL
 from services.scheduler.model.graphs import DecodeGraphRunner
 from services.scheduler.model.loader import load_model_runner
-
-BUNDLED = Path(__file__).resolve().parents[4] / "ops" / "models" / "sparkwire-tiny"
 
 
 @pytest.fixture
@@ -27,7 +24,7 @@ def checkpoint_bytes(model) -> dict[str, int]:
 
 @pytest.mark.parametrize("source", ["safetensors", "dummy", "seeded-random"])
 def test_loading_reports_every_tensor_and_its_bytes(hf_model_dir, every_item, source) -> None:
-    path = hf_model_dir("qwen3", True)[1] if source == "safetensors" else BUNDLED
+    path = hf_model_dir("qwen3", True)[1] if source == "safetensors" else RANDOM_TINY_MODEL
     with capture_logs() as records:
         runner = load_model_runner(path, load_format="dummy" if source == "dummy" else "auto", num_kv_blocks=4)
     expected = checkpoint_bytes(runner.model)
@@ -41,7 +38,7 @@ def test_loading_reports_every_tensor_and_its_bytes(hf_model_dir, every_item, so
 
 
 def test_graph_capture_reports_every_rung_of_every_query_length(fake_cuda_capture, every_item) -> None:
-    runner = load_model_runner(BUNDLED, num_kv_blocks=8, cuda_graphs=False)
+    runner = load_model_runner(RANDOM_TINY_MODEL, num_kv_blocks=8, cuda_graphs=False)
     ladder, query_lens = (1, 2, 4), (1, 3)
     with capture_logs() as records, torch.inference_mode():
         DecodeGraphRunner(runner.model, runner.kv_cache, ladder, 4, capture=True, use_kernel=False, query_lens=query_lens)
