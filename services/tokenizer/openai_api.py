@@ -39,7 +39,6 @@ from services.tokenizer.validation import (
     check_logprobs,
     check_n,
     choice_sampling,
-    choice_seed,  # noqa: F401 (part of this module's interface)
     check_prompt,
     check_sampling,
     check_text_size,

@@ -12,8 +12,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from services.common.logging import REQUEST_ID_HEADER
 from services.tokenizer.api_types import ChatBody, CompletionBody, GenerateBody, SamplingParamsBody
 from services.tokenizer.http_app import ROUTE_HANDLERS
-from services.tokenizer.openai_api import choice_seed
-from services.tokenizer.validation import unsupported_fields
+from services.tokenizer.validation import choice_seed, unsupported_fields
 from services.tokenizer.text_model import TextModel
 from tests.services.tokenizer.conftest import base_url, wait_live
 from tests.services.tokenizer.test_tokenizer_service import sse_payloads, wait_until
