@@ -5,12 +5,6 @@ plan. Short queries (decode, speculative verify) share one padded, batched SDPA 
 query (a prefill chunk) gets its own call, so padding never multiplies a long prefill. The causal
 rule is by position: a query at position p sees cached keys 0..p of its own sequence.
 
-With `paged_query_lens` (on CUDA the runner passes the q its kernels are compiled for: 1 and
-k + 1), short queries of such a length q instead form a `PagedGroup` that the paged kernel below attends straight from the block tables: in a mixed
-step (prefill chunks beside decodes or verify blocks) the decodes then skip the padded SDPA
-group, which gathers every key of every sequence up to the longest one, masks them and repeats
-them for each query head of a kv head.
-
 Pure decode steps (one query per sequence) can instead take a `DecodePlan`: no host sync, static
 shapes, so it can be captured in a CUDA graph. On CUDA its attention is a Triton paged-decode
 kernel (`triton_decode.py`) that walks each sequence's block table up to its own length; its CPU
@@ -42,17 +36,8 @@ class AttentionGroup:
 
 
 @dataclass(frozen=True)
-class PagedGroup:
-    """Short queries of one length q (their new tokens the last q of each sequence): `tokens`
-    int64 [G * q], the flat tokens of sequence g at g * q ..; `plan` their lengths and tables."""
-
-    tokens: torch.Tensor
-    plan: DecodePlan
-
-
-@dataclass(frozen=True)
 class AttentionPlan:
-    groups: tuple[AttentionGroup | PagedGroup, ...]
+    groups: tuple[AttentionGroup, ...]
 
 
 @dataclass(frozen=True)
@@ -67,13 +52,9 @@ class DecodePlan:
     query_len: int = 1
 
 
-def plan_attention(
-    batch: ForwardBatch, block_size: int, paged_query_lens: tuple[int, ...] = (), use_kernel: bool = False
-) -> AttentionPlan:
+def plan_attention(batch: ForwardBatch, block_size: int) -> AttentionPlan:
     """Group the batch's sequences for attention (lengths read back from the device only when the
-    batch does not carry them on the host). Queries of a length in `paged_query_lens` (each <=
-    MAX_BATCHED_QUERY_LEN) go to `PagedGroup`s, attended by the Triton kernel (`use_kernel`, CUDA)
-    or its torch twin."""
+    batch does not carry them on the host)."""
     if batch.host_query_lens is not None and batch.host_seq_lens is not None:
         starts = [0, *itertools.accumulate(batch.host_query_lens)]
         seq_lens = list(batch.host_seq_lens)
@@ -84,26 +65,10 @@ def plan_attention(
     for b, seq_len in enumerate(seq_lens):
         q_len = starts[b + 1] - starts[b]
         # Long queries share a call only with others of identical shape, so nothing is padded.
-        if q_len > MAX_BATCHED_QUERY_LEN:
-            key = (q_len, seq_len)
-        else:
-            key = (-q_len, 0) if q_len in paged_query_lens else (0, 0)  # (-q, 0): a paged group
+        key = (0, 0) if q_len <= MAX_BATCHED_QUERY_LEN else (q_len, seq_len)
         buckets.setdefault(key, []).append(b)
-    groups = []
-    for (q_len, _), seqs in buckets.items():
-        if q_len < 0:
-            groups.append(_paged_group(batch, seqs, starts, -q_len, use_kernel))
-        else:
-            groups.append(_group(batch, seqs, starts, seq_lens, block_size))
+    groups = (_group(batch, seqs, starts, seq_lens, block_size) for seqs in buckets.values())
     return AttentionPlan(groups=tuple(groups))
-
-
-def _paged_group(batch: ForwardBatch, seqs: list[int], starts: list[int], query_len: int, use_kernel: bool) -> PagedGroup:
-    device = batch.input_ids.device
-    tokens = torch.tensor([starts[b] + i for b in seqs for i in range(query_len)], device=device)  # [G * q]
-    seq_index = torch.tensor(seqs, device=device)
-    plan = DecodePlan(batch.seq_lens[seq_index], batch.block_tables[seq_index], use_kernel, query_len)
-    return PagedGroup(tokens, plan)
 
 
 def _group(
@@ -151,11 +116,7 @@ def paged_attention(
         return paged_decode_attention(query, key_cache, value_cache, plan, scale)
     out = torch.empty_like(query)
     for group in plan.groups:
-        if isinstance(group, PagedGroup):
-            attended = paged_decode_attention(query[group.tokens], key_cache, value_cache, group.plan, scale)
-            out.index_copy_(0, group.tokens, attended)
-        else:
-            out.index_copy_(0, group.valid_tokens, _group_attention(query, key_cache, value_cache, group, scale))
+        out.index_copy_(0, group.valid_tokens, _group_attention(query, key_cache, value_cache, group, scale))
     return out
 
 

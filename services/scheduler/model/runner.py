@@ -5,8 +5,7 @@ paged KV cache those blocks index into. Steps where every sequence has the same 
 tokens (decode, q = 1; speculative verify, q = k + 1) take the sync-free `DecodePlan` path: on
 CUDA the Triton paged kernel, replayed from a CUDA graph keyed by (batch rung, q) once
 `prepare_decode_graphs` has captured them; ragged steps (prefill chunks, mixed batches) run the
-ragged path eagerly: SDPA for each prefill chunk, and on CUDA the same paged kernel for the
-decodes and verify blocks beside them (`attention.PagedGroup`).
+ragged SDPA path eagerly.
 """
 
 from __future__ import annotations
@@ -15,7 +14,7 @@ import dataclasses
 
 import torch
 
-from services.scheduler.model.attention import DecodePlan, plan_attention
+from services.scheduler.model.attention import DecodePlan
 from services.scheduler.model.batch import ForwardBatch, ForwardOutput
 from services.scheduler.model.config import ModelConfig
 from services.scheduler.model.graphs import DEFAULT_LADDER, DecodeGraphRunner, uniform_query_len
@@ -100,16 +99,8 @@ class ModelRunner:
         if query_len is not None and self.decode_kernel:
             plan = DecodePlan(batch.seq_lens, batch.block_tables, use_kernel=True, query_len=query_len)
             return ForwardOutput(*self.model(batch, self.kv_cache, plan))
-        plan = plan_attention(batch, self.block_size, self._paged_query_lens(), use_kernel=self.decode_kernel)
-        hidden, captured = self.model(batch, self.kv_cache, plan)
+        hidden, captured = self.model(batch, self.kv_cache)
         return ForwardOutput(hidden_states=hidden, captured=captured)
-
-    def _paged_query_lens(self) -> tuple[int, ...]:
-        """The short query lengths that ragged steps attend with the paged kernel: those it is
-        compiled for already (no first-use compile in the middle of serving)."""
-        if not self.decode_kernel:
-            return ()
-        return self.decode_graphs.query_lens if self.decode_graphs is not None else (1,)
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from services.scheduler.model.attention import paged_decode_attention_torch, plan_attention
+from services.scheduler.model.attention import paged_decode_attention_torch
 from services.scheduler.model.graphs import DecodeGraphRunner, is_pure_decode
 from services.scheduler.model.loader import load_model_runner
 
@@ -157,25 +157,3 @@ def test_graph_twin_runs_verify_blocks_with_captures_as_the_eager_forward(make_p
     torch.testing.assert_close(routed.hidden_states, eager.hidden_states, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(routed.captured, eager.captured, atol=1e-5, rtol=1e-5)
     runner.drop_decode_graphs()
-
-
-@pytest.mark.parametrize("paged_query_lens", [(1,), (1, 3), (3, 5)])
-def test_mixed_step_paged_groups_equal_the_sdpa_groups(make_pager, paged_query_lens) -> None:
-    """A mixed step — a 20-token prefill chunk, a 5-token whole prompt, decodes, 3-token verify
-    blocks — gives the same hidden states when its short queries of the paged lengths are attended
-    from the block tables (the CUDA kernel's torch twin here) as through the padded SDPA group."""
-    lengths = [6, 0, 14, 9, 3, 0]
-    runner, pager = prefilled_runner(make_pager, [n or 1 for n in lengths])
-    chunks = [(0, [21], 6), (1, list(range(30, 50)), 0), (2, [22, 23, 24], 14), (3, [25], 9),
-              (4, [26, 27, 28], 3), (5, [40, 41, 42, 43, 44], 0)]  # fmt: skip
-    batch = pager.batch(chunks)
-    kv = runner.kv_cache.kv.clone()
-    with torch.inference_mode():
-        reference = runner.model(batch, runner.kv_cache, plan_attention(batch, BLOCK_SIZE))[0]
-        runner.kv_cache.kv.copy_(kv)
-        plan = plan_attention(batch, BLOCK_SIZE, paged_query_lens, use_kernel=False)
-        paged = runner.model(batch, runner.kv_cache, plan)[0]
-    kinds = sorted(type(group).__name__ for group in plan.groups)
-    wanted = {1: 2, 3: 2, 5: 1}  # sequences per query length among the short ones
-    assert kinds.count("PagedGroup") == sum(1 for q in paged_query_lens if q in wanted)
-    torch.testing.assert_close(paged, reference, atol=1e-5, rtol=1e-5)
