@@ -6,8 +6,8 @@ trimmed, its token ids and output logprob rows after the completing token are cu
 `AbortRequest(reason="stop")` is returned for the adapter to broadcast so the scheduler frees
 the slot. Under `min_tokens` (vLLM's meaning) the text of the first `min_tokens` output tokens
 cannot end a stop string; tokens are counted one by one, so a step that delivers several (DSpark)
-is judged exactly as single-token steps would be. Logprob arrays are passed through as the same `NDArray` objects unless they must be
-cut, and a cut is a zero-copy slice of the received bytes.
+is judged exactly as single-token steps would be. Logprob arrays are passed through as the same
+`NDArray` objects unless they must be cut, and a cut is a zero-copy slice of the received bytes.
 """
 
 from __future__ import annotations

@@ -9,8 +9,9 @@ append to a lock-protected inbox that `step` drains first. One `step`:
 
 The policy (`policy.py`) knows no tensors; the worker (`worker.py`) owns the device and crosses
 to the host once per step. Queue time (vLLM's `request_queue_time_seconds`) is measured here: from
-`add` until the first step whose plan includes the request (its first prefill chunk). With a proposer, each sequence's query is its last token plus the
-block drafted for it the step before, and it gains the accepted drafts plus one token.
+`add` until the first step whose plan includes the request (its first prefill chunk). With a
+proposer, each sequence's query is its last token plus the block drafted for it the step before,
+and it gains the accepted drafts plus one token.
 """
 
 from __future__ import annotations

@@ -2,8 +2,9 @@
 
 In: claims (queue group), generate requests (this instance's direct subject), aborts (broadcast),
 pings (queue group). Out: one `TokenBatch` per detokenizer per step, heartbeats. The decode loop
-runs each `core.step` in a worker thread and publishes only between steps, so the network is
-never awaited inside a step and the event loop never blocks on the model.
+runs each `core.step` in a worker thread and publishes step N's outputs while step N + 1 runs
+there, so the network is never awaited inside a step, the device never waits for the network and
+the event loop never blocks on the model.
 """
 
 from __future__ import annotations

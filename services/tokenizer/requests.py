@@ -45,7 +45,7 @@ class Failure:
 
 @dataclass
 class RequestTiming:
-    """Monotonic timestamps of one request, for TTFT, inter-token latency, queue and e2e time."""
+    """Monotonic timestamps of one request, for TTFT, inter-token latency, placement and e2e time."""
 
     arrived_at: float = field(default_factory=time.monotonic)
     submitted_at: float | None = None  # a scheduler holds it (claimed and published)

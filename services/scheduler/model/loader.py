@@ -2,7 +2,7 @@
 
 load_format "auto" reads `*.safetensors` (one file, or shards listed in
 `model.safetensors.index.json`); a directory without weights whose config says
-`"sparkwire_weights": "seeded-random"` (the bundled tiny model) gets weights from its
+`"sparkwire_weights": "seeded-random"` (the random test model, sparkwire-tiny) gets weights from its
 `sparkwire_seed`. load_format "dummy" always builds random weights from config.json alone.
 Either way every tensor filled counts on one `Progress` (a bar on a terminal, else log records).
 """
