@@ -17,12 +17,19 @@ from typing import Protocol
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, Metric
 
+from contracts.detokenizer import FinishType
+
 PREFIX = "sparkwire:"
 
 
 def name(metric: str) -> str:
     """`name("num_requests_running")` -> `"sparkwire:num_requests_running"`."""
     return PREFIX + metric
+
+
+def finish_reason(kind: FinishType) -> str:
+    """The `finished_reason` label of a finish, as vLLM spells it: "stop", "length" or "abort"."""
+    return kind.name.lower()
 
 
 def geometric_buckets(start: float, factor: float, count: int) -> tuple[float, ...]:

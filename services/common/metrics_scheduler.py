@@ -25,13 +25,14 @@ import structlog
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 
-from contracts.detokenizer import Finish, FinishType
+from contracts.detokenizer import Finish
 from services.common.metrics import (
     LATENCY_BUCKETS,
     TOKEN_COUNT_BUCKETS,
     MetricsServer,
     TrafficCollector,
     TrafficCounts,
+    finish_reason,
     name,
     render,
 )
@@ -39,7 +40,6 @@ from services.common.metrics import (
 log = structlog.get_logger(__name__)
 
 ENGINE_LOG_INTERVAL_S = 10.0  # as vLLM's default
-FINISH_REASONS = {FinishType.STOP: "stop", FinishType.LENGTH: "length", FinishType.ABORT: "abort"}
 
 
 @dataclass(frozen=True)
@@ -148,7 +148,7 @@ class SchedulerMetrics:
         for output in outputs:
             generated += len(output.new_token_ids)
             if output.finish is not None:
-                self.request_success.labels(self.model_name, FINISH_REASONS[output.finish.type]).inc()
+                self.request_success.labels(self.model_name, finish_reason(output.finish.type)).inc()
                 self.prompt_tokens.labels(self.model_name).inc(output.prompt_tokens)
                 self.num_prompt_tokens += output.prompt_tokens
         self.num_generated_tokens += generated

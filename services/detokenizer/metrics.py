@@ -13,15 +13,14 @@ from dataclasses import dataclass, field
 import structlog
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
-from contracts.detokenizer import FinishType, TokenBatch
+from contracts.detokenizer import TokenBatch
 from contracts.tokenizer import TextBatch
 from services.common.arrays import from_wire
 from services.common.logging import bound_request_id
-from services.common.metrics import MetricsServer, TrafficCollector, TrafficCounts, name
+from services.common.metrics import MetricsServer, TrafficCollector, TrafficCounts, finish_reason, name
 
 log = structlog.get_logger(__name__)
 
-FINISH_REASONS = {FinishType.STOP: "stop", FinishType.LENGTH: "length", FinishType.ABORT: "abort"}
 
 
 @dataclass
@@ -71,7 +70,7 @@ class DetokenizerTelemetry:
             self.text_batches.inc()
             for rid, finish, count in zip(text_batch.rids, text_batch.finish, from_wire(text_batch.num_new_tokens).tolist()):
                 if finish is not None:
-                    self._finished(rid, FINISH_REASONS[finish.type], count)
+                    self._finished(rid, finish_reason(finish.type), count)
 
     def _finished(self, rid: str, reason: str, last_tokens: int) -> None:
         self.finished.labels(reason).inc()

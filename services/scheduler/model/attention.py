@@ -5,11 +5,12 @@ plan. Short queries (decode, speculative verify) share one padded, batched SDPA 
 query (a prefill chunk) gets its own call, so padding never multiplies a long prefill. The causal
 rule is by position: a query at position p sees cached keys 0..p of its own sequence.
 
-Pure decode steps (one query per sequence) can instead take a `DecodePlan`: no host sync, static
-shapes, so it can be captured in a CUDA graph. On CUDA its attention is a Triton paged-decode
-kernel (`triton_decode.py`) that walks each sequence's block table up to its own length; its CPU
-twin, `paged_decode_attention_torch`, computes the same function by gathering every block of the
-table and masking keys at or past `seq_len`.
+Steps whose sequences all have the same short query of q tokens (decode, q = 1; speculative
+verify, q = k + 1) can instead take a `DecodePlan`: no host sync, static shapes, so they can be
+captured in a CUDA graph. On CUDA its attention is a Triton paged kernel (`triton_decode.py`)
+that walks each sequence's block table up to its own length; its CPU twin,
+`paged_decode_attention_torch`, computes the same function by gathering every block of the table
+and masking each query's keys past its own position.
 """
 
 from __future__ import annotations
