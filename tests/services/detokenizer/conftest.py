@@ -11,8 +11,9 @@ from tokenizers import Tokenizer
 
 from contracts.detokenizer import Finish, RequestLogprobs, TokenBatch
 from services.common.arrays import to_wire
+from services.models import RANDOM_TINY_MODEL
 
-TOKENIZER_PATH = Path(__file__).resolve().parents[3] / "ops" / "models" / "sparkwire-tiny" / "tokenizer.json"
+TOKENIZER_PATH = RANDOM_TINY_MODEL / "tokenizer.json"
 
 
 @pytest.fixture(scope="session")

@@ -7,7 +7,6 @@ import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import msgspec
 import numpy as np
@@ -36,12 +35,13 @@ from services.common.connection import NatsConnection
 from services.common.lifecycle import wait_until
 from services.common.nats_server import free_port
 from services.common.transport import Transport
+from services.models import RANDOM_TINY_MODEL
 from services.tokenizer.config import TokenizerConfig
 from services.tokenizer.http_app import Frontend
 from services.tokenizer.server import serving
 from services.tokenizer.text_model import TextModel
 
-MODEL_DIR = Path(__file__).resolve().parents[3] / "ops" / "models" / "sparkwire-tiny"
+MODEL_DIR = RANDOM_TINY_MODEL
 REPLY_TEXT = "Hello world, this is a reply."
 SCHEDULER_ID = "sched-1"
 DETOKENIZER_ID = "detok-1"

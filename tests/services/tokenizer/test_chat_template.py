@@ -16,10 +16,11 @@ import httpx
 import pytest
 import transformers
 
+from services.models import RANDOM_TINY_MODEL
 from services.tokenizer.chat_template import ChatTemplate, ChatTemplateError
 from services.tokenizer.text_model import TextModel
 
-MODEL_DIR = Path(__file__).resolve().parents[3] / "ops" / "models" / "sparkwire-tiny"
+MODEL_DIR = RANDOM_TINY_MODEL
 
 LLAMA3_STYLE = (
     "{{- bos_token }}"

@@ -7,17 +7,15 @@ that the twins compute the unpadded eager forward, and that padding only ever wr
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
 import torch.nn.functional as F
 
+from services.models import RANDOM_TINY_MODEL
 from services.scheduler.model.attention import paged_decode_attention_torch
 from services.scheduler.model.graphs import DecodeGraphRunner, is_pure_decode
 from services.scheduler.model.loader import load_model_runner
 
-BUNDLED = Path(__file__).resolve().parents[4] / "ops" / "models" / "sparkwire-tiny"
 BLOCK_SIZE = 4
 MAX_BLOCKS = 12
 
@@ -57,7 +55,7 @@ def test_pure_decode_is_one_token_per_sequence_without_captures(make_pager) -> N
 
 def prefilled_runner(make_pager, lengths: list[int]):
     pager = make_pager(num_seqs=len(lengths), max_blocks_per_seq=MAX_BLOCKS, block_size=BLOCK_SIZE, seed=1)
-    runner = load_model_runner(BUNDLED, num_kv_blocks=pager.num_blocks, kv_block_size=BLOCK_SIZE)
+    runner = load_model_runner(RANDOM_TINY_MODEL, num_kv_blocks=pager.num_blocks, kv_block_size=BLOCK_SIZE)
     gen = torch.Generator().manual_seed(7)
     prompts = [torch.randint(0, 2048, (n,), generator=gen).tolist() for n in lengths]
     runner.forward(pager.batch([(s, toks, 0) for s, toks in enumerate(prompts)]))

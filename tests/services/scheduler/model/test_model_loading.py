@@ -9,10 +9,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from services.models import RANDOM_TINY_MODEL
 from services.scheduler.model.config import UnsupportedModelError
 from services.scheduler.model.loader import MissingTensorError, NoWeightsError, _random_tensor, load_model_runner
-
-BUNDLED = Path(__file__).resolve().parents[4] / "ops" / "models" / "sparkwire-tiny"
 
 
 def test_missing_tensor_names_tensor_and_directory(hf_model_dir) -> None:
@@ -35,7 +34,7 @@ def test_unsupported_architecture_names_it_and_the_supported_ones(tmp_path: Path
 
 
 def test_directory_without_weights_suggests_dummy(tmp_path: Path) -> None:
-    config = json.loads((BUNDLED / "config.json").read_text())
+    config = json.loads((RANDOM_TINY_MODEL / "config.json").read_text())
     del config["sparkwire_weights"]
     (tmp_path / "config.json").write_text(json.dumps(config))
     with pytest.raises(NoWeightsError, match="--load-format dummy"):
@@ -43,9 +42,9 @@ def test_directory_without_weights_suggests_dummy(tmp_path: Path) -> None:
 
 
 def test_dummy_weights_depend_only_on_seed(tmp_path: Path) -> None:
-    a = load_model_runner(BUNDLED, load_format="dummy", seed=3, num_kv_blocks=4)
-    b = load_model_runner(BUNDLED, load_format="dummy", seed=3, num_kv_blocks=4)
-    c = load_model_runner(BUNDLED, load_format="dummy", seed=4, num_kv_blocks=4)
+    a = load_model_runner(RANDOM_TINY_MODEL, load_format="dummy", seed=3, num_kv_blocks=4)
+    b = load_model_runner(RANDOM_TINY_MODEL, load_format="dummy", seed=3, num_kv_blocks=4)
+    c = load_model_runner(RANDOM_TINY_MODEL, load_format="dummy", seed=4, num_kv_blocks=4)
     for (name, pa), pb, pc in zip(a.model.named_parameters(), b.model.parameters(), c.model.parameters()):
         assert torch.equal(pa, pb), name
         if not name.endswith("norm.weight"):
@@ -61,14 +60,14 @@ def test_large_dummy_tensor_is_deterministic_and_spread() -> None:
 
 
 def test_seeded_random_bundled_model_is_deterministic() -> None:
-    a = load_model_runner(BUNDLED, num_kv_blocks=4)
-    b = load_model_runner(BUNDLED, load_format="dummy", seed=a.config.sparkwire_seed, num_kv_blocks=4)
+    a = load_model_runner(RANDOM_TINY_MODEL, num_kv_blocks=4)
+    b = load_model_runner(RANDOM_TINY_MODEL, load_format="dummy", seed=a.config.sparkwire_seed, num_kv_blocks=4)
     assert a.config.sparkwire_weights == "seeded-random"
     assert torch.equal(a.lm_head_weight, b.lm_head_weight)
 
 
 def test_bundled_model_runs_and_shares_embeddings(make_pager) -> None:
-    runner = load_model_runner(BUNDLED, num_kv_blocks=8, kv_block_size=16)
+    runner = load_model_runner(RANDOM_TINY_MODEL, num_kv_blocks=8, kv_block_size=16)
     assert (runner.block_size, runner.num_blocks, runner.dtype) == (16, 8, torch.float32)
     ids = torch.tensor([5, 17, 300, 2])
     pager = make_pager(num_seqs=1, max_blocks_per_seq=8, block_size=16)
@@ -80,11 +79,11 @@ def test_bundled_model_runs_and_shares_embeddings(make_pager) -> None:
 
 
 def test_default_kv_cache_fits_budget() -> None:
-    runner = load_model_runner(BUNDLED, kv_cache_bytes=10 * 2**20, kv_block_size=16)
+    runner = load_model_runner(RANDOM_TINY_MODEL, kv_cache_bytes=10 * 2**20, kv_block_size=16)
     assert runner.kv_cache.kv.numel() * 4 <= 10 * 2**20
     assert runner.num_blocks == 10 * 2**20 // (4 * 2 * 16 * 2 * 32 * 4) - 1  # one is the trash block
 
 
 def test_rejects_unknown_load_format() -> None:
     with pytest.raises(ValueError, match="load_format"):
-        load_model_runner(BUNDLED, load_format="pt")
+        load_model_runner(RANDOM_TINY_MODEL, load_format="pt")

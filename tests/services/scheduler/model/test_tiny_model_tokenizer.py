@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 from tokenizers import Tokenizer
 
-BUNDLED = Path(__file__).resolve().parents[4] / "ops" / "models" / "sparkwire-tiny"
+from services.models import RANDOM_TINY_MODEL
+
 TEXTS = [
     "Hello, world!",
     "héllo wörld — ünïcödé ✓ 中文字符 日本語 한국어 العربية",
@@ -21,7 +21,7 @@ TEXTS = [
 
 @pytest.fixture(scope="module")
 def tokenizer() -> Tokenizer:
-    return Tokenizer.from_file(str(BUNDLED / "tokenizer.json"))
+    return Tokenizer.from_file(str(RANDOM_TINY_MODEL / "tokenizer.json"))
 
 
 @pytest.mark.parametrize("text", TEXTS)
@@ -31,7 +31,7 @@ def test_round_trip_is_exact(tokenizer: Tokenizer, text: str) -> None:
 
 
 def test_vocab_and_special_ids_match_config(tokenizer: Tokenizer) -> None:
-    config = json.loads((BUNDLED / "config.json").read_text())
+    config = json.loads((RANDOM_TINY_MODEL / "config.json").read_text())
     assert tokenizer.get_vocab_size() == config["vocab_size"] and config["vocab_size"] % 64 == 0
     im_end, eot = tokenizer.token_to_id("<|im_end|>"), tokenizer.token_to_id("<|endoftext|>")
     assert config["eos_token_id"] == [im_end, eot]
@@ -39,14 +39,14 @@ def test_vocab_and_special_ids_match_config(tokenizer: Tokenizer) -> None:
 
 
 def test_committed_files_are_small() -> None:
-    assert sum(p.stat().st_size for p in BUNDLED.iterdir()) < 1_000_000
-    assert not list(BUNDLED.glob("*.safetensors"))
+    assert sum(p.stat().st_size for p in RANDOM_TINY_MODEL.iterdir()) < 1_000_000
+    assert not list(RANDOM_TINY_MODEL.glob("*.safetensors"))
 
 
 def test_transformers_loads_tokenizer_and_chat_template() -> None:
     from transformers import AutoTokenizer
 
-    auto = AutoTokenizer.from_pretrained(BUNDLED)
+    auto = AutoTokenizer.from_pretrained(RANDOM_TINY_MODEL)
     assert auto.eos_token == "<|im_end|>" and len(auto) == 2048
     text = auto.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True)
     assert text == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
