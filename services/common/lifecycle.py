@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import contextvars
+import os
 import signal
+import sys
+import threading
 import uuid
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, TypeVar
 
 import uvloop
@@ -18,6 +22,7 @@ from services.common.settings import EnvSettings
 T = TypeVar("T")
 EVENT_LOOPS = ("uvloop", "asyncio")
 ALLOCATOR_MODES = ("tuned", "default")
+ABANDONABLE = "sparkwire-abandonable"  # the name of every `in_daemon_thread` thread
 
 
 def new_instance_id() -> str:
@@ -28,6 +33,63 @@ def stop_on_signals(stop: asyncio.Event) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
+
+
+async def unless_stopped(work: Awaitable[T], stop: asyncio.Event) -> T | None:
+    """`work`'s result, or None once `stop` is set first (`work` is then cancelled): a start-up
+    step (the first NATS connection, a model load) that a SIGTERM must not have to wait out."""
+    task = asyncio.ensure_future(work)
+    stopped = asyncio.ensure_future(stop.wait())
+    try:
+        await asyncio.wait({task, stopped}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        stopped.cancel()
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+    return None if task.cancelled() else task.result()
+
+
+def in_daemon_thread(fn: Callable[..., T], *args: Any) -> asyncio.Future[T]:
+    """`fn(*args)` in a daemon thread of its own. For start-up work of minutes (a model load)
+    that a stop may abandon: `asyncio.to_thread`'s threads are joined at exit, so a SIGTERM would
+    wait out the whole load. Cancelling the future abandons the work; see `leave`."""
+    loop = asyncio.get_running_loop()
+    future: asyncio.Future[T] = loop.create_future()
+    context = contextvars.copy_context()  # the caller's log context, as asyncio.to_thread does
+
+    def settle(result: T | None, error: BaseException | None) -> None:
+        if future.done():  # cancelled: the work was abandoned
+            return
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(result)
+
+    def target() -> None:
+        try:
+            outcome = (context.run(fn, *args), None)
+        except BaseException as exc:  # handed to the awaiting coroutine, like to_thread does
+            outcome = (None, exc)
+        try:
+            loop.call_soon_threadsafe(settle, *outcome)
+        except RuntimeError:  # the loop is closed: nobody waits for this result any more
+            pass
+
+    threading.Thread(target=target, name=f"{ABANDONABLE}-{getattr(fn, '__name__', 'work')}", daemon=True).start()
+    return future
+
+
+def leave(code: int) -> int:
+    """`code`, for the caller to exit with; but while an abandoned `in_daemon_thread` thread still
+    runs, the process ends here at once (stdout and stderr flushed): interpreter finalization
+    would stop that thread inside native code, and pthread_exit unwinding through torch's C++
+    frames aborts the process ("terminate called without an active exception", SIGABRT)."""
+    if any(thread.name.startswith(ABANDONABLE) and thread.is_alive() for thread in threading.enumerate()):
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code
 
 
 async def wait_until(done: Callable[[], bool], timeout_s: float, poll_s: float = 0.02) -> bool:

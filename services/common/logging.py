@@ -105,15 +105,21 @@ def bound_request_id(request_id: str | None) -> Iterator[None]:
 
 async def with_progress(event: str, work: Awaitable[T], every_s: float = 10.0, **fields: Any) -> T:
     """Await `work` (e.g. a model load and graph capture in a thread) with a line when it starts,
-    one every `every_s` while it runs, and one with its duration when it is done."""
+    one every `every_s` while it runs, and one with its duration when it is done (or abandoned:
+    cancelled, which cancels `work` too)."""
     log = structlog.get_logger("sparkwire.progress")
     started = time.monotonic()
     log.info(f"{event}.started", **fields)
     task = asyncio.ensure_future(work)
-    while not task.done():
-        await asyncio.wait({task}, timeout=every_s)
-        if not task.done():
-            log.info(f"{event}.running", seconds=round(time.monotonic() - started), **fields)
+    try:
+        while not task.done():
+            await asyncio.wait({task}, timeout=every_s)
+            if not task.done():
+                log.info(f"{event}.running", seconds=round(time.monotonic() - started), **fields)
+    except asyncio.CancelledError:  # a stop during the work: it is abandoned, and says so
+        task.cancel()
+        log.info(f"{event}.abandoned", seconds=round(time.monotonic() - started, 2), **fields)
+        raise
     result = task.result()
     log.info(f"{event}.done", seconds=round(time.monotonic() - started, 2), **fields)
     return result

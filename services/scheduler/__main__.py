@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import sys
 
+import structlog
+
 from services.common.connection import add_connection_arguments, connection_from_args
-from services.common.lifecycle import new_instance_id, run_service, stop_on_signals
+from services.common.lifecycle import in_daemon_thread, leave, new_instance_id, run_service, stop_on_signals, unless_stopped
 from services.common.logging import configure_logging, with_progress
 from services.common.settings import EnvSettings, connection_values
 from services.scheduler.config import (
@@ -18,8 +21,12 @@ from services.scheduler.config import (
     LOGPROBS_MODES,
     SchedulerConfig,
 )
+from services.scheduler.core import SchedulerCore
 from services.scheduler.flags import add_speculative_arguments
-from services.scheduler.service import SchedulerService, build_core
+from services.scheduler.service import SchedulerService, build_core, connect
+
+log = structlog.get_logger(__name__)
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     env = EnvSettings.from_environ()
@@ -81,18 +88,38 @@ def main(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"sparkwire scheduler: {exc}", file=sys.stderr)
         return 2
-    return run_service(_serve(config))
+    return leave(run_service(_serve(config)))
 
 
 async def _serve(config: SchedulerConfig) -> int:
+    """Connect, load, serve — in that order: a wrong password or an absent server fails before
+    any weight is read. A SIGTERM while connecting or loading stops at once (0)."""
     stop = asyncio.Event()
     stop_on_signals(stop)
-    try:
-        core = await with_progress("scheduler.load", asyncio.to_thread(build_core, config), model=config.model)
-    except (OSError, ValueError, KeyError) as exc:  # bad model directory, unsupported checkpoint
-        print(f"sparkwire scheduler: cannot load {config.model}: {exc}", file=sys.stderr)
-        return 2
-    return await SchedulerService(config, core).run(stop)
+    transport = await unless_stopped(connect(config), stop)
+    if transport is None:
+        return _stopped_while_starting(config)
+    async with contextlib.AsyncExitStack() as owned:
+        owned.push_async_callback(transport.close)
+        try:
+            core = await unless_stopped(_load(config), stop)
+        except (OSError, ValueError, KeyError) as exc:  # bad model directory, unsupported checkpoint
+            print(f"sparkwire scheduler: cannot load {config.model}: {exc}", file=sys.stderr)
+            return 2
+        if core is None:
+            return _stopped_while_starting(config)
+        owned.pop_all()  # the service closes the transport from here on
+    return await SchedulerService(config, core).run(transport, stop)
+
+
+async def _load(config: SchedulerConfig) -> SchedulerCore:
+    """In a daemon thread, which a stop abandons (`lifecycle.leave` then ends the process)."""
+    return await with_progress("scheduler.load", in_daemon_thread(build_core, config), model=config.model)
+
+
+def _stopped_while_starting(config: SchedulerConfig) -> int:
+    log.info("scheduler.stopped", instance=config.instance_id, reason="stopped before the model was loaded")
+    return 0
 
 
 if __name__ == "__main__":

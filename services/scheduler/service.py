@@ -92,6 +92,13 @@ def build_core(config: SchedulerConfig) -> SchedulerCore:
     )
 
 
+async def connect(config: SchedulerConfig) -> Transport:
+    """The scheduler's NATS connection, subscribed to nothing: made before the model is loaded, so
+    that a wrong password or an absent server fails in seconds, not after minutes of loading
+    (`SchedulerService.run` joins the claim queue group only once there is a model to serve)."""
+    return await Transport.connect(config.nats, f"scheduler-{config.instance_id}")
+
+
 def unservable(request: GenerateRequest, vocab_size: int, max_model_len: int) -> str | None:
     """Why this model cannot serve a request that is well-formed on the wire (the decoder checked
     that): ids outside the vocabulary, more top logprobs than tokens, a prompt too long. Such a
@@ -140,9 +147,10 @@ class SchedulerService:
             spec_accept_lengths=core.accept_lengths, forward_seconds=core.forward_s, draft_seconds=core.draft_s,
         )  # fmt: skip
 
-    async def run(self, stop: asyncio.Event) -> int:
-        """Serve until `stop` is set (0) or a step fails (1)."""
-        self._transport = await Transport.connect(self._config.nats, f"scheduler-{self._id}")
+    async def run(self, transport: Transport, stop: asyncio.Event) -> int:
+        """Serve over `transport` (from `connect`; this service closes it) until `stop` is set (0)
+        or a step fails (1)."""
+        self._transport = transport
         await self._subscribe()
         self._heartbeat = HeartbeatPublisher(
             self._transport, "scheduler", self._id, self._config.nats.heartbeat_interval_s, lambda: self._core.num_running

@@ -1,12 +1,13 @@
-"""`lifecycle`: running a service's loop, and waiting for a drain."""
+"""`lifecycle`: running a service's loop, start-up work a stop abandons, and waiting for a drain."""
 
 from __future__ import annotations
 
 import asyncio
+import threading
 
 import pytest
 
-from services.common.lifecycle import run_event_loop, wait_until
+from services.common.lifecycle import ABANDONABLE, in_daemon_thread, run_event_loop, unless_stopped, wait_until
 
 
 async def test_wait_until_returns_once_done_and_gives_up_after_the_timeout():
@@ -29,3 +30,35 @@ def test_unknown_settings_are_refused(settings, refused):
     with pytest.raises(ValueError, match=refused):
         run_event_loop(never_run, *settings)
     never_run.close()
+
+
+async def test_unless_stopped_gives_the_result_or_none_once_stopped():
+    stop = asyncio.Event()
+    assert await unless_stopped(asyncio.sleep(0, result=7), stop) == 7
+    never = asyncio.ensure_future(asyncio.Event().wait())
+    asyncio.get_running_loop().call_later(0.05, stop.set)
+    assert await unless_stopped(never, stop) is None
+    assert never.cancelled()
+
+
+async def test_unless_stopped_raises_what_the_work_raises():
+    async def fails() -> None:
+        raise OSError("no such model")
+
+    with pytest.raises(OSError, match="no such model"):
+        await unless_stopped(fails(), asyncio.Event())
+
+
+async def test_in_daemon_thread_returns_raises_and_can_be_abandoned():
+    assert await in_daemon_thread(lambda a, b: a + b, 2, 3) == 5
+    with pytest.raises(KeyError):
+        await in_daemon_thread({}.__getitem__, "missing")
+    release = threading.Event()
+    held = in_daemon_thread(release.wait)
+    thread = next(t for t in threading.enumerate() if t.name.startswith(ABANDONABLE) and t.is_alive())
+    assert thread.daemon  # the exit does not join it (lifecycle.leave ends the process past it)
+    held.cancel()
+    release.set()  # the thread's late result lands on a cancelled future: dropped
+    thread.join(5)
+    await asyncio.sleep(0.01)
+    assert held.cancelled() and not thread.is_alive()

@@ -73,3 +73,20 @@ async def test_with_progress_reports_start_running_and_done(restore_logging, cap
     assert names[0] == "thing.load.started" and names[-1] == "thing.load.done"
     assert "thing.load.running" in names and all(e["model"] == "m" for e in events)
     assert events[-1]["seconds"] >= 0.25
+
+
+async def test_with_progress_says_when_its_work_is_abandoned(restore_logging, capsys):
+    import asyncio
+
+    from services.common.logging import with_progress
+
+    configure_logging("info", "json")
+    work = asyncio.ensure_future(asyncio.Event().wait())
+    progress = asyncio.ensure_future(with_progress("thing.load", work, every_s=10.0))
+    await asyncio.sleep(0.05)
+    progress.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await progress
+    names = [json.loads(line)["event"] for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
+    assert names == ["thing.load.started", "thing.load.abandoned"]
+    assert work.cancelled()

@@ -29,7 +29,7 @@ from services.common.arrays import from_wire, to_wire
 from services.common.connection import NatsConnection
 from services.common.transport import Transport
 from services.scheduler.config import SchedulerConfig
-from services.scheduler.service import SchedulerService
+from services.scheduler.service import SchedulerService, connect
 
 PROMPT = np.arange(10, 30, dtype=np.int32)
 
@@ -60,7 +60,7 @@ async def harness(nats_server, make_core):
     await client.subscribe(subjects.detokenizer_tokens("detok-1"), TokenBatch, on_batch)
     await client.subscribe(subjects.heartbeat("scheduler"), Heartbeat, on_beat)
     await client.flush()
-    h.task = asyncio.create_task(service.run(stop))
+    h.task = asyncio.create_task(service.run(await connect(config), stop))
     beat = await asyncio.wait_for(h.beats.get(), 10)  # the first beat means subscriptions are live
     assert beat.alive and beat.instance_id == "sched-test"
     yield h

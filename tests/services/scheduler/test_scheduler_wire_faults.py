@@ -18,7 +18,7 @@ from services.common.arrays import from_wire, to_wire
 from services.common.connection import NatsConnection
 from services.common.transport import Transport
 from services.scheduler.config import SchedulerConfig
-from services.scheduler.service import SchedulerService
+from services.scheduler.service import SchedulerService, connect
 
 SCHEDULER_ID = "sched-faults"
 PROMPT = np.arange(10, 30, dtype=np.int32)
@@ -43,7 +43,7 @@ async def scheduler(nats_server, make_core):
     await client.flush()
     stop = asyncio.Event()
     service = SchedulerService(config, make_core(max_model_len=64))
-    task = asyncio.create_task(service.run(stop))
+    task = asyncio.create_task(service.run(await connect(config), stop))
     await asyncio.wait_for(beats.get(), 10)
     yield service, task, client, batches
     stop.set()
@@ -142,7 +142,7 @@ async def test_a_claim_whose_request_is_lost_in_transit_fails_at_its_detokenizer
     await client.subscribe(subjects.detokenizer_tokens("detok-1"), TokenBatch, on_batch)
     await client.flush()
     stop = asyncio.Event()
-    task = asyncio.create_task(SchedulerService(config, make_core(max_model_len=64)).run(stop))
+    task = asyncio.create_task(SchedulerService(config, make_core(max_model_len=64)).run(await connect(config), stop))
     try:
         choices = tuple(ForkedChoice(f"never-sent.{j}", "detok-1") for j in range(1, num_choices))
         claim = SchedulerClaim("never-sent", len(PROMPT), detokenizer_id="detok-1", choices=choices)
