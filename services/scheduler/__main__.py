@@ -23,9 +23,10 @@ from services.scheduler.config import (
 )
 from services.scheduler.core import SchedulerCore
 from services.scheduler.flags import add_speculative_arguments
-from services.scheduler.service import SchedulerService, build_core, connect
+from services.scheduler.service import SchedulerService, build_core, check_model, connect
 
 log = structlog.get_logger(__name__)
+LOAD_ERRORS = (OSError, ValueError, KeyError)  # a bad model directory, an unsupported checkpoint
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -88,6 +89,10 @@ def main(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"sparkwire scheduler: {exc}", file=sys.stderr)
         return 2
+    try:
+        check_model(config)
+    except LOAD_ERRORS as exc:
+        return _cannot_load(config, exc)
     return leave(run_service(_serve(config)))
 
 
@@ -103,9 +108,8 @@ async def _serve(config: SchedulerConfig) -> int:
         owned.push_async_callback(transport.close)
         try:
             core = await unless_stopped(_load(config), stop)
-        except (OSError, ValueError, KeyError) as exc:  # bad model directory, unsupported checkpoint
-            print(f"sparkwire scheduler: cannot load {config.model}: {exc}", file=sys.stderr)
-            return 2
+        except LOAD_ERRORS as exc:
+            return _cannot_load(config, exc)
         if core is None:
             return _stopped_while_starting(config)
         owned.pop_all()  # the service closes the transport from here on
@@ -115,6 +119,11 @@ async def _serve(config: SchedulerConfig) -> int:
 async def _load(config: SchedulerConfig) -> SchedulerCore:
     """In a daemon thread, which a stop abandons (`lifecycle.leave` then ends the process)."""
     return await with_progress("scheduler.load", in_daemon_thread(build_core, config), model=config.model)
+
+
+def _cannot_load(config: SchedulerConfig, error: Exception) -> int:
+    print(f"sparkwire scheduler: cannot load {config.model}: {error}", file=sys.stderr)
+    return 2
 
 
 def _stopped_while_starting(config: SchedulerConfig) -> int:

@@ -92,6 +92,12 @@ def build_core(config: SchedulerConfig) -> SchedulerCore:
     )
 
 
+def check_model(config: SchedulerConfig) -> None:
+    """What `build_core` refuses in milliseconds (no config.json, an unsupported architecture),
+    raised before `connect`: a bad `--model` fails at once, whether NATS answers or not."""
+    ModelConfig.from_pretrained(config.model)
+
+
 async def connect(config: SchedulerConfig) -> Transport:
     """The scheduler's NATS connection, subscribed to nothing: made before the model is loaded, so
     that a wrong password or an absent server fails in seconds, not after minutes of loading

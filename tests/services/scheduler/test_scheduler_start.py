@@ -1,6 +1,7 @@
 """The scheduler CLI starts in this order: connect to NATS, load the model, then subscribe and beat
-(services/scheduler/__main__.py). A wrong password fails before the load begins; while it loads
-the scheduler is in no queue group and sends no heartbeat; a SIGTERM during the load exits 0.
+(services/scheduler/__main__.py). A wrong password fails before the load begins, a bad model
+directory before the connection; while it loads the scheduler is in no queue group and sends no
+heartbeat; a SIGTERM during the load exits 0.
 
 Each test runs the real CLI in a subprocess whose load (`build_core`) is held: it does native
 torch work, as a load of minutes does, until the test creates a release file. A test that waited
@@ -24,7 +25,7 @@ from contracts import subjects
 from contracts.control import Heartbeat
 from contracts.scheduler import SchedulerClaim, SchedulerClaimReply, SchedulerInfo, SchedulerPing
 from services.common.nats_auth import draw_passwords, server_environ
-from services.common.nats_server import SECURED_CONFIG, start_nats_server
+from services.common.nats_server import SECURED_CONFIG, free_port, start_nats_server
 from services.common.transport import Transport
 
 REPO = Path(__file__).resolve().parents[3]
@@ -112,6 +113,16 @@ def test_a_wrong_password_fails_before_the_load_begins(held):
     last = scheduler.lines[-1]
     assert last.startswith("sparkwire: scheduler-") and "rejected our credentials (user 'scheduler'" in last
     assert SECRET not in scheduler.output and passwords["scheduler"] not in scheduler.output
+
+
+@pytest.mark.timeout(90)
+def test_a_bad_model_directory_fails_at_once_without_waiting_for_nats(held, tmp_path):
+    absent = f"nats://127.0.0.1:{free_port()}"  # nothing listens: a start that connected first would wait an hour
+    scheduler = held(["--model", str(tmp_path / "no-such-model"), "--nats-url", absent],
+                     {"SPARKWIRE_NATS_START_TIMEOUT_S": NEVER_S})  # fmt: skip
+    assert scheduler.wait() == 2
+    assert "cannot load" in scheduler.lines[-1] and "no-such-model" in scheduler.lines[-1]
+    assert "Traceback" not in scheduler.output
 
 
 @pytest.mark.timeout(120)
