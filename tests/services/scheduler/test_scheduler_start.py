@@ -1,7 +1,7 @@
 """The scheduler CLI starts in this order: connect to NATS, load the model, then subscribe and beat
 (services/scheduler/__main__.py). A wrong password fails before the load begins, a bad model
 directory before the connection; while it loads the scheduler is in no queue group and sends no
-heartbeat; a SIGTERM during the load exits 0.
+heartbeat; a SIGTERM during the load, or while waiting for NATS, exits 0.
 
 Each test runs the real CLI in a subprocess whose load (`build_core`) is held: it does native
 torch work, as a load of minutes does, until the test creates a release file. A test that waited
@@ -165,3 +165,13 @@ def test_a_sigterm_during_the_load_exits_0_at_once(held, nats_server):
     assert code == 0, scheduler.output
     assert "scheduler.load.abandoned" in scheduler.output and "scheduler.stopped" in scheduler.output
     assert "Traceback" not in scheduler.output and "terminate called" not in scheduler.output
+
+
+@pytest.mark.timeout(90)
+def test_a_sigterm_while_waiting_for_nats_exits_0_without_loading(held):
+    absent = f"nats://127.0.0.1:{free_port()}"
+    scheduler = held(["--nats-url", absent], {"SPARKWIRE_NATS_START_TIMEOUT_S": NEVER_S})
+    scheduler.wait_for("nats.start_retrying")
+    scheduler.process.send_signal(signal.SIGTERM)
+    assert scheduler.wait() == 0, scheduler.output
+    assert "scheduler.load" not in scheduler.output and "Traceback" not in scheduler.output
