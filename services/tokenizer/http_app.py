@@ -122,7 +122,17 @@ async def detokenize(data: DetokenizeBody, frontend: Frontend) -> dict[str, Any]
 
 @get("/v1/models", responses=ERROR_RESPONSES, summary="The served model")
 async def models(frontend: Frontend) -> dict[str, Any]:
-    card = {
+    return {"object": "list", "data": [_model_card(frontend)]}
+
+
+@get("/v1/models/{model_id:path}", responses=ERROR_RESPONSES, summary="The served model by its name; another name is a 404")
+async def model(model_id: str, frontend: Frontend) -> dict[str, Any]:
+    openai_api.check_model(model_id.removeprefix("/"), frontend)  # a path parameter keeps its leading "/"
+    return _model_card(frontend)
+
+
+def _model_card(frontend: Frontend) -> dict[str, Any]:
+    return {
         "id": frontend.config.model_name,
         "object": "model",
         "created": frontend.created,
@@ -130,7 +140,6 @@ async def models(frontend: Frontend) -> dict[str, Any]:
         "root": str(frontend.config.model_dir),
         "max_model_len": frontend.model.max_model_len,
     }
-    return {"object": "list", "data": [card]}
 
 
 @get("/metrics", media_type=MediaType.TEXT, include_in_schema=False)
@@ -221,7 +230,7 @@ def _on_unexpected(_request: Request, exc: Exception) -> Response[dict[str, Any]
     return _error(500, "internal server error; the server log has the details under this request's id", "internal_error")
 
 
-ROUTE_HANDLERS = [generate, health, tokenize, detokenize, models, metrics, openapi_json, *openai_api.ROUTES]
+ROUTE_HANDLERS = [generate, health, tokenize, detokenize, models, model, metrics, openapi_json, *openai_api.ROUTES]
 
 
 def create_app(frontend: Frontend) -> Litestar:

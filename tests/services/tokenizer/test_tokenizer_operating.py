@@ -144,8 +144,14 @@ def all_routes() -> list[tuple[str, str]]:
     return sorted((method, path) for handler in ROUTE_HANDLERS for path in handler.paths for method in handler.http_methods)
 
 
+PATH_PARAMS = {"{model_id:path}": "sparkwire-tiny"}  # the served model's name
+
+
 async def call(client: httpx.AsyncClient, method: str, path: str, headers: dict[str, str]) -> httpx.Response:
-    return await client.request(method, path, json=BODIES.get(path), headers=headers)
+    url = path
+    for template, value in PATH_PARAMS.items():
+        url = url.replace(template, value)
+    return await client.request(method, url, json=BODIES.get(path), headers=headers)
 
 
 async def test_api_key_guards_every_route_but_health_and_metrics(start_tokenizer, backend):

@@ -139,6 +139,8 @@ async def test_health_tokenize_detokenize_models_openapi_metrics(url, text_model
         text = (await client.post("/detokenize", json={"tokens": tokens["tokens"]})).json()
         bad = await client.post("/detokenize", json={"tokens": [999999]})
         models = (await client.get("/v1/models")).json()
+        one = await client.get("/v1/models/sparkwire-tiny")
+        other = await client.get("/v1/models/gpt-4")
         schema = (await client.get("/openapi.json")).json()
         await client.post("/generate", json={"text": "hi", "sampling_params": {"max_new_tokens": 2}})
         metrics = (await client.get("/metrics")).text
@@ -147,6 +149,8 @@ async def test_health_tokenize_detokenize_models_openapi_metrics(url, text_model
     assert text == {"prompt": "Hello world"}
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens"
     assert models["data"][0]["id"] == "sparkwire-tiny"
+    assert one.status_code == 200 and one.json() == models["data"][0]  # the OpenAI client's models.retrieve
+    assert other.status_code == 404 and other.json()["error"]["code"] == "model_not_found"
     assert "/generate" in schema["paths"] and "/v1/completions" in schema["paths"]
     assert 'sparkwire:http_requests_total{handler="/generate",method="POST",status="200"} 1.0' in metrics
     assert 'sparkwire:generation_tokens_total{model_name="sparkwire-tiny"} 2.0' in metrics
