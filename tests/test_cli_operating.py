@@ -68,3 +68,12 @@ def test_a_bad_model_path_is_one_clear_line_not_a_traceback(command, tmp_path, c
     assert args.run(args) == 2
     err = capfd.readouterr().err
     assert "no-such-model" in err and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+
+
+@pytest.mark.parametrize("command", ["tokenizer", "scheduler", "detokenizer"])
+def test_every_service_takes_the_log_flags_with_the_environments_defaults(command, monkeypatch):
+    monkeypatch.setenv("SPARKWIRE_LOG_FORMAT", "json")
+    parsed = build_parser([command]).parse_args([command])
+    assert (parsed.log_format, parsed.log_level) == ("json", "info")
+    argv = [command, "--log-format", "console", "--log-level", "debug"]
+    assert (lambda p: (p.log_format, p.log_level))(build_parser(argv).parse_args(argv)) == ("console", "debug")

@@ -9,6 +9,7 @@ the same id in all three services.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import contextlib
 import logging
@@ -55,6 +56,12 @@ def _shared_processors() -> list[Any]:
 
 def _renderer(fmt: str) -> Any:
     return structlog.processors.JSONRenderer() if fmt == "json" else structlog.dev.ConsoleRenderer(colors=False, exception_formatter=structlog.dev.plain_traceback)
+
+
+def add_logging_arguments(parser: argparse.ArgumentParser, level: str, fmt: str) -> None:
+    """`--log-level` and `--log-format` of every service, defaulting to the environment's values."""
+    parser.add_argument("--log-level", default=level, help="debug, info, warning or error")
+    parser.add_argument("--log-format", choices=LOG_FORMATS, default=fmt, help="console lines or one JSON object per line")
 
 
 def configure_logging(level: str = "info", fmt: str = "console") -> None:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from services.common.connection import add_connection_arguments, connection_from_args
 from services.common.lifecycle import new_instance_id, run_service, stop_on_signals
-from services.common.logging import LOG_FORMATS, configure_logging
+from services.common.logging import add_logging_arguments, configure_logging
 from services.common.settings import EnvSettings, connection_values
 from services.detokenizer.config import DetokenizerConfig, tokenizer_file
 from services.detokenizer.service import run
@@ -21,9 +21,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     env = EnvSettings.from_environ()
     parser.add_argument("--model", default=env.model or str(BUNDLED_MODEL), help="model directory or tokenizer.json")
     parser.add_argument("--instance-id", default=new_instance_id(), help="fixed id, e.g. to replay a recording")
-    parser.add_argument("--log-level", default=env.log_level, help="debug, info, warning or error")
-    parser.add_argument("--log-format", choices=LOG_FORMATS, default=env.log_format,
-                        help="console lines or one JSON object per line")  # fmt: skip
+    add_logging_arguments(parser, env.log_level, env.log_format)
     add_connection_arguments(parser, connection_values())
     parser.add_argument("--metrics-host", default="127.0.0.1", help="bind address of --metrics-port")
     parser.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus /metrics here (0: any free port)")

@@ -11,7 +11,7 @@ import structlog
 
 from services.common.connection import add_connection_arguments, connection_from_args
 from services.common.lifecycle import in_daemon_thread, leave, new_instance_id, run_service, stop_on_signals, unless_stopped
-from services.common.logging import configure_logging, with_progress
+from services.common.logging import add_logging_arguments, configure_logging, with_progress
 from services.common.settings import EnvSettings, connection_values
 from services.scheduler.config import (
     BUNDLED_MODEL,
@@ -48,7 +48,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _add_common_arguments(parser: argparse.ArgumentParser, env: EnvSettings) -> None:
-    parser.add_argument("--log-level", default=env.log_level, help="debug, info, warning or error")
+    add_logging_arguments(parser, env.log_level, env.log_format)
     add_connection_arguments(parser, connection_values())
     parser.add_argument("--instance-id", default=None, help="default: a random id")
     parser.add_argument("--kv-cache-memory-fraction", type=float, default=0.8,
@@ -83,7 +83,7 @@ def config_from_args(args: argparse.Namespace) -> SchedulerConfig:
 
 
 def main(args: argparse.Namespace) -> int:
-    configure_logging(args.log_level, EnvSettings.from_environ().log_format)
+    configure_logging(args.log_level, args.log_format)
     try:
         config = config_from_args(args)
     except ValueError as exc:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from services.common.connection import add_connection_arguments, connection_from_args
 from services.common.lifecycle import new_instance_id, run_service, stop_on_signals
-from services.common.logging import LOG_FORMATS, configure_logging
+from services.common.logging import add_logging_arguments, configure_logging
 from services.common.settings import EnvSettings, connection_values
 from services.models import BUNDLED_MODEL
 from services.tokenizer.config import TokenizerConfig
@@ -19,8 +19,7 @@ from services.tokenizer.config import TokenizerConfig
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     env = EnvSettings.from_environ()
     add = parser.add_argument
-    add("--log-level", default=env.log_level, help="debug, info, warning or error")
-    add("--log-format", choices=LOG_FORMATS, default=env.log_format, help="console lines or one JSON object per line")
+    add_logging_arguments(parser, env.log_level, env.log_format)
     add("--instance-id", default=None, help="default: a random uuid hex")
     add("--model", type=Path, default=Path(env.model) if env.model else BUNDLED_MODEL,
         help="model directory (tokenizer.json, tokenizer_config.json, config.json)")  # fmt: skip
