@@ -12,6 +12,7 @@ import importlib
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 from services.common.connection import add_connection_arguments
 from services.common.settings import EnvSettings, connection_values
@@ -114,6 +115,8 @@ def add_up_arguments(parser: argparse.ArgumentParser) -> None:
     add("--log-format", choices=("console", "json"), default=env.log_format, help="every service's log lines")
     add("--ready-timeout-s", type=float, default=300.0, help="give up if /health is not 200 by then")
     add("--grace-s", type=float, default=10.0, help="wait this long after SIGTERM before SIGKILL")
+    add("--record", type=Path, default=None, metavar="FILE",
+        help="record every sparkwire.v1 message of the stack to FILE (`sparkwire replay FILE` plays it back)")
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)

@@ -1,9 +1,11 @@
 """`sparkwire up`: the whole stack on one machine.
 
 Starts an embedded nats-server (unless `--nats-url` is given), then the scheduler, detokenizer and
-tokenizer as separate processes, waits until `GET /health` answers 200 and prints the URL.
+tokenizer as separate processes, waits until `GET /health` answers 200 and prints the URL. With
+`--record FILE`, a `sparkwire record` child subscribes first and writes every message of the stack
+to FILE (it is not restarted: a recording with a gap would replay as if nothing were missing).
 Ctrl-C or SIGTERM stops everything: SIGTERM to each service, SIGKILL after a grace period, then
-the nats-server. Once ready, `up` supervises: a service that dies is reported (name, exit code,
+the recorder (so it keeps the services' last messages), then the nats-server. Once ready, `up` supervises: a service that dies is reported (name, exit code,
 last output lines) and restarted after a backoff (0.5 s, doubling to 30 s; back to 0.5 s once it
 stayed up for a minute), and so is the embedded nats-server, on the same port so the services
 reconnect. A service that dies before the stack was ever ready (a bad flag, a missing model), or
@@ -27,6 +29,7 @@ import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import msgspec
 
@@ -46,6 +49,11 @@ FIRST_RESTART_WAIT_S = 0.5
 MAX_RESTART_WAIT_S = 30.0
 STABLE_AFTER_S = 60.0  # up this long: the next crash is a first one again
 MAX_RESTARTS_IN_A_ROW = 8  # without staying up STABLE_AFTER_S in between: give up
+RECORDER_READY_TIMEOUT_S = 30.0
+
+
+class RecorderError(Exception):
+    """`--record`'s recorder exited, or did not subscribe in time (the message is its report)."""
 
 
 @dataclass
@@ -58,11 +66,13 @@ class Child:
     tail: collections.deque[str] = field(default_factory=lambda: collections.deque(maxlen=OUTPUT_TAIL_LINES))
     reader: threading.Thread | None = None
     started_at: float = field(default_factory=time.monotonic)
+    ready_prefix: str | None = None  # a line starting with this sets `ready`
+    ready: threading.Event = field(default_factory=threading.Event)
 
     @classmethod
-    def start(cls, name: str, argv: list[str], env: dict[str, str]) -> Child:
+    def start(cls, name: str, argv: list[str], env: dict[str, str], ready_prefix: str | None = None) -> Child:
         process = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
-        child = cls(name, process)
+        child = cls(name, process, ready_prefix=ready_prefix)
         child.reader = threading.Thread(target=child._echo_output, name=f"{name}-output", daemon=True)
         child.reader.start()
         return child
@@ -72,6 +82,8 @@ class Child:
         for raw in self.process.stdout:
             line = raw.decode(errors="replace").rstrip("\n")
             self.tail.append(line)
+            if self.ready_prefix is not None and line.startswith(self.ready_prefix):
+                self.ready.set()
             with contextlib.suppress(OSError, ValueError):  # our stderr gone: keep draining the pipe
                 print(f"[{self.name}] {line}", file=sys.stderr, flush=True)
 
@@ -174,6 +186,8 @@ class Stack:
         self.connection: NatsConnection = connection_from_args(args, connection_values())
         self.passwords: dict[str, str] = {}  # of the embedded server's users
         self.children: list[Child] = []
+        self.recorder: Child | None = None  # `--record`: started first, stopped after the services
+        self.recorder_reported = False
         self.backoffs: dict[str, Backoff] = collections.defaultdict(Backoff)
         self.stop_requested = threading.Event()
         self.metrics_urls: dict[str, str] = {}
@@ -185,6 +199,8 @@ class Stack:
             self._start_nats()
         draft = f", draft {self.args.draft_model or BUNDLED_DRAFT_MODEL}" if self.args.speculative_algorithm == "dspark" else ""
         print(f"sparkwire up: serving {self.args.model}{draft}", file=sys.stderr, flush=True)
+        if self.args.record is not None:
+            self.recorder = self._start_recorder(self.args.record)
         for name in START_ORDER:
             self.children.append(self._start_child(name))
         self.metrics_urls = {name: f"http://127.0.0.1:{port}/metrics" for name, port in self.metrics_ports.items()}
@@ -197,6 +213,20 @@ class Stack:
             env["SPARKWIRE_API_KEY"] = self.args.api_key  # not in argv: `ps` shows argv
         env["SPARKWIRE_LOG_FORMAT"] = self.args.log_format
         return Child.start(name, service_argv(name, self.args, self.metrics_ports.get(name)), env)
+
+    def _start_recorder(self, path: Path) -> Child:
+        """`sparkwire record` under its own identity (it may read every subject, publish none); the
+        services start only once it is subscribed, so the recording holds their first messages."""
+        from services.recorder.__main__ import READY_PREFIX
+
+        argv = [sys.executable, "-m", "services.cli", "record", "--out", str(path), "--log-level", self.args.log_level]
+        recorder = Child.start("recorder", argv, service_environ(self._identity("recorder")), ready_prefix=READY_PREFIX)
+        deadline = time.monotonic() + RECORDER_READY_TIMEOUT_S
+        while not recorder.ready.wait(POLL_S):
+            if recorder.exit_code() is not None or time.monotonic() > deadline:
+                raise RecorderError(recorder.report())
+        say(f"recording every message to {path}")
+        return recorder
 
     def _identity(self, name: str) -> NatsConnection:
         """A given server: the given credentials. Our own: a user per service kind with a fresh
@@ -218,6 +248,7 @@ class Stack:
         child that died `MAX_RESTARTS_IN_A_ROW` times without staying up: `up` gives up."""
         while not self.stop_requested.wait(POLL_S):
             self._watch_nats()
+            self._watch_recorder()
             for index, child in enumerate(self.children):
                 if child.exit_code() is None:
                     continue
@@ -250,6 +281,13 @@ class Stack:
             except (OSError, RuntimeError, TimeoutError) as exc:
                 say(f"nats-server did not start again: {exc}")
 
+    def _watch_recorder(self) -> None:
+        """A recorder that died is said once; serving goes on, unrecorded from then on."""
+        if self.recorder is not None and self.recorder.exit_code() is not None and not self.recorder_reported:
+            self.recorder_reported = True
+            print(self.recorder.report(), file=sys.stderr, flush=True)
+            say(f"the recording in {self.args.record} stopped; the stack goes on serving without it")
+
     def dead_child(self) -> Child | None:
         return next((child for child in self.children if child.exit_code() is not None), None)
 
@@ -279,6 +317,10 @@ class Stack:
         deadline = time.monotonic() + self.args.grace_s
         for child in reversed(self.children):
             _wait_or_kill(child, deadline)
+        if self.recorder is not None:
+            if self.recorder.exit_code() is None:
+                self.recorder.process.send_signal(signal.SIGTERM)
+            _wait_or_kill(self.recorder, time.monotonic() + self.args.grace_s)
         if self.nats is not None:
             self.nats.stop()
 
@@ -315,7 +357,11 @@ def _run(stack: Stack) -> int:
         # Otherwise whatever listens there could answer /health and pass for Sparkwire.
         print(f"sparkwire up: port {stack.args.port} is already in use; pick another with --port", file=sys.stderr)
         return 1
-    stack.start()
+    try:
+        stack.start()
+    except RecorderError as exc:
+        print(f"sparkwire up: --record: the recorder did not start\n{exc}", file=sys.stderr, flush=True)
+        return 1
     try:
         dead = stack.wait_ready()
     except TimeoutError as exc:

@@ -18,6 +18,7 @@ from services.recorder.record import record
 from services.recorder.replay import ReplayStats, replay
 
 PROGRESS_INTERVAL_S = 1.0
+READY_PREFIX = "recording "  # the line `record` prints once it is subscribed (`sparkwire up --record` waits for it)
 
 
 def _add_common(parser: argparse.ArgumentParser) -> None:
@@ -53,7 +54,7 @@ def record_main(args: argparse.Namespace) -> int:
         await asyncio.wait({task, ready_wait}, return_when=asyncio.FIRST_COMPLETED)  # task fails: no hang
         ready_wait.cancel()
         if ready.is_set():
-            print(f"recording {config.subject} from {config.nats.redacted_url} to {config.out} (Ctrl-C stops)", file=sys.stderr)
+            print(f"{READY_PREFIX}{config.subject} from {config.nats.redacted_url} to {config.out} (Ctrl-C stops)", file=sys.stderr, flush=True)
         stats = await task
         print(f"recorded {stats.num_messages} messages, {stats.num_bytes} bytes to {config.out}")
 

@@ -10,15 +10,19 @@ import time
 from pathlib import Path
 
 import httpx
+import msgspec
 import pytest
 
+from contracts import subjects
+from contracts.control import Heartbeat
 from e2e.stack import ROOT, generate_body
 from services.cli import COMMANDS, build_parser
-from services.common.nats_server import free_port
+from services.common.nats_server import free_port, start_nats_server
 from services.common.connection import connection_from_args
 from services.common.settings import connection_from_environ, connection_values
 from services.launcher import service_argv, service_environ
 from services.models import BUNDLED_MODEL
+from services.recorder.format import read_recording
 
 
 def descendants(pid: int) -> set[int]:
@@ -96,6 +100,39 @@ def test_up_serves_generate_and_stops_cleanly_on_sigint(tmp_path):
     finally:
         if process.poll() is None:
             process.kill()
+
+
+@pytest.mark.timeout(180)
+def test_up_records_every_message_of_a_request_and_the_recording_replays(tmp_path):
+    """`--record FILE`: the recorder subscribes before the services start and stops after them, so
+    the file holds a request's whole path (claim, generate, token and text batches) and the
+    services' first heartbeats and dead sentinels; `sparkwire replay` plays it back."""
+    port, recording = free_port(), tmp_path / "up.swrec"
+    process, log = start_up(tmp_path, port, "--record", str(recording))
+    try:
+        wait_for_line(process, log, f"Sparkwire ready on http://127.0.0.1:{port}", 120)
+        output = log.read_text()
+        assert output.index(f"recording every message to {recording}") < output.index("[scheduler]")
+        response = httpx.post(f"http://127.0.0.1:{port}/generate", json=generate_body(), timeout=30)
+        assert response.status_code == 200
+        process.send_signal(signal.SIGINT)
+        assert process.wait(timeout=30) == 0, log.read_text()[-4000:]
+    finally:
+        if process.poll() is None:
+            process.kill()
+    messages = read_recording(recording).messages
+    kinds = {m.subject.split(".")[2] + "." + m.subject.split(".")[-1] for m in messages}
+    assert {"scheduler.claim", "detokenizer.tokens", "tokenizer.outputs", "heartbeat.scheduler"} <= kinds, kinds
+    assert any(m.subject.startswith(f"{subjects.PREFIX}.scheduler.") and m.subject.endswith(".generate") for m in messages)
+    beats = [msgspec.msgpack.decode(m.data, type=Heartbeat) for m in messages if m.subject == subjects.heartbeat("scheduler")]
+    assert beats[0].alive and not beats[-1].alive  # from its first beat to its dead sentinel
+    server = start_nats_server()
+    try:
+        replayed = subprocess.run([sys.executable, "-m", "services.cli", "replay", str(recording), "--nats-url", server.url],
+                                  cwd=ROOT, capture_output=True, text=True, timeout=60)  # fmt: skip
+    finally:
+        server.stop()
+    assert replayed.returncode == 0 and f"replayed {len(messages)} messages" in replayed.stdout, replayed.stdout + replayed.stderr
 
 
 @pytest.mark.timeout(120)
