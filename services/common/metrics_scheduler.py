@@ -58,6 +58,8 @@ class SchedulerStats:
     spec_accept_lengths: tuple[int, ...] = ()  # verify passes by tokens gained (index = tokens, bonus included)
     forward_seconds: float = 0.0  # target forward + verify, summed over steps (device time on CUDA)
     draft_seconds: float = 0.0  # drafter inject + propose, summed over steps
+    num_prefix_cache_queries: int = 0  # prompt tokens of the requests added
+    num_prefix_cache_hits: int = 0  # of those, tokens whose KV was shared instead of computed
 
 
 class StepOutput(Protocol):
@@ -87,6 +89,9 @@ class _SnapshotCollector:
             ("spec_decode_num_drafts", "Speculative verify passes", stats.num_spec_drafts),
             ("spec_decode_num_draft_tokens", "Draft tokens proposed", stats.num_spec_draft_tokens),
             ("spec_decode_num_accepted_tokens", "Draft tokens accepted", stats.num_spec_accepted_tokens),
+            ("prefix_cache_queries", "Prompt tokens of the requests added", stats.num_prefix_cache_queries),
+            ("prefix_cache_hits", "Prompt tokens whose KV was shared, not computed (the forked choices of n > 1)",
+             stats.num_prefix_cache_hits),
         )
         counters += (
             ("spec_decode_verify_seconds", "Target forward + verify time of the steps", stats.forward_seconds),

@@ -44,6 +44,8 @@ class SchedulerStats:
     accept_lengths: tuple[int, ...] = ()  # [gamma + 2]: verify passes that yielded n tokens (bonus included)
     forward_s: float = 0.0  # target forward + verify + logprobs, summed over steps
     draft_s: float = 0.0  # drafter inject + propose, summed over steps
+    num_prefix_queries: int = 0  # prompt tokens of the requests added (vLLM's prefix-cache queries)
+    num_prefix_hits: int = 0  # of those, tokens whose KV was shared, not computed (forked choices)
 
     @property
     def kv_usage(self) -> float:
@@ -149,6 +151,7 @@ class SchedulerCore:
             self.policy.num_running, self.policy.num_waiting, blocks.num_free_blocks, blocks.num_blocks,
             self.policy.num_preemptions, self.num_steps, counts["prompt"], counts["generated"],
             counts["drafted"], counts["accepted"], tuple(self._accept_lengths), counts["forward_s"], counts["draft_s"],
+            self.policy.num_prefix_queries, self.policy.num_prefix_hits,
         )  # fmt: skip
 
     def fail_all(self, message: str) -> list[RequestOutput]:

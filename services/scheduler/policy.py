@@ -125,6 +125,10 @@ class Policy:
         self._arrivals = itertools.count()
         self._pending: dict[str, _Pending] = {}
         self.num_preemptions = 0
+        # vLLM's prefix-cache counts: prompt tokens of every request admitted (queries) and those
+        # whose KV a request took from another instead of computing it (hits: forked choices)
+        self.num_prefix_queries = 0
+        self.num_prefix_hits = 0
 
     # ---- what the core asks ----
 
@@ -175,6 +179,7 @@ class Policy:
         if error is not None:
             self._fail(seq, Finish(FinishType.ABORT, message=error))
             return
+        self.num_prefix_queries += seq.num_prompt * (1 + len(seq.forks))
         self._waiting.append(seq)
 
     def _sequence(self, request: SchedulerRequest) -> Sequence:
@@ -452,6 +457,7 @@ class Policy:
         for child in parent.forks:
             self.blocks.fork(parent.rid, child.rid, shared)
             child.num_computed = shared
+            self.num_prefix_hits += shared
             child.next_prompt_logprob, child.flat_sent = child.num_prompt, True  # returned here, once
             if child.wants_logprobs and not prompt.is_empty():
                 self._entry(child).logprobs = dataclasses.replace(prompt)

@@ -151,6 +151,7 @@ class SchedulerService:
             num_spec_accepted_tokens=core.num_accepted_tokens, num_prompt_tokens=core.num_prompt_tokens,
             num_generated_tokens=core.num_generated_tokens, num_spec_drafts=sum(core.accept_lengths),
             spec_accept_lengths=core.accept_lengths, forward_seconds=core.forward_s, draft_seconds=core.draft_s,
+            num_prefix_cache_queries=core.num_prefix_queries, num_prefix_cache_hits=core.num_prefix_hits,
         )  # fmt: skip
 
     async def run(self, transport: Transport, stop: asyncio.Event) -> int:

@@ -64,7 +64,8 @@ def step_output(tokens: int, finish: FinishType | None = None, prompt: int = 5):
 
 def test_scheduler_metrics_export_the_snapshot_and_the_steps():
     stats = SchedulerStats(num_running=3, num_waiting=2, kv_cache_usage=0.25, num_preemptions=4,
-                           num_spec_drafts=10, num_spec_draft_tokens=70, num_spec_accepted_tokens=31)  # fmt: skip
+                           num_spec_drafts=10, num_spec_draft_tokens=70, num_spec_accepted_tokens=31,
+                           num_prefix_cache_queries=120, num_prefix_cache_hits=96)  # fmt: skip
     metrics = SchedulerMetrics(lambda: stats, "tiny")
     metrics.observe_step([step_output(1), step_output(2, FinishType.STOP, prompt=7)])
     metrics.observe_step([step_output(1, FinishType.ABORT, prompt=9)])
@@ -76,6 +77,8 @@ def test_scheduler_metrics_export_the_snapshot_and_the_steps():
     assert got[("sparkwire:num_preemptions_total", model)] == 4
     assert got[("sparkwire:spec_decode_num_accepted_tokens_total", model)] == 31
     assert got[("sparkwire:spec_decode_num_draft_tokens_total", model)] == 70
+    assert got[("sparkwire:prefix_cache_queries_total", model)] == 120
+    assert got[("sparkwire:prefix_cache_hits_total", model)] == 96
     assert got[("sparkwire:generation_tokens_total", model)] == 4
     assert got[("sparkwire:prompt_tokens_total", model)] == 16
     assert got[("sparkwire:request_success_total", (("finished_reason", "stop"), *model))] == 1

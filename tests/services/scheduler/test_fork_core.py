@@ -61,6 +61,7 @@ def test_forked_choices_equal_separate_seeded_requests(make_core, case, chunk):
         assert len({tuple(r.tokens) for r in got.values()}) == len(SEEDS), "seeded choices are distinct"
     # the prompt once, then each fork's tail past the 2 shared blocks of 16
     assert core.stats().num_prompt_tokens == len(PROMPT) + 3 * (len(PROMPT) - 32)
+    assert (core.stats().num_prefix_queries, core.stats().num_prefix_hits) == (4 * len(PROMPT), 3 * 32)
     assert core.stats().num_free_blocks == core.stats().num_blocks
 
 
