@@ -9,7 +9,7 @@ import msgspec
 import pytest
 
 from services.common.transport import ACK_HEADER, CHUNK_HEADER, MSG_HEADER, Transport
-from tests.services.common.test_transport import SUBJECT, Blob, blob, subscribed_pair
+from tests.services.common.test_transport import SUBJECT, Blob, blob, pair, subscribed_pair
 
 KB = 1024
 
@@ -43,7 +43,7 @@ async def test_a_malformed_chunk_is_dropped_without_dropping_the_connection(nats
 
 @pytest.mark.timeout(30)
 async def test_reassemblies_in_progress_are_capped_per_subscription(nats_server):
-    sender, receiver = await Transport.connect(nats_server.url, "s"), await Transport.connect(nats_server.url, "r")
+    sender, receiver = await pair(nats_server.url)
     receiver.max_partial_bytes = 3 * 2 * 64 * KB  # room for three of them
     got = []
 
@@ -67,7 +67,7 @@ async def test_reassemblies_in_progress_are_capped_per_subscription(nats_server)
 
 @pytest.mark.timeout(30)
 async def test_a_lost_message_is_reported_on_the_next_one_from_its_sender(nats_server):
-    sender, receiver = await Transport.connect(nats_server.url, "s"), await Transport.connect(nats_server.url, "r")
+    sender, receiver = await pair(nats_server.url)
     deliveries = []
 
     async def keep(message: Blob, delivery) -> None:
@@ -111,7 +111,7 @@ async def test_a_reconnect_of_the_receiving_connection_is_reported_as_a_possible
 
 @pytest.mark.timeout(30)
 async def test_a_wildcard_subscription_counts_each_subject_apart(nats_server):
-    sender, receiver = await Transport.connect(nats_server.url, "s"), await Transport.connect(nats_server.url, "r")
+    sender, receiver = await pair(nats_server.url)
     deliveries = []
 
     async def keep(message: Blob, delivery) -> None:
@@ -131,7 +131,7 @@ async def test_a_wildcard_subscription_counts_each_subject_apart(nats_server):
 
 @pytest.mark.timeout(30)
 async def test_a_lost_last_message_is_reported_by_the_mark_sent_after_a_reconnect(nats_server):
-    sender, receiver = await Transport.connect(nats_server.url, "s"), await Transport.connect(nats_server.url, "r")
+    sender, receiver = await pair(nats_server.url)
     got, gaps = [], []
 
     async def keep(message: Blob, _delivery) -> None:
