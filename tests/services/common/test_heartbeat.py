@@ -1,6 +1,8 @@
 import asyncio
+import contextlib
 import threading
 import time
+from collections.abc import AsyncIterator
 
 import pytest
 
@@ -26,44 +28,45 @@ def beat_in_thread(url: str, stop: threading.Event, alive_for_s: float | None = 
     return thread
 
 
-async def start_monitor(url: str, dead: list[str], timeout_s: float = 0.6) -> tuple[Transport, HeartbeatMonitor]:
+@contextlib.asynccontextmanager
+async def watching(url: str, timeout_s: float = 0.6) -> AsyncIterator[tuple[list[str], Transport, HeartbeatMonitor]]:
+    """A started monitor of "scheduler" beats, the reasons it declared dead, and its transport."""
+    dead: list[str] = []
     transport = await Transport.connect(url, "watcher")
     monitor = HeartbeatMonitor(transport, "scheduler", timeout_s, lambda instance, reason: dead.append(reason))
     await monitor.start()
-    return transport, monitor
+    try:
+        yield dead, transport, monitor
+    finally:
+        await monitor.stop()
+        await transport.close()
 
 
 @pytest.mark.timeout(30)
 async def test_a_blocked_monitor_does_not_declare_a_live_instance_dead(nats_server):
-    dead: list[str] = []
-    transport, monitor = await start_monitor(nats_server.url, dead)
-    stop = threading.Event()
-    thread = beat_in_thread(nats_server.url, stop)
-    await asyncio.sleep(0.5)
-    assert monitor.is_alive("s1")
-    time.sleep(1.5)  # block this loop for longer than the timeout, as a heavy response build would
-    await asyncio.sleep(0.5)
-    assert dead == [] and monitor.is_alive("s1")
-    stop.set()
-    await asyncio.to_thread(thread.join, 10)
-    await asyncio.sleep(0.3)
-    assert dead and "done" in dead[0]  # the dead sentinel is still heard at once
-    await monitor.stop()
-    await transport.close()
+    async with watching(nats_server.url) as (dead, transport, monitor):
+        stop = threading.Event()
+        thread = beat_in_thread(nats_server.url, stop)
+        await asyncio.sleep(0.5)
+        assert monitor.is_alive("s1")
+        time.sleep(1.5)  # block this loop for longer than the timeout, as a heavy response build would
+        await asyncio.sleep(0.5)
+        assert dead == [] and monitor.is_alive("s1")
+        stop.set()
+        await asyncio.to_thread(thread.join, 10)
+        await asyncio.sleep(0.3)
+        assert dead and "done" in dead[0]  # the dead sentinel is still heard at once
 
 
 @pytest.mark.timeout(30)
 async def test_silence_is_declared_dead(nats_server):
-    dead: list[str] = []
-    transport, monitor = await start_monitor(nats_server.url, dead)
-    thread = beat_in_thread(nats_server.url, threading.Event(), alive_for_s=0.5)
-    await asyncio.sleep(0.4)
-    assert monitor.is_alive("s1")
-    await asyncio.to_thread(thread.join, 10)
-    await asyncio.sleep(1.2)
-    assert dead and "silent" in dead[0]
-    await monitor.stop()
-    await transport.close()
+    async with watching(nats_server.url) as (dead, transport, monitor):
+        thread = beat_in_thread(nats_server.url, threading.Event(), alive_for_s=0.5)
+        await asyncio.sleep(0.4)
+        assert monitor.is_alive("s1")
+        await asyncio.to_thread(thread.join, 10)
+        await asyncio.sleep(1.2)
+        assert dead and "silent" in dead[0]
 
 
 async def publish_sentinel(url: str, drained: bool) -> None:
@@ -75,26 +78,20 @@ async def publish_sentinel(url: str, drained: bool) -> None:
 @pytest.mark.timeout(30)
 async def test_a_drained_sentinel_takes_effect_one_timeout_later(nats_server):
     """Its last messages, already published, may be on a longer path than the sentinel's."""
-    dead: list[str] = []
-    transport, monitor = await start_monitor(nats_server.url, dead, timeout_s=3.0)
-    await publish_sentinel(nats_server.url, drained=True)
-    while monitor.is_alive("s1") or not transport.events.traffic.messages_received:
-        await asyncio.sleep(0.01)
-    assert dead == [] and not monitor.is_gone("s1")  # heard, and within the grace
-    while not dead:
-        await asyncio.sleep(0.05)
-    assert dead == ["the scheduler is shutting down"] and monitor.is_gone("s1")
-    await monitor.stop()
-    await transport.close()
+    async with watching(nats_server.url, timeout_s=3.0) as (dead, transport, monitor):
+        await publish_sentinel(nats_server.url, drained=True)
+        while monitor.is_alive("s1") or not transport.events.traffic.messages_received:
+            await asyncio.sleep(0.01)
+        assert dead == [] and not monitor.is_gone("s1")  # heard, and within the grace
+        while not dead:
+            await asyncio.sleep(0.05)
+        assert dead == ["the scheduler is shutting down"] and monitor.is_gone("s1")
 
 
 @pytest.mark.timeout(30)
 async def test_a_sentinel_that_is_not_drained_is_acted_on_at_once(nats_server):
-    dead: list[str] = []
-    transport, monitor = await start_monitor(nats_server.url, dead)
-    await publish_sentinel(nats_server.url, drained=False)
-    while not transport.events.traffic.messages_received:
-        await asyncio.sleep(0.01)
-    assert dead == ["the scheduler is shutting down"] and monitor.is_gone("s1")
-    await monitor.stop()
-    await transport.close()
+    async with watching(nats_server.url) as (dead, transport, monitor):
+        await publish_sentinel(nats_server.url, drained=False)
+        while not transport.events.traffic.messages_received:
+            await asyncio.sleep(0.01)
+        assert dead == ["the scheduler is shutting down"] and monitor.is_gone("s1")
