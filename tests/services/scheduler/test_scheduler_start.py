@@ -27,6 +27,7 @@ from contracts.scheduler import SchedulerClaim, SchedulerClaimReply, SchedulerIn
 from services.common.nats_auth import draw_passwords, server_environ
 from services.common.nats_server import SECURED_CONFIG, free_port, start_nats_server
 from services.common.transport import Transport
+from tests.nats_queues import queued
 
 REPO = Path(__file__).resolve().parents[3]
 SECRET = "s3cret-never-shown"
@@ -132,12 +133,7 @@ def test_while_loading_it_takes_no_claim_and_sends_no_heartbeat_then_it_serves(h
 
     async def scenario() -> SchedulerInfo:
         client = await Transport.connect(nats_server.url, "test-client")
-        beats: asyncio.Queue[Heartbeat] = asyncio.Queue()
-
-        async def on_beat(beat: Heartbeat, _msg) -> None:
-            beats.put_nowait(beat)
-
-        await client.subscribe(subjects.heartbeat("scheduler"), Heartbeat, on_beat)
+        beats = await queued(client, subjects.heartbeat("scheduler"), Heartbeat)
         await client.flush()
         with pytest.raises(NoRespondersError):  # loading: not in the claim queue group
             await client.request(subjects.SCHEDULER_CLAIM, SchedulerClaim("r1", 4), SchedulerClaimReply, timeout=5)

@@ -19,6 +19,7 @@ from services.common.connection import NatsConnection
 from services.common.transport import Transport
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.service import SchedulerService, connect
+from tests.nats_queues import queued
 
 SCHEDULER_ID = "sched-faults"
 PROMPT = np.arange(10, 30, dtype=np.int32)
@@ -29,17 +30,8 @@ async def scheduler(nats_server, make_core):
     """(service, its run task, a client whose detok-1 subscription collects TokenBatches)."""
     config = SchedulerConfig(instance_id=SCHEDULER_ID, nats=NatsConnection(nats_url=nats_server.url, heartbeat_interval_s=0.2))
     client = await Transport.connect(nats_server.url, "test-client")
-    batches: asyncio.Queue[TokenBatch] = asyncio.Queue()
-    beats: asyncio.Queue[Heartbeat] = asyncio.Queue()
-
-    async def on_batch(batch: TokenBatch, _msg) -> None:
-        batches.put_nowait(batch)
-
-    async def on_beat(beat: Heartbeat, _msg) -> None:
-        beats.put_nowait(beat)
-
-    await client.subscribe(subjects.detokenizer_tokens("detok-1"), TokenBatch, on_batch)
-    await client.subscribe(subjects.heartbeat("scheduler"), Heartbeat, on_beat)
+    batches = await queued(client, subjects.detokenizer_tokens("detok-1"), TokenBatch)
+    beats = await queued(client, subjects.heartbeat("scheduler"), Heartbeat)
     await client.flush()
     stop = asyncio.Event()
     service = SchedulerService(config, make_core(max_model_len=64))
@@ -134,12 +126,7 @@ async def test_a_claim_whose_request_is_lost_in_transit_fails_at_its_detokenizer
     config = SchedulerConfig(instance_id=SCHEDULER_ID, claim_expiry_s=0.4,
                              nats=NatsConnection(nats_url=nats_server.url, heartbeat_interval_s=0.2))  # fmt: skip
     client = await Transport.connect(nats_server.url, "test-client")
-    batches: asyncio.Queue[TokenBatch] = asyncio.Queue()
-
-    async def on_batch(batch: TokenBatch, _msg) -> None:
-        batches.put_nowait(batch)
-
-    await client.subscribe(subjects.detokenizer_tokens("detok-1"), TokenBatch, on_batch)
+    batches = await queued(client, subjects.detokenizer_tokens("detok-1"), TokenBatch)
     await client.flush()
     stop = asyncio.Event()
     task = asyncio.create_task(SchedulerService(config, make_core(max_model_len=64)).run(await connect(config), stop))
