@@ -104,6 +104,20 @@ async def sse_events(client: httpx.AsyncClient, url: str, body: dict, first: asy
     return events
 
 
+async def stream_first_tokens(
+    client: httpx.AsyncClient, frontend, sched: LeavingScheduler
+) -> tuple[asyncio.Task[list[dict]], GenerateRequest]:
+    """A streamed /generate whose first two tokens the stand-in scheduler sent and the client got:
+    the detokenizer holds the request as this scheduler's now. Returns the stream's task."""
+    first = asyncio.Event()
+    body = {"text": "hi", "sampling_params": {"max_new_tokens": 3}}
+    streaming = asyncio.create_task(sse_events(client, base_url(frontend), body, first))
+    request = await asyncio.wait_for(sched.requests.get(), 10)
+    await sched.step(request, [40, 41], None)
+    await first.wait()
+    return streaming, request
+
+
 async def until(condition) -> None:
     while not condition():
         await asyncio.sleep(0.02)
@@ -112,13 +126,8 @@ async def until(condition) -> None:
 async def test_a_drained_schedulers_last_batch_still_finishes_its_request(start_tokenizer, nats_server, monkeypatch):
     final_held = asyncio.Event()
     async with stack(start_tokenizer, nats_server.url, LONG_S, final_held, monkeypatch) as (frontend, detok, sched):
-        first = asyncio.Event()
         async with httpx.AsyncClient(timeout=30) as client:
-            body = {"text": "hi", "sampling_params": {"max_new_tokens": 3}}
-            streaming = asyncio.create_task(sse_events(client, base_url(frontend), body, first))
-            request = await asyncio.wait_for(sched.requests.get(), 10)
-            await sched.step(request, [40, 41], None)
-            await first.wait()  # the detokenizer holds the request as this scheduler's now
+            streaming, request = await stream_first_tokens(client, frontend, sched)
             await sched.step(request, [42], Finish(FinishType.LENGTH))  # held at the detokenizer
             await sched.leave(drained=True)
             # Both services heard the sentinel before the last batch is let through.
@@ -137,13 +146,8 @@ async def test_a_drained_scheduler_whose_last_batch_never_comes_fails_its_reques
 ):
     """The grace (one heartbeat timeout) is a backstop: a request is never left hanging."""
     async with stack(start_tokenizer, nats_server.url, 1.0, asyncio.Event(), monkeypatch) as (frontend, _detok, sched):
-        first = asyncio.Event()
         async with httpx.AsyncClient(timeout=30) as client:
-            body = {"text": "hi", "sampling_params": {"max_new_tokens": 3}}
-            streaming = asyncio.create_task(sse_events(client, base_url(frontend), body, first))
-            request = await asyncio.wait_for(sched.requests.get(), 10)
-            await sched.step(request, [40, 41], None)
-            await first.wait()
+            streaming, _request = await stream_first_tokens(client, frontend, sched)
             await sched.leave(drained=True)  # but the final batch was lost
             events = await streaming
     assert "error" in events[-1]
