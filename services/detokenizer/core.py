@@ -113,7 +113,7 @@ class DetokenizerCore:
     def forget_scheduler(self, scheduler_id: str) -> list[str]:
         """A scheduler died: its requests get no more tokens (their tokenizers fail them on the
         same heartbeat), so drop their state. Returns the dropped rids."""
-        rids = [rid for rid, request in self._requests.items() if request.scheduler_id == scheduler_id]
+        rids = self.rids_from(scheduler_id)
         for rid in rids:
             self._forget(rid)
         return rids
