@@ -13,13 +13,13 @@ from typing import Any
 
 
 from contracts.detokenizer import Finish
+from services.common import metrics
 from services.tokenizer.json_body import encode_json
 from services.tokenizer.logprobs_format import FormatOptions, LogprobChunks, meta_logprobs
-from services.tokenizer.requests import FINISH_OUTCOMES, Delta, PendingRequest, RequestFailed
+from services.tokenizer.requests import Delta, PendingRequest, RequestFailed
 from services.tokenizer.text_model import TextModel
 from services.tokenizer.validation import GenerationSpec
 
-FINISH_NAMES = FINISH_OUTCOMES
 SSE_DONE = b"data: [DONE]\n\n"
 
 
@@ -37,7 +37,7 @@ def error_body(
 def finish_reason(finish: Finish | None) -> dict[str, Any] | None:
     if finish is None:
         return None
-    reason: dict[str, Any] = {"type": FINISH_NAMES[finish.type], "matched": finish.matched}
+    reason: dict[str, Any] = {"type": metrics.finish_reason(finish.type), "matched": finish.matched}
     if finish.message is not None:
         reason["message"] = finish.message
     return reason

@@ -16,12 +16,13 @@ from litestar import Request, post
 from litestar.response import Response, Stream
 
 from contracts.detokenizer import Finish
+from services.common.metrics import finish_reason
 from services.tokenizer.api_types import ChatBody, CompletionBody, SamplingParamsBody
 from services.tokenizer.edge import request_id_of
 from services.tokenizer.error_schema import ERROR_RESPONSES
 from services.tokenizer.frontend import SSE_HEADERS, Frontend, merged_deltas, stream_then_abort
 from services.tokenizer.logprobs_format import LogprobChunks
-from services.tokenizer.native import FINISH_NAMES, SSE_DONE, GenerationResult, error_body, sse
+from services.tokenizer.native import SSE_DONE, GenerationResult, error_body, sse
 from services.tokenizer.openai_format import (
     Positions,
     chat_content,
@@ -82,7 +83,7 @@ class Plan:
 
 
 def finish_name(finish: Finish | None) -> str | None:
-    return None if finish is None else FINISH_NAMES[finish.type]
+    return None if finish is None else finish_reason(finish.type)
 
 
 def completion_prompts(prompt: str | list[Any], model: TextModel) -> list[tuple[tuple[int, ...], str]]:

@@ -13,13 +13,11 @@ import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
-from contracts.detokenizer import Finish, FinishType, RequestLogprobs
+from contracts.detokenizer import Finish, RequestLogprobs
 from contracts.tokenizer import TextBatch
 from services.common.arrays import from_wire
+from services.common.metrics import finish_reason
 from services.tokenizer.validation import GenerationSpec, InvalidRequest
-
-
-FINISH_OUTCOMES = {FinishType.STOP: "stop", FinishType.LENGTH: "length", FinishType.ABORT: "abort"}
 
 
 class RequestFailed(Exception):
@@ -148,7 +146,7 @@ class PendingRequests:
         pending.queue.put_nowait(delta)
         if delta.finish is not None:
             pending.finished = True
-            self.remove(pending.rid, FINISH_OUTCOMES[delta.finish.type])
+            self.remove(pending.rid, finish_reason(delta.finish.type))
 
     def fail(self, select: Callable[[PendingRequest], bool], message: str) -> list[str]:
         """Fail every pending request `select` picks; returns their rids."""
