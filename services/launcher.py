@@ -198,7 +198,7 @@ class Stack:
         if not self.connection.nats_url:
             self._start_nats()
         draft = f", draft {self.args.draft_model or BUNDLED_DRAFT_MODEL}" if self.args.speculative_algorithm == "dspark" else ""
-        print(f"sparkwire up: serving {self.args.model}{draft}", file=sys.stderr, flush=True)
+        say(f"serving {self.args.model}{draft}")
         if self.args.record is not None:
             self.recorder = self._start_recorder(self.args.record)
         for name in START_ORDER:
@@ -305,7 +305,7 @@ class Stack:
             if now - started > self.args.ready_timeout_s:
                 raise TimeoutError(f"{url} not healthy after {self.args.ready_timeout_s:.0f}s")
             if now >= next_progress:
-                print(f"sparkwire up: waiting for {url} ({now - started:.0f}s)", file=sys.stderr, flush=True)
+                say(f"waiting for {url} ({now - started:.0f}s)")
                 next_progress = now + PROGRESS_EVERY_S
             self.stop_requested.wait(HEALTH_POLL_S)
         return None
@@ -329,7 +329,7 @@ def _wait_or_kill(child: Child, deadline: float) -> None:
     try:
         child.process.wait(timeout=max(0.0, deadline - time.monotonic()))
     except subprocess.TimeoutExpired:
-        print(f"sparkwire up: {child.name} ignored SIGTERM, killing it", file=sys.stderr, flush=True)
+        say(f"{child.name} ignored SIGTERM, killing it")
         child.process.kill()
         child.process.wait()
 
@@ -342,7 +342,7 @@ def main(args: argparse.Namespace) -> int:
         code = _run(stack)
     finally:
         stack.stop()
-    print("sparkwire up: stopped", file=sys.stderr, flush=True)
+    say("stopped")
     return code
 
 
@@ -351,27 +351,27 @@ def _run(stack: Stack) -> int:
 
     missing = [name for name in SCHEDULER_PACKAGES if importlib.util.find_spec(name) is None]
     if missing:  # fail before starting anything, in words
-        print(f"sparkwire up: the scheduler needs {' and '.join(missing)}: {TORCH_HINT}", file=sys.stderr)
+        say(f"the scheduler needs {' and '.join(missing)}: {TORCH_HINT}")
         return 1
     if port_in_use(stack.args.host, stack.args.port):
         # Otherwise whatever listens there could answer /health and pass for Sparkwire.
-        print(f"sparkwire up: port {stack.args.port} is already in use; pick another with --port", file=sys.stderr)
+        say(f"port {stack.args.port} is already in use; pick another with --port")
         return 1
     try:
         stack.start()
     except RecorderError as exc:
-        print(f"sparkwire up: --record: the recorder did not start\n{exc}", file=sys.stderr, flush=True)
+        say(f"--record: the recorder did not start\n{exc}")
         return 1
     try:
         dead = stack.wait_ready()
     except TimeoutError as exc:
-        print(f"sparkwire up: {exc}", file=sys.stderr, flush=True)
+        say(str(exc))
         return 1
     if dead is None and not stack.stop_requested.is_set():
         url = f"http://{stack.args.host}:{stack.args.port}"
         print(f"Sparkwire ready on {url}", flush=True)
         where = ", ".join(f"{name} {metrics}" for name, metrics in stack.metrics_urls.items())
-        print(f"sparkwire up: Prometheus metrics: {where}", file=sys.stderr, flush=True)
+        say(f"Prometheus metrics: {where}")
         dead = stack.supervise()
     if dead is not None:
         print(dead.report(), file=sys.stderr, flush=True)
