@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from services.common.connection import add_connection_arguments
+from services.common.logging import add_logging_arguments
 from services.common.settings import EnvSettings, connection_values
 from services.models import BUNDLED_MODEL
 
@@ -111,8 +112,7 @@ def add_up_arguments(parser: argparse.ArgumentParser) -> None:
         help="require `Authorization: Bearer KEY` on every route but /health (better: SPARKWIRE_API_KEY)")  # fmt: skip
     add("--host", default="127.0.0.1", help="HTTP bind address")
     add("--port", type=int, default=8000, help="HTTP port")
-    add("--log-level", default=env.log_level, help="debug, info, warning or error")
-    add("--log-format", choices=("console", "json"), default=env.log_format, help="every service's log lines")
+    add_logging_arguments(parser, env.log_level, env.log_format)
     add("--ready-timeout-s", type=float, default=300.0, help="give up if /health is not 200 by then")
     add("--grace-s", type=float, default=10.0, help="wait this long after SIGTERM before SIGKILL")
     add("--record", type=Path, default=None, metavar="FILE",
