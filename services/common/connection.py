@@ -22,13 +22,14 @@ from urllib.parse import unquote, urlsplit, urlunsplit
 
 import msgspec
 
+from services.common.logging import REDACTED  # one mask for every secret shown
+
 DEFAULT_URL = "nats://127.0.0.1:4222"
 SECRET_FIELDS = frozenset({"nats_password", "nats_token"})
 FILE_FIELDS = ("nats_tls_ca", "nats_tls_cert", "nats_tls_key", "nats_nkey_seed", "nats_creds")
 TLS_SCHEMES = ("tls", "wss")
 PLAIN_SCHEMES = ("nats", "tcp", "ws")
 WEBSOCKET_SCHEMES = ("ws", "wss")  # nats-py speaks them (with aiohttp installed); NatsReader does not
-REDACTED = "***"
 
 HELP = {
     "nats_url": "NATS server URL, or a comma-separated list (tried in order: failover); nats://, tls://, ws://, wss://",
