@@ -144,7 +144,6 @@ class SchedulerMetrics:
             name("request_queue_time_seconds"), "From arrival at this scheduler until first scheduled (its first "
             "prefill chunk)", model, buckets=LATENCY_BUCKETS, registry=r,
         )  # fmt: skip
-        self.num_steps = 0
         self.num_generated_tokens = 0  # the counters' totals, for the engine line
         self.num_prompt_tokens = 0
 
@@ -159,7 +158,6 @@ class SchedulerMetrics:
         self.num_generated_tokens += generated
         self.generation_tokens.labels(self.model_name).inc(generated)
         self.iteration_tokens.labels(self.model_name).observe(generated)
-        self.num_steps += 1
 
     def observe_queue_times(self, seconds: Iterable[float]) -> None:
         for value in seconds:
