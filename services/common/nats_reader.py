@@ -35,14 +35,13 @@ import nkeys
 import structlog
 
 from services.common.connection import WEBSOCKET_SCHEMES, NatsConnection, host_and_port, redact_url, url_credentials
+from services.common.nats_start import CONNECT_TIMEOUT_S, RECONNECT_WAIT_S  # the pace of nats-py's connection
 
 log = structlog.get_logger(__name__)
 
 CRLF = b"\r\n"
 CONTROL_BUFFER_BYTES = 64 * 1024  # control lines and small payloads; grows for a larger header block
 MAX_CONTROL_LINE_BYTES = 1024 * 1024  # an INFO with a long server list fits; more is a protocol error
-RECONNECT_WAIT_S = 0.5
-CONNECT_TIMEOUT_S = 5.0
 
 
 class ReaderError(Exception):
