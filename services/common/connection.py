@@ -146,6 +146,11 @@ class NatsConnection(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
         return context
 
 
+def as_connection(connection: NatsConnection | str) -> NatsConnection:
+    """A plain URL string is one server without TLS or auth (what tests and tools pass)."""
+    return NatsConnection(nats_url=connection) if isinstance(connection, str) else connection
+
+
 def _with_scheme(url: str) -> str:
     return url if "://" in url else f"nats://{url}"
 

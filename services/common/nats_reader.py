@@ -34,7 +34,9 @@ from urllib.parse import urlsplit
 import nkeys
 import structlog
 
-from services.common.connection import WEBSOCKET_SCHEMES, NatsConnection, host_and_port, redact_url, url_credentials
+from services.common.connection import (
+    WEBSOCKET_SCHEMES, NatsConnection, as_connection, host_and_port, redact_url, url_credentials,
+)  # fmt: skip
 from services.common.nats_start import CONNECT_TIMEOUT_S, RECONNECT_WAIT_S  # the pace of nats-py's connection
 
 log = structlog.get_logger(__name__)
@@ -332,8 +334,7 @@ class NatsReader:
 
     @classmethod
     async def connect(cls, connection: NatsConnection | str, name: str, events: ReaderEvents | None = None) -> NatsReader:
-        if isinstance(connection, str):
-            connection = NatsConnection(nats_url=connection)
+        connection = as_connection(connection)
         reader = cls(connection, name, events or ReaderEvents(), _servers=list(connection.servers))
         reader._protocol = await reader._open_any()
         reader._keepalive = asyncio.get_running_loop().create_task(reader._ping_forever())

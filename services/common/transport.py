@@ -55,7 +55,7 @@ import structlog
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 
-from services.common.connection import NatsConnection
+from services.common.connection import NatsConnection, as_connection
 from services.common.nats_reader import Delivery, NatsReader, ReaderError, ReaderEvents
 from services.common.nats_start import auth_rejected, connect_nats_py, is_auth_rejection, unreachable
 from services.common.natspy_reader import NatsPyReader
@@ -243,8 +243,7 @@ class Transport:
         """`connection`: servers, TLS and auth (a plain URL string is one server without either).
         Raises `NatsStartError` when the server rejects the credentials, or none can be reached
         within `nats_start_timeout_s` (services/common/nats_start.py); reconnects after that are unlimited."""
-        if isinstance(connection, str):
-            connection = NatsConnection(nats_url=connection)
+        connection = as_connection(connection)
         events = ConnectionEvents()
         nc = await connect_nats_py(connection, name, **_callbacks(name, events))  # bounded at start
         try:

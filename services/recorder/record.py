@@ -13,7 +13,7 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 
 from contracts import subjects
-from services.common.connection import NatsConnection
+from services.common.connection import NatsConnection, as_connection
 from services.common.nats_start import connect_nats_py
 from services.recorder.format import FORMAT_VERSION, MAGIC, RecordedMessage, RecordingHeader, RecordingWriter
 
@@ -37,7 +37,7 @@ async def record(
 ) -> RecordStats:
     """Record until `stop` is set or `duration_s` passes. `ready` is set once the subscription is
     live on the server, so a caller knows from when on nothing is missed."""
-    connection = NatsConnection(nats_url=nats_url) if isinstance(nats_url, str) else nats_url
+    connection = as_connection(nats_url)
     nc = await connect_nats_py(connection, "sparkwire-recorder", _log_error)
     try:
         with open(out, "wb") as stream:

@@ -11,7 +11,7 @@ from pathlib import Path
 import nats
 from nats.aio.client import Client
 
-from services.common.connection import NatsConnection, nats_py_options
+from services.common.connection import NatsConnection, as_connection, nats_py_options
 from services.recorder.format import RecordedMessage, iter_messages, read_header
 
 FLUSH_EVERY_BYTES = 4 * 1024 * 1024  # wait for the server between bursts (flow control)
@@ -48,7 +48,7 @@ async def replay(
 ) -> ReplayStats:
     if timing not in ("fast", "original"):
         raise ValueError(f"timing must be 'fast' or 'original', not {timing!r}")
-    connection = NatsConnection(nats_url=nats_url) if isinstance(nats_url, str) else nats_url
+    connection = as_connection(nats_url)
     nc = await nats.connect(name="sparkwire-replay", **nats_py_options(connection))
     try:
         stats = await _publish_all(nc, path, timing == "original", only_subject, on_progress)
