@@ -88,14 +88,12 @@ class BlockManager:
     def block_table(self, rid: str) -> list[int]:
         return self._tables.get(rid, [])
 
-    def slots(self, rid: str, start: int, end: int) -> np.ndarray:
-        """Cache slots of token positions [start, end): block_id * block_size + offset."""
-        if end - start <= SMALL_RANGE:  # a decode or verify block: numpy's per-call cost would dominate
-            return np.asarray(self.slot_list(rid, start, end), dtype=np.int64)
-        positions = np.arange(start, end, dtype=np.int64)  # [end - start]
-        table = np.asarray(self._tables[rid], dtype=np.int64)
-        return table[positions // self.block_size] * self.block_size + positions % self.block_size
-
-    def slot_list(self, rid: str, start: int, end: int) -> list[int]:
+    def slots(self, rid: str, start: int, end: int) -> list[int] | np.ndarray:
+        """Cache slots of token positions [start, end): block_id * block_size + offset. A short range
+        (a decode or verify block) comes as a list: numpy's per-call cost would dominate, and the
+        worker flattens a step's lists in one conversion; a long one (a prefill chunk) as int64 [end - start]."""
         table, size = self._tables[rid], self.block_size
-        return [table[p // size] * size + p % size for p in range(start, end)]
+        if end - start <= SMALL_RANGE:
+            return [table[p // size] * size + p % size for p in range(start, end)]
+        positions = np.arange(start, end, dtype=np.int64)  # [end - start]
+        return np.asarray(table, dtype=np.int64)[positions // size] * size + positions % size

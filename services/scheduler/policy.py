@@ -34,7 +34,7 @@ import structlog
 
 from contracts.detokenizer import Finish, FinishType
 from services.common.flat_logprobs import FlatLogprobsError, build_flat_top_logprobs
-from services.scheduler.block_manager import SMALL_RANGE, BlockManager
+from services.scheduler.block_manager import BlockManager
 from services.scheduler.request import LogprobEntries, RequestOutput, RowLogprobs, SchedulerRequest, Sequence
 
 log = structlog.get_logger(__name__)
@@ -362,8 +362,7 @@ class Policy:
         query = seq.tokens[start:end] + seq.drafts[:num_draft]
         samples = end == len(seq.tokens) and seq.num_outputs < seq.max_outputs
         lo, hi = seq.next_prompt_logprob, min(end, seq.num_prompt - 1)  # position p comes from row p - 1
-        slots = self.blocks.slot_list(seq.rid, start, start + len(query)) if len(query) <= SMALL_RANGE else \
-            self.blocks.slots(seq.rid, start, start + len(query))  # fmt: skip
+        slots = self.blocks.slots(seq.rid, start, start + len(query))
         table = list(self.blocks.block_table(seq.rid))
         return SeqStep(seq, start, query, num_draft, samples, lo, hi, slots, table, seq.num_outputs)
 
