@@ -24,7 +24,7 @@ CUDA graph per (B, n, greedy) with `DraftInputs.padded` rows filling B up to a c
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -66,22 +66,19 @@ class DSparkProposer:
 
     def draft_inputs(self, request: DraftRequest) -> DraftInputs:
         """Upload the request's host fields (without waiting on the device) and cut the context blocks."""
-        temperatures = request.temperatures
-        all_greedy = all(t <= 0 for t in temperatures)
-        sampling = None
-        if not all_greedy:
-            sampling = (
-                _to_device([t if t > 0 else 1.0 for t in temperatures], torch.float32, self.device),
-                _to_device([t <= 0 for t in temperatures], torch.bool, self.device),
-                _to_device([fold_seed(seed) for seed in request.seeds], torch.int64, self.device),
-            )
-        return DraftInputs(
+        inputs = DraftInputs(
             anchor_tokens=request.anchor_tokens.to(self.device),
             anchor_positions=request.anchor_positions.to(self.device),
             context_blocks=self._context_blocks(request),
-            temperatures=None if sampling is None else sampling[0],
-            is_greedy=None if sampling is None else sampling[1],
-            seeds=None if sampling is None else sampling[2],
+        )
+        temperatures = request.temperatures
+        if all(t <= 0 for t in temperatures):
+            return inputs
+        return replace(
+            inputs,
+            temperatures=_to_device([t if t > 0 else 1.0 for t in temperatures], torch.float32, self.device),
+            is_greedy=_to_device([t <= 0 for t in temperatures], torch.bool, self.device),
+            seeds=_to_device([fold_seed(seed) for seed in request.seeds], torch.int64, self.device),
         )
 
     @torch.inference_mode()
