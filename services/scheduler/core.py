@@ -93,8 +93,7 @@ class SchedulerCore:
         self._queue_times: dict[str, float] = {}  # rid -> seconds from arrival to first scheduled, until taken
         self.num_steps = 0
         self._counts = {"prompt": 0, "generated": 0, "drafted": 0, "accepted": 0, "forward_s": 0.0, "draft_s": 0.0}
-        gamma = proposer.num_draft_tokens if proposer is not None else 0
-        self._accept_lengths = [0] * (gamma + 2) if proposer is not None else []
+        self._accept_lengths = [0] * (proposer.num_draft_tokens + 2) if proposer is not None else []
 
     # ---- thread-safe entry points ----
 
