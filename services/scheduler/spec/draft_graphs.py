@@ -83,7 +83,6 @@ class DraftGraphs:
             log.info("dspark.draft_graph_captured", rung=rung, context_blocks=bucket, graphs=len(self._graphs))
         return entry
 
-
     def _capture(self, static: DraftInputs) -> tuple[torch.cuda.CUDAGraph, DraftProposal]:
         self.proposer.draft(static)  # warm-up: allocator growth, cuBLAS plans
         torch.cuda.synchronize()
