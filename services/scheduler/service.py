@@ -117,7 +117,7 @@ def unservable(request: GenerateRequest, vocab_size: int, max_model_len: int) ->
         return f"the prompt has {len(prompt)} tokens; max_model_len is {max_model_len}"
     if request.logprobs.top_logprobs_num > vocab_size:
         return f"top_logprobs_num {request.logprobs.top_logprobs_num} exceeds the vocabulary ({vocab_size})"
-    rids = [request.rid, *(c.rid for c in request.choices)]
+    rids = [rid for rid, _ in _routes(request)]
     if len(set(rids)) < len(rids):
         return "the request's choices must have distinct rids"
     if request.logprobs.logprob_start_len >= len(prompt):
@@ -206,8 +206,7 @@ class SchedulerService:
         busy = error is None and not claim.force and not self._core.has_room(claim.num_prompt_tokens, len(self._claims), num_choices)
         if error is None and not busy:
             deadline = time.monotonic() + self._config.claim_expiry_s
-            owners = [(claim.rid, claim.detokenizer_id), *((c.rid, c.detokenizer_id) for c in claim.choices)]
-            for rid, owner in owners:  # every choice: each can be aborted, or fail if the request is lost
+            for rid, owner in _routes(claim):  # every choice: each can be aborted, or fail if the request is lost
                 self._claims[rid] = deadline
                 if owner:
                     self._claim_owners[rid] = owner
@@ -217,7 +216,7 @@ class SchedulerService:
     async def _on_generate(self, request: GenerateRequest, msg: Delivery) -> None:
         with bound_request_id(request_id_from(msg.headers)):
             log.info("scheduler.request_added", rid=request.rid, prompt_tokens=request.input_ids.shape[0])
-        routes = [(request.rid, request.detokenizer_id), *((c.rid, c.detokenizer_id) for c in request.choices)]
+        routes = _routes(request)
         for rid, _ in routes:
             self._claims.pop(rid, None)
             self._claim_owners.pop(rid, None)
@@ -355,6 +354,11 @@ class SchedulerService:
             log.exception("scheduler.last_publish_failed")
             return False
         return published and not ownerless and not self._core.has_work()
+
+
+def _routes(message: SchedulerClaim | GenerateRequest) -> list[tuple[str, str | None]]:
+    """(rid, detokenizer id) of every choice of a request: choice 0, then its forked choices."""
+    return [(message.rid, message.detokenizer_id), *((c.rid, c.detokenizer_id) for c in message.choices)]
 
 
 async def _task_error(task: asyncio.Task[None]) -> str | None:
