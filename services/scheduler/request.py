@@ -100,9 +100,8 @@ class LogprobEntries:
         for name in PROMPT_ARRAYS:
             arrays = [getattr(part, name) for part in parts if getattr(part, name) is not None]
             setattr(joined, name, np.concatenate(arrays) if arrays else None)
-        for name in ("input_top_logprobs_flat", "input_top_ids_flat", "input_top_null_prefix"):
+        for name in ("input_start", "input_top_logprobs_flat", "input_top_ids_flat", "input_top_null_prefix"):
             setattr(joined, name, next((getattr(p, name) for p in parts if getattr(p, name) is not None), None))
-        joined.input_start = next((p.input_start for p in parts if p.input_start is not None), None)
         return joined
 
     def set_output(self, rows: RowLogprobs, params: LogprobParams) -> None:
