@@ -23,6 +23,7 @@ from services.scheduler.config import (
 )
 from services.scheduler.core import SchedulerCore
 from services.scheduler.flags import add_speculative_arguments
+from services.scheduler.model.loader import CUDA_KV_CACHE_FRACTION
 from services.scheduler.service import SchedulerService, build_core, check_model, connect
 
 log = structlog.get_logger(__name__)
@@ -51,7 +52,7 @@ def _add_common_arguments(parser: argparse.ArgumentParser, env: EnvSettings) -> 
     add_logging_arguments(parser, env.log_level, env.log_format)
     add_connection_arguments(parser, connection_values())
     parser.add_argument("--instance-id", default=None, help="default: a random id")
-    parser.add_argument("--kv-cache-memory-fraction", type=float, default=0.8,
+    parser.add_argument("--kv-cache-memory-fraction", type=float, default=CUDA_KV_CACHE_FRACTION,
                         help="CUDA: the share of device memory left free by the weights (a drafter's included) that the KV caches take")  # fmt: skip
     parser.add_argument("--metrics-host", default="127.0.0.1", help="bind address of --metrics-port")
     parser.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus /metrics here (0: any free port)")

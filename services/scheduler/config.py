@@ -8,6 +8,7 @@ import torch
 
 from services.common.connection import NatsConnection
 from services.models import BUNDLED_DRAFT_MODEL, BUNDLED_MODEL
+from services.scheduler.model.loader import CUDA_KV_CACHE_FRACTION
 from services.scheduler.flags import SPECULATIVE_ALGORITHMS, VERIFY_MODES
 
 
@@ -38,7 +39,7 @@ class SchedulerConfig:
     instance_id: str = "scheduler"
     nats: NatsConnection = NatsConnection()
     claim_expiry_s: float = 30.0  # a claimed rid whose GenerateRequest never arrives is forgotten
-    kv_cache_memory_fraction: float = 0.8  # CUDA: the KV caches' share of the memory free once weights (a drafter's too) are loaded
+    kv_cache_memory_fraction: float = CUDA_KV_CACHE_FRACTION  # CUDA: the KV caches' share of the memory free once weights (a drafter's too) are loaded
     metrics_host: str = "127.0.0.1"
     metrics_port: int | None = None  # None: no /metrics endpoint; 0: any free port (logged)
 
