@@ -28,5 +28,3 @@ def speculative_argv(args: argparse.Namespace) -> list[str]:
     if args.speculative_num_draft_tokens is not None:
         argv += ["--speculative-num-draft-tokens", str(args.speculative_num_draft_tokens)]
     return argv
-
-
