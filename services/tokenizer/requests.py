@@ -81,10 +81,6 @@ class PendingRequest:
     def rid(self) -> str:
         return self.spec.rid
 
-    @property
-    def created_at(self) -> float:
-        return self.timing.arrived_at
-
     async def deltas(self) -> AsyncIterator[Delta]:
         """Every delta up to and including the finishing one; raises `RequestFailed`."""
         while True:

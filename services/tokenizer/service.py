@@ -231,7 +231,7 @@ class TokenizerService:
             await asyncio.sleep(timeout / 4)
             cutoff = time.monotonic() - timeout
             failed = self.pending.fail(
-                lambda p: p.created_at < cutoff and self._silent_owner(p),
+                lambda p: p.timing.arrived_at < cutoff and self._silent_owner(p),
                 "request failed: its scheduler or detokenizer sends no heartbeat",
             )
             for rid in failed:
