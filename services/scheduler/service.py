@@ -277,32 +277,25 @@ class SchedulerService:
     # ---- decode loop ----
 
     async def _decode_loop(self) -> None:
-        """Step N + 1 runs in its thread while step N's outputs are published: the device never
-        waits for the network. Outputs still go out in step order, and the last step's before the
-        loop ends (so before the shutdown's fail_all and "dead" heartbeat)."""
-        unsent: tuple[list[RequestOutput], int] | None = None  # the last step's outputs and number
+        """Step N's outputs are published in a task while step N + 1 runs in its thread: the
+        device never waits for the network. Each publication waits for the one before it, so
+        outputs go out in step order, and the last one before the loop ends (so before the
+        shutdown's fail_all and "dead" heartbeat)."""
+        publishing: asyncio.Task[bool] | None = None
         try:
             while not self._closing:
                 if not self._core.has_work():
-                    unsent = await self._send(unsent)
                     await self._wake.wait()
                     self._wake.clear()
                     continue
-                step = asyncio.ensure_future(asyncio.to_thread(self._core.step))
-                try:
-                    unsent = await self._send(unsent)
-                finally:
-                    outputs = await step  # a failed publish still waits for the running step
+                outputs = await asyncio.to_thread(self._core.step)
                 self._telemetry.observe_queue_times(self._core.take_queue_times().values())
-                unsent = (outputs, self._core.num_steps)
+                if publishing is not None:
+                    await publishing
+                publishing = asyncio.create_task(self._publish(outputs, self._core.num_steps))
         finally:
-            await self._send(unsent)
-
-    async def _send(self, unsent: tuple[list[RequestOutput], int] | None) -> None:
-        """Publish a step's outputs, if any; returns None: nothing is left unsent."""
-        if unsent is not None:
-            await self._publish(*unsent)
-        return None
+            if publishing is not None:
+                await publishing
 
     async def _publish(self, outputs: list[RequestOutput], step: int) -> bool:
         """True when every destination's batch was published."""
