@@ -144,17 +144,40 @@ def add_run_arguments(parser: argparse.ArgumentParser, recipes: Mapping[str, obj
     parser.add_argument("--recipe", choices=tuple(recipes), default="micro")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--steps", type=int, default=None, help="override the recipe's step count (timing runs)")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="FIELD=VALUE",
+                        help="override one recipe field (sweeps; repeatable, recorded in the results JSON)")
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     parser.add_argument("--out", type=Path, required=True, help=out_help)
     parser.add_argument("--results", type=Path, required=True, help="results JSON (the loss PNG goes beside it)")
 
 
 def run_recipe(recipes: Mapping[str, Recipe], args: argparse.Namespace) -> Recipe:
-    """The named recipe, with `--steps` (warm-up shortened to fit) where given."""
-    recipe = recipes[args.recipe]
+    """The named recipe, with each `--set FIELD=VALUE`, then `--steps` (warm-up shortened to fit)."""
+    recipe = apply_overrides(recipes[args.recipe], getattr(args, "overrides", []))
     if args.steps is None:
         return recipe
     return dataclasses.replace(recipe, steps=args.steps, warmup_steps=min(recipe.warmup_steps, args.steps - 1))
+
+
+def apply_overrides(recipe: Recipe, overrides: list[str]) -> Recipe:
+    """`FIELD=VALUE` pairs parsed as the field's current value's type (ints, floats, int tuples)."""
+    if not overrides:
+        return recipe
+    fields = {field.name: getattr(recipe, field.name) for field in dataclasses.fields(recipe)}
+    changes: dict[str, object] = {}
+    for item in overrides:
+        name, sep, text = item.partition("=")
+        if not sep or name not in fields:
+            raise SystemExit(f"--set {item!r}: expected FIELD=VALUE with FIELD one of {', '.join(fields)}")
+        current = fields[name]
+        try:
+            if isinstance(current, tuple) or current is None:
+                changes[name] = tuple(int(part) for part in text.split(",") if part) or None
+            else:
+                changes[name] = type(current)(text)
+        except ValueError as error:
+            raise SystemExit(f"--set {item!r}: {error}") from None
+    return dataclasses.replace(recipe, **changes)  # __post_init__ checks the combination
 
 
 def write_results(

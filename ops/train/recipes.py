@@ -69,7 +69,7 @@ TARGETS = {
                           head_dim=64, seq_len=512, batch_size=64, steps=3000, lr=2e-3, warmup_steps=150),
     # 52M parameters.
     "large": TargetRecipe(hidden_size=640, intermediate_size=1792, num_layers=10, num_heads=10, num_kv_heads=2,
-                          head_dim=64, seq_len=512, batch_size=64, steps=3000, lr=1e-3, warmup_steps=200),
+                          head_dim=64, seq_len=512, batch_size=64, steps=2000, lr=1e-3, warmup_steps=200),
     "toy": TargetRecipe(hidden_size=32, intermediate_size=64, num_layers=2, num_heads=2, num_kv_heads=1,
                         head_dim=16, seq_len=32, batch_size=4, steps=4, lr=1e-2, warmup_steps=1, eval_every=2,
                         eval_windows=4),

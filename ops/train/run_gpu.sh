@@ -1,65 +1,82 @@
 #!/usr/bin/env bash
-# The whole bundled-model recipe (issue 11) in one GPU call, from the repository root:
-#   bash ops/train/run_gpu.sh CORPUS_DIR TOKENIZER_DIR OUT [RECIPE]
-# 1. the target twice from the same seed, both at once (each process is launch-bound, so the two
-#    interleave on one GPU); 2. the drafter twice on run 1's target, both at once; 3. evaluation of
-#    both pairs. OUT/results.tar gets everything small (re-packed after each phase, so a run cut
-#    short still returns what finished); OUT/log is written by the caller (tee).
-set -euo pipefail
-corpus=$1 tokenizer=$2 out=$3 recipe=${4:-micro}
+# The bundled-model recipe (issue 11) on one GPU call, from the repository root:
+#   bash ops/train/run_gpu.sh CORPUS_DIR OUT DEADLINE_S JOB [JOB ...]
+# JOB (all jobs run at once: each process is mostly launch-bound, so they interleave on one GPU):
+#   pair:RECIPE:RUN                      train the target (seed 0), then its drafter (seed 0) on it,
+#                                        then evaluate the pair (perplexity, accept length at T=0, 1)
+#   drafter:RECIPE:RUN:TARGET_DIR[:SETS] train a drafter (seed 0) on a trained target and evaluate it;
+#                                        SETS = FIELD=VALUE,FIELD=VALUE (recipe overrides, `--set`)
+# Every job writes under WORK/<recipe>-<run>[-<label>]/; OUT/results.tar holds everything small
+# (re-packed every 20 s and at the end, so a call cut short still returns what finished; target
+# weights over 10 MB stay behind). At DEADLINE_S seconds jobs still running are stopped.
+set -uo pipefail
+corpus=$1 out=$2 deadline=$3; shift 3
 py=${PYTHON:-python3}
 work=${WORK:-/tmp/sparkwire-train}
 mkdir -p "$work"
 export PYTHONUNBUFFERED=1
-# Run 2's weights stay behind (16 MiB a file comes back): its JSON is what the reproducibility check needs.
-pack() {
-    (cd "$work" && tar cf "$out/results.tar.part" --exclude='*.log' --exclude='run2/*/model.safetensors' run1 run2 2>/dev/null \
-        && mv "$out/results.tar.part" "$out/results.tar") || true
-}
-both() {  # both "name" command-with-RUN: runs it for run 1 and run 2 at once, then prints both logs
-    local name=$1; shift
-    for run in 1 2; do
-        (RUN=$run; eval "$*") > "$work/$name$run.log" 2>&1 &
-    done
-    local status=0
-    wait %1 || status=1
-    wait %2 || status=1
-    grep -hv 'it/s' "$work/${name}1.log" "$work/${name}2.log" | tail -n 20
-    return $status
-}
 # Evaluation goes through the scheduler core, which needs the project's own dependencies (msgspec,
 # structlog, ...): the GPU image lacks some, so carry them as wheels in .whl/ (see the device notes).
-if [ -d .whl ]; then
-    $py -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
+if [ -d .whl ] && ! $py -c 'import msgspec' 2>/dev/null; then
+    $py -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:${PYTHONPATH:-.}
 fi
 $py -c 'import platform, torch, transformers; print("python", platform.python_version(), "torch", torch.__version__, "transformers", transformers.__version__, torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu")'
+tokenizer=ops/models/sparkwire-micro  # the one tokenizer every recipe shares
 
-both target '$py -m ops.train.train_target --corpus "$corpus" --tokenizer "$tokenizer" --recipe $recipe --seed 0 \
-    --out "$work/run$RUN/sparkwire-micro" --results "$work/run$RUN/target.json"'
+pack() {
+    (cd "$work" && find . -name '*.safetensors' -size +10M > "$work/.big" \
+        && tar cf "$out/results.tar.part" --exclude='*.log' -X "$work/.big" --transform 's,^\./,,' . 2>/dev/null \
+        && mv "$out/results.tar.part" "$out/results.tar") || true
+}
+
+evaluate() {  # evaluate DIR TARGET_DIR [--no-target]: on the GPU, else (say, a missing package) on the CPU
+    $py -m ops.train.evaluate --corpus "$corpus" --model "$2" --draft "$1/draft" ${3:-} --out "$1/eval.json" 2>&1 | grep -v 'Loading\|model.load' \
+        || $py -m ops.train.evaluate --corpus "$corpus" --model "$2" --draft "$1/draft" ${3:-} --device cpu --out "$1/eval.json" 2>&1 | grep -v 'Loading\|model.load'
+}
+
+run_job() {
+    local kind recipe run target sets dir
+    IFS=: read -r kind recipe run target sets <<< "$1"
+    case $kind in
+        pair)
+            dir=$work/$recipe-$run
+            mkdir -p "$dir"
+            $py -m ops.train.train_target --corpus "$corpus" --tokenizer "$tokenizer" --recipe "$recipe" --seed 0 \
+                --out "$dir/target" --results "$dir/target.json" || return 1
+            $py -m ops.train.train_drafter --corpus "$corpus" --target "$dir/target" --recipe "$recipe" --seed 0 \
+                --out "$dir/draft" --results "$dir/drafter.json" || return 1
+            evaluate "$dir" "$dir/target" ;;
+        drafter)
+            dir=$work/$recipe-$run${sets:+-$(echo "$sets" | tr ',=' '__')}
+            mkdir -p "$dir"
+            local flags=()
+            IFS=, read -ra pairs <<< "${sets:-}"
+            for pair in "${pairs[@]}"; do flags+=(--set "$pair"); done
+            $py -m ops.train.train_drafter --corpus "$corpus" --target "$target" --recipe "$recipe" --seed 0 \
+                "${flags[@]}" --out "$dir/draft" --results "$dir/drafter.json" || return 1
+            evaluate "$dir" "$target" --no-target ;;
+        *) echo "unknown job $1"; return 2 ;;
+    esac
+}
+
+pids=() names=()
+for job in "$@"; do
+    name=$(echo "$job" | tr ':/=,' '____')
+    (run_job "$job") > "$work/$name.log" 2>&1 &
+    pids+=($!) names+=("$name")
+done
+while [ "$SECONDS" -lt "$deadline" ] && jobs -r | grep -q .; do
+    sleep 20
+    pack
+    echo "[$SECONDS s] running: $(jobs -r | wc -l)"
+done
+stopped=()
+for i in "${!pids[@]}"; do kill -0 "${pids[$i]}" 2>/dev/null && stopped+=("$i"); done
+[ ${#stopped[@]} -gt 0 ] && pkill -f 'ops\.train\.' ; sleep 1
+for i in "${!pids[@]}"; do
+    wait "${pids[$i]}"; status=$?
+    if [[ " ${stopped[*]} " == *" $i "* ]]; then echo "== ${names[$i]}: STOPPED at the deadline"; else echo "== ${names[$i]}: exit $status"; fi
+    grep -hv 'it/s\|^\s*$' "$work/${names[$i]}.log" | tail -n 12
+done
 pack
-both drafter '$py -m ops.train.train_drafter --corpus "$corpus" --target "$work/run1/sparkwire-micro" --recipe $recipe \
-    --seed 0 --out "$work/run$RUN/sparkwire-micro-dspark" --results "$work/run$RUN/drafter.json"'
-pack
-$py -m ops.train.evaluate --corpus "$corpus" --model "$work/run1/sparkwire-micro" \
-    --draft "$work/run1/sparkwire-micro-dspark" --out "$work/run1/eval_pair.json" 2>&1 | grep -v Loading
-pack
-$py -m ops.train.evaluate --corpus "$corpus" --model "$work/run2/sparkwire-micro" --out "$work/run2/eval_target.json" 2>&1 | grep -v Loading
-pack
-$py -m ops.train.evaluate --corpus "$corpus" --model "$work/run1/sparkwire-micro" --no-target \
-    --draft "$work/run2/sparkwire-micro-dspark" --out "$work/run2/eval_pair.json" 2>&1 | grep -v Loading
-pack
-$py - "$work" <<'PY'
-import json, sys
-from pathlib import Path
-work = Path(sys.argv[1])
-for run in (1, 2):
-    t = json.loads((work / f"run{run}/target.json").read_text())
-    d = json.loads((work / f"run{run}/drafter.json").read_text())
-    e = json.loads((work / f"run{run}/eval_pair.json").read_text())
-    et = json.loads((work / f"run{run}/{'eval_pair' if run == 1 else 'eval_target'}.json").read_text())["target"]
-    # run 2's drafter is trained and evaluated on run 1's target, so the drafter figures compare alone
-    acc = {k: round(v["mean_accept_length"], 3) for k, v in e["drafter"].items() if k.startswith("temperature")}
-    print(f"run{run}: target {t['parameters']:,} {t['train_seconds']}s loss {t['final_train_loss']:.3f}/{t['final_eval_loss']:.3f} "
-          f"ppl {et['held_out']['perplexity']:.3f} bpb {et['held_out']['bits_per_byte']:.4f} shuffled ppl {et['shuffled']['perplexity']:.0f} | "
-          f"drafter {d['parameters']:,} {d['train_seconds']}s loss {d['final_eval_loss']:.3f} tf-acc {d['final_eval_teacher_forced_greedy_accept']:.2f} | accept {acc}")
-PY
+$py -m ops.train.summarize "$work" | tee "$out/summary.txt"

@@ -87,6 +87,23 @@ def test_run_arguments_and_recipe_override():
         parser.parse_args(["--out", "o"])  # --results is required
 
 
+def test_set_overrides_recipe_fields_by_their_types_and_names_bad_ones():
+    parser = argparse.ArgumentParser()
+    common.add_run_arguments(parser, DRAFTERS, out_help="where")
+    args = parser.parse_args(["--recipe", "toy", "--out", "o", "--results", "r.json",
+                              "--set", "num_layers=2", "--set", "distill_fraction=0.75", "--set", "target_layer_ids=1,0"])  # fmt: skip
+    recipe = common.run_recipe(DRAFTERS, args)
+    assert (recipe.num_layers, recipe.distill_fraction, recipe.target_layer_ids) == (2, 0.75, (1, 0))
+    assert recipe.steps == DRAFTERS["toy"].steps
+    for bad in ("layers=2", "num_layers", "num_layers=two"):
+        args.overrides = [bad]
+        with pytest.raises(SystemExit, match="--set"):
+            common.run_recipe(DRAFTERS, args)
+    args.overrides = ["distill_fraction=1.5"]  # the recipe's own checks still run
+    with pytest.raises(ValueError, match="distill_fraction"):
+        common.run_recipe(DRAFTERS, args)
+
+
 def test_write_results_puts_the_run_first_and_history_last(tmp_path):
     args = argparse.Namespace(recipe="toy", seed=3, results=tmp_path / "run" / "r.json")
     history = {"train": [(1, 2.0)], "eval": [(1, 2.5)]}
