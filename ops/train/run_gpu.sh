@@ -30,8 +30,15 @@ pack() {
 }
 
 evaluate() {  # evaluate DIR TARGET_DIR [--no-target]: on the GPU, else (say, a missing package) on the CPU
-    $py -m ops.train.evaluate --corpus "$corpus" --model "$2" --draft "$1/draft" ${3:-} --out "$1/eval.json" 2>&1 | grep -v 'Loading\|model.load' \
-        || $py -m ops.train.evaluate --corpus "$corpus" --model "$2" --draft "$1/draft" ${3:-} --device cpu --out "$1/eval.json" 2>&1 | grep -v 'Loading\|model.load'
+    local device status
+    for device in auto cpu; do
+        $py -m ops.train.evaluate --corpus "$corpus" --model "$2" --draft "$1/draft" ${3:-} --device $device \
+            --out "$1/eval.json" > "$1/eval-$device.log" 2>&1
+        status=$?
+        grep -v 'Loading\|model.load' "$1/eval-$device.log" | tail -n 20
+        [ $status -eq 0 ] && return 0
+    done
+    return $status
 }
 
 run_job() {
