@@ -11,6 +11,11 @@ captured in a CUDA graph. On CUDA its attention is a Triton paged kernel (`trito
 that walks each sequence's block table up to its own length; its CPU twin,
 `paged_decode_attention_torch`, computes the same function by gathering every block of the table
 and masking each query's keys past its own position.
+
+On CUDA, ragged steps take a `VarlenPlan` instead of the SDPA groups: one Triton causal flash
+kernel (`triton_varlen.py`) over the paged cache for every sequence of the step, whatever its
+query length, launched over a tile map the host builds from the lengths it already has. Its torch
+twin, `varlen_attention_torch`, is the same per-token gather as the decode twin (small shapes only).
 """
 
 from __future__ import annotations
@@ -53,15 +58,65 @@ class DecodePlan:
     query_len: int = 1
 
 
+@dataclass(frozen=True)
+class VarlenPlan:
+    """A ragged step for the varlen kernel: `block_m`-token query tiles, each of one sequence,
+    heaviest first (most keys to read), so the longest programs do not start last."""
+
+    query_start_loc: torch.Tensor  # int32 [B + 1]
+    seq_lens: torch.Tensor  # int32 [B], KV length of each sequence after this step
+    block_tables: torch.Tensor  # int32 [B, M]
+    tiles: torch.Tensor  # int32 [2, num_tiles]: each tile's sequence, and its first query index in it
+    block_m: int  # query tokens per tile
+    use_kernel: bool  # True: the Triton kernel; False: the torch twin
+
+
+MAX_TILE_ROWS = 128  # query rows (tokens x GQA group) per kernel program
+
+
+def host_lengths(batch: ForwardBatch) -> tuple[list[int], list[int]]:
+    """(query_start_loc [B + 1], seq_lens [B]) as host lists: read back from the device only when
+    the batch does not carry them on the host."""
+    if batch.host_query_lens is not None and batch.host_seq_lens is not None:
+        return [0, *itertools.accumulate(batch.host_query_lens)], list(batch.host_seq_lens)
+    return batch.query_start_loc.tolist(), batch.seq_lens.tolist()
+
+
+def tile_tokens(max_query_len: int, group: int) -> int:
+    """Query tokens per tile: enough for the longest query, at most MAX_TILE_ROWS rows of `group` heads."""
+    longest = 1 << max(0, max_query_len - 1).bit_length()  # next power of two
+    return max(1, min(MAX_TILE_ROWS // group, longest))
+
+
+def query_tiles(query_lens: list[int], seq_lens: list[int], block_m: int) -> list[tuple[int, int]]:
+    """(sequence, first query index) of every `block_m`-token tile, by keys read, most first."""
+    tiles = [(b, first) for b, q_len in enumerate(query_lens) for first in range(0, q_len, block_m)]
+
+    def keys_read(tile: tuple[int, int]) -> int:
+        b, first = tile
+        return seq_lens[b] - query_lens[b] + min(first + block_m, query_lens[b])
+
+    return sorted(tiles, key=keys_read, reverse=True)
+
+
+def plan_varlen(batch: ForwardBatch, group: int, use_kernel: bool = True) -> VarlenPlan:
+    """The tile map of a ragged step, built on the host and uploaded once (no host sync when the
+    batch carries its lengths on the host). group: query heads per kv head."""
+    starts, seq_lens = host_lengths(batch)
+    query_lens = [end - start for start, end in zip(starts, starts[1:])]
+    block_m = tile_tokens(max(query_lens, default=1), group)
+    device = batch.input_ids.device
+    tiles = torch.tensor(query_tiles(query_lens, seq_lens, block_m), dtype=torch.int32).reshape(-1, 2).T.contiguous()
+    if device.type == "cuda":
+        tiles = tiles.pin_memory()
+    tiles = tiles.to(device, non_blocking=True)  # [2, num_tiles]
+    return VarlenPlan(batch.query_start_loc, batch.seq_lens, batch.block_tables, tiles, block_m, use_kernel)
+
+
 def plan_attention(batch: ForwardBatch, block_size: int) -> AttentionPlan:
     """Group the batch's sequences for attention (lengths read back from the device only when the
     batch does not carry them on the host)."""
-    if batch.host_query_lens is not None and batch.host_seq_lens is not None:
-        starts = [0, *itertools.accumulate(batch.host_query_lens)]
-        seq_lens = list(batch.host_seq_lens)
-    else:
-        starts = batch.query_start_loc.tolist()
-        seq_lens = batch.seq_lens.tolist()
+    starts, seq_lens = host_lengths(batch)
     buckets: dict[tuple[int, int], list[int]] = {}
     for b, seq_len in enumerate(seq_lens):
         q_len = starts[b + 1] - starts[b]
@@ -110,11 +165,17 @@ def _causal_mask(
 
 
 def paged_attention(
-    query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, plan: AttentionPlan | DecodePlan, scale: float
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    plan: AttentionPlan | DecodePlan | VarlenPlan,
+    scale: float,
 ) -> torch.Tensor:
     """query [T, Hq, D]; caches [num_blocks, block_size, Hkv, D] (new K/V already written) -> [T, Hq, D]."""
     if isinstance(plan, DecodePlan):
         return paged_decode_attention(query, key_cache, value_cache, plan, scale)
+    if isinstance(plan, VarlenPlan):
+        return varlen_attention(query, key_cache, value_cache, plan, scale)
     out = torch.empty_like(query)
     for group in plan.groups:
         out.index_copy_(0, group.valid_tokens, _group_attention(query, key_cache, value_cache, group, scale))
@@ -157,6 +218,38 @@ def paged_decode_attention(
     return paged_decode_attention_torch(*args)
 
 
+def varlen_attention(
+    query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, plan: VarlenPlan, scale: float
+) -> torch.Tensor:
+    """query [T, Hq, D] of a ragged step -> [T, Hq, D]."""
+    tensors = (plan.query_start_loc, plan.seq_lens, plan.block_tables)
+    if plan.use_kernel:  # where Triton is
+        from services.scheduler.model.triton_varlen import varlen_attention_triton
+
+        return varlen_attention_triton(query, key_cache, value_cache, *tensors, plan.tiles, plan.block_m, scale)
+    return varlen_attention_torch(query, key_cache, value_cache, *tensors, scale)
+
+
+def varlen_attention_torch(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """The varlen kernel's reference. Query token i of sequence b (q_len = query_start_loc[b + 1] -
+    query_start_loc[b]) sits at position seq_lens[b] - q_len + i and sees keys 0 .. that position."""
+    num_tokens = query.shape[0]
+    starts = query_start_loc.long()  # [B + 1]
+    query_lens = starts.diff()  # [B]
+    token_seq = torch.repeat_interleave(torch.arange(len(query_lens), device=query.device), query_lens, output_size=num_tokens)
+    index = torch.arange(num_tokens, device=query.device) - starts[token_seq]  # [T], query index in its sequence
+    visible = seq_lens.long()[token_seq] - query_lens[token_seq] + index + 1  # [T]
+    return attend_visible_keys(query, key_cache, value_cache, token_seq, visible, block_tables, scale)
+
+
 def paged_decode_attention_torch(
     query: torch.Tensor,
     key_cache: torch.Tensor,
@@ -166,23 +259,38 @@ def paged_decode_attention_torch(
     scale: float,
     query_len: int = 1,
 ) -> torch.Tensor:
-    """The kernel's reference: softmax(q k^T * scale) v over each token's visible keys, fp32 inside.
+    """The decode kernel's reference, fp32 inside.
 
     query [T = B * query_len, Hq, D]; caches [N, block_size, Hkv, D]; seq_lens int32 [B];
     block_tables int32 [B, M]. Token t of sequence b = t // query_len sees keys
-    0 .. seq_lens[b] - query_len + t % query_len. Query head h reads kv head h // (Hq / Hkv).
+    0 .. seq_lens[b] - query_len + t % query_len.
     """
+    token_seq, visible = token_lengths(seq_lens, query_len)  # [T], [T]
+    return attend_visible_keys(query, key_cache, value_cache, token_seq, visible, block_tables, scale)
+
+
+def attend_visible_keys(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    token_seq: torch.Tensor,
+    visible: torch.Tensor,
+    block_tables: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """softmax(q k^T * scale) v of each token t over keys 0 .. visible[t] - 1 of sequence token_seq[t],
+    fp32 inside; every block of the table is gathered per token. Query head h reads kv head
+    h // (Hq / Hkv). query [T, Hq, D]; token_seq, visible int64 [T] -> [T, Hq, D]."""
     num_tokens, num_heads, head_dim = query.shape
     num_kv_heads = key_cache.shape[2]
-    token_seq, seq_lens = token_lengths(seq_lens, query_len)  # [T], [T]
     blocks = block_tables.long().clamp_min(0)[token_seq]  # [T, M]
-    keys = key_cache[blocks].flatten(1, 2).float()  # [B, K, Hkv, D]
-    values = value_cache[blocks].flatten(1, 2).float()  # [B, K, Hkv, D]
+    keys = key_cache[blocks].flatten(1, 2).float()  # [T, K, Hkv, D]
+    values = value_cache[blocks].flatten(1, 2).float()  # [T, K, Hkv, D]
     q = query.float().view(num_tokens, num_kv_heads, num_heads // num_kv_heads, head_dim)  # [T, Hkv, G, D]
-    scores = torch.einsum("bhgd,bkhd->bhgk", q, keys) * scale  # [B, Hkv, G, K]
+    scores = torch.einsum("bhgd,bkhd->bhgk", q, keys) * scale  # [T, Hkv, G, K]
     key_pos = torch.arange(keys.shape[1], device=query.device)  # [K]
-    visible = key_pos[None, :] < seq_lens[:, None].long()  # [T, K]
-    scores = scores.masked_fill(~visible[:, None, None, :], float("-inf"))
+    seen = key_pos[None, :] < visible[:, None]  # [T, K]
+    scores = scores.masked_fill(~seen[:, None, None, :], float("-inf"))
     out = torch.einsum("bhgk,bkhd->bhgd", scores.softmax(dim=-1), values)  # [T, Hkv, G, D]
     return out.reshape(num_tokens, num_heads, head_dim).to(query.dtype)
 

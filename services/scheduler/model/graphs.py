@@ -31,11 +31,11 @@ def is_pure_decode(batch: ForwardBatch) -> bool:
 
 
 def uniform_query_len(batch: ForwardBatch) -> int | None:
-    """q when every sequence of the batch has the same short query of q tokens; else None. Long
-    queries (prefill chunks) go to SDPA. Decode attention lets token t of sequence b see the keys
-    below seq_lens[b] - q + t % q + 1: that relies on `ForwardBatch`'s contract (a sequence's new
-    tokens are the last of its seq_lens[b]), which every builder keeps and the twin tests check
-    against eager forwards."""
+    """q when every sequence of the batch has the same short query of q tokens; else None: a ragged
+    step (the varlen kernel on CUDA, the SDPA groups elsewhere). Decode attention lets token t of
+    sequence b see the keys below seq_lens[b] - q + t % q + 1: that relies on `ForwardBatch`'s
+    contract (a sequence's new tokens are the last of its seq_lens[b]), which every builder keeps
+    and the twin tests check against eager forwards."""
     if batch.num_tokens == batch.num_seqs:
         return 1
     lens = batch.host_query_lens

@@ -16,13 +16,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from services.scheduler.model.attention import AttentionPlan, DecodePlan, paged_attention, plan_attention
+from services.scheduler.model.attention import AttentionPlan, DecodePlan, VarlenPlan, paged_attention, plan_attention
 from services.scheduler.model.batch import ForwardBatch
 from services.scheduler.model.config import ModelConfig, RopeScaling
 from services.scheduler.model.kv_cache import PagedKVCache
 
 
-Plan = AttentionPlan | DecodePlan
+Plan = AttentionPlan | DecodePlan | VarlenPlan
 
 
 class RMSNorm(nn.Module):
@@ -192,7 +192,8 @@ class CausalLM(nn.Module):
     def forward(
         self, batch: ForwardBatch, cache: PagedKVCache, plan: Plan | None = None
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """`plan` None: plan the ragged SDPA path here (one host sync); a DecodePlan keeps it sync-free."""
+        """`plan` None: plan the ragged SDPA path here (a host sync unless the batch carries its lengths);
+        a DecodePlan or VarlenPlan keeps it sync-free."""
         x = self.model.embed_tokens(batch.input_ids)  # [T, H]
         rope = rope_cos_sin(self.rope_inv_freq, batch.positions, x.dtype)
         if plan is None:

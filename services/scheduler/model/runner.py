@@ -4,8 +4,9 @@ The worker builds each `ForwardBatch` from the policy's plan; the runner owns th
 paged KV cache those blocks index into. Steps where every sequence has the same number q of query
 tokens (decode, q = 1; speculative verify, q = k + 1) take the sync-free `DecodePlan` path: on
 CUDA the Triton paged kernel, replayed from a CUDA graph keyed by (batch rung, q) once
-`prepare_decode_graphs` has captured them; ragged steps (prefill chunks, mixed batches) run the
-ragged SDPA path eagerly.
+`prepare_decode_graphs` has captured them. Ragged steps (prefill chunks, mixed batches, `compact`
+verify blocks of per-request lengths) run eagerly: on CUDA through the Triton varlen kernel over a
+host-built tile map (`VarlenPlan`), elsewhere through the ragged SDPA groups.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import dataclasses
 
 import torch
 
-from services.scheduler.model.attention import DecodePlan
+from services.scheduler.model.attention import DecodePlan, plan_varlen
 from services.scheduler.model.batch import ForwardBatch, ForwardOutput
 from services.scheduler.model.config import ModelConfig
 from services.scheduler.model.graphs import DEFAULT_LADDER, DecodeGraphRunner, uniform_query_len
@@ -31,13 +32,16 @@ def triton_available() -> bool:
 
 
 class ModelRunner:
-    def __init__(self, model: CausalLM, kv_cache: PagedKVCache, decode_kernel: bool | None = None) -> None:
-        """decode_kernel: eager pure-decode steps use the Triton kernel (default: on CUDA with Triton)."""
+    def __init__(
+        self, model: CausalLM, kv_cache: PagedKVCache, decode_kernel: bool | None = None, ragged_kernel: bool | None = None
+    ) -> None:
+        """decode_kernel: eager uniform-query steps use the Triton decode kernel; ragged_kernel: ragged
+        steps use the Triton varlen kernel, not the SDPA groups (each default: on CUDA with Triton)."""
         self.model = model
         self.kv_cache = kv_cache
-        if decode_kernel is None:
-            decode_kernel = kv_cache.kv.device.type == "cuda" and triton_available()
-        self.decode_kernel = decode_kernel
+        on_cuda_with_triton = kv_cache.kv.device.type == "cuda" and triton_available()
+        self.decode_kernel = on_cuda_with_triton if decode_kernel is None else decode_kernel
+        self.ragged_kernel = on_cuda_with_triton if ragged_kernel is None else ragged_kernel
         self.decode_graphs: DecodeGraphRunner | None = None
 
     def prepare_decode_graphs(
@@ -99,6 +103,9 @@ class ModelRunner:
         if query_len is not None and self.decode_kernel:
             plan = DecodePlan(batch.seq_lens, batch.block_tables, use_kernel=True, query_len=query_len)
             return ForwardOutput(*self.model(batch, self.kv_cache, plan))
+        if query_len is None and self.ragged_kernel:
+            group = self.config.num_attention_heads // self.config.num_key_value_heads
+            return ForwardOutput(*self.model(batch, self.kv_cache, plan_varlen(batch, group)))
         hidden, captured = self.model(batch, self.kv_cache)
         return ForwardOutput(hidden_states=hidden, captured=captured)
 
