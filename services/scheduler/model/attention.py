@@ -82,10 +82,10 @@ def host_lengths(batch: ForwardBatch) -> tuple[list[int], list[int]]:
     return batch.query_start_loc.tolist(), batch.seq_lens.tolist()
 
 
-def tile_tokens(max_query_len: int, group: int) -> int:
-    """Query tokens per tile: enough for the longest query, at most MAX_TILE_ROWS rows of `group` heads."""
+def tile_tokens(max_query_len: int, group: int, max_rows: int = MAX_TILE_ROWS) -> int:
+    """Query tokens per tile: enough for the longest query, at most `max_rows` rows of `group` heads."""
     longest = 1 << max(0, max_query_len - 1).bit_length()  # next power of two
-    return max(1, min(MAX_TILE_ROWS // group, longest))
+    return max(1, min(max_rows // group, longest))
 
 
 def query_tiles(query_lens: list[int], seq_lens: list[int], block_m: int) -> list[tuple[int, int]]:
@@ -99,12 +99,12 @@ def query_tiles(query_lens: list[int], seq_lens: list[int], block_m: int) -> lis
     return sorted(tiles, key=keys_read, reverse=True)
 
 
-def plan_varlen(batch: ForwardBatch, group: int, use_kernel: bool = True) -> VarlenPlan:
+def plan_varlen(batch: ForwardBatch, group: int, use_kernel: bool = True, max_rows: int = MAX_TILE_ROWS) -> VarlenPlan:
     """The tile map of a ragged step, built on the host and uploaded once (no host sync when the
     batch carries its lengths on the host). group: query heads per kv head."""
     starts, seq_lens = host_lengths(batch)
     query_lens = [end - start for start, end in zip(starts, starts[1:])]
-    block_m = tile_tokens(max(query_lens, default=1), group)
+    block_m = tile_tokens(max(query_lens, default=1), group, max_rows)
     device = batch.input_ids.device
     tiles = torch.tensor(query_tiles(query_lens, seq_lens, block_m), dtype=torch.int32).reshape(-1, 2).T.contiguous()
     if device.type == "cuda":

@@ -1,0 +1,397 @@
+"""Ragged attention on one GPU: the Triton varlen kernel (`triton_varlen.py`) against the SDPA
+groups it replaces, alone and inside the real runner, both paths in the same run.
+
+Sections, each in its own try/except (one failure keeps the rest), skipped once --budget-s is spent:
+- `kernels`: one attention layer of the Qwen3-8B shape (heads 32 / 8, d 128, bf16, the cache's
+  16-token pages), per ragged mix: max abs error of the kernel against the SDPA groups, and ms of
+  each (CUDA events, warm-up, median). Mixes: `mixed` (64 decodes at context 256 + one 128-token
+  prefill), `prefills` (8 chunks of varied length, most with prior context), `long` (one
+  32,768-token prompt in the policy's chunks, --chunk-size; summed over its chunks, and x layers).
+- `sweep`: the kernel's launch settings (tile rows, keys per iteration, warps, stages) on `mixed`
+  and `long`, so the defaults can be set from one run.
+- `mixed_step`: `ModelRunner.forward` of the 8B shape (dummy weights) on a mixed step, SDPA groups
+  then the kernel; references: the decode alone (graph replay, and eager) and the prefill alone.
+  Hidden-state difference and next-token agreement between the paths.
+- `prefill_32k`: `SchedulerCore`, one 32,768-token request (1 new token), without and with top-2
+  prompt logprobs, each path: seconds, and peak device memory above the start (the logprobs'
+  extra memory is the difference); and the kernel path once more at 4x the chunk budget.
+
+    python ops/bench/gpu_attention_check.py --out $OUT/gpu_attention.json
+    python ops/bench/gpu_attention_check.py --device cpu --tiny --out /tmp/attention.json  # smoke (CI)
+
+On CPU there is no kernel: the "kernel" columns run its torch twin (`varlen_attention_torch`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import statistics
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from contracts.scheduler import LogprobParams, SamplingParams
+from services.models import RANDOM_TINY_MODEL
+from services.scheduler.config import SchedulerConfig
+from services.scheduler.core import SchedulerCore
+from services.scheduler.model.attention import paged_attention, plan_attention, plan_varlen
+from services.scheduler.model.batch import ForwardBatch
+from services.scheduler.model.loader import load_model_runner
+from services.scheduler.model.runner import ModelRunner, triton_available
+from services.scheduler.request import SchedulerRequest
+
+REPO = Path(__file__).resolve().parents[2]
+TOP2 = LogprobParams(return_logprob=True, logprob_start_len=0, top_logprobs_num=2)
+PATHS = ("sdpa", "kernel")  # ModelRunner.ragged_kernel False, True
+
+
+@dataclass(frozen=True)
+class Shape:
+    model: Path
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    num_layers: int
+    page: int  # the cache's block size
+    decodes: int  # sequences decoding beside the prefill of a mixed step
+    decode_context: int
+    prefill: int  # the mixed step's prefill chunk
+    prefills: tuple[tuple[int, int], ...]  # (context, new tokens) of the `prefills` mix
+    long_prompt: int
+    chunk: int  # the policy's chunk budget
+
+
+FULL = Shape(
+    REPO / "ops/model_configs/Qwen3-8B", 32, 8, 128, 36, SchedulerConfig.kv_block_size, 64, 256, 128,
+    ((0, 512), (1024, 384), (4096, 320), (37, 256), (8192, 224), (500, 192), (16000, 96), (3000, 64)),
+    32768, SchedulerConfig.chunked_prefill_size,
+)  # fmt: skip
+TINY = Shape(RANDOM_TINY_MODEL, 4, 2, 32, 4, 16, 4, 24, 20, ((0, 20), (40, 9), (7, 3)), 256, 64)
+# (tile rows, keys per iteration, warps, stages); the first is the kernel's default at 128 rows
+SWEEP = ((128, 64, 8, 3), (128, 64, 4, 2), (128, 128, 8, 2), (128, 32, 4, 3), (64, 64, 4, 3), (64, 128, 4, 2))
+
+
+# ---- inputs ----
+
+
+def ragged_step(chunks: list[tuple[int, int]], page: int, width: int, device: str, seqs: list[int] | None = None) -> ForwardBatch:
+    """One step of (context, new tokens) per sequence; sequence s owns pages s * width .. (s + 1) * width - 1."""
+    seqs = list(range(len(chunks))) if seqs is None else seqs
+    positions = [torch.arange(ctx, ctx + n) for ctx, n in chunks]
+    slots = [(s * width + pos // page) * page + pos % page for s, pos in zip(seqs, positions)]
+    query_lens = tuple(n for _, n in chunks)
+    seq_lens = tuple(ctx + n for ctx, n in chunks)
+    tables = torch.tensor(seqs)[:, None] * width + torch.arange(width)[None, :]  # [B, width]
+    ids = torch.randint(0, 2048, (sum(query_lens),), generator=torch.Generator().manual_seed(len(chunks)))
+    return ForwardBatch(
+        input_ids=ids.to(device),
+        positions=torch.cat(positions).to(device),
+        query_start_loc=torch.tensor([0, *np.cumsum(query_lens)], dtype=torch.int32, device=device),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+        block_tables=tables.to(torch.int32).to(device),
+        slot_mapping=torch.cat(slots).to(device),
+        host_query_lens=query_lens,
+        host_seq_lens=seq_lens,
+    )
+
+
+def mixes(shape: Shape) -> dict[str, list[list[tuple[int, int]]]]:
+    """Each mix as its steps, a step as (context, new tokens) per sequence."""
+    mixed = [(shape.decode_context - 1, 1)] * shape.decodes + [(0, shape.prefill)]
+    long = [[(start, min(shape.chunk, shape.long_prompt - start))] for start in range(0, shape.long_prompt, shape.chunk)]
+    return {"mixed": [mixed], "prefills": [list(shape.prefills)], "long": long}
+
+
+def layer_inputs(shape: Shape, steps: list[list[tuple[int, int]]], device: str, dtype: torch.dtype):
+    """(key cache, value cache, [(query, batch)] per step) of random values; pages wide enough for every step."""
+    width = -(-max(ctx + n for step in steps for ctx, n in step) // shape.page)
+    num_seqs = max(len(step) for step in steps)
+    gen = torch.Generator(device=device).manual_seed(0)
+    caches = [torch.randn(num_seqs * width + 1, shape.page, shape.num_kv_heads, shape.head_dim, generator=gen, device=device,
+                          dtype=dtype) for _ in range(2)]  # fmt: skip
+    inputs = []
+    for step in steps:
+        batch = ragged_step(step, shape.page, width, device)
+        query = torch.randn(batch.num_tokens, shape.num_heads, shape.head_dim, generator=gen, device=device, dtype=dtype)
+        inputs.append((query, batch))
+    return caches, inputs
+
+
+# ---- timing ----
+
+
+def median_ms(fn: Callable[[], object], device: str, repeats: int, warmup: int = 2) -> float:
+    """Median over `repeats` calls, each from an idle device: CUDA events (host launch gaps count), else the host clock."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        if device == "cuda":
+            torch.cuda.synchronize()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            begin = time.perf_counter()
+            fn()
+            times.append(1e3 * (time.perf_counter() - begin))
+    return round(statistics.median(times), 4)
+
+
+def uses_kernel(device: str) -> bool:
+    return device == "cuda" and triton_available()
+
+
+# ---- sections ----
+
+
+def kernel_rows(shape: Shape, device: str, dtype: torch.dtype, repeats: int) -> list[dict]:
+    rows = []
+    scale = shape.head_dim**-0.5
+    group = shape.num_heads // shape.num_kv_heads
+    for name, steps in mixes(shape).items():
+        (key_cache, value_cache), inputs = layer_inputs(shape, steps, device, dtype)
+        row = {"mix": name, "steps": len(steps), "tokens": sum(q.shape[0] for q, _ in inputs), "max_abs_err": 0.0,
+               "ref_max_abs": 0.0, "sdpa_ms": 0.0, "kernel_ms": 0.0, "sdpa_plan_ms": 0.0, "kernel_plan_ms": 0.0}  # fmt: skip
+        for query, batch in inputs:
+            sdpa_plan = plan_attention(batch, shape.page)
+            kernel_plan = plan_varlen(batch, group, use_kernel=uses_kernel(device))
+            want = paged_attention(query, key_cache, value_cache, sdpa_plan, scale).float()
+            got = paged_attention(query, key_cache, value_cache, kernel_plan, scale).float()
+            row["max_abs_err"] = max(row["max_abs_err"], float((got - want).abs().max()))
+            row["ref_max_abs"] = max(row["ref_max_abs"], float(want.abs().max()))
+            row["sdpa_ms"] += median_ms(lambda: paged_attention(query, key_cache, value_cache, sdpa_plan, scale), device, repeats)
+            row["kernel_ms"] += median_ms(lambda: paged_attention(query, key_cache, value_cache, kernel_plan, scale), device, repeats)
+            row["sdpa_plan_ms"] += median_ms(lambda: plan_attention(batch, shape.page), device, repeats)
+            row["kernel_plan_ms"] += median_ms(lambda: plan_varlen(batch, group), device, repeats)
+        row["speedup"] = row["sdpa_ms"] / row["kernel_ms"] if row["kernel_ms"] else None
+        row["x_layers_ms"] = {path: row[f"{path}_ms"] * shape.num_layers for path in PATHS}
+        rows.append(_rounded(row))
+    return rows
+
+
+def sweep_rows(shape: Shape, device: str, dtype: torch.dtype, repeats: int) -> list[dict]:
+    """Each launch setting on the `mixed` and `long` mixes (kernel ms summed over a mix's steps)."""
+    from services.scheduler.model.triton_varlen import LaunchConfig, varlen_attention_triton
+
+    group = shape.num_heads // shape.num_kv_heads
+    scale = shape.head_dim**-0.5
+    rows = []
+    for name in ("mixed", "long"):
+        (key_cache, value_cache), inputs = layer_inputs(shape, mixes(shape)[name], device, dtype)
+        for tile_rows, block_n, num_warps, num_stages in SWEEP:
+            config = LaunchConfig(block_n=block_n, num_warps=num_warps, num_stages=num_stages)
+            row = {"mix": name, "tile_rows": tile_rows, "block_n": block_n, "num_warps": num_warps, "num_stages": num_stages}
+            plans = [(query, plan_varlen(batch, group, max_rows=tile_rows)) for query, batch in inputs]
+
+            def attend(query, plan):
+                tensors = (plan.query_start_loc, plan.seq_lens, plan.block_tables, plan.tiles, plan.block_m)
+                return varlen_attention_triton(query, key_cache, value_cache, *tensors, scale, config)
+
+            try:
+                row["kernel_ms"] = round(sum(median_ms(lambda: attend(q, p), device, repeats) for q, p in plans), 4)
+            except Exception as exc:  # a setting the compiler refuses (shared memory) is a row, not a lost sweep
+                row["error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
+            rows.append(row)
+    return rows
+
+
+def load_runner(shape: Shape, device: str, dtype: torch.dtype) -> ModelRunner:
+    return load_model_runner(shape.model, device=device, dtype=dtype, load_format="dummy", kv_block_size=shape.page,
+                             cuda_graphs=False)  # fmt: skip
+
+
+def mixed_step(runner: ModelRunner, shape: Shape, repeats: int) -> dict:
+    """The mixed step through `ModelRunner.forward` with the SDPA groups, then the kernel."""
+    device = runner.device.type
+    width = -(-max(shape.decode_context, shape.prefill) // shape.page)
+    seqs = list(range(shape.decodes))
+    runner.ragged_kernel = False  # the decodes' KV written by the known path, whatever the kernel does
+    runner.forward(ragged_step([(0, shape.decode_context - 1)] * shape.decodes, shape.page, width, device, seqs))
+    decode = ragged_step([(shape.decode_context - 1, 1)] * shape.decodes, shape.page, width, device, seqs)
+    prefill = ragged_step([(0, shape.prefill)], shape.page, width, device, [shape.decodes])
+    mixed = ragged_step([(shape.decode_context - 1, 1)] * shape.decodes + [(0, shape.prefill)], shape.page, width, device,
+                        [*seqs, shape.decodes])  # fmt: skip
+    result: dict = {"decodes": shape.decodes, "context": shape.decode_context, "prefill": shape.prefill}
+    if runner.decode_kernel:
+        runner.prepare_decode_graphs(ladder=(shape.decodes,), max_blocks_per_seq=width)
+        result["decode_graph_ms"] = median_ms(lambda: runner.forward(decode), device, repeats)
+        runner.drop_decode_graphs()
+    result["decode_eager_ms"] = median_ms(lambda: runner.forward(decode), device, repeats)
+    outputs = {}
+    for path in _paths(runner):
+        runner.ragged_kernel = path == "kernel"
+        result[f"prefill_{path}_ms"] = median_ms(lambda: runner.forward(prefill), device, repeats)
+        result[f"mixed_{path}_ms"] = median_ms(lambda: runner.forward(mixed), device, repeats)
+        outputs[path] = _hidden_and_next(runner, mixed)
+    if len(outputs) == 2:
+        (sdpa_hidden, sdpa_next), (kernel_hidden, kernel_next) = outputs["sdpa"], outputs["kernel"]
+        result["hidden_max_abs_diff_relative"] = float((kernel_hidden - sdpa_hidden).abs().max() / sdpa_hidden.abs().max())
+        result["next_token_agreement"] = float((kernel_next == sdpa_next).float().mean())
+        result["speedup"] = result["mixed_sdpa_ms"] / result["mixed_kernel_ms"]
+    return _rounded(result)
+
+
+def _paths(runner: ModelRunner) -> tuple[str, ...]:
+    return PATHS if uses_kernel(runner.device.type) else ("sdpa",)
+
+
+def _hidden_and_next(runner: ModelRunner, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    """(hidden states f32 [T, H], next token of each sequence [B])."""
+    hidden = runner.forward(batch).hidden_states
+    last = torch.tensor(np.cumsum(batch.host_query_lens) - 1, device=runner.device)
+    return hidden.float(), runner.compute_logits(hidden[last]).argmax(-1)
+
+
+def prefill_rows(runner: ModelRunner, shape: Shape) -> list[dict]:
+    """One long prompt through the core, chunked by the policy, without and with top-2 prompt
+    logprobs; then, on the kernel path, top-2 at 4x the chunk (what a larger budget would buy)."""
+    prompt = np.random.default_rng(0).integers(0, runner.config.vocab_size, shape.long_prompt, dtype=np.int32)
+    rows = []
+    for path in _paths(runner):
+        runner.ragged_kernel = path == "kernel"
+        _prefill(runner, shape.chunk, prompt[: 2 * shape.chunk], TOP2)  # warm-up: kernels compiled, allocator grown
+        plain, top2 = (_prefill(runner, shape.chunk, prompt, logprobs) for logprobs in (LogprobParams(), TOP2))
+        if plain["peak_extra_mib"] is not None:
+            top2["logprobs_extra_mib"] = round(top2["peak_extra_mib"] - plain["peak_extra_mib"], 1)
+        rows += [{"path": path, "logprobs": "plain", **plain}, {"path": path, "logprobs": "top2", **top2}]
+    if runner.ragged_kernel:
+        rows.append({"path": "kernel", "logprobs": "top2", **_prefill(runner, 4 * shape.chunk, prompt, TOP2)})
+    return rows
+
+
+def _prefill(runner: ModelRunner, chunk: int, prompt: np.ndarray, logprobs: LogprobParams) -> dict:
+    cuda = runner.device.type == "cuda"
+    core = SchedulerCore(runner, max_running_requests=1, chunked_prefill_size=chunk)
+    sampling = SamplingParams(max_new_tokens=1, temperature=0.0, ignore_eos=True)
+    core.add(SchedulerRequest("long", prompt, "d", sampling, logprobs))
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated() if cuda else 0
+    start, steps, rows = time.perf_counter(), 0, 0
+    while core.has_work():
+        for output in core.step():
+            entries = output.logprobs
+            rows += len(entries.input_token_logprobs) if entries and entries.input_token_logprobs is not None else 0
+        steps += 1
+    if cuda:
+        torch.cuda.synchronize()
+    peak = (torch.cuda.max_memory_allocated() - base) / 2**20 if cuda else None
+    return {"prompt": len(prompt), "chunk": chunk, "seconds": round(time.perf_counter() - start, 4), "steps": steps,
+            "prompt_logprob_rows": rows, "peak_extra_mib": peak and round(peak, 1)}  # fmt: skip
+
+
+# ---- the run ----
+
+
+def run(args: argparse.Namespace) -> dict:
+    shape = TINY if args.tiny else FULL
+    dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
+    deadline = time.monotonic() + args.budget_s
+    result: dict = {"device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu", "torch": torch.__version__,
+                    "shape": {k: str(v) for k, v in dataclasses.asdict(shape).items()}, "kernel": uses_kernel(args.device)}  # fmt: skip
+    section = _sections(result, deadline)
+    section("kernels", lambda: kernel_rows(shape, args.device, dtype, args.repeats))
+    if uses_kernel(args.device):
+        section("sweep", lambda: sweep_rows(shape, args.device, dtype, max(3, args.repeats // 2)))
+    runners: list[ModelRunner] = []
+    section("runner", lambda: _load(shape, args.device, dtype, runners))
+    for runner in runners:
+        section("mixed_step", lambda: mixed_step(runner, shape, args.repeats))
+        section("prefill_32k", lambda: prefill_rows(runner, shape))
+    result["elapsed_s"] = round(args.budget_s - (deadline - time.monotonic()), 1)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    print(table(result))
+    return result
+
+
+def _sections(result: dict, deadline: float) -> Callable[[str, Callable[[], object]], object]:
+    """section(name, fn): result[name] = fn(), or the error, or "skipped" once the deadline has passed."""
+
+    def section(name: str, fn: Callable[[], object]) -> object:
+        if time.monotonic() > deadline:
+            result[name] = {"skipped": "over --budget-s"}
+            return None
+        try:
+            value = fn()
+        except Exception:
+            result[name] = {"error": traceback.format_exc()[-3000:]}
+            return None
+        result[name] = value
+        return value
+
+    return section
+
+
+def _load(shape: Shape, device: str, dtype: torch.dtype, into: list[ModelRunner]) -> dict:
+    if device == "cuda":
+        torch.cuda.empty_cache()  # the KV budget is a fraction of the free memory: not of what the kernels section left cached
+    start = time.perf_counter()
+    into.append(load_runner(shape, device, dtype))
+    return {"model": shape.model.name, "load_s": round(time.perf_counter() - start, 1)}
+
+
+def _rounded(row: dict) -> dict:
+    return {k: float(f"{v:.5g}") if isinstance(v, float) else v for k, v in row.items()}
+
+
+def table(result: dict) -> str:
+    lines = [f"device {result['device']}, torch {result['torch']}, kernel {'Triton' if result['kernel'] else 'torch twin'}, "
+             f"{result['elapsed_s']} s", "", "| what | sdpa ms | kernel ms | speedup | note |", "|---|---|---|---|---|"]  # fmt: skip
+    for name in ("kernels", "sweep", "runner", "mixed_step", "prefill_32k"):
+        value = result.get(name)
+        if isinstance(value, dict) and ("error" in value or "skipped" in value):
+            lines.append(f"| {name} | | | | {(value.get('error') or value['skipped']).strip().splitlines()[-1][:120]} |")
+    for r in _rows(result, "kernels"):
+        lines.append(f"| layer, {r['mix']} ({r['tokens']} tok, {r['steps']} steps) | {r['sdpa_ms']} | {r['kernel_ms']} | "
+                     f"{r['speedup'] and round(r['speedup'], 2)} | max abs err {r['max_abs_err']:.2e} (ref max {r['ref_max_abs']:.2f}); "
+                     f"x{result['shape']['num_layers']} layers: {r['x_layers_ms']['sdpa']:.0f} / {r['x_layers_ms']['kernel']:.0f} ms |")  # fmt: skip
+    for r in _rows(result, "sweep"):
+        lines.append(f"| sweep {r['mix']} rows {r['tile_rows']} n {r['block_n']} w {r['num_warps']} s {r['num_stages']} | | "
+                     f"{r.get('kernel_ms', '')} | | {r.get('error', '')[:80]} |")  # fmt: skip
+    step = result.get("mixed_step") or {}
+    if "mixed_sdpa_ms" in step:
+        lines.append(f"| runner mixed step ({step['decodes']} decodes + {step['prefill']}) | {step['mixed_sdpa_ms']} | "
+                     f"{step.get('mixed_kernel_ms', '')} | {step.get('speedup', '')} | decode graph {step.get('decode_graph_ms')} / "
+                     f"eager {step['decode_eager_ms']} ms; prefill alone {step['prefill_sdpa_ms']} / {step.get('prefill_kernel_ms')} ms; "
+                     f"next tokens agree {step.get('next_token_agreement')} |")  # fmt: skip
+    for r in _rows(result, "prefill_32k"):
+        lines.append(f"| prefill {r['prompt']} tok in {r['chunk']}-token chunks, {r['path']}, {r['logprobs']} | {r['seconds'] if r['path'] == 'sdpa' else ''} | "
+                     f"{r['seconds'] if r['path'] == 'kernel' else ''} | | {r['steps']} steps, peak +{r['peak_extra_mib']} MiB, "
+                     f"{r['prompt_logprob_rows']} prompt rows" + (f", logprobs +{r['logprobs_extra_mib']} MiB" if "logprobs_extra_mib" in r else "")
+                     + " |")  # fmt: skip
+    return "\n".join(lines)
+
+
+def _rows(result: dict, name: str) -> list[dict]:
+    value = result.get(name)
+    return value if isinstance(value, list) else []
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", default="cuda", help="cuda; cpu for the smoke run (with --tiny)")
+    parser.add_argument("--tiny", action="store_true", help="the tiny random model's shape and short mixes (smoke)")
+    parser.add_argument("--repeats", type=int, default=10, help="timed calls per measurement (median)")
+    parser.add_argument("--budget-s", type=float, default=140.0, help="sections not started by then are skipped")
+    parser.add_argument("--out", type=Path, default=REPO / "ops/bench/results/gpu_attention.json")
+    args = parser.parse_args(argv)
+    result = run(args)
+    failed = [k for k, v in result.items() if isinstance(v, dict) and "error" in v]
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
