@@ -30,6 +30,7 @@ import json
 import statistics
 import time
 import traceback
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -148,6 +149,21 @@ def median_ms(fn: Callable[[], object], device: str, repeats: int, warmup: int =
     return round(statistics.median(times), 4)
 
 
+def sync_count(fn: Callable[[], object], device: str) -> int | None:
+    """Host syncs during fn, as torch's sync debug mode reports them (CUDA only)."""
+    if device != "cuda":
+        return None
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return sum("synchroniz" in str(w.message) for w in caught)
+
+
 def uses_kernel(device: str) -> bool:
     return device == "cuda" and triton_available()
 
@@ -233,6 +249,7 @@ def mixed_step(runner: ModelRunner, shape: Shape, repeats: int) -> dict:
         runner.ragged_kernel = path == "kernel"
         result[f"prefill_{path}_ms"] = median_ms(lambda: runner.forward(prefill), device, repeats)
         result[f"mixed_{path}_ms"] = median_ms(lambda: runner.forward(mixed), device, repeats)
+        result[f"mixed_{path}_syncs"] = sync_count(lambda: runner.forward(mixed), device)
         outputs[path] = _hidden_and_next(runner, mixed)
     if len(outputs) == 2:
         (sdpa_hidden, sdpa_next), (kernel_hidden, kernel_next) = outputs["sdpa"], outputs["kernel"]
@@ -366,7 +383,8 @@ def table(result: dict) -> str:
         lines.append(f"| runner mixed step ({step['decodes']} decodes + {step['prefill']}) | {step['mixed_sdpa_ms']} | "
                      f"{step.get('mixed_kernel_ms', '')} | {step.get('speedup', '')} | decode graph {step.get('decode_graph_ms')} / "
                      f"eager {step['decode_eager_ms']} ms; prefill alone {step['prefill_sdpa_ms']} / {step.get('prefill_kernel_ms')} ms; "
-                     f"next tokens agree {step.get('next_token_agreement')} |")  # fmt: skip
+                     f"next tokens agree {step.get('next_token_agreement')}; host syncs {step.get('mixed_sdpa_syncs')} / "
+                     f"{step.get('mixed_kernel_syncs')} |")  # fmt: skip
     for r in _rows(result, "prefill_32k"):
         lines.append(f"| prefill {r['prompt']} tok in {r['chunk']}-token chunks, {r['path']}, {r['logprobs']} | {r['seconds'] if r['path'] == 'sdpa' else ''} | "
                      f"{r['seconds'] if r['path'] == 'kernel' else ''} | | {r['steps']} steps, peak +{r['peak_extra_mib']} MiB, "
