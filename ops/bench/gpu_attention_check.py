@@ -1,23 +1,25 @@
 """Ragged attention on one GPU: the Triton varlen kernel (`triton_varlen.py`) against the SDPA
 groups it replaces, alone and inside the real runner, both paths in the same run.
 
-Sections, each in its own try/except (one failure keeps the rest), skipped once --budget-s is spent:
+Sections, in this order, each in its own try/except (one failure keeps the rest); one that would
+start more than --budget-s after the start is skipped:
 - `kernels`: one attention layer of the Qwen3-8B shape (heads 32 / 8, d 128, bf16, the cache's
   16-token pages), per ragged mix: max abs error of the kernel against the SDPA groups, and ms of
   each (CUDA events, warm-up, median). Mixes: `mixed` (64 decodes at context 256 + one 128-token
   prefill), `prefills` (8 chunks of varied length, most with prior context), `long` (one
-  32,768-token prompt in the policy's chunks, --chunk-size; summed over its chunks, and x layers).
-- `sweep`: the kernel's launch settings (tile rows, keys per iteration, warps, stages) on `mixed`
-  and `long`, so the defaults can be set from one run.
+  32,768-token prompt in chunks of the scheduler's default budget, 2048; summed over its chunks,
+  and x layers).
 - `mixed_step`: `ModelRunner.forward` of the 8B shape (dummy weights) on a mixed step, SDPA groups
   then the kernel; references: the decode alone (graph replay, and eager) and the prefill alone.
-  Hidden-state difference and next-token agreement between the paths.
+  Hidden-state difference, next-token agreement and host syncs (torch's sync debug mode) per path.
 - `prefill_32k`: `SchedulerCore`, one 32,768-token request (1 new token), without and with top-2
   prompt logprobs, each path: seconds, and peak device memory above the start (the logprobs'
   extra memory is the difference); and the kernel path once more at 4x the chunk budget.
+- `sweep`: the kernel's launch settings (tile rows, keys per iteration, warps, stages) on `mixed`
+  and `long`, so the defaults can be set from one run.
 
-    python ops/bench/gpu_attention_check.py --out $OUT/gpu_attention.json
-    python ops/bench/gpu_attention_check.py --device cpu --tiny --out /tmp/attention.json  # smoke (CI)
+    PYTHONPATH=. python ops/bench/gpu_attention_check.py --out $OUT/gpu_attention.json
+    PYTHONPATH=. python ops/bench/gpu_attention_check.py --device cpu --tiny --out /tmp/attention.json  # smoke
 
 On CPU there is no kernel: the "kernel" columns run its torch twin (`varlen_attention_torch`).
 """
@@ -320,13 +322,13 @@ def run(args: argparse.Namespace) -> dict:
                     "shape": {k: str(v) for k, v in dataclasses.asdict(shape).items()}, "kernel": uses_kernel(args.device)}  # fmt: skip
     section = _sections(result, deadline)
     section("kernels", lambda: kernel_rows(shape, args.device, dtype, args.repeats))
-    if uses_kernel(args.device):
-        section("sweep", lambda: sweep_rows(shape, args.device, dtype, max(3, args.repeats // 2)))
     runners: list[ModelRunner] = []
     section("runner", lambda: _load(shape, args.device, dtype, runners))
     for runner in runners:
         section("mixed_step", lambda: mixed_step(runner, shape, args.repeats))
         section("prefill_32k", lambda: prefill_rows(runner, shape))
+    if uses_kernel(args.device):  # last: settings for the next round, the least needed now
+        section("sweep", lambda: sweep_rows(shape, args.device, dtype, max(3, args.repeats // 2)))
     result["elapsed_s"] = round(args.budget_s - (deadline - time.monotonic()), 1)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
@@ -367,7 +369,7 @@ def _rounded(row: dict) -> dict:
 def table(result: dict) -> str:
     lines = [f"device {result['device']}, torch {result['torch']}, kernel {'Triton' if result['kernel'] else 'torch twin'}, "
              f"{result['elapsed_s']} s", "", "| what | sdpa ms | kernel ms | speedup | note |", "|---|---|---|---|---|"]  # fmt: skip
-    for name in ("kernels", "sweep", "runner", "mixed_step", "prefill_32k"):
+    for name in ("kernels", "runner", "mixed_step", "prefill_32k", "sweep"):
         value = result.get(name)
         if isinstance(value, dict) and ("error" in value or "skipped" in value):
             lines.append(f"| {name} | | | | {(value.get('error') or value['skipped']).strip().splitlines()[-1][:120]} |")
@@ -403,7 +405,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="cuda", help="cuda; cpu for the smoke run (with --tiny)")
     parser.add_argument("--tiny", action="store_true", help="the tiny random model's shape and short mixes (smoke)")
     parser.add_argument("--repeats", type=int, default=10, help="timed calls per measurement (median)")
-    parser.add_argument("--budget-s", type=float, default=140.0, help="sections not started by then are skipped")
+    parser.add_argument("--budget-s", type=float, default=120.0,
+                        help="sections not started this long after the start are skipped (the longest takes ~20 s)")
     parser.add_argument("--out", type=Path, default=REPO / "ops/bench/results/gpu_attention.json")
     args = parser.parse_args(argv)
     result = run(args)
