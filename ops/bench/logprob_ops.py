@@ -1,0 +1,169 @@
+"""Torch ops dispatched per decode step, with and without output logprobs, on the CPU.
+
+Each op costs host time (~10-20 us on the H200 host) and, outside the CUDA graph, a kernel launch,
+so the count is what output logprobs add to a step whatever the device. Measured on the bundled
+tiny model (fp32) with a `TorchDispatchMode` around `SchedulerCore.step`, for
+
+- plain decode (one row per request) and a DSpark verify step (gamma + 1 rows per request; a
+  random drafter, every verify keeping `accept_len - 1` drafts: `SimulatedAcceptWorker`),
+- at each batch size, with no logprobs, top-20 for every request (raw and processed mode), and a
+  mix (half the requests: top-5 and two requested ids; the other half: none).
+
+"ops" counts every aten call, "kernels" leaves out views (which launch nothing). "added" is the
+step's count with logprobs minus without. Times (the fastest of five steps) are the CPU's, for
+orientation only: on a shared CPU they vary by tens of percent.
+
+    python -m ops.bench.logprob_ops --out ops/bench/results/logprob_ops.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import time
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from contracts.scheduler import LogprobParams, SamplingParams
+from services.models import RANDOM_TINY_MODEL
+from services.scheduler.core import SchedulerCore
+from services.scheduler.model import load_model_runner
+from services.scheduler.request import SchedulerRequest
+
+RESULTS = Path(__file__).resolve().parent / "results"
+TOP20 = LogprobParams(return_logprob=True, top_logprobs_num=20)
+MIXED = LogprobParams(return_logprob=True, top_logprobs_num=5, token_ids_logprob=(7, 3))
+PROMPT_LEN = 12
+
+
+class OpCounter(TorchDispatchMode):
+    """Counts aten calls by name, and apart those that launch work: all but calls returning a view of
+    an input (a view op, or `to`/`reshape`/`contiguous` finding nothing to do)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: Counter[str] = Counter()
+        self.kernels: Counter[str] = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self.ops[func.name()] += 1
+        if not _is_view(func, args, out):
+            self.kernels[func.name()] += 1
+        return out
+
+    @property
+    def num_ops(self) -> int:
+        return sum(self.ops.values())
+
+    @property
+    def num_kernels(self) -> int:
+        return sum(self.kernels.values())
+
+
+def _is_view(func, args, out) -> bool:
+    if not _returns_alias(func):
+        return False
+    inputs = {a.untyped_storage().data_ptr() for a in args if isinstance(a, torch.Tensor)}
+    outs = out if isinstance(out, (tuple, list)) else [out]
+    return all(o.untyped_storage().data_ptr() in inputs for o in outs if isinstance(o, torch.Tensor))
+
+
+@functools.cache
+def _returns_alias(func) -> bool:
+    returns = func._schema.returns
+    return bool(returns) and all(r.alias_info is not None and not r.alias_info.is_write for r in returns)
+
+
+def _requests(batch: int, logprobs: str, vocab: int) -> list[SchedulerRequest]:
+    prompts = np.random.default_rng(batch).integers(0, vocab, size=(batch, PROMPT_LEN), dtype=np.int32)
+    sampling = SamplingParams(max_new_tokens=64, temperature=0.0, ignore_eos=True)
+    kinds = {"none": (LogprobParams(),), "top20": (TOP20,), "mixed": (MIXED, LogprobParams())}[logprobs]
+    return [SchedulerRequest(f"r{i}", p, "d", sampling, kinds[i % len(kinds)]) for i, p in enumerate(prompts)]
+
+
+def _core(runner, kind: str, logprobs_mode: str, accept_len: int) -> SchedulerCore:
+    if kind == "plain":
+        return SchedulerCore(runner, max_running_requests=128, chunked_prefill_size=4096, logprobs_mode=logprobs_mode)
+    from ops.bench.gpu_core_check import SimulatedAcceptWorker
+    from services.scheduler.spec.dspark import DSparkProposer
+    from services.scheduler.spec.dspark_config import draft_config_for_target
+    from services.scheduler.spec.dspark_loader import empty_drafter, fill_random_weights
+
+    config = draft_config_for_target(runner.config, num_draft_layers=1, mask_token_id=5, block_size=7, markov_rank=8)
+    drafter = empty_drafter(config, runner.model.model.embed_tokens, runner.lm_head_weight)
+    fill_random_weights(drafter, seed=3)
+    proposer = DSparkProposer(drafter.eval(), runner.num_blocks, runner.block_size)
+    return SchedulerCore(runner, max_running_requests=128, chunked_prefill_size=4096, logprobs_mode=logprobs_mode,
+                         proposer=proposer, make_worker=functools.partial(SimulatedAcceptWorker, accept_len))  # fmt: skip
+
+
+def count_step(runner, kind: str, batch: int, logprobs: str, logprobs_mode: str = "raw", accept_len: int = 4) -> dict:
+    """Ops of one decode (or verify) step after prefill and two warm steps; the fastest CPU time of five."""
+    core = _core(runner, kind, logprobs_mode, accept_len)
+    for r in _requests(batch, logprobs, runner.config.vocab_size):
+        core.add(r)
+    for _ in range(3):
+        core.step()
+    with OpCounter() as counter:
+        core.step()
+    times = []
+    for _ in range(5):
+        start = time.perf_counter()
+        core.step()
+        times.append(time.perf_counter() - start)
+    return {"ops": counter.num_ops, "kernels": counter.num_kernels, "cpu_ms": 1e3 * min(times),
+            "by_op": dict(counter.ops.most_common()), "kernels_by_op": dict(counter.kernels.most_common())}  # fmt: skip
+
+
+def run(out: Path, batches=(1, 64)) -> dict:
+    torch.manual_seed(0)
+    runner = load_model_runner(RANDOM_TINY_MODEL, device="cpu", dtype=torch.float32, num_kv_blocks=1024, kv_block_size=16)
+    rows = []
+    for kind in ("plain", "dspark"):
+        for batch in batches:
+            base = count_step(runner, kind, batch, "none")
+            for logprobs, mode in (("top20", "raw"), ("top20", "processed"), ("mixed", "raw")):
+                row = count_step(runner, kind, batch, logprobs, mode)
+                rows.append({"step": kind, "batch": batch, "logprobs": logprobs, "mode": mode,
+                             "ops": row["ops"], "kernels": row["kernels"],
+                             "added_ops": row["ops"] - base["ops"], "added_kernels": row["kernels"] - base["kernels"],
+                             "cpu_ms": row["cpu_ms"], "cpu_ms_without": base["cpu_ms"],
+                             "added_by_op": _difference(row["by_op"], base["by_op"]),
+                             "added_kernels_by_op": _difference(row["kernels_by_op"], base["kernels_by_op"])})  # fmt: skip
+    result = {"model": RANDOM_TINY_MODEL.name, "torch": torch.__version__, "rows": rows}
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2))
+    print(table(rows))
+    return result
+
+
+def _difference(with_lp: dict[str, int], without: dict[str, int]) -> dict[str, int]:
+    names = sorted(set(with_lp) | set(without), key=lambda n: -(with_lp.get(n, 0) - without.get(n, 0)))
+    return {n: with_lp.get(n, 0) - without.get(n, 0) for n in names if with_lp.get(n, 0) != without.get(n, 0)}
+
+
+def table(rows: list[dict]) -> str:
+    lines = ["| step | batch | logprobs | mode | ops (added) | kernels (added) | CPU ms/step (without) |"]
+    lines.append("|---|---|---|---|---|---|---|")
+    for r in rows:
+        lines.append(f"| {r['step']} | {r['batch']} | {r['logprobs']} | {r['mode']} | {r['ops']} ({r['added_ops']:+d}) | "
+                     f"{r['kernels']} ({r['added_kernels']:+d}) | {r['cpu_ms']:.2f} ({r['cpu_ms_without']:.2f}) |")  # fmt: skip
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batches", nargs="*", type=int, default=[1, 64])
+    parser.add_argument("--out", type=Path, default=RESULTS / "logprob_ops.json")
+    args = parser.parse_args(argv)
+    run(args.out, tuple(args.batches))
+
+
+if __name__ == "__main__":
+    main()
