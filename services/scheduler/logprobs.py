@@ -1,12 +1,16 @@
 """Logprobs of chosen rows: the target token's, the top-k, and those of requested token ids.
 
-Rows from many requests are computed together in row chunks, so a 32k-token prompt with top-20
-never holds a [32k, V] fp32 tensor at once; each request then takes its own slice (its k and its
-requested ids). Top-k rows are sorted by logprob descending, ties by the smaller token id.
-`raw` mode is log_softmax of the model's logits. `processed` is the distribution the sampler
-draws from: logits over the request's temperature (0 counts as 1), then its top-k, top-p and min-p
-filters, renormalised; a filtered-out token gets `FILTERED_LOGPROB` (JSON has no -inf; vLLM uses
-the same floor).
+Rows from many requests are computed together, in one pass over all of a step's rows (in row
+chunks, so a 32k-token prompt with top-20 never holds a [32k, V] fp32 tensor at once); each request
+then takes its own slice (its k and its requested ids) on the host. Top-k rows are sorted by logprob
+descending, ties by the smaller token id. `raw` mode is log_softmax of the model's logits.
+`processed` is the distribution the sampler draws from: logits over the request's temperature (0
+counts as 1), then its top-k, top-p and min-p filters, renormalised; a filtered-out token gets
+`FILTERED_LOGPROB` (JSON has no -inf; vLLM uses the same floor).
+
+Every per-row input (row indices, targets, requested ids, processed-mode parameters) comes from the
+host arrays of `logprob_inputs`, which ride in the step's one upload: the device work is a fixed
+handful of ops per chunk, whatever the number of requests, their k and their ids.
 """
 
 from __future__ import annotations
@@ -19,9 +23,10 @@ import torch
 
 from contracts.scheduler import SamplingParams
 from services.scheduler.request import RowLogprobs
-from services.scheduler.sampler import filtered_out, unfiltered
+from services.scheduler.sampler import filter_arrays, filtered_out, unfiltered
 
-CHUNK_BYTES = 256 * 1024 * 1024  # fp32 logits held at once per chunk, at most (and 1024 rows)
+CHUNK_BYTES = 512 * 1024 * 1024  # a chunk's fp32 logprobs, at most (and 1024 rows); with its logits and the
+# top-k's int32 keys and masks, a chunk holds ~4x this (the int64 temporaries of the first top-k held ~8x)
 MAX_CHUNK_ROWS = 1024
 FILTERED_LOGPROB = -9999.0  # processed mode: tokens the request's sampling filters remove
 
@@ -37,22 +42,35 @@ class LogprobQuery:
     sampling: SamplingParams = SamplingParams()  # used in processed mode only
 
 
-def top_k_sorted(logprobs: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """[n, V] -> values f32 [n, k], ids int64 [n, k]: descending, ties by the smaller id. No host sync."""
-    n, vocab = logprobs.shape
-    if k == 0 or n == 0:
-        return logprobs.new_empty(n, k), torch.empty(n, k, dtype=torch.int64, device=logprobs.device)
+@dataclass(frozen=True)
+class TopKKeys:
+    """int32 [V] per token id, built once per vocabulary and device (`top_k_sorted` reads them): keys
+    that make one top-k over a row pick that row's top-k set, ids ascending in each of two groups."""
+
+    above: torch.Tensor  # 2^30 - id: for logprobs above the row's k-th largest (all in the set)
+    tied: torch.Tensor  # -id: for logprobs equal to it (the smallest ids fill the set), below every `above`
+
+    @classmethod
+    def build(cls, vocab_size: int, device: torch.device | str) -> TopKKeys:
+        ids = torch.arange(vocab_size, dtype=torch.int32, device=device)
+        return cls(above=(1 << 30) - ids, tied=-ids)
+
+
+BELOW_KTH = torch.iinfo(torch.int32).min  # the key of logprobs below the k-th largest: never chosen
+
+
+def top_k_sorted(logprobs: torch.Tensor, k: int, keys: TopKKeys) -> tuple[torch.Tensor, torch.Tensor]:
+    """[n, V] -> values f32 [n, k], ids int32 [n, k]: descending, ties by the smaller id. No host sync.
+
+    torch.topk may take any of several tied ids; the second top-k, over unique keys, takes every id
+    above the k-th value and then the smallest ids equal to it, so exactly k per row (NaN rows: any k).
+    """
     kth = logprobs.topk(k, dim=-1).values[:, -1:]  # [n, 1]
-    above = logprobs > kth  # [n, V]
-    tied = logprobs == kth  # [n, V]
-    room = k - above.sum(dim=-1, keepdim=True)  # [n, 1]: how many tied ids fit, lowest ids first
-    chosen = above | (tied & (tied.cumsum(dim=-1) <= room))  # exactly k per row (NaN rows: none)
-    # The chosen ids in ascending order, without nonzero() (a host sync): smaller ids get larger keys.
-    key = chosen.long() * (vocab - torch.arange(vocab, device=logprobs.device))  # [n, V]
-    ids = key.topk(k, dim=-1).indices.sort(dim=-1).values  # [n, k]
-    values = logprobs.gather(1, ids)
-    order = values.sort(dim=-1, descending=True, stable=True).indices  # stable keeps id order on ties
-    return values.gather(1, order), ids.gather(1, order)
+    key = torch.where(logprobs == kth, keys.tied, BELOW_KTH)  # [n, V]
+    key = torch.where(logprobs > kth, keys.above, key)
+    ids = key.topk(k, dim=-1).indices  # [n, k]: the ids above kth by id, then those tied with it by id
+    values, order = logprobs.gather(1, ids).sort(dim=-1, descending=True, stable=True)  # stable: ties keep id order
+    return values, ids.gather(1, order).to(torch.int32)
 
 
 def compute_logprobs(
@@ -62,23 +80,36 @@ def compute_logprobs(
     vocab_size: int,
     processed: bool,
 ) -> list[RowLogprobs]:
-    """`source` is hidden states [N, H] (then `to_logits` maps rows to f32 logits) or logits [N, V]."""
-    inputs = {name: torch.from_numpy(a).to(source.device) for name, a in logprob_inputs(queries).items()}
-    on_device = logprobs_on_device(queries, inputs, source, to_logits, vocab_size, processed)
+    """`source` is hidden states [N, H] (then `to_logits` maps rows to f32 logits) or f32 logits [N, V]."""
+    inputs = {name: torch.from_numpy(a).to(source.device) for name, a in logprob_inputs(queries, processed).items()}
+    keys = TopKKeys.build(vocab_size, source.device)
+    on_device = logprobs_on_device(queries, inputs, source, to_logits, keys, processed)
     host = [t.cpu().numpy() for t in on_device.columns()] if on_device is not None else None
     return split_logprobs(queries, host)
 
 
-def logprob_inputs(queries: list[LogprobQuery]) -> dict[str, np.ndarray]:
-    """The host arrays `logprobs_on_device` reads (the worker sends them in the step's one upload):
-    rows int64 [n], requested ids int64 [n, max_m] (-1 = not asked), targets int64 [n] when every
-    query's targets are on the host."""
+def logprob_inputs(
+    queries: list[LogprobQuery], processed: bool = False, num_source_rows: int | None = None
+) -> dict[str, np.ndarray]:
+    """The host arrays `logprobs_on_device` reads (the worker sends them in the step's one upload), per row:
+
+    - rows int64 [n]; left out when they are exactly rows 0..N-1 of a source of N = `num_source_rows`;
+    - targets int64 [n], when every query's targets are on the host;
+    - ids int64 [n, max_m], the requested ids padded with 0 (never read back); left out when none are asked;
+    - processed mode only: temperature f32 [n] (left out when every row's is 1), and top_k int64,
+      top_p f32, min_p f32 [n] (`sampler.filter_arrays`; left out when no row filters).
+    """
     rows = np.concatenate([q.rows for q in queries]).astype(np.int64) if queries else np.zeros(0, np.int64)
     if rows.size == 0:
         return {}
-    inputs = {"rows": rows, "ids": _padded_ids(queries)}
+    counts = [len(q.rows) for q in queries]
+    inputs = {} if _are_all_rows(rows, num_source_rows) else {"rows": rows}
     if all(q.targets is not None for q in queries):
         inputs["targets"] = np.concatenate([q.targets for q in queries]).astype(np.int64)
+    if any(q.token_ids for q in queries):
+        inputs["ids"] = np.repeat(_padded_ids(queries), counts, axis=0)  # [n, max_m]
+    if processed:
+        inputs |= {name: np.repeat(a, counts) for name, a in _processed_inputs(queries).items()}
     return inputs
 
 
@@ -87,29 +118,34 @@ def logprobs_on_device(
     inputs: dict[str, torch.Tensor],
     source: torch.Tensor,
     to_logits: Callable[[torch.Tensor], torch.Tensor] | None,
-    vocab_size: int,
+    keys: TopKKeys,
     processed: bool,
-    targets: torch.Tensor | None = None,
+    sampled: torch.Tensor | None = None,
 ) -> RowLogprobs[torch.Tensor] | None:
     """Every query's rows, concatenated (k padded to the largest: [n, max_k], ids to [n, max_m]), still on
     the device; computed in chunks, so a 32k-row prompt never holds [32k, V] logits. None if no rows.
 
-    inputs: `logprob_inputs(queries)` on the device. targets: int64 [n] on the device, for queries
-    whose targets were sampled this step (their `targets` is None).
+    inputs: `logprob_inputs(queries, processed, ...)` on the device (in processed mode, with the sampling
+    parameters). sampled: int64 [N], one per row of `source`, the token sampled from it this step, for
+    queries whose `targets` are None.
     """
-    if not inputs:
+    if not queries or sum(len(q.rows) for q in queries) == 0:
         return None
-    targets = inputs["targets"] if targets is None else targets
-    sampling = [q.sampling if processed else None for q in queries for _ in range(len(q.rows))]  # [n]
-    max_k = max(q.top_k for q in queries)
-    ids, row_index = inputs["ids"], inputs["rows"]
-    num_rows = row_index.shape[0]
-    chunk_rows = max(1, min(MAX_CHUNK_ROWS, CHUNK_BYTES // (4 * vocab_size)))
+    rows = inputs.get("rows")
+    targets = inputs["targets"] if sampled is None else (sampled if rows is None else sampled[rows])  # [n]
+    num_rows, vocab = targets.shape[0], keys.tied.shape[0]
+    chunk_rows = max(1, min(MAX_CHUNK_ROWS, CHUNK_BYTES // (4 * vocab)))
+    k = min(max(q.top_k for q in queries), vocab)
     parts = []
     for start in range(0, num_rows, chunk_rows):
-        end = min(start + chunk_rows, num_rows)
-        rows_logprobs = _RowsLogprobs(source, to_logits, sampling[start:end])
-        parts.append(rows_logprobs.gather(row_index[start:end], targets[start:end], max_k, ids[start:end]))
+        chunk = slice(start, min(start + chunk_rows, num_rows))
+        picked = source[chunk] if rows is None else source[rows[chunk]]
+        logits = to_logits(picked) if to_logits is not None else picked  # f32 [c, V]
+        sampling = {name: t[chunk] for name, t in inputs.items() if name in _SAMPLING} if processed else None
+        logprobs = _log_distribution(logits, sampling)
+        parts.append(_gather(logprobs, targets[chunk], k, inputs["ids"][chunk] if "ids" in inputs else None, keys))
+    if len(parts) == 1:
+        return RowLogprobs(*parts[0])
     return RowLogprobs(*(torch.cat(column) for column in zip(*parts, strict=True)))
 
 
@@ -120,44 +156,51 @@ def split_logprobs(queries: list[LogprobQuery], host: list[np.ndarray] | None) -
     return _split(queries, *host)
 
 
-@dataclass(frozen=True)
-class _RowsLogprobs:
-    """One chunk of rows: their logits, the (raw or processed) log-distribution, the gathers."""
+_SAMPLING = ("temperature", "top_k", "top_p", "min_p")  # processed mode's inputs, each present when it changes something
 
-    source: torch.Tensor
-    to_logits: Callable[[torch.Tensor], torch.Tensor] | None
-    sampling: list[SamplingParams | None]  # [c]; None = raw
 
-    def gather(
-        self, rows: torch.Tensor, targets: torch.Tensor, max_k: int, ids: torch.Tensor
-    ) -> tuple[torch.Tensor, ...]:
-        picked = self.source[rows]
-        logits = self.to_logits(picked) if self.to_logits is not None else picked.float()  # [c, V]
-        logprobs = self._log_distribution(logits.float())  # [c, V]
-        token = logprobs.gather(1, targets[:, None].long().clamp_min(0))[:, 0]  # [c]
-        top_values, top_ids = top_k_sorted(logprobs, min(max_k, logprobs.shape[1]))
-        ids_lp = logprobs.gather(1, ids.clamp_min(0))  # [c, max_m]
-        return token, top_values, top_ids.to(torch.int32), ids_lp
+def _gather(logprobs: torch.Tensor, targets: torch.Tensor, k: int, ids: torch.Tensor | None, keys: TopKKeys):
+    """logprobs f32 [c, V] -> the columns of `RowLogprobs`: token [c], top-k [c, k] twice, ids [c, m]."""
+    token = logprobs.gather(1, targets[:, None])[:, 0]  # [c]
+    if k > 0:
+        top_values, top_ids = top_k_sorted(logprobs, k, keys)
+    else:
+        top_values, top_ids = logprobs[:, :0], torch.empty(logprobs.shape[0], 0, dtype=torch.int32, device=logprobs.device)
+    ids_lp = logprobs.gather(1, ids) if ids is not None else logprobs[:, :0]  # [c, max_m]
+    return token, top_values, top_ids, ids_lp
 
-    def _log_distribution(self, logits: torch.Tensor) -> torch.Tensor:
-        if all(params is None for params in self.sampling):
-            return torch.log_softmax(logits, dim=-1)
-        params = [p or SamplingParams(temperature=1.0) for p in self.sampling]
-        temps = torch.tensor([p.temperature if p.temperature > 0 else 1.0 for p in params], device=logits.device)
-        logits = logits / temps[:, None]  # [c, V]
-        if not all(unfiltered(p) for p in params):
-            logits = logits.masked_fill(filtered_out(torch.softmax(logits, dim=-1), params), float("-inf"))
-        return torch.log_softmax(logits, dim=-1).clamp_min(FILTERED_LOGPROB)
+
+def _log_distribution(logits: torch.Tensor, sampling: dict[str, torch.Tensor] | None) -> torch.Tensor:
+    """Raw (`sampling` None) or processed log-probabilities of f32 logits [c, V]."""
+    if sampling is None:
+        return torch.log_softmax(logits, dim=-1)
+    if "temperature" in sampling:
+        logits = logits / sampling["temperature"][:, None]  # [c, V]
+    if "top_k" in sampling:
+        removed = filtered_out(torch.softmax(logits, dim=-1), sampling["top_k"], sampling["top_p"], sampling["min_p"])
+        logits = logits.masked_fill(removed, float("-inf"))
+    return torch.log_softmax(logits, dim=-1).clamp_min(FILTERED_LOGPROB)
+
+
+def _are_all_rows(rows: np.ndarray, num_source_rows: int | None) -> bool:
+    return rows.size == num_source_rows and bool((rows == np.arange(rows.size)).all())
 
 
 def _padded_ids(queries: list[LogprobQuery]) -> np.ndarray:
-    width = max(len(q.token_ids) for q in queries)
-    blocks = []
-    for q in queries:
-        block = np.full((len(q.rows), width), -1, np.int64)  # [n_q, max_m], -1 = not asked
-        block[:, : len(q.token_ids)] = np.asarray(q.token_ids, np.int64)
-        blocks.append(block)
-    return np.concatenate(blocks)
+    """int64 [num_queries, max_m]: each query's requested ids, padded with 0."""
+    ids = np.zeros((len(queries), max(len(q.token_ids) for q in queries)), np.int64)
+    for index, q in enumerate(queries):
+        ids[index, : len(q.token_ids)] = q.token_ids
+    return ids
+
+
+def _processed_inputs(queries: list[LogprobQuery]) -> dict[str, np.ndarray]:
+    """Per query: the temperature (0 counts as 1) and the filters, each left out when it changes nothing."""
+    temperatures = np.asarray([q.sampling.temperature if q.sampling.temperature > 0 else 1.0 for q in queries], np.float32)
+    inputs = {} if (temperatures == 1.0).all() else {"temperature": temperatures}
+    if not all(unfiltered(q.sampling) for q in queries):
+        inputs |= filter_arrays([q.sampling for q in queries])
+    return inputs
 
 
 def _split(queries, token, top_values, top_ids, ids_lp) -> list[RowLogprobs]:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from contracts.scheduler import SamplingParams
@@ -67,7 +68,8 @@ def sampling_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.
     probs = torch.softmax(logits / temps[:, None], dim=-1)  # [B, V]
     if all(unfiltered(p) for p in params):
         return probs
-    return probs.masked_fill(filtered_out(probs, params), 0.0)
+    filters = {name: torch.from_numpy(a).to(device) for name, a in filter_arrays(params).items()}
+    return probs.masked_fill(filtered_out(probs, **filters), 0.0)
 
 
 def draw_noise(
@@ -96,24 +98,29 @@ def _generator(key: int, device: torch.device) -> torch.Generator:
     return generator
 
 
-def filtered_out(probs: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+TOP_K_OFF = np.iinfo(np.int64).max  # keeps every rank
+
+
+def filter_arrays(params: list[SamplingParams]) -> dict[str, np.ndarray]:
+    """Per row, what `filtered_out` reads: top_k int64 [B] (TOP_K_OFF: off), top_p f32 [B], min_p f32 [B]."""
+    return {
+        "top_k": np.asarray([p.top_k if p.top_k > 0 else TOP_K_OFF for p in params], np.int64),
+        "top_p": np.asarray([p.top_p for p in params], np.float32),
+        "min_p": np.asarray([p.min_p for p in params], np.float32),
+    }
+
+
+def filtered_out(probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     """probs f32 [B, V] (after temperature) -> bool [B, V]: the tokens each row's top-k, top-p
-    and min-p remove. The token whose cumulative mass crosses top_p is kept; ties keep the lower id."""
-    device, vocab = probs.device, probs.shape[1]
-    top_k = torch.tensor([_top_k(p, vocab) for p in params], device=device)  # [B]
-    top_p = torch.tensor([p.top_p for p in params], device=device)  # [B]
-    min_p = torch.tensor([p.min_p for p in params], device=device)  # [B]
+    and min-p (`filter_arrays`) remove. The token whose cumulative mass crosses top_p is kept; ties keep the lower id."""
+    vocab = probs.shape[1]
     sorted_p, order = probs.sort(dim=-1, descending=True, stable=True)  # [B, V]
-    ranks = torch.arange(vocab, device=device)  # [V]
+    ranks = torch.arange(vocab, device=probs.device)  # [V]
     mass_before = sorted_p.cumsum(dim=-1) - sorted_p  # [B, V]
     drop = ranks[None, :] >= top_k[:, None]
     drop |= mass_before > top_p[:, None]
     drop |= sorted_p < min_p[:, None] * sorted_p[:, :1]
     return torch.zeros_like(drop).scatter_(1, order, drop)
-
-
-def _top_k(params: SamplingParams, vocab: int) -> int:
-    return vocab if params.top_k <= 0 else min(params.top_k, vocab)
 
 
 def unfiltered(params: SamplingParams) -> bool:

@@ -26,7 +26,7 @@ import torch
 
 from services.scheduler.host_io import HostReadback, HostUpload
 from services.scheduler.logits_processing import is_identity, process_logits, verify_row_contexts
-from services.scheduler.logprobs import LogprobQuery, logprob_inputs, logprobs_on_device, split_logprobs
+from services.scheduler.logprobs import LogprobQuery, TopKKeys, logprob_inputs, logprobs_on_device, split_logprobs
 from services.scheduler.model.batch import ForwardBatch
 from services.scheduler.policy import SeqResult, SeqStep, StepPlan
 from services.scheduler.request import RowLogprobs
@@ -59,6 +59,7 @@ class ModelWorker:
         self.proposer = proposer
         self.vocab_size = runner.config.vocab_size
         self._processed = logprobs_mode == "processed"
+        self._top_k_keys = TopKKeys.build(self.vocab_size, runner.device)
         self._upload = HostUpload(runner.device)
         self._readback = HostReadback()
         self._draft_probs: dict[str, torch.Tensor] = {}  # rid -> q [gamma, V] of its pending block
@@ -230,24 +231,24 @@ class ModelWorker:
         prompt = [(i, self._prompt_query(plan.steps[i], layout.row_start[i])) for i in range(len(plan.steps))]
         width = layout.max_draft + 1
         output = [
-            (p, i, self._query(plan.steps[i], np.arange(p * width, (p + 1) * width, dtype=np.int64), None))
+            (i, self._query(plan.steps[i], np.arange(p * width, (p + 1) * width, dtype=np.int64), None))
             for p, i in enumerate(layout.producers)
             if plan.steps[i].seq.wants_logprobs
         ]
-        return _LogprobQueries([(i, q) for i, q in prompt if q is not None], output)
+        prompt = [(i, q) for i, q in prompt if q is not None]
+        return _LogprobQueries(prompt, output, len(layout.producers) * width, self._processed)
 
     def _logprobs(self, wanted: _LogprobQueries, arrays, hidden: torch.Tensor, verified: _Verified | None):
         prompt = [q for _, q in wanted.prompt]
         prompt_lp = logprobs_on_device(prompt, _section(arrays, PROMPT_LP), hidden, self.runner.compute_logits,
-                                       self.vocab_size, self._processed)  # fmt: skip
+                                       self._top_k_keys, self._processed)  # fmt: skip
         output_lp = None
         if wanted.output and verified is not None:
             logits = verified.logits.view(-1, verified.logits.shape[-1])  # [P * (K + 1), V]
-            targets = torch.cat([verified.tokens[p] for p, _, _ in wanted.output])  # sampled this step
-            output_lp = logprobs_on_device([q for _, _, q in wanted.output], _section(arrays, OUTPUT_LP), logits,
-                                           None, self.vocab_size, self._processed, targets)  # fmt: skip
-        output = [(i, q) for _, i, q in wanted.output]
-        return _LogprobJobs(wanted.prompt, prompt_lp, output, output_lp)
+            sampled = verified.tokens.reshape(-1)  # [P * (K + 1)]: each logits row's token, sampled this step
+            output_lp = logprobs_on_device([q for _, q in wanted.output], _section(arrays, OUTPUT_LP), logits,
+                                           None, self._top_k_keys, self._processed, sampled)  # fmt: skip
+        return _LogprobJobs(wanted.prompt, prompt_lp, wanted.output, output_lp)
 
     def _prompt_query(self, step: SeqStep, row_start: int) -> LogprobQuery | None:
         seq, lo, hi = step.seq, step.prompt_lo, step.prompt_hi
@@ -304,11 +305,13 @@ PROMPT_LP, OUTPUT_LP = "prompt_logprobs.", "output_logprobs."  # their inputs' n
 @dataclass(frozen=True)
 class _LogprobQueries:
     prompt: list[tuple[int, LogprobQuery]]  # (step index, query)
-    output: list[tuple[int, int, LogprobQuery]]  # (producer index, step index, query: targets sampled)
+    output: list[tuple[int, LogprobQuery]]  # (step index, query: rows of the verified logits, targets sampled)
+    num_verify_rows: int  # P * (K + 1): the rows of the verified logits that output queries index
+    processed: bool
 
     def inputs(self) -> dict[str, np.ndarray]:
-        prompt = logprob_inputs([q for _, q in self.prompt])
-        output = logprob_inputs([q for _, _, q in self.output])
+        prompt = logprob_inputs([q for _, q in self.prompt], self.processed)
+        output = logprob_inputs([q for _, q in self.output], self.processed, self.num_verify_rows)
         return {PROMPT_LP + k: v for k, v in prompt.items()} | {OUTPUT_LP + k: v for k, v in output.items()}
 
 

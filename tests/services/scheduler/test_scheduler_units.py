@@ -12,7 +12,7 @@ from contracts.detokenizer import Finish, FinishType, TokenBatch
 from contracts.scheduler import SamplingParams
 from services.scheduler.block_manager import BlockManager
 from services.scheduler.config import SchedulerConfig
-from services.scheduler.logprobs import LogprobQuery, compute_logprobs, top_k_sorted
+from services.scheduler.logprobs import LogprobQuery, TopKKeys, compute_logprobs, top_k_sorted
 from services.scheduler.request import LogprobEntries, RequestOutput
 from services.scheduler.sampler import Sampler, SampleRow
 from services.scheduler.wire import to_token_batches
@@ -79,9 +79,23 @@ def test_sampling_follows_the_distribution():
 
 def test_top_k_sorted_breaks_ties_by_smaller_id():
     logprobs = torch.tensor([[-1.0, -0.5, -1.0, -0.5, -3.0, -1.0]])
-    values, ids = top_k_sorted(logprobs, 4)
+    values, ids = top_k_sorted(logprobs, 4, TopKKeys.build(6, "cpu"))
     assert ids.tolist() == [[1, 3, 0, 2]]
     assert values.tolist() == [[-0.5, -0.5, -1.0, -1.0]]
+
+
+@pytest.mark.parametrize("k", [1, 3, 20, 64])
+def test_top_k_sorted_equals_a_full_stable_sort_under_heavy_ties(k):
+    """Few distinct values (bf16 logits upcast tie this often): the set and order of a full sort by
+    (value descending, id ascending), for ties inside the top k and across its boundary."""
+    logprobs = torch.randint(-6, 0, (50, 64), generator=torch.Generator().manual_seed(k)).float() / 4  # [n, V]
+    logprobs[0] = -1.0  # one row all tied
+    values, ids = top_k_sorted(logprobs, k, TopKKeys.build(64, "cpu"))
+    rows = logprobs.numpy()
+    want = np.stack([np.lexsort((np.arange(64), -row))[:k] for row in rows])  # [n, k]
+    np.testing.assert_array_equal(ids.numpy(), want)
+    np.testing.assert_array_equal(values.numpy(), np.take_along_axis(rows, want, 1))
+    assert ids.dtype == torch.int32
 
 
 def test_compute_logprobs_chunks_rows_and_slices_per_request(monkeypatch):
@@ -207,3 +221,12 @@ def test_processed_top_p_keeps_the_token_that_crosses_the_mass():
     (result,) = compute_logprobs([query], logits, None, 4, processed=True)
     np.testing.assert_allclose(np.exp(result.top_values[0, :2]), [0.5 / 0.8, 0.3 / 0.8], atol=1e-6)
     assert result.token[0] < -1000  # token 2 is outside the top-p set
+
+
+def test_processed_mode_floors_logprobs_even_when_sampling_changes_nothing():
+    logits = torch.tensor([[0.0, -20000.0, -1.0]])
+    query = LogprobQuery(np.array([0]), np.array([1]), top_k=3, token_ids=(1,))  # temperature 1, no filters
+    (processed,) = compute_logprobs([query], logits, None, 3, processed=True)
+    (raw,) = compute_logprobs([query], logits, None, 3, processed=False)
+    assert processed.token[0] == processed.ids[0, 0] == processed.top_values[0, -1] == -9999.0
+    assert raw.token[0] < -19000

@@ -186,7 +186,8 @@ def test_one_host_to_device_upload_per_step_with_prompt_and_output_logprobs(make
             sends.clear()
             core.step()
             assert len(sends) == 1, sends
-            assert ("prompt_logprobs.rows" in sends[0]) == (step == 0) and "output_logprobs.rows" in sends[0]
+            assert ("prompt_logprobs.rows" in sends[0]) == (step == 0) and "output_logprobs.ids" in sends[0]
+            assert "output_logprobs.rows" not in sends[0]  # every producer asks: its rows are all verify rows
 
 
 def _count_reads(monkeypatch) -> dict[str, int]:
