@@ -58,7 +58,9 @@ class HostReadback:
         self._kinds.append((tensor.dtype, tuple(tensor.shape)))
         if tensor.dtype == torch.float32:
             tensor = tensor.contiguous().view(torch.int32)
-        self._parts.append(tensor.reshape(-1).to(torch.int32))
+        elif tensor.dtype != torch.int32:
+            tensor = tensor.to(torch.int32)
+        self._parts.append(tensor.reshape(-1))
         return len(self._parts) - 1
 
     def fetch(self) -> list[np.ndarray]:
