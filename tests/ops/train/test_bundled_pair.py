@@ -57,8 +57,8 @@ def test_the_drafter_speeds_up_greedy_decoding_of_unseen_code(tokenizer):
     sources = [tokenizer.encode(path.read_text()).ids for path in sorted((REPO / "services" / "scheduler").glob("*.py"))]
     prompts = [ids[:48] for ids in sources if len(ids) >= 48][:4]
     figures = accept_lengths(BUNDLED_MODEL, BUNDLED_DRAFT_MODEL, prompts, torch.device("cpu"), new_tokens=32)
-    assert figures["temperature_0"]["mean_accept_length"] > 1.6, figures  # measured 2.0; no drafter: 1.0
-    assert figures["temperature_1"]["mean_accept_length"] > 1.2, figures
+    assert figures["temperature_0"]["mean_accept_length"] > 2.2, figures  # measured 2.82 (1-layer drafter: 2.0); none: 1.0
+    assert figures["temperature_1"]["mean_accept_length"] > 1.6, figures  # measured 2.25
 
 
 def test_the_pair_is_described_by_its_configs():
