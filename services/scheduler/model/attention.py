@@ -240,14 +240,19 @@ def varlen_attention_torch(
     scale: float,
 ) -> torch.Tensor:
     """The varlen kernel's reference. Query token i of sequence b (q_len = query_start_loc[b + 1] -
-    query_start_loc[b]) sits at position seq_lens[b] - q_len + i and sees keys 0 .. that position."""
+    query_start_loc[b]) sits at position seq_lens[b] - q_len + i and sees keys 0 .. that position.
+    As in the kernel, sequences may be empty (q_len 0: padding) and tokens past query_start_loc[-1]
+    belong to none (padding): the kernel stores nothing for them, the twin zeros (no host sync)."""
     num_tokens = query.shape[0]
     starts = query_start_loc.long()  # [B + 1]
     query_lens = starts.diff()  # [B]
-    token_seq = torch.repeat_interleave(torch.arange(len(query_lens), device=query.device), query_lens, output_size=num_tokens)
-    index = torch.arange(num_tokens, device=query.device) - starts[token_seq]  # [T], query index in its sequence
-    visible = seq_lens.long()[token_seq] - query_lens[token_seq] + index + 1  # [T]
-    return attend_visible_keys(query, key_cache, value_cache, token_seq, visible, block_tables, scale)
+    tokens = torch.arange(num_tokens, device=query.device)  # [T]
+    covered = tokens < starts[-1]  # [T]
+    token_seq = (torch.searchsorted(starts[1:], tokens, right=True)).clamp_max(len(query_lens) - 1)  # [T]
+    index = tokens - starts[token_seq]  # [T], query index in its sequence
+    visible = torch.where(covered, seq_lens.long()[token_seq] - query_lens[token_seq] + index + 1, 1)  # [T]
+    out = attend_visible_keys(query, key_cache, value_cache, token_seq, visible, block_tables, scale)
+    return out.masked_fill(~covered[:, None, None], 0.0)
 
 
 def paged_decode_attention_torch(

@@ -5,8 +5,10 @@ paged KV cache those blocks index into. Steps where every sequence has the same 
 tokens (decode, q = 1; speculative verify, q = k + 1) take the sync-free `DecodePlan` path: on
 CUDA the Triton paged kernel, replayed from a CUDA graph keyed by (batch rung, q) once
 `prepare_decode_graphs` has captured them. Ragged steps (prefill chunks, mixed batches, `compact`
-verify blocks of per-request lengths) run eagerly: on CUDA through the Triton varlen kernel over a
-host-built tile map (`VarlenPlan`), elsewhere through the ragged SDPA groups.
+verify blocks of per-request lengths) run on CUDA through the Triton varlen kernel over a
+host-built tile map (`VarlenPlan`), elsewhere through the ragged SDPA groups; once
+`prepare_ragged_graphs` has been called, those within its ladders are padded to a (sequence rung,
+token rung, block_m) key and replayed from CUDA graphs captured on first use (`ragged_graphs.py`).
 """
 
 from __future__ import annotations
@@ -21,6 +23,12 @@ from services.scheduler.model.config import ModelConfig
 from services.scheduler.model.graphs import DEFAULT_LADDER, DecodeGraphRunner, uniform_query_len
 from services.scheduler.model.kv_cache import PagedKVCache
 from services.scheduler.model.llama import CausalLM
+from services.scheduler.model.ragged_graphs import (
+    DEFAULT_MAX_GRAPHS,
+    DEFAULT_SEQ_LADDER,
+    DEFAULT_TOKEN_LADDER,
+    RaggedGraphRunner,
+)
 
 
 def triton_available() -> bool:
@@ -43,6 +51,7 @@ class ModelRunner:
         self.decode_kernel = on_cuda_with_triton if decode_kernel is None else decode_kernel
         self.ragged_kernel = on_cuda_with_triton if ragged_kernel is None else ragged_kernel
         self.decode_graphs: DecodeGraphRunner | None = None
+        self.ragged_graphs: RaggedGraphRunner | None = None
 
     def prepare_decode_graphs(
         self,
@@ -67,6 +76,33 @@ class ModelRunner:
 
     def drop_decode_graphs(self) -> None:
         self.decode_graphs = None
+
+    def prepare_ragged_graphs(
+        self,
+        seq_ladder: tuple[int, ...] = DEFAULT_SEQ_LADDER,
+        token_ladder: tuple[int, ...] = DEFAULT_TOKEN_LADDER,
+        max_blocks_per_seq: int | None = None,
+        capture: bool | None = None,
+        capture_layers: tuple[int, ...] = (),
+        max_graphs: int = DEFAULT_MAX_GRAPHS,
+    ) -> None:
+        """Route ragged steps of up to max(seq_ladder) sequences and max(token_ladder) tokens through
+        padded static buffers on the varlen plan, returning `capture_layers` too.
+
+        capture None: capture CUDA graphs (lazily, on each key's first use) when the varlen kernel is
+        on; False keeps the padded eager twin (what CI tests on CPU). Capture needs the kernel: the
+        SDPA groups build index tensors per step.
+        """
+        capture = self.ragged_kernel if capture is None else capture
+        if capture and not self.ragged_kernel:
+            raise ValueError("capturing ragged steps needs the varlen kernel (ragged_kernel)")
+        self.ragged_graphs = RaggedGraphRunner(
+            self.model, self.kv_cache, seq_ladder, token_ladder, max_blocks_per_seq, capture=capture,
+            use_kernel=self.ragged_kernel, capture_layers=capture_layers, max_graphs=max_graphs,
+        )  # fmt: skip
+
+    def drop_ragged_graphs(self) -> None:
+        self.ragged_graphs = None
 
     @property
     def config(self) -> ModelConfig:
@@ -103,6 +139,8 @@ class ModelRunner:
         if query_len is not None and self.decode_kernel:
             plan = DecodePlan(batch.seq_lens, batch.block_tables, use_kernel=True, query_len=query_len)
             return ForwardOutput(*self.model(batch, self.kv_cache, plan))
+        if query_len is None and self.ragged_graphs is not None and self.ragged_graphs.fits(batch):
+            return self.ragged_graphs.run(batch)
         if query_len is None and self.ragged_kernel:
             group = self.config.num_attention_heads // self.config.num_key_value_heads
             return ForwardOutput(*self.model(batch, self.kv_cache, plan_varlen(batch, group)))

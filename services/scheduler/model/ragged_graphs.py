@@ -1,0 +1,217 @@
+"""Ragged steps (prefill chunks, mixed prefill + decode batches, `compact` verify blocks) replayed
+from CUDA graphs over padded static buffers.
+
+A ragged step launches the same ~1.4k kernels as a decode step but runs eagerly: on the H200 a
+mixed step (64 decodes + a 128-token prefill, 8B shape) is host-bound at ~30 ms. The varlen
+kernel (`triton_varlen.py`) reads everything it needs from device tensors and a host-built tile
+map, so it can be captured with a fixed grid. Graphs are keyed by (sequence rung S, token rung T,
+block_m):
+
+- tokens are padded up to T (token ids 0, position 0, K/V written to the cache's trash block) and
+  belong to no sequence: no tile covers them, the kernel stores nothing for them, and every other
+  op is row-wise, so they touch no real row;
+- sequences are padded up to S + 1 with empty ones (query length 0, seq_len 0); sequence S is
+  always empty, and the tile map (built on the host, `VarlenPlan`) is padded up to the key's worst
+  case, ceil(T / block_m) + S tiles, with no-op tiles (sequence S, first query 0), which read and
+  store nothing;
+- block_m is the one the eager path would pick for the step's longest query (`tile_tokens`),
+  computed from host lengths like the rungs: powers of two up to 128 / group (1 .. 32 for the 8B
+  shape); a step with a prefill chunk of 32+ tokens takes the largest.
+
+The LM head stays outside: a ragged step needs logits for a few rows only (each sampling chunk's
+last token, decode and verify rows, prompt-logprob rows), which the worker picks and projects
+eagerly (`runner.compute_logits`); the graphs return hidden states [T, H] and the captured layers.
+
+Capture is lazy, on a key's first use: the key set is the product of three ladders, most of which a
+workload never visits, and capturing all of it at start-up would cost seconds and one output buffer
+per key. A capture costs one eager warm-up forward plus the capture, once per key (the GPU check times
+it: ops/bench/gpu_attention_check.py, section "ragged_graph"); it runs with every row padded, so it writes the trash block only; all graphs share one
+memory pool (intermediates are reused between keys; each key keeps only its outputs, [T, H] and
+the captures). After `max_graphs` captures new keys run the padded path eagerly. Each capture is
+logged (`cuda_graphs.ragged_capture.done`, with its key). With `capture=False` (the CPU twin CI
+tests) the very same padded forward runs eagerly, on the varlen torch twin.
+"""
+
+from __future__ import annotations
+
+import bisect
+import time
+from dataclasses import dataclass
+
+import torch
+
+from services.common.progress import Progress
+from services.scheduler.model.attention import MAX_TILE_ROWS, VarlenPlan, query_tiles, tile_tokens
+from services.scheduler.model.batch import ForwardBatch, ForwardOutput
+from services.scheduler.model.kv_cache import PagedKVCache
+from services.scheduler.model.llama import CausalLM
+
+DEFAULT_SEQ_LADDER = (1, 2, 4, 8, 16, 32, 64, 128)
+DEFAULT_TOKEN_LADDER = (64, 128, 256, 512, 768, 1024, 1536, 2048)
+DEFAULT_MAX_GRAPHS = 64
+
+
+def token_ladder(chunk_budget: int, ladder: tuple[int, ...] = DEFAULT_TOKEN_LADDER) -> tuple[int, ...]:
+    """The rungs up to the scheduler's tokens per step (its chunked-prefill budget), which is a rung too."""
+    return tuple(sorted({r for r in ladder if r < chunk_budget} | {chunk_budget}))
+
+
+@dataclass(frozen=True)
+class RaggedKey:
+    num_seqs: int  # sequence rung S; the graph holds S + 1 sequences, the last always empty
+    num_tokens: int  # token rung T
+    block_m: int  # query tokens per tile
+
+    @property
+    def num_tiles(self) -> int:
+        """Worst case over steps of this key: a sequence of q tokens takes ceil(q / block_m) tiles."""
+        return -(-self.num_tokens // self.block_m) + self.num_seqs
+
+
+def padded_tiles(query_lens: list[int], seq_lens: list[int], key: RaggedKey) -> torch.Tensor:
+    """int32 [2, key.num_tiles]: the step's tiles, heaviest first, then no-op tiles on the empty
+    sequence key.num_seqs (query length 0, seq_len 0: the kernel reads and stores nothing)."""
+    tiles = query_tiles(query_lens, seq_lens, key.block_m)
+    tiles += [(key.num_seqs, 0)] * (key.num_tiles - len(tiles))
+    return torch.tensor(tiles, dtype=torch.int32).T.contiguous()
+
+
+class RaggedGraphRunner:
+    def __init__(
+        self,
+        model: CausalLM,
+        cache: PagedKVCache,
+        seq_ladder: tuple[int, ...] = DEFAULT_SEQ_LADDER,
+        token_ladder: tuple[int, ...] = DEFAULT_TOKEN_LADDER,
+        max_blocks_per_seq: int | None = None,
+        capture: bool = True,
+        use_kernel: bool = True,
+        capture_layers: tuple[int, ...] = (),
+        max_graphs: int = DEFAULT_MAX_GRAPHS,
+        max_tile_rows: int = MAX_TILE_ROWS,
+    ) -> None:
+        if not seq_ladder or min(seq_ladder) < 1 or not token_ladder or min(token_ladder) < 1:
+            raise ValueError(f"ladders must hold positive sizes, got {seq_ladder}, {token_ladder}")
+        self.model, self.cache, self.capture, self.use_kernel = model, cache, capture, use_kernel
+        self.seq_ladder, self.token_ladder = tuple(sorted(set(seq_ladder))), tuple(sorted(set(token_ladder)))
+        self.capture_layers, self.max_graphs, self.max_tile_rows = tuple(capture_layers), max_graphs, max_tile_rows
+        self.group = model.config.num_attention_heads // model.config.num_key_value_heads
+        self.max_blocks = max_blocks_per_seq or -(-model.config.max_position_embeddings // cache.block_size)
+        self._allocate(self.seq_ladder[-1] + 1, self.token_ladder[-1], cache.kv.device)
+        self.graphs: dict[RaggedKey, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[RaggedKey, ForwardOutput] = {}
+        self.capture_seconds: dict[RaggedKey, float] = {}
+        self._pool = None
+
+    def _allocate(self, seqs: int, tokens: int, device: torch.device) -> None:
+        trash = self.cache.trash_block
+        self.input_ids = torch.zeros(tokens, dtype=torch.int64, device=device)  # [T]
+        self.positions = torch.zeros(tokens, dtype=torch.int64, device=device)  # [T]
+        self.slot_mapping = torch.full((tokens,), trash * self.cache.block_size, dtype=torch.int64, device=device)
+        self.query_start_loc = torch.zeros(seqs + 1, dtype=torch.int32, device=device)  # [S + 2]
+        self.seq_lens = torch.zeros(seqs, dtype=torch.int32, device=device)  # [S + 1]
+        self.block_tables = torch.full((seqs, self.max_blocks), trash, dtype=torch.int32, device=device)  # [S + 1, M]
+        max_tiles = max(RaggedKey(self.seq_ladder[-1], tokens, 1).num_tiles, 1)
+        self.tiles = torch.zeros(2 * max_tiles, dtype=torch.int32, device=device)  # viewed [2, key.num_tiles]
+
+    def fits(self, batch: ForwardBatch) -> bool:
+        """Host lengths present (the key is read from them), within the ladders and table width."""
+        return (
+            batch.host_query_lens is not None
+            and batch.host_seq_lens is not None
+            and batch.num_seqs <= self.seq_ladder[-1]
+            and batch.num_tokens <= self.token_ladder[-1]
+            and batch.block_tables.shape[1] <= self.max_blocks
+            and tuple(batch.capture_layers) in ((), self.capture_layers)
+        )
+
+    def key(self, batch: ForwardBatch) -> RaggedKey:
+        seqs = self.seq_ladder[bisect.bisect_left(self.seq_ladder, batch.num_seqs)]
+        tokens = self.token_ladder[bisect.bisect_left(self.token_ladder, batch.num_tokens)]
+        return RaggedKey(seqs, tokens, tile_tokens(max(batch.host_query_lens), self.group, self.max_tile_rows))
+
+    def run(self, batch: ForwardBatch) -> ForwardOutput:
+        """Hidden states [T, H] and captures of a ragged batch that `fits`; logits None (the caller
+        projects the rows it needs). On CUDA these are views of the graph's static outputs: read
+        them before the next step's replay."""
+        key = self.key(batch)
+        if self.capture and key not in self.graphs and len(self.graphs) < self.max_graphs:
+            self._capture(key)
+        self._load(batch, key)
+        if key in self.graphs:
+            self.graphs[key].replay()
+            return _rows(self.outputs[key], batch)
+        return _rows(self._forward(key), batch)
+
+    def _load(self, batch: ForwardBatch, key: RaggedKey) -> None:
+        num_seqs, num_tokens, width = batch.num_seqs, batch.num_tokens, batch.block_tables.shape[1]
+        self.input_ids[:num_tokens].copy_(batch.input_ids)
+        self.positions[:num_tokens].copy_(batch.positions)
+        self.slot_mapping[:num_tokens].copy_(batch.slot_mapping)
+        self.query_start_loc[: num_seqs + 1].copy_(batch.query_start_loc)
+        self.seq_lens[:num_seqs].copy_(batch.seq_lens)
+        # Entries past the batch's width keep an earlier step's (valid) ids: the kernel reads only the
+        # blocks below each seq_len. Padded sequences are empty: nothing reads their tables.
+        self.block_tables[:num_seqs, :width].copy_(batch.block_tables)
+        tiles = padded_tiles(list(batch.host_query_lens), list(batch.host_seq_lens), key).view(-1)
+        if tiles.device != self.tiles.device and self.tiles.is_cuda:
+            tiles = tiles.pin_memory()
+        self.tiles[: tiles.numel()].copy_(tiles, non_blocking=True)
+        self._pad(num_seqs, num_tokens, key)
+
+    def _pad(self, num_seqs: int, num_tokens: int, key: RaggedKey) -> None:
+        self.query_start_loc[num_seqs + 1 : key.num_seqs + 2].fill_(num_tokens)
+        self.seq_lens[num_seqs : key.num_seqs + 1].zero_()
+        self.input_ids[num_tokens : key.num_tokens].zero_()
+        self.positions[num_tokens : key.num_tokens].zero_()
+        self.slot_mapping[num_tokens : key.num_tokens].fill_(self.cache.trash_block * self.cache.block_size)
+
+    def _plan(self, key: RaggedKey) -> VarlenPlan:
+        seqs = key.num_seqs + 1
+        tiles = self.tiles[: 2 * key.num_tiles].view(2, key.num_tiles)  # [2, num_tiles]
+        tensors = (self.query_start_loc[: seqs + 1], self.seq_lens[:seqs], self.block_tables[:seqs])
+        return VarlenPlan(*tensors, tiles, key.block_m, self.use_kernel)
+
+    def _static_batch(self, key: RaggedKey) -> ForwardBatch:
+        seqs, tokens = key.num_seqs + 1, key.num_tokens
+        return ForwardBatch(
+            input_ids=self.input_ids[:tokens],
+            positions=self.positions[:tokens],
+            query_start_loc=self.query_start_loc[: seqs + 1],
+            seq_lens=self.seq_lens[:seqs],
+            block_tables=self.block_tables[:seqs],
+            slot_mapping=self.slot_mapping[:tokens],
+            capture_layers=self.capture_layers,
+        )
+
+    def _forward(self, key: RaggedKey) -> ForwardOutput:
+        hidden, captured = self.model(self._static_batch(key), self.cache, self._plan(key))  # [T, H]
+        return ForwardOutput(hidden, captured)
+
+    def _capture(self, key: RaggedKey) -> None:
+        # Every row padded and every tile a no-op: the warm-up and the capture write the trash block only.
+        started = time.monotonic()
+        progress = Progress("cuda_graphs.ragged_capture", "graphs", 1, num_seqs=key.num_seqs,
+                            num_tokens=key.num_tokens, block_m=key.block_m)  # fmt: skip
+        self._pad(0, 0, key)
+        tiles = self.tiles[: 2 * key.num_tiles].view(2, key.num_tiles)
+        tiles[0].fill_(key.num_seqs)
+        tiles[1].zero_()
+        self._forward(key)  # warm-up: Triton compile, cuBLAS plans, allocator growth
+        torch.cuda.synchronize(self.cache.kv.device)
+        graph = torch.cuda.CUDAGraph()
+        # thread_local: a capture in the middle of serving must not fail on another thread's CUDA calls
+        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
+            self.outputs[key] = self._forward(key)
+        self._pool = graph.pool()  # one pool for every key: intermediates are shared
+        self.graphs[key] = graph
+        torch.cuda.synchronize(self.cache.kv.device)
+        self.capture_seconds[key] = time.monotonic() - started
+        progress.advance()
+        progress.close()
+
+
+def _rows(out: ForwardOutput, batch: ForwardBatch) -> ForwardOutput:
+    num_tokens = batch.num_tokens
+    captured = out.captured[:num_tokens] if out.captured is not None and batch.capture_layers else None
+    return ForwardOutput(out.hidden_states[:num_tokens], captured)

@@ -1,0 +1,129 @@
+"""The ragged-graph path's CPU twin: steps padded to (sequence rung, token rung, block_m) keys and run
+eagerly on the varlen torch twin equal the unpadded eager forward, and padding writes only the trash
+block. On CUDA the same buffers are replayed from captured graphs
+(ops/bench/gpu_attention_check.py, section "ragged_graph", checks those against eager on an H200)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from services.models import RANDOM_TINY_MODEL
+from services.scheduler.model.loader import load_model_runner
+from services.scheduler.model.ragged_graphs import RaggedGraphRunner, RaggedKey, padded_tiles, token_ladder
+
+BLOCK_SIZE = 4
+MAX_BLOCKS = 16
+SEQ_LADDER = (1, 2, 4, 8)
+TOKEN_LADDER = (8, 16, 32, 64)
+PROMPTS = (40, 13, 14, 6, 25)  # tokens already cached per sequence before the step under test
+
+
+def with_host_lengths(batch):
+    starts = batch.query_start_loc.tolist()
+    query_lens = tuple(b - a for a, b in zip(starts, starts[1:]))
+    return dataclasses.replace(batch, host_query_lens=query_lens, host_seq_lens=tuple(batch.seq_lens.tolist()))
+
+
+def prefilled_runner(make_pager):
+    pager = make_pager(num_seqs=len(PROMPTS) + 1, max_blocks_per_seq=MAX_BLOCKS, block_size=BLOCK_SIZE, seed=4)
+    runner = load_model_runner(RANDOM_TINY_MODEL, num_kv_blocks=pager.num_blocks, kv_block_size=BLOCK_SIZE)
+    runner.forward(pager.batch([(s, [7 + s] * n, 0) for s, n in enumerate(PROMPTS)]))
+    return runner, pager
+
+
+# (sequence, number of new tokens) per step; each continues its sequence's cached prompt, and
+# sequence 5 has nothing cached (a whole first chunk).
+STEPS = {
+    "mixed": [(0, 1), (1, 9), (2, 1), (5, 12), (3, 1)],  # decodes beside two prefill chunks
+    "chunks_with_context": [(0, 20), (4, 17)],  # 37 tokens: pads to 64
+    "compact_verify": [(0, 3), (1, 1), (2, 5), (3, 2), (4, 4)],  # short ragged verify blocks
+    "one_chunk": [(5, 16)],  # exactly a token rung; sequences 1 -> 1 (+ the empty one)
+}
+
+
+def step_batch(pager, step, capture_layers=()):
+    chunks = [(s, [100 + 3 * s + i for i in range(n)], PROMPTS[s] if s < len(PROMPTS) else 0) for s, n in step]
+    return with_host_lengths(pager.batch(chunks, capture_layers=capture_layers))
+
+
+def test_padded_tiles_cover_the_step_then_point_at_the_empty_sequence() -> None:
+    key = RaggedKey(num_seqs=4, num_tokens=64, block_m=8)
+    tiles = padded_tiles([1, 20, 3], [5, 30, 3], key)
+    assert tiles.shape == (2, 64 // 8 + 4) and tiles.dtype == torch.int32
+    real = [(b, f) for b, f in tiles.T.tolist() if b != 4]
+    assert sorted(real) == [(0, 0), (1, 0), (1, 8), (1, 16), (2, 0)]
+    assert tiles.T.tolist()[len(real) :] == [[4, 0]] * (key.num_tiles - len(real))
+
+
+def test_worst_case_tile_count_holds_any_step_of_the_key() -> None:
+    key = RaggedKey(num_seqs=8, num_tokens=64, block_m=8)
+    query_lens = [9, 9, 9, 9, 9, 9, 9, 1]  # 64 tokens, each sequence one token past a tile
+    assert padded_tiles(query_lens, query_lens, key).shape[1] == key.num_tiles == 16
+
+
+def test_token_ladder_stops_at_the_chunk_budget() -> None:
+    assert token_ladder(2048) == (64, 128, 256, 512, 768, 1024, 1536, 2048)
+    assert token_ladder(1000) == (64, 128, 256, 512, 768, 1000)
+
+
+@pytest.mark.parametrize("capture_layers", [(), (1, 3)])
+@pytest.mark.parametrize("name", sorted(STEPS))
+def test_padded_twin_equals_the_unpadded_eager_forward(make_pager, name, capture_layers) -> None:
+    runner, pager = prefilled_runner(make_pager)
+    batch = step_batch(pager, STEPS[name], capture_layers)
+    before = runner.kv_cache.kv.clone()
+    eager = runner.forward(batch)  # the ragged SDPA groups, unpadded: the reference
+    eager_kv = runner.kv_cache.kv.clone()
+    runner.kv_cache.kv.copy_(before)
+    graphs = RaggedGraphRunner(runner.model, runner.kv_cache, SEQ_LADDER, TOKEN_LADDER, MAX_BLOCKS, capture=False,
+                               use_kernel=False, capture_layers=capture_layers)  # fmt: skip
+    with torch.inference_mode():
+        padded = graphs.run(batch)
+    key = graphs.key(batch)
+    assert key.num_tokens >= batch.num_tokens and key.num_seqs >= batch.num_seqs
+    assert padded.logits is None and padded.hidden_states.shape == eager.hidden_states.shape
+    torch.testing.assert_close(padded.hidden_states, eager.hidden_states, atol=1e-5, rtol=1e-5)
+    if capture_layers:
+        torch.testing.assert_close(padded.captured, eager.captured, atol=1e-5, rtol=1e-5)
+    real = slice(0, runner.num_blocks)  # every block but the trash block
+    torch.testing.assert_close(runner.kv_cache.kv[:, :, real], eager_kv[:, :, real], atol=1e-5, rtol=1e-5)
+
+
+def test_consecutive_steps_of_one_key_leave_no_stale_rows(make_pager) -> None:
+    # A wide step then a narrow one of the same key: the second must not see the first's sequences.
+    runner, pager = prefilled_runner(make_pager)
+    graphs = RaggedGraphRunner(runner.model, runner.kv_cache, SEQ_LADDER, TOKEN_LADDER, MAX_BLOCKS, capture=False, use_kernel=False)
+    wide, narrow = step_batch(pager, [(0, 3), (1, 1), (2, 5), (3, 2)]), step_batch(pager, [(4, 5), (1, 3), (2, 1)])
+    assert graphs.key(wide) == graphs.key(narrow)
+    kv = runner.kv_cache.kv.clone()
+    want = runner.forward(narrow).hidden_states
+    runner.kv_cache.kv.copy_(kv)
+    with torch.inference_mode():
+        graphs.run(wide)
+        runner.kv_cache.kv.copy_(kv)
+        got = graphs.run(narrow).hidden_states
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_runner_routes_ragged_steps_with_host_lengths_through_the_twin(make_pager) -> None:
+    runner, pager = prefilled_runner(make_pager)
+    runner.prepare_ragged_graphs(SEQ_LADDER, TOKEN_LADDER, MAX_BLOCKS, capture=False)
+    assert runner.ragged_graphs is not None and not runner.ragged_graphs.graphs  # CPU: nothing captured
+    calls = []
+    run = runner.ragged_graphs.run
+    runner.ragged_graphs.run = lambda batch: calls.append(batch.num_tokens) or run(batch)
+    mixed = step_batch(pager, STEPS["mixed"])
+    runner.forward(mixed)
+    runner.forward(dataclasses.replace(mixed, host_query_lens=None))  # no host lengths: eager, no readback
+    runner.forward(step_batch(pager, [(0, 20), (1, 40), (5, 10)]))  # 70 tokens, past the largest rung: eager
+    runner.forward(step_batch(pager, [(0, 1), (1, 1)]))  # uniform: the decode path
+    assert calls == [mixed.num_tokens]
+
+
+def test_capture_needs_the_varlen_kernel(make_pager) -> None:
+    runner, _ = prefilled_runner(make_pager)
+    with pytest.raises(ValueError, match="varlen kernel"):
+        runner.prepare_ragged_graphs(capture=True)
