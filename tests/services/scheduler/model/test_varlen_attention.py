@@ -151,7 +151,8 @@ INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"  # read by Triton when i
 @pytest.mark.skipif(INTERPRETED or importlib.util.find_spec("triton") is None, reason="needs Triton; runs the interpreter")
 def test_kernel_in_the_triton_interpreter() -> None:
     """The interpreted cases below, in a child pytest whose Triton starts in interpreter mode."""
-    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"{__file__}::test_interpreted_kernel_matches_twin"]
+    tests = [f"{__file__}::{name}" for name in ("test_interpreted_kernel_matches_twin", "test_interpreted_kernel_on_a_padded_step")]
+    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *tests]
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and " passed" in done.stdout, done.stdout[-4000:] + done.stderr[-2000:]
@@ -168,6 +169,44 @@ def test_interpreted_kernel_matches_twin(query_lens, seq_lens, num_heads, num_kv
     tiles = torch.tensor(query_tiles(query_lens, seq_lens, block_m), dtype=torch.int32).T.contiguous()
     got = varlen_attention_triton(*inputs, tiles, block_m, 0.3, LaunchConfig(block_n=block_n))
     torch.testing.assert_close(got, varlen_attention_torch(*inputs, 0.3), atol=1e-5, rtol=1e-5)
+
+
+def padded_like_a_graph(inputs, num_padded_tokens: int, num_empty_seqs: int):
+    """The inputs as a ragged graph pads them: tokens of no sequence at the end, empty sequences
+    (query length 0, seq_len 0) after the real ones."""
+    query, key_cache, value_cache, starts, seq_lens, tables = inputs
+    query = torch.cat([query, torch.randn(num_padded_tokens, *query.shape[1:], generator=torch.Generator().manual_seed(1))])
+    starts = torch.cat([starts, starts[-1:].repeat(num_empty_seqs)])
+    seq_lens = torch.cat([seq_lens, torch.zeros(num_empty_seqs, dtype=seq_lens.dtype)])
+    tables = torch.cat([tables, tables[:1].repeat(num_empty_seqs, 1)])
+    return query, key_cache, value_cache, starts, seq_lens, tables
+
+
+def test_twin_zeros_tokens_of_no_sequence_and_skips_empty_sequences() -> None:
+    inputs = ragged_inputs(*MIXES[0])
+    padded = padded_like_a_graph(inputs, num_padded_tokens=5, num_empty_seqs=2)
+    got = varlen_attention_torch(*padded, 0.3)
+    num_tokens = inputs[0].shape[0]
+    torch.testing.assert_close(got[:num_tokens], varlen_attention_torch(*inputs, 0.3), atol=0, rtol=0)
+    assert not got[num_tokens:].any()
+
+
+@pytest.mark.skipif(not INTERPRETED, reason="run by test_kernel_in_the_triton_interpreter")
+@pytest.mark.parametrize(("query_lens", "seq_lens"), MIXES)
+def test_interpreted_kernel_on_a_padded_step(query_lens, seq_lens) -> None:
+    # The ragged graphs' launch: a fixed grid of the key's worst-case tile count, the unused tiles
+    # no-ops on the always-empty last sequence; padded tokens and sequences must not change real rows.
+    from services.scheduler.model.ragged_graphs import RaggedKey, padded_tiles
+    from services.scheduler.model.triton_varlen import varlen_attention_triton
+
+    inputs = ragged_inputs(query_lens, seq_lens)
+    num_tokens, num_seqs = sum(query_lens), len(query_lens)
+    key = RaggedKey(num_seqs=num_seqs + 1, num_tokens=num_tokens + 5, block_m=tile_tokens(max(query_lens), 2))
+    padded = padded_like_a_graph(inputs, num_padded_tokens=5, num_empty_seqs=2)  # sequences num_seqs, key.num_seqs
+    tiles = padded_tiles(query_lens, seq_lens, key)
+    assert (tiles[0] == key.num_seqs).sum() >= 2  # some no-op tiles
+    got = varlen_attention_triton(*padded, tiles, key.block_m, 0.3)
+    torch.testing.assert_close(got[:num_tokens], varlen_attention_torch(*inputs, 0.3), atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the compiled kernel runs on CUDA only")
