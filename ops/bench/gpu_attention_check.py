@@ -12,6 +12,12 @@ start more than --budget-s after the start is skipped:
 - `mixed_step`: `ModelRunner.forward` of the 8B shape (dummy weights) on a mixed step, SDPA groups
   then the kernel; references: the decode alone (graph replay, and eager) and the prefill alone.
   Hidden-state difference, next-token agreement and host syncs (torch's sync debug mode) per path.
+- `ragged_graph`: the same mixed step, and a `compact`-like verify step (the decodes with ragged
+  1..8-token queries), replayed from a ragged CUDA graph (`ragged_graphs.py`: padded to a (sequence
+  rung, token rung, block_m) key, captured on first use) against the same step eager on the kernel
+  path: ms, next-token agreement (argmax of every row's logits), hidden-state difference, host
+  syncs, the first step's seconds (capture included), each key's capture seconds, and the device
+  memory the graphs reserved. On CPU the padded twin runs eagerly (no capture).
 - `prefill_32k`: `SchedulerCore`, one 32,768-token request (1 new token), without and with top-2
   prompt logprobs, each path: seconds, and peak device memory above the start (the logprobs'
   extra memory is the difference); and the kernel path once more at 4x the chunk budget.
@@ -47,6 +53,7 @@ from services.scheduler.core import SchedulerCore
 from services.scheduler.model.attention import paged_attention, plan_attention, plan_varlen
 from services.scheduler.model.batch import ForwardBatch
 from services.scheduler.model.loader import load_model_runner
+from services.scheduler.model.ragged_graphs import token_ladder
 from services.scheduler.model.runner import ModelRunner, triton_available
 from services.scheduler.request import SchedulerRequest
 
@@ -272,6 +279,57 @@ def _hidden_and_next(runner: ModelRunner, batch: ForwardBatch) -> tuple[torch.Te
     return hidden.float(), runner.compute_logits(hidden[last]).argmax(-1)
 
 
+def ragged_graph_steps(runner: ModelRunner, shape: Shape, repeats: int) -> dict:
+    """The mixed step and a compact-like verify step, eager on the kernel path, then replayed from ragged graphs."""
+    device = runner.device.type
+    cuda = device == "cuda"
+    width = -(-max(shape.decode_context + 8, shape.prefill) // shape.page)  # room for 8-token verify blocks
+    seqs = list(range(shape.decodes))
+    runner.ragged_kernel = False  # the decodes' KV written by the known path
+    runner.forward(ragged_step([(0, shape.decode_context - 1)] * shape.decodes, shape.page, width, device, seqs))
+    context = shape.decode_context - 1
+    steps = {
+        "mixed": ragged_step([(context, 1)] * shape.decodes + [(0, shape.prefill)], shape.page, width, device, [*seqs, shape.decodes]),
+        "verify": ragged_step([(context, 1 + b % 8) for b in seqs], shape.page, width, device, seqs),
+    }  # fmt: skip
+    runner.ragged_kernel = uses_kernel(device)
+    result: dict = {"token_ladder": list(token_ladder(shape.chunk))}
+    eager = {}
+    for name, batch in steps.items():
+        result[f"{name}_tokens"] = batch.num_tokens
+        result[f"{name}_eager_ms"] = median_ms(lambda: runner.forward(batch), device, repeats)
+        eager[name] = _hidden_and_argmax(runner, batch)
+    if cuda:
+        torch.cuda.synchronize()
+    reserved = torch.cuda.memory_reserved() if cuda else 0
+    runner.prepare_ragged_graphs(token_ladder=token_ladder(shape.chunk), max_blocks_per_seq=width)  # captures on CUDA
+    try:
+        for name, batch in steps.items():
+            start = time.perf_counter()
+            runner.forward(batch)  # first use of its key: the capture
+            if cuda:
+                torch.cuda.synchronize()
+            result[f"{name}_first_step_s"] = round(time.perf_counter() - start, 4)
+            result[f"{name}_graph_ms"] = median_ms(lambda: runner.forward(batch), device, repeats)
+            result[f"{name}_graph_syncs"] = sync_count(lambda: runner.forward(batch), device)
+            hidden, argmax = _hidden_and_argmax(runner, batch)
+            result[f"{name}_hidden_max_abs_diff_relative"] = float((hidden - eager[name][0]).abs().max() / eager[name][0].abs().max())
+            result[f"{name}_argmax_agreement"] = float((argmax == eager[name][1]).float().mean())
+            result[f"{name}_speedup"] = result[f"{name}_eager_ms"] / result[f"{name}_graph_ms"]
+        graphs = runner.ragged_graphs
+        result["captured"] = [{**dataclasses.asdict(key), "capture_s": round(graphs.capture_seconds[key], 3)} for key in graphs.graphs]
+        result["graphs_reserved_mib"] = round((torch.cuda.memory_reserved() - reserved) / 2**20, 1) if cuda else None
+    finally:
+        runner.drop_ragged_graphs()
+    return _rounded(result)
+
+
+def _hidden_and_argmax(runner: ModelRunner, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    """(hidden states f32 [T, H], argmax of every row's logits [T]), copied out of any graph's buffers."""
+    hidden = runner.forward(batch).hidden_states
+    return hidden.float(), runner.compute_logits(hidden).argmax(-1)
+
+
 def prefill_rows(runner: ModelRunner, shape: Shape) -> list[dict]:
     """One long prompt through the core, chunked by the policy, without and with top-2 prompt
     logprobs; then, on the kernel path, top-2 at 4x the chunk (what a larger budget would buy)."""
@@ -326,6 +384,7 @@ def run(args: argparse.Namespace) -> dict:
     section("runner", lambda: _load(shape, args.device, dtype, runners))
     for runner in runners:
         section("mixed_step", lambda: mixed_step(runner, shape, args.repeats))
+        section("ragged_graph", lambda: ragged_graph_steps(runner, shape, args.repeats))
         section("prefill_32k", lambda: prefill_rows(runner, shape))
     if uses_kernel(args.device):  # last: settings for the next round, the least needed now
         section("sweep", lambda: sweep_rows(shape, args.device, dtype, max(3, args.repeats // 2)))
@@ -369,7 +428,7 @@ def _rounded(row: dict) -> dict:
 def table(result: dict) -> str:
     lines = [f"device {result['device']}, torch {result['torch']}, kernel {'Triton' if result['kernel'] else 'torch twin'}, "
              f"{result['elapsed_s']} s", "", "| what | sdpa ms | kernel ms | speedup | note |", "|---|---|---|---|---|"]  # fmt: skip
-    for name in ("kernels", "runner", "mixed_step", "prefill_32k", "sweep"):
+    for name in ("kernels", "runner", "mixed_step", "ragged_graph", "prefill_32k", "sweep"):
         value = result.get(name)
         if isinstance(value, dict) and ("error" in value or "skipped" in value):
             lines.append(f"| {name} | | | | {(value.get('error') or value['skipped']).strip().splitlines()[-1][:120]} |")
@@ -387,6 +446,16 @@ def table(result: dict) -> str:
                      f"eager {step['decode_eager_ms']} ms; prefill alone {step['prefill_sdpa_ms']} / {step.get('prefill_kernel_ms')} ms; "
                      f"next tokens agree {step.get('next_token_agreement')}; host syncs {step.get('mixed_sdpa_syncs')} / "
                      f"{step.get('mixed_kernel_syncs')} |")  # fmt: skip
+    graph = result.get("ragged_graph") or {}
+    for name in ("mixed", "verify"):
+        if f"{name}_graph_ms" in graph:
+            lines.append(f"| ragged graph, {name} step ({graph[f'{name}_tokens']} tok) | | {graph[f'{name}_eager_ms']} eager / "
+                         f"{graph[f'{name}_graph_ms']} graph | {graph[f'{name}_speedup']} | argmax agree {graph[f'{name}_argmax_agreement']}; "
+                         f"rel hidden diff {graph[f'{name}_hidden_max_abs_diff_relative']:.2e}; syncs {graph[f'{name}_graph_syncs']}; "
+                         f"first step {graph[f'{name}_first_step_s']} s |")  # fmt: skip
+    if "captured" in graph:
+        keys = ", ".join(f"({k['num_seqs']}, {k['num_tokens']}, {k['block_m']}) {k['capture_s']} s" for k in graph["captured"])
+        lines.append(f"| ragged graph captures | | | | {keys or 'none (CPU twin)'}; reserved +{graph['graphs_reserved_mib']} MiB |")
     for r in _rows(result, "prefill_32k"):
         lines.append(f"| prefill {r['prompt']} tok in {r['chunk']}-token chunks, {r['path']}, {r['logprobs']} | {r['seconds'] if r['path'] == 'sdpa' else ''} | "
                      f"{r['seconds'] if r['path'] == 'kernel' else ''} | | {r['steps']} steps, peak +{r['peak_extra_mib']} MiB, "

@@ -47,7 +47,7 @@ from services.scheduler.model.kv_cache import PagedKVCache
 from services.scheduler.model.llama import CausalLM
 
 DEFAULT_SEQ_LADDER = (1, 2, 4, 8, 16, 32, 64, 128)
-DEFAULT_TOKEN_LADDER = (64, 128, 256, 512, 768, 1024, 1536, 2048)
+DEFAULT_TOKEN_LADDER = (64, 128, 256, 384, 512, 768, 1024, 1536, 2048)  # 1.5x steps past 256: padding <= 50%
 DEFAULT_MAX_GRAPHS = 64
 
 

@@ -16,6 +16,9 @@ def test_cpu_tiny_run_fills_every_section_it_can_and_prints_the_table(tmp_path, 
     assert result["kernels"][2]["steps"] == 256 // 64  # the long prompt in the policy's chunks
     assert "sweep" not in result and not result["kernel"]  # no Triton kernel on CPU
     assert result["mixed_step"]["mixed_sdpa_ms"] > 0 and "mixed_kernel_ms" not in result["mixed_step"]
+    graph = result["ragged_graph"]  # the padded twin, eagerly: nothing captured on CPU
+    assert graph["mixed_argmax_agreement"] == graph["verify_argmax_agreement"] == 1.0 and graph["captured"] == []
+    assert graph["mixed_hidden_max_abs_diff_relative"] < 1e-5 and graph["verify_tokens"] == 1 + 2 + 3 + 4  # 4 decodes, queries 1..4
     rows = {(r["path"], r["logprobs"]): r for r in result["prefill_32k"]}
     assert rows[("sdpa", "top2")]["prompt_logprob_rows"] == 256 and rows[("sdpa", "plain")]["prompt_logprob_rows"] == 0
     assert "| layer, long (256 tok, 4 steps) |" in capsys.readouterr().out

@@ -65,8 +65,8 @@ def test_worst_case_tile_count_holds_any_step_of_the_key() -> None:
 
 
 def test_token_ladder_stops_at_the_chunk_budget() -> None:
-    assert token_ladder(2048) == (64, 128, 256, 512, 768, 1024, 1536, 2048)
-    assert token_ladder(1000) == (64, 128, 256, 512, 768, 1000)
+    assert token_ladder(2048) == (64, 128, 256, 384, 512, 768, 1024, 1536, 2048)
+    assert token_ladder(1000) == (64, 128, 256, 384, 512, 768, 1000)
 
 
 @pytest.mark.parametrize("capture_layers", [(), (1, 3)])
