@@ -88,13 +88,14 @@ def _add_up(sub: argparse._SubParsersAction) -> None:
 
 
 def add_up_arguments(parser: argparse.ArgumentParser) -> None:
-    from services.scheduler.flags import add_speculative_arguments  # light: no torch
+    from services.scheduler.flags import add_graph_arguments, add_speculative_arguments  # light: no torch
 
     env = EnvSettings.from_environ()
     add_connection_arguments(parser, connection_values())  # --nats-url empty: start an embedded nats-server
     add = parser.add_argument
     add("--model", default=env.model or str(BUNDLED_MODEL), help="target model directory (Hugging Face layout)")
     add_speculative_arguments(parser)
+    add_graph_arguments(parser)
     add("--device", choices=("auto", "cuda", "cpu"), default=env.device, help="auto: cuda when available, else cpu")
     add("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
         help="weights and KV cache (default: float32 on cpu, bfloat16 on cuda)")  # fmt: skip

@@ -22,7 +22,7 @@ from services.scheduler.config import (
     SchedulerConfig,
 )
 from services.scheduler.core import SchedulerCore
-from services.scheduler.flags import add_speculative_arguments
+from services.scheduler.flags import add_graph_arguments, add_speculative_arguments
 from services.scheduler.model.loader import CUDA_KV_CACHE_FRACTION
 from services.scheduler.service import SchedulerService, build_core, check_model, connect
 
@@ -34,6 +34,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     env = EnvSettings.from_environ()
     parser.add_argument("--model", default=env.model or str(BUNDLED_MODEL), help="model directory (HF layout)")
     add_speculative_arguments(parser)
+    add_graph_arguments(parser)
     parser.add_argument("--device", choices=DEVICES, default=env.device, help="auto: cuda when available, else cpu")
     parser.add_argument("--dtype", choices=tuple(DTYPES), default=None, help="default: float32 on cpu, bfloat16 on cuda")
     parser.add_argument("--load-format", choices=LOAD_FORMATS, default="auto", help="dummy: random weights from config.json")
@@ -70,6 +71,7 @@ def config_from_args(args: argparse.Namespace) -> SchedulerConfig:
         load_format=args.load_format,
         max_running_requests=args.max_running_requests,
         chunked_prefill_size=args.chunked_prefill_size,
+        ragged_cuda_graphs=args.ragged_cuda_graphs,
         kv_block_size=args.kv_block_size,
         num_kv_blocks=args.num_kv_blocks,
         max_model_len=args.max_model_len,

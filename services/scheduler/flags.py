@@ -20,6 +20,17 @@ def add_speculative_arguments(parser: argparse.ArgumentParser) -> None:
                         help="static: verify every draft; compact: as many as the confidence head expects to survive")
 
 
+def add_graph_arguments(parser: argparse.ArgumentParser) -> None:
+    """CUDA-graph flags, shared by `sparkwire scheduler` and `sparkwire up`."""
+    parser.add_argument("--ragged-cuda-graphs", action="store_true",
+                        help="CUDA: replay ragged steps (prefill chunks beside decodes, compact verify) from CUDA graphs "
+                             "captured on first use of each padded shape")  # fmt: skip
+
+
+def graph_argv(args: argparse.Namespace) -> list[str]:
+    return ["--ragged-cuda-graphs"] if args.ragged_cuda_graphs else []
+
+
 def speculative_argv(args: argparse.Namespace) -> list[str]:
     """The same flags back as argv, for `sparkwire up` to pass to its scheduler."""
     argv = ["--speculative-algorithm", args.speculative_algorithm, "--verify-mode", args.verify_mode]

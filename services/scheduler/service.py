@@ -35,6 +35,7 @@ from services.common.transport import Traffic, Transport
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.core import SchedulerCore
 from services.scheduler.model import MemoryReserve, ModelConfig, load_model_runner
+from services.scheduler.model.ragged_graphs import seq_ladder, token_ladder
 from services.scheduler.request import RequestOutput, SchedulerRequest
 from services.scheduler.wire import to_token_batches
 
@@ -80,6 +81,10 @@ def build_core(config: SchedulerConfig) -> SchedulerCore:
         query_lens = (1,) if proposer is None else (1, proposer.num_draft_tokens + 1)
         capture_layers = () if proposer is None else tuple(proposer.capture_layers)
         runner.prepare_decode_graphs(query_lens=query_lens, capture_layers=capture_layers)
+    if config.ragged_cuda_graphs and runner.ragged_kernel:  # CUDA with Triton; elsewhere the flag does nothing
+        capture_layers = () if proposer is None else tuple(proposer.capture_layers)
+        runner.prepare_ragged_graphs(seq_ladder(config.max_running_requests), token_ladder(config.chunked_prefill_size),
+                                     capture_layers=capture_layers)  # fmt: skip
     return SchedulerCore(
         runner,
         proposer=proposer,

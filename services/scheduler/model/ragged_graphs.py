@@ -51,6 +51,11 @@ DEFAULT_TOKEN_LADDER = (64, 128, 256, 384, 512, 768, 1024, 1536, 2048)  # 1.5x s
 DEFAULT_MAX_GRAPHS = 64
 
 
+def seq_ladder(max_running_requests: int, ladder: tuple[int, ...] = DEFAULT_SEQ_LADDER) -> tuple[int, ...]:
+    """The rungs up to the most sequences a step can hold, which is a rung too."""
+    return tuple(sorted({r for r in ladder if r < max_running_requests} | {max_running_requests}))
+
+
 def token_ladder(chunk_budget: int, ladder: tuple[int, ...] = DEFAULT_TOKEN_LADDER) -> tuple[int, ...]:
     """The rungs up to the scheduler's tokens per step (its chunked-prefill budget), which is a rung too."""
     return tuple(sorted({r for r in ladder if r < chunk_budget} | {chunk_budget}))

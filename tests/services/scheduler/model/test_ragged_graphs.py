@@ -12,7 +12,7 @@ import torch
 
 from services.models import RANDOM_TINY_MODEL
 from services.scheduler.model.loader import load_model_runner
-from services.scheduler.model.ragged_graphs import RaggedGraphRunner, RaggedKey, padded_tiles, token_ladder
+from services.scheduler.model.ragged_graphs import RaggedGraphRunner, RaggedKey, padded_tiles, seq_ladder, token_ladder
 
 BLOCK_SIZE = 4
 MAX_BLOCKS = 16
@@ -62,6 +62,10 @@ def test_worst_case_tile_count_holds_any_step_of_the_key() -> None:
     key = RaggedKey(num_seqs=8, num_tokens=64, block_m=8)
     query_lens = [9, 9, 9, 9, 9, 9, 9, 1]  # 64 tokens, each sequence one token past a tile
     assert padded_tiles(query_lens, query_lens, key).shape[1] == key.num_tiles == 16
+
+
+def test_seq_ladder_stops_at_the_most_running_requests() -> None:
+    assert seq_ladder(64) == (1, 2, 4, 8, 16, 32, 64) and seq_ladder(100) == (1, 2, 4, 8, 16, 32, 64, 100)
 
 
 def test_token_ladder_stops_at_the_chunk_budget() -> None:
