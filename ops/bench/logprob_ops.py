@@ -5,7 +5,7 @@ so the count is what output logprobs add to a step whatever the device. Measured
 tiny model (fp32) with a `TorchDispatchMode` around `SchedulerCore.step`, for
 
 - plain decode (one row per request) and a DSpark verify step (gamma + 1 rows per request; a
-  random drafter, every verify keeping `accept_len - 1` drafts: `SimulatedAcceptWorker`),
+  random drafter, every verify keeping `ACCEPT_LEN - 1` drafts: `SimulatedAcceptWorker`),
 - at each batch size, with no logprobs, top-20 for every request (raw and processed mode), and a
   mix (half the requests: top-5 and two requested ids; the other half: none).
 
@@ -39,6 +39,7 @@ RESULTS = Path(__file__).resolve().parent / "results"
 TOP20 = LogprobParams(return_logprob=True, top_logprobs_num=20)
 MIXED = LogprobParams(return_logprob=True, top_logprobs_num=5, token_ids_logprob=(7, 3))
 PROMPT_LEN = 12
+ACCEPT_LEN = 4  # DSpark: every verify keeps 3 drafts + 1 token (SimulatedAcceptWorker)
 
 
 class OpCounter(TorchDispatchMode):
@@ -103,9 +104,10 @@ def _core(runner, kind: str, logprobs_mode: str, accept_len: int) -> SchedulerCo
                          proposer=proposer, make_worker=functools.partial(SimulatedAcceptWorker, accept_len))  # fmt: skip
 
 
-def count_step(runner, kind: str, batch: int, logprobs: str, logprobs_mode: str = "raw", accept_len: int = 4) -> dict:
-    """Ops of one decode (or verify) step after prefill and two warm steps; the fastest CPU time of five."""
-    core = _core(runner, kind, logprobs_mode, accept_len)
+def count_step(runner, kind: str, batch: int, logprobs: str, logprobs_mode: str = "raw", timed_steps: int = 5) -> dict:
+    """Ops of one decode (or verify) step after prefill and two warm steps; then the fastest CPU time of
+    `timed_steps` more (None without)."""
+    core = _core(runner, kind, logprobs_mode, ACCEPT_LEN)
     for r in _requests(batch, logprobs, runner.config.vocab_size):
         core.add(r)
     for _ in range(3):
@@ -113,11 +115,11 @@ def count_step(runner, kind: str, batch: int, logprobs: str, logprobs_mode: str 
     with OpCounter() as counter:
         core.step()
     times = []
-    for _ in range(5):
+    for _ in range(timed_steps):
         start = time.perf_counter()
         core.step()
         times.append(time.perf_counter() - start)
-    return {"ops": counter.num_ops, "kernels": counter.num_kernels, "cpu_ms": 1e3 * min(times),
+    return {"ops": counter.num_ops, "kernels": counter.num_kernels, "cpu_ms": 1e3 * min(times) if times else None,
             "by_op": dict(counter.ops.most_common()), "kernels_by_op": dict(counter.kernels.most_common())}  # fmt: skip
 
 
