@@ -11,9 +11,15 @@ All on the Qwen3-8B shape with dummy bf16 weights (`ops/model_configs/Qwen3-8B`)
 - DSpark with the 8B-shape dummy drafter (`ops/model_configs/Qwen3-8B-dspark`), EXPLICITLY
   SIMULATED accept length (`--simulate-accept-len`, default 4: every verify keeps 3 drafts + the
   bonus, whatever the target says): draft + verify ms per step and output tok/s against plain
-  decoding, with and without top-20 logprobs.
+  decoding, with and without top-20 logprobs;
+- top-20 cost: 1 - tok/s with top-20 output logprobs / tok/s without, plain and DSpark (its last
+  pass), at each batch, from the rows above (same run);
+- the output-logprob path alone (`logprobs_on_device`, raw, top-20 for every row) on random
+  bf16-rounded logits of the target's vocabulary, as plain decode (1 row per request) and DSpark
+  verify (gamma + 1 rows) lay it out: ms per call back to back and alone, host ms to issue it.
 
     python ops/bench/gpu_core_check.py --before .devcarry/before --out $OUT/gpu_core.json
+    python ops/bench/gpu_core_check.py --logprob-cost --out $OUT/gpu_core_logprobs.json  # core, DSpark, syncs, the last two
 """
 
 from __future__ import annotations
@@ -234,6 +240,70 @@ def pair_rows(target: Path, draft: Path, batches, new_tokens: int, device: str) 
     return rows
 
 
+def top20_cost(result: dict) -> list[dict]:
+    """1 - tok/s(top-20) / tok/s(plain) per (step kind, batch); DSpark from its last pass (None: no tokens timed)."""
+    rows = []
+    dspark = result["dspark"]
+    last = max((r["pass"] for r in dspark), default=0)
+    for kind, source in (("plain", result["core"]), ("dspark", [r for r in dspark if r["pass"] == last])):
+        tok_s = {(r["batch"], r["logprobs"]): r["tok_s"] for r in source}
+        for batch in sorted({b for b, _ in tok_s}):
+            cost = 1 - tok_s[batch, "top20"] / tok_s[batch, "plain"] if tok_s[batch, "plain"] > 0 else None
+            rows.append({"step": kind, "batch": batch, "top20_cost": cost, "target": 0.05})
+    return rows
+
+
+def logprob_path_rows(runner, batches, width: int, k: int = 20, repeat: int = 20) -> list[dict]:
+    """`logprobs_on_device` alone, raw top-k for every row, as a step of `batch` requests with 1 row
+    each (plain decode) or `width` rows each (DSpark verify) lays it out, on bf16-rounded random
+    logits of the target's vocabulary (ties as a bf16 model has them). Median ms per call of: the
+    host launching it; the call alone (CUDA events around it: launch gaps count); and `repeat` calls
+    back to back (the device time a step pays when the host is ahead, as it is behind a forward)."""
+    from services.scheduler.logprobs import LogprobQuery, TopKKeys, logprob_inputs, logprobs_on_device
+
+    device, vocab = runner.device, runner.config.vocab_size
+    keys = TopKKeys.build(vocab, device)
+    rows = []
+    for batch in batches:
+        for rows_each in (1, width):
+            n = batch * rows_each
+            logits = (4 * torch.randn(n, vocab, device=device)).to(torch.bfloat16).float()  # [n, V]
+            queries = [LogprobQuery(np.arange(i * rows_each, (i + 1) * rows_each), None, k, ()) for i in range(batch)]
+            inputs = {name: torch.from_numpy(a).to(device) for name, a in logprob_inputs(queries, False, n).items()}
+            sampled = logits.argmax(dim=-1)  # [n]
+
+            def call():
+                logprobs_on_device(queries, inputs, logits, None, keys, False, sampled)
+
+            timings = [_timed(device, call, 1) for _ in range(repeat + 3)][3:]
+            back_to_back = [_timed(device, call, repeat)[0] / repeat for _ in range(3)]
+            rows.append({"batch": batch, "rows_per_request": rows_each, "rows": n, "k": k,
+                         "host_ms": float(np.median([h for _, h in timings])),
+                         "alone_ms": float(np.median([d for d, _ in timings])),
+                         "back_to_back_ms": float(np.median(back_to_back))})  # fmt: skip
+    return rows
+
+
+def _timed(device: torch.device, call, times: int) -> tuple[float, float]:
+    """(ms from before the first call until the device finished the last, ms the host took to issue them)."""
+    if device.type != "cuda":
+        start = time.perf_counter()
+        for _ in range(times):
+            call()
+        elapsed = 1e3 * (time.perf_counter() - start)
+        return elapsed, elapsed
+    torch.cuda.synchronize()
+    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    begin.record()
+    start = time.perf_counter()
+    for _ in range(times):
+        call()
+    host = 1e3 * (time.perf_counter() - start)
+    end.record()
+    end.synchronize()
+    return begin.elapsed_time(end), host
+
+
 def core_only(args) -> dict:
     """This tree's (or --before's, when run under its PYTHONPATH) plain core rows."""
     runner = load_model_runner(args.target, device=args.device, dtype=_dtype(args.device), load_format="dummy")
@@ -262,7 +332,7 @@ def table(result: dict) -> str:
     for label, rows in (("before: core", (result.get("before") or {}).get("core", [])), ("core", result["core"])):
         for r in rows:
             lines.append(f"| {label} {r['logprobs']} | {r['batch']} | {r['ms_per_step']:.2f} | {r['tok_s']:.0f} |")
-    for r in result["graph"]:
+    for r in result.get("graph", []):
         lines.append(f"| runner graph q={r['query_len']} | {r['batch']} | {r['graph_ms']:.2f} | |")
     for r in result["dspark"]:
         lines.append(f"| DSpark gamma={r['gamma']} SIMULATED accept {r['simulated_accept_len']} {r['logprobs']} pass {r['pass']} | "
@@ -272,7 +342,13 @@ def table(result: dict) -> str:
     for r in result.get("pair", []):
         extra = f" accept {r['accept_len']:.2f}, same tokens {r['same_tokens_as_plain']:.2f}" if "accept_len" in r else ""
         lines.append(f"| trained pair {r['mode']}{extra} | {r['batch']} | | {r['tok_s']:.0f} |")
-    lines.append(f"syncs per decode step (sync debug mode): {result['syncs']}")
+    for r in result.get("logprob_path", []):
+        lines.append(f"| logprob path alone, top-{r['k']}, {r['rows_per_request']} rows/request: ms back to back; "
+                     f"alone {r['alone_ms']:.3f}, host {r['host_ms']:.3f} | {r['batch']} | {r['back_to_back_ms']:.3f} | |")  # fmt: skip
+    for r in result.get("top20_cost", []):
+        cost = "n/a" if r["top20_cost"] is None else f"{r['top20_cost']:.1%}"
+        lines.append(f"| top-20 cost, {r['step']} (target <= {r['target']:.0%}) | {r['batch']} | | {cost} |")
+    lines.append(f"syncs per decode step with top-20 logprobs (sync debug mode): {result['syncs']}")
     return "\n".join(lines)
 
 
@@ -289,22 +365,27 @@ def main() -> None:
     parser.add_argument("--device", default="cuda", help="cuda; cpu only for the smoke test")
     parser.add_argument("--pair", nargs=2, type=Path, default=None, metavar=("TARGET", "DRAFT"),
                         help="a trained target and its DSpark drafter: accept length and tok/s against plain")
+    parser.add_argument("--logprob-cost", action="store_true",
+                        help="only the top-20 cost: core and DSpark rows, plain and top-20, the logprob path alone, syncs")
     parser.add_argument("--out", type=Path, default=REPO / "ops/bench/results/gpu_core.json")
     args = parser.parse_args()
     if args.core_only:
         print(json.dumps(core_only(args)))
         return
     name = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
-    result = {"device": name, "torch": torch.__version__, "before": before(args)}
+    result = {"device": name, "torch": torch.__version__, "before": None if args.logprob_cost else before(args)}
     runner = load_model_runner(args.target, device=args.device, dtype=_dtype(args.device), load_format="dummy", cuda_graphs=False)
     if runner.decode_kernel:
         runner.prepare_decode_graphs(query_lens=(1, 8))
     result["core"] = core_rows(runner, args.batches, args.prompt_len, args.new_tokens)
-    result["graph"] = graph_rows(runner, args.batches, (1, 8))
-    result["syncs"] = [sync_count(runner, b) for b in args.batches]
-    result["kernels"] = kernel_rows() if args.device == "cuda" else []
+    if not args.logprob_cost:
+        result["graph"] = graph_rows(runner, args.batches, (1, 8))
+        result["kernels"] = kernel_rows() if args.device == "cuda" else []
+    result["syncs"] = [sync_count(runner, b) for b in args.batches]  # decode steps with top-20 logprobs
     result["dspark"] = dspark_rows(runner, args.draft, args.batches, args.prompt_len, args.new_tokens, args.simulate_accept_len)
-    if args.pair is not None:
+    result["top20_cost"] = top20_cost(result)
+    result["logprob_path"] = logprob_path_rows(runner, args.batches, result["dspark"][0]["gamma"] + 1)
+    if args.pair is not None and not args.logprob_cost:
         result["pair"] = pair_rows(*args.pair, (1, 16), args.new_tokens, args.device)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2))

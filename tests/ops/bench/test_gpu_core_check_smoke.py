@@ -16,10 +16,7 @@ TINY = REPO / "ops/models/sparkwire-tiny"
 
 
 def test_gpu_core_check_runs_on_cpu_and_reports_the_simulated_accept_length(tmp_path):
-    draft = tmp_path / "draft"
-    draft.mkdir()
-    config = draft_config_for_target(ModelConfig.from_pretrained(TINY), num_draft_layers=1, mask_token_id=5, block_size=3, markov_rank=4)
-    (draft / "config.json").write_text(json.dumps(config.to_dict()))
+    draft = _draft(tmp_path)
     out = tmp_path / "core.json"
     command = [sys.executable, "ops/bench/gpu_core_check.py", "--device", "cpu", "--target", str(TINY), "--draft", str(draft),
                "--batches", "1", "2", "--prompt-len", "8", "--new-tokens", "30", "--simulate-accept-len", "3", "--out", str(out)]
@@ -35,3 +32,27 @@ def test_gpu_core_check_runs_on_cpu_and_reports_the_simulated_accept_length(tmp_
         assert row["simulated_accept_len"] == 3 and row["gamma"] == 3
         assert row["tokens"] == row["batch"] * 20 and row["steps"] == 7
     assert all(r["tok_s"] > 0 for r in result["core"])
+    assert [(r["step"], r["batch"]) for r in result["top20_cost"]] == [("plain", 1), ("plain", 2), ("dspark", 1), ("dspark", 2)]
+    assert [(r["batch"], r["rows_per_request"]) for r in result["logprob_path"]] == [(1, 1), (1, 4), (2, 1), (2, 4)]
+
+
+def test_gpu_core_check_logprob_cost_runs_only_what_the_top20_cost_needs(tmp_path):
+    draft = _draft(tmp_path)
+    out = tmp_path / "core.json"
+    command = [sys.executable, "ops/bench/gpu_core_check.py", "--device", "cpu", "--target", str(TINY), "--draft", str(draft),
+               "--batches", "1", "--prompt-len", "8", "--new-tokens", "30", "--logprob-cost", "--out", str(out)]
+    done = subprocess.run(command, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    result = json.loads(out.read_text())
+    assert "graph" not in result and "kernels" not in result and result["before"] is None
+    assert len(result["top20_cost"]) == 2 and len(result["logprob_path"]) == 2
+    assert "top-20 cost, dspark" in done.stdout
+
+
+def _draft(tmp_path: Path) -> Path:
+    """A dummy drafter's config for the tiny target (block size 3)."""
+    draft = tmp_path / "draft"
+    draft.mkdir()
+    config = draft_config_for_target(ModelConfig.from_pretrained(TINY), num_draft_layers=1, mask_token_id=5, block_size=3, markov_rank=4)
+    (draft / "config.json").write_text(json.dumps(config.to_dict()))
+    return draft
