@@ -1,7 +1,7 @@
 """Torch ops dispatched per decode step, with and without output logprobs, on the CPU.
 
-Each op costs host time (~10-20 us on the H200 host) and, outside the CUDA graph, a kernel launch,
-so the count is what output logprobs add to a step whatever the device. Measured on the bundled
+Each op costs host time (~10-20 us on the H200 host) and each one that launches work a kernel outside
+the CUDA graph, so the counts are what output logprobs add to a step whatever the device. Measured on the bundled
 tiny model (fp32) with a `TorchDispatchMode` around `SchedulerCore.step`, for
 
 - plain decode (one row per request) and a DSpark verify step (gamma + 1 rows per request; a
@@ -9,9 +9,10 @@ tiny model (fp32) with a `TorchDispatchMode` around `SchedulerCore.step`, for
 - at each batch size, with no logprobs, top-20 for every request (raw and processed mode), and a
   mix (half the requests: top-5 and two requested ids; the other half: none).
 
-"ops" counts every aten call, "kernels" leaves out views (which launch nothing). "added" is the
-step's count with logprobs minus without. Times (the fastest of five steps) are the CPU's, for
-orientation only: on a shared CPU they vary by tens of percent.
+"ops" counts every aten call, "kernels" leaves out those returning a view of an input (views, and
+`to`/`reshape` with nothing to do). "added" is the
+step's count with logprobs minus without. No times: on the CPU the tiny model's step says nothing
+about the H200's (`gpu_core_check.py --logprob-cost` times it there).
 
     python -m ops.bench.logprob_ops --out ops/bench/results/logprob_ops.json
 """
@@ -21,7 +22,6 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import time
 from collections import Counter
 from pathlib import Path
 
@@ -104,9 +104,8 @@ def _core(runner, kind: str, logprobs_mode: str, accept_len: int) -> SchedulerCo
                          proposer=proposer, make_worker=functools.partial(SimulatedAcceptWorker, accept_len))  # fmt: skip
 
 
-def count_step(runner, kind: str, batch: int, logprobs: str, logprobs_mode: str = "raw", timed_steps: int = 5) -> dict:
-    """Ops of one decode (or verify) step after prefill and two warm steps; then the fastest CPU time of
-    `timed_steps` more (None without)."""
+def count_step(runner, kind: str, batch: int, logprobs: str, logprobs_mode: str = "raw") -> dict:
+    """Ops of one decode (or verify) step, after the prefill and two warm steps."""
     core = _core(runner, kind, logprobs_mode, ACCEPT_LEN)
     for r in _requests(batch, logprobs, runner.config.vocab_size):
         core.add(r)
@@ -114,12 +113,7 @@ def count_step(runner, kind: str, batch: int, logprobs: str, logprobs_mode: str 
         core.step()
     with OpCounter() as counter:
         core.step()
-    times = []
-    for _ in range(timed_steps):
-        start = time.perf_counter()
-        core.step()
-        times.append(time.perf_counter() - start)
-    return {"ops": counter.num_ops, "kernels": counter.num_kernels, "cpu_ms": 1e3 * min(times) if times else None,
+    return {"ops": counter.num_ops, "kernels": counter.num_kernels,
             "by_op": dict(counter.ops.most_common()), "kernels_by_op": dict(counter.kernels.most_common())}  # fmt: skip
 
 
@@ -135,7 +129,6 @@ def run(out: Path, batches=(1, 64)) -> dict:
                 rows.append({"step": kind, "batch": batch, "logprobs": logprobs, "mode": mode,
                              "ops": row["ops"], "kernels": row["kernels"],
                              "added_ops": row["ops"] - base["ops"], "added_kernels": row["kernels"] - base["kernels"],
-                             "cpu_ms": row["cpu_ms"], "cpu_ms_without": base["cpu_ms"],
                              "added_by_op": _difference(row["by_op"], base["by_op"]),
                              "added_kernels_by_op": _difference(row["kernels_by_op"], base["kernels_by_op"])})  # fmt: skip
     result = {"model": RANDOM_TINY_MODEL.name, "torch": torch.__version__, "rows": rows}
@@ -151,11 +144,10 @@ def _difference(with_lp: dict[str, int], without: dict[str, int]) -> dict[str, i
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| step | batch | logprobs | mode | ops (added) | kernels (added) | CPU ms/step (without) |"]
-    lines.append("|---|---|---|---|---|---|---|")
+    lines = ["| step | batch | logprobs | mode | ops (added) | kernels (added) |", "|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['step']} | {r['batch']} | {r['logprobs']} | {r['mode']} | {r['ops']} ({r['added_ops']:+d}) | "
-                     f"{r['kernels']} ({r['added_kernels']:+d}) | {r['cpu_ms']:.2f} ({r['cpu_ms_without']:.2f}) |")  # fmt: skip
+                     f"{r['kernels']} ({r['added_kernels']:+d}) |")  # fmt: skip
     return "\n".join(lines)
 
 

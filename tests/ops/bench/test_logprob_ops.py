@@ -25,7 +25,7 @@ def runner():
 
 def added(runner, kind: str, batch: int, logprobs: str, mode: str = "raw") -> tuple[int, int]:
     """(ops, kernels) of one step with these logprobs, less those of the same step without."""
-    with_lp, without = (count_step(runner, kind, batch, lp, mode, timed_steps=0) for lp in (logprobs, "none"))
+    with_lp, without = (count_step(runner, kind, batch, lp, mode) for lp in (logprobs, "none"))
     return with_lp["ops"] - without["ops"], with_lp["kernels"] - without["kernels"]
 
 
