@@ -301,6 +301,7 @@ def ragged_graph_steps(runner: ModelRunner, shape: Shape, repeats: int) -> dict:
         eager[name] = _hidden_and_argmax(runner, batch)
     if cuda:
         torch.cuda.synchronize()
+        torch.cuda.empty_cache()  # so the difference below is the graphs' pool and buffers, not the cache's growth
     reserved = torch.cuda.memory_reserved() if cuda else 0
     runner.prepare_ragged_graphs(token_ladder=token_ladder(shape.chunk), max_blocks_per_seq=width)  # captures on CUDA
     try:
@@ -318,6 +319,9 @@ def ragged_graph_steps(runner: ModelRunner, shape: Shape, repeats: int) -> dict:
             result[f"{name}_speedup"] = result[f"{name}_eager_ms"] / result[f"{name}_graph_ms"]
         graphs = runner.ragged_graphs
         result["captured"] = [{**dataclasses.asdict(key), "capture_s": round(graphs.capture_seconds[key], 3)} for key in graphs.graphs]
+        result["capture_failed"] = [dataclasses.asdict(key) for key in graphs.failed]  # see the log's warning
+        if cuda:
+            torch.cuda.empty_cache()  # what stays reserved: the graphs' private pool and the static buffers
         result["graphs_reserved_mib"] = round((torch.cuda.memory_reserved() - reserved) / 2**20, 1) if cuda else None
     finally:
         runner.drop_ragged_graphs()
@@ -455,7 +459,8 @@ def table(result: dict) -> str:
                          f"first step {graph[f'{name}_first_step_s']} s |")  # fmt: skip
     if "captured" in graph:
         keys = ", ".join(f"({k['num_seqs']}, {k['num_tokens']}, {k['block_m']}) {k['capture_s']} s" for k in graph["captured"])
-        lines.append(f"| ragged graph captures | | | | {keys or 'none (CPU twin)'}; reserved +{graph['graphs_reserved_mib']} MiB |")
+        lines.append(f"| ragged graph captures | | | | {keys or 'none (CPU twin)'}; reserved +{graph['graphs_reserved_mib']} MiB; "
+                     f"failed {len(graph['capture_failed'])} |")
     for r in _rows(result, "prefill_32k"):
         lines.append(f"| prefill {r['prompt']} tok in {r['chunk']}-token chunks, {r['path']}, {r['logprobs']} | {r['seconds'] if r['path'] == 'sdpa' else ''} | "
                      f"{r['seconds'] if r['path'] == 'kernel' else ''} | | {r['steps']} steps, peak +{r['peak_extra_mib']} MiB, "

@@ -27,8 +27,8 @@ workload never visits, and capturing all of it at start-up would cost seconds an
 per key. A capture costs one eager warm-up forward plus the capture, once per key (the GPU check times
 it: ops/bench/gpu_attention_check.py, section "ragged_graph"); it runs with every row padded, so it writes the trash block only; all graphs share one
 memory pool (intermediates are reused between keys; each key keeps only its outputs, [T, H] and
-the captures). After `max_graphs` captures new keys run the padded path eagerly. Each capture is
-logged (`cuda_graphs.ragged_capture.done`, with its key). With `capture=False` (the CPU twin CI
+the captures). After `max_graphs` captures, steps of new keys are not taken (`fits`); a capture
+that fails is logged and its key left eager. Each capture is logged (`cuda_graphs.ragged_capture.done`, with its key). With `capture=False` (the CPU twin CI
 tests) the very same padded forward runs eagerly, on the varlen torch twin.
 """
 
@@ -36,8 +36,10 @@ from __future__ import annotations
 
 import bisect
 import time
+import dataclasses
 from dataclasses import dataclass
 
+import structlog
 import torch
 
 from services.common.progress import Progress
@@ -49,6 +51,8 @@ from services.scheduler.model.llama import CausalLM
 DEFAULT_SEQ_LADDER = (1, 2, 4, 8, 16, 32, 64, 128)
 DEFAULT_TOKEN_LADDER = (64, 128, 256, 384, 512, 768, 1024, 1536, 2048)  # 1.5x steps past 256: padding <= 50%
 DEFAULT_MAX_GRAPHS = 64
+
+log = structlog.get_logger(__name__)
 
 
 def seq_ladder(max_running_requests: int, ladder: tuple[int, ...] = DEFAULT_SEQ_LADDER) -> tuple[int, ...]:
@@ -106,6 +110,7 @@ class RaggedGraphRunner:
         self.graphs: dict[RaggedKey, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[RaggedKey, ForwardOutput] = {}
         self.capture_seconds: dict[RaggedKey, float] = {}
+        self.failed: set[RaggedKey] = set()  # keys whose capture raised: never tried again
         self._pool = None
 
     def _allocate(self, seqs: int, tokens: int, device: torch.device) -> None:
@@ -120,8 +125,10 @@ class RaggedGraphRunner:
         self.tiles = torch.zeros(2 * max_tiles, dtype=torch.int32, device=device)  # viewed [2, key.num_tiles]
 
     def fits(self, batch: ForwardBatch) -> bool:
-        """Host lengths present (the key is read from them), within the ladders and table width."""
-        return (
+        """Host lengths present (the key is read from them), within the ladders and table width, and,
+        when capturing, a key captured already or room for one more: past `max_graphs` a new key
+        takes the unpadded eager path, which is cheaper than the padded one."""
+        within = (
             batch.host_query_lens is not None
             and batch.host_seq_lens is not None
             and batch.num_seqs <= self.seq_ladder[-1]
@@ -129,6 +136,10 @@ class RaggedGraphRunner:
             and batch.block_tables.shape[1] <= self.max_blocks
             and tuple(batch.capture_layers) in ((), self.capture_layers)
         )
+        if not within or not self.capture:
+            return within
+        key = self.key(batch)
+        return key in self.graphs or (key not in self.failed and len(self.graphs) < self.max_graphs)
 
     def key(self, batch: ForwardBatch) -> RaggedKey:
         seqs = self.seq_ladder[bisect.bisect_left(self.seq_ladder, batch.num_seqs)]
@@ -140,8 +151,8 @@ class RaggedGraphRunner:
         projects the rows it needs). On CUDA these are views of the graph's static outputs: read
         them before the next step's replay."""
         key = self.key(batch)
-        if self.capture and key not in self.graphs and len(self.graphs) < self.max_graphs:
-            self._capture(key)
+        if self.capture and key not in self.graphs and key not in self.failed:
+            self._try_capture(key)
         self._load(batch, key)
         if key in self.graphs:
             self.graphs[key].replay()
@@ -192,6 +203,17 @@ class RaggedGraphRunner:
     def _forward(self, key: RaggedKey) -> ForwardOutput:
         hidden, captured = self.model(self._static_batch(key), self.cache, self._plan(key))  # [T, H]
         return ForwardOutput(hidden, captured)
+
+    def _try_capture(self, key: RaggedKey) -> None:
+        """A capture that fails (out of memory, an op that cannot be captured) costs this step its
+        graph, not the server: the step runs the padded path eagerly, the key is not tried again."""
+        try:
+            self._capture(key)
+        except (RuntimeError, torch.cuda.OutOfMemoryError) as exc:
+            self.failed.add(key)
+            self.graphs.pop(key, None)
+            self.outputs.pop(key, None)
+            log.warning("cuda_graphs.ragged_capture.failed", error=str(exc)[:300], **dataclasses.asdict(key))
 
     def _capture(self, key: RaggedKey) -> None:
         # Every row padded and every tile a no-op: the warm-up and the capture write the trash block only.

@@ -131,3 +131,29 @@ def test_capture_needs_the_varlen_kernel(make_pager) -> None:
     runner, _ = prefilled_runner(make_pager)
     with pytest.raises(ValueError, match="varlen kernel"):
         runner.prepare_ragged_graphs(capture=True)
+
+
+def test_a_failed_capture_runs_the_step_eagerly_and_leaves_its_key_to_the_eager_path(make_pager) -> None:
+    runner, pager = prefilled_runner(make_pager)
+    graphs = RaggedGraphRunner(runner.model, runner.kv_cache, SEQ_LADDER, TOKEN_LADDER, MAX_BLOCKS, capture=True, use_kernel=False)
+
+    def refuse(key):
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    graphs._capture = refuse
+    batch = step_batch(pager, STEPS["mixed"])
+    kv = runner.kv_cache.kv.clone()
+    want = runner.forward(batch).hidden_states
+    runner.kv_cache.kv.copy_(kv)
+    assert graphs.fits(batch)
+    with torch.inference_mode():
+        got = graphs.run(batch).hidden_states
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    assert graphs.failed == {graphs.key(batch)} and not graphs.fits(batch)
+
+
+def test_past_max_graphs_new_keys_are_not_taken(make_pager) -> None:
+    runner, pager = prefilled_runner(make_pager)
+    graphs = RaggedGraphRunner(runner.model, runner.kv_cache, SEQ_LADDER, TOKEN_LADDER, MAX_BLOCKS, capture=True,
+                               use_kernel=False, max_graphs=0)  # fmt: skip
+    assert not graphs.fits(step_batch(pager, STEPS["mixed"]))
