@@ -65,6 +65,7 @@ class ModelWorker:
         self._draft_probs: dict[str, torch.Tensor] = {}  # rid -> q [gamma, V] of its pending block
         self.last_forward_s = 0.0  # the last step's forward + verify + logprobs, device time on CUDA
         self.last_draft_s = 0.0  # the last step's inject + propose
+        self._unread_clocks: list[_StepClock] = []  # steps whose GPU work had not finished when they returned
 
     @property
     def num_host_reads(self) -> int:
@@ -90,9 +91,20 @@ class ModelWorker:
         handles.proposal(proposal)
         clock.mark()
         host = self._readback.fetch()  # 7
-        self.last_forward_s, self.last_draft_s = clock.intervals()  # the readback waited: events are done
+        self.last_forward_s, self.last_draft_s = self._step_times(clock)
         self._keep_draft_probs(plan, layout, proposal)
         return handles.results(plan, layout, host)
+
+    def _step_times(self, clock: _StepClock) -> tuple[float, float]:
+        """(forward, draft) seconds of this step and of earlier ones that ended before their GPU work
+        did: a step with nothing to read back (a prefill chunk that samples nothing) does not wait for
+        the device, so its events are read by a later step, once done (the stream runs in order)."""
+        self._unread_clocks.append(clock)
+        forward = draft = 0.0
+        while self._unread_clocks and self._unread_clocks[0].done():
+            step_forward, step_draft = self._unread_clocks.pop(0).intervals()
+            forward, draft = forward + step_forward, draft + step_draft
+        return forward, draft
 
     # 1-2. layout and upload
 
@@ -385,8 +397,8 @@ class _Handles:
 
 
 class _StepClock:
-    """Marks inside a step: CUDA events (read after the step's readback, so no extra sync), or the
-    host clock on the CPU."""
+    """Marks inside a step: CUDA events (read once done, so never an extra sync), or the host clock
+    on the CPU."""
 
     def __init__(self, device: torch.device) -> None:
         self._cuda = device.type == "cuda"
@@ -394,6 +406,9 @@ class _StepClock:
 
     def mark(self) -> None:
         self._marks.append(self._now())
+
+    def done(self) -> bool:
+        return not self._cuda or self._marks[-1].query()
 
     def intervals(self) -> list[float]:
         if self._cuda:

@@ -26,3 +26,36 @@ def test_accept_lengths_and_step_times_reach_the_exporter(make_core):
     text = generate_latest(SchedulerMetrics(lambda: snapshot, "tiny").registry).decode()
     assert f'sparkwire:spec_decode_accept_length_count{{model_name="tiny"}} {float(verifies)}' in text
     assert "sparkwire:spec_decode_draft_seconds_total" in text and "sparkwire:spec_decode_verify_seconds_total" in text
+
+
+class _Clock:
+    """A step clock whose GPU work finishes when the test says (CUDA events stand-in)."""
+
+    def __init__(self, forward: float, draft: float) -> None:
+        self.finished, self.times = False, [forward, draft]
+
+    def done(self) -> bool:
+        return self.finished
+
+    def intervals(self) -> list[float]:
+        assert self.finished, "read before its events completed (CUDA raises here)"
+        return self.times
+
+
+def test_step_times_of_a_step_without_readback_are_read_once_done_by_a_later_step():
+    """A prefill chunk that samples nothing reads nothing back, so the step ends before its GPU
+    work: its events must wait for a later step (on CUDA, reading them early raises), and count once."""
+    from services.scheduler.worker import ModelWorker
+
+    worker = ModelWorker.__new__(ModelWorker)  # only the clock bookkeeping is under test
+    worker._unread_clocks = []
+    chunk, decode = _Clock(2.0, 0.0), _Clock(0.5, 0.25)
+    assert worker._step_times(chunk) == (0.0, 0.0)  # not done: nothing read yet
+    chunk.finished = decode.finished = True
+    assert worker._step_times(decode) == (2.5, 0.25)  # both steps, in stream order
+    assert worker._unread_clocks == []
+    late = _Clock(1.0, 0.0)
+    worker._step_times(late)
+    blocked = _Clock(3.0, 0.0)
+    blocked.finished = True
+    assert worker._step_times(blocked) == (0.0, 0.0)  # in order: the earlier step is not done yet
