@@ -55,6 +55,8 @@ class RowLogprobs(Generic[Array]):
         return self.token, self.top_values, self.top_ids, self.ids
 
     def head(self, n: int) -> RowLogprobs:
+        if n >= len(self.token):
+            return self  # every row kept (each plain decode step): no per-request slicing
         return RowLogprobs(self.token[:n], self.top_values[:n], self.top_ids[:n], self.ids[:n])
 
     def with_null_row(self) -> RowLogprobs:
