@@ -18,7 +18,8 @@ def test_cpu_tiny_run_fills_every_section_it_can_and_prints_the_table(tmp_path, 
     assert result["mixed_step"]["mixed_sdpa_ms"] > 0 and "mixed_kernel_ms" not in result["mixed_step"]
     graph = result["ragged_graph"]  # the padded twin, eagerly: nothing captured on CPU
     assert graph["mixed_argmax_agreement"] == graph["verify_argmax_agreement"] == 1.0 and graph["captured"] == []
-    assert graph["mixed_hidden_max_abs_diff_relative"] < 1e-5 and graph["verify_tokens"] == 1 + 2 + 3 + 4  # 4 decodes, queries 1..4
+    assert graph["mixed_vs_padded_max_abs_diff"] == graph["verify_vs_padded_max_abs_diff"] == 0.0  # no graphs: the same path
+    assert graph["mixed_hidden_max_abs_diff_relative"] < 1e-5 and graph["verify_worst_row_rel_diff"] < 1e-5 and graph["verify_tokens"] == 1 + 2 + 3 + 4  # 4 decodes, queries 1..4
     rows = {(r["path"], r["logprobs"]): r for r in result["prefill_32k"]}
     assert rows[("sdpa", "top2")]["prompt_logprob_rows"] == 256 and rows[("sdpa", "plain")]["prompt_logprob_rows"] == 0
     assert "| layer, long (256 tok, 4 steps) |" in capsys.readouterr().out
