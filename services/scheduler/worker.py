@@ -239,11 +239,12 @@ class ModelWorker:
 
     def _logprob_queries(self, plan: StepPlan, layout: _Layout) -> _LogprobQueries:
         """Known before the forward (so their indices ride in the step's one upload): every prompt
-        row asked for, and the verify rows of each producer that wants logprobs."""
+        row asked for, and the verify rows of each producer that wants logprobs: its anchor's and its
+        drafts' (its tokens come from those; the rows padding it to K + 1 would be computed for nothing)."""
         prompt = [(i, self._prompt_query(plan.steps[i], layout.row_start[i])) for i in range(len(plan.steps))]
         width = layout.max_draft + 1
         output = [
-            (i, self._query(plan.steps[i], np.arange(p * width, (p + 1) * width, dtype=np.int64), None))
+            (i, self._query(plan.steps[i], p * width + np.arange(plan.steps[i].num_draft + 1, dtype=np.int64), None))
             for p, i in enumerate(layout.producers)
             if plan.steps[i].seq.wants_logprobs
         ]
