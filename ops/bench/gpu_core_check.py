@@ -16,7 +16,8 @@ All on the Qwen3-8B shape with dummy bf16 weights (`ops/model_configs/Qwen3-8B`)
   pass), at each batch, from the rows above (same run);
 - the output-logprob path alone (`logprobs_on_device`, raw, top-20 for every row) on random
   bf16-rounded logits of the target's vocabulary, as plain decode (1 row per request) and DSpark
-  verify (gamma + 1 rows) lay it out: ms per call back to back and alone, host ms to issue it.
+  verify (gamma + 1 rows) lay it out: ms per call back to back and alone, host ms to issue it; and
+  its top-k against a candidate with one top-k instead of two (`_top_k_by_running_count`).
 
     python ops/bench/gpu_core_check.py --before .devcarry/before --out $OUT/gpu_core.json
     python ops/bench/gpu_core_check.py --logprob-cost --out $OUT/gpu_core_logprobs.json  # core, DSpark, syncs, the last two
@@ -282,8 +283,45 @@ def logprob_path_rows(runner, batches, width: int, k: int = 20, repeat: int = 20
             rows.append({"batch": batch, "rows_per_request": rows_each, "rows": n, "k": k,
                          "host_ms": float(np.median([h for _, h in timings])),
                          "alone_ms": float(np.median([d for d, _ in timings])),
-                         "back_to_back_ms": float(np.median(back_to_back))})  # fmt: skip
+                         "back_to_back_ms": float(np.median(back_to_back)),
+                         **_top_k_variants(logits.log_softmax(dim=-1), k, keys, repeat)})  # fmt: skip
     return rows
+
+
+def _top_k_variants(logprobs: torch.Tensor, k: int, keys, repeat: int) -> dict:
+    """Back-to-back ms of `top_k_sorted` (serving) and of `_top_k_by_running_count` (a candidate), and
+    whether they agree exactly, on the same logprobs."""
+    from services.scheduler.logprobs import top_k_sorted
+
+    def serving():
+        return top_k_sorted(logprobs, k, keys)
+
+    def candidate():
+        return _top_k_by_running_count(logprobs, k)
+
+    same = all(torch.equal(a, b) for a, b in zip(serving(), candidate(), strict=True))
+    ms = {name: float(np.median([_timed(logprobs.device, f, repeat)[0] / repeat for _ in range(3)]))
+          for name, f in (("top_k_sorted_ms", serving), ("top_k_running_count_ms", candidate))}  # fmt: skip
+    return ms | {"top_k_variants_agree": same}
+
+
+def _top_k_by_running_count(logprobs: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """CANDIDATE for `top_k_sorted`, timed here only: the same result with one top-k over the row
+    instead of two. The ids above the k-th value are the top-k's first `num_above`; the j-th smallest
+    id equal to it is where the running count of (logprobs == kth) first reaches j (searchsorted)."""
+    n, vocab = logprobs.shape
+    ranks = torch.arange(k + 1, device=logprobs.device)  # [k + 1]
+    values, top_ids = logprobs.topk(k, dim=-1)  # [n, k]
+    kth = values[:, -1:]  # [n, 1]
+    running = (logprobs == kth).cumsum(dim=-1, dtype=torch.int32)  # [n, V]
+    tied_ids = torch.searchsorted(running, ranks[1:].to(torch.int32).expand(n, k).contiguous())  # [n, k]
+    num_above = (values > kth).sum(dim=-1, keepdim=True)  # [n, 1]
+    slot = ranks[:k]
+    from_tied = tied_ids.gather(1, (slot - num_above).clamp_min(0))
+    ids = torch.where(slot < num_above, top_ids, from_tied).clamp_max(vocab - 1)  # the set; values: still `values`
+    ids, order = ids.sort(dim=-1)
+    values, order = values.gather(1, order).sort(dim=-1, descending=True, stable=True)  # ties by the smaller id
+    return values, ids.gather(1, order).to(torch.int32)
 
 
 def _timed(device: torch.device, call, times: int) -> tuple[float, float]:
@@ -347,6 +385,8 @@ def table(result: dict) -> str:
     for r in result.get("logprob_path", []):
         lines.append(f"| logprob path alone, top-{r['k']}, {r['rows_per_request']} rows/request: ms back to back; "
                      f"alone {r['alone_ms']:.3f}, host {r['host_ms']:.3f} | {r['batch']} | {r['back_to_back_ms']:.3f} | |")  # fmt: skip
+        lines.append(f"| top_k_sorted vs candidate by running count (agree: {r['top_k_variants_agree']}) | {r['batch']} x "
+                     f"{r['rows_per_request']} | {r['top_k_sorted_ms']:.3f} vs {r['top_k_running_count_ms']:.3f} | |")  # fmt: skip
     for r in result.get("top20_cost", []):
         cost = "n/a" if r["top20_cost"] is None else f"{r['top20_cost']:.1%}"
         lines.append(f"| top-20 cost, {r['step']} (target <= {r['target']:.0%}) | {r['batch']} | | {cost} |")

@@ -34,6 +34,7 @@ def test_gpu_core_check_runs_on_cpu_and_reports_the_simulated_accept_length(tmp_
     assert all(r["tok_s"] > 0 for r in result["core"])
     assert [(r["step"], r["batch"]) for r in result["top20_cost"]] == [("plain", 1), ("plain", 2), ("dspark", 1), ("dspark", 2)]
     assert [(r["batch"], r["rows_per_request"]) for r in result["logprob_path"]] == [(1, 1), (1, 4), (2, 1), (2, 4)]
+    assert all(r["top_k_variants_agree"] for r in result["logprob_path"])
 
 
 def test_gpu_core_check_logprob_cost_runs_only_what_the_top20_cost_needs(tmp_path):
