@@ -27,6 +27,10 @@ from services.scheduler.sampler import filter_arrays, filtered_out, unfiltered
 
 CHUNK_BYTES = 512 * 1024 * 1024  # a chunk's fp32 logprobs, at most (and 1024 rows); with its logits and the
 # top-k's int32 keys and masks, a chunk holds ~4x this (the int64 temporaries of the first top-k held ~8x)
+# Rows whose logits the chunk computes itself (prompt rows, through the LM head): bulk work whose
+# launches are few against its FLOPs, so a smaller chunk costs little and keeps a 32k-token prompt's
+# top-k within ~0.5 GiB of working memory (issue 12: <= 1 GiB extra; 512 MiB chunks measured +2.4 GiB).
+PROMPT_CHUNK_BYTES = 128 * 1024 * 1024
 MAX_CHUNK_ROWS = 1024
 FILTERED_LOGPROB = -9999.0  # processed mode: tokens the request's sampling filters remove
 
@@ -134,7 +138,8 @@ def logprobs_on_device(
     rows = inputs.get("rows")
     targets = inputs["targets"] if sampled is None else (sampled if rows is None else sampled[rows])  # [n]
     num_rows, vocab = targets.shape[0], keys.tied.shape[0]
-    chunk_rows = max(1, min(MAX_CHUNK_ROWS, CHUNK_BYTES // (4 * vocab)))
+    budget = CHUNK_BYTES if to_logits is None else PROMPT_CHUNK_BYTES
+    chunk_rows = max(1, min(MAX_CHUNK_ROWS, budget // (4 * vocab)))
     k = min(max(q.top_k for q in queries), vocab)
     parts = []
     for start in range(0, num_rows, chunk_rows):

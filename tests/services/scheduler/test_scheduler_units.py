@@ -113,6 +113,28 @@ def test_compute_logprobs_chunks_rows_and_slices_per_request(monkeypatch):
     assert second.top_values.shape == (1, 0) and second.ids.shape == (1, 0)
 
 
+
+def test_prompt_rows_chunk_by_the_prompt_budget_and_verify_rows_by_the_larger_one(monkeypatch):
+    """Rows the chunk computes logits for (prompt rows, through the LM head) chunk by
+    PROMPT_CHUNK_BYTES, rows of given logits by CHUNK_BYTES; the results do not depend on it."""
+    vocab = 30
+    monkeypatch.setattr("services.scheduler.logprobs.PROMPT_CHUNK_BYTES", 2 * 4 * vocab)  # 2 rows a chunk
+    monkeypatch.setattr("services.scheduler.logprobs.CHUNK_BYTES", 4 * 4 * vocab)  # 4 rows a chunk
+    hidden = torch.randn(7, vocab, generator=torch.Generator().manual_seed(2))
+    queries = [LogprobQuery(np.arange(7), np.arange(7), top_k=2, token_ids=())]
+    sizes = []
+
+    def to_logits(rows):
+        sizes.append(rows.shape[0])
+        return rows.float()
+
+    (through_head,) = compute_logprobs(queries, hidden, to_logits, vocab, processed=False)
+    assert sizes == [2, 2, 2, 1]
+    (given,) = compute_logprobs(queries, hidden, None, vocab, processed=False)
+    np.testing.assert_array_equal(through_head.top_values, given.top_values)
+    np.testing.assert_array_equal(through_head.token, given.token)
+
+
 # ---- config ----
 
 
