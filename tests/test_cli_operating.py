@@ -82,7 +82,7 @@ def test_every_service_takes_the_log_flags_with_the_environments_defaults(comman
 def test_up_passes_ragged_cuda_graphs_to_the_scheduler_config():
     from services.scheduler.__main__ import config_from_args
 
-    for up, wanted in ((["up"], False), (["up", "--ragged-cuda-graphs"], True)):
+    for up, wanted in ((["up"], True), (["up", "--ragged-cuda-graphs"], True), (["up", "--no-ragged-cuda-graphs"], False)):
         scheduler = service_argv("scheduler", build_parser(up).parse_args(up))
         parsed = build_parser(scheduler[3:]).parse_args(scheduler[3:])
         assert ("--ragged-cuda-graphs" in scheduler) == wanted and config_from_args(parsed).ragged_cuda_graphs == wanted

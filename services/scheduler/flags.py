@@ -22,13 +22,13 @@ def add_speculative_arguments(parser: argparse.ArgumentParser) -> None:
 
 def add_graph_arguments(parser: argparse.ArgumentParser) -> None:
     """CUDA-graph flags, shared by `sparkwire scheduler` and `sparkwire up`."""
-    parser.add_argument("--ragged-cuda-graphs", action="store_true",
+    parser.add_argument("--ragged-cuda-graphs", action=argparse.BooleanOptionalAction, default=True,
                         help="CUDA: replay ragged steps (prefill chunks beside decodes, compact verify) from CUDA graphs "
-                             "captured on first use of each padded shape")  # fmt: skip
+                             "captured on first use of each padded shape (default on; elsewhere it does nothing)")  # fmt: skip
 
 
 def graph_argv(args: argparse.Namespace) -> list[str]:
-    return ["--ragged-cuda-graphs"] if args.ragged_cuda_graphs else []
+    return ["--ragged-cuda-graphs" if args.ragged_cuda_graphs else "--no-ragged-cuda-graphs"]
 
 
 def speculative_argv(args: argparse.Namespace) -> list[str]:
