@@ -25,11 +25,6 @@ from services.scheduler.model.llama import CausalLM
 DEFAULT_LADDER = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128)
 
 
-def is_pure_decode(batch: ForwardBatch) -> bool:
-    """One new token per sequence (every query is >= 1 token, so T == B says all are 1): no host sync."""
-    return batch.num_tokens == batch.num_seqs and not batch.capture_layers
-
-
 def uniform_query_len(batch: ForwardBatch) -> int | None:
     """q when every sequence of the batch has the same short query of q tokens; else None: a ragged
     step (the varlen kernel on CUDA, the SDPA groups elsewhere). Decode attention lets token t of

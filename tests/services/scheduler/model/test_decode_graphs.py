@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from services.models import RANDOM_TINY_MODEL
 from services.scheduler.model.attention import paged_decode_attention_torch
-from services.scheduler.model.graphs import DecodeGraphRunner, is_pure_decode
+from services.scheduler.model.graphs import DecodeGraphRunner, uniform_query_len
 from services.scheduler.model.loader import load_model_runner
 
 BLOCK_SIZE = 4
@@ -46,11 +46,23 @@ def test_decode_attention_twin_matches_dense_reference_on_ragged_lengths(num_hea
     torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5)
 
 
-def test_pure_decode_is_one_token_per_sequence_without_captures(make_pager) -> None:
-    pager = make_pager(num_seqs=2, max_blocks_per_seq=4, block_size=BLOCK_SIZE)
-    assert is_pure_decode(pager.batch([(0, [3], 5), (1, [4], 2)]))
-    assert not is_pure_decode(pager.batch([(0, [3, 4], 5), (1, [4], 2)]))  # speculative verify
-    assert not is_pure_decode(pager.batch([(0, [3], 5)], capture_layers=(1,)))
+def test_uniform_query_len_routes_decode_verify_and_ragged_steps(make_pager) -> None:
+    """q = 1 needs no host lengths (T == B); a uniform verify block needs them; ragged or long is None."""
+    import dataclasses
+
+    from services.scheduler.model.attention import MAX_BATCHED_QUERY_LEN
+
+    pager = make_pager(num_seqs=2, max_blocks_per_seq=MAX_BLOCKS, block_size=BLOCK_SIZE)
+
+    def with_host_lens(chunks):
+        return dataclasses.replace(pager.batch(chunks), host_query_lens=tuple(len(toks) for _, toks, _ in chunks))
+
+    assert uniform_query_len(pager.batch([(0, [3], 5), (1, [4], 2)])) == 1
+    assert uniform_query_len(with_host_lens([(0, [3, 4, 5], 5), (1, [4, 6, 7], 2)])) == 3
+    assert uniform_query_len(pager.batch([(0, [3, 4, 5], 5), (1, [4, 6, 7], 2)])) is None  # no host lengths
+    assert uniform_query_len(with_host_lens([(0, [3, 4], 5), (1, [4], 2)])) is None  # ragged
+    long = list(range(MAX_BATCHED_QUERY_LEN + 1))
+    assert uniform_query_len(with_host_lens([(0, long, 0), (1, long, 0)])) is None  # prefill chunks
 
 
 def prefilled_runner(make_pager, lengths: list[int]):
