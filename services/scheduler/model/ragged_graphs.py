@@ -24,14 +24,16 @@ The LM head stays outside: a ragged step needs logits for a few rows only (each 
 last token, decode and verify rows, prompt-logprob rows), which the worker picks and projects
 eagerly (`runner.compute_logits`); the graphs return hidden states [T, H] and the captured layers.
 
-Capture is lazy, on a key's first use: the key set is the product of three ladders, most of which a
-workload never visits, and capturing all of it at start-up would cost seconds and one output buffer
-per key. A capture costs one eager warm-up forward plus the capture, once per key (the GPU check times
-it: ops/bench/gpu_attention_check.py, section "ragged_graph"); it runs with every row padded, so it writes the trash block only; all graphs share one
-memory pool (intermediates are reused between keys; each key keeps only its outputs, [T, H] and
-the captures). After `max_graphs` captures, steps of new keys are not taken (`fits`); a capture
-that fails is logged and its key left eager. Each capture is logged (`cuda_graphs.ragged_capture.done`, with its key). With `capture=False` (the CPU twin CI
-tests) the very same padded forward runs eagerly, on the varlen torch twin.
+Capture is lazy, on a key's first use: the key set is the product of three ladders, most of which
+a workload never visits, and capturing all of it at start-up would cost seconds and one output
+buffer per key. A capture costs one eager warm-up forward plus the capture, once per key (0.035 to
+0.08 s on the H200 for the 8B shape: ops/bench/gpu_attention_check.py, section "ragged_graph"); it
+runs with every row padded, so it writes the trash block only. All graphs share one memory pool
+(intermediates are reused between keys; each key keeps only its outputs, [T, H] and the captures).
+After `max_graphs` captures, steps of new keys are not taken (`fits`); a capture that fails is
+logged and its key left eager. Each capture is logged (`cuda_graphs.ragged_capture.done`, with its
+key). With `capture=False` (the CPU twin CI tests) the very same padded forward runs eagerly, on the
+varlen torch twin.
 """
 
 from __future__ import annotations
