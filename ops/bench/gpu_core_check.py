@@ -5,18 +5,19 @@ All on the Qwen3-8B shape with dummy bf16 weights (`ops/model_configs/Qwen3-8B`)
 
 - runner: one graph replay of a decode step (q = 1) and a verify step (q = 8) at batch 1 and 64
   (CUDA events, median of 50) — the floor a core step can reach;
-- core: ms per decode step at batch 1 and 64 (plain greedy, and with top-20 output logprobs), this
-  tree and, in a subprocess on `--before PATH` (an export of the previous tree), the old core;
+- core: ms per decode step at batch 1 and 64 (plain greedy, and with top-20 output logprobs, eager
+  and from `LogprobGraphs`: `top20_graphs`), this tree and, in a subprocess on `--before PATH` (an export of the previous tree), the old core;
 - host syncs per decode step: torch.cuda.set_sync_debug_mode counts synchronizing calls;
 - DSpark with the 8B-shape dummy drafter (`ops/model_configs/Qwen3-8B-dspark`), EXPLICITLY
   SIMULATED accept length (`--simulate-accept-len`, default 4: every verify keeps 3 drafts + the
   bonus, whatever the target says): draft + verify ms per step and output tok/s against plain
-  decoding, with and without top-20 logprobs;
+  decoding, with and without top-20 logprobs (eager and from graphs);
 - top-20 cost: 1 - tok/s with top-20 output logprobs / tok/s without, plain and DSpark (its last
-  pass), at each batch, from the rows above (same run);
+  pass), at each batch, eager and with logprob graphs, from the rows above (same run);
 - the output-logprob path alone (`logprobs_on_device`, raw, top-20 for every row) on random
   bf16-rounded logits of the target's vocabulary, as plain decode (1 row per request) and DSpark
-  verify (gamma + 1 rows) lay it out: ms per call back to back and alone, host ms to issue it; and
+  verify (gamma + 1 rows) lay it out: ms per call back to back and alone, host ms to issue it, eager
+  and from `LogprobGraphs` (captures and their ms; graphs equal to eager exactly, raw and processed); and
   its top-k against a candidate with one top-k instead of two (`_top_k_by_running_count`).
 
     python ops/bench/gpu_core_check.py --before .devcarry/before --out $OUT/gpu_core.json
@@ -93,11 +94,15 @@ def time_core(core, reqs, warm_steps: int = 3) -> dict:
     return {"ms_per_step": 1e3 * wall / max(steps, 1), "tok_s": tokens / wall, "steps": steps, "tokens": tokens}
 
 
+# (row name, logprobs, output logprobs from LogprobGraphs): the top-20 cost, eager and with graphs
+LOGPROB_RUNS = (("plain", LogprobParams(), False), ("top20", TOP20, False), ("top20_graphs", TOP20, True))
+
+
 def core_rows(runner, batches, prompt_len, new_tokens) -> list[dict]:
     rows = []
     for batch in batches:
-        for name, logprobs in (("plain", LogprobParams()), ("top20", TOP20)):
-            core = SchedulerCore(runner, max_running_requests=max(batches), chunked_prefill_size=16384)
+        for name, logprobs, graphs in LOGPROB_RUNS:
+            core = SchedulerCore(runner, max_running_requests=max(batches), chunked_prefill_size=16384, logprob_graphs=graphs)
             time_core(core, requests(batch, 16, 6, runner.config.vocab_size, logprobs, "w"))  # warm-up
             row = time_core(core, requests(batch, prompt_len, new_tokens, runner.config.vocab_size, logprobs, "r"))
             rows.append({"batch": batch, "logprobs": name, **row})
@@ -148,11 +153,12 @@ def kernel_rows(context: int = 256) -> list[dict]:
     return rows
 
 
-def sync_count(runner, batch: int) -> dict:
-    """Synchronizing calls during decode steps, as torch's sync debug mode reports them."""
+def sync_count(runner, batch: int, logprob_graphs: bool = False) -> dict:
+    """Synchronizing calls during decode steps, as torch's sync debug mode reports them (after two
+    warm steps: logprob graphs are captured in those)."""
     if runner.device.type != "cuda":
-        return {"batch": batch, "syncs_per_decode_step": None}
-    core = SchedulerCore(runner, max_running_requests=batch, chunked_prefill_size=16384)
+        return {"batch": batch, "logprob_graphs": logprob_graphs, "syncs_per_decode_step": None}
+    core = SchedulerCore(runner, max_running_requests=batch, chunked_prefill_size=16384, logprob_graphs=logprob_graphs)
     for r in requests(batch, 32, 12, runner.config.vocab_size, TOP20, "s"):
         core.add(r)
     core.step()
@@ -165,7 +171,7 @@ def sync_count(runner, batch: int) -> dict:
             core.step()
             torch.cuda.set_sync_debug_mode("default")
         counts.append(sum("synchroniz" in str(w.message) for w in caught))
-    return {"batch": batch, "syncs_per_decode_step": counts, "host_reads_per_step": 1}
+    return {"batch": batch, "logprob_graphs": logprob_graphs, "syncs_per_decode_step": counts, "host_reads_per_step": 1}
 
 
 def dspark_rows(runner, draft: Path, batches, prompt_len, new_tokens, accept_len) -> list[dict]:
@@ -180,16 +186,16 @@ def dspark_rows(runner, draft: Path, batches, prompt_len, new_tokens, accept_len
     if runner.decode_kernel:
         runner.prepare_decode_graphs(query_lens=(1, gamma + 1), capture_layers=tuple(proposer.capture_layers))
     rows = []
-    runs = (("plain", LogprobParams()), ("top20", TOP20)) * 2  # twice: pass 2 shows what pass 1 still pays
+    runs = LOGPROB_RUNS * 2  # twice: pass 2 shows what pass 1 still pays
     for batch in batches:
-        for repeat, (name, logprobs) in enumerate(runs):
-            core = SchedulerCore(runner, max_running_requests=max(batches), chunked_prefill_size=16384,
-                                 proposer=proposer, make_worker=functools.partial(SimulatedAcceptWorker, accept_len))  # fmt: skip
+        for repeat, (name, logprobs, graphs) in enumerate(runs):
+            core = SchedulerCore(runner, max_running_requests=max(batches), chunked_prefill_size=16384, proposer=proposer,
+                                 make_worker=functools.partial(SimulatedAcceptWorker, accept_len), logprob_graphs=graphs)  # fmt: skip
             # warm-up as long as the timed run: draft graphs are captured on first use per context bucket,
             # and a shorter warm-up left the last bucket's capture inside pass 1 (its slow first pass)
             time_core(core, requests(batch, prompt_len, new_tokens, runner.config.vocab_size, logprobs, "w"))
             row = time_core(core, requests(batch, prompt_len, new_tokens, runner.config.vocab_size, logprobs, "r"))
-            rows.append({"batch": batch, "logprobs": name, "pass": repeat // 2 + 1, "gamma": gamma,
+            rows.append({"batch": batch, "logprobs": name, "pass": repeat // len(LOGPROB_RUNS) + 1, "gamma": gamma,
                          "simulated_accept_len": accept_len, **row})  # fmt: skip
     return rows
 
@@ -244,15 +250,17 @@ def pair_rows(target: Path, draft: Path, batches, new_tokens: int, device: str) 
 
 
 def top20_cost(result: dict) -> list[dict]:
-    """1 - tok/s(top-20) / tok/s(plain) per (step kind, batch); DSpark from its last pass (None: no tokens timed)."""
+    """1 - tok/s(top-20) / tok/s(plain) per (step kind, batch, eager or graphed logprobs); DSpark from
+    its last pass (None: no tokens timed)."""
     rows = []
     dspark = result["dspark"]
     last = max((r["pass"] for r in dspark), default=0)
     for kind, source in (("plain", result["core"]), ("dspark", [r for r in dspark if r["pass"] == last])):
         tok_s = {(r["batch"], r["logprobs"]): r["tok_s"] for r in source}
         for batch in sorted({b for b, _ in tok_s}):
-            cost = 1 - tok_s[batch, "top20"] / tok_s[batch, "plain"] if tok_s[batch, "plain"] > 0 else None
-            rows.append({"step": kind, "batch": batch, "top20_cost": cost, "target": 0.05})
+            for name, graphs in (("top20", False), ("top20_graphs", True)):
+                cost = 1 - tok_s[batch, name] / tok_s[batch, "plain"] if tok_s[batch, "plain"] > 0 else None
+                rows.append({"step": kind, "batch": batch, "logprob_graphs": graphs, "top20_cost": cost, "target": 0.05})
     return rows
 
 
@@ -261,7 +269,10 @@ def logprob_path_rows(runner, batches, width: int, k: int = 20, repeat: int = 20
     each (plain decode) or `width` rows each (DSpark verify) lays it out, on bf16-rounded random
     logits of the target's vocabulary (ties as a bf16 model has them). Median ms per call of: the
     host launching it; the call alone (CUDA events around it: launch gaps count); and `repeat` calls
-    back to back (the device time a step pays when the host is ahead, as it is behind a forward)."""
+    back to back (the device time a step pays when the host is ahead, as it is behind a forward).
+    The same from `LogprobGraphs` (graph_*; its captures counted and timed apart), and whether graphs
+    and eager agree exactly, raw and processed (temperature, top-k, top-p, min-p mixed over rows)."""
+    from services.scheduler.logprob_graphs import LogprobGraphs
     from services.scheduler.logprobs import LogprobQuery, TopKKeys, logprob_inputs, logprobs_on_device
 
     device, vocab = runner.device, runner.config.vocab_size
@@ -276,16 +287,48 @@ def logprob_path_rows(runner, batches, width: int, k: int = 20, repeat: int = 20
             sampled = logits.argmax(dim=-1)  # [n]
 
             def call():
-                logprobs_on_device(queries, inputs, logits, None, keys, False, sampled)
+                return logprobs_on_device(queries, inputs, logits, None, keys, False, sampled)
 
-            timings = [_timed(device, call, 1) for _ in range(repeat + 3)][3:]
-            back_to_back = [_timed(device, call, repeat)[0] / repeat for _ in range(3)]
+            graphs = LogprobGraphs(keys, capture=device.type == "cuda")
+
+            def graphed():
+                return graphs.compute(queries, inputs, logits, False, sampled)
+
+            agree = _same(call(), graphed())  # the first graphed call captures
             rows.append({"batch": batch, "rows_per_request": rows_each, "rows": n, "k": k,
-                         "host_ms": float(np.median([h for _, h in timings])),
-                         "alone_ms": float(np.median([d for d, _ in timings])),
-                         "back_to_back_ms": float(np.median(back_to_back)),
+                         **_path_times(device, call, repeat, ""), **_path_times(device, graphed, repeat, "graph_"),
+                         "graph_captures": graphs.num_captured, "graph_capture_ms": 1e3 * graphs.capture_s,
+                         "graphs_agree_raw": agree, "graphs_agree_processed": _processed_agree(queries, logits, sampled, keys),
                          **_top_k_variants(logits.log_softmax(dim=-1), k, keys, repeat)})  # fmt: skip
     return rows
+
+
+def _path_times(device, call, repeat: int, prefix: str) -> dict:
+    timings = [_timed(device, call, 1) for _ in range(repeat + 3)][3:]
+    back_to_back = [_timed(device, call, repeat)[0] / repeat for _ in range(3)]
+    return {f"{prefix}host_ms": float(np.median([h for _, h in timings])),
+            f"{prefix}alone_ms": float(np.median([d for d, _ in timings])),
+            f"{prefix}back_to_back_ms": float(np.median(back_to_back))}  # fmt: skip
+
+
+def _same(want, got) -> bool:
+    return all(a.shape == b.shape and torch.equal(a, b) for a, b in zip(want.columns(), got.columns(), strict=True))
+
+
+def _processed_agree(queries, logits, sampled, keys) -> bool:
+    """Processed mode, graphs against eager on the same rows, requests' sampling parameters mixed."""
+    from dataclasses import replace
+
+    from services.scheduler.logprob_graphs import LogprobGraphs
+    from services.scheduler.logprobs import logprob_inputs, logprobs_on_device
+
+    params = (SamplingParams(temperature=0.7, top_k=50), SamplingParams(temperature=1.2, top_p=0.9, min_p=0.02), SamplingParams())
+    queries = [replace(q, sampling=params[i % len(params)]) for i, q in enumerate(queries)]
+    inputs = {name: torch.from_numpy(a).to(logits.device) for name, a in logprob_inputs(queries, True, logits.shape[0]).items()}
+    graphs = LogprobGraphs(keys, capture=logits.device.type == "cuda")
+    want = logprobs_on_device(queries, inputs, logits, None, keys, True, sampled)
+    return _same(want, graphs.compute(queries, inputs, logits, True, sampled)) and _same(
+        want, graphs.compute(queries, inputs, logits, True, sampled))  # fmt: skip  # the capture, then a replay
 
 
 def _top_k_variants(logprobs: torch.Tensor, k: int, keys, repeat: int) -> dict:
@@ -385,11 +428,15 @@ def table(result: dict) -> str:
     for r in result.get("logprob_path", []):
         lines.append(f"| logprob path alone, top-{r['k']}, {r['rows_per_request']} rows/request: ms back to back; "
                      f"alone {r['alone_ms']:.3f}, host {r['host_ms']:.3f} | {r['batch']} | {r['back_to_back_ms']:.3f} | |")  # fmt: skip
+        lines.append(f"| same from graphs ({r['graph_captures']} captured in {r['graph_capture_ms']:.0f} ms; exact: raw "
+                     f"{r['graphs_agree_raw']}, processed {r['graphs_agree_processed']}): alone {r['graph_alone_ms']:.3f}, "
+                     f"host {r['graph_host_ms']:.3f} | {r['batch']} | {r['graph_back_to_back_ms']:.3f} | |")  # fmt: skip
         lines.append(f"| top_k_sorted vs candidate by running count (agree: {r['top_k_variants_agree']}) | {r['batch']} x "
                      f"{r['rows_per_request']} | {r['top_k_sorted_ms']:.3f} vs {r['top_k_running_count_ms']:.3f} | |")  # fmt: skip
     for r in result.get("top20_cost", []):
         cost = "n/a" if r["top20_cost"] is None else f"{r['top20_cost']:.1%}"
-        lines.append(f"| top-20 cost, {r['step']} (target <= {r['target']:.0%}) | {r['batch']} | | {cost} |")
+        graphs = ", logprob graphs" if r["logprob_graphs"] else ""
+        lines.append(f"| top-20 cost, {r['step']}{graphs} (target <= {r['target']:.0%}) | {r['batch']} | | {cost} |")
     lines.append(f"syncs per decode step with top-20 logprobs (sync debug mode): {result['syncs']}")
     return "\n".join(lines)
 
@@ -423,7 +470,7 @@ def main() -> None:
     if not args.logprob_cost:
         result["graph"] = graph_rows(runner, args.batches, (1, 8))
         result["kernels"] = kernel_rows() if args.device == "cuda" else []
-    result["syncs"] = [sync_count(runner, b) for b in args.batches]  # decode steps with top-20 logprobs
+    result["syncs"] = [sync_count(runner, b, graphs) for b in args.batches for graphs in (False, True)]  # top-20 logprobs
     result["dspark"] = dspark_rows(runner, args.draft, args.batches, args.prompt_len, args.new_tokens, args.simulate_accept_len)
     result["top20_cost"] = top20_cost(result)
     result["logprob_path"] = logprob_path_rows(runner, args.batches, result["dspark"][0]["gamma"] + 1)

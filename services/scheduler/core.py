@@ -66,12 +66,13 @@ class SchedulerCore:
         proposer: Proposer | None = None,
         verify_mode: str = "static",
         make_worker: Callable[..., ModelWorker] = ModelWorker,  # benchmarks swap in a subclass
+        logprob_graphs: bool = False,  # output logprobs replayed from CUDA graphs (`LogprobGraphs`)
         clock: Callable[[], float] = time.monotonic,  # arrival and scheduling times (queue time)
     ) -> None:
         config = runner.config
         self.vocab_size = config.vocab_size
         self.max_model_len = max_model_len or config.max_position_embeddings
-        self.worker = make_worker(runner, logprobs_mode=logprobs_mode, proposer=proposer)
+        self.worker = make_worker(runner, logprobs_mode=logprobs_mode, proposer=proposer, logprob_graphs=logprob_graphs)
         self.policy = Policy(
             num_blocks=min(num_blocks or runner.num_blocks, runner.num_blocks),
             block_size=runner.block_size,

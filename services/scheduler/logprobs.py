@@ -138,17 +138,16 @@ def logprobs_on_device(
     rows = inputs.get("rows")
     targets = inputs["targets"] if sampled is None else (sampled if rows is None else sampled[rows])  # [n]
     num_rows, vocab = targets.shape[0], keys.tied.shape[0]
-    budget = CHUNK_BYTES if to_logits is None else PROMPT_CHUNK_BYTES
-    chunk_rows = max(1, min(MAX_CHUNK_ROWS, budget // (4 * vocab)))
+    chunk_rows = max_chunk_rows(vocab, CHUNK_BYTES if to_logits is None else PROMPT_CHUNK_BYTES)
     k = min(max(q.top_k for q in queries), vocab)
     parts = []
     for start in range(0, num_rows, chunk_rows):
         chunk = slice(start, min(start + chunk_rows, num_rows))
         picked = source[chunk] if rows is None else source[rows[chunk]]
         logits = to_logits(picked) if to_logits is not None else picked  # f32 [c, V]
-        sampling = {name: t[chunk] for name, t in inputs.items() if name in _SAMPLING} if processed else None
-        logprobs = _log_distribution(logits, sampling)
-        parts.append(_gather(logprobs, targets[chunk], k, inputs["ids"][chunk] if "ids" in inputs else None, keys))
+        sampling = {name: t[chunk] for name, t in inputs.items() if name in SAMPLING_INPUTS} if processed else None
+        ids = inputs["ids"][chunk] if "ids" in inputs else None
+        parts.append(logprob_columns(logits, targets[chunk], k, ids, sampling, keys))
     if len(parts) == 1:
         return RowLogprobs(*parts[0])
     return RowLogprobs(*(torch.cat(column) for column in zip(*parts, strict=True)))
@@ -161,7 +160,26 @@ def split_logprobs(queries: list[LogprobQuery], host: list[np.ndarray] | None) -
     return _split(queries, *host)
 
 
-_SAMPLING = ("temperature", "top_k", "top_p", "min_p")  # processed mode's inputs, each present when it changes something
+SAMPLING_INPUTS = ("temperature", "top_k", "top_p", "min_p")  # processed mode's inputs, each present when it changes something
+
+
+def max_chunk_rows(vocab_size: int, budget: int = CHUNK_BYTES) -> int:
+    """Rows `logprobs_on_device` computes at once: given logits (verify rows) by default, else hidden states."""
+    return max(1, min(MAX_CHUNK_ROWS, budget // (4 * vocab_size)))
+
+
+def logprob_columns(
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    k: int,
+    ids: torch.Tensor | None,
+    sampling: dict[str, torch.Tensor] | None,
+    keys: TopKKeys,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One chunk's device work: f32 logits [c, V] -> the columns of `RowLogprobs` (token [c], top-k
+    [c, k] twice, ids [c, m]). sampling: None in raw mode, else processed mode's present inputs [c].
+    Every op is per row (what lets `LogprobGraphs` run it on padded rows)."""
+    return _gather(_log_distribution(logits, sampling), targets, k, ids, keys)
 
 
 def _gather(logprobs: torch.Tensor, targets: torch.Tensor, k: int, ids: torch.Tensor | None, keys: TopKKeys):

@@ -94,6 +94,7 @@ def build_core(config: SchedulerConfig) -> SchedulerCore:
         max_model_len=config.max_model_len,
         logprobs_mode=config.logprobs_mode,
         seed=config.seed,
+        logprob_graphs=config.logprob_cuda_graphs and runner.device.type == "cuda",  # elsewhere the flag does nothing
     )
 
 

@@ -26,6 +26,7 @@ import torch
 
 from services.scheduler.host_io import HostReadback, HostUpload
 from services.scheduler.logits_processing import is_identity, process_logits, verify_row_contexts
+from services.scheduler.logprob_graphs import LogprobGraphs
 from services.scheduler.logprobs import LogprobQuery, TopKKeys, logprob_inputs, logprobs_on_device, split_logprobs
 from services.scheduler.model.batch import ForwardBatch
 from services.scheduler.policy import SeqResult, SeqStep, StepPlan
@@ -54,12 +55,18 @@ class _Layout:
 
 
 class ModelWorker:
-    def __init__(self, runner, *, logprobs_mode: str = "raw", proposer: Proposer | None = None) -> None:
+    def __init__(
+        self, runner, *, logprobs_mode: str = "raw", proposer: Proposer | None = None, logprob_graphs: bool = False
+    ) -> None:
+        """logprob_graphs: output logprobs from `LogprobGraphs` (captured on CUDA; elsewhere its padded
+        eager twin)."""
         self.runner = runner
         self.proposer = proposer
         self.vocab_size = runner.config.vocab_size
         self._processed = logprobs_mode == "processed"
         self._top_k_keys = TopKKeys.build(self.vocab_size, runner.device)
+        capture = runner.device.type == "cuda"
+        self.logprob_graphs = LogprobGraphs(self._top_k_keys, capture=capture) if logprob_graphs else None
         self._upload = HostUpload(runner.device)
         self._readback = HostReadback()
         self._draft_probs: dict[str, torch.Tensor] = {}  # rid -> q [gamma, V] of its pending block
@@ -259,8 +266,11 @@ class ModelWorker:
         if wanted.output and verified is not None:
             logits = verified.logits.view(-1, verified.logits.shape[-1])  # [P * (K + 1), V]
             sampled = verified.tokens.reshape(-1)  # [P * (K + 1)]: each logits row's token, sampled this step
-            output_lp = logprobs_on_device([q for _, q in wanted.output], _section(arrays, OUTPUT_LP), logits,
-                                           None, self._top_k_keys, self._processed, sampled)  # fmt: skip
+            queries, inputs = [q for _, q in wanted.output], _section(arrays, OUTPUT_LP)
+            if self.logprob_graphs is not None:
+                output_lp = self.logprob_graphs.compute(queries, inputs, logits, self._processed, sampled)
+            else:
+                output_lp = logprobs_on_device(queries, inputs, logits, None, self._top_k_keys, self._processed, sampled)
         return _LogprobJobs(wanted.prompt, prompt_lp, wanted.output, output_lp)
 
     def _prompt_query(self, step: SeqStep, row_start: int) -> LogprobQuery | None:

@@ -24,17 +24,20 @@ def test_gpu_core_check_runs_on_cpu_and_reports_the_simulated_accept_length(tmp_
     done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     result = json.loads(out.read_text())
-    assert [(r["batch"], r["logprobs"]) for r in result["core"]] == [(1, "plain"), (1, "top20"), (2, "plain"), (2, "top20")]
-    assert len(result["dspark"]) == 2 * 4  # batches x (plain, top20) x 2 passes
+    runs = ("plain", "top20", "top20_graphs")
+    assert [(r["batch"], r["logprobs"]) for r in result["core"]] == [(b, name) for b in (1, 2) for name in runs]
+    assert len(result["dspark"]) == 2 * 6  # batches x (plain, top20, top20_graphs) x 2 passes
     for row in result["dspark"]:
         # 30 tokens each: 1 from prefill, then every verify keeps 2 drafts + 1 token, whatever the target says;
         # 3 warm-up verifies (9 tokens) come before the timed steps, which make the other 20: 7 steps
         assert row["simulated_accept_len"] == 3 and row["gamma"] == 3
         assert row["tokens"] == row["batch"] * 20 and row["steps"] == 7
     assert all(r["tok_s"] > 0 for r in result["core"])
-    assert [(r["step"], r["batch"]) for r in result["top20_cost"]] == [("plain", 1), ("plain", 2), ("dspark", 1), ("dspark", 2)]
+    assert [(r["step"], r["batch"], r["logprob_graphs"]) for r in result["top20_cost"]] == [
+        (step, b, graphs) for step in ("plain", "dspark") for b in (1, 2) for graphs in (False, True)]
     assert [(r["batch"], r["rows_per_request"]) for r in result["logprob_path"]] == [(1, 1), (1, 4), (2, 1), (2, 4)]
     assert all(r["top_k_variants_agree"] for r in result["logprob_path"])
+    assert all(r["graphs_agree_raw"] and r["graphs_agree_processed"] for r in result["logprob_path"])
 
 
 def test_gpu_core_check_logprob_cost_runs_only_what_the_top20_cost_needs(tmp_path):
@@ -46,7 +49,7 @@ def test_gpu_core_check_logprob_cost_runs_only_what_the_top20_cost_needs(tmp_pat
     assert done.returncode == 0, done.stderr[-2000:]
     result = json.loads(out.read_text())
     assert "graph" not in result and "kernels" not in result and result["before"] is None
-    assert len(result["top20_cost"]) == 2 and len(result["logprob_path"]) == 2
+    assert len(result["top20_cost"]) == 4 and len(result["logprob_path"]) == 2
     assert "top-20 cost, dspark" in done.stdout
 
 

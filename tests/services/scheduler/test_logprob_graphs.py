@@ -1,0 +1,167 @@
+"""`LogprobGraphs` on the CPU (its padded eager twin; capture=False) equals `logprobs_on_device` bit
+for bit: mixed k and ids, ties, row subsets, stale padded rows, raw and processed modes; and a core
+with logprob graphs serves the eager core's tokens and logprobs exactly (plain and DSpark)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from contracts.scheduler import LogprobParams, SamplingParams
+from services.scheduler.logprob_graphs import LogprobGraphs
+from services.scheduler.logprobs import LogprobQuery, TopKKeys, logprob_inputs, logprobs_on_device, split_logprobs
+from test_dspark_core import dspark  # noqa: F401  (fixture)
+from test_scheduler_core import prompt_of, request, run
+
+VOCAB = 300
+SAMPLINGS = [
+    SamplingParams(),
+    SamplingParams(temperature=0.7, top_k=7),
+    SamplingParams(temperature=1.3, top_p=0.8),
+    SamplingParams(temperature=0.0, min_p=0.05),
+    SamplingParams(temperature=0.9, top_k=40, top_p=0.9, min_p=0.01),
+]
+
+
+def _logits(num_rows: int, seed: int) -> torch.Tensor:
+    """f32 [N, V], rounded to few values so rows hold many ties (at the k-th value too)."""
+    generator = torch.Generator().manual_seed(seed)
+    return (2 * torch.randn(num_rows, VOCAB, generator=generator)).round(decimals=1)
+
+
+def _queries(rows_each: list[int], ks: list[int], ids: list[tuple[int, ...]], samplings, source_rows: int, seed: int):
+    rng = np.random.default_rng(seed)
+    picked = rng.permutation(source_rows)[: sum(rows_each)]
+    bounds = np.cumsum([0, *rows_each])
+    return [
+        LogprobQuery(picked[a:b].astype(np.int64), None, k, m, s)
+        for a, b, k, m, s in zip(bounds[:-1], bounds[1:], ks, ids, samplings, strict=True)
+    ]
+
+
+def _both(graphs: LogprobGraphs, queries, logits, processed: bool, sampled):
+    keys = graphs.keys
+    inputs = {name: torch.from_numpy(a) for name, a in logprob_inputs(queries, processed, logits.shape[0]).items()}
+    want = logprobs_on_device(queries, inputs, logits, None, keys, processed, sampled)
+    got = graphs.compute(queries, inputs, logits, processed, sampled)
+    return want, got
+
+
+def _assert_equal(want, got, queries) -> None:
+    for a, b in zip(want.columns(), got.columns(), strict=True):
+        assert a.shape == b.shape and a.dtype == b.dtype
+        assert torch.equal(a, b)
+    split_want = split_logprobs(queries, [t.numpy() for t in want.columns()])
+    split_got = split_logprobs(queries, [t.contiguous().numpy() for t in got.columns()])
+    for a, b in zip(split_want, split_got, strict=True):
+        for x, y in zip(a.columns(), b.columns(), strict=True):
+            np.testing.assert_array_equal(x, y)
+
+
+CASES = [  # rows per request, k, requested ids: shapes that land on and between the ladders' rungs
+    ([1], [20], [()]),
+    ([1] * 7, [20, 0, 5, 1, 20, 3, 2], [(), (4, 9), (), (1, 2, 3, 4, 5), (), (299,), ()]),
+    ([4, 4, 4], [5, 5, 5], [(7,), (7,), (7,)]),
+    ([5, 2, 8, 1], [0, 0, 0, 0], [(), (), (), ()]),
+    ([8] * 12, [20] * 12, [()] * 12),
+]
+
+
+@pytest.mark.parametrize("processed", [False, True])
+@pytest.mark.parametrize("case", range(len(CASES)))
+def test_padded_twin_equals_the_eager_path_bit_for_bit(processed, case):
+    rows_each, ks, ids = CASES[case]
+    samplings = [SAMPLINGS[i % len(SAMPLINGS)] for i in range(len(ks))]
+    graphs = LogprobGraphs(TopKKeys.build(VOCAB, "cpu"), capture=False)
+    logits = _logits(120, seed=case)
+    sampled = torch.randint(0, VOCAB, (120,), generator=torch.Generator().manual_seed(case))
+    queries = _queries(rows_each, ks, ids, samplings, 120, seed=case)
+    _assert_equal(*_both(graphs, queries, logits, processed, sampled), queries)
+
+
+@pytest.mark.parametrize("processed", [False, True])
+def test_stale_padded_rows_and_ids_columns_change_nothing(processed):
+    """Calls on one key with fewer rows and ids each time: rows and columns past them hold the last call's."""
+    graphs = LogprobGraphs(TopKKeys.build(VOCAB, "cpu"), capture=False)
+    for seed, (num_rows, ids) in enumerate(((7, (1, 2, 3, 4)), (5, (9, 8, 7)), (6, (3, 5, 6)), (8, (5, 6, 2, 1)))):
+        logits = _logits(40, seed=10 + seed)
+        sampled = torch.randint(0, VOCAB, (40,), generator=torch.Generator().manual_seed(seed))
+        samplings = [SAMPLINGS[(seed + i) % len(SAMPLINGS)] for i in range(num_rows)]
+        queries = _queries([1] * num_rows, [20] * num_rows, [ids] * num_rows, samplings, 40, seed=seed)
+        _assert_equal(*_both(graphs, queries, logits, processed, sampled), queries)
+    assert len(graphs._graphs) == 1  # rows rung 8, ids rung 4
+
+
+def test_every_source_row_given_targets_and_keys_off_the_ladders():
+    graphs = LogprobGraphs(TopKKeys.build(VOCAB, "cpu"), capture=False, max_rows=16)
+    logits = _logits(24, seed=3)
+    targets = np.arange(24, dtype=np.int64) * 7 % VOCAB
+    whole = [LogprobQuery(np.arange(12, dtype=np.int64) + 12 * i, targets[12 * i : 12 * (i + 1)], 3, ()) for i in range(2)]
+    for queries in (whole[:1], whole, [LogprobQuery(np.arange(3), None, 25, ())], [LogprobQuery(np.arange(2), None, 1, tuple(range(17)))]):
+        sampled = torch.arange(24) % VOCAB
+        _assert_equal(*_both(graphs, queries, logits, False, sampled if queries[0].targets is None else None), queries)
+    assert len(graphs._graphs) == 1  # 12 rows: one graph; 24 rows (> max_rows), k = 25 and 17 ids: eager
+
+
+def test_past_max_graphs_keys_run_eagerly():
+    graphs = LogprobGraphs(TopKKeys.build(VOCAB, "cpu"), capture=False, max_graphs=2)
+    logits, sampled = _logits(64, seed=4), torch.arange(64) % VOCAB
+    for num_rows in (1, 2, 4, 8, 16):
+        queries = [LogprobQuery(np.arange(num_rows), None, 5, ())]
+        _assert_equal(*_both(graphs, queries, logits, False, sampled), queries)
+    assert len(graphs._graphs) == 2
+
+
+def test_capture_bookkeeping(fake_cuda_capture):
+    graphs = LogprobGraphs(TopKKeys.build(VOCAB, "cpu"), capture=True)
+    logits, sampled = _logits(16, seed=5), torch.arange(16)
+    for num_rows in (1, 3, 4, 3):
+        queries = [LogprobQuery(np.arange(num_rows), None, 20, ())]
+        got = graphs.compute(queries, {}, logits, False, sampled)
+        assert got.top_values.shape == (num_rows, 20)
+    assert graphs.num_captured == 2 and graphs.capture_s > 0  # rungs 1 and 4
+
+
+MIXED = [
+    None,
+    LogprobParams(return_logprob=True, top_logprobs_num=20),
+    LogprobParams(return_logprob=True, top_logprobs_num=5, token_ids_logprob=(7, 3, 1999)),
+    LogprobParams(return_logprob=True, logprob_start_len=0, top_logprobs_num=2),
+    LogprobParams(return_logprob=True, top_logprobs_num=0, token_ids_logprob=(11,)),
+]
+
+
+def _requests(sampled: bool) -> list:
+    extra = [dict(temperature=0.8, seed=7, top_k=9), dict(temperature=1.1, seed=3, top_p=0.7, min_p=0.02), {}] if sampled else [{}]
+    return [
+        request(f"r{i}", prompt_of(500 + i, 3 + 2 * i), max_new_tokens=3 + i % 5, ignore_eos=True,
+                logprobs=MIXED[i % len(MIXED)], **extra[i % len(extra)])  # fmt: skip
+        for i in range(14)
+    ]
+
+
+def _assert_exact(eager, graphed) -> None:
+    assert set(eager) == set(graphed)
+    for rid, a in eager.items():
+        b = graphed[rid]
+        assert a.tokens == b.tokens and a.finish == b.finish
+        for name in ("input_token", "input_top_values", "input_top_ids", "input_ids",
+                     "output_token", "output_top_values", "output_top_ids", "output_ids"):  # fmt: skip
+            if getattr(a, name):
+                np.testing.assert_array_equal(b.cat(name), a.cat(name), err_msg=f"{rid} {name}")
+
+
+@pytest.mark.parametrize("mode", ["raw", "processed"])
+@pytest.mark.parametrize("speculative", [False, True])
+def test_core_with_logprob_graphs_serves_the_eager_cores_logprobs_exactly(make_core, dspark, mode, speculative):  # noqa: F811
+    reqs = _requests(sampled=mode == "processed")
+    joins = {2: reqs[10:]}
+    results = []
+    for graphs in (False, True):
+        proposer = dspark() if speculative else None
+        core = make_core(chunked_prefill_size=40, logprobs_mode=mode, proposer=proposer, logprob_graphs=graphs)
+        results.append(run(core, reqs[:10], joins))
+        assert (core.worker.logprob_graphs is not None) == graphs
+    _assert_exact(*results)
+    assert core.worker.logprob_graphs._graphs  # the graphs' twin served the output rows
