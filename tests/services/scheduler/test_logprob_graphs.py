@@ -165,3 +165,20 @@ def test_core_with_logprob_graphs_serves_the_eager_cores_logprobs_exactly(make_c
         assert (core.worker.logprob_graphs is not None) == graphs
     _assert_exact(*results)
     assert core.worker.logprob_graphs._graphs  # the graphs' twin served the output rows
+
+
+@pytest.mark.parametrize("processed", [False, True])
+def test_a_replayed_call_launches_only_the_copies_into_its_static_inputs(fake_cuda_capture, processed):
+    """Host cost of a replay: one copy per input (logits rows, targets, ids, each sampling input), whatever
+    the number of requests, plus views; the graph's own ops (replayed by the fake as nothing) are not run."""
+    from ops.bench.logprob_ops import OpCounter
+
+    graphs = LogprobGraphs(TopKKeys.build(VOCAB, "cpu"), capture=True)
+    logits, sampled = _logits(64, seed=6), torch.arange(64) % VOCAB
+    queries = _queries([1] * 9, [20, 5] * 4 + [0], [(3, 4), ()] * 4 + [(1,)], SAMPLINGS + SAMPLINGS[:4], 64, seed=6)
+    inputs = {name: torch.from_numpy(a) for name, a in logprob_inputs(queries, processed, 64).items()}
+    graphs.compute(queries, inputs, logits, processed, sampled)  # captures
+    with OpCounter() as counter:
+        graphs.compute(queries, inputs, logits, processed, sampled)
+    copies = 3 + 4 * processed  # logits, targets, ids; temperature, top_k, top_p, min_p
+    assert counter.num_kernels == copies and graphs.num_captured == 1
