@@ -91,7 +91,7 @@ def test_up_passes_ragged_cuda_graphs_to_the_scheduler_config():
 def test_up_passes_logprob_cuda_graphs_to_the_scheduler_config():
     from services.scheduler.__main__ import config_from_args
 
-    for up, wanted in ((["up"], False), (["up", "--logprob-cuda-graphs"], True)):
+    for up, wanted in ((["up"], True), (["up", "--logprob-cuda-graphs"], True), (["up", "--no-logprob-cuda-graphs"], False)):
         scheduler = service_argv("scheduler", build_parser(up).parse_args(up))
         parsed = build_parser(scheduler[3:]).parse_args(scheduler[3:])
         assert ("--logprob-cuda-graphs" in scheduler) == wanted and config_from_args(parsed).logprob_cuda_graphs == wanted

@@ -31,7 +31,7 @@ class SchedulerConfig:
     max_running_requests: int = 64
     chunked_prefill_size: int = 2048  # tokens per step, prefill chunks and decode tokens together
     ragged_cuda_graphs: bool = True  # CUDA with Triton: ragged steps replay graphs (checked on the H200: gpu_serve.md)
-    logprob_cuda_graphs: bool = False  # CUDA: output logprobs replay graphs (`LogprobGraphs`; off until checked on the GPU)
+    logprob_cuda_graphs: bool = True  # CUDA: output logprobs replay graphs (`LogprobGraphs`; exact on the H200: gpu_core.md)
     kv_block_size: int = 16
     num_kv_blocks: int | None = None  # None: sized from kv_cache_bytes
     kv_cache_bytes: int | None = None  # the target's and a drafter's KV caches together; None: the runner's default budget

@@ -25,14 +25,15 @@ def add_graph_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ragged-cuda-graphs", action=argparse.BooleanOptionalAction, default=True,
                         help="CUDA: replay ragged steps (prefill chunks beside decodes, compact verify) from CUDA graphs "
                              "captured on first use of each padded shape (default on; elsewhere it does nothing)")  # fmt: skip
-    parser.add_argument("--logprob-cuda-graphs", action="store_true",
-                        help="CUDA: compute output logprobs (top-k, requested ids) from CUDA graphs captured on first "
-                             "use of each padded shape (default off; elsewhere it does nothing)")  # fmt: skip
+    parser.add_argument("--logprob-cuda-graphs", action=argparse.BooleanOptionalAction, default=True,
+                        help="CUDA: compute output logprobs (top-k, requested ids) of up to 128 rows from CUDA graphs "
+                             "captured on first use of each padded shape (default on; elsewhere it does nothing)")  # fmt: skip
 
 
 def graph_argv(args: argparse.Namespace) -> list[str]:
     ragged = "--ragged-cuda-graphs" if args.ragged_cuda_graphs else "--no-ragged-cuda-graphs"
-    return [ragged] + ["--logprob-cuda-graphs"] * args.logprob_cuda_graphs
+    logprob = "--logprob-cuda-graphs" if args.logprob_cuda_graphs else "--no-logprob-cuda-graphs"
+    return [ragged, logprob]
 
 
 def speculative_argv(args: argparse.Namespace) -> list[str]:

@@ -49,6 +49,10 @@ ROW_LADDER = (1, 2, 4, 8, 16, 32, 64, 96, 128, 192, 256, 384, 512)  # at most 1.
 K_LADDER = (0, 1, 5, 10, 20)
 IDS_LADDER = (0, 1, 2, 4, 8, 16)
 MAX_GRAPHS = 32
+# More rows are device-bound (top-k over [rows, V]): on the H200 512 rows took 3.27 ms from a graph
+# against 3.19 eager (gpu_core.md, run 7), and their static logits + pool (~1.5 GB at the 8B
+# vocabulary) would sit outside the KV-cache reserve. Up to 128 rows the static logits are ~78 MB.
+DEFAULT_MAX_ROWS = 128
 NEUTRAL_SAMPLING = {"temperature": 1.0, "top_k": TOP_K_OFF, "top_p": 1.0, "min_p": 0.0}  # padded rows, at first
 
 
@@ -70,7 +74,7 @@ class _Graph:
 class LogprobGraphs:
     """`logprobs_on_device` for rows of given logits (no `to_logits`), replayed from graphs."""
 
-    def __init__(self, keys: TopKKeys, capture: bool = True, max_graphs: int = MAX_GRAPHS, max_rows: int = ROW_LADDER[-1]):
+    def __init__(self, keys: TopKKeys, capture: bool = True, max_graphs: int = MAX_GRAPHS, max_rows: int = DEFAULT_MAX_ROWS):
         self.keys = keys
         self.capture = capture
         self.max_graphs = max_graphs
