@@ -2,8 +2,10 @@
 
 `HostUpload` packs a step's host arrays (token ids, positions, slots, tables, sampling
 parameters; each in its own dtype) into one persistent byte buffer — pinned on CUDA, so the copy is asynchronous — and sends
-it with one non-blocking copy. Reusing the buffer is safe because each step ends with the
-readback, which waits for every earlier copy on the stream.
+it with one non-blocking copy. Before the buffer is written again, `send` waits for the last copy
+out of it (a CUDA event): usually already done, since most steps end with the readback, which waits
+for every earlier copy on the stream; but a step with nothing to read back (a prefill chunk that
+samples nothing) returns before its copy has run, and the next step must not overwrite its inputs.
 
 `HostReadback` collects the step's device results (sampled tokens, accepted counts, drafts,
 logprob rows) and brings them all back with one device->host copy: every part is 32 bits wide
@@ -21,6 +23,7 @@ class HostUpload:
         self.device = device
         self._pinned = device.type == "cuda"
         self._buffer = torch.empty(0, dtype=torch.uint8)
+        self._copied: torch.cuda.Event | None = None  # the last copy out of the pinned buffer
 
     def send(self, arrays: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
         """Each array arrives with its own dtype and shape (int64, int32, float32, bool ...)."""
@@ -29,12 +32,17 @@ class HostUpload:
             total = -(-total // ALIGN) * ALIGN  # every part starts 8-byte aligned, so it can be viewed as its dtype
             offsets.append(total)
             total += array.nbytes
+        if self._copied is not None:
+            self._copied.synchronize()  # its copy has left the buffer: safe to overwrite
         if self._buffer.numel() < total:
             self._buffer = torch.empty(max(total, 2 * self._buffer.numel()), dtype=torch.uint8, pin_memory=self._pinned)
         host = self._buffer.numpy()
         for array, offset in zip(arrays.values(), offsets, strict=True):
             host[offset : offset + array.nbytes] = np.ascontiguousarray(array).reshape(-1).view(np.uint8)
         on_device = self._buffer[:total].to(self.device, non_blocking=True)
+        if self._pinned:
+            self._copied = torch.cuda.Event()
+            self._copied.record()
         return {
             name: on_device[offset : offset + array.nbytes].view(_TORCH_DTYPES[array.dtype.str]).view(array.shape)
             for (name, array), offset in zip(arrays.items(), offsets, strict=True)

@@ -1,0 +1,34 @@
+"""The step's one upload and one readback."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from services.scheduler.host_io import HostReadback, HostUpload
+
+
+def test_upload_keeps_each_arrays_dtype_and_shape_and_readback_restores_them():
+    upload, readback = HostUpload(torch.device("cpu")), HostReadback()
+    arrays = {"ids": np.arange(5, dtype=np.int64), "mask": np.array([[True, False]]), "t": np.full(3, 0.5, np.float32)}
+    sent = upload.send(arrays)
+    for name, array in arrays.items():
+        np.testing.assert_array_equal(sent[name].numpy(), array)
+    handles = [readback.add(sent["t"]), readback.add(sent["ids"].to(torch.int32))]
+    host = readback.fetch()
+    np.testing.assert_array_equal(host[handles[0]], arrays["t"])
+    np.testing.assert_array_equal(host[handles[1]], arrays["ids"])
+    assert readback.num_copies == 1
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the pinned buffer's race exists on CUDA only")
+def test_a_second_send_does_not_overwrite_inputs_whose_copy_has_not_run():
+    """A step with nothing to read back returns before its upload has run; the next step's send
+    must wait for that copy before it rewrites the shared pinned buffer."""
+    upload = HostUpload(torch.device("cuda"))
+    torch.cuda._sleep(200_000_000)  # keep the stream busy, so the first copy waits in the queue
+    first = upload.send({"ids": np.arange(1024, dtype=np.int64)})
+    upload.send({"ids": np.full(1024, -1, dtype=np.int64)})
+    torch.cuda.synchronize()
+    np.testing.assert_array_equal(first["ids"].cpu().numpy(), np.arange(1024))
