@@ -40,6 +40,7 @@ from services.scheduler.logprobs import (
     logprobs_on_device,
     max_chunk_rows,
 )
+from services.scheduler.model.graphs import capture_graph
 from services.scheduler.request import RowLogprobs
 from services.scheduler.sampler import TOP_K_OFF
 
@@ -154,11 +155,7 @@ class LogprobGraphs:
         return self._buffers[name, shape]
 
     def _capture(self, static: dict[str, torch.Tensor], key: _Key) -> tuple[torch.cuda.CUDAGraph, RowLogprobs]:
-        _columns(static, key, self.keys)  # warm-up: allocator growth, kernel selection
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
-            output = RowLogprobs(*_columns(static, key, self.keys))
+        graph, output = capture_graph(lambda: RowLogprobs(*_columns(static, key, self.keys)), self._pool)
         self._pool = graph.pool()
         return graph, output
 

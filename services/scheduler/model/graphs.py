@@ -13,6 +13,8 @@ forward eagerly. With `capture_layers` the graphs also return those layers' outp
 from __future__ import annotations
 
 import bisect
+from collections.abc import Callable
+from typing import TypeVar
 
 import torch
 
@@ -23,6 +25,7 @@ from services.scheduler.model.kv_cache import PagedKVCache
 from services.scheduler.model.llama import CausalLM
 
 DEFAULT_LADDER = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128)
+T = TypeVar("T")
 
 
 def uniform_query_len(batch: ForwardBatch) -> int | None:
@@ -37,6 +40,22 @@ def uniform_query_len(batch: ForwardBatch) -> int | None:
     if lens is None or len(set(lens)) != 1 or lens[0] > MAX_BATCHED_QUERY_LEN:
         return None
     return lens[0]
+
+
+
+def capture_graph(
+    run: Callable[[], T], pool=None, device: torch.device | None = None
+) -> tuple[torch.cuda.CUDAGraph, T]:
+    """One warm-up call of `run` (Triton compiles, cuBLAS plans, allocator growth), then its capture
+    into `pool` (None: a new one; pass `graph.pool()` on to share it); returns (graph, run's static
+    outputs). thread_local: graphs captured on first use, in the middle of serving, must not fail on
+    another thread's CUDA calls."""
+    run()
+    torch.cuda.synchronize(device)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+        output = run()
+    return graph, output
 
 
 class DecodeGraphRunner:
@@ -145,11 +164,8 @@ class DecodeGraphRunner:
         for query_len in reversed(self.query_lens):
             self._pad(0, self.ladder[-1], query_len)  # every row padded: capture touches the trash block only
             for rung in reversed(self.ladder):
-                self._forward(rung, query_len)  # warm-up: Triton compile, cuBLAS plans, allocator growth
-                torch.cuda.synchronize(self.cache.kv.device)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool):
-                    self.outputs[(rung, query_len)] = self._forward(rung, query_len)
+                forward = lambda: self._forward(rung, query_len)  # noqa: E731 (called at once, in this iteration)
+                graph, self.outputs[(rung, query_len)] = capture_graph(forward, pool, self.cache.kv.device)
                 pool = graph.pool()
                 self.graphs[(rung, query_len)] = graph
                 progress.advance(rung=rung, query_len=query_len)

@@ -49,6 +49,7 @@ import torch
 from services.common.progress import Progress
 from services.scheduler.model.attention import MAX_TILE_ROWS, VarlenPlan, query_tiles, tile_tokens
 from services.scheduler.model.batch import ForwardBatch, ForwardOutput
+from services.scheduler.model.graphs import capture_graph
 from services.scheduler.model.kv_cache import PagedKVCache
 from services.scheduler.model.llama import CausalLM
 
@@ -228,12 +229,7 @@ class RaggedGraphRunner:
         tiles = self.tiles[: 2 * key.num_tiles].view(2, key.num_tiles)
         tiles[0].fill_(key.num_seqs)
         tiles[1].zero_()
-        self._forward(key)  # warm-up: Triton compile, cuBLAS plans, allocator growth
-        torch.cuda.synchronize(self.cache.kv.device)
-        graph = torch.cuda.CUDAGraph()
-        # thread_local: a capture in the middle of serving must not fail on another thread's CUDA calls
-        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
-            self.outputs[key] = self._forward(key)
+        graph, self.outputs[key] = capture_graph(lambda: self._forward(key), self._pool, self.cache.kv.device)
         self._pool = graph.pool()  # one pool for every key: intermediates are shared
         self.graphs[key] = graph
         torch.cuda.synchronize(self.cache.kv.device)

@@ -19,6 +19,7 @@ from dataclasses import dataclass, fields, replace
 import structlog
 import torch
 
+from services.scheduler.model.graphs import capture_graph
 from services.scheduler.spec.base import ContextRows, DraftProposal, DraftRequest
 from services.scheduler.spec.dspark import DraftInputs, DSparkProposer
 
@@ -84,11 +85,7 @@ class DraftGraphs:
         return entry
 
     def _capture(self, static: DraftInputs) -> tuple[torch.cuda.CUDAGraph, DraftProposal]:
-        self.proposer.draft(static)  # warm-up: allocator growth, cuBLAS plans
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
-            output = self.proposer.draft(static)
+        graph, output = capture_graph(lambda: self.proposer.draft(static), self._pool)
         self._pool = graph.pool()
         return graph, output
 
