@@ -82,6 +82,7 @@ class LogprobGraphs:
         self.vocab_size = keys.tied.shape[0]
         self.ladder = tuple(r for r in ROW_LADDER if r <= min(max_rows, max_chunk_rows(self.vocab_size)))
         self.num_captured = 0
+        self._failed: set[_Key] = set()  # keys whose capture raised: eager, never retried
         self.capture_s = 0.0  # host seconds spent capturing (warm-up included)
         self._graphs: dict[_Key, _Graph] = {}
         self._buffers: dict[tuple[str, tuple[int, ...]], torch.Tensor] = {}  # static inputs by (name, shape)
@@ -102,7 +103,7 @@ class LogprobGraphs:
         m = inputs["ids"].shape[1] if "ids" in inputs else 0
         sampling = tuple(name for name in SAMPLING_INPUTS if name in inputs) if processed else None
         key = self._key(num_rows, k, m, sampling)
-        entry = None if key is None else self._graphs.get(key) or self._build(key)
+        entry = None if key is None or key in self._failed else self._graphs.get(key) or self._build(key)
         if entry is None:
             return logprobs_on_device(queries, inputs, logits, None, self.keys, processed, sampled)
         _fill(entry.inputs, inputs, logits, sampled, num_rows)
@@ -128,10 +129,11 @@ class LogprobGraphs:
             start = time.perf_counter()
             try:
                 entry.graph, entry.output = self._capture(entry.inputs, key)
-            except RuntimeError as exc:  # something cannot be captured: the padded path stays eager, said once
-                log.warning("logprob_graphs_off", error=str(exc))
-                self.capture = False
-                return entry
+            except RuntimeError as exc:  # this key stays on the unpadded eager path (cheaper than the padded one)
+                log.warning("logprob_graph_capture_failed", rows=key.rows, k=key.k, ids=key.num_ids, error=str(exc))
+                del self._graphs[key]
+                self._failed.add(key)
+                return None
             self.num_captured += 1
             self.capture_s += time.perf_counter() - start
             log.info("logprob_graph_captured", rows=key.rows, k=key.k, ids=key.num_ids, sampling=key.sampling,

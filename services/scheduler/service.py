@@ -77,12 +77,11 @@ def build_core(config: SchedulerConfig) -> SchedulerCore:
             from services.scheduler.spec.draft_graphs import DraftGraphs
 
             proposer = DraftGraphs(proposer)
+    capture_layers = () if proposer is None else tuple(proposer.capture_layers)  # the drafter's context
     if runner.decode_kernel:
         query_lens = (1,) if proposer is None else (1, proposer.num_draft_tokens + 1)
-        capture_layers = () if proposer is None else tuple(proposer.capture_layers)
         runner.prepare_decode_graphs(query_lens=query_lens, capture_layers=capture_layers)
     if config.ragged_cuda_graphs and runner.ragged_kernel:  # CUDA with Triton; elsewhere the flag does nothing
-        capture_layers = () if proposer is None else tuple(proposer.capture_layers)
         runner.prepare_ragged_graphs(seq_ladder(config.max_running_requests), token_ladder(config.chunked_prefill_size),
                                      capture_layers=capture_layers)  # fmt: skip
     return SchedulerCore(

@@ -115,8 +115,8 @@ class DecodeGraphRunner:
         key = (rung, query_len)
         if key in self.graphs:
             self.graphs[key].replay()
-            return _head(self.outputs[key], num_tokens, batch)
-        return _head(self._forward(rung, query_len), num_tokens, batch)
+            return head_rows(self.outputs[key], num_tokens, batch)
+        return head_rows(self._forward(rung, query_len), num_tokens, batch)
 
     def _load(self, batch: ForwardBatch, rung: int, query_len: int) -> None:
         num_seqs, num_tokens, width = batch.num_seqs, batch.num_tokens, batch.block_tables.shape[1]
@@ -173,6 +173,8 @@ class DecodeGraphRunner:
         progress.close()
 
 
-def _head(out: ForwardOutput, num_tokens: int, batch: ForwardBatch) -> ForwardOutput:
+def head_rows(out: ForwardOutput, num_tokens: int, batch: ForwardBatch) -> ForwardOutput:
+    """The first `num_tokens` rows of a padded step's static outputs (captures only if the batch asked)."""
     captured = out.captured[:num_tokens] if out.captured is not None and batch.capture_layers else None
-    return ForwardOutput(out.hidden_states[:num_tokens], captured, out.logits[:num_tokens])
+    logits = out.logits[:num_tokens] if out.logits is not None else None
+    return ForwardOutput(out.hidden_states[:num_tokens], captured, logits)

@@ -49,7 +49,7 @@ import torch
 from services.common.progress import Progress
 from services.scheduler.model.attention import MAX_TILE_ROWS, VarlenPlan, query_tiles, tile_tokens
 from services.scheduler.model.batch import ForwardBatch, ForwardOutput
-from services.scheduler.model.graphs import capture_graph
+from services.scheduler.model.graphs import capture_graph, head_rows
 from services.scheduler.model.kv_cache import PagedKVCache
 from services.scheduler.model.llama import CausalLM
 
@@ -109,7 +109,7 @@ class RaggedGraphRunner:
         self.model, self.cache, self.capture, self.use_kernel = model, cache, capture, use_kernel
         self.seq_ladder, self.token_ladder = tuple(sorted(set(seq_ladder))), tuple(sorted(set(token_ladder)))
         self.capture_layers, self.max_graphs, self.max_tile_rows = tuple(capture_layers), max_graphs, max_tile_rows
-        self.group = model.config.num_attention_heads // model.config.num_key_value_heads
+        self.group = model.config.num_queries_per_kv
         self.max_blocks = max_blocks_per_seq or -(-model.config.max_position_embeddings // cache.block_size)
         self._allocate(self.seq_ladder[-1] + 1, self.token_ladder[-1], cache.kv.device)
         self.graphs: dict[RaggedKey, torch.cuda.CUDAGraph] = {}
@@ -161,8 +161,8 @@ class RaggedGraphRunner:
         self._load(batch, key)
         if key in self.graphs:
             self.graphs[key].replay()
-            return _rows(self.outputs[key], batch)
-        return _rows(self._forward(key), batch)
+            return head_rows(self.outputs[key], batch.num_tokens, batch)
+        return head_rows(self._forward(key), batch.num_tokens, batch)
 
     def _load(self, batch: ForwardBatch, key: RaggedKey) -> None:
         num_seqs, num_tokens, width = batch.num_seqs, batch.num_tokens, batch.block_tables.shape[1]
@@ -237,8 +237,3 @@ class RaggedGraphRunner:
         progress.advance()
         progress.close()
 
-
-def _rows(out: ForwardOutput, batch: ForwardBatch) -> ForwardOutput:
-    num_tokens = batch.num_tokens
-    captured = out.captured[:num_tokens] if out.captured is not None and batch.capture_layers else None
-    return ForwardOutput(out.hidden_states[:num_tokens], captured)

@@ -142,7 +142,7 @@ class ModelRunner:
         if query_len is None and self.ragged_graphs is not None and self.ragged_graphs.fits(batch):
             return self.ragged_graphs.run(batch)
         if query_len is None and self.ragged_kernel:
-            group = self.config.num_attention_heads // self.config.num_key_value_heads
+            group = self.config.num_queries_per_kv
             return ForwardOutput(*self.model(batch, self.kv_cache, plan_varlen(batch, group)))
         hidden, captured = self.model(batch, self.kv_cache)
         return ForwardOutput(hidden_states=hidden, captured=captured)
