@@ -7,7 +7,7 @@
 #   drafter:RECIPE:RUN:TARGET_DIR[:SETS] train a drafter (seed 0) on a trained target and evaluate it;
 #                                        SETS = FIELD=VALUE,FIELD=VALUE (recipe overrides, `--set`)
 # Every job writes under WORK/<recipe>-<run>[-<label>]/; OUT/results.tar holds everything small
-# (re-packed every 20 s and at the end, so a call cut short still returns what finished; target
+# (re-packed every 20 s and at the end, so a call cut short still returns what finished;
 # weights over 10 MB stay behind). At DEADLINE_S seconds jobs still running are stopped.
 set -uo pipefail
 corpus=$1 out=$2 deadline=$3; shift 3
@@ -35,6 +35,7 @@ evaluate() {  # evaluate DIR TARGET_DIR [--no-target]: on the GPU, else (say, a 
         $py -m ops.train.evaluate --corpus "$corpus" --model "$2" --draft "$1/draft" ${3:-} --device $device \
             --out "$1/eval.json" > "$1/eval-$device.log" 2>&1
         status=$?
+        [ $status -gt 128 ] && return $status  # stopped by a signal (the deadline): no CPU retry
         grep -v 'Loading\|model.load' "$1/eval-$device.log" | tail -n 20
         [ $status -eq 0 ] && return 0
     done
@@ -79,7 +80,8 @@ while [ "$SECONDS" -lt "$deadline" ] && jobs -r | grep -q .; do
 done
 stopped=()
 for i in "${!pids[@]}"; do kill -0 "${pids[$i]}" 2>/dev/null && stopped+=("$i"); done
-[ ${#stopped[@]} -gt 0 ] && pkill -f 'ops\.train\.' ; sleep 1
+for i in "${stopped[@]}"; do pkill -P "${pids[$i]}"; done  # the jobs' python processes: their subshells' children
+sleep 1
 for i in "${!pids[@]}"; do
     wait "${pids[$i]}"; status=$?
     if [[ " ${stopped[*]} " == *" $i "* ]]; then echo "== ${names[$i]}: STOPPED at the deadline"; else echo "== ${names[$i]}: exit $status"; fi
