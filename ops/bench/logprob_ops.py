@@ -1,8 +1,11 @@
 """Torch ops dispatched per decode step, with and without output logprobs, on the CPU.
 
-Each op costs host time (~10-20 us on the H200 host) and each one that launches work a kernel outside
-the CUDA graph, so the counts are what output logprobs add to a step whatever the device. Measured on the bundled
-tiny model (fp32) with a `TorchDispatchMode` around `SchedulerCore.step`, for
+Each op costs host time (~10-20 us on the H200 host) and each one that launches work a kernel
+outside the CUDA graph: the counts are what output logprobs add to a step on the eager path (the
+CPU, or CUDA with `--no-logprob-cuda-graphs`). On CUDA the default replays output logprobs from
+graphs, whose per-call host cost is 3 copies raw / 7 processed plus the replay
+(`test_logprob_graphs.py`). Measured on the bundled tiny model (fp32) with a `TorchDispatchMode`
+around `SchedulerCore.step`, for
 
 - plain decode (one row per request) and a DSpark verify step (gamma + 1 rows per request; a
   random drafter, every verify keeping `ACCEPT_LEN - 1` drafts: `SimulatedAcceptWorker`),

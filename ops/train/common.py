@@ -145,7 +145,8 @@ def add_run_arguments(parser: argparse.ArgumentParser, recipes: Mapping[str, obj
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--steps", type=int, default=None, help="override the recipe's step count (timing runs)")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="FIELD=VALUE",
-                        help="override one recipe field (sweeps; repeatable, recorded in the results JSON)")
+                        help="override one recipe field (sweeps; repeatable; the results JSON's recipe_settings "
+                             "holds the fields it ran with)")
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     parser.add_argument("--out", type=Path, required=True, help=out_help)
     parser.add_argument("--results", type=Path, required=True, help="results JSON (the loss PNG goes beside it)")
@@ -153,7 +154,7 @@ def add_run_arguments(parser: argparse.ArgumentParser, recipes: Mapping[str, obj
 
 def run_recipe(recipes: Mapping[str, Recipe], args: argparse.Namespace) -> Recipe:
     """The named recipe, with each `--set FIELD=VALUE`, then `--steps` (warm-up shortened to fit)."""
-    recipe = apply_overrides(recipes[args.recipe], getattr(args, "overrides", []))
+    recipe = apply_overrides(recipes[args.recipe], args.overrides)
     if args.steps is None:
         return recipe
     return dataclasses.replace(recipe, steps=args.steps, warmup_steps=min(recipe.warmup_steps, args.steps - 1))
