@@ -79,19 +79,11 @@ def test_every_service_takes_the_log_flags_with_the_environments_defaults(comman
     assert (lambda p: (p.log_format, p.log_level))(build_parser(argv).parse_args(argv)) == ("console", "debug")
 
 
-def test_up_passes_ragged_cuda_graphs_to_the_scheduler_config():
+@pytest.mark.parametrize("flag", ["ragged-cuda-graphs", "logprob-cuda-graphs"])
+def test_up_passes_each_cuda_graph_flag_to_the_scheduler_config(flag):
     from services.scheduler.__main__ import config_from_args
 
-    for up, wanted in ((["up"], True), (["up", "--ragged-cuda-graphs"], True), (["up", "--no-ragged-cuda-graphs"], False)):
+    for up, wanted in ((["up"], True), (["up", f"--{flag}"], True), (["up", f"--no-{flag}"], False)):
         scheduler = service_argv("scheduler", build_parser(up).parse_args(up))
         parsed = build_parser(scheduler[3:]).parse_args(scheduler[3:])
-        assert ("--ragged-cuda-graphs" in scheduler) == wanted and config_from_args(parsed).ragged_cuda_graphs == wanted
-
-
-def test_up_passes_logprob_cuda_graphs_to_the_scheduler_config():
-    from services.scheduler.__main__ import config_from_args
-
-    for up, wanted in ((["up"], True), (["up", "--logprob-cuda-graphs"], True), (["up", "--no-logprob-cuda-graphs"], False)):
-        scheduler = service_argv("scheduler", build_parser(up).parse_args(up))
-        parsed = build_parser(scheduler[3:]).parse_args(scheduler[3:])
-        assert ("--logprob-cuda-graphs" in scheduler) == wanted and config_from_args(parsed).logprob_cuda_graphs == wanted
+        assert (f"--{flag}" in scheduler) == wanted and getattr(config_from_args(parsed), flag.replace("-", "_")) == wanted
