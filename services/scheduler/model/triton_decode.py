@@ -77,7 +77,7 @@ def paged_block_attention_triton(
     group = num_heads // num_kv_heads
     query = query.contiguous() if query.stride(-1) != 1 else query
     out = torch.empty_like(query)
-    rows = max(16, triton.next_power_of_2(query_len * group))
+    rows = tile_rows(query_len, group)
     _paged_block_kernel[(num_tokens // query_len, num_kv_heads)](
         query, key_cache, value_cache, out, seq_lens, block_tables, scale,
         query.stride(0), query.stride(1), key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
@@ -85,3 +85,9 @@ def paged_block_attention_triton(
         GROUP=group, QUERY_LEN=query_len, ROWS=rows, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, num_warps=4,
     )
     return out
+
+
+def tile_rows(tokens: int, group: int) -> int:
+    """Rows of one program: `tokens` query tokens x the GQA group, a power of two >= 16 (tl.dot's
+    minimum); the decode and the varlen kernels lay their programs out alike."""
+    return max(16, triton.next_power_of_2(tokens * group))

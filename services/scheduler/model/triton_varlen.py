@@ -23,6 +23,8 @@ import torch
 import triton
 import triton.language as tl
 
+from services.scheduler.model.triton_decode import tile_rows
+
 LOG2_E = 1.4426950408889634
 
 
@@ -116,11 +118,6 @@ def _varlen_kernel(
     out = acc / den[:, None]
     o_offs = (token0 + index)[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :]
     tl.store(out_ptr + o_offs, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
-
-
-def tile_rows(block_m: int, group: int) -> int:
-    """Rows of one program: BLOCK_M tokens x the GQA group, a power of two >= 16 (tl.dot's minimum)."""
-    return max(16, triton.next_power_of_2(block_m * group))
 
 
 def varlen_attention_triton(
