@@ -86,7 +86,7 @@ class ModelWorker:
     def execute(self, plan: StepPlan) -> list[SeqResult]:
         layout = _lay_out(plan)  # 1
         wanted = self._logprob_queries(plan, layout)
-        arrays = self._upload.send(self._host_arrays(plan, layout) | wanted.inputs())  # 2
+        arrays = self._upload.send(self._host_arrays(plan, layout) | wanted.inputs(self._processed))  # 2
         clock = _StepClock(self.runner.device)
         out = self.runner.forward(self._batch(plan, arrays))  # 3
         verified = self._verify(plan, layout, out, arrays)  # 4
@@ -256,7 +256,7 @@ class ModelWorker:
             if plan.steps[i].seq.wants_logprobs
         ]
         prompt = [(i, q) for i, q in prompt if q is not None]
-        return _LogprobQueries(prompt, output, len(layout.producers) * width, self._processed)
+        return _LogprobQueries(prompt, output, len(layout.producers) * width)
 
     def _logprobs(self, wanted: _LogprobQueries, arrays, hidden: torch.Tensor, verified: _Verified | None):
         prompt = [q for _, q in wanted.prompt]
@@ -330,11 +330,10 @@ class _LogprobQueries:
     prompt: list[tuple[int, LogprobQuery]]  # (step index, query)
     output: list[tuple[int, LogprobQuery]]  # (step index, query: rows of the verified logits, targets sampled)
     num_verify_rows: int  # P * (K + 1): the rows of the verified logits that output queries index
-    processed: bool
 
-    def inputs(self) -> dict[str, np.ndarray]:
-        prompt = logprob_inputs([q for _, q in self.prompt], self.processed)
-        output = logprob_inputs([q for _, q in self.output], self.processed, self.num_verify_rows)
+    def inputs(self, processed: bool) -> dict[str, np.ndarray]:
+        prompt = logprob_inputs([q for _, q in self.prompt], processed)
+        output = logprob_inputs([q for _, q in self.output], processed, self.num_verify_rows)
         return {PROMPT_LP + k: v for k, v in prompt.items()} | {OUTPUT_LP + k: v for k, v in output.items()}
 
 
