@@ -77,21 +77,6 @@ def top_k_sorted(logprobs: torch.Tensor, k: int, keys: TopKKeys) -> tuple[torch.
     return values, ids.gather(1, order).to(torch.int32)
 
 
-def compute_logprobs(
-    queries: list[LogprobQuery],
-    source: torch.Tensor,
-    to_logits: Callable[[torch.Tensor], torch.Tensor] | None,
-    vocab_size: int,
-    processed: bool,
-) -> list[RowLogprobs]:
-    """`source` is hidden states [N, H] (then `to_logits` maps rows to f32 logits) or f32 logits [N, V]."""
-    inputs = {name: torch.from_numpy(a).to(source.device) for name, a in logprob_inputs(queries, processed).items()}
-    keys = TopKKeys.build(vocab_size, source.device)
-    on_device = logprobs_on_device(queries, inputs, source, to_logits, keys, processed)
-    host = [t.cpu().numpy() for t in on_device.columns()] if on_device is not None else None
-    return split_logprobs(queries, host)
-
-
 def logprob_inputs(
     queries: list[LogprobQuery], processed: bool = False, num_source_rows: int | None = None
 ) -> dict[str, np.ndarray]:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import msgspec
 import numpy as np
 import pytest
@@ -12,12 +14,34 @@ from contracts.detokenizer import Finish, FinishType, TokenBatch
 from contracts.scheduler import SamplingParams
 from services.scheduler.block_manager import BlockManager
 from services.scheduler.config import SchedulerConfig
-from services.scheduler.logprobs import LogprobQuery, TopKKeys, compute_logprobs, top_k_sorted
-from services.scheduler.request import LogprobEntries, RequestOutput
+from services.scheduler.logprobs import (
+    LogprobQuery,
+    TopKKeys,
+    logprob_inputs,
+    logprobs_on_device,
+    split_logprobs,
+    top_k_sorted,
+)
+from services.scheduler.request import LogprobEntries, RequestOutput, RowLogprobs
 from services.scheduler.sampler import Sampler, SampleRow
 from services.scheduler.wire import to_token_batches
 
 # ---- block manager ----
+
+
+def compute_logprobs(
+    queries: list[LogprobQuery],
+    source: torch.Tensor,
+    to_logits: Callable[[torch.Tensor], torch.Tensor] | None,
+    vocab_size: int,
+    processed: bool,
+) -> list[RowLogprobs]:
+    """The worker's two halves of the logprob path in one call, for tests. `source` is hidden states [N, H] (then `to_logits` maps rows to f32 logits) or f32 logits [N, V]."""
+    inputs = {name: torch.from_numpy(a).to(source.device) for name, a in logprob_inputs(queries, processed).items()}
+    keys = TopKKeys.build(vocab_size, source.device)
+    on_device = logprobs_on_device(queries, inputs, source, to_logits, keys, processed)
+    host = [t.cpu().numpy() for t in on_device.columns()] if on_device is not None else None
+    return split_logprobs(queries, host)
 
 
 def test_block_manager_allocates_appends_and_rolls_back():
