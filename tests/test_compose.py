@@ -229,6 +229,15 @@ def wait_for_replicas_up(proxy_log: Path, count: int, timeout_s: float = 30.0) -
         time.sleep(0.2)
 
 
+def wait_for_proxy_log_lines(proxy_log: Path, pattern: str, count: int, timeout_s: float = 10.0) -> list[str]:
+    """HAProxy writes a request's log line when the stream closes, which can come after the client has its
+    response: wait until `count` lines match (or the deadline passes) and return what matched."""
+    deadline = time.monotonic() + timeout_s
+    while len(found := re.findall(pattern, proxy_log.read_text())) < count and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return found
+
+
 @pytest.mark.timeout(240)
 def test_compose_commands_serve_behind_the_proxy_with_two_tokenizers_and_two_detokenizers(local_compose):
     base_url, services, proxy_log = local_compose
@@ -238,7 +247,7 @@ def test_compose_commands_serve_behind_the_proxy_with_two_tokenizers_and_two_det
     with ThreadPoolExecutor(4) as pool:
         responses = list(pool.map(lambda p: httpx.post(f"{base_url}/generate", json=generate_body(text=p, max_new_tokens=4), timeout=60), prompts))
     assert [response.status_code for response in responses] == [200] * len(prompts), responses[0].text
-    served_by = re.findall(r"tokenizers/(tokenizer\d+) .*\"POST /generate", proxy_log.read_text())
+    served_by = wait_for_proxy_log_lines(proxy_log, r"tokenizers/(tokenizer\d+) .*\"POST /generate", len(prompts))
     assert len(served_by) == len(prompts) and len(set(served_by)) == 2, served_by
     registered = [count_in_log(services[f"detokenizer-{i}"], "detokenizer.registered") for i in range(2)]
     assert sum(registered) >= len(prompts) and min(registered) > 0, registered
