@@ -17,7 +17,6 @@ from pathlib import Path
 from services.common.connection import add_connection_arguments
 from services.common.logging import add_logging_arguments
 from services.common.settings import EnvSettings, connection_values
-from services.models import BUNDLED_MODEL
 
 SERVICES = ("tokenizer", "scheduler", "detokenizer")
 SCHEDULER_PACKAGES = ("torch", "safetensors", "tqdm")  # the `scheduler` extra of pyproject.toml
@@ -88,25 +87,14 @@ def _add_up(sub: argparse._SubParsersAction) -> None:
 
 
 def add_up_arguments(parser: argparse.ArgumentParser) -> None:
-    from services.scheduler.flags import add_graph_arguments, add_speculative_arguments  # light: no torch
+    from services.scheduler.flags import add_graph_arguments, add_model_arguments, add_speculative_arguments  # light: no torch
 
     env = EnvSettings.from_environ()
     add_connection_arguments(parser, connection_values())  # --nats-url empty: start an embedded nats-server
     add = parser.add_argument
-    add("--model", default=env.model or str(BUNDLED_MODEL), help="target model directory (Hugging Face layout)")
+    add_model_arguments(parser, env)
     add_speculative_arguments(parser)
     add_graph_arguments(parser)
-    add("--device", choices=("auto", "cuda", "cpu"), default=env.device, help="auto: cuda when available, else cpu")
-    add("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
-        help="weights and KV cache (default: float32 on cpu, bfloat16 on cuda)")  # fmt: skip
-    add("--load-format", choices=("auto", "dummy"), default="auto", help="dummy: random weights from config.json")
-    add("--logprobs-mode", choices=("raw", "processed"), default="raw",
-        help="raw: logprobs of the model's own distribution; processed: after temperature")  # fmt: skip
-    add("--chunked-prefill-size", type=int, default=2048, help="tokens per scheduler step")
-    add("--max-running-requests", type=int, default=64, help="most requests the scheduler decodes at once")
-    add("--max-model-len", type=int, default=None, help="longest prompt + output (default: the model's)")
-    add("--kv-cache-memory-fraction", type=float, default=0.8,
-        help="CUDA: the share of device memory left free by the weights (a drafter's included) that the KV caches take")  # fmt: skip
     add("--served-model-name", default="", help="the model name clients send and see (default: the directory name)")
     add("--max-logprobs", type=int, default=20, help="largest top-k a request may ask for")
     add("--api-key", default=env.api_key or None,

@@ -38,7 +38,7 @@ from services.common.nats_auth import draw_passwords, server_environ
 from services.common.nats_server import SECURED_CONFIG, NatsServer, free_port, start_nats_server
 from services.common.settings import PREFIX, connection_environ, connection_values
 from services.models import BUNDLED_DRAFT_MODEL
-from services.scheduler.flags import graph_argv, speculative_argv
+from services.scheduler.flags import scheduler_argv
 
 START_ORDER = ("scheduler", "detokenizer", "tokenizer")
 OUTPUT_TAIL_LINES = 20
@@ -105,12 +105,7 @@ def service_argv(name: str, args: argparse.Namespace, metrics_port: int | None =
     if metrics_port is not None:
         argv += ["--metrics-port", str(metrics_port)]
     if name == "scheduler":
-        argv += speculative_argv(args) + graph_argv(args)
-        argv += ["--device", args.device, "--load-format", args.load_format]
-        argv += ["--logprobs-mode", args.logprobs_mode, "--chunked-prefill-size", str(args.chunked_prefill_size)]
-        argv += ["--max-running-requests", str(args.max_running_requests)]
-        argv += ["--kv-cache-memory-fraction", str(args.kv_cache_memory_fraction)]
-        argv += ["--dtype", args.dtype] if args.dtype else []
+        argv += scheduler_argv(args)
     if name == "tokenizer":
         argv += ["--host", args.host, "--port", str(args.port), "--max-logprobs", str(args.max_logprobs)]
         argv += ["--served-model-name", args.served_model_name] if args.served_model_name else []

@@ -8,6 +8,8 @@ import argparse
 import pytest
 
 from services.cli import build_parser
+from services.common.connection import add_connection_arguments
+from services.common.settings import connection_values
 from services.launcher import service_argv
 
 OPERATING = ["--served-model-name", "tiny-prod", "--max-model-len", "512", "--max-running-requests", "8",
@@ -87,3 +89,24 @@ def test_up_passes_each_cuda_graph_flag_to_the_scheduler_config(flag):
         scheduler = service_argv("scheduler", build_parser(up).parse_args(up))
         parsed = build_parser(scheduler[3:]).parse_args(scheduler[3:])
         assert (f"--{flag}" in scheduler) == wanted and getattr(config_from_args(parsed), flag.replace("-", "_")) == wanted
+
+
+def test_every_scheduler_flag_of_up_reaches_the_scheduler_with_its_value(tmp_path):
+    """Each flag `sparkwire up` shares with `sparkwire scheduler` (services/scheduler/flags.py),
+    given a value other than its default, arrives in the scheduler's parsed arguments unchanged."""
+    values = ["--model", str(tmp_path), "--device", "cpu", "--dtype", "float16", "--load-format", "dummy",
+              "--logprobs-mode", "processed", "--chunked-prefill-size", "4096", "--max-running-requests", "7",
+              "--max-model-len", "300", "--kv-cache-memory-fraction", "0.25", "--no-ragged-cuda-graphs",
+              "--no-logprob-cuda-graphs", "--speculative-algorithm", "dspark", "--draft-model", str(tmp_path / "d"),
+              "--speculative-num-draft-tokens", "5", "--verify-mode", "compact"]  # fmt: skip
+    up = build_parser(["up", *values]).parse_args(["up", *values])
+    defaults = build_parser(["up"]).parse_args(["up"])
+    scheduler_argv = service_argv("scheduler", up)[3:]
+    scheduler = build_parser(scheduler_argv).parse_args(scheduler_argv)
+    connection = argparse.ArgumentParser()
+    add_connection_arguments(connection, connection_values())  # these travel in the child's environment
+    elsewhere = {"run", "command", "log_level", "log_format", *vars(connection.parse_args([]))}
+    shared = [name for name in vars(scheduler) if name in vars(up) and name not in elsewhere]
+    assert {name: getattr(scheduler, name) for name in shared} == {name: getattr(up, name) for name in shared}
+    assert all(getattr(up, name) != getattr(defaults, name) for name in shared), [n for n in shared if getattr(up, n) == getattr(defaults, n)]
+    assert len(shared) >= 15, shared

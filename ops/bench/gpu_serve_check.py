@@ -33,7 +33,7 @@ from typing import Any
 
 from ops.bench.serve import ServeConfig, run_serve_benchmark
 from ops.bench.serve_launch import launched_stack
-from services.cli import BUNDLED_MODEL
+from services.models import BUNDLED_MODEL
 from services.common.nats_server import free_port
 
 REPO = Path(__file__).resolve().parents[2]

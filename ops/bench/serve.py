@@ -30,7 +30,7 @@ from ops.bench.serve_client import ENDPOINTS, RequestOptions, RequestRecord, sen
 from ops.bench.serve_launch import launched_stack
 from ops.bench.serve_metrics import per_request, summarize, table
 from ops.bench.serve_workload import Prompt, arrival_offsets, jsonl_prompts, random_prompts, token_pool
-from services.cli import BUNDLED_MODEL
+from services.models import BUNDLED_MODEL
 
 
 @dataclass(frozen=True)

@@ -13,17 +13,9 @@ from services.common.connection import add_connection_arguments, connection_from
 from services.common.lifecycle import in_daemon_thread, leave, new_instance_id, run_service, stop_on_signals, unless_stopped
 from services.common.logging import add_logging_arguments, configure_logging, with_progress
 from services.common.settings import EnvSettings, connection_values
-from services.scheduler.config import (
-    BUNDLED_MODEL,
-    DEVICES,
-    DTYPES,
-    LOAD_FORMATS,
-    LOGPROBS_MODES,
-    SchedulerConfig,
-)
+from services.scheduler.config import SchedulerConfig
 from services.scheduler.core import SchedulerCore
-from services.scheduler.flags import add_graph_arguments, add_speculative_arguments
-from services.scheduler.model.loader import CUDA_KV_CACHE_FRACTION
+from services.scheduler.flags import add_graph_arguments, add_model_arguments, add_speculative_arguments
 from services.scheduler.service import SchedulerService, build_core, check_model, connect
 
 log = structlog.get_logger(__name__)
@@ -32,19 +24,11 @@ LOAD_ERRORS = (OSError, ValueError, KeyError)  # a bad model directory, an unsup
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     env = EnvSettings.from_environ()
-    parser.add_argument("--model", default=env.model or str(BUNDLED_MODEL), help="model directory (HF layout)")
+    add_model_arguments(parser, env)
     add_speculative_arguments(parser)
     add_graph_arguments(parser)
-    parser.add_argument("--device", choices=DEVICES, default=env.device, help="auto: cuda when available, else cpu")
-    parser.add_argument("--dtype", choices=tuple(DTYPES), default=None, help="default: float32 on cpu, bfloat16 on cuda")
-    parser.add_argument("--load-format", choices=LOAD_FORMATS, default="auto", help="dummy: random weights from config.json")
-    parser.add_argument("--max-running-requests", type=int, default=64, help="most requests decoded at once")
-    parser.add_argument("--chunked-prefill-size", type=int, default=2048, help="tokens per step")
     parser.add_argument("--kv-block-size", type=int, default=16, help="tokens per paged KV block")
     parser.add_argument("--num-kv-blocks", type=int, default=None, help="default: sized from memory")
-    parser.add_argument("--max-model-len", type=int, default=None, help="default: the model's context length")
-    parser.add_argument("--logprobs-mode", choices=LOGPROBS_MODES, default="raw",
-                        help="raw: the model's own distribution; processed: after temperature")  # fmt: skip
     parser.add_argument("--seed", type=int, default=0, help="seeds the draws of requests that bring no seed")
     _add_common_arguments(parser, env)
 
@@ -53,8 +37,6 @@ def _add_common_arguments(parser: argparse.ArgumentParser, env: EnvSettings) -> 
     add_logging_arguments(parser, env.log_level, env.log_format)
     add_connection_arguments(parser, connection_values())
     parser.add_argument("--instance-id", default=None, help="default: a random id")
-    parser.add_argument("--kv-cache-memory-fraction", type=float, default=CUDA_KV_CACHE_FRACTION,
-                        help="CUDA: the share of device memory left free by the weights (a drafter's included) that the KV caches take")  # fmt: skip
     parser.add_argument("--metrics-host", default="127.0.0.1", help="bind address of --metrics-port")
     parser.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus /metrics here (0: any free port)")
 

@@ -8,14 +8,19 @@ import torch
 
 from services.common.connection import NatsConnection
 from services.models import BUNDLED_DRAFT_MODEL, BUNDLED_MODEL
-from services.scheduler.model.loader import CUDA_KV_CACHE_FRACTION
-from services.scheduler.flags import SPECULATIVE_ALGORITHMS, VERIFY_MODES
+from services.scheduler.flags import (
+    CUDA_KV_CACHE_FRACTION,
+    DEFAULT_CHUNKED_PREFILL_SIZE,
+    DEFAULT_MAX_RUNNING_REQUESTS,
+    DEVICES,
+    DTYPE_NAMES,
+    LOAD_FORMATS,
+    LOGPROBS_MODES,
+    SPECULATIVE_ALGORITHMS,
+    VERIFY_MODES,
+)
 
-
-DEVICES = ("auto", "cpu", "cuda")
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-LOAD_FORMATS = ("auto", "dummy")
-LOGPROBS_MODES = ("raw", "processed")
+DTYPES = dict(zip(DTYPE_NAMES, (torch.float32, torch.bfloat16, torch.float16), strict=True))
 
 
 @dataclass(frozen=True)
@@ -28,8 +33,8 @@ class SchedulerConfig:
     device: str = "auto"  # auto: cuda when available, else cpu
     dtype: str | None = None  # None: float32 on cpu, bfloat16 on cuda
     load_format: str = "auto"
-    max_running_requests: int = 64
-    chunked_prefill_size: int = 2048  # tokens per step, prefill chunks and decode tokens together
+    max_running_requests: int = DEFAULT_MAX_RUNNING_REQUESTS
+    chunked_prefill_size: int = DEFAULT_CHUNKED_PREFILL_SIZE
     ragged_cuda_graphs: bool = True  # CUDA with Triton: ragged steps replay graphs (checked on the H200: gpu_serve.md)
     logprob_cuda_graphs: bool = True  # CUDA: output logprobs replay graphs (`LogprobGraphs`; exact on the H200: gpu_core.md)
     kv_block_size: int = 16

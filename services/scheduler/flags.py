@@ -1,12 +1,41 @@
-"""Scheduler flags that `sparkwire up` passes through too. Light on purpose: no torch, so the
-launcher can import it."""
+"""The scheduler's flags that `sparkwire up` takes and passes through too, with their choices and
+defaults (one definition each: `SchedulerConfig` and the loader use these). Light on purpose: no
+torch, so the launcher can import it."""
 
 from __future__ import annotations
 
 import argparse
 
+from services.common.settings import EnvSettings
+from services.models import BUNDLED_MODEL
+
 SPECULATIVE_ALGORITHMS = ("none", "dspark")
 VERIFY_MODES = ("static", "compact")
+DEVICES = ("auto", "cpu", "cuda")
+DTYPE_NAMES = ("float32", "bfloat16", "float16")
+LOAD_FORMATS = ("auto", "dummy")
+LOGPROBS_MODES = ("raw", "processed")
+DEFAULT_MAX_RUNNING_REQUESTS = 64
+DEFAULT_CHUNKED_PREFILL_SIZE = 2048  # tokens per step, prefill chunks and decode tokens together
+CUDA_KV_CACHE_FRACTION = 0.8  # of the memory still free once weights are loaded
+
+
+def add_model_arguments(parser: argparse.ArgumentParser, env: EnvSettings) -> None:
+    """What the scheduler serves and how much of it at once, shared by `sparkwire scheduler` and
+    `sparkwire up`."""
+    add = parser.add_argument
+    add("--model", default=env.model or str(BUNDLED_MODEL), help="target model directory (Hugging Face layout)")
+    add("--device", choices=DEVICES, default=env.device, help="auto: cuda when available, else cpu")
+    add("--dtype", choices=DTYPE_NAMES, default=None, help="weights and KV cache (default: float32 on cpu, bfloat16 on cuda)")
+    add("--load-format", choices=LOAD_FORMATS, default="auto", help="dummy: random weights from config.json")
+    add("--logprobs-mode", choices=LOGPROBS_MODES, default="raw",
+        help="raw: logprobs of the model's own distribution; processed: after temperature")  # fmt: skip
+    add("--chunked-prefill-size", type=int, default=DEFAULT_CHUNKED_PREFILL_SIZE,
+        help="tokens per scheduler step (prefill chunks and decode tokens together)")  # fmt: skip
+    add("--max-running-requests", type=int, default=DEFAULT_MAX_RUNNING_REQUESTS, help="most requests decoded at once")
+    add("--max-model-len", type=int, default=None, help="longest prompt + output (default: the model's)")
+    add("--kv-cache-memory-fraction", type=float, default=CUDA_KV_CACHE_FRACTION,
+        help="CUDA: the share of device memory left free by the weights (a drafter's included) that the KV caches take")  # fmt: skip
 
 
 def add_speculative_arguments(parser: argparse.ArgumentParser) -> None:
@@ -30,15 +59,16 @@ def add_graph_arguments(parser: argparse.ArgumentParser) -> None:
                              "captured on first use of each padded shape (default on; elsewhere it does nothing)")  # fmt: skip
 
 
-def graph_argv(args: argparse.Namespace) -> list[str]:
-    ragged = "--ragged-cuda-graphs" if args.ragged_cuda_graphs else "--no-ragged-cuda-graphs"
-    logprob = "--logprob-cuda-graphs" if args.logprob_cuda_graphs else "--no-logprob-cuda-graphs"
-    return [ragged, logprob]
-
-
-def speculative_argv(args: argparse.Namespace) -> list[str]:
-    """The same flags back as argv, for `sparkwire up` to pass to its scheduler."""
-    argv = ["--speculative-algorithm", args.speculative_algorithm, "--verify-mode", args.verify_mode]
+def scheduler_argv(args: argparse.Namespace) -> list[str]:
+    """Every flag above back as argv (--model and --max-model-len aside: `sparkwire up` gives
+    those to the tokenizer too), for `sparkwire up` to pass to its scheduler."""
+    argv = ["--device", args.device, "--load-format", args.load_format, "--logprobs-mode", args.logprobs_mode]
+    argv += ["--chunked-prefill-size", str(args.chunked_prefill_size), "--max-running-requests", str(args.max_running_requests)]
+    argv += ["--kv-cache-memory-fraction", str(args.kv_cache_memory_fraction)]
+    argv += ["--dtype", args.dtype] if args.dtype else []
+    argv += ["--ragged-cuda-graphs" if args.ragged_cuda_graphs else "--no-ragged-cuda-graphs"]
+    argv += ["--logprob-cuda-graphs" if args.logprob_cuda_graphs else "--no-logprob-cuda-graphs"]
+    argv += ["--speculative-algorithm", args.speculative_algorithm, "--verify-mode", args.verify_mode]
     if args.draft_model:
         argv += ["--draft-model", args.draft_model]
     if args.speculative_num_draft_tokens is not None:

@@ -18,18 +18,17 @@ import torch
 from safetensors import safe_open
 
 from services.common.progress import Progress
+from services.scheduler.flags import CUDA_KV_CACHE_FRACTION, LOAD_FORMATS
 from services.scheduler.model.config import ModelConfig
 from services.scheduler.model.kv_cache import PagedKVCache, bytes_per_block, num_blocks_for_budget
 from services.scheduler.model.llama import CausalLM, rope_inv_freq
 from services.scheduler.model.runner import ModelRunner
 
-LOAD_FORMATS = ("auto", "dummy")
 DUMMY_STD = 0.02  # the reference initializer_range
 # Random tensors larger than this repeat with this period: generating billions of values on the
 # host would dominate start-up of a dummy 8B model, and benchmarks only need plausible numbers.
 DUMMY_PERIOD = 4_000_037
 CPU_KV_CACHE_CAP_BYTES = 1 << 30
-CUDA_KV_CACHE_FRACTION = 0.8  # of the memory still free once weights are loaded
 
 
 class MissingTensorError(KeyError):

@@ -41,7 +41,8 @@ from torch import nn
 from services.scheduler.model.config import ModelConfig
 from services.scheduler.model.kv_cache import bytes_per_block
 from services.scheduler.model.llama import rope_inv_freq
-from services.scheduler.model.loader import LOAD_FORMATS, MemoryReserve, NoWeightsError, fill_random_weights, load_safetensors
+from services.scheduler.flags import LOAD_FORMATS
+from services.scheduler.model.loader import MemoryReserve, NoWeightsError, fill_random_weights, load_safetensors
 from services.scheduler.model.runner import ModelRunner
 from services.scheduler.spec.dspark import DSparkProposer
 from services.scheduler.spec.dspark_config import DSparkConfig

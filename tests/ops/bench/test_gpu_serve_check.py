@@ -8,7 +8,7 @@ import json
 import pytest
 
 from ops.bench.gpu_serve_check import SCENARIOS, CheckConfig, run, serving_model_dir
-from services.cli import BUNDLED_MODEL
+from services.models import BUNDLED_MODEL
 
 
 @pytest.fixture

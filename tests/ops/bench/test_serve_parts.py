@@ -13,7 +13,7 @@ from ops.bench.serve_client import CompletionsEndpoint, EventFigures, NativeEndp
 from ops.bench.serve_launch import up_command
 from ops.bench.serve_metrics import distribution, inter_token_latencies, summarize, time_per_output_token
 from ops.bench.serve_workload import Prompt, arrival_offsets, jsonl_prompts, random_prompts, token_pool
-from services.cli import BUNDLED_MODEL
+from services.models import BUNDLED_MODEL
 
 
 def record(times: list[float], tokens: list[int], e2e: float, asked: int | None = None, error: str = "") -> RequestRecord:
