@@ -1,0 +1,240 @@
+"""Host time per decode step of the scheduler core, model compute left out, on the CPU.
+
+What a decode step costs the host around the device work, piece by piece, on the bundled tiny model
+(fp32): each piece's functions are wrapped with a timer while the core decodes (its tokens are the
+model's; nothing is simulated), and the output of each step is packed as the service publishes it:
+
+- schedule:  `Policy.schedule` (admission, KV reservation, the plan of every sequence)
+- inputs:    the worker's host arrays: layout, logprob queries and their inputs, `HostUpload.send`
+- unpack:    the readback's one host copy -> per-sequence `SeqResult`s (`_Handles.results`)
+- update:    `Policy.update` (tokens, finishes, logprob entries -> `RequestOutput`s)
+- core:      `SchedulerCore`'s own bookkeeping per step (counts, releases)
+- wire:      `wire.to_token_batches` + msgpack encoding of every `TokenBatch`
+
+"host" is their sum; "step" the whole `core.step` wall time, which on the CPU includes the tiny model's
+forward and the logprob ops (so it says nothing about a GPU's). Figures are medians over the timed
+steps, in microseconds, for batch 1 and 64 with no logprobs, top-20 output logprobs, and top-20 plus
+four requested token ids. `--profile` adds a cProfile of the host pieces (batch 64, top-20 + ids):
+the functions with the most own time. `--before PATH` runs this same script on another tree (e.g. a
+`git worktree` of the starting commit) in a subprocess and records both in one results file.
+
+    python -m ops.bench.host_step_cost --before /work/wt/hostcost-base --profile \
+        --out ops/bench/results/host_step_cost.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import cProfile
+import functools
+import io
+import json
+import os
+import pstats
+import statistics
+import subprocess
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import msgspec
+import numpy as np
+import torch
+
+from contracts.scheduler import LogprobParams, SamplingParams
+from services.models import RANDOM_TINY_MODEL
+from services.scheduler import core as core_module
+from services.scheduler import policy as policy_module
+from services.scheduler import wire
+from services.scheduler import worker as worker_module
+from services.scheduler.core import SchedulerCore
+from services.scheduler.host_io import HostUpload
+from services.scheduler.model import load_model_runner
+from services.scheduler.request import SchedulerRequest
+
+RESULTS = Path(__file__).resolve().parent / "results"
+PROMPT_LEN = 16
+LOGPROBS = {
+    "none": LogprobParams(),
+    "top20": LogprobParams(return_logprob=True, top_logprobs_num=20),
+    "top20_ids": LogprobParams(return_logprob=True, top_logprobs_num=20, token_ids_logprob=(3, 7, 11, 13)),
+}
+# piece -> (owner, attribute) of the functions timed for it; an absent attribute is left out (older trees)
+PIECES = {
+    "schedule": [(policy_module.Policy, "schedule")],
+    "inputs": [(worker_module, "_lay_out"), (worker_module.ModelWorker, "_logprob_queries"),
+               (worker_module.ModelWorker, "_host_arrays"), (worker_module._LogprobQueries, "inputs"),
+               (HostUpload, "send")],  # fmt: skip
+    "unpack": [(worker_module._Handles, "results")],
+    "update": [(policy_module.Policy, "update")],
+    "core": [(core_module.SchedulerCore, "_count"), (core_module.SchedulerCore, "_finished"),
+             (core_module.SchedulerCore, "_note_first_scheduled")],  # fmt: skip
+}
+HOST_PIECES = (*PIECES, "wire")
+
+
+class PieceTimer:
+    """Seconds spent in each piece during one step (reset per step)."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = defaultdict(float)
+
+    @contextlib.contextmanager
+    def installed(self):
+        saved = []
+        for piece, targets in PIECES.items():
+            for owner, name in targets:
+                original = getattr(owner, name, None)
+                if original is None:
+                    continue
+                saved.append((owner, name, original))
+                setattr(owner, name, self._timed(piece, original))
+        try:
+            yield self
+        finally:
+            for owner, name, original in reversed(saved):
+                setattr(owner, name, original)
+
+    def _timed(self, piece: str, function):
+        @functools.wraps(function)
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return function(*args, **kwargs)
+            finally:
+                self.seconds[piece] += time.perf_counter() - start
+
+        return timed
+
+
+def requests(batch: int, logprobs: LogprobParams, vocab: int, new_tokens: int) -> list[SchedulerRequest]:
+    prompts = np.random.default_rng(batch).integers(0, vocab, size=(batch, PROMPT_LEN), dtype=np.int32)
+    sampling = SamplingParams(max_new_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+    return [SchedulerRequest(f"r{i}", p, f"d{i % 2}", sampling, logprobs) for i, p in enumerate(prompts)]
+
+
+def publish(outputs, step: int, encoder: msgspec.msgpack.Encoder) -> int:
+    """What the service does with a step's outputs before the network: bytes encoded."""
+    size = 0
+    for batch in wire.to_token_batches(outputs, "s", step).values():
+        buffer = bytearray()
+        encoder.encode_into(batch, buffer)
+        size += len(buffer)
+    return size
+
+
+def measure(runner, batch: int, logprobs: str, new_tokens: int, warm_steps: int = 3) -> dict:
+    """Prefill and `warm_steps` decode steps, then every piece's time per decode step until all finish."""
+    core = SchedulerCore(runner, max_running_requests=max(batch, 64), chunked_prefill_size=4096)
+    for request in requests(batch, LOGPROBS[logprobs], runner.config.vocab_size, new_tokens):
+        core.add(request)
+    encoder = msgspec.msgpack.Encoder()
+    for _ in range(1 + warm_steps):
+        publish(core.step(), core.num_steps, encoder)
+    per_step: dict[str, list[float]] = defaultdict(list)
+    payload = []
+    while core.has_work():
+        timer = PieceTimer()
+        with timer.installed():
+            start = time.perf_counter()
+            outputs = core.step()
+            per_step["step"].append(time.perf_counter() - start)
+        start = time.perf_counter()
+        payload.append(publish(outputs, core.num_steps, encoder))
+        timer.seconds["wire"] = time.perf_counter() - start
+        for piece in HOST_PIECES:
+            per_step[piece].append(timer.seconds[piece])
+        per_step["host"].append(sum(timer.seconds[piece] for piece in HOST_PIECES))
+    medians = {f"{name}_us": 1e6 * statistics.median(values) for name, values in per_step.items()}
+    return {"batch": batch, "logprobs": logprobs, "steps": len(per_step["step"]),
+            "payload_bytes": int(statistics.median(payload)), **medians}  # fmt: skip
+
+
+def profile_host(runner, batch: int, logprobs: str, new_tokens: int, limit: int = 25) -> str:
+    """cProfile of the decode steps' host pieces only (the timed functions, not the model)."""
+    profiler = cProfile.Profile()
+
+    class ProfiledTimer(PieceTimer):
+        def _timed(self, piece, function):
+            @functools.wraps(function)
+            def timed(*args, **kwargs):
+                return profiler.runcall(function, *args, **kwargs)
+
+            return timed
+
+    core = SchedulerCore(runner, max_running_requests=max(batch, 64), chunked_prefill_size=4096)
+    for request in requests(batch, LOGPROBS[logprobs], runner.config.vocab_size, new_tokens):
+        core.add(request)
+    encoder = msgspec.msgpack.Encoder()
+    for _ in range(4):
+        publish(core.step(), core.num_steps, encoder)
+    with ProfiledTimer().installed():
+        while core.has_work():
+            outputs = core.step()
+            profiler.runcall(publish, outputs, core.num_steps, encoder)
+    text = io.StringIO()
+    pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(limit)
+    return text.getvalue()
+
+
+def run(batches, new_tokens: int, profile: bool) -> dict:
+    torch.manual_seed(0)
+    torch.set_num_threads(1)  # the model's CPU compute is not what is measured; keep it from competing
+    runner = load_model_runner(RANDOM_TINY_MODEL, device="cpu", dtype=torch.float32, num_kv_blocks=1024, kv_block_size=16)
+    measure(runner, 8, "top20_ids", 8)  # warm-up: first calls, allocator
+    rows = [measure(runner, batch, name, new_tokens) for batch in batches for name in LOGPROBS]
+    result = {"model": RANDOM_TINY_MODEL.name, "torch": torch.__version__, "new_tokens": new_tokens, "rows": rows}
+    if profile:
+        result["profile"] = profile_host(runner, max(batches), "top20_ids", new_tokens)
+    return result
+
+
+def table(rows: list[dict], label: str = "") -> str:
+    names = [*HOST_PIECES, "host", "step"]
+    lines = [f"| tree | batch | logprobs | {' | '.join(names)} |", "|---|---|---|" + "---|" * len(names)]
+    for r in rows:
+        cells = " | ".join(f"{r[f'{n}_us']:.0f}" for n in names)
+        lines.append(f"| {label} | {r['batch']} | {r['logprobs']} | {cells} |")
+    return "\n".join(lines)
+
+
+def run_before(tree: Path, argv: list[str]) -> dict:
+    """This script on `tree`'s code, in a subprocess (its `services` first on the path)."""
+    env = os.environ | {"PYTHONPATH": str(tree)}
+    out = subprocess.run([sys.executable, __file__, *argv, "--print-json"], env=env, cwd=tree,
+                         capture_output=True, text=True, check=True)  # fmt: skip
+    return json.loads(out.stdout.splitlines()[-1])
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batches", nargs="*", type=int, default=[1, 64])
+    parser.add_argument("--new-tokens", type=int, default=64, help="tokens per request (decode steps timed: this - 4)")
+    parser.add_argument("--profile", action="store_true", help="add a cProfile of the host pieces")
+    parser.add_argument("--before", type=Path, help="another tree to measure with this script, in the same run")
+    parser.add_argument("--out", type=Path, default=RESULTS / "host_step_cost.json")
+    parser.add_argument("--print-json", action="store_true", help=argparse.SUPPRESS)  # --before's subprocess
+    args = parser.parse_args(argv)
+    common = ["--batches", *map(str, args.batches), "--new-tokens", str(args.new_tokens)]
+    before = run_before(args.before.resolve(), common + (["--profile"] if args.profile else [])) if args.before else None
+    result = run(tuple(args.batches), args.new_tokens, args.profile)
+    if args.print_json:
+        print(json.dumps(result))
+        return
+    if before is not None:
+        result = {"before": before | {"tree": str(args.before)}, "after": result}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2))
+    if before is not None:
+        print(table(before["rows"], "before"))
+        print(table(result["after"]["rows"], "after").split("\n", 2)[2])
+    else:
+        print(table(result["rows"]))
+    if args.profile:
+        print((result.get("after") or result)["profile"])
+
+
+if __name__ == "__main__":
+    main()
