@@ -2,15 +2,21 @@
 
 from __future__ import annotations
 
+import sys
+
 import numpy as np
 
 from contracts.arrays import NDArray
 
+# byte orders whose bytes already travel as they are: little-endian, byte-sized, and native on a little-endian host
+_WIRE_ORDERS = frozenset("<|=" if sys.byteorder == "little" else "<|")
+
 
 def to_wire(array: np.ndarray) -> NDArray:
-    """One copy at most (none if already contiguous little-endian)."""
-    little = np.ascontiguousarray(array, dtype=array.dtype.newbyteorder("<"))
-    return NDArray(dtype=little.dtype.str, shape=tuple(little.shape), data=memoryview(little.reshape(-1)).cast("B"))
+    """One copy at most (none if already contiguous little-endian: the NDArray then views `array`)."""
+    if not (array.flags.c_contiguous and array.dtype.byteorder in _WIRE_ORDERS):
+        array = np.ascontiguousarray(array, dtype=array.dtype.newbyteorder("<"))
+    return NDArray(dtype=array.dtype.str, shape=array.shape, data=memoryview(array.reshape(-1)).cast("B"))
 
 
 def from_wire(wire: NDArray) -> np.ndarray:

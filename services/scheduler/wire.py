@@ -6,28 +6,14 @@ import numpy as np
 
 from contracts.arrays import NDArray
 from contracts.detokenizer import RequestLogprobs, TokenBatch
-from services.common.arrays import optional_to_wire, to_wire
+from services.common.arrays import to_wire
 from services.scheduler.request import LogprobEntries, RequestOutput
 
-ARRAY_FIELDS = (
-    "output_token_logprobs",
-    "output_top_logprobs",
-    "output_top_ids",
-    "output_ids_logprobs",
-    "input_token_logprobs",
-    "input_top_logprobs",
-    "input_top_ids",
-    "input_ids_logprobs",
-    "input_top_logprobs_flat",
-    "input_top_ids_flat",
-)
-
-
 def to_request_logprobs(entries: LogprobEntries) -> RequestLogprobs:
-    arrays = {name: optional_to_wire(getattr(entries, name)) for name in ARRAY_FIELDS}
-    return RequestLogprobs(
-        **arrays, input_start=entries.input_start, input_top_null_prefix=entries.input_top_null_prefix
-    )
+    """The fields of the same names: arrays as NDArrays (views, no copy), unset ones left at None."""
+    fields = {name: to_wire(value) if isinstance(value, np.ndarray) else value
+              for name, value in vars(entries).items() if value is not None}  # fmt: skip
+    return RequestLogprobs(**fields)
 
 
 def to_token_batches(outputs: list[RequestOutput], scheduler_id: str, step: int) -> dict[str, TokenBatch]:

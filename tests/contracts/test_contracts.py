@@ -163,6 +163,17 @@ def test_ndarray_bytes_are_little_endian_whatever_the_input_order():
     assert wire.dtype == "<i4" and bytes(wire.data) == b"\x01\x00\x00\x00\x02\x01\x00\x00"
 
 
+def test_to_wire_views_contiguous_little_endian_arrays_and_copies_the_rest():
+    rows = np.arange(12, dtype=np.float32).reshape(3, 4)
+    view = to_wire(rows[1:])  # contiguous rows: the NDArray's bytes are the array's
+    assert np.shares_memory(np.frombuffer(view.data, np.uint8), rows)
+    assert view.dtype == "<f4" and view.shape == (2, 4)
+    columns = to_wire(rows[:, :2])  # strided: copied into row-major order
+    np.testing.assert_array_equal(from_wire(columns), rows[:, :2])
+    empty = to_wire(np.zeros((0, 20), np.int32))
+    assert empty.shape == (0, 20) and from_wire(empty).shape == (0, 20)
+
+
 # Schema evolution: the "old" structs are what a reader built before the appended fields had.
 class OldTokenBatch(msgspec.Struct, frozen=True, gc=False, omit_defaults=True):
     scheduler_id: str
