@@ -121,7 +121,9 @@ class Policy:
         self._chunk_budget = chunk_budget
         self._rng = random.Random(seed)  # sampling seeds of requests that bring none
         self._waiting: deque[Sequence] = deque()
-        self._running: list[Sequence] = []
+        # oldest first; a dict as an ordered set (by identity: Sequence has eq=False), so membership and
+        # removal are O(1) where a list made each step's membership tests O(B^2)
+        self._running: dict[Sequence, None] = {}
         self._arrivals = itertools.count()
         self._pending: dict[str, _Pending] = {}
         self.num_preemptions = 0
@@ -231,17 +233,19 @@ class Policy:
         return [_to_output(p) for p in pending.values() if _has_news(p)]
 
     def _remove(self, rid: str) -> Sequence | None:
-        for queue in (self._running, self._waiting):
-            for seq in queue:
-                if seq.rid == rid:
-                    queue.remove(seq)
-                    self.blocks.free(rid)
-                    self._pass_forks_on(seq)
-                    return seq
-                for child in seq.forks:
-                    if child.rid == rid:
-                        seq.forks.remove(child)
-                        return child
+        for seq in (*self._running, *self._waiting):
+            if seq.rid == rid:
+                if seq in self._running:
+                    del self._running[seq]
+                else:
+                    self._waiting.remove(seq)
+                self.blocks.free(rid)
+                self._pass_forks_on(seq)
+                return seq
+            for child in seq.forks:
+                if child.rid == rid:
+                    seq.forks.remove(child)
+                    return child
         return None
 
     def _pass_forks_on(self, seq: Sequence) -> None:
@@ -305,11 +309,11 @@ class Policy:
     def _reserve(self, seq: Sequence, num_tokens: int) -> bool:
         """Make room for `num_tokens` of `seq` in KV, preempting the newest running requests."""
         while not self.blocks.can_allocate(seq.rid, num_tokens):
-            victim = self._running[-1]
+            victim = next(reversed(self._running))
             if victim is seq and len(self._running) == 1:
                 if self._drop_waiting_holds():
                     continue
-                self._running.remove(seq)
+                del self._running[seq]
                 self.blocks.free(seq.rid)
                 message = f"the KV cache cannot hold {num_tokens} tokens of this request"
                 self._fail(seq, Finish(FinishType.ABORT, message=message))
@@ -321,7 +325,7 @@ class Policy:
         return True
 
     def _preempt(self, seq: Sequence) -> None:
-        self._running.remove(seq)
+        del self._running[seq]
         self.blocks.free(seq.rid)
         seq.num_computed = 0
         self._waiting.appendleft(seq)
@@ -351,7 +355,7 @@ class Policy:
                 break
             self._waiting.popleft()
             self.blocks.allocate(seq.rid, total)
-            self._running.append(seq)
+            self._running[seq] = None
             admitted.append((seq, num_tokens, num_draft))
             budget -= num_tokens + num_draft
         return admitted
@@ -421,7 +425,7 @@ class Policy:
         return None
 
     def _finish(self, seq: Sequence, finish: Finish) -> None:
-        self._running.remove(seq)
+        del self._running[seq]
         self.blocks.free(seq.rid)
         self._entry(seq).finish = finish
 

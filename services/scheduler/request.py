@@ -130,7 +130,7 @@ class RequestOutput:
     spec_verify_ct: int | None = None  # verify passes so far; None without speculative decoding
 
 
-@dataclass(eq=False)  # identity: `seq in running` and `running.remove(seq)` must not compare token lists
+@dataclass(eq=False)  # identity: hashed and compared as objects (the policy's running set), never by token lists
 class Sequence:
     """A request's live state. `tokens` is prompt + output; the first `num_computed` are in KV."""
 
