@@ -50,13 +50,16 @@ def add_speculative_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def add_graph_arguments(parser: argparse.ArgumentParser) -> None:
-    """CUDA-graph flags, shared by `sparkwire scheduler` and `sparkwire up`."""
+    """CUDA-graph and CUDA-kernel flags, shared by `sparkwire scheduler` and `sparkwire up`."""
     parser.add_argument("--ragged-cuda-graphs", action=argparse.BooleanOptionalAction, default=True,
                         help="CUDA: replay ragged steps (prefill chunks beside decodes, compact verify) from CUDA graphs "
                              "captured on first use of each padded shape (default on; elsewhere it does nothing)")  # fmt: skip
     parser.add_argument("--logprob-cuda-graphs", action=argparse.BooleanOptionalAction, default=True,
                         help="CUDA: compute output logprobs (top-k, requested ids) of up to 128 rows from CUDA graphs "
                              "captured on first use of each padded shape (default on; elsewhere it does nothing)")  # fmt: skip
+    parser.add_argument("--fused-kernels", action=argparse.BooleanOptionalAction, default=False,
+                        help="CUDA with Triton: run each layer's norms, residual adds, RoPE, K/V write and SiLU * up "
+                             "as fused Triton kernels (default off until checked on a GPU; elsewhere it does nothing)")  # fmt: skip
 
 
 def scheduler_argv(args: argparse.Namespace) -> list[str]:
@@ -68,6 +71,7 @@ def scheduler_argv(args: argparse.Namespace) -> list[str]:
     argv += ["--dtype", args.dtype] if args.dtype else []
     argv += ["--ragged-cuda-graphs" if args.ragged_cuda_graphs else "--no-ragged-cuda-graphs"]
     argv += ["--logprob-cuda-graphs" if args.logprob_cuda_graphs else "--no-logprob-cuda-graphs"]
+    argv += ["--fused-kernels" if args.fused_kernels else "--no-fused-kernels"]
     argv += ["--speculative-algorithm", args.speculative_algorithm, "--verify-mode", args.verify_mode]
     if args.draft_model:
         argv += ["--draft-model", args.draft_model]

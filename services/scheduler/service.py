@@ -64,6 +64,7 @@ def build_core(config: SchedulerConfig) -> SchedulerCore:
         reserve=reserve,
         seed=config.seed,
         cuda_graphs=False,  # captured below, once the verify width and captured layers are known
+        fused_kernels=None if config.fused_kernels else False,  # None: on where Triton runs (CUDA)
     )
     proposer = None
     if config.speculative_algorithm == "dspark":

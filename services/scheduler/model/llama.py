@@ -5,6 +5,13 @@ RMSNorm on q and k, Llama 3 RoPE scaling, tied embeddings. Parameter names match
 checkpoints (`model.layers.0.self_attn.q_proj.weight`, ...) through `checkpoint_tensors`: q/k/v
 live in one fused `qkv_proj` and gate/up in one `gate_up_proj` (one matmul each instead of three
 and two, fewer launches per decode step), and each Hugging Face name maps to a row slice of those.
+
+`CausalLM.fused_kernels` (the runner sets it: `ModelRunner.fused_kernels`) swaps the small ops
+between the matmuls for the Triton kernels of `triton_fused.py`, with the torch code here as their
+twin (same rounding): residual add + RMSNorm (`add_rms_norm`), Qwen3's q/k RMSNorm + RoPE + the
+K/V write into the paged cache (`Attention.rotate_and_store`), and SiLU(gate) * up (`silu_mul`).
+Layers carry the residual stream beside the sublayer output, so each add meets the norm after it:
+layer l takes (its input's last sublayer output, the stream before it) and returns the same pair.
 """
 
 from __future__ import annotations
@@ -35,6 +42,30 @@ class RMSNorm(nn.Module):
         # rms_norm normalises in fp32 and rounds once to x's dtype, then the weight multiplies in that
         # dtype: the reference's numerics, in 2 kernels instead of 8 (decode is launch-bound).
         return self.weight * F.rms_norm(x, (x.shape[-1],), eps=self.eps)
+
+
+def add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm, fused: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(norm(x + residual), x + residual), the sum rounded once to x's dtype; residual None (the first
+    layer's input): (norm(x), x). x, residual [T, H]."""
+    if fused:
+        from services.scheduler.model.triton_fused import add_rms_norm_triton
+
+        return add_rms_norm_triton(x, residual, norm.weight, norm.eps)
+    if residual is not None:
+        x = x + residual
+    return norm(x), x
+
+
+def silu_mul(gate_up: torch.Tensor, fused: bool = False) -> torch.Tensor:
+    """SiLU(gate) * up of gate_up [T, 2I] = [gate | up] -> [T, I]; SiLU rounds to the dtype before the product."""
+    if fused:
+        from services.scheduler.model.triton_fused import silu_mul_triton
+
+        return silu_mul_triton(gate_up)
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
 
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
@@ -92,10 +123,29 @@ class Attention(nn.Module):
         yield from _fused_slices(self.qkv_proj, ("q_proj", "k_proj", "v_proj"), self.split_sizes)
 
     def forward(
-        self, x: torch.Tensor, rope: tuple[torch.Tensor, ...], batch: ForwardBatch, cache: PagedKVCache, plan: Plan
+        self, x: torch.Tensor, rope: tuple[torch.Tensor, ...], batch: ForwardBatch, cache: PagedKVCache, plan: Plan,
+        fused: bool = False,
     ) -> torch.Tensor:
         num_tokens = x.shape[0]
-        q, k, v = self.qkv_proj(x).split(self.split_sizes, dim=-1)
+        q = self.rotate_and_store(self.qkv_proj(x), rope, batch.slot_mapping, cache, fused)  # [T, Hq, D]
+        key_cache, value_cache = cache.key_cache(self.layer_index), cache.value_cache(self.layer_index)
+        out = paged_attention(q, key_cache, value_cache, plan, self.head_dim**-0.5)  # [T, Hq, D]
+        return self.o_proj(out.reshape(num_tokens, -1))
+
+    def rotate_and_store(
+        self, qkv: torch.Tensor, rope: tuple[torch.Tensor, ...], slot_mapping: torch.Tensor, cache: PagedKVCache,
+        fused: bool = False,
+    ) -> torch.Tensor:
+        """qkv [T, (Hq + 2 Hkv) D] -> q [T, Hq, D], q/k normed (Qwen3) and rotated; k and v written to
+        this layer's cache at `slot_mapping` (attention reads them from there)."""
+        if fused:
+            from services.scheduler.model.triton_fused import rotate_and_store_triton
+
+            norms = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if self.qk_norm else None
+            key_cache, value_cache = cache.key_cache(self.layer_index), cache.value_cache(self.layer_index)
+            return rotate_and_store_triton(qkv, *rope, slot_mapping, key_cache, value_cache, self.num_heads, norms)
+        num_tokens = qkv.shape[0]
+        q, k, v = qkv.split(self.split_sizes, dim=-1)
         q = q.view(num_tokens, self.num_heads, self.head_dim)  # [T, Hq, D]
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
@@ -103,10 +153,8 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         # One rotation over q and k together: half the RoPE launches.
         q, k = apply_rope(torch.cat((q, k), dim=1), *rope).split((self.num_heads, self.num_kv_heads), dim=1)
-        cache.write(self.layer_index, batch.slot_mapping, k, v)
-        key_cache, value_cache = cache.key_cache(self.layer_index), cache.value_cache(self.layer_index)
-        out = paged_attention(q, key_cache, value_cache, plan, self.head_dim**-0.5)  # [T, Hq, D]
-        return self.o_proj(out.reshape(num_tokens, -1))
+        cache.write(self.layer_index, slot_mapping, k, v)
+        return q
 
 
 class MLP(nn.Module):
@@ -120,9 +168,8 @@ class MLP(nn.Module):
         sizes = (self.intermediate_size, self.intermediate_size)
         yield from _fused_slices(self.gate_up_proj, ("gate_proj", "up_proj"), sizes)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+    def forward(self, x: torch.Tensor, fused: bool = False) -> torch.Tensor:
+        return self.down_proj(silu_mul(self.gate_up_proj(x), fused))
 
 
 def _fused_slices(
@@ -145,10 +192,15 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(
-        self, x: torch.Tensor, rope: tuple[torch.Tensor, ...], batch: ForwardBatch, cache: PagedKVCache, plan: Plan
-    ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), rope, batch, cache, plan)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        self, x: torch.Tensor, residual: torch.Tensor | None, rope: tuple[torch.Tensor, ...], batch: ForwardBatch,
+        cache: PagedKVCache, plan: Plan, fused: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x, residual) -> (this layer's MLP output, the stream before it); their sum is the layer's
+        output. residual None: x is the whole stream (the embeddings, or a layer output made whole)."""
+        normed, residual = add_rms_norm(x, residual, self.input_layernorm, fused)
+        x = self.self_attn(normed, rope, batch, cache, plan, fused)
+        normed, residual = add_rms_norm(x, residual, self.post_attention_layernorm, fused)
+        return self.mlp(normed, fused), residual
 
 
 class DecoderModel(nn.Module):
@@ -169,6 +221,7 @@ class CausalLM(nn.Module):
         if not config.tie_word_embeddings:
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.register_buffer("rope_inv_freq", rope_inv_freq(config), persistent=False)
+        self.fused_kernels = False  # the Triton kernels of triton_fused.py (CUDA; the interpreter in tests)
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
@@ -199,11 +252,13 @@ class CausalLM(nn.Module):
         if plan is None:
             plan = plan_attention(batch, cache.block_size)
         captured: dict[int, torch.Tensor] = {}
+        residual = None
         for index, layer in enumerate(self.model.layers):
-            x = layer(x, rope, batch, cache, plan)
+            x, residual = layer(x, residual, rope, batch, cache, plan, self.fused_kernels)
             if index in batch.capture_layers:
+                x, residual = x + residual, None  # the layer's output, whole; the next layer adds nothing
                 captured[index] = x
-        hidden = self.model.norm(x)  # [T, H]
+        hidden, _ = add_rms_norm(x, residual, self.model.norm, self.fused_kernels)  # [T, H]
         if not batch.capture_layers:
             return hidden, None
         return hidden, torch.cat([captured[i] for i in batch.capture_layers], dim=-1)  # [T, C * H]

@@ -41,15 +41,23 @@ def triton_available() -> bool:
 
 class ModelRunner:
     def __init__(
-        self, model: CausalLM, kv_cache: PagedKVCache, decode_kernel: bool | None = None, ragged_kernel: bool | None = None
+        self,
+        model: CausalLM,
+        kv_cache: PagedKVCache,
+        decode_kernel: bool | None = None,
+        ragged_kernel: bool | None = None,
+        fused_kernels: bool | None = None,
     ) -> None:
         """decode_kernel: eager uniform-query steps use the Triton decode kernel; ragged_kernel: ragged
-        steps use the Triton varlen kernel, not the SDPA groups (each default: on CUDA with Triton)."""
+        steps use the Triton varlen kernel, not the SDPA groups; fused_kernels: the model's small ops
+        (norms, RoPE, the K/V write, SiLU * up) run as the Triton kernels of `triton_fused.py` (each
+        default: on CUDA with Triton)."""
         self.model = model
         self.kv_cache = kv_cache
         on_cuda_with_triton = kv_cache.kv.device.type == "cuda" and triton_available()
         self.decode_kernel = on_cuda_with_triton if decode_kernel is None else decode_kernel
         self.ragged_kernel = on_cuda_with_triton if ragged_kernel is None else ragged_kernel
+        self.fused_kernels = on_cuda_with_triton if fused_kernels is None else fused_kernels
         self.decode_graphs: DecodeGraphRunner | None = None
         self.ragged_graphs: RaggedGraphRunner | None = None
 
@@ -103,6 +111,15 @@ class ModelRunner:
 
     def drop_ragged_graphs(self) -> None:
         self.ragged_graphs = None
+
+    @property
+    def fused_kernels(self) -> bool:
+        return self.model.fused_kernels
+
+    @fused_kernels.setter
+    def fused_kernels(self, on: bool) -> None:
+        """Graphs captured before keep the kernels they were captured with: drop and prepare them again."""
+        self.model.fused_kernels = on
 
     @property
     def config(self) -> ModelConfig:

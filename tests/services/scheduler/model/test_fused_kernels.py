@@ -1,0 +1,144 @@
+"""The fused Triton kernels (`triton_fused.py`) against their torch twins in `llama.py`, one by one
+and inside whole fp32 forwards (Qwen3 with q/k norms; Llama with attention biases), in Triton's CPU
+interpreter (skipped without Triton; CI has none). The interpreter rounds fp32 to bf16 by truncation,
+so only fp32 is compared here; bf16 is ops/bench/gpu_fused_check.py's, on the GPU."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from services.scheduler.model.config import ModelConfig
+from services.scheduler.model.kv_cache import PagedKVCache
+from services.scheduler.model.llama import Attention, CausalLM, RMSNorm, add_rms_norm, rope_cos_sin, silu_mul
+from services.scheduler.model.runner import ModelRunner
+
+REPO = Path(__file__).resolve().parents[4]
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"  # read by Triton when it is imported
+TOLERANCE = {"atol": 1e-5, "rtol": 1e-5}
+SHAPE = {"vocab_size": 96, "hidden_size": 48, "intermediate_size": 80, "num_hidden_layers": 2, "num_attention_heads": 4,
+         "num_key_value_heads": 2, "head_dim": 16, "max_position_embeddings": 128, "rms_norm_eps": 1e-6, "eos_token_id": 2}  # fmt: skip
+FAMILIES = {
+    "qwen3": {"architectures": ["Qwen3ForCausalLM"], "rope_theta": 1000000.0},  # q/k norms, no biases
+    "llama": {"architectures": ["LlamaForCausalLM"], "rope_theta": 500000.0, "attention_bias": True},  # q/k/v/o biases
+}
+
+
+def tiny_config(family: str) -> ModelConfig:
+    return ModelConfig.from_dict({**SHAPE, **FAMILIES[family]})
+
+
+def random_model(config: ModelConfig, seed: int = 0) -> CausalLM:
+    """Every parameter random (norm weights around 1, biases too), so a misread weight or lane shows."""
+    model = CausalLM(config).eval()
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            noise = torch.randn(param.shape, generator=gen)
+            param.copy_(1.0 + 0.2 * noise if "norm" in name else 0.3 * noise)
+    return model
+
+
+def test_runner_keeps_the_fused_kernels_off_on_cpu_and_sets_them_on_its_model() -> None:
+    config = tiny_config("qwen3")
+    runner = ModelRunner(random_model(config), PagedKVCache(config, 4, 4, torch.float32, torch.device("cpu")))
+    assert runner.fused_kernels is False and runner.model.fused_kernels is False
+    runner.fused_kernels = True
+    assert runner.model.fused_kernels is True
+
+
+def test_twin_without_residual_is_the_plain_norm_and_hands_x_on() -> None:
+    norm = RMSNorm(48, 1e-6)
+    x = torch.randn(3, 48)
+    normed, residual = add_rms_norm(x, None, norm)
+    assert residual is x and torch.equal(normed, norm(x))
+
+
+@pytest.mark.skipif(INTERPRETED or importlib.util.find_spec("triton") is None, reason="needs Triton; runs the interpreter")
+def test_fused_kernels_in_the_triton_interpreter() -> None:
+    """The interpreted cases below, in a child pytest whose Triton starts in interpreter mode."""
+    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "interpreted", __file__]
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and " passed" in done.stdout and "skipped" not in done.stdout, (
+        done.stdout[-4000:] + done.stderr[-2000:]
+    )
+
+
+interpreted = pytest.mark.skipif(not INTERPRETED, reason="run by test_fused_kernels_in_the_triton_interpreter")
+
+
+@interpreted
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_interpreted_add_rms_norm_matches_twin(with_residual) -> None:
+    from services.scheduler.model.triton_fused import add_rms_norm_triton
+
+    gen = torch.Generator().manual_seed(1)
+    x, residual = torch.randn(5, 48, generator=gen), torch.randn(5, 48, generator=gen)  # 48: a masked row
+    norm = RMSNorm(48, 1e-6)
+    norm.weight.data.copy_(1.0 + 0.2 * torch.randn(48, generator=gen))
+    residual = residual if with_residual else None
+    with torch.no_grad():
+        got, want = add_rms_norm_triton(x, residual, norm.weight, norm.eps), add_rms_norm(x, residual, norm)
+    torch.testing.assert_close(got[0], want[0], **TOLERANCE)
+    torch.testing.assert_close(got[1], want[1], atol=0, rtol=0)  # the sum rounds once, as torch's add
+
+
+@interpreted
+def test_interpreted_silu_mul_matches_twin() -> None:
+    from services.scheduler.model.triton_fused import silu_mul_triton
+
+    gate_up = 3 * torch.randn(3, 2 * 1500, generator=torch.Generator().manual_seed(2))  # 2 column blocks, the last masked
+    torch.testing.assert_close(silu_mul_triton(gate_up), silu_mul(gate_up), **TOLERANCE)
+
+
+@interpreted
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_interpreted_rotate_and_store_matches_twin(family) -> None:
+    # q, and the whole cache after the write: the tokens' slots (in shuffled blocks, one in the trash
+    # block as a padded graph row writes) hold the same k and v, every other slot (other layers too) is untouched.
+    config = tiny_config(family)
+    model = random_model(config)
+    attention = model.model.layers[1].self_attn
+    gen = torch.Generator().manual_seed(3)
+    num_tokens, block_size = 5, 4
+    qkv = torch.randn(num_tokens, (4 + 2 * 2) * 16, generator=gen)
+    rope = rope_cos_sin(model.rope_inv_freq, torch.tensor([0, 7, 8, 30, 0]), torch.float32)
+    slots = torch.tensor([13, 2, 3, 9, 6 * block_size + 1])  # block 6: the trash block of a 6-block cache
+    caches = [PagedKVCache(config, 6, block_size, torch.float32, torch.device("cpu")) for _ in range(2)]
+    for cache in caches:
+        cache.kv.copy_(torch.randn(cache.kv.shape, generator=torch.Generator().manual_seed(4)))
+    with torch.no_grad():
+        want = attention.rotate_and_store(qkv, rope, slots, caches[0])
+        got = attention.rotate_and_store(qkv, rope, slots, caches[1], fused=True)
+    torch.testing.assert_close(got, want, **TOLERANCE)
+    torch.testing.assert_close(caches[1].kv, caches[0].kv, **TOLERANCE)
+
+
+@interpreted
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_interpreted_model_forward_fused_equals_unfused(family, make_pager) -> None:
+    # A prefill of two sequences (one capturing a layer, as DSpark does), then a decode of both through
+    # the padded decode-graph twin (padded rows write the trash block): hidden states, captures, the cache.
+    config = tiny_config(family)
+    pager = make_pager(num_seqs=3, max_blocks_per_seq=4, block_size=4, seed=1)
+    runners = [ModelRunner(random_model(config), PagedKVCache(config, pager.num_blocks, 4, torch.float32,
+                                                              torch.device("cpu"))) for _ in range(2)]  # fmt: skip
+    runners[1].fused_kernels = True
+    prefill = pager.batch([(0, [5, 6, 7, 8, 9], 0), (1, [10, 11, 12], 0)], capture_layers=(0,))
+    decode = pager.batch([(0, [40], 5), (1, [41], 3)])
+    outputs = []
+    for runner in runners:
+        runner.prepare_decode_graphs(ladder=(4,), max_blocks_per_seq=4, capture=False)
+        outputs.append((runner.forward(prefill), runner.forward(decode)))
+    (want_prefill, want_decode), (got_prefill, got_decode) = outputs
+    torch.testing.assert_close(got_prefill.hidden_states, want_prefill.hidden_states, **TOLERANCE)
+    torch.testing.assert_close(got_prefill.captured, want_prefill.captured, **TOLERANCE)
+    torch.testing.assert_close(got_decode.hidden_states, want_decode.hidden_states, **TOLERANCE)
+    torch.testing.assert_close(runners[1].kv_cache.kv, runners[0].kv_cache.kv, **TOLERANCE)
