@@ -88,13 +88,13 @@ def logprob_inputs(
     - processed mode only: temperature f32 [n] (left out when every row's is 1), and top_k int64,
       top_p f32, min_p f32 [n] (`sampler.filter_arrays`; left out when no row filters).
     """
-    rows = np.concatenate([q.rows for q in queries]).astype(np.int64) if queries else np.zeros(0, np.int64)
+    rows = np.concatenate([q.rows for q in queries]).astype(np.int64, copy=False) if queries else np.zeros(0, np.int64)
     if rows.size == 0:
         return {}
     counts = [len(q.rows) for q in queries]
     inputs = {} if _are_all_rows(rows, num_source_rows) else {"rows": rows}
     if all(q.targets is not None for q in queries):
-        inputs["targets"] = np.concatenate([q.targets for q in queries]).astype(np.int64)
+        inputs["targets"] = np.concatenate([q.targets for q in queries]).astype(np.int64, copy=False)
     if any(q.token_ids for q in queries):
         inputs["ids"] = np.repeat(_padded_ids(queries), counts, axis=0)  # [n, max_m]
     if processed:
@@ -196,10 +196,8 @@ def _are_all_rows(rows: np.ndarray, num_source_rows: int | None) -> bool:
 
 def _padded_ids(queries: list[LogprobQuery]) -> np.ndarray:
     """int64 [num_queries, max_m]: each query's requested ids, padded with 0."""
-    ids = np.zeros((len(queries), max(len(q.token_ids) for q in queries)), np.int64)
-    for index, q in enumerate(queries):
-        ids[index, : len(q.token_ids)] = q.token_ids
-    return ids
+    width = max(len(q.token_ids) for q in queries)
+    return np.asarray([(*q.token_ids, *(0,) * (width - len(q.token_ids))) for q in queries], np.int64)
 
 
 def _processed_inputs(queries: list[LogprobQuery]) -> dict[str, np.ndarray]:
@@ -212,18 +210,18 @@ def _processed_inputs(queries: list[LogprobQuery]) -> dict[str, np.ndarray]:
 
 
 def _split(queries, token, top_values, top_ids, ids_lp) -> list[RowLogprobs]:
+    """Each query's rows as views of the columns; only a query asking for fewer top-k (or ids) than the
+    widest one's has its columns cut, and copied (contiguous, as the wire sends them)."""
+    max_k, max_m = top_values.shape[1], ids_lp.shape[1]
     out, start = [], 0
     for q in queries:
         end = start + len(q.rows)
-        m = len(q.token_ids)
-        out.append(
-            RowLogprobs(
-                token=token[start:end],
-                top_values=np.ascontiguousarray(top_values[start:end, : q.top_k]),
-                top_ids=np.ascontiguousarray(top_ids[start:end, : q.top_k]),
-                ids=np.ascontiguousarray(ids_lp[start:end, :m]),
-            )
-        )
+        values, ids, requested = top_values[start:end], top_ids[start:end], ids_lp[start:end]
+        if q.top_k < max_k:
+            values, ids = np.ascontiguousarray(values[:, : q.top_k]), np.ascontiguousarray(ids[:, : q.top_k])
+        if len(q.token_ids) < max_m:
+            requested = np.ascontiguousarray(requested[:, : len(q.token_ids)])
+        out.append(RowLogprobs(token[start:end], values, ids, requested))
         start = end
     return out
 

@@ -250,11 +250,12 @@ class ModelWorker:
         drafts' (its tokens come from those; the rows padding it to K + 1 would be computed for nothing)."""
         prompt = [(i, self._prompt_query(plan.steps[i], layout.row_start[i])) for i in range(len(plan.steps))]
         width = layout.max_draft + 1
-        output = [
-            (i, self._query(plan.steps[i], p * width + np.arange(plan.steps[i].num_draft + 1, dtype=np.int64), None))
-            for p, i in enumerate(layout.producers)
-            if plan.steps[i].seq.wants_logprobs
-        ]
+        logits_rows = np.arange(len(layout.producers) * width, dtype=np.int64).reshape(-1, width)  # [P, K + 1] of the verified logits
+        output = []
+        for p, i in enumerate(layout.producers):
+            step = plan.steps[i]
+            if step.seq.wants_logprobs:
+                output.append((i, self._query(step, logits_rows[p, : step.num_draft + 1], None)))  # a view per query
         prompt = [(i, q) for i, q in prompt if q is not None]
         return _LogprobQueries(prompt, output, len(layout.producers) * width)
 

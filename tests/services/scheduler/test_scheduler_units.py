@@ -138,6 +138,28 @@ def test_compute_logprobs_chunks_rows_and_slices_per_request(monkeypatch):
 
 
 
+def test_split_logprobs_views_full_width_rows_and_cuts_narrower_queries():
+    """Each query takes its own rows of the step's columns: as views when it asks for the widest k
+    and ids (every request alike, the usual decode step), cut to its k and ids (contiguous) otherwise."""
+    token = np.arange(4, dtype=np.float32)  # [n]
+    top_values = np.arange(12, dtype=np.float32).reshape(4, 3)  # [n, max_k]
+    top_ids = np.arange(12, dtype=np.int32).reshape(4, 3)
+    ids = np.arange(8, dtype=np.float32).reshape(4, 2)  # [n, max_m]
+    queries = [
+        LogprobQuery(np.array([0]), None, top_k=3, token_ids=(4, 5)),
+        LogprobQuery(np.array([1, 2]), None, top_k=1, token_ids=(4,)),
+        LogprobQuery(np.array([3]), None, top_k=0, token_ids=()),
+    ]
+    wide, narrow, bare = split_logprobs(queries, [token, top_values, top_ids, ids])
+    assert all(np.shares_memory(a, b) for a, b in zip(wide.columns(), (token, top_values, top_ids, ids)))
+    np.testing.assert_array_equal(wide.top_ids, [[0, 1, 2]])
+    np.testing.assert_array_equal(narrow.token, [1, 2])
+    np.testing.assert_array_equal(narrow.top_values, [[3], [6]])
+    np.testing.assert_array_equal(narrow.ids, [[2], [4]])
+    assert narrow.top_values.flags.c_contiguous and narrow.ids.flags.c_contiguous
+    assert bare.top_values.shape == (1, 0) and bare.top_ids.shape == (1, 0) and bare.ids.shape == (1, 0)
+
+
 def test_prompt_rows_chunk_by_the_prompt_budget_and_verify_rows_by_the_larger_one(monkeypatch):
     """Rows the chunk computes logits for (prompt rows, through the LM head) chunk by
     PROMPT_CHUNK_BYTES, rows of given logits by CHUNK_BYTES; the results do not depend on it."""
