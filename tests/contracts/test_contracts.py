@@ -172,6 +172,8 @@ def test_to_wire_views_contiguous_little_endian_arrays_and_copies_the_rest():
     np.testing.assert_array_equal(from_wire(columns), rows[:, :2])
     empty = to_wire(np.zeros((0, 20), np.int32))
     assert empty.shape == (0, 20) and from_wire(empty).shape == (0, 20)
+    scalar = to_wire(np.array(2.5, np.float64))
+    assert scalar.dtype == "<f8" and from_wire(scalar) == 2.5
 
 
 # Schema evolution: the "old" structs are what a reader built before the appended fields had.
