@@ -158,22 +158,50 @@ async def test_burst_of_20_5mb_messages_arrives_intact_and_in_order(nats_server_
     await receiver.close()
 
 
-async def _burst_21mb(server, window_bytes: int, block_s: float) -> tuple[Collector, Transport]:
-    sender, receiver, got = await subscribed_pair(server.url, window_bytes=window_bytes, block_s=block_s)
-    for seq in range(8):
-        await sender.publish(SUBJECT, blob(seq, 21 * MB))
-    return got, receiver
+def socket_of(receiver: Transport) -> asyncio.Transport:
+    """The receiving socket (its `NatsReader`'s): `pause_reading()` stops only this receiver.
+    A blocked event loop would not do: sender and receiver share it, so the sender stops too."""
+    return receiver._reader._protocol.transport
+
+
+def window_is_full(sender: Transport, window_bytes: int) -> bool:
+    """No room for another chunk (a chunk is at most `max_payload`): the sender waits for acks."""
+    window = sender._windows.get(SUBJECT)
+    return window_bytes > 0 and window is not None and window_bytes - window.num_bytes < sender.max_payload
+
+
+async def _burst_21mb(server, window_bytes: int) -> tuple[Transport, Transport, Collector, asyncio.Task[None]]:
+    """Eight 21 MB messages to a receiver that reads nothing until the sender can send no more
+    (the whole burst sent, or its window full), then takes 0.3 s per message. Returns once the
+    server has everything the sender sent so far, with the receiver reading again, and the
+    burst's task (done without flow control; with it, done once the receiver has acked)."""
+    sender, receiver, got = await subscribed_pair(server.url, window_bytes=window_bytes, block_s=0.3)
+    socket_of(receiver).pause_reading()
+    burst = asyncio.create_task(_publish(sender, [blob(seq, 21 * MB) for seq in range(8)]))
+    async with asyncio.timeout(30):
+        while not burst.done() and not window_is_full(sender, window_bytes):
+            await asyncio.sleep(0.01)
+    await sender.flush()
+    socket_of(receiver).resume_reading()
+    return sender, receiver, got, burst
+
+
+async def _publish(sender: Transport, messages: list[Blob]) -> None:
+    for message in messages:
+        await sender.publish(SUBJECT, message)
 
 
 @pytest.mark.timeout(90)
 async def test_burst_of_21mb_messages_to_a_slow_receiver_loses_nothing(nats_server_factory):
     server = nats_server_factory(max_payload="1MB", max_pending="16MB")
-    got, receiver = await _burst_21mb(server, window_bytes=8 * MB, block_s=0.3)
+    sender, receiver, got, burst = await _burst_21mb(server, window_bytes=8 * MB)
     await got.wait_for(8, 60)
+    await burst
     assert [m.seq for m in got.got] == list(range(8))
     assert all(len(m.data) == 21 * MB and m.data[:1] == blob(m.seq, 1).data for m in got.got)
     assert receiver.events.disconnects == 0 and receiver.events.errors == []
     assert "slow consumer" not in server.log().lower()
+    await sender.close()
     await receiver.close()
 
 
@@ -181,12 +209,14 @@ async def test_burst_of_21mb_messages_to_a_slow_receiver_loses_nothing(nats_serv
 async def test_same_burst_without_flow_control_trips_the_slow_consumer_limit(nats_server_factory):
     """The control for the test above: with the window off, the server drops the receiver."""
     server = nats_server_factory(max_payload="1MB", max_pending="16MB")
-    got, receiver = await _burst_21mb(server, window_bytes=0, block_s=0.3)
-    async with asyncio.timeout(60):
-        while "slow consumer" not in server.log().lower():
-            await asyncio.sleep(0.1)
-    await asyncio.sleep(1.0)
-    assert len(got.got) < 8 or receiver.events.disconnects > 0
+    sender, receiver, got, _burst = await _burst_21mb(server, window_bytes=0)
+    async with asyncio.timeout(30):
+        while receiver.events.disconnects == 0:  # the reader sees the close once it reads again
+            await asyncio.sleep(0.02)
+    slow = [line for line in server.log().splitlines() if "slow consumer" in line.lower()]
+    assert slow and all('sparkwire-reader:receiver"' in line for line in slow)
+    assert len(got.got) < 8
+    await sender.close()
     await receiver.close()
 
 
