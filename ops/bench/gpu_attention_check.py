@@ -202,7 +202,7 @@ def kernel_rows(shape: Shape, device: str, dtype: torch.dtype, repeats: int) -> 
             row["kernel_plan_ms"] += median_ms(lambda: plan_varlen(batch, group), device, repeats)
         row["speedup"] = row["sdpa_ms"] / row["kernel_ms"] if row["kernel_ms"] else None
         row["x_layers_ms"] = {path: row[f"{path}_ms"] * shape.num_layers for path in PATHS}
-        rows.append(_rounded(row))
+        rows.append(rounded(row))
     return rows
 
 
@@ -266,7 +266,7 @@ def mixed_step(runner: ModelRunner, shape: Shape, repeats: int) -> dict:
         result["hidden_max_abs_diff_relative"] = float((kernel_hidden - sdpa_hidden).abs().max() / sdpa_hidden.abs().max())
         result["next_token_agreement"] = float((kernel_next == sdpa_next).float().mean())
         result["speedup"] = result["mixed_sdpa_ms"] / result["mixed_kernel_ms"]
-    return _rounded(result)
+    return rounded(result)
 
 
 def _paths(runner: ModelRunner) -> tuple[str, ...]:
@@ -324,7 +324,7 @@ def ragged_graph_steps(runner: ModelRunner, shape: Shape, repeats: int) -> dict:
             hidden, argmax = _hidden_and_argmax(runner, batch)
             result[f"{name}_hidden_max_abs_diff_relative"] = float((hidden - eager[name][0]).abs().max() / eager[name][0].abs().max())
             result[f"{name}_argmax_agreement"] = float((argmax == eager[name][1]).float().mean())
-            result[f"{name}_worst_row_rel_diff"] = _worst_row(hidden, eager[name][0])
+            result[f"{name}_worst_row_rel_diff"] = worst_row_rel_diff(hidden, eager[name][0])
             result[f"{name}_vs_padded_max_abs_diff"] = float((hidden - padded[name][0]).abs().max())
             result[f"{name}_vs_padded_argmax_agreement"] = float((argmax == padded[name][1]).float().mean())
             result[f"{name}_speedup"] = result[f"{name}_eager_ms"] / result[f"{name}_graph_ms"]
@@ -336,10 +336,10 @@ def ragged_graph_steps(runner: ModelRunner, shape: Shape, repeats: int) -> dict:
         result["graphs_reserved_mib"] = round((torch.cuda.memory_reserved() - reserved) / 2**20, 1) if cuda else None
     finally:
         runner.drop_ragged_graphs()
-    return _rounded(result)
+    return rounded(result)
 
 
-def _worst_row(got: torch.Tensor, want: torch.Tensor) -> float:
+def worst_row_rel_diff(got: torch.Tensor, want: torch.Tensor) -> float:
     """max over rows of |got - want|_inf / |want|_inf: one wrong row stands out of the bf16 noise."""
     return float(((got - want).abs().amax(-1) / want.abs().amax(-1).clamp_min(1e-6)).max())
 
@@ -398,7 +398,7 @@ def run(args: argparse.Namespace) -> dict:
     deadline = time.monotonic() + args.budget_s
     result: dict = {"device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu", "torch": torch.__version__,
                     "shape": {k: str(v) for k, v in dataclasses.asdict(shape).items()}, "kernel": uses_kernel(args.device)}  # fmt: skip
-    section = _sections(result, deadline)
+    section = deadline_sections(result, deadline)
     section("kernels", lambda: kernel_rows(shape, args.device, dtype, args.repeats))
     runners: list[ModelRunner] = []
     section("runner", lambda: _load(shape, args.device, dtype, runners))
@@ -415,7 +415,7 @@ def run(args: argparse.Namespace) -> dict:
     return result
 
 
-def _sections(result: dict, deadline: float) -> Callable[[str, Callable[[], object]], object]:
+def deadline_sections(result: dict, deadline: float) -> Callable[[str, Callable[[], object]], object]:
     """section(name, fn): result[name] = fn(), or the error, or "skipped" once the deadline has passed."""
 
     def section(name: str, fn: Callable[[], object]) -> object:
@@ -441,7 +441,7 @@ def _load(shape: Shape, device: str, dtype: torch.dtype, into: list[ModelRunner]
     return {"model": shape.model.name, "load_s": round(time.perf_counter() - start, 1)}
 
 
-def _rounded(row: dict) -> dict:
+def rounded(row: dict) -> dict:
     return {k: float(f"{v:.5g}") if isinstance(v, float) else v for k, v in row.items()}
 
 

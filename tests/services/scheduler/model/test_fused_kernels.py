@@ -142,3 +142,32 @@ def test_interpreted_model_forward_fused_equals_unfused(family, make_pager) -> N
     torch.testing.assert_close(got_prefill.captured, want_prefill.captured, **TOLERANCE)
     torch.testing.assert_close(got_decode.hidden_states, want_decode.hidden_states, **TOLERANCE)
     torch.testing.assert_close(runners[1].kv_cache.kv, runners[0].kv_cache.kv, **TOLERANCE)
+
+
+@pytest.mark.skipif(INTERPRETED or importlib.util.find_spec("triton") is None, reason="needs Triton (its compiler, not a GPU)")
+def test_kernels_compile_for_the_h200_at_the_8b_shape() -> None:
+    # The interpreter runs the kernels' Python; this runs Triton's compiler down to an sm_90 cubin (no
+    # device needed), so what only the compiler refuses (types across branches, layouts) fails here.
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from services.scheduler.model import triton_fused
+
+    bf16, i32 = "*bf16", "i32"
+    norm = {"x_ptr": bf16, "residual_ptr": bf16, "weight_ptr": bf16, "out_ptr": bf16, "residual_out_ptr": bf16, "eps": "fp32",
+            "stride_x": i32, "stride_r": i32, "stride_o": i32, "stride_ro": i32}  # fmt: skip
+    rope = {"qkv_ptr": bf16, "cos_ptr": bf16, "sin_ptr": bf16, "slot_ptr": "*i64", "q_out_ptr": bf16, "key_cache_ptr": bf16,
+            "value_cache_ptr": bf16, "q_weight_ptr": bf16, "k_weight_ptr": bf16, "eps": "fp32", "stride_qkv": i32,
+            "stride_cos": i32, "stride_sin": i32, "stride_qo": i32, "stride_cache_block": i32, "stride_cache_slot": i32}  # fmt: skip
+    silu = {"gate_up_ptr": bf16, "out_ptr": bf16, "stride_in": i32, "stride_out": i32}
+    kernels = [
+        *((triton_fused._add_rms_norm_kernel, norm, {"HIDDEN": 4096, "BLOCK": 4096, "HAS_RESIDUAL": has}) for has in (False, True)),
+        *((triton_fused._rotate_and_store_kernel, rope,
+           {"NUM_HEADS": 32, "NUM_KV_HEADS": 8, "HEAD_DIM": 128, "BLOCK_SIZE": 16, "QK_NORM": qk}) for qk in (False, True)),
+        (triton_fused._silu_mul_kernel, silu, {"INTERMEDIATE": 12288, "BLOCK": 1024}),
+    ]  # fmt: skip
+    for kernel, signature, constants in kernels:
+        source = ASTSource(kernel, {**signature, **dict.fromkeys(constants, "constexpr")}, constants)
+        compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32))
+        assert compiled.asm["cubin"], kernel

@@ -1,0 +1,279 @@
+"""The fused small-op kernels (`triton_fused.py`, issue 12) on one GPU: the Qwen3-8B shape (dummy
+bf16 weights) with `ModelRunner.fused_kernels` off and on, one runner built once, both in one run.
+
+Sections, in this order, each in its own try/except (one failure keeps the rest); one that would
+start more than --budget-s after the start is skipped:
+- `prefill`: the context every decode below reads (--batches' largest number of sequences, each of
+  --context - 1 tokens) as one ragged step, off then on (each rewrites the same K/V): argmax
+  agreement of each sequence's last row, max |diff| / max |off| of the hidden states, worst row.
+- `agreement`: per batch size, one eager decode step (position --context - 1) off then on, on the
+  same cache (each writes the step's own K/V, then attends to it): next-token argmax agreement,
+  relative hidden difference (max and worst row), and that of the K/V each wrote.
+- `graph_decode`: per setting, decode graphs captured for the batch sizes alone (dropped and captured
+  again between settings); per batch: ms of one replay (CUDA events, median of --repeats, each
+  from an idle device) and the replay's next tokens against the eager step's. On CPU there is no
+  capture: the padded eager twin runs, timed by the host clock.
+- `profile`: the eager batch-1 decode step under torch.profiler, off and on: device kernels per step
+  and the top --top of the unfused step by device time.
+
+    PYTHONPATH=. python ops/bench/gpu_fused_check.py --out $OUT/gpu_fused.json
+    PYTHONPATH=. python ops/bench/gpu_fused_check.py --device cpu --tiny --out /tmp/fused.json  # smoke, off only
+    TRITON_INTERPRET=1 PYTHONPATH=. python ops/bench/gpu_fused_check.py --device cpu --tiny --out /tmp/fused.json
+
+On CPU the fused kernels run only in Triton's interpreter (TRITON_INTERPRET=1); elsewhere the
+"on" setting is left out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ops.bench.gpu_attention_check import deadline_sections, median_ms, ragged_step, rounded, worst_row_rel_diff
+from services.models import RANDOM_TINY_MODEL
+from services.scheduler.model.batch import ForwardBatch
+from services.scheduler.model.loader import load_model_runner
+from services.scheduler.model.runner import ModelRunner, triton_available
+
+REPO = Path(__file__).resolve().parents[2]
+SETTINGS = {"off": False, "on": True}  # ModelRunner.fused_kernels
+
+
+@dataclass(frozen=True)
+class Shape:
+    model: Path
+    batches: tuple[int, ...]  # decode batch sizes; each a rung of its own decode graphs
+    context: int  # seq_len of each decode step (the context + the step's token)
+    page: int  # the cache's block size
+
+
+FULL = Shape(REPO / "ops/model_configs/Qwen3-8B", (1, 64), 256, 16)
+TINY = Shape(RANDOM_TINY_MODEL, (1, 3), 20, 4)
+
+
+def settings_here(device: str) -> tuple[str, ...]:
+    """"off", and "on" where the fused kernels run: CUDA with Triton, or Triton's CPU interpreter."""
+    interpreted = os.environ.get("TRITON_INTERPRET") == "1"
+    return ("off", "on") if triton_available() and (device == "cuda" or interpreted) else ("off",)
+
+
+def context_step(shape: Shape, device: str) -> ForwardBatch:
+    """The prefill of every sequence's context: positions 0 .. context - 2; sequence s owns pages s * width ..."""
+    return ragged_step([(0, shape.context - 1)] * max(shape.batches), shape.page, _width(shape), device)
+
+
+def decode_step(shape: Shape, batch: int, device: str) -> ForwardBatch:
+    """One token per sequence 0 .. batch - 1, at position context - 1."""
+    return ragged_step([(shape.context - 1, 1)] * batch, shape.page, _width(shape), device)
+
+
+def _width(shape: Shape) -> int:
+    return -(-shape.context // shape.page)
+
+
+def relative_diff(got: torch.Tensor, want: torch.Tensor) -> float:
+    return float((got.float() - want.float()).abs().max() / want.float().abs().max().clamp_min(1e-12))
+
+
+def written_kv(runner: ModelRunner, batch: ForwardBatch) -> torch.Tensor:
+    """Every layer's K and V at the batch's slots, [L, 2, T, Hkv, D] (a copy)."""
+    kv = runner.kv_cache.kv
+    return kv.flatten(2, 3)[:, :, batch.slot_mapping.long()].clone()
+
+
+def forward_with(runner: ModelRunner, setting: str, batch: ForwardBatch) -> torch.Tensor:
+    runner.fused_kernels = SETTINGS[setting]
+    return runner.forward(batch).hidden_states.float()  # [T, H], copied out of any graph buffer
+
+
+def next_tokens(runner: ModelRunner, hidden: torch.Tensor) -> torch.Tensor:
+    return runner.compute_logits(hidden).argmax(-1)
+
+
+# ---- sections ----
+
+
+def prefill_rows(runner: ModelRunner, shape: Shape, settings: tuple[str, ...]) -> dict:
+    step = context_step(shape, runner.device.type)
+    last = torch.arange(1, max(shape.batches) + 1, device=runner.device) * (shape.context - 1) - 1  # each sequence's last row
+    hidden = {setting: forward_with(runner, setting, step) for setting in settings}
+    result: dict = {"sequences": max(shape.batches), "context": shape.context - 1, "tokens": step.num_tokens}
+    if "on" in hidden:
+        off, on = hidden["off"], hidden["on"]
+        result["argmax_agreement"] = float((next_tokens(runner, on[last]) == next_tokens(runner, off[last])).float().mean())
+        result["hidden_rel_diff"] = relative_diff(on, off)
+        result["worst_row_rel_diff"] = worst_row_rel_diff(on, off)
+    return rounded(result)
+
+
+def agreement_rows(runner: ModelRunner, shape: Shape, settings: tuple[str, ...]) -> list[dict]:
+    rows = []
+    for size in shape.batches:
+        batch = decode_step(shape, size, runner.device.type)
+        outputs = {}
+        for setting in settings:
+            hidden = forward_with(runner, setting, batch)
+            outputs[setting] = (hidden, next_tokens(runner, hidden), written_kv(runner, batch))
+        row: dict = {"batch": size, "context": shape.context}
+        if "on" in outputs:
+            (off, off_next, off_kv), (on, on_next, on_kv) = outputs["off"], outputs["on"]
+            row["argmax_agreement"] = float((on_next == off_next).float().mean())
+            row["hidden_rel_diff"] = relative_diff(on, off)
+            row["worst_row_rel_diff"] = worst_row_rel_diff(on, off)
+            row["kv_rel_diff"] = relative_diff(on_kv, off_kv)
+        rows.append(rounded(row))
+    return rows
+
+
+def graph_rows(runner: ModelRunner, shape: Shape, settings: tuple[str, ...], repeats: int) -> list[dict]:
+    device = runner.device.type
+    rows = []
+    for setting in settings:
+        runner.fused_kernels = SETTINGS[setting]
+        runner.prepare_decode_graphs(ladder=shape.batches, max_blocks_per_seq=_width(shape))  # captures on CUDA
+        try:
+            for size in shape.batches:
+                batch = decode_step(shape, size, device)
+                eager = next_tokens(runner, _eager(runner, batch))
+                replayed = next_tokens(runner, runner.forward(batch).hidden_states)  # loads the static buffers
+                graph = runner.decode_graphs.graphs.get((size, 1))
+                step = graph.replay if graph is not None else lambda: runner.forward(batch)
+                rows.append({"fused": setting, "batch": size, "captured": graph is not None,
+                             "step_ms": median_ms(step, device, repeats),
+                             "tokens_agree_with_eager": float((replayed == eager).float().mean())})  # fmt: skip
+        finally:
+            runner.drop_decode_graphs()
+            if device == "cuda":
+                torch.cuda.synchronize()
+                torch.cuda.empty_cache()  # the graphs' pool, before the next setting captures its own
+    return rows
+
+
+def _eager(runner: ModelRunner, batch: ForwardBatch) -> torch.Tensor:
+    graphs, runner.decode_graphs = runner.decode_graphs, None
+    try:
+        return runner.forward(batch).hidden_states.float()
+    finally:
+        runner.decode_graphs = graphs
+
+
+def profile_rows(runner: ModelRunner, shape: Shape, settings: tuple[str, ...], top: int) -> dict:
+    """Kernels of one eager batch-1 decode step per setting, and the unfused step's top kernels by device time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = runner.device.type == "cuda"
+    batch = decode_step(shape, 1, runner.device.type)
+    activities = [ProfilerActivity.CUDA] if cuda else [ProfilerActivity.CPU]
+    result: dict = {"unit": "device kernels" if cuda else "cpu ops (no device here)"}
+    for setting in settings:
+        forward_with(runner, setting, batch)  # warm: compiled, allocator grown
+        with profile(activities=activities) as prof:
+            forward_with(runner, setting, batch)
+            if cuda:
+                torch.cuda.synchronize()
+        events = [e for e in prof.key_averages() if _self_us(e, cuda) > 0]
+        result[f"{setting}_kernels_per_step"] = sum(e.count for e in events)
+        result[f"{setting}_device_ms"] = round(sum(_self_us(e, cuda) for e in events) / 1e3, 4)
+        if setting == "off":
+            events.sort(key=lambda e: _self_us(e, cuda), reverse=True)
+            result["off_top"] = [{"name": e.key[:90], "count": e.count, "ms": round(_self_us(e, cuda) / 1e3, 4)} for e in events[:top]]
+    return result
+
+
+def _self_us(event, cuda: bool) -> float:
+    """An averaged event's own time in us: on the device for a kernel (0 for host ops), else on the CPU."""
+    if not cuda:
+        return event.self_cpu_time_total if event.key.startswith("aten::") else 0.0
+    return getattr(event, "self_device_time_total", None) or getattr(event, "self_cuda_time_total", 0.0)
+
+
+# ---- the run ----
+
+
+def run(args: argparse.Namespace) -> dict:
+    shape = TINY if args.tiny else FULL
+    dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
+    settings = settings_here(args.device)
+    deadline = time.monotonic() + args.budget_s
+    result: dict = {"device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu", "torch": torch.__version__,
+                    "model": shape.model.name, "dtype": str(dtype), "settings": list(settings)}  # fmt: skip
+    section = deadline_sections(result, deadline)
+    runners: list[ModelRunner] = []
+    section("runner", lambda: _load(shape, args.device, dtype, runners))
+    for runner in runners:
+        section("prefill", lambda: prefill_rows(runner, shape, settings))
+        section("agreement", lambda: agreement_rows(runner, shape, settings))
+        section("graph_decode", lambda: graph_rows(runner, shape, settings, args.repeats))
+        section("profile", lambda: profile_rows(runner, shape, settings, args.top))
+    result["elapsed_s"] = round(args.budget_s - (deadline - time.monotonic()), 1)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    print(table(result))
+    return result
+
+
+def _load(shape: Shape, device: str, dtype: torch.dtype, into: list[ModelRunner]) -> dict:
+    start = time.perf_counter()
+    runner = load_model_runner(shape.model, device=device, dtype=dtype, load_format="dummy", kv_block_size=shape.page,
+                               cuda_graphs=False)  # fmt: skip
+    into.append(runner)
+    return {"load_s": round(time.perf_counter() - start, 1), "num_blocks": runner.num_blocks}
+
+
+def table(result: dict) -> str:
+    lines = [f"device {result['device']}, torch {result['torch']}, {result['model']} {result['dtype']}, fused settings "
+             f"{'/'.join(result['settings'])}, {result['elapsed_s']} s", "",
+             "| what | off | on | agreement | note |", "|---|---|---|---|---|"]  # fmt: skip
+    for name in ("runner", "prefill", "agreement", "graph_decode", "profile"):
+        value = result.get(name)
+        if isinstance(value, dict) and ("error" in value or "skipped" in value):
+            lines.append(f"| {name} | | | | {(value.get('error') or value['skipped']).strip().splitlines()[-1][:120]} |")
+    prefill = result.get("prefill") or {}
+    if "tokens" in prefill:
+        lines.append(f"| prefill {prefill['sequences']} x {prefill['context']} tok | | | "
+                     f"{prefill.get('argmax_agreement', '')} | rel hidden diff {prefill.get('hidden_rel_diff', '')}, "
+                     f"worst row {prefill.get('worst_row_rel_diff', '')} |")  # fmt: skip
+    for row in _rows(result, "agreement"):
+        lines.append(f"| eager decode b{row['batch']} ctx {row['context']} | | | {row.get('argmax_agreement', '')} | rel hidden diff "
+                     f"{row.get('hidden_rel_diff', '')}, worst row {row.get('worst_row_rel_diff', '')}, kv {row.get('kv_rel_diff', '')} |")  # fmt: skip
+    graphs = {(row["fused"], row["batch"]): row for row in _rows(result, "graph_decode")}
+    for size in sorted({batch for _, batch in graphs}):
+        off, on = graphs.get(("off", size), {}), graphs.get(("on", size), {})
+        lines.append(f"| {'graph' if off.get('captured') else 'padded eager'} decode step b{size} ms | {off.get('step_ms', '')} | "
+                     f"{on.get('step_ms', '')} | {off.get('tokens_agree_with_eager', '')} / {on.get('tokens_agree_with_eager', '')} | "
+                     "replay's tokens vs the eager step's, off / on |")  # fmt: skip
+    profile = result.get("profile") or {}
+    if "off_kernels_per_step" in profile:
+        top = "; ".join(f"{e['name'][:40]} x{e['count']} {e['ms']} ms" for e in profile["off_top"][:5])
+        lines.append(f"| eager b1 step, {profile['unit']} | {profile['off_kernels_per_step']} ({profile['off_device_ms']} ms) | "
+                     f"{profile.get('on_kernels_per_step', '')} ({profile.get('on_device_ms', '')} ms) | | top off: {top} |")  # fmt: skip
+    return "\n".join(lines)
+
+
+def _rows(result: dict, name: str) -> list[dict]:
+    value = result.get(name)
+    return value if isinstance(value, list) else []
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", default="cuda", help="cuda; cpu for the smoke run (with --tiny)")
+    parser.add_argument("--tiny", action="store_true", help="the tiny random model, batches 1 and 3 at context 20 (smoke)")
+    parser.add_argument("--repeats", type=int, default=30, help="timed replays per measurement (median)")
+    parser.add_argument("--top", type=int, default=12, help="kernels listed from the profile")
+    parser.add_argument("--budget-s", type=float, default=60.0, help="sections not started this long after the start are skipped")
+    parser.add_argument("--out", type=Path, default=REPO / "ops/bench/results/gpu_fused.json")
+    args = parser.parse_args(argv)
+    result = run(args)
+    failed = [k for k, v in result.items() if isinstance(v, dict) and "error" in v]
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,49 @@
+"""ops/bench/gpu_fused_check.py in its CPU smoke mode (tiny model): without Triton's interpreter the
+"off" setting alone; in it (skipped without Triton; CI has none) both, so every branch the GPU run
+takes, capture and CUDA events aside, has run before the GPU call."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from ops.bench import gpu_fused_check
+
+REPO = Path(__file__).resolve().parents[3]
+SMOKE = ["--device", "cpu", "--tiny", "--repeats", "1", "--top", "3"]
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason="the interpreted run is the test below")
+def test_cpu_tiny_run_without_the_kernels_fills_the_off_rows(tmp_path, capsys) -> None:
+    out = tmp_path / "fused.json"
+    assert gpu_fused_check.main([*SMOKE, "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["settings"] == ["off"] and "argmax_agreement" not in result["prefill"]
+    assert [row["batch"] for row in result["agreement"]] == [1, 3]
+    assert [(row["fused"], row["captured"], row["tokens_agree_with_eager"]) for row in result["graph_decode"]] == [("off", False, 1.0)] * 2
+    assert result["profile"]["off_kernels_per_step"] > 0 and len(result["profile"]["off_top"]) == 3
+    assert "| padded eager decode step b3 ms |" in capsys.readouterr().out
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs Triton's interpreter")
+def test_cpu_tiny_run_in_the_triton_interpreter_compares_both_settings(tmp_path) -> None:
+    out = tmp_path / "fused.json"
+    command = [sys.executable, str(REPO / "ops/bench/gpu_fused_check.py"), *SMOKE, "--out", str(out)]
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(REPO)}
+    done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert result["settings"] == ["off", "on"]
+    rows = [result["prefill"], *result["agreement"]]
+    assert all(row["argmax_agreement"] == 1.0 and row["hidden_rel_diff"] < 1e-5 and row["worst_row_rel_diff"] < 1e-5 for row in rows)
+    assert all(row["kv_rel_diff"] < 1e-5 for row in result["agreement"])
+    assert {(row["fused"], row["batch"]) for row in result["graph_decode"]} == {("off", 1), ("off", 3), ("on", 1), ("on", 3)}
+    assert all(row["tokens_agree_with_eager"] == 1.0 for row in result["graph_decode"])
+    assert result["profile"]["on_kernels_per_step"] > 0
+    assert "| eager decode b3 ctx 20 | | | 1.0 |" in done.stdout
