@@ -8,7 +8,8 @@ start more than --budget-s after the start is skipped:
   agreement of each sequence's last row, max |diff| / max |off| of the hidden states, worst row.
 - `agreement`: per batch size, one eager decode step (position --context - 1) off then on, on the
   same cache (each writes the step's own K/V, then attends to it): next-token argmax agreement,
-  relative hidden difference (max and worst row), and that of the K/V each wrote.
+  relative hidden difference (max and worst row), and that of the K/V each wrote; as the scale of
+  bf16 noise, per setting, sequence 0's hidden state in the smallest batch against the largest.
 - `graph_decode`: per setting, decode graphs captured for the batch sizes alone (dropped and captured
   again between settings); per batch: ms of one replay (CUDA events, median of --repeats, each
   from an idle device) and the replay's next tokens against the eager step's. On CPU there is no
@@ -27,6 +28,7 @@ On CPU the fused kernels run only in Triton's interpreter (TRITON_INTERPRET=1); 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import time
@@ -69,8 +71,12 @@ def context_step(shape: Shape, device: str) -> ForwardBatch:
 
 
 def decode_step(shape: Shape, batch: int, device: str) -> ForwardBatch:
-    """One token per sequence 0 .. batch - 1, at position context - 1."""
-    return ragged_step([(shape.context - 1, 1)] * batch, shape.page, _width(shape), device)
+    """One token per sequence 0 .. batch - 1, at position context - 1: the first rows of the largest
+    batch's step, so sequence 0 has the same token in every batch size."""
+    step = ragged_step([(shape.context - 1, 1)] * max(shape.batches), shape.page, _width(shape), device)
+    per_sequence = ("input_ids", "positions", "seq_lens", "block_tables", "slot_mapping", "host_query_lens", "host_seq_lens")
+    rows = {name: getattr(step, name)[:batch] for name in per_sequence}  # one token per sequence
+    return dataclasses.replace(step, query_start_loc=step.query_start_loc[: batch + 1], **rows)
 
 
 def _width(shape: Shape) -> int:
@@ -113,13 +119,16 @@ def prefill_rows(runner: ModelRunner, shape: Shape, settings: tuple[str, ...]) -
 
 
 def agreement_rows(runner: ModelRunner, shape: Shape, settings: tuple[str, ...]) -> list[dict]:
-    rows = []
+    """Per batch size, off against on; and, as the scale of bf16 noise, sequence 0's hidden state in
+    the smallest batch against the largest (same inputs, other GEMM shapes), per setting."""
+    rows, first_rows = [], {}
     for size in shape.batches:
         batch = decode_step(shape, size, runner.device.type)
         outputs = {}
         for setting in settings:
             hidden = forward_with(runner, setting, batch)
             outputs[setting] = (hidden, next_tokens(runner, hidden), written_kv(runner, batch))
+            first_rows.setdefault(setting, []).append(hidden[:1])
         row: dict = {"batch": size, "context": shape.context}
         if "on" in outputs:
             (off, off_next, off_kv), (on, on_next, on_kv) = outputs["off"], outputs["on"]
@@ -128,7 +137,9 @@ def agreement_rows(runner: ModelRunner, shape: Shape, settings: tuple[str, ...])
             row["worst_row_rel_diff"] = worst_row_rel_diff(on, off)
             row["kv_rel_diff"] = relative_diff(on_kv, off_kv)
         rows.append(rounded(row))
-    return rows
+    noise = {f"{setting}_seq0_smallest_vs_largest_batch_rel_diff": relative_diff(first[0], first[-1])
+             for setting, first in first_rows.items()}  # fmt: skip
+    return [*rows, rounded({"batch": "noise", **noise})]
 
 
 def graph_rows(runner: ModelRunner, shape: Shape, settings: tuple[str, ...], repeats: int) -> list[dict]:
@@ -240,6 +251,9 @@ def table(result: dict) -> str:
                      f"{prefill.get('argmax_agreement', '')} | rel hidden diff {prefill.get('hidden_rel_diff', '')}, "
                      f"worst row {prefill.get('worst_row_rel_diff', '')} |")  # fmt: skip
     for row in _rows(result, "agreement"):
+        if row["batch"] == "noise":
+            lines.append(f"| noise scale: seq 0 in b{shape_batches(result)} (same inputs, other GEMM shapes) | | | | " + ", ".join(f"{k} {v}" for k, v in row.items() if k != "batch") + " |")
+            continue
         lines.append(f"| eager decode b{row['batch']} ctx {row['context']} | | | {row.get('argmax_agreement', '')} | rel hidden diff "
                      f"{row.get('hidden_rel_diff', '')}, worst row {row.get('worst_row_rel_diff', '')}, kv {row.get('kv_rel_diff', '')} |")  # fmt: skip
     graphs = {(row["fused"], row["batch"]): row for row in _rows(result, "graph_decode")}
@@ -254,6 +268,11 @@ def table(result: dict) -> str:
         lines.append(f"| eager b1 step, {profile['unit']} | {profile['off_kernels_per_step']} ({profile['off_device_ms']} ms) | "
                      f"{profile.get('on_kernels_per_step', '')} ({profile.get('on_device_ms', '')} ms) | | top off: {top} |")  # fmt: skip
     return "\n".join(lines)
+
+
+def shape_batches(result: dict) -> str:
+    sizes = [row["batch"] for row in _rows(result, "agreement") if row["batch"] != "noise"]
+    return f"{sizes[0]} vs b{sizes[-1]}" if sizes else ""
 
 
 def _rows(result: dict, name: str) -> list[dict]:
