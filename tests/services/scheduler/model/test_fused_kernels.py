@@ -5,6 +5,7 @@ so only fp32 is compared here; bf16 is ops/bench/gpu_fused_check.py's, on the GP
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import os
 import subprocess
@@ -124,18 +125,22 @@ def test_interpreted_rotate_and_store_matches_twin(family) -> None:
 @interpreted
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_interpreted_model_forward_fused_equals_unfused(family, make_pager) -> None:
-    # A prefill of two sequences (one capturing a layer, as DSpark does), then a decode of both through
-    # the padded decode-graph twin (padded rows write the trash block): hidden states, captures, the cache.
+    # A prefill of two sequences (one layer captured, as DSpark asks) through the padded ragged-graph
+    # twin, then a decode of both through the padded decode-graph twin (padded tokens and rows write
+    # the trash block): hidden states, captures and the whole cache agree.
     config = tiny_config(family)
     pager = make_pager(num_seqs=3, max_blocks_per_seq=4, block_size=4, seed=1)
     runners = [ModelRunner(random_model(config), PagedKVCache(config, pager.num_blocks, 4, torch.float32,
                                                               torch.device("cpu"))) for _ in range(2)]  # fmt: skip
     runners[1].fused_kernels = True
     prefill = pager.batch([(0, [5, 6, 7, 8, 9], 0), (1, [10, 11, 12], 0)], capture_layers=(0,))
+    prefill = dataclasses.replace(prefill, host_query_lens=(5, 3), host_seq_lens=(5, 3))
     decode = pager.batch([(0, [40], 5), (1, [41], 3)])
     outputs = []
     for runner in runners:
+        runner.prepare_ragged_graphs((4,), (12,), max_blocks_per_seq=4, capture=False, capture_layers=(0,))
         runner.prepare_decode_graphs(ladder=(4,), max_blocks_per_seq=4, capture=False)
+        assert runner.ragged_graphs.fits(prefill) and runner.decode_graphs.fits(decode)
         outputs.append((runner.forward(prefill), runner.forward(decode)))
     (want_prefill, want_decode), (got_prefill, got_decode) = outputs
     torch.testing.assert_close(got_prefill.hidden_states, want_prefill.hidden_states, **TOLERANCE)
