@@ -16,9 +16,10 @@ forward and the logprob ops (so it says nothing about a GPU's). Figures are lowe
 timed decode steps (medians too, in the JSON), in microseconds, for batch 1 and 64 with no logprobs, top-20 output logprobs, and top-20 plus
 four requested token ids. `--profile` adds a cProfile of the host pieces (batch 64, top-20 + ids):
 the functions with the most own time. `--before PATH` runs this same script on another tree (e.g. a
-`git worktree` of the starting commit) in a subprocess and records both in one results file.
+`git worktree` of the starting commit) and on this one, each in a subprocess, alternately for
+`--rounds` rounds, and records each figure's best round for both trees in one results file.
 
-    python -m ops.bench.host_step_cost --before /work/wt/hostcost-base --profile \
+    python -m ops.bench.host_step_cost --before /work/wt/hostcost-base --rounds 3 --profile \
         --out ops/bench/results/host_step_cost.json
 """
 
@@ -54,7 +55,8 @@ from services.scheduler.host_io import HostUpload
 from services.scheduler.model import load_model_runner
 from services.scheduler.request import SchedulerRequest
 
-RESULTS = Path(__file__).resolve().parent / "results"
+REPO = Path(__file__).resolve().parents[2]
+RESULTS = REPO / "ops/bench/results"
 PROMPT_LEN = 16
 LOGPROBS = {
     "none": LogprobParams(),
@@ -207,12 +209,31 @@ def table(rows: list[dict], label: str = "") -> str:
     return "\n".join(lines)
 
 
-def run_before(tree: Path, argv: list[str]) -> dict:
+def run_tree(tree: Path, argv: list[str]) -> dict:
     """This script on `tree`'s code, in a subprocess (its `services` first on the path)."""
     env = os.environ | {"PYTHONPATH": str(tree)}
     out = subprocess.run([sys.executable, __file__, *argv, "--print-json"], env=env, cwd=tree,
                          capture_output=True, text=True, check=True)  # fmt: skip
     return json.loads(out.stdout.splitlines()[-1])
+
+
+def best_of(results: list[dict]) -> dict:
+    """Rounds of one tree -> each figure's smallest (the round the machine disturbed least)."""
+    rows = []
+    for same in zip(*(r["rows"] for r in results), strict=True):
+        rows.append({key: min(row[key] for row in same) if key.endswith("_us") else value for key, value in same[0].items()})
+    return results[-1] | {"rows": rows, "rounds": len(results)}
+
+
+def compare(before_tree: Path, argv: list[str], rounds: int, profile: bool) -> dict:
+    """Before and after alternately, `rounds` times each, so both see the same load."""
+    trees = {"before": before_tree, "after": REPO}
+    runs: dict[str, list[dict]] = {"before": [], "after": []}
+    for index in range(rounds):
+        last = profile and index == rounds - 1
+        for name, tree in trees.items():
+            runs[name].append(run_tree(tree, argv + (["--profile"] if last else [])))
+    return {name: best_of(results) | {"tree": str(trees[name])} for name, results in runs.items()}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -221,24 +242,23 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--new-tokens", type=int, default=64, help="tokens per request (decode steps timed: this - 4)")
     parser.add_argument("--profile", action="store_true", help="add a cProfile of the host pieces")
     parser.add_argument("--before", type=Path, help="another tree to measure with this script, in the same run")
+    parser.add_argument("--rounds", type=int, default=3, help="with --before: alternate rounds of each tree")
     parser.add_argument("--out", type=Path, default=RESULTS / "host_step_cost.json")
-    parser.add_argument("--print-json", action="store_true", help=argparse.SUPPRESS)  # --before's subprocess
+    parser.add_argument("--print-json", action="store_true", help=argparse.SUPPRESS)  # a subprocess's output
     args = parser.parse_args(argv)
-    common = ["--batches", *map(str, args.batches), "--new-tokens", str(args.new_tokens)]
-    before = run_before(args.before.resolve(), common + (["--profile"] if args.profile else [])) if args.before else None
-    result = run(tuple(args.batches), args.new_tokens, args.profile)
-    if args.print_json:
-        print(json.dumps(result))
-        return
-    if before is not None:
-        result = {"before": before | {"tree": str(args.before)}, "after": result}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2))
-    if before is not None:
-        print(table(before["rows"], "before"))
+    if args.before is not None:
+        common = ["--batches", *map(str, args.batches), "--new-tokens", str(args.new_tokens)]
+        result = compare(args.before.resolve(), common, args.rounds, args.profile)
+        print(table(result["before"]["rows"], "before"))
         print(table(result["after"]["rows"], "after").split("\n", 2)[2])
     else:
+        result = run(tuple(args.batches), args.new_tokens, args.profile)
+        if args.print_json:
+            print(json.dumps(result))
+            return
         print(table(result["rows"]))
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2))
     if args.profile:
         print((result.get("after") or result)["profile"])
 

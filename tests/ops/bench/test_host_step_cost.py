@@ -1,0 +1,29 @@
+"""The host-cost benchmark (ops/bench/host_step_cost.py) times every piece it names and leaves the core as it found it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ops.bench import host_step_cost
+from services.models import RANDOM_TINY_MODEL
+from services.scheduler.model import load_model_runner
+
+
+@pytest.fixture(scope="module")
+def runner():
+    return load_model_runner(RANDOM_TINY_MODEL, device="cpu", dtype=torch.float32, num_kv_blocks=256, kv_block_size=16)
+
+
+def test_every_piece_is_timed_on_decode_steps_and_the_wrappers_come_off(runner):
+    originals = {(owner, name): getattr(owner, name) for targets in host_step_cost.PIECES.values() for owner, name in targets}
+    row = host_step_cost.measure(runner, 3, "top20_ids", new_tokens=8)
+    assert row["steps"] == 4  # 8 tokens: the prefill's and 3 warm steps' first 4, then 4 decode steps timed
+    assert all(row[f"{piece}_us"] > 0 for piece in host_step_cost.HOST_PIECES)
+    assert row["host_us"] < row["step_us"] and row["payload_bytes"] > 0
+    assert all(getattr(owner, name) is original for (owner, name), original in originals.items())
+
+
+def test_best_of_takes_each_figure_from_its_least_disturbed_round():
+    rounds = [{"rows": [{"batch": 1, "host_us": 5.0, "wire_us": 1.0}]}, {"rows": [{"batch": 1, "host_us": 4.0, "wire_us": 2.0}]}]
+    assert host_step_cost.best_of(rounds)["rows"] == [{"batch": 1, "host_us": 4.0, "wire_us": 1.0}]
