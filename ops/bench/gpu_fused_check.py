@@ -32,6 +32,7 @@ import dataclasses
 import json
 import os
 import time
+import traceback
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -143,26 +144,36 @@ def agreement_rows(runner: ModelRunner, shape: Shape, settings: tuple[str, ...])
 
 
 def graph_rows(runner: ModelRunner, shape: Shape, settings: tuple[str, ...], repeats: int) -> list[dict]:
-    device = runner.device.type
+    """Per setting, its rows, or one row with the error (a failing "on" keeps the "off" baseline)."""
     rows = []
     for setting in settings:
-        runner.fused_kernels = SETTINGS[setting]
-        runner.prepare_decode_graphs(ladder=shape.batches, max_blocks_per_seq=_width(shape))  # captures on CUDA
         try:
-            for size in shape.batches:
-                batch = decode_step(shape, size, device)
-                eager = next_tokens(runner, _eager(runner, batch))
-                replayed = next_tokens(runner, runner.forward(batch).hidden_states)  # loads the static buffers
-                graph = runner.decode_graphs.graphs.get((size, 1))
-                step = graph.replay if graph is not None else lambda: runner.forward(batch)
-                rows.append({"fused": setting, "batch": size, "captured": graph is not None,
-                             "step_ms": median_ms(step, device, repeats),
-                             "tokens_agree_with_eager": float((replayed == eager).float().mean())})  # fmt: skip
-        finally:
-            runner.drop_decode_graphs()
-            if device == "cuda":
-                torch.cuda.synchronize()
-                torch.cuda.empty_cache()  # the graphs' pool, before the next setting captures its own
+            rows += _graph_rows(runner, shape, setting, repeats)
+        except Exception:
+            rows.append({"fused": setting, "error": traceback.format_exc()[-2000:]})
+    return rows
+
+
+def _graph_rows(runner: ModelRunner, shape: Shape, setting: str, repeats: int) -> list[dict]:
+    device = runner.device.type
+    runner.fused_kernels = SETTINGS[setting]
+    rows = []
+    try:
+        runner.prepare_decode_graphs(ladder=shape.batches, max_blocks_per_seq=_width(shape))  # captures on CUDA
+        for size in shape.batches:
+            batch = decode_step(shape, size, device)
+            eager = next_tokens(runner, _eager(runner, batch))
+            replayed = next_tokens(runner, runner.forward(batch).hidden_states)  # loads the static buffers
+            graph = runner.decode_graphs.graphs.get((size, 1))
+            step = graph.replay if graph is not None else lambda: runner.forward(batch)
+            rows.append({"fused": setting, "batch": size, "captured": graph is not None,
+                         "step_ms": median_ms(step, device, repeats),
+                         "tokens_agree_with_eager": float((replayed == eager).float().mean())})  # fmt: skip
+    finally:
+        runner.drop_decode_graphs()
+        if device == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()  # the graphs' pool, before the next setting captures its own
     return rows
 
 
@@ -176,24 +187,35 @@ def _eager(runner: ModelRunner, batch: ForwardBatch) -> torch.Tensor:
 
 def profile_rows(runner: ModelRunner, shape: Shape, settings: tuple[str, ...], top: int) -> dict:
     """Kernels of one eager batch-1 decode step per setting, and the unfused step's top kernels by device time."""
-    from torch.profiler import ProfilerActivity, profile
+    from torch.profiler import ProfilerActivity
 
     cuda = runner.device.type == "cuda"
     batch = decode_step(shape, 1, runner.device.type)
     activities = [ProfilerActivity.CUDA] if cuda else [ProfilerActivity.CPU]
     result: dict = {"unit": "device kernels" if cuda else "cpu ops (no device here)"}
     for setting in settings:
-        forward_with(runner, setting, batch)  # warm: compiled, allocator grown
-        with profile(activities=activities) as prof:
-            forward_with(runner, setting, batch)
-            if cuda:
-                torch.cuda.synchronize()
-        events = [e for e in prof.key_averages() if _self_us(e, cuda) > 0]
-        result[f"{setting}_kernels_per_step"] = sum(e.count for e in events)
-        result[f"{setting}_device_ms"] = round(sum(_self_us(e, cuda) for e in events) / 1e3, 4)
-        if setting == "off":
-            events.sort(key=lambda e: _self_us(e, cuda), reverse=True)
-            result["off_top"] = [{"name": e.key[:90], "count": e.count, "ms": round(_self_us(e, cuda) / 1e3, 4)} for e in events[:top]]
+        try:
+            result.update(_profile(runner, setting, batch, activities, top))
+        except Exception:
+            result[f"{setting}_error"] = traceback.format_exc()[-2000:]
+    return result
+
+
+def _profile(runner: ModelRunner, setting: str, batch: ForwardBatch, activities: list, top: int) -> dict:
+    from torch.profiler import profile
+
+    cuda = runner.device.type == "cuda"
+    forward_with(runner, setting, batch)  # warm: compiled, allocator grown
+    with profile(activities=activities) as prof:
+        forward_with(runner, setting, batch)
+        if cuda:
+            torch.cuda.synchronize()
+    events = [e for e in prof.key_averages() if _self_us(e, cuda) > 0]
+    result = {f"{setting}_kernels_per_step": sum(e.count for e in events),
+              f"{setting}_device_ms": round(sum(_self_us(e, cuda) for e in events) / 1e3, 4)}  # fmt: skip
+    if setting == "off":
+        events.sort(key=lambda e: _self_us(e, cuda), reverse=True)
+        result["off_top"] = [{"name": e.key[:90], "count": e.count, "ms": round(_self_us(e, cuda) / 1e3, 4)} for e in events[:top]]
     return result
 
 
@@ -256,13 +278,19 @@ def table(result: dict) -> str:
             continue
         lines.append(f"| eager decode b{row['batch']} ctx {row['context']} | | | {row.get('argmax_agreement', '')} | rel hidden diff "
                      f"{row.get('hidden_rel_diff', '')}, worst row {row.get('worst_row_rel_diff', '')}, kv {row.get('kv_rel_diff', '')} |")  # fmt: skip
-    graphs = {(row["fused"], row["batch"]): row for row in _rows(result, "graph_decode")}
+    for row in _rows(result, "graph_decode"):
+        if "error" in row:
+            lines.append(f"| graph decode, fused {row['fused']} | | | | {row['error'].strip().splitlines()[-1][:120]} |")
+    graphs = {(row["fused"], row["batch"]): row for row in _rows(result, "graph_decode") if "error" not in row}
     for size in sorted({batch for _, batch in graphs}):
         off, on = graphs.get(("off", size), {}), graphs.get(("on", size), {})
         lines.append(f"| {'graph' if off.get('captured') else 'padded eager'} decode step b{size} ms | {off.get('step_ms', '')} | "
                      f"{on.get('step_ms', '')} | {off.get('tokens_agree_with_eager', '')} / {on.get('tokens_agree_with_eager', '')} | "
                      "replay's tokens vs the eager step's, off / on |")  # fmt: skip
     profile = result.get("profile") or {}
+    for setting in SETTINGS:
+        if f"{setting}_error" in profile:
+            lines.append(f"| profile, fused {setting} | | | | {profile[f'{setting}_error'].strip().splitlines()[-1][:120]} |")
     if "off_kernels_per_step" in profile:
         top = "; ".join(f"{e['name'][:40]} x{e['count']} {e['ms']} ms" for e in profile["off_top"][:5])
         lines.append(f"| eager b1 step, {profile['unit']} | {profile['off_kernels_per_step']} ({profile['off_device_ms']} ms) | "
@@ -290,8 +318,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=REPO / "ops/bench/results/gpu_fused.json")
     args = parser.parse_args(argv)
     result = run(args)
-    failed = [k for k, v in result.items() if isinstance(v, dict) and "error" in v]
-    return 1 if failed else 0
+    return 1 if failures(result) else 0
+
+
+def failures(result: dict) -> list[str]:
+    """Sections that failed, or a setting inside one (graph rows and profile keep the other setting's)."""
+    failed = []
+    for name, value in result.items():
+        rows = value if isinstance(value, list) else [value] if isinstance(value, dict) else []
+        if any("error" in row or any(key.endswith("_error") for key in row) for row in rows):
+            failed.append(name)
+    return failed
 
 
 if __name__ == "__main__":

@@ -32,6 +32,25 @@ def test_cpu_tiny_run_without_the_kernels_fills_the_off_rows(tmp_path, capsys) -
     assert "| padded eager decode step b3 ms |" in capsys.readouterr().out
 
 
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason="the kernels must fail: no interpreter, no GPU")
+def test_a_failing_on_setting_is_recorded_and_the_off_baseline_kept(tmp_path, monkeypatch, capsys) -> None:
+    def switch(runner, on: bool) -> None:
+        if on:
+            raise RuntimeError("no fused kernel today")
+
+    monkeypatch.setattr(gpu_fused_check, "settings_here", lambda device: ("off", "on"))
+    monkeypatch.setattr(gpu_fused_check.ModelRunner, "fused_kernels", property(lambda runner: False, switch))
+    out = tmp_path / "fused.json"
+    assert gpu_fused_check.main([*SMOKE, "--out", str(out)]) == 1
+    result = json.loads(out.read_text())
+    assert "no fused kernel today" in result["agreement"]["error"]
+    assert [row["fused"] for row in result["graph_decode"] if "step_ms" in row] == ["off", "off"]
+    assert "no fused kernel today" in result["graph_decode"][-1]["error"]
+    assert result["profile"]["off_kernels_per_step"] > 0 and "no fused kernel today" in result["profile"]["on_error"]
+    assert gpu_fused_check.failures(result) == ["prefill", "agreement", "graph_decode", "profile"]
+    assert "| graph decode, fused on | | | | RuntimeError: no fused kernel today |" in capsys.readouterr().out
+
+
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs Triton's interpreter")
 def test_cpu_tiny_run_in_the_triton_interpreter_compares_both_settings(tmp_path) -> None:
     out = tmp_path / "fused.json"
