@@ -50,6 +50,7 @@ def add_rms_norm_triton(
     """x, residual [T, H] (rows contiguous) -> (weight * rms_norm(x + residual), x + residual);
     residual None: (weight * rms_norm(x), x)."""
     num_tokens, hidden = x.shape
+    assert x.stride(1) == 1 and (residual is None or residual.stride(1) == 1), "rows must be contiguous"
     out = torch.empty(x.shape, dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
     summed = x if residual is None else torch.empty_like(x)
     residual_in = x if residual is None else residual  # unread without a residual
@@ -134,6 +135,7 @@ def rotate_and_store_triton(
     or None -> q [T, Hq, D]; k and v written to the caches at each token's slot."""
     num_tokens = qkv.shape[0]
     num_blocks, block_size, num_kv_heads, head_dim = key_cache.shape
+    assert qkv.stride(1) == 1 and cos.stride(-1) == 1 and sin.stride(-1) == 1, "rows must be contiguous"
     assert value_cache.stride() == key_cache.stride() and key_cache.stride(2) == head_dim and key_cache.stride(3) == 1
     q = torch.empty(num_tokens, num_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
     q_weight, k_weight, eps = qk_norm if qk_norm is not None else (qkv, qkv, 0.0)  # weights unread without norms
@@ -166,6 +168,7 @@ SILU_BLOCK = 1024
 def silu_mul_triton(gate_up: torch.Tensor) -> torch.Tensor:
     """gate_up [T, 2I] = [gate | up] (rows contiguous) -> SiLU(gate) * up [T, I]."""
     num_tokens, width = gate_up.shape
+    assert gate_up.stride(1) == 1, "rows must be contiguous"
     intermediate = width // 2
     out = torch.empty(num_tokens, intermediate, dtype=gate_up.dtype, device=gate_up.device)
     block = min(SILU_BLOCK, triton.next_power_of_2(intermediate))
