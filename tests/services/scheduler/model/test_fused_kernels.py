@@ -54,6 +54,24 @@ def test_runner_keeps_the_fused_kernels_off_on_cpu_and_sets_them_on_its_model() 
     assert runner.model.fused_kernels is True
 
 
+@pytest.mark.parametrize(("flag", "passed"), [(False, False), (True, None)])
+def test_the_scheduler_flag_reaches_the_loader(flag, passed, monkeypatch) -> None:
+    # --fused-kernels: on wherever Triton runs (None: CUDA with Triton); --no-fused-kernels: off everywhere
+    from services.scheduler import service
+    from services.scheduler.config import SchedulerConfig
+
+    class Loaded(Exception):
+        pass
+
+    def load(path, **options):
+        raise Loaded(options["fused_kernels"])
+
+    monkeypatch.setattr(service, "load_model_runner", load)
+    with pytest.raises(Loaded) as loaded:
+        service.build_core(SchedulerConfig(device="cpu", fused_kernels=flag))
+    assert loaded.value.args == (passed,)
+
+
 def test_twin_without_residual_is_the_plain_norm_and_hands_x_on() -> None:
     norm = RMSNorm(48, 1e-6)
     x = torch.randn(3, 48)
