@@ -78,7 +78,9 @@ def bench_config(config_dir: Path, batches: list[int], prompt_len: int, new_toke
     for batch in batches:
         core = SchedulerCore(runner, max_running_requests=max(batches), chunked_prefill_size=8192)
         prompts = make_prompts(batch, prompt_len, runner.config.vocab_size)
-        run_core(core, prompts[:1], 4, LogprobParams())  # warm-up
+        # warm-up at the timed shapes: the whole batch's prefill and decode (one prompt left the big prefill's
+        # first launch inside the timed run: on 2026-12-01 its tok/s came out below the run with logprobs after it)
+        run_core(core, prompts, 4, LogprobParams())
         row = {"model": config_dir.name, "batch": batch}
         row["sparkwire"] = run_core(core, prompts, new_tokens, LogprobParams())
         row["sparkwire_logprobs"] = run_core(core, prompts, new_tokens, LOGPROBS)

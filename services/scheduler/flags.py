@@ -57,9 +57,9 @@ def add_graph_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--logprob-cuda-graphs", action=argparse.BooleanOptionalAction, default=True,
                         help="CUDA: compute output logprobs (top-k, requested ids) of up to 128 rows from CUDA graphs "
                              "captured on first use of each padded shape (default on; elsewhere it does nothing)")  # fmt: skip
-    parser.add_argument("--fused-kernels", action=argparse.BooleanOptionalAction, default=False,
+    parser.add_argument("--fused-kernels", action=argparse.BooleanOptionalAction, default=True,
                         help="CUDA with Triton: run each layer's norms, residual adds, RoPE, K/V write and SiLU * up "
-                             "as fused Triton kernels (default off until checked on a GPU; elsewhere it does nothing)")  # fmt: skip
+                             "as fused Triton kernels (default on; elsewhere it does nothing)")  # fmt: skip
 
 
 def scheduler_argv(args: argparse.Namespace) -> list[str]:

@@ -70,13 +70,13 @@ def load_model_runner(
     cuda_graphs: bool | None = None,
     kv_cache_fraction: float = CUDA_KV_CACHE_FRACTION,
     reserve: MemoryReserve = MemoryReserve(),
-    fused_kernels: bool | None = False,
+    fused_kernels: bool | None = None,
 ) -> ModelRunner:
     """Load the model at `path` onto `device` in `dtype` and allocate its paged KV cache.
 
     cuda_graphs None: capture decode CUDA graphs when on CUDA with Triton; True/False forces it.
-    fused_kernels: `ModelRunner.fused_kernels` (None: on CUDA with Triton); off by default until the
-    kernels are checked on a GPU (ops/bench/gpu_fused_check.py).
+    fused_kernels: `ModelRunner.fused_kernels` (None: on CUDA with Triton; checked on the H200 in
+    ops/bench/results/gpu_fused.md).
     kv_cache_bytes (or, on CUDA, `kv_cache_fraction` of the memory free after the weights and the
     reserve's weights) holds the cache's blocks together with the reserve's per-block bytes.
     """
