@@ -6,7 +6,7 @@ model's; nothing is simulated), and the output of each step is packed as the ser
 
 - schedule:  `Policy.schedule` (admission, KV reservation, the plan of every sequence)
 - inputs:    the worker's host arrays: layout, logprob queries and their inputs, `HostUpload.send`
-- unpack:    the readback's one host copy -> per-sequence `SeqResult`s (`_Handles.results`)
+- unpack:    the readback's columns -> per-sequence `SeqResult`s (`_Handles.results`; the copy itself untimed)
 - update:    `Policy.update` (tokens, finishes, logprob entries -> `RequestOutput`s)
 - core:      `SchedulerCore`'s own bookkeeping per step (counts, releases)
 - wire:      `wire.to_token_batches` + msgpack encoding of every `TokenBatch`

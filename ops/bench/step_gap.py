@@ -12,9 +12,11 @@ serves the same `sparkwire bench serve` load (all requests at once, ignore_eos).
 - the serving figures (output tok/s, TPOT) of `bench serve`.
 
 On the CPU the forward dominates, so the gap tells more than tok/s; `scheduler_cpu_ms_per_token`
-shows what the loop costs the host. For example (the `stepthread` branch against main's loop):
+shows what the loop costs the host. For example, a branch with another decode loop (such as the
+`stepthread` branch of 2026-12-01, which main does not contain: ops/bench/results/step_gap.md)
+against main's:
 
-    git checkout stepthread && python -m ops.bench.step_gap --baseline-rev main --concurrency 16 64
+    git checkout BRANCH && python -m ops.bench.step_gap --baseline-rev main --concurrency 16 64
     # on a GPU: --device cuda --model DIR (config + tokenizer) --scheduler-args="--load-format dummy"
 """
 
