@@ -57,9 +57,9 @@ class ModelRunner:
         on_cuda_with_triton = kv_cache.kv.device.type == "cuda" and triton_available()
         self.decode_kernel = on_cuda_with_triton if decode_kernel is None else decode_kernel
         self.ragged_kernel = on_cuda_with_triton if ragged_kernel is None else ragged_kernel
-        self.fused_kernels = on_cuda_with_triton if fused_kernels is None else fused_kernels
         self.decode_graphs: DecodeGraphRunner | None = None
         self.ragged_graphs: RaggedGraphRunner | None = None
+        self.fused_kernels = on_cuda_with_triton if fused_kernels is None else fused_kernels
 
     def prepare_decode_graphs(
         self,
@@ -118,7 +118,10 @@ class ModelRunner:
 
     @fused_kernels.setter
     def fused_kernels(self, on: bool) -> None:
-        """Graphs captured before keep the kernels they were captured with: drop and prepare them again."""
+        """Only while no graph is captured: a captured graph would go on replaying the kernels it was
+        captured with (drop the graphs, switch, prepare them again)."""
+        if on != self.model.fused_kernels and (self.decode_graphs is not None or self.ragged_graphs is not None):
+            raise RuntimeError("fused_kernels switched with CUDA graphs captured: drop them first")
         self.model.fused_kernels = on
 
     @property

@@ -137,6 +137,8 @@ def rotate_and_store_triton(
     num_blocks, block_size, num_kv_heads, head_dim = key_cache.shape
     assert qkv.stride(1) == 1 and cos.stride(-1) == 1 and sin.stride(-1) == 1, "rows must be contiguous"
     assert value_cache.stride() == key_cache.stride() and key_cache.stride(2) == head_dim and key_cache.stride(3) == 1
+    if head_dim & (head_dim - 1):  # tl.arange needs a power of two (so does the paged decode kernel)
+        raise ValueError(f"the fused RoPE kernel needs a power-of-two head_dim, not {head_dim}: serve with --no-fused-kernels")
     q = torch.empty(num_tokens, num_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
     q_weight, k_weight, eps = qk_norm if qk_norm is not None else (qkv, qkv, 0.0)  # weights unread without norms
     _rotate_and_store_kernel[(num_tokens, num_heads + num_kv_heads)](

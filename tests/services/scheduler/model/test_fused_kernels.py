@@ -54,6 +54,18 @@ def test_runner_keeps_the_fused_kernels_off_on_cpu_and_sets_them_on_its_model() 
     assert runner.model.fused_kernels is True
 
 
+def test_the_fused_switch_refuses_to_change_under_captured_graphs() -> None:
+    config = tiny_config("qwen3")
+    runner = ModelRunner(random_model(config), PagedKVCache(config, 4, 4, torch.float32, torch.device("cpu")))
+    runner.prepare_decode_graphs(ladder=(1,), max_blocks_per_seq=2)  # on the CPU: the padded twin, no capture
+    with pytest.raises(RuntimeError, match="drop them first"):
+        runner.fused_kernels = True
+    runner.fused_kernels = False  # no change: allowed
+    runner.drop_decode_graphs()
+    runner.fused_kernels = True
+    assert runner.model.fused_kernels is True
+
+
 @pytest.mark.parametrize(("flag", "passed"), [(False, False), (True, None)])
 def test_the_scheduler_flag_reaches_the_loader(flag, passed, monkeypatch) -> None:
     # --fused-kernels: on wherever Triton runs (None: CUDA with Triton); --no-fused-kernels: off everywhere
