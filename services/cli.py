@@ -87,14 +87,14 @@ def _add_up(sub: argparse._SubParsersAction) -> None:
 
 
 def add_up_arguments(parser: argparse.ArgumentParser) -> None:
-    from services.scheduler.flags import add_graph_arguments, add_model_arguments, add_speculative_arguments  # light: no torch
+    from services.scheduler.flags import add_cuda_arguments, add_model_arguments, add_speculative_arguments  # light: no torch
 
     env = EnvSettings.from_environ()
     add_connection_arguments(parser, connection_values())  # --nats-url empty: start an embedded nats-server
     add = parser.add_argument
     add_model_arguments(parser, env)
     add_speculative_arguments(parser)
-    add_graph_arguments(parser)
+    add_cuda_arguments(parser)
     add("--served-model-name", default="", help="the model name clients send and see (default: the directory name)")
     add("--max-logprobs", type=int, default=20, help="largest top-k a request may ask for")
     add("--api-key", default=env.api_key or None,

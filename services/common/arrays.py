@@ -29,6 +29,3 @@ def from_wire(wire: NDArray) -> np.ndarray:
     array = np.frombuffer(wire.data, dtype=dtype).reshape(wire.shape)
     return array if dtype.isnative else array.astype(dtype.newbyteorder("="))
 
-
-def optional_to_wire(array: np.ndarray | None) -> NDArray | None:
-    return None if array is None else to_wire(array)

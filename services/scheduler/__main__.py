@@ -15,7 +15,7 @@ from services.common.logging import add_logging_arguments, configure_logging, wi
 from services.common.settings import EnvSettings, connection_values
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.core import SchedulerCore
-from services.scheduler.flags import add_graph_arguments, add_model_arguments, add_speculative_arguments
+from services.scheduler.flags import add_cuda_arguments, add_model_arguments, add_speculative_arguments
 from services.scheduler.service import SchedulerService, build_core, check_model, connect
 
 log = structlog.get_logger(__name__)
@@ -26,14 +26,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     env = EnvSettings.from_environ()
     add_model_arguments(parser, env)
     add_speculative_arguments(parser)
-    add_graph_arguments(parser)
+    add_cuda_arguments(parser)
     parser.add_argument("--kv-block-size", type=int, default=16, help="tokens per paged KV block")
     parser.add_argument("--num-kv-blocks", type=int, default=None, help="default: sized from memory")
     parser.add_argument("--seed", type=int, default=0, help="seeds the draws of requests that bring no seed")
-    _add_common_arguments(parser, env)
-
-
-def _add_common_arguments(parser: argparse.ArgumentParser, env: EnvSettings) -> None:
     add_logging_arguments(parser, env.log_level, env.log_format)
     add_connection_arguments(parser, connection_values())
     parser.add_argument("--instance-id", default=None, help="default: a random id")

@@ -20,7 +20,7 @@ from services.scheduler.flags import (
     VERIFY_MODES,
 )
 
-DTYPES = dict(zip(DTYPE_NAMES, (torch.float32, torch.bfloat16, torch.float16), strict=True))
+DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES}
 
 
 @dataclass(frozen=True)

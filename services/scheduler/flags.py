@@ -1,6 +1,7 @@
 """The scheduler's flags that `sparkwire up` takes and passes through too, with their choices and
-defaults (one definition each: `SchedulerConfig` and the loader use these). Light on purpose: no
-torch, so the launcher can import it."""
+their numeric defaults (one definition each: `SchedulerConfig` and the loader use these; a flag's
+on/off or named default is written beside `SchedulerConfig`'s). Light on purpose: no torch, so the
+launcher can import it."""
 
 from __future__ import annotations
 
@@ -49,7 +50,7 @@ def add_speculative_arguments(parser: argparse.ArgumentParser) -> None:
                         help="static: verify every draft; compact: as many as the confidence head expects to survive")
 
 
-def add_graph_arguments(parser: argparse.ArgumentParser) -> None:
+def add_cuda_arguments(parser: argparse.ArgumentParser) -> None:
     """CUDA-graph and CUDA-kernel flags, shared by `sparkwire scheduler` and `sparkwire up`."""
     parser.add_argument("--ragged-cuda-graphs", action=argparse.BooleanOptionalAction, default=True,
                         help="CUDA: replay ragged steps (prefill chunks beside decodes, compact verify) from CUDA graphs "
