@@ -81,11 +81,11 @@ def test_every_service_takes_the_log_flags_with_the_environments_defaults(comman
     assert (lambda p: (p.log_format, p.log_level))(build_parser(argv).parse_args(argv)) == ("console", "debug")
 
 
-@pytest.mark.parametrize(("flag", "default"), [("ragged-cuda-graphs", True), ("logprob-cuda-graphs", True), ("fused-kernels", True)])
-def test_up_passes_each_cuda_flag_to_the_scheduler_config(flag, default):
+@pytest.mark.parametrize("flag", ["ragged-cuda-graphs", "logprob-cuda-graphs", "fused-kernels"])
+def test_up_passes_each_cuda_flag_to_the_scheduler_config(flag):
     from services.scheduler.__main__ import config_from_args
 
-    for up, wanted in ((["up"], default), (["up", f"--{flag}"], True), (["up", f"--no-{flag}"], False)):
+    for up, wanted in ((["up"], True), (["up", f"--{flag}"], True), (["up", f"--no-{flag}"], False)):
         scheduler = service_argv("scheduler", build_parser(up).parse_args(up))
         parsed = build_parser(scheduler[3:]).parse_args(scheduler[3:])
         assert (f"--{flag}" in scheduler) == wanted and getattr(config_from_args(parsed), flag.replace("-", "_")) == wanted

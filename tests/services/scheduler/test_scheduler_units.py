@@ -298,3 +298,13 @@ def test_processed_mode_floors_logprobs_even_when_sampling_changes_nothing():
     (raw,) = compute_logprobs([query], logits, None, 3, processed=False)
     assert processed.token[0] == processed.ids[0, 0] == processed.top_values[0, -1] == -9999.0
     assert raw.token[0] < -19000
+
+
+def test_logprob_entries_hold_exactly_the_wire_fields_of_request_logprobs():
+    """wire.to_request_logprobs passes LogprobEntries' set fields to RequestLogprobs by name: a field
+    on one side only would fail every publish (or never travel)."""
+    import dataclasses
+
+    from contracts.detokenizer import RequestLogprobs
+
+    assert [f.name for f in dataclasses.fields(LogprobEntries)] == list(RequestLogprobs.__struct_fields__)
