@@ -7,6 +7,7 @@ from collections.abc import AsyncIterator
 import pytest
 
 from services.common.heartbeat import HeartbeatMonitor, HeartbeatPublisher
+from services.common.lifecycle import wait_until
 from services.common.transport import Transport
 
 
@@ -28,13 +29,6 @@ def beat_in_thread(url: str, stop: threading.Event, alive_for_s: float | None = 
     return thread
 
 
-async def until(condition, timeout_s: float = 10.0) -> None:
-    """Poll: the beater's thread connects and the monitor hears it at the machine's pace, not ours."""
-    async with asyncio.timeout(timeout_s):
-        while not condition():
-            await asyncio.sleep(0.02)
-
-
 @contextlib.asynccontextmanager
 async def watching(url: str, timeout_s: float = 0.6) -> AsyncIterator[tuple[list[str], Transport, HeartbeatMonitor]]:
     """A started monitor of "scheduler" beats, the reasons it declared dead, and its transport."""
@@ -54,13 +48,13 @@ async def test_a_blocked_monitor_does_not_declare_a_live_instance_dead(nats_serv
     async with watching(nats_server.url) as (dead, transport, monitor):
         stop = threading.Event()
         thread = beat_in_thread(nats_server.url, stop)
-        await until(lambda: monitor.is_alive("s1"))
+        assert await wait_until(lambda: monitor.is_alive("s1"), 10.0)
         time.sleep(1.5)  # block this loop for longer than the timeout, as a heavy response build would
         await asyncio.sleep(0.5)
         assert dead == [] and monitor.is_alive("s1")
         stop.set()
         await asyncio.to_thread(thread.join, 10)
-        await until(lambda: dead)
+        assert await wait_until(lambda: dead, 10.0)
         assert "done" in dead[0]  # the dead sentinel is still heard, not silence declared later
 
 
@@ -68,9 +62,9 @@ async def test_a_blocked_monitor_does_not_declare_a_live_instance_dead(nats_serv
 async def test_silence_is_declared_dead(nats_server):
     async with watching(nats_server.url) as (dead, transport, monitor):
         thread = beat_in_thread(nats_server.url, threading.Event(), alive_for_s=0.5)
-        await until(lambda: monitor.is_alive("s1"))
+        assert await wait_until(lambda: monitor.is_alive("s1"), 10.0)
         await asyncio.to_thread(thread.join, 10)  # it stops beating without a sentinel
-        await until(lambda: dead)
+        assert await wait_until(lambda: dead, 10.0)
         assert "silent" in dead[0]
 
 

@@ -22,6 +22,7 @@ from contracts.detokenizer import Finish, FinishType
 from contracts.scheduler import GenerateRequest, SchedulerClaim, SchedulerClaimReply, SchedulerInfo, SchedulerPing
 from services.common.connection import NatsConnection
 from services.common.heartbeat import HeartbeatPublisher
+from services.common.lifecycle import wait_until
 from services.common.transport import Transport
 from services.detokenizer.config import DetokenizerConfig, tokenizer_file
 from services.detokenizer.service import DetokenizerService
@@ -118,11 +119,6 @@ async def stream_first_tokens(
     return streaming, request
 
 
-async def until(condition) -> None:
-    while not condition():
-        await asyncio.sleep(0.02)
-
-
 async def test_a_drained_schedulers_last_batch_still_finishes_its_request(start_tokenizer, nats_server, monkeypatch):
     final_held = asyncio.Event()
     async with stack(start_tokenizer, nats_server.url, LONG_S, final_held, monkeypatch) as (frontend, detok, sched):
@@ -131,8 +127,8 @@ async def test_a_drained_schedulers_last_batch_still_finishes_its_request(start_
             await sched.step(request, [42], Finish(FinishType.LENGTH))  # held at the detokenizer
             await sched.leave(drained=True)
             # Both services heard the sentinel before the last batch is let through.
-            await until(lambda: LEAVING not in frontend.service.liveness()["scheduler"])
-            await until(lambda: LEAVING not in detok._schedulers.alive_instances())
+            assert await wait_until(lambda: LEAVING not in frontend.service.liveness()["scheduler"], 10.0)
+            assert await wait_until(lambda: LEAVING not in detok._schedulers.alive_instances(), 10.0)
             final_held.set()
             events = await streaming
     last = events[-1]

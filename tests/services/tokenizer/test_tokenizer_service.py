@@ -12,17 +12,11 @@ import numpy as np
 import pytest
 
 from services.common.arrays import from_wire
+from services.common.lifecycle import wait_until
 
 pytestmark = pytest.mark.timeout(30)
 
 REPLY = "Hello world, this is a reply."
-
-
-async def wait_until(condition, timeout_s: float = 3.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, "condition not met in time"
-        await asyncio.sleep(0.02)
 
 
 def sse_payloads(body: str) -> list:
@@ -119,7 +113,7 @@ async def test_pending_request_fails_fast_when_scheduler_dies(url, backend, how)
     assert response.json()["error"]["message"].startswith("request failed")
     events = sse_payloads(streamed.text)
     assert "error" in events[-1]
-    await wait_until(lambda: {a.rid for a in backend.aborts} >= {r.rid for r in backend.requests})
+    assert await wait_until(lambda: {a.rid for a in backend.aborts} >= {r.rid for r in backend.requests}, 3.0)
 
 
 async def test_client_disconnect_mid_stream_aborts(url, backend):
@@ -128,7 +122,7 @@ async def test_client_disconnect_mid_stream_aborts(url, backend):
         async with client.stream("POST", "/generate", json={"text": "hi", "stream": True, "rid": "leaver"}) as response:
             async for _line in response.aiter_lines():
                 break
-    await wait_until(lambda: len(backend.aborts) > 0)
+    assert await wait_until(lambda: len(backend.aborts) > 0, 3.0)
     assert [a.rid for a in backend.aborts] == [backend.requests[-1].rid]
 
 
