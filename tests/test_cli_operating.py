@@ -81,11 +81,14 @@ def test_every_service_takes_the_log_flags_with_the_environments_defaults(comman
     assert (lambda p: (p.log_format, p.log_level))(build_parser(argv).parse_args(argv)) == ("console", "debug")
 
 
-@pytest.mark.parametrize("flag", ["ragged-cuda-graphs", "logprob-cuda-graphs", "fused-kernels"])
-def test_up_passes_each_cuda_flag_to_the_scheduler_config(flag):
+@pytest.mark.parametrize(
+    ("flag", "default"),
+    [("ragged-cuda-graphs", True), ("logprob-cuda-graphs", True), ("fused-kernels", True), ("split-kv-decode", False)],
+)
+def test_up_passes_each_cuda_flag_to_the_scheduler_config(flag, default):
     from services.scheduler.__main__ import config_from_args
 
-    for up, wanted in ((["up"], True), (["up", f"--{flag}"], True), (["up", f"--no-{flag}"], False)):
+    for up, wanted in ((["up"], default), (["up", f"--{flag}"], True), (["up", f"--no-{flag}"], False)):
         scheduler = service_argv("scheduler", build_parser(up).parse_args(up))
         parsed = build_parser(scheduler[3:]).parse_args(scheduler[3:])
         assert (f"--{flag}" in scheduler) == wanted and getattr(config_from_args(parsed), flag.replace("-", "_")) == wanted
@@ -97,7 +100,7 @@ def test_every_scheduler_flag_of_up_reaches_the_scheduler_with_its_value(tmp_pat
     values = ["--model", str(tmp_path), "--device", "cpu", "--dtype", "float16", "--load-format", "dummy",
               "--logprobs-mode", "processed", "--chunked-prefill-size", "4096", "--max-running-requests", "7",
               "--max-model-len", "300", "--kv-cache-memory-fraction", "0.25", "--no-ragged-cuda-graphs",
-              "--no-logprob-cuda-graphs", "--no-fused-kernels", "--speculative-algorithm", "dspark", "--draft-model", str(tmp_path / "d"),
+              "--no-logprob-cuda-graphs", "--no-fused-kernels", "--split-kv-decode", "--speculative-algorithm", "dspark", "--draft-model", str(tmp_path / "d"),
               "--speculative-num-draft-tokens", "5", "--verify-mode", "compact"]  # fmt: skip
     up = build_parser(["up", *values]).parse_args(["up", *values])
     defaults = build_parser(["up"]).parse_args(["up"])

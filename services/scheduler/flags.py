@@ -61,6 +61,9 @@ def add_cuda_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--fused-kernels", action=argparse.BooleanOptionalAction, default=True,
                         help="CUDA with Triton: run each layer's norms, residual adds, RoPE, K/V write and SiLU * up "
                              "as fused Triton kernels (default on; elsewhere it does nothing)")  # fmt: skip
+    parser.add_argument("--split-kv-decode", action=argparse.BooleanOptionalAction, default=False,
+                        help="CUDA with Triton: split each sequence's keys across several decode attention programs "
+                             "when the batch leaves SMs idle (flash-decoding; default off until checked on a GPU)")  # fmt: skip
 
 
 def scheduler_argv(args: argparse.Namespace) -> list[str]:
@@ -73,6 +76,7 @@ def scheduler_argv(args: argparse.Namespace) -> list[str]:
     argv += ["--ragged-cuda-graphs" if args.ragged_cuda_graphs else "--no-ragged-cuda-graphs"]
     argv += ["--logprob-cuda-graphs" if args.logprob_cuda_graphs else "--no-logprob-cuda-graphs"]
     argv += ["--fused-kernels" if args.fused_kernels else "--no-fused-kernels"]
+    argv += ["--split-kv-decode" if args.split_kv_decode else "--no-split-kv-decode"]
     argv += ["--speculative-algorithm", args.speculative_algorithm, "--verify-mode", args.verify_mode]
     if args.draft_model:
         argv += ["--draft-model", args.draft_model]

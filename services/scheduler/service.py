@@ -65,6 +65,7 @@ def build_core(config: SchedulerConfig) -> SchedulerCore:
         seed=config.seed,
         cuda_graphs=False,  # captured below, once the verify width and captured layers are known
         fused_kernels=None if config.fused_kernels else False,  # None: on where Triton runs (CUDA)
+        split_kv_decode=config.split_kv_decode,
     )
     proposer = None
     if config.speculative_algorithm == "dspark":

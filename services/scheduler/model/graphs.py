@@ -69,10 +69,11 @@ class DecodeGraphRunner:
         use_kernel: bool = True,
         query_lens: tuple[int, ...] = (1,),
         capture_layers: tuple[int, ...] = (),
+        split_kv: bool = False,
     ) -> None:
         if not ladder or min(ladder) < 1 or not query_lens or min(query_lens) < 1:
             raise ValueError(f"ladder and query_lens must hold positive sizes, got {ladder}, {query_lens}")
-        self.model, self.cache, self.use_kernel = model, cache, use_kernel
+        self.model, self.cache, self.use_kernel, self.split_kv = model, cache, use_kernel, split_kv
         self.ladder = tuple(sorted(set(ladder)))
         self.query_lens = tuple(sorted(set(query_lens)))
         self.capture_layers = tuple(capture_layers)
@@ -152,7 +153,7 @@ class DecodeGraphRunner:
         )
 
     def _forward(self, rung: int, query_len: int) -> ForwardOutput:
-        plan = DecodePlan(self.seq_lens[:rung], self.block_tables[:rung], self.use_kernel, query_len)
+        plan = DecodePlan(self.seq_lens[:rung], self.block_tables[:rung], self.use_kernel, query_len, self.split_kv)
         hidden, captured = self.model(self._static_batch(rung, query_len), self.cache, plan)  # [rung * q, H]
         # every row of a uniform step is a row the worker verifies: the LM head belongs in the graph
         return ForwardOutput(hidden, captured, self.model.compute_logits(hidden))  # logits f32 [rung * q, V]

@@ -71,12 +71,14 @@ def load_model_runner(
     kv_cache_fraction: float = CUDA_KV_CACHE_FRACTION,
     reserve: MemoryReserve = MemoryReserve(),
     fused_kernels: bool | None = None,
+    split_kv_decode: bool = False,
 ) -> ModelRunner:
     """Load the model at `path` onto `device` in `dtype` and allocate its paged KV cache.
 
     cuda_graphs None: capture decode CUDA graphs when on CUDA with Triton; True/False forces it.
     fused_kernels: `ModelRunner.fused_kernels` (None: on CUDA with Triton; checked on the H200 in
-    ops/bench/results/gpu_fused.md).
+    ops/bench/results/gpu_fused.md). split_kv_decode: `ModelRunner.split_kv_decode` (off until checked
+    on a GPU: ops/bench/gpu_split_kv_check.py).
     kv_cache_bytes (or, on CUDA, `kv_cache_fraction` of the memory free after the weights and the
     reserve's weights) holds the cache's blocks together with the reserve's per-block bytes.
     """
@@ -90,7 +92,7 @@ def load_model_runner(
     model.eval()
     num_blocks = num_kv_blocks or _default_num_blocks(config, kv_block_size, dtype, device, kv_cache_bytes, kv_cache_fraction, reserve)
     cache = PagedKVCache(config, num_blocks, kv_block_size, dtype, device)
-    runner = ModelRunner(model, cache, fused_kernels=fused_kernels)
+    runner = ModelRunner(model, cache, fused_kernels=fused_kernels, split_kv_decode=split_kv_decode)
     if cuda_graphs if cuda_graphs is not None else runner.decode_kernel:
         runner.prepare_decode_graphs()
     return runner

@@ -47,11 +47,14 @@ class ModelRunner:
         decode_kernel: bool | None = None,
         ragged_kernel: bool | None = None,
         fused_kernels: bool | None = None,
+        split_kv_decode: bool = False,
     ) -> None:
         """decode_kernel: eager uniform-query steps use the Triton decode kernel; ragged_kernel: ragged
         steps use the Triton varlen kernel, not the SDPA groups; fused_kernels: the model's small ops
         (norms, RoPE, the K/V write, SiLU * up) run as the Triton kernels of `triton_fused.py` (each
-        default: on CUDA with Triton)."""
+        default: on CUDA with Triton); split_kv_decode: that decode kernel splits each sequence's keys
+        across programs where the batch alone leaves SMs idle (`triton_decode.num_kv_splits`; off until
+        checked on a GPU; nothing without the decode kernel)."""
         self.model = model
         self.kv_cache = kv_cache
         on_cuda_with_triton = kv_cache.kv.device.type == "cuda" and triton_available()
@@ -60,6 +63,7 @@ class ModelRunner:
         self.decode_graphs: DecodeGraphRunner | None = None
         self.ragged_graphs: RaggedGraphRunner | None = None
         self.fused_kernels = on_cuda_with_triton if fused_kernels is None else fused_kernels
+        self._split_kv_decode = split_kv_decode
 
     def prepare_decode_graphs(
         self,
@@ -79,7 +83,7 @@ class ModelRunner:
         with torch.inference_mode():
             self.decode_graphs = DecodeGraphRunner(
                 self.model, self.kv_cache, ladder, max_blocks_per_seq, capture=capture, use_kernel=self.decode_kernel,
-                query_lens=query_lens, capture_layers=capture_layers,
+                query_lens=query_lens, capture_layers=capture_layers, split_kv=self.split_kv_decode,
             )  # fmt: skip
 
     def drop_decode_graphs(self) -> None:
@@ -125,6 +129,17 @@ class ModelRunner:
         self.model.fused_kernels = on
 
     @property
+    def split_kv_decode(self) -> bool:
+        return self._split_kv_decode
+
+    @split_kv_decode.setter
+    def split_kv_decode(self, on: bool) -> None:
+        """Only while no decode graph is captured, for the reason `fused_kernels` gives."""
+        if on != self._split_kv_decode and self.decode_graphs is not None:
+            raise RuntimeError("split_kv_decode switched with decode graphs captured: drop them first")
+        self._split_kv_decode = on
+
+    @property
     def config(self) -> ModelConfig:
         return self.model.config
 
@@ -157,7 +172,7 @@ class ModelRunner:
         if query_len is not None and self.decode_graphs is not None and self.decode_graphs.fits(batch, query_len):
             return self.decode_graphs.run(batch, query_len)
         if query_len is not None and self.decode_kernel:
-            plan = DecodePlan(batch.seq_lens, batch.block_tables, use_kernel=True, query_len=query_len)
+            plan = DecodePlan(batch.seq_lens, batch.block_tables, True, query_len, self.split_kv_decode)
             return ForwardOutput(*self.model(batch, self.kv_cache, plan))
         if query_len is None and self.ragged_graphs is not None and self.ragged_graphs.fits(batch):
             return self.ragged_graphs.run(batch)

@@ -127,7 +127,8 @@ def test_too_wide_or_too_large_batches_fall_back(make_pager) -> None:
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="Triton kernel runs on CUDA only")
 @pytest.mark.parametrize("query_len", [1, 4])
-def test_triton_kernel_matches_twin_on_cuda(query_len) -> None:
+@pytest.mark.parametrize("num_splits", [1, 7])  # 7: split-KV, some splits past the shorter sequences' blocks
+def test_triton_kernel_matches_twin_on_cuda(query_len, num_splits) -> None:
     from services.scheduler.model.triton_decode import paged_block_attention_triton
 
     key_cache, value_cache = (torch.randn(64, 16, 8, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
@@ -135,7 +136,7 @@ def test_triton_kernel_matches_twin_on_cuda(query_len) -> None:
     tables = torch.randperm(64, device="cuda")[:60].view(5, 12).to(torch.int32)
     q = torch.randn(5 * query_len, 32, 128, device="cuda", dtype=torch.bfloat16)
     args = (q, key_cache, value_cache, seq_lens, tables, 128**-0.5, query_len)
-    torch.testing.assert_close(paged_block_attention_triton(*args).float(), paged_decode_attention_torch(*args).float(), atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(paged_block_attention_triton(*args, num_splits).float(), paged_decode_attention_torch(*args).float(), atol=2e-2, rtol=2e-2)
 
 
 @pytest.mark.parametrize("query_len", [2, 5])

@@ -1,0 +1,181 @@
+"""Split-KV decode attention (`triton_decode.py`, num_splits > 1): the host-side split count, the
+runner's switch, and the kernels against the torch twin in Triton's CPU interpreter (skipped without
+Triton; CI has none), plus a compile-only check down to an sm_90 cubin. Speed is
+ops/bench/gpu_split_kv_check.py's, on the GPU."""
+
+from __future__ import annotations
+
+import importlib.util
+import inspect
+import os
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from services.models import RANDOM_TINY_MODEL
+from services.scheduler.model.attention import DecodePlan, paged_decode_attention, paged_decode_attention_torch
+from services.scheduler.model.loader import load_model_runner
+
+REPO = Path(__file__).resolve().parents[4]
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"  # read by Triton when it is imported
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+TOLERANCE = {"atol": 1e-5, "rtol": 1e-5}
+PAGE = 4
+WIDTH = 12  # table entries per sequence
+
+
+def test_runner_keeps_split_kv_off_by_default_and_hands_it_to_its_decode_graphs() -> None:
+    runner = load_model_runner(RANDOM_TINY_MODEL, num_kv_blocks=8, kv_block_size=PAGE)
+    assert runner.split_kv_decode is False
+    runner.split_kv_decode = True
+    runner.prepare_decode_graphs(ladder=(1,), max_blocks_per_seq=2, capture=False)
+    assert runner.decode_graphs.split_kv is True
+
+
+def test_the_split_switch_refuses_to_change_under_decode_graphs() -> None:
+    runner = load_model_runner(RANDOM_TINY_MODEL, num_kv_blocks=8, kv_block_size=PAGE)
+    runner.prepare_decode_graphs(ladder=(1,), max_blocks_per_seq=2, capture=False)
+    with pytest.raises(RuntimeError, match="drop them first"):
+        runner.split_kv_decode = True
+    runner.split_kv_decode = False  # no change: allowed
+    runner.drop_decode_graphs()
+    runner.split_kv_decode = True
+    assert runner.split_kv_decode is True
+
+
+@pytest.mark.parametrize("flag", [False, True])
+def test_the_scheduler_flag_reaches_the_loader(flag, monkeypatch) -> None:
+    from services.scheduler import service
+    from services.scheduler.config import SchedulerConfig
+
+    class Loaded(Exception):
+        pass
+
+    def load(path, **options):
+        raise Loaded(options["split_kv_decode"])
+
+    monkeypatch.setattr(service, "load_model_runner", load)
+    with pytest.raises(Loaded) as loaded:
+        service.build_core(SchedulerConfig(device="cpu", split_kv_decode=flag))
+    assert loaded.value.args == (flag,)
+    assert SchedulerConfig().split_kv_decode is False
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="needs Triton (triton_decode imports it)")
+@pytest.mark.parametrize(
+    ("num_seqs", "num_kv_heads", "max_blocks", "num_sms", "wanted"),
+    [
+        (1, 8, 2560, 132, 32),  # 8B / 0.6B at batch 1: 33 wanted for 264 programs, MAX_SPLITS caps it
+        (4, 8, 2560, 132, 9),  # 264 / 32 programs
+        (32, 8, 2560, 132, 2),
+        (33, 8, 2560, 132, 1),  # the batch alone gives 264 programs
+        (64, 8, 2560, 132, 1),
+        (1, 8, 3, 132, 3),  # no more splits than table entries
+        (1, 1, 1, 132, 1),
+    ],
+)
+def test_num_kv_splits_comes_from_shapes_alone(num_seqs, num_kv_heads, max_blocks, num_sms, wanted) -> None:
+    from services.scheduler.model.triton_decode import num_kv_splits
+
+    assert list(inspect.signature(num_kv_splits).parameters) == ["num_seqs", "num_kv_heads", "max_blocks", "num_sms"]
+    assert num_kv_splits(num_seqs, num_kv_heads, max_blocks, num_sms) == wanted
+
+
+@pytest.mark.skipif(INTERPRETED or not HAS_TRITON, reason="needs Triton; runs the interpreter")
+def test_split_kv_in_the_triton_interpreter() -> None:
+    """The interpreted cases below, in a child pytest whose Triton starts in interpreter mode."""
+    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "interpreted", __file__]
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and " passed" in done.stdout and "skipped" not in done.stdout, (
+        done.stdout[-4000:] + done.stderr[-2000:]
+    )
+
+
+interpreted = pytest.mark.skipif(not INTERPRETED, reason="run by test_split_kv_in_the_triton_interpreter")
+
+
+def decode_inputs(seq_lens: list[int], query_len: int, num_padded: int, num_heads: int = 8, num_kv_heads: int = 2):
+    """(query [T, Hq, D], key cache, value cache, seq_lens, tables) on shuffled blocks, then
+    `num_padded` rows padded as the graph runner pads them: seq_len q, every entry the trash block
+    (the cache's last), whose slots hold values of their own."""
+    gen = torch.Generator().manual_seed(sum(seq_lens) + query_len)
+    num_blocks = len(seq_lens) * WIDTH + 1
+    trash = num_blocks - 1
+    key_cache, value_cache = (torch.randn(num_blocks, PAGE, num_kv_heads, 16, generator=gen) for _ in range(2))
+    tables = torch.randperm(trash, generator=gen).view(len(seq_lens), WIDTH)
+    tables = torch.cat([tables, torch.full((num_padded, WIDTH), trash)]).to(torch.int32)  # [B, M]
+    lens = torch.tensor(seq_lens + [query_len] * num_padded, dtype=torch.int32)  # [B]
+    query = torch.randn(len(lens) * query_len, num_heads, 16, generator=gen)  # [B * q, Hq, D]
+    return query, key_cache, value_cache, lens, tables
+
+
+# one key; ragged lengths (not multiples of PAGE, one that is); a split count past some sequences' blocks
+CASES = [([1], 1), ([1, 6, 8, 23, 45], 1), ([8, 13, 16, 30, 45], 8), ([9], 8)]
+
+
+@interpreted
+@pytest.mark.parametrize("num_splits", [1, 2, 7])
+@pytest.mark.parametrize(("seq_lens", "query_len"), CASES)
+def test_interpreted_split_kernel_matches_twin(seq_lens, query_len, num_splits) -> None:
+    from services.scheduler.model.triton_decode import paged_block_attention_triton
+
+    args = (*decode_inputs(seq_lens, query_len, num_padded=2), 0.25, query_len)  # GQA 4:1
+    got = paged_block_attention_triton(*args, num_splits)
+    torch.testing.assert_close(got, paged_decode_attention_torch(*args), **TOLERANCE)
+
+
+@interpreted
+def test_interpreted_decode_plan_takes_its_split_count_from_shapes(monkeypatch) -> None:
+    # 4 SMs, 2 programs each, 3 sequences x 2 kv heads: 2 splits, from ints the host holds
+    from services.scheduler.model import triton_decode
+
+    calls, num_kv_splits = [], triton_decode.num_kv_splits
+
+    def counted(*values):
+        calls.append(values)
+        return num_kv_splits(*values)
+
+    monkeypatch.setattr(triton_decode, "num_kv_splits", counted)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(multi_processor_count=4))
+    query, key_cache, value_cache, lens, tables = decode_inputs([5, 30], 1, num_padded=1)
+    plan = DecodePlan(lens, tables, use_kernel=True, split_kv=True)
+    got = paged_decode_attention(query, key_cache, value_cache, plan, 0.25)
+    want = paged_decode_attention_torch(query, key_cache, value_cache, lens, tables, 0.25)
+    torch.testing.assert_close(got, want, **TOLERANCE)
+    assert calls == [(3, 2, WIDTH, 4)] and all(type(value) is int for value in calls[0])
+
+
+@pytest.mark.skipif(INTERPRETED or not HAS_TRITON, reason="needs Triton (its compiler, not a GPU)")
+@pytest.mark.parametrize("query_len", [1, 8])
+def test_decode_kernels_compile_for_the_h200_at_the_8b_shape(query_len) -> None:
+    # The interpreter runs the kernels' Python; this runs Triton's compiler down to an sm_90 cubin (no
+    # device needed), so what only the compiler refuses (types across branches, layouts) fails here.
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from services.scheduler.model import triton_decode
+
+    bf16, f32, i32 = "*bf16", "*fp32", "i32"
+    inputs = {"q_ptr": bf16, "k_ptr": bf16, "v_ptr": bf16}
+    tables = {"seq_lens_ptr": "*i32", "tables_ptr": "*i32", "scale": "fp32"}
+    strides = dict.fromkeys(["stride_qt", "stride_qh", "stride_kb", "stride_ks", "stride_kh"], i32)
+    partials = {"max_ptr": f32, "sum_ptr": f32, "acc_ptr": f32}
+    block = {**inputs, "out_ptr": bf16, **tables, **strides, "stride_ot": i32, "stride_oh": i32, "stride_tb": i32}
+    split = {**inputs, **partials, **tables, "num_heads": i32, "num_splits": i32, **strides, "stride_tb": i32}
+    combine = {**partials, "out_ptr": bf16, "num_heads": i32, "num_splits": i32, "stride_ot": i32, "stride_oh": i32}
+    shape = {"GROUP": 4, "QUERY_LEN": query_len, "ROWS": triton_decode.tile_rows(query_len, 4), "HEAD_DIM": 128, "BLOCK_SIZE": 16}
+    kernels = [
+        (triton_decode._paged_block_kernel, block, shape),
+        (triton_decode._paged_split_kernel, split, shape),
+        (triton_decode._combine_splits_kernel, combine, {"HEAD_DIM": 128, "SPLITS": triton_decode.MAX_SPLITS}),
+    ]
+    for kernel, signature, constants in kernels:
+        source = ASTSource(kernel, {**signature, **dict.fromkeys(constants, "constexpr")}, constants)
+        compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32))
+        assert compiled.asm["cubin"], kernel
