@@ -9,13 +9,14 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from services.common.lifecycle import wait_until
 from services.common.logging import REQUEST_ID_HEADER
 from services.tokenizer.api_types import ChatBody, CompletionBody, GenerateBody, SamplingParamsBody
 from services.tokenizer.http_app import ROUTE_HANDLERS
 from services.tokenizer.validation import choice_seed, unsupported_fields
 from services.tokenizer.text_model import TextModel
 from tests.services.tokenizer.conftest import base_url, wait_live
-from tests.services.tokenizer.test_tokenizer_service import sse_payloads, wait_until
+from tests.services.tokenizer.test_tokenizer_service import sse_payloads
 
 pytestmark = pytest.mark.timeout(30)
 MODEL = (("model_name", "sparkwire-tiny"),)
@@ -50,7 +51,7 @@ async def test_metrics_count_a_known_mix_of_requests(url, backend):
         assert (await client.get("/nope/123")).status_code == 404
         backend.step_delay_s = 0.3
         await leave_mid_stream(client)
-        await wait_until(lambda: len(backend.aborts) == 1)
+        assert await wait_until(lambda: len(backend.aborts) == 1, 3.0)
         await asyncio.sleep(0.05)
         page = (await client.get("/metrics")).text
     assert len(sse_payloads(streamed.text)) == 2 and completion.status_code == 200
@@ -103,7 +104,7 @@ async def test_reused_rid_after_a_disconnect_is_not_hit_by_the_old_abort(url, ba
         backend.step_delay_s = 0.0
         reused = await client.post("/generate", json=generate(3, rid="again"))
     assert reused.status_code == 200 and len(reused.json()["output_ids"]) == 3
-    await wait_until(lambda: len(backend.aborts) == 1)
+    assert await wait_until(lambda: len(backend.aborts) == 1, 3.0)
     assert backend.aborts[0].rid == backend.requests[0].rid != backend.requests[1].rid
 
 
