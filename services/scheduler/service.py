@@ -1,10 +1,11 @@
 """The scheduler's NATS adapter around `SchedulerCore`.
 
 In: claims (queue group), generate requests (this instance's direct subject), aborts (broadcast),
-pings (queue group). Out: one `TokenBatch` per detokenizer per step, heartbeats. The decode loop
-runs each `core.step` in a worker thread and publishes step N's outputs while step N + 1 runs
-there, so the network is never awaited inside a step, the device never waits for the network and
-the event loop never blocks on the model.
+pings (queue group). Out: one `TokenBatch` per detokenizer per step, heartbeats. A `StepThread`
+runs `core.step` back to back in a thread of its own while the core has work, and the decode loop
+publishes step N's outputs while step N + 1 runs there, so the network is never awaited inside a
+step, the device waits neither for the network nor for the event loop between steps, and the event
+loop never blocks on the model. The step thread runs at most one step ahead of what is published.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from services.scheduler.core import SchedulerCore
 from services.scheduler.model import MemoryReserve, ModelConfig, load_model_runner
 from services.scheduler.model.ragged_graphs import seq_ladder, token_ladder
 from services.scheduler.request import RequestOutput, SchedulerRequest
+from services.scheduler.step_loop import StepThread
 from services.scheduler.wire import to_token_batches
 
 log = structlog.get_logger(__name__)
@@ -139,7 +141,7 @@ class SchedulerService:
         self._id = config.instance_id
         self._transport: Transport | None = None
         self._heartbeat: HeartbeatPublisher | None = None
-        self._wake = asyncio.Event()
+        self._steps = StepThread(core)
         self._closing = False
         self._claims: dict[str, float] = {}  # rid -> monotonic deadline for its GenerateRequest
         self._claim_owners: dict[str, str] = {}  # rid -> detokenizer id, for claims that name one
@@ -240,15 +242,18 @@ class SchedulerService:
         self._core.add(SchedulerRequest.from_generate(request))  # while closing, fail_all finishes it
         for rid in aborted:  # applied right after the add (the core drains adds, then aborts)
             self._core.abort(rid, "abort")
-        self._wake.set()
+        self._steps.wake()
 
     async def _on_abort(self, abort: AbortRequest, _msg: Delivery) -> None:
         self._claim_owners.pop(abort.rid, None)
         if self._claims.pop(abort.rid, None) is not None:
             self._aborted_claims[abort.rid] = time.monotonic() + self._config.claim_expiry_s
             return
-        self._core.abort(abort.rid, abort.reason)
-        self._wake.set()
+        self._abort(abort.rid, abort.reason)
+
+    def _abort(self, rid: str, reason: str) -> None:
+        self._core.abort(rid, reason)
+        self._steps.wake()  # an abort is work: a drain waits until the core has applied it
 
     async def _on_ping(self, _ping: SchedulerPing, msg: Delivery) -> None:
         info = SchedulerInfo(
@@ -284,25 +289,19 @@ class SchedulerService:
     # ---- decode loop ----
 
     async def _decode_loop(self) -> None:
-        """Step N's outputs are published in a task while step N + 1 runs in its thread: the
-        device never waits for the network. Each publication waits for the one before it, so
-        outputs go out in step order, and the last one before the loop ends (so before the
-        shutdown's fail_all and "dead" heartbeat)."""
-        publishing: asyncio.Task[bool] | None = None
+        """Publish each step's outputs, in step order, while the step thread runs the next step.
+        It ends once `_shutdown` stopped the step thread and every step it finished is published
+        (so the last batch goes out before the shutdown's fail_all and "dead" heartbeat), or with
+        the error of a failed step, once the steps before it are published. Either way the step
+        thread has stopped when it returns: no step runs during fail_all."""
+        self._steps.start()
         try:
-            while not self._closing:
-                if not self._core.has_work():
-                    await self._wake.wait()
-                    self._wake.clear()
-                    continue
-                outputs = await asyncio.to_thread(self._core.step)
-                self._telemetry.observe_queue_times(self._core.take_queue_times().values())
-                if publishing is not None:
-                    await publishing
-                publishing = asyncio.create_task(self._publish(outputs, self._core.num_steps))
+            while (result := await self._steps.next()) is not None:
+                self._telemetry.observe_queue_times(result.queue_times)
+                await self._publish(result.outputs, result.step)
+                self._steps.published()
         finally:
-            if publishing is not None:
-                await publishing
+            await self._steps.stop()
 
     async def _publish(self, outputs: list[RequestOutput], step: int) -> bool:
         """True when every destination's batch was published."""
@@ -320,7 +319,7 @@ class SchedulerService:
         except Exception as exc:
             log.error("scheduler.publish_failed", detokenizer=detokenizer_id, error=repr(exc), rids=batch.rids[:8])
             for rid in batch.rids:
-                self._core.abort(rid, "abort")
+                self._abort(rid, "abort")
             return False
         return True
 
@@ -328,7 +327,7 @@ class SchedulerService:
 
     async def _shutdown(self, decode: asyncio.Task[None]) -> int:
         self._closing = True
-        self._wake.set()
+        await self._steps.stop()  # the running step finishes; the decode loop publishes what is left
         error = await _task_error(decode)
         if error is not None:
             log.error("scheduler.step_failed", error=error, exc_info=decode.exception())

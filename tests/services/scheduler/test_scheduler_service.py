@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import threading
 import time
 
 import msgspec
@@ -251,3 +252,97 @@ async def test_a_claim_whose_request_never_came_is_failed_at_its_detokenizer_on_
     while (beat := await asyncio.wait_for(h.beats.get(), 5)).alive:
         pass
     assert beat.drained
+
+
+class Journal:
+    """Records, in order, the steps a core finished, the steps the service published and its
+    fail_all calls, and whether a step was running at each fail_all."""
+
+    def __init__(self, service: SchedulerService) -> None:
+        self.events: list[tuple[str, int]] = []
+        self.stepping = False
+        core = service._core
+        step, publish, fail_all = core.step, service._publish, core.fail_all
+
+        def journaled_step():
+            self.stepping = True
+            try:
+                self.before_step()
+                outputs = step()
+            finally:
+                self.stepping = False
+            self.events.append(("stepped", core.num_steps))
+            return outputs
+
+        async def journaled_publish(outputs, number):
+            self.events.append(("published", number))
+            return await publish(outputs, number)
+
+        def journaled_fail_all(message):
+            self.events.append(("fail_all", 1 if self.stepping else 0))
+            return fail_all(message)
+
+        self.before_step = lambda: None
+        core.step, service._publish, core.fail_all = journaled_step, journaled_publish, journaled_fail_all
+
+    def stepped(self) -> list[int]:
+        return [n for kind, n in self.events if kind == "stepped"]
+
+    def published_before_fail_all(self) -> list[int]:
+        end = self.events.index(("fail_all", 0))  # raises if fail_all ran during a step
+        return [n for kind, n in self.events[:end] if kind == "published"]
+
+
+@pytest.mark.timeout(60)
+async def test_shutdown_during_a_step_publishes_its_outputs_before_fail_all(harness):
+    """SIGTERM while a step runs (and the drain gives up at once): the step finishes, its batch
+    goes out, and only then does fail_all finish what is left."""
+    h, loop = harness, asyncio.get_running_loop()
+    connection = msgspec.structs.replace(h.service._config.nats, drain_timeout_s=0.0)
+    h.service._config = dataclasses.replace(h.service._config, nats=connection)
+    journal = Journal(h.service)
+    entered, release = asyncio.Event(), threading.Event()
+
+    def hold_the_fourth_step():
+        if len(journal.stepped()) == 3:
+            loop.call_soon_threadsafe(entered.set)
+            release.wait(10)
+
+    journal.before_step = hold_the_fourth_step
+    assert (await _claim(h, "r5", len(PROMPT))).accepted
+    sampling = SamplingParams(max_new_tokens=40, temperature=0.0, ignore_eos=True)
+    await h.client.publish(subjects.scheduler_generate("sched-test"), GenerateRequest("r5", to_wire(PROMPT), "detok-1", sampling))
+    await asyncio.wait_for(entered.wait(), 10)
+    h.stop.set()
+    while not h.service._closing:  # the shutdown has told the step thread to end after this step
+        await asyncio.sleep(0.01)
+    release.set()
+    tokens, batches = await _collect(h, "r5")
+    assert await asyncio.wait_for(h.task, 10) == 0
+    assert len(tokens) == len(journal.stepped()) == 4  # one token per step, the held one's included
+    assert batches[-1].finish[-1].type == FinishType.ABORT and batches[-1].finish[-1].message == "the scheduler is shutting down"
+    assert journal.published_before_fail_all() == journal.stepped() == [1, 2, 3, 4]
+
+
+@pytest.mark.timeout(60)
+async def test_a_step_failing_after_good_steps_publishes_them_then_fails_the_request(harness):
+    h = harness
+    journal = Journal(h.service)
+
+    def fail_the_fourth_step():
+        if len(journal.stepped()) == 3:
+            raise RuntimeError("device lost")
+
+    journal.before_step = fail_the_fourth_step
+    assert (await _claim(h, "r6", len(PROMPT))).accepted
+    sampling = SamplingParams(max_new_tokens=40, temperature=0.0, ignore_eos=True)
+    await h.client.publish(subjects.scheduler_generate("sched-test"), GenerateRequest("r6", to_wire(PROMPT), "detok-1", sampling))
+    tokens, batches = await _collect(h, "r6")
+    assert await asyncio.wait_for(h.task, 10) == 1
+    finish = batches[-1].finish[-1]
+    assert len(tokens) == 3 and finish.type == FinishType.ABORT and finish.message.startswith("scheduler step failed: ")
+    assert "device lost" in finish.message
+    assert journal.published_before_fail_all() == [1, 2, 3]
+    while (beat := await asyncio.wait_for(h.beats.get(), 5)).alive:
+        pass
+    assert "device lost" in beat.reason and beat.drained

@@ -1,0 +1,104 @@
+"""The decode loop's thread: `core.step` back to back, one step ahead of what is published.
+
+A step run through `asyncio.to_thread` comes back to the event loop before the next one can be
+submitted, so the device idles for a loop round trip between steps (longer while the loop encodes
+and publishes). `StepThread` steps in one thread of its own instead, as long as the core has
+work, and hands each step's outputs to the event loop, which publishes them in step order. Its
+lead is bounded: a step begins only once every step before the previous one is published (step
+N + 1 runs while step N is published, never further ahead), so a slow network stops the device
+instead of piling outputs up.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import contextvars
+import threading
+from dataclasses import dataclass
+
+from services.scheduler.core import SchedulerCore
+from services.scheduler.request import RequestOutput
+
+STEPS_IN_FLIGHT = 2  # begun and not yet published: the one running, the one being published
+
+
+@dataclass(frozen=True)
+class StepResult:
+    outputs: list[RequestOutput]
+    step: int  # core.num_steps once the step was done
+    queue_times: list[float]  # seconds from `add` to first scheduled, of the requests it scheduled first
+
+
+class StepThread:
+    """Steps `core` in a thread of its own: `start`, then `next` / `published` per step from the
+    event loop, `wake` when work arrives, `stop` to end it. `core.fail_all` is safe once `stop` has
+    returned: no step runs then."""
+
+    def __init__(self, core: SchedulerCore) -> None:
+        self._core = core
+        self._turn = threading.Condition()  # guards the two fields below; notified on every change
+        self._num_unpublished = 0  # steps begun whose outputs the event loop has not published yet
+        self._closing = False
+        self._results: asyncio.Queue[StepResult | BaseException | None] = asyncio.Queue()
+        self._exited: asyncio.Future[None] | None = None
+
+    def start(self) -> None:
+        loop = asyncio.get_running_loop()
+        self._exited = loop.create_future()
+        context = contextvars.copy_context()  # the caller's log context, as asyncio.to_thread does
+        threading.Thread(target=context.run, args=(self._run, loop), name="scheduler-step", daemon=True).start()
+
+    def wake(self) -> None:
+        """Work arrived (any thread): an idle thread checks `core.has_work` again."""
+        with self._turn:
+            self._turn.notify()
+
+    async def next(self) -> StepResult | None:
+        """The next step's outputs, in step order; None once the thread has stopped. Raises what a
+        step raised (the thread has stopped then too)."""
+        result = await self._results.get()
+        if isinstance(result, BaseException):
+            raise result
+        return result
+
+    def published(self) -> None:
+        """The outputs `next` returned last are published: one more step may begin."""
+        with self._turn:
+            self._num_unpublished -= 1
+            self._turn.notify()
+
+    async def stop(self) -> None:
+        """Let the running step finish (its outputs and the ones before stay for `next`), then end
+        the thread and wait for it."""
+        with self._turn:
+            self._closing = True
+            self._turn.notify()
+        if self._exited is not None:
+            await asyncio.shield(self._exited)
+
+    def _run(self, loop: asyncio.AbstractEventLoop) -> None:
+        end: BaseException | None = None
+        try:
+            while self._wait_for_turn():
+                outputs = self._core.step()
+                result = StepResult(outputs, self._core.num_steps, list(self._core.take_queue_times().values()))
+                loop.call_soon_threadsafe(self._results.put_nowait, result)
+        except BaseException as exc:  # fatal for the scheduler: the event loop raises it from `next`
+            end = exc
+        with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits any more
+            loop.call_soon_threadsafe(self._exit, end)
+
+    def _wait_for_turn(self) -> bool:
+        """Block until a step may begin (False: closing). No polling: arrivals, publications and
+        `stop` notify."""
+        with self._turn:
+            self._turn.wait_for(lambda: self._closing or (self._num_unpublished < STEPS_IN_FLIGHT and self._core.has_work()))
+            if self._closing:
+                return False
+            self._num_unpublished += 1
+            return True
+
+    def _exit(self, end: BaseException | None) -> None:
+        self._results.put_nowait(end)
+        self._exited.set_result(None)
