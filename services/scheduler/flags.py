@@ -50,20 +50,24 @@ def add_speculative_arguments(parser: argparse.ArgumentParser) -> None:
                         help="static: verify every draft; compact: as many as the confidence head expects to survive")
 
 
+# The CUDA on/off switches: flag name -> (default, help). `add_cuda_arguments` declares each as
+# --NAME / --no-NAME and `scheduler_argv` hands each on, from this one table.
+CUDA_SWITCHES = {
+    "ragged-cuda-graphs": (True, "CUDA: replay ragged steps (prefill chunks beside decodes, compact verify) from CUDA graphs "
+                                 "captured on first use of each padded shape (default on; elsewhere it does nothing)"),
+    "logprob-cuda-graphs": (True, "CUDA: compute output logprobs (top-k, requested ids) of up to 128 rows from CUDA graphs "
+                                  "captured on first use of each padded shape (default on; elsewhere it does nothing)"),
+    "fused-kernels": (True, "CUDA with Triton: run each layer's norms, residual adds, RoPE, K/V write and SiLU * up "
+                            "as fused Triton kernels (default on; elsewhere it does nothing)"),
+    "split-kv-decode": (False, "CUDA with Triton: split each sequence's keys across several decode attention programs "
+                               "when the batch leaves SMs idle (flash-decoding; default off until checked on a GPU)"),
+}  # fmt: skip
+
+
 def add_cuda_arguments(parser: argparse.ArgumentParser) -> None:
     """CUDA-graph and CUDA-kernel flags, shared by `sparkwire scheduler` and `sparkwire up`."""
-    parser.add_argument("--ragged-cuda-graphs", action=argparse.BooleanOptionalAction, default=True,
-                        help="CUDA: replay ragged steps (prefill chunks beside decodes, compact verify) from CUDA graphs "
-                             "captured on first use of each padded shape (default on; elsewhere it does nothing)")  # fmt: skip
-    parser.add_argument("--logprob-cuda-graphs", action=argparse.BooleanOptionalAction, default=True,
-                        help="CUDA: compute output logprobs (top-k, requested ids) of up to 128 rows from CUDA graphs "
-                             "captured on first use of each padded shape (default on; elsewhere it does nothing)")  # fmt: skip
-    parser.add_argument("--fused-kernels", action=argparse.BooleanOptionalAction, default=True,
-                        help="CUDA with Triton: run each layer's norms, residual adds, RoPE, K/V write and SiLU * up "
-                             "as fused Triton kernels (default on; elsewhere it does nothing)")  # fmt: skip
-    parser.add_argument("--split-kv-decode", action=argparse.BooleanOptionalAction, default=False,
-                        help="CUDA with Triton: split each sequence's keys across several decode attention programs "
-                             "when the batch leaves SMs idle (flash-decoding; default off until checked on a GPU)")  # fmt: skip
+    for name, (default, help_text) in CUDA_SWITCHES.items():
+        parser.add_argument(f"--{name}", action=argparse.BooleanOptionalAction, default=default, help=help_text)
 
 
 def scheduler_argv(args: argparse.Namespace) -> list[str]:
@@ -73,10 +77,7 @@ def scheduler_argv(args: argparse.Namespace) -> list[str]:
     argv += ["--chunked-prefill-size", str(args.chunked_prefill_size), "--max-running-requests", str(args.max_running_requests)]
     argv += ["--kv-cache-memory-fraction", str(args.kv_cache_memory_fraction)]
     argv += ["--dtype", args.dtype] if args.dtype else []
-    argv += ["--ragged-cuda-graphs" if args.ragged_cuda_graphs else "--no-ragged-cuda-graphs"]
-    argv += ["--logprob-cuda-graphs" if args.logprob_cuda_graphs else "--no-logprob-cuda-graphs"]
-    argv += ["--fused-kernels" if args.fused_kernels else "--no-fused-kernels"]
-    argv += ["--split-kv-decode" if args.split_kv_decode else "--no-split-kv-decode"]
+    argv += [f"--{name}" if getattr(args, name.replace("-", "_")) else f"--no-{name}" for name in CUDA_SWITCHES]
     argv += ["--speculative-algorithm", args.speculative_algorithm, "--verify-mode", args.verify_mode]
     if args.draft_model:
         argv += ["--draft-model", args.draft_model]
