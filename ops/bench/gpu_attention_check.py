@@ -452,11 +452,11 @@ def table(result: dict) -> str:
         value = result.get(name)
         if isinstance(value, dict) and ("error" in value or "skipped" in value):
             lines.append(f"| {name} | | | | {(value.get('error') or value['skipped']).strip().splitlines()[-1][:120]} |")
-    for r in _rows(result, "kernels"):
+    for r in section_rows(result, "kernels"):
         lines.append(f"| layer, {r['mix']} ({r['tokens']} tok, {r['steps']} steps) | {r['sdpa_ms']} | {r['kernel_ms']} | "
                      f"{r['speedup'] and round(r['speedup'], 2)} | max abs err {r['max_abs_err']:.2e} (ref max {r['ref_max_abs']:.2f}); "
                      f"x{result['shape']['num_layers']} layers: {r['x_layers_ms']['sdpa']:.0f} / {r['x_layers_ms']['kernel']:.0f} ms |")  # fmt: skip
-    for r in _rows(result, "sweep"):
+    for r in section_rows(result, "sweep"):
         lines.append(f"| sweep {r['mix']} rows {r['tile_rows']} n {r['block_n']} w {r['num_warps']} s {r['num_stages']} | | "
                      f"{r.get('kernel_ms', '')} | | {r.get('error', '')[:80]} |")  # fmt: skip
     step = result.get("mixed_step") or {}
@@ -480,7 +480,7 @@ def table(result: dict) -> str:
         keys = ", ".join(f"({k['num_seqs']}, {k['num_tokens']}, {k['block_m']}) {k['capture_s']} s" for k in graph["captured"])
         lines.append(f"| ragged graph captures | | | | {keys or 'none (CPU twin)'}; reserved +{graph['graphs_reserved_mib']} MiB; "
                      f"failed {len(graph['capture_failed'])} |")
-    for r in _rows(result, "prefill_32k"):
+    for r in section_rows(result, "prefill_32k"):
         lines.append(f"| prefill {r['prompt']} tok in {r['chunk']}-token chunks, {r['path']}, {r['logprobs']} | {r['seconds'] if r['path'] == 'sdpa' else ''} | "
                      f"{r['seconds'] if r['path'] == 'kernel' else ''} | | {r['steps']} steps, peak +{r['peak_extra_mib']} MiB, "
                      f"{r['prompt_logprob_rows']} prompt rows" + (f", logprobs +{r['logprobs_extra_mib']} MiB" if "logprobs_extra_mib" in r else "")
@@ -488,7 +488,8 @@ def table(result: dict) -> str:
     return "\n".join(lines)
 
 
-def _rows(result: dict, name: str) -> list[dict]:
+def section_rows(result: dict, name: str) -> list[dict]:
+    """A section's rows; [] when it failed or was skipped (then it holds a dict saying why)."""
     value = result.get(name)
     return value if isinstance(value, list) else []
 

@@ -38,7 +38,7 @@ from pathlib import Path
 
 import torch
 
-from ops.bench.gpu_attention_check import deadline_sections, median_ms, ragged_step, rounded, worst_row_rel_diff
+from ops.bench.gpu_attention_check import deadline_sections, median_ms, ragged_step, rounded, section_rows, worst_row_rel_diff
 from services.models import RANDOM_TINY_MODEL
 from services.scheduler.model.batch import ForwardBatch
 from services.scheduler.model.loader import load_model_runner
@@ -274,16 +274,16 @@ def table(result: dict) -> str:
         lines.append(f"| prefill {prefill['sequences']} x {prefill['context']} tok | | | "
                      f"{prefill.get('argmax_agreement', '')} | rel hidden diff {prefill.get('hidden_rel_diff', '')}, "
                      f"worst row {prefill.get('worst_row_rel_diff', '')} |")  # fmt: skip
-    for row in _rows(result, "agreement"):
+    for row in section_rows(result, "agreement"):
         if row["batch"] == "noise":
             lines.append(f"| noise scale: seq 0 in b{shape_batches(result)} (same inputs, other GEMM shapes) | | | | " + ", ".join(f"{k} {v}" for k, v in row.items() if k != "batch") + " |")
             continue
         lines.append(f"| eager decode b{row['batch']} ctx {row['context']} | | | {row.get('argmax_agreement', '')} | rel hidden diff "
                      f"{row.get('hidden_rel_diff', '')}, worst row {row.get('worst_row_rel_diff', '')}, kv {row.get('kv_rel_diff', '')} |")  # fmt: skip
-    for row in _rows(result, "graph_decode"):
+    for row in section_rows(result, "graph_decode"):
         if "error" in row:
             lines.append(f"| graph decode, fused {row['fused']} | | | | {row['error'].strip().splitlines()[-1][:120]} |")
-    graphs = {(row["fused"], row["batch"]): row for row in _rows(result, "graph_decode") if "error" not in row}
+    graphs = {(row["fused"], row["batch"]): row for row in section_rows(result, "graph_decode") if "error" not in row}
     for size in sorted({batch for _, batch in graphs}):
         off, on = graphs.get(("off", size), {}), graphs.get(("on", size), {})
         lines.append(f"| {'graph' if off.get('captured') else 'padded eager'} decode step b{size} ms | {off.get('step_ms', '')} | "
@@ -301,13 +301,8 @@ def table(result: dict) -> str:
 
 
 def shape_batches(result: dict) -> str:
-    sizes = [row["batch"] for row in _rows(result, "agreement") if row["batch"] != "noise"]
+    sizes = [row["batch"] for row in section_rows(result, "agreement") if row["batch"] != "noise"]
     return f"{sizes[0]} vs b{sizes[-1]}" if sizes else ""
-
-
-def _rows(result: dict, name: str) -> list[dict]:
-    value = result.get(name)
-    return value if isinstance(value, list) else []
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -35,7 +35,7 @@ from pathlib import Path
 
 import torch
 
-from ops.bench.gpu_attention_check import deadline_sections, median_ms, ragged_step, rounded
+from ops.bench.gpu_attention_check import deadline_sections, median_ms, ragged_step, rounded, section_rows
 from ops.bench.gpu_fused_check import failures
 from services.models import RANDOM_TINY_MODEL
 from services.scheduler.model.attention import paged_decode_attention_torch
@@ -191,23 +191,18 @@ def table(result: dict) -> str:
         value = result.get(name)
         if isinstance(value, dict) and ("error" in value or "skipped" in value):
             lines.append(f"| {name} | | | | {(value.get('error') or value['skipped']).strip().splitlines()[-1][:120]} |")
-    for r in _rows(result, "attention"):
+    for r in section_rows(result, "attention"):
         lines.append(f"| attention q{r['q']} ctx {r['context']} b{r['batch']} us | {r['off_us']} | {r['on_us']} | "
                      f"{r['num_splits']} | max abs on-off {r['on_vs_off_max_abs_diff']:.2e} |")  # fmt: skip
-    for row in _rows(result, "graph_decode"):
+    for row in section_rows(result, "graph_decode"):
         if "error" in row:
             lines.append(f"| graph decode, split {row['split']} | | | | {row['error'].strip().splitlines()[-1][:120]} |")
-    steps = {(row["split"], row["context"], row["batch"]): row for row in _rows(result, "graph_decode") if "error" not in row}
+    steps = {(row["split"], row["context"], row["batch"]): row for row in section_rows(result, "graph_decode") if "error" not in row}
     for context, size in sorted({key[1:] for key in steps}):
         off, on = steps.get(("off", context, size), {}), steps.get(("on", context, size), {})
         lines.append(f"| {'graph' if off.get('captured') else 'padded eager'} decode step ctx {context} b{size} ms | "
                      f"{off.get('step_ms', '')} | {on.get('step_ms', '')} | | next tokens {on.get('tokens_agree_with_off', '')} |")  # fmt: skip
     return "\n".join(lines)
-
-
-def _rows(result: dict, name: str) -> list[dict]:
-    value = result.get(name)
-    return value if isinstance(value, list) else []
 
 
 def main(argv: list[str] | None = None) -> int:
