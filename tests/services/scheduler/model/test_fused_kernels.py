@@ -7,10 +7,6 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -19,9 +15,8 @@ from services.scheduler.model.config import ModelConfig
 from services.scheduler.model.kv_cache import PagedKVCache
 from services.scheduler.model.llama import Attention, CausalLM, RMSNorm, add_rms_norm, rope_cos_sin, silu_mul
 from services.scheduler.model.runner import ModelRunner
+from tests.services.scheduler.model.triton_interpreter import INTERPRETED, interpreted, run_interpreted_cases, runs_the_interpreter
 
-REPO = Path(__file__).resolve().parents[4]
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"  # read by Triton when it is imported
 TOLERANCE = {"atol": 1e-5, "rtol": 1e-5}
 SHAPE = {"vocab_size": 96, "hidden_size": 48, "intermediate_size": 80, "num_hidden_layers": 2, "num_attention_heads": 4,
          "num_key_value_heads": 2, "head_dim": 16, "max_position_embeddings": 128, "rms_norm_eps": 1e-6, "eos_token_id": 2}  # fmt: skip
@@ -91,18 +86,10 @@ def test_twin_without_residual_is_the_plain_norm_and_hands_x_on() -> None:
     assert residual is x and torch.equal(normed, norm(x))
 
 
-@pytest.mark.skipif(INTERPRETED or importlib.util.find_spec("triton") is None, reason="needs Triton; runs the interpreter")
+@runs_the_interpreter
 def test_fused_kernels_in_the_triton_interpreter() -> None:
     """The interpreted cases below, in a child pytest whose Triton starts in interpreter mode."""
-    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "interpreted", __file__]
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0 and " passed" in done.stdout and "skipped" not in done.stdout, (
-        done.stdout[-4000:] + done.stderr[-2000:]
-    )
-
-
-interpreted = pytest.mark.skipif(not INTERPRETED, reason="run by test_fused_kernels_in_the_triton_interpreter")
+    run_interpreted_cases(__file__)
 
 
 @interpreted

@@ -7,10 +7,6 @@ from __future__ import annotations
 
 import importlib.util
 import inspect
-import os
-import subprocess
-import sys
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -19,9 +15,8 @@ import torch
 from services.models import RANDOM_TINY_MODEL
 from services.scheduler.model.attention import DecodePlan, paged_decode_attention, paged_decode_attention_torch
 from services.scheduler.model.loader import load_model_runner
+from tests.services.scheduler.model.triton_interpreter import INTERPRETED, interpreted, run_interpreted_cases, runs_the_interpreter
 
-REPO = Path(__file__).resolve().parents[4]
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"  # read by Triton when it is imported
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 TOLERANCE = {"atol": 1e-5, "rtol": 1e-5}
 PAGE = 4
@@ -85,18 +80,10 @@ def test_num_kv_splits_comes_from_shapes_alone(num_seqs, num_kv_heads, max_block
     assert num_kv_splits(num_seqs, num_kv_heads, max_blocks, num_sms) == wanted
 
 
-@pytest.mark.skipif(INTERPRETED or not HAS_TRITON, reason="needs Triton; runs the interpreter")
+@runs_the_interpreter
 def test_split_kv_in_the_triton_interpreter() -> None:
     """The interpreted cases below, in a child pytest whose Triton starts in interpreter mode."""
-    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "interpreted", __file__]
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0 and " passed" in done.stdout and "skipped" not in done.stdout, (
-        done.stdout[-4000:] + done.stderr[-2000:]
-    )
-
-
-interpreted = pytest.mark.skipif(not INTERPRETED, reason="run by test_split_kv_in_the_triton_interpreter")
+    run_interpreted_cases(__file__)
 
 
 def decode_inputs(seq_lens: list[int], query_len: int, num_padded: int, num_heads: int = 8, num_kv_heads: int = 2):

@@ -1,0 +1,34 @@
+"""Triton kernels' CPU checks: a file's `interpreted` cases run in a child pytest whose Triton
+starts in interpreter mode (Triton reads TRITON_INTERPRET when it is imported). CI has no Triton:
+there both the runner test and the cases skip."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[4]
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+
+# The test that starts the child: only outside the interpreter, where Triton is installed.
+runs_the_interpreter = pytest.mark.skipif(
+    INTERPRETED or importlib.util.find_spec("triton") is None, reason="needs Triton; runs the interpreter"
+)
+# A case for the child only (its name must contain "interpreted").
+interpreted = pytest.mark.skipif(not INTERPRETED, reason="run in the Triton interpreter by its file's runner test")
+
+
+def run_interpreted_cases(test_file: str, timeout_s: float = 300) -> None:
+    """Run `test_file`'s cases named *interpreted* in a child pytest under TRITON_INTERPRET=1; every
+    one must pass, none skip."""
+    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "interpreted", test_file]
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout_s)
+    assert done.returncode == 0 and " passed" in done.stdout and "skipped" not in done.stdout, (
+        done.stdout[-4000:] + done.stderr[-2000:]
+    )
