@@ -13,7 +13,7 @@ import torch
 
 from services.scheduler.model.config import ModelConfig
 from services.scheduler.model.kv_cache import PagedKVCache
-from services.scheduler.model.llama import Attention, CausalLM, RMSNorm, add_rms_norm, rope_cos_sin, silu_mul
+from services.scheduler.model.llama import CausalLM, RMSNorm, add_rms_norm, rope_cos_sin, silu_mul
 from services.scheduler.model.runner import ModelRunner
 from tests.services.scheduler.model.triton_interpreter import INTERPRETED, interpreted, run_interpreted_cases, runs_the_interpreter
 
