@@ -1,0 +1,251 @@
+"""Long-prefill attention on one GPU: the project's Triton varlen kernel against torch's SDPA
+backends and FlexAttention, for one layer of a 32,768-token prompt (issue 12, point 5: attention
+is ~1.0 s of the 32k prefill's 1.86 s, 36 layers at ~28 ms).
+
+Every candidate computes the same causal attention of one sequence (Qwen3-8B heads: 32 q / 8 kv,
+d 128, bf16), either in one call over the whole prompt or chunk by chunk as chunked prefill does
+(each chunk's queries against every key up to its own last position). Each row: ms for the whole
+prompt (CUDA events, median of --repeats after a warm-up), TFLOP/s of the causal FLOPs
+(2 * 2 * S^2 / 2 * d * Hq), and the max |difference| against the varlen kernel's output on the
+same inputs. A candidate that fails records its error; one that would start more than --budget-s
+after the start is skipped.
+
+    PYTHONPATH=. python ops/bench/gpu_prefill_attention_check.py --out $OUT/gpu_prefill_attention.json
+    PYTHONPATH=. python ops/bench/gpu_prefill_attention_check.py --device cpu --tiny --out /tmp/pa.json  # smoke
+
+Candidates:
+- `varlen` (the paged Triton kernel, `triton_varlen.py`) at its default launch and a few others,
+  in one call and in 2048-token chunks; where Triton is not (CPU smoke) it is the torch twin.
+- `sdpa_<backend>`: `F.scaled_dot_product_attention(is_causal=True)` over contiguous K/V in one
+  call, each backend forced (flash, cudnn, efficient), GQA by `enable_gqa` and by expanded K/V.
+- `sdpa_flash_chunks`: chunked, each chunk's K/V prefix gathered from the paged cache into a
+  contiguous copy (the gather is timed with it), lower-right causal mask (`causal_lower_right`).
+- `flex`: `flex_attention` compiled, causal block mask, GQA.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from ops.bench.gpu_attention_check import deadline_sections, median_ms
+from services.scheduler.model.attention import varlen_attention_torch
+from services.scheduler.model.runner import triton_available
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@dataclass(frozen=True)
+class Shape:
+    seq_len: int
+    chunk: int
+    heads: int = 32
+    kv_heads: int = 8
+    head_dim: int = 128
+    page: int = 16
+
+    @property
+    def causal_tflop(self) -> float:
+        return 4 * self.seq_len**2 / 2 * self.head_dim * self.heads / 1e12
+
+
+FULL = Shape(seq_len=32768, chunk=2048)
+TINY = Shape(seq_len=96, chunk=32, heads=4, kv_heads=2, head_dim=16)
+
+
+@dataclass
+class Inputs:
+    q: torch.Tensor  # [S, Hq, D]
+    k: torch.Tensor  # [S, Hkv, D]
+    v: torch.Tensor
+    key_cache: torch.Tensor  # [S / page, page, Hkv, D], the sequence's blocks in order
+    value_cache: torch.Tensor
+    block_table: torch.Tensor  # int32 [1, S / page]
+    scale: float
+
+
+def make_inputs(shape: Shape, device: str, dtype: torch.dtype) -> Inputs:
+    gen = torch.Generator(device=device).manual_seed(0)
+    s, d = shape.seq_len, shape.head_dim
+    q = torch.randn(s, shape.heads, d, generator=gen, device=device, dtype=dtype)
+    k = torch.randn(s, shape.kv_heads, d, generator=gen, device=device, dtype=dtype)
+    v = torch.randn(s, shape.kv_heads, d, generator=gen, device=device, dtype=dtype)
+    blocks = s // shape.page
+    table = torch.arange(blocks, dtype=torch.int32, device=device)[None]
+    cache_shape = (blocks, shape.page, shape.kv_heads, d)
+    return Inputs(q, k, v, k.reshape(cache_shape), v.reshape(cache_shape), table, d**-0.5)
+
+
+def varlen_call(inputs: Inputs, first: int, last: int, config: dict | None, max_rows: int | None) -> torch.Tensor:
+    """Queries first..last-1 against keys 0..last-1 through the varlen kernel (or its twin)."""
+    from services.scheduler.model.attention import MAX_TILE_ROWS, query_tiles, tile_tokens
+
+    device = inputs.q.device
+    q_len = last - first
+    starts = torch.tensor([0, q_len], dtype=torch.int32, device=device)
+    seq_lens = torch.tensor([last], dtype=torch.int32, device=device)
+    query = inputs.q[first:last]
+    if device.type != "cuda" or not triton_available():
+        return varlen_attention_torch(query, inputs.key_cache, inputs.value_cache, starts, seq_lens, inputs.block_table, inputs.scale)
+    from services.scheduler.model.triton_varlen import LaunchConfig, varlen_attention_triton
+
+    group = inputs.q.shape[1] // inputs.k.shape[1]
+    block_m = tile_tokens(q_len, group, max_rows or MAX_TILE_ROWS)
+    tiles = torch.tensor(query_tiles([q_len], [last], block_m), dtype=torch.int32).reshape(-1, 2).T.contiguous().to(device)
+    launch = LaunchConfig(**config) if config else None
+    return varlen_attention_triton(
+        query, inputs.key_cache, inputs.value_cache, starts, seq_lens, inputs.block_table, tiles, block_m, inputs.scale, launch
+    )
+
+
+def chunked(shape: Shape, attend: Callable[[int, int], torch.Tensor]) -> Callable[[], torch.Tensor]:
+    def run() -> torch.Tensor:
+        return torch.cat([attend(first, min(first + shape.chunk, shape.seq_len)) for first in range(0, shape.seq_len, shape.chunk)])
+
+    return run
+
+
+def sdpa_whole(inputs: Inputs, backend: str, expand: bool) -> Callable[[], torch.Tensor]:
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    chosen = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
+              "efficient": SDPBackend.EFFICIENT_ATTENTION, "math": SDPBackend.MATH}[backend]  # fmt: skip
+    q = inputs.q.transpose(0, 1)[None]  # [1, Hq, S, D]
+    k, v = inputs.k.transpose(0, 1)[None], inputs.v.transpose(0, 1)[None]
+    group = q.shape[1] // k.shape[1]
+    if expand:
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+
+    def run() -> torch.Tensor:
+        with sdpa_kernel(chosen):
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=inputs.scale, enable_gqa=not expand)
+        return out[0].transpose(0, 1)
+
+    return run
+
+
+def sdpa_flash_chunk(inputs: Inputs, first: int, last: int) -> torch.Tensor:
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.nn.attention.bias import causal_lower_right
+
+    blocks = inputs.block_table[0, : -(-last // inputs.key_cache.shape[1])].long()
+    k = inputs.key_cache[blocks].flatten(0, 1)[:last].transpose(0, 1)[None]  # gathered: [1, Hkv, last, D]
+    v = inputs.value_cache[blocks].flatten(0, 1)[:last].transpose(0, 1)[None]
+    q = inputs.q[first:last].transpose(0, 1)[None]
+    mask = causal_lower_right(last - first, last)
+    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=inputs.scale, enable_gqa=True)
+    return out[0].transpose(0, 1)
+
+
+def flex_whole(inputs: Inputs) -> Callable[[], torch.Tensor]:
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    s = inputs.q.shape[0]
+    mask = create_block_mask(lambda b, h, qi, ki: qi >= ki, 1, 1, s, s, device=str(inputs.q.device))
+    compiled = torch.compile(flex_attention)
+    q = inputs.q.transpose(0, 1)[None]
+    k, v = inputs.k.transpose(0, 1)[None], inputs.v.transpose(0, 1)[None]
+
+    def run() -> torch.Tensor:
+        return compiled(q, k, v, block_mask=mask, scale=inputs.scale, enable_gqa=True)[0].transpose(0, 1)
+
+    return run
+
+
+def candidates(shape: Shape, inputs: Inputs, device: str) -> dict[str, Callable[[], torch.Tensor]]:
+    s = shape.seq_len
+    out: dict[str, Callable[[], torch.Tensor]] = {
+        "varlen_chunks": chunked(shape, lambda a, b: varlen_call(inputs, a, b, None, None)),
+        "varlen_whole": lambda: varlen_call(inputs, 0, s, None, None),
+    }
+    if device == "cuda":
+        for name, config, rows in (
+            ("varlen_whole_n128_w8_s3", {"block_n": 128, "num_warps": 8, "num_stages": 3}, None),
+            ("varlen_whole_n64_w8_s4", {"block_n": 64, "num_warps": 8, "num_stages": 4}, None),
+            ("varlen_whole_rows256_n64_w8_s3", {"block_n": 64, "num_warps": 8, "num_stages": 3}, 256),
+            ("varlen_whole_rows256_n128_w8_s2", {"block_n": 128, "num_warps": 8, "num_stages": 2}, 256),
+        ):
+            out[name] = lambda config=config, rows=rows: varlen_call(inputs, 0, s, config, rows)
+        for backend in ("cudnn", "flash", "efficient"):
+            out[f"sdpa_{backend}_gqa"] = sdpa_whole(inputs, backend, expand=False)
+            out[f"sdpa_{backend}_expanded"] = sdpa_whole(inputs, backend, expand=True)
+        out["sdpa_flash_chunks"] = chunked(shape, lambda a, b: sdpa_flash_chunk(inputs, a, b))
+        out["flex"] = flex_whole(inputs)
+    else:
+        out["sdpa_math_gqa"] = sdpa_whole(inputs, "math", expand=False)
+    return out
+
+
+def measure(shape: Shape, fn: Callable[[], torch.Tensor], reference: torch.Tensor, device: str, repeats: int) -> dict:
+    got = fn()
+    diff = (got.float() - reference.float()).abs().max().item()
+    ms = median_ms(fn, device, repeats, warmup=1)
+    return {"ms": round(ms, 3), "tflops": round(shape.causal_tflop / (ms / 1e3), 1), "max_abs_diff": diff}
+
+
+def environment() -> dict:
+    info = {"torch": torch.__version__, "cuda": torch.version.cuda}
+    if torch.cuda.is_available():
+        info |= {"device": torch.cuda.get_device_name(), "cudnn": torch.backends.cudnn.version()}
+    try:
+        import triton
+        import triton.language as tl
+
+        info |= {"triton": triton.__version__, "tl_topk": hasattr(tl, "topk"), "tl_sort": hasattr(tl, "sort")}
+    except ImportError:
+        info["triton"] = None
+    return info
+
+
+def run(args: argparse.Namespace) -> dict:
+    shape = TINY if args.tiny else FULL
+    dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
+    result: dict = {"shape": shape.__dict__, "environment": environment(), "rows": {}}
+    deadline = time.monotonic() + args.budget_s
+    section = deadline_sections(result["rows"], deadline)
+    inputs = make_inputs(shape, args.device, dtype)
+    reference = candidates(shape, inputs, args.device)["varlen_whole"]()
+    for name, fn in candidates(shape, inputs, args.device).items():
+        section(name, lambda fn=fn: measure(shape, fn, reference, args.device, args.repeats))
+    return result
+
+
+def table(result: dict) -> str:
+    lines = [f"{'candidate':36} {'ms (whole prompt)':>18} {'TFLOP/s':>8} {'max|diff|':>10}"]
+    for name, row in result["rows"].items():
+        if "ms" in row:
+            lines.append(f"{name:36} {row['ms']:>18.2f} {row['tflops']:>8.1f} {row['max_abs_diff']:>10.2e}")
+        else:
+            lines.append(f"{name:36} {str(row)[:60]}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", default="cuda", help="cuda; cpu for the smoke run (with --tiny)")
+    parser.add_argument("--tiny", action="store_true", help="a 96-token prompt, small heads (smoke)")
+    parser.add_argument("--repeats", type=int, default=5, help="timed calls per candidate (median)")
+    parser.add_argument("--budget-s", type=float, default=90.0, help="candidates not started this long after the start are skipped")
+    parser.add_argument("--out", type=Path, default=REPO / "ops/bench/results/gpu_prefill_attention.json")
+    args = parser.parse_args(argv)
+    try:
+        result = run(args)
+    except Exception:  # noqa: BLE001 - the JSON says what broke
+        result = {"error": traceback.format_exc()}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2))
+    print(table(result) if "rows" in result else result["error"])
+    return 0 if "rows" in result else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
