@@ -40,6 +40,7 @@ from ops.bench.gpu_fused_check import failures
 from services.models import RANDOM_TINY_MODEL
 from services.scheduler.model.attention import paged_decode_attention_torch
 from services.scheduler.model.batch import ForwardBatch
+from services.scheduler.model.kv_splits import num_kv_splits
 from services.scheduler.model.loader import load_model_runner
 from services.scheduler.model.runner import ModelRunner, triton_available
 
@@ -92,7 +93,7 @@ def attention_rows(runner: ModelRunner, shape: Shape, repeats: int) -> list[dict
 
 
 def _attention_row(runner: ModelRunner, shape: Shape, q: int, context: int, batch: int, repeats: int) -> dict:
-    from services.scheduler.model.triton_decode import num_kv_splits, paged_block_attention_triton
+    from services.scheduler.model.triton_decode import paged_block_attention_triton
 
     config, device = runner.config, runner.device.type
     step = decode_step(shape, batch, context, device)
@@ -125,7 +126,7 @@ def graph_rows(runner: ModelRunner, shape: Shape, repeats: int) -> list[dict]:
 
 
 def _graph_rows(runner: ModelRunner, shape: Shape, setting: str, repeats: int, off_tokens: dict) -> list[dict]:
-    device = runner.device.type
+    device, default = runner.device.type, runner.split_kv_decode
     runner.split_kv_decode = SETTINGS[setting]
     rows = []
     try:
@@ -142,7 +143,7 @@ def _graph_rows(runner: ModelRunner, shape: Shape, setting: str, repeats: int, o
                                      "tokens_agree_with_off": float((next_ids == off_ids).float().mean())}))  # fmt: skip
     finally:
         runner.drop_decode_graphs()
-        runner.split_kv_decode = False
+        runner.split_kv_decode = default
         if device == "cuda":
             torch.cuda.synchronize()
             torch.cuda.empty_cache()  # the graphs' pool, before the next setting captures its own

@@ -12,6 +12,7 @@ from services.scheduler.flags import (
     CUDA_KV_CACHE_FRACTION,
     DEFAULT_CHUNKED_PREFILL_SIZE,
     DEFAULT_MAX_RUNNING_REQUESTS,
+    DEFAULT_SPLIT_KV_DECODE,
     DEVICES,
     DTYPE_NAMES,
     LOAD_FORMATS,
@@ -38,7 +39,7 @@ class SchedulerConfig:
     ragged_cuda_graphs: bool = True  # CUDA with Triton: ragged steps replay graphs (checked on the H200: gpu_serve.md)
     logprob_cuda_graphs: bool = True  # CUDA: output logprobs replay graphs (`LogprobGraphs`; exact on the H200: gpu_core.md)
     fused_kernels: bool = True  # CUDA with Triton: triton_fused.py's kernels (checked on the H200: gpu_fused.md)
-    split_kv_decode: bool = False  # CUDA with Triton: split-KV decode attention (off until checked on a GPU)
+    split_kv_decode: bool = DEFAULT_SPLIT_KV_DECODE  # CUDA with Triton: split-KV decode attention (checked on the H200: gpu_split_kv.md)
     kv_block_size: int = 16
     num_kv_blocks: int | None = None  # None: sized from kv_cache_bytes
     kv_cache_bytes: int | None = None  # the target's and a drafter's KV caches together; None: the runner's default budget

@@ -56,7 +56,7 @@ class DecodePlan:
     block_tables: torch.Tensor  # int32 [B, M], entries past a sequence's blocks point at any valid block
     use_kernel: bool  # True: the Triton kernel (CUDA only); False: the torch twin
     query_len: int = 1
-    split_kv: bool = False  # the kernel splits each sequence's keys across programs (`num_kv_splits`)
+    num_kv_splits: int = 1  # kernel programs per (sequence, kv head); > 1: split-KV (`kv_splits.num_kv_splits`)
 
 
 @dataclass(frozen=True)
@@ -210,16 +210,12 @@ def paged_decode_attention(
     """query [B * query_len, Hq, D] -> [B * query_len, Hq, D]."""
     args = (query, key_cache, value_cache, plan.seq_lens, plan.block_tables, scale, plan.query_len)
     if plan.use_kernel:  # CUDA only
-        from services.scheduler.model.triton_decode import num_kv_splits, paged_block_attention_triton
+        from services.scheduler.model.triton_decode import paged_block_attention_triton
 
         # One program per (sequence, kv head) on the tensor cores, for decode too: on the H200 (8B heads,
         # context 256) 0.035 ms against 0.108 for one program per token at batch 64, 0.029 vs 0.047 at
         # batch 1 (ops/bench/gpu_core_check.py, results/gpu_core.json "kernels").
-        num_splits = 1
-        if plan.split_kv:  # from shapes only: the same for every replay of a captured graph
-            num_sms = torch.cuda.get_device_properties(query.device).multi_processor_count
-            num_splits = num_kv_splits(plan.seq_lens.shape[0], key_cache.shape[2], plan.block_tables.shape[1], num_sms)
-        return paged_block_attention_triton(*args, num_splits)
+        return paged_block_attention_triton(*args, plan.num_kv_splits)
     return paged_decode_attention_torch(*args)
 
 

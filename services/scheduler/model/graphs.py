@@ -22,6 +22,7 @@ from services.common.progress import Progress
 from services.scheduler.model.attention import MAX_BATCHED_QUERY_LEN, DecodePlan
 from services.scheduler.model.batch import ForwardBatch, ForwardOutput
 from services.scheduler.model.kv_cache import PagedKVCache
+from services.scheduler.model.kv_splits import num_kv_splits
 from services.scheduler.model.llama import CausalLM
 
 DEFAULT_LADDER = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128)
@@ -69,11 +70,12 @@ class DecodeGraphRunner:
         use_kernel: bool = True,
         query_lens: tuple[int, ...] = (1,),
         capture_layers: tuple[int, ...] = (),
-        split_kv: bool = False,
+        split_sms: int = 0,
     ) -> None:
+        """split_sms: the SMs the kernel's split-KV count fills (`ModelRunner.split_sms`; 0: no split)."""
         if not ladder or min(ladder) < 1 or not query_lens or min(query_lens) < 1:
             raise ValueError(f"ladder and query_lens must hold positive sizes, got {ladder}, {query_lens}")
-        self.model, self.cache, self.use_kernel, self.split_kv = model, cache, use_kernel, split_kv
+        self.model, self.cache, self.use_kernel, self.split_sms = model, cache, use_kernel, split_sms
         self.ladder = tuple(sorted(set(ladder)))
         self.query_lens = tuple(sorted(set(query_lens)))
         self.capture_layers = tuple(capture_layers)
@@ -152,8 +154,14 @@ class DecodeGraphRunner:
             capture_layers=self.capture_layers,
         )
 
+    def plan(self, rung: int, query_len: int) -> DecodePlan:
+        """A padded step's plan over the static buffers; its split count from host ints (the rung, the
+        buffers' width), so a graph captured for the rung keeps it."""
+        splits = num_kv_splits(rung, self.model.config.num_key_value_heads, self.max_blocks, self.split_sms)
+        return DecodePlan(self.seq_lens[:rung], self.block_tables[:rung], self.use_kernel, query_len, splits)
+
     def _forward(self, rung: int, query_len: int) -> ForwardOutput:
-        plan = DecodePlan(self.seq_lens[:rung], self.block_tables[:rung], self.use_kernel, query_len, self.split_kv)
+        plan = self.plan(rung, query_len)
         hidden, captured = self.model(self._static_batch(rung, query_len), self.cache, plan)  # [rung * q, H]
         # every row of a uniform step is a row the worker verifies: the LM head belongs in the graph
         return ForwardOutput(hidden, captured, self.model.compute_logits(hidden))  # logits f32 [rung * q, V]

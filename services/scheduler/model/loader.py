@@ -18,7 +18,7 @@ import torch
 from safetensors import safe_open
 
 from services.common.progress import Progress
-from services.scheduler.flags import CUDA_KV_CACHE_FRACTION, LOAD_FORMATS
+from services.scheduler.flags import CUDA_KV_CACHE_FRACTION, DEFAULT_SPLIT_KV_DECODE, LOAD_FORMATS
 from services.scheduler.model.config import ModelConfig
 from services.scheduler.model.kv_cache import PagedKVCache, bytes_per_block, num_blocks_for_budget
 from services.scheduler.model.llama import CausalLM, rope_inv_freq
@@ -71,14 +71,14 @@ def load_model_runner(
     kv_cache_fraction: float = CUDA_KV_CACHE_FRACTION,
     reserve: MemoryReserve = MemoryReserve(),
     fused_kernels: bool | None = None,
-    split_kv_decode: bool = False,
+    split_kv_decode: bool = DEFAULT_SPLIT_KV_DECODE,
 ) -> ModelRunner:
     """Load the model at `path` onto `device` in `dtype` and allocate its paged KV cache.
 
     cuda_graphs None: capture decode CUDA graphs when on CUDA with Triton; True/False forces it.
     fused_kernels: `ModelRunner.fused_kernels` (None: on CUDA with Triton; checked on the H200 in
-    ops/bench/results/gpu_fused.md). split_kv_decode: `ModelRunner.split_kv_decode` (off until checked
-    on a GPU: ops/bench/gpu_split_kv_check.py).
+    ops/bench/results/gpu_fused.md). split_kv_decode: `ModelRunner.split_kv_decode` (default on; checked
+    on the H200 in ops/bench/results/gpu_split_kv.md).
     kv_cache_bytes (or, on CUDA, `kv_cache_fraction` of the memory free after the weights and the
     reserve's weights) holds the cache's blocks together with the reserve's per-block bytes.
     """

@@ -17,11 +17,13 @@ import dataclasses
 
 import torch
 
+from services.scheduler.flags import DEFAULT_SPLIT_KV_DECODE
 from services.scheduler.model.attention import DecodePlan, plan_varlen
 from services.scheduler.model.batch import ForwardBatch, ForwardOutput
 from services.scheduler.model.config import ModelConfig
 from services.scheduler.model.graphs import DEFAULT_LADDER, DecodeGraphRunner, uniform_query_len
 from services.scheduler.model.kv_cache import PagedKVCache
+from services.scheduler.model.kv_splits import num_kv_splits
 from services.scheduler.model.llama import CausalLM
 from services.scheduler.model.ragged_graphs import (
     DEFAULT_MAX_GRAPHS,
@@ -39,6 +41,11 @@ def triton_available() -> bool:
     return True
 
 
+def device_sms(device: torch.device) -> int:
+    """The SMs split-KV fills on `device`: its multiprocessor count on CUDA, 0 (never split) elsewhere."""
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 0
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -47,14 +54,16 @@ class ModelRunner:
         decode_kernel: bool | None = None,
         ragged_kernel: bool | None = None,
         fused_kernels: bool | None = None,
-        split_kv_decode: bool = False,
+        split_kv_decode: bool = DEFAULT_SPLIT_KV_DECODE,
+        num_sms: int | None = None,
     ) -> None:
         """decode_kernel: eager uniform-query steps use the Triton decode kernel; ragged_kernel: ragged
         steps use the Triton varlen kernel, not the SDPA groups; fused_kernels: the model's small ops
         (norms, RoPE, the K/V write, SiLU * up) run as the Triton kernels of `triton_fused.py` (each
         default: on CUDA with Triton); split_kv_decode: that decode kernel splits each sequence's keys
-        across programs where the batch alone leaves SMs idle (`triton_decode.num_kv_splits`; off until
-        checked on a GPU; nothing without the decode kernel)."""
+        across programs where the batch alone leaves SMs idle (`kv_splits.num_kv_splits`; default on,
+        measured on the H200 in ops/bench/results/gpu_split_kv.md; nothing without the decode kernel);
+        num_sms: the SMs the split count fills (None: read from the device once, here; 0 off CUDA)."""
         self.model = model
         self.kv_cache = kv_cache
         on_cuda_with_triton = kv_cache.kv.device.type == "cuda" and triton_available()
@@ -64,6 +73,7 @@ class ModelRunner:
         self.ragged_graphs: RaggedGraphRunner | None = None
         self.fused_kernels = on_cuda_with_triton if fused_kernels is None else fused_kernels
         self._split_kv_decode = split_kv_decode
+        self._num_sms = device_sms(kv_cache.kv.device) if num_sms is None else num_sms
 
     def prepare_decode_graphs(
         self,
@@ -83,7 +93,7 @@ class ModelRunner:
         with torch.inference_mode():
             self.decode_graphs = DecodeGraphRunner(
                 self.model, self.kv_cache, ladder, max_blocks_per_seq, capture=capture, use_kernel=self.decode_kernel,
-                query_lens=query_lens, capture_layers=capture_layers, split_kv=self.split_kv_decode,
+                query_lens=query_lens, capture_layers=capture_layers, split_sms=self.split_sms,
             )  # fmt: skip
 
     def drop_decode_graphs(self) -> None:
@@ -140,6 +150,17 @@ class ModelRunner:
         self._split_kv_decode = on
 
     @property
+    def split_sms(self) -> int:
+        """The SMs each decode plan's split count fills: 0 (one program per (sequence, kv head)) with
+        split-KV off or without the decode kernel."""
+        return self._num_sms if self.split_kv_decode and self.decode_kernel else 0
+
+    def decode_plan(self, batch: ForwardBatch, query_len: int) -> DecodePlan:
+        """An eager uniform-query step's kernel plan; its split count from host shapes alone."""
+        splits = num_kv_splits(batch.num_seqs, self.config.num_key_value_heads, batch.block_tables.shape[1], self.split_sms)
+        return DecodePlan(batch.seq_lens, batch.block_tables, True, query_len, splits)
+
+    @property
     def config(self) -> ModelConfig:
         return self.model.config
 
@@ -172,8 +193,7 @@ class ModelRunner:
         if query_len is not None and self.decode_graphs is not None and self.decode_graphs.fits(batch, query_len):
             return self.decode_graphs.run(batch, query_len)
         if query_len is not None and self.decode_kernel:
-            plan = DecodePlan(batch.seq_lens, batch.block_tables, True, query_len, self.split_kv_decode)
-            return ForwardOutput(*self.model(batch, self.kv_cache, plan))
+            return ForwardOutput(*self.model(batch, self.kv_cache, self.decode_plan(batch, query_len)))
         if query_len is None and self.ragged_graphs is not None and self.ragged_graphs.fits(batch):
             return self.ragged_graphs.run(batch)
         if query_len is None and self.ragged_kernel:

@@ -13,9 +13,10 @@ Split-KV ("flash-decoding"): at batch 1 the grid above is num_kv_heads programs 
 With `num_splits` S > 1 each (sequence, kv head) is cut into S runs of its own blocks, one program
 each, writing fp32 partials (row max m_s, sum of exp l_s, unnormalized output o_s); a second
 kernel combines them: m = max_s m_s, out = sum_s exp(m_s - m) o_s / sum_s exp(m_s - m) l_s. S is
-chosen on the host from shapes alone (`num_kv_splits`), so a graph captured for a rung keeps it;
-the split length comes from each sequence's own seq_len on the device, and splits past its last
-block, or past a verify row's last key, leave m_s = -inf, which the combine weighs 0.
+chosen on the host from shapes alone, once per plan (`kv_splits.num_kv_splits`, `DecodePlan`), so
+a graph captured for a rung keeps it; the split length comes from each sequence's own seq_len on
+the device, and splits past its last block, or past a verify row's last key, leave m_s = -inf,
+which the combine weighs 0.
 """
 
 from __future__ import annotations
@@ -24,8 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-TARGET_PROGRAMS_PER_SM = 2  # split-KV aims at this many attention programs per SM
-MAX_SPLITS = 32  # the combine kernel holds every split's partial of one row: [MAX_SPLITS, D] fp32
+from services.scheduler.model.kv_splits import MAX_SPLITS
 
 
 @triton.jit
@@ -165,7 +165,10 @@ def paged_block_attention_triton(
 ) -> torch.Tensor:
     """query [B * query_len, Hq, D]; caches [N, block_size, Hkv, D]; seq_lens int32 [B] (>= query_len);
     tables int32 [B, M]. Token t belongs to sequence t // query_len (see DecodePlan). num_splits 1:
-    one program per (sequence, kv head); more: split-KV, `num_kv_splits` picks it."""
+    one program per (sequence, kv head); more (up to MAX_SPLITS): split-KV, the count
+    `kv_splits.num_kv_splits` picks."""
+    if not 1 <= num_splits <= MAX_SPLITS:
+        raise ValueError(f"num_splits must be in 1..{MAX_SPLITS}, got {num_splits}")
     num_tokens, num_heads, head_dim = query.shape
     num_kv_heads, block_size = key_cache.shape[2], key_cache.shape[1]
     group = num_heads // num_kv_heads
@@ -193,15 +196,6 @@ def paged_block_attention_triton(
         HEAD_DIM=head_dim, SPLITS=triton.next_power_of_2(num_splits), num_warps=4,
     )  # fmt: skip
     return out
-
-
-def num_kv_splits(num_seqs: int, num_kv_heads: int, max_blocks: int, num_sms: int) -> int:
-    """Key splits per (sequence, kv head), from shapes the host knows (no device value, so a graph
-    captured for a rung of num_seqs keeps its split): enough programs for TARGET_PROGRAMS_PER_SM
-    on every SM, at most one split per block of the table (max_blocks) and MAX_SPLITS; 1 once the
-    batch alone fills the device."""
-    wanted = -(-TARGET_PROGRAMS_PER_SM * num_sms // (num_seqs * num_kv_heads))
-    return max(1, min(wanted, max_blocks, MAX_SPLITS))
 
 
 def tile_rows(tokens: int, group: int) -> int:

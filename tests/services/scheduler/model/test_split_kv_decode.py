@@ -1,20 +1,22 @@
-"""Split-KV decode attention (`triton_decode.py`, num_splits > 1): the host-side split count, the
-runner's switch, and the kernels against the torch twin in Triton's CPU interpreter (skipped without
-Triton; CI has none), plus a compile-only check down to an sm_90 cubin. Speed is
-ops/bench/gpu_split_kv_check.py's, on the GPU."""
+"""Split-KV decode attention (`triton_decode.py`, num_splits > 1): the host-side split count
+(`kv_splits.py`) and the plans that carry it, the runner's switch (on by default), and the kernels
+against the torch twin in Triton's CPU interpreter (skipped without Triton; CI has none), plus a
+compile-only check down to an sm_90 cubin. Speed is ops/bench/gpu_split_kv_check.py's, on the GPU."""
 
 from __future__ import annotations
 
 import importlib.util
 import inspect
-from types import SimpleNamespace
 
 import pytest
 import torch
 
 from services.models import RANDOM_TINY_MODEL
 from services.scheduler.model.attention import DecodePlan, paged_decode_attention, paged_decode_attention_torch
+from services.scheduler.model.batch import ForwardBatch
+from services.scheduler.model.kv_splits import MAX_SPLITS, num_kv_splits
 from services.scheduler.model.loader import load_model_runner
+from services.scheduler.model.runner import ModelRunner
 from tests.services.scheduler.model.triton_interpreter import INTERPRETED, interpreted, run_interpreted_cases, runs_the_interpreter
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
@@ -23,23 +25,63 @@ PAGE = 4
 WIDTH = 12  # table entries per sequence
 
 
-def test_runner_keeps_split_kv_off_by_default_and_hands_it_to_its_decode_graphs() -> None:
+def split_runner(decode_kernel: bool = True, num_sms: int = 4) -> ModelRunner:
+    """The tiny model (2 kv heads) on CPU with the decode kernel's plans, as if on `num_sms` SMs."""
+    loaded = load_model_runner(RANDOM_TINY_MODEL, num_kv_blocks=16, kv_block_size=PAGE)
+    return ModelRunner(loaded.model, loaded.kv_cache, decode_kernel=decode_kernel, num_sms=num_sms)
+
+
+def decode_batch(seq_lens: list[int]) -> ForwardBatch:
+    """One new token per sequence; sequence b owns blocks 4b .. 4b + 3 (tables 4 wide)."""
+    tables = torch.arange(len(seq_lens) * 4, dtype=torch.int32).view(len(seq_lens), 4)  # [B, 4]
+    last = torch.tensor(seq_lens) - 1  # [B]
+    slots = tables[torch.arange(len(seq_lens)), last // PAGE].long() * PAGE + last % PAGE  # [B]
+    return ForwardBatch(
+        input_ids=torch.arange(3, 3 + len(seq_lens)), positions=last, query_start_loc=torch.arange(len(seq_lens) + 1, dtype=torch.int32),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32), block_tables=tables, slot_mapping=slots,
+    )  # fmt: skip
+
+
+def test_split_kv_is_on_by_default_everywhere_it_is_set() -> None:
+    from services.scheduler.config import SchedulerConfig
+    from services.scheduler.flags import CUDA_SWITCHES
+
     runner = load_model_runner(RANDOM_TINY_MODEL, num_kv_blocks=8, kv_block_size=PAGE)
-    assert runner.split_kv_decode is False
-    runner.split_kv_decode = True
-    runner.prepare_decode_graphs(ladder=(1,), max_blocks_per_seq=2, capture=False)
-    assert runner.decode_graphs.split_kv is True
+    assert runner.split_kv_decode is True and SchedulerConfig().split_kv_decode is True
+    assert CUDA_SWITCHES["split-kv-decode"][0] is True
+    assert runner.split_sms == 0  # CPU without the kernel: never split
+
+
+def test_plans_take_their_split_count_from_host_shapes() -> None:
+    # 4 SMs x 2 programs over 2 kv heads: 3 sequences want 2 splits, 1 sequence 4 (4-wide tables)
+    runner = split_runner()
+    eager = runner.decode_plan(decode_batch([5, 9, 2]), 1)
+    assert eager.num_kv_splits == 2 and type(eager.num_kv_splits) is int
+    assert runner.decode_plan(decode_batch([5]), 1).num_kv_splits == 4
+    runner.prepare_decode_graphs(ladder=(1, 3), max_blocks_per_seq=4, capture=False)
+    graphs = runner.decode_graphs
+    assert graphs.split_sms == 4 and [graphs.plan(rung, 1).num_kv_splits for rung in (1, 3)] == [4, 2]
+    assert type(graphs.plan(3, 1).num_kv_splits) is int
+
+
+@pytest.mark.parametrize(("split", "decode_kernel"), [(False, True), (True, False)])
+def test_no_split_with_split_kv_off_or_without_the_kernel(split, decode_kernel) -> None:
+    runner = split_runner(decode_kernel=decode_kernel)
+    runner.split_kv_decode = split
+    assert runner.split_sms == 0 and runner.decode_plan(decode_batch([5]), 1).num_kv_splits == 1
+    runner.prepare_decode_graphs(ladder=(1,), max_blocks_per_seq=4, capture=False)
+    assert runner.decode_graphs.plan(1, 1).num_kv_splits == 1
 
 
 def test_the_split_switch_refuses_to_change_under_decode_graphs() -> None:
     runner = load_model_runner(RANDOM_TINY_MODEL, num_kv_blocks=8, kv_block_size=PAGE)
     runner.prepare_decode_graphs(ladder=(1,), max_blocks_per_seq=2, capture=False)
     with pytest.raises(RuntimeError, match="drop them first"):
-        runner.split_kv_decode = True
-    runner.split_kv_decode = False  # no change: allowed
+        runner.split_kv_decode = False
+    runner.split_kv_decode = True  # no change: allowed
     runner.drop_decode_graphs()
-    runner.split_kv_decode = True
-    assert runner.split_kv_decode is True
+    runner.split_kv_decode = False
+    assert runner.split_kv_decode is False
 
 
 @pytest.mark.parametrize("flag", [False, True])
@@ -57,10 +99,8 @@ def test_the_scheduler_flag_reaches_the_loader(flag, monkeypatch) -> None:
     with pytest.raises(Loaded) as loaded:
         service.build_core(SchedulerConfig(device="cpu", split_kv_decode=flag))
     assert loaded.value.args == (flag,)
-    assert SchedulerConfig().split_kv_decode is False
 
 
-@pytest.mark.skipif(not HAS_TRITON, reason="needs Triton (triton_decode imports it)")
 @pytest.mark.parametrize(
     ("num_seqs", "num_kv_heads", "max_blocks", "num_sms", "wanted"),
     [
@@ -74,8 +114,6 @@ def test_the_scheduler_flag_reaches_the_loader(flag, monkeypatch) -> None:
     ],
 )
 def test_num_kv_splits_comes_from_shapes_alone(num_seqs, num_kv_heads, max_blocks, num_sms, wanted) -> None:
-    from services.scheduler.model.triton_decode import num_kv_splits
-
     assert list(inspect.signature(num_kv_splits).parameters) == ["num_seqs", "num_kv_heads", "max_blocks", "num_sms"]
     assert num_kv_splits(num_seqs, num_kv_heads, max_blocks, num_sms) == wanted
 
@@ -116,25 +154,46 @@ def test_interpreted_split_kernel_matches_twin(seq_lens, query_len, num_splits) 
     torch.testing.assert_close(got, paged_decode_attention_torch(*args), **TOLERANCE)
 
 
-@interpreted
-def test_interpreted_decode_plan_takes_its_split_count_from_shapes(monkeypatch) -> None:
-    # 4 SMs, 2 programs each, 3 sequences x 2 kv heads: 2 splits, from ints the host holds
+def recorded_splits(monkeypatch) -> list[int]:
+    """The num_splits of every decode kernel call from here on; the device is never asked for its SMs."""
     from services.scheduler.model import triton_decode
 
-    calls, num_kv_splits = [], triton_decode.num_kv_splits
+    calls, kernel = [], triton_decode.paged_block_attention_triton
 
-    def counted(*values):
-        calls.append(values)
-        return num_kv_splits(*values)
+    def counted(*args):
+        calls.append(args[-1])
+        return kernel(*args)
 
-    monkeypatch.setattr(triton_decode, "num_kv_splits", counted)
-    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(multi_processor_count=4))
+    def no_device(device):
+        raise AssertionError("attention read the device's properties")
+
+    monkeypatch.setattr(triton_decode, "paged_block_attention_triton", counted)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", no_device)
+    return calls
+
+
+@interpreted
+def test_interpreted_decode_attention_runs_the_plans_split_count(monkeypatch) -> None:
+    calls = recorded_splits(monkeypatch)
     query, key_cache, value_cache, lens, tables = decode_inputs([5, 30], 1, num_padded=1)
-    plan = DecodePlan(lens, tables, use_kernel=True, split_kv=True)
+    plan = DecodePlan(lens, tables, use_kernel=True, num_kv_splits=3)
     got = paged_decode_attention(query, key_cache, value_cache, plan, 0.25)
     want = paged_decode_attention_torch(query, key_cache, value_cache, lens, tables, 0.25)
     torch.testing.assert_close(got, want, **TOLERANCE)
-    assert calls == [(3, 2, WIDTH, 4)] and all(type(value) is int for value in calls[0])
+    assert calls == [3]
+
+
+@interpreted
+def test_interpreted_eager_decode_step_splits_every_layer_as_planned(monkeypatch) -> None:
+    runner = split_runner()  # 3 sequences: 2 splits (test_plans_take_their_split_count_from_host_shapes)
+    runner.kv_cache.kv.normal_(generator=torch.Generator().manual_seed(1))
+    calls = recorded_splits(monkeypatch)
+    batch = decode_batch([5, 9, 2])
+    split = runner.forward(batch).hidden_states
+    runner.split_kv_decode = False
+    whole = runner.forward(batch).hidden_states  # rewrites the same K/V into the same slots
+    assert calls == [2] * runner.config.num_hidden_layers + [1] * runner.config.num_hidden_layers
+    torch.testing.assert_close(split, whole, **TOLERANCE)
 
 
 @pytest.mark.skipif(INTERPRETED or not HAS_TRITON, reason="needs Triton (its compiler, not a GPU)")
@@ -160,7 +219,7 @@ def test_decode_kernels_compile_for_the_h200_at_the_8b_shape(query_len) -> None:
     kernels = [
         (triton_decode._paged_block_kernel, block, shape),
         (triton_decode._paged_split_kernel, split, shape),
-        (triton_decode._combine_splits_kernel, combine, {"HEAD_DIM": 128, "SPLITS": triton_decode.MAX_SPLITS}),
+        (triton_decode._combine_splits_kernel, combine, {"HEAD_DIM": 128, "SPLITS": MAX_SPLITS}),
     ]
     for kernel, signature, constants in kernels:
         source = ASTSource(kernel, {**signature, **dict.fromkeys(constants, "constexpr")}, constants)
