@@ -17,7 +17,7 @@ import pytest
 from ops.bench import gpu_split_kv_check
 
 REPO = Path(__file__).resolve().parents[3]
-SMOKE = ["--device", "cpu", "--tiny", "--repeats", "1"]
+SMOKE = ["--device", "cpu", "--tiny", "--repeats", "1", "--budget-s", "600"]  # a loaded CI box must not skip sections
 STEPS = {(setting, context, batch) for setting in ("off", "on") for context in (9, 20) for batch in (1, 3)}
 
 
