@@ -8,7 +8,16 @@ append to a lock-protected inbox that `step` drains first. One `step`:
     3. schedule (policy)
 
 The policy (`policy.py`) knows no tensors; the worker (`worker.py`) owns the device and crosses
-to the host once per step. Queue time (vLLM's `request_queue_time_seconds`) is measured here: from
+to the host once per step.
+
+Overlapped decoding (`overlap_decode`): when a step is all decodes and nothing waits, the next step
+is planned (`Policy.follow_decodes`) and launched before this one's tokens are read back, its
+queries taken from this step's sampled tokens on the device; then this step's results are read
+and applied. So the device runs step N + 1 while the host reads, applies and hands on step N's
+outputs, and plans step N + 2. A sequence that finishes at step N (a stop, EOS, an abort applied
+between steps) has computed one token too many in step N + 1, which `update` drops. Any other
+step (arrivals, prefill chunks, drafts, processors that read the host's token history) runs as
+before: planned after the previous step's results. Queue time (vLLM's `request_queue_time_seconds`) is measured here: from
 `add` until the first step whose plan includes the request (its first prefill chunk). With a
 proposer, each sequence's query is its last token plus the block drafted for it the step before,
 and it gains the accepted drafts plus one token.
@@ -24,7 +33,7 @@ from dataclasses import dataclass
 from services.scheduler.policy import Policy
 from services.scheduler.request import RequestOutput, SchedulerRequest
 from services.scheduler.spec.base import Proposer
-from services.scheduler.worker import ModelWorker
+from services.scheduler.worker import LaunchedStep, ModelWorker
 
 
 @dataclass(frozen=True)
@@ -68,6 +77,7 @@ class SchedulerCore:
         make_worker: Callable[..., ModelWorker] = ModelWorker,  # benchmarks swap in a subclass
         logprob_graphs: bool = False,  # output logprobs replayed from CUDA graphs (`LogprobGraphs`)
         clock: Callable[[], float] = time.monotonic,  # arrival and scheduling times (queue time)
+        overlap_decode: bool = True,  # launch the next decode step before this one's readback (see above)
     ) -> None:
         config = runner.config
         self.vocab_size = config.vocab_size
@@ -92,6 +102,8 @@ class SchedulerCore:
         self._clock = clock
         self._unscheduled: dict[str, float] = {}  # rid -> arrival, until a plan first includes it
         self._queue_times: dict[str, float] = {}  # rid -> seconds from arrival to first scheduled, until taken
+        self.overlap_decode = overlap_decode
+        self._in_flight: LaunchedStep | None = None  # launched, results not applied yet (overlapped decoding)
         self.num_steps = 0
         self._counts = {"prompt": 0, "generated": 0, "drafted": 0, "accepted": 0, "forward_s": 0.0, "draft_s": 0.0}
         self._accept_lengths = [0] * (proposer.num_draft_tokens + 2) if proposer is not None else []
@@ -112,7 +124,7 @@ class SchedulerCore:
     def has_work(self) -> bool:
         with self._lock:
             inbox = bool(self._inbox or self._inbox_aborts)
-        return inbox or self.policy.has_work()
+        return inbox or self._in_flight is not None or self.policy.has_work()
 
     @property
     def num_running(self) -> int:
@@ -163,6 +175,7 @@ class SchedulerCore:
         for request in requests:
             self.policy.add(request)
         held = [seq.rid for seq in self.policy.held()]
+        self._in_flight = None  # its results are not wanted: every request it ran for ends here
         outputs = self.policy.fail_all(message)
         self.worker.release(held)
         self._unscheduled.clear()
@@ -176,14 +189,21 @@ class SchedulerCore:
             self.policy.add(request)
         for rid, reason in aborts:  # 2
             self.policy.abort(rid, reason)
-        plan = self.policy.schedule()  # 3
-        self._note_first_scheduled(plan)
-        if not plan.steps:
-            self.num_steps += 1
-            return self._finished(self.policy.take_outputs())
-        results = self.worker.execute(plan)  # 4
-        outputs = self.policy.update(plan, results)  # 5
-        self._count(plan, results, outputs)
+        launched, self._in_flight = self._in_flight, None
+        if launched is None:
+            plan = self.policy.schedule()  # 3
+            self._note_first_scheduled(plan)
+            if not plan.steps:
+                self.num_steps += 1
+                return self._finished(self.policy.take_outputs())
+            launched = self.worker.launch(plan)  # 4
+        if self.overlap_decode and self.worker.can_follow(launched.plan):
+            following = self.policy.follow_decodes(launched.plan)  # 3, for the next step
+            if following is not None:
+                self._in_flight = self.worker.launch(following, previous=launched)  # 4, queued behind this one
+        results = self.worker.collect(launched)
+        outputs = self.policy.update(launched.plan, results)  # 5
+        self._count(launched.plan, results, outputs)
         self.num_steps += 1
         return self._finished(outputs)
 

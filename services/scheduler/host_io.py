@@ -9,7 +9,10 @@ samples nothing) returns before its copy has run, and the next step must not ove
 
 `HostReadback` collects the step's device results (sampled tokens, accepted counts, drafts,
 logprob rows) and brings them all back with one device->host copy: every part is 32 bits wide
-(float32 travels as its int32 bit pattern), so they concatenate into one int32 buffer.
+(float32 travels as its int32 bit pattern), so they concatenate into one int32 buffer. `start`
+only queues that copy (into pinned memory, on CUDA) and `PendingReadback.wait` waits for it, so
+the host can queue the next step's work before it waits for this one's results (overlapped
+decoding, `SchedulerCore`); `fetch` is the two at once.
 """
 
 from __future__ import annotations
@@ -71,16 +74,42 @@ class HostReadback:
         self._parts.append(tensor.reshape(-1))
         return len(self._parts) - 1
 
-    def fetch(self) -> list[np.ndarray]:
+    def start(self) -> PendingReadback:
+        """Queue the one device->host copy of every part added since the last call."""
         parts, kinds = self._parts, self._kinds
         self._parts, self._kinds = [], []
         if not parts:
-            return []
-        host = torch.cat(parts).cpu().numpy()  # the step's one device->host copy
+            return PendingReadback(None, None, kinds)
         self.num_copies += 1
+        device = torch.cat(parts)  # the step's one device->host copy, from here
+        if device.device.type != "cuda":
+            return PendingReadback(device.cpu(), None, kinds)  # no device to wait for: the copy is done
+        host = torch.empty(device.shape, dtype=torch.int32, pin_memory=True)  # the caching host allocator reuses it
+        host.copy_(device, non_blocking=True)
+        copied = torch.cuda.Event()
+        copied.record()
+        return PendingReadback(host, copied, kinds)
+
+    def fetch(self) -> list[np.ndarray]:
+        return self.start().wait()
+
+
+class PendingReadback:
+    """One step's readback, queued: `wait` blocks until it is on the host and splits it."""
+
+    def __init__(self, host: torch.Tensor | None, copied: torch.cuda.Event | None, kinds: list) -> None:
+        self._host, self._copied, self._kinds = host, copied, kinds
+
+    def wait(self) -> list[np.ndarray]:
+        if self._host is None:
+            return []
+        if self._copied is not None:
+            self._copied.synchronize()
+        host = self._host.numpy()
         out, offset = [], 0
-        for (dtype, shape), part in zip(kinds, parts, strict=True):
-            chunk = host[offset : offset + part.numel()]
-            offset += part.numel()
+        for dtype, shape in self._kinds:
+            size = int(np.prod(shape, dtype=np.int64))
+            chunk = host[offset : offset + size]
+            offset += size
             out.append((chunk.view(np.float32) if dtype == torch.float32 else chunk).reshape(shape))
         return out

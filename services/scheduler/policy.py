@@ -40,6 +40,9 @@ from services.scheduler.request import LogprobEntries, RequestOutput, RowLogprob
 log = structlog.get_logger(__name__)
 
 
+FOLLOWED_TOKEN = -1  # the query of a followed decode (`Policy.follow_decodes`): the device has its token
+
+
 @dataclass(frozen=True)
 class SeqStep:
     """One sequence's share of a step."""
@@ -278,6 +281,37 @@ class Policy:
             budget -= num_tokens + num_draft
         chosen.extend(self._admit(budget))
         return StepPlan([self._seq_step(seq, n, k) for seq, n, k in chosen])
+
+    def follow_decodes(self, plan: StepPlan) -> StepPlan | None:
+        """The step after `plan`, planned before `plan`'s results are known (overlapped decoding: the
+        worker launches it while `plan` runs, and `update(plan, ...)` comes after): each sequence of
+        `plan` decodes once more, its query the token `plan` samples for it, which only the device
+        has yet (`FOLLOWED_TOKEN` stands in for it here). A sequence that `plan`'s token finishes
+        (a stop, EOS) is found out by `update(plan, ...)`, and its share of this step is dropped by
+        `update` then (it is no longer running); its KV slot was freed with it, and nothing reads it.
+
+        A sequence whose output budget `plan`'s token spends is left out. None when the next step
+        needs `schedule` instead: a request waiting, drafts, a step of `plan` that samples nothing (a
+        prefill chunk before the prompt's end), nothing left to decode, or not enough free KV blocks
+        without preempting."""
+        if self._waiting or self.num_draft_tokens > 0 or any(not s.samples or s.num_draft > 0 for s in plan.steps):
+            return None
+        # a sequence whose budget `plan`'s token spends has nothing more to decode (its finish comes with update)
+        steps = [s for s in plan.steps if s.seq in self._running and s.output_position + 1 < s.seq.max_outputs]
+        if not steps:
+            return None
+        ends = [s.start + s.num_committed + 1 for s in steps]  # KV length after the next step
+        if sum(self.blocks.num_new_blocks(s.seq.rid, end) for s, end in zip(steps, ends)) > self.blocks.num_free_blocks:
+            return None
+        followed = []
+        for step, end in zip(steps, ends, strict=True):
+            seq, start = step.seq, end - 1
+            self.blocks.allocate(seq.rid, end)
+            slots = self.blocks.slots(seq.rid, start, end)
+            table = list(self.blocks.block_table(seq.rid))
+            no_prompt_rows = (seq.num_prompt, seq.num_prompt - 1)  # a decode returns no prompt logprobs
+            followed.append(SeqStep(seq, start, [FOLLOWED_TOKEN], 0, True, *no_prompt_rows, slots, table, step.output_position + 1))
+        return StepPlan(followed)
 
     def _query_size(self, seq: Sequence, budget: int) -> tuple[int, int]:
         """(committed tokens, drafts) to compute: a decode always runs; a prefill chunk fits the budget;

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from services.scheduler.host_io import HostReadback, HostUpload
+from services.scheduler.host_io import HostReadback, HostUpload, PendingReadback
 from services.scheduler.logits_processing import is_identity, process_logits, verify_row_contexts
 from services.scheduler.logprob_graphs import LogprobGraphs
 from services.scheduler.logprobs import LogprobQuery, TopKKeys, logprob_inputs, logprobs_on_device, split_logprobs
@@ -82,11 +82,22 @@ class ModelWorker:
         for rid in rids:
             self._draft_probs.pop(rid, None)
 
-    @torch.inference_mode()
     def execute(self, plan: StepPlan) -> list[SeqResult]:
+        return self.collect(self.launch(plan))
+
+    @torch.inference_mode()
+    def launch(self, plan: StepPlan, previous: LaunchedStep | None = None) -> LaunchedStep:
+        """Queue the step's device work and its readback (1-7) without waiting for the device.
+        previous: the launched step `plan` follows (`Policy.follow_decodes`): each of plan's queries is
+        the token its sequence samples in `previous`, taken on the device (see `can_follow`)."""
         layout = _lay_out(plan)  # 1
         wanted = self._logprob_queries(plan, layout)
-        arrays = self._upload.send(self._host_arrays(plan, layout) | wanted.inputs(self._processed))  # 2
+        host_arrays = self._host_arrays(plan, layout) | wanted.inputs(self._processed)
+        if previous is not None:
+            host_arrays["followed_rows"] = previous.producer_rows(plan)
+        arrays = self._upload.send(host_arrays)  # 2
+        if previous is not None:
+            arrays["input_ids"] = previous.next_token[arrays["followed_rows"]]  # [T]: one token per sequence
         clock = _StepClock(self.runner.device)
         out = self.runner.forward(self._batch(plan, arrays))  # 3
         verified = self._verify(plan, layout, out, arrays)  # 4
@@ -97,10 +108,22 @@ class ModelWorker:
         proposal = self._propose(plan, layout, out.captured, arrays, verified)  # 6
         handles.proposal(proposal)
         clock.mark()
-        host = self._readback.fetch()  # 7
-        self.last_forward_s, self.last_draft_s = self._step_times(clock)
+        pending = self._readback.start()  # 7
         self._keep_draft_probs(plan, layout, proposal)
-        return handles.results(plan, layout, host)
+        next_token = verified.next_token if verified is not None else None
+        return LaunchedStep(plan, layout, handles, pending, clock, next_token)
+
+    def collect(self, launched: LaunchedStep) -> list[SeqResult]:
+        """Wait for a launched step's readback; its per-sequence results."""
+        host = launched.readback.wait()
+        self.last_forward_s, self.last_draft_s = self._step_times(launched.clock)
+        return launched.handles.results(launched.plan, launched.layout, host)
+
+    def can_follow(self, plan: StepPlan) -> bool:
+        """Whether the step after `plan` may be launched before `plan`'s tokens reach the host: no
+        drafter (its blocks come back with the tokens), and nothing of a producer's sampling reads its
+        token history on the host (penalties, logit bias, min_tokens: `logits_processing`)."""
+        return self.proposer is None and all(is_identity(s.seq.request.sampling) for s in plan.steps if s.samples)
 
     def _step_times(self, clock: _StepClock) -> tuple[float, float]:
         """(forward, draft) seconds of this step and of earlier ones that ended before their GPU work
@@ -321,6 +344,23 @@ class _Verified:
     num_accepted: torch.Tensor  # int64 [P]
     next_token: torch.Tensor  # int64 [P]
     tokens: torch.Tensor  # int64 [P, K + 1]: accepted drafts, then next_token (then padding)
+
+
+@dataclass(frozen=True)
+class LaunchedStep:
+    """A step whose device work and readback are queued (`ModelWorker.launch`)."""
+
+    plan: StepPlan
+    layout: _Layout
+    handles: _Handles
+    readback: PendingReadback
+    clock: _StepClock
+    next_token: torch.Tensor | None  # int64 [P] on the device: each producer's token, in layout.producers order
+
+    def producer_rows(self, following: StepPlan) -> np.ndarray:
+        """int64 [B]: for each sequence of `following` (each one of this step's producers), its row of next_token."""
+        rows = {id(self.plan.steps[i].seq): p for p, i in enumerate(self.layout.producers)}
+        return np.asarray([rows[id(s.seq)] for s in following.steps], np.int64)
 
 
 PROMPT_LP, OUTPUT_LP = "prompt_logprobs.", "output_logprobs."  # their inputs' names in the upload

@@ -1,0 +1,109 @@
+"""Overlapped decoding (`SchedulerCore(overlap_decode=True)`, `Policy.follow_decodes`): the next
+decode step is launched before this one's tokens are read back. Outputs, finishes and every logprob
+must be those of the same core without overlap, whatever finishes, arrives or aborts meanwhile; the
+KV blocks of followed steps must come back; and the overlap must actually happen in steady decoding."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import msgspec
+import numpy as np
+import pytest
+
+from contracts.detokenizer import FinishType
+from contracts.scheduler import LogprobParams
+from services.scheduler.policy import FOLLOWED_TOKEN
+from test_scheduler_core import prompt_of, request, run
+
+LOGPROBS = LogprobParams(return_logprob=True, logprob_start_len=0, top_logprobs_num=5, token_ids_logprob=(7, 3, 1999))
+
+
+def _workload(stop_at: int | None = None):
+    """Greedy and seeded-sampled requests of several lengths, some with logprobs, one with a stop id."""
+    out = [
+        request("greedy", prompt_of(1, 9), max_new_tokens=7, ignore_eos=True, logprobs=LOGPROBS),
+        request("sampled", prompt_of(2, 14), max_new_tokens=11, temperature=0.8, seed=5, ignore_eos=True, logprobs=LOGPROBS),
+        request("short", prompt_of(3, 5), max_new_tokens=1, ignore_eos=True),
+        request("topk", prompt_of(4, 20), max_new_tokens=9, temperature=1.0, seed=9, top_k=20, ignore_eos=True),
+    ]
+    if stop_at is not None:
+        out.append(request("stops", prompt_of(6, 10), max_new_tokens=12, ignore_eos=True, stop_token_ids=(stop_at,)))
+    return out
+
+
+def _same(a: dict, b: dict) -> None:
+    assert set(a) == set(b)
+    for rid in a:
+        assert a[rid].tokens == b[rid].tokens, rid
+        assert a[rid].finish == b[rid].finish, rid
+        for name in ("input_token", "input_top_values", "input_top_ids", "input_ids",
+                     "output_token", "output_top_values", "output_top_ids", "output_ids"):  # fmt: skip
+            got, want = getattr(a[rid], name), getattr(b[rid], name)
+            assert len(got) == len(want) or (not got and not want), (rid, name)
+            if want:  # ids exact; values to float noise (a followed step's batch holds rows of finished requests)
+                got, want = np.concatenate(got), np.concatenate(want)
+                np.testing.assert_allclose(got, want, rtol=0, atol=0 if "ids" in name and "top" in name else 1e-5, err_msg=f"{rid} {name}")
+
+
+def _stop_token(make_core) -> int:
+    alone = run(make_core(overlap_decode=False), [request("stops", prompt_of(6, 10), max_new_tokens=12, ignore_eos=True)])
+    return alone["stops"].tokens[3]  # a stop four tokens in: finishes while its next step is in flight
+
+
+@pytest.mark.parametrize("chunk", [256, 8])  # whole prompts in one step; prompts in chunks beside decodes
+def test_outputs_equal_the_core_without_overlap(make_core, chunk) -> None:
+    stop_at = _stop_token(make_core)
+    joins = {3: [request("late", prompt_of(7, 6), max_new_tokens=5, ignore_eos=True, logprobs=LOGPROBS)]}
+    plain = run(make_core(overlap_decode=False, chunked_prefill_size=chunk), _workload(stop_at), joins=dict(joins))
+    overlapped = run(make_core(overlap_decode=True, chunked_prefill_size=chunk), _workload(stop_at), joins=dict(joins))
+    assert overlapped["stops"].finish.type == FinishType.STOP and len(overlapped["stops"].tokens) < 12
+    _same(overlapped, plain)
+
+
+def test_an_abort_while_the_next_step_is_in_flight(make_core) -> None:
+    core = make_core(overlap_decode=True)
+    results = run(core, _workload(), abort_at={4: ["sampled"]})
+    assert results["sampled"].finish.type == FinishType.ABORT and 0 < len(results["sampled"].tokens) < 11
+    plain = run(make_core(overlap_decode=False), _workload())
+    for rid in ("greedy", "short", "topk"):
+        assert results[rid].tokens == plain[rid].tokens
+
+
+def test_followed_steps_give_their_kv_blocks_back(make_core) -> None:
+    core = make_core(overlap_decode=True)
+    free_at_start = core.stats().num_free_blocks
+    run(core, _workload(_stop_token(make_core)))
+    assert not core.has_work()
+    assert core.stats().num_free_blocks == free_at_start
+
+
+def test_steady_decoding_launches_each_step_before_reading_the_last(make_core) -> None:
+    core = make_core(overlap_decode=True)
+    events = []
+    launch, collect = core.worker.launch, core.worker.collect
+    core.worker.launch = lambda plan, previous=None: events.append(("launch", previous is not None)) or launch(plan, previous)
+    core.worker.collect = lambda launched: events.append(("collect",)) or collect(launched)
+    run(core, [request("a", prompt_of(8, 12), max_new_tokens=6, ignore_eos=True)])
+    # prefill, then the first decode queued behind it, then each decode queued before the last is read;
+    # the step that samples the 6th token is not followed (nothing left to sample)
+    assert events[:4] == [("launch", False), ("launch", True), ("collect",), ("launch", True)]
+    assert events.count(("launch", True)) == 5 and events.count(("collect",)) == 6
+    assert len(run(core, [request("b", prompt_of(8, 12), max_new_tokens=6, ignore_eos=True)])["b"].tokens) == 6
+
+
+def test_what_is_never_followed(make_core) -> None:
+    core = make_core(overlap_decode=True)
+    for r in _workload():
+        core.add(r)
+    core.step()  # the prompts, and their first decodes launched behind them
+    launched = core._in_flight
+    assert launched is not None and all(s.query == [FOLLOWED_TOKEN] for s in launched.plan.steps)
+    assert "short" not in {s.seq.rid for s in launched.plan.steps}  # max_new_tokens=1: nothing left to sample
+    policy = core.policy
+    policy.add(request("waiting", prompt_of(9, 4)))
+    assert policy.follow_decodes(launched.plan) is None  # a waiting request: the next step is scheduled
+    seq = launched.plan.steps[0].seq
+    penalised = msgspec.structs.replace(seq.request.sampling, repetition_penalty=1.3)
+    seq.request = dataclasses.replace(seq.request, sampling=penalised)
+    assert not core.worker.can_follow(launched.plan)  # penalties read the token history on the host
