@@ -49,6 +49,7 @@ def config_from_args(args: argparse.Namespace) -> SchedulerConfig:
         load_format=args.load_format,
         max_running_requests=args.max_running_requests,
         chunked_prefill_size=args.chunked_prefill_size,
+        overlap_decode=args.overlap_decode,
         ragged_cuda_graphs=args.ragged_cuda_graphs,
         logprob_cuda_graphs=args.logprob_cuda_graphs,
         fused_kernels=args.fused_kernels,

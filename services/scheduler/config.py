@@ -36,6 +36,7 @@ class SchedulerConfig:
     load_format: str = "auto"
     max_running_requests: int = DEFAULT_MAX_RUNNING_REQUESTS
     chunked_prefill_size: int = DEFAULT_CHUNKED_PREFILL_SIZE
+    overlap_decode: bool = True  # `SchedulerCore`: the next decode step launched before this one's readback
     ragged_cuda_graphs: bool = True  # CUDA with Triton: ragged steps replay graphs (checked on the H200: gpu_serve.md)
     logprob_cuda_graphs: bool = True  # CUDA: output logprobs replay graphs (`LogprobGraphs`; exact on the H200: gpu_core.md)
     fused_kernels: bool = True  # CUDA with Triton: triton_fused.py's kernels (checked on the H200: gpu_fused.md)

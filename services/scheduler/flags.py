@@ -38,6 +38,9 @@ def add_model_arguments(parser: argparse.ArgumentParser, env: EnvSettings) -> No
     add("--chunked-prefill-size", type=int, default=DEFAULT_CHUNKED_PREFILL_SIZE,
         help="tokens per scheduler step (prefill chunks and decode tokens together)")  # fmt: skip
     add("--max-running-requests", type=int, default=DEFAULT_MAX_RUNNING_REQUESTS, help="most requests decoded at once")
+    add("--overlap-decode", action=argparse.BooleanOptionalAction, default=True,
+        help="launch each decode step before the last one's tokens are read back, so the device does not wait for "
+             "the host between decode steps (default on)")  # fmt: skip
     add("--max-model-len", type=int, default=None, help="longest prompt + output (default: the model's)")
     add("--kv-cache-memory-fraction", type=float, default=CUDA_KV_CACHE_FRACTION,
         help="CUDA: the share of device memory left free by the weights (a drafter's included) that the KV caches take")  # fmt: skip
@@ -83,6 +86,7 @@ def scheduler_argv(args: argparse.Namespace) -> list[str]:
     argv = ["--device", args.device, "--load-format", args.load_format, "--logprobs-mode", args.logprobs_mode]
     argv += ["--chunked-prefill-size", str(args.chunked_prefill_size), "--max-running-requests", str(args.max_running_requests)]
     argv += ["--kv-cache-memory-fraction", str(args.kv_cache_memory_fraction)]
+    argv += ["--overlap-decode" if args.overlap_decode else "--no-overlap-decode"]
     argv += ["--dtype", args.dtype] if args.dtype else []
     argv += [f"--{name}" if getattr(args, name.replace("-", "_")) else f"--no-{name}" for name in CUDA_SWITCHES]
     argv += ["--speculative-algorithm", args.speculative_algorithm, "--verify-mode", args.verify_mode]

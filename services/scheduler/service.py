@@ -94,6 +94,7 @@ def build_core(config: SchedulerConfig) -> SchedulerCore:
         verify_mode=config.verify_mode,
         max_running_requests=config.max_running_requests,
         chunked_prefill_size=config.chunked_prefill_size,
+        overlap_decode=config.overlap_decode,
         max_model_len=config.max_model_len,
         logprobs_mode=config.logprobs_mode,
         seed=config.seed,

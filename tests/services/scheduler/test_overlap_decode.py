@@ -107,3 +107,12 @@ def test_what_is_never_followed(make_core) -> None:
     penalised = msgspec.structs.replace(seq.request.sampling, repetition_penalty=1.3)
     seq.request = dataclasses.replace(seq.request, sampling=penalised)
     assert not core.worker.can_follow(launched.plan)  # penalties read the token history on the host
+
+
+@pytest.mark.parametrize("flag", [False, True])
+def test_the_config_switch_reaches_the_core(flag) -> None:
+    from services.scheduler.config import SchedulerConfig
+    from services.scheduler.service import build_core
+
+    assert SchedulerConfig().overlap_decode is True
+    assert build_core(SchedulerConfig(device="cpu", overlap_decode=flag)).overlap_decode is flag
