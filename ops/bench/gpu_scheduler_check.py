@@ -8,6 +8,11 @@ from the first step to the last. The peer runs `generate(do_sample=False)` with 
 prompt length and token count (min_new_tokens = max_new_tokens, so no early stop).
 
     python ops/bench/gpu_scheduler_check.py --out $OUT/gpu_scheduler.json
+    python ops/bench/gpu_scheduler_check.py --no-peer --compare-overlap --out $OUT/gpu_overlap.json
+
+--compare-overlap adds, per batch, the same runs with overlapped decoding off
+(`SchedulerCore(overlap_decode=False)`), one after the other on one runner: rows
+"sparkwire_no_overlap" (and "_logprobs"), and ms per decode step of each.
 """
 
 from __future__ import annotations
@@ -72,18 +77,22 @@ def hf_generate(config_dir: Path, prompts: np.ndarray, new_tokens: int) -> dict:
     return {"wall_s": wall, "tok_s": len(prompts) * new_tokens / wall}
 
 
-def bench_config(config_dir: Path, batches: list[int], prompt_len: int, new_tokens: int, peer: bool) -> list[dict]:
+def bench_config(
+    config_dir: Path, batches: list[int], prompt_len: int, new_tokens: int, peer: bool, compare_overlap: bool = False
+) -> list[dict]:
     runner = load_model_runner(config_dir, device="cuda", dtype=torch.bfloat16, load_format="dummy")
     rows = []
+    settings = {"": True, "_no_overlap": False} if compare_overlap else {"": True}
     for batch in batches:
-        core = SchedulerCore(runner, max_running_requests=max(batches), chunked_prefill_size=8192)
-        prompts = make_prompts(batch, prompt_len, runner.config.vocab_size)
-        # warm-up at the timed shapes: the whole batch's prefill and decode (one prompt left the big prefill's
-        # first launch inside the timed run: on 2026-12-01 its tok/s came out below the run with logprobs after it)
-        run_core(core, prompts, 4, LogprobParams())
         row = {"model": config_dir.name, "batch": batch}
-        row["sparkwire"] = run_core(core, prompts, new_tokens, LogprobParams())
-        row["sparkwire_logprobs"] = run_core(core, prompts, new_tokens, LOGPROBS)
+        for suffix, overlap in settings.items():
+            core = SchedulerCore(runner, max_running_requests=max(batches), chunked_prefill_size=8192, overlap_decode=overlap)
+            prompts = make_prompts(batch, prompt_len, runner.config.vocab_size)
+            # warm-up at the timed shapes: the whole batch's prefill and decode (one prompt left the big prefill's
+            # first launch inside the timed run: on 2026-12-01 its tok/s came out below the run with logprobs after it)
+            run_core(core, prompts, 4, LogprobParams())
+            row["sparkwire" + suffix] = run_core(core, prompts, new_tokens, LogprobParams())
+            row["sparkwire" + suffix + "_logprobs"] = run_core(core, prompts, new_tokens, LOGPROBS)
         rows.append(row)
     del runner
     gc.collect()
@@ -104,6 +113,14 @@ def table(rows: list[dict]) -> str:
         ours = r["sparkwire"]["tok_s"]
         lines.append(f"| {r['model']} | {r['batch']} | {ours:.0f} | {r['sparkwire_logprobs']['tok_s']:.0f} | "
                      f"{hf and f'{hf:.0f}'} | {hf and f'{ours / hf:.1f}x'} |")
+    compared = [r for r in rows if "sparkwire_no_overlap" in r]
+    if compared:
+        lines += ["", "| model | batch | overlap | tok/s | ms per step | + logprobs tok/s |", "|---|---|---|---|---|---|"]
+        for r in compared:
+            for name, label in (("sparkwire_no_overlap", "off"), ("sparkwire", "on")):
+                run, lp = r[name], r[name + "_logprobs"]
+                lines.append(f"| {r['model']} | {r['batch']} | {label} | {run['tok_s']:.0f} | "
+                             f"{1e3 * run['wall_s'] / run['steps']:.3f} | {lp['tok_s']:.0f} |")
     return "\n".join(lines)
 
 
@@ -114,12 +131,13 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--no-peer", action="store_true")
+    parser.add_argument("--compare-overlap", action="store_true", help="also time each batch with overlapped decoding off")
     parser.add_argument("--out", type=Path, default=REPO / "ops/bench/results/gpu_scheduler.json")
     args = parser.parse_args()
     rows = []
     for config_dir in args.configs:
         try:
-            rows += bench_config(config_dir, args.batch_sizes, args.prompt_len, args.new_tokens, not args.no_peer)
+            rows += bench_config(config_dir, args.batch_sizes, args.prompt_len, args.new_tokens, not args.no_peer, args.compare_overlap)
         except Exception:
             traceback.print_exc()
         args.out.parent.mkdir(parents=True, exist_ok=True)
