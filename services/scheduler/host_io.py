@@ -57,12 +57,21 @@ _TORCH_DTYPES = {"<i8": torch.int64, "<i4": torch.int32, "<f4": torch.float32, "
 
 
 class HostReadback:
-    """Register device tensors during a step, then `fetch` them all with one copy."""
+    """Register device tensors during a step, then `fetch` them all with one copy (or `start` it and
+    `wait` later). On CUDA the copy lands in one of two persistent pinned buffers, taken in turn, so
+    a step's copy can be queued while the last one is still being read; `wait` copies the result
+    out into fresh host memory (results are views of it that outlive the step: logprob rows), so a
+    buffer is free again once its step was waited for. (With a pinned allocation per step, held by
+    those views, the 0.6B shape's batch-1 decode with top-5 logprobs fell from 447 to 248 tok/s when
+    overlapped decoding came in: ops/bench/results/gpu_overlap.md, run 1.)"""
 
     def __init__(self) -> None:
         self.num_copies = 0  # device->host copies made, over the worker's life
         self._parts: list[torch.Tensor] = []
         self._kinds: list[tuple[torch.dtype, tuple[int, ...]]] = []
+        self._pinned: list[torch.Tensor] = []  # the two staging buffers (CUDA), grown on demand
+        self._in_use: list[PendingReadback | None] = [None, None]
+        self._turn = 0
 
     def add(self, tensor: torch.Tensor) -> int:
         """A handle for `fetch`'s result. float32 and 32-bit-representable integers only."""
@@ -84,32 +93,54 @@ class HostReadback:
         device = torch.cat(parts)  # the step's one device->host copy, from here
         if device.device.type != "cuda":
             return PendingReadback(device.cpu(), None, kinds)  # no device to wait for: the copy is done
-        host = torch.empty(device.shape, dtype=torch.int32, pin_memory=True)  # the caching host allocator reuses it
-        host.copy_(device, non_blocking=True)
+        turn, self._turn = self._turn, 1 - self._turn
+        if self._in_use[turn] is not None:
+            self._in_use[turn].wait()  # the copy two steps back was never waited for: it leaves the buffer now
+        staging = self._staging(turn, device.numel())
+        staging.copy_(device, non_blocking=True)
         copied = torch.cuda.Event()
         copied.record()
-        return PendingReadback(host, copied, kinds)
+        pending = self._in_use[turn] = PendingReadback(staging, copied, kinds, release=lambda: self._release(turn, pending))
+        return pending
 
     def fetch(self) -> list[np.ndarray]:
         return self.start().wait()
 
+    def _staging(self, turn: int, numel: int) -> torch.Tensor:
+        while len(self._pinned) <= turn:
+            self._pinned.append(torch.empty(0, dtype=torch.int32))
+        if self._pinned[turn].numel() < numel:
+            self._pinned[turn] = torch.empty(max(numel, 2 * self._pinned[turn].numel()), dtype=torch.int32, pin_memory=True)
+        return self._pinned[turn][:numel]
+
+    def _release(self, turn: int, pending: PendingReadback) -> None:
+        if self._in_use[turn] is pending:
+            self._in_use[turn] = None
+
 
 class PendingReadback:
-    """One step's readback, queued: `wait` blocks until it is on the host and splits it."""
+    """One step's readback, queued: `wait` blocks until it is on the host and splits it (once)."""
 
-    def __init__(self, host: torch.Tensor | None, copied: torch.cuda.Event | None, kinds: list) -> None:
-        self._host, self._copied, self._kinds = host, copied, kinds
+    def __init__(self, host: torch.Tensor | None, copied: torch.cuda.Event | None, kinds: list, release=None) -> None:
+        self._host, self._copied, self._kinds, self._release = host, copied, kinds, release
+        self._out: list[np.ndarray] | None = None
 
     def wait(self) -> list[np.ndarray]:
+        if self._out is not None:
+            return self._out
         if self._host is None:
-            return []
-        if self._copied is not None:
-            self._copied.synchronize()
+            self._out = []
+            return self._out
         host = self._host.numpy()
+        if self._copied is not None:  # a staging buffer: copy the step's values out of it, then let it go
+            self._copied.synchronize()
+            host = host.copy()
+            self._release()
         out, offset = [], 0
         for dtype, shape in self._kinds:
             size = int(np.prod(shape, dtype=np.int64))
             chunk = host[offset : offset + size]
             offset += size
             out.append((chunk.view(np.float32) if dtype == torch.float32 else chunk).reshape(shape))
+        self._out = out
         return out
