@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import re
 import shlex
 import shutil
 import subprocess
@@ -122,7 +123,7 @@ def run(check: CheckConfig, out: Path) -> dict[str, Any]:
         if check.core_baseline:
             result["core_baseline"] = core_baseline(check, work)
         try:
-            result.update(serve_scenarios(check, serving_model_dir(check.model_config, work / "model"), out.parent))
+            result.update(serve_scenarios(check, serving_model_dir(check.model_config, work / "model"), out.with_name(out.stem + "_up.log")))
         except Exception as exc:  # the stack did not come up: keep what was measured, and why
             headline = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
             result.update(stack_error=headline, stack_error_detail=traceback.format_exc()[-4000:], scenarios={})
@@ -133,12 +134,20 @@ def run(check: CheckConfig, out: Path) -> dict[str, Any]:
     return result
 
 
-def serve_scenarios(check: CheckConfig, model_dir: Path, log_dir: Path) -> dict[str, Any]:
+def serve_scenarios(check: CheckConfig, model_dir: Path, log_path: Path) -> dict[str, Any]:
     up_args = ("--device", check.device, "--load-format", "dummy", "--model", str(model_dir), *check.up_args)
     base_url = f"http://127.0.0.1:{free_port()}"
-    with launched_stack(up_args, base_url, log_dir / "gpu_serve_up.log") as stack:
+    with launched_stack(up_args, base_url, log_path) as stack:
         scenarios = run_scenarios(check, base_url)
-    return {"ready_s": stack.ready_s, "up_exit_code": stack.exit_code, "scenarios": scenarios}
+    return {"ready_s": stack.ready_s, "up_exit_code": stack.exit_code, "scenarios": scenarios,
+            "ragged_captures": ragged_captures(log_path)}  # fmt: skip
+
+
+def ragged_captures(log_path: Path) -> dict[str, float]:
+    """Ragged CUDA graphs the scheduler captured while serving (warm-ups included), from its log:
+    each capture is a pause of every request in flight."""
+    seconds = [float(m.group(1)) for m in re.finditer(r"ragged_capture\.done.*?seconds=([0-9.]+)", log_path.read_text())] if log_path.is_file() else []
+    return {"count": len(seconds), "seconds": round(sum(seconds), 3), "longest_s": max(seconds, default=0.0)}
 
 
 def run_scenarios(check: CheckConfig, base_url: str) -> dict[str, dict]:
@@ -171,6 +180,10 @@ def table(result: dict[str, Any]) -> str:
                      f"{_ms(r['tpot_ms']['p50'])} | {_ms(r['e2el_ms']['p50'])} | {r['client_cpu_fraction']:.2f} |")  # fmt: skip
     if "stack_error" in result:
         lines.append(f"\nthe stack did not serve: {result['stack_error'][:200]}")
+    captures = result.get("ragged_captures")
+    if captures:
+        lines.append(f"\nragged graphs captured while serving (warm-ups included): {captures['count']}, "
+                     f"{captures['seconds']} s in all, longest {captures['longest_s']} s")  # fmt: skip
     core = result.get("core_baseline")
     if core:
         lines.append(f"\ncore at batch {core.get('batch')}: {core.get('tok_s', 'error')} tok/s; "
