@@ -88,6 +88,7 @@ def build_core(config: SchedulerConfig) -> SchedulerCore:
     if config.ragged_cuda_graphs and runner.ragged_kernel:  # CUDA with Triton; elsewhere the flag does nothing
         runner.prepare_ragged_graphs(seq_ladder(config.max_running_requests), token_ladder(config.chunked_prefill_size),
                                      capture_layers=capture_layers)  # fmt: skip
+        runner.ragged_graphs.capture_prefill_keys()  # arrivals beside decodes: no capture pauses them later
     return SchedulerCore(
         runner,
         proposer=proposer,

@@ -26,7 +26,10 @@ eagerly (`runner.compute_logits`); the graphs return hidden states [T, H] and th
 
 Capture is lazy, on a key's first use: the key set is the product of three ladders, most of which
 a workload never visits, and capturing all of it at start-up would cost seconds and one output
-buffer per key. A capture costs one eager warm-up forward plus the capture, once per key (0.035 to
+buffer per key. `capture_prefill_keys` captures, at start-up, the keys of steps that carry a prefill
+chunk of 32+ tokens (the largest block_m, every sequence and token rung): those are the ones a
+burst of arrivals visits while other requests decode, and a capture mid-serving pauses them all
+(on the H200, 8B shape, concurrency 64: 7 captures, 0.5 s in all, within a 3.5 s run). A capture costs one eager warm-up forward plus the capture, once per key (0.035 to
 0.08 s on the H200 for the 8B shape: ops/bench/gpu_attention_check.py, section "ragged_graph"); it
 runs with every row padded, so it writes the trash block only. All graphs share one memory pool
 (intermediates are reused between keys; each key keeps only its outputs, [T, H] and the captures).
@@ -55,7 +58,7 @@ from services.scheduler.model.llama import CausalLM
 
 DEFAULT_SEQ_LADDER = (1, 2, 4, 8, 16, 32, 64, 128)
 DEFAULT_TOKEN_LADDER = (64, 128, 256, 384, 512, 768, 1024, 1536, 2048)  # 1.5x steps past 256: padding <= 50%
-DEFAULT_MAX_GRAPHS = 64
+DEFAULT_MAX_GRAPHS = 128  # the prefill keys captured at start-up (7 sequence x 9 token rungs) and room for others
 
 log = structlog.get_logger(__name__)
 
@@ -217,9 +220,30 @@ class RaggedGraphRunner:
         hidden, captured = self.model(self._static_batch(key), self.cache, self._plan(key))  # [T, H]
         return ForwardOutput(hidden, captured)
 
-    def _try_capture(self, key: RaggedKey) -> None:
+    def prefill_keys(self) -> list[RaggedKey]:
+        """Keys of steps with a prefill chunk of at least `max_tile_rows / group` tokens: the largest
+        block_m, for every sequence rung and every token rung that can hold as many sequences."""
+        block_m = tile_tokens(self.token_ladder[-1], self.group, self.max_tile_rows)
+        keys = [RaggedKey(s, t, block_m) for s in self.seq_ladder for t in self.token_ladder if t >= max(s, block_m)]
+        return keys[: self.max_graphs]
+
+    def capture_prefill_keys(self) -> int:
+        """Capture `prefill_keys()` now (start-up), with progress; the number captured. No-op without capture."""
+        if not self.capture:
+            return 0
+        keys = [k for k in self.prefill_keys() if k not in self.graphs and k not in self.failed]
+        progress = Progress("cuda_graphs.ragged_prefill_capture", "graphs", len(keys))
+        for key in keys:
+            self._try_capture(key, logged=False)
+            progress.advance()
+        progress.close()
+        return sum(key in self.graphs for key in keys)
+
+    def _try_capture(self, key: RaggedKey, logged: bool = True) -> None:
         """A capture that fails (out of memory, an op that cannot be captured) costs this step its
         graph, not the server: the step runs the padded path eagerly, the key is not tried again."""
+        progress = Progress("cuda_graphs.ragged_capture", "graphs", 1, num_seqs=key.num_seqs, num_tokens=key.num_tokens,
+                            block_m=key.block_m) if logged else None  # fmt: skip
         try:
             self._capture(key)
         except (RuntimeError, torch.cuda.OutOfMemoryError) as exc:
@@ -227,12 +251,14 @@ class RaggedGraphRunner:
             self.graphs.pop(key, None)
             self.outputs.pop(key, None)
             log.warning("cuda_graphs.ragged_capture.failed", error=str(exc)[:300], **dataclasses.asdict(key))
+            return
+        if progress is not None:
+            progress.advance()
+            progress.close()
 
     def _capture(self, key: RaggedKey) -> None:
         # Every row padded and every tile a no-op: the warm-up and the capture write the trash block only.
         started = time.monotonic()
-        progress = Progress("cuda_graphs.ragged_capture", "graphs", 1, num_seqs=key.num_seqs,
-                            num_tokens=key.num_tokens, block_m=key.block_m)  # fmt: skip
         self._pad(0, 0, key)
         tiles = self.tiles[: 2 * key.num_tiles].view(2, key.num_tiles)
         tiles[0].fill_(key.num_seqs)
@@ -242,6 +268,4 @@ class RaggedGraphRunner:
         self.graphs[key] = graph
         torch.cuda.synchronize(self.cache.kv.device)
         self.capture_seconds[key] = time.monotonic() - started
-        progress.advance()
-        progress.close()
 

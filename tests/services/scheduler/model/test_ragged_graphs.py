@@ -199,3 +199,19 @@ def test_a_core_serving_through_the_twin_matches_the_eager_core() -> None:
     for rid in prompts:
         assert padded[rid][0] == eager[rid][0]
         np.testing.assert_allclose(padded[rid][1], eager[rid][1], atol=1e-5, equal_nan=True)
+
+
+def test_start_up_captures_every_prefill_key_once(make_pager, fake_cuda_capture) -> None:
+    runner, pager = prefilled_runner(make_pager)
+    graphs = RaggedGraphRunner(runner.model, runner.kv_cache, SEQ_LADDER, TOKEN_LADDER, MAX_BLOCKS, capture=True, use_kernel=False)
+    keys = graphs.prefill_keys()
+    block_m = keys[0].block_m
+    assert block_m == graphs.max_tile_rows // graphs.group  # a chunk of that many tokens or more takes it
+    assert {(k.num_seqs, k.num_tokens) for k in keys} == {(s, t) for s in SEQ_LADDER for t in TOKEN_LADDER if t >= max(s, block_m)}
+    assert all(k.block_m == block_m for k in keys)
+    assert graphs.capture_prefill_keys() == len(keys) and set(graphs.graphs) == set(keys)
+    assert graphs.capture_prefill_keys() == 0  # captured already
+    one_chunk = step_batch(pager, [(5, block_m)])  # a prefill chunk of block_m tokens: a captured key
+    assert graphs.key(one_chunk) in graphs.graphs
+    idle = RaggedGraphRunner(runner.model, runner.kv_cache, SEQ_LADDER, TOKEN_LADDER, MAX_BLOCKS, capture=False, use_kernel=False)
+    assert idle.capture_prefill_keys() == 0 and not idle.graphs
