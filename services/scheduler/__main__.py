@@ -53,6 +53,7 @@ def config_from_args(args: argparse.Namespace) -> SchedulerConfig:
         ragged_cuda_graphs=args.ragged_cuda_graphs,
         logprob_cuda_graphs=args.logprob_cuda_graphs,
         fused_kernels=args.fused_kernels,
+        fused_logprobs=args.fused_logprobs,
         split_kv_decode=args.split_kv_decode,
         kv_block_size=args.kv_block_size,
         num_kv_blocks=args.num_kv_blocks,

@@ -76,13 +76,15 @@ class SchedulerCore:
         verify_mode: str = "static",
         make_worker: Callable[..., ModelWorker] = ModelWorker,  # benchmarks swap in a subclass
         logprob_graphs: bool = False,  # output logprobs replayed from CUDA graphs (`LogprobGraphs`)
+        fused_logprobs: bool = False,  # raw-mode logprobs from the Triton kernels (CUDA with Triton: `logprobs.runs_fused`)
         clock: Callable[[], float] = time.monotonic,  # arrival and scheduling times (queue time)
         overlap_decode: bool = True,  # launch the next decode step before this one's readback (see above)
     ) -> None:
         config = runner.config
         self.vocab_size = config.vocab_size
         self.max_model_len = max_model_len or config.max_position_embeddings
-        self.worker = make_worker(runner, logprobs_mode=logprobs_mode, proposer=proposer, logprob_graphs=logprob_graphs)
+        self.worker = make_worker(runner, logprobs_mode=logprobs_mode, proposer=proposer, logprob_graphs=logprob_graphs,
+                                  fused_logprobs=fused_logprobs)  # fmt: skip
         self.policy = Policy(
             num_blocks=min(num_blocks or runner.num_blocks, runner.num_blocks),
             block_size=runner.block_size,

@@ -66,6 +66,8 @@ CUDA_SWITCHES = {
                                   "captured on first use of each padded shape (default on; elsewhere it does nothing)"),
     "fused-kernels": (True, "CUDA with Triton: run each layer's norms, residual adds, RoPE, K/V write and SiLU * up "
                             "as fused Triton kernels (default on; elsewhere it does nothing)"),
+    "fused-logprobs": (True, "CUDA with Triton: compute raw-mode logprobs (log-softmax, top-k up to 64, the target's and "
+                             "requested ids') in fused Triton kernels reading the logits in place (default on; elsewhere it does nothing)"),
     "split-kv-decode": (DEFAULT_SPLIT_KV_DECODE,
                         "CUDA with Triton: split each sequence's keys across several decode attention programs when "
                         "the batch leaves SMs idle (flash-decoding; default on: on the H200 a batch-1 decode step at "

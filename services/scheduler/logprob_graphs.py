@@ -14,7 +14,8 @@ graph per key (row rung, k rung, ids rung, mode and inputs present) captures it 
   neutral sampling parameters), always valid inputs; every op is per row, so they change nothing
   in rows 0..n-1, and the result is the views [:n, :k] and [:n, :m].
 
-Exact against the eager path, bit for bit: the same ops on the same rows; the top-K's first k
+Exact against the eager path, bit for bit: the same ops (torch's, or the fused kernels' where
+`logprobs.runs_fused` picks them, each per row) on the same rows; the top-K's first k
 columns are the top-k (its order, logprob descending and ties by the smaller id, is total); the ids'
 gather's first m columns are the m requested. Keys off the ladders (k > 20, more than 16 ids, more
 rows than `max_rows` or than one eager chunk) and keys past `max_graphs` run eagerly. Graphs are
@@ -75,8 +76,11 @@ class _Graph:
 class LogprobGraphs:
     """`logprobs_on_device` for rows of given logits (no `to_logits`), replayed from graphs."""
 
-    def __init__(self, keys: TopKKeys, capture: bool = True, max_graphs: int = MAX_GRAPHS, max_rows: int = DEFAULT_MAX_ROWS):
+    def __init__(self, keys: TopKKeys, capture: bool = True, max_graphs: int = MAX_GRAPHS, max_rows: int = DEFAULT_MAX_ROWS,
+                 fused: bool = False):  # fmt: skip
+        """fused: `logprobs.runs_fused`'s switch, for the captured work and the eager fallback alike."""
         self.keys = keys
+        self.fused = fused
         self.capture = capture
         self.max_graphs = max_graphs
         self.vocab_size = keys.tied.shape[0]
@@ -105,13 +109,13 @@ class LogprobGraphs:
         key = self._key(num_rows, k, m, sampling)
         entry = None if key is None or key in self._failed else self._graphs.get(key) or self._build(key)
         if entry is None:
-            return logprobs_on_device(queries, inputs, logits, None, self.keys, processed, sampled)
+            return logprobs_on_device(queries, inputs, logits, None, self.keys, processed, sampled, self.fused)
         _fill(entry.inputs, inputs, logits, sampled, num_rows)
         if entry.graph is not None:
             entry.graph.replay()
             out = entry.output
         else:
-            out = RowLogprobs(*_columns(entry.inputs, key, self.keys))
+            out = RowLogprobs(*_columns(entry.inputs, key, self.keys, self.fused))
         return RowLogprobs(out.token[:num_rows], out.top_values[:num_rows, :k], out.top_ids[:num_rows, :k], out.ids[:num_rows, :m])
 
     def _key(self, num_rows: int, k: int, num_ids: int, sampling: tuple[str, ...] | None) -> _Key | None:
@@ -157,7 +161,7 @@ class LogprobGraphs:
         return self._buffers[name, shape]
 
     def _capture(self, static: dict[str, torch.Tensor], key: _Key) -> tuple[torch.cuda.CUDAGraph, RowLogprobs]:
-        graph, output = capture_graph(lambda: RowLogprobs(*_columns(static, key, self.keys)), self._pool)
+        graph, output = capture_graph(lambda: RowLogprobs(*_columns(static, key, self.keys, self.fused)), self._pool)
         self._pool = graph.pool()
         return graph, output
 
@@ -167,9 +171,9 @@ def _rung(ladder: tuple[int, ...], size: int) -> int | None:
     return ladder[index] if index < len(ladder) else None
 
 
-def _columns(static: dict[str, torch.Tensor], key: _Key, keys: TopKKeys):
+def _columns(static: dict[str, torch.Tensor], key: _Key, keys: TopKKeys, fused: bool):
     sampling = None if key.sampling is None else {name: static[name] for name in key.sampling}
-    return logprob_columns(static["logits"], static["targets"], key.k, static.get("ids"), sampling, keys)
+    return logprob_columns(static["logits"], static["targets"], key.k, static.get("ids"), sampling, keys, fused)
 
 
 def _fill(static: dict[str, torch.Tensor], inputs: dict[str, torch.Tensor], logits: torch.Tensor,

@@ -11,6 +11,11 @@ counts as 1), then its top-k, top-p and min-p filters, renormalised; a filtered-
 Every per-row input (row indices, targets, requested ids, processed-mode parameters) comes from the
 host arrays of `logprob_inputs`, which ride in the step's one upload: the device work is a fixed
 handful of ops per chunk, whatever the number of requests, their k and their ids.
+
+Two implementations of one chunk's work, picked in one place (`runs_fused`): the torch ops below
+(every mode, every device: the reference), and in raw mode with k <= `triton_logprobs.MAX_K`, where
+the caller's `fused` switch is on (the worker sets it on CUDA with Triton), the fused Triton kernels of
+`triton_logprobs.py`, which read the logits in the model's dtype and write nothing of size [c, V].
 """
 
 from __future__ import annotations
@@ -31,7 +36,11 @@ CHUNK_BYTES = 512 * 1024 * 1024  # a chunk's fp32 logprobs, at most (and 1024 ro
 # launches are few against its FLOPs, so a smaller chunk costs little and keeps a 32k-token prompt's
 # top-k within ~0.5 GiB of working memory (issue 12: <= 1 GiB extra; 512 MiB chunks measured +2.4 GiB).
 PROMPT_CHUNK_BYTES = 128 * 1024 * 1024
+# The fused kernels' prompt chunk holds only its logits in the model's dtype (and [c, S, K_PAD] int64
+# candidates): at the 8B vocabulary 1024 bf16 rows are 311 MB.
+FUSED_PROMPT_CHUNK_BYTES = 320 * 1024 * 1024
 MAX_CHUNK_ROWS = 1024
+MAX_FUSED_K = 64  # the fused kernels' largest top-k (their per-split candidates, K_PAD, are in registers)
 FILTERED_LOGPROB = -9999.0  # processed mode: tokens the request's sampling filters remove
 
 
@@ -110,29 +119,31 @@ def logprobs_on_device(
     keys: TopKKeys,
     processed: bool,
     sampled: torch.Tensor | None = None,
+    fused: bool = False,
 ) -> RowLogprobs[torch.Tensor] | None:
     """Every query's rows, concatenated (k padded to the largest: [n, max_k], ids to [n, max_m]), still on
     the device; computed in chunks, so a 32k-row prompt never holds [32k, V] logits. None if no rows.
 
     inputs: `logprob_inputs(queries, processed, ...)` on the device (in processed mode, with the sampling
-    parameters). sampled: int64 [N], one per row of `source`, the token sampled from it this step, for
-    queries whose `targets` are None.
+    parameters). to_logits: hidden rows [c, H] -> logits [c, V] in the model's dtype (None: `source` is
+    logits). sampled: int64 [N], one per row of `source`, the token sampled from it this step, for
+    queries whose `targets` are None. fused: `runs_fused`'s switch.
     """
     if not queries or sum(len(q.rows) for q in queries) == 0:
         return None
     rows = inputs.get("rows")
     targets = inputs["targets"] if sampled is None else (sampled if rows is None else sampled[rows])  # [n]
     num_rows, vocab = targets.shape[0], keys.tied.shape[0]
-    chunk_rows = max_chunk_rows(vocab, CHUNK_BYTES if to_logits is None else PROMPT_CHUNK_BYTES)
     k = min(max(q.top_k for q in queries), vocab)
+    chunk_rows = _chunk_rows(vocab, to_logits is not None, runs_fused(fused, processed, k), source.element_size())
     parts = []
     for start in range(0, num_rows, chunk_rows):
         chunk = slice(start, min(start + chunk_rows, num_rows))
         picked = source[chunk] if rows is None else source[rows[chunk]]
-        logits = to_logits(picked) if to_logits is not None else picked  # f32 [c, V]
+        logits = to_logits(picked) if to_logits is not None else picked  # [c, V]
         sampling = {name: t[chunk] for name, t in inputs.items() if name in SAMPLING_INPUTS} if processed else None
         ids = inputs["ids"][chunk] if "ids" in inputs else None
-        parts.append(logprob_columns(logits, targets[chunk], k, ids, sampling, keys))
+        parts.append(logprob_columns(logits, targets[chunk], k, ids, sampling, keys, fused))
     if len(parts) == 1:
         return RowLogprobs(*parts[0])
     return RowLogprobs(*(torch.cat(column) for column in zip(*parts, strict=True)))
@@ -148,9 +159,22 @@ def split_logprobs(queries: list[LogprobQuery], host: list[np.ndarray] | None) -
 SAMPLING_INPUTS = ("temperature", "top_k", "top_p", "min_p")  # processed mode's inputs, each present when it changes something
 
 
-def max_chunk_rows(vocab_size: int, budget: int = CHUNK_BYTES) -> int:
+def max_chunk_rows(vocab_size: int, budget: int = CHUNK_BYTES, bytes_per_logit: int = 4) -> int:
     """Rows `logprobs_on_device` computes at once: given logits (verify rows) by default, else hidden states."""
-    return max(1, min(MAX_CHUNK_ROWS, budget // (4 * vocab_size)))
+    return max(1, min(MAX_CHUNK_ROWS, budget // (bytes_per_logit * vocab_size)))
+
+
+def _chunk_rows(vocab_size: int, through_head: bool, fused: bool, model_bytes: int) -> int:
+    """Prompt rows (through the LM head) on the fused path: a chunk holds only model-dtype logits."""
+    if not through_head:
+        return max_chunk_rows(vocab_size)
+    return max_chunk_rows(vocab_size, FUSED_PROMPT_CHUNK_BYTES, model_bytes) if fused else max_chunk_rows(vocab_size, PROMPT_CHUNK_BYTES)
+
+
+def runs_fused(fused: bool, processed: bool, k: int) -> bool:
+    """The one choice of implementation: the Triton kernels where the caller's switch is on (it is only
+    where Triton runs: CUDA, or the interpreter in tests), in raw mode, for k <= MAX_FUSED_K."""
+    return fused and not processed and k <= MAX_FUSED_K
 
 
 def logprob_columns(
@@ -160,11 +184,17 @@ def logprob_columns(
     ids: torch.Tensor | None,
     sampling: dict[str, torch.Tensor] | None,
     keys: TopKKeys,
+    fused: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One chunk's device work: f32 logits [c, V] -> the columns of `RowLogprobs` (token [c], top-k
-    [c, k] twice, ids [c, m]). sampling: None in raw mode, else processed mode's present inputs [c].
-    Every op is per row (what lets `LogprobGraphs` run it on padded rows)."""
-    return _gather(_log_distribution(logits, sampling), targets, k, ids, keys)
+    """One chunk's device work: logits [c, V] (f32, or the model's dtype) -> the columns of `RowLogprobs`
+    (token [c], top-k [c, k] twice, ids [c, m]). sampling: None in raw mode, else processed mode's present
+    inputs [c]. fused: `runs_fused`'s switch. Every op is per row (what lets `LogprobGraphs` run it on
+    padded rows), and neither path syncs with the host (what lets it capture them)."""
+    if runs_fused(fused, sampling is not None, k):
+        from services.scheduler.triton_logprobs import raw_logprob_columns
+
+        return raw_logprob_columns(logits, targets, k, ids)
+    return _gather(_log_distribution(logits.float(), sampling), targets, k, ids, keys)
 
 
 def _gather(logprobs: torch.Tensor, targets: torch.Tensor, k: int, ids: torch.Tensor | None, keys: TopKKeys):

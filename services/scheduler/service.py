@@ -37,6 +37,7 @@ from services.scheduler.config import SchedulerConfig
 from services.scheduler.core import SchedulerCore
 from services.scheduler.model import MemoryReserve, ModelConfig, load_model_runner
 from services.scheduler.model.ragged_graphs import seq_ladder, token_ladder
+from services.scheduler.model.runner import triton_available
 from services.scheduler.request import RequestOutput, SchedulerRequest
 from services.scheduler.step_loop import StepThread
 from services.scheduler.wire import to_token_batches
@@ -100,6 +101,7 @@ def build_core(config: SchedulerConfig) -> SchedulerCore:
         logprobs_mode=config.logprobs_mode,
         seed=config.seed,
         logprob_graphs=config.logprob_cuda_graphs and runner.device.type == "cuda",  # elsewhere the flag does nothing
+        fused_logprobs=config.fused_logprobs and runner.device.type == "cuda" and triton_available(),  # likewise
     )
 
 

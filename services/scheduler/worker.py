@@ -56,17 +56,20 @@ class _Layout:
 
 class ModelWorker:
     def __init__(
-        self, runner, *, logprobs_mode: str = "raw", proposer: Proposer | None = None, logprob_graphs: bool = False
+        self, runner, *, logprobs_mode: str = "raw", proposer: Proposer | None = None, logprob_graphs: bool = False,
+        fused_logprobs: bool = False,
     ) -> None:
         """logprob_graphs: output logprobs from `LogprobGraphs` (captured on CUDA; elsewhere its padded
-        eager twin)."""
+        eager twin). fused_logprobs: raw-mode logprobs from the Triton kernels (`logprobs.runs_fused`);
+        only where Triton runs (CUDA; the interpreter in tests)."""
         self.runner = runner
         self.proposer = proposer
         self.vocab_size = runner.config.vocab_size
         self._processed = logprobs_mode == "processed"
         self._top_k_keys = TopKKeys.build(self.vocab_size, runner.device)
         capture = runner.device.type == "cuda"
-        self.logprob_graphs = LogprobGraphs(self._top_k_keys, capture=capture) if logprob_graphs else None
+        self._fused_logprobs = fused_logprobs
+        self.logprob_graphs = LogprobGraphs(self._top_k_keys, capture=capture, fused=fused_logprobs) if logprob_graphs else None
         self._upload = HostUpload(runner.device)
         self._readback = HostReadback()
         self._draft_probs: dict[str, torch.Tensor] = {}  # rid -> q [gamma, V] of its pending block
@@ -284,8 +287,8 @@ class ModelWorker:
 
     def _logprobs(self, wanted: _LogprobQueries, arrays, hidden: torch.Tensor, verified: _Verified | None):
         prompt = [q for _, q in wanted.prompt]
-        prompt_lp = logprobs_on_device(prompt, _section(arrays, PROMPT_LP), hidden, self.runner.compute_logits,
-                                       self._top_k_keys, self._processed)  # fmt: skip
+        prompt_lp = logprobs_on_device(prompt, _section(arrays, PROMPT_LP), hidden, self.runner.head_logits,
+                                       self._top_k_keys, self._processed, fused=self._fused_logprobs)  # fmt: skip
         output_lp = None
         if wanted.output and verified is not None:
             logits = verified.logits.view(-1, verified.logits.shape[-1])  # [P * (K + 1), V]
@@ -294,7 +297,8 @@ class ModelWorker:
             if self.logprob_graphs is not None:
                 output_lp = self.logprob_graphs.compute(queries, inputs, logits, self._processed, sampled)
             else:
-                output_lp = logprobs_on_device(queries, inputs, logits, None, self._top_k_keys, self._processed, sampled)
+                output_lp = logprobs_on_device(queries, inputs, logits, None, self._top_k_keys, self._processed, sampled,
+                                               self._fused_logprobs)  # fmt: skip
         return _LogprobJobs(wanted.prompt, prompt_lp, wanted.output, output_lp)
 
     def _prompt_query(self, step: SeqStep, row_start: int) -> LogprobQuery | None:

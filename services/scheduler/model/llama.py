@@ -263,5 +263,8 @@ class CausalLM(nn.Module):
             return hidden, None
         return hidden, torch.cat([captured[i] for i in batch.capture_layers], dim=-1)  # [T, C * H]
 
+    def head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return F.linear(hidden, self.lm_head_weight)  # [N, V], the model's dtype
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden, self.lm_head_weight).float()  # [N, V]
+        return self.head_logits(hidden).float()  # [N, V]

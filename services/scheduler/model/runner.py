@@ -204,7 +204,12 @@ class ModelRunner:
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.model.compute_logits(hidden.to(self.device, self.dtype))  # [N, V] float32
+        return self.head_logits(hidden).float()  # [N, V] float32
+
+    @torch.inference_mode()
+    def head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The LM head alone: [N, V] in the model's dtype (prompt logprobs' chunks: the fused kernels read it as is)."""
+        return self.model.head_logits(hidden.to(self.device, self.dtype))
 
     @torch.inference_mode()
     def embed_tokens(self, ids: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,185 @@
+"""Raw-mode logprob rows in three Triton kernels: logits [c, V] (bf16 or f32, read in place and upcast
+in registers) -> the columns `logprobs.logprob_columns` returns, equal to its torch path
+(`_gather(_log_distribution(logits, None), ...)`): token [c], top-k values f32 [c, k] (descending, ties
+by the smaller id), top-k ids int32 [c, k], requested ids' logprobs [c, m].
+
+Imported lazily, only where Triton runs (`logprobs.runs_fused`: the caller's switch, on CUDA with
+Triton; the interpreter in tests). Why this shape: the torch path's cost at 64-512 rows is its two
+top-k passes over [c, V] and their [c, V] temporaries; here the row is read twice (memory-bound, ~0.1
+ms for 512 fp32 rows of the 8B vocabulary on an H200) and nothing of size [c, V] is written, so the
+prompt path can hand over bf16 logits (no f32 copy) in chunks of 1024 rows.
+
+Each row is cut into S splits of whole BLOCK-column tiles, one program each (grid [c, S]); S comes
+from the host ints c and V alone (`split_layout`: ~TARGET_PROGRAMS programs, so one row still fills
+the GPU; 1 for hundreds of rows), so a captured graph keeps it, and no kernel reads a device value on
+the host: CUDA-graph safe.
+
+1. `_partial_lse_kernel`: each split's max m_s and sum of exp(x - m_s), fp32.
+2. `_candidates_kernel`: each program merges its row's S partials (m = max m_s, L = log sum_s l_s
+   exp(m_s - m): every program of the row computes the same two numbers the same way), scans its
+   split again with logprob = (x - m) - L (log_softmax's own order of operations, so values match
+   torch to rounding of L) and keeps its split's K_PAD best as unique int64 keys: the fp32 logprob's
+   bits made order-preserving in the high half, 2^32 - 1 - id in the low half, so a larger key is a
+   larger logprob and, among equal logprobs, the smaller id. A tile does insertion work only while
+   its best key beats the K_PAD-th kept (threshold pruning: most tiles cost one max).
+3. `_finish_kernel` (grid [c]): the same m and L, the target's and requested ids' logprobs (gathers
+   of x, same formula), and the top-k of the row's S * K_PAD candidates by k rounds of max, unpacked
+   to value and id. The row's top-k is in the union of every split's top-k, so it is exact.
+
+Ties: equal logits give bit-equal logprobs in both paths, and the key order breaks them by id, as
+`top_k_sorted` does. Only distinct logits whose logprobs round together in one path and not the
+other (a gap under one ulp of L) could order differently: never for bf16-valued logits.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from services.scheduler.logprobs import MAX_FUSED_K
+
+BLOCK = 1024  # columns a program reads at once (the H200: 4 warps, 8 fp32 a thread)
+MAX_SPLITS = 64
+TARGET_PROGRAMS = 264  # 2 per SM of the H200's 132
+MAX_CANDIDATES = 4096  # S * K_PAD: what `_finish_kernel` holds in registers for one row
+NO_KEY = tl.constexpr(-(2**63 - 1))  # below every key of a non-NaN logprob (their high half >= -2139095041)
+
+
+def split_layout(num_rows: int, vocab_size: int, k_pad: int, block: int = BLOCK, most: int = MAX_SPLITS) -> tuple[int, int]:
+    """(S, tiles per split), from host ints only: enough programs for TARGET_PROGRAMS, each split whole
+    tiles and at least one, S <= most, S * k_pad <= MAX_CANDIDATES."""
+    tiles = triton.cdiv(vocab_size, block)
+    wanted = triton.cdiv(TARGET_PROGRAMS, max(num_rows, 1))
+    splits = max(1, min(wanted, most, tiles, MAX_CANDIDATES // k_pad))
+    per_split = triton.cdiv(tiles, splits)
+    return triton.cdiv(tiles, per_split), per_split
+
+
+def raw_logprob_columns(
+    logits: torch.Tensor, targets: torch.Tensor, k: int, ids: torch.Tensor | None, *, block: int = BLOCK,
+    max_splits: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """logits [c, V] bf16/f16/f32, targets int64 [c], ids int64 [c, m] or None, 0 <= k <= min(MAX_FUSED_K, V)
+    -> token f32 [c], top-k values f32 [c, k], top-k ids int32 [c, k], ids' logprobs f32 [c, m].
+    block and max_splits (None: MAX_SPLITS) are for tests."""
+    assert 0 <= k <= MAX_FUSED_K, k
+    logits = logits if logits.stride(-1) == 1 else logits.contiguous()
+    num_rows, vocab = logits.shape
+    num_ids = ids.shape[1] if ids is not None else 0
+    device = logits.device
+    token = torch.empty(num_rows, dtype=torch.float32, device=device)
+    values = torch.empty(num_rows, k, dtype=torch.float32, device=device)
+    top_ids = torch.empty(num_rows, k, dtype=torch.int32, device=device)
+    requested = torch.empty(num_rows, num_ids, dtype=torch.float32, device=device)
+    if num_rows == 0:
+        return token, values, top_ids, requested
+    k_pad = max(2, triton.next_power_of_2(k))
+    splits, per_split = split_layout(num_rows, vocab, k_pad, block, MAX_SPLITS if max_splits is None else max_splits)
+    maxes = torch.empty(num_rows, splits, dtype=torch.float32, device=device)  # [c, S]
+    sums = torch.empty_like(maxes)  # [c, S]
+    layout = {"NUM_SPLITS": splits, "SPLITS_PAD": triton.next_power_of_2(splits), "BLOCK": block}
+    _partial_lse_kernel[(num_rows, splits)](logits, maxes, sums, logits.stride(0), vocab, per_split, NUM_SPLITS=splits,
+                                            BLOCK=block)  # fmt: skip
+    candidates = maxes  # unread when k == 0
+    if k > 0:
+        candidates = torch.empty(num_rows, splits, k_pad, dtype=torch.int64, device=device)  # [c, S, K_PAD]
+        _candidates_kernel[(num_rows, splits)](logits, maxes, sums, candidates, logits.stride(0), vocab, per_split,
+                                               K_PAD=k_pad, **layout)  # fmt: skip
+    ids = ids.contiguous() if ids is not None else targets  # unread when m == 0
+    _finish_kernel[(num_rows,)](logits, maxes, sums, candidates, targets.contiguous(), ids, token, values, top_ids, requested,
+                                logits.stride(0), num_ids, k, NUM_SPLITS=splits, SPLITS_PAD=layout["SPLITS_PAD"],
+                                NUM_CANDIDATES=splits * k_pad, CANDIDATES_PAD=triton.next_power_of_2(splits * k_pad),
+                                IDS_PAD=max(2, triton.next_power_of_2(num_ids)), HAS_TOP_K=k > 0)  # fmt: skip
+    return token, values, top_ids, requested
+
+
+@triton.jit
+def _partial_lse_kernel(logits_ptr, max_ptr, sum_ptr, stride_row, vocab_size, tiles_per_split,
+                        NUM_SPLITS: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
+    row, split = tl.program_id(0), tl.program_id(1)
+    row_ptr = logits_ptr + row.to(tl.int64) * stride_row
+    first = split * tiles_per_split * BLOCK
+    end = tl.minimum(first + tiles_per_split * BLOCK, vocab_size)
+    cols = tl.arange(0, BLOCK)
+    m = tl.full([], float("-inf"), tl.float32)
+    total = tl.full([], 0.0, tl.float32)
+    for start in range(first, end, BLOCK):
+        offs = start + cols
+        x = tl.load(row_ptr + offs, mask=offs < end, other=float("-inf")).to(tl.float32)  # [BLOCK]
+        m_new = tl.maximum(m, tl.max(x, 0))
+        shift = tl.where(m_new == float("-inf"), 0.0, m_new)  # all -inf so far: sums stay 0, no NaN
+        total = total * tl.exp(m - shift) + tl.sum(tl.exp(x - shift), 0)
+        m = m_new
+    tl.store(max_ptr + row * NUM_SPLITS + split, m)
+    tl.store(sum_ptr + row * NUM_SPLITS + split, total)
+
+
+@triton.jit
+def _row_lse(max_ptr, sum_ptr, row, NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr):
+    # The row's max m and L = log(sum exp(x - m)) from its splits' partials (m_s, l_s).
+    s = tl.arange(0, SPLITS_PAD)
+    maxes = tl.load(max_ptr + row * NUM_SPLITS + s, mask=s < NUM_SPLITS, other=float("-inf"))
+    sums = tl.load(sum_ptr + row * NUM_SPLITS + s, mask=s < NUM_SPLITS, other=0.0)
+    m = tl.max(maxes, 0)
+    shift = tl.where(m == float("-inf"), 0.0, m)
+    return m, tl.log(tl.sum(sums * tl.exp(maxes - shift), 0))
+
+
+@triton.jit
+def _key(logprob, col):
+    # int64, unique per column: larger logprob first, then the smaller id (-0.0 never occurs: x - m is +0 at the max).
+    bits = logprob.to(tl.int32, bitcast=True)
+    ordered = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)  # int32 order == float order
+    return (ordered.to(tl.int64) << 32) | (0xFFFFFFFF - col.to(tl.int64))
+
+
+@triton.jit
+def _candidates_kernel(logits_ptr, max_ptr, sum_ptr, cand_ptr, stride_row, vocab_size, tiles_per_split,
+                       NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr, BLOCK: tl.constexpr, K_PAD: tl.constexpr):  # fmt: skip
+    row, split = tl.program_id(0), tl.program_id(1)
+    m, lse = _row_lse(max_ptr, sum_ptr, row, NUM_SPLITS, SPLITS_PAD)
+    row_ptr = logits_ptr + row.to(tl.int64) * stride_row
+    first = split * tiles_per_split * BLOCK
+    end = tl.minimum(first + tiles_per_split * BLOCK, vocab_size)
+    cols = tl.arange(0, BLOCK)
+    slots = tl.arange(0, K_PAD)
+    best = NO_KEY + slots.to(tl.int64)  # [K_PAD] kept keys; distinct sentinels, so the minimum is one slot
+    kth = tl.min(best, 0)
+    for start in range(first, end, BLOCK):
+        offs = start + cols
+        x = tl.load(row_ptr + offs, mask=offs < end, other=0.0).to(tl.float32)
+        key = tl.where(offs < end, _key((x - m) - lse, offs), NO_KEY)  # [BLOCK]
+        top = tl.max(key, 0)
+        while top > kth:  # the tile's best beats the kept K_PAD-th: it takes that slot
+            best = tl.where(best == kth, top, best)
+            kth = tl.min(best, 0)
+            key = tl.where(key == top, NO_KEY, key)
+            top = tl.max(key, 0)
+    tl.store(cand_ptr + (row * NUM_SPLITS + split) * K_PAD + slots, best)
+
+
+@triton.jit
+def _finish_kernel(logits_ptr, max_ptr, sum_ptr, cand_ptr, targets_ptr, ids_ptr, token_ptr, values_ptr, top_ids_ptr,
+                   requested_ptr, stride_row, num_ids, k, NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr,
+                   NUM_CANDIDATES: tl.constexpr, CANDIDATES_PAD: tl.constexpr, IDS_PAD: tl.constexpr,
+                   HAS_TOP_K: tl.constexpr):  # fmt: skip
+    row = tl.program_id(0)
+    m, lse = _row_lse(max_ptr, sum_ptr, row, NUM_SPLITS, SPLITS_PAD)
+    row_ptr = logits_ptr + row.to(tl.int64) * stride_row
+    target = tl.load(targets_ptr + row)
+    tl.store(token_ptr + row, (tl.load(row_ptr + target).to(tl.float32) - m) - lse)
+    j = tl.arange(0, IDS_PAD)
+    wanted = tl.load(ids_ptr + row * num_ids + j, mask=j < num_ids, other=0)
+    x = tl.load(row_ptr + wanted, mask=j < num_ids, other=0.0).to(tl.float32)
+    tl.store(requested_ptr + row * num_ids + j, (x - m) - lse, mask=j < num_ids)
+    if HAS_TOP_K:
+        c = tl.arange(0, CANDIDATES_PAD)
+        keys = tl.load(cand_ptr + row * NUM_CANDIDATES + c, mask=c < NUM_CANDIDATES, other=NO_KEY)
+        for i in range(k):
+            top = tl.max(keys, 0)
+            high = (top >> 32).to(tl.int32)
+            bits = tl.where(high >= 0, high, high ^ 0x7FFFFFFF)
+            tl.store(values_ptr + row * k + i, bits.to(tl.float32, bitcast=True))
+            tl.store(top_ids_ptr + row * k + i, (0xFFFFFFFF - (top & 0xFFFFFFFF)).to(tl.int32))
+            keys = tl.where(keys == top, NO_KEY, keys)
