@@ -1,0 +1,250 @@
+"""The fused raw-mode logprob kernels (`triton_logprobs.py`) against the torch path (`logprobs._gather`
+of `_log_distribution`, the reference), in Triton's CPU interpreter (skipped without Triton; CI has
+none): f32 and bf16 logits, several splits per row, k 0..20 with and without requested ids, rows built
+with ties (at the top, across splits, at the k-th boundary, a flat row) and -inf columns; the prompt
+path through a bf16 LM head in several chunks; `LogprobGraphs`' padded twin; and a whole core. Values
+to 1e-6 (+1e-6 relative: one ulp of a logprob near -20 is 1.9e-6), ids exactly."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import numpy as np
+import pytest
+import torch
+
+from services.scheduler.logprobs import (
+    MAX_FUSED_K,
+    LogprobQuery,
+    TopKKeys,
+    _chunk_rows,
+    _gather,
+    _log_distribution,
+    logprob_columns,
+    logprob_inputs,
+    logprobs_on_device,
+    runs_fused,
+)
+from test_logprob_graphs import _requests
+from test_scheduler_core import run
+from tests.services.scheduler.model.triton_interpreter import INTERPRETED, interpreted, run_interpreted_cases, runs_the_interpreter
+
+TOLERANCE = {"atol": 1e-6, "rtol": 1e-6}
+VOCAB = 1500
+BLOCK = 128  # 12 tiles a row: splits of several tiles, the last one short
+CASES = [(0, 0), (0, 3), (1, 0), (2, 3), (5, 0), (20, 3)]  # (k, number of requested ids)
+
+
+def tricky_logits(num_rows: int, dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
+    """[num_rows, VOCAB], bf16-valued (many natural ties). Row 0: its max in the last split, tied with
+    a column of the first, then five equal values spread over the splits (the 5th best falls among
+    them); row 1 flat (every id tied); row 2 holds -inf columns."""
+    gen = torch.Generator().manual_seed(seed)
+    logits = (3 * torch.randn(num_rows, VOCAB, generator=gen)).to(torch.bfloat16).float()
+    logits[0, [VOCAB - 1, 4]] = 20.0
+    logits[0, [VOCAB - 2, 700, 3, 130, 1000]] = 15.0
+    if num_rows > 2:
+        logits[1] = 0.5
+        logits[2, [0, 9, 400, VOCAB - 1]] = float("-inf")
+    return logits.to(dtype)
+
+
+def row_inputs(num_rows: int, num_ids: int, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor | None]:
+    gen = torch.Generator().manual_seed(seed)
+    targets = torch.randint(0, VOCAB, (num_rows,), generator=gen)
+    ids = torch.randint(0, VOCAB, (num_rows, num_ids), generator=gen) if num_ids else None
+    if num_rows > 2:  # row 2 asks for -inf columns' logprobs
+        targets[2] = 9
+        if ids is not None:
+            ids[2, 0] = 400
+    return targets, ids
+
+
+def torch_columns(logits, targets, k, ids):
+    return _gather(_log_distribution(logits.float(), None), targets, k, ids, TopKKeys.build(logits.shape[1], "cpu"))
+
+
+def assert_columns_match(got, want) -> None:
+    token, values, top_ids, requested = got
+    assert token.dtype == values.dtype == requested.dtype == torch.float32 and top_ids.dtype == torch.int32
+    for a, b in ((token, want[0]), (values, want[1]), (requested, want[3])):
+        assert a.shape == b.shape
+        torch.testing.assert_close(a, b, **TOLERANCE)
+    assert top_ids.shape == want[2].shape and torch.equal(top_ids, want[2])
+
+
+# ---- without the interpreter ----
+
+
+def test_the_kernels_run_only_for_raw_rows_within_their_k_and_where_switched_on() -> None:
+    assert runs_fused(True, False, MAX_FUSED_K) and runs_fused(True, False, 0)
+    assert not runs_fused(True, True, 5)  # processed mode: the torch path
+    assert not runs_fused(True, False, MAX_FUSED_K + 1)
+    assert not runs_fused(False, False, 5)
+
+
+@pytest.mark.skipif(INTERPRETED, reason="here a launch of the kernels must fail (no GPU, no interpreter)")
+@pytest.mark.parametrize(("k", "sampling"), [(MAX_FUSED_K + 1, None), (5, {"temperature": torch.full((3,), 0.7)})])
+def test_rows_the_kernels_do_not_take_stay_on_the_torch_path_with_the_switch_on(k, sampling) -> None:
+    logits = tricky_logits(3, torch.float32)
+    targets, ids = row_inputs(3, 3)
+    keys = TopKKeys.build(VOCAB, "cpu")
+    got = logprob_columns(logits, targets, k, ids, sampling, keys, fused=True)
+    want = logprob_columns(logits, targets, k, ids, sampling, keys, fused=False)
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+
+
+def test_fused_prompt_chunks_hold_1024_bf16_rows_and_the_torch_path_keeps_its_f32_budget() -> None:
+    vocab = 151936  # Qwen3-8B
+    assert _chunk_rows(vocab, through_head=True, fused=True, model_bytes=2) == 1024  # 311 MB of bf16 logits
+    assert _chunk_rows(vocab, through_head=True, fused=False, model_bytes=2) == 220  # 128 MiB of f32
+    assert _chunk_rows(vocab, through_head=False, fused=True, model_bytes=2) == 883  # given f32 logits: CHUNK_BYTES
+
+
+@pytest.mark.parametrize(("flag", "device", "passed"), [(True, "cuda", True), (False, "cuda", False), (True, "cpu", False)])
+def test_the_scheduler_flag_reaches_the_core_only_where_triton_runs(flag, device, passed, monkeypatch) -> None:
+    from types import SimpleNamespace
+
+    from services.scheduler import service
+    from services.scheduler.config import SchedulerConfig
+
+    class Built(Exception):
+        pass
+
+    def core(runner, **options):
+        raise Built(options["fused_logprobs"])
+
+    runner = SimpleNamespace(device=torch.device(device), decode_kernel=False, ragged_kernel=False)
+    monkeypatch.setattr(service, "load_model_runner", lambda path, **options: runner)
+    monkeypatch.setattr(service, "SchedulerCore", core)
+    monkeypatch.setattr(service, "triton_available", lambda: True)
+    with pytest.raises(Built) as built:
+        service.build_core(SchedulerConfig(device="cpu", fused_logprobs=flag))
+    assert built.value.args == (passed,)
+
+
+@pytest.mark.skipif(INTERPRETED or importlib.util.find_spec("triton") is None, reason="needs Triton (its compiler, not a GPU)")
+@pytest.mark.parametrize("pointer", ["*bf16", "*fp32"])
+def test_kernels_compile_for_the_h200(pointer) -> None:
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from services.scheduler import triton_logprobs as kernels
+
+    i32, f32 = "i32", "*fp32"
+    common = {"logits_ptr": pointer, "max_ptr": f32, "sum_ptr": f32}
+    scan = {"stride_row": i32, "vocab_size": i32, "tiles_per_split": i32}
+    layout = {"NUM_SPLITS": 64, "SPLITS_PAD": 64}
+    finish = {"cand_ptr": "*i64", "targets_ptr": "*i64", "ids_ptr": "*i64", "token_ptr": f32, "values_ptr": f32,
+              "top_ids_ptr": "*i32", "requested_ptr": f32, "stride_row": i32, "num_ids": i32, "k": i32}  # fmt: skip
+    specs = [
+        (kernels._partial_lse_kernel, {**common, **scan}, {"NUM_SPLITS": 64, "BLOCK": 1024}),
+        (kernels._candidates_kernel, {**common, "cand_ptr": "*i64", **scan}, {**layout, "BLOCK": 1024, "K_PAD": 32}),
+        (kernels._finish_kernel, {**common, **finish},
+         {**layout, "NUM_CANDIDATES": 2048, "CANDIDATES_PAD": 2048, "IDS_PAD": 4, "HAS_TOP_K": True}),
+    ]  # fmt: skip
+    for kernel, signature, constants in specs:
+        source = ASTSource(kernel, {**signature, **dict.fromkeys(constants, "constexpr")}, constants)
+        assert triton.compile(source, target=GPUTarget("cuda", 90, 32)).asm["cubin"], kernel
+
+
+def test_split_layout_fills_the_gpu_for_one_row_and_uses_one_split_for_hundreds() -> None:
+    pytest.importorskip("triton")
+    from services.scheduler.triton_logprobs import MAX_CANDIDATES, split_layout
+
+    vocab = 151936  # 149 tiles of 1024
+    assert split_layout(1, vocab, 32) == (50, 3)  # 64 wanted, whole tiles: 50 splits of 3
+    assert split_layout(64, vocab, 32) == (5, 30)
+    assert split_layout(512, vocab, 32) == (1, 149)
+    splits, per_split = split_layout(1, vocab, 64)
+    assert splits * 64 <= MAX_CANDIDATES and (splits - 1) * per_split < 149 <= splits * per_split
+
+
+# ---- in the interpreter ----
+
+
+@runs_the_interpreter
+def test_logprob_kernels_in_the_triton_interpreter() -> None:
+    """The interpreted cases below, in a child pytest whose Triton starts in interpreter mode."""
+    run_interpreted_cases(__file__, timeout_s=600)
+
+
+@interpreted
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("num_rows", "max_splits"), [(1, 1), (1, 3), (1, 64), (37, 64)])
+def test_interpreted_kernels_match_the_torch_path(dtype, num_rows, max_splits) -> None:
+    from services.scheduler.triton_logprobs import raw_logprob_columns
+
+    logits = tricky_logits(num_rows, dtype)
+    for k, num_ids in CASES if num_rows == 1 else CASES[3::2]:  # 37 rows: (2, 3), (20, 3) (the interpreter is slow)
+        targets, ids = row_inputs(num_rows, num_ids)
+        got = raw_logprob_columns(logits, targets, k, ids, block=BLOCK, max_splits=max_splits)
+        assert_columns_match(got, torch_columns(logits, targets, k, ids))
+    if num_rows == 1:  # the tie rule: 20.0 at ids 4 and V - 1, then 15.0 at five ids by id
+        assert got[2][0, :7].tolist() == [4, VOCAB - 1, 3, 130, 700, 1000, VOCAB - 2]
+
+
+@interpreted
+def test_interpreted_kernels_read_strided_rows_and_the_default_layout() -> None:
+    from services.scheduler.triton_logprobs import raw_logprob_columns
+
+    wide = tricky_logits(5, torch.float32, seed=3).repeat(1, 2)  # [5, 2V]: rows of the first half are strided
+    logits = wide[:, :VOCAB]
+    targets, ids = row_inputs(5, 3)
+    assert_columns_match(raw_logprob_columns(logits, targets, 20, ids), torch_columns(logits, targets, 20, ids))
+
+
+@interpreted
+def test_interpreted_prompt_rows_through_a_bf16_head_match_the_torch_path(monkeypatch) -> None:
+    # 40 hidden rows, 29 asked for (a subset, out of order) in chunks of 8 rows: top-2 and requested ids.
+    monkeypatch.setattr("services.scheduler.logprobs.FUSED_PROMPT_CHUNK_BYTES", 8 * 2 * VOCAB)
+    gen = torch.Generator().manual_seed(5)
+    hidden = torch.randn(40, 32, generator=gen).to(torch.bfloat16)  # [N, H]
+    weight = torch.randn(VOCAB, 32, generator=gen).to(torch.bfloat16)  # [V, H]
+    head = lambda rows: torch.nn.functional.linear(rows, weight)  # noqa: E731  [c, V] bf16, as runner.head_logits
+    rng = np.random.default_rng(6)
+    rows = rng.permutation(40)[:29].astype(np.int64)
+    queries = [LogprobQuery(rows[:20], rng.integers(0, VOCAB, 20), 2, ()), LogprobQuery(rows[20:], rng.integers(0, VOCAB, 9), 1, (5, 77))]
+    inputs = {name: torch.from_numpy(a) for name, a in logprob_inputs(queries, False, 40).items()}
+    keys = TopKKeys.build(VOCAB, "cpu")
+    got = logprobs_on_device(queries, inputs, hidden, head, keys, False, fused=True)
+    want = logprobs_on_device(queries, inputs, hidden, head, keys, False, fused=False)
+    assert_columns_match(got.columns(), want.columns())
+
+
+@interpreted
+def test_interpreted_logprob_graphs_twin_with_the_kernels_matches_the_torch_path() -> None:
+    # Padded rows (stale from the first call) go through the kernels too: every op is per row.
+    from services.scheduler.logprob_graphs import LogprobGraphs
+
+    keys = TopKKeys.build(VOCAB, "cpu")
+    graphs = LogprobGraphs(keys, capture=False, fused=True)
+    logits = tricky_logits(6, torch.float32)
+    sampled = logits.argmax(dim=-1)
+    for num_rows, k, ids in ((6, 20, (3, 9)), (3, 5, ())):
+        queries = [LogprobQuery(np.arange(num_rows), None, k, ids)]
+        inputs = {name: torch.from_numpy(a) for name, a in logprob_inputs(queries, False, 6).items()}
+        got = graphs.compute(queries, inputs, logits, False, sampled)
+        want = logprobs_on_device(queries, inputs, logits, None, keys, False, sampled)
+        assert_columns_match(got.columns(), want.columns())
+
+
+@interpreted
+def test_interpreted_core_with_the_kernels_serves_the_torch_cores_logprobs(make_core) -> None:
+    # Prompt logprobs through `runner.head_logits`, output logprobs eager and from the graphs' twin.
+    reqs = _requests(sampled=False)[:8]
+    results = [run(make_core(chunked_prefill_size=40, logprob_graphs=graphs, fused_logprobs=fused), reqs)
+               for graphs, fused in ((False, False), (True, True))]  # fmt: skip
+    want = results[0]
+    for got in results[1:]:
+        assert set(got) == set(want)
+        for rid, a in want.items():
+            b = got[rid]
+            assert a.tokens == b.tokens
+            for name in ("input_top_ids", "output_top_ids"):
+                if getattr(a, name):
+                    np.testing.assert_array_equal(b.cat(name), a.cat(name), err_msg=f"{rid} {name}")
+            for name in ("input_token", "input_top_values", "input_ids", "output_token", "output_top_values", "output_ids"):
+                if getattr(a, name):
+                    np.testing.assert_allclose(b.cat(name), a.cat(name), atol=1e-6, rtol=1e-6, err_msg=f"{rid} {name}")
