@@ -1,0 +1,237 @@
+"""The fused raw-mode logprob kernels (`triton_logprobs.py`, issue 12 points 4 and 5) against the torch
+path on one GPU, at the Qwen3-8B vocabulary (V = 151936), both in one run.
+
+Sections, each in its own try/except (one failure keeps the rest); one that would start more than
+--budget-s after the start is skipped:
+- `rows`: output rows as a decode step has them (f32 logits, bf16-valued: a bf16 model's ties), k=20,
+  per row count (1, 64, 512): ms of `logprob_columns` eagerly and replayed from a CUDA graph (CUDA
+  events, median of --repeats), torch path and kernels; max |diff| of the values (token and top-k)
+  and whether the top-k ids are equal.
+- `prompt_chunk`: one fused prompt chunk, 1024 bf16 rows, k=2, the same columns.
+- `prompt_32k`: a whole 32768-row prompt's top-2 through `logprobs_on_device` with an LM head
+  ([151936, 4096] bf16 weight) over random [32768, 4096] bf16 hidden states, each path in its own
+  chunks: ms (median of --prompt-repeats), the extra memory it allocated at its peak
+  (torch.cuda.max_memory_allocated over what was allocated before: issue 12 asks <= 1 GiB), and the
+  LM head alone over the same chunks as the floor; the same correctness columns.
+
+    PYTHONPATH=. python ops/bench/gpu_logprob_kernel_check.py --out $OUT/gpu_logprob_kernel.json
+    PYTHONPATH=. python ops/bench/gpu_logprob_kernel_check.py --device cpu --tiny --out /tmp/lpk.json  # smoke, torch only
+    TRITON_INTERPRET=1 PYTHONPATH=. python ops/bench/gpu_logprob_kernel_check.py --device cpu --tiny --out /tmp/lpk.json
+
+On CPU the kernels run only in Triton's interpreter (TRITON_INTERPRET=1); elsewhere the "kernel"
+path is left out. On CPU nothing is captured: the graph columns stay empty.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ops.bench.gpu_attention_check import deadline_sections, median_ms, rounded, section_rows
+from ops.bench.gpu_fused_check import failures
+from services.scheduler.logprobs import (
+    LogprobQuery,
+    TopKKeys,
+    logprob_columns,
+    logprob_inputs,
+    logprobs_on_device,
+    max_chunk_rows,
+)
+from services.scheduler.model.runner import triton_available
+
+REPO = Path(__file__).resolve().parents[2]
+PATHS = {"torch": False, "kernel": True}  # logprob_columns' fused switch
+
+
+@dataclass(frozen=True)
+class Shape:
+    vocab: int
+    rows: tuple[int, ...]  # output rows per step
+    top_k: int  # output rows' k
+    chunk_rows: int  # the prompt chunk section's rows
+    prompt_rows: int
+    hidden: int
+    prompt_k: int = 2
+
+
+FULL = Shape(151936, (1, 64, 512), 20, 1024, 32768, 4096)
+TINY = Shape(1000, (1, 3, 8), 20, 16, 40, 32)
+
+
+def paths_here(device: str) -> tuple[str, ...]:
+    """"torch", and "kernel" where the kernels run: CUDA with Triton, or Triton's CPU interpreter."""
+    interpreted = os.environ.get("TRITON_INTERPRET") == "1"
+    return ("torch", "kernel") if triton_available() and (device == "cuda" or interpreted) else ("torch",)
+
+
+def bf16_valued(num_rows: int, vocab: int, device: str, generator: torch.Generator) -> torch.Tensor:
+    return (4 * torch.randn(num_rows, vocab, generator=generator, device=device)).to(torch.bfloat16)  # [n, V]
+
+
+def agreement(want: tuple, got: tuple) -> dict:
+    """Max |diff| over the token and top-k values; whether the top-k ids are equal."""
+    diff = max(float((a.float() - b.float()).abs().max()) if a.numel() else 0.0 for a, b in ((want[0], got[0]), (want[1], got[1])))
+    return {"max_abs_diff": diff, "ids_equal": bool(torch.equal(want[2], got[2]))}
+
+
+def graph_ms(call, device: str, repeats: int) -> float | None:
+    """ms of one replay of `call` captured in a CUDA graph; None off CUDA."""
+    if device != "cuda":
+        return None
+    from services.scheduler.model.graphs import capture_graph
+
+    graph, _ = capture_graph(call)
+    return median_ms(graph.replay, device, repeats)
+
+
+# ---- sections ----
+
+
+def rows_section(shape: Shape, device: str, paths: tuple[str, ...], repeats: int) -> list[dict]:
+    generator = torch.Generator(device=device).manual_seed(0)
+    keys = TopKKeys.build(shape.vocab, device)
+    rows = []
+    for num_rows in shape.rows:
+        logits = bf16_valued(num_rows, shape.vocab, device, generator).float()  # f32 [n, V], as verify rows are
+        targets = logits.argmax(dim=-1)
+        row = {"rows": num_rows, "k": shape.top_k, "dtype": "float32"}
+        rows.append(_compare(row, paths, device, repeats, lambda fused: logprob_columns(logits, targets, shape.top_k, None, None, keys, fused)))
+    return rows
+
+
+def prompt_chunk_section(shape: Shape, device: str, paths: tuple[str, ...], repeats: int) -> dict:
+    generator = torch.Generator(device=device).manual_seed(1)
+    logits = bf16_valued(shape.chunk_rows, shape.vocab, device, generator)  # bf16 [c, V], as the LM head gives them
+    targets = torch.randint(0, shape.vocab, (shape.chunk_rows,), generator=generator, device=device)
+    keys = TopKKeys.build(shape.vocab, device)
+    row = {"rows": shape.chunk_rows, "k": shape.prompt_k, "dtype": "bfloat16"}
+    return _compare(row, paths, device, repeats, lambda fused: logprob_columns(logits, targets, shape.prompt_k, None, None, keys, fused))
+
+
+def _compare(row: dict, paths: tuple[str, ...], device: str, repeats: int, call) -> dict:
+    outputs = {}
+    for path in paths:
+        outputs[path] = call(PATHS[path])
+        row[f"{path}_ms"] = median_ms(lambda: call(PATHS[path]), device, repeats)
+        row[f"{path}_graph_ms"] = graph_ms(lambda: call(PATHS[path]), device, repeats)
+    if "kernel" in outputs:
+        row |= agreement(outputs["torch"], outputs["kernel"])
+    return rounded(row)
+
+
+def prompt_section(shape: Shape, device: str, paths: tuple[str, ...], repeats: int) -> dict:
+    """A whole prompt's top-k through the LM head, each path in its own chunks."""
+    generator = torch.Generator(device=device).manual_seed(2)
+    dtype = torch.bfloat16
+    hidden = (torch.randn(shape.prompt_rows, shape.hidden, generator=generator, device=device) / 4).to(dtype)  # [N, H]
+    weight = (torch.randn(shape.vocab, shape.hidden, generator=generator, device=device) / 16).to(dtype)  # [V, H]
+    targets = np.random.default_rng(3).integers(0, shape.vocab, shape.prompt_rows)
+    queries = [LogprobQuery(np.arange(shape.prompt_rows), targets, shape.prompt_k, ())]
+    inputs = {name: torch.from_numpy(a).to(device) for name, a in logprob_inputs(queries, False, shape.prompt_rows).items()}
+    keys = TopKKeys.build(shape.vocab, device)
+
+    def head(rows: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.linear(rows, weight)  # [c, V] bf16, as runner.head_logits
+
+    def run(fused: bool):
+        return logprobs_on_device(queries, inputs, hidden, head, keys, False, fused=fused)
+
+    result: dict = {"rows": shape.prompt_rows, "k": shape.prompt_k, "hidden": shape.hidden}
+    result["head_alone_ms"] = median_ms(lambda: _head_only(hidden, head, shape.vocab), device, repeats, warmup=1)
+    outputs = {}
+    for path in paths:
+        outputs[path], result[f"{path}_extra_bytes"] = _peak_extra(lambda: run(PATHS[path]), device)
+        result[f"{path}_ms"] = median_ms(lambda: run(PATHS[path]), device, repeats, warmup=0)
+    if "kernel" in outputs:
+        result |= agreement(outputs["torch"].columns(), outputs["kernel"].columns())
+    return rounded(result)
+
+
+def _head_only(hidden: torch.Tensor, head, vocab: int) -> None:
+    """The LM head over the torch path's chunks, nothing kept: the floor of either path."""
+    step = max_chunk_rows(vocab)
+    for start in range(0, hidden.shape[0], step):
+        head(hidden[start : start + step])
+
+
+def _peak_extra(call, device: str) -> tuple[object, int | None]:
+    """(call's result, bytes it allocated at its peak over what was allocated before; None off CUDA)."""
+    if device != "cuda":
+        return call(), None
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    out = call()
+    torch.cuda.synchronize()
+    return out, torch.cuda.max_memory_allocated() - before
+
+
+# ---- the run ----
+
+
+def run(args: argparse.Namespace) -> dict:
+    shape = TINY if args.tiny else FULL
+    paths = paths_here(args.device)
+    deadline = time.monotonic() + args.budget_s
+    result: dict = {"device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu", "torch": torch.__version__,
+                    "vocab": shape.vocab, "paths": list(paths)}  # fmt: skip
+    section = deadline_sections(result, deadline)
+    section("rows", lambda: rows_section(shape, args.device, paths, args.repeats))
+    section("prompt_chunk", lambda: prompt_chunk_section(shape, args.device, paths, args.repeats))
+    section("prompt_32k", lambda: prompt_section(shape, args.device, paths, args.prompt_repeats))
+    result["elapsed_s"] = round(args.budget_s - (deadline - time.monotonic()), 1)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    print(table(result))
+    return result
+
+
+def table(result: dict) -> str:
+    lines = [f"device {result['device']}, torch {result['torch']}, V {result['vocab']}, paths {'/'.join(result['paths'])}, "
+             f"{result['elapsed_s']} s", "",
+             "| what | torch ms | kernel ms | torch graph ms | kernel graph ms | max abs diff | ids equal | note |",
+             "|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    for name in ("rows", "prompt_chunk", "prompt_32k"):
+        value = result.get(name)
+        if isinstance(value, dict) and ("error" in value or "skipped" in value):
+            lines.append(f"| {name} | | | | | | | {(value.get('error') or value['skipped']).strip().splitlines()[-1][:120]} |")
+    chunk = result.get("prompt_chunk")
+    for row in [*section_rows(result, "rows"), *([chunk] if isinstance(chunk, dict) and "rows" in chunk else [])]:
+        lines.append(f"| {row['rows']} rows {row['dtype']} k={row['k']} | {row.get('torch_ms', '')} | {row.get('kernel_ms', '')} | "
+                     f"{row.get('torch_graph_ms') or ''} | {row.get('kernel_graph_ms') or ''} | {row.get('max_abs_diff', '')} | "
+                     f"{row.get('ids_equal', '')} | |")  # fmt: skip
+    prompt = result.get("prompt_32k") or {}
+    if "torch_ms" in prompt:
+        extra = {path: prompt.get(f"{path}_extra_bytes") for path in PATHS}
+        gib = ", ".join(f"{path} +{value / 2**30:.2f} GiB" for path, value in extra.items() if value is not None)
+        lines.append(f"| prompt {prompt['rows']} rows k={prompt['k']} via LM head | {prompt['torch_ms']} | {prompt.get('kernel_ms', '')} | | | "
+                     f"{prompt.get('max_abs_diff', '')} | {prompt.get('ids_equal', '')} | head alone {prompt['head_alone_ms']} ms; "
+                     f"peak extra {gib or 'n/a'} |")  # fmt: skip
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", default="cuda", help="cuda; cpu for the smoke run (with --tiny)")
+    parser.add_argument("--tiny", action="store_true", help="V=1000, a few rows, a 40-row prompt (smoke)")
+    parser.add_argument("--repeats", type=int, default=30, help="timed calls per row measurement (median)")
+    parser.add_argument("--prompt-repeats", type=int, default=3, help="timed whole-prompt calls per path (median)")
+    parser.add_argument("--budget-s", type=float, default=60.0, help="sections not started this long after the start are skipped")
+    parser.add_argument("--out", type=Path, default=REPO / "ops/bench/results/gpu_logprob_kernel.json")
+    args = parser.parse_args(argv)
+    result = run(args)
+    mismatched = [name for name in ("rows", "prompt_chunk", "prompt_32k")
+                  for row in (section_rows(result, name) or [result.get(name) or {}]) if row.get("ids_equal") is False]  # fmt: skip
+    return 1 if failures(result) or mismatched else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,51 @@
+"""ops/bench/gpu_logprob_kernel_check.py in its CPU smoke mode (V=1000): without Triton's interpreter the
+torch path alone; in it (skipped without Triton; CI has none) the kernels too, compared, so every
+branch the GPU run takes, capture, CUDA events and memory peaks aside, has run before the GPU call."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from ops.bench import gpu_logprob_kernel_check
+
+REPO = Path(__file__).resolve().parents[3]
+SMOKE = ["--device", "cpu", "--tiny", "--repeats", "1", "--prompt-repeats", "1"]
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason="the interpreted run is the test below")
+def test_cpu_tiny_run_without_the_kernels_times_the_torch_path(tmp_path, capsys) -> None:
+    out = tmp_path / "lpk.json"
+    assert gpu_logprob_kernel_check.main([*SMOKE, "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["paths"] == ["torch"]
+    assert [row["rows"] for row in result["rows"]] == [1, 3, 8] and all(row["torch_ms"] > 0 for row in result["rows"])
+    assert "kernel_ms" not in result["prompt_chunk"] and result["prompt_32k"]["torch_extra_bytes"] is None
+    assert "| prompt 40 rows k=2 via LM head |" in capsys.readouterr().out
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason="the kernels are faked here")
+def test_ids_that_differ_fail_the_run(tmp_path, monkeypatch) -> None:
+    monkeypatch.setattr(gpu_logprob_kernel_check, "paths_here", lambda device: ("torch", "kernel"))
+    monkeypatch.setattr(gpu_logprob_kernel_check, "PATHS", {"torch": False, "kernel": False})  # the torch path twice
+    monkeypatch.setattr(gpu_logprob_kernel_check, "agreement", lambda want, got: {"max_abs_diff": 0.0, "ids_equal": False})
+    assert gpu_logprob_kernel_check.main([*SMOKE, "--out", str(tmp_path / "lpk.json")]) == 1
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs Triton's interpreter")
+def test_cpu_tiny_run_in_the_triton_interpreter_compares_both_paths(tmp_path) -> None:
+    out = tmp_path / "lpk.json"
+    command = [sys.executable, str(REPO / "ops/bench/gpu_logprob_kernel_check.py"), *SMOKE, "--out", str(out)]
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(REPO)}
+    done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert result["paths"] == ["torch", "kernel"]
+    rows = [*result["rows"], result["prompt_chunk"], result["prompt_32k"]]
+    assert all(row["ids_equal"] is True and row["max_abs_diff"] < 2e-6 and row["kernel_ms"] > 0 for row in rows)
