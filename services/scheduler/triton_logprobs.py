@@ -18,10 +18,10 @@ the host: CUDA-graph safe.
 2. `_candidates_kernel`: each program merges its row's S partials (m = max m_s, L = log sum_s l_s
    exp(m_s - m): every program of the row computes the same two numbers the same way), scans its
    split again with logprob = (x - m) - L (log_softmax's own order of operations, so values match
-   torch to rounding of L) and keeps its split's K_PAD best as unique int64 keys: the fp32 logprob's
+   torch to rounding of L) and keeps its split's k best (in K_PAD >= k slots) as unique int64 keys: the fp32 logprob's
    bits made order-preserving in the high half, 2^32 - 1 - id in the low half, so a larger key is a
    larger logprob and, among equal logprobs, the smaller id. A tile does insertion work only while
-   its best key beats the K_PAD-th kept (threshold pruning: most tiles cost one max).
+   its best key beats the k-th kept (threshold pruning: most tiles cost one max).
 3. `_finish_kernel` (grid [c]): the same m and L, the target's and requested ids' logprobs (gathers
    of x, same formula), and the top-k of the row's S * K_PAD candidates by k rounds of max, unpacked
    to value and id. The row's top-k is in the union of every split's top-k, so it is exact.
@@ -44,6 +44,7 @@ MAX_SPLITS = 64
 TARGET_PROGRAMS = 264  # 2 per SM of the H200's 132
 MAX_CANDIDATES = 4096  # S * K_PAD: what `_finish_kernel` holds in registers for one row
 NO_KEY = tl.constexpr(-(2**63 - 1))  # below every key of a non-NaN logprob (their high half >= -2139095041)
+OUT_OF_PLAY = tl.constexpr(2**63 - 1)  # above every key: a candidate slot past k, never the minimum, stored as NO_KEY
 
 
 def split_layout(num_rows: int, vocab_size: int, k_pad: int, block: int = BLOCK, most: int = MAX_SPLITS) -> tuple[int, int]:
@@ -84,7 +85,7 @@ def raw_logprob_columns(
     candidates = maxes  # unread when k == 0
     if k > 0:
         candidates = torch.empty(num_rows, splits, k_pad, dtype=torch.int64, device=device)  # [c, S, K_PAD]
-        _candidates_kernel[(num_rows, splits)](logits, maxes, sums, candidates, logits.stride(0), vocab, per_split,
+        _candidates_kernel[(num_rows, splits)](logits, maxes, sums, candidates, logits.stride(0), vocab, per_split, k,
                                                K_PAD=k_pad, **layout)  # fmt: skip
     ids = ids.contiguous() if ids is not None else targets  # unread when m == 0
     _finish_kernel[(num_rows,)](logits, maxes, sums, candidates, targets.contiguous(), ids, token, values, top_ids, requested,
@@ -135,7 +136,7 @@ def _key(logprob, col):
 
 
 @triton.jit
-def _candidates_kernel(logits_ptr, max_ptr, sum_ptr, cand_ptr, stride_row, vocab_size, tiles_per_split,
+def _candidates_kernel(logits_ptr, max_ptr, sum_ptr, cand_ptr, stride_row, vocab_size, tiles_per_split, k,
                        NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr, BLOCK: tl.constexpr, K_PAD: tl.constexpr):  # fmt: skip
     row, split = tl.program_id(0), tl.program_id(1)
     m, lse = _row_lse(max_ptr, sum_ptr, row, NUM_SPLITS, SPLITS_PAD)
@@ -144,7 +145,9 @@ def _candidates_kernel(logits_ptr, max_ptr, sum_ptr, cand_ptr, stride_row, vocab
     end = tl.minimum(first + tiles_per_split * BLOCK, vocab_size)
     cols = tl.arange(0, BLOCK)
     slots = tl.arange(0, K_PAD)
-    best = NO_KEY + slots.to(tl.int64)  # [K_PAD] kept keys; distinct sentinels, so the minimum is one slot
+    # [K_PAD] kept keys: k slots in play, from distinct sentinels (so the minimum is one slot); the rest
+    # out of play, so a tile stops inserting once it no longer beats the k-th kept, not the K_PAD-th.
+    best = tl.where(slots < k, NO_KEY + slots.to(tl.int64), OUT_OF_PLAY)
     kth = tl.min(best, 0)
     for start in range(first, end, BLOCK):
         offs = start + cols
@@ -156,7 +159,7 @@ def _candidates_kernel(logits_ptr, max_ptr, sum_ptr, cand_ptr, stride_row, vocab
             kth = tl.min(best, 0)
             key = tl.where(key == top, NO_KEY, key)
             top = tl.max(key, 0)
-    tl.store(cand_ptr + (row * NUM_SPLITS + split) * K_PAD + slots, best)
+    tl.store(cand_ptr + (row * NUM_SPLITS + split) * K_PAD + slots, tl.where(slots < k, best, NO_KEY))
 
 
 @triton.jit

@@ -140,7 +140,7 @@ def test_kernels_compile_for_the_h200(pointer) -> None:
               "top_ids_ptr": "*i32", "requested_ptr": f32, "stride_row": i32, "num_ids": i32, "k": i32}  # fmt: skip
     specs = [
         (kernels._partial_lse_kernel, {**common, **scan}, {"NUM_SPLITS": 64, "BLOCK": 1024}),
-        (kernels._candidates_kernel, {**common, "cand_ptr": "*i64", **scan}, {**layout, "BLOCK": 1024, "K_PAD": 32}),
+        (kernels._candidates_kernel, {**common, "cand_ptr": "*i64", **scan, "k": i32}, {**layout, "BLOCK": 1024, "K_PAD": 32}),
         (kernels._finish_kernel, {**common, **finish},
          {**layout, "NUM_CANDIDATES": 2048, "CANDIDATES_PAD": 2048, "IDS_PAD": 4, "HAS_TOP_K": True}),
     ]  # fmt: skip
