@@ -22,6 +22,7 @@ All on the Qwen3-8B shape with dummy bf16 weights (`ops/model_configs/Qwen3-8B`)
 
     python ops/bench/gpu_core_check.py --before .devcarry/before --out $OUT/gpu_core.json
     python ops/bench/gpu_core_check.py --logprob-cost --out $OUT/gpu_core_logprobs.json  # core, DSpark, syncs, the last two
+    python ops/bench/gpu_core_check.py --logprob-cost --fused-logprobs --out $OUT/gpu_core_logprobs_fused.json  # the same, kernels
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ import torch
 from contracts.scheduler import LogprobParams, SamplingParams
 from services.scheduler.core import SchedulerCore
 from services.scheduler.model.loader import load_model_runner
+from services.scheduler.model.runner import triton_available
 from services.scheduler.request import SchedulerRequest
 from services.scheduler.spec.accept import VerifyBlock
 from services.scheduler.worker import ModelWorker
@@ -98,11 +100,12 @@ def time_core(core, reqs, warm_steps: int = 3) -> dict:
 LOGPROB_RUNS = (("plain", LogprobParams(), False), ("top20", TOP20, False), ("top20_graphs", TOP20, True))
 
 
-def core_rows(runner, batches, prompt_len, new_tokens) -> list[dict]:
+def core_rows(runner, batches, prompt_len, new_tokens, fused: bool = False) -> list[dict]:
     rows = []
     for batch in batches:
         for name, logprobs, graphs in LOGPROB_RUNS:
-            core = SchedulerCore(runner, max_running_requests=max(batches), chunked_prefill_size=16384, logprob_graphs=graphs)
+            core = SchedulerCore(runner, max_running_requests=max(batches), chunked_prefill_size=16384, logprob_graphs=graphs,
+                                 fused_logprobs=fused)  # fmt: skip
             time_core(core, requests(batch, 16, 6, runner.config.vocab_size, logprobs, "w"))  # warm-up
             row = time_core(core, requests(batch, prompt_len, new_tokens, runner.config.vocab_size, logprobs, "r"))
             rows.append({"batch": batch, "logprobs": name, **row})
@@ -153,12 +156,13 @@ def kernel_rows(context: int = 256) -> list[dict]:
     return rows
 
 
-def sync_count(runner, batch: int, logprob_graphs: bool = False) -> dict:
+def sync_count(runner, batch: int, logprob_graphs: bool = False, fused: bool = False) -> dict:
     """Synchronizing calls during decode steps, as torch's sync debug mode reports them (after two
     warm steps: logprob graphs are captured in those)."""
     if runner.device.type != "cuda":
         return {"batch": batch, "logprob_graphs": logprob_graphs, "syncs_per_decode_step": None}
-    core = SchedulerCore(runner, max_running_requests=batch, chunked_prefill_size=16384, logprob_graphs=logprob_graphs)
+    core = SchedulerCore(runner, max_running_requests=batch, chunked_prefill_size=16384, logprob_graphs=logprob_graphs,
+                         fused_logprobs=fused)  # fmt: skip
     for r in requests(batch, 32, 12, runner.config.vocab_size, TOP20, "s"):
         core.add(r)
     core.step()
@@ -174,7 +178,7 @@ def sync_count(runner, batch: int, logprob_graphs: bool = False) -> dict:
     return {"batch": batch, "logprob_graphs": logprob_graphs, "syncs_per_decode_step": counts, "host_reads_per_step": 1}
 
 
-def dspark_rows(runner, draft: Path, batches, prompt_len, new_tokens, accept_len) -> list[dict]:
+def dspark_rows(runner, draft: Path, batches, prompt_len, new_tokens, accept_len, fused: bool = False) -> list[dict]:
     from services.scheduler.spec.dspark_loader import load_dspark_proposer
 
     proposer = load_dspark_proposer(draft, runner, load_format="dummy")
@@ -190,7 +194,8 @@ def dspark_rows(runner, draft: Path, batches, prompt_len, new_tokens, accept_len
     for batch in batches:
         for repeat, (name, logprobs, graphs) in enumerate(runs):
             core = SchedulerCore(runner, max_running_requests=max(batches), chunked_prefill_size=16384, proposer=proposer,
-                                 make_worker=functools.partial(SimulatedAcceptWorker, accept_len), logprob_graphs=graphs)  # fmt: skip
+                                 make_worker=functools.partial(SimulatedAcceptWorker, accept_len), logprob_graphs=graphs,
+                                 fused_logprobs=fused)  # fmt: skip
             # warm-up as long as the timed run: draft graphs are captured on first use per context bucket,
             # and a shorter warm-up left the last bucket's capture inside pass 1 (its slow first pass)
             time_core(core, requests(batch, prompt_len, new_tokens, runner.config.vocab_size, logprobs, "w"))
@@ -264,7 +269,7 @@ def top20_cost(result: dict) -> list[dict]:
     return rows
 
 
-def logprob_path_rows(runner, batches, width: int, k: int = 20, repeat: int = 20) -> list[dict]:
+def logprob_path_rows(runner, batches, width: int, k: int = 20, repeat: int = 20, fused: bool = False) -> list[dict]:
     """`logprobs_on_device` alone, raw top-k for every row, as a step of `batch` requests with 1 row
     each (plain decode) or `width` rows each (DSpark verify) lays it out, on bf16-rounded random
     logits of the target's vocabulary (ties as a bf16 model has them). Median ms per call of: the
@@ -287,9 +292,9 @@ def logprob_path_rows(runner, batches, width: int, k: int = 20, repeat: int = 20
             sampled = logits.argmax(dim=-1)  # [n]
 
             def call():
-                return logprobs_on_device(queries, inputs, logits, None, keys, False, sampled)
+                return logprobs_on_device(queries, inputs, logits, None, keys, False, sampled, fused)
 
-            graphs = LogprobGraphs(keys, capture=device.type == "cuda")
+            graphs = LogprobGraphs(keys, capture=device.type == "cuda", fused=fused)
 
             def graphed():
                 return graphs.compute(queries, inputs, logits, False, sampled)
@@ -456,6 +461,8 @@ def main() -> None:
                         help="a trained target and its DSpark drafter: accept length and tok/s against plain")
     parser.add_argument("--logprob-cost", action="store_true",
                         help="only the top-20 cost: core and DSpark rows, plain and top-20, the logprob path alone, syncs")
+    parser.add_argument("--fused-logprobs", action="store_true",
+                        help="raw-mode logprobs from the Triton kernels (triton_logprobs.py) in every core and the path alone (CUDA)")
     parser.add_argument("--out", type=Path, default=REPO / "ops/bench/results/gpu_core.json")
     args = parser.parse_args()
     if args.core_only:
@@ -466,14 +473,15 @@ def main() -> None:
     runner = load_model_runner(args.target, device=args.device, dtype=_dtype(args.device), load_format="dummy", cuda_graphs=False)
     if runner.decode_kernel:
         runner.prepare_decode_graphs(query_lens=(1, 8))
-    result["core"] = core_rows(runner, args.batches, args.prompt_len, args.new_tokens)
+    fused = result["fused_logprobs"] = args.fused_logprobs and runner.device.type == "cuda" and triton_available()
+    result["core"] = core_rows(runner, args.batches, args.prompt_len, args.new_tokens, fused)
     if not args.logprob_cost:
         result["graph"] = graph_rows(runner, args.batches, (1, 8))
         result["kernels"] = kernel_rows() if args.device == "cuda" else []
-    result["syncs"] = [sync_count(runner, b, graphs) for b in args.batches for graphs in (False, True)]  # top-20 logprobs
-    result["dspark"] = dspark_rows(runner, args.draft, args.batches, args.prompt_len, args.new_tokens, args.simulate_accept_len)
+    result["syncs"] = [sync_count(runner, b, graphs, fused) for b in args.batches for graphs in (False, True)]  # top-20 logprobs
+    result["dspark"] = dspark_rows(runner, args.draft, args.batches, args.prompt_len, args.new_tokens, args.simulate_accept_len, fused)
     result["top20_cost"] = top20_cost(result)
-    result["logprob_path"] = logprob_path_rows(runner, args.batches, result["dspark"][0]["gamma"] + 1)
+    result["logprob_path"] = logprob_path_rows(runner, args.batches, result["dspark"][0]["gamma"] + 1, fused=fused)
     if args.pair is not None and not args.logprob_cost:
         result["pair"] = pair_rows(*args.pair, (1, 16), args.new_tokens, args.device)
     args.out.parent.mkdir(parents=True, exist_ok=True)

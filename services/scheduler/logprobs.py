@@ -144,6 +144,7 @@ def logprobs_on_device(
         sampling = {name: t[chunk] for name, t in inputs.items() if name in SAMPLING_INPUTS} if processed else None
         ids = inputs["ids"][chunk] if "ids" in inputs else None
         parts.append(logprob_columns(logits, targets[chunk], k, ids, sampling, keys, fused))
+        del logits  # freed before the next chunk's are made: one chunk's logits at a time
     if len(parts) == 1:
         return RowLogprobs(*parts[0])
     return RowLogprobs(*(torch.cat(column) for column in zip(*parts, strict=True)))

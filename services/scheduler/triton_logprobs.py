@@ -5,8 +5,9 @@ by the smaller id), top-k ids int32 [c, k], requested ids' logprobs [c, m].
 
 Imported lazily, only where Triton runs (`logprobs.runs_fused`: the caller's switch, on CUDA with
 Triton; the interpreter in tests). Why this shape: the torch path's cost at 64-512 rows is its two
-top-k passes over [c, V] and their [c, V] temporaries; here the row is read twice (memory-bound, ~0.1
-ms for 512 fp32 rows of the 8B vocabulary on an H200) and nothing of size [c, V] is written, so the
+top-k passes over [c, V] and their [c, V] temporaries; here the row is read twice (512 fp32 rows of
+the 8B vocabulary: 2 x 311 MB, ~0.13 ms at the H200's bandwidth; an estimate until
+ops/bench/gpu_logprob_kernel_check.py measures it) and nothing of size [c, V] is written, so the
 prompt path can hand over bf16 logits (no f32 copy) in chunks of 1024 rows.
 
 Each row is cut into S splits of whole BLOCK-column tiles, one program each (grid [c, S]); S comes
@@ -18,10 +19,11 @@ the host: CUDA-graph safe.
 2. `_candidates_kernel`: each program merges its row's S partials (m = max m_s, L = log sum_s l_s
    exp(m_s - m): every program of the row computes the same two numbers the same way), scans its
    split again with logprob = (x - m) - L (log_softmax's own order of operations, so values match
-   torch to rounding of L) and keeps its split's k best (in K_PAD >= k slots) as unique int64 keys: the fp32 logprob's
-   bits made order-preserving in the high half, 2^32 - 1 - id in the low half, so a larger key is a
-   larger logprob and, among equal logprobs, the smaller id. A tile does insertion work only while
-   its best key beats the k-th kept (threshold pruning: most tiles cost one max).
+   torch to rounding of L) and keeps its split's k best (in K_PAD >= k slots) as unique int64 keys:
+   the fp32 logprob's bits made order-preserving in the high half, 2^32 - 1 - id in the low half,
+   so a larger key is a larger logprob and, among equal logprobs, the smaller id. A tile does
+   insertion work only while its best key beats the k-th kept (threshold pruning: most tiles cost
+   one max).
 3. `_finish_kernel` (grid [c]): the same m and L, the target's and requested ids' logprobs (gathers
    of x, same formula), and the top-k of the row's S * K_PAD candidates by k rounds of max, unpacked
    to value and id. The row's top-k is in the union of every split's top-k, so it is exact.

@@ -141,8 +141,8 @@ def test_kernels_compile_for_the_h200(pointer) -> None:
     specs = [
         (kernels._partial_lse_kernel, {**common, **scan}, {"NUM_SPLITS": 64, "BLOCK": 1024}),
         (kernels._candidates_kernel, {**common, "cand_ptr": "*i64", **scan, "k": i32}, {**layout, "BLOCK": 1024, "K_PAD": 32}),
-        (kernels._finish_kernel, {**common, **finish},
-         {**layout, "NUM_CANDIDATES": 2048, "CANDIDATES_PAD": 2048, "IDS_PAD": 4, "HAS_TOP_K": True}),
+        *((kernels._finish_kernel, {**common, **finish},
+           {**layout, "NUM_CANDIDATES": 2048, "CANDIDATES_PAD": 2048, "IDS_PAD": 4, "HAS_TOP_K": has}) for has in (False, True)),
     ]  # fmt: skip
     for kernel, signature, constants in specs:
         source = ASTSource(kernel, {**signature, **dict.fromkeys(constants, "constexpr")}, constants)
