@@ -65,7 +65,7 @@ LOGPROBS = {
 }
 # piece -> (owner, attribute) of the functions timed for it; an absent attribute is left out (older trees)
 PIECES = {
-    "schedule": [(policy_module.Policy, "schedule")],
+    "schedule": [(policy_module.Policy, "schedule"), (policy_module.Policy, "follow_decodes")],  # overlapped: the latter
     "inputs": [(worker_module, "_lay_out"), (worker_module.ModelWorker, "_logprob_queries"),
                (worker_module.ModelWorker, "_host_arrays"), (worker_module._LogprobQueries, "inputs"),
                (HostUpload, "send")],  # fmt: skip
