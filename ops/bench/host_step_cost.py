@@ -4,7 +4,8 @@ What a decode step costs the host around the device work, piece by piece, on the
 (fp32): each piece's functions are wrapped with a timer while the core decodes (its tokens are the
 model's; nothing is simulated), and the output of each step is packed as the service publishes it:
 
-- schedule:  `Policy.schedule` (admission, KV reservation, the plan of every sequence)
+- schedule:  `Policy.schedule` (admission, KV reservation, the plan of every sequence), or
+             `Policy.follow_decodes` for a step planned by overlapped decoding
 - inputs:    the worker's host arrays: layout, logprob queries and their inputs, `HostUpload.send`
 - unpack:    the readback's columns -> per-sequence `SeqResult`s (`_Handles.results`; the copy itself untimed)
 - update:    `Policy.update` (tokens, finishes, logprob entries -> `RequestOutput`s)
