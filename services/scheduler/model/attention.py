@@ -16,6 +16,8 @@ On CUDA, ragged steps take a `VarlenPlan` instead of the SDPA groups: one Triton
 kernel (`triton_varlen.py`) over the paged cache for every sequence of the step, whatever its
 query length, launched over a tile map the host builds from the lengths it already has. Its torch
 twin, `varlen_attention_torch`, is the same per-token gather as the decode twin (small shapes only).
+A plan built with a `DenseConfig` leaves the step's long queries out of the tile map and attends
+them with torch SDPA over gathered K/V (`dense_attention.py`: cuDNN is faster there).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from services.scheduler.model.batch import ForwardBatch
+from services.scheduler.model.dense_attention import DenseConfig, DensePlan, attend_dense, plan_dense
 
 MAX_BATCHED_QUERY_LEN = 16  # longer queries are prefill chunks, attended one sequence at a time
 
@@ -70,6 +73,7 @@ class VarlenPlan:
     tiles: torch.Tensor  # int32 [2, num_tiles]: each tile's sequence, and its first query index in it
     block_m: int  # query tokens per tile
     use_kernel: bool  # True: the Triton kernel; False: the torch twin
+    dense: DensePlan | None = None  # sequences attended by SDPA instead (no tiles); None: none
 
 
 MAX_TILE_ROWS = 128  # query rows (tokens x GQA group) per kernel program
@@ -100,18 +104,38 @@ def query_tiles(query_lens: list[int], seq_lens: list[int], block_m: int) -> lis
     return sorted(tiles, key=keys_read, reverse=True)
 
 
-def plan_varlen(batch: ForwardBatch, group: int, use_kernel: bool = True, max_rows: int = MAX_TILE_ROWS) -> VarlenPlan:
+def plan_varlen(
+    batch: ForwardBatch,
+    group: int,
+    use_kernel: bool = True,
+    max_rows: int = MAX_TILE_ROWS,
+    dense: DenseConfig | None = None,
+) -> VarlenPlan:
     """The tile map of a ragged step, built on the host and uploaded once (no host sync when the
-    batch carries its lengths on the host). group: query heads per kv head."""
+    batch carries its lengths on the host). group: query heads per kv head. dense: queries of at
+    least `dense.min_query_len` tokens get no tiles and go through `dense_attention` instead."""
     starts, seq_lens = host_lengths(batch)
     query_lens = [end - start for start, end in zip(starts, starts[1:])]
+    query_lens, dense_plan = _split_dense(starts, seq_lens, query_lens, dense)
     block_m = tile_tokens(max(query_lens, default=1), group, max_rows)
     device = batch.input_ids.device
     tiles = torch.tensor(query_tiles(query_lens, seq_lens, block_m), dtype=torch.int32).reshape(-1, 2).T.contiguous()
     if device.type == "cuda":
         tiles = tiles.pin_memory()
     tiles = tiles.to(device, non_blocking=True)  # [2, num_tiles]
-    return VarlenPlan(batch.query_start_loc, batch.seq_lens, batch.block_tables, tiles, block_m, use_kernel)
+    return VarlenPlan(batch.query_start_loc, batch.seq_lens, batch.block_tables, tiles, block_m, use_kernel, dense_plan)
+
+
+def _split_dense(
+    starts: list[int], seq_lens: list[int], query_lens: list[int], dense: DenseConfig | None
+) -> tuple[list[int], DensePlan | None]:
+    """(the query lengths the tile map covers, dense sequences' set to 0; the dense plan, None when
+    no sequence is long enough)."""
+    plan = plan_dense(starts, seq_lens, dense) if dense is not None else None
+    if plan is None or not plan.sequences:
+        return query_lens, None
+    taken = {s.seq for s in plan.sequences}
+    return [0 if b in taken else n for b, n in enumerate(query_lens)], plan
 
 
 def plan_attention(batch: ForwardBatch, block_size: int) -> AttentionPlan:
@@ -227,8 +251,12 @@ def varlen_attention(
     if plan.use_kernel:  # where Triton is
         from services.scheduler.model.triton_varlen import varlen_attention_triton
 
-        return varlen_attention_triton(query, key_cache, value_cache, *tensors, plan.tiles, plan.block_m, scale)
-    return varlen_attention_torch(query, key_cache, value_cache, *tensors, scale)
+        out = varlen_attention_triton(query, key_cache, value_cache, *tensors, plan.tiles, plan.block_m, scale)
+    else:  # the twin computes the dense rows too; attend_dense overwrites them
+        out = varlen_attention_torch(query, key_cache, value_cache, *tensors, scale)
+    if plan.dense is not None:  # rows the kernel left unwritten (no tiles)
+        attend_dense(query, key_cache, value_cache, plan.block_tables, plan.dense, scale, out)
+    return out
 
 
 def varlen_attention_torch(
