@@ -9,6 +9,8 @@ verify blocks of per-request lengths) run on CUDA through the Triton varlen kern
 host-built tile map (`VarlenPlan`), elsewhere through the ragged SDPA groups; once
 `prepare_ragged_graphs` has been called, those within its ladders are padded to a (sequence rung,
 token rung, block_m) key and replayed from CUDA graphs captured on first use (`ragged_graphs.py`).
+With `dense_prefill` set, a ragged step's long queries are attended by torch SDPA over gathered
+K/V instead of the varlen kernel (`dense_attention.py`); such steps run eagerly, never from a graph.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from services.scheduler.flags import DEFAULT_SPLIT_KV_DECODE
 from services.scheduler.model.attention import DecodePlan, plan_varlen
 from services.scheduler.model.batch import ForwardBatch, ForwardOutput
 from services.scheduler.model.config import ModelConfig
+from services.scheduler.model.dense_attention import DenseConfig
 from services.scheduler.model.graphs import DEFAULT_LADDER, DecodeGraphRunner, uniform_query_len
 from services.scheduler.model.kv_cache import PagedKVCache
 from services.scheduler.model.kv_splits import num_kv_splits
@@ -74,6 +77,10 @@ class ModelRunner:
         self.fused_kernels = on_cuda_with_triton if fused_kernels is None else fused_kernels
         self._split_kv_decode = split_kv_decode
         self._num_sms = device_sms(kv_cache.kv.device) if num_sms is None else num_sms
+        # Long queries of ragged steps on the kernel path through SDPA (`dense_attention.py`); None:
+        # off until the H200 check (ops/bench/gpu_prefill_attention_check.py) says it pays. Graphs
+        # capture no dense call, so this may be switched at any time.
+        self.dense_prefill: DenseConfig | None = None
 
     def prepare_decode_graphs(
         self,
@@ -194,11 +201,12 @@ class ModelRunner:
             return self.decode_graphs.run(batch, query_len)
         if query_len is not None and self.decode_kernel:
             return ForwardOutput(*self.model(batch, self.kv_cache, self.decode_plan(batch, query_len)))
-        if query_len is None and self.ragged_graphs is not None and self.ragged_graphs.fits(batch):
+        graphable = self.ragged_graphs is not None and not self._has_dense_query(batch)
+        if query_len is None and graphable and self.ragged_graphs.fits(batch):
             return self.ragged_graphs.run(batch)
         if query_len is None and self.ragged_kernel:
-            group = self.config.num_queries_per_kv
-            return ForwardOutput(*self.model(batch, self.kv_cache, plan_varlen(batch, group)))
+            plan = plan_varlen(batch, self.config.num_queries_per_kv, dense=self.dense_prefill)
+            return ForwardOutput(*self.model(batch, self.kv_cache, plan))
         hidden, captured = self.model(batch, self.kv_cache)
         return ForwardOutput(hidden_states=hidden, captured=captured)
 
@@ -214,6 +222,14 @@ class ModelRunner:
     @torch.inference_mode()
     def embed_tokens(self, ids: torch.Tensor) -> torch.Tensor:
         return self.model.model.embed_tokens(ids.to(self.device))  # [..., H]
+
+    def _has_dense_query(self, batch: ForwardBatch) -> bool:
+        """A query the dense path takes: the ragged graphs' token ladder reaches the chunk budget, so
+        long prefill chunks do fit captured shapes, but a dense call's shapes change with every step
+        (gathered keys: seq_len), so such a step runs eagerly. Without host lengths no graph fits anyway."""
+        if self.dense_prefill is None or batch.host_query_lens is None:
+            return False
+        return max(batch.host_query_lens, default=0) >= self.dense_prefill.min_query_len
 
     def _on_device(self, batch: ForwardBatch) -> ForwardBatch:
         if batch.input_ids.device == self.device:

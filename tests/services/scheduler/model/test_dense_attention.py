@@ -163,3 +163,32 @@ def test_interpreted_kernel_leaves_dense_rows_to_the_dense_path(mask) -> None:
     no_dense = dataclasses.replace(plan, dense=None)
     assert not torch.allclose(varlen_attention(inputs[0], inputs[1], inputs[2], no_dense, SCALE)[dense_rows(query_lens)],
                               got[dense_rows(query_lens)])  # fmt: skip
+
+
+def test_runner_sends_dense_steps_around_the_ragged_graphs_and_matches_the_sdpa_groups(make_pager, monkeypatch) -> None:
+    from services.scheduler.model import runner as runner_module
+    from tests.services.scheduler.model.test_varlen_attention import prefilled_runner
+
+    runner, mixed = prefilled_runner(make_pager)  # a 20-token chunk with context, a decode, a verify block
+    mixed = dataclasses.replace(mixed, host_query_lens=(20, 1, 4), host_seq_lens=(40, 13, 14))
+    kv = runner.kv_cache.kv.clone()
+    expected = runner.forward(mixed).hidden_states  # the SDPA groups (CPU default)
+    plans = []
+
+    def twin_plan(batch, group, **options):
+        plans.append(plan_varlen(batch, group, use_kernel=False, **options))
+        return plans[-1]
+
+    monkeypatch.setattr(runner_module, "plan_varlen", twin_plan)
+    runner.ragged_kernel = True
+    runner.prepare_ragged_graphs(capture=False)
+    runner.dense_prefill = DenseConfig(min_query_len=16)
+    replayed = []
+    monkeypatch.setattr(runner.ragged_graphs, "run", lambda batch: replayed.append(batch))
+    runner.kv_cache.kv.copy_(kv)
+    got = runner.forward(mixed).hidden_states
+    assert not replayed and [s.seq for s in plans[-1].dense.sequences] == [0]
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+    runner.dense_prefill = DenseConfig(min_query_len=21)  # no query that long: the graphs take the step
+    runner.forward(mixed)
+    assert len(replayed) == 1

@@ -121,9 +121,9 @@ def test_runner_sends_ragged_steps_to_the_varlen_plan_and_uniform_ones_elsewhere
     runner, mixed = prefilled_runner(make_pager)
     planned = []
 
-    def twin_plan(batch, group):
+    def twin_plan(batch, group, **options):
         planned.append(batch.num_tokens)
-        return plan_varlen(batch, group, use_kernel=False)
+        return plan_varlen(batch, group, use_kernel=False, **options)
 
     monkeypatch.setattr(runner_module, "plan_varlen", twin_plan)
     runner.ragged_kernel = True
