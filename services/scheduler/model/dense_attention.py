@@ -47,10 +47,13 @@ class DenseConfig:
     min_query_len: int = DENSE_MIN_QUERY_LEN
     mask: str = DEFAULT_DENSE_MASK  # one of DENSE_MASKS, for queries with context (see the module doc)
     expand_kv: bool = False  # repeat K/V to every query head before the calls (instead of native GQA)
+    lse_backends: tuple[str, ...] = LSE_BACKENDS  # "merge" on CUDA: the ops tried, in order
 
     def __post_init__(self) -> None:
         if self.mask not in DENSE_MASKS:
             raise ValueError(f"mask must be one of {DENSE_MASKS}, got {self.mask!r}")
+        if not self.lse_backends or not set(self.lse_backends) <= set(LSE_BACKENDS):
+            raise ValueError(f"lse_backends must be drawn from {LSE_BACKENDS}, got {self.lse_backends}")
         if self.min_query_len < 1:
             raise ValueError(f"min_query_len must be positive, got {self.min_query_len}")
 
@@ -116,8 +119,9 @@ def sequence_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale:
         from torch.nn.attention.bias import causal_lower_right
 
         return sdpa(q, k, v, scale, attn_mask=causal_lower_right(q_len, num_keys))
-    o_a, lse_a = attention_with_lse(q, k[:, :, :context], v[:, :, :context], scale, causal=False)
-    o_b, lse_b = attention_with_lse(q, k[:, :, context:], v[:, :, context:], scale, causal=True)
+    backends = config.lse_backends
+    o_a, lse_a = attention_with_lse(q, k[:, :, :context], v[:, :, :context], scale, False, backends)
+    o_b, lse_b = attention_with_lse(q, k[:, :, context:], v[:, :, context:], scale, True, backends)
     return merge_by_lse(o_a, lse_a, o_b, lse_b).to(q.dtype)
 
 
@@ -147,13 +151,19 @@ def merge_by_lse(o_a: torch.Tensor, lse_a: torch.Tensor, o_b: torch.Tensor, lse_
 
 
 def attention_with_lse(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float,
+    causal: bool,
+    backends: tuple[str, ...] = LSE_BACKENDS,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(out [B, Hq, q, D], lse fp32 [B, Hq, q]); causal: top-left (square calls only)."""
+    """(out [B, Hq, q, D], lse fp32 [B, Hq, q]); causal: top-left (square calls only). On CUDA the
+    first of `backends` whose op takes these inputs; elsewhere the fp32 twin."""
     if not q.is_cuda:
         return attention_with_lse_torch(q, k, v, scale, causal)
     errors = []
-    for backend in LSE_BACKENDS:
+    for backend in backends:
         try:
             return _checked(q, k, *_lse_op(backend, q, k, v, scale, causal))
         except RuntimeError as exc:  # raised on the host before any launch: unsupported shape or build

@@ -61,6 +61,8 @@ def test_config_rejects_unknown_masks_and_empty_thresholds() -> None:
         DenseConfig(mask="upper_left")
     with pytest.raises(ValueError, match="min_query_len"):
         DenseConfig(min_query_len=0)
+    with pytest.raises(ValueError, match="lse_backends"):
+        DenseConfig(lse_backends=("efficient",))
 
 
 def dense_rows(query_lens, min_query_len=32):
