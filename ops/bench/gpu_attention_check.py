@@ -21,7 +21,9 @@ start more than --budget-s after the start is skipped:
   memory the graphs reserved. On CPU the padded twin runs eagerly (no capture).
 - `prefill_32k`: `SchedulerCore`, one 32,768-token request (1 new token), without and with top-2
   prompt logprobs, each path: seconds, and peak device memory above the start (the logprobs'
-  extra memory is the difference); and the kernel path once more at 4x the chunk budget.
+  extra memory is the difference); and the kernel path once more at 4x the chunk budget; then
+  top-2 at 1x, 4x and the whole prompt in one step with `ModelRunner.dense_prefill` on (path `kernel_dense`: the chunks'
+  attention through SDPA, cuDNN first, `dense_attention.py`).
 - `sweep`: the kernel's launch settings (tile rows, keys per iteration, warps, stages) on `mixed`
   and `long`, so the defaults can be set from one run.
 
@@ -53,6 +55,7 @@ from services.scheduler.config import SchedulerConfig
 from services.scheduler.core import SchedulerCore
 from services.scheduler.model.attention import paged_attention, plan_attention, plan_varlen
 from services.scheduler.model.batch import ForwardBatch
+from services.scheduler.model.dense_attention import DENSE_MIN_QUERY_LEN, DenseConfig
 from services.scheduler.model.loader import load_model_runner
 from services.scheduler.model.ragged_graphs import token_ladder
 from services.scheduler.model.runner import ModelRunner, triton_available
@@ -365,7 +368,19 @@ def prefill_rows(runner: ModelRunner, shape: Shape) -> list[dict]:
     if runner.ragged_kernel:
         for chunk in (4 * shape.chunk, shape.long_prompt):  # 4x the budget; the whole prompt in one step
             rows.append({"path": "kernel", "logprobs": "top2", **_prefill(runner, chunk, prompt, TOP2)})
+        rows += dense_prefill_rows(runner, shape, prompt)
     return rows
+
+
+def dense_prefill_rows(runner: ModelRunner, shape: Shape, prompt: np.ndarray) -> list[dict]:
+    """Top-2 at 1x and 4x the chunk and in one step with the dense path on (threshold lowered to the tiny chunk)."""
+    runner.dense_prefill = DenseConfig(min_query_len=min(DENSE_MIN_QUERY_LEN, shape.chunk))
+    try:
+        _prefill(runner, shape.chunk, prompt[: 2 * shape.chunk], TOP2)  # warm-up: cuDNN plans built
+        chunks = (shape.chunk, 4 * shape.chunk, shape.long_prompt)
+        return [{"path": "kernel_dense", "logprobs": "top2", **_prefill(runner, c, prompt, TOP2)} for c in chunks]
+    finally:
+        runner.dense_prefill = None
 
 
 def _prefill(runner: ModelRunner, chunk: int, prompt: np.ndarray, logprobs: LogprobParams) -> dict:
@@ -491,7 +506,7 @@ def table(result: dict) -> str:
                      f"failed {len(graph['capture_failed'])} |")
     for r in section_rows(result, "prefill_32k"):
         lines.append(f"| prefill {r['prompt']} tok in {r['chunk']}-token chunks, {r['path']}, {r['logprobs']} | {r['seconds'] if r['path'] == 'sdpa' else ''} | "
-                     f"{r['seconds'] if r['path'] == 'kernel' else ''} | | {r['steps']} steps, peak +{r['peak_extra_mib']} MiB, "
+                     f"{r['seconds'] if r['path'] != 'sdpa' else ''} | | {r['steps']} steps, peak +{r['peak_extra_mib']} MiB, "
                      f"{r['prompt_logprob_rows']} prompt rows" + (f", logprobs +{r['logprobs_extra_mib']} MiB" if "logprobs_extra_mib" in r else "")
                      + " |")  # fmt: skip
     return "\n".join(lines)

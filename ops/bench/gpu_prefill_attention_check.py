@@ -15,17 +15,32 @@ after the start is skipped.
 
 Candidates:
 - `varlen` (the paged Triton kernel, `triton_varlen.py`) at its default launch and a few others,
-  in one call and in 2048-token chunks; where Triton is not (CPU smoke) it is the torch twin.
+  in one call and in 2048-token chunks (default launch, and 256 rows / 64 keys / 8 warps / 3
+  stages); where Triton is not (CPU smoke) it is the torch twin.
+- `dense_chunks<N>_<mask>`: the serving path, `attention.varlen_attention` on a `plan_varlen(dense=...)`
+  plan, chunk by chunk (N = 2048 and 8192; the tiny shape: its chunk and 4x): each chunk's K/V
+  gathered from the paged cache, SDPA cuDNN first (`dense_attention.py`); mask `merge` (prefix and
+  chunk calls merged by log-sum-exp, LSE from the private cuDNN op, else flash), `merge_flash`
+  (flash's LSE only), `merge_expanded` (K/V repeated to every head), `lower_right` (one call with
+  `causal_lower_right`, which torch sends to flash).
 - `sdpa_<backend>`: `F.scaled_dot_product_attention(is_causal=True)` over contiguous K/V in one
   call, each backend forced (flash, cudnn, efficient), GQA by `enable_gqa` and by expanded K/V.
 - `sdpa_flash_chunks`: chunked, each chunk's K/V prefix gathered from the paged cache into a
-  contiguous copy (the gather is timed with it), lower-right causal mask (`causal_lower_right`).
+  contiguous copy (the gather is timed with it), lower-right causal mask (`causal_lower_right`);
+  `sdpa_cudnn_lower_right_chunks`: the same with cuDNN forced, to see whether cuDNN takes that mask
+  (torch materialises it when flash and memory-efficient are off; the error is recorded if not).
+
+Besides the rows, `lse_ops` says, for each private SDPA op the merge can take its LSE from (cuDNN,
+flash), with native GQA and expanded K/V, whether it ran on a (2048 queries, 2048 keys) causal
+call, the LSE shape it returned, and its max |difference| from the fp32 twin (out and LSE): the
+merge's rows are only right if the LSE is the natural-log normaliser.
 - `flex`: `flex_attention` compiled, causal block mask, GQA.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import time
 import traceback
@@ -37,7 +52,9 @@ import torch
 import torch.nn.functional as F
 
 from ops.bench.gpu_attention_check import deadline_sections, median_ms
-from services.scheduler.model.attention import varlen_attention_torch
+from services.scheduler.model.attention import plan_varlen, varlen_attention, varlen_attention_torch
+from services.scheduler.model.batch import ForwardBatch
+from services.scheduler.model.dense_attention import DENSE_MIN_QUERY_LEN, DenseConfig, attention_with_lse, attention_with_lse_torch
 from services.scheduler.model.runner import triton_available
 
 REPO = Path(__file__).resolve().parents[2]
@@ -106,11 +123,42 @@ def varlen_call(inputs: Inputs, first: int, last: int, config: dict | None, max_
     )
 
 
-def chunked(shape: Shape, attend: Callable[[int, int], torch.Tensor]) -> Callable[[], torch.Tensor]:
+def chunked(shape: Shape, attend: Callable[[int, int], torch.Tensor], chunk: int | None = None) -> Callable[[], torch.Tensor]:
+    chunk = chunk or shape.chunk
+
     def run() -> torch.Tensor:
-        return torch.cat([attend(first, min(first + shape.chunk, shape.seq_len)) for first in range(0, shape.seq_len, shape.chunk)])
+        return torch.cat([attend(first, min(first + chunk, shape.seq_len)) for first in range(0, shape.seq_len, chunk)])
 
     return run
+
+
+def chunk_batch(inputs: Inputs, first: int, last: int) -> ForwardBatch:
+    """The step of chunk first..last-1 as the runner sees it: lengths on the host, K/V cached."""
+    device = inputs.q.device
+    tokens = torch.zeros(last - first, dtype=torch.int64, device=device)  # unread by attention
+    starts = torch.tensor([0, last - first], dtype=torch.int32, device=device)
+    seq_lens = torch.tensor([last], dtype=torch.int32, device=device)
+    return ForwardBatch(tokens, tokens, starts, seq_lens, inputs.block_table, tokens,
+                        host_query_lens=(last - first,), host_seq_lens=(last,))  # fmt: skip
+
+
+def dense_call(inputs: Inputs, first: int, last: int, config: DenseConfig) -> torch.Tensor:
+    """Queries first..last-1 through `varlen_attention` with the dense path on (plan built per chunk, as serving does)."""
+    group = inputs.q.shape[1] // inputs.k.shape[1]
+    use_kernel = inputs.q.is_cuda and triton_available()
+    plan = plan_varlen(chunk_batch(inputs, first, last), group, use_kernel=use_kernel, dense=config)
+    return varlen_attention(inputs.q[first:last], inputs.key_cache, inputs.value_cache, plan, inputs.scale)
+
+
+def dense_configs(shape: Shape) -> dict[str, DenseConfig]:
+    """The dense variants by row-name suffix; the threshold lowered to the tiny shape's chunk."""
+    base = DenseConfig(min_query_len=min(DENSE_MIN_QUERY_LEN, shape.chunk))
+    return {
+        "merge": dataclasses.replace(base, mask="merge"),
+        "merge_flash": dataclasses.replace(base, mask="merge", lse_backends=("flash",)),
+        "merge_expanded": dataclasses.replace(base, mask="merge", expand_kv=True),
+        "lower_right": dataclasses.replace(base, mask="lower_right"),
+    }
 
 
 def sdpa_whole(inputs: Inputs, backend: str, expand: bool) -> Callable[[], torch.Tensor]:
@@ -132,7 +180,7 @@ def sdpa_whole(inputs: Inputs, backend: str, expand: bool) -> Callable[[], torch
     return run
 
 
-def sdpa_flash_chunk(inputs: Inputs, first: int, last: int) -> torch.Tensor:
+def sdpa_lower_right_chunk(inputs: Inputs, first: int, last: int, backend: str = "flash") -> torch.Tensor:
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.nn.attention.bias import causal_lower_right
 
@@ -141,7 +189,8 @@ def sdpa_flash_chunk(inputs: Inputs, first: int, last: int) -> torch.Tensor:
     v = inputs.value_cache[blocks].flatten(0, 1)[:last].transpose(0, 1)[None]
     q = inputs.q[first:last].transpose(0, 1)[None]
     mask = causal_lower_right(last - first, last)
-    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+    chosen = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION}[backend]
+    with sdpa_kernel(chosen):
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=inputs.scale, enable_gqa=True)
     return out[0].transpose(0, 1)
 
@@ -167,6 +216,10 @@ def candidates(shape: Shape, inputs: Inputs, device: str) -> dict[str, Callable[
         "varlen_chunks": chunked(shape, lambda a, b: varlen_call(inputs, a, b, None, None)),
         "varlen_whole": lambda: varlen_call(inputs, 0, s, None, None),
     }
+    for chunk in (shape.chunk, 4 * shape.chunk):
+        for suffix, config in dense_configs(shape).items():
+            attend = lambda a, b, config=config: dense_call(inputs, a, b, config)  # noqa: E731
+            out[f"dense_chunks{chunk}_{suffix}"] = chunked(shape, attend, chunk)
     if device == "cuda":
         for name, config, rows in (
             ("varlen_whole_n128_w8_s3", {"block_n": 128, "num_warps": 8, "num_stages": 3}, None),
@@ -175,10 +228,13 @@ def candidates(shape: Shape, inputs: Inputs, device: str) -> dict[str, Callable[
             ("varlen_whole_rows256_n128_w8_s2", {"block_n": 128, "num_warps": 8, "num_stages": 2}, 256),
         ):
             out[name] = lambda config=config, rows=rows: varlen_call(inputs, 0, s, config, rows)
+        rows256 = {"block_n": 64, "num_warps": 8, "num_stages": 3}
+        out["varlen_chunks_rows256_n64_w8_s3"] = chunked(shape, lambda a, b: varlen_call(inputs, a, b, rows256, 256))
         for backend in ("cudnn", "flash", "efficient"):
             out[f"sdpa_{backend}_gqa"] = sdpa_whole(inputs, backend, expand=False)
             out[f"sdpa_{backend}_expanded"] = sdpa_whole(inputs, backend, expand=True)
-        out["sdpa_flash_chunks"] = chunked(shape, lambda a, b: sdpa_flash_chunk(inputs, a, b))
+        out["sdpa_flash_chunks"] = chunked(shape, lambda a, b: sdpa_lower_right_chunk(inputs, a, b))
+        out["sdpa_cudnn_lower_right_chunks"] = chunked(shape, lambda a, b: sdpa_lower_right_chunk(inputs, a, b, "cudnn"))
         out["flex"] = flex_whole(inputs)
     else:
         out["sdpa_math_gqa"] = sdpa_whole(inputs, "math", expand=False)
@@ -190,6 +246,28 @@ def measure(shape: Shape, fn: Callable[[], torch.Tensor], reference: torch.Tenso
     diff = (got.float() - reference.float()).abs().max().item()
     ms = median_ms(fn, device, repeats, warmup=1)
     return {"ms": round(ms, 3), "tflops": round(shape.causal_tflop / (ms / 1e3), 1), "max_abs_diff": diff}
+
+
+def lse_ops(shape: Shape, inputs: Inputs) -> list[dict]:
+    """Each LSE op, native GQA and expanded, on the first chunk (square, causal) against the fp32 twin."""
+    n = min(shape.chunk, shape.seq_len)
+    q = inputs.q[:n].transpose(0, 1)[None]  # [1, Hq, n, D]
+    k, v = inputs.k[:n].transpose(0, 1)[None], inputs.v[:n].transpose(0, 1)[None]  # [1, Hkv, n, D]
+    want_out, want_lse = attention_with_lse_torch(q, k, v, inputs.scale, causal=True)
+    group = q.shape[1] // k.shape[1]
+    rows = []
+    for backend in ("cudnn", "flash"):
+        for expand in (False, True):
+            kk, vv = (k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)) if expand else (k, v)
+            row: dict = {"op": backend, "kv": "expanded" if expand else "gqa"}
+            try:
+                out, lse = attention_with_lse(q, kk, vv, inputs.scale, True, (backend,))
+                row |= {"lse_shape": list(lse.shape), "out_max_abs_diff": (out.float() - want_out).abs().max().item(),
+                        "lse_max_abs_diff": (lse - want_lse).abs().max().item()}  # fmt: skip
+            except RuntimeError as exc:
+                row["error"] = str(exc)[:400]
+            rows.append(row)
+    return rows
 
 
 def environment() -> dict:
@@ -216,6 +294,11 @@ def run(args: argparse.Namespace) -> dict:
     reference = candidates(shape, inputs, args.device)["varlen_whole"]()
     for name, fn in candidates(shape, inputs, args.device).items():
         section(name, lambda fn=fn: measure(shape, fn, reference, args.device, args.repeats))
+    if args.device == "cuda":
+        try:
+            result["lse_ops"] = lse_ops(shape, inputs)
+        except Exception:  # noqa: BLE001 - the rows above stand without it
+            result["lse_ops"] = {"error": traceback.format_exc()}
     return result
 
 

@@ -166,7 +166,7 @@ def attention_with_lse(
     for backend in backends:
         try:
             return _checked(q, k, *_lse_op(backend, q, k, v, scale, causal))
-        except RuntimeError as exc:  # raised on the host before any launch: unsupported shape or build
+        except (RuntimeError, TypeError) as exc:  # raised on the host before any launch: unsupported shape, build, schema
             errors.append(f"{backend}: {exc}")
     raise RuntimeError("no SDPA op returned a log-sum-exp: " + " | ".join(errors))
 
