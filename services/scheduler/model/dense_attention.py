@@ -4,11 +4,11 @@ For one layer of a 32k prompt on the H200 (ops/bench/results/gpu_prefill_attenti
 cuDNN's SDPA took 15.0 ms against 20.2 to 33.0 for the paged varlen kernel (`triton_varlen.py`).
 So a sequence of the step whose query is at least `DenseConfig.min_query_len` tokens leaves the
 varlen tile map (`attention.plan_varlen`) and is attended here instead: its keys/values
-0..seq_len-1 are gathered from the paged cache into contiguous [1, Hkv, L, D] copies and its
+0..seq_len-1 are gathered from the paged cache into contiguous copies ([1, Hkv, L, D]) and its
 queries (positions ctx..ctx+q-1, ctx = seq_len - q) attend them lower-right causally:
 
 - ctx == 0 (the first chunk, or a whole prompt): top-left causal is lower-right, one SDPA call
-  with is_causal, cuDNN first (`PREFERRED_BACKENDS`);
+  with is_causal, cuDNN first (`preferred_backends`);
 - ctx > 0, mask "merge": two calls merged by log-sum-exp. (a) the queries against the prefix keys
   0..ctx-1, unmasked; (b) against the chunk's own keys ctx..L-1, square causal. With each call's
   softmax normaliser lse = log sum_k exp(s_k), the exact softmax over both key sets is
@@ -101,7 +101,8 @@ def attend_dense(
 
 
 def gather_keys(cache: torch.Tensor, table: torch.Tensor, seq_len: int) -> torch.Tensor:
-    """Keys 0..seq_len-1 of one sequence, contiguous: cache [N, page, Hkv, D], table int32 [M] -> [1, Hkv, L, D]."""
+    """Keys 0..seq_len-1 of one sequence, gathered into one contiguous [L, Hkv, D] copy and viewed
+    [1, Hkv, L, D] (the BSHD strides SDPA takes as they are): cache [N, page, Hkv, D], table int32 [M]."""
     blocks = table[: -(-seq_len // cache.shape[1])].long()
     return cache[blocks].flatten(0, 1)[:seq_len].transpose(0, 1)[None]
 
