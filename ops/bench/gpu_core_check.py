@@ -100,10 +100,10 @@ def time_core(core, reqs, warm_steps: int = 3) -> dict:
 LOGPROB_RUNS = (("plain", LogprobParams(), False), ("top20", TOP20, False), ("top20_graphs", TOP20, True))
 
 
-def core_rows(runner, batches, prompt_len, new_tokens, fused: bool = False) -> list[dict]:
+def core_rows(runner, batches, prompt_len, new_tokens, fused: bool = False, runs=LOGPROB_RUNS) -> list[dict]:
     rows = []
     for batch in batches:
-        for name, logprobs, graphs in LOGPROB_RUNS:
+        for name, logprobs, graphs in runs:
             core = SchedulerCore(runner, max_running_requests=max(batches), chunked_prefill_size=16384, logprob_graphs=graphs,
                                  fused_logprobs=fused)  # fmt: skip
             time_core(core, requests(batch, 16, 6, runner.config.vocab_size, logprobs, "w"))  # warm-up
@@ -461,6 +461,8 @@ def main() -> None:
                         help="a trained target and its DSpark drafter: accept length and tok/s against plain")
     parser.add_argument("--logprob-cost", action="store_true",
                         help="only the top-20 cost: core and DSpark rows, plain and top-20, the logprob path alone, syncs")
+    parser.add_argument("--graphs-first", action="store_true",
+                        help="the core's top20_graphs run before top20 (is a difference between them the order?)")
     parser.add_argument("--fused-logprobs", action="store_true",
                         help="raw-mode logprobs from the Triton kernels (triton_logprobs.py) in every core and the path alone (CUDA)")
     parser.add_argument("--out", type=Path, default=REPO / "ops/bench/results/gpu_core.json")
@@ -474,7 +476,8 @@ def main() -> None:
     if runner.decode_kernel:
         runner.prepare_decode_graphs(query_lens=(1, 8))
     fused = result["fused_logprobs"] = args.fused_logprobs and runner.device.type == "cuda" and triton_available()
-    result["core"] = core_rows(runner, args.batches, args.prompt_len, args.new_tokens, fused)
+    runs = (LOGPROB_RUNS[0], LOGPROB_RUNS[2], LOGPROB_RUNS[1]) if args.graphs_first else LOGPROB_RUNS
+    result["core"] = core_rows(runner, args.batches, args.prompt_len, args.new_tokens, fused, runs)
     if not args.logprob_cost:
         result["graph"] = graph_rows(runner, args.batches, (1, 8))
         result["kernels"] = kernel_rows() if args.device == "cuda" else []

@@ -90,9 +90,12 @@ def bench_config(
             core = SchedulerCore(runner, max_running_requests=max(batches), chunked_prefill_size=8192, overlap_decode=overlap,
                                  fused_logprobs=triton_available())  # as `build_core` on CUDA: the fused logprob kernels
             prompts = make_prompts(batch, prompt_len, runner.config.vocab_size)
-            # warm-up at the timed shapes: the whole batch's prefill and decode (one prompt left the big prefill's
-            # first launch inside the timed run: on 2026-12-01 its tok/s came out below the run with logprobs after it)
+            # warm-up at the timed shapes, with and without logprobs: the whole batch's prefill and decode (one
+            # prompt left the big prefill's first launch inside the timed run: on 2026-12-01 its tok/s came out
+            # below the run with logprobs after it; a warm-up without logprobs left the first logprob kernels'
+            # loading and compiling in the first setting's logprob run: gpu_overlap.md, runs 1-3)
             run_core(core, prompts, 4, LogprobParams())
+            run_core(core, prompts, 4, LOGPROBS)
             row["sparkwire" + suffix] = run_core(core, prompts, new_tokens, LogprobParams())
             row["sparkwire" + suffix + "_logprobs"] = run_core(core, prompts, new_tokens, LOGPROBS)
         rows.append(row)
