@@ -68,17 +68,12 @@ def seq_ladder(max_running_requests: int, ladder: tuple[int, ...] = DEFAULT_SEQ_
     return tuple(sorted({r for r in ladder if r < max_running_requests} | {max_running_requests}))
 
 
-MAX_GRAPH_TOKENS = DEFAULT_TOKEN_LADDER[-1]
-# Steps of more tokens run eagerly whatever the chunk budget: they are compute-bound (an 8B step of
-# 8192 prefill tokens takes ~0.2 s against ~15 ms of launches), while a graph of theirs would cost a
-# capture of that size in the middle of serving and a pool of its activations.
-
-
 def token_ladder(chunk_budget: int, ladder: tuple[int, ...] = DEFAULT_TOKEN_LADDER) -> tuple[int, ...]:
     """The rungs up to the scheduler's tokens per step (its chunked-prefill budget), which is a rung
-    too, and no further than MAX_GRAPH_TOKENS."""
-    top = min(chunk_budget, MAX_GRAPH_TOKENS)
-    return tuple(sorted({r for r in ladder if r < top} | {top}))
+    too. (Stopping the graphs at 2048 tokens whatever the budget, so that larger steps ran eagerly,
+    took the stack at 8192-token chunks from 0.71x to 0.41-0.44x the core on the H200:
+    ops/bench/results/gpu_serve.md, runs 9, 10 and 13.)"""
+    return tuple(sorted({r for r in ladder if r < chunk_budget} | {chunk_budget}))
 
 
 @dataclass(frozen=True)

@@ -224,8 +224,8 @@ class ModelRunner:
         return self.model.model.embed_tokens(ids.to(self.device))  # [..., H]
 
     def _has_dense_query(self, batch: ForwardBatch) -> bool:
-        """A query the dense path takes: the ragged graphs' token ladder reaches the chunk budget (at
-        most MAX_GRAPH_TOKENS), so prefill chunks of 512..2048 tokens do fit captured shapes, but a
+        """A query the dense path takes: the ragged graphs' token ladder reaches the chunk budget, so
+        prefill chunks of 512 tokens and more do fit captured shapes, but a
         dense call's shapes change with every step (gathered keys: seq_len), so such a step runs
         eagerly. Without host lengths no graph fits anyway."""
         if self.dense_prefill is None or batch.host_query_lens is None:
