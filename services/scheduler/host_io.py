@@ -61,9 +61,9 @@ class HostReadback:
     `wait` later). On CUDA the copy lands in one of two persistent pinned buffers, taken in turn, so
     a step's copy can be queued while the last one is still being read; `wait` copies the result
     out into fresh host memory (results are views of it that outlive the step: logprob rows), so a
-    buffer is free again once its step was waited for. (With a pinned allocation per step, held by
-    those views, the 0.6B shape's batch-1 decode with top-5 logprobs fell from 447 to 248 tok/s when
-    overlapped decoding came in: ops/bench/results/gpu_overlap.md, run 1.)"""
+    buffer is free again once its step was waited for, and no step allocates pinned memory (a
+    pinned allocation per step, held by those views, was suspected of a slowdown that turned out to
+    be a benchmark's warm-up: ops/bench/results/gpu_overlap.md, runs 1-4; not measured apart)."""
 
     def __init__(self) -> None:
         self.num_copies = 0  # device->host copies made, over the worker's life
