@@ -110,7 +110,8 @@ class LogprobGraphs:
         sampling = tuple(name for name in SAMPLING_INPUTS if name in inputs) if processed else None
         if runs_fused(self.fused, processed, k):
             # the fused kernels are a handful of launches already: on the H200 at batch 64 the core's top-20
-            # cost was 1.6% run eagerly and 25.0% replayed from these graphs (ops/bench/results/gpu_core.md, run 9)
+            # cost was 1.6% run eagerly and 25.0% replayed from these graphs (ops/bench/results/gpu_core.md, run 9;
+            # run 11 put that 25% down to the order of the runs, not the graphs: both 1.9% there)
             return logprobs_on_device(queries, inputs, logits, None, self.keys, processed, sampled, self.fused)
         key = self._key(num_rows, k, m, sampling)
         entry = None if key is None or key in self._failed else self._graphs.get(key) or self._build(key)
