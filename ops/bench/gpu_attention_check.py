@@ -432,6 +432,21 @@ def run(args: argparse.Namespace) -> dict:
     return result
 
 
+def check_parser(doc: str, *, tiny: str, repeats: int, budget_s: float, out: str, model: bool = False,
+                 what: str = "calls per measurement") -> argparse.ArgumentParser:
+    """The flags every GPU check script takes (--device, --tiny, [--model], --repeats, --budget-s,
+    --out), with that script's help and defaults; the script adds its own after."""
+    parser = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    parser.add_argument("--device", default="cuda", help="cuda; cpu for the smoke run (with --tiny)")
+    parser.add_argument("--tiny", action="store_true", help=f"{tiny} (smoke)")
+    if model:
+        parser.add_argument("--model", type=Path, default=None, help="another config directory (dummy weights), e.g. ops/model_configs/Qwen3-0.6B")
+    parser.add_argument("--repeats", type=int, default=repeats, help=f"timed {what} (median)")
+    parser.add_argument("--budget-s", type=float, default=budget_s, help="sections not started this long after the start are skipped")
+    parser.add_argument("--out", type=Path, default=REPO / "ops/bench/results" / out)
+    return parser
+
+
 def only(names: list[str] | None, section: Callable[[str, Callable[[], object]], object]):
     """`section` restricted to `names` (None: all); the runner loads whenever a section needs it."""
     if not names:
@@ -520,15 +535,10 @@ def section_rows(result: dict, name: str) -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--device", default="cuda", help="cuda; cpu for the smoke run (with --tiny)")
-    parser.add_argument("--tiny", action="store_true", help="the tiny random model's shape and short mixes (smoke)")
-    parser.add_argument("--repeats", type=int, default=10, help="timed calls per measurement (median)")
-    parser.add_argument("--budget-s", type=float, default=120.0,
-                        help="sections not started this long after the start are skipped (the longest takes ~20 s)")
+    parser = check_parser(__doc__, tiny="the tiny random model's shape and short mixes", repeats=10, budget_s=120.0,
+                          out="gpu_attention.json")  # the longest section takes ~20 s
     parser.add_argument("--sections", nargs="*", default=None,
                         help="run only these (kernels, mixed_step, ragged_graph, prefill_32k, sweep; default all)")
-    parser.add_argument("--out", type=Path, default=REPO / "ops/bench/results/gpu_attention.json")
     args = parser.parse_args(argv)
     result = run(args)
     failed = [k for k, v in result.items() if isinstance(v, dict) and "error" in v]

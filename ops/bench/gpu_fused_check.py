@@ -38,7 +38,7 @@ from pathlib import Path
 
 import torch
 
-from ops.bench.gpu_attention_check import deadline_sections, median_ms, ragged_step, rounded, section_rows, worst_row_rel_diff
+from ops.bench.gpu_attention_check import check_parser, deadline_sections, median_ms, ragged_step, rounded, section_rows, worst_row_rel_diff
 from services.models import RANDOM_TINY_MODEL
 from services.scheduler.model.batch import ForwardBatch
 from services.scheduler.model.loader import load_model_runner
@@ -306,14 +306,9 @@ def shape_batches(result: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--device", default="cuda", help="cuda; cpu for the smoke run (with --tiny)")
-    parser.add_argument("--tiny", action="store_true", help="the tiny random model, batches 1 and 3 at context 20 (smoke)")
-    parser.add_argument("--model", type=Path, default=None, help="another config directory (dummy weights), e.g. ops/model_configs/Qwen3-0.6B")
-    parser.add_argument("--repeats", type=int, default=30, help="timed replays per measurement (median)")
+    parser = check_parser(__doc__, tiny="the tiny random model, batches 1 and 3 at context 20", repeats=30, budget_s=60.0,
+                          out="gpu_fused.json", model=True, what="replays per measurement")
     parser.add_argument("--top", type=int, default=12, help="kernels listed from the profile")
-    parser.add_argument("--budget-s", type=float, default=60.0, help="sections not started this long after the start are skipped")
-    parser.add_argument("--out", type=Path, default=REPO / "ops/bench/results/gpu_fused.json")
     args = parser.parse_args(argv)
     result = run(args)
     return 1 if failures(result) else 0

@@ -34,7 +34,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ops.bench.gpu_attention_check import deadline_sections, median_ms, rounded, section_rows
+from ops.bench.gpu_attention_check import check_parser, deadline_sections, median_ms, rounded, section_rows
 from ops.bench.gpu_fused_check import failures
 from services.scheduler.logprobs import (
     LogprobQuery,
@@ -219,13 +219,9 @@ def table(result: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--device", default="cuda", help="cuda; cpu for the smoke run (with --tiny)")
-    parser.add_argument("--tiny", action="store_true", help="V=1000, a few rows, a 40-row prompt (smoke)")
-    parser.add_argument("--repeats", type=int, default=30, help="timed calls per row measurement (median)")
+    parser = check_parser(__doc__, tiny="V=1000, a few rows, a 40-row prompt", repeats=30, budget_s=60.0,
+                          out="gpu_logprob_kernel.json", what="calls per row measurement")
     parser.add_argument("--prompt-repeats", type=int, default=3, help="timed whole-prompt calls per path (median)")
-    parser.add_argument("--budget-s", type=float, default=60.0, help="sections not started this long after the start are skipped")
-    parser.add_argument("--out", type=Path, default=REPO / "ops/bench/results/gpu_logprob_kernel.json")
     args = parser.parse_args(argv)
     result = run(args)
     mismatched = [name for name in ("rows", "prompt_chunk", "prompt_32k")

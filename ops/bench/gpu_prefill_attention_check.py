@@ -51,7 +51,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from ops.bench.gpu_attention_check import deadline_sections, median_ms
+from ops.bench.gpu_attention_check import check_parser, deadline_sections, median_ms
 from services.scheduler.model.attention import plan_varlen, varlen_attention, varlen_attention_torch
 from services.scheduler.model.batch import ForwardBatch
 from services.scheduler.model.dense_attention import DENSE_MIN_QUERY_LEN, DenseConfig, attention_with_lse, attention_with_lse_torch
@@ -313,12 +313,8 @@ def table(result: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--device", default="cuda", help="cuda; cpu for the smoke run (with --tiny)")
-    parser.add_argument("--tiny", action="store_true", help="a 96-token prompt, small heads (smoke)")
-    parser.add_argument("--repeats", type=int, default=5, help="timed calls per candidate (median)")
-    parser.add_argument("--budget-s", type=float, default=90.0, help="candidates not started this long after the start are skipped")
-    parser.add_argument("--out", type=Path, default=REPO / "ops/bench/results/gpu_prefill_attention.json")
+    parser = check_parser(__doc__, tiny="a 96-token prompt, small heads", repeats=5, budget_s=90.0,
+                          out="gpu_prefill_attention.json", what="calls per candidate")
     args = parser.parse_args(argv)
     try:
         result = run(args)

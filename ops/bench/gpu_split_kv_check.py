@@ -35,7 +35,7 @@ from pathlib import Path
 
 import torch
 
-from ops.bench.gpu_attention_check import deadline_sections, median_ms, ragged_step, rounded, section_rows
+from ops.bench.gpu_attention_check import check_parser, deadline_sections, median_ms, ragged_step, rounded, section_rows
 from ops.bench.gpu_fused_check import failures
 from services.models import RANDOM_TINY_MODEL
 from services.scheduler.model.attention import paged_decode_attention_torch
@@ -207,13 +207,8 @@ def table(result: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--device", default="cuda", help="cuda; cpu for the smoke run (with --tiny)")
-    parser.add_argument("--tiny", action="store_true", help="the tiny random model, batches 1 and 3 at contexts 9 and 20 (smoke)")
-    parser.add_argument("--model", type=Path, default=None, help="another config directory (dummy weights), e.g. ops/model_configs/Qwen3-0.6B")
-    parser.add_argument("--repeats", type=int, default=30, help="timed calls per measurement (median)")
-    parser.add_argument("--budget-s", type=float, default=40.0, help="sections not started this long after the start are skipped")
-    parser.add_argument("--out", type=Path, default=REPO / "ops/bench/results/gpu_split_kv.json")
+    parser = check_parser(__doc__, tiny="the tiny random model, batches 1 and 3 at contexts 9 and 20", repeats=30, budget_s=40.0,
+                          out="gpu_split_kv.json", model=True)
     args = parser.parse_args(argv)
     result = run(args)
     return 1 if failures(result) else 0
