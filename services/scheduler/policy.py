@@ -291,10 +291,16 @@ class Policy:
         `update` then (it is no longer running); its KV slot was freed with it, and nothing reads it.
 
         A sequence whose output budget `plan`'s token spends is left out. None when the next step
-        needs `schedule` instead: a request waiting, drafts, a step of `plan` that samples nothing (a
+        needs `schedule` instead: a waiting request it could admit now (one that waits for a running
+        slot or for KV blocks does not stop overlap), drafts, a step of `plan` that samples nothing (a
         prefill chunk before the prompt's end), nothing left to decode, or not enough free KV blocks
-        without preempting."""
-        if self._waiting or self.num_draft_tokens > 0 or any(not s.samples or s.num_draft > 0 for s in plan.steps):
+        without preempting.
+
+        Safe with the KV blocks it frees early because the device runs every step on one stream: a
+        block freed by a finish or an abort while the followed step still writes into it is next
+        written or read only by steps queued after that one (a side stream touching the KV cache
+        would break this)."""
+        if self._can_admit_next() or self.num_draft_tokens > 0 or any(not s.samples or s.num_draft > 0 for s in plan.steps):
             return None
         # a sequence whose budget `plan`'s token spends has nothing more to decode (its finish comes with update)
         steps = [s for s in plan.steps if s.seq in self._running and s.output_position + 1 < s.seq.max_outputs]
@@ -366,6 +372,16 @@ class Policy:
         self.num_preemptions += 1
         log.debug("scheduler.preempt", rid=seq.rid, tokens=len(seq.tokens))
 
+    def _can_admit_next(self) -> bool:
+        """Whether `_admit` could take the head of the queue now: a running slot free and its first
+        token's KV blocks (plus the per-running-request reserve) free. A guess on the generous side
+        (one token, not its whole first chunk): a wrong True only costs one step its overlap."""
+        if not self._waiting or len(self._running) >= self._max_running:
+            return False
+        seq = self._waiting[0]
+        needed = self.blocks.num_new_blocks(seq.rid, seq.num_computed + 1) + len(self._running)
+        return needed <= self.blocks.num_free_blocks or not self._running
+
     def _admit(self, budget: int) -> list[tuple[Sequence, int, int]]:
         admitted = []
         while self._waiting and budget > 0 and len(self._running) < self._max_running:
@@ -411,7 +427,7 @@ class Policy:
         for step, result in zip(plan.steps, results, strict=True):
             seq = step.seq
             if seq not in self._running:
-                continue  # aborted while the step ran is not possible (aborts apply between steps)
+                continue  # finished or aborted since `plan` was launched (overlapped decoding: its token is dropped)
             self._record_prompt(step, result)
             num_accepted = max(0, len(result.tokens) - 1)
             seq.num_computed = step.start + step.num_committed + num_accepted
