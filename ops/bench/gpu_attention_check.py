@@ -385,8 +385,7 @@ def dense_prefill_rows(runner: ModelRunner, shape: Shape, prompt: np.ndarray) ->
 
 def _prefill(runner: ModelRunner, chunk: int, prompt: np.ndarray, logprobs: LogprobParams) -> dict:
     cuda = runner.device.type == "cuda"
-    # the fused logprob kernels where they run, as `build_core` serves (prompt rows through the bf16 LM head)
-    core = SchedulerCore(runner, max_running_requests=1, chunked_prefill_size=chunk, fused_logprobs=uses_kernel(runner.device.type))
+    core = SchedulerCore(runner, max_running_requests=1, chunked_prefill_size=chunk)  # fused logprob kernels where they run
     sampling = SamplingParams(max_new_tokens=1, temperature=0.0, ignore_eos=True)
     core.add(SchedulerRequest("long", prompt, "d", sampling, logprobs))
     if cuda:

@@ -30,7 +30,6 @@ import torch
 from contracts.scheduler import LogprobParams, SamplingParams
 from services.scheduler.core import SchedulerCore
 from services.scheduler.model.loader import load_model_runner
-from services.scheduler.model.runner import triton_available
 from services.scheduler.request import SchedulerRequest
 
 REPO = Path(__file__).resolve().parents[2]
@@ -87,8 +86,7 @@ def bench_config(
     for batch in batches:
         row = {"model": config_dir.name, "batch": batch}
         for suffix, overlap in settings.items():
-            core = SchedulerCore(runner, max_running_requests=max(batches), chunked_prefill_size=8192, overlap_decode=overlap,
-                                 fused_logprobs=triton_available())  # as `build_core` on CUDA: the fused logprob kernels
+            core = SchedulerCore(runner, max_running_requests=max(batches), chunked_prefill_size=8192, overlap_decode=overlap)
             prompts = make_prompts(batch, prompt_len, runner.config.vocab_size)
             # warm-up at the timed shapes, with and without logprobs: the whole batch's prefill and decode (one
             # prompt left the big prefill's first launch inside the timed run: on 2026-12-01 its tok/s came out

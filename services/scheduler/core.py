@@ -76,7 +76,7 @@ class SchedulerCore:
         verify_mode: str = "static",
         make_worker: Callable[..., ModelWorker] = ModelWorker,  # benchmarks swap in a subclass
         logprob_graphs: bool = False,  # output logprobs replayed from CUDA graphs (`LogprobGraphs`)
-        fused_logprobs: bool = False,  # raw-mode logprobs from the Triton kernels (CUDA with Triton: `logprobs.runs_fused`)
+        fused_logprobs: bool | None = None,  # raw-mode logprobs from the Triton kernels; None: on CUDA with Triton
         clock: Callable[[], float] = time.monotonic,  # arrival and scheduling times (queue time)
         overlap_decode: bool = True,  # launch the next decode step before this one's readback (see above)
     ) -> None:

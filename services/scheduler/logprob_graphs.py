@@ -14,9 +14,9 @@ graph per key (row rung, k rung, ids rung, mode and inputs present) captures it 
   neutral sampling parameters), always valid inputs; every op is per row, so they change nothing
   in rows 0..n-1, and the result is the views [:n, :k] and [:n, :m].
 
-Rows that `logprobs.runs_fused` gives the fused Triton kernels (raw mode, k <= 64, the switch on)
-skip the graphs: those kernels are a handful of launches, and replayed they cost more, not less.
-Exact against the eager path, bit for bit: the same ops on the same rows; the top-K's first k
+Exact against the eager path, bit for bit: the same ops (torch's, or the fused kernels' where
+`logprobs.runs_fused` picks them, each per row; replayed, the kernels take 0.035 ms at 1 row and
+0.099 at 64, against 0.150 and 0.168 eagerly: ops/bench/results/gpu_logprob_kernel.md) on the same rows; the top-K's first k
 columns are the top-k (its order, logprob descending and ties by the smaller id, is total); the ids'
 gather's first m columns are the m requested. Keys off the ladders (k > 20, more than 16 ids, more
 rows than `max_rows` or than one eager chunk) and keys past `max_graphs` run eagerly. Graphs are
@@ -41,7 +41,6 @@ from services.scheduler.logprobs import (
     logprob_columns,
     logprobs_on_device,
     max_chunk_rows,
-    runs_fused,
 )
 from services.scheduler.model.graphs import capture_graph
 from services.scheduler.request import RowLogprobs
@@ -108,11 +107,6 @@ class LogprobGraphs:
         k = min(max((q.top_k for q in queries), default=0), self.vocab_size)  # the eager path's widths
         m = inputs["ids"].shape[1] if "ids" in inputs else 0
         sampling = tuple(name for name in SAMPLING_INPUTS if name in inputs) if processed else None
-        if runs_fused(self.fused, processed, k):
-            # the fused kernels are a handful of launches already: on the H200 at batch 64 the core's top-20
-            # cost was 1.6% run eagerly and 25.0% replayed from these graphs (ops/bench/results/gpu_core.md, run 9;
-            # run 11 put that 25% down to the order of the runs, not the graphs: both 1.9% there)
-            return logprobs_on_device(queries, inputs, logits, None, self.keys, processed, sampled, self.fused)
         key = self._key(num_rows, k, m, sampling)
         entry = None if key is None or key in self._failed else self._graphs.get(key) or self._build(key)
         if entry is None:

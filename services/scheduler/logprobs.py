@@ -135,12 +135,15 @@ def logprobs_on_device(
     targets = inputs["targets"] if sampled is None else (sampled if rows is None else sampled[rows])  # [n]
     num_rows, vocab = targets.shape[0], keys.tied.shape[0]
     k = min(max(q.top_k for q in queries), vocab)
-    chunk_rows = _chunk_rows(vocab, to_logits is not None, runs_fused(fused, processed, k), source.element_size())
+    fused_rows = runs_fused(fused, processed, k)
+    chunk_rows = _chunk_rows(vocab, to_logits is not None, fused_rows, source.element_size())
     parts = []
     for start in range(0, num_rows, chunk_rows):
         chunk = slice(start, min(start + chunk_rows, num_rows))
         picked = source[chunk] if rows is None else source[rows[chunk]]
         logits = to_logits(picked) if to_logits is not None else picked  # [c, V]
+        if not fused_rows:
+            logits = logits.float()  # the torch ops work in f32: the model-dtype chunk goes now, not with the chunk
         sampling = {name: t[chunk] for name, t in inputs.items() if name in SAMPLING_INPUTS} if processed else None
         ids = inputs["ids"][chunk] if "ids" in inputs else None
         parts.append(logprob_columns(logits, targets[chunk], k, ids, sampling, keys, fused))

@@ -29,6 +29,7 @@ from services.scheduler.logits_processing import is_identity, process_logits, ve
 from services.scheduler.logprob_graphs import LogprobGraphs
 from services.scheduler.logprobs import LogprobQuery, TopKKeys, logprob_inputs, logprobs_on_device, split_logprobs
 from services.scheduler.model.batch import ForwardBatch
+from services.scheduler.model.runner import triton_available
 from services.scheduler.policy import SeqResult, SeqStep, StepPlan
 from services.scheduler.request import RowLogprobs
 from services.scheduler.sampler import draw_noise, mix_seed, sampling_probs
@@ -57,17 +58,19 @@ class _Layout:
 class ModelWorker:
     def __init__(
         self, runner, *, logprobs_mode: str = "raw", proposer: Proposer | None = None, logprob_graphs: bool = False,
-        fused_logprobs: bool = False,
+        fused_logprobs: bool | None = None,
     ) -> None:
         """logprob_graphs: output logprobs from `LogprobGraphs` (captured on CUDA; elsewhere its padded
         eager twin). fused_logprobs: raw-mode logprobs from the Triton kernels (`logprobs.runs_fused`);
-        only where Triton runs (CUDA; the interpreter in tests)."""
+        only where Triton runs (CUDA; the interpreter in tests); None: on CUDA with Triton, as served."""
         self.runner = runner
         self.proposer = proposer
         self.vocab_size = runner.config.vocab_size
         self._processed = logprobs_mode == "processed"
         self._top_k_keys = TopKKeys.build(self.vocab_size, runner.device)
         capture = runner.device.type == "cuda"
+        if fused_logprobs is None:
+            fused_logprobs = runner.device.type == "cuda" and triton_available()
         self._fused_logprobs = fused_logprobs
         self.logprob_graphs = LogprobGraphs(self._top_k_keys, capture=capture, fused=fused_logprobs) if logprob_graphs else None
         self._upload = HostUpload(runner.device)

@@ -126,17 +126,22 @@ def sequence_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale:
     return merge_by_lse(o_a, lse_a, o_b, lse_b).to(q.dtype)
 
 
-def preferred_backends() -> list:
+def preferred_backends(device: torch.device | None = None) -> list:
+    """cuDNN, flash, memory-efficient on CUDA, and never the math backend there: for a long query it
+    would build the whole score matrix ([Hq, q, L] floats: ~32 GiB at 8192 x 32k x 32 heads) and run
+    out of memory; with none of the three, SDPA raises instead. The CPU twin runs math."""
     from torch.nn.attention import SDPBackend
 
-    return [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+    if device is not None and device.type != "cuda":
+        return [SDPBackend.FLASH_ATTENTION, SDPBackend.MATH]
+    return [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]
 
 
 def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, is_causal: bool = False, attn_mask=None) -> torch.Tensor:
-    """Public SDPA with cuDNN first, then flash, memory-efficient, math (torch >= 2.6: set_priority)."""
+    """Public SDPA with cuDNN first, then flash, memory-efficient (torch >= 2.6: set_priority); math on CPU only."""
     from torch.nn.attention import sdpa_kernel
 
-    with sdpa_kernel(preferred_backends(), set_priority=True):
+    with sdpa_kernel(preferred_backends(q.device), set_priority=True):
         return F.scaled_dot_product_attention(
             q, k, v, attn_mask=attn_mask, is_causal=is_causal, scale=scale, enable_gqa=k.shape[1] != q.shape[1]
         )
