@@ -2,8 +2,8 @@
 one request (or --batch), dummy weights, the step loop under `torch.profiler` (CPU and CUDA).
 
 Per setting: ms per step (host clock, unprofiled run first), the device's kernel time per step, and
-the host calls that wait for the device or the allocator (synchronizes, host allocations, copies),
-with their count and total ms; then the ops with the most host self time.
+the CUDA runtime calls the host makes (launches, copies, synchronizes, host allocations), with their
+count and total ms; then the ops with the most host self time.
 
     PYTHONPATH=. python ops/bench/gpu_step_profile.py --model ops/model_configs/Qwen3-0.6B --out $OUT/gpu_step_profile.json
     PYTHONPATH=. python ops/bench/gpu_step_profile.py --device cpu --out /tmp/profile.json  # smoke (tiny model)
@@ -28,7 +28,7 @@ from services.scheduler.request import SchedulerRequest
 
 REPO = Path(__file__).resolve().parents[2]
 LOGPROBS = LogprobParams(return_logprob=True, logprob_start_len=0, top_logprobs_num=5)
-WAITS = ("cudaStreamSynchronize", "cudaEventSynchronize", "cudaDeviceSynchronize", "cudaHostAlloc", "cudaFreeHost",
+HOST_CALLS = ("cudaStreamSynchronize", "cudaEventSynchronize", "cudaDeviceSynchronize", "cudaHostAlloc", "cudaFreeHost",
          "cudaMemcpyAsync", "cudaMemcpy", "cudaMalloc", "cudaFree", "cudaEventQuery", "cudaLaunchKernel",
          "cudaGraphLaunch")  # fmt: skip
 
@@ -61,11 +61,11 @@ def measure(runner, overlap: bool, batch: int, new_tokens: int, logprobs: Logpro
         sync()
     events = prof.key_averages()
     device_us = sum(e.self_device_time_total for e in events if e.self_device_time_total and not e.key.startswith("cuda"))
-    waits = {e.key: {"count": e.count, "ms": round(e.cpu_time_total / 1e3, 2)} for e in events if e.key in WAITS}
+    host_calls = {e.key: {"count": e.count, "ms": round(e.cpu_time_total / 1e3, 2)} for e in events if e.key in HOST_CALLS}
     top = sorted(events, key=lambda e: e.self_cpu_time_total, reverse=True)[:12]
     return {
         "overlap": overlap, "ms_per_step": round(ms_per_step, 3), "steps": count,
-        "device_ms_per_step": round(device_us / 1e3 / count, 3), "waits": waits,
+        "device_ms_per_step": round(device_us / 1e3 / count, 3), "host_calls": host_calls,
         "top_host_self_ms": {e.key: round(e.self_cpu_time_total / 1e3, 2) for e in top},
     }  # fmt: skip
 
@@ -92,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     args.out.write_text(json.dumps(result, indent=2))
     for r in rows:
         print(f"logprobs={r['logprobs']} overlap={r['overlap']}: {r['ms_per_step']} ms/step, device {r['device_ms_per_step']} ms/step")
-        print("   waits:", {k: v for k, v in r["waits"].items()})
+        print("   host calls:", {k: v for k, v in r["host_calls"].items()})
         print("   host self ms:", r["top_host_self_ms"])
     return 0
 

@@ -17,6 +17,8 @@ decoding, `SchedulerCore`); `fetch` is the two at once.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import torch
 
@@ -121,7 +123,13 @@ class HostReadback:
 class PendingReadback:
     """One step's readback, queued: `wait` blocks until it is on the host and splits it (once)."""
 
-    def __init__(self, host: torch.Tensor | None, copied: torch.cuda.Event | None, kinds: list, release=None) -> None:
+    def __init__(
+        self,
+        host: torch.Tensor | None,
+        copied: torch.cuda.Event | None,
+        kinds: list[tuple[torch.dtype, tuple[int, ...]]],
+        release: Callable[[], None] | None = None,  # gives the staging buffer back (CUDA)
+    ) -> None:
         self._host, self._copied, self._kinds, self._release = host, copied, kinds, release
         self._out: list[np.ndarray] | None = None
 

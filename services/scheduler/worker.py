@@ -128,7 +128,8 @@ class ModelWorker:
     def can_follow(self, plan: StepPlan) -> bool:
         """Whether the step after `plan` may be launched before `plan`'s tokens reach the host: no
         drafter (its blocks come back with the tokens), and nothing of a producer's sampling reads its
-        token history on the host (penalties, logit bias, min_tokens: `logits_processing`)."""
+        token history on the host (penalties, logit bias, min_tokens: `logits_processing`). The
+        worker owns these device-side reasons; `Policy.follow_decodes` the scheduling ones."""
         return self.proposer is None and all(is_identity(s.seq.request.sampling) for s in plan.steps if s.samples)
 
     def _step_times(self, clock: _StepClock) -> tuple[float, float]:

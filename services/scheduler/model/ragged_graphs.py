@@ -58,7 +58,7 @@ from services.scheduler.model.llama import CausalLM
 
 DEFAULT_SEQ_LADDER = (1, 2, 4, 8, 16, 32, 64, 128)
 DEFAULT_TOKEN_LADDER = (64, 128, 256, 384, 512, 768, 1024, 1536, 2048)  # 1.5x steps past 256: padding <= 50%
-DEFAULT_MAX_GRAPHS = 128  # the prefill keys captured at start-up (7 sequence x 9 token rungs) and room for others
+DEFAULT_MAX_GRAPHS = 128  # the prefill keys captured at start-up (63 at the default budgets, 70 at 8192) and room for others
 
 log = structlog.get_logger(__name__)
 
@@ -72,7 +72,7 @@ def token_ladder(chunk_budget: int, ladder: tuple[int, ...] = DEFAULT_TOKEN_LADD
     """The rungs up to the scheduler's tokens per step (its chunked-prefill budget), which is a rung
     too. (Stopping the graphs at 2048 tokens whatever the budget, so that larger steps ran eagerly,
     took the stack at 8192-token chunks from 0.71x to 0.41-0.44x the core on the H200:
-    ops/bench/results/gpu_serve.md, runs 9, 10 and 13.)"""
+    ops/bench/results/gpu_serve.md, runs 9, 10 and 14.)"""
     return tuple(sorted({r for r in ladder if r < chunk_budget} | {chunk_budget}))
 
 
