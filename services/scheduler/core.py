@@ -10,14 +10,17 @@ append to a lock-protected inbox that `step` drains first. One `step`:
 The policy (`policy.py`) knows no tensors; the worker (`worker.py`) owns the device and crosses
 to the host once per step.
 
-Overlapped decoding (`overlap_decode`): when a step is all decodes and nothing waits, the next step
-is planned (`Policy.follow_decodes`) and launched before this one's tokens are read back, its
-queries taken from this step's sampled tokens on the device; then this step's results are read
-and applied. So the device runs step N + 1 while the host reads, applies and hands on step N's
-outputs, and plans step N + 2. A sequence that finishes at step N (a stop, EOS, an abort applied
-between steps) has computed one token too many in step N + 1, which `update` drops. Any other
-step (arrivals, prefill chunks, drafts, processors that read the host's token history) runs as
-before: planned after the previous step's results. Queue time (vLLM's `request_queue_time_seconds`) is measured here: from
+Overlapped decoding (`overlap_decode`): when every sequence of a step samples and no waiting
+request could be admitted, the next step is planned (`Policy.follow_decodes`) and launched before
+this one's tokens are read back, its queries taken from this step's sampled tokens on the device;
+then this step's results are read and applied. So the device runs step N + 1 while the host
+reads, applies and hands on step N's outputs, and plans step N + 2. A sequence that finishes at
+step N (a stop, EOS, an abort applied between steps) has computed one token too many in step
+N + 1, which `update` drops. Any other step (admissible arrivals, prefill chunks, drafts,
+processors that read the host's token history: `ModelWorker.can_follow`) runs as before: planned
+after the previous step's results.
+
+Queue time (vLLM's `request_queue_time_seconds`) is measured here: from
 `add` until the first step whose plan includes the request (its first prefill chunk). With a
 proposer, each sequence's query is its last token plus the block drafted for it the step before,
 and it gains the accepted drafts plus one token.
