@@ -424,6 +424,12 @@ def run(args: argparse.Namespace) -> dict:
         section("prefill_32k", lambda: prefill_rows(runner, shape))
     if uses_kernel(args.device):  # last: settings for the next round, the least needed now
         section("sweep", lambda: sweep_rows(shape, args.device, dtype, max(3, args.repeats // 2)))
+    return finish_run(result, args, deadline, table)
+
+
+def finish_run(result: dict, args: argparse.Namespace, deadline: float, table: Callable[[dict], str]) -> dict:
+    """A GPU check's last lines: its elapsed seconds (from --budget-s and the deadline), the JSON to
+    --out, the table printed."""
     result["elapsed_s"] = round(args.budget_s - (deadline - time.monotonic()), 1)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import os
 import time
 import traceback
@@ -38,7 +37,7 @@ from pathlib import Path
 
 import torch
 
-from ops.bench.gpu_attention_check import check_parser, deadline_sections, median_ms, ragged_step, rounded, section_rows, worst_row_rel_diff
+from ops.bench.gpu_attention_check import check_parser, deadline_sections, finish_run, median_ms, ragged_step, rounded, section_rows, worst_row_rel_diff
 from services.models import RANDOM_TINY_MODEL
 from services.scheduler.model.batch import ForwardBatch
 from services.scheduler.model.loader import load_model_runner
@@ -246,11 +245,7 @@ def run(args: argparse.Namespace) -> dict:
         section("agreement", lambda: agreement_rows(runner, shape, settings))
         section("graph_decode", lambda: graph_rows(runner, shape, settings, args.repeats))
         section("profile", lambda: profile_rows(runner, shape, settings, args.top))
-    result["elapsed_s"] = round(args.budget_s - (deadline - time.monotonic()), 1)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
-    print(table(result))
-    return result
+    return finish_run(result, args, deadline, table)
 
 
 def _load(shape: Shape, device: str, dtype: torch.dtype, into: list[ModelRunner]) -> dict:

@@ -25,7 +25,6 @@ path is left out. On CPU nothing is captured: the graph columns stay empty.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import time
 from dataclasses import dataclass
@@ -34,7 +33,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ops.bench.gpu_attention_check import check_parser, deadline_sections, median_ms, rounded, section_rows
+from ops.bench.gpu_attention_check import check_parser, deadline_sections, finish_run, median_ms, rounded, section_rows
 from ops.bench.gpu_fused_check import failures
 from services.scheduler.logprobs import (
     LogprobQuery,
@@ -187,11 +186,7 @@ def run(args: argparse.Namespace) -> dict:
     section("rows", lambda: rows_section(shape, args.device, paths, args.repeats))
     section("prompt_chunk", lambda: prompt_chunk_section(shape, args.device, paths, args.repeats))
     section("prompt_32k", lambda: prompt_section(shape, args.device, paths, args.prompt_repeats))
-    result["elapsed_s"] = round(args.budget_s - (deadline - time.monotonic()), 1)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
-    print(table(result))
-    return result
+    return finish_run(result, args, deadline, table)
 
 
 def table(result: dict) -> str:

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import os
 import time
 import traceback
@@ -35,7 +34,7 @@ from pathlib import Path
 
 import torch
 
-from ops.bench.gpu_attention_check import check_parser, deadline_sections, median_ms, ragged_step, rounded, section_rows
+from ops.bench.gpu_attention_check import check_parser, deadline_sections, finish_run, median_ms, ragged_step, rounded, section_rows
 from ops.bench.gpu_fused_check import failures
 from services.models import RANDOM_TINY_MODEL
 from services.scheduler.model.attention import paged_decode_attention_torch
@@ -167,11 +166,7 @@ def run(args: argparse.Namespace) -> dict:
     for runner in runners:
         section("attention", lambda: attention_rows(runner, shape, args.repeats))
         section("graph_decode", lambda: graph_rows(runner, shape, args.repeats))
-    result["elapsed_s"] = round(args.budget_s - (deadline - time.monotonic()), 1)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
-    print(table(result))
-    return result
+    return finish_run(result, args, deadline, table)
 
 
 def _load(shape: Shape, device: str, dtype: torch.dtype, into: list[ModelRunner]) -> dict:
