@@ -64,19 +64,10 @@ def test_the_fused_switch_refuses_to_change_under_captured_graphs() -> None:
 @pytest.mark.parametrize(("flag", "passed"), [(False, False), (True, None)])
 def test_the_scheduler_flag_reaches_the_loader(flag, passed, monkeypatch) -> None:
     # --fused-kernels: on wherever Triton runs (None: CUDA with Triton); --no-fused-kernels: off everywhere
-    from services.scheduler import service
     from services.scheduler.config import SchedulerConfig
+    from tests.services.scheduler.loader_options import loader_options
 
-    class Loaded(Exception):
-        pass
-
-    def load(path, **options):
-        raise Loaded(options["fused_kernels"])
-
-    monkeypatch.setattr(service, "load_model_runner", load)
-    with pytest.raises(Loaded) as loaded:
-        service.build_core(SchedulerConfig(device="cpu", fused_kernels=flag))
-    assert loaded.value.args == (passed,)
+    assert loader_options(monkeypatch, SchedulerConfig(device="cpu", fused_kernels=flag))["fused_kernels"] is passed
 
 
 def test_twin_without_residual_is_the_plain_norm_and_hands_x_on() -> None:

@@ -86,19 +86,10 @@ def test_the_split_switch_refuses_to_change_under_decode_graphs() -> None:
 
 @pytest.mark.parametrize("flag", [False, True])
 def test_the_scheduler_flag_reaches_the_loader(flag, monkeypatch) -> None:
-    from services.scheduler import service
     from services.scheduler.config import SchedulerConfig
+    from tests.services.scheduler.loader_options import loader_options
 
-    class Loaded(Exception):
-        pass
-
-    def load(path, **options):
-        raise Loaded(options["split_kv_decode"])
-
-    monkeypatch.setattr(service, "load_model_runner", load)
-    with pytest.raises(Loaded) as loaded:
-        service.build_core(SchedulerConfig(device="cpu", split_kv_decode=flag))
-    assert loaded.value.args == (flag,)
+    assert loader_options(monkeypatch, SchedulerConfig(device="cpu", split_kv_decode=flag))["split_kv_decode"] is flag
 
 
 @pytest.mark.parametrize(
