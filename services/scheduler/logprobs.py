@@ -13,7 +13,7 @@ host arrays of `logprob_inputs`, which ride in the step's one upload: the device
 handful of ops per chunk, whatever the number of requests, their k and their ids.
 
 Two implementations of one chunk's work, picked in one place (`runs_fused`): the torch ops below
-(every mode, every device: the reference), and in raw mode with k <= `triton_logprobs.MAX_K`, where
+(every mode, every device: the reference), and in raw mode with k <= `MAX_FUSED_K`, where
 the caller's `fused` switch is on (the worker sets it on CUDA with Triton), the fused Triton kernels of
 `triton_logprobs.py`, which read the logits in the model's dtype and write nothing of size [c, V].
 """
