@@ -50,6 +50,7 @@ def config_from_args(args: argparse.Namespace) -> SchedulerConfig:
         max_running_requests=args.max_running_requests,
         chunked_prefill_size=args.chunked_prefill_size,
         overlap_decode=args.overlap_decode,
+        step_trace=args.step_trace,
         ragged_cuda_graphs=args.ragged_cuda_graphs,
         logprob_cuda_graphs=args.logprob_cuda_graphs,
         fused_kernels=args.fused_kernels,

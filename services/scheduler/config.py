@@ -54,6 +54,7 @@ class SchedulerConfig:
     kv_cache_memory_fraction: float = CUDA_KV_CACHE_FRACTION  # CUDA: the KV caches' share of the memory free once weights (a drafter's too) are loaded
     metrics_host: str = "127.0.0.1"
     metrics_port: int | None = None  # None: no /metrics endpoint; 0: any free port (logged)
+    step_trace: str | None = None  # a directory: one JSON line per step to <instance_id>.jsonl (`step_trace.py`)
 
     def __post_init__(self) -> None:
         _check_choice("device", self.device, DEVICES)

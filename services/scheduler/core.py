@@ -64,6 +64,22 @@ class SchedulerStats:
         return 1.0 - self.num_free_blocks / self.num_blocks
 
 
+@dataclass(frozen=True)
+class StepRecord:
+    """What one `step` ran, for the step trace (`step_trace.py`): its plan's shape, whether it was
+    launched before the step ahead of it was read back (`followed`), whether it launched the next
+    one that way (`follows`), and how long the host waited for its readback (`collect_s`: the
+    device's share of the step, when the host is ahead)."""
+
+    num_seqs: int
+    num_tokens: int
+    num_prefill_tokens: int  # prompt tokens computed (chunks and re-prefills)
+    num_sampling: int  # sequences that sampled (a decode, a verify or a prompt's last chunk)
+    followed: bool
+    follows: bool
+    collect_s: float
+
+
 class SchedulerCore:
     def __init__(
         self,
@@ -109,6 +125,7 @@ class SchedulerCore:
         self._queue_times: dict[str, float] = {}  # rid -> seconds from arrival to first scheduled, until taken
         self.overlap_decode = overlap_decode
         self._in_flight: LaunchedStep | None = None  # launched, results not applied yet (overlapped decoding)
+        self.last_step: StepRecord | None = None  # what the last `step` ran; None: it planned nothing
         self.num_steps = 0
         self._counts = {"prompt": 0, "generated": 0, "drafted": 0, "accepted": 0, "forward_s": 0.0, "draft_s": 0.0}
         self._accept_lengths = [0] * (proposer.num_draft_tokens + 2) if proposer is not None else []
@@ -189,12 +206,14 @@ class SchedulerCore:
     # ---- the step ----
 
     def step(self) -> list[RequestOutput]:
+        self.last_step = None
         requests, aborts = self._drain_inbox()  # 1
         for request in requests:
             self.policy.add(request)
         for rid, reason in aborts:  # 2
             self.policy.abort(rid, reason)
         launched, self._in_flight = self._in_flight, None
+        followed = launched is not None
         if launched is None:
             plan = self.policy.schedule()  # 3
             self._note_first_scheduled(plan)
@@ -206,9 +225,12 @@ class SchedulerCore:
             following = self.policy.follow_decodes(launched.plan)  # 3, for the next step
             if following is not None:
                 self._in_flight = self.worker.launch(following, previous=launched)  # 4, queued behind this one
+        waited = time.perf_counter()
         results = self.worker.collect(launched)
+        waited = time.perf_counter() - waited
         outputs = self.policy.update(launched.plan, results)  # 5
         self._count(launched.plan, results, outputs)
+        self.last_step = _record(launched.plan, followed, self._in_flight is not None, waited)
         self.num_steps += 1
         return self._finished(outputs)
 
@@ -238,7 +260,7 @@ class SchedulerCore:
         counts = self._counts
         counts["generated"] += sum(len(o.new_token_ids) for o in outputs)
         for step, result in zip(plan.steps, results, strict=True):
-            counts["prompt"] += max(0, min(step.start + step.num_committed, step.seq.num_prompt) - step.start)
+            counts["prompt"] += _num_prefill_tokens(step)
             if step.samples:
                 counts["drafted"] += step.num_draft
                 counts["accepted"] += max(0, len(result.tokens) - 1)
@@ -246,3 +268,13 @@ class SchedulerCore:
                     self._accept_lengths[min(len(result.tokens), len(self._accept_lengths) - 1)] += 1
         counts["forward_s"] += self.worker.last_forward_s
         counts["draft_s"] += self.worker.last_draft_s
+
+
+def _num_prefill_tokens(step) -> int:
+    return max(0, min(step.start + step.num_committed, step.seq.num_prompt) - step.start)
+
+
+def _record(plan, followed: bool, follows: bool, collect_s: float) -> StepRecord:
+    steps = plan.steps
+    return StepRecord(len(steps), plan.num_tokens, sum(_num_prefill_tokens(s) for s in steps),
+                      sum(s.samples for s in steps), followed, follows, collect_s)  # fmt: skip

@@ -44,6 +44,9 @@ def add_model_arguments(parser: argparse.ArgumentParser, env: EnvSettings) -> No
     add("--max-model-len", type=int, default=None, help="longest prompt + output (default: the model's)")
     add("--kv-cache-memory-fraction", type=float, default=CUDA_KV_CACHE_FRACTION,
         help="CUDA: the share of device memory left free by the weights (a drafter's included) that the KV caches take")  # fmt: skip
+    add("--step-trace", default=None, metavar="DIR",
+        help="write one JSON line per scheduler step to DIR/<instance id>.jsonl: its wall time, shape and waits "
+             "(read by ops/bench/step_trace_summary.py; default off)")  # fmt: skip
 
 
 def add_speculative_arguments(parser: argparse.ArgumentParser) -> None:
@@ -89,6 +92,7 @@ def scheduler_argv(args: argparse.Namespace) -> list[str]:
     argv += ["--chunked-prefill-size", str(args.chunked_prefill_size), "--max-running-requests", str(args.max_running_requests)]
     argv += ["--kv-cache-memory-fraction", str(args.kv_cache_memory_fraction)]
     argv += ["--overlap-decode" if args.overlap_decode else "--no-overlap-decode"]
+    argv += ["--step-trace", args.step_trace] if args.step_trace else []
     argv += ["--dtype", args.dtype] if args.dtype else []
     argv += [f"--{name}" if getattr(args, name.replace("-", "_")) else f"--no-{name}" for name in CUDA_SWITCHES]
     argv += ["--speculative-algorithm", args.speculative_algorithm, "--verify-mode", args.verify_mode]

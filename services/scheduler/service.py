@@ -40,6 +40,7 @@ from services.scheduler.model.ragged_graphs import seq_ladder, token_ladder
 from services.scheduler.model.runner import triton_available
 from services.scheduler.request import RequestOutput, SchedulerRequest
 from services.scheduler.step_loop import StepThread
+from services.scheduler.step_trace import StepTrace
 from services.scheduler.wire import to_token_batches
 
 log = structlog.get_logger(__name__)
@@ -145,7 +146,8 @@ class SchedulerService:
         self._id = config.instance_id
         self._transport: Transport | None = None
         self._heartbeat: HeartbeatPublisher | None = None
-        self._steps = StepThread(core)
+        trace = StepTrace.open(config.step_trace, config.instance_id) if config.step_trace else None
+        self._steps = StepThread(core, trace)
         self._closing = False
         self._claims: dict[str, float] = {}  # rid -> monotonic deadline for its GenerateRequest
         self._claim_owners: dict[str, str] = {}  # rid -> detokenizer id, for claims that name one

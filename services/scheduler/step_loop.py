@@ -15,10 +15,12 @@ import asyncio
 import contextlib
 import contextvars
 import threading
+import time
 from dataclasses import dataclass
 
 from services.scheduler.core import SchedulerCore
 from services.scheduler.request import RequestOutput
+from services.scheduler.step_trace import StepTrace
 
 STEPS_IN_FLIGHT = 2  # begun and not yet published: the one running, the one being published
 
@@ -35,8 +37,9 @@ class StepThread:
     event loop, `wake` when work arrives, `stop` to end it. `core.fail_all` is safe once `stop` has
     returned: no step runs then."""
 
-    def __init__(self, core: SchedulerCore) -> None:
+    def __init__(self, core: SchedulerCore, trace: StepTrace | None = None) -> None:
         self._core = core
+        self._trace = trace  # one line per step (`step_trace.py`); closed when the thread ends
         self._turn = threading.Condition()  # guards the two fields below; notified on every change
         self._num_unpublished = 0  # steps begun whose outputs the event loop has not published yet
         self._closing = False
@@ -80,24 +83,37 @@ class StepThread:
     def _run(self, loop: asyncio.AbstractEventLoop) -> None:
         end: BaseException | None = None
         try:
-            while self._wait_for_turn():
+            while (turn := self._wait_for_turn()) is not None:
+                begin = time.monotonic()
                 outputs = self._core.step()
+                ended = time.monotonic()
                 result = StepResult(outputs, self._core.num_steps, list(self._core.take_queue_times().values()))
                 loop.call_soon_threadsafe(self._results.put_nowait, result)
+                if self._trace is not None:
+                    self._write_trace(begin, ended, *turn)
         except BaseException as exc:  # fatal for the scheduler: the event loop raises it from `next`
             end = exc
+        finally:
+            if self._trace is not None:
+                self._trace.close()
         with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits any more
             loop.call_soon_threadsafe(self._exit, end)
 
-    def _wait_for_turn(self) -> bool:
-        """Block until a step may begin (False: closing). No polling: arrivals, publications and
-        `stop` notify."""
+    def _wait_for_turn(self) -> tuple[float, bool] | None:
+        """Block until a step may begin (None: closing). No polling: arrivals, publications and
+        `stop` notify. (seconds waited, whether an unpublished step held it)"""
+        began = time.perf_counter()
         with self._turn:
+            held = self._num_unpublished >= STEPS_IN_FLIGHT
             self._turn.wait_for(lambda: self._closing or (self._num_unpublished < STEPS_IN_FLIGHT and self._core.has_work()))
             if self._closing:
-                return False
+                return None
             self._num_unpublished += 1
-            return True
+        return time.perf_counter() - began, held
+
+    def _write_trace(self, begin: float, ended: float, turn_s: float, held: bool) -> None:
+        core = self._core
+        self._trace.write(begin, ended, turn_s, held, core.last_step, core.policy.num_running, core.policy.num_waiting)
 
     def _exit(self, end: BaseException | None) -> None:
         self._results.put_nowait(end)
