@@ -32,7 +32,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ops.bench import step_trace_summary
 from ops.bench.serve import ServeConfig, run_serve_benchmark
+from ops.bench.step_trace_summary import read_trace
 from ops.bench.serve_launch import launched_stack
 from services.models import BUNDLED_MODEL
 from services.common.nats_server import free_port
@@ -61,6 +63,7 @@ class CheckConfig:
     scenarios: tuple[str, ...] = SCENARIOS
     up_args: tuple[str, ...] = ()  # more `sparkwire up` flags
     progress: bool = True
+    step_trace: bool = True  # the scheduler's step trace, summarized per scenario (`step_trace_summary.py`)
 
 
 def serving_model_dir(model_config: Path, into: Path) -> Path:
@@ -135,12 +138,25 @@ def run(check: CheckConfig, out: Path) -> dict[str, Any]:
 
 
 def serve_scenarios(check: CheckConfig, model_dir: Path, log_path: Path) -> dict[str, Any]:
+    trace_dir = log_path.with_name(log_path.stem.removesuffix("_up") + "_trace")
     up_args = ("--device", check.device, "--load-format", "dummy", "--model", str(model_dir), *check.up_args)
+    up_args += ("--step-trace", str(trace_dir)) if check.step_trace else ()
     base_url = f"http://127.0.0.1:{free_port()}"
     with launched_stack(up_args, base_url, log_path) as stack:
         scenarios = run_scenarios(check, base_url)
+    if check.step_trace:
+        add_step_traces(scenarios, sorted(trace_dir.glob("*.jsonl")))
     return {"ready_s": stack.ready_s, "up_exit_code": stack.exit_code, "scenarios": scenarios,
             "ragged_captures": ragged_captures(log_path)}  # fmt: skip
+
+
+def add_step_traces(scenarios: dict[str, dict], traces: list[Path]) -> None:
+    """Each scenario's timed window of the (one) scheduler's step trace, summarized, as `step_trace`."""
+    if len(traces) != 1:
+        return
+    for result in scenarios.values():
+        if "monotonic_window" in result:
+            result["step_trace"] = step_trace_summary.summarize(read_trace(traces[0], tuple(result["monotonic_window"])))
 
 
 def ragged_captures(log_path: Path) -> dict[str, float]:
@@ -180,6 +196,9 @@ def table(result: dict[str, Any]) -> str:
                      f"{_ms(r['tpot_ms']['p50'])} | {_ms(r['e2el_ms']['p50'])} | {r['client_cpu_fraction']:.2f} |")  # fmt: skip
     if "stack_error" in result:
         lines.append(f"\nthe stack did not serve: {result['stack_error'][:200]}")
+    for name, r in result["scenarios"].items():
+        if "step_trace" in r:
+            lines.append(f"\nsteps of `{name}`: {step_trace_summary.table(r['step_trace'])}")
     captures = result.get("ragged_captures")
     if captures:
         lines.append(f"\nragged graphs captured while serving (warm-ups included): {captures['count']}, "
@@ -208,6 +227,7 @@ def main() -> None:
     parser.add_argument("--no-core-baseline", action="store_true")
     parser.add_argument("--scenarios", nargs="*", choices=SCENARIOS, default=list(SCENARIOS))
     parser.add_argument("--up-args", default="", help='more `sparkwire up` flags, e.g. --up-args="--chunked-prefill-size 8192"')
+    parser.add_argument("--no-step-trace", action="store_true", help="run the scheduler without its step trace")
     parser.add_argument("--out", type=Path, default=REPO / "ops/bench/results/gpu_serve.json")
     args = parser.parse_args()
     check = CheckConfig(
@@ -215,6 +235,7 @@ def main() -> None:
         input_len=args.input_len, output_len=args.output_len, load=args.load, request_rate=args.request_rate,
         core_baseline=not args.no_core_baseline, scenarios=tuple(args.scenarios), up_args=tuple(shlex.split(args.up_args)),
         progress=sys.stderr.isatty(),  # a captured log gets the table, not thousands of bar updates
+        step_trace=not args.no_step_trace,
     )  # fmt: skip
     run(check, args.out)
 

@@ -116,11 +116,12 @@ async def benchmark(config: ServeConfig) -> dict[str, Any]:
         if config.num_warmups:
             warm = [prompts[i % len(prompts)] for i in range(config.num_warmups)]
             await _timed_run(client, dataclasses.replace(config, request_rate=math.inf, progress=False), options, warm)
-        cpu_start = time.process_time()
+        cpu_start, began = time.process_time(), time.monotonic()
         records, duration_s = await _timed_run(client, config, options, prompts)
         client_cpu_s = time.process_time() - cpu_start
     # A client near 1.0 CPU fraction is the bottleneck: its timestamps lag the server's events.
-    client = {"client_cpu_s": client_cpu_s, "client_cpu_fraction": client_cpu_s / duration_s}
+    client = {"client_cpu_s": client_cpu_s, "client_cpu_fraction": client_cpu_s / duration_s,
+              "monotonic_window": [began, time.monotonic()]}  # the timed run on time.monotonic(): a step trace's clock
     return {"config": config.as_json(), **summarize(records, duration_s), **client, "requests": per_request(records)}
 
 

@@ -48,7 +48,14 @@ def test_every_scenario_runs_at_toy_size(shape_dir, tmp_path, capsys):
     rate = scenarios["poisson"]["config"]["request_rate"]
     assert rate == pytest.approx(0.8 * scenarios["concurrency"]["request_throughput"])
     assert result["stack_vs_core"] is None  # no core baseline on CPU
-    assert "| poisson | 6 / 0 |" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "| poisson | 6 / 0 |" in printed
+    for name, figures in scenarios.items():  # the scheduler's steps inside each timed window
+        trace = figures["step_trace"]
+        prefilled = sum(row["steps"] * row["prefill_tokens"] for kind, row in trace["kinds"].items() if kind != "idle")
+        assert prefilled == pytest.approx(figures["total_input_tokens"]), name  # warm-ups and other scenarios cut out
+        assert 0 < trace["busy_s"] <= trace["span_s"] + 1e-6 <= figures["duration_s"] + 1e-6, name
+    assert "steps of `concurrency`" in printed and (tmp_path / "gpu_serve_trace").is_dir()
 
 
 @pytest.mark.timeout(120)

@@ -1,0 +1,100 @@
+"""Where a scheduler's time went, from its step trace (`sparkwire scheduler --step-trace DIR`).
+
+Each step is one of:
+- `decode`: no prompt token, every sequence decodes (or verifies), split by whether it was launched
+  before the step ahead was read back (`followed`, overlapped decoding) or not;
+- `mixed`: prompt chunks beside decodes;
+- `prefill`: prompt chunks alone;
+- `idle`: a step that planned nothing (finishes handed on).
+Per kind: steps, wall seconds and their share of the window, ms per step, sequences and tokens per
+step, and how long the host waited for the device (`collect_s`). Between steps the thread waited
+`turn_s`: `held` when the event loop had not published the step ahead yet, else for work. The
+decode batch is weighted by time: a decode step of fewer sequences than the concurrency serves
+fewer tokens for the same weights read.
+
+    python -m ops.bench.step_trace_summary TRACE.jsonl [--window START END]  # time.monotonic() seconds
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+KINDS = ("decode_followed", "decode", "mixed", "prefill", "idle")
+
+
+def read_trace(path: Path, window: tuple[float, float] | None = None) -> list[dict]:
+    lines = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    if window is None:
+        return lines
+    start, end = window
+    return [line for line in lines if start <= line["t"] <= end]
+
+
+def kind_of(line: dict) -> str:
+    if "num_seqs" not in line:
+        return "idle"
+    if line["num_prefill_tokens"] == 0:
+        return "decode_followed" if line["followed"] else "decode"
+    return "mixed" if line["num_tokens"] > line["num_prefill_tokens"] else "prefill"
+
+
+def summarize(lines: Iterable[dict]) -> dict[str, Any]:
+    lines = list(lines)
+    if not lines:
+        return {"num_steps": 0}
+    span = lines[-1]["t"] + lines[-1]["dur_s"] - lines[0]["t"]
+    kinds: dict[str, dict[str, float]] = {}
+    for kind in KINDS:
+        chosen = [line for line in lines if kind_of(line) == kind]
+        if not chosen:
+            continue
+        seconds = sum(line["dur_s"] for line in chosen)
+        row = {"steps": len(chosen), "seconds": seconds, "share": seconds / span, "ms_per_step": 1e3 * seconds / len(chosen)}
+        if kind != "idle":
+            row |= {name: sum(line[key] for line in chosen) / len(chosen) for name, key in
+                    (("seqs", "num_seqs"), ("tokens", "num_tokens"), ("prefill_tokens", "num_prefill_tokens"),
+                     ("collect_ms", "collect_s"))}  # fmt: skip
+            row["collect_ms"] *= 1e3
+        kinds[kind] = row
+    decodes = [line for line in lines if kind_of(line).startswith("decode")]
+    decode_s = sum(line["dur_s"] for line in decodes)
+    return {
+        "num_steps": len(lines),
+        "span_s": span,
+        "busy_s": sum(line["dur_s"] for line in lines),
+        "held_s": sum(line["turn_s"] for line in lines if line["held"]),
+        "waited_for_work_s": sum(line["turn_s"] for line in lines if not line["held"]),
+        "decode_batch_time_weighted": sum(line["num_seqs"] * line["dur_s"] for line in decodes) / decode_s if decode_s else None,
+        "kinds": kinds,
+    }
+
+
+def table(summary: dict[str, Any]) -> str:
+    if not summary.get("num_steps"):
+        return "no steps in the window"
+    lines = [f"{summary['num_steps']} steps over {summary['span_s']:.3f} s: busy {summary['busy_s']:.3f} s, "
+             f"held by publishing {summary['held_s']:.3f} s, waiting for work {summary['waited_for_work_s']:.3f} s; "
+             f"decode batch (time-weighted) {summary['decode_batch_time_weighted'] or 0:.1f}",
+             "| kind | steps | s | share | ms/step | seqs | tokens | prefill tokens | collect ms |", "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    for kind, row in summary["kinds"].items():
+        extra = " | ".join(f"{row[k]:.1f}" for k in ("seqs", "tokens", "prefill_tokens", "collect_ms")) if "seqs" in row else " | | |"
+        lines.append(f"| {kind} | {row['steps']} | {row['seconds']:.3f} | {row['share']:.2f} | {row['ms_per_step']:.2f} | {extra} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("trace", type=Path)
+    parser.add_argument("--window", type=float, nargs=2, metavar=("START", "END"), default=None)
+    parser.add_argument("--json", action="store_true", help="print the summary as JSON instead of a table")
+    args = parser.parse_args()
+    summary = summarize(read_trace(args.trace, tuple(args.window) if args.window else None))
+    print(json.dumps(summary, indent=2) if args.json else table(summary))
+
+
+if __name__ == "__main__":
+    main()

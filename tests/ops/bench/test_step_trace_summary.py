@@ -1,0 +1,48 @@
+"""`ops/bench/step_trace_summary.py` on hand-written trace lines: each step's kind, the sums and the
+time-weighted decode batch."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from ops.bench.step_trace_summary import kind_of, read_trace, summarize, table
+
+
+def _line(t, dur, seqs=None, tokens=0, prefill=0, followed=False, turn=0.0, held=False):
+    line = {"t": t, "dur_s": dur, "turn_s": turn, "held": held, "running": 0, "waiting": 0}
+    if seqs is not None:
+        line |= {"num_seqs": seqs, "num_tokens": tokens, "num_prefill_tokens": prefill, "num_sampling": seqs,
+                 "followed": followed, "follows": followed, "collect_s": dur / 2}  # fmt: skip
+    return line
+
+
+LINES = [
+    _line(10.0, 0.050, seqs=16, tokens=2048, prefill=2048),  # prefill alone
+    _line(10.05, 0.040, seqs=30, tokens=2062, prefill=2048, turn=0.001),  # chunks beside 14 decodes
+    _line(10.09, 0.006, seqs=64, tokens=64),  # decode, planned after the readback
+    _line(10.096, 0.006, seqs=64, tokens=64, followed=True, turn=0.002, held=True),
+    _line(10.102, 0.002, seqs=32, tokens=32, followed=True),
+    _line(10.104, 0.001),  # planned nothing
+]
+
+
+def test_kinds_and_sums():
+    assert [kind_of(line) for line in LINES] == ["prefill", "mixed", "decode", "decode_followed", "decode_followed", "idle"]
+    summary = summarize(LINES)
+    assert summary["num_steps"] == 6 and summary["span_s"] == pytest.approx(0.105)
+    assert summary["busy_s"] == pytest.approx(0.105) and summary["held_s"] == pytest.approx(0.002)
+    assert summary["waited_for_work_s"] == pytest.approx(0.001)
+    assert summary["decode_batch_time_weighted"] == pytest.approx((64 * 0.006 * 2 + 32 * 0.002) / 0.014)
+    followed = summary["kinds"]["decode_followed"]
+    assert (followed["steps"], followed["seqs"], followed["ms_per_step"]) == (2, 48, pytest.approx(4.0))
+    assert summary["kinds"]["mixed"]["prefill_tokens"] == 2048 and summary["kinds"]["idle"]["steps"] == 1
+    assert "| mixed | 1 |" in table(summary)
+
+
+def test_a_window_keeps_the_steps_that_began_inside_it(tmp_path):
+    path = tmp_path / "s.jsonl"
+    path.write_text("".join(json.dumps(line) + "\n" for line in LINES))
+    assert [line["t"] for line in read_trace(path, (10.05, 10.1))] == [10.05, 10.09, 10.096]
+    assert summarize([]) == {"num_steps": 0} and table(summarize([])) == "no steps in the window"
