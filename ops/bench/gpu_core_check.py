@@ -6,7 +6,9 @@ All on the Qwen3-8B shape with dummy bf16 weights (`ops/model_configs/Qwen3-8B`)
 - runner: one graph replay of a decode step (q = 1) and a verify step (q = 8) at batch 1 and 64
   (CUDA events, median of 50) — the floor a core step can reach;
 - core: ms per decode step at batch 1 and 64 (plain greedy, and with top-20 output logprobs, eager
-  and from `LogprobGraphs`: `top20_graphs`), this tree and, in a subprocess on `--before PATH` (an export of the previous tree), the old core;
+  and from `LogprobGraphs`: `top20_graphs`), each run's core warmed up at the timed prompt length and
+  timed `--rounds` times in a rotating order (the median kept, every round's place recorded: an
+  effect of the order shows as a spread), this tree and, in a subprocess on `--before PATH` (an export of the previous tree), the old core;
 - host syncs per decode step: torch.cuda.set_sync_debug_mode counts synchronizing calls;
 - DSpark with the 8B-shape dummy drafter (`ops/model_configs/Qwen3-8B-dspark`), EXPLICITLY
   SIMULATED accept length (`--simulate-accept-len`, default 4: every verify keeps 3 drafts + the
@@ -100,15 +102,29 @@ def time_core(core, reqs, warm_steps: int = 3) -> dict:
 LOGPROB_RUNS = (("plain", LogprobParams(), False), ("top20", TOP20, False), ("top20_graphs", TOP20, True))
 
 
-def core_rows(runner, batches, prompt_len, new_tokens, fused: bool = False, runs=LOGPROB_RUNS) -> list[dict]:
+def core_rows(runner, batches, prompt_len, new_tokens, fused: bool = False, runs=LOGPROB_RUNS, rounds: int = 3) -> list[dict]:
+    """Per batch, one core per run (plain, top-20, top-20 from graphs), each warmed up at the timed
+    prompt length, then timed `rounds` times in a rotating order (round r starts at run r), so that
+    no run is always the one timed first or last after the others: each row is the median round,
+    with every round's tok/s and place kept."""
     rows = []
     for batch in batches:
+        cores = []
         for name, logprobs, graphs in runs:
             core = SchedulerCore(runner, max_running_requests=max(batches), chunked_prefill_size=16384, logprob_graphs=graphs,
                                  fused_logprobs=fused)  # fmt: skip
-            time_core(core, requests(batch, 16, 6, runner.config.vocab_size, logprobs, "w"))  # warm-up
-            row = time_core(core, requests(batch, prompt_len, new_tokens, runner.config.vocab_size, logprobs, "r"))
-            rows.append({"batch": batch, "logprobs": name, **row})
+            time_core(core, requests(batch, prompt_len, 6, runner.config.vocab_size, logprobs, "w"))  # warm-up
+            cores.append((name, logprobs, core))
+        timed: dict[str, list[dict]] = {name: [] for name, _, _ in cores}
+        for round_ in range(rounds):
+            for place in range(len(cores)):
+                name, logprobs, core = cores[(round_ + place) % len(cores)]
+                row = time_core(core, requests(batch, prompt_len, new_tokens, runner.config.vocab_size, logprobs, f"r{round_}-"))
+                timed[name].append({**row, "place": place})
+        for name, _, _ in cores:
+            median = sorted(timed[name], key=lambda r: r["tok_s"])[len(timed[name]) // 2]
+            rounds_kept = [{"tok_s": r["tok_s"], "place": r["place"]} for r in timed[name]]
+            rows.append({"batch": batch, "logprobs": name, **{k: v for k, v in median.items() if k != "place"}, "rounds": rounds_kept})
     return rows
 
 
@@ -463,6 +479,7 @@ def main() -> None:
                         help="only the top-20 cost: core and DSpark rows, plain and top-20, the logprob path alone, syncs")
     parser.add_argument("--graphs-first", action="store_true",
                         help="the core's top20_graphs run before top20 (is a difference between them the order?)")
+    parser.add_argument("--rounds", type=int, default=3, help="timed rounds per core run, in a rotating order (the median is kept)")
     parser.add_argument("--fused-logprobs", action="store_true",
                         help="raw-mode logprobs from the Triton kernels (triton_logprobs.py) in every core and the path alone (CUDA)")
     parser.add_argument("--out", type=Path, default=REPO / "ops/bench/results/gpu_core.json")
@@ -477,7 +494,7 @@ def main() -> None:
         runner.prepare_decode_graphs(query_lens=(1, 8))
     fused = result["fused_logprobs"] = args.fused_logprobs and runner.device.type == "cuda" and triton_available()
     runs = (LOGPROB_RUNS[0], LOGPROB_RUNS[2], LOGPROB_RUNS[1]) if args.graphs_first else LOGPROB_RUNS
-    result["core"] = core_rows(runner, args.batches, args.prompt_len, args.new_tokens, fused, runs)
+    result["core"] = core_rows(runner, args.batches, args.prompt_len, args.new_tokens, fused, runs, args.rounds)
     if not args.logprob_cost:
         result["graph"] = graph_rows(runner, args.batches, (1, 8))
         result["kernels"] = kernel_rows() if args.device == "cuda" else []

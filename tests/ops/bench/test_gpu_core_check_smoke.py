@@ -33,6 +33,9 @@ def test_gpu_core_check_runs_on_cpu_and_reports_the_simulated_accept_length(tmp_
         assert row["simulated_accept_len"] == 3 and row["gamma"] == 3
         assert row["tokens"] == row["batch"] * 20 and row["steps"] == 7
     assert all(r["tok_s"] > 0 for r in result["core"])
+    for row in result["core"]:  # three rounds, the run timed first, second and third once each; the median kept
+        assert sorted(r["place"] for r in row["rounds"]) == [0, 1, 2]
+        assert row["tok_s"] == sorted(r["tok_s"] for r in row["rounds"])[1]
     assert [(r["step"], r["batch"], r["logprob_graphs"]) for r in result["top20_cost"]] == [
         (step, b, graphs) for step in ("plain", "dspark") for b in (1, 2) for graphs in (False, True)]
     assert [(r["batch"], r["rows_per_request"]) for r in result["logprob_path"]] == [(1, 1), (1, 4), (2, 1), (2, 4)]
