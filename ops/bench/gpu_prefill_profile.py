@@ -1,0 +1,135 @@
+"""Where a long prefill's device time goes (issue 12, point 5: a 32,768-token prompt with top-2
+prompt logprobs on the 8B shape in <= 1.3 s): one request through `SchedulerCore`, as
+`gpu_attention_check.py --sections prefill_32k` runs it, timed unprofiled, then once under
+`torch.profiler`, each kernel's device time summed into a category by its name:
+
+- `gemm` (cuBLAS / CUTLASS / nvJet), `attention` (cuDNN, flash, the Triton varlen kernel),
+  `logprobs` (the fused logprob kernels, the torch path's log-softmax and top-k), `layer_fused`
+  (the fused norm / RoPE + K/V write / SiLU kernels), `copy_gather` (copies, index, gather, cat),
+  `elementwise` (the rest of ATen's pointwise and reduction kernels), `other`;
+- the wall time against the kernels' sum: what is left is the host and the device's idle gaps.
+
+Settings (path, chunk budget): the kernel path at the default chunk and with the whole prompt in
+one step, the dense path (`ModelRunner.dense_prefill`) in one step and at 8192.
+
+    PYTHONPATH=. python ops/bench/gpu_prefill_profile.py --out $OUT/gpu_prefill_profile.json
+    PYTHONPATH=. python ops/bench/gpu_prefill_profile.py --device cpu --tiny --out /tmp/profile.json  # smoke
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from contracts.scheduler import LogprobParams, SamplingParams
+from ops.bench.gpu_attention_check import FULL, TINY, Shape, load_runner
+from services.scheduler.core import SchedulerCore
+from services.scheduler.model.dense_attention import DENSE_MIN_QUERY_LEN, DenseConfig
+from services.scheduler.request import SchedulerRequest
+
+REPO = Path(__file__).resolve().parents[2]
+TOP2 = LogprobParams(return_logprob=True, logprob_start_len=0, top_logprobs_num=2)
+# (category, name fragments), first match wins; names lower-cased
+CATEGORIES = (
+    ("logprobs", ("_partial_lse", "_candidates_kernel", "_finish_kernel", "log_softmax", "topk", "sort")),
+    ("attention", ("fmha", "flash", "cudnn", "attn", "_varlen_kernel", "sdpa", "_paged_")),
+    ("gemm", ("gemm", "nvjet", "cutlass", "xmma", "cublas", "sm90_", "sm100_")),
+    ("layer_fused", ("_add_rms_norm", "_rotate_and_store", "_silu_mul")),
+    ("copy_gather", ("copy", "index", "gather", "cat", "memcpy", "memset", "fill")),
+    ("elementwise", ("elementwise", "vectorized", "reduce", "unrolled")),
+)
+SETTINGS = (("kernel", None), ("kernel", "whole"), ("dense", "whole"), ("dense", 8192))
+
+
+def category(kernel: str) -> str:
+    name = kernel.lower()
+    return next((cat for cat, parts in CATEGORIES if any(p in name for p in parts)), "other")
+
+
+def prefill_once(runner, chunk: int, prompt: np.ndarray, logprobs: LogprobParams) -> float:
+    core = SchedulerCore(runner, max_running_requests=1, chunked_prefill_size=chunk)
+    core.add(SchedulerRequest("long", prompt, "d", SamplingParams(max_new_tokens=1, temperature=0.0, ignore_eos=True), logprobs))
+    sync = torch.cuda.synchronize if runner.device.type == "cuda" else (lambda: None)
+    sync()
+    start = time.perf_counter()
+    while core.has_work():
+        core.step()
+    sync()
+    return time.perf_counter() - start
+
+
+def kernel_times(prof) -> dict[str, float]:
+    """kernel name -> device ms, from the profiler's device-side events."""
+    times: dict[str, float] = defaultdict(float)
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            times[event.name] += event.time_range.elapsed_us() / 1e3
+    return dict(times)
+
+
+def profile_setting(runner, shape: Shape, path: str, chunk: int, prompt: np.ndarray) -> dict:
+    runner.dense_prefill = DenseConfig(min_query_len=min(DENSE_MIN_QUERY_LEN, shape.chunk)) if path == "dense" else None
+    try:
+        prefill_once(runner, chunk, prompt[: 2 * min(chunk, shape.chunk)], TOP2)  # warm-up: kernels compiled, plans built
+        prefill_once(runner, chunk, prompt, TOP2)  # the full shapes once: allocator grown, cuBLAS heuristics cached
+        seconds = prefill_once(runner, chunk, prompt, TOP2)
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if runner.device.type == "cuda" else [])
+        with profile(activities=activities) as prof:
+            profiled_s = prefill_once(runner, chunk, prompt, TOP2)
+    finally:
+        runner.dense_prefill = None
+    kernels = kernel_times(prof)
+    by_category: dict[str, float] = defaultdict(float)
+    for name, ms in kernels.items():
+        by_category[category(name)] += ms
+    top = sorted(kernels.items(), key=lambda item: item[1], reverse=True)[:15]
+    return {"path": path, "chunk": chunk, "seconds": round(seconds, 4), "profiled_s": round(profiled_s, 4),
+            "kernels_ms": round(sum(kernels.values()), 2), "categories_ms": {k: round(v, 2) for k, v in sorted(by_category.items())},
+            "top_kernels_ms": [(name[:140], round(ms, 2)) for name, ms in top]}  # fmt: skip
+
+
+def run(args: argparse.Namespace) -> dict:
+    shape = TINY if args.tiny else FULL
+    dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
+    runner = load_runner(shape, args.device, dtype)
+    prompt = np.random.default_rng(0).integers(0, runner.config.vocab_size, shape.long_prompt, dtype=np.int32)
+    rows = []
+    for path, chunk in SETTINGS:
+        size = shape.chunk if chunk is None else shape.long_prompt if chunk == "whole" else min(chunk, shape.long_prompt)
+        rows.append(profile_setting(runner, shape, path, size, prompt))
+    result = {"device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu", "torch": torch.__version__,
+              "prompt": shape.long_prompt, "model": shape.model.name, "rows": rows}  # fmt: skip
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    print(table(result))
+    return result
+
+
+def table(result: dict) -> str:
+    names = sorted({name for row in result["rows"] for name in row["categories_ms"]})
+    lines = ["| path | chunk | s | kernels ms | " + " | ".join(names) + " |", "|---" * (4 + len(names)) + "|"]
+    for row in result["rows"]:
+        cats = " | ".join(f"{row['categories_ms'].get(name, 0):.1f}" for name in names)
+        lines.append(f"| {row['path']} | {row['chunk']} | {row['seconds']:.3f} | {row['kernels_ms']:.1f} | {cats} |")
+    for row in result["rows"]:
+        lines.append(f"\n{row['path']} @ {row['chunk']}, top kernels (ms): " + "; ".join(f"{n[:60]} {ms}" for n, ms in row["top_kernels_ms"][:8]))
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--tiny", action="store_true", help="the tiny model and a 256-token prompt (CPU smoke)")
+    parser.add_argument("--out", type=Path, default=REPO / "ops/bench/results/gpu_prefill_profile.json")
+    run(parser.parse_args())
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,28 @@
+"""ops/bench/gpu_prefill_profile.py at toy size on CPU: every setting runs under the profiler and
+kernel names land in the categories the H200 table is read by."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from ops.bench.gpu_prefill_profile import SETTINGS, category, run
+
+
+def test_kernel_names_fall_into_their_categories():
+    assert category("void cutlass::Kernel2<cutlass_80_tensorop_bf16_s16816gemm_relu_bf16_64x64>") == "gemm"
+    assert category("nvjet_tst_128x256_64x4_1x2_h_bz_coopA_NTT") == "gemm"
+    assert category("cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_3") == "attention"
+    assert category("_varlen_kernel") == "attention" and category("_candidates_kernel") == "logprobs"
+    assert category("_add_rms_norm_kernel") == "layer_fused" and category("_rotate_and_store_kernel") == "layer_fused"
+    assert category("void at::native::index_elementwise_kernel<128, 4>") == "copy_gather"
+    assert category("void at::native::vectorized_elementwise_kernel<4, at::native::silu>") == "elementwise"
+    assert category("something_new") == "other"
+
+
+def test_every_setting_runs_on_cpu(tmp_path):
+    out = tmp_path / "profile.json"
+    run(argparse.Namespace(device="cpu", tiny=True, out=out))
+    result = json.loads(out.read_text())
+    assert [(r["path"], r["chunk"]) for r in result["rows"]] == [("kernel", 64), ("kernel", 256), ("dense", 256), ("dense", 256)]
+    assert len(result["rows"]) == len(SETTINGS) and all(r["seconds"] > 0 and r["profiled_s"] > 0 for r in result["rows"])
