@@ -24,7 +24,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import httpx
+import aiohttp
+import uvloop
 
 from ops.bench.serve_client import ENDPOINTS, RequestOptions, RequestRecord, send
 from ops.bench.serve_launch import launched_stack
@@ -100,10 +101,10 @@ def _json_value(value: Any) -> Any:
 def run_serve_benchmark(config: ServeConfig) -> dict[str, Any]:
     """The whole run, launching (and stopping) a stack first if the config says so."""
     if config.launch is None:
-        return asyncio.run(benchmark(config))
+        return uvloop.run(benchmark(config))
     log_path = config.launch_log or Path(tempfile.mkdtemp(prefix="sparkwire-bench-")) / "up.log"
     with launched_stack(config.launch, config.base_url, log_path) as stack:
-        results = asyncio.run(benchmark(config))
+        results = uvloop.run(benchmark(config))
     launched = {"up_args": list(config.launch), "ready_s": stack.ready_s, "exit_code": stack.exit_code, "log": str(log_path)}
     return {**results, "launched": launched}
 
@@ -125,27 +126,28 @@ async def benchmark(config: ServeConfig) -> dict[str, Any]:
     return {"config": config.as_json(), **summarize(records, duration_s), **client, "requests": per_request(records)}
 
 
-def _client(config: ServeConfig) -> httpx.AsyncClient:
+def _client(config: ServeConfig) -> aiohttp.ClientSession:
     headers = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
     # No connection cap: max_concurrency is the benchmark's to set, not the pool's. No proxies
-    # from the environment: they would sit between the client and the server being measured.
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-    timeout = httpx.Timeout(config.request_timeout_s)
-    return httpx.AsyncClient(base_url=config.base_url, headers=headers, limits=limits, timeout=timeout, trust_env=False)
+    # from the environment (trust_env off): they would sit between the client and the server.
+    connector = aiohttp.TCPConnector(limit=0)
+    timeout = aiohttp.ClientTimeout(total=config.request_timeout_s)
+    return aiohttp.ClientSession(base_url=config.base_url, headers=headers, connector=connector, timeout=timeout, trust_env=False)
 
 
-async def _model_name(client: httpx.AsyncClient, config: ServeConfig) -> str | None:
+async def _model_name(client: aiohttp.ClientSession, config: ServeConfig) -> str | None:
     if config.model_name is not None or config.endpoint != "completions":
         return config.model_name
     try:
-        models = (await client.get("/v1/models")).json()["data"]
-    except (httpx.HTTPError, ValueError, KeyError, TypeError):
+        async with client.get("/v1/models") as response:
+            models = (await response.json(content_type=None))["data"]
+    except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, KeyError, TypeError):
         return None  # servers that do not list models accept requests without one
     return models[0]["id"] if models else None
 
 
 async def _timed_run(
-    client: httpx.AsyncClient, config: ServeConfig, options: RequestOptions, prompts: Sequence[Prompt]
+    client: aiohttp.ClientSession, config: ServeConfig, options: RequestOptions, prompts: Sequence[Prompt]
 ) -> tuple[list[RequestRecord], float]:
     """Every prompt sent at its arrival offset (waiting for a concurrency slot after that)."""
     endpoint, bar = ENDPOINTS[config.endpoint], progress_bar(len(prompts), config.progress)

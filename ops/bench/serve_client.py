@@ -5,21 +5,31 @@ cumulative `output_ids`, so the tokens of every event are known exactly) and `/v
 (any OpenAI-compatible server; an event's tokens are known only when logprobs are asked for —
 otherwise each event counts as one token, as `vllm bench serve` counts them — and the totals come
 from the final `usage` event, asked for with `stream_options.include_usage`).
+
+The client is aiohttp, as `vllm bench serve`'s is. At 64 streams of 128 events (`python -m
+ops.bench.serve_client_cost`, ops/bench/results/serve_client_cost.json, 2 cores) it spends 32-33
+us of CPU per event on uvloop, which `serve.py` runs it on; the httpx client it replaced spent
+160-184 and saturated its core (4.2-4.7 s for a run the server streams in 2.5). A client near one
+core of CPU delays every request it sends and times (ops/bench/results/gpu_serve.md, run 18).
 """
 
 from __future__ import annotations
 
+import asyncio
 import time
 from dataclasses import dataclass, field
+from collections.abc import AsyncIterator
 from typing import Any, NamedTuple, Protocol
 
-import httpx
+import aiohttp
 import msgspec
 
 from ops.bench.serve_workload import Prompt
 
-DONE = "[DONE]"
+DONE = b"[DONE]"
 ERROR_TEXT_CHARS = 300  # of a failed response's body, kept in the record
+JSON = {"Content-Type": "application/json"}
+_encode = msgspec.json.Encoder().encode
 
 
 @dataclass(frozen=True)
@@ -134,17 +144,17 @@ class RequestRecord:
         self.output_tokens = figures.output_tokens if figures.output_tokens is not None else sum(self.chunk_tokens)
 
 
-async def send(client: httpx.AsyncClient, endpoint: Endpoint, prompt: Prompt, options: RequestOptions) -> RequestRecord:
+async def send(client: aiohttp.ClientSession, endpoint: Endpoint, prompt: Prompt, options: RequestOptions) -> RequestRecord:
     """Stream one request to its end; a failure of any kind is kept in the record, never raised."""
     record = RequestRecord(prompt, prompt_tokens=len(prompt.input_ids or ()))
     start = time.perf_counter()
     try:
-        async with client.stream("POST", endpoint.path, json=endpoint.body(prompt, options)) as response:
-            if response.status_code != 200:
-                record.error = f"HTTP {response.status_code}: {(await response.aread())[:ERROR_TEXT_CHARS]!r}"
+        async with client.post(endpoint.path, data=_encode(endpoint.body(prompt, options)), headers=JSON) as response:
+            if response.status != 200:
+                record.error = f"HTTP {response.status}: {(await response.read())[:ERROR_TEXT_CHARS]!r}"
             else:
                 await _read_stream(response, endpoint, record, start)
-    except (httpx.HTTPError, msgspec.DecodeError) as exc:
+    except (aiohttp.ClientError, asyncio.TimeoutError, msgspec.DecodeError) as exc:
         record.error = f"{type(exc).__name__}: {exc}"
     record.e2e = time.perf_counter() - start
     if record.ok and not record.chunk_times:
@@ -152,9 +162,9 @@ async def send(client: httpx.AsyncClient, endpoint: Endpoint, prompt: Prompt, op
     return record
 
 
-async def _read_stream(response: httpx.Response, endpoint: Endpoint, record: RequestRecord, start: float) -> None:
-    async for line in response.aiter_lines():
-        if not line.startswith("data:"):
+async def _read_stream(response: aiohttp.ClientResponse, endpoint: Endpoint, record: RequestRecord, start: float) -> None:
+    async for line in sse_lines(response.content):
+        if not line.startswith(b"data:"):
             continue  # blank separators, comments, other SSE fields
         data = line[5:].strip()
         if data == DONE:
@@ -162,3 +172,20 @@ async def _read_stream(response: httpx.Response, endpoint: Endpoint, record: Req
         record.add(endpoint.read(msgspec.json.decode(data), record.output_tokens), time.perf_counter() - start)
         if not record.ok:
             return
+
+
+async def sse_lines(content: aiohttp.StreamReader) -> AsyncIterator[bytes]:
+    """The body's lines as they arrive, of any length: aiohttp's own line reader refuses a line
+    over its buffer (64 KiB), and an event of prompt logprobs for a long prompt is megabytes."""
+    parts: list[bytes] = []  # the line under way, in the pieces it came in
+    async for chunk in content.iter_any():
+        if b"\n" not in chunk:
+            parts.append(chunk)
+            continue
+        first, *lines, last = chunk.split(b"\n")
+        yield b"".join([*parts, first])
+        for line in lines:
+            yield line
+        parts = [last]
+    if rest := b"".join(parts):
+        yield rest

@@ -142,3 +142,24 @@ def test_the_plain_progress_line_counts_to_the_total(capsys):
     bar.close()
     last = capsys.readouterr().err.split("\r")[-1]
     assert last.strip() == f"[{'#' * TextProgress.WIDTH}] 4/4 requests"
+
+
+class _Chunks:
+    """A stand-in for aiohttp's StreamReader: `iter_any` yields the chunks given."""
+
+    def __init__(self, chunks: list[bytes]) -> None:
+        self.chunks = chunks
+
+    async def iter_any(self):
+        for chunk in self.chunks:
+            yield chunk
+
+
+async def test_sse_lines_joins_lines_split_across_chunks_of_any_length():
+    from ops.bench.serve_client import sse_lines
+
+    big = b"data: " + b"7" * (3 << 20)  # a 3 MiB event, in 1 KiB pieces
+    pieces = [big[i : i + 1024] for i in range(0, len(big), 1024)]
+    chunks = [b"data: {\"a\": 1}\n\nda", b"ta: 2\n", *pieces, b"\n\ndata: [DONE]"]
+    lines = [line async for line in sse_lines(_Chunks(chunks))]
+    assert lines == [b'data: {"a": 1}', b"", b"data: 2", big, b"", b"data: [DONE]"]
