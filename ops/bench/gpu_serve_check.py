@@ -21,12 +21,14 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import re
 import shlex
 import shutil
 import subprocess
 import sys
 import tempfile
+import time
 import traceback
 from dataclasses import dataclass
 from pathlib import Path
@@ -143,7 +145,7 @@ def serve_scenarios(check: CheckConfig, model_dir: Path, log_path: Path) -> dict
     up_args += ("--step-trace", str(trace_dir)) if check.step_trace else ()
     base_url = f"http://127.0.0.1:{free_port()}"
     with launched_stack(up_args, base_url, log_path) as stack:
-        scenarios = run_scenarios(check, base_url)
+        scenarios = run_scenarios(check, base_url, stack.up.process.pid)
     if check.step_trace:
         add_step_traces(scenarios, sorted(trace_dir.glob("*.jsonl")))
     return {"ready_s": stack.ready_s, "up_exit_code": stack.exit_code, "scenarios": scenarios,
@@ -166,15 +168,56 @@ def ragged_captures(log_path: Path) -> dict[str, float]:
     return {"count": len(seconds), "seconds": round(sum(seconds), 3), "longest_s": max(seconds, default=0.0)}
 
 
-def run_scenarios(check: CheckConfig, base_url: str) -> dict[str, dict]:
-    """Each scenario in order; one that fails is recorded and the rest still run."""
+def run_scenarios(check: CheckConfig, base_url: str, up_pid: int | None = None) -> dict[str, dict]:
+    """Each scenario in order; one that fails is recorded and the rest still run. With `up_pid`,
+    each records the CPU its stack's processes used meanwhile (`stack_cpu`)."""
     measured: dict[str, dict] = {}
     for name in check.scenarios:
+        before, began = tree_cpu_seconds(up_pid), time.monotonic()
         try:
             measured[name] = run_serve_benchmark(scenario_config(name, check, base_url, measured))
         except Exception:
             measured[name] = {"error": traceback.format_exc()[-3000:]}
+            continue
+        wall, after = time.monotonic() - began, tree_cpu_seconds(up_pid)
+        measured[name]["stack_cpu"] = {proc: round((after[proc] - before.get(proc, 0.0)) / wall, 3) for proc in after}
     return measured
+
+
+def tree_cpu_seconds(root: int | None) -> dict[str, float]:
+    """CPU seconds (user + system) of `root` and every process below it, by what each runs
+    (`sparkwire tokenizer`, `nats-server`, ...), from /proc; {} where there is none."""
+    if root is None or not Path("/proc").is_dir():
+        return {}
+    stats: dict[int, tuple[int, float, str]] = {}  # pid -> (ppid, cpu seconds, name)
+    ticks = os.sysconf("SC_CLK_TCK")
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            argv = (entry / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue  # gone meanwhile
+        stats[int(entry.name)] = (int(fields[1]), (int(fields[11]) + int(fields[12])) / ticks, _process_name(argv))
+    wanted, frontier = set(), [root]
+    while frontier:
+        pid = frontier.pop()
+        wanted.add(pid)
+        frontier += [child for child, (ppid, _, _) in stats.items() if ppid == pid and child not in wanted]
+    totals: dict[str, float] = {}
+    for pid in wanted & set(stats):
+        _, seconds, name = stats[pid]
+        totals[name] = totals.get(name, 0.0) + seconds
+    return totals
+
+
+def _process_name(argv: list[bytes]) -> str:
+    words = [Path(a.decode(errors="replace")).name for a in argv if a]
+    for service in ("tokenizer", "scheduler", "detokenizer", "up"):
+        if service in words:
+            return f"sparkwire {service}"
+    return words[0] if words else "?"
 
 
 def stack_vs_core(result: dict[str, Any]) -> float | None:
@@ -197,6 +240,9 @@ def table(result: dict[str, Any]) -> str:
     if "stack_error" in result:
         lines.append(f"\nthe stack did not serve: {result['stack_error'][:200]}")
     for name, r in result["scenarios"].items():
+        if r.get("stack_cpu"):
+            lines.append(f"\nCPU of the stack's processes during `{name}` (cores, warm-ups included): "
+                         + ", ".join(f"{proc} {cores:.2f}" for proc, cores in sorted(r["stack_cpu"].items())))  # fmt: skip
         if "step_trace" in r:
             lines.append(f"\nsteps of `{name}`: {step_trace_summary.table(r['step_trace'])}")
     captures = result.get("ragged_captures")

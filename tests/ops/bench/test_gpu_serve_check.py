@@ -56,6 +56,9 @@ def test_every_scenario_runs_at_toy_size(shape_dir, tmp_path, capsys):
         assert prefilled == pytest.approx(figures["total_input_tokens"]), name  # warm-ups and other scenarios cut out
         assert 0 < trace["busy_s"] <= trace["span_s"] + 1e-6 <= figures["duration_s"] + 1e-6, name
     assert "steps of `concurrency`" in printed and (tmp_path / "gpu_serve_trace").is_dir()
+    cpu = scenarios["concurrency"]["stack_cpu"]  # cores each of the stack's processes used
+    assert {"sparkwire tokenizer", "sparkwire scheduler", "sparkwire detokenizer", "nats-server"} <= set(cpu), cpu
+    assert cpu["sparkwire scheduler"] > 0.05 and all(0 <= cores < 2.5 for cores in cpu.values()), cpu
 
 
 @pytest.mark.timeout(120)
