@@ -57,8 +57,15 @@ from services.scheduler.model.kv_cache import PagedKVCache
 from services.scheduler.model.llama import CausalLM
 
 DEFAULT_SEQ_LADDER = (1, 2, 4, 8, 16, 32, 64, 128)
-DEFAULT_TOKEN_LADDER = (64, 128, 256, 384, 512, 768, 1024, 1536, 2048)  # 1.5x steps past 256: padding <= 50%
-DEFAULT_MAX_GRAPHS = 128  # the prefill keys captured at start-up (63 at the default budgets, 70 at 8192) and room for others
+# Token rungs up to 1024: 1.5x steps past 256 (padding <= 50%). Past 1024 a step is compute-bound
+# (its GEMMs run on every padded row), so `token_ladder` adds FINE_RUNGS_PER_OCTAVE rungs per
+# doubling there: padding <= 25%, <= 12.5% near the top of each octave. On the H200 (8B shape,
+# concurrency 64, chunks of 2048) the mixed steps carried 1,620 tokens on average, and a 2048 rung
+# ran their GEMMs on 26% padding (ops/bench/results/gpu_serve.md, run 18); a budget above 2048 had
+# no rung between 2048 and itself (a 3,000-token step at an 8192 budget ran 8192 rows).
+COARSE_TOKEN_RUNGS = (64, 128, 256, 384, 512, 768, 1024)
+FINE_RUNGS_PER_OCTAVE = 4
+DEFAULT_MAX_GRAPHS = 160  # the prefill keys captured at start-up (77 at the default budgets, 133 at 8192) and room for others
 
 log = structlog.get_logger(__name__)
 
@@ -68,12 +75,22 @@ def seq_ladder(max_running_requests: int, ladder: tuple[int, ...] = DEFAULT_SEQ_
     return tuple(sorted({r for r in ladder if r < max_running_requests} | {max_running_requests}))
 
 
-def token_ladder(chunk_budget: int, ladder: tuple[int, ...] = DEFAULT_TOKEN_LADDER) -> tuple[int, ...]:
+def token_ladder(chunk_budget: int, ladder: tuple[int, ...] = COARSE_TOKEN_RUNGS) -> tuple[int, ...]:
     """The rungs up to the scheduler's tokens per step (its chunked-prefill budget), which is a rung
-    too. (Stopping the graphs at 2048 tokens whatever the budget, so that larger steps ran eagerly,
+    too: `ladder`'s, then past its top FINE_RUNGS_PER_OCTAVE evenly spaced rungs per doubling.
+    (Stopping the graphs at 2048 tokens whatever the budget, so that larger steps ran eagerly,
     took the stack at 8192-token chunks from 0.71x to 0.41-0.44x the core on the H200:
     ops/bench/results/gpu_serve.md, runs 9, 10 and 14.)"""
-    return tuple(sorted({r for r in ladder if r < chunk_budget} | {chunk_budget}))
+    rungs = {r for r in ladder if r < chunk_budget}
+    octave = max(ladder)
+    while octave < chunk_budget:
+        step = octave // FINE_RUNGS_PER_OCTAVE
+        rungs |= {r for r in range(octave + step, 2 * octave + 1, step) if r < chunk_budget}
+        octave *= 2
+    return tuple(sorted(rungs | {chunk_budget}))
+
+
+DEFAULT_TOKEN_LADDER = token_ladder(2048)  # the default chunk budget's (flags.DEFAULT_CHUNKED_PREFILL_SIZE)
 
 
 @dataclass(frozen=True)

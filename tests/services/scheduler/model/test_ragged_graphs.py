@@ -5,6 +5,8 @@ block. On CUDA the same buffers are replayed from captured graphs
 
 from __future__ import annotations
 
+import bisect
+
 import dataclasses
 
 import numpy as np
@@ -73,9 +75,18 @@ def test_seq_ladder_stops_at_the_most_running_requests() -> None:
 
 
 def test_token_ladder_stops_at_the_chunk_budget() -> None:
-    assert token_ladder(2048) == (64, 128, 256, 384, 512, 768, 1024, 1536, 2048)
+    assert token_ladder(2048) == (64, 128, 256, 384, 512, 768, 1024, 1280, 1536, 1792, 2048)
     assert token_ladder(1000) == (64, 128, 256, 384, 512, 768, 1000)
-    assert token_ladder(8192) == (*token_ladder(2048), 8192)
+    assert token_ladder(8192) == (*token_ladder(2048), 2560, 3072, 3584, 4096, 5120, 6144, 7168, 8192)
+    assert token_ladder(3000) == (*token_ladder(2048), 2560, 3000)
+
+
+@pytest.mark.parametrize("budget", [2048, 3000, 8192, 32768])
+def test_past_1024_tokens_no_step_pads_by_more_than_a_quarter(budget) -> None:
+    ladder = token_ladder(budget)
+    for tokens in range(1025, budget + 1, 7):
+        rung = ladder[bisect.bisect_left(ladder, tokens)]
+        assert tokens <= rung <= 1.25 * tokens, (tokens, rung)
 
 
 @pytest.mark.parametrize("capture_layers", [(), (1, 3)])
