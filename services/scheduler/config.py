@@ -11,6 +11,7 @@ from services.models import BUNDLED_DRAFT_MODEL, BUNDLED_MODEL
 from services.scheduler.flags import (
     CUDA_KV_CACHE_FRACTION,
     DEFAULT_CHUNKED_PREFILL_SIZE,
+    DEFAULT_MAX_PREFILL_TOKENS,
     DEFAULT_MAX_RUNNING_REQUESTS,
     DEFAULT_SPLIT_KV_DECODE,
     DEVICES,
@@ -36,11 +37,13 @@ class SchedulerConfig:
     load_format: str = "auto"
     max_running_requests: int = DEFAULT_MAX_RUNNING_REQUESTS
     chunked_prefill_size: int = DEFAULT_CHUNKED_PREFILL_SIZE
+    max_prefill_tokens: int | None = None  # tokens per step while nothing decodes (`Policy`); None: `resolved_max_prefill_tokens`
     overlap_decode: bool = True  # `SchedulerCore`: the next decode step launched before this one's readback
     ragged_cuda_graphs: bool = True  # CUDA with Triton: ragged steps replay graphs (checked on the H200: gpu_serve.md)
     logprob_cuda_graphs: bool = True  # CUDA: output logprobs replay graphs (`LogprobGraphs`; exact on the H200: gpu_core.md)
     fused_kernels: bool = True  # CUDA with Triton: triton_fused.py's kernels (checked on the H200: gpu_fused.md)
     fused_logprobs: bool = True  # CUDA with Triton: raw-mode logprobs from triton_logprobs.py's kernels
+    dense_prefill: bool = True  # CUDA: steps past the chunk budget attend long queries on cuDNN (`dense_attention.py`)
     split_kv_decode: bool = DEFAULT_SPLIT_KV_DECODE  # CUDA with Triton: split-KV decode attention (checked on the H200: gpu_split_kv.md)
     kv_block_size: int = 16
     num_kv_blocks: int | None = None  # None: sized from kv_cache_bytes
@@ -65,6 +68,9 @@ class SchedulerConfig:
             _check_choice("dtype", self.dtype, tuple(DTYPES))
         for name in ("max_running_requests", "chunked_prefill_size", "kv_block_size"):
             _check_positive(name, getattr(self, name))
+        if self.max_prefill_tokens is not None and self.max_prefill_tokens < self.chunked_prefill_size:
+            raise ValueError(f"max_prefill_tokens ({self.max_prefill_tokens}) must be at least chunked_prefill_size "
+                             f"({self.chunked_prefill_size})")  # fmt: skip
         for name in ("num_kv_blocks", "kv_cache_bytes", "max_model_len"):
             if getattr(self, name) is not None:
                 _check_positive(name, getattr(self, name))
@@ -74,6 +80,10 @@ class SchedulerConfig:
         _check_choice("verify_mode", self.verify_mode, VERIFY_MODES)
         if self.num_draft_tokens is not None:
             _check_positive("num_draft_tokens", self.num_draft_tokens)
+
+    @property
+    def resolved_max_prefill_tokens(self) -> int:
+        return self.max_prefill_tokens or max(DEFAULT_MAX_PREFILL_TOKENS, self.chunked_prefill_size)
 
     @property
     def resolved_draft_model(self) -> str:

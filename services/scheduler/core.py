@@ -98,6 +98,7 @@ class SchedulerCore:
         fused_logprobs: bool | None = None,  # raw-mode logprobs from the Triton kernels; None: on CUDA with Triton
         clock: Callable[[], float] = time.monotonic,  # arrival and scheduling times (queue time)
         overlap_decode: bool = True,  # launch the next decode step before this one's readback (see above)
+        max_prefill_tokens: int | None = None,  # tokens per step while nothing decodes (`Policy`); None: chunked_prefill_size
     ) -> None:
         config = runner.config
         self.vocab_size = config.vocab_size
@@ -109,6 +110,7 @@ class SchedulerCore:
             block_size=runner.block_size,
             max_running_requests=max_running_requests,
             chunk_budget=chunked_prefill_size,
+            prefill_budget=max_prefill_tokens,
             max_model_len=self.max_model_len,
             vocab_size=config.vocab_size,
             eos_ids=frozenset(config.eos_token_ids),

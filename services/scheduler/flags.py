@@ -18,6 +18,10 @@ LOAD_FORMATS = ("auto", "dummy")
 LOGPROBS_MODES = ("raw", "processed")
 DEFAULT_MAX_RUNNING_REQUESTS = 64
 DEFAULT_CHUNKED_PREFILL_SIZE = 2048  # tokens per step, prefill chunks and decode tokens together
+# Tokens per step while no sequence decodes (nothing to stall): a 32k prompt alone on the H200 (8B
+# shape, top-2 prompt logprobs) took 1.79 s in 2048-token steps and 1.40-1.45 s in 8192- to
+# 32768-token steps on cuDNN (`--dense-prefill`; ops/bench/results/gpu_prefill_profile.md)
+DEFAULT_MAX_PREFILL_TOKENS = 16384
 CUDA_KV_CACHE_FRACTION = 0.8  # of the memory still free once weights are loaded
 # Split-KV decode attention on (`--split-kv-decode`): on the H200, graph decode steps at batch 1 went
 # 15.2 -> 5.2 ms (8B) and 9.4 -> 1.6 ms (0.6B) at context 4096, with the same next tokens; at batch 64
@@ -37,6 +41,9 @@ def add_model_arguments(parser: argparse.ArgumentParser, env: EnvSettings) -> No
         help="raw: logprobs of the model's own distribution; processed: after temperature")  # fmt: skip
     add("--chunked-prefill-size", type=int, default=DEFAULT_CHUNKED_PREFILL_SIZE,
         help="tokens per scheduler step (prefill chunks and decode tokens together)")  # fmt: skip
+    add("--max-prefill-tokens", type=int, default=None,
+        help=f"tokens per scheduler step while no request decodes (a prompt arriving alone); at least --chunked-prefill-size "
+             f"(default: the larger of {DEFAULT_MAX_PREFILL_TOKENS} and --chunked-prefill-size)")  # fmt: skip
     add("--max-running-requests", type=int, default=DEFAULT_MAX_RUNNING_REQUESTS, help="most requests decoded at once")
     add("--overlap-decode", action=argparse.BooleanOptionalAction, default=True,
         help="launch each decode step before the last one's tokens are read back, so the device does not wait for "
@@ -71,6 +78,9 @@ CUDA_SWITCHES = {
                             "as fused Triton kernels (default on; elsewhere it does nothing)"),
     "fused-logprobs": (True, "CUDA with Triton: compute raw-mode logprobs (log-softmax, top-k up to 64, the target's and "
                              "requested ids') in fused Triton kernels reading the logits in place (default on; elsewhere it does nothing)"),
+    "dense-prefill": (True, "CUDA: attend the long queries of steps past --chunked-prefill-size (a prompt alone, "
+                            "up to --max-prefill-tokens) with cuDNN through torch SDPA instead of the varlen kernel "
+                            "(default on: such steps run without graphs anyway; elsewhere it does nothing)"),
     "split-kv-decode": (DEFAULT_SPLIT_KV_DECODE,
                         "CUDA with Triton: split each sequence's keys across several decode attention programs when "
                         "the batch leaves SMs idle (flash-decoding; default on: on the H200 a batch-1 decode step at "
@@ -90,6 +100,7 @@ def scheduler_argv(args: argparse.Namespace) -> list[str]:
     those to the tokenizer too), for `sparkwire up` to pass to its scheduler."""
     argv = ["--device", args.device, "--load-format", args.load_format, "--logprobs-mode", args.logprobs_mode]
     argv += ["--chunked-prefill-size", str(args.chunked_prefill_size), "--max-running-requests", str(args.max_running_requests)]
+    argv += ["--max-prefill-tokens", str(args.max_prefill_tokens)] if args.max_prefill_tokens is not None else []
     argv += ["--kv-cache-memory-fraction", str(args.kv_cache_memory_fraction)]
     argv += ["--overlap-decode" if args.overlap_decode else "--no-overlap-decode"]
     argv += ["--step-trace", args.step_trace] if args.step_trace else []

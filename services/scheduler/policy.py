@@ -8,7 +8,9 @@ case of zero draft tokens.
 
 Scheduling: running requests first, oldest first (a decode is its last token plus its drafts; a
 prefill chunk takes what is left of `chunk_budget`), then waiting requests while the token budget,
-the running limit and free KV blocks allow. When a running request needs a block and none is free,
+the running limit and free KV blocks allow. A step in which no sequence decodes has nothing to
+stall, so its budget is `prefill_budget` (>= `chunk_budget`): a long prompt that arrives alone
+prefills in a few large steps instead of many small ones. When a running request needs a block and none is free,
 the newest running request is preempted: its blocks are freed and it goes back to the front of
 the queue; on resume it re-prefills prompt + generated tokens (its pending drafts ride on the last
 chunk), and since sampling depends only on (seed, output position) and logprobs already returned
@@ -106,6 +108,7 @@ class Policy:
         max_running_requests: int,
         chunk_budget: int,
         max_model_len: int,
+        prefill_budget: int | None = None,  # tokens per step while nothing decodes; None: chunk_budget
         vocab_size: int,
         eos_ids: frozenset[int],
         num_draft_tokens: int = 0,
@@ -122,6 +125,7 @@ class Policy:
         self._eos_ids = eos_ids
         self._max_running = max_running_requests
         self._chunk_budget = chunk_budget
+        self._prefill_budget = max(chunk_budget, prefill_budget or chunk_budget)
         self._rng = random.Random(seed)  # sampling seeds of requests that bring none
         self._waiting: deque[Sequence] = deque()
         # oldest first; a dict as an ordered set (by identity: Sequence has eq=False), so membership and
@@ -267,7 +271,8 @@ class Policy:
     # ---- schedule ----
 
     def schedule(self) -> StepPlan:
-        budget = self._chunk_budget
+        decoding = any(seq.num_pending == 1 for seq in self._running)  # a decode (or verify) this step
+        budget = self._chunk_budget if decoding else self._prefill_budget
         chosen: list[tuple[Sequence, int, int]] = []  # (seq, committed tokens, drafts)
         for seq in list(self._running):
             if seq not in self._running:

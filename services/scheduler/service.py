@@ -36,6 +36,7 @@ from services.common.transport import Traffic, Transport
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.core import SchedulerCore
 from services.scheduler.model import MemoryReserve, ModelConfig, load_model_runner
+from services.scheduler.model.dense_attention import DenseConfig
 from services.scheduler.model.ragged_graphs import seq_ladder, token_ladder
 from services.scheduler.model.runner import triton_available
 from services.scheduler.request import RequestOutput, SchedulerRequest
@@ -91,12 +92,16 @@ def build_core(config: SchedulerConfig) -> SchedulerCore:
         runner.prepare_ragged_graphs(seq_ladder(config.max_running_requests), token_ladder(config.chunked_prefill_size),
                                      capture_layers=capture_layers)  # fmt: skip
         runner.ragged_graphs.capture_prefill_keys()  # arrivals beside decodes: no capture pauses them later
+    if config.dense_prefill and runner.device.type == "cuda" and config.resolved_max_prefill_tokens > config.chunked_prefill_size:
+        # only queries no chunk-budget step holds: steps past the budget run eagerly whatever their path
+        runner.dense_prefill = DenseConfig(min_query_len=config.chunked_prefill_size + 1)
     return SchedulerCore(
         runner,
         proposer=proposer,
         verify_mode=config.verify_mode,
         max_running_requests=config.max_running_requests,
         chunked_prefill_size=config.chunked_prefill_size,
+        max_prefill_tokens=config.resolved_max_prefill_tokens,
         overlap_decode=config.overlap_decode,
         max_model_len=config.max_model_len,
         logprobs_mode=config.logprobs_mode,

@@ -73,10 +73,11 @@ def _rows(positions: list[int], k: int) -> RowLogprobs:
     return RowLogprobs(values, np.repeat(values[:, None], k, 1), np.zeros((n, k), np.int32), np.zeros((n, 0), np.float32))
 
 
-def make_policy(num_blocks: int = 64, chunk: int = 64, drafts: int = GAMMA, max_running: int = 16) -> Policy:
+def make_policy(num_blocks: int = 64, chunk: int = 64, drafts: int = GAMMA, max_running: int = 16,
+                prefill_budget: int | None = None) -> Policy:  # fmt: skip
     return Policy(
         num_blocks=num_blocks, block_size=4, max_running_requests=max_running, chunk_budget=chunk,
-        max_model_len=256, vocab_size=VOCAB, eos_ids=frozenset({0}), num_draft_tokens=drafts,
+        max_model_len=256, vocab_size=VOCAB, eos_ids=frozenset({0}), num_draft_tokens=drafts, prefill_budget=prefill_budget,
     )  # fmt: skip
 
 
@@ -152,6 +153,25 @@ def test_chunked_prefill_splits_by_budget_and_drafts_ride_the_last_chunk():
     assert result["prompt_lp"][0] != result["prompt_lp"][0]  # NaN: the null first position
     assert result["prompt_lp"][1:] == [-float(p) for p in range(1, 20)]  # every position once, in order
     assert result["tokens"] == continuation(20, 3)
+
+
+def test_the_prefill_budget_holds_only_while_nothing_decodes():
+    """A prompt alone prefills in prefill_budget steps; once a sequence decodes, a newcomer's chunks
+    and the decodes share chunk_budget again. Tokens are those of the chunk-budget-only policy."""
+    worker = FakeWorker()
+    policy = make_policy(chunk=7, drafts=0, prefill_budget=16)
+    policy.add(req("a", list(range(1, 31)), max_new=8))
+    for _ in range(3):  # 16 + 14: the second step holds the prompt's last token too
+        policy.update(plan := policy.schedule(), worker.execute(plan))
+    policy.add(req("b", list(range(40, 60)), max_new=3))
+    result = drive(policy, worker, [])
+    sizes = [[len(step.query) for step in plan.steps] for plan in worker.plans]
+    assert sizes[:3] == [[16], [14], [5]]  # a alone: 16 then 14 prompt tokens, then a verify (its token + 4 drafts)
+    assert sizes[3] == [5, 2]  # a decodes: b's first chunk takes what is left of 7
+    assert sizes[4] == [16] and sizes[4:] == [[16], [2], [5]]  # a has finished: b alone takes 16 again
+    plain = drive(make_policy(chunk=7, drafts=0), FakeWorker(), [req("a", list(range(1, 31)), max_new=8)])
+    assert plain["a"]["tokens"] == continuation(30, 8)
+    assert result["b"]["tokens"] == continuation(59, 3)
 
 
 def test_preemption_frees_blocks_and_every_request_still_completes():

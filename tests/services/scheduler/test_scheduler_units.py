@@ -14,6 +14,7 @@ from contracts.detokenizer import Finish, FinishType, TokenBatch
 from contracts.scheduler import SamplingParams
 from services.scheduler.block_manager import BlockManager
 from services.scheduler.config import SchedulerConfig
+from services.scheduler.flags import DEFAULT_MAX_PREFILL_TOKENS
 from services.scheduler.logprobs import (
     LogprobQuery,
     TopKKeys,
@@ -196,6 +197,11 @@ def test_config_validates_its_choices():
     assert SchedulerConfig(speculative_algorithm="dspark", draft_model="/some/draft").resolved_draft_model == "/some/draft"
     config = SchedulerConfig(device="cpu")
     assert config.torch_dtype == torch.float32 and config.resolved_device == "cpu"
+    with pytest.raises(ValueError, match="max_prefill_tokens .* at least chunked_prefill_size"):
+        SchedulerConfig(chunked_prefill_size=4096, max_prefill_tokens=2048)
+    assert config.resolved_max_prefill_tokens == DEFAULT_MAX_PREFILL_TOKENS > config.chunked_prefill_size
+    assert SchedulerConfig(chunked_prefill_size=65536).resolved_max_prefill_tokens == 65536  # never below the chunk budget
+    assert SchedulerConfig(max_prefill_tokens=4096).resolved_max_prefill_tokens == 4096
 
 
 # ---- wire ----
@@ -308,3 +314,12 @@ def test_logprob_entries_hold_exactly_the_wire_fields_of_request_logprobs():
     from contracts.detokenizer import RequestLogprobs
 
     assert [f.name for f in dataclasses.fields(LogprobEntries)] == list(RequestLogprobs.__struct_fields__)
+
+
+def test_build_core_takes_the_prefill_budget_and_leaves_the_dense_path_to_cuda():
+    from services.scheduler.service import build_core
+
+    core = build_core(SchedulerConfig(device="cpu", chunked_prefill_size=512, max_prefill_tokens=4096))
+    assert (core.policy._chunk_budget, core.policy._prefill_budget) == (512, 4096)
+    assert core.worker.runner.dense_prefill is None  # `--dense-prefill` does nothing off CUDA
+    assert build_core(SchedulerConfig(device="cpu")).policy._prefill_budget == DEFAULT_MAX_PREFILL_TOKENS
