@@ -9,8 +9,14 @@ prompt logprobs on the 8B shape in <= 1.3 s): one request through `SchedulerCore
   `elementwise` (the rest of ATen's pointwise and reduction kernels), `other`;
 - the wall time against the kernels' sum: what is left is the host and the device's idle gaps.
 
-Settings (path, chunk budget): the kernel path at the default chunk and with the whole prompt in
-one step, the dense path (`ModelRunner.dense_prefill`) in one step and at 8192.
+Settings (path, chunk budget, tokens per step while nothing decodes):
+- `kernel`: the varlen kernel at the default chunk (2048, the budget before `--max-prefill-tokens`)
+  and with the whole prompt in one step; `dense` (`ModelRunner.dense_prefill` from 512-token
+  queries) in one step and at 8192;
+- `served`: as `build_core` sets it up by default: chunks of 2048 beside decodes, and a prompt
+  alone in steps of `--max-prefill-tokens` (16384; and 32768) attended on cuDNN (`--dense-prefill`).
+Each row also has the peak device memory above the start, with top-2 and without (`plain_s`):
+the logprobs' extra memory is the difference.
 
     PYTHONPATH=. python ops/bench/gpu_prefill_profile.py --out $OUT/gpu_prefill_profile.json
     PYTHONPATH=. python ops/bench/gpu_prefill_profile.py --device cpu --tiny --out /tmp/profile.json  # smoke
@@ -31,6 +37,7 @@ from torch.profiler import ProfilerActivity, profile
 from contracts.scheduler import LogprobParams, SamplingParams
 from ops.bench.gpu_attention_check import FULL, TINY, Shape, load_runner
 from services.scheduler.core import SchedulerCore
+from services.scheduler.flags import DEFAULT_MAX_PREFILL_TOKENS
 from services.scheduler.model.dense_attention import DENSE_MIN_QUERY_LEN, DenseConfig
 from services.scheduler.request import SchedulerRequest
 
@@ -45,7 +52,9 @@ CATEGORIES = (
     ("copy_gather", ("copy", "index", "gather", "cat", "memcpy", "memset", "fill")),
     ("elementwise", ("elementwise", "vectorized", "reduce", "unrolled")),
 )
-SETTINGS = (("kernel", None), ("kernel", "whole"), ("dense", "whole"), ("dense", 8192))
+# (path, chunk budget, max prefill tokens): None is the default chunk, "whole" the prompt's length
+SETTINGS = (("kernel", None, None), ("kernel", "whole", None), ("dense", "whole", None), ("dense", 8192, None),
+            ("served", None, DEFAULT_MAX_PREFILL_TOKENS), ("served", None, 32768))  # fmt: skip
 
 
 def category(kernel: str) -> str:
@@ -53,16 +62,22 @@ def category(kernel: str) -> str:
     return next((cat for cat, parts in CATEGORIES if any(p in name for p in parts)), "other")
 
 
-def prefill_once(runner, chunk: int, prompt: np.ndarray, logprobs: LogprobParams) -> float:
-    core = SchedulerCore(runner, max_running_requests=1, chunked_prefill_size=chunk)
+def prefill_once(runner, chunk: int, prompt: np.ndarray, logprobs: LogprobParams, max_prefill: int | None = None) -> tuple[float, float | None]:
+    """(seconds, peak device MiB above the start; None off CUDA)"""
+    core = SchedulerCore(runner, max_running_requests=1, chunked_prefill_size=chunk, max_prefill_tokens=max_prefill)
     core.add(SchedulerRequest("long", prompt, "d", SamplingParams(max_new_tokens=1, temperature=0.0, ignore_eos=True), logprobs))
-    sync = torch.cuda.synchronize if runner.device.type == "cuda" else (lambda: None)
-    sync()
+    cuda = runner.device.type == "cuda"
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated() if cuda else 0
     start = time.perf_counter()
     while core.has_work():
         core.step()
-    sync()
-    return time.perf_counter() - start
+    if cuda:
+        torch.cuda.synchronize()
+    seconds = time.perf_counter() - start
+    return seconds, (torch.cuda.max_memory_allocated() - base) / 2**20 if cuda else None
 
 
 def kernel_times(prof) -> dict[str, float]:
@@ -74,15 +89,22 @@ def kernel_times(prof) -> dict[str, float]:
     return dict(times)
 
 
-def profile_setting(runner, shape: Shape, path: str, chunk: int, prompt: np.ndarray) -> dict:
-    runner.dense_prefill = DenseConfig(min_query_len=min(DENSE_MIN_QUERY_LEN, shape.chunk)) if path == "dense" else None
+def dense_config(path: str, shape: Shape, chunk: int) -> DenseConfig | None:
+    if path == "dense":
+        return DenseConfig(min_query_len=min(DENSE_MIN_QUERY_LEN, shape.chunk))
+    return DenseConfig(min_query_len=chunk + 1) if path == "served" else None  # as build_core sets it
+
+
+def profile_setting(runner, shape: Shape, path: str, chunk: int, prompt: np.ndarray, max_prefill: int | None = None) -> dict:
+    runner.dense_prefill = dense_config(path, shape, chunk)
     try:
-        prefill_once(runner, chunk, prompt[: 2 * min(chunk, shape.chunk)], TOP2)  # warm-up: kernels compiled, plans built
-        prefill_once(runner, chunk, prompt, TOP2)  # the full shapes once: allocator grown, cuBLAS heuristics cached
-        seconds = prefill_once(runner, chunk, prompt, TOP2)
+        prefill_once(runner, chunk, prompt[: 2 * min(chunk, shape.chunk)], TOP2, max_prefill)  # warm-up: kernels compiled
+        prefill_once(runner, chunk, prompt, TOP2, max_prefill)  # the full shapes once: allocator grown, cuBLAS heuristics cached
+        plain_s, plain_mib = prefill_once(runner, chunk, prompt, LogprobParams(), max_prefill)
+        seconds, top2_mib = prefill_once(runner, chunk, prompt, TOP2, max_prefill)
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if runner.device.type == "cuda" else [])
         with profile(activities=activities) as prof:
-            profiled_s = prefill_once(runner, chunk, prompt, TOP2)
+            profiled_s, _ = prefill_once(runner, chunk, prompt, TOP2, max_prefill)
     finally:
         runner.dense_prefill = None
     kernels = kernel_times(prof)
@@ -90,7 +112,9 @@ def profile_setting(runner, shape: Shape, path: str, chunk: int, prompt: np.ndar
     for name, ms in kernels.items():
         by_category[category(name)] += ms
     top = sorted(kernels.items(), key=lambda item: item[1], reverse=True)[:15]
-    return {"path": path, "chunk": chunk, "seconds": round(seconds, 4), "profiled_s": round(profiled_s, 4),
+    memory = {"peak_extra_mib": round(top2_mib, 1), "logprobs_extra_mib": round(top2_mib - plain_mib, 1)} if top2_mib is not None else {}
+    return {"path": path, "chunk": chunk, "max_prefill_tokens": max_prefill, "seconds": round(seconds, 4), "plain_s": round(plain_s, 4),
+            **memory, "profiled_s": round(profiled_s, 4),
             "kernels_ms": round(sum(kernels.values()), 2), "categories_ms": {k: round(v, 2) for k, v in sorted(by_category.items())},
             "top_kernels_ms": [(name[:140], round(ms, 2)) for name, ms in top]}  # fmt: skip
 
@@ -101,9 +125,11 @@ def run(args: argparse.Namespace) -> dict:
     runner = load_runner(shape, args.device, dtype)
     prompt = np.random.default_rng(0).integers(0, runner.config.vocab_size, shape.long_prompt, dtype=np.int32)
     rows = []
-    for path, chunk in SETTINGS:
+    for path, chunk, max_prefill in SETTINGS:
+        if args.settings and path not in args.settings:
+            continue
         size = shape.chunk if chunk is None else shape.long_prompt if chunk == "whole" else min(chunk, shape.long_prompt)
-        rows.append(profile_setting(runner, shape, path, size, prompt))
+        rows.append(profile_setting(runner, shape, path, size, prompt, max_prefill and min(max_prefill, shape.long_prompt)))
     result = {"device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu", "torch": torch.__version__,
               "prompt": shape.long_prompt, "model": shape.model.name, "rows": rows}  # fmt: skip
     args.out.parent.mkdir(parents=True, exist_ok=True)
@@ -114,10 +140,12 @@ def run(args: argparse.Namespace) -> dict:
 
 def table(result: dict) -> str:
     names = sorted({name for row in result["rows"] for name in row["categories_ms"]})
-    lines = ["| path | chunk | s | kernels ms | " + " | ".join(names) + " |", "|---" * (4 + len(names)) + "|"]
+    lines = ["| path | chunk | max prefill | s (top-2) | s (plain) | logprobs MiB | kernels ms | " + " | ".join(names) + " |",
+             "|---" * (7 + len(names)) + "|"]  # fmt: skip
     for row in result["rows"]:
         cats = " | ".join(f"{row['categories_ms'].get(name, 0):.1f}" for name in names)
-        lines.append(f"| {row['path']} | {row['chunk']} | {row['seconds']:.3f} | {row['kernels_ms']:.1f} | {cats} |")
+        lines.append(f"| {row['path']} | {row['chunk']} | {row['max_prefill_tokens'] or '-'} | {row['seconds']:.3f} | {row['plain_s']:.3f} | "
+                     f"{row.get('logprobs_extra_mib', '-')} | {row['kernels_ms']:.1f} | {cats} |")  # fmt: skip
     for row in result["rows"]:
         lines.append(f"\n{row['path']} @ {row['chunk']}, top kernels (ms): " + "; ".join(f"{n[:60]} {ms}" for n, ms in row["top_kernels_ms"][:8]))
     return "\n".join(lines)
@@ -127,6 +155,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--tiny", action="store_true", help="the tiny model and a 256-token prompt (CPU smoke)")
+    parser.add_argument("--settings", nargs="*", choices=sorted({path for path, _, _ in SETTINGS}), default=None,
+                        help="only these paths (default all)")
     parser.add_argument("--out", type=Path, default=REPO / "ops/bench/results/gpu_prefill_profile.json")
     run(parser.parse_args())
 

@@ -22,7 +22,10 @@ def test_kernel_names_fall_into_their_categories():
 
 def test_every_setting_runs_on_cpu(tmp_path):
     out = tmp_path / "profile.json"
-    run(argparse.Namespace(device="cpu", tiny=True, out=out))
+    run(argparse.Namespace(device="cpu", tiny=True, out=out, settings=None))
     result = json.loads(out.read_text())
-    assert [(r["path"], r["chunk"]) for r in result["rows"]] == [("kernel", 64), ("kernel", 256), ("dense", 256), ("dense", 256)]
-    assert len(result["rows"]) == len(SETTINGS) and all(r["seconds"] > 0 and r["profiled_s"] > 0 for r in result["rows"])
+    assert [(r["path"], r["chunk"], r["max_prefill_tokens"]) for r in result["rows"]] == [
+        ("kernel", 64, None), ("kernel", 256, None), ("dense", 256, None), ("dense", 256, None), ("served", 64, 256), ("served", 64, 256)]
+    assert len(result["rows"]) == len(SETTINGS) and all(r["seconds"] > 0 and r["plain_s"] > 0 and r["profiled_s"] > 0 for r in result["rows"])
+    run(argparse.Namespace(device="cpu", tiny=True, out=out, settings=["served"]))
+    assert [r["path"] for r in json.loads(out.read_text())["rows"]] == ["served", "served"]
