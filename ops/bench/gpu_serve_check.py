@@ -60,7 +60,12 @@ class CheckConfig:
     output_len: int = 128
     load: float = 0.8  # the Poisson rate as a fraction of what `concurrency` sustained
     request_rate: float | None = None  # the Poisson rate itself, instead of `load`
-    num_warmups: int = 16  # before each scenario: graphs captured, allocator warm
+    # Warm-ups before each scenario (graphs captured, allocator warm), sent at the scenario's
+    # concurrency; None: as many as the concurrency, so that every connection the timed run uses is
+    # open. With 16 (runs 1-23), 16 requests of the first wave came at once and the other 48, on new
+    # connections, ~90 ms later, and the closed loop kept that stagger wave after wave: ~20 decode
+    # steps a wave at a batch of 15 (ops/bench/results/gpu_serve.md, run 23's trace).
+    num_warmups: int | None = None
     core_baseline: bool = True  # the scheduler core at batch = concurrency, first (GPU only)
     scenarios: tuple[str, ...] = SCENARIOS
     up_args: tuple[str, ...] = ()  # more `sparkwire up` flags
@@ -103,7 +108,8 @@ def core_baseline(check: CheckConfig, work: Path) -> dict[str, Any]:
 def scenario_config(name: str, check: CheckConfig, base_url: str, measured: dict[str, dict]) -> ServeConfig:
     base = ServeConfig(
         base_url=base_url, num_prompts=check.num_prompts, input_len=check.input_len, output_len=check.output_len,
-        ignore_eos=True, max_concurrency=check.concurrency, num_warmups=check.num_warmups, progress=check.progress,
+        ignore_eos=True, max_concurrency=check.concurrency, progress=check.progress,
+        num_warmups=check.concurrency if check.num_warmups is None else check.num_warmups,
     )  # fmt: skip
     batch1 = dataclasses.replace(base, max_concurrency=1, num_prompts=check.batch1_prompts, num_warmups=2)
     if name == "poisson":
@@ -269,6 +275,7 @@ def main() -> None:
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--load", type=float, default=0.8)
+    parser.add_argument("--num-warmups", type=int, default=None, help="warm-up requests per scenario (default: the concurrency)")
     parser.add_argument("--request-rate", type=float, default=None)
     parser.add_argument("--no-core-baseline", action="store_true")
     parser.add_argument("--scenarios", nargs="*", choices=SCENARIOS, default=list(SCENARIOS))
@@ -279,6 +286,7 @@ def main() -> None:
     check = CheckConfig(
         model_config=args.model_config, device=args.device, concurrency=args.concurrency, num_prompts=args.num_prompts,
         input_len=args.input_len, output_len=args.output_len, load=args.load, request_rate=args.request_rate,
+        num_warmups=args.num_warmups,
         core_baseline=not args.no_core_baseline, scenarios=tuple(args.scenarios), up_args=tuple(shlex.split(args.up_args)),
         progress=sys.stderr.isatty(),  # a captured log gets the table, not thousands of bar updates
         step_trace=not args.no_step_trace,
