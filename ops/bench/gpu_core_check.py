@@ -13,9 +13,9 @@ All on the Qwen3-8B shape with dummy bf16 weights (`ops/model_configs/Qwen3-8B`)
 - DSpark with the 8B-shape dummy drafter (`ops/model_configs/Qwen3-8B-dspark`), EXPLICITLY
   SIMULATED accept length (`--simulate-accept-len`, default 4: every verify keeps 3 drafts + the
   bonus, whatever the target says): draft + verify ms per step and output tok/s against plain
-  decoding, with and without top-20 logprobs (eager and from graphs);
-- top-20 cost: 1 - tok/s with top-20 output logprobs / tok/s without, plain and DSpark (its last
-  pass), at each batch, eager and with logprob graphs, from the rows above (same run);
+  decoding, with and without top-20 logprobs (eager and from graphs), in rotated rounds as the core;
+- top-20 cost: 1 - tok/s with top-20 output logprobs / tok/s without, plain and DSpark (median
+  rounds), at each batch, eager and with logprob graphs, from the rows above (same run);
 - the output-logprob path alone (`logprobs_on_device`, raw, top-20 for every row) on random
   bf16-rounded logits of the target's vocabulary, as plain decode (1 row per request) and DSpark
   verify (gamma + 1 rows) lay it out: ms per call back to back and alone, host ms to issue it, eager
@@ -104,9 +104,7 @@ LOGPROB_RUNS = (("plain", LogprobParams(), False), ("top20", TOP20, False), ("to
 
 def core_rows(runner, batches, prompt_len, new_tokens, fused: bool = False, runs=LOGPROB_RUNS, rounds: int = 3) -> list[dict]:
     """Per batch, one core per run (plain, top-20, top-20 from graphs), each warmed up at the timed
-    prompt length, then timed `rounds` times in a rotating order (round r starts at run r), so that
-    no run is always the one timed first or last after the others: each row is the median round,
-    with every round's tok/s and place kept."""
+    prompt length, then timed in `rotated_rounds`."""
     rows = []
     for batch in batches:
         cores = []
@@ -115,16 +113,25 @@ def core_rows(runner, batches, prompt_len, new_tokens, fused: bool = False, runs
                                  fused_logprobs=fused)  # fmt: skip
             time_core(core, requests(batch, prompt_len, 6, runner.config.vocab_size, logprobs, "w"))  # warm-up
             cores.append((name, logprobs, core))
-        timed: dict[str, list[dict]] = {name: [] for name, _, _ in cores}
-        for round_ in range(rounds):
-            for place in range(len(cores)):
-                name, logprobs, core = cores[(round_ + place) % len(cores)]
-                row = time_core(core, requests(batch, prompt_len, new_tokens, runner.config.vocab_size, logprobs, f"r{round_}-"))
-                timed[name].append({**row, "place": place})
-        for name, _, _ in cores:
-            median = sorted(timed[name], key=lambda r: r["tok_s"])[len(timed[name]) // 2]
-            rounds_kept = [{"tok_s": r["tok_s"], "place": r["place"]} for r in timed[name]]
-            rows.append({"batch": batch, "logprobs": name, **{k: v for k, v in median.items() if k != "place"}, "rounds": rounds_kept})
+        timed = functools.partial(requests, batch, prompt_len, new_tokens, runner.config.vocab_size)
+        rows += [{"batch": batch, **row} for row in rotated_rounds(cores, timed, rounds)]
+    return rows
+
+
+def rotated_rounds(cores, timed_requests, rounds: int) -> list[dict]:
+    """cores: (run name, logprobs, a warmed-up core). Each core is timed `rounds` times in a rotating
+    order (round r starts at core r), so that no run is always the one timed first or last after the
+    others; one row per core: its median round, with every round's tok/s and place kept."""
+    timed: dict[str, list[dict]] = {name: [] for name, _, _ in cores}
+    for round_ in range(rounds):
+        for place in range(len(cores)):
+            name, logprobs, core = cores[(round_ + place) % len(cores)]
+            timed[name].append({**time_core(core, timed_requests(logprobs, f"r{round_}-")), "place": place})
+    rows = []
+    for name, _, _ in cores:
+        median = sorted(timed[name], key=lambda r: r["tok_s"])[len(timed[name]) // 2]
+        rows.append({"logprobs": name, **{k: v for k, v in median.items() if k != "place"},
+                     "rounds": [{"tok_s": r["tok_s"], "place": r["place"]} for r in timed[name]]})  # fmt: skip
     return rows
 
 
@@ -194,7 +201,7 @@ def sync_count(runner, batch: int, logprob_graphs: bool = False, fused: bool = F
     return {"batch": batch, "logprob_graphs": logprob_graphs, "syncs_per_decode_step": counts, "host_reads_per_step": 1}
 
 
-def dspark_rows(runner, draft: Path, batches, prompt_len, new_tokens, accept_len, fused: bool = False) -> list[dict]:
+def dspark_rows(runner, draft: Path, batches, prompt_len, new_tokens, accept_len, fused: bool = False, rounds: int = 3) -> list[dict]:
     from services.scheduler.spec.dspark_loader import load_dspark_proposer
 
     proposer = load_dspark_proposer(draft, runner, load_format="dummy")
@@ -206,18 +213,19 @@ def dspark_rows(runner, draft: Path, batches, prompt_len, new_tokens, accept_len
     if runner.decode_kernel:
         runner.prepare_decode_graphs(query_lens=(1, gamma + 1), capture_layers=tuple(proposer.capture_layers))
     rows = []
-    runs = LOGPROB_RUNS * 2  # twice: pass 2 shows what pass 1 still pays
     for batch in batches:
-        for repeat, (name, logprobs, graphs) in enumerate(runs):
+        cores = []
+        for name, logprobs, graphs in LOGPROB_RUNS:
             core = SchedulerCore(runner, max_running_requests=max(batches), chunked_prefill_size=16384, proposer=proposer,
                                  make_worker=functools.partial(SimulatedAcceptWorker, accept_len), logprob_graphs=graphs,
                                  fused_logprobs=fused)  # fmt: skip
             # warm-up as long as the timed run: draft graphs are captured on first use per context bucket,
-            # and a shorter warm-up left the last bucket's capture inside pass 1 (its slow first pass)
+            # and a shorter warm-up left the last bucket's capture inside the first timed run
             time_core(core, requests(batch, prompt_len, new_tokens, runner.config.vocab_size, logprobs, "w"))
-            row = time_core(core, requests(batch, prompt_len, new_tokens, runner.config.vocab_size, logprobs, "r"))
-            rows.append({"batch": batch, "logprobs": name, "pass": repeat // len(LOGPROB_RUNS) + 1, "gamma": gamma,
-                         "simulated_accept_len": accept_len, **row})  # fmt: skip
+            cores.append((name, logprobs, core))
+        timed = functools.partial(requests, batch, prompt_len, new_tokens, runner.config.vocab_size)
+        rows += [{"batch": batch, "gamma": gamma, "simulated_accept_len": accept_len, **row}
+                 for row in rotated_rounds(cores, timed, rounds)]  # fmt: skip
     return rows
 
 
@@ -271,12 +279,10 @@ def pair_rows(target: Path, draft: Path, batches, new_tokens: int, device: str) 
 
 
 def top20_cost(result: dict) -> list[dict]:
-    """1 - tok/s(top-20) / tok/s(plain) per (step kind, batch, eager or graphed logprobs); DSpark from
-    its last pass (None: no tokens timed)."""
+    """1 - tok/s(top-20) / tok/s(plain) per (step kind, batch, eager or graphed logprobs), from the
+    median rounds (None: no tokens timed)."""
     rows = []
-    dspark = result["dspark"]
-    last = max((r["pass"] for r in dspark), default=0)
-    for kind, source in (("plain", result["core"]), ("dspark", [r for r in dspark if r["pass"] == last])):
+    for kind, source in (("plain", result["core"]), ("dspark", result["dspark"])):
         tok_s = {(r["batch"], r["logprobs"]): r["tok_s"] for r in source}
         for batch in sorted({b for b, _ in tok_s}):
             for name, graphs in (("top20", False), ("top20_graphs", True)):
@@ -439,7 +445,7 @@ def table(result: dict) -> str:
     for r in result.get("graph", []):
         lines.append(f"| runner graph q={r['query_len']} | {r['batch']} | {r['graph_ms']:.2f} | |")
     for r in result["dspark"]:
-        lines.append(f"| DSpark gamma={r['gamma']} SIMULATED accept {r['simulated_accept_len']} {r['logprobs']} pass {r['pass']} | "
+        lines.append(f"| DSpark gamma={r['gamma']} SIMULATED accept {r['simulated_accept_len']} {r['logprobs']} (median of {len(r['rounds'])}) | "
                      f"{r['batch']} | {r['ms_per_step']:.2f} | {r['tok_s']:.0f} |")
     for r in result.get("kernels", []):
         lines.append(f"| kernel {r['kernel']} q={r['query_len']} (err {r['max_abs_err']:.1e}) | {r['batch']} | {r['ms']:.4f} | |")
@@ -499,7 +505,8 @@ def main() -> None:
         result["graph"] = graph_rows(runner, args.batches, (1, 8))
         result["kernels"] = kernel_rows() if args.device == "cuda" else []
     result["syncs"] = [sync_count(runner, b, graphs, fused) for b in args.batches for graphs in (False, True)]  # top-20 logprobs
-    result["dspark"] = dspark_rows(runner, args.draft, args.batches, args.prompt_len, args.new_tokens, args.simulate_accept_len, fused)
+    result["dspark"] = dspark_rows(runner, args.draft, args.batches, args.prompt_len, args.new_tokens, args.simulate_accept_len, fused,
+                                   args.rounds)  # fmt: skip
     result["top20_cost"] = top20_cost(result)
     result["logprob_path"] = logprob_path_rows(runner, args.batches, result["dspark"][0]["gamma"] + 1, fused=fused)
     if args.pair is not None and not args.logprob_cost:

@@ -26,12 +26,13 @@ def test_gpu_core_check_runs_on_cpu_and_reports_the_simulated_accept_length(tmp_
     result = json.loads(out.read_text())
     runs = ("plain", "top20", "top20_graphs")
     assert [(r["batch"], r["logprobs"]) for r in result["core"]] == [(b, name) for b in (1, 2) for name in runs]
-    assert len(result["dspark"]) == 2 * 6  # batches x (plain, top20, top20_graphs) x 2 passes
+    assert [(r["batch"], r["logprobs"]) for r in result["dspark"]] == [(b, name) for b in (1, 2) for name in runs]
     for row in result["dspark"]:
         # 30 tokens each: 1 from prefill, then every verify keeps 2 drafts + 1 token, whatever the target says;
         # 3 warm-up verifies (9 tokens) come before the timed steps, which make the other 20: 7 steps
         assert row["simulated_accept_len"] == 3 and row["gamma"] == 3
         assert row["tokens"] == row["batch"] * 20 and row["steps"] == 7
+        assert sorted(r["place"] for r in row["rounds"]) == [0, 1, 2]  # rotated like the core's
     assert all(r["tok_s"] > 0 for r in result["core"])
     for row in result["core"]:  # three rounds, the run timed first, second and third once each; the median kept
         assert sorted(r["place"] for r in row["rounds"]) == [0, 1, 2]
