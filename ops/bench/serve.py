@@ -132,14 +132,14 @@ def _client(config: ServeConfig) -> aiohttp.ClientSession:
     # from the environment (trust_env off): they would sit between the client and the server.
     connector = aiohttp.TCPConnector(limit=0)
     timeout = aiohttp.ClientTimeout(total=config.request_timeout_s)
-    return aiohttp.ClientSession(base_url=config.base_url, headers=headers, connector=connector, timeout=timeout, trust_env=False)
+    return aiohttp.ClientSession(headers=headers, connector=connector, timeout=timeout, trust_env=False)
 
 
 async def _model_name(client: aiohttp.ClientSession, config: ServeConfig) -> str | None:
     if config.model_name is not None or config.endpoint != "completions":
         return config.model_name
     try:
-        async with client.get("/v1/models") as response:
+        async with client.get(config.base_url.rstrip("/") + "/v1/models") as response:
             models = (await response.json(content_type=None))["data"]
     except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, KeyError, TypeError):
         return None  # servers that do not list models accept requests without one
@@ -158,7 +158,7 @@ async def _timed_run(
     async def arrive(prompt: Prompt, offset: float) -> RequestRecord:
         await asyncio.sleep(max(0.0, start + offset - time.perf_counter()))
         async with slots:
-            record = await send(client, endpoint, prompt, options)
+            record = await send(client, config.base_url, endpoint, prompt, options)
         bar.update(1)
         return record
 

@@ -144,12 +144,16 @@ class RequestRecord:
         self.output_tokens = figures.output_tokens if figures.output_tokens is not None else sum(self.chunk_tokens)
 
 
-async def send(client: aiohttp.ClientSession, endpoint: Endpoint, prompt: Prompt, options: RequestOptions) -> RequestRecord:
-    """Stream one request to its end; a failure of any kind is kept in the record, never raised."""
+async def send(
+    client: aiohttp.ClientSession, base_url: str, endpoint: Endpoint, prompt: Prompt, options: RequestOptions
+) -> RequestRecord:
+    """Stream one request to `base_url` + the endpoint's path (a base URL may have a path of its
+    own); a failure of any kind is kept in the record, never raised."""
     record = RequestRecord(prompt, prompt_tokens=len(prompt.input_ids or ()))
     start = time.perf_counter()
     try:
-        async with client.post(endpoint.path, data=_encode(endpoint.body(prompt, options)), headers=JSON) as response:
+        url, body = base_url.rstrip("/") + endpoint.path, _encode(endpoint.body(prompt, options))
+        async with client.post(url, data=body, headers=JSON) as response:
             if response.status != 200:
                 record.error = f"HTTP {response.status}: {(await response.read())[:ERROR_TEXT_CHARS]!r}"
             else:

@@ -41,11 +41,11 @@ async def _with_aiohttp(url: str, prompts: list[Prompt], concurrency: int) -> in
     from ops.bench.serve import ServeConfig, _client
 
     slots, endpoint, options = asyncio.Semaphore(concurrency), ENDPOINTS["generate"], RequestOptions(ignore_eos=True)
-    async with _client(ServeConfig(base_url=url)) as client:
+    async with _client(ServeConfig()) as client:
 
         async def one(prompt: Prompt) -> int:
             async with slots:
-                record = await send(client, endpoint, prompt, options)
+                record = await send(client, url, endpoint, prompt, options)
             assert record.ok, record.error
             return len(record.chunk_times)
 

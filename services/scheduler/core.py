@@ -227,12 +227,12 @@ class SchedulerCore:
             following = self.policy.follow_decodes(launched.plan)  # 3, for the next step
             if following is not None:
                 self._in_flight = self.worker.launch(following, previous=launched)  # 4, queued behind this one
-        waited = time.perf_counter()
+        collect_began = time.perf_counter()
         results = self.worker.collect(launched)
-        waited = time.perf_counter() - waited
+        collect_s = time.perf_counter() - collect_began
         outputs = self.policy.update(launched.plan, results)  # 5
         self._count(launched.plan, results, outputs)
-        self.last_step = _record(launched.plan, followed, self._in_flight is not None, waited)
+        self.last_step = _record(launched.plan, followed, self._in_flight is not None, collect_s)
         self.num_steps += 1
         return self._finished(outputs)
 

@@ -10,8 +10,8 @@ Written by the step thread as it steps, to `DIR/<instance id>.jsonl`, one object
     num_seqs, num_tokens, num_prefill_tokens, num_sampling, followed, follows, collect_s:
                `core.StepRecord`
     running, waiting: the policy's counts after the step
-A step that planned nothing (only finishes to hand on) has no `num_seqs`. The trace costs a dict and a
-buffered write per step; it is off unless asked for.
+A step that planned nothing (only finishes to hand on) has no `num_seqs`. The trace costs a dict
+and a flushed write (a syscall) per step; it is off unless asked for.
 """
 
 from __future__ import annotations
