@@ -7,7 +7,10 @@ Scenarios (128-token random prompts, 128 output tokens, `ignore_eos`, streamed t
 - `concurrency`: at most `--concurrency` (64) requests in flight, `--num-prompts` of them;
 - `concurrency_logprobs`: the same with top-20 output logprobs per token;
 - `batch1` / `batch1_logprobs`: one request at a time (its TPOT is the stack's ms per decode step);
-- `poisson`: Poisson arrivals at `--load` (0.8) x the request rate `concurrency` sustained.
+- `poisson`: Poisson arrivals at `--load` (0.8) x the request rate `concurrency` sustained;
+- `long_prompt_top2`: `--long-prompt-len` (32768) random tokens, one output token, top-2 logprobs
+  of every prompt position, one request at a time (issue 12, point 5, through the whole stack:
+  its E2E is the prefill, the logprobs and their trip to the client).
 
 The model directory the stack serves is the shape's `config.json` beside the bundled model's
 tokenizer (the shapes in ops/model_configs carry no tokenizer): ids the tokenizer lacks decode to
@@ -42,7 +45,7 @@ from services.models import BUNDLED_MODEL
 from services.common.nats_server import free_port
 
 REPO = Path(__file__).resolve().parents[2]
-SCENARIOS = ("concurrency", "concurrency_logprobs", "batch1", "batch1_logprobs", "poisson")
+SCENARIOS = ("concurrency", "concurrency_logprobs", "batch1", "batch1_logprobs", "poisson", "long_prompt_top2")
 TOP_LOGPROBS = 20
 SHAPE_FILES = ("config.json", "generation_config.json")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
@@ -56,6 +59,8 @@ class CheckConfig:
     concurrency: int = 64
     num_prompts: int = 320  # five waves of `concurrency`: a steady state, not one batch
     batch1_prompts: int = 8
+    long_prompt_len: int = 32768
+    long_prompts: int = 3
     input_len: int = 128
     output_len: int = 128
     load: float = 0.8  # the Poisson rate as a fraction of what `concurrency` sustained
@@ -114,6 +119,9 @@ def scenario_config(name: str, check: CheckConfig, base_url: str, measured: dict
     batch1 = dataclasses.replace(base, max_concurrency=1, num_prompts=check.batch1_prompts, num_warmups=2)
     if name == "poisson":
         return dataclasses.replace(base, max_concurrency=None, request_rate=poisson_rate(check, measured))
+    if name == "long_prompt_top2":
+        return dataclasses.replace(base, max_concurrency=1, num_prompts=check.long_prompts, num_warmups=1, input_len=check.long_prompt_len,
+                                   output_len=1, logprobs=2, prompt_logprobs=True)  # fmt: skip
     configs = {"concurrency": base, "concurrency_logprobs": dataclasses.replace(base, logprobs=TOP_LOGPROBS),
                "batch1": batch1, "batch1_logprobs": dataclasses.replace(batch1, logprobs=TOP_LOGPROBS)}  # fmt: skip
     return configs[name]
@@ -276,6 +284,7 @@ def main() -> None:
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--load", type=float, default=0.8)
     parser.add_argument("--num-warmups", type=int, default=None, help="warm-up requests per scenario (default: the concurrency)")
+    parser.add_argument("--long-prompt-len", type=int, default=32768, help="the long_prompt_top2 scenario's prompt length")
     parser.add_argument("--request-rate", type=float, default=None)
     parser.add_argument("--no-core-baseline", action="store_true")
     parser.add_argument("--scenarios", nargs="*", choices=SCENARIOS, default=list(SCENARIOS))
@@ -286,7 +295,7 @@ def main() -> None:
     check = CheckConfig(
         model_config=args.model_config, device=args.device, concurrency=args.concurrency, num_prompts=args.num_prompts,
         input_len=args.input_len, output_len=args.output_len, load=args.load, request_rate=args.request_rate,
-        num_warmups=args.num_warmups,
+        num_warmups=args.num_warmups, long_prompt_len=args.long_prompt_len,
         core_baseline=not args.no_core_baseline, scenarios=tuple(args.scenarios), up_args=tuple(shlex.split(args.up_args)),
         progress=sys.stderr.isatty(),  # a captured log gets the table, not thousands of bar updates
         step_trace=not args.no_step_trace,

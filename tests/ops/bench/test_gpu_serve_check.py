@@ -32,16 +32,18 @@ def test_serving_dir_has_the_shape_and_the_bundled_tokenizer(shape_dir, tmp_path
 @pytest.mark.timeout(120)
 def test_every_scenario_runs_at_toy_size(shape_dir, tmp_path, capsys):
     check = CheckConfig(model_config=shape_dir, device="cpu", concurrency=3, num_prompts=6, batch1_prompts=2,
-                        input_len=8, output_len=4, num_warmups=1, core_baseline=False, progress=False)  # fmt: skip
+                        input_len=8, output_len=4, num_warmups=1, core_baseline=False, progress=False, long_prompt_len=40)  # fmt: skip
     out = tmp_path / "gpu_serve.json"
     run(check, out)
     result = json.loads(out.read_text())
     assert list(result["scenarios"]) == list(SCENARIOS) and result["up_exit_code"] == 0
-    for name, figures in result["scenarios"].items():
-        expected = 2 if name.startswith("batch1") else 6
+    for name, figures in result["scenarios"].items():  # (requests, prompt and output tokens of each)
+        expected, input_len, output_len = {"batch1": (2, 8, 4), "batch1_logprobs": (2, 8, 4), "long_prompt_top2": (3, 40, 1)}.get(name, (6, 8, 4))
         assert "error" not in figures, figures.get("error")
         assert (figures["completed"], figures["failed"]) == (expected, 0), name
-        assert figures["total_output_tokens"] == expected * 4 and figures["total_input_tokens"] == expected * 8, name
+        assert figures["total_output_tokens"] == expected * output_len and figures["total_input_tokens"] == expected * input_len, name
+    long = result["scenarios"]["long_prompt_top2"]["config"]
+    assert (long["logprobs"], long["prompt_logprobs"], long["max_concurrency"]) == (2, True, 1)
     scenarios = result["scenarios"]
     assert scenarios["concurrency_logprobs"]["config"]["logprobs"] == 20
     assert scenarios["batch1"]["config"]["max_concurrency"] == 1 and scenarios["concurrency"]["config"]["max_concurrency"] == 3
