@@ -1,7 +1,9 @@
 """`sparkwire up`: the whole stack on one machine.
 
 Starts an embedded nats-server (unless `--nats-url` is given), then the scheduler, detokenizer and
-tokenizer as separate processes, waits until `GET /health` answers 200 and prints the URL. With
+tokenizer as separate processes (`--tokenizers N`: N tokenizers on the one port, SO_REUSEPORT, the
+kernel spreading the connections; /metrics on that port answers for whichever takes the
+connection), waits until `GET /health` answers 200 and prints the URL. With
 `--record FILE`, a `sparkwire record` child subscribes first and writes every message of the stack
 to FILE (it is not restarted: a recording with a gap would replay as if nothing were missing).
 Ctrl-C or SIGTERM stops everything: SIGTERM to each service, SIGKILL after a grace period, then
@@ -108,6 +110,7 @@ def service_argv(name: str, args: argparse.Namespace, metrics_port: int | None =
         argv += scheduler_argv(args)
     if name == "tokenizer":
         argv += ["--host", args.host, "--port", str(args.port), "--max-logprobs", str(args.max_logprobs)]
+        argv += ["--reuse-port"] if args.tokenizers > 1 else []  # they share the port
         argv += ["--served-model-name", args.served_model_name] if args.served_model_name else []
     if name in ("scheduler", "tokenizer") and args.max_model_len:
         argv += ["--max-model-len", str(args.max_model_len)]
@@ -197,17 +200,20 @@ class Stack:
         if self.args.record is not None:
             self.recorder = self._start_recorder(self.args.record)
         for name in START_ORDER:
-            self.children.append(self._start_child(name))
+            copies = self.args.tokenizers if name == "tokenizer" else 1
+            self.children += [self._start_child(name if k == 1 else f"{name}-{k}") for k in range(1, copies + 1)]
         self.metrics_urls = {name: f"http://127.0.0.1:{port}/metrics" for name, port in self.metrics_ports.items()}
         self.metrics_urls["tokenizer"] = f"http://{reachable_host(self.args.host)}:{self.args.port}/metrics"
 
     def _start_child(self, name: str) -> Child:
-        """The same command line and environment on every (re)start: same identity and metrics port."""
-        env = service_environ(self._identity(name))
+        """The same command line and environment on every (re)start: same identity and metrics port.
+        `name`: the service, or `tokenizer-2`, ... for the copies of `--tokenizers N`."""
+        kind = name.split("-")[0]
+        env = service_environ(self._identity(kind))
         if self.args.api_key:
             env["SPARKWIRE_API_KEY"] = self.args.api_key  # not in argv: `ps` shows argv
         env["SPARKWIRE_LOG_FORMAT"] = self.args.log_format
-        return Child.start(name, service_argv(name, self.args, self.metrics_ports.get(name)), env)
+        return Child.start(name, service_argv(kind, self.args, self.metrics_ports.get(kind)), env)
 
     def _start_recorder(self, path: Path) -> Child:
         """`sparkwire record` under its own identity (it may read every subject, publish none); the
@@ -348,6 +354,9 @@ def _run(stack: Stack) -> int:
     if missing:  # fail before starting anything, in words
         say(f"the scheduler needs {' and '.join(missing)}: {TORCH_HINT}")
         return 1
+    if stack.args.tokenizers < 1:
+        say(f"--tokenizers must be at least 1, got {stack.args.tokenizers}")
+        return 2
     if port_in_use(stack.args.host, stack.args.port):
         # Otherwise whatever listens there could answer /health and pass for Sparkwire.
         say(f"port {stack.args.port} is already in use; pick another with --port")

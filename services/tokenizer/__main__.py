@@ -25,6 +25,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="model directory (tokenizer.json, tokenizer_config.json, config.json)")  # fmt: skip
     add("--host", default="127.0.0.1", help="HTTP bind address")
     add("--port", type=int, default=8000, help="HTTP port")
+    add("--reuse-port", action="store_true",
+        help="listen with SO_REUSEPORT, so several tokenizers share --port (Linux spreads the connections over them)")  # fmt: skip
     add("--served-model-name", default="", help="the model name clients send and see (default: the directory name)")
     add("--max-model-len", type=int, default=None, help="longest prompt + output (default: the model's)")
     add("--max-logprobs", type=int, default=20, help="largest top-k a request may ask for")
@@ -44,6 +46,7 @@ def build_config(args: argparse.Namespace) -> TokenizerConfig:
         instance_id=args.instance_id or new_instance_id(),
         host=args.host,
         port=args.port,
+        reuse_port=args.reuse_port,
         served_model_name=args.served_model_name,
         max_model_len=args.max_model_len,
         max_logprobs=args.max_logprobs,

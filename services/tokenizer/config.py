@@ -15,6 +15,7 @@ class TokenizerConfig:
     instance_id: str
     host: str = "127.0.0.1"
     port: int = 8000
+    reuse_port: bool = False  # SO_REUSEPORT: several tokenizers on one port, connections spread by the kernel (Linux)
     served_model_name: str = ""  # empty: the model directory's name
     max_model_len: int | None = None  # None: config.json `max_position_embeddings`
     max_logprobs: int = 20  # upper bound of `logprobs`, `top_logprobs`, `top_logprobs_num`

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import socket
 from collections.abc import AsyncIterator
 
 import structlog
@@ -39,7 +40,8 @@ async def serving(config: TokenizerConfig) -> AsyncIterator[Frontend]:
     )
     # uvicorn owns signals only when it runs the loop itself; here the caller owns them.
     server.install_signal_handlers = lambda: None  # type: ignore[method-assign]
-    task = asyncio.create_task(server.serve())
+    sockets = [shared_listener(config.host, config.port)] if config.reuse_port else None
+    task = asyncio.create_task(server.serve(sockets=sockets))
     try:
         while not server.started:
             if task.done():
@@ -55,6 +57,19 @@ async def serving(config: TokenizerConfig) -> AsyncIterator[Frontend]:
         with contextlib.suppress(Exception):
             await asyncio.wait_for(task, config.nats.drain_timeout_s + 5)
         await service.close()
+
+
+def shared_listener(host: str, port: int) -> socket.socket:
+    """A listening TCP socket with SO_REUSEPORT: every tokenizer that binds the same port this way
+    gets its share of the new connections (the kernel spreads them), so `sparkwire up --tokenizers N`
+    serves one port from N processes. uvicorn serves it as given (`Server.serve(sockets=...)`)."""
+    family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    sock.bind(address)
+    sock.listen(2048)
+    return sock
 
 
 async def run(config: TokenizerConfig, stop: asyncio.Event) -> None:

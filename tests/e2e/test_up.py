@@ -103,6 +103,29 @@ def test_up_serves_generate_and_stops_cleanly_on_sigint(tmp_path):
 
 
 @pytest.mark.timeout(180)
+def test_up_with_two_tokenizers_serves_one_port_from_both(tmp_path):
+    """`--tokenizers 2`: two tokenizer processes listen on the one port (SO_REUSEPORT); new
+    connections are spread over them by the kernel, and each serves its share."""
+    port = free_port()
+    process, log = start_up(tmp_path, port, "--tokenizers", "2")
+    try:
+        wait_for_line(process, log, f"Sparkwire ready on http://127.0.0.1:{port}", 120)
+        for _ in range(24):  # a fresh connection each: 2 ** -23 that all go to one listener
+            with httpx.Client() as client:
+                response = client.post(f"http://127.0.0.1:{port}/generate", json=generate_body(max_new_tokens=2), timeout=30)
+            assert response.status_code == 200 and response.json()["meta_info"]["completion_tokens"] == 2
+        lines = log.read_text().splitlines()
+        served = {name: sum(line.startswith(f"[{name}] ") and "request.finished" in line for line in lines)
+                  for name in ("tokenizer", "tokenizer-2")}  # fmt: skip
+        assert sum(served.values()) == 24 and min(served.values()) > 0, served
+        process.send_signal(signal.SIGINT)
+        assert process.wait(timeout=30) == 0, log.read_text()[-4000:]
+    finally:
+        if process.poll() is None:
+            process.kill()
+
+
+@pytest.mark.timeout(180)
 def test_up_records_every_message_of_a_request_and_the_recording_replays(tmp_path):
     """`--record FILE`: the recorder subscribes before the services start and stops after them, so
     the file holds a request's whole path (claim, generate, token and text batches) and the
