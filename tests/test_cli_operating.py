@@ -113,3 +113,18 @@ def test_every_scheduler_flag_of_up_reaches_the_scheduler_with_its_value(tmp_pat
     assert {name: getattr(scheduler, name) for name in shared} == {name: getattr(up, name) for name in shared}
     assert all(getattr(up, name) != getattr(defaults, name) for name in shared), [n for n in shared if getattr(up, n) == getattr(defaults, n)]
     assert len(shared) >= 15, shared
+
+
+def test_up_refuses_fewer_than_one_tokenizer_in_words(capsys):
+    from services import launcher
+
+    args = build_parser(["up", "--tokenizers", "0"]).parse_args(["up", "--tokenizers", "0"])
+    assert launcher.main(args) == 2
+    assert "--tokenizers must be at least 1, got 0" in capsys.readouterr().err
+
+
+def test_more_than_one_tokenizer_share_the_port():
+    one = build_parser(["up"]).parse_args(["up"])
+    two = build_parser(["up", "--tokenizers", "2"]).parse_args(["up", "--tokenizers", "2"])
+    assert "--reuse-port" not in service_argv("tokenizer", one) and "--reuse-port" in service_argv("tokenizer", two)
+    assert "--reuse-port" not in service_argv("scheduler", two)
