@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
-from services.common.metrics import INTER_TOKEN_BUCKETS, LATENCY_BUCKETS, TOKEN_COUNT_BUCKETS, name, render
+from services.common.metrics import INTER_TOKEN_BUCKETS, LATENCY_BUCKETS, TOKEN_COUNT_BUCKETS, BulkHistogram, name, render
 from services.tokenizer.requests import PendingRequest
 
 UNMATCHED_ROUTE = "<unmatched>"  # the handler label of requests no route matched (404s)
@@ -39,7 +39,9 @@ class Metrics:
             [*model, "finished_reason"], registry=r,
         )  # fmt: skip
         self.ttft = self._histogram("time_to_first_token_seconds", "From arrival to the first token", LATENCY_BUCKETS)
-        self.itl = self._histogram("inter_token_latency_seconds", "Between successive token deliveries", INTER_TOKEN_BUCKETS)
+        self.itl = BulkHistogram(name("inter_token_latency_seconds"), "Between successive token deliveries",
+                                 {"model_name": self.model_name}, INTER_TOKEN_BUCKETS)  # fmt: skip
+        r.register(self.itl)
         self.e2e = self._histogram("e2e_request_latency_seconds", "From arrival to the last token", LATENCY_BUCKETS)
         # Not vLLM's queue time: that one (arrival at the engine until first scheduled) is the
         # scheduler's `request_queue_time_seconds`; this is the front end's part before it.
@@ -71,8 +73,7 @@ class Metrics:
             self.placement.labels(model).observe(timing.submitted_at - timing.arrived_at)
         if timing.first_token_at is not None:
             self.ttft.labels(model).observe(timing.first_token_at - timing.arrived_at)
-        for gap in timing.gaps:
-            self.itl.labels(model).observe(gap)
+        self.itl.observe_many(timing.gaps)
 
     def render(self) -> bytes:
         return render(self.registry)
