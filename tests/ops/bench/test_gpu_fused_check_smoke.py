@@ -7,13 +7,12 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from ops.bench import gpu_fused_check
+from tests.services.scheduler.model.triton_interpreter import run_script_interpreted
 
 REPO = Path(__file__).resolve().parents[3]
 SMOKE = ["--device", "cpu", "--tiny", "--repeats", "1", "--top", "3"]
@@ -54,10 +53,7 @@ def test_a_failing_on_setting_is_recorded_and_the_off_baseline_kept(tmp_path, mo
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs Triton's interpreter")
 def test_cpu_tiny_run_in_the_triton_interpreter_compares_both_settings(tmp_path) -> None:
     out = tmp_path / "fused.json"
-    command = [sys.executable, str(REPO / "ops/bench/gpu_fused_check.py"), *SMOKE, "--out", str(out)]
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(REPO)}
-    done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    done = run_script_interpreted("ops/bench/gpu_fused_check.py", [*SMOKE, "--out", str(out)])
     result = json.loads(out.read_text())
     assert result["settings"] == ["off", "on"]
     *decodes, noise = result["agreement"]

@@ -8,13 +8,12 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from ops.bench import gpu_split_kv_check
+from tests.services.scheduler.model.triton_interpreter import run_script_interpreted
 
 REPO = Path(__file__).resolve().parents[3]
 SMOKE = ["--device", "cpu", "--tiny", "--repeats", "1", "--budget-s", "600"]  # a loaded CI box must not skip sections
@@ -49,10 +48,7 @@ def test_a_failing_on_setting_is_recorded_and_the_off_rows_kept(tmp_path, monkey
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs Triton's interpreter")
 def test_cpu_tiny_run_in_the_triton_interpreter_compares_the_kernels(tmp_path) -> None:
     out = tmp_path / "split_kv.json"
-    command = [sys.executable, str(REPO / "ops/bench/gpu_split_kv_check.py"), *SMOKE, "--out", str(out)]
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(REPO)}
-    done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    done = run_script_interpreted("ops/bench/gpu_split_kv_check.py", [*SMOKE, "--out", str(out)])
     result = json.loads(out.read_text())
     rows = result["attention"]
     assert {(row["q"], row["context"], row["batch"]) for row in rows} == {(q, c, b) for q in (1, 8) for c in (9, 20) for b in (1, 3)}

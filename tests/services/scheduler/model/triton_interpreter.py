@@ -23,12 +23,24 @@ runs_the_interpreter = pytest.mark.skipif(
 interpreted = pytest.mark.skipif(not INTERPRETED, reason="run in the Triton interpreter by its file's runner test")
 
 
+def interpreter_environ() -> dict[str, str]:
+    """Ours, with Triton in interpreter mode and the repository importable (a child runs a script)."""
+    return {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(REPO)}
+
+
+def run_script_interpreted(script: str, args: list[str], timeout_s: float = 300) -> subprocess.CompletedProcess[str]:
+    """Run the repository's `script` (a GPU check's CPU smoke mode) with Triton interpreted; it must exit 0."""
+    command = [sys.executable, str(REPO / script), *args]
+    done = subprocess.run(command, cwd=REPO, env=interpreter_environ(), capture_output=True, text=True, timeout=timeout_s)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return done
+
+
 def run_interpreted_cases(test_file: str, timeout_s: float = 300) -> None:
     """Run `test_file`'s cases named *interpreted* in a child pytest under TRITON_INTERPRET=1; every
     one must pass, none skip."""
     command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "interpreted", test_file]
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout_s)
+    done = subprocess.run(command, cwd=REPO, env=interpreter_environ(), capture_output=True, text=True, timeout=timeout_s)
     assert done.returncode == 0 and " passed" in done.stdout and "skipped" not in done.stdout, (
         done.stdout[-4000:] + done.stderr[-2000:]
     )
