@@ -127,7 +127,7 @@ class SchedulerCore:
         self._queue_times: dict[str, float] = {}  # rid -> seconds from arrival to first scheduled, until taken
         self.overlap_decode = overlap_decode
         self._in_flight: LaunchedStep | None = None  # launched, results not applied yet (overlapped decoding)
-        self.last_step: StepRecord | None = None  # what the last `step` ran; None: it planned nothing
+        self._last_step: tuple | None = None  # (plan, followed, follows, collect_s) of the last `step`, for `last_step`
         self.num_steps = 0
         self._counts = {"prompt": 0, "generated": 0, "drafted": 0, "accepted": 0, "forward_s": 0.0, "draft_s": 0.0}
         self._accept_lengths = [0] * (proposer.num_draft_tokens + 2) if proposer is not None else []
@@ -174,6 +174,12 @@ class SchedulerCore:
     def validate(self, request: SchedulerRequest) -> str | None:
         return self.policy.validate(request)
 
+    @property
+    def last_step(self) -> StepRecord | None:
+        """What the last `step` ran (None: it planned nothing), summed only when asked: the step
+        trace asks, the decode loop without one never pays for it."""
+        return None if self._last_step is None else _record(*self._last_step)
+
     def take_queue_times(self) -> dict[str, float]:
         """rid -> seconds from `add` until first scheduled, for requests first scheduled since the
         last call. Call between steps (the adapter: after each step)."""
@@ -208,7 +214,7 @@ class SchedulerCore:
     # ---- the step ----
 
     def step(self) -> list[RequestOutput]:
-        self.last_step = None
+        self._last_step = None
         requests, aborts = self._drain_inbox()  # 1
         for request in requests:
             self.policy.add(request)
@@ -232,7 +238,7 @@ class SchedulerCore:
         collect_s = time.perf_counter() - collect_began
         outputs = self.policy.update(launched.plan, results)  # 5
         self._count(launched.plan, results, outputs)
-        self.last_step = _record(launched.plan, followed, self._in_flight is not None, collect_s)
+        self._last_step = (launched.plan, followed, self._in_flight is not None, collect_s)
         self.num_steps += 1
         return self._finished(outputs)
 
