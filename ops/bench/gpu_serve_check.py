@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
 import re
 import shlex
 import shutil
@@ -38,6 +37,8 @@ from pathlib import Path
 from typing import Any
 
 from ops.bench import step_trace_summary
+from ops.bench.logprob_transport import ProcessMeter
+from ops.bench.reliability import descendants
 from ops.bench.serve import ServeConfig, run_serve_benchmark
 from ops.bench.step_trace_summary import read_trace
 from ops.bench.serve_launch import launched_stack
@@ -200,29 +201,19 @@ def run_scenarios(check: CheckConfig, base_url: str, up_pid: int | None = None) 
 
 def tree_cpu_seconds(root: int | None) -> dict[str, float]:
     """CPU seconds (user + system) of `root` and every process below it, by what each runs
-    (`sparkwire tokenizer`, `nats-server`, ...), from /proc; {} where there is none."""
+    (`sparkwire tokenizer`, `nats-server`, ...), from /proc (`reliability.descendants`,
+    `logprob_transport.ProcessMeter`); {} where there is none, or a process left meanwhile."""
     if root is None or not Path("/proc").is_dir():
         return {}
-    stats: dict[int, tuple[int, float, str]] = {}  # pid -> (ppid, cpu seconds, name)
-    ticks = os.sysconf("SC_CLK_TCK")
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-            argv = (entry / "cmdline").read_bytes().split(b"\0")
-        except OSError:
-            continue  # gone meanwhile
-        stats[int(entry.name)] = (int(fields[1]), (int(fields[11]) + int(fields[12])) / ticks, _process_name(argv))
-    wanted, frontier = set(), [root]
-    while frontier:
-        pid = frontier.pop()
-        wanted.add(pid)
-        frontier += [child for child, (ppid, _, _) in stats.items() if ppid == pid and child not in wanted]
+    pids = {root} | descendants(root)
+    try:
+        names = {pid: _process_name(Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")) for pid in pids}
+        readings = ProcessMeter({str(pid): pid for pid in pids}).read()
+    except OSError:
+        return {}
     totals: dict[str, float] = {}
-    for pid in wanted & set(stats):
-        _, seconds, name = stats[pid]
-        totals[name] = totals.get(name, 0.0) + seconds
+    for pid in pids:
+        totals[names[pid]] = totals.get(names[pid], 0.0) + readings[str(pid)][0]
     return totals
 
 
