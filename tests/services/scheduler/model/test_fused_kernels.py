@@ -109,7 +109,8 @@ def test_interpreted_silu_mul_matches_twin() -> None:
 
 @interpreted
 @pytest.mark.parametrize("family", list(FAMILIES))
-def test_interpreted_rotate_and_store_matches_twin(family) -> None:
+@pytest.mark.parametrize("heads_per_program", [1, 4, 8])  # 6 rotated heads: one a program, a masked second program, all in one masked
+def test_interpreted_rotate_and_store_matches_twin(family, heads_per_program, monkeypatch) -> None:
     # q, and the whole cache after the write: the tokens' slots (in shuffled blocks, one in the trash
     # block as a padded graph row writes) hold the same k and v, every other slot (other layers too) is untouched.
     config = tiny_config(family)
@@ -123,6 +124,12 @@ def test_interpreted_rotate_and_store_matches_twin(family) -> None:
     caches = [PagedKVCache(config, 6, block_size, torch.float32, torch.device("cpu")) for _ in range(2)]
     for cache in caches:
         cache.kv.copy_(torch.randn(cache.kv.shape, generator=torch.Generator().manual_seed(4)))
+    import functools
+
+    from services.scheduler.model import triton_fused
+
+    launch = functools.partial(triton_fused.rotate_and_store_triton, heads_per_program=heads_per_program)
+    monkeypatch.setattr(triton_fused, "rotate_and_store_triton", launch)
     with torch.no_grad():
         want = attention.rotate_and_store(qkv, rope, slots, caches[0])
         got = attention.rotate_and_store(qkv, rope, slots, caches[1], fused=True)
@@ -177,7 +184,8 @@ def test_kernels_compile_for_the_h200_at_the_8b_shape() -> None:
     kernels = [
         *((triton_fused._add_rms_norm_kernel, norm, {"HIDDEN": 4096, "BLOCK": 4096, "HAS_RESIDUAL": has}) for has in (False, True)),
         *((triton_fused._rotate_and_store_kernel, rope,
-           {"NUM_HEADS": 32, "NUM_KV_HEADS": 8, "HEAD_DIM": 128, "BLOCK_SIZE": 16, "QK_NORM": qk}) for qk in (False, True)),
+           {"NUM_HEADS": 32, "NUM_KV_HEADS": 8, "HEAD_DIM": 128, "BLOCK_SIZE": 16, "HEADS_PER_PROGRAM": per_program, "QK_NORM": qk})
+          for qk in (False, True) for per_program in (1, triton_fused.ROPE_HEADS_PER_PROGRAM, 16)),  # 16: the last masked
         (triton_fused._silu_mul_kernel, silu, {"INTERMEDIATE": 12288, "BLOCK": 1024}),
     ]  # fmt: skip
     for kernel, signature, constants in kernels:
