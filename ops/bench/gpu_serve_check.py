@@ -164,7 +164,7 @@ def serve_scenarios(check: CheckConfig, model_dir: Path, log_path: Path) -> dict
     if check.step_trace:
         add_step_traces(scenarios, sorted(trace_dir.glob("*.jsonl")))
     return {"ready_s": stack.ready_s, "up_exit_code": stack.exit_code, "scenarios": scenarios,
-            "ragged_captures": ragged_captures(log_path)}  # fmt: skip
+            "ragged_captures": captures_in_log(log_path, RAGGED_CAPTURE), "logprob_captures": captures_in_log(log_path, LOGPROB_CAPTURE)}  # fmt: skip
 
 
 def add_step_traces(scenarios: dict[str, dict], traces: list[Path]) -> None:
@@ -176,11 +176,18 @@ def add_step_traces(scenarios: dict[str, dict], traces: list[Path]) -> None:
             result["step_trace"] = step_trace_summary.summarize(read_trace(traces[0], tuple(result["monotonic_window"])))
 
 
-def ragged_captures(log_path: Path) -> dict[str, float]:
-    """Ragged CUDA graphs the scheduler captured while serving (warm-ups included), from its log:
-    each capture is a pause of every request in flight."""
-    seconds = [float(m.group(1)) for m in re.finditer(r"ragged_capture\.done.*?seconds=([0-9.]+)", log_path.read_text())] if log_path.is_file() else []
-    return {"count": len(seconds), "seconds": round(sum(seconds), 3), "longest_s": max(seconds, default=0.0)}
+# The scheduler's log lines for a CUDA graph captured while serving, and the group holding its time in seconds / ms.
+RAGGED_CAPTURE = (r"ragged_capture\.done.*?seconds=([0-9.]+)", 1.0)
+LOGPROB_CAPTURE = (r"logprob_graph_captured.*?capture_ms=([0-9.]+)", 1e-3)
+
+
+def captures_in_log(log_path: Path, capture: tuple[str, float]) -> dict[str, float]:
+    """CUDA graphs (ragged steps, or output logprobs) the scheduler captured while serving (warm-ups
+    included), from its log: each capture is a pause of every request in flight."""
+    pattern, to_seconds = capture
+    text = log_path.read_text() if log_path.is_file() else ""
+    seconds = [float(m.group(1)) * to_seconds for m in re.finditer(pattern, text)]
+    return {"count": len(seconds), "seconds": round(sum(seconds), 3), "longest_s": round(max(seconds, default=0.0), 3)}
 
 
 def run_scenarios(check: CheckConfig, base_url: str, up_pid: int | None = None) -> dict[str, dict]:
@@ -250,10 +257,11 @@ def table(result: dict[str, Any]) -> str:
                          + ", ".join(f"{proc} {cores:.2f}" for proc, cores in sorted(r["stack_cpu"].items())))  # fmt: skip
         if "step_trace" in r:
             lines.append(f"\nsteps of `{name}`: {step_trace_summary.table(r['step_trace'])}")
-    captures = result.get("ragged_captures")
-    if captures:
-        lines.append(f"\nragged graphs captured while serving (warm-ups included): {captures['count']}, "
-                     f"{captures['seconds']} s in all, longest {captures['longest_s']} s")  # fmt: skip
+    for kind in ("ragged", "logprob"):
+        captures = result.get(f"{kind}_captures")
+        if captures:
+            lines.append(f"\n{kind} graphs captured while serving (warm-ups included): {captures['count']}, "
+                         f"{captures['seconds']} s in all, longest {captures['longest_s']} s")  # fmt: skip
     core = result.get("core_baseline")
     if core:
         lines.append(f"\ncore at batch {core.get('batch')}: {core.get('tok_s', 'error')} tok/s; "

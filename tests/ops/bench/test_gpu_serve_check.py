@@ -73,3 +73,19 @@ def test_a_stack_that_does_not_come_up_is_recorded_not_lost(tmp_path, capsys):
     result = json.loads(out.read_text())
     assert "sparkwire up exited" in result["stack_error"] and result["scenarios"] == {}
     assert "the stack did not serve" in capsys.readouterr().out
+
+
+def test_graph_captures_are_read_from_the_scheduler_log(tmp_path):
+    from ops.bench.gpu_serve_check import LOGPROB_CAPTURE, RAGGED_CAPTURE, captures_in_log
+
+    log = tmp_path / "up.log"
+    log.write_text(
+        "[scheduler] 2026-12-02 00:34:06 [info     ] cuda_graphs.ragged_capture.done keys=3 seconds=0.25\n"
+        "[scheduler] 2026-12-02 00:34:07 [info     ] logprob_graph_captured         capture_ms=161.0 graphs=1 ids=0 k=20 rows=64\n"
+        "[scheduler] 2026-12-02 00:34:08 [info     ] cuda_graphs.ragged_capture.done keys=1 seconds=1.5\n"
+        "[scheduler] 2026-12-02 00:34:09 [info     ] logprob_graph_captured         capture_ms=40.5 graphs=2 ids=0 k=20 rows=128\n"
+        "[scheduler] 2026-12-02 00:34:09 [info     ] request.done                   seconds=9.0\n"
+    )  # fmt: skip
+    assert captures_in_log(log, RAGGED_CAPTURE) == {"count": 2, "seconds": 1.75, "longest_s": 1.5}
+    assert captures_in_log(log, LOGPROB_CAPTURE) == {"count": 2, "seconds": 0.202, "longest_s": 0.161}
+    assert captures_in_log(tmp_path / "missing.log", LOGPROB_CAPTURE) == {"count": 0, "seconds": 0.0, "longest_s": 0.0}
