@@ -33,13 +33,19 @@ class Positions:
 
 
 def _positions(values: np.ndarray, ids: Sequence[int], top_v: np.ndarray, top_i: np.ndarray) -> Positions:
-    """values f32 [n], top_v f32 [n, k], top_i i32 [n, k] (k may be 0)."""
+    """values f32 [n], top_v f32 [n, k], top_i i32 [n, k] (k may be 0); a negative top id is padding
+    (a row of them only: a null row)."""
     n = min(len(values), len(ids))
     vals = [None if v != v else v for v in values[:n].tolist()]
-    top: list[list[tuple[int, float]] | None] = []
-    for row_v, row_i in zip(top_v[:n].tolist(), top_i[:n].tolist(), strict=True):
-        null = bool(row_i) and all(i < 0 for i in row_i)
-        top.append(None if null else [(i, v) for v, i in zip(row_v, row_i, strict=True) if i >= 0])
+    rows_i, rows_v = top_i[:n].tolist(), top_v[:n].tolist()
+    top: list[list[tuple[int, float]] | None]
+    if top_i[:n].size == 0 or top_i[:n].min() >= 0:  # no padding (the usual case): one zip per row
+        top = [list(zip(row_i, row_v)) for row_i, row_v in zip(rows_i, rows_v)]
+    else:
+        top = []
+        for row_v, row_i in zip(rows_v, rows_i, strict=True):
+            null = bool(row_i) and all(i < 0 for i in row_i)
+            top.append(None if null else [(i, v) for v, i in zip(row_v, row_i, strict=True) if i >= 0])
     top += [[] for _ in range(n - len(top))]
     return Positions(list(ids[:n]), vals, top)
 
@@ -67,26 +73,15 @@ def text_offsets(pieces: Sequence[bytes], start: int = 0) -> list[int]:
     return [start + (max(int(chars_through[s]) - 1, 0) if s < len(data) else total) for s in byte_starts]
 
 
-def token_label(model: TextModel, token_id: int) -> str:
-    """A token as OpenAI shows it: its text, or `bytes:\\xNN...` when not valid UTF-8 on its own."""
-    raw = model.token_bytes[token_id]
-    try:
-        return raw.decode("utf-8")
-    except UnicodeDecodeError:
-        return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
-
-
 def completion_logprobs(
     positions: Positions, model: TextModel, visible: Sequence[bytes], start_offset: int = 0
 ) -> dict[str, Any]:
     """`visible[i]`: the bytes token i contributes to the returned text (b"" when skipped)."""
-    def text(token_id: int) -> str:
-        return token_label(model, token_id)
-
+    labels = model.token_labels
     return {
-        "tokens": [text(i) for i in positions.ids],
+        "tokens": [labels[i] for i in positions.ids],
         "token_logprobs": positions.values,
-        "top_logprobs": [None if row is None else {text(i): v for i, v in row} for row in positions.top],
+        "top_logprobs": [None if row is None else {labels[i]: v for i, v in row} for row in positions.top],
         "text_offset": text_offsets(visible, start_offset),
     }
 
@@ -96,16 +91,11 @@ def visible_bytes(ids: Sequence[int], model: TextModel, skip_special_tokens: boo
     return [b"" if i in skipped else model.token_bytes[i] for i in ids]
 
 
-def _chat_entry(model: TextModel, token_id: int, logprob: float | None) -> dict[str, Any]:
-    raw = model.token_bytes[token_id]
-    value = CHAT_NULL_LOGPROB if logprob is None else logprob
-    return {"token": token_label(model, token_id), "bytes": list(raw), "logprob": value}
-
-
 def chat_content(positions: Positions, model: TextModel) -> list[dict[str, Any]]:
+    labels, byte_lists = model.token_labels, model.token_byte_lists  # `bytes`: one shared tuple per id, a JSON array
     items = []
     for token_id, value, row in zip(positions.ids, positions.values, positions.top, strict=True):
-        item = _chat_entry(model, token_id, value)
-        item["top_logprobs"] = [_chat_entry(model, i, v) for i, v in row or []]
-        items.append(item)
+        value = CHAT_NULL_LOGPROB if value is None else value
+        top = [{"token": labels[i], "bytes": byte_lists[i], "logprob": v} for i, v in row or []]
+        items.append({"token": labels[token_id], "bytes": byte_lists[token_id], "logprob": value, "top_logprobs": top})
     return items

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -62,6 +63,18 @@ class TextModel:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
 
+    @cached_property
+    def token_labels(self) -> tuple[str, ...]:
+        """[vocab] each id as OpenAI's logprobs show a token: its text, or `bytes:\\xNN...` when its
+        bytes are not valid UTF-8 on their own. Built on first use (logprobs asked for): a top-20
+        row looks up 20 of them per token."""
+        return tuple(map(_label, self.token_bytes))
+
+    @cached_property
+    def token_byte_lists(self) -> tuple[tuple[int, ...], ...]:
+        """[vocab] each id's bytes as the integers of chat logprobs' `bytes` field (a JSON array)."""
+        return tuple(map(tuple, self.token_bytes))
+
     def token_text(self, token_id: int) -> str:
         """One token shown on its own (partial UTF-8 shows as U+FFFD, as `decode([id])` does)."""
         return self.token_bytes[token_id].decode("utf-8", errors="replace")
@@ -77,6 +90,13 @@ class TextModel:
         if self.chat is None:
             raise ChatTemplateError("this model has no chat_template")
         return self.chat.render(messages, **options)
+
+
+def _label(raw: bytes) -> str:
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
 
 
 def _token_bytes_table(tokenizer: Tokenizer, vocab_size: int) -> tuple[bytes, ...]:

@@ -220,3 +220,31 @@ def test_array_path_equals_row_path_field_for_field(b64, num_rows):
     from_arrays = meta_logprobs(chunks_of(arrays), prompt, [], opts)
     assert from_rows == from_arrays
     assert from_arrays["input_top_logprobs_shape"] == [num_rows - 1, 3]
+
+
+def test_top_rows_with_and_without_padding_read_the_same(text_model):
+    # A step without padding takes the one-zip-per-row path; one padded id anywhere sends the whole
+    # call down the filtering path: each row must come out the same either way.
+    from services.tokenizer.openai_format import _positions
+
+    rng = np.random.default_rng(7)
+    top_v, top_i = -rng.random((6, 4)).astype(np.float32), rng.integers(0, 500, (6, 4)).astype(np.int32)
+    values = -rng.random(6).astype(np.float32)
+    plain = _positions(values, list(range(6)), top_v, top_i)
+    padded_i = np.concatenate([top_i, np.full((1, 4), -1, np.int32)])  # a null row after the six
+    padded = _positions(np.append(values, np.nan), list(range(7)), np.concatenate([top_v, top_v[:1]]), padded_i)
+    assert padded.top[:6] == plain.top and padded.top[6] is None and padded.values[6] is None
+    assert plain.top[2] == [(int(i), float(v)) for i, v in zip(top_i[2], top_v[2], strict=True)]
+    partial_i = top_i.copy()
+    partial_i[3, 2:] = -1  # fewer candidates than k in one row
+    assert _positions(values, list(range(6)), top_v, partial_i).top[3] == plain.top[3][:2]
+
+
+def test_token_labels_show_partial_utf8_as_bytes(text_model):
+    from services.tokenizer.text_model import _label
+
+    assert _label("é".encode()) == "é" and _label(b"ab") == "ab"
+    assert _label("é".encode()[:1]) == "bytes:\\xc3"
+    assert len(text_model.token_labels) == text_model.vocab_size
+    assert all(label == _label(raw) for label, raw in zip(text_model.token_labels, text_model.token_bytes, strict=True))
+    assert text_model.token_byte_lists[5] == tuple(text_model.token_bytes[5])
