@@ -248,3 +248,14 @@ def test_token_labels_show_partial_utf8_as_bytes(text_model):
     assert len(text_model.token_labels) == text_model.vocab_size
     assert all(label == _label(raw) for label, raw in zip(text_model.token_labels, text_model.token_bytes, strict=True))
     assert text_model.token_byte_lists[5] == tuple(text_model.token_bytes[5])
+
+
+def test_the_tables_are_built_once_and_warming_builds_them(text_model):
+    from services.tokenizer.text_model import TextModel
+
+    fresh = TextModel(text_model.tokenizer, text_model.token_bytes, text_model.special_ids, text_model.vocab_size,
+                      text_model.max_model_len, text_model.chat_template)  # fmt: skip
+    assert "token_labels" not in fresh.__dict__
+    fresh.warm_logprob_tables()
+    labels = fresh.__dict__["token_labels"]
+    assert fresh.token_labels is labels and len(fresh.token_byte_lists) == fresh.vocab_size
