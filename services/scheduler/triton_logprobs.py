@@ -49,6 +49,11 @@ NO_KEY = tl.constexpr(-(2**63 - 1))  # below every key of a non-NaN logprob (the
 OUT_OF_PLAY = tl.constexpr(2**63 - 1)  # above every key: a candidate slot past k, never the minimum, stored as NO_KEY
 
 
+def max_splits_for(vocab_size: int, k_pad: int, block: int = BLOCK, most: int = MAX_SPLITS) -> int:
+    """The most splits `split_layout` gives any number of rows (at one row): what the kernels pad to."""
+    return split_layout(1, vocab_size, k_pad, block, most)[0]
+
+
 def split_layout(num_rows: int, vocab_size: int, k_pad: int, block: int = BLOCK, most: int = MAX_SPLITS) -> tuple[int, int]:
     """(S, tiles per split), from host ints only: enough programs for TARGET_PROGRAMS, each split whole
     tiles and at least one, S <= most, S * k_pad <= MAX_CANDIDATES."""
@@ -81,25 +86,29 @@ def raw_logprob_columns(
     splits, per_split = split_layout(num_rows, vocab, k_pad, block, MAX_SPLITS if max_splits is None else max_splits)
     maxes = torch.empty(num_rows, splits, dtype=torch.float32, device=device)  # [c, S]
     sums = torch.empty_like(maxes)  # [c, S]
-    layout = {"NUM_SPLITS": splits, "SPLITS_PAD": triton.next_power_of_2(splits), "BLOCK": block}
-    _partial_lse_kernel[(num_rows, splits)](logits, maxes, sums, logits.stride(0), vocab, per_split, NUM_SPLITS=splits,
-                                            BLOCK=block)  # fmt: skip
+    # The pads are the most splits any number of rows gets at this vocabulary and k, not this call's
+    # S: S follows the rows (1 row: ~50 splits; 64 rows: 5), and as a compile-time constant it made
+    # Triton compile the three kernels again at every row count (~0.4-1.5 s, in the step that first
+    # met it). So S is a runtime argument and one compiled variant serves every row count.
+    most_splits = max_splits_for(vocab, k_pad, block, MAX_SPLITS if max_splits is None else max_splits)
+    splits_pad = triton.next_power_of_2(most_splits)
+    _partial_lse_kernel[(num_rows, splits)](logits, maxes, sums, logits.stride(0), vocab, per_split, splits, BLOCK=block)
     candidates = maxes  # unread when k == 0
     if k > 0:
         candidates = torch.empty(num_rows, splits, k_pad, dtype=torch.int64, device=device)  # [c, S, K_PAD]
-        _candidates_kernel[(num_rows, splits)](logits, maxes, sums, candidates, logits.stride(0), vocab, per_split, k,
-                                               K_PAD=k_pad, **layout)  # fmt: skip
+        _candidates_kernel[(num_rows, splits)](logits, maxes, sums, candidates, logits.stride(0), vocab, per_split, k, splits,
+                                               SPLITS_PAD=splits_pad, BLOCK=block, K_PAD=k_pad)  # fmt: skip
     ids = ids.contiguous() if ids is not None else targets  # unread when m == 0
     _finish_kernel[(num_rows,)](logits, maxes, sums, candidates, targets.contiguous(), ids, token, values, top_ids, requested,
-                                logits.stride(0), num_ids, k, NUM_SPLITS=splits, SPLITS_PAD=layout["SPLITS_PAD"],
-                                NUM_CANDIDATES=splits * k_pad, CANDIDATES_PAD=triton.next_power_of_2(splits * k_pad),
+                                logits.stride(0), num_ids, k, splits, SPLITS_PAD=splits_pad, K_PAD=k_pad,
+                                CANDIDATES_PAD=triton.next_power_of_2(most_splits * k_pad),
                                 IDS_PAD=max(2, triton.next_power_of_2(num_ids)), HAS_TOP_K=k > 0)  # fmt: skip
     return token, values, top_ids, requested
 
 
 @triton.jit
-def _partial_lse_kernel(logits_ptr, max_ptr, sum_ptr, stride_row, vocab_size, tiles_per_split,
-                        NUM_SPLITS: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
+def _partial_lse_kernel(logits_ptr, max_ptr, sum_ptr, stride_row, vocab_size, tiles_per_split, num_splits,
+                        BLOCK: tl.constexpr):  # fmt: skip
     row, split = tl.program_id(0), tl.program_id(1)
     row_ptr = logits_ptr + row.to(tl.int64) * stride_row
     first = split * tiles_per_split * BLOCK
@@ -114,16 +123,16 @@ def _partial_lse_kernel(logits_ptr, max_ptr, sum_ptr, stride_row, vocab_size, ti
         shift = tl.where(m_new == float("-inf"), 0.0, m_new)  # all -inf so far: sums stay 0, no NaN
         total = total * tl.exp(m - shift) + tl.sum(tl.exp(x - shift), 0)
         m = m_new
-    tl.store(max_ptr + row * NUM_SPLITS + split, m)
-    tl.store(sum_ptr + row * NUM_SPLITS + split, total)
+    tl.store(max_ptr + row * num_splits + split, m)
+    tl.store(sum_ptr + row * num_splits + split, total)
 
 
 @triton.jit
-def _row_lse(max_ptr, sum_ptr, row, NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr):
+def _row_lse(max_ptr, sum_ptr, row, num_splits, SPLITS_PAD: tl.constexpr):
     # The row's max m and L = log(sum exp(x - m)) from its splits' partials (m_s, l_s).
     s = tl.arange(0, SPLITS_PAD)
-    maxes = tl.load(max_ptr + row * NUM_SPLITS + s, mask=s < NUM_SPLITS, other=float("-inf"))
-    sums = tl.load(sum_ptr + row * NUM_SPLITS + s, mask=s < NUM_SPLITS, other=0.0)
+    maxes = tl.load(max_ptr + row * num_splits + s, mask=s < num_splits, other=float("-inf"))
+    sums = tl.load(sum_ptr + row * num_splits + s, mask=s < num_splits, other=0.0)
     m = tl.max(maxes, 0)
     shift = tl.where(m == float("-inf"), 0.0, m)
     return m, tl.log(tl.sum(sums * tl.exp(maxes - shift), 0))
@@ -138,10 +147,10 @@ def _key(logprob, col):
 
 
 @triton.jit
-def _candidates_kernel(logits_ptr, max_ptr, sum_ptr, cand_ptr, stride_row, vocab_size, tiles_per_split, k,
-                       NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr, BLOCK: tl.constexpr, K_PAD: tl.constexpr):  # fmt: skip
+def _candidates_kernel(logits_ptr, max_ptr, sum_ptr, cand_ptr, stride_row, vocab_size, tiles_per_split, k, num_splits,
+                       SPLITS_PAD: tl.constexpr, BLOCK: tl.constexpr, K_PAD: tl.constexpr):  # fmt: skip
     row, split = tl.program_id(0), tl.program_id(1)
-    m, lse = _row_lse(max_ptr, sum_ptr, row, NUM_SPLITS, SPLITS_PAD)
+    m, lse = _row_lse(max_ptr, sum_ptr, row, num_splits, SPLITS_PAD)
     row_ptr = logits_ptr + row.to(tl.int64) * stride_row
     first = split * tiles_per_split * BLOCK
     end = tl.minimum(first + tiles_per_split * BLOCK, vocab_size)
@@ -161,16 +170,15 @@ def _candidates_kernel(logits_ptr, max_ptr, sum_ptr, cand_ptr, stride_row, vocab
             kth = tl.min(best, 0)
             key = tl.where(key == top, NO_KEY, key)
             top = tl.max(key, 0)
-    tl.store(cand_ptr + (row * NUM_SPLITS + split) * K_PAD + slots, tl.where(slots < k, best, NO_KEY))
+    tl.store(cand_ptr + (row * num_splits + split) * K_PAD + slots, tl.where(slots < k, best, NO_KEY))
 
 
 @triton.jit
 def _finish_kernel(logits_ptr, max_ptr, sum_ptr, cand_ptr, targets_ptr, ids_ptr, token_ptr, values_ptr, top_ids_ptr,
-                   requested_ptr, stride_row, num_ids, k, NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr,
-                   NUM_CANDIDATES: tl.constexpr, CANDIDATES_PAD: tl.constexpr, IDS_PAD: tl.constexpr,
-                   HAS_TOP_K: tl.constexpr):  # fmt: skip
+                   requested_ptr, stride_row, num_ids, k, num_splits, SPLITS_PAD: tl.constexpr, K_PAD: tl.constexpr,
+                   CANDIDATES_PAD: tl.constexpr, IDS_PAD: tl.constexpr, HAS_TOP_K: tl.constexpr):  # fmt: skip
     row = tl.program_id(0)
-    m, lse = _row_lse(max_ptr, sum_ptr, row, NUM_SPLITS, SPLITS_PAD)
+    m, lse = _row_lse(max_ptr, sum_ptr, row, num_splits, SPLITS_PAD)
     row_ptr = logits_ptr + row.to(tl.int64) * stride_row
     target = tl.load(targets_ptr + row)
     tl.store(token_ptr + row, (tl.load(row_ptr + target).to(tl.float32) - m) - lse)
@@ -180,7 +188,8 @@ def _finish_kernel(logits_ptr, max_ptr, sum_ptr, cand_ptr, targets_ptr, ids_ptr,
     tl.store(requested_ptr + row * num_ids + j, (x - m) - lse, mask=j < num_ids)
     if HAS_TOP_K:
         c = tl.arange(0, CANDIDATES_PAD)
-        keys = tl.load(cand_ptr + row * NUM_CANDIDATES + c, mask=c < NUM_CANDIDATES, other=NO_KEY)
+        num_candidates = num_splits * K_PAD
+        keys = tl.load(cand_ptr + row * num_candidates + c, mask=c < num_candidates, other=NO_KEY)
         for i in range(k):
             top = tl.max(keys, 0)
             high = (top >> 32).to(tl.int32)

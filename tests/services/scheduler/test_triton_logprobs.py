@@ -135,18 +135,45 @@ def test_kernels_compile_for_the_h200(pointer) -> None:
     i32, f32 = "i32", "*fp32"
     common = {"logits_ptr": pointer, "max_ptr": f32, "sum_ptr": f32}
     scan = {"stride_row": i32, "vocab_size": i32, "tiles_per_split": i32}
-    layout = {"NUM_SPLITS": 64, "SPLITS_PAD": 64}
     finish = {"cand_ptr": "*i64", "targets_ptr": "*i64", "ids_ptr": "*i64", "token_ptr": f32, "values_ptr": f32,
-              "top_ids_ptr": "*i32", "requested_ptr": f32, "stride_row": i32, "num_ids": i32, "k": i32}  # fmt: skip
+              "top_ids_ptr": "*i32", "requested_ptr": f32, "stride_row": i32, "num_ids": i32, "k": i32, "num_splits": i32}  # fmt: skip
     specs = [
-        (kernels._partial_lse_kernel, {**common, **scan}, {"NUM_SPLITS": 64, "BLOCK": 1024}),
-        (kernels._candidates_kernel, {**common, "cand_ptr": "*i64", **scan, "k": i32}, {**layout, "BLOCK": 1024, "K_PAD": 32}),
+        (kernels._partial_lse_kernel, {**common, **scan, "num_splits": i32}, {"BLOCK": 1024}),
+        (kernels._candidates_kernel, {**common, "cand_ptr": "*i64", **scan, "k": i32, "num_splits": i32},
+         {"SPLITS_PAD": 64, "BLOCK": 1024, "K_PAD": 32}),
         *((kernels._finish_kernel, {**common, **finish},
-           {**layout, "NUM_CANDIDATES": 2048, "CANDIDATES_PAD": 2048, "IDS_PAD": 4, "HAS_TOP_K": has}) for has in (False, True)),
+           {"SPLITS_PAD": 64, "K_PAD": 32, "CANDIDATES_PAD": 2048, "IDS_PAD": 4, "HAS_TOP_K": has}) for has in (False, True)),
     ]  # fmt: skip
     for kernel, signature, constants in specs:
         source = ASTSource(kernel, {**signature, **dict.fromkeys(constants, "constexpr")}, constants)
         assert triton.compile(source, target=GPUTarget("cuda", 90, 32)).asm["cubin"], kernel
+
+
+def test_the_compiled_layout_is_the_same_for_every_number_of_rows(monkeypatch) -> None:
+    # The splits follow the rows, but what the kernels are compiled for (their constexprs) must not:
+    # one compiled variant per k and ids width, not one per row count met while serving.
+    pytest.importorskip("triton")
+    from services.scheduler import triton_logprobs as kernels
+
+    launched: dict[str, set] = {}
+
+    class Recorder:
+        def __init__(self, name):
+            self.name = name
+
+        def __getitem__(self, grid):
+            def launch(*args, **constants):
+                launched.setdefault(self.name, set()).add(tuple(sorted(constants.items())))
+            return launch
+
+    for name in ("_partial_lse_kernel", "_candidates_kernel", "_finish_kernel"):
+        monkeypatch.setattr(kernels, name, Recorder(name))
+    vocab = 151936
+    for rows in (1, 2, 8, 64, 96, 128, 512):
+        logits = torch.zeros(rows, vocab)
+        kernels.raw_logprob_columns(logits, torch.zeros(rows, dtype=torch.int64), 20, None)
+    assert set(launched) == {"_partial_lse_kernel", "_candidates_kernel", "_finish_kernel"}
+    assert all(len(variants) == 1 for variants in launched.values()), launched
 
 
 def test_split_layout_fills_the_gpu_for_one_row_and_uses_one_split_for_hundreds() -> None:
