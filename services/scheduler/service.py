@@ -95,6 +95,15 @@ def build_core(config: SchedulerConfig) -> SchedulerCore:
     if config.dense_prefill and runner.device.type == "cuda" and config.resolved_max_prefill_tokens > config.chunked_prefill_size:
         # only queries no chunk-budget step holds: steps past the budget run eagerly whatever their path
         runner.dense_prefill = DenseConfig(min_query_len=config.chunked_prefill_size + 1)
+    fused_logprobs = config.fused_logprobs and runner.device.type == "cuda" and triton_available()  # elsewhere the flag does nothing
+    if fused_logprobs:
+        import torch
+
+        from services.scheduler.triton_logprobs import warm_kernels
+
+        start = time.perf_counter()
+        warm_kernels(runner.config.vocab_size, runner.device, (torch.float32, runner.dtype))  # output rows f32, prompt rows the model's
+        log.info("logprob_kernels.warmed", seconds=round(time.perf_counter() - start, 2))
     return SchedulerCore(
         runner,
         proposer=proposer,
@@ -107,7 +116,7 @@ def build_core(config: SchedulerConfig) -> SchedulerCore:
         logprobs_mode=config.logprobs_mode,
         seed=config.seed,
         logprob_graphs=config.logprob_cuda_graphs and runner.device.type == "cuda",  # elsewhere the flag does nothing
-        fused_logprobs=config.fused_logprobs and runner.device.type == "cuda" and triton_available(),  # likewise
+        fused_logprobs=fused_logprobs,
     )
 
 

@@ -64,6 +64,21 @@ def split_layout(num_rows: int, vocab_size: int, k_pad: int, block: int = BLOCK,
     return triton.cdiv(tiles, per_split), per_split
 
 
+# One k of each top-k pad the logprob graphs' k rungs reach (K_PAD 2, 8, 16, 32), and 0 (no top-k).
+WARM_KS = (0, 1, 5, 10, 20)
+
+
+def warm_kernels(vocab_size: int, device: torch.device, dtypes: tuple[torch.dtype, ...]) -> None:
+    """Compile the kernels now, for logits of each of `dtypes` and each of `WARM_KS`, with no
+    requested ids: otherwise the first request asking for each would pause the step it is in for
+    the compile (~0.4-1.7 s on the H200). Other k pads and ids widths still compile on first use."""
+    for dtype in dtypes:
+        logits = torch.zeros(1, vocab_size, dtype=dtype, device=device)
+        targets = torch.zeros(1, dtype=torch.int64, device=device)
+        for k in WARM_KS:
+            raw_logprob_columns(logits, targets, min(k, vocab_size), None)
+
+
 def raw_logprob_columns(
     logits: torch.Tensor, targets: torch.Tensor, k: int, ids: torch.Tensor | None, *, block: int = BLOCK,
     max_splits: int | None = None,
@@ -106,7 +121,9 @@ def raw_logprob_columns(
     return token, values, top_ids, requested
 
 
-@triton.jit
+# Ints that change with the rows or the request are not specialized on (value 1, divisibility by
+# 16): each would be another compile of the kernel the first time a step met it.
+@triton.jit(do_not_specialize=["tiles_per_split", "num_splits"])
 def _partial_lse_kernel(logits_ptr, max_ptr, sum_ptr, stride_row, vocab_size, tiles_per_split, num_splits,
                         BLOCK: tl.constexpr):  # fmt: skip
     row, split = tl.program_id(0), tl.program_id(1)
@@ -146,7 +163,7 @@ def _key(logprob, col):
     return (ordered.to(tl.int64) << 32) | (0xFFFFFFFF - col.to(tl.int64))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["tiles_per_split", "k", "num_splits"])
 def _candidates_kernel(logits_ptr, max_ptr, sum_ptr, cand_ptr, stride_row, vocab_size, tiles_per_split, k, num_splits,
                        SPLITS_PAD: tl.constexpr, BLOCK: tl.constexpr, K_PAD: tl.constexpr):  # fmt: skip
     row, split = tl.program_id(0), tl.program_id(1)
@@ -173,7 +190,7 @@ def _candidates_kernel(logits_ptr, max_ptr, sum_ptr, cand_ptr, stride_row, vocab
     tl.store(cand_ptr + (row * num_splits + split) * K_PAD + slots, tl.where(slots < k, best, NO_KEY))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_ids", "k", "num_splits"])
 def _finish_kernel(logits_ptr, max_ptr, sum_ptr, cand_ptr, targets_ptr, ids_ptr, token_ptr, values_ptr, top_ids_ptr,
                    requested_ptr, stride_row, num_ids, k, num_splits, SPLITS_PAD: tl.constexpr, K_PAD: tl.constexpr,
                    CANDIDATES_PAD: tl.constexpr, IDS_PAD: tl.constexpr, HAS_TOP_K: tl.constexpr):  # fmt: skip

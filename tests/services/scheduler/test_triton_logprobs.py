@@ -114,13 +114,37 @@ def test_the_scheduler_flag_reaches_the_core_only_where_triton_runs(flag, device
     def core(runner, **options):
         raise Built(options["fused_logprobs"])
 
-    runner = SimpleNamespace(device=torch.device(device), decode_kernel=False, ragged_kernel=False)
+    import sys
+
+    runner = SimpleNamespace(device=torch.device(device), decode_kernel=False, ragged_kernel=False,
+                             config=SimpleNamespace(vocab_size=96), dtype=torch.bfloat16)  # fmt: skip
+    warmed = []
+    kernels = SimpleNamespace(warm_kernels=lambda vocab, on, dtypes: warmed.append((vocab, on.type, dtypes)))
+    monkeypatch.setitem(sys.modules, "services.scheduler.triton_logprobs", kernels)  # no Triton needed (CI has none)
     monkeypatch.setattr(service, "load_model_runner", lambda path, **options: runner)
     monkeypatch.setattr(service, "SchedulerCore", core)
     monkeypatch.setattr(service, "triton_available", lambda: True)
     with pytest.raises(Built) as built:
         service.build_core(SchedulerConfig(device="cpu", fused_logprobs=flag))
     assert built.value.args == (passed,)
+    # the kernels the core will run are compiled before it serves: f32 output rows, prompt rows in the model's dtype
+    assert warmed == ([(96, "cuda", (torch.float32, torch.bfloat16))] if passed else [])
+
+
+@interpreted
+def test_interpreted_warm_up_runs_every_warm_k(monkeypatch) -> None:
+    from services.scheduler import triton_logprobs
+
+    calls = []
+    original = triton_logprobs.raw_logprob_columns
+
+    def recorded(logits, targets, k, ids):
+        calls.append((logits.dtype, tuple(logits.shape), k))
+        return original(logits, targets, k, ids)
+
+    monkeypatch.setattr(triton_logprobs, "raw_logprob_columns", recorded)
+    triton_logprobs.warm_kernels(50, torch.device("cpu"), (torch.float32, torch.bfloat16))
+    assert calls == [(dtype, (1, 50), k) for dtype in (torch.float32, torch.bfloat16) for k in triton_logprobs.WARM_KS]
 
 
 @pytest.mark.skipif(INTERPRETED or importlib.util.find_spec("triton") is None, reason="needs Triton (its compiler, not a GPU)")
