@@ -38,6 +38,9 @@ class FormatOptions:
 
 
 def concat(pieces: list[np.ndarray], dtype: str, width: int | None = None) -> np.ndarray:
+    """The pieces as one array (the piece itself when there is one: a streamed step's; read only)."""
+    if len(pieces) == 1:
+        return pieces[0]
     if pieces:
         return np.concatenate(pieces)
     return np.empty((0,) if width is None else (0, width), dtype=dtype)

@@ -259,3 +259,22 @@ def test_the_tables_are_built_once_and_warming_builds_them(text_model):
     fresh.warm_logprob_tables()
     labels = fresh.__dict__["token_labels"]
     assert fresh.token_labels is labels and len(fresh.token_byte_lists) == fresh.vocab_size
+
+
+def test_text_offsets_agree_with_decoding_byte_by_byte():
+    # The reference: decode the joined text and map every byte to the character that holds it.
+    import random
+
+    alphabet = [b"a", b" the", "é".encode(), "你".encode(), "é".encode()[:1], "é".encode()[1:], b"", "😀".encode()[:2],
+                "😀".encode()[2:]]  # fmt: skip
+    rng = random.Random(0)
+    for _ in range(500):
+        pieces = [rng.choice(alphabet) for _ in range(rng.randint(0, 10))]
+        data = b"".join(pieces)
+        char_of_byte, chars = [], 0
+        for byte in data:
+            chars += (byte & 0xC0) != 0x80
+            char_of_byte.append(max(chars - 1, 0))
+        starts = [sum(map(len, pieces[:i])) for i in range(len(pieces))]
+        want = [7 + (char_of_byte[s] if s < len(data) else chars) for s in starts]
+        assert text_offsets(pieces, 7) == want, pieces
