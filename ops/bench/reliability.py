@@ -177,6 +177,8 @@ async def requests_through(
 
 
 def descendants(pid: int) -> set[int]:
+    """Every live process below `pid`, from /proc (the parent field of each process's stat; an
+    embedded nats-server runs in its own session and is still found)."""
     parents: dict[int, int] = {}
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:

@@ -16,6 +16,7 @@ import pytest
 from contracts import subjects
 from contracts.control import Heartbeat
 from e2e.stack import ROOT, generate_body
+from ops.bench.reliability import descendants  # every live process below a pid, from /proc
 from services.cli import COMMANDS, build_parser
 from services.common.nats_server import free_port, start_nats_server
 from services.common.connection import connection_from_args
@@ -23,22 +24,6 @@ from services.common.settings import connection_from_environ, connection_values
 from services.launcher import service_argv, service_environ
 from services.models import BUNDLED_MODEL
 from services.recorder.format import read_recording
-
-
-def descendants(pid: int) -> set[int]:
-    """Every live process below `pid` (from /proc; the embedded nats-server runs in its own session)."""
-    parents: dict[int, int] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        parents[int(stat.parent.name)] = int(fields[1])
-    found, frontier = set(), {pid}
-    while frontier:
-        frontier = {child for child, parent in parents.items() if parent in frontier} - found
-        found |= frontier
-    return found
 
 
 def alive(pid: int) -> bool:

@@ -12,7 +12,8 @@ import httpx
 import pytest
 
 from e2e.stack import generate_body
-from e2e.test_up import descendants, start_up, wait_for_line
+from e2e.test_up import start_up, wait_for_line
+from ops.bench.reliability import descendants
 from services.common.nats_server import free_port
 
 
