@@ -27,7 +27,7 @@ from typing import Any
 import aiohttp
 import uvloop
 
-from ops.bench.serve_client import ENDPOINTS, RequestOptions, RequestRecord, send
+from ops.bench.serve_client import ENDPOINTS, RequestOptions, RequestRecord, client_session, send
 from ops.bench.serve_launch import launched_stack
 from ops.bench.serve_metrics import per_request, summarize, table
 from ops.bench.serve_workload import Prompt, arrival_offsets, jsonl_prompts, random_prompts, token_pool
@@ -111,7 +111,7 @@ def run_serve_benchmark(config: ServeConfig) -> dict[str, Any]:
 
 async def benchmark(config: ServeConfig) -> dict[str, Any]:
     prompts = config.prompts()
-    async with _client(config) as client:
+    async with client_session(config.api_key, config.request_timeout_s) as client:
         model_name = await _model_name(client, config)
         options = RequestOptions(config.ignore_eos, config.temperature, config.logprobs, config.prompt_logprobs, model_name)
         if config.num_warmups:
@@ -124,15 +124,6 @@ async def benchmark(config: ServeConfig) -> dict[str, Any]:
     client = {"client_cpu_s": client_cpu_s, "client_cpu_fraction": client_cpu_s / duration_s,
               "monotonic_window": [began, time.monotonic()]}  # the timed run on time.monotonic(): a step trace's clock
     return {"config": config.as_json(), **summarize(records, duration_s), **client, "requests": per_request(records)}
-
-
-def _client(config: ServeConfig) -> aiohttp.ClientSession:
-    headers = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
-    # No connection cap: max_concurrency is the benchmark's to set, not the pool's. No proxies
-    # from the environment (trust_env off): they would sit between the client and the server.
-    connector = aiohttp.TCPConnector(limit=0)
-    timeout = aiohttp.ClientTimeout(total=config.request_timeout_s)
-    return aiohttp.ClientSession(headers=headers, connector=connector, timeout=timeout, trust_env=False)
 
 
 async def _model_name(client: aiohttp.ClientSession, config: ServeConfig) -> str | None:

@@ -32,6 +32,16 @@ JSON = {"Content-Type": "application/json"}
 _encode = msgspec.json.Encoder().encode
 
 
+def client_session(api_key: str | None, timeout_s: float) -> aiohttp.ClientSession:
+    """The one session a run sends every request through."""
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    # No connection cap: max_concurrency is the benchmark's to set, not the pool's. No proxies
+    # from the environment (trust_env off): they would sit between the client and the server.
+    connector = aiohttp.TCPConnector(limit=0)
+    timeout = aiohttp.ClientTimeout(total=timeout_s)
+    return aiohttp.ClientSession(headers=headers, connector=connector, timeout=timeout, trust_env=False)
+
+
 @dataclass(frozen=True)
 class RequestOptions:
     """What every request of one run asks for, besides its prompt and length."""

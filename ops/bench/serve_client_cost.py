@@ -28,7 +28,7 @@ import httpx
 import msgspec
 import uvloop
 
-from ops.bench.serve_client import ENDPOINTS, RequestOptions, send
+from ops.bench.serve_client import ENDPOINTS, RequestOptions, client_session, send
 from ops.bench.serve_launch import health_ok
 from ops.bench.serve_workload import Prompt
 from services.common.nats_server import free_port, stop_process
@@ -38,10 +38,11 @@ CLIENTS = ("aiohttp_uvloop", "aiohttp_asyncio", "httpx_asyncio")
 
 
 async def _with_aiohttp(url: str, prompts: list[Prompt], concurrency: int) -> int:
-    from ops.bench.serve import ServeConfig, _client
+    from ops.bench.serve import ServeConfig
 
     slots, endpoint, options = asyncio.Semaphore(concurrency), ENDPOINTS["generate"], RequestOptions(ignore_eos=True)
-    async with _client(ServeConfig()) as client:
+    defaults = ServeConfig()
+    async with client_session(defaults.api_key, defaults.request_timeout_s) as client:
 
         async def one(prompt: Prompt) -> int:
             async with slots:
