@@ -64,8 +64,10 @@ def split_layout(num_rows: int, vocab_size: int, k_pad: int, block: int = BLOCK,
     return triton.cdiv(tiles, per_split), per_split
 
 
-# One k of each top-k pad the logprob graphs' k rungs reach (K_PAD 2, 8, 16, 32), and 0 (no top-k).
-WARM_KS = (0, 1, 5, 10, 20)
+# One k of each top-k pad up to k = 20, the tokenizer's default --max-logprobs (K_PAD 2, 4, 8, 16,
+# 32: the graphs' k rungs 1, 5, 10, 20 and the exact k of eager rows, prompt rows among them), and
+# 0 (no top-k).
+WARM_KS = (0, 1, 3, 5, 10, 20)
 
 
 def warm_kernels(vocab_size: int, device: torch.device, dtypes: tuple[torch.dtype, ...]) -> None:
