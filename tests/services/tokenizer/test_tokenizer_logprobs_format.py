@@ -278,3 +278,19 @@ def test_text_offsets_agree_with_decoding_byte_by_byte():
         starts = [sum(map(len, pieces[:i])) for i in range(len(pieces))]
         want = [7 + (char_of_byte[s] if s < len(data) else chars) for s in starts]
         assert text_offsets(pieces, 7) == want, pieces
+
+
+def test_a_streamed_result_keeps_counts_and_text_but_not_the_logprob_arrays():
+    from types import SimpleNamespace
+
+    from services.tokenizer.native import GenerationResult
+    from services.tokenizer.requests import Delta
+
+    logprobs = RequestLogprobs(output_token_logprobs=f32([-1.0, -2.0]), output_top_logprobs=f32([[-1.0], [-2.0]]),
+                               output_top_ids=i32([[3], [4]]))  # fmt: skip
+    delta = Delta("ab", [3, 4], 5, None, logprobs, None)
+    kept, streamed = GenerationResult(SimpleNamespace(prompt_ids=(1,) * 5)), GenerationResult(SimpleNamespace(prompt_ids=(1,) * 5))
+    kept.add(delta)
+    streamed.add(delta, keep_logprobs=False)
+    assert (streamed.text, streamed.output_ids, streamed.prompt_tokens) == (kept.text, kept.output_ids, kept.prompt_tokens) == ("ab", [3, 4], 5)
+    assert len(kept.chunks.output_token) == 1 and streamed.chunks.output_token == [] and streamed.chunks.output_top_ids == []
