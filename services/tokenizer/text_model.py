@@ -76,7 +76,7 @@ class TextModel:
         return tuple(map(tuple, self.token_bytes))
 
     def warm_logprob_tables(self) -> None:
-        """Build `token_labels` and `token_byte_lists` now (tens of ms at a 150k vocabulary)."""
+        """Build `token_labels` and `token_byte_lists` now (~0.3 s for 152k ids on the 2-core dev box)."""
         for table in ("token_labels", "token_byte_lists"):
             getattr(self, table)  # a cached_property: built on this first read
 
