@@ -5,7 +5,7 @@ The Qwen3-8B attention shape (32 q heads, 8 kv heads, head_dim 128, q/k norms, b
 pages), random inputs, one layer. Per number of tokens (--tokens: decode steps up to a 32k
 prompt) and heads per program (--heads-per-program, one warp each; 1 is the kernel as it was, one
 program per token and head; the default, `triton_fused.ROPE_HEADS_PER_PROGRAM`, is marked):
-- µs per call, as the median of --repeats replays of a CUDA graph of --calls calls each (the way
+- µs per call, as the median of --repeats replays of a CUDA graph of --calls calls (the way
   decode steps run; a long prefill's single launch is timed the same way), and GB/s of the bytes
   the kernel must move (qkv read, q written, k and v written);
 - whether q and the written cache are bit-identical to one head per program's (the launch shape
@@ -20,13 +20,12 @@ the host clock and without graphs.
 from __future__ import annotations
 
 import argparse
-import statistics
 import time
 from dataclasses import dataclass
 
 import torch
 
-from ops.bench.gpu_attention_check import check_parser, deadline_sections, finish_run
+from ops.bench.gpu_attention_check import check_parser, deadline_sections, finish_run, median_ms
 from services.scheduler.model.config import ModelConfig
 from services.scheduler.model.kv_cache import PagedKVCache
 from services.scheduler.model.llama import Attention, rope_cos_sin, rope_inv_freq
@@ -112,33 +111,23 @@ def token_rows(shape: Shape, num_tokens: int, choices: list[int], device: torch.
 
 
 def time_us(call, device: torch.device, calls: int, repeats: int) -> float:
-    """µs per call: a CUDA graph of `calls` calls replayed `repeats` times (median); the host clock on CPU."""
+    """µs per call: a CUDA graph of `calls` calls (`graphs.capture_graph`) replayed `repeats` times
+    (`median_ms`); the host clock on CPU."""
     if device.type != "cuda":
         begin = time.perf_counter()
         call()
         return round(1e6 * (time.perf_counter() - begin), 1)
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        call()  # compiled and warmed outside the capture
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    from services.scheduler.model.graphs import capture_graph
+
+    def many() -> None:
         for _ in range(calls):
             call()
-    graph.replay()
-    times = []
-    for _ in range(repeats):
-        torch.cuda.synchronize()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(1e3 * start.elapsed_time(end) / calls)
+
+    graph, _ = capture_graph(many)
+    us = 1e3 * median_ms(graph.replay, "cuda", repeats) / calls
     del graph
-    torch.cuda.empty_cache()
-    return round(statistics.median(times), 2)
+    torch.cuda.empty_cache()  # a 32k-token graph's pool holds `calls` q outputs
+    return round(us, 2)
 
 
 def table(result: dict) -> str:
