@@ -76,7 +76,7 @@ async def _indexed_events(pendings: list, model, results: list[GenerationResult]
     order, each the output's own event (cumulative text and ids) plus its `index` in the answer."""
     try:
         async for index, delta in merged_deltas(pendings):
-            results[index].add(delta, keep_logprobs=False)
+            results[index].add(delta)
             yield sse(native_event(results[index], delta, model) | {"index": index})
     except RequestFailed as exc:
         yield sse(error_body(str(exc)))

@@ -67,16 +67,16 @@ class GenerationResult:
     spec_verify_ct: int | None = None
     chunks: LogprobChunks = field(default_factory=LogprobChunks)
 
-    def add(self, delta: Delta, keep_logprobs: bool = True) -> None:
-        """keep_logprobs False: a stream's result, whose events carry their own logprob entries and
-        whose end needs only the counts (the arrays are neither decoded nor kept)."""
+    def add(self, delta: Delta) -> None:
+        """A streamed request's result keeps no logprob arrays: each event formats its own entries,
+        and its end needs only the counts."""
         self.text += delta.text
         self.output_ids.extend(delta.token_ids)
         self.prompt_tokens = delta.prompt_tokens or self.prompt_tokens or len(self.spec.prompt_ids)
         self.finish = delta.finish
         if delta.spec_verify_ct is not None:
             self.spec_verify_ct = delta.spec_verify_ct
-        if keep_logprobs and delta.logprobs is not None:
+        if delta.logprobs is not None and not self.spec.stream:
             self.chunks.add(delta.logprobs)
 
     @property
@@ -131,7 +131,7 @@ async def native_events(pending: PendingRequest, model: TextModel, result: Gener
     """SSE events until the finish; a failure becomes an error event. Always ends with [DONE]."""
     try:
         async for delta in pending.deltas():
-            result.add(delta, keep_logprobs=False)
+            result.add(delta)
             yield sse(native_event(result, delta, model))
     except RequestFailed as exc:
         yield sse(error_body(str(exc)))

@@ -283,7 +283,7 @@ def _chunk(plan: Plan, kind: str, choices: list[dict[str, Any]], usage: dict[str
 
 def _completion_chunk(plan: Plan, state: _StreamState, index: int, delta: Delta, model: TextModel) -> bytes:
     choice, result = plan.choices[index], state.results[index]
-    result.add(delta, keep_logprobs=False)
+    result.add(delta)
     echo = plan.echo and not state.echoed[index]
     state.echoed[index] = True
     text = (choice.prompt_text if echo else "") + delta.text
@@ -294,7 +294,7 @@ def _completion_chunk(plan: Plan, state: _StreamState, index: int, delta: Delta,
 
 
 def _chat_chunk(plan: Plan, state: _StreamState, index: int, delta: Delta, model: TextModel) -> bytes:
-    state.results[index].add(delta, keep_logprobs=False)
+    state.results[index].add(delta)
     logprobs = _chat_logprobs(plan, _delta_chunks(delta), delta.token_ids, model)
     entry = {"index": index, "delta": {"content": delta.text}, "logprobs": logprobs, "finish_reason": finish_name(delta.finish)}
     return _chunk(plan, "chat.completion.chunk", [entry])

@@ -289,8 +289,9 @@ def test_a_streamed_result_keeps_counts_and_text_but_not_the_logprob_arrays():
     logprobs = RequestLogprobs(output_token_logprobs=f32([-1.0, -2.0]), output_top_logprobs=f32([[-1.0], [-2.0]]),
                                output_top_ids=i32([[3], [4]]))  # fmt: skip
     delta = Delta("ab", [3, 4], 5, None, logprobs, None)
-    kept, streamed = GenerationResult(SimpleNamespace(prompt_ids=(1,) * 5)), GenerationResult(SimpleNamespace(prompt_ids=(1,) * 5))
+    kept = GenerationResult(SimpleNamespace(prompt_ids=(1,) * 5, stream=False))
+    streamed = GenerationResult(SimpleNamespace(prompt_ids=(1,) * 5, stream=True))
     kept.add(delta)
-    streamed.add(delta, keep_logprobs=False)
+    streamed.add(delta)
     assert (streamed.text, streamed.output_ids, streamed.prompt_tokens) == (kept.text, kept.output_ids, kept.prompt_tokens) == ("ab", [3, 4], 5)
     assert len(kept.chunks.output_token) == 1 and streamed.chunks.output_token == [] and streamed.chunks.output_top_ids == []
