@@ -32,11 +32,8 @@ import cProfile
 import functools
 import io
 import json
-import os
 import pstats
 import statistics
-import subprocess
-import sys
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -210,14 +207,6 @@ def table(rows: list[dict], label: str = "") -> str:
     return "\n".join(lines)
 
 
-def run_tree(tree: Path, argv: list[str]) -> dict:
-    """This script on `tree`'s code, in a subprocess (its `services` first on the path)."""
-    env = os.environ | {"PYTHONPATH": str(tree)}
-    out = subprocess.run([sys.executable, __file__, *argv, "--print-json"], env=env, cwd=tree,
-                         capture_output=True, text=True, check=True)  # fmt: skip
-    return json.loads(out.stdout.splitlines()[-1])
-
-
 def best_of(results: list[dict]) -> dict:
     """Rounds of one tree -> each figure's smallest (the round the machine disturbed least)."""
     rows = []
@@ -228,12 +217,14 @@ def best_of(results: list[dict]) -> dict:
 
 def compare(before_tree: Path, argv: list[str], rounds: int, profile: bool) -> dict:
     """Before and after alternately, `rounds` times each, so both see the same load."""
+    from ops.bench.other_tree import run_on_tree  # the parent's only: the child imports from the other tree
+
     trees = {"before": before_tree, "after": REPO}
     runs: dict[str, list[dict]] = {"before": [], "after": []}
     for index in range(rounds):
         last = profile and index == rounds - 1
         for name, tree in trees.items():
-            runs[name].append(run_tree(tree, argv + (["--profile"] if last else [])))
+            runs[name].append(run_on_tree(__file__, tree, [*argv, *(["--profile"] if last else []), "--print-json"]))
     return {name: best_of(results) | {"tree": str(trees[name])} for name, results in runs.items()}
 
 

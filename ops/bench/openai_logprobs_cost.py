@@ -16,9 +16,6 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import os
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -72,11 +69,10 @@ def time_formats(top_ks: list[int], token_counts: list[int], repeats: int) -> li
 def run(args: argparse.Namespace) -> dict:
     trees = {"this": time_formats(args.top_k, args.tokens, args.repeats)}
     if args.before is not None:
-        command = [sys.executable, __file__, "--rows-only", "--repeats", str(args.repeats),
-                   "--top-k", *map(str, args.top_k), "--tokens", *map(str, args.tokens)]  # fmt: skip
-        env = {**os.environ, "PYTHONPATH": str(args.before)}  # this script, the old tree's `services`
-        done = subprocess.run(command, cwd=args.before, env=env, capture_output=True, text=True, check=True)
-        trees = {"before": json.loads(done.stdout.strip().splitlines()[-1]), **trees}
+        from ops.bench.other_tree import run_on_tree  # the parent's only: the child imports from the other tree
+
+        argv = ["--rows-only", "--repeats", str(args.repeats), "--top-k", *map(str, args.top_k), "--tokens", *map(str, args.tokens)]
+        trees = {"before": run_on_tree(__file__, args.before, argv), **trees}
     reference = {(r["format"], r["top_k"], r["tokens"]): r["json_sha256"] for r in trees["this"]}
     result = {"trees": trees, "same_json": all(reference[(r["format"], r["top_k"], r["tokens"])] == r["json_sha256"]
                                                for rows in trees.values() for r in rows)}  # fmt: skip
