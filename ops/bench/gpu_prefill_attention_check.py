@@ -35,6 +35,15 @@ flash), with native GQA and expanded K/V, whether it ran on a (2048 queries, 204
 call, the LSE shape it returned, and its max |difference| from the fp32 twin (out and LSE): the
 merge's rows are only right if the LSE is the natural-log normaliser.
 - `flex`: `flex_attention` compiled, causal block mask, GQA.
+- `flash4_*` (where `flash4_attention.flash4_unavailable` says none): FlashAttention-4's CuTe
+  kernels. `flash4_whole` / `flash4_chunks<N>` the serving path (`DenseConfig(kernel="flash4")`
+  through `varlen_attention`: K/V gathered from the paged cache, one lower-right causal call, no
+  merge), `flash4_whole_contiguous` the same call without the gather, `flash4_whole_paged<P>` FA4
+  reading the cache in place through its page table, as 16-token pages (the cache's) and as
+  128-token pages (one page a key tile: its TMA path).
+  `dense_chunks16384_merge` is cuDNN's row for the 16k steps of `--max-prefill-tokens`.
+Each row also has `first_call_s`, the first call's wall time (FA4: its JIT compile). `--only`
+keeps the candidates whose name starts with one of its prefixes (the reference always runs).
 """
 
 from __future__ import annotations
@@ -55,6 +64,7 @@ from ops.bench.gpu_attention_check import check_parser, deadline_sections, media
 from services.scheduler.model.attention import plan_varlen, varlen_attention, varlen_attention_torch
 from services.scheduler.model.batch import ForwardBatch
 from services.scheduler.model.dense_attention import DENSE_MIN_QUERY_LEN, DenseConfig, attention_with_lse, attention_with_lse_torch
+from services.scheduler.model.flash4_attention import flash4_unavailable
 from services.scheduler.model.runner import triton_available
 
 REPO = Path(__file__).resolve().parents[2]
@@ -210,6 +220,55 @@ def flex_whole(inputs: Inputs) -> Callable[[], torch.Tensor]:
     return run
 
 
+def flash4_paged(inputs: Inputs, page: int) -> Callable[[], torch.Tensor]:
+    """FA4 reading the cache in place through its page table, the sequence's K/V viewed as `page`-token pages."""
+    s, kv_heads, d = inputs.k.shape
+    cache_shape = (s // page, page, kv_heads, d)
+    key_cache, value_cache = inputs.k.reshape(cache_shape), inputs.v.reshape(cache_shape)
+    table = torch.arange(s // page, dtype=torch.int32, device=inputs.q.device)[None]
+    used = torch.full((1,), s, dtype=torch.int32, device=inputs.q.device)
+
+    def run() -> torch.Tensor:
+        from flash_attn.cute import flash_attn_varlen_func
+
+        result = flash_attn_varlen_func(inputs.q[None], key_cache, value_cache, seqused_k=used, page_table=table,
+                                        softmax_scale=inputs.scale, causal=True)  # fmt: skip
+        return (result[0] if isinstance(result, tuple) else result)[0]
+
+    return run
+
+
+def flash4_candidates(shape: Shape, inputs: Inputs) -> dict[str, Callable[[], torch.Tensor]]:
+    from services.scheduler.model.flash4_attention import attend_sequence_flash4
+
+    s = shape.seq_len
+    flash4 = DenseConfig(min_query_len=min(DENSE_MIN_QUERY_LEN, shape.chunk), kernel="flash4")
+    out: dict[str, Callable[[], torch.Tensor]] = {"flash4_whole": lambda: dense_call(inputs, 0, s, flash4)}
+    for chunk in (shape.chunk, 8 * shape.chunk):
+        out[f"flash4_chunks{chunk}"] = chunked(shape, lambda a, b: dense_call(inputs, a, b, flash4), chunk)
+    out["flash4_whole_contiguous"] = lambda: attend_sequence_flash4(inputs.q, inputs.k, inputs.v, inputs.scale)
+    for page in (shape.page, 128):
+        if s % page == 0:
+            out[f"flash4_whole_paged{page}"] = flash4_paged(inputs, page)
+    return out
+
+
+def flash4_new_lengths(shape: Shape, inputs: Inputs) -> list[dict]:
+    """The wall time of the serving call at (query, keys) lengths not seen before, once the kernels
+    are compiled: a recompile per length would show here as seconds."""
+    from services.scheduler.model.flash4_attention import attend_sequence_flash4
+
+    rows = []
+    for q_len, seq_len in ((1000, 1000), (3000, 7001), (517, 20000), (1000, 1000)):
+        q_len, seq_len = min(q_len, shape.seq_len), min(seq_len, shape.seq_len)
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        attend_sequence_flash4(inputs.q[:q_len], inputs.k[:seq_len], inputs.v[:seq_len], inputs.scale)
+        torch.cuda.synchronize()
+        rows.append({"query": q_len, "keys": seq_len, "s": round(time.perf_counter() - start, 4)})
+    return rows
+
+
 def candidates(shape: Shape, inputs: Inputs, device: str) -> dict[str, Callable[[], torch.Tensor]]:
     s = shape.seq_len
     out: dict[str, Callable[[], torch.Tensor]] = {
@@ -236,16 +295,23 @@ def candidates(shape: Shape, inputs: Inputs, device: str) -> dict[str, Callable[
         out["sdpa_flash_chunks"] = chunked(shape, lambda a, b: sdpa_lower_right_chunk(inputs, a, b))
         out["sdpa_cudnn_lower_right_chunks"] = chunked(shape, lambda a, b: sdpa_lower_right_chunk(inputs, a, b, "cudnn"))
         out["flex"] = flex_whole(inputs)
+        merge = dense_configs(shape)["merge"]
+        out[f"dense_chunks{8 * shape.chunk}_merge"] = chunked(shape, lambda a, b: dense_call(inputs, a, b, merge), 8 * shape.chunk)
+        if flash4_unavailable(inputs.q.device) is None:
+            out |= flash4_candidates(shape, inputs)
     else:
         out["sdpa_math_gqa"] = sdpa_whole(inputs, "math", expand=False)
     return out
 
 
 def measure(shape: Shape, fn: Callable[[], torch.Tensor], reference: torch.Tensor, device: str, repeats: int) -> dict:
+    start = time.perf_counter()
     got = fn()
-    diff = (got.float() - reference.float()).abs().max().item()
+    diff = (got.float() - reference.float()).abs().max().item()  # reads the result: the first call has ended
+    first_call_s = time.perf_counter() - start
     ms = median_ms(fn, device, repeats, warmup=1)
-    return {"ms": round(ms, 3), "tflops": round(shape.causal_tflop / (ms / 1e3), 1), "max_abs_diff": diff}
+    return {"ms": round(ms, 3), "tflops": round(shape.causal_tflop / (ms / 1e3), 1), "max_abs_diff": diff,
+            "first_call_s": round(first_call_s, 3)}  # fmt: skip
 
 
 def lse_ops(shape: Shape, inputs: Inputs) -> list[dict]:
@@ -292,8 +358,14 @@ def run(args: argparse.Namespace) -> dict:
     section = deadline_sections(result["rows"], deadline)
     inputs = make_inputs(shape, args.device, dtype)
     reference = candidates(shape, inputs, args.device)["varlen_whole"]()
+    if args.device == "cuda":
+        result["environment"]["flash4_unavailable"] = flash4_unavailable(inputs.q.device)
     for name, fn in candidates(shape, inputs, args.device).items():
+        if args.only and not name.startswith(tuple(args.only)):
+            continue
         section(name, lambda fn=fn: measure(shape, fn, reference, args.device, args.repeats))
+    if args.device == "cuda" and result["environment"]["flash4_unavailable"] is None:
+        section("flash4_new_lengths", lambda: flash4_new_lengths(shape, inputs))
     if args.device == "cuda":
         try:
             result["lse_ops"] = lse_ops(shape, inputs)
@@ -303,10 +375,10 @@ def run(args: argparse.Namespace) -> dict:
 
 
 def table(result: dict) -> str:
-    lines = [f"{'candidate':36} {'ms (whole prompt)':>18} {'TFLOP/s':>8} {'max|diff|':>10}"]
+    lines = [f"{'candidate':36} {'ms (whole prompt)':>18} {'TFLOP/s':>8} {'max|diff|':>10} {'first s':>8}"]
     for name, row in result["rows"].items():
         if "ms" in row:
-            lines.append(f"{name:36} {row['ms']:>18.2f} {row['tflops']:>8.1f} {row['max_abs_diff']:>10.2e}")
+            lines.append(f"{name:36} {row['ms']:>18.2f} {row['tflops']:>8.1f} {row['max_abs_diff']:>10.2e} {row['first_call_s']:>8.2f}")
         else:
             lines.append(f"{name:36} {str(row)[:60]}")
     return "\n".join(lines)
@@ -315,6 +387,7 @@ def table(result: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = check_parser(__doc__, tiny="a 96-token prompt, small heads", repeats=5, budget_s=90.0,
                           out="gpu_prefill_attention.json", what="calls per candidate")
+    parser.add_argument("--only", nargs="*", default=None, help="candidates whose name starts with one of these (default all)")
     args = parser.parse_args(argv)
     try:
         result = run(args)

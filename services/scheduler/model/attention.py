@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from services.scheduler.model.batch import ForwardBatch
-from services.scheduler.model.dense_attention import DenseConfig, DensePlan, attend_dense, plan_dense
+from services.scheduler.model.dense_attention import DenseConfig, DensePlan, attend_dense, attend_dense_sequence, plan_dense
 
 MAX_BATCHED_QUERY_LEN = 16  # longer queries are prefill chunks, attended one sequence at a time
 
@@ -247,6 +247,9 @@ def varlen_attention(
     query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, plan: VarlenPlan, scale: float
 ) -> torch.Tensor:
     """query [T, Hq, D] of a ragged step -> [T, Hq, D]."""
+    if plan.dense is not None and (whole := plan.dense.whole_step(query.shape[0])) is not None:
+        # a prompt alone: the dense call's output is the step's, with no kernel launch or copy beside it
+        return attend_dense_sequence(query, key_cache, value_cache, plan.block_tables, whole, scale, plan.dense.config)
     tensors = (plan.query_start_loc, plan.seq_lens, plan.block_tables)
     if plan.use_kernel:  # where Triton is
         from services.scheduler.model.triton_varlen import varlen_attention_triton

@@ -32,6 +32,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from services.scheduler.flags import DENSE_KERNELS
+from services.scheduler.model.flash4_attention import attend_sequence_flash4, flash4_unavailable
+
 # Below this many query tokens a sequence stays on the varlen kernel: one SDPA call per sequence
 # (plus its K/V gather) costs a launch and a copy of the whole prefix, which a short query does
 # not win back. Untuned: the H200 check (ops/bench/gpu_prefill_attention_check.py) has 2048- and
@@ -45,17 +48,31 @@ LSE_BACKENDS = ("cudnn", "flash")  # the CUDA ops that return a log-sum-exp, tri
 @dataclass(frozen=True)
 class DenseConfig:
     min_query_len: int = DENSE_MIN_QUERY_LEN
+    kernel: str = "sdpa"  # one of DENSE_KERNELS (over the gathered K/V); mask, expand_kv and lse_backends are sdpa's
     mask: str = DEFAULT_DENSE_MASK  # one of DENSE_MASKS, for queries with context (see the module doc)
     expand_kv: bool = False  # repeat K/V to every query head before the calls (instead of native GQA)
     lse_backends: tuple[str, ...] = LSE_BACKENDS  # "merge" on CUDA: the ops tried, in order
 
     def __post_init__(self) -> None:
+        if self.kernel not in DENSE_KERNELS:
+            raise ValueError(f"kernel must be one of {DENSE_KERNELS}, got {self.kernel!r}")
         if self.mask not in DENSE_MASKS:
             raise ValueError(f"mask must be one of {DENSE_MASKS}, got {self.mask!r}")
         if not self.lse_backends or not set(self.lse_backends) <= set(LSE_BACKENDS):
             raise ValueError(f"lse_backends must be drawn from {LSE_BACKENDS}, got {self.lse_backends}")
         if self.min_query_len < 1:
             raise ValueError(f"min_query_len must be positive, got {self.min_query_len}")
+
+
+def resolve_dense_kernel(choice: str, device: torch.device) -> str:
+    """The kernel of `--dense-attention CHOICE` on this device: auto takes flash4 where it runs,
+    else sdpa; flash4 asked for where it cannot run is an error that says why."""
+    why = flash4_unavailable(device)
+    if choice == "flash4" and why is not None:
+        raise ValueError(f"--dense-attention flash4: {why}")
+    if choice not in ("auto", *DENSE_KERNELS):
+        raise ValueError(f"--dense-attention must be one of auto, {', '.join(DENSE_KERNELS)}; got {choice!r}")
+    return "flash4" if choice != "sdpa" and why is None else "sdpa"
 
 
 @dataclass(frozen=True)
@@ -70,6 +87,12 @@ class DenseSequence:
 class DensePlan:
     sequences: tuple[DenseSequence, ...]
     config: DenseConfig
+
+    def whole_step(self, num_tokens: int) -> DenseSequence | None:
+        """The one sequence that is every row of a step of num_tokens (a prompt alone), else None."""
+        if len(self.sequences) == 1 and self.sequences[0].query_len == num_tokens:
+            return self.sequences[0]
+        return None
 
 
 def plan_dense(starts: list[int], seq_lens: list[int], config: DenseConfig) -> DensePlan:
@@ -94,17 +117,33 @@ def attend_dense(
     """Write the dense sequences' rows of out [T, Hq, D]. query [T, Hq, D]; caches [N, page, Hkv, D]."""
     for s in plan.sequences:
         rows = slice(s.token_start, s.token_start + s.query_len)
-        q = query[rows].transpose(0, 1)[None]  # [1, Hq, q, D]
-        k = gather_keys(key_cache, block_tables[s.seq], s.seq_len)  # [1, Hkv, L, D]
-        v = gather_keys(value_cache, block_tables[s.seq], s.seq_len)
-        out[rows] = sequence_attention(q, k, v, scale, plan.config)[0].transpose(0, 1)
+        out[rows] = attend_dense_sequence(query, key_cache, value_cache, block_tables, s, scale, plan.config)
+
+
+def attend_dense_sequence(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    s: DenseSequence,
+    scale: float,
+    config: DenseConfig,
+) -> torch.Tensor:
+    """One dense sequence's attention: its rows of query [T, Hq, D] over its keys in the caches -> [q, Hq, D]."""
+    q = query[s.token_start : s.token_start + s.query_len]  # [q, Hq, D]
+    k = gather_keys(key_cache, block_tables[s.seq], s.seq_len)  # [L, Hkv, D]
+    v = gather_keys(value_cache, block_tables[s.seq], s.seq_len)
+    if config.kernel == "flash4":
+        return attend_sequence_flash4(q, k, v, scale)
+    q, k, v = (x.transpose(0, 1)[None] for x in (q, k, v))  # [1, H, L, D]: the BSHD strides SDPA takes as they are
+    return sequence_attention(q, k, v, scale, config)[0].transpose(0, 1)
 
 
 def gather_keys(cache: torch.Tensor, table: torch.Tensor, seq_len: int) -> torch.Tensor:
-    """Keys 0..seq_len-1 of one sequence, gathered into one contiguous [L, Hkv, D] copy and viewed
-    [1, Hkv, L, D] (the BSHD strides SDPA takes as they are): cache [N, page, Hkv, D], table int32 [M]."""
+    """Keys 0..seq_len-1 of one sequence, gathered into one contiguous [L, Hkv, D] copy: cache
+    [N, page, Hkv, D], table int32 [M]."""
     blocks = table[: -(-seq_len // cache.shape[1])].long()
-    return cache[blocks].flatten(0, 1)[:seq_len].transpose(0, 1)[None]
+    return cache[blocks].flatten(0, 1)[:seq_len]
 
 
 def sequence_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, config: DenseConfig) -> torch.Tensor:

@@ -18,7 +18,9 @@ from services.scheduler.model.dense_attention import (
     attention_with_lse_torch,
     merge_by_lse,
     plan_dense,
+    resolve_dense_kernel,
 )
+from services.scheduler.model.flash4_attention import flash4_unavailable
 from tests.services.scheduler.model.test_varlen_attention import ragged_inputs
 from tests.services.scheduler.model.triton_interpreter import interpreted, run_interpreted_cases, runs_the_interpreter
 
@@ -54,6 +56,9 @@ def test_plan_takes_long_queries_out_of_the_tile_map() -> None:
     assert sorted(set(plan.tiles[0].tolist())) == [0, 2, 3]
     assert plan_varlen(batch, group=4).dense is None
     assert plan_varlen(batch, group=4, dense=DenseConfig(min_query_len=100)).dense is None
+    assert plan.dense.whole_step(sum(query_lens)) is None  # decodes beside: the rows are written into the step's output
+    alone = plan_varlen(ragged_batch([48], [100], torch.zeros(1, 60, dtype=torch.int32)), group=4, dense=DenseConfig(min_query_len=32))
+    assert alone.dense.whole_step(48) == alone.dense.sequences[0]  # a prompt alone: its dense output is the step's
 
 
 def test_config_rejects_unknown_masks_and_empty_thresholds() -> None:
@@ -63,6 +68,19 @@ def test_config_rejects_unknown_masks_and_empty_thresholds() -> None:
         DenseConfig(min_query_len=0)
     with pytest.raises(ValueError, match="lse_backends"):
         DenseConfig(lse_backends=("efficient",))
+    with pytest.raises(ValueError, match="kernel"):
+        DenseConfig(kernel="cudnn")
+
+
+def test_dense_kernel_falls_back_to_sdpa_where_flash4_cannot_run_and_says_why_when_asked_for() -> None:
+    cpu = torch.device("cpu")
+    assert resolve_dense_kernel("auto", cpu) == "sdpa"
+    assert resolve_dense_kernel("sdpa", cpu) == "sdpa"
+    assert flash4_unavailable(cpu) == "flash4 needs CUDA, not cpu"
+    with pytest.raises(ValueError, match="flash4 needs CUDA"):
+        resolve_dense_kernel("flash4", cpu)
+    with pytest.raises(ValueError, match="must be one of"):
+        resolve_dense_kernel("cudnn", cpu)
 
 
 def dense_rows(query_lens, min_query_len=32):

@@ -1,0 +1,58 @@
+"""Long-query attention on FlashAttention-4's CuTe kernels (the `flash-attn-4` package, module
+`flash_attn.cute`): the second kernel of the dense path (`dense_attention.py`,
+`DenseConfig.kernel == "flash4"`), which `build_core` takes where it can run.
+
+Against cuDNN through SDPA (`gpu_prefill_attention.md`, run 3: one layer of a 32k prompt, 12.9
+against 13.8 ms) it also drops the two calls merged by log-sum-exp for a query with context (the
+second 16k step of a 32k prompt): its causal mask is lower-right aligned, so query i of q sees keys
+0 .. L - q + i in one call. Queries, keys and output are in the step's own row layout
+([T, H, D], BSHD), so nothing is transposed. The K/V are the dense path's contiguous gather: FA4
+reading the 16-token pages in place (its `page_table`) was slower (14.8 ms; one 128-token page a
+key tile, its TMA path, 13.3 ms).
+
+The package is optional (`pip install 'sparkwire[flash4]'`): it needs CUDA on compute
+capability 9.x (Hopper, its SM90 forward) or 10.x, and JIT-compiles each kernel variant on first
+use (~10 s for the first, ~4 s for the next; `warm_flash4` does it at start-up; a new length does
+not compile again). `flash4_unavailable` says why it cannot run here, or None. CI has no GPU: the
+CPU tests cover the choice, and `ops/bench/gpu_prefill_attention_check.py` checks its output
+against the varlen kernel's on the H200.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import torch
+
+FLASH4_MODULE = "flash_attn.cute"
+FLASH4_CAPABILITIES = (9, 10)  # compute capability majors with an FA4 forward kernel here (SM90, SM100)
+
+
+def flash4_unavailable(device: torch.device) -> str | None:
+    """Why FA4 cannot attend on this device, or None when it can."""
+    if device.type != "cuda":
+        return f"flash4 needs CUDA, not {device.type}"
+    major, minor = torch.cuda.get_device_capability(device)
+    if major not in FLASH4_CAPABILITIES:
+        return f"flash4 has no forward kernel for compute capability {major}.{minor} (needs {FLASH4_CAPABILITIES}.x)"
+    if importlib.util.find_spec("flash_attn") is None or importlib.util.find_spec(FLASH4_MODULE) is None:
+        return "flash4 is not installed (pip install 'sparkwire[flash4]')"
+    return None
+
+
+def attend_sequence_flash4(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float) -> torch.Tensor:
+    """Lower-right causal attention of one sequence's last q positions: query [q, Hq, D] over its
+    contiguous keys and values [L, Hkv, D] (L >= q) -> [q, Hq, D]."""
+    from flash_attn.cute import flash_attn_func
+
+    result = flash_attn_func(query[None], keys[None], values[None], softmax_scale=scale, causal=True)
+    return (result[0] if isinstance(result, tuple) else result)[0]
+
+
+def warm_flash4(device: torch.device, dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int) -> None:
+    """Compile the kernel variants the dense path launches (a square prompt, a query with context)
+    on a small sequence, so that the first long prompt does not pay the JIT."""
+    keys = torch.zeros(256, kv_heads, head_dim, device=device, dtype=dtype)
+    for q_len in (256, 128):  # no context, then context
+        query = torch.zeros(q_len, heads, head_dim, device=device, dtype=dtype)
+        attend_sequence_flash4(query, keys, keys, head_dim**-0.5)
