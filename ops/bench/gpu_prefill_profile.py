@@ -14,7 +14,9 @@ Settings (path, chunk budget, tokens per step while nothing decodes):
   and with the whole prompt in one step; `dense` (`ModelRunner.dense_prefill` from 512-token
   queries) in one step and at 8192;
 - `served`: as `build_core` sets it up by default: chunks of 2048 beside decodes, and a prompt
-  alone in steps of `--max-prefill-tokens` (16384; and 32768) attended on cuDNN (`--dense-prefill`).
+  alone in steps of `--max-prefill-tokens` (16384; and 32768) attended on cuDNN (`--dense-prefill`);
+  `served_flash4` the same with those queries on FlashAttention-4 (`flash4_attention.py`), where
+  it is installed (else the rows record why not).
 Each row also has the peak device memory above the start, with top-2 and without (`plain_s`):
 the logprobs' extra memory is the difference.
 
@@ -39,6 +41,7 @@ from ops.bench.gpu_attention_check import FULL, TINY, Shape, load_runner
 from services.scheduler.core import SchedulerCore
 from services.scheduler.flags import DEFAULT_MAX_PREFILL_TOKENS
 from services.scheduler.model.dense_attention import DENSE_MIN_QUERY_LEN, DenseConfig
+from services.scheduler.model.flash4_attention import flash4_unavailable
 from services.scheduler.request import SchedulerRequest
 
 REPO = Path(__file__).resolve().parents[2]
@@ -54,7 +57,8 @@ CATEGORIES = (
 )
 # (path, chunk budget, max prefill tokens): None is the default chunk, "whole" the prompt's length
 SETTINGS = (("kernel", None, None), ("kernel", "whole", None), ("dense", "whole", None), ("dense", 8192, None),
-            ("served", None, DEFAULT_MAX_PREFILL_TOKENS), ("served", None, 32768))  # fmt: skip
+            ("served", None, DEFAULT_MAX_PREFILL_TOKENS), ("served", None, 32768),
+            ("served_flash4", None, DEFAULT_MAX_PREFILL_TOKENS), ("served_flash4", None, 32768))  # fmt: skip
 
 
 def category(kernel: str) -> str:
@@ -89,9 +93,28 @@ def kernel_times(prof) -> dict[str, float]:
     return dict(times)
 
 
+def device_gaps(prof, min_us: float = 100.0, top: int = 8) -> dict:
+    """Where the device sat idle between its first and last kernel: the idle ms in all and the longest
+    gaps of at least min_us, each with the kernels either side (the host's share of the wall time)."""
+    spans = sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+                   if e.device_type == torch.autograd.DeviceType.CUDA)  # fmt: skip
+    gaps, busy_until, last_name = [], spans[0][1] if spans else 0, spans[0][2] if spans else ""
+    for start, end, name in spans[1:]:
+        if start - busy_until >= min_us:
+            gaps.append((start - busy_until, last_name, name))
+        if end > busy_until:
+            busy_until, last_name = end, name
+    idle = sum(g for g, _, _ in gaps)
+    longest = sorted(gaps, reverse=True)[:top]
+    return {"idle_ms": round(idle / 1e3, 2), "gaps": len(gaps),
+            "longest": [{"ms": round(g / 1e3, 3), "after": a[:60], "before": b[:60]} for g, a, b in longest]}  # fmt: skip
+
+
 def dense_config(path: str, shape: Shape, chunk: int) -> DenseConfig | None:
     if path == "dense":
         return DenseConfig(min_query_len=min(DENSE_MIN_QUERY_LEN, shape.chunk))
+    if path == "served_flash4":
+        return DenseConfig(min_query_len=chunk + 1, kernel="flash4")
     return DenseConfig(min_query_len=chunk + 1) if path == "served" else None  # as build_core sets it
 
 
@@ -115,7 +138,7 @@ def profile_setting(runner, shape: Shape, path: str, chunk: int, prompt: np.ndar
     memory = {"peak_extra_mib": round(top2_mib, 1), "logprobs_extra_mib": round(top2_mib - plain_mib, 1)} if top2_mib is not None else {}
     return {"path": path, "chunk": chunk, "max_prefill_tokens": max_prefill, "seconds": round(seconds, 4), "plain_s": round(plain_s, 4),
             **memory, "profiled_s": round(profiled_s, 4),
-            "kernels_ms": round(sum(kernels.values()), 2), "categories_ms": {k: round(v, 2) for k, v in sorted(by_category.items())},
+            "kernels_ms": round(sum(kernels.values()), 2), "device_idle": device_gaps(prof), "categories_ms": {k: round(v, 2) for k, v in sorted(by_category.items())},
             "top_kernels_ms": [(name[:140], round(ms, 2)) for name, ms in top]}  # fmt: skip
 
 
@@ -128,6 +151,9 @@ def run(args: argparse.Namespace) -> dict:
     for path, chunk, max_prefill in SETTINGS:
         if args.settings and path not in args.settings:
             continue
+        if path == "served_flash4" and (why := flash4_unavailable(runner.device)):
+            rows.append({"path": path, "max_prefill_tokens": max_prefill, "unavailable": why})
+            continue
         size = shape.chunk if chunk is None else shape.long_prompt if chunk == "whole" else min(chunk, shape.long_prompt)
         rows.append(profile_setting(runner, shape, path, size, prompt, max_prefill and min(max_prefill, shape.long_prompt)))
     result = {"device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu", "torch": torch.__version__,
@@ -139,15 +165,23 @@ def run(args: argparse.Namespace) -> dict:
 
 
 def table(result: dict) -> str:
-    names = sorted({name for row in result["rows"] for name in row["categories_ms"]})
+    names = sorted({name for row in result["rows"] for name in row.get("categories_ms", ())})
     lines = ["| path | chunk | max prefill | s (top-2) | s (plain) | logprobs MiB | kernels ms | " + " | ".join(names) + " |",
              "|---" * (7 + len(names)) + "|"]  # fmt: skip
     for row in result["rows"]:
+        if "unavailable" in row:
+            lines.append(f"| {row['path']} | - | {row['max_prefill_tokens']} | {row['unavailable']} |")
+            continue
         cats = " | ".join(f"{row['categories_ms'].get(name, 0):.1f}" for name in names)
         lines.append(f"| {row['path']} | {row['chunk']} | {row['max_prefill_tokens'] or '-'} | {row['seconds']:.3f} | {row['plain_s']:.3f} | "
                      f"{row.get('logprobs_extra_mib', '-')} | {row['kernels_ms']:.1f} | {cats} |")  # fmt: skip
     for row in result["rows"]:
+        if "unavailable" in row:
+            continue
         lines.append(f"\n{row['path']} @ {row['chunk']}, top kernels (ms): " + "; ".join(f"{n[:60]} {ms}" for n, ms in row["top_kernels_ms"][:8]))
+        idle = row["device_idle"]
+        lines.append(f"  device idle {idle['idle_ms']} ms in {idle['gaps']} gaps; longest: "
+                     + "; ".join(f"{g['ms']} ms after {g['after'][:30]} before {g['before'][:30]}" for g in idle["longest"][:4]))
     return "\n".join(lines)
 
 

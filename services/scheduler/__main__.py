@@ -57,6 +57,7 @@ def config_from_args(args: argparse.Namespace) -> SchedulerConfig:
         fused_kernels=args.fused_kernels,
         fused_logprobs=args.fused_logprobs,
         dense_prefill=args.dense_prefill,
+        dense_attention=args.dense_attention,
         split_kv_decode=args.split_kv_decode,
         kv_block_size=args.kv_block_size,
         num_kv_blocks=args.num_kv_blocks,

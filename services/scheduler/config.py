@@ -14,6 +14,7 @@ from services.scheduler.flags import (
     DEFAULT_MAX_PREFILL_TOKENS,
     DEFAULT_MAX_RUNNING_REQUESTS,
     DEFAULT_SPLIT_KV_DECODE,
+    DENSE_ATTENTION_CHOICES,
     DEVICES,
     DTYPE_NAMES,
     LOAD_FORMATS,
@@ -43,7 +44,8 @@ class SchedulerConfig:
     logprob_cuda_graphs: bool = True  # CUDA: output logprobs replay graphs (`LogprobGraphs`; exact on the H200: gpu_core.md)
     fused_kernels: bool = True  # CUDA with Triton: triton_fused.py's kernels (checked on the H200: gpu_fused.md)
     fused_logprobs: bool = True  # CUDA with Triton: raw-mode logprobs from triton_logprobs.py's kernels
-    dense_prefill: bool = True  # CUDA: steps past the chunk budget attend long queries on cuDNN (`dense_attention.py`)
+    dense_prefill: bool = True  # CUDA: steps past the chunk budget attend long queries densely (`dense_attention.py`)
+    dense_attention: str = "auto"  # that path's kernel, one of DENSE_ATTENTION_CHOICES (`dense_attention.resolve_dense_kernel`)
     split_kv_decode: bool = DEFAULT_SPLIT_KV_DECODE  # CUDA with Triton: split-KV decode attention (checked on the H200: gpu_split_kv.md)
     kv_block_size: int = 16
     num_kv_blocks: int | None = None  # None: sized from kv_cache_bytes
@@ -78,6 +80,7 @@ class SchedulerConfig:
         if not 0 < self.kv_cache_memory_fraction <= 1:
             raise ValueError(f"kv_cache_memory_fraction must be in (0, 1]; got {self.kv_cache_memory_fraction}")
         _check_choice("verify_mode", self.verify_mode, VERIFY_MODES)
+        _check_choice("dense_attention", self.dense_attention, DENSE_ATTENTION_CHOICES)
         if self.num_draft_tokens is not None:
             _check_positive("num_draft_tokens", self.num_draft_tokens)
 

@@ -27,6 +27,10 @@ CUDA_KV_CACHE_FRACTION = 0.8  # of the memory still free once weights are loaded
 # 15.2 -> 5.2 ms (8B) and 9.4 -> 1.6 ms (0.6B) at context 4096, with the same next tokens; at batch 64
 # the count is 1, the same kernel (ops/bench/results/gpu_split_kv.md).
 DEFAULT_SPLIT_KV_DECODE = True
+# The kernels `--dense-prefill` attends with (`dense_attention.py`): FlashAttention-4 where its
+# package is installed and runs on the GPU (`flash4_attention.py`), else torch SDPA (cuDNN first)
+DENSE_KERNELS = ("flash4", "sdpa")
+DENSE_ATTENTION_CHOICES = ("auto", *DENSE_KERNELS)
 
 
 def add_model_arguments(parser: argparse.ArgumentParser, env: EnvSettings) -> None:
@@ -93,6 +97,9 @@ def add_cuda_arguments(parser: argparse.ArgumentParser) -> None:
     """CUDA-graph and CUDA-kernel flags, shared by `sparkwire scheduler` and `sparkwire up`."""
     for name, (default, help_text) in CUDA_SWITCHES.items():
         parser.add_argument(f"--{name}", action=argparse.BooleanOptionalAction, default=default, help=help_text)
+    parser.add_argument("--dense-attention", choices=DENSE_ATTENTION_CHOICES, default="auto",
+                        help="the kernel of --dense-prefill: flash4 (FlashAttention-4, pip install 'sparkwire[flash4]'; "
+                             "Hopper or Blackwell), sdpa (torch SDPA, cuDNN first); auto: flash4 where it runs, else sdpa")  # fmt: skip
 
 
 def scheduler_argv(args: argparse.Namespace) -> list[str]:
@@ -106,6 +113,7 @@ def scheduler_argv(args: argparse.Namespace) -> list[str]:
     argv += ["--step-trace", args.step_trace] if args.step_trace else []
     argv += ["--dtype", args.dtype] if args.dtype else []
     argv += [f"--{name}" if getattr(args, name.replace("-", "_")) else f"--no-{name}" for name in CUDA_SWITCHES]
+    argv += ["--dense-attention", args.dense_attention]
     argv += ["--speculative-algorithm", args.speculative_algorithm, "--verify-mode", args.verify_mode]
     if args.draft_model:
         argv += ["--draft-model", args.draft_model]

@@ -36,7 +36,8 @@ from services.common.transport import Traffic, Transport
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.core import SchedulerCore
 from services.scheduler.model import MemoryReserve, ModelConfig, load_model_runner
-from services.scheduler.model.dense_attention import DenseConfig
+from services.scheduler.model.dense_attention import DenseConfig, resolve_dense_kernel
+from services.scheduler.model.flash4_attention import warm_flash4
 from services.scheduler.model.ragged_graphs import seq_ladder, token_ladder
 from services.scheduler.model.runner import triton_available
 from services.scheduler.request import RequestOutput, SchedulerRequest
@@ -94,7 +95,13 @@ def build_core(config: SchedulerConfig) -> SchedulerCore:
         runner.ragged_graphs.capture_prefill_keys()  # arrivals beside decodes: no capture pauses them later
     if config.dense_prefill and runner.device.type == "cuda" and config.resolved_max_prefill_tokens > config.chunked_prefill_size:
         # only queries no chunk-budget step holds: steps past the budget run eagerly whatever their path
-        runner.dense_prefill = DenseConfig(min_query_len=config.chunked_prefill_size + 1)
+        kernel = resolve_dense_kernel(config.dense_attention, runner.device)
+        runner.dense_prefill = DenseConfig(min_query_len=config.chunked_prefill_size + 1, kernel=kernel)
+        if kernel == "flash4":  # its JIT here, not inside the first long prompt's step
+            start = time.perf_counter()
+            model = runner.config
+            warm_flash4(runner.device, runner.dtype, model.num_attention_heads, model.num_key_value_heads, model.head_dim)
+            log.info("dense_attention.warmed", kernel=kernel, seconds=round(time.perf_counter() - start, 2))
     fused_logprobs = config.fused_logprobs and runner.device.type == "cuda" and triton_available()  # elsewhere the flag does nothing
     if fused_logprobs:
         import torch
