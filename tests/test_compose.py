@@ -106,6 +106,23 @@ def test_the_frontend_image_has_no_torch_and_the_scheduler_image_a_compiler():
     assert scheduler.index('pip install "torch==${TORCH_VERSION}"') < scheduler.index("COPY services")
 
 
+@pytest.mark.parametrize("name, flash4", [("scheduler", True), ("scheduler-cpu", False)])
+def test_the_cuda_scheduler_image_installs_flash4_and_the_cpu_one_does_not(compose, name, flash4, tmp_path):
+    """The Dockerfile's requirements line, run here with each image's build args: FlashAttention-4
+    (pyproject's `flash4` extra) on the CUDA image only, beside the scheduler extra."""
+    lines = dockerfile_lines("scheduler.Dockerfile")
+    default = next(line for line in lines if line.startswith("ARG SCHEDULER_EXTRAS=")).split("=", 1)[1].strip('"')
+    extras = compose["services"][name]["build"].get("args", {}).get("SCHEDULER_EXTRAS", default)
+    text = "\n".join(lines)
+    command = text[text.index('python -c "') + len('python -c "') : text.index('" > /tmp/requirements.txt')].replace("\\\n", "")
+    (tmp_path / "pyproject.toml").write_bytes((ROOT / "pyproject.toml").read_bytes())
+    result = subprocess.run([sys.executable, "-c", command], cwd=tmp_path, env={"SCHEDULER_EXTRAS": extras},
+                            capture_output=True, text=True, check=True)  # fmt: skip
+    requirements = result.stdout.split()
+    assert any(r.startswith("torch") for r in requirements) and any(r.startswith("safetensors") for r in requirements)
+    assert any(r.startswith("flash-attn-4==") for r in requirements) == flash4
+
+
 @pytest.mark.parametrize("name", APP_SERVICES)
 def test_service_command_parses_with_the_real_cli(compose, name):
     argv = compose["services"][name]["command"][1:]

@@ -164,7 +164,16 @@ def serve_scenarios(check: CheckConfig, model_dir: Path, log_path: Path) -> dict
     if check.step_trace:
         add_step_traces(scenarios, sorted(trace_dir.glob("*.jsonl")))
     return {"ready_s": stack.ready_s, "up_exit_code": stack.exit_code, "scenarios": scenarios,
-            "ragged_captures": captures_in_log(log_path, RAGGED_CAPTURE), "logprob_captures": captures_in_log(log_path, LOGPROB_CAPTURE)}  # fmt: skip
+            "ragged_captures": captures_in_log(log_path, RAGGED_CAPTURE), "logprob_captures": captures_in_log(log_path, LOGPROB_CAPTURE),
+            "flash4_warmed_s": flash4_warmed_s(log_path)}  # fmt: skip
+
+
+def flash4_warmed_s(log_path: Path) -> float | None:
+    """The seconds the scheduler spent compiling FlashAttention-4 at start-up (`--dense-attention`
+    took it), from its log; None: it attended long prompts with SDPA."""
+    text = log_path.read_text() if log_path.is_file() else ""
+    found = re.search(r"dense_attention\.warmed.*?kernel=flash4.*?seconds=([0-9.]+)", text)
+    return float(found.group(1)) if found else None
 
 
 def add_step_traces(scenarios: dict[str, dict], traces: list[Path]) -> None:

@@ -6,6 +6,9 @@ FROM ${BASE_IMAGE}
 
 ARG TORCH_VERSION=2.13.0
 ARG TORCH_INDEX_URL=""
+# pyproject.toml extras installed beside `scheduler`: flash4 (FlashAttention-4 for long prefills) on
+# the CUDA image; the CPU profile sets none
+ARG SCHEDULER_EXTRAS="flash4"
 
 ENV PYTHONUNBUFFERED=1 \
     PIP_NO_CACHE_DIR=1 \
@@ -25,11 +28,12 @@ RUN if [ -n "$TORCH_INDEX_URL" ]; then \
     fi
 
 WORKDIR /app
-# The other dependencies (the project's and the scheduler extra's), from pyproject.toml alone:
+# The other dependencies (the project's and those of the scheduler extra and SCHEDULER_EXTRAS), from pyproject.toml alone:
 # rebuilt only when they change, not on every source edit.
 COPY pyproject.toml ./
-RUN python -c "import tomllib; p = tomllib.load(open('pyproject.toml', 'rb'))['project']; \
-print('\n'.join(p['dependencies'] + p['optional-dependencies']['scheduler']))" > /tmp/requirements.txt \
+RUN python -c "import os, tomllib; p = tomllib.load(open('pyproject.toml', 'rb'))['project']; \
+extras = ['scheduler', *os.environ.get('SCHEDULER_EXTRAS', '').split()]; \
+print('\n'.join(p['dependencies'] + [d for e in extras for d in p['optional-dependencies'][e]]))" > /tmp/requirements.txt \
     && pip install -r /tmp/requirements.txt
 
 COPY README.md LICENSE ./

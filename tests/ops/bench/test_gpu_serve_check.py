@@ -89,3 +89,13 @@ def test_graph_captures_are_read_from_the_scheduler_log(tmp_path):
     assert captures_in_log(log, RAGGED_CAPTURE) == {"count": 2, "seconds": 1.75, "longest_s": 1.5}
     assert captures_in_log(log, LOGPROB_CAPTURE) == {"count": 2, "seconds": 0.202, "longest_s": 0.161}
     assert captures_in_log(tmp_path / "missing.log", LOGPROB_CAPTURE) == {"count": 0, "seconds": 0.0, "longest_s": 0.0}
+
+
+def test_the_flash4_warm_up_is_read_from_the_scheduler_log(tmp_path):
+    from ops.bench.gpu_serve_check import flash4_warmed_s
+
+    log = tmp_path / "up.log"
+    log.write_text("[scheduler] 2026-12-02 05:30:01 [info     ] dense_attention.warmed         kernel=flash4 seconds=10.69\n")
+    assert flash4_warmed_s(log) == 10.69
+    log.write_text("[scheduler] 2026-12-02 05:30:01 [info     ] logprob_kernels.warmed         seconds=1.98\n")
+    assert flash4_warmed_s(log) is None  # no FA4: long prompts attended by SDPA
