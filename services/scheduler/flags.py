@@ -20,7 +20,8 @@ DEFAULT_MAX_RUNNING_REQUESTS = 64
 DEFAULT_CHUNKED_PREFILL_SIZE = 2048  # tokens per step, prefill chunks and decode tokens together
 # Tokens per step while no sequence decodes (nothing to stall): a 32k prompt alone on the H200 (8B
 # shape, top-2 prompt logprobs) took 1.79 s in 2048-token steps and 1.40-1.45 s in 8192- to
-# 32768-token steps on cuDNN (`--dense-prefill`; ops/bench/results/gpu_prefill_profile.md)
+# 32768-token steps on cuDNN (`--dense-prefill`; ops/bench/results/gpu_prefill_profile.md); on
+# FlashAttention-4, 1.315 s at 16384 and 1.308 s at 32768 (same file, run 8)
 DEFAULT_MAX_PREFILL_TOKENS = 16384
 CUDA_KV_CACHE_FRACTION = 0.8  # of the memory still free once weights are loaded
 # Split-KV decode attention on (`--split-kv-decode`): on the H200, graph decode steps at batch 1 went
@@ -83,7 +84,7 @@ CUDA_SWITCHES = {
     "fused-logprobs": (True, "CUDA with Triton: compute raw-mode logprobs (log-softmax, top-k up to 64, the target's and "
                              "requested ids') in fused Triton kernels reading the logits in place (default on; elsewhere it does nothing)"),
     "dense-prefill": (True, "CUDA: attend the long queries of steps past --chunked-prefill-size (a prompt alone, "
-                            "up to --max-prefill-tokens) with cuDNN through torch SDPA instead of the varlen kernel "
+                            "up to --max-prefill-tokens) in one dense call each (--dense-attention) instead of the varlen kernel "
                             "(default on: such steps run without graphs anyway; elsewhere it does nothing)"),
     "split-kv-decode": (DEFAULT_SPLIT_KV_DECODE,
                         "CUDA with Triton: split each sequence's keys across several decode attention programs when "

@@ -17,7 +17,8 @@ kernel (`triton_varlen.py`) over the paged cache for every sequence of the step,
 query length, launched over a tile map the host builds from the lengths it already has. Its torch
 twin, `varlen_attention_torch`, is the same per-token gather as the decode twin (small shapes only).
 A plan built with a `DenseConfig` leaves the step's long queries out of the tile map and attends
-them with torch SDPA over gathered K/V (`dense_attention.py`: cuDNN is faster there).
+them over gathered K/V with FlashAttention-4 or torch SDPA (`dense_attention.py`: both are faster
+there); a step that is one such sequence alone returns that call's output as its own.
 """
 
 from __future__ import annotations

@@ -1,24 +1,29 @@
-"""Dense attention for the long queries of a ragged step (long prefill chunks), with torch SDPA.
+"""Dense attention for the long queries of a ragged step (long prefill chunks): FlashAttention-4
+where it runs, else torch SDPA.
 
-For one layer of a 32k prompt on the H200 (ops/bench/results/gpu_prefill_attention_run1.json)
-cuDNN's SDPA took 15.0 ms against 20.2 to 33.0 for the paged varlen kernel (`triton_varlen.py`).
-So a sequence of the step whose query is at least `DenseConfig.min_query_len` tokens leaves the
-varlen tile map (`attention.plan_varlen`) and is attended here instead: its keys/values
-0..seq_len-1 are gathered from the paged cache into contiguous copies ([1, Hkv, L, D]) and its
-queries (positions ctx..ctx+q-1, ctx = seq_len - q) attend them lower-right causally:
+For one layer of a 32k prompt on the H200 (ops/bench/results/gpu_prefill_attention.md) cuDNN's
+SDPA took 13.8-15.0 ms and FlashAttention-4 12.4 ms, against 20.2 to 33.0 for the paged varlen
+kernel (`triton_varlen.py`). So a sequence of the step whose query is at least
+`DenseConfig.min_query_len` tokens leaves the varlen tile map (`attention.plan_varlen`) and is
+attended here instead: its keys/values 0..seq_len-1 are gathered from the paged cache into
+contiguous copies ([L, Hkv, D]) and its queries (positions ctx..ctx+q-1, ctx = seq_len - q) attend
+them lower-right causally, by `DenseConfig.kernel`:
 
-- ctx == 0 (the first chunk, or a whole prompt): top-left causal is lower-right, one SDPA call
-  with is_causal, cuDNN first (`preferred_backends`);
-- ctx > 0, mask "merge": two calls merged by log-sum-exp. (a) the queries against the prefix keys
-  0..ctx-1, unmasked; (b) against the chunk's own keys ctx..L-1, square causal. With each call's
-  softmax normaliser lse = log sum_k exp(s_k), the exact softmax over both key sets is
+- "flash4" (`flash4_attention.py`; `resolve_dense_kernel` takes it where the optional package runs):
+  one call whatever ctx, its causal mask lower-right aligned; the rows in their own [q, Hq, D]
+  layout.
+- "sdpa", ctx == 0 (the first chunk, or a whole prompt): top-left causal is lower-right, one SDPA
+  call with is_causal, cuDNN first (`preferred_backends`);
+- "sdpa", ctx > 0, mask "merge": two calls merged by log-sum-exp. (a) the queries against the
+  prefix keys 0..ctx-1, unmasked; (b) against the chunk's own keys ctx..L-1, square causal. With
+  each call's softmax normaliser lse = log sum_k exp(s_k), the exact softmax over both key sets is
       out = o_a * exp(lse_a - lse) + o_b * exp(lse_b - lse),  lse = logaddexp(lse_a, lse_b)
   (`merge_by_lse`). Public SDPA returns no LSE: on CUDA the private cuDNN op
   (`aten._scaled_dot_product_cudnn_attention`, compute_log_sumexp) does, else the flash one;
   on CPU a plain fp32 twin (`attention_with_lse_torch`);
-- ctx > 0, mask "lower_right": one call with `causal_lower_right`. torch dispatches that mask to
-  flash (its causal is lower-right) or memory-efficient attention and otherwise materialises a
-  dense [q, L] mask: cuDNN never sees it as causal, which is why "merge" exists.
+- "sdpa", ctx > 0, mask "lower_right": one call with `causal_lower_right`. torch dispatches that
+  mask to flash (its causal is lower-right) or memory-efficient attention and otherwise
+  materialises a dense [q, L] mask: cuDNN never sees it as causal, which is why "merge" exists.
 
 Lengths are host ints from the plan, so nothing here reads the device (no host sync); the shapes
 change with every step, so this path is not captured in CUDA graphs (`ModelRunner.forward` sends

@@ -9,8 +9,9 @@ verify blocks of per-request lengths) run on CUDA through the Triton varlen kern
 host-built tile map (`VarlenPlan`), elsewhere through the ragged SDPA groups; once
 `prepare_ragged_graphs` has been called, those within its ladders are padded to a (sequence rung,
 token rung, block_m) key and replayed from CUDA graphs captured on first use (`ragged_graphs.py`).
-With `dense_prefill` set, a ragged step's long queries are attended by torch SDPA over gathered
-K/V instead of the varlen kernel (`dense_attention.py`); such steps run eagerly, never from a graph.
+With `dense_prefill` set, a ragged step's long queries are attended over gathered K/V by
+FlashAttention-4 or torch SDPA instead of the varlen kernel (`dense_attention.py`); such steps run
+eagerly, never from a graph.
 """
 
 from __future__ import annotations
@@ -77,9 +78,9 @@ class ModelRunner:
         self.fused_kernels = on_cuda_with_triton if fused_kernels is None else fused_kernels
         self._split_kv_decode = split_kv_decode
         self._num_sms = device_sms(kv_cache.kv.device) if num_sms is None else num_sms
-        # Long queries of ragged steps on the kernel path through SDPA (`dense_attention.py`); None:
-        # off until the H200 check (ops/bench/gpu_prefill_attention_check.py) says it pays. Graphs
-        # capture no dense call, so this may be switched at any time.
+        # Long queries of ragged steps on the kernel path attended densely (`dense_attention.py`);
+        # None: off (`build_core` sets it, `--dense-prefill`). Graphs capture no dense call, so this
+        # may be switched at any time.
         self.dense_prefill: DenseConfig | None = None
 
     def prepare_decode_graphs(
