@@ -95,13 +95,7 @@ def build_core(config: SchedulerConfig) -> SchedulerCore:
         runner.ragged_graphs.capture_prefill_keys()  # arrivals beside decodes: no capture pauses them later
     if config.dense_prefill and runner.device.type == "cuda" and config.resolved_max_prefill_tokens > config.chunked_prefill_size:
         # only queries no chunk-budget step holds: steps past the budget run eagerly whatever their path
-        kernel = resolve_dense_kernel(config.dense_attention, runner.device)
-        runner.dense_prefill = DenseConfig(min_query_len=config.chunked_prefill_size + 1, kernel=kernel)
-        if kernel == "flash4":  # its JIT here, not inside the first long prompt's step
-            start = time.perf_counter()
-            model = runner.config
-            warm_flash4(runner.device, runner.dtype, model.num_attention_heads, model.num_key_value_heads, model.head_dim)
-            log.info("dense_attention.warmed", kernel=kernel, seconds=round(time.perf_counter() - start, 2))
+        runner.dense_prefill = dense_prefill_config(config, runner)
     fused_logprobs = config.fused_logprobs and runner.device.type == "cuda" and triton_available()  # elsewhere the flag does nothing
     if fused_logprobs:
         import torch
@@ -125,6 +119,26 @@ def build_core(config: SchedulerConfig) -> SchedulerCore:
         logprob_graphs=config.logprob_cuda_graphs and runner.device.type == "cuda",  # elsewhere the flag does nothing
         fused_logprobs=fused_logprobs,
     )
+
+
+def dense_prefill_config(config: SchedulerConfig, runner) -> DenseConfig:
+    """The dense path of steps past the chunk budget, on the kernel `--dense-attention` resolves to.
+    FlashAttention-4 is compiled here, not inside the first long prompt's step; with auto, one that
+    fails to (a package that imports but does not run here) leaves SDPA in its place, with a warning."""
+    kernel = resolve_dense_kernel(config.dense_attention, runner.device)
+    if kernel == "flash4":
+        start = time.perf_counter()
+        model = runner.config
+        try:
+            warm_flash4(runner.device, runner.dtype, model.num_attention_heads, model.num_key_value_heads, model.head_dim)
+        except Exception as exc:
+            if config.dense_attention == "flash4":
+                raise
+            log.warning("dense_attention.flash4_failed", error=f"{type(exc).__name__}: {exc}"[:500], kernel="sdpa")
+            kernel = "sdpa"
+        else:
+            log.info("dense_attention.warmed", kernel=kernel, seconds=round(time.perf_counter() - start, 2))
+    return DenseConfig(min_query_len=config.chunked_prefill_size + 1, kernel=kernel)
 
 
 def check_model(config: SchedulerConfig) -> None:

@@ -323,3 +323,38 @@ def test_build_core_takes_the_prefill_budget_and_leaves_the_dense_path_to_cuda()
     assert (core.policy._chunk_budget, core.policy._prefill_budget) == (512, 4096)
     assert core.worker.runner.dense_prefill is None  # `--dense-prefill` does nothing off CUDA
     assert build_core(SchedulerConfig(device="cpu")).policy._prefill_budget == DEFAULT_MAX_PREFILL_TOKENS
+
+
+class _RunnerStandIn:
+    """What `dense_prefill_config` reads of a runner: the device, dtype and head shape."""
+
+    device = torch.device("cpu")
+    dtype = torch.float32
+    config = type("Heads", (), {"num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16})()
+
+
+def test_dense_prefill_takes_flash4_where_it_compiles_and_sdpa_where_auto_meets_a_broken_install(monkeypatch):
+    """FlashAttention-4 is chosen and compiled at start-up where it resolves; with auto, one that
+    fails to compile leaves SDPA with a warning; asked for by name, its failure stops the start."""
+    from services.scheduler import service
+
+    warmed = []
+    monkeypatch.setattr(service, "resolve_dense_kernel", lambda choice, device: "sdpa" if choice == "sdpa" else "flash4")
+    monkeypatch.setattr(service, "warm_flash4", lambda *args: warmed.append(args))
+    config = SchedulerConfig(device="cpu", chunked_prefill_size=512, max_prefill_tokens=4096)
+    dense = service.dense_prefill_config(config, _RunnerStandIn())
+    assert (dense.kernel, dense.min_query_len, warmed) == ("flash4", 513, [(torch.device("cpu"), torch.float32, 4, 2, 16)])
+    assert service.dense_prefill_config(SchedulerConfig(device="cpu", dense_attention="sdpa"), _RunnerStandIn()).kernel == "sdpa"
+
+    def broken(*args):
+        raise RuntimeError("no CUDA driver for cutlass")
+
+    monkeypatch.setattr(service, "warm_flash4", broken)
+    assert service.dense_prefill_config(config, _RunnerStandIn()).kernel == "sdpa"
+    with pytest.raises(RuntimeError, match="no CUDA driver"):
+        service.dense_prefill_config(SchedulerConfig(device="cpu", dense_attention="flash4"), _RunnerStandIn())
+
+
+def test_the_scheduler_config_refuses_an_unknown_dense_kernel():
+    with pytest.raises(ValueError, match="dense_attention"):
+        SchedulerConfig(dense_attention="cudnn")
