@@ -151,10 +151,10 @@ def run(args: argparse.Namespace) -> dict:
     for path, chunk, max_prefill in SETTINGS:
         if args.settings and path not in args.settings:
             continue
-        if path == "served_flash4" and (why := flash4_unavailable(runner.device)):
-            rows.append({"path": path, "max_prefill_tokens": max_prefill, "unavailable": why})
-            continue
         size = shape.chunk if chunk is None else shape.long_prompt if chunk == "whole" else min(chunk, shape.long_prompt)
+        if path == "served_flash4" and (why := flash4_unavailable(runner.device)):
+            rows.append({"path": path, "chunk": size, "max_prefill_tokens": max_prefill and min(max_prefill, shape.long_prompt), "unavailable": why})
+            continue
         rows.append(profile_setting(runner, shape, path, size, prompt, max_prefill and min(max_prefill, shape.long_prompt)))
     result = {"device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu", "torch": torch.__version__,
               "prompt": shape.long_prompt, "model": shape.model.name, "rows": rows}  # fmt: skip

@@ -32,11 +32,13 @@ def flash4_unavailable(device: torch.device) -> str | None:
     """Why FA4 cannot attend on this device, or None when it can."""
     if device.type != "cuda":
         return f"flash4 needs CUDA, not {device.type}"
+    if importlib.util.find_spec("flash_attn") is None or importlib.util.find_spec(FLASH4_MODULE) is None:
+        return "flash4 is not installed (pip install 'sparkwire[flash4]')"
+    if not torch.cuda.is_available():
+        return "flash4 needs CUDA, and this torch has none"
     major, minor = torch.cuda.get_device_capability(device)
     if major not in FLASH4_CAPABILITIES:
         return f"flash4 has no forward kernel for compute capability {major}.{minor} (needs {FLASH4_CAPABILITIES}.x)"
-    if importlib.util.find_spec("flash_attn") is None or importlib.util.find_spec(FLASH4_MODULE) is None:
-        return "flash4 is not installed (pip install 'sparkwire[flash4]')"
     return None
 
 

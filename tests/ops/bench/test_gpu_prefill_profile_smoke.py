@@ -17,6 +17,7 @@ def test_kernel_names_fall_into_their_categories():
     assert category("_add_rms_norm_kernel") == "layer_fused" and category("_rotate_and_store_kernel") == "layer_fused"
     assert category("void at::native::index_elementwise_kernel<128, 4>") == "copy_gather"
     assert category("void at::native::vectorized_elementwise_kernel<4, at::native::silu>") == "elementwise"
+    assert category("kernel_cutlass_kernel_flash_attncuteflash_fwd_sm90FlashAttentionForwardSm90_object_at") == "attention"
     assert category("something_new") == "other"
 
 
@@ -25,7 +26,10 @@ def test_every_setting_runs_on_cpu(tmp_path):
     run(argparse.Namespace(device="cpu", tiny=True, out=out, settings=None))
     result = json.loads(out.read_text())
     assert [(r["path"], r["chunk"], r["max_prefill_tokens"]) for r in result["rows"]] == [
-        ("kernel", 64, None), ("kernel", 256, None), ("dense", 256, None), ("dense", 256, None), ("served", 64, 256), ("served", 64, 256)]
-    assert len(result["rows"]) == len(SETTINGS) and all(r["seconds"] > 0 and r["plain_s"] > 0 and r["profiled_s"] > 0 for r in result["rows"])
+        ("kernel", 64, None), ("kernel", 256, None), ("dense", 256, None), ("dense", 256, None), ("served", 64, 256), ("served", 64, 256),
+        ("served_flash4", 64, 256), ("served_flash4", 64, 256)]  # fmt: skip
+    measured, unavailable = result["rows"][:-2], result["rows"][-2:]
+    assert len(result["rows"]) == len(SETTINGS) and all(r["seconds"] > 0 and r["plain_s"] > 0 and r["profiled_s"] > 0 for r in measured)
+    assert all(r["unavailable"] == "flash4 needs CUDA, not cpu" and "seconds" not in r for r in unavailable)  # FA4 is CUDA's alone
     run(argparse.Namespace(device="cpu", tiny=True, out=out, settings=["served"]))
     assert [r["path"] for r in json.loads(out.read_text())["rows"]] == ["served", "served"]

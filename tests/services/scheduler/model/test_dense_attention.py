@@ -83,6 +83,18 @@ def test_dense_kernel_falls_back_to_sdpa_where_flash4_cannot_run_and_says_why_wh
         resolve_dense_kernel("cudnn", cpu)
 
 
+def test_flash4_not_installed_is_said_before_the_gpu_is_asked_anything(monkeypatch) -> None:
+    """A CUDA device named on a machine without the package (CI's, with a CPU torch) gets the
+    reason without a CUDA call: auto then takes sdpa, and build_core starts."""
+    import importlib.util
+
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *args: None)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *args: pytest.fail("asked the GPU"))
+    cuda = torch.device("cuda")
+    assert flash4_unavailable(cuda) == "flash4 is not installed (pip install 'sparkwire[flash4]')"
+    assert resolve_dense_kernel("auto", cuda) == "sdpa"
+
+
 def dense_rows(query_lens, min_query_len=32):
     starts = [0, *torch.tensor(query_lens).cumsum(0).tolist()]
     return [t for b, n in enumerate(query_lens) if n >= min_query_len for t in range(starts[b], starts[b + 1])]
