@@ -114,6 +114,35 @@ def prompt_chunk_section(shape: Shape, device: str, paths: tuple[str, ...], repe
     return _compare(row, paths, device, repeats, lambda fused: logprob_columns(logits, targets, shape.prompt_k, None, None, keys, fused))
 
 
+# (BLOCK, target programs) of the layout sweep; the first is the kernels' default
+LAYOUTS = ((1024, 264), (1024, 1024), (1024, 2048), (1024, 4096), (1024, 8192), (2048, 264), (2048, 2048), (4096, 264), (4096, 2048))
+
+
+def layout_section(shape: Shape, device: str, repeats: int) -> list[dict]:
+    """The kernels at other column tiles (BLOCK) and programs per step (more splits a row), on the
+    prompt chunk (bf16, k=2) and the 64 output rows (f32, k=20): ms eagerly, and agreement with the
+    torch path (the split count changes the log-sum-exp's order of additions, not the top-k)."""
+    from services.scheduler.triton_logprobs import raw_logprob_columns, split_layout
+
+    generator = torch.Generator(device=device).manual_seed(3)
+    keys = TopKKeys.build(shape.vocab, device)
+    cases = []
+    for num_rows, k, dtype in ((shape.chunk_rows, shape.prompt_k, torch.bfloat16), (shape.rows[1], shape.top_k, torch.float32)):
+        logits = bf16_valued(num_rows, shape.vocab, device, generator).to(dtype)
+        targets = torch.randint(0, shape.vocab, (num_rows,), generator=generator, device=device)
+        cases.append((num_rows, k, dtype, logits, targets, logprob_columns(logits, targets, k, None, None, keys, False)))
+    rows = []
+    for block, programs in LAYOUTS:
+        for num_rows, k, dtype, logits, targets, want in cases:
+            call = lambda: raw_logprob_columns(logits, targets, k, None, block=block, target_programs=programs)  # noqa: E731
+            token, values, ids, _ = call()
+            splits = split_layout(num_rows, shape.vocab, max(2, 1 << (k - 1).bit_length()), block, target_programs=programs)[0]
+            row = {"block": block, "target_programs": programs, "splits": splits, "rows": num_rows, "k": k, "dtype": str(dtype).removeprefix("torch."),
+                   "kernel_ms": median_ms(call, device, repeats)} | agreement(want, (token, values, ids))  # fmt: skip
+            rows.append(rounded(row))
+    return rows
+
+
 def _compare(row: dict, paths: tuple[str, ...], device: str, repeats: int, call) -> dict:
     outputs = {}
     for path in paths:
@@ -186,6 +215,8 @@ def run(args: argparse.Namespace) -> dict:
     section("rows", lambda: rows_section(shape, args.device, paths, args.repeats))
     section("prompt_chunk", lambda: prompt_chunk_section(shape, args.device, paths, args.repeats))
     section("prompt_32k", lambda: prompt_section(shape, args.device, paths, args.prompt_repeats))
+    if args.sweep and "kernel" in paths:
+        section("layouts", lambda: layout_section(shape, args.device, args.repeats))
     return finish_run(result, args, deadline, table)
 
 
@@ -210,6 +241,9 @@ def table(result: dict) -> str:
         lines.append(f"| prompt {prompt['rows']} rows k={prompt['k']} via LM head | {prompt['torch_ms']} | {prompt.get('kernel_ms', '')} | | | "
                      f"{prompt.get('max_abs_diff', '')} | {prompt.get('ids_equal', '')} | head alone {prompt['head_alone_ms']} ms; "
                      f"peak extra {gib or 'n/a'} |")  # fmt: skip
+    for row in section_rows(result, "layouts"):
+        lines.append(f"| layout BLOCK {row['block']}, {row['target_programs']} programs ({row['splits']} splits): {row['rows']} rows "
+                     f"{row['dtype']} k={row['k']} | | {row['kernel_ms']} | | | {row['max_abs_diff']} | {row['ids_equal']} | |")  # fmt: skip
     return "\n".join(lines)
 
 
@@ -217,6 +251,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = check_parser(__doc__, tiny="V=1000, a few rows, a 40-row prompt", repeats=30, budget_s=60.0,
                           out="gpu_logprob_kernel.json", what="calls per row measurement")
     parser.add_argument("--prompt-repeats", type=int, default=3, help="timed whole-prompt calls per path (median)")
+    parser.add_argument("--sweep", action="store_true", help="also time the kernels at other column tiles and split counts (`layouts`)")
     args = parser.parse_args(argv)
     result = run(args)
     mismatched = [name for name in ("rows", "prompt_chunk", "prompt_32k")

@@ -54,11 +54,12 @@ def max_splits_for(vocab_size: int, k_pad: int, block: int = BLOCK, most: int = 
     return split_layout(1, vocab_size, k_pad, block, most)[0]
 
 
-def split_layout(num_rows: int, vocab_size: int, k_pad: int, block: int = BLOCK, most: int = MAX_SPLITS) -> tuple[int, int]:
-    """(S, tiles per split), from host ints only: enough programs for TARGET_PROGRAMS, each split whole
+def split_layout(num_rows: int, vocab_size: int, k_pad: int, block: int = BLOCK, most: int = MAX_SPLITS,
+                 target_programs: int = TARGET_PROGRAMS) -> tuple[int, int]:
+    """(S, tiles per split), from host ints only: enough programs for target_programs, each split whole
     tiles and at least one, S <= most, S * k_pad <= MAX_CANDIDATES."""
     tiles = triton.cdiv(vocab_size, block)
-    wanted = triton.cdiv(TARGET_PROGRAMS, max(num_rows, 1))
+    wanted = triton.cdiv(target_programs, max(num_rows, 1))
     splits = max(1, min(wanted, most, tiles, MAX_CANDIDATES // k_pad))
     per_split = triton.cdiv(tiles, splits)
     return triton.cdiv(tiles, per_split), per_split
@@ -83,11 +84,12 @@ def warm_kernels(vocab_size: int, device: torch.device, dtypes: tuple[torch.dtyp
 
 def raw_logprob_columns(
     logits: torch.Tensor, targets: torch.Tensor, k: int, ids: torch.Tensor | None, *, block: int = BLOCK,
-    max_splits: int | None = None,
+    max_splits: int | None = None, target_programs: int = TARGET_PROGRAMS,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """logits [c, V] bf16/f16/f32, targets int64 [c], ids int64 [c, m] or None, 0 <= k <= min(MAX_FUSED_K, V)
     -> token f32 [c], top-k values f32 [c, k], top-k ids int32 [c, k], ids' logprobs f32 [c, m].
-    block and max_splits (None: MAX_SPLITS) are for tests."""
+    block, max_splits (None: MAX_SPLITS) and target_programs are for tests and the layout sweep
+    (ops/bench/gpu_logprob_kernel_check.py --sweep)."""
     assert 0 <= k <= MAX_FUSED_K, k
     logits = logits if logits.stride(-1) == 1 else logits.contiguous()
     num_rows, vocab = logits.shape
@@ -100,7 +102,7 @@ def raw_logprob_columns(
     if num_rows == 0:
         return token, values, top_ids, requested
     k_pad = max(2, triton.next_power_of_2(k))
-    splits, per_split = split_layout(num_rows, vocab, k_pad, block, MAX_SPLITS if max_splits is None else max_splits)
+    splits, per_split = split_layout(num_rows, vocab, k_pad, block, MAX_SPLITS if max_splits is None else max_splits, target_programs)
     maxes = torch.empty(num_rows, splits, dtype=torch.float32, device=device)  # [c, S]
     sums = torch.empty_like(maxes)  # [c, S]
     # The pads are the most splits any number of rows gets at this vocabulary and k, not this call's
