@@ -254,7 +254,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sweep", action="store_true", help="also time the kernels at other column tiles and split counts (`layouts`)")
     args = parser.parse_args(argv)
     result = run(args)
-    mismatched = [name for name in ("rows", "prompt_chunk", "prompt_32k")
+    mismatched = [name for name in ("rows", "prompt_chunk", "prompt_32k", "layouts")
                   for row in (section_rows(result, name) or [result.get(name) or {}]) if row.get("ids_equal") is False]  # fmt: skip
     return 1 if failures(result) or mismatched else 0
 

@@ -40,8 +40,9 @@ def test_ids_that_differ_fail_the_run(tmp_path, monkeypatch) -> None:
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs Triton's interpreter")
 def test_cpu_tiny_run_in_the_triton_interpreter_compares_both_paths(tmp_path) -> None:
     out = tmp_path / "lpk.json"
-    run_script_interpreted("ops/bench/gpu_logprob_kernel_check.py", [*SMOKE, "--out", str(out)])
+    run_script_interpreted("ops/bench/gpu_logprob_kernel_check.py", [*SMOKE, "--sweep", "--out", str(out)])
     result = json.loads(out.read_text())
     assert result["paths"] == ["torch", "kernel"]
-    rows = [*result["rows"], result["prompt_chunk"], result["prompt_32k"]]
+    rows = [*result["rows"], result["prompt_chunk"], result["prompt_32k"], *result["layouts"]]
     assert all(row["ids_equal"] is True and row["max_abs_diff"] < 2e-6 and row["kernel_ms"] > 0 for row in rows)
+    assert len(result["layouts"]) == 2 * len(gpu_logprob_kernel_check.LAYOUTS)  # the prompt chunk and the output rows at each
