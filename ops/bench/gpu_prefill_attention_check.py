@@ -231,9 +231,11 @@ def flash4_paged(inputs: Inputs, page: int) -> Callable[[], torch.Tensor]:
     def run() -> torch.Tensor:
         from flash_attn.cute import flash_attn_varlen_func
 
+        from services.scheduler.model.flash4_attention import flash4_output
+
         result = flash_attn_varlen_func(inputs.q[None], key_cache, value_cache, seqused_k=used, page_table=table,
                                         softmax_scale=inputs.scale, causal=True)  # fmt: skip
-        return (result[0] if isinstance(result, tuple) else result)[0]
+        return flash4_output(result)[0]
 
     return run
 

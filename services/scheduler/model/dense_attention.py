@@ -37,7 +37,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from services.scheduler.flags import DENSE_KERNELS
+from services.scheduler.flags import DENSE_ATTENTION_CHOICES, DENSE_KERNELS
 from services.scheduler.model.flash4_attention import attend_sequence_flash4, flash4_unavailable
 
 # Below this many query tokens a sequence stays on the varlen kernel: one SDPA call per sequence
@@ -75,8 +75,8 @@ def resolve_dense_kernel(choice: str, device: torch.device) -> str:
     why = flash4_unavailable(device)
     if choice == "flash4" and why is not None:
         raise ValueError(f"--dense-attention flash4: {why}")
-    if choice not in ("auto", *DENSE_KERNELS):
-        raise ValueError(f"--dense-attention must be one of auto, {', '.join(DENSE_KERNELS)}; got {choice!r}")
+    if choice not in DENSE_ATTENTION_CHOICES:
+        raise ValueError(f"--dense-attention must be one of {', '.join(DENSE_ATTENTION_CHOICES)}; got {choice!r}")
     return "flash4" if choice != "sdpa" and why is None else "sdpa"
 
 

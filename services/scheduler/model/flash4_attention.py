@@ -47,8 +47,12 @@ def attend_sequence_flash4(query: torch.Tensor, keys: torch.Tensor, values: torc
     contiguous keys and values [L, Hkv, D] (L >= q) -> [q, Hq, D]."""
     from flash_attn.cute import flash_attn_func
 
-    result = flash_attn_func(query[None], keys[None], values[None], softmax_scale=scale, causal=True)
-    return (result[0] if isinstance(result, tuple) else result)[0]
+    return flash4_output(flash_attn_func(query[None], keys[None], values[None], softmax_scale=scale, causal=True))[0]
+
+
+def flash4_output(result) -> torch.Tensor:
+    """The attention output of an FA4 call, which returns it alone or as (out, lse)."""
+    return result[0] if isinstance(result, tuple) else result
 
 
 def warm_flash4(device: torch.device, dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int) -> None:
