@@ -322,10 +322,12 @@ class ModelWorker:
     # 6. propose
 
     def _propose(self, plan, layout, captured, arrays, verified):
-        if self.proposer is None or verified is None:
+        if self.proposer is None:
             return None
-        if captured is not None:
+        if captured is not None:  # every step's rows, a prompt's chunks that sample nothing too
             self.proposer.inject(ContextRows(captured, arrays["positions"], arrays["slots"]))
+        if verified is None:
+            return None
         producers = [plan.steps[i] for i in layout.producers]
         request = DraftRequest(
             rids=tuple(s.seq.rid for s in producers),

@@ -111,3 +111,18 @@ def test_processed_logprobs_with_dspark_are_the_sampler_distribution(make_core, 
     probs = probs / probs.sum(dim=1, keepdim=True)  # the filters remove mass; logprobs renormalise
     expected = probs.gather(1, torch.tensor(result.tokens)[:, None])[:, 0].log().numpy()
     np.testing.assert_allclose(result.cat("output_token"), expected, atol=1e-4)
+
+
+def test_every_prefill_chunk_reaches_the_drafters_context(make_core, dspark):
+    """A prompt prefilled in chunks gives the drafter the same context KV as one prefilled whole:
+    the chunks before the prompt's last sample nothing, and their rows are injected all the same."""
+    prompt = prompt_of(21, 200)
+    caches = []
+    for chunk in (256, 48):  # one step; five steps, four of which sample nothing
+        proposer = dspark()
+        run(make_core(chunked_prefill_size=chunk, proposer=proposer), [request("a", prompt, max_new_tokens=1, ignore_eos=True)])
+        caches.append(proposer.kv_cache.kv.clone())
+    whole, chunked = caches
+    written = whole.flatten(4).abs().sum(-1) > 0  # [layers, k/v, blocks, slot in block]: rows the prompt wrote
+    assert written.sum() == whole.shape[0] * 2 * len(prompt)
+    torch.testing.assert_close(chunked, whole, atol=1e-5, rtol=1e-5)
