@@ -16,9 +16,11 @@ this one's tokens are read back, its queries taken from this step's sampled toke
 then this step's results are read and applied. So the device runs step N + 1 while the host
 reads, applies and hands on step N's outputs, and plans step N + 2. A sequence that finishes at
 step N (a stop, EOS, an abort applied between steps) has computed one token too many in step
-N + 1, which `update` drops. Any other step (admissible arrivals, prefill chunks, drafts,
-processors that read the host's token history: `ModelWorker.can_follow`) runs as before: planned
-after the previous step's results.
+N + 1, which `update` drops. A step of prompt chunks that sample nothing is followed the same
+way by the prompts' next chunks (`Policy.follow_prefill`: a long prompt's steps back to back, its
+prompt-logprob rows read while the next chunk runs). Any other step (admissible arrivals, a mix of
+chunks and decodes, drafts, processors that read the host's token history: `ModelWorker.can_follow`)
+runs as before: planned after the previous step's results.
 
 Queue time (vLLM's `request_queue_time_seconds`) is measured here: from
 `add` until the first step whose plan includes the request (its first prefill chunk). With a
@@ -233,6 +235,8 @@ class SchedulerCore:
             following = self.policy.follow_decodes(launched.plan)  # 3, for the next step
             if following is not None:
                 self._in_flight = self.worker.launch(following, previous=launched)  # 4, queued behind this one
+            elif (following := self.policy.follow_prefill(launched.plan)) is not None:
+                self._in_flight = self.worker.launch(following)  # 4: the next chunks, their tokens known
         collect_began = time.perf_counter()
         results = self.worker.collect(launched)
         collect_s = time.perf_counter() - collect_began

@@ -324,6 +324,38 @@ class Policy:
             followed.append(SeqStep(seq, start, [FOLLOWED_TOKEN], 0, True, *no_prompt_rows, slots, table, step.output_position + 1))
         return StepPlan(followed)
 
+    def follow_prefill(self, plan: StepPlan) -> StepPlan | None:
+        """The step after `plan`, planned before `plan`'s results are known, when `plan` is prompt
+        chunks only and none of them samples (a long prompt, or several, while nothing decodes): each
+        continues with its next chunk, as `schedule` would plan it once `update(plan, ...)` has
+        advanced them. Nothing of a chunk's result decides the next one (its tokens are the prompt's;
+        its prompt-logprob rows are only passed on), so the device goes from one chunk to the next
+        without waiting for the host to read back the first (a 16k-token step's logprob rows, then
+        the next step's batch: ops/bench/results/gpu_prefill_profile.md, run 8).
+
+        None when `schedule` must plan the next step instead: a step of `plan` that samples or that
+        ends its sequence's pending tokens, a running sequence not in `plan` (it would decode), a
+        waiting request it could admit now, or KV blocks that only preemption would free."""
+        seqs = {id(s.seq) for s in plan.steps}
+        if (self._can_admit_next() or len(seqs) != len(plan.steps) or len(self._running) != len(plan.steps)
+                or any(s.samples or s.seq not in self._running or s.start + s.num_committed >= len(s.seq.tokens)
+                       for s in plan.steps)):  # fmt: skip
+            return None
+        budget, chosen = self._prefill_budget, []  # nothing decodes: `schedule`'s budget
+        for step in plan.steps:
+            start = step.start + step.num_committed
+            num_tokens = min(len(step.seq.tokens) - start, budget)
+            if num_tokens <= 0:
+                break
+            chosen.append((step, start, num_tokens))
+            budget -= num_tokens
+        ends = [(step.seq.rid, start + n) for step, start, n in chosen]
+        if sum(self.blocks.num_new_blocks(rid, end) for rid, end in ends) > self.blocks.num_free_blocks:
+            return None
+        for rid, end in ends:
+            self.blocks.allocate(rid, end)
+        return StepPlan([self._seq_step(step.seq, n, 0, start, _next_prompt_logprob(step)) for step, start, n in chosen])
+
     def _query_size(self, seq: Sequence, budget: int) -> tuple[int, int]:
         """(committed tokens, drafts) to compute: a decode always runs; a prefill chunk fits the budget;
         drafts ride along only once every committed token is in the query."""
@@ -415,12 +447,17 @@ class Policy:
             budget -= num_tokens + num_draft
         return admitted
 
-    def _seq_step(self, seq: Sequence, num_tokens: int, num_draft: int) -> SeqStep:
-        start = seq.num_computed
+    def _seq_step(
+        self, seq: Sequence, num_tokens: int, num_draft: int, start: int | None = None, prompt_lo: int | None = None
+    ) -> SeqStep:
+        """start, prompt_lo: where the sequence stands (None: as its last update left it; a followed
+        chunk gives where the chunk before it ends)."""
+        start = seq.num_computed if start is None else start
         end = start + num_tokens  # committed tokens computed through this step
         query = seq.tokens[start:end] + seq.drafts[:num_draft]
         samples = end == len(seq.tokens) and seq.num_outputs < seq.max_outputs
-        lo, hi = seq.next_prompt_logprob, min(end, seq.num_prompt - 1)  # position p comes from row p - 1
+        lo = seq.next_prompt_logprob if prompt_lo is None else prompt_lo
+        hi = min(end, seq.num_prompt - 1)  # position p comes from row p - 1
         slots = self.blocks.slots(seq.rid, start, start + len(query))
         table = list(self.blocks.block_table(seq.rid))
         return SeqStep(seq, start, query, num_draft, samples, lo, hi, slots, table, seq.num_outputs)
@@ -541,7 +578,7 @@ class Policy:
         elif seq.request.logprobs.top_logprobs_num > 0:
             entries.input_top_logprobs = rows.top_values
             entries.input_top_ids = rows.top_ids
-        seq.next_prompt_logprob = hi + 1
+        seq.next_prompt_logprob = _next_prompt_logprob(step)
 
     def _attach_flat(self, seq: Sequence) -> None:
         """PRODUCT §5: build the flat prompt top arrays once, when the whole prompt is in. Rows that
@@ -582,6 +619,12 @@ def _to_output(entry: _Pending) -> RequestOutput:
         logprobs=entry.logprobs if seq.wants_logprobs else None,
         spec_verify_ct=seq.spec_verify_ct if seq.speculative else None,
     )
+
+
+def _next_prompt_logprob(step: SeqStep) -> int:
+    """The first prompt position whose logprob entry is still to come once `step` is applied: past its
+    rows where it computed any (the worker asks for rows [prompt_lo, prompt_hi] when not empty)."""
+    return step.prompt_hi + 1 if step.prompt_lo <= step.prompt_hi else step.prompt_lo
 
 
 def _has_news(entry: _Pending) -> bool:

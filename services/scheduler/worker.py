@@ -126,11 +126,13 @@ class ModelWorker:
         return launched.handles.results(launched.plan, launched.layout, host)
 
     def can_follow(self, plan: StepPlan) -> bool:
-        """Whether the step after `plan` may be launched before `plan`'s tokens reach the host: no
-        drafter (its blocks come back with the tokens), and nothing of a producer's sampling reads its
-        token history on the host (penalties, logit bias, min_tokens: `logits_processing`). The
-        worker owns these device-side reasons; `Policy.follow_decodes` the scheduling ones."""
-        return self.proposer is None and all(is_identity(s.seq.request.sampling) for s in plan.steps if s.samples)
+        """Whether the step after `plan` may be launched before `plan`'s tokens reach the host: a step
+        that samples nothing (prompt chunks) always; otherwise no drafter (its blocks come back with
+        the tokens), and nothing of a producer's sampling reads its token history on the host
+        (penalties, logit bias, min_tokens: `logits_processing`). The worker owns these device-side
+        reasons; `Policy.follow_decodes` and `follow_prefill` the scheduling ones."""
+        producers = [s for s in plan.steps if s.samples]
+        return not producers or (self.proposer is None and all(is_identity(s.seq.request.sampling) for s in producers))
 
     def _step_times(self, clock: _StepClock) -> tuple[float, float]:
         """(forward, draft) seconds of this step and of earlier ones that ended before their GPU work

@@ -1,7 +1,8 @@
 """Overlapped decoding (`SchedulerCore(overlap_decode=True)`, `Policy.follow_decodes`): the next
-decode step is launched before this one's tokens are read back. Outputs, finishes and every logprob
-must be those of the same core without overlap, whatever finishes, arrives or aborts meanwhile; the
-KV blocks of followed steps must come back; and the overlap must actually happen in steady decoding."""
+decode step is launched before this one's tokens are read back; likewise a prompt's next chunk
+(`Policy.follow_prefill`). Outputs, finishes and every logprob must be those of the same core
+without overlap, whatever finishes, arrives or aborts meanwhile; the KV blocks of followed steps
+must come back; and the overlap must actually happen in steady decoding and in a long prefill."""
 
 from __future__ import annotations
 
@@ -108,6 +109,85 @@ def test_what_is_never_followed(make_core) -> None:
     penalised = msgspec.structs.replace(seq.request.sampling, repetition_penalty=1.3)
     seq.request = dataclasses.replace(seq.request, sampling=penalised)
     assert not core.worker.can_follow(launched.plan)  # penalties read the token history on the host
+
+
+def _launched_plans(core) -> list:
+    """Every step the core launches, as what the device is asked to compute (a decode's token aside:
+    a followed decode's is on the device only)."""
+    plans, launch = [], core.worker.launch
+
+    def record(plan, previous=None):
+        plans.append([(s.seq.rid, s.start, tuple(s.query) if s.start < s.seq.num_prompt else "decode", s.samples,
+                       s.prompt_lo, s.prompt_hi, tuple(s.slots)) for s in plan.steps])  # fmt: skip
+        return launch(plan, previous)
+
+    core.worker.launch = record
+    return plans
+
+
+LONG_PROMPTS = [  # chunked: logprobs from the start, from mid-prompt, flat rows, none, a prompt only scored
+    request("all", prompt_of(50, 45), max_new_tokens=3, ignore_eos=True, logprobs=LOGPROBS),
+    request("mid", prompt_of(51, 30), max_new_tokens=2, ignore_eos=True,
+            logprobs=LogprobParams(return_logprob=True, logprob_start_len=17, top_logprobs_num=2)),
+    request("flat", prompt_of(52, 26), max_new_tokens=2, ignore_eos=True,
+            logprobs=LogprobParams(return_logprob=True, logprob_start_len=0, top_logprobs_num=3, flat_prompt_top_logprobs=True)),
+    request("plain", prompt_of(53, 33), max_new_tokens=2, ignore_eos=True),
+    request("scored", prompt_of(54, 21), max_new_tokens=0, logprobs=LOGPROBS),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("chunk", [8, 16])
+def test_a_long_prompts_chunks_are_launched_back_to_back_as_scheduled(make_core, chunk) -> None:
+    for r in LONG_PROMPTS:
+        plain_core, overlapped_core = make_core(overlap_decode=False, chunked_prefill_size=chunk), make_core(chunked_prefill_size=chunk)
+        plain_plans, overlapped_plans = _launched_plans(plain_core), _launched_plans(overlapped_core)
+        events = []
+        collect = overlapped_core.worker.collect
+        overlapped_core.worker.collect = lambda launched: events.append(len(overlapped_plans)) or collect(launched)
+        plain, overlapped = run(plain_core, [r]), run(overlapped_core, [r])
+        _same(overlapped, plain)
+        if r.rid == "flat":
+            assert overlapped["flat"].flat is not None
+            np.testing.assert_array_equal(overlapped["flat"].flat[0], plain["flat"].flat[0])
+        assert overlapped_plans == plain_plans, r.rid  # the followed chunks are the ones `schedule` plans
+        num_chunks = -(-len(r.prompt_ids) // chunk)
+        # the first chunk and the second are launched before the first is read back, and so on
+        assert events[: num_chunks - 1] == list(range(2, num_chunks + 1)), (r.rid, events)
+
+
+def test_prompts_side_by_side_and_a_budget_they_share(make_core) -> None:
+    """Several prompts in one step, the budget split as `schedule` splits it, each followed."""
+    requests = [request(f"p{i}", prompt_of(60 + i, 13 + 7 * i), max_new_tokens=2, ignore_eos=True, logprobs=LOGPROBS) for i in range(3)]
+    cores = make_core(overlap_decode=False, chunked_prefill_size=16), make_core(chunked_prefill_size=16)
+    plans = [_launched_plans(core) for core in cores]
+    plain, overlapped = (run(core, requests) for core in cores)
+    _same(overlapped, plain)
+    assert plans[1] == plans[0]
+    assert any(len(plan) > 1 for plan in plans[1])
+
+
+def test_what_stops_a_prompt_chunk_being_followed(make_core) -> None:
+    core = make_core(chunked_prefill_size=8)
+    core.add(request("long", prompt_of(70, 40), max_new_tokens=4, ignore_eos=True))
+    core.step()
+    launched = core._in_flight
+    assert launched is not None and launched.plan.steps[0].start == 8 and not launched.plan.steps[0].samples
+    policy = core.policy
+    assert policy.follow_prefill(launched.plan) is not None  # alone: the chunk after it too
+    policy.add(request("waiting", prompt_of(71, 4)))
+    assert policy.follow_prefill(launched.plan) is None  # a request it could admit: `schedule` plans the next step
+    decoding = make_core(chunked_prefill_size=8)
+    run(decoding, [request("d", prompt_of(72, 4), max_new_tokens=1, ignore_eos=True)])
+    decoding.add(request("d2", prompt_of(73, 5), max_new_tokens=20, ignore_eos=True))
+    for _ in range(3):
+        decoding.step()  # d2 decodes
+    decoding.add(request("long", prompt_of(70, 40), max_new_tokens=4, ignore_eos=True))
+    plans = _launched_plans(decoding)
+    while decoding.has_work():
+        decoding.step()
+    mixed = [plan for plan in plans if {rid for rid, *_ in plan} == {"d2", "long"}]
+    assert mixed  # chunks beside a decode: every step scheduled (the decode's token is needed), none followed by a chunk
+    assert all(any(samples for _, _, _, samples, *_ in plan) for plan in mixed)
 
 
 @pytest.mark.parametrize("flag", [False, True])
