@@ -114,20 +114,22 @@ def prompt_chunk_section(shape: Shape, device: str, paths: tuple[str, ...], repe
     return _compare(row, paths, device, repeats, lambda fused: logprob_columns(logits, targets, shape.prompt_k, None, None, keys, fused))
 
 
-# (BLOCK, target programs) of the layout sweep; the first is the kernels' default
+# (BLOCK, target programs) of the layout sweep; the defaults: (1024, 264) for f32 rows, (2048, 264) for bf16
 LAYOUTS = ((1024, 264), (1024, 1024), (1024, 2048), (1024, 4096), (1024, 8192), (2048, 264), (2048, 2048), (4096, 264), (4096, 2048))
 
 
 def layout_section(shape: Shape, device: str, repeats: int) -> list[dict]:
-    """The kernels at other column tiles (BLOCK) and programs per step (more splits a row), on the
-    prompt chunk (bf16, k=2) and the 64 output rows (f32, k=20): ms eagerly, and agreement with the
-    torch path (the split count changes the log-sum-exp's order of additions, not the top-k)."""
+    """The kernels at other column tiles (BLOCK) and programs per step (more splits a row), on prompt
+    rows (bf16, k=2: the chunk, and a short prompt's 128) and output rows (f32, k=20: each of the
+    `rows` section's counts): ms eagerly, and agreement with the torch path (the split count changes
+    the log-sum-exp's order of additions, not the top-k). The defaults: `block_for` each dtype."""
     from services.scheduler.triton_logprobs import raw_logprob_columns, split_layout
 
     generator = torch.Generator(device=device).manual_seed(3)
     keys = TopKKeys.build(shape.vocab, device)
     cases = []
-    for num_rows, k, dtype in ((shape.chunk_rows, shape.prompt_k, torch.bfloat16), (shape.rows[1], shape.top_k, torch.float32)):
+    prompt_rows = [(n, shape.prompt_k, torch.bfloat16) for n in (shape.chunk_rows, min(128, shape.chunk_rows))]
+    for num_rows, k, dtype in [*prompt_rows, *((n, shape.top_k, torch.float32) for n in shape.rows)]:
         logits = bf16_valued(num_rows, shape.vocab, device, generator).to(dtype)
         targets = torch.randint(0, shape.vocab, (num_rows,), generator=generator, device=device)
         cases.append((num_rows, k, dtype, logits, targets, logprob_columns(logits, targets, k, None, None, keys, False)))

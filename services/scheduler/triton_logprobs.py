@@ -41,12 +41,21 @@ import triton.language as tl
 
 from services.scheduler.logprobs import MAX_FUSED_K
 
-BLOCK = 1024  # columns a program reads at once (the H200: 4 warps, 8 fp32 a thread)
+BLOCK = 1024  # columns a program reads at once, f32 logits (the H200: 4 warps, 8 fp32 a thread)
+# bf16 / f16 logits (the prompt path's chunks, as the LM head gives them): twice the columns, the same
+# bytes a tile. A 1024-row bf16 chunk at k = 2: 0.35-0.37 ms against 0.53 at 1024 columns
+# (ops/bench/results/gpu_logprob_kernel.md, run 4: ~5 ms over a 32k prompt's 32 chunks).
+HALF_PRECISION_BLOCK = 2 * BLOCK
 MAX_SPLITS = 64
 TARGET_PROGRAMS = 264  # 2 per SM of the H200's 132
 MAX_CANDIDATES = 4096  # S * K_PAD: what `_finish_kernel` holds in registers for one row
 NO_KEY = tl.constexpr(-(2**63 - 1))  # below every key of a non-NaN logprob (their high half >= -2139095041)
 OUT_OF_PLAY = tl.constexpr(2**63 - 1)  # above every key: a candidate slot past k, never the minimum, stored as NO_KEY
+
+
+def block_for(dtype: torch.dtype) -> int:
+    """The column tile the kernels read logits of `dtype` in."""
+    return BLOCK if dtype.itemsize >= 4 else HALF_PRECISION_BLOCK
 
 
 def max_splits_for(vocab_size: int, k_pad: int, block: int = BLOCK, most: int = MAX_SPLITS) -> int:
@@ -83,14 +92,15 @@ def warm_kernels(vocab_size: int, device: torch.device, dtypes: tuple[torch.dtyp
 
 
 def raw_logprob_columns(
-    logits: torch.Tensor, targets: torch.Tensor, k: int, ids: torch.Tensor | None, *, block: int = BLOCK,
+    logits: torch.Tensor, targets: torch.Tensor, k: int, ids: torch.Tensor | None, *, block: int | None = None,
     max_splits: int | None = None, target_programs: int = TARGET_PROGRAMS,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """logits [c, V] bf16/f16/f32, targets int64 [c], ids int64 [c, m] or None, 0 <= k <= min(MAX_FUSED_K, V)
     -> token f32 [c], top-k values f32 [c, k], top-k ids int32 [c, k], ids' logprobs f32 [c, m].
-    block, max_splits (None: MAX_SPLITS) and target_programs are for tests and the layout sweep
-    (ops/bench/gpu_logprob_kernel_check.py --sweep)."""
+    block (None: `block_for` the logits' dtype), max_splits (None: MAX_SPLITS) and target_programs
+    are for tests and the layout sweep (ops/bench/gpu_logprob_kernel_check.py --sweep)."""
     assert 0 <= k <= MAX_FUSED_K, k
+    block = block_for(logits.dtype) if block is None else block
     logits = logits if logits.stride(-1) == 1 else logits.contiguous()
     num_rows, vocab = logits.shape
     num_ids = ids.shape[1] if ids is not None else 0

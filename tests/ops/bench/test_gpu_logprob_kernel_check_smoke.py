@@ -45,4 +45,6 @@ def test_cpu_tiny_run_in_the_triton_interpreter_compares_both_paths(tmp_path) ->
     assert result["paths"] == ["torch", "kernel"]
     rows = [*result["rows"], result["prompt_chunk"], result["prompt_32k"], *result["layouts"]]
     assert all(row["ids_equal"] is True and row["max_abs_diff"] < 2e-6 and row["kernel_ms"] > 0 for row in rows)
-    assert len(result["layouts"]) == 2 * len(gpu_logprob_kernel_check.LAYOUTS)  # the prompt chunk and the output rows at each
+    # two prompt-row counts (bf16) and each output-row count (f32) at every layout
+    assert len(result["layouts"]) == (2 + len(result["rows"])) * len(gpu_logprob_kernel_check.LAYOUTS)
+    assert {(row["dtype"], row["rows"]) for row in result["layouts"]} == {("bfloat16", 16), ("float32", 1), ("float32", 3), ("float32", 8)}

@@ -247,6 +247,17 @@ def test_interpreted_kernels_read_strided_rows_and_the_default_layout() -> None:
 
 
 @interpreted
+def test_interpreted_half_precision_logits_default_to_tiles_of_2048_columns() -> None:
+    from services.scheduler.triton_logprobs import HALF_PRECISION_BLOCK, block_for, raw_logprob_columns
+
+    assert block_for(torch.bfloat16) == block_for(torch.float16) == HALF_PRECISION_BLOCK == 2 * block_for(torch.float32)
+    logits = tricky_logits(3, torch.bfloat16).repeat(1, 3)[:, : 2 * HALF_PRECISION_BLOCK + 300]  # three tiles, the last short; ties across them
+    targets, ids = row_inputs(3, 3)
+    for k in (2, 20):
+        assert_columns_match(raw_logprob_columns(logits, targets, k, ids), torch_columns(logits, targets, k, ids))
+
+
+@interpreted
 def test_interpreted_prompt_rows_through_a_bf16_head_match_the_torch_path(monkeypatch) -> None:
     # 40 hidden rows, 29 asked for (a subset, out of order) in chunks of 8 rows: top-2 and requested ids.
     monkeypatch.setattr("services.scheduler.logprobs.FUSED_PROMPT_CHUNK_BYTES", 8 * 2 * VOCAB)
