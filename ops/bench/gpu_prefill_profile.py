@@ -17,7 +17,8 @@ Settings (path, chunk budget, tokens per step while nothing decodes):
   alone in steps of `--max-prefill-tokens` (16384; and 32768) attended on cuDNN (`--dense-prefill`);
   `served_flash4` the same with those queries on FlashAttention-4 (`flash4_attention.py`), where
   it is installed (else the rows record why not).
-Each row also has the peak device memory above the start, with top-2 and without (`plain_s`):
+`seconds` is the median of --repeats timed top-2 prefills (each in `seconds_runs`: the card at its
+power limit moves a 32k prefill by ~10 ms from run to run). Each row also has the peak device memory above the start, with top-2 and without (`plain_s`):
 the logprobs' extra memory is the difference.
 
     PYTHONPATH=. python ops/bench/gpu_prefill_profile.py --out $OUT/gpu_prefill_profile.json
@@ -118,13 +119,14 @@ def dense_config(path: str, shape: Shape, chunk: int) -> DenseConfig | None:
     return DenseConfig(min_query_len=chunk + 1) if path == "served" else None  # as build_core sets it
 
 
-def profile_setting(runner, shape: Shape, path: str, chunk: int, prompt: np.ndarray, max_prefill: int | None = None) -> dict:
+def profile_setting(runner, shape: Shape, path: str, chunk: int, prompt: np.ndarray, max_prefill: int | None = None,
+                    repeats: int = 1) -> dict:
     runner.dense_prefill = dense_config(path, shape, chunk)
     try:
         prefill_once(runner, chunk, prompt[: 2 * min(chunk, shape.chunk)], TOP2, max_prefill)  # warm-up: kernels compiled
         prefill_once(runner, chunk, prompt, TOP2, max_prefill)  # the full shapes once: allocator grown, cuBLAS heuristics cached
         plain_s, plain_mib = prefill_once(runner, chunk, prompt, LogprobParams(), max_prefill)
-        seconds, top2_mib = prefill_once(runner, chunk, prompt, TOP2, max_prefill)
+        timed = [prefill_once(runner, chunk, prompt, TOP2, max_prefill) for _ in range(repeats)]
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if runner.device.type == "cuda" else [])
         with profile(activities=activities) as prof:
             profiled_s, _ = prefill_once(runner, chunk, prompt, TOP2, max_prefill)
@@ -135,9 +137,11 @@ def profile_setting(runner, shape: Shape, path: str, chunk: int, prompt: np.ndar
     for name, ms in kernels.items():
         by_category[category(name)] += ms
     top = sorted(kernels.items(), key=lambda item: item[1], reverse=True)[:15]
+    runs = sorted(seconds for seconds, _ in timed)
+    top2_mib = timed[0][1]
     memory = {"peak_extra_mib": round(top2_mib, 1), "logprobs_extra_mib": round(top2_mib - plain_mib, 1)} if top2_mib is not None else {}
-    return {"path": path, "chunk": chunk, "max_prefill_tokens": max_prefill, "seconds": round(seconds, 4), "plain_s": round(plain_s, 4),
-            **memory, "profiled_s": round(profiled_s, 4),
+    return {"path": path, "chunk": chunk, "max_prefill_tokens": max_prefill, "seconds": round(float(np.median(runs)), 4),
+            "seconds_runs": [round(seconds, 4) for seconds in runs], "plain_s": round(plain_s, 4), **memory, "profiled_s": round(profiled_s, 4),
             "kernels_ms": round(sum(kernels.values()), 2), "device_idle": device_gaps(prof), "categories_ms": {k: round(v, 2) for k, v in sorted(by_category.items())},
             "top_kernels_ms": [(name[:140], round(ms, 2)) for name, ms in top]}  # fmt: skip
 
@@ -155,7 +159,7 @@ def run(args: argparse.Namespace) -> dict:
         if path == "served_flash4" and (why := flash4_unavailable(runner.device)):
             rows.append({"path": path, "chunk": size, "max_prefill_tokens": max_prefill and min(max_prefill, shape.long_prompt), "unavailable": why})
             continue
-        rows.append(profile_setting(runner, shape, path, size, prompt, max_prefill and min(max_prefill, shape.long_prompt)))
+        rows.append(profile_setting(runner, shape, path, size, prompt, max_prefill and min(max_prefill, shape.long_prompt), args.repeats))
     result = {"device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu", "torch": torch.__version__,
               "prompt": shape.long_prompt, "model": shape.model.name, "rows": rows}  # fmt: skip
     args.out.parent.mkdir(parents=True, exist_ok=True)
@@ -166,7 +170,7 @@ def run(args: argparse.Namespace) -> dict:
 
 def table(result: dict) -> str:
     names = sorted({name for row in result["rows"] for name in row.get("categories_ms", ())})
-    lines = ["| path | chunk | max prefill | s (top-2) | s (plain) | logprobs MiB | kernels ms | " + " | ".join(names) + " |",
+    lines = ["| path | chunk | max prefill | s (top-2, median) | s (plain) | logprobs MiB | kernels ms | " + " | ".join(names) + " |",
              "|---" * (7 + len(names)) + "|"]  # fmt: skip
     for row in result["rows"]:
         if "unavailable" in row:
@@ -191,6 +195,8 @@ def main() -> None:
     parser.add_argument("--tiny", action="store_true", help="the tiny model and a 256-token prompt (CPU smoke)")
     parser.add_argument("--settings", nargs="*", choices=sorted({path for path, _, _ in SETTINGS}), default=None,
                         help="only these paths (default all)")
+    parser.add_argument("--repeats", type=int, default=1, help="timed top-2 prefills per setting: `seconds` is their median, "
+                        "`seconds_runs` each (sorted)")
     parser.add_argument("--out", type=Path, default=REPO / "ops/bench/results/gpu_prefill_profile.json")
     run(parser.parse_args())
 
