@@ -101,7 +101,8 @@ def test_every_scheduler_flag_of_up_reaches_the_scheduler_with_its_value(tmp_pat
               "--logprobs-mode", "processed", "--chunked-prefill-size", "4096", "--max-prefill-tokens", "9000", "--no-dense-prefill", "--dense-attention", "sdpa", "--max-running-requests", "7", "--no-overlap-decode",
               "--max-model-len", "300", "--kv-cache-memory-fraction", "0.25", "--no-ragged-cuda-graphs",
               "--no-logprob-cuda-graphs", "--no-fused-kernels", "--no-fused-logprobs", "--no-split-kv-decode", "--speculative-algorithm", "dspark", "--draft-model", str(tmp_path / "d"),
-              "--speculative-num-draft-tokens", "5", "--verify-mode", "compact", "--step-trace", str(tmp_path / "trace")]  # fmt: skip
+              "--speculative-num-draft-tokens", "5", "--draft-context-window", "512", "--verify-mode", "compact",
+              "--step-trace", str(tmp_path / "trace")]  # fmt: skip
     up = build_parser(["up", *values]).parse_args(["up", *values])
     defaults = build_parser(["up"]).parse_args(["up"])
     scheduler_argv = service_argv("scheduler", up)[3:]

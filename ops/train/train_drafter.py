@@ -228,12 +228,13 @@ def train(drafter, features_of, recipe: DrafterRecipe, batches: Batches, held_ou
     return train_loop(drafter, params, optimizer, recipe, step_loss, evaluate, "drafter")
 
 
-def save(drafter: DSparkDrafter, out: Path, recipe_name: str, seed: int) -> None:
+def save(drafter: DSparkDrafter, out: Path, recipe_name: str, recipe: DrafterRecipe, seed: int) -> None:
     save_drafter(drafter.to(torch.bfloat16), out)  # shared target tensors are not the drafter's: untouched
     config_path = out / "config.json"
     config = json.loads(config_path.read_text(encoding="utf-8"))
+    # the window it attends to when serving: what its training sequences held (dspark_config)
     config.update({"torch_dtype": "bfloat16", "sparkwire_weights": "trained", "sparkwire_recipe": recipe_name,
-                   "sparkwire_seed": seed})  # fmt: skip
+                   "sparkwire_seed": seed, "sparkwire_context_window": recipe.seq_len})  # fmt: skip
     write_json(config_path, config)
 
 
@@ -258,7 +259,7 @@ def main(argv: list[str] | None = None) -> int:
     batches = Batches(recipe, train_tokens, pool, generator)
     history = train(drafter, features_of, recipe, batches, eval_windows(eval_tokens, recipe.seq_len, recipe.eval_windows), device)
     seconds = time.perf_counter() - started
-    save(drafter, args.out, args.recipe, args.seed)
+    save(drafter, args.out, args.recipe, recipe, args.seed)
     parameters = sum(p.numel() for p in drafter.parameters())
     figures = {
         "target_layer_ids": list(drafter.config.target_layer_ids), "parameters": parameters,

@@ -43,6 +43,7 @@ def config_from_args(args: argparse.Namespace) -> SchedulerConfig:
         draft_model=args.draft_model,
         speculative_algorithm=args.speculative_algorithm,
         num_draft_tokens=args.speculative_num_draft_tokens,
+        draft_context_window=args.draft_context_window,
         verify_mode=args.verify_mode,
         device=args.device,
         dtype=args.dtype,

@@ -32,6 +32,7 @@ class SchedulerConfig:
     draft_model: str | None = None  # None with dspark: the bundled drafter
     speculative_algorithm: str = "none"
     num_draft_tokens: int | None = None  # gamma; None: the drafter's block size
+    draft_context_window: int | None = None  # None: the draft config's; 0: the whole context
     verify_mode: str = "static"  # static: verify every draft; compact: by the confidence head
     device: str = "auto"  # auto: cuda when available, else cpu
     dtype: str | None = None  # None: float32 on cpu, bfloat16 on cuda
@@ -83,6 +84,8 @@ class SchedulerConfig:
         _check_choice("dense_attention", self.dense_attention, DENSE_ATTENTION_CHOICES)
         if self.num_draft_tokens is not None:
             _check_positive("num_draft_tokens", self.num_draft_tokens)
+        if self.draft_context_window is not None and self.draft_context_window < 0:
+            raise ValueError(f"draft_context_window must be >= 0 (0: the whole context); got {self.draft_context_window}")
 
     @property
     def resolved_max_prefill_tokens(self) -> int:

@@ -68,6 +68,9 @@ def add_speculative_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--draft-model", default=None, help="DSpark draft model directory (default: the bundled drafter)")
     parser.add_argument("--speculative-num-draft-tokens", type=int, default=None,
                         help="draft tokens per block (gamma); default: the drafter's block size")
+    parser.add_argument("--draft-context-window", type=int, default=None,
+                        help="context positions before its anchor a draft block attends to; default: the draft config's "
+                             "sparkwire_context_window (its training length), else all; 0: all")  # fmt: skip
     parser.add_argument("--verify-mode", choices=VERIFY_MODES, default="static",
                         help="static: verify every draft; compact: as many as the confidence head expects to survive")
 
@@ -120,4 +123,6 @@ def scheduler_argv(args: argparse.Namespace) -> list[str]:
         argv += ["--draft-model", args.draft_model]
     if args.speculative_num_draft_tokens is not None:
         argv += ["--speculative-num-draft-tokens", str(args.speculative_num_draft_tokens)]
+    if args.draft_context_window is not None:
+        argv += ["--draft-context-window", str(args.draft_context_window)]
     return argv

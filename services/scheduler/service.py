@@ -79,7 +79,7 @@ def build_core(config: SchedulerConfig) -> SchedulerCore:
 
         proposer = load_dspark_proposer(
             config.resolved_draft_model, runner, load_format=config.load_format, seed=config.seed,
-            num_draft_tokens=config.num_draft_tokens,
+            num_draft_tokens=config.num_draft_tokens, context_window=config.draft_context_window,
         )  # fmt: skip
         if runner.decode_kernel:  # CUDA: greedy drafts replay graphs
             from services.scheduler.spec.draft_graphs import DraftGraphs

@@ -6,8 +6,9 @@ tables, so the target's block manager allocates for both. `inject` writes each r
 (see dspark_model: fc + RMSNorm of the captured target layers, then each draft layer's k/v
 projection, k-norm and RoPE at the row's position) at the row's slot. `propose` drafts a block
 from each anchor at position a: its queries read the cached context at positions < a, which are
-exactly the committed tokens before the anchor (rows past a are stale and masked), plus the
-block's own keys, which are never cached.
+exactly the committed tokens before the anchor (rows past a are stale and masked), or only the last
+`context_window` of them (the draft config's: what its training sequences held), plus the block's
+own keys, which are never cached.
 
 Drafting, per slot k = 0..gamma-1, left to right (the Markov head needs the previous draft):
 logits_k = z_k + W2 W1[prev_k]; q_k = softmax(logits_k / T); greedy rows (T <= 0) take the argmax,
@@ -35,14 +36,20 @@ from services.scheduler.spec.dspark_model import DSparkDrafter, block_positions
 
 
 class DSparkProposer:
-    def __init__(self, drafter: DSparkDrafter, num_blocks: int, block_size: int, num_draft_tokens: int | None = None) -> None:
+    def __init__(self, drafter: DSparkDrafter, num_blocks: int, block_size: int, num_draft_tokens: int | None = None,
+                 context_window: int | None = None) -> None:  # fmt: skip
         """num_blocks/block_size: the target cache's; num_draft_tokens: <= the config's block_size (default all).
 
-        A shorter gamma still runs the whole trained block and keeps its first tokens.
+        A shorter gamma still runs the whole trained block and keeps its first tokens. context_window:
+        a block's queries see only the last that many context positions before its anchor; None: the
+        draft config's `context_window`, 0: the whole context.
         """
         gamma = drafter.num_draft_tokens if num_draft_tokens is None else num_draft_tokens
         if not 1 <= gamma <= drafter.num_draft_tokens:
             raise ValueError(f"num_draft_tokens must be in [1, {drafter.num_draft_tokens}] (the draft's block_size), got {gamma}")
+        if context_window is not None and context_window < 0:
+            raise ValueError(f"context_window must be >= 0 (0: the whole context), got {context_window}")
+        self.context_window = drafter.config.context_window if context_window is None else context_window or None
         weight = drafter.fc.weight
         self.drafter = drafter
         self.num_draft_tokens = gamma
@@ -90,7 +97,7 @@ class DSparkProposer:
     def block_hidden(self, inputs: DraftInputs) -> torch.Tensor:
         """The drafter's final-normed block outputs [B, block_size, H] for each anchor."""
         anchors, blocks = inputs.anchor_positions, inputs.context_blocks  # [B], [B, n]
-        mask = _serving_mask(anchors, blocks.shape[1] * self.kv_cache.block_size, self.drafter.num_draft_tokens)
+        mask = _serving_mask(anchors, blocks.shape[1] * self.kv_cache.block_size, self.drafter.num_draft_tokens, self.context_window)
         x = self.drafter.block_embeddings(inputs.anchor_tokens)  # [B, G, H]
         positions = block_positions(anchors, self.drafter.num_draft_tokens)  # [B, G]
 
@@ -178,10 +185,13 @@ class _BlockSampler:
         return torch.where(self.is_greedy, greedy, sampled), q
 
 
-def _serving_mask(anchors: torch.Tensor, num_context_keys: int, gamma: int) -> torch.Tensor:
-    """bool [B, 1, gamma, C + gamma]: context keys at positions < anchor, and the whole block."""
+def _serving_mask(anchors: torch.Tensor, num_context_keys: int, gamma: int, window: int | None = None) -> torch.Tensor:
+    """bool [B, 1, gamma, C + gamma]: context keys at positions < anchor (and >= anchor - window), and the whole block."""
     batch = anchors.shape[0]
-    sees_context = torch.arange(num_context_keys, device=anchors.device)[None, :] < anchors[:, None]  # [B, C]
+    keys = torch.arange(num_context_keys, device=anchors.device)[None, :]  # [1, C]
+    sees_context = keys < anchors[:, None]  # [B, C]
+    if window is not None:
+        sees_context &= keys >= anchors[:, None] - window
     sees_context = sees_context[:, None, :].expand(batch, gamma, num_context_keys)
     sees_block = torch.ones(batch, gamma, gamma, dtype=torch.bool, device=anchors.device)
     return torch.cat((sees_context, sees_block), dim=2)[:, None]

@@ -18,6 +18,10 @@ layers, heads, `head_dim`, `intermediate_size`, `rope_theta`, ...) with
 - `markov_rank` r (0: no Markov head), `markov_head_type`: "vanilla" (W2 W1[prev], the paper's
   default), "gated" or "rnn" (its variants; see dspark_model).
 - `enable_confidence_head`, `confidence_head_with_markov` (the head also sees W1[prev]).
+- `sparkwire_context_window` (this project's, optional): how many context positions before its
+  anchor a block attends to when serving; a drafter trained on sequences of S tokens never saw an
+  anchor further than S positions from its context's start, and past that its accept length falls
+  (ops/bench/results/dspark_context_accept.md). Absent: the whole context, as published drafts.
 
 Also read: `target_layer_ids` / `mask_token_id` nested in a `dflash_config` dict (SpecForge's layout).
 Refused: `speculators_model_type` (the speculators convention, slot j predicting anchor + j, would
@@ -62,6 +66,7 @@ class DSparkConfig:
     enable_confidence_head: bool = False
     confidence_head_with_markov: bool = False
     num_anchors: int = DEFAULT_NUM_ANCHORS
+    context_window: int | None = None  # context positions a block sees before its anchor; None: all
 
     def __post_init__(self) -> None:
         _check(self.block_size >= 1, f"block_size must be >= 1, got {self.block_size}")
@@ -76,6 +81,8 @@ class DSparkConfig:
         _check(not (self.confidence_head_with_markov and self.enable_confidence_head and self.markov_rank == 0),
                "confidence_head_with_markov needs a Markov head (markov_rank > 0)")  # fmt: skip
         _check(self.num_anchors >= 1, f"num_anchors must be >= 1, got {self.num_anchors}")
+        _check(self.context_window is None or self.context_window >= 1,
+               f"sparkwire_context_window must be >= 1, got {self.context_window}")  # fmt: skip
 
     @property
     def num_draft_tokens(self) -> int:
@@ -134,6 +141,7 @@ class DSparkConfig:
             enable_confidence_head=enable_confidence,
             confidence_head_with_markov=enable_confidence and bool(raw.get("confidence_head_with_markov", False)),
             num_anchors=int(raw.get("num_anchors", DEFAULT_NUM_ANCHORS)),
+            context_window=None if raw.get("sparkwire_context_window") is None else int(raw["sparkwire_context_window"]),
         )
 
     @classmethod
@@ -165,6 +173,7 @@ class DSparkConfig:
             "markov_head_type": self.markov_head_type,
             "enable_confidence_head": self.enable_confidence_head,
             "confidence_head_with_markov": self.confidence_head_with_markov,
+            **({} if self.context_window is None else {"sparkwire_context_window": self.context_window}),
         }
 
 

@@ -52,14 +52,16 @@ WEIGHTS_FILE = "model.safetensors"
 
 
 def load_dspark_proposer(
-    path: str | Path, runner: ModelRunner, *, load_format: str = "auto", seed: int = 0, num_draft_tokens: int | None = None
+    path: str | Path, runner: ModelRunner, *, load_format: str = "auto", seed: int = 0, num_draft_tokens: int | None = None,
+    context_window: int | None = None,
 ) -> DSparkProposer:
-    """The drafter at `path`, on the runner's device and dtype, with a KV cache shaped like the runner's."""
+    """The drafter at `path`, on the runner's device and dtype, with a KV cache shaped like the runner's;
+    context_window None: the draft config's, 0: the whole context (`DSparkProposer`)."""
     drafter = load_drafter(
         path, runner.model.model.embed_tokens, runner.lm_head_weight, runner.config,
         load_format=load_format, seed=seed,
     )  # fmt: skip
-    return DSparkProposer(drafter, runner.num_blocks, runner.block_size, num_draft_tokens)
+    return DSparkProposer(drafter, runner.num_blocks, runner.block_size, num_draft_tokens, context_window)
 
 
 def drafter_memory(path: str | Path, target_config: ModelConfig, dtype: torch.dtype, block_size: int) -> MemoryReserve:

@@ -194,6 +194,9 @@ def test_config_validates_its_choices():
         SchedulerConfig(verify_mode="loose")
     with pytest.raises(ValueError, match="num_draft_tokens"):
         SchedulerConfig(num_draft_tokens=0)
+    with pytest.raises(ValueError, match="draft_context_window must be >= 0"):
+        SchedulerConfig(draft_context_window=-1)
+    assert SchedulerConfig(draft_context_window=0).draft_context_window == 0  # 0: the whole context
     assert SchedulerConfig(speculative_algorithm="dspark", draft_model="/some/draft").resolved_draft_model == "/some/draft"
     config = SchedulerConfig(device="cpu")
     assert config.torch_dtype == torch.float32 and config.resolved_device == "cpu"

@@ -33,7 +33,17 @@ def test_a_deepspec_config_parses_with_gamma_equal_to_block_size():
 
 def test_to_dict_round_trips():
     config = DSparkConfig.from_dict(DEEPSPEC_4B)
-    assert DSparkConfig.from_dict(config.to_dict()) == config
+    assert DSparkConfig.from_dict(config.to_dict()) == config and "sparkwire_context_window" not in config.to_dict()
+    windowed = DSparkConfig.from_dict({**DEEPSPEC_4B, "sparkwire_context_window": 4096})
+    assert windowed.context_window == 4096 and DSparkConfig.from_dict(windowed.to_dict()) == windowed
+
+
+def test_published_drafts_see_the_whole_context_and_the_bundled_one_its_training_length():
+    from ops.train.recipes import DRAFTERS
+
+    assert DSparkConfig.from_dict(DEEPSPEC_4B).context_window is None
+    bundled = DSparkConfig.from_pretrained(REPO / "ops" / "models" / "sparkwire-micro-dspark")
+    assert bundled.context_window == DRAFTERS["micro"].seq_len == 256
 
 
 def test_default_target_layers_are_spread_from_1_to_l_minus_3():
@@ -61,6 +71,7 @@ def test_the_8b_benchmark_draft_config_fits_the_8b_target():
         ({"block_size": 0}, "block_size must be >= 1"),
         ({"markov_rank": -1}, "markov_rank must be >= 0"),
         ({"markov_rank": 0}, "confidence_head_with_markov needs a Markov head"),
+        ({"sparkwire_context_window": 0}, "sparkwire_context_window must be >= 1"),
     ],
 )
 def test_malformed_configs_are_refused_with_the_reason(change, message):

@@ -131,6 +131,18 @@ def test_dspark_scheduler_fits_both_kv_caches_in_its_budget():
     assert core.worker.runner.num_blocks < plain.num_blocks
 
 
+def test_the_served_drafter_attends_to_its_configured_window_unless_the_flag_says_otherwise():
+    from services.scheduler.config import SchedulerConfig
+    from services.scheduler.service import build_core
+
+    def served_window(**options) -> int | None:
+        return build_core(SchedulerConfig(speculative_algorithm="dspark", device="cpu", kv_cache_bytes=2**20, **options)).worker.proposer.context_window
+
+    assert served_window() == 256  # the bundled drafter's sparkwire_context_window: its training length
+    assert served_window(draft_context_window=64) == 64
+    assert served_window(draft_context_window=0) is None  # the whole context
+
+
 def test_cuda_kv_budget_leaves_the_drafters_weights_out():
     from services.scheduler.model.loader import MemoryReserve, cuda_kv_budget
 

@@ -118,6 +118,45 @@ def test_stale_context_past_the_anchor_is_masked_but_committed_context_matters(d
     assert (proposer.block_hidden(proposer.draft_inputs(ask)) - before).abs().max() > 1e-3
 
 
+def test_a_context_window_hides_the_context_before_it_and_only_that(drafter):
+    # anchor 9, window 4: the block sees positions 5..8; rows 0..4 may change freely, row 5 may not
+    table = [3, 8, 1]
+    hidden = context_hidden(drafter, 12, seed=31)
+    windowed = DSparkProposer(drafter, NUM_KV_BLOCKS, KV_BLOCK_SIZE, context_window=4)
+    whole = DSparkProposer(drafter, NUM_KV_BLOCKS, KV_BLOCK_SIZE)
+    ask = request([9], [9], [table], [0.0])
+    for proposer in (windowed, whole):
+        inject_rows(proposer, hidden, table, torch.arange(12))
+    windowed_before, whole_before = (p.block_hidden(p.draft_inputs(ask)) for p in (windowed, whole))
+    assert (windowed_before - whole_before).abs().max() > 1e-3  # the window binds at anchor 9
+    for proposer in (windowed, whole):
+        inject_rows(proposer, hidden * -3.0, table, torch.arange(0, 5))
+    torch.testing.assert_close(windowed.block_hidden(windowed.draft_inputs(ask)), windowed_before, atol=0, rtol=0)
+    assert (whole.block_hidden(whole.draft_inputs(ask)) - whole_before).abs().max() > 1e-3
+    inject_rows(windowed, hidden * -3.0, table, torch.arange(5, 6))  # the oldest row in the window
+    assert (windowed.block_hidden(windowed.draft_inputs(ask)) - windowed_before).abs().max() > 1e-3
+    # an anchor no further than the window from the start sees what the whole context gives
+    near = request([9], [4], [table], [0.0])
+    fresh = [DSparkProposer(drafter, NUM_KV_BLOCKS, KV_BLOCK_SIZE, context_window=w) for w in (4, 0)]
+    for proposer in fresh:
+        inject_rows(proposer, hidden, table, torch.arange(12))
+    torch.testing.assert_close(*(p.block_hidden(p.draft_inputs(near)) for p in fresh), atol=0, rtol=0)
+
+
+def test_the_context_window_comes_from_the_draft_config_unless_given(drafter):
+    original = drafter.config
+    assert original.context_window is None and DSparkProposer(drafter, NUM_KV_BLOCKS, KV_BLOCK_SIZE).context_window is None
+    drafter.config = dataclasses.replace(original, context_window=6)  # the session's drafter: put back below
+    try:
+        assert DSparkProposer(drafter, NUM_KV_BLOCKS, KV_BLOCK_SIZE).context_window == 6
+        assert DSparkProposer(drafter, NUM_KV_BLOCKS, KV_BLOCK_SIZE, context_window=3).context_window == 3
+        assert DSparkProposer(drafter, NUM_KV_BLOCKS, KV_BLOCK_SIZE, context_window=0).context_window is None  # 0: all
+    finally:
+        drafter.config = original
+    with pytest.raises(ValueError, match="context_window must be >= 0"):
+        DSparkProposer(drafter, NUM_KV_BLOCKS, KV_BLOCK_SIZE, context_window=-1)
+
+
 def test_greedy_drafts_are_the_argmax_chain_and_come_without_probs(drafter):
     table = [2, 3, 4]
     hidden = context_hidden(drafter, 9, seed=40)
