@@ -10,7 +10,9 @@ Prompts: the first tokens of the repository's own Python files (services/, sorte
 enough), so the figures need no corpus and repeat anywhere. Each (prompt length, window,
 temperature) serves --num-prompts prompts at once through `SchedulerCore` with the bundled pair
 (fp32, static verify of gamma = 7), each continued for --new-tokens tokens; accept length = tokens
-gained per verify forward (accepted drafts + the bonus token), as `ops/train/evaluate.py` counts it.
+gained per verify forward (accepted drafts + the bonus token), as `ops/train/evaluate.py` counts it;
+`propose_ms` the median wall time of one `propose` (all the batch's blocks) on this CPU: a window
+that binds reads W / 16 + 1 cache blocks a row instead of the whole context.
 Windows: 0 is the whole context; "config" the draft config's.
 
     python -m ops.bench.dspark_context_accept --out ops/bench/results/dspark_context_accept.json
@@ -54,11 +56,22 @@ def accept_length(model: Path, draft: Path, prompts: list[list[int]], window: in
     num_blocks = len(prompts) * (-(-longest // KV_BLOCK_SIZE) + 1)
     runner = load_model_runner(model, device=torch.device("cpu"), dtype=torch.float32, num_kv_blocks=num_blocks, kv_block_size=KV_BLOCK_SIZE)
     proposer = load_dspark_proposer(draft, runner, context_window=window)
+    propose, drafting = proposer.propose, []
+
+    def timed(request):
+        started = time.perf_counter()
+        try:
+            return propose(request)
+        finally:
+            drafting.append(time.perf_counter() - started)
+
+    proposer.propose = timed
     core = SchedulerCore(runner, max_running_requests=len(prompts), chunked_prefill_size=4096, proposer=proposer, seed=0)
     out = run_speculative(core, prompts, temperature, new_tokens)
     gained = sum(len(ids) - 1 for ids in out["tokens"].values())
     forwards = sum(out["verify"].values())
-    return {"accept_length": round(gained / forwards, 3), "verify_forwards": forwards, "window_served": proposer.context_window}
+    return {"accept_length": round(gained / forwards, 3), "verify_forwards": forwards, "window_served": proposer.context_window,
+            "propose_ms": round(1e3 * sorted(drafting)[len(drafting) // 2], 3), "proposes": len(drafting)}  # fmt: skip
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -74,7 +87,8 @@ def run(args: argparse.Namespace) -> dict:
                 figures = accept_length(args.model, args.draft, prompts, served, temperature, args.new_tokens)
                 rows.append({"prompt_len": length, "temperature": temperature, "window": window, **figures,
                              "seconds": round(time.perf_counter() - started, 2)})  # fmt: skip
-                print(f"prompt {length:5d}  T={temperature:g}  window {window!s:>6}: accept {figures['accept_length']:.3f}", flush=True)
+                print(f"prompt {length:5d}  T={temperature:g}  window {window!s:>6}: accept {figures['accept_length']:.3f}, "
+                      f"propose {figures['propose_ms']:.2f} ms", flush=True)  # fmt: skip
     result = {"model": str(args.model.relative_to(REPO)) if args.model.is_relative_to(REPO) else str(args.model),
               "draft": str(args.draft.relative_to(REPO)) if args.draft.is_relative_to(REPO) else str(args.draft),
               "configured_window": configured, "num_prompts": args.num_prompts, "new_tokens": args.new_tokens,
@@ -96,6 +110,11 @@ def table(result: dict) -> str:
         cells.setdefault((row["prompt_len"], row["temperature"]), {})[row["window"]] = row["accept_length"]
     for (length, temperature), by_window in cells.items():
         lines.append(f"| {length} | {temperature:g} | " + " | ".join(f"{by_window.get(w, '')}" for w in windows) + " |")
+    lines += ["", "propose ms (median, all the batch's blocks), T = 0:", "",
+              "| prompt tokens | " + " | ".join(f"window {w}" for w in windows) + " |", "|---|" + "---|" * len(windows)]  # fmt: skip
+    for length in dict.fromkeys(row["prompt_len"] for row in result["rows"]):
+        ms = {row["window"]: row["propose_ms"] for row in result["rows"] if row["prompt_len"] == length and row["temperature"] == 0}
+        lines.append(f"| {length} | " + " | ".join(f"{ms.get(w, '')}" for w in windows) + " |")
     return "\n".join(lines)
 
 

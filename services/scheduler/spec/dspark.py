@@ -7,8 +7,10 @@ tables, so the target's block manager allocates for both. `inject` writes each r
 projection, k-norm and RoPE at the row's position) at the row's slot. `propose` drafts a block
 from each anchor at position a: its queries read the cached context at positions < a, which are
 exactly the committed tokens before the anchor (rows past a are stale and masked), or only the last
-`context_window` of them (the draft config's: what its training sequences held), plus the block's
-own keys, which are never cached.
+`context_window` W of them (the draft config's: what its training sequences held), plus the block's
+own keys, which are never cached. With a window that binds, each row reads only the W / block_size + 1
+cache blocks that hold its window (`context_start`: the position of the first), so a block costs
+the same at any context length.
 
 Drafting, per slot k = 0..gamma-1, left to right (the Markov head needs the previous draft):
 logits_k = z_k + W2 W1[prev_k]; q_k = softmax(logits_k / T); greedy rows (T <= 0) take the argmax,
@@ -73,10 +75,10 @@ class DSparkProposer:
 
     def draft_inputs(self, request: DraftRequest) -> DraftInputs:
         """Upload the request's host fields (without waiting on the device) and cut the context blocks."""
+        anchors = request.anchor_positions.to(self.device)
+        blocks, start = self._context_blocks(request, anchors)
         inputs = DraftInputs(
-            anchor_tokens=request.anchor_tokens.to(self.device),
-            anchor_positions=request.anchor_positions.to(self.device),
-            context_blocks=self._context_blocks(request),
+            anchor_tokens=request.anchor_tokens.to(self.device), anchor_positions=anchors, context_blocks=blocks, context_start=start
         )
         temperatures = request.temperatures
         if all(t <= 0 for t in temperatures):
@@ -97,7 +99,8 @@ class DSparkProposer:
     def block_hidden(self, inputs: DraftInputs) -> torch.Tensor:
         """The drafter's final-normed block outputs [B, block_size, H] for each anchor."""
         anchors, blocks = inputs.anchor_positions, inputs.context_blocks  # [B], [B, n]
-        mask = _serving_mask(anchors, blocks.shape[1] * self.kv_cache.block_size, self.drafter.num_draft_tokens, self.context_window)
+        key_positions = inputs.context_start[:, None] + torch.arange(blocks.shape[1] * self.kv_cache.block_size, device=anchors.device)
+        mask = _serving_mask(anchors, key_positions, self.drafter.num_draft_tokens, self.context_window)
         x = self.drafter.block_embeddings(inputs.anchor_tokens)  # [B, G, H]
         positions = block_positions(anchors, self.drafter.num_draft_tokens)  # [B, G]
 
@@ -107,11 +110,25 @@ class DSparkProposer:
 
         return self.drafter.run_block(x, positions, context, mask)
 
-    def _context_blocks(self, request: DraftRequest) -> torch.Tensor:
+    def context_block_count(self, max_anchor_position: int) -> int:
+        """Cache blocks a row reads for anchors up to max_anchor_position: all those below it, or, where
+        the window binds, the W / block_size + 1 that hold any W consecutive positions."""
+        whole = -(-max_anchor_position // self.kv_cache.block_size)
+        if self.context_window is None:
+            return whole
+        return min(whole, -(-self.context_window // self.kv_cache.block_size) + 1)
+
+    def _context_blocks(self, request: DraftRequest, anchors: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(each row's context blocks [B, n], the position of their first slot [B]), on the device."""
         # Context keys sit at positions < anchor <= max_anchor_position: that many blocks cover them.
-        num_blocks = -(-request.max_anchor_position // self.kv_cache.block_size)
-        table = request.block_tables.to(self.device)
-        return table[:, : min(num_blocks, table.shape[1])].long().clamp_min(0)  # -1 padding: any block, masked
+        size = self.kv_cache.block_size
+        table = request.block_tables.to(self.device).long()
+        count = self.context_block_count(request.max_anchor_position)
+        if count == -(-request.max_anchor_position // size):  # every block from the start
+            return table[:, : min(count, table.shape[1])].clamp_min(0), torch.zeros_like(anchors)  # -1 padding: any block, masked
+        first = (anchors - self.context_window).clamp_min(0) // size  # [B]: the block of each row's oldest window position
+        columns = (first[:, None] + torch.arange(count, device=self.device)).clamp_max(table.shape[1] - 1)  # past the table: masked
+        return table.gather(1, columns).clamp_min(0), first * size
 
     def _draft(self, hidden: torch.Tensor, inputs: DraftInputs) -> DraftProposal:
         sampler = _BlockSampler(inputs, hidden.shape[1])
@@ -142,6 +159,7 @@ class DraftInputs:
     anchor_tokens: torch.Tensor  # int64 [B]
     anchor_positions: torch.Tensor  # int64 [B]
     context_blocks: torch.Tensor  # int64 [B, n], blocks holding positions < anchor (any valid block past them)
+    context_start: torch.Tensor  # int64 [B], the position of context_blocks[:, 0]'s first slot (0 without a window)
     temperatures: torch.Tensor | None = None  # f32 [B], 1.0 on greedy rows
     is_greedy: torch.Tensor | None = None  # bool [B]
     seeds: torch.Tensor | None = None  # int64 [B], each in [0, 2^32) (counter_rng.fold_seed)
@@ -150,7 +168,7 @@ class DraftInputs:
         """Rows appended up to `batch` (a graph's size): anchor 0 at position 0, every block `block`
         (the cache's trash block); they see no context and never touch a real row's result."""
         extra = batch - self.anchor_tokens.shape[0]
-        fills = {"anchor_tokens": 0, "anchor_positions": 0, "context_blocks": block, "temperatures": 1.0,
+        fills = {"anchor_tokens": 0, "anchor_positions": 0, "context_blocks": block, "context_start": 0, "temperatures": 1.0,
                  "is_greedy": True, "seeds": 0}  # fmt: skip
         return DraftInputs(**{name: _pad(getattr(self, name), extra, fill) for name, fill in fills.items()})
 
@@ -185,13 +203,13 @@ class _BlockSampler:
         return torch.where(self.is_greedy, greedy, sampled), q
 
 
-def _serving_mask(anchors: torch.Tensor, num_context_keys: int, gamma: int, window: int | None = None) -> torch.Tensor:
-    """bool [B, 1, gamma, C + gamma]: context keys at positions < anchor (and >= anchor - window), and the whole block."""
-    batch = anchors.shape[0]
-    keys = torch.arange(num_context_keys, device=anchors.device)[None, :]  # [1, C]
-    sees_context = keys < anchors[:, None]  # [B, C]
+def _serving_mask(anchors: torch.Tensor, key_positions: torch.Tensor, gamma: int, window: int | None = None) -> torch.Tensor:
+    """key_positions [B, C] -> bool [B, 1, gamma, C + gamma]: context keys at positions < anchor (and
+    >= anchor - window), and the whole block."""
+    batch, num_context_keys = key_positions.shape
+    sees_context = key_positions < anchors[:, None]  # [B, C]
     if window is not None:
-        sees_context &= keys >= anchors[:, None] - window
+        sees_context &= key_positions >= anchors[:, None] - window
     sees_context = sees_context[:, None, :].expand(batch, gamma, num_context_keys)
     sees_block = torch.ones(batch, gamma, gamma, dtype=torch.bool, device=anchors.device)
     return torch.cat((sees_context, sees_block), dim=2)[:, None]

@@ -30,6 +30,24 @@ def test_padded_greedy_proposals_equal_the_plain_proposer(drafter):
     assert sorted(graphs._graphs) == [(1, 8), (4, 4), (4, 8)]
 
 
+def test_with_a_binding_window_graphs_equal_the_plain_proposer_and_share_one_bucket(drafter):
+    # window 6, blocks of 4: any 6 positions lie in 3 blocks, so rows of any context length read 3 (bucket 4)
+    plain = DSparkProposer(drafter, NUM_KV_BLOCKS, KV_BLOCK_SIZE, context_window=6)
+    graphs = DraftGraphs(DSparkProposer(drafter, NUM_KV_BLOCKS, KV_BLOCK_SIZE, context_window=6), capture=False, ladder=(1, 4))
+    tables = [[7, 1, 12, 3, 9, 2], [4, 11, 5, -1, -1, -1], [10, 0, 6, 8, 13, -1]]
+    lengths = [23, 10, 17]
+    for i, n in enumerate(lengths):
+        hidden = context_hidden(drafter, n, seed=40 + i)
+        for proposer in (plain, graphs):
+            inject_rows(proposer, hidden, tables[i], torch.arange(n))
+    for rows in ([0], [0, 1, 2], [1, 2]):
+        made = request([5 + r for r in rows], [lengths[r] for r in rows], [tables[r] for r in rows], [0.0] * len(rows))
+        want, got = plain.propose(made), graphs.propose(made)
+        assert torch.equal(got.tokens, want.tokens)
+        torch.testing.assert_close(got.confidence, want.confidence, atol=1e-5, rtol=0)
+    assert sorted(graphs._graphs) == [(1, 4), (4, 4)]
+
+
 def test_sampled_batches_stay_eager_and_buckets_round_up():
     assert [_bucket(n) for n in (1, 2, 3, 5, 64, 65, 130)] == [1, 2, 4, 8, 64, 128, 192]
 

@@ -143,6 +143,22 @@ def test_a_context_window_hides_the_context_before_it_and_only_that(drafter):
     torch.testing.assert_close(*(p.block_hidden(p.draft_inputs(near)) for p in fresh), atol=0, rtol=0)
 
 
+def test_a_binding_window_reads_only_its_blocks_and_drafts_as_the_whole_table_under_its_mask(drafter):
+    # blocks of 4, window 5: 3 blocks a row (any 5 positions lie in at most 3), from the block of anchor - 5
+    tables = [[3, 8, 1, 6, 9, 2], [4, 11, 5, 7, -1, -1]]
+    proposer = DSparkProposer(drafter, NUM_KV_BLOCKS, KV_BLOCK_SIZE, context_window=5)
+    for i, n in enumerate((22, 13)):
+        inject_rows(proposer, context_hidden(drafter, n, seed=50 + i), tables[i], torch.arange(n))
+    ask = request([9, 4], [21, 13], tables, [0.0, 0.0])
+    assert proposer.context_block_count(21) == 3 and proposer.context_block_count(8) == 2  # below the window: all
+    windowed = proposer.draft_inputs(ask)
+    # from columns 4 and 2 ((21 - 5) // 4, (13 - 5) // 4); past the table or its -1 padding: masked block ids
+    assert windowed.context_blocks.tolist() == [[9, 2, 2], [5, 7, 0]]
+    assert windowed.context_start.tolist() == [16, 8]
+    whole = dataclasses.replace(windowed, context_blocks=torch.tensor(tables).clamp_min(0), context_start=torch.zeros(2, dtype=torch.int64))
+    torch.testing.assert_close(proposer.block_hidden(windowed), proposer.block_hidden(whole), atol=1e-5, rtol=0)
+
+
 def test_the_context_window_comes_from_the_draft_config_unless_given(drafter):
     original = drafter.config
     assert original.context_window is None and DSparkProposer(drafter, NUM_KV_BLOCKS, KV_BLOCK_SIZE).context_window is None
