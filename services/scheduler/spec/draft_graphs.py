@@ -6,7 +6,8 @@ drafter's cost. `DSparkProposer.draft` is device work whose shapes are fixed by 
 shapes, so one graph per (batch rung, context-block bucket) captures it: the batch is padded up to
 the rung (padded rows: anchor 0 at position 0, every block the trash block), the context blocks
 up to the bucket (extra blocks are masked by the anchor position, as any block past it is). With a
-context window that binds, every row reads the same few blocks at any context length: one bucket.
+context window that binds, every row reads the same W / block_size + 1 blocks at any context length:
+that is the bucket, unrounded.
 Graphs are captured on first use. Batches with sampled rows stay eager (their q [B, gamma, V]
 outputs would make every graph hundreds of MB). With `capture=False` (the CPU twin CI tests) the
 same padded inputs run eagerly.
@@ -56,10 +57,12 @@ class DraftGraphs:
         batch = len(request.rids)
         if batch > self.ladder[-1] or any(t > 0 for t in request.temperatures):
             return self.proposer.propose(request)
-        bucket = _bucket(self.proposer.context_block_count(request.max_anchor_position))
+        size = self.proposer.kv_cache.block_size
+        count = self.proposer.context_block_count(request.max_anchor_position)
+        bucket = count if count < -(-request.max_anchor_position // size) else _bucket(count)  # a binding window: its own count
         # The bound only ever rises (to fill the bucket from the start): a lower one would cut rows' newest blocks.
-        if bucket * self.proposer.kv_cache.block_size > request.max_anchor_position:
-            request = replace(request, max_anchor_position=bucket * self.proposer.kv_cache.block_size)
+        if bucket * size > request.max_anchor_position:
+            request = replace(request, max_anchor_position=bucket * size)
         inputs = self.proposer.draft_inputs(request)
         rung = self.ladder[bisect.bisect_left(self.ladder, batch)]
         inputs = inputs.padded(rung, self.proposer.kv_cache.trash_block)

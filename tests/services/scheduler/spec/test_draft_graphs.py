@@ -31,7 +31,7 @@ def test_padded_greedy_proposals_equal_the_plain_proposer(drafter):
 
 
 def test_with_a_binding_window_graphs_equal_the_plain_proposer_and_share_one_bucket(drafter):
-    # window 6, blocks of 4: any 6 positions lie in 3 blocks, so rows of any context length read 3 (bucket 4)
+    # window 6, blocks of 4: any 6 positions lie in 3 blocks, so rows of any context length read 3 (the bucket)
     plain = DSparkProposer(drafter, NUM_KV_BLOCKS, KV_BLOCK_SIZE, context_window=6)
     graphs = DraftGraphs(DSparkProposer(drafter, NUM_KV_BLOCKS, KV_BLOCK_SIZE, context_window=6), capture=False, ladder=(1, 4))
     tables = [[7, 1, 12, 3, 9, 2], [4, 11, 5, -1, -1, -1], [10, 0, 6, 8, 13, -1]]
@@ -45,7 +45,7 @@ def test_with_a_binding_window_graphs_equal_the_plain_proposer_and_share_one_buc
         want, got = plain.propose(made), graphs.propose(made)
         assert torch.equal(got.tokens, want.tokens)
         torch.testing.assert_close(got.confidence, want.confidence, atol=1e-5, rtol=0)
-    assert sorted(graphs._graphs) == [(1, 4), (4, 4)]
+    assert sorted(graphs._graphs) == [(1, 3), (4, 3)]
 
 
 def test_sampled_batches_stay_eager_and_buckets_round_up():
