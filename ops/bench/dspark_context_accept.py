@@ -8,14 +8,17 @@ it) each block sees only the last window of context before its anchor, as in tra
 
 Prompts: the first tokens of the repository's own Python files (services/, sorted, those long
 enough), so the figures need no corpus and repeat anywhere. Each (prompt length, window,
-temperature) serves --num-prompts prompts at once through `SchedulerCore` with the bundled pair
-(fp32, static verify of gamma = 7), each continued for --new-tokens tokens; accept length = tokens
+temperature) serves --num-prompts prompts at once through the core `build_core` makes for
+`--speculative-algorithm dspark` (fp32 on the CPU; bf16 and draft graphs on CUDA; static verify of
+gamma = 7), each continued for --new-tokens tokens; `output_tok_s` their tokens over the run's
+wall time; accept length = tokens
 gained per verify forward (accepted drafts + the bonus token), as `ops/train/evaluate.py` counts it;
 `propose_ms` the median wall time of one `propose` (all the batch's blocks) on this CPU: a window
 that binds reads W / 16 + 1 cache blocks a row instead of the whole context.
 Windows: 0 is the whole context; "config" the draft config's.
 
-    python -m ops.bench.dspark_context_accept --out ops/bench/results/dspark_context_accept.json
+    python -m ops.bench.dspark_context_accept --prompt-lens 64 256 512 1024 2048 --out ops/bench/results/dspark_context_accept.json
+    python -m ops.bench.dspark_context_accept --device cuda --out $OUT/dspark_context_accept_gpu.json
 """
 
 from __future__ import annotations
@@ -30,10 +33,9 @@ from tokenizers import Tokenizer
 
 from ops.train.evaluate import run_speculative
 from services.models import BUNDLED_DRAFT_MODEL, BUNDLED_MODEL
-from services.scheduler.core import SchedulerCore
-from services.scheduler.model.loader import load_model_runner
+from services.scheduler.config import SchedulerConfig
+from services.scheduler.service import build_core
 from services.scheduler.spec.dspark_config import DSparkConfig
-from services.scheduler.spec.dspark_loader import load_dspark_proposer
 
 REPO = Path(__file__).resolve().parents[2]
 KV_BLOCK_SIZE = 16
@@ -51,11 +53,16 @@ def repository_prompts(tokenizer: Tokenizer, count: int, length: int) -> list[li
     raise ValueError(f"only {len(prompts)} files under services/ hold {length} tokens; asked for {count}")
 
 
-def accept_length(model: Path, draft: Path, prompts: list[list[int]], window: int, temperature: float, new_tokens: int) -> dict:
-    longest = max(len(prompt) for prompt in prompts) + new_tokens + KV_BLOCK_SIZE  # + a verify block past the end
-    num_blocks = len(prompts) * (-(-longest // KV_BLOCK_SIZE) + 1)
-    runner = load_model_runner(model, device=torch.device("cpu"), dtype=torch.float32, num_kv_blocks=num_blocks, kv_block_size=KV_BLOCK_SIZE)
-    proposer = load_dspark_proposer(draft, runner, context_window=window)
+def accept_length(args: argparse.Namespace, prompts: list[list[int]], window: int | None, temperature: float) -> dict:
+    """The pair served as `sparkwire up --speculative-algorithm dspark` serves it (`build_core`: on CUDA
+    with draft graphs), every prompt at once."""
+    longest = max(len(prompt) for prompt in prompts) + args.new_tokens + KV_BLOCK_SIZE  # + a verify block past the end
+    config = SchedulerConfig(model=str(args.model), draft_model=str(args.draft), speculative_algorithm="dspark",
+                             draft_context_window=window, device=args.device, max_running_requests=len(prompts),
+                             num_kv_blocks=len(prompts) * (-(-longest // KV_BLOCK_SIZE) + 1), kv_block_size=KV_BLOCK_SIZE)  # fmt: skip
+    core = build_core(config)
+    proposer = core.worker.proposer
+    served_window = getattr(proposer, "proposer", proposer).context_window  # DraftGraphs wraps the DSparkProposer
     propose, drafting = proposer.propose, []
 
     def timed(request):
@@ -66,37 +73,42 @@ def accept_length(model: Path, draft: Path, prompts: list[list[int]], window: in
             drafting.append(time.perf_counter() - started)
 
     proposer.propose = timed
-    core = SchedulerCore(runner, max_running_requests=len(prompts), chunked_prefill_size=4096, proposer=proposer, seed=0)
-    out = run_speculative(core, prompts, temperature, new_tokens)
+    started = time.perf_counter()
+    out = run_speculative(core, prompts, temperature, args.new_tokens)
+    seconds = time.perf_counter() - started
     gained = sum(len(ids) - 1 for ids in out["tokens"].values())
     forwards = sum(out["verify"].values())
-    return {"accept_length": round(gained / forwards, 3), "verify_forwards": forwards, "window_served": proposer.context_window,
-            "propose_ms": round(1e3 * sorted(drafting)[len(drafting) // 2], 3), "proposes": len(drafting)}  # fmt: skip
+    on_cpu = core.worker.runner.device.type == "cpu"  # elsewhere a propose's host time is its launch, not its work
+    return {"accept_length": round(gained / forwards, 3), "verify_forwards": forwards, "window_served": served_window,
+            "propose_ms": round(1e3 * sorted(drafting)[len(drafting) // 2], 3) if on_cpu else None, "proposes": len(drafting),
+            "output_tok_s": round(len(prompts) * args.new_tokens / seconds, 1)}  # fmt: skip
 
 
 def run(args: argparse.Namespace) -> dict:
     tokenizer = Tokenizer.from_file(str(args.model / "tokenizer.json"))
-    configured = DSparkConfig.from_pretrained(args.draft).context_window
-    rows = []
+    rows: list[dict] = []
+    result = {"model": _shown(args.model), "draft": _shown(args.draft), "configured_window": DSparkConfig.from_pretrained(args.draft).context_window,
+              "num_prompts": args.num_prompts, "new_tokens": args.new_tokens,
+              "device": torch.cuda.get_device_name() if args.device == "cuda" else args.device, "torch": torch.__version__,
+              "rows": rows}  # fmt: skip
+    args.out.parent.mkdir(parents=True, exist_ok=True)
     for length in args.prompt_lens:
         prompts = repository_prompts(tokenizer, args.num_prompts, length)
         for temperature in args.temperatures:
             for window in args.windows:
                 started = time.perf_counter()
-                served = None if window == "config" else int(window)
-                figures = accept_length(args.model, args.draft, prompts, served, temperature, args.new_tokens)
+                figures = accept_length(args, prompts, None if window == "config" else int(window), temperature)
                 rows.append({"prompt_len": length, "temperature": temperature, "window": window, **figures,
                              "seconds": round(time.perf_counter() - started, 2)})  # fmt: skip
+                args.out.write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")  # each row kept as it comes
                 print(f"prompt {length:5d}  T={temperature:g}  window {window!s:>6}: accept {figures['accept_length']:.3f}, "
-                      f"propose {figures['propose_ms']:.2f} ms", flush=True)  # fmt: skip
-    result = {"model": str(args.model.relative_to(REPO)) if args.model.is_relative_to(REPO) else str(args.model),
-              "draft": str(args.draft.relative_to(REPO)) if args.draft.is_relative_to(REPO) else str(args.draft),
-              "configured_window": configured, "num_prompts": args.num_prompts, "new_tokens": args.new_tokens,
-              "torch": torch.__version__, "rows": rows}  # fmt: skip
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
+                      f"propose {figures['propose_ms']} ms, {figures['output_tok_s']} tok/s", flush=True)  # fmt: skip
     print(table(result))
     return result
+
+
+def _shown(path: Path) -> str:
+    return str(path.relative_to(REPO)) if path.is_relative_to(REPO) else str(path)
 
 
 def table(result: dict) -> str:
@@ -110,16 +122,18 @@ def table(result: dict) -> str:
         cells.setdefault((row["prompt_len"], row["temperature"]), {})[row["window"]] = row["accept_length"]
     for (length, temperature), by_window in cells.items():
         lines.append(f"| {length} | {temperature:g} | " + " | ".join(f"{by_window.get(w, '')}" for w in windows) + " |")
-    lines += ["", "propose ms (median, all the batch's blocks), T = 0:", "",
-              "| prompt tokens | " + " | ".join(f"window {w}" for w in windows) + " |", "|---|" + "---|" * len(windows)]  # fmt: skip
-    for length in dict.fromkeys(row["prompt_len"] for row in result["rows"]):
-        ms = {row["window"]: row["propose_ms"] for row in result["rows"] if row["prompt_len"] == length and row["temperature"] == 0}
-        lines.append(f"| {length} | " + " | ".join(f"{ms.get(w, '')}" for w in windows) + " |")
+    for figure, title in (("propose_ms", "propose ms (median, all the batch's blocks; CPU only)"), ("output_tok_s", "output tok/s")):
+        lines += ["", f"{title}, T = 0:", "", "| prompt tokens | " + " | ".join(f"window {w}" for w in windows) + " |",
+                  "|---|" + "---|" * len(windows)]  # fmt: skip
+        for length in dict.fromkeys(row["prompt_len"] for row in result["rows"]):
+            cells = {row["window"]: row[figure] for row in result["rows"] if row["prompt_len"] == length and row["temperature"] == 0}
+            lines.append(f"| {length} | " + " | ".join(f"{cells.get(w, '')}" for w in windows) + " |")
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--model", type=Path, default=BUNDLED_MODEL)
     parser.add_argument("--draft", type=Path, default=BUNDLED_DRAFT_MODEL)
     parser.add_argument("--prompt-lens", type=int, nargs="+", default=[64, 256, 512, 1024])
