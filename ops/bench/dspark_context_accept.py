@@ -1,4 +1,4 @@
-"""The bundled DSpark pair's accept length by prompt length and the drafter's context window, on the CPU.
+"""The bundled DSpark pair's accept length by prompt length and the drafter's context window.
 
 The bundled drafter (ops/models/sparkwire-micro-dspark) was trained on sequences of 256 tokens: no
 anchor it met sat more than 256 positions after its context's start. Served on a longer prompt with
@@ -11,10 +11,10 @@ enough), so the figures need no corpus and repeat anywhere. Each (prompt length,
 temperature) serves --num-prompts prompts at once through the core `build_core` makes for
 `--speculative-algorithm dspark` (fp32 on the CPU; bf16 and draft graphs on CUDA; static verify of
 gamma = 7), each continued for --new-tokens tokens; `output_tok_s` their tokens over the run's
-wall time; accept length = tokens
-gained per verify forward (accepted drafts + the bonus token), as `ops/train/evaluate.py` counts it;
-`propose_ms` the median wall time of one `propose` (all the batch's blocks) on this CPU: a window
-that binds reads W / 16 + 1 cache blocks a row instead of the whole context.
+wall time; accept length = tokens gained per verify forward (accepted drafts + the bonus token),
+as `ops/train/evaluate.py` counts it; `propose_ms` (CPU only) the median wall time of one
+`propose` (all the batch's blocks): a window that binds reads W / 16 + 1 cache blocks a row
+instead of the whole context.
 Windows: 0 is the whole context; "config" the draft config's.
 
     python -m ops.bench.dspark_context_accept --prompt-lens 64 256 512 1024 2048 --out ops/bench/results/dspark_context_accept.json
@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 from tokenizers import Tokenizer
 
-from ops.train.evaluate import run_speculative
+from ops.train.evaluate import mean_accept_length, run_speculative
 from services.models import BUNDLED_DRAFT_MODEL, BUNDLED_MODEL
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.service import build_core
@@ -74,12 +74,10 @@ def accept_length(args: argparse.Namespace, prompts: list[list[int]], window: in
 
     proposer.propose = timed
     started = time.perf_counter()
-    out = run_speculative(core, prompts, temperature, args.new_tokens)
+    accept, forwards, _ = mean_accept_length(run_speculative(core, prompts, temperature, args.new_tokens))
     seconds = time.perf_counter() - started
-    gained = sum(len(ids) - 1 for ids in out["tokens"].values())
-    forwards = sum(out["verify"].values())
     on_cpu = core.worker.runner.device.type == "cpu"  # elsewhere a propose's host time is its launch, not its work
-    return {"accept_length": round(gained / forwards, 3), "verify_forwards": forwards, "window_served": served_window,
+    return {"accept_length": round(accept, 3), "verify_forwards": forwards, "window_served": served_window,
             "propose_ms": round(1e3 * sorted(drafting)[len(drafting) // 2], 3) if on_cpu else None, "proposes": len(drafting),
             "output_tok_s": round(len(prompts) * args.new_tokens / seconds, 1)}  # fmt: skip
 

@@ -119,6 +119,13 @@ def run_speculative(core: SchedulerCore, prompts: list[list[int]], temperature: 
     raise RuntimeError(f"the core did not finish {len(prompts)} requests in {MAX_STEPS} steps")
 
 
+def mean_accept_length(out: dict) -> tuple[float, int, int]:
+    """`run_speculative`'s output -> (mean accept length, verify forwards, tokens after each first)."""
+    gained = sum(len(ids) - 1 for ids in out["tokens"].values())
+    forwards = sum(out["verify"].values())
+    return gained / forwards, forwards, gained
+
+
 def evaluate_drafter(
     model_dir: Path, draft_dir: Path, corpus_dir: Path, device: torch.device, seed: int = 0,
     num_prompts: int = NUM_PROMPTS, new_tokens: int = NEW_TOKENS,
@@ -139,11 +146,9 @@ def accept_lengths(model_dir: Path, draft_dir: Path, prompts: list[list[int]], d
         runner = load_model_runner(model_dir, device=device, dtype=dtype, num_kv_blocks=blocks_needed, kv_block_size=16)
         proposer = load_dspark_proposer(draft_dir, runner)
         core = SchedulerCore(runner, max_running_requests=len(prompts), chunked_prefill_size=4096, proposer=proposer, seed=seed)
-        out = run_speculative(core, prompts, temperature, new_tokens)
-        gained = sum(len(ids) - 1 for ids in out["tokens"].values())
-        forwards = sum(out["verify"].values())
+        accept, forwards, gained = mean_accept_length(run_speculative(core, prompts, temperature, new_tokens))
         results[f"temperature_{temperature:g}"] = {
-            "gamma": proposer.num_draft_tokens, "mean_accept_length": gained / forwards, "verify_forwards": forwards,
+            "gamma": proposer.num_draft_tokens, "mean_accept_length": accept, "verify_forwards": forwards,
             "tokens_after_first": gained,
         }  # fmt: skip
     return results

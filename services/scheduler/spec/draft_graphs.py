@@ -59,7 +59,7 @@ class DraftGraphs:
             return self.proposer.propose(request)
         size = self.proposer.kv_cache.block_size
         count = self.proposer.context_block_count(request.max_anchor_position)
-        bucket = count if count < -(-request.max_anchor_position // size) else _bucket(count)  # a binding window: its own count
+        bucket = count if self.proposer.window_binds(request.max_anchor_position) else _bucket(count)  # a window: its own count
         # The bound only ever rises (to fill the bucket from the start): a lower one would cut rows' newest blocks.
         if bucket * size > request.max_anchor_position:
             request = replace(request, max_anchor_position=bucket * size)

@@ -110,25 +110,30 @@ class DSparkProposer:
 
         return self.drafter.run_block(x, positions, context, mask)
 
+    def window_binds(self, max_anchor_position: int) -> bool:
+        """Whether rows with anchors up to max_anchor_position read fewer blocks than all those below it."""
+        return self.context_window is not None and self._window_blocks() < -(-max_anchor_position // self.kv_cache.block_size)
+
     def context_block_count(self, max_anchor_position: int) -> int:
         """Cache blocks a row reads for anchors up to max_anchor_position: all those below it, or, where
         the window binds, the W / block_size + 1 that hold any W consecutive positions."""
-        whole = -(-max_anchor_position // self.kv_cache.block_size)
-        if self.context_window is None:
-            return whole
-        return min(whole, -(-self.context_window // self.kv_cache.block_size) + 1)
+        if self.window_binds(max_anchor_position):
+            return self._window_blocks()
+        return -(-max_anchor_position // self.kv_cache.block_size)
+
+    def _window_blocks(self) -> int:
+        return -(-self.context_window // self.kv_cache.block_size) + 1
 
     def _context_blocks(self, request: DraftRequest, anchors: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(each row's context blocks [B, n], the position of their first slot [B]), on the device."""
         # Context keys sit at positions < anchor <= max_anchor_position: that many blocks cover them.
-        size = self.kv_cache.block_size
-        table = request.block_tables.to(self.device).long()
+        size, table = self.kv_cache.block_size, request.block_tables.to(self.device)
         count = self.context_block_count(request.max_anchor_position)
-        if count == -(-request.max_anchor_position // size):  # every block from the start
-            return table[:, : min(count, table.shape[1])].clamp_min(0), torch.zeros_like(anchors)  # -1 padding: any block, masked
+        if not self.window_binds(request.max_anchor_position):  # every block from the start
+            return table[:, : min(count, table.shape[1])].long().clamp_min(0), torch.zeros_like(anchors)  # -1 padding: any block, masked
         first = (anchors - self.context_window).clamp_min(0) // size  # [B]: the block of each row's oldest window position
         columns = (first[:, None] + torch.arange(count, device=self.device)).clamp_max(table.shape[1] - 1)  # past the table: masked
-        return table.gather(1, columns).clamp_min(0), first * size
+        return table.gather(1, columns).long().clamp_min(0), first * size
 
     def _draft(self, hidden: torch.Tensor, inputs: DraftInputs) -> DraftProposal:
         sampler = _BlockSampler(inputs, hidden.shape[1])
