@@ -9,7 +9,10 @@ and two, fewer launches per decode step), and each Hugging Face name maps to a r
 `CausalLM.fused_kernels` (the runner sets it: `ModelRunner.fused_kernels`) swaps the small ops
 between the matmuls for the Triton kernels of `triton_fused.py`, with the torch code here as their
 twin (same rounding): residual add + RMSNorm (`add_rms_norm`), Qwen3's q/k RMSNorm + RoPE + the
-K/V write into the paged cache (`Attention.rotate_and_store`), and SiLU(gate) * up (`silu_mul`).
+K/V write into the paged cache (`Attention.rotate_and_store`), and SiLU(gate) * up (`silu_mul`);
+at one token (`GEMV_TOKENS`) the norms take the matmul after them along (`norm_linear`: q/k/v,
+gate/up) and SiLU * up the down projection (`silu_linear`), as GEMVs in the same launch, and
+o_proj is a GEMV of its own (`project`).
 Layers carry the residual stream beside the sublayer output, so each add meets the norm after it:
 layer l takes (its input's last sublayer output, the stream before it) and returns the same pair.
 """
@@ -27,6 +30,8 @@ from services.scheduler.model.attention import AttentionPlan, DecodePlan, Varlen
 from services.scheduler.model.batch import ForwardBatch
 from services.scheduler.model.config import ModelConfig, RopeScaling
 from services.scheduler.model.kv_cache import PagedKVCache
+
+GEMV_TOKENS = 1  # rows that triton_fused's one-token GEMVs take when fused: a batch-1 decode step's
 
 
 Plan = AttentionPlan | DecodePlan | VarlenPlan
@@ -66,6 +71,36 @@ def silu_mul(gate_up: torch.Tensor, fused: bool = False) -> torch.Tensor:
         return silu_mul_triton(gate_up)
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
+
+
+def norm_linear(
+    x: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm, linear: nn.Linear, fused: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(linear(norm(x + residual)), x + residual) as `add_rms_norm`; fused at one token, one launch."""
+    if fused and x.shape[0] == GEMV_TOKENS:
+        from services.scheduler.model.triton_fused import norm_gemv_triton
+
+        return norm_gemv_triton(x, residual, norm.weight, norm.eps, linear.weight, linear.bias)
+    normed, residual = add_rms_norm(x, residual, norm, fused)
+    return linear(normed), residual
+
+
+def project(x: torch.Tensor, linear: nn.Linear, fused: bool = False) -> torch.Tensor:
+    """linear(x) for x [T, K]; fused at one token, the one-token GEMV."""
+    if fused and x.shape[0] == GEMV_TOKENS:
+        from services.scheduler.model.triton_fused import gemv_triton
+
+        return gemv_triton(x, linear.weight, linear.bias)
+    return linear(x)
+
+
+def silu_linear(gate_up: torch.Tensor, linear: nn.Linear, fused: bool = False) -> torch.Tensor:
+    """linear(SiLU(gate) * up) for gate_up [T, 2I]; fused at one token, one launch."""
+    if fused and gate_up.shape[0] == GEMV_TOKENS:
+        from services.scheduler.model.triton_fused import silu_gemv_triton
+
+        return silu_gemv_triton(gate_up, linear.weight, linear.bias)
+    return linear(silu_mul(gate_up, fused))
 
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
@@ -123,14 +158,16 @@ class Attention(nn.Module):
         yield from _fused_slices(self.qkv_proj, ("q_proj", "k_proj", "v_proj"), self.split_sizes)
 
     def forward(
-        self, x: torch.Tensor, rope: tuple[torch.Tensor, ...], batch: ForwardBatch, cache: PagedKVCache, plan: Plan,
+        self, qkv: torch.Tensor, rope: tuple[torch.Tensor, ...], batch: ForwardBatch, cache: PagedKVCache, plan: Plan,
         fused: bool = False,
     ) -> torch.Tensor:
-        num_tokens = x.shape[0]
-        q = self.rotate_and_store(self.qkv_proj(x), rope, batch.slot_mapping, cache, fused)  # [T, Hq, D]
+        """qkv [T, (Hq + 2 Hkv) D], the `qkv_proj` of the normed stream (the layer applies it with
+        the norm: `norm_linear`) -> the o_proj output [T, H]."""
+        num_tokens = qkv.shape[0]
+        q = self.rotate_and_store(qkv, rope, batch.slot_mapping, cache, fused)  # [T, Hq, D]
         key_cache, value_cache = cache.key_cache(self.layer_index), cache.value_cache(self.layer_index)
         out = paged_attention(q, key_cache, value_cache, plan, self.head_dim**-0.5)  # [T, Hq, D]
-        return self.o_proj(out.reshape(num_tokens, -1))
+        return project(out.reshape(num_tokens, -1), self.o_proj, fused)
 
     def rotate_and_store(
         self, qkv: torch.Tensor, rope: tuple[torch.Tensor, ...], slot_mapping: torch.Tensor, cache: PagedKVCache,
@@ -169,7 +206,7 @@ class MLP(nn.Module):
         yield from _fused_slices(self.gate_up_proj, ("gate_proj", "up_proj"), sizes)
 
     def forward(self, x: torch.Tensor, fused: bool = False) -> torch.Tensor:
-        return self.down_proj(silu_mul(self.gate_up_proj(x), fused))
+        return silu_linear(self.gate_up_proj(x), self.down_proj, fused)
 
 
 def _fused_slices(
@@ -197,10 +234,10 @@ class DecoderLayer(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(x, residual) -> (this layer's MLP output, the stream before it); their sum is the layer's
         output. residual None: x is the whole stream (the embeddings, or a layer output made whole)."""
-        normed, residual = add_rms_norm(x, residual, self.input_layernorm, fused)
-        x = self.self_attn(normed, rope, batch, cache, plan, fused)
-        normed, residual = add_rms_norm(x, residual, self.post_attention_layernorm, fused)
-        return self.mlp(normed, fused), residual
+        qkv, residual = norm_linear(x, residual, self.input_layernorm, self.self_attn.qkv_proj, fused)
+        x = self.self_attn(qkv, rope, batch, cache, plan, fused)
+        gate_up, residual = norm_linear(x, residual, self.post_attention_layernorm, self.mlp.gate_up_proj, fused)
+        return silu_linear(gate_up, self.mlp.down_proj, fused), residual
 
 
 class DecoderModel(nn.Module):

@@ -9,7 +9,13 @@ Each kernel computes what its torch twin in `llama.py` computes, rounding where 
   RMSNorm (as above), then rotate-half RoPE (x * cos rounded, plus rotated * sin, rounded once, as
   torch's addcmul), q stored, k and v written to the paged cache at the token's slot: 1 launch for
   ~9 (norms, cat, neg, mul, addcmul, split, two index copies);
-- `silu_mul_triton` (twin `llama.silu_mul`): SiLU(gate) in fp32 rounded, times up, rounded: 1 for 2.
+- `silu_mul_triton` (twin `llama.silu_mul`): SiLU(gate) in fp32 rounded, times up, rounded: 1 for 2;
+- at one token (a batch-1 decode step: `llama.GEMV_TOKENS`), the matmul on either side of a small op as
+  a GEMV in the same launch: `norm_gemv_triton` (twin `llama.norm_linear`: the add + RMSNorm above,
+  then the linear, fp32 sums) before q/k/v and gate/up, `silu_gemv_triton` (twin `llama.silu_linear`:
+  SiLU * up as above, then down's linear): 3 launches a layer fewer; and o_proj's alone
+  (`gemv_triton`, twin `llama.project`), where cuBLAS takes 11 µs for the 0.6B's 4 MB. Their sums
+  run in another order than cuBLAS's, so these match their twins to fp32 rounding, not bit for bit.
 
 Every launch's grid and outputs follow the input shapes only: no host sync, no data-dependent
 allocation, so CUDA graphs capture them.
@@ -195,3 +201,154 @@ def silu_mul_triton(gate_up: torch.Tensor) -> torch.Tensor:
 def _warps(block: int) -> int:
     """Warps for a row of `block` elements: 4 up to 1024 elements (8 per thread at most), 8 past them."""
     return 4 if block <= 1024 else 8
+
+
+# One-token GEMVs: a program computes BLOCK_N outputs, striding the input in BLOCK_K columns; its
+# weight tile [BLOCK_N, BLOCK_K] is summed into fp32 per lane and reduced once at the end.
+
+
+@triton.jit
+def _norm_gemv_kernel(
+    x_ptr, residual_ptr, norm_weight_ptr, weight_ptr, bias_ptr, out_ptr, residual_out_ptr, eps, stride_w, N,
+    HIDDEN: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_RESIDUAL: tl.constexpr, HAS_BIAS: tl.constexpr,
+):
+    # Every program sums x (+ residual) and its squares itself (the row is HIDDEN values, in L2);
+    # program 0 alone writes the sum out as the new residual.
+    pid = tl.program_id(0)
+    dtype = x_ptr.dtype.element_ty
+    squares = tl.zeros([BLOCK_K], dtype=tl.float32)
+    for start in range(0, HIDDEN, BLOCK_K):
+        cols = start + tl.arange(0, BLOCK_K)
+        x = _summed_input(x_ptr, residual_ptr, cols, HIDDEN, HAS_RESIDUAL).to(tl.float32)
+        squares += x * x
+        if HAS_RESIDUAL:
+            if pid == 0:
+                tl.store(residual_out_ptr + cols, x.to(dtype), mask=cols < HIDDEN)
+    rstd = tl.math.rsqrt(tl.sum(squares, axis=0) / HIDDEN + eps)
+    rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    for start in range(0, HIDDEN, BLOCK_K):
+        cols = start + tl.arange(0, BLOCK_K)
+        x = _summed_input(x_ptr, residual_ptr, cols, HIDDEN, HAS_RESIDUAL).to(tl.float32)
+        norm_weight = tl.load(norm_weight_ptr + cols, mask=cols < HIDDEN, other=0.0).to(tl.float32)
+        normed = ((x * rstd).to(dtype).to(tl.float32) * norm_weight).to(dtype)
+        acc += _weight_tile(weight_ptr, rows, cols, stride_w, N, HIDDEN) * normed.to(tl.float32)[None, :]
+    _store_gemv(acc, bias_ptr, out_ptr, rows, N, HAS_BIAS)
+
+
+@triton.jit
+def _gemv_kernel(
+    in_ptr, weight_ptr, bias_ptr, out_ptr, stride_w, N,
+    K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GATED: tl.constexpr, HAS_BIAS: tl.constexpr,
+):
+    # GATED: the input is SiLU(in[:K]) * in[K:] (gate | up), each rounded as `silu_mul` rounds; else in[:K].
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    for start in range(0, K, BLOCK_K):
+        cols = start + tl.arange(0, BLOCK_K)
+        x = tl.load(in_ptr + cols, mask=cols < K, other=0.0)
+        if GATED:
+            up = tl.load(in_ptr + K + cols, mask=cols < K, other=0.0)
+            gate_f = x.to(tl.float32)
+            silu = (gate_f / (1.0 + tl.exp(-gate_f))).to(x.dtype)
+            x = (silu.to(tl.float32) * up.to(tl.float32)).to(x.dtype)
+        acc += _weight_tile(weight_ptr, rows, cols, stride_w, N, K) * x.to(tl.float32)[None, :]
+    _store_gemv(acc, bias_ptr, out_ptr, rows, N, HAS_BIAS)
+
+
+@triton.jit
+def _summed_input(x_ptr, residual_ptr, cols, HIDDEN: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
+    """x (+ residual, rounded once to x's dtype) at cols; 0 past the row."""
+    x = tl.load(x_ptr + cols, mask=cols < HIDDEN, other=0.0)
+    if HAS_RESIDUAL:
+        residual = tl.load(residual_ptr + cols, mask=cols < HIDDEN, other=0.0)
+        x = (x.to(tl.float32) + residual.to(tl.float32)).to(x_ptr.dtype.element_ty)
+    return x
+
+
+@triton.jit
+def _weight_tile(weight_ptr, rows, cols, stride_w, N, K: tl.constexpr):
+    """weight[rows, cols] in fp32, 0 outside [N, K]."""
+    mask = (rows[:, None] < N) & (cols[None, :] < K)
+    return tl.load(weight_ptr + rows[:, None] * stride_w + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _store_gemv(acc, bias_ptr, out_ptr, rows, N, HAS_BIAS: tl.constexpr):
+    """The tile's sums (+ bias), rounded once, as cuBLAS's epilogue rounds."""
+    out = tl.sum(acc, axis=1)
+    if HAS_BIAS:
+        out += tl.load(bias_ptr + rows, mask=rows < N, other=0.0).to(tl.float32)
+    tl.store(out_ptr + rows, out.to(out_ptr.dtype.element_ty), mask=rows < N)
+
+
+def gemv_tiles(out_features: int, in_features: int, normed: bool) -> tuple[int, int, int]:
+    """(BLOCK_N, BLOCK_K, warps) for a one-token GEMV of a weight [N, K]; `normed`: `_norm_gemv_kernel`.
+
+    From the H200 sweeps (ops/bench/results/gpu_gemv.md, runs 1-4: 10 settings each, µs, these
+    against the fastest): the norm kernel sums the row's squares once per program, so it takes 16
+    rows over 256 columns (0.6B q/k/v 3.6 / 3.6, gate/up 4.1 / 4.1; 8B 16.6 / 15.3, 49.0 / 49.0);
+    the plain and gated GEMV 8 rows over 512 columns (8B down 27.8 / 27.7, o_proj 6.2 / 6.0), or
+    over 1024 with 8 warps where 8-row programs would not fill the card twice (the 0.6B's 1024 rows,
+    128 programs: down 3.5 / 3.4, o_proj 2.5 / 2.4).
+    """
+    if normed:
+        tiles = (16, 256, 4)
+    else:
+        tiles = (8, 1024, 8) if out_features < 2048 else (8, 512, 4)
+    return tiles[0], min(tiles[1], triton.next_power_of_2(in_features)), tiles[2]
+
+
+def norm_gemv_triton(
+    x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
+    weight: torch.Tensor, bias: torch.Tensor | None, tiles: tuple[int, int, int] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """x, residual [1, H]; weight [N, H] (rows contiguous) -> (linear(weight * rms_norm(x + residual)), x + residual)."""
+    hidden = _check_gemv(x, weight)
+    out_features = weight.shape[0]
+    out = torch.empty(1, out_features, dtype=x.dtype, device=x.device)
+    summed = x if residual is None else torch.empty_like(x)
+    block_n, block_k, warps = tiles or gemv_tiles(out_features, hidden, normed=True)
+    _norm_gemv_kernel[(triton.cdiv(out_features, block_n),)](
+        x, x if residual is None else residual, norm_weight, weight, weight if bias is None else bias, out, summed, eps,
+        weight.stride(0), out_features, HIDDEN=hidden, BLOCK_N=block_n, BLOCK_K=block_k,
+        HAS_RESIDUAL=residual is not None, HAS_BIAS=bias is not None, num_warps=warps,
+    )  # fmt: skip
+    return out, summed
+
+
+def silu_gemv_triton(
+    gate_up: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, tiles: tuple[int, int, int] | None = None
+) -> torch.Tensor:
+    """gate_up [1, 2I] = [gate | up]; weight [N, I] (rows contiguous) -> linear(SiLU(gate) * up) [1, N]."""
+    return _gemv(gate_up, weight, bias, tiles, gated=True)
+
+
+def gemv_triton(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, tiles: tuple[int, int, int] | None = None
+) -> torch.Tensor:
+    """x [1, K]; weight [N, K] (rows contiguous) -> linear(x) [1, N]: one launch where cuBLAS takes one
+    or two slower ones at these shapes (gpu_gemv.md)."""
+    return _gemv(x, weight, bias, tiles, gated=False)
+
+
+def _gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, tiles: tuple[int, int, int] | None,
+          gated: bool) -> torch.Tensor:  # fmt: skip
+    in_features = _check_gemv(x[:, : x.shape[1] // 2] if gated else x, weight)
+    out_features = weight.shape[0]
+    out = torch.empty(1, out_features, dtype=x.dtype, device=x.device)
+    block_n, block_k, warps = tiles or gemv_tiles(out_features, in_features, normed=False)
+    _gemv_kernel[(triton.cdiv(out_features, block_n),)](
+        x, weight, weight if bias is None else bias, out, weight.stride(0), out_features,
+        K=in_features, BLOCK_N=block_n, BLOCK_K=block_k, GATED=gated, HAS_BIAS=bias is not None, num_warps=warps,
+    )  # fmt: skip
+    return out
+
+
+def _check_gemv(x: torch.Tensor, weight: torch.Tensor) -> int:
+    """The input width of a one-token GEMV, after checking its layout."""
+    if x.shape[0] != 1:
+        raise ValueError(f"the one-token GEMV kernels take one row, not {x.shape[0]}")
+    assert x.stride(-1) == 1 and weight.stride(1) == 1 and weight.shape[1] == x.shape[1], "rows must be contiguous"
+    return x.shape[1]
+

@@ -13,7 +13,7 @@ import torch
 
 from services.scheduler.model.config import ModelConfig
 from services.scheduler.model.kv_cache import PagedKVCache
-from services.scheduler.model.llama import CausalLM, RMSNorm, add_rms_norm, rope_cos_sin, silu_mul
+from services.scheduler.model.llama import CausalLM, RMSNorm, add_rms_norm, norm_linear, project, rope_cos_sin, silu_linear, silu_mul
 from services.scheduler.model.runner import ModelRunner
 from tests.services.scheduler.model.triton_interpreter import INTERPRETED, interpreted, run_interpreted_cases, runs_the_interpreter
 
@@ -108,6 +108,63 @@ def test_interpreted_silu_mul_matches_twin() -> None:
 
 
 @interpreted
+@pytest.mark.parametrize("tiles", [None, (8, 16, 4)])  # None: gemv_tiles' own; 8 x 16: 5 row programs, the last masked, 3 column steps
+@pytest.mark.parametrize(("with_residual", "with_bias"), [(False, False), (True, False), (True, True)])
+def test_interpreted_norm_gemv_matches_twin(tiles, with_residual, with_bias) -> None:
+    from services.scheduler.model.triton_fused import norm_gemv_triton
+
+    gen = torch.Generator().manual_seed(5)
+    x, residual = torch.randn(1, 48, generator=gen), torch.randn(1, 48, generator=gen)
+    norm, linear = RMSNorm(48, 1e-6), torch.nn.Linear(48, 37, bias=with_bias)
+    with torch.no_grad():
+        norm.weight.copy_(1.0 + 0.2 * torch.randn(48, generator=gen))
+        residual = residual if with_residual else None
+        got = norm_gemv_triton(x, residual, norm.weight, norm.eps, linear.weight, linear.bias, tiles)
+        want = norm_linear(x, residual, norm, linear)
+    torch.testing.assert_close(got[0], want[0], **TOLERANCE)
+    torch.testing.assert_close(got[1], want[1], atol=0, rtol=0)  # the new residual: the same one rounding
+
+
+@interpreted
+@pytest.mark.parametrize("tiles", [None, (8, 16, 4)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_interpreted_silu_gemv_matches_twin(tiles, with_bias) -> None:
+    from services.scheduler.model.triton_fused import silu_gemv_triton
+
+    gen = torch.Generator().manual_seed(6)
+    gate_up, linear = 3 * torch.randn(1, 2 * 40, generator=gen), torch.nn.Linear(40, 37, bias=with_bias)  # 40: a masked step
+    with torch.no_grad():
+        got, want = silu_gemv_triton(gate_up, linear.weight, linear.bias, tiles), silu_linear(gate_up, linear)
+    torch.testing.assert_close(got, want, **TOLERANCE)
+
+
+@interpreted
+@pytest.mark.parametrize("tiles", [None, (8, 16, 4)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_interpreted_gemv_matches_twin(tiles, with_bias) -> None:
+    from services.scheduler.model.triton_fused import gemv_triton
+
+    gen = torch.Generator().manual_seed(7)
+    x, linear = torch.randn(1, 40, generator=gen), torch.nn.Linear(40, 37, bias=with_bias)
+    with torch.no_grad():
+        got, want = gemv_triton(x, linear.weight, linear.bias, tiles), project(x, linear)
+    torch.testing.assert_close(got, want, **TOLERANCE)
+
+
+@interpreted
+def test_interpreted_gemv_kernels_refuse_more_than_one_row() -> None:
+    from services.scheduler.model.triton_fused import gemv_triton, norm_gemv_triton, silu_gemv_triton
+
+    linear = torch.nn.Linear(48, 8)
+    with pytest.raises(ValueError, match="one row"):
+        norm_gemv_triton(torch.randn(2, 48), None, torch.ones(48), 1e-6, linear.weight, None)
+    with pytest.raises(ValueError, match="one row"):
+        silu_gemv_triton(torch.randn(2, 96), linear.weight, None)
+    with pytest.raises(ValueError, match="one row"):
+        gemv_triton(torch.randn(2, 48), linear.weight, None)
+
+
+@interpreted
 @pytest.mark.parametrize("family", list(FAMILIES))
 @pytest.mark.parametrize("heads_per_program", [1, 4, 8])  # 6 rotated heads: one a program, a masked second program, all in one masked
 def test_interpreted_rotate_and_store_matches_twin(family, heads_per_program, monkeypatch) -> None:
@@ -151,17 +208,36 @@ def test_interpreted_model_forward_fused_equals_unfused(family, make_pager) -> N
     prefill = pager.batch([(0, [5, 6, 7, 8, 9], 0), (1, [10, 11, 12], 0)], capture_layers=(0,))
     prefill = dataclasses.replace(prefill, host_query_lens=(5, 3), host_seq_lens=(5, 3))
     decode = pager.batch([(0, [40], 5), (1, [41], 3)])
+    single = pager.batch([(0, [42], 6)])  # one token: the one-token GEMVs (a batch-1 graph of the ladder)
     outputs = []
     for runner in runners:
         runner.prepare_ragged_graphs((4,), (12,), max_blocks_per_seq=4, capture=False, capture_layers=(0,))
-        runner.prepare_decode_graphs(ladder=(4,), max_blocks_per_seq=4, capture=False)
+        runner.prepare_decode_graphs(ladder=(1, 4), max_blocks_per_seq=4, capture=False)
         assert runner.ragged_graphs.fits(prefill) and runner.decode_graphs.fits(decode)
-        outputs.append((runner.forward(prefill), runner.forward(decode)))
-    (want_prefill, want_decode), (got_prefill, got_decode) = outputs
+        outputs.append((runner.forward(prefill), runner.forward(decode), runner.forward(single)))
+    (want_prefill, want_decode, want_single), (got_prefill, got_decode, got_single) = outputs
     torch.testing.assert_close(got_prefill.hidden_states, want_prefill.hidden_states, **TOLERANCE)
     torch.testing.assert_close(got_prefill.captured, want_prefill.captured, **TOLERANCE)
     torch.testing.assert_close(got_decode.hidden_states, want_decode.hidden_states, **TOLERANCE)
+    torch.testing.assert_close(got_single.hidden_states, want_single.hidden_states, **TOLERANCE)
     torch.testing.assert_close(runners[1].kv_cache.kv, runners[0].kv_cache.kv, **TOLERANCE)
+
+
+@interpreted
+@pytest.mark.parametrize(("tokens", "gemv_launches"), [(1, 2 * 4), (2, 0)])  # per layer: norm_gemv twice, o_proj's, silu_gemv
+def test_interpreted_one_token_takes_the_gemvs_and_more_tokens_do_not(tokens, gemv_launches, make_pager, monkeypatch) -> None:
+    from services.scheduler.model import triton_fused
+
+    launches = []
+    for name in ("norm_gemv_triton", "gemv_triton", "silu_gemv_triton"):
+        kernel = getattr(triton_fused, name)
+        monkeypatch.setattr(triton_fused, name, lambda *args, _kernel=kernel, **kw: launches.append(1) or _kernel(*args, **kw))
+    config = tiny_config("qwen3")
+    pager = make_pager(num_seqs=2, max_blocks_per_seq=4, block_size=4, seed=1)
+    runner = ModelRunner(random_model(config), PagedKVCache(config, pager.num_blocks, 4, torch.float32, torch.device("cpu")))
+    runner.fused_kernels = True
+    runner.forward(pager.batch([(index, [40 + index], 3) for index in range(tokens)]))
+    assert len(launches) == gemv_launches
 
 
 @pytest.mark.skipif(INTERPRETED or importlib.util.find_spec("triton") is None, reason="needs Triton (its compiler, not a GPU)")
@@ -181,12 +257,19 @@ def test_kernels_compile_for_the_h200_at_the_8b_shape() -> None:
             "value_cache_ptr": bf16, "q_weight_ptr": bf16, "k_weight_ptr": bf16, "eps": "fp32", "stride_qkv": i32,
             "stride_cos": i32, "stride_sin": i32, "stride_qo": i32, "stride_cache_block": i32, "stride_cache_slot": i32}  # fmt: skip
     silu = {"gate_up_ptr": bf16, "out_ptr": bf16, "stride_in": i32, "stride_out": i32}
+    norm_gemv = {"x_ptr": bf16, "residual_ptr": bf16, "norm_weight_ptr": bf16, "weight_ptr": bf16, "bias_ptr": bf16,
+                 "out_ptr": bf16, "residual_out_ptr": bf16, "eps": "fp32", "stride_w": i32, "N": i32}  # fmt: skip
+    gemv = {"in_ptr": bf16, "weight_ptr": bf16, "bias_ptr": bf16, "out_ptr": bf16, "stride_w": i32, "N": i32}
     kernels = [
         *((triton_fused._add_rms_norm_kernel, norm, {"HIDDEN": 4096, "BLOCK": 4096, "HAS_RESIDUAL": has}) for has in (False, True)),
         *((triton_fused._rotate_and_store_kernel, rope,
            {"NUM_HEADS": 32, "NUM_KV_HEADS": 8, "HEAD_DIM": 128, "BLOCK_SIZE": 16, "HEADS_PER_PROGRAM": per_program, "QK_NORM": qk})
           for qk in (False, True) for per_program in (1, triton_fused.ROPE_HEADS_PER_PROGRAM, 16)),  # 16: the last masked
         (triton_fused._silu_mul_kernel, silu, {"INTERMEDIATE": 12288, "BLOCK": 1024}),
+        *((triton_fused._norm_gemv_kernel, norm_gemv, {"HIDDEN": 4096, "BLOCK_N": 8, "BLOCK_K": 512, "HAS_RESIDUAL": has,
+                                                       "HAS_BIAS": bias}) for has in (False, True) for bias in (False, True)),
+        *((triton_fused._gemv_kernel, gemv, {"K": 12288, "BLOCK_N": 8, "BLOCK_K": 512, "GATED": gated, "HAS_BIAS": bias})
+          for gated in (False, True) for bias in (False, True)),
     ]  # fmt: skip
     for kernel, signature, constants in kernels:
         source = ASTSource(kernel, {**signature, **dict.fromkeys(constants, "constexpr")}, constants)
