@@ -294,6 +294,7 @@ def main() -> None:
     parser.add_argument("--num-warmups", type=int, default=None, help="warm-up requests per scenario (default: the concurrency)")
     parser.add_argument("--long-prompt-len", type=int, default=32768, help="the long_prompt_top2 scenario's prompt length")
     parser.add_argument("--request-rate", type=float, default=None)
+    parser.add_argument("--batch1-prompts", type=int, default=CheckConfig.batch1_prompts, help="requests of the batch1 scenarios")
     parser.add_argument("--no-core-baseline", action="store_true")
     parser.add_argument("--scenarios", nargs="*", choices=SCENARIOS, default=list(SCENARIOS))
     parser.add_argument("--up-args", default="", help='more `sparkwire up` flags, e.g. --up-args="--chunked-prefill-size 8192"')
@@ -303,7 +304,7 @@ def main() -> None:
     check = CheckConfig(
         model_config=args.model_config, device=args.device, concurrency=args.concurrency, num_prompts=args.num_prompts,
         input_len=args.input_len, output_len=args.output_len, load=args.load, request_rate=args.request_rate,
-        num_warmups=args.num_warmups, long_prompt_len=args.long_prompt_len,
+        num_warmups=args.num_warmups, long_prompt_len=args.long_prompt_len, batch1_prompts=args.batch1_prompts,
         core_baseline=not args.no_core_baseline, scenarios=tuple(args.scenarios), up_args=tuple(shlex.split(args.up_args)),
         progress=sys.stderr.isatty(),  # a captured log gets the table, not thousands of bar updates
         step_trace=not args.no_step_trace,
