@@ -22,6 +22,21 @@ def test_upload_keeps_each_arrays_dtype_and_shape_and_readback_restores_them():
     assert readback.num_copies == 1
 
 
+def test_upload_parts_after_padding_and_empty_parts_keep_their_values():
+    # 12 and 1 bytes leave padding before the next 8-byte-aligned part; empty parts (no drafts, a
+    # 0-row table) take no bytes; 2-D parts keep their shape, 1-D ones their length
+    upload = HostUpload(torch.device("cpu"))
+    arrays = {"lens": np.array([3, 1, 2], np.int32), "flag": np.array([True]), "none": np.zeros(0, np.int64),
+              "table": np.arange(6, dtype=np.int32).reshape(2, 3), "rows": np.zeros((0, 4), np.int64),
+              "ids": np.array([7, -9], np.int64), "temps": np.array([0.5, 1.0, 0.25], np.float32)}  # fmt: skip
+    for _ in range(2):  # the second send reuses the buffer
+        sent = upload.send(arrays)
+        assert list(sent) == list(arrays)
+        for name, array in arrays.items():
+            assert sent[name].shape == array.shape and sent[name].dtype == torch.from_numpy(array).dtype, name
+            np.testing.assert_array_equal(sent[name].numpy(), array)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the pinned buffer's race exists on CUDA only")
 def test_a_second_send_does_not_overwrite_inputs_whose_copy_has_not_run():
     """A step with nothing to read back returns before its upload has run; the next step's send
