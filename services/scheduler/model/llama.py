@@ -73,11 +73,16 @@ def silu_mul(gate_up: torch.Tensor, fused: bool = False) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+def takes_gemv(x: torch.Tensor, fused: bool) -> bool:
+    """Whether a matmul of x [T, K] runs as triton_fused's one-token GEMV."""
+    return fused and x.shape[0] == GEMV_TOKENS
+
+
 def norm_linear(
     x: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm, linear: nn.Linear, fused: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(linear(norm(x + residual)), x + residual) as `add_rms_norm`; fused at one token, one launch."""
-    if fused and x.shape[0] == GEMV_TOKENS:
+    if takes_gemv(x, fused):
         from services.scheduler.model.triton_fused import norm_gemv_triton
 
         return norm_gemv_triton(x, residual, norm.weight, norm.eps, linear.weight, linear.bias)
@@ -87,7 +92,7 @@ def norm_linear(
 
 def project(x: torch.Tensor, linear: nn.Linear, fused: bool = False) -> torch.Tensor:
     """linear(x) for x [T, K]; fused at one token, the one-token GEMV."""
-    if fused and x.shape[0] == GEMV_TOKENS:
+    if takes_gemv(x, fused):
         from services.scheduler.model.triton_fused import gemv_triton
 
         return gemv_triton(x, linear.weight, linear.bias)
@@ -96,7 +101,7 @@ def project(x: torch.Tensor, linear: nn.Linear, fused: bool = False) -> torch.Te
 
 def silu_linear(gate_up: torch.Tensor, linear: nn.Linear, fused: bool = False) -> torch.Tensor:
     """linear(SiLU(gate) * up) for gate_up [T, 2I]; fused at one token, one launch."""
-    if fused and gate_up.shape[0] == GEMV_TOKENS:
+    if takes_gemv(gate_up, fused):
         from services.scheduler.model.triton_fused import silu_gemv_triton
 
         return silu_gemv_triton(gate_up, linear.weight, linear.bias)

@@ -39,15 +39,25 @@ def _add_rms_norm_kernel(
     in_row = cols < HIDDEN
     x = tl.load(x_ptr + row * stride_x + cols, mask=in_row, other=0.0)
     if HAS_RESIDUAL:
-        residual = tl.load(residual_ptr + row * stride_r + cols, mask=in_row, other=0.0)
-        x = (x.to(tl.float32) + residual.to(tl.float32)).to(x_ptr.dtype.element_ty)
+        x = _rounded_sum(x, tl.load(residual_ptr + row * stride_r + cols, mask=in_row, other=0.0))
         tl.store(residual_out_ptr + row * stride_ro + cols, x, mask=in_row)
     xf = x.to(tl.float32)
     rstd = tl.math.rsqrt(tl.sum(xf * xf, axis=0) / HIDDEN + eps)
-    normed = (xf * rstd).to(x_ptr.dtype.element_ty)
     weight = tl.load(weight_ptr + cols, mask=in_row, other=0.0)
-    out = normed.to(tl.float32) * weight.to(tl.float32)
+    out = _rms_scaled(xf, rstd, weight.to(tl.float32), x_ptr.dtype.element_ty)
     tl.store(out_ptr + row * stride_o + cols, out.to(out_ptr.dtype.element_ty), mask=in_row)
+
+
+@triton.jit
+def _rounded_sum(x, residual):
+    """x + residual in fp32, rounded once to x's dtype (torch's add)."""
+    return (x.to(tl.float32) + residual.to(tl.float32)).to(x.dtype)
+
+
+@triton.jit
+def _rms_scaled(xf, rstd, weight, dtype: tl.constexpr):
+    """RMSNorm's tail in fp32: x * rstd rounded to dtype (F.rms_norm's output), times the fp32 weight."""
+    return (xf * rstd).to(dtype).to(tl.float32) * weight
 
 
 def add_rms_norm_triton(
@@ -176,10 +186,15 @@ def _silu_mul_kernel(gate_up_ptr, out_ptr, stride_in, stride_out, INTERMEDIATE: 
     in_row = cols < INTERMEDIATE
     gate = tl.load(gate_up_ptr + token * stride_in + cols, mask=in_row, other=0.0)
     up = tl.load(gate_up_ptr + token * stride_in + INTERMEDIATE + cols, mask=in_row, other=0.0)
+    tl.store(out_ptr + token * stride_out + cols, _silu_times_up(gate, up).to(out_ptr.dtype.element_ty), mask=in_row)
+
+
+@triton.jit
+def _silu_times_up(gate, up):
+    """SiLU(gate) in fp32 rounded to gate's dtype, times up, in fp32 (the caller rounds)."""
     gate_f = gate.to(tl.float32)
     silu = (gate_f / (1.0 + tl.exp(-gate_f))).to(gate.dtype)
-    out = silu.to(tl.float32) * up.to(tl.float32)
-    tl.store(out_ptr + token * stride_out + cols, out.to(out_ptr.dtype.element_ty), mask=in_row)
+    return silu.to(tl.float32) * up.to(tl.float32)
 
 
 SILU_BLOCK = 1024
@@ -231,7 +246,7 @@ def _norm_gemv_kernel(
         cols = start + tl.arange(0, BLOCK_K)
         x = _summed_input(x_ptr, residual_ptr, cols, HIDDEN, HAS_RESIDUAL).to(tl.float32)
         norm_weight = tl.load(norm_weight_ptr + cols, mask=cols < HIDDEN, other=0.0).to(tl.float32)
-        normed = ((x * rstd).to(dtype).to(tl.float32) * norm_weight).to(dtype)
+        normed = _rms_scaled(x, rstd, norm_weight, dtype).to(dtype)
         acc += _weight_tile(weight_ptr, rows, cols, stride_w, N, HIDDEN) * normed.to(tl.float32)[None, :]
     _store_gemv(acc, bias_ptr, out_ptr, rows, N, HAS_BIAS)
 
@@ -248,10 +263,7 @@ def _gemv_kernel(
         cols = start + tl.arange(0, BLOCK_K)
         x = tl.load(in_ptr + cols, mask=cols < K, other=0.0)
         if GATED:
-            up = tl.load(in_ptr + K + cols, mask=cols < K, other=0.0)
-            gate_f = x.to(tl.float32)
-            silu = (gate_f / (1.0 + tl.exp(-gate_f))).to(x.dtype)
-            x = (silu.to(tl.float32) * up.to(tl.float32)).to(x.dtype)
+            x = _silu_times_up(x, tl.load(in_ptr + K + cols, mask=cols < K, other=0.0)).to(x.dtype)
         acc += _weight_tile(weight_ptr, rows, cols, stride_w, N, K) * x.to(tl.float32)[None, :]
     _store_gemv(acc, bias_ptr, out_ptr, rows, N, HAS_BIAS)
 
@@ -261,8 +273,7 @@ def _summed_input(x_ptr, residual_ptr, cols, HIDDEN: tl.constexpr, HAS_RESIDUAL:
     """x (+ residual, rounded once to x's dtype) at cols; 0 past the row."""
     x = tl.load(x_ptr + cols, mask=cols < HIDDEN, other=0.0)
     if HAS_RESIDUAL:
-        residual = tl.load(residual_ptr + cols, mask=cols < HIDDEN, other=0.0)
-        x = (x.to(tl.float32) + residual.to(tl.float32)).to(x_ptr.dtype.element_ty)
+        x = _rounded_sum(x, tl.load(residual_ptr + cols, mask=cols < HIDDEN, other=0.0))
     return x
 
 
@@ -304,7 +315,7 @@ def norm_gemv_triton(
     weight: torch.Tensor, bias: torch.Tensor | None, tiles: tuple[int, int, int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """x, residual [1, H]; weight [N, H] (rows contiguous) -> (linear(weight * rms_norm(x + residual)), x + residual)."""
-    hidden = _check_gemv(x, weight)
+    hidden = _check_gemv(x, weight, x.shape[1])
     out_features = weight.shape[0]
     out = torch.empty(1, out_features, dtype=x.dtype, device=x.device)
     summed = x if residual is None else torch.empty_like(x)
@@ -334,7 +345,7 @@ def gemv_triton(
 
 def _gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, tiles: tuple[int, int, int] | None,
           gated: bool) -> torch.Tensor:  # fmt: skip
-    in_features = _check_gemv(x[:, : x.shape[1] // 2] if gated else x, weight)
+    in_features = _check_gemv(x, weight, x.shape[1] // 2 if gated else x.shape[1])
     out_features = weight.shape[0]
     out = torch.empty(1, out_features, dtype=x.dtype, device=x.device)
     block_n, block_k, warps = tiles or gemv_tiles(out_features, in_features, normed=False)
@@ -345,10 +356,10 @@ def _gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, tile
     return out
 
 
-def _check_gemv(x: torch.Tensor, weight: torch.Tensor) -> int:
-    """The input width of a one-token GEMV, after checking its layout."""
+def _check_gemv(x: torch.Tensor, weight: torch.Tensor, in_features: int) -> int:
+    """in_features, after checking the one-token GEMV's layout: x one contiguous row, weight [N, in_features]."""
     if x.shape[0] != 1:
         raise ValueError(f"the one-token GEMV kernels take one row, not {x.shape[0]}")
-    assert x.stride(-1) == 1 and weight.stride(1) == 1 and weight.shape[1] == x.shape[1], "rows must be contiguous"
-    return x.shape[1]
+    assert x.stride(-1) == 1 and weight.stride(1) == 1 and weight.shape[1] == in_features, "rows must be contiguous"
+    return in_features
 
