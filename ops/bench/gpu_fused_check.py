@@ -209,16 +209,16 @@ def _profile(runner: ModelRunner, setting: str, batch: ForwardBatch, activities:
         forward_with(runner, setting, batch)
         if cuda:
             torch.cuda.synchronize()
-    events = [e for e in prof.key_averages() if _self_us(e, cuda) > 0]
+    events = [e for e in prof.key_averages() if self_us(e, cuda) > 0]
     result = {f"{setting}_kernels_per_step": sum(e.count for e in events),
-              f"{setting}_device_ms": round(sum(_self_us(e, cuda) for e in events) / 1e3, 4)}  # fmt: skip
+              f"{setting}_device_ms": round(sum(self_us(e, cuda) for e in events) / 1e3, 4)}  # fmt: skip
     if setting == "off":
-        events.sort(key=lambda e: _self_us(e, cuda), reverse=True)
-        result["off_top"] = [{"name": e.key[:90], "count": e.count, "ms": round(_self_us(e, cuda) / 1e3, 4)} for e in events[:top]]
+        events.sort(key=lambda e: self_us(e, cuda), reverse=True)
+        result["off_top"] = [{"name": e.key[:90], "count": e.count, "ms": round(self_us(e, cuda) / 1e3, 4)} for e in events[:top]]
     return result
 
 
-def _self_us(event, cuda: bool) -> float:
+def self_us(event, cuda: bool) -> float:
     """An averaged event's own time in us: on the device for a kernel (0 for host ops), else on the CPU."""
     if not cuda:
         return event.self_cpu_time_total if event.key.startswith("aten::") else 0.0

@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from ops.bench.gpu_attention_check import check_parser, deadline_sections, finish_run, median_ms, ragged_step
+from ops.bench.gpu_fused_check import next_tokens, self_us
 from ops.bench.gpu_rope_check import time_us
 from services.models import RANDOM_TINY_MODEL
 from services.scheduler.model import llama
@@ -129,7 +130,7 @@ def step_rows(model: Path, tuned: dict, device: torch.device, dtype: torch.dtype
     runner.forward(ragged_step([(0, CONTEXT - 1)], PAGE, width, device.type))  # the context the decode reads
     step = ragged_step([(CONTEXT - 1, 1)], PAGE, width, device.type)
     with gemv_setting("off", tuned):
-        eager = next_token(runner, runner.forward(step).hidden_states)
+        eager = next_tokens(runner, runner.forward(step).hidden_states)
     rows = []
     for setting in ("off", "on", "tuned"):
         with gemv_setting(setting, tuned):
@@ -141,7 +142,7 @@ def step_rows(model: Path, tuned: dict, device: torch.device, dtype: torch.dtype
 def graph_step(runner: ModelRunner, step, eager: torch.Tensor, repeats: int) -> dict:
     try:
         runner.prepare_decode_graphs(ladder=(1,), max_blocks_per_seq=-(-CONTEXT // PAGE))  # captures on CUDA
-        replayed = next_token(runner, runner.forward(step).hidden_states)
+        replayed = next_tokens(runner, runner.forward(step).hidden_states)
         graph = runner.decode_graphs.graphs.get((1, 1))
         replay = graph.replay if graph is not None else lambda: runner.forward(step)
         return {"captured": graph is not None, "step_ms": median_ms(replay, runner.device.type, repeats),
@@ -151,10 +152,6 @@ def graph_step(runner: ModelRunner, step, eager: torch.Tensor, repeats: int) -> 
         if runner.device.type == "cuda":
             torch.cuda.synchronize()
             torch.cuda.empty_cache()
-
-
-def next_token(runner: ModelRunner, hidden: torch.Tensor) -> torch.Tensor:
-    return runner.model.compute_logits(hidden).argmax(-1)
 
 
 def eager_kernels(runner: ModelRunner, step, top: int = 8) -> dict:
@@ -171,11 +168,10 @@ def eager_kernels(runner: ModelRunner, step, top: int = 8) -> dict:
             torch.cuda.synchronize()
     finally:
         runner.decode_graphs = graphs
-    events = sorted((e for e in prof.key_averages() if (getattr(e, "self_device_time_total", 0) or 0) > 0),
-                    key=lambda e: e.self_device_time_total, reverse=True)  # fmt: skip
+    events = sorted((e for e in prof.key_averages() if self_us(e, cuda=True) > 0), key=lambda e: self_us(e, cuda=True), reverse=True)
     return {"kernels_per_eager_step": sum(e.count for e in events),
-            "eager_device_ms": round(sum(e.self_device_time_total for e in events) / 1e3, 4),
-            "top": [{"name": e.key[:80], "count": e.count, "us": round(e.self_device_time_total, 1)} for e in events[:top]]}  # fmt: skip
+            "eager_device_ms": round(sum(self_us(e, cuda=True) for e in events) / 1e3, 4),
+            "top": [{"name": e.key[:80], "count": e.count, "us": round(self_us(e, cuda=True), 1)} for e in events[:top]]}  # fmt: skip
 
 
 def run(args: argparse.Namespace) -> dict:
