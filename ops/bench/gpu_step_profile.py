@@ -53,6 +53,25 @@ def steps(core: SchedulerCore, batch: int, new_tokens: int, logprobs: LogprobPar
     return count
 
 
+def host_ms_per_step(core: SchedulerCore, batch: int, new_tokens: int, logprobs: LogprobParams, vocab: int) -> float:
+    """The step loop's own host time: the median over decode steps of each `core.step`'s wall time
+    less its wait for the device's readback (`StepRecord.collect_s`); with overlap, what the host
+    must do per step, whatever the device takes."""
+    prompts = np.random.default_rng(1).integers(0, vocab, size=(batch, 128), dtype=np.int32)
+    sampling = SamplingParams(max_new_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+    for index, prompt in enumerate(prompts):
+        core.add(SchedulerRequest(f"h{index}", prompt, "d", sampling, logprobs))
+    hosts = []
+    while core.has_work():
+        begin = time.perf_counter()
+        core.step()
+        wall = time.perf_counter() - begin
+        record = core.last_step()
+        if record is not None and record.num_prefill_tokens == 0:
+            hosts.append(wall - record.collect_s)
+    return round(1e3 * float(np.median(hosts)), 4)
+
+
 def measure(core: SchedulerCore, overlap: bool, batch: int, new_tokens: int, logprobs: LogprobParams, cuda: bool) -> dict:
     core.overlap_decode = overlap
     vocab = core.vocab_size
@@ -63,6 +82,7 @@ def measure(core: SchedulerCore, overlap: bool, batch: int, new_tokens: int, log
     count = steps(core, batch, new_tokens, logprobs, vocab)
     sync()
     ms_per_step = 1e3 * (time.perf_counter() - begin) / count
+    host_ms = host_ms_per_step(core, batch, new_tokens, logprobs, vocab)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     with profile(activities=activities) as prof:
         count = steps(core, batch, new_tokens, logprobs, vocab)
@@ -72,7 +92,7 @@ def measure(core: SchedulerCore, overlap: bool, batch: int, new_tokens: int, log
     host_calls = {e.key: {"count": e.count, "ms": round(e.cpu_time_total / 1e3, 2)} for e in events if e.key in HOST_CALLS}
     top = sorted(events, key=lambda e: e.self_cpu_time_total, reverse=True)[:12]
     return {
-        "overlap": overlap, "ms_per_step": round(ms_per_step, 3), "steps": count,
+        "overlap": overlap, "ms_per_step": round(ms_per_step, 3), "host_ms_per_step": host_ms, "steps": count,
         "device_ms_per_step": round(device_us / 1e3 / count, 3), "host_calls": host_calls,
         "top_host_self_ms": {e.key: round(e.self_cpu_time_total / 1e3, 2) for e in top},
         "python_self_ms_per_step": python_profile(core, batch, new_tokens, logprobs, sync),
@@ -119,7 +139,8 @@ def main(argv: list[str] | None = None) -> int:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2))
     for r in rows:
-        print(f"logprobs={r['logprobs']} overlap={r['overlap']}: {r['ms_per_step']} ms/step, device {r['device_ms_per_step']} ms/step")
+        print(f"logprobs={r['logprobs']} overlap={r['overlap']}: {r['ms_per_step']} ms/step, host {r['host_ms_per_step']} ms/step, "
+              f"device {r['device_ms_per_step']} ms/step")
         print("   host calls:", {k: v for k, v in r["host_calls"].items()})
         print("   host self ms:", r["top_host_self_ms"])
         print("   python self ms/step:", r["python_self_ms_per_step"])

@@ -2,14 +2,16 @@
 
 `HostUpload` packs a step's host arrays (token ids, positions, slots, tables, sampling
 parameters; each in its own dtype) into one persistent byte buffer — pinned on CUDA, so the copy is asynchronous — and sends
-it with one non-blocking copy. Before the buffer is written again, `send` waits for the last copy
+it with one non-blocking copy into one of two device buffers, taken in turn; the typed views of a
+layout are made once per buffer and reused while the layout repeats (a decode step's does). Before the buffer is written again, `send` waits for the last copy
 out of it (a CUDA event): usually already done, since most steps end with the readback, which waits
 for every earlier copy on the stream; but a step with nothing to read back (a prefill chunk that
 samples nothing) returns before its copy has run, and the next step must not overwrite its inputs.
 
 `HostReadback` collects the step's device results (sampled tokens, accepted counts, drafts,
 logprob rows) and brings them all back with one device->host copy: every part is 32 bits wide
-(float32 travels as its int32 bit pattern), so they concatenate into one int32 buffer. `start`
+(float32 travels as its int32 bit pattern, a small int64 as its two halves), so they concatenate
+into one int32 buffer (a step with one part, a greedy decode's tokens, copies it as it is). `start`
 only queues that copy (into pinned memory, on CUDA) and `PendingReadback.wait` waits for it, so
 the host can queue the next step's work before it waits for this one's results (overlapped
 decoding, `SchedulerCore`); `fetch` is the two at once.
@@ -29,9 +31,15 @@ class HostUpload:
         self._pinned = device.type == "cuda"
         self._buffer = torch.empty(0, dtype=torch.uint8)
         self._copied: torch.cuda.Event | None = None  # the last copy out of the pinned buffer
+        # CUDA: two device buffers the copies land in, taken in turn (CPU: the host buffer itself)
+        self._targets = [torch.empty(0, dtype=torch.uint8, device=device) for _ in range(2 if self._pinned else 0)]
+        self._turn = 0
+        self._views: list[dict[tuple, dict[str, torch.Tensor]]] = [{}, {}]  # per target: layout -> its views
 
     def send(self, arrays: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
-        """Each array arrives with its own dtype and shape (int64, int32, float32, bool ...)."""
+        """Each array arrives with its own dtype and shape (int64, int32, float32, bool ...). The
+        tensors returned hold their values until the send after the next (on the CPU: until the
+        next), and every use queued on the stream before that send reads them intact."""
         offsets, total = [], 0
         for array in arrays.values():
             total = -(-total // ALIGN) * ALIGN  # every part starts 8-byte aligned, so it can be viewed as its dtype
@@ -41,20 +49,41 @@ class HostUpload:
             self._copied.synchronize()  # its copy has left the buffer: safe to overwrite
         if self._buffer.numel() < total:
             self._buffer = torch.empty(max(total, 2 * self._buffer.numel()), dtype=torch.uint8, pin_memory=self._pinned)
+            self._views[0].clear()
         host = self._buffer.numpy()
         for array, offset in zip(arrays.values(), offsets, strict=True):
             host[offset : offset + array.nbytes] = np.ascontiguousarray(array).reshape(-1).view(np.uint8)
-        on_device = self._buffer[:total].to(self.device, non_blocking=True)
+        turn = 0
         if self._pinned:
-            self._copied = torch.cuda.Event()
+            turn, self._turn = self._turn, 1 - self._turn
+            if self._targets[turn].numel() < total:
+                self._targets[turn] = torch.empty(self._buffer.numel(), dtype=torch.uint8, device=self.device)
+                self._views[turn].clear()
+            self._targets[turn][:total].copy_(self._buffer[:total], non_blocking=True)
+            if self._copied is None:
+                self._copied = torch.cuda.Event()
             self._copied.record()
-        return {
-            name: on_device[offset : offset + array.nbytes].view(_TORCH_DTYPES[array.dtype.str]).view(array.shape)
-            for (name, array), offset in zip(arrays.items(), offsets, strict=True)
-        }
+        return dict(self._layout_views(turn, arrays, offsets))
+
+    def _layout_views(self, turn: int, arrays: dict[str, np.ndarray], offsets: list[int]) -> dict[str, torch.Tensor]:
+        """The typed views of one layout (names, dtypes, shapes), made once: a decode step sends the
+        same layout step after step, and ~3 view calls per array were most of `send`'s own time."""
+        key = tuple((name, array.dtype.str, array.shape) for name, array in arrays.items())
+        views = self._views[turn].get(key)
+        if views is None:
+            if len(self._views[turn]) >= MAX_LAYOUTS:
+                self._views[turn].clear()
+            target = self._targets[turn] if self._pinned else self._buffer
+            views = self._views[turn][key] = {
+                name: target[offset : offset + array.nbytes].view(_TORCH_DTYPES[array.dtype.str]).view(array.shape)
+                for (name, array), offset in zip(arrays.items(), offsets, strict=True)
+            }
+        return views
 
 
 ALIGN = 8
+MAX_HALVES_NUMEL = 4096  # int64 readback parts up to this size travel as 32-bit halves
+MAX_LAYOUTS = 256  # cached view sets per buffer (block tables widen as sequences grow: new layouts)
 _TORCH_DTYPES = {"<i8": torch.int64, "<i4": torch.int32, "<f4": torch.float32, "|b1": torch.bool}
 
 
@@ -70,15 +99,19 @@ class HostReadback:
     def __init__(self) -> None:
         self.num_copies = 0  # device->host copies made, over the worker's life
         self._parts: list[torch.Tensor] = []
-        self._kinds: list[tuple[torch.dtype, tuple[int, ...]]] = []
+        self._kinds: list[tuple[torch.dtype, tuple[int, ...], bool]] = []
         self._pinned: list[torch.Tensor] = []  # the two staging buffers (CUDA), grown on demand
+        self._copied: list[torch.cuda.Event] = []  # each staging buffer's copy-done event (CUDA)
         self._in_use: list[PendingReadback | None] = [None, None]
         self._turn = 0
 
     def add(self, tensor: torch.Tensor) -> int:
-        """A handle for `fetch`'s result. float32 and 32-bit-representable integers only."""
-        self._kinds.append((tensor.dtype, tuple(tensor.shape)))
-        if tensor.dtype == torch.float32:
+        """A handle for `fetch`'s result. float32 and 32-bit-representable integers only; integers
+        come back as int32. A small int64 part travels as its two 32-bit halves (no conversion
+        kernel: a decode step's tokens), a large one narrowed on the device (half the bytes)."""
+        halves = tensor.dtype == torch.int64 and tensor.numel() <= MAX_HALVES_NUMEL
+        self._kinds.append((tensor.dtype, tuple(tensor.shape), halves))
+        if tensor.dtype == torch.float32 or halves:
             tensor = tensor.contiguous().view(torch.int32)
         elif tensor.dtype != torch.int32:
             tensor = tensor.to(torch.int32)
@@ -92,15 +125,15 @@ class HostReadback:
         if not parts:
             return PendingReadback(None, None, kinds)
         self.num_copies += 1
-        device = torch.cat(parts)  # the step's one device->host copy, from here
-        if device.device.type != "cuda":
-            return PendingReadback(device.cpu(), None, kinds)  # no device to wait for: the copy is done
+        if parts[0].device.type != "cuda":
+            return PendingReadback(torch.cat(parts).cpu(), None, kinds)  # no device to wait for: the copy is done
+        device = parts[0] if len(parts) == 1 else torch.cat(parts)  # the step's one device->host copy, from here
         turn, self._turn = self._turn, 1 - self._turn
         if self._in_use[turn] is not None:
             self._in_use[turn].wait()  # the copy two steps back was never waited for: it leaves the buffer now
         staging = self._staging(turn, device.numel())
         staging.copy_(device, non_blocking=True)
-        copied = torch.cuda.Event()
+        copied = self._copied[turn]  # free to record again: the step that last used it was waited for
         copied.record()
         pending = self._in_use[turn] = PendingReadback(staging, copied, kinds, release=lambda: self._release(turn, pending))
         return pending
@@ -111,6 +144,7 @@ class HostReadback:
     def _staging(self, turn: int, numel: int) -> torch.Tensor:
         while len(self._pinned) <= turn:
             self._pinned.append(torch.empty(0, dtype=torch.int32))
+            self._copied.append(torch.cuda.Event())
         if self._pinned[turn].numel() < numel:
             self._pinned[turn] = torch.empty(max(numel, 2 * self._pinned[turn].numel()), dtype=torch.int32, pin_memory=True)
         return self._pinned[turn][:numel]
@@ -127,7 +161,7 @@ class PendingReadback:
         self,
         host: torch.Tensor | None,
         copied: torch.cuda.Event | None,
-        kinds: list[tuple[torch.dtype, tuple[int, ...]]],
+        kinds: list[tuple[torch.dtype, tuple[int, ...], bool]],  # (dtype, shape, sent as int64 halves)
         release: Callable[[], None] | None = None,  # gives the staging buffer back (CUDA)
     ) -> None:
         self._host, self._copied, self._kinds, self._release = host, copied, kinds, release
@@ -145,10 +179,14 @@ class PendingReadback:
             host = host.copy()
             self._release()
         out, offset = [], 0
-        for dtype, shape in self._kinds:
-            size = int(np.prod(shape, dtype=np.int64))
+        for dtype, shape, halves in self._kinds:
+            size = int(np.prod(shape, dtype=np.int64)) * (2 if halves else 1)
             chunk = host[offset : offset + size]
             offset += size
-            out.append((chunk.view(np.float32) if dtype == torch.float32 else chunk).reshape(shape))
+            if halves:
+                chunk = chunk.view(np.int64).astype(np.int32)
+            elif dtype == torch.float32:
+                chunk = chunk.view(np.float32)
+            out.append(chunk.reshape(shape))
         self._out = out
         return out

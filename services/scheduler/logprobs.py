@@ -101,7 +101,7 @@ def logprob_inputs(
     if rows.size == 0:
         return {}
     counts = [len(q.rows) for q in queries]
-    inputs = {} if _are_all_rows(rows, num_source_rows) else {"rows": rows}
+    inputs = {} if are_all_rows(rows, num_source_rows) else {"rows": rows}
     if all(q.targets is not None for q in queries):
         inputs["targets"] = np.concatenate([q.targets for q in queries]).astype(np.int64, copy=False)
     if any(q.token_ids for q in queries):
@@ -224,7 +224,8 @@ def _log_distribution(logits: torch.Tensor, sampling: dict[str, torch.Tensor] | 
     return torch.log_softmax(logits, dim=-1).clamp_min(FILTERED_LOGPROB)
 
 
-def _are_all_rows(rows: np.ndarray, num_source_rows: int | None) -> bool:
+def are_all_rows(rows: np.ndarray, num_source_rows: int | None) -> bool:
+    """rows == 0, 1, ..., num_source_rows - 1: a source's every row, in order (nothing to gather)."""
     return rows.size == num_source_rows and bool((rows == np.arange(rows.size)).all())
 
 

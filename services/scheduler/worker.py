@@ -28,7 +28,14 @@ import torch
 from services.scheduler.host_io import HostReadback, HostUpload, PendingReadback
 from services.scheduler.logits_processing import is_identity, process_logits, verify_row_contexts
 from services.scheduler.logprob_graphs import LogprobGraphs
-from services.scheduler.logprobs import LogprobQuery, TopKKeys, logprob_inputs, logprobs_on_device, split_logprobs
+from services.scheduler.logprobs import (
+    LogprobQuery,
+    TopKKeys,
+    are_all_rows,
+    logprob_inputs,
+    logprobs_on_device,
+    split_logprobs,
+)
 from services.scheduler.model.batch import ForwardBatch
 from services.scheduler.model.runner import triton_available
 from services.scheduler.policy import SeqResult, SeqStep, StepPlan
@@ -47,6 +54,7 @@ class _Layout:
     row_start: list[int]
     producers: list[int]  # indices into plan.steps of the sequences that produce tokens
     max_draft: int  # K: drafts per producer, padded
+    verifies_every_row: bool  # one query token per sequence, every one a producer: verify rows are 0..T-1
 
     def verify_rows(self, plan: StepPlan) -> np.ndarray:
         """int64 [P, K + 1]: rows of each producer's anchor and drafts (padding repeats the last)."""
@@ -100,11 +108,12 @@ class ModelWorker:
         layout = _lay_out(plan)  # 1
         wanted = self._logprob_queries(plan, layout)
         host_arrays = self._host_arrays(plan, layout) | wanted.inputs(self._processed)
-        if previous is not None:
-            host_arrays["followed_rows"] = previous.producer_rows(plan)
+        followed_rows = None if previous is None else previous.producer_rows(plan)
+        if followed_rows is not None and not are_all_rows(followed_rows, len(previous.layout.producers)):
+            host_arrays["followed_rows"] = followed_rows
         arrays = self._upload.send(host_arrays)  # 2
-        if previous is not None:
-            arrays["input_ids"] = previous.next_token[arrays["followed_rows"]]  # [T]: one token per sequence
+        if followed_rows is not None:  # [T]: one token per sequence, its row of next_token (all of them, in order: as is)
+            arrays["input_ids"] = previous.next_token[arrays["followed_rows"]] if "followed_rows" in arrays else previous.next_token
         clock = _StepClock(self.runner.device)
         out = self.runner.forward(self._batch(plan, arrays))  # 3
         verified = self._verify(plan, layout, out, arrays)  # 4
@@ -114,7 +123,8 @@ class ModelWorker:
         clock.mark()
         proposal = self._propose(plan, layout, out.captured, arrays, verified)  # 6
         handles.proposal(proposal)
-        clock.mark()
+        if self.proposer is not None:
+            clock.mark()
         pending = self._readback.start()  # 7
         self._keep_draft_probs(plan, layout, proposal)
         next_token = verified.next_token if verified is not None else None
@@ -142,8 +152,8 @@ class ModelWorker:
         self._unread_clocks.append(clock)
         forward = draft = 0.0
         while self._unread_clocks and self._unread_clocks[0].done():
-            step_forward, step_draft = self._unread_clocks.pop(0).intervals()
-            forward, draft = forward + step_forward, draft + step_draft
+            step_forward, *step_draft = self._unread_clocks.pop(0).intervals()  # no draft mark without a proposer
+            forward, draft = forward + step_forward, draft + sum(step_draft)
         return forward, draft
 
     # 1-2. layout and upload
@@ -170,7 +180,8 @@ class ModelWorker:
             "seq_lens": np.asarray([s.start + len(s.query) for s in steps], np.int32),  # [B]
             "block_tables": block_tables,
         }
-        arrays["verify_rows"] = layout.verify_rows(plan)  # [P, K + 1]
+        if not layout.verifies_every_row:
+            arrays["verify_rows"] = layout.verify_rows(plan)  # [P, K + 1]
         producers = [steps[i] for i in layout.producers]
         if self._plain_greedy(producers, layout):
             return arrays  # the accept rule needs no more
@@ -205,17 +216,18 @@ class ModelWorker:
             return None
         producers = [plan.steps[i] for i in layout.producers]
         width = layout.max_draft + 1
-        rows = arrays["verify_rows"].reshape(-1)
-        if out.logits is not None:  # a graph step computed every row's logits already
-            logits = out.logits[rows]  # [P * (K + 1), V]
+        if layout.verifies_every_row:  # a decode step: its rows are the producers', in order
+            logits = out.logits if out.logits is not None else self.runner.compute_logits(out.hidden_states)  # [P, V]
         else:
-            logits = self.runner.compute_logits(out.hidden_states[rows])
+            rows = arrays["verify_rows"].reshape(-1)
+            # a graph step computed every row's logits already
+            logits = out.logits[rows] if out.logits is not None else self.runner.compute_logits(out.hidden_states[rows])
         logits = logits.view(len(producers), width, -1)  # [P, K + 1, V]
         chosen = self._processed_logits(producers, logits)  # what argmax and sampling see
         reported = chosen if self._processed else logits  # raw logprobs: before the processors too
-        if "drafts" not in arrays:  # plain greedy decoding: the argmax is the token
+        if "drafts" not in arrays:  # plain greedy decoding: the argmax is the token, no draft to accept
             next_token = chosen[:, 0].argmax(dim=-1)
-            return _Verified(reported, torch.zeros_like(next_token), next_token, next_token[:, None])
+            return _Verified(reported, None, next_token, next_token[:, None])
         block = VerifyBlock(
             target_argmax=chosen.argmax(dim=-1),
             drafts=arrays["drafts"],
@@ -358,7 +370,7 @@ class ModelWorker:
 @dataclass(frozen=True)
 class _Verified:
     logits: torch.Tensor  # f32 [P, K + 1, V], what output logprobs read: raw, or after logits_processing when processed
-    num_accepted: torch.Tensor  # int64 [P]
+    num_accepted: torch.Tensor | None  # int64 [P]; None: no drafts were verified (plain greedy decoding), none accepted
     next_token: torch.Tensor  # int64 [P]
     tokens: torch.Tensor  # int64 [P, K + 1]: accepted drafts, then next_token (then padding)
 
@@ -412,7 +424,7 @@ class _Handles:
 
     def __init__(self, readback: HostReadback) -> None:
         self._readback = readback
-        self.verified: tuple[int, int] | None = None
+        self.verified: tuple[int | None, int] | None = None  # (num_accepted's handle, tokens')
         self.jobs: _LogprobJobs | None = None
         self.prompt: list[int] | None = None
         self.output: list[int] | None = None
@@ -421,7 +433,8 @@ class _Handles:
 
     def verify(self, verified: _Verified | None) -> None:
         if verified is not None:
-            self.verified = (self._readback.add(verified.num_accepted), self._readback.add(verified.tokens))
+            accepted = None if verified.num_accepted is None else self._readback.add(verified.num_accepted)
+            self.verified = (accepted, self._readback.add(verified.tokens))
 
     def logprobs(self, jobs: _LogprobJobs) -> None:
         self.jobs = jobs
@@ -440,7 +453,8 @@ class _Handles:
     def results(self, plan: StepPlan, layout: _Layout, host: list[np.ndarray]) -> list[SeqResult]:
         tokens: dict[int, list[int]] = {}
         if self.verified is not None:
-            num_accepted, block = host[self.verified[0]].tolist(), host[self.verified[1]].tolist()
+            accepted, block = self.verified[0], host[self.verified[1]].tolist()
+            num_accepted = [0] * len(block) if accepted is None else host[accepted].tolist()
             tokens = {i: block[p][: num_accepted[p] + 1] for p, i in enumerate(layout.producers)}
         prompt_rows = self._rows(self.jobs.prompt, self.prompt, host)
         output_rows = self._rows(self.jobs.output, self.output, host)
@@ -498,7 +512,9 @@ def _lay_out(plan: StepPlan) -> _Layout:
         row += len(step.query)
     producers = [i for i, step in enumerate(plan.steps) if step.samples]
     max_draft = max((plan.steps[i].num_draft for i in producers), default=0)
-    return _Layout(row_start, producers, max_draft)
+    every_row = max_draft == 0 and len(producers) == len(plan.steps) == row
+    return _Layout(row_start, producers, max_draft, every_row)
+
 
 
 def _flat_slots(steps: list[SeqStep]) -> np.ndarray:

@@ -47,3 +47,35 @@ def test_a_second_send_does_not_overwrite_inputs_whose_copy_has_not_run():
     upload.send({"ids": np.full(1024, -1, dtype=np.int64)})
     torch.cuda.synchronize()
     np.testing.assert_array_equal(first["ids"].cpu().numpy(), np.arange(1024))
+
+
+def test_a_repeated_layout_reuses_its_views_and_reads_each_sends_values():
+    """Views are made once per layout (names, dtypes, shapes); each send's values come through them,
+    also after another layout and after the buffer grew."""
+    upload = HostUpload(torch.device("cpu"))
+    small = {"ids": np.array([1, 2], np.int64), "lens": np.array([3], np.int32)}
+    other = {"ids": np.array([5], np.int64)}  # fits the buffer the first send made
+    first = upload.send(small)
+    assert upload.send(other)["ids"].tolist() == [5]
+    again = upload.send({"ids": np.array([8, 9], np.int64), "lens": np.array([4], np.int32)})
+    assert again["ids"] is first["ids"] and again["ids"].tolist() == [8, 9] and again["lens"].tolist() == [4]
+    grown = upload.send({"ids": np.arange(10_000, dtype=np.int64)})  # past the buffer: a new one
+    np.testing.assert_array_equal(grown["ids"].numpy(), np.arange(10_000))
+    after = upload.send({"ids": np.array([-1, -2], np.int64), "lens": np.array([7], np.int32)})
+    assert after["ids"].tolist() == [-1, -2] and after["lens"].tolist() == [7]
+    assert after["ids"].untyped_storage().data_ptr() == grown["ids"].untyped_storage().data_ptr()  # views of the new buffer
+
+
+def test_readback_brings_int64_parts_back_as_int32_small_as_halves_large_narrowed():
+    readback = HostReadback()
+    small = torch.tensor([[-5], [2**31 - 1], [0]], dtype=torch.int64)  # [P, 1]: a decode step's tokens
+    large = torch.arange(-3, 5000, dtype=torch.int64)  # past MAX_HALVES_NUMEL
+    values = torch.tensor([0.25, -1.5])
+    handles = [readback.add(small), readback.add(large), readback.add(values)]
+    host = readback.fetch()
+    for handle, tensor in zip(handles, (small, large, values), strict=True):
+        assert host[handle].dtype == (np.float32 if tensor.is_floating_point() else np.int32)
+        np.testing.assert_array_equal(host[handle], tensor.numpy())
+    alone = readback.add(small)  # one part: copied as it is
+    np.testing.assert_array_equal(readback.fetch()[alone], small.numpy())
+    assert readback.num_copies == 2

@@ -268,3 +268,23 @@ def test_random_aborts_leave_prefixes_and_free_blocks(make_core, seed) -> None:
         else:
             assert result.tokens == full[rid].tokens, rid
     assert core.stats().num_free_blocks == free and not core.has_work()
+
+
+def test_steady_greedy_decoding_gathers_nothing_and_reads_back_only_tokens(make_core, monkeypatch) -> None:
+    """A followed step whose sequences are the last step's producers in order takes their tokens as
+    they are (no followed_rows, no gather); a decode step's rows are its verify rows (no verify_rows);
+    plain greedy decoding reads back its tokens alone (no accepted counts). Outputs as without overlap."""
+    from services.scheduler.host_io import HostReadback, HostUpload
+
+    sends, parts = [], []
+    send, add = HostUpload.send, HostReadback.add
+    monkeypatch.setattr(HostUpload, "send", lambda self, arrays: sends.append(set(arrays)) or send(self, arrays))
+    monkeypatch.setattr(HostReadback, "add", lambda self, tensor: parts.append(tensor.shape) or add(self, tensor))
+    requests = [request(f"g{i}", prompt_of(i, 6 + i), max_new_tokens=6, ignore_eos=True) for i in range(3)]
+    overlapped = run(make_core(overlap_decode=True), requests)
+    decodes = sends[1:]  # after the one prefill step
+    assert len(decodes) >= 5 and all(not {"followed_rows", "verify_rows"} & names for names in decodes)
+    assert parts[1:] and all(shape == (3, 1) for shape in parts[1:])  # [P, 1] tokens only, one part a step
+    monkeypatch.undo()
+    plain = run(make_core(overlap_decode=False), [request(f"g{i}", prompt_of(i, 6 + i), max_new_tokens=6, ignore_eos=True) for i in range(3)])
+    assert {rid: r.tokens for rid, r in overlapped.items()} == {rid: r.tokens for rid, r in plain.items()}
