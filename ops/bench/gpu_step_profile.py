@@ -66,7 +66,7 @@ def host_ms_per_step(core: SchedulerCore, batch: int, new_tokens: int, logprobs:
         begin = time.perf_counter()
         core.step()
         wall = time.perf_counter() - begin
-        record = core.last_step()
+        record = core.last_step
         if record is not None and record.num_prefill_tokens == 0:
             hosts.append(wall - record.collect_s)
     return round(1e3 * float(np.median(hosts)), 4)
