@@ -41,35 +41,23 @@ HOST_CALLS = ("cudaStreamSynchronize", "cudaEventSynchronize", "cudaDeviceSynchr
          "cudaGraphLaunch")  # fmt: skip
 
 
-def steps(core: SchedulerCore, batch: int, new_tokens: int, logprobs: LogprobParams, vocab: int) -> int:
+def steps(core: SchedulerCore, batch: int, new_tokens: int, logprobs: LogprobParams, vocab: int) -> tuple[int, list[float]]:
+    """(steps run, each decode step's host seconds: its `core.step` wall time less its wait for the
+    device's readback, `StepRecord.collect_s`; with overlap, what the host must do per step)."""
     prompts = np.random.default_rng(0).integers(0, vocab, size=(batch, 128), dtype=np.int32)
     sampling = SamplingParams(max_new_tokens=new_tokens, temperature=0.0, ignore_eos=True)
     for index, prompt in enumerate(prompts):
         core.add(SchedulerRequest(f"r{index}", prompt, "d", sampling, logprobs))
-    count = 0
-    while core.has_work():
-        core.step()
-        count += 1
-    return count
-
-
-def host_ms_per_step(core: SchedulerCore, batch: int, new_tokens: int, logprobs: LogprobParams, vocab: int) -> float:
-    """The step loop's own host time: the median over decode steps of each `core.step`'s wall time
-    less its wait for the device's readback (`StepRecord.collect_s`); with overlap, what the host
-    must do per step, whatever the device takes."""
-    prompts = np.random.default_rng(1).integers(0, vocab, size=(batch, 128), dtype=np.int32)
-    sampling = SamplingParams(max_new_tokens=new_tokens, temperature=0.0, ignore_eos=True)
-    for index, prompt in enumerate(prompts):
-        core.add(SchedulerRequest(f"h{index}", prompt, "d", sampling, logprobs))
-    hosts = []
+    count, hosts = 0, []
     while core.has_work():
         begin = time.perf_counter()
         core.step()
         wall = time.perf_counter() - begin
+        count += 1
         record = core.last_step
         if record is not None and record.num_prefill_tokens == 0:
             hosts.append(wall - record.collect_s)
-    return round(1e3 * float(np.median(hosts)), 4)
+    return count, hosts
 
 
 def measure(core: SchedulerCore, overlap: bool, batch: int, new_tokens: int, logprobs: LogprobParams, cuda: bool) -> dict:
@@ -79,13 +67,13 @@ def measure(core: SchedulerCore, overlap: bool, batch: int, new_tokens: int, log
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     sync()
     begin = time.perf_counter()
-    count = steps(core, batch, new_tokens, logprobs, vocab)
+    count, hosts = steps(core, batch, new_tokens, logprobs, vocab)
     sync()
     ms_per_step = 1e3 * (time.perf_counter() - begin) / count
-    host_ms = host_ms_per_step(core, batch, new_tokens, logprobs, vocab)
+    host_ms = round(1e3 * float(np.median(hosts)), 4)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     with profile(activities=activities) as prof:
-        count = steps(core, batch, new_tokens, logprobs, vocab)
+        count, _ = steps(core, batch, new_tokens, logprobs, vocab)
         sync()
     events = prof.key_averages()
     device_us = sum(e.self_device_time_total for e in events if e.self_device_time_total and not e.key.startswith("cuda"))
@@ -103,7 +91,7 @@ def python_profile(core: SchedulerCore, batch: int, new_tokens: int, logprobs: L
     """The step loop once more under cProfile: the functions with the most self time, ms per step."""
     profiler = cProfile.Profile()
     profiler.enable()
-    count = steps(core, batch, new_tokens, logprobs, core.vocab_size)
+    count, _ = steps(core, batch, new_tokens, logprobs, core.vocab_size)
     sync()
     profiler.disable()
     stats = pstats.Stats(profiler).stats  # (file, line, name) -> (calls, primitive calls, self s, cumulative s, callers)

@@ -1,11 +1,12 @@
 """The worker's two host<->device crossings per step: one upload, one readback.
 
 `HostUpload` packs a step's host arrays (token ids, positions, slots, tables, sampling
-parameters; each in its own dtype) into one persistent byte buffer — pinned on CUDA, so the copy is asynchronous — and sends
-it with one non-blocking copy into one of two device buffers, taken in turn; the typed views of a
-layout are made once per buffer and reused while the layout repeats (a decode step's does). Before the buffer is written again, `send` waits for the last copy
-out of it (a CUDA event): usually already done, since most steps end with the readback, which waits
-for every earlier copy on the stream; but a step with nothing to read back (a prefill chunk that
+parameters; each in its own dtype) into one persistent byte buffer — pinned on CUDA, so the copy
+is asynchronous — and sends it with one non-blocking copy into one of two device buffers, taken in
+turn; the typed views of a layout are made once per buffer and reused while the layout repeats (a
+decode step's does). Before the buffer is written again, `send` waits for the last copy out of it
+(a CUDA event): usually already done, since most steps end with the readback, which waits for
+every earlier copy on the stream; but a step with nothing to read back (a prefill chunk that
 samples nothing) returns before its copy has run, and the next step must not overwrite its inputs.
 
 `HostReadback` collects the step's device results (sampled tokens, accepted counts, drafts,
@@ -49,7 +50,8 @@ class HostUpload:
             self._copied.synchronize()  # its copy has left the buffer: safe to overwrite
         if self._buffer.numel() < total:
             self._buffer = torch.empty(max(total, 2 * self._buffer.numel()), dtype=torch.uint8, pin_memory=self._pinned)
-            self._views[0].clear()
+            if not self._pinned:
+                self._views[0].clear()  # the CPU's views are of this buffer
         host = self._buffer.numpy()
         for array, offset in zip(arrays.values(), offsets, strict=True):
             host[offset : offset + array.nbytes] = np.ascontiguousarray(array).reshape(-1).view(np.uint8)

@@ -109,11 +109,11 @@ class ModelWorker:
         wanted = self._logprob_queries(plan, layout)
         host_arrays = self._host_arrays(plan, layout) | wanted.inputs(self._processed)
         followed_rows = None if previous is None else previous.producer_rows(plan)
-        if followed_rows is not None and not are_all_rows(followed_rows, len(previous.layout.producers)):
+        if followed_rows is not None:
             host_arrays["followed_rows"] = followed_rows
         arrays = self._upload.send(host_arrays)  # 2
-        if followed_rows is not None:  # [T]: one token per sequence, its row of next_token (all of them, in order: as is)
-            arrays["input_ids"] = previous.next_token[arrays["followed_rows"]] if "followed_rows" in arrays else previous.next_token
+        if previous is not None:  # [T]: one token per sequence
+            arrays["input_ids"] = previous.next_token if followed_rows is None else previous.next_token[arrays["followed_rows"]]
         clock = _StepClock(self.runner.device)
         out = self.runner.forward(self._batch(plan, arrays))  # 3
         verified = self._verify(plan, layout, out, arrays)  # 4
@@ -386,10 +386,12 @@ class LaunchedStep:
     clock: _StepClock
     next_token: torch.Tensor | None  # int64 [P] on the device: each producer's token, in layout.producers order
 
-    def producer_rows(self, following: StepPlan) -> np.ndarray:
-        """int64 [B]: for each sequence of `following` (each one of this step's producers), its row of next_token."""
+    def producer_rows(self, following: StepPlan) -> np.ndarray | None:
+        """int64 [B]: for each sequence of `following` (each one of this step's producers), its row of
+        next_token; None when they are every producer, in order (next_token as it is: no gather)."""
         rows = {id(self.plan.steps[i].seq): p for p, i in enumerate(self.layout.producers)}
-        return np.asarray([rows[id(s.seq)] for s in following.steps], np.int64)
+        followed = np.asarray([rows[id(s.seq)] for s in following.steps], np.int64)
+        return None if are_all_rows(followed, len(rows)) else followed
 
 
 PROMPT_LP, OUTPUT_LP = "prompt_logprobs.", "output_logprobs."  # their inputs' names in the upload
@@ -514,7 +516,6 @@ def _lay_out(plan: StepPlan) -> _Layout:
     max_draft = max((plan.steps[i].num_draft for i in producers), default=0)
     every_row = max_draft == 0 and len(producers) == len(plan.steps) == row
     return _Layout(row_start, producers, max_draft, every_row)
-
 
 
 def _flat_slots(steps: list[SeqStep]) -> np.ndarray:
