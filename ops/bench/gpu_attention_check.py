@@ -162,6 +162,15 @@ def median_ms(fn: Callable[[], object], device: str, repeats: int, warmup: int =
     return round(statistics.median(times), 4)
 
 
+def synced_seconds(call: Callable[[], object], digits: int = 4) -> float:
+    """Host seconds of one call, the device idle before and drained after (a first call: its compile included)."""
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    call()
+    torch.cuda.synchronize()
+    return round(time.perf_counter() - start, digits)
+
+
 def sync_count(fn: Callable[[], object], device: str) -> int | None:
     """Host syncs during fn, as torch's sync debug mode reports them (CUDA only)."""
     if device != "cuda":

@@ -17,19 +17,12 @@ from pathlib import Path
 
 import torch
 
+from ops.bench.gpu_attention_check import synced_seconds
 from services.scheduler.model.flash4_attention import attend_sequence_flash4, flash4_unavailable, warm_flash4
 
 REPO = Path(__file__).resolve().parents[2]
 HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
 LENGTHS = ((16384, 16384), (16384, 32768), (32768, 32768), (2049, 2049), (3000, 40000), (16384, 16384))
-
-
-def timed(call) -> float:
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    call()
-    torch.cuda.synchronize()
-    return round(time.perf_counter() - start, 4)
 
 
 def run(device: torch.device) -> dict:
@@ -39,12 +32,12 @@ def run(device: torch.device) -> dict:
     start = time.perf_counter()
     importlib.import_module("flash_attn.cute")  # timed: the import is part of the start-up
     result: dict = {"import_s": round(time.perf_counter() - start, 2)}
-    result["warm_s"] = timed(lambda: warm_flash4(device, torch.bfloat16, HEADS, KV_HEADS, HEAD_DIM))
+    result["warm_s"] = synced_seconds(lambda: warm_flash4(device, torch.bfloat16, HEADS, KV_HEADS, HEAD_DIM))
     result["first_calls"] = []
     for q_len, keys in LENGTHS:
         q = torch.randn(q_len, HEADS, HEAD_DIM, device=device, dtype=torch.bfloat16)
         k = torch.randn(keys, KV_HEADS, HEAD_DIM, device=device, dtype=torch.bfloat16)
-        seconds = timed(lambda: attend_sequence_flash4(q, k, k, HEAD_DIM**-0.5))
+        seconds = synced_seconds(lambda: attend_sequence_flash4(q, k, k, HEAD_DIM**-0.5))
         result["first_calls"].append({"query": q_len, "keys": keys, "first_call_s": seconds})
     return result
 

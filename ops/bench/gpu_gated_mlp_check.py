@@ -22,7 +22,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from ops.bench.gpu_attention_check import check_parser, deadline_sections, finish_run, median_ms
+from ops.bench.gpu_attention_check import check_parser, deadline_sections, finish_run, median_ms, synced_seconds
 
 HIDDEN, INTERMEDIATE, QKV, VOCAB = 4096, 12288, 6144, 151936
 TOKENS = (2048, 8192, 16384, 32768)
@@ -30,14 +30,6 @@ TOKENS = (2048, 8192, 16384, 32768)
 
 def tflops(m: int, k: int, n: int, ms: float) -> float:
     return round(2 * m * k * n / ms / 1e9, 1)
-
-
-def timed_first(fn) -> float:
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    fn()
-    torch.cuda.synchronize()
-    return round(time.perf_counter() - start, 3)
 
 
 def gated_rows(tokens: int, weight: torch.Tensor, repeats: int, check_rows: int, tuned: bool) -> dict:
@@ -52,9 +44,9 @@ def gated_rows(tokens: int, weight: torch.Tensor, repeats: int, check_rows: int,
     def served() -> torch.Tensor:
         return silu_mul_triton(F.linear(x, weight))
 
-    def quack(tuned: bool = False):
+    def quack(autotune: bool = False):
         def call() -> torch.Tensor:
-            gemm_gated_out(x, weight.T, None, out, activation="swiglu", tuned=tuned, concat_layout="B")
+            gemm_gated_out(x, weight.T, None, out, activation="swiglu", tuned=autotune, concat_layout="B")
             return out
 
         return call
@@ -65,7 +57,7 @@ def gated_rows(tokens: int, weight: torch.Tensor, repeats: int, check_rows: int,
     row: dict = {"tokens": tokens}
     paths = {"served": served, "quack": quack(False)} | ({"quack_tuned": quack(True)} if tuned else {})
     for name, fn in paths.items():
-        first_s = timed_first(fn)
+        first_s = synced_seconds(fn)
         diff = (fn()[:rows].float() - ref).abs().max().item()
         ms = median_ms(fn, "cuda", repeats)
         row[name] = {"ms": ms, "tflops": tflops(tokens, HIDDEN, 2 * INTERMEDIATE, ms), "first_s": first_s, "max_abs_diff": round(diff, 5)}
@@ -87,7 +79,7 @@ def new_lengths(weight: torch.Tensor) -> list[dict]:
         def call() -> None:
             gemm_gated_out(x, weight.T, None, out, activation="swiglu", tuned=False, concat_layout="B")
 
-        rows.append({"tokens": tokens, "first_s": timed_first(call), "second_s": timed_first(call)})
+        rows.append({"tokens": tokens, "first_s": synced_seconds(call), "second_s": synced_seconds(call)})
     return rows
 
 
@@ -104,7 +96,7 @@ def plain_gemms(tokens: int, repeats: int) -> dict:
         w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16, generator=gen) * k**-0.5
         out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
         cublas_ms = median_ms(lambda: F.linear(x, w), "cuda", repeats)
-        first_s = timed_first(lambda: gemm_out(x, w.T, out, tuned=False))
+        first_s = synced_seconds(lambda: gemm_out(x, w.T, out, tuned=False))
         quack_ms = median_ms(lambda: gemm_out(x, w.T, out, tuned=False), "cuda", repeats)
         same = bool(torch.equal(F.linear(x, w), out))
         rows[name] = {"m": m, "k": k, "n": n, "cublas_ms": cublas_ms, "quack_ms": quack_ms, "cublas_tflops": tflops(m, k, n, cublas_ms),
@@ -113,6 +105,8 @@ def plain_gemms(tokens: int, repeats: int) -> dict:
 
 
 def run(args) -> dict:
+    if args.device != "cuda":
+        raise SystemExit("gpu_gated_mlp_check needs CUDA: quack's kernels have no CPU path")
     deadline = time.monotonic() + args.budget_s
     result: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "tokens": list(args.tokens)}
     section = deadline_sections(result, deadline)
