@@ -145,6 +145,22 @@ def layout_section(shape: Shape, device: str, repeats: int) -> list[dict]:
     return rows
 
 
+def _kernel_device_ms(call, device: str, calls: int = 20) -> dict | None:
+    """Each kernel's mean device ms per call (torch.profiler over `calls` eager calls); None off CUDA."""
+    if device != "cuda":
+        return None
+    from torch.profiler import ProfilerActivity, profile
+
+    call()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            call()
+        torch.cuda.synchronize()
+    return {event.key: round(event.device_time_total / 1e3 / calls, 4) for event in prof.key_averages()
+            if event.device_time_total > 0 and "_kernel" in event.key}  # fmt: skip
+
+
 def _compare(row: dict, paths: tuple[str, ...], device: str, repeats: int, call) -> dict:
     outputs = {}
     for path in paths:
@@ -153,6 +169,7 @@ def _compare(row: dict, paths: tuple[str, ...], device: str, repeats: int, call)
         row[f"{path}_graph_ms"] = graph_ms(lambda: call(PATHS[path]), device, repeats)
     if "kernel" in outputs:
         row |= agreement(outputs["torch"], outputs["kernel"])
+        row["kernels_device_ms"] = _kernel_device_ms(lambda: call(PATHS["kernel"]), device)
     return rounded(row)
 
 
@@ -235,7 +252,7 @@ def table(result: dict) -> str:
     for row in [*section_rows(result, "rows"), *([chunk] if isinstance(chunk, dict) and "rows" in chunk else [])]:
         lines.append(f"| {row['rows']} rows {row['dtype']} k={row['k']} | {row.get('torch_ms', '')} | {row.get('kernel_ms', '')} | "
                      f"{row.get('torch_graph_ms') or ''} | {row.get('kernel_graph_ms') or ''} | {row.get('max_abs_diff', '')} | "
-                     f"{row.get('ids_equal', '')} | |")  # fmt: skip
+                     f"{row.get('ids_equal', '')} | {_per_kernel(row)} |")  # fmt: skip
     prompt = result.get("prompt_32k") or {}
     if "torch_ms" in prompt:
         extra = {path: prompt.get(f"{path}_extra_bytes") for path in PATHS}
@@ -247,6 +264,12 @@ def table(result: dict) -> str:
         lines.append(f"| layout BLOCK {row['block']}, {row['target_programs']} programs ({row['splits']} splits): {row['rows']} rows "
                      f"{row['dtype']} k={row['k']} | | {row['kernel_ms']} | | | {row['max_abs_diff']} | {row['ids_equal']} | |")  # fmt: skip
     return "\n".join(lines)
+
+
+def _per_kernel(row: dict) -> str:
+    """"partial_lse 0.0025, candidates 0.018, ..." from a row's `kernels_device_ms`."""
+    kernels = row.get("kernels_device_ms") or {}
+    return ", ".join(f"{name.strip('_').removesuffix('_kernel')} {ms}" for name, ms in kernels.items())
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -15,7 +15,7 @@ from the host ints c and V alone (`split_layout`: ~TARGET_PROGRAMS programs, so 
 the GPU; 1 for hundreds of rows), so a captured graph keeps it, and no kernel reads a device value on
 the host: CUDA-graph safe.
 
-1. `_partial_lse_kernel`: each split's max m_s and sum of exp(x - m_s), fp32.
+1. `_partial_lse_kernel`: each split's max m_s and sum of exp(x - m_s), fp32, and each tile's max.
 2. `_candidates_kernel`: each program merges its row's S partials (m = max m_s, L = log sum_s l_s
    exp(m_s - m): every program of the row computes the same two numbers the same way), scans its
    split again with logprob = (x - m) - L (log_softmax's own order of operations, so values match
@@ -25,6 +25,10 @@ the host: CUDA-graph safe.
    keys only when its largest logit's logprob reaches the k-th kept, and inserts only while its best
    key beats it (threshold pruning: most tiles cost one float max; a 1024-row bf16 chunk at k = 2
    0.28 against 0.37 ms with keys built for every tile, ops/bench/results/gpu_logprob_kernel.md, run 5).
+   The k-th kept starts at a floor: the logprob of the k-th largest tile maximum of the row (k
+   columns of distinct tiles reach it, so every column of the row's top-k does), so a split inserts
+   only its columns at or above the floor, not its own k best (each insertion is a round of two
+   reductions: one row's candidates 9.5 against 19.5 us, run 9).
 3. `_finish_kernel` (grid [c]): the same m and L, the target's and requested ids' logprobs (gathers
    of x, same formula), and the top-k of the row's S * K_PAD candidates by k rounds of max, unpacked
    to value and id. The row's top-k is in the union of every split's top-k, so it is exact.
@@ -50,6 +54,7 @@ HALF_PRECISION_BLOCK = 2 * BLOCK
 MAX_SPLITS = 64
 TARGET_PROGRAMS = 264  # 2 per SM of the H200's 132
 MAX_CANDIDATES = 4096  # S * K_PAD: what `_finish_kernel` holds in registers for one row
+RANK_CHUNK = 32  # tile maxima `_kth_tile_max` compares each one with at once ([tiles, 32]: 64 a thread at 149 tiles)
 NO_KEY = tl.constexpr(-(2**63 - 1))  # below every key of a non-NaN logprob (their high half >= -2139095041)
 OUT_OF_PLAY = tl.constexpr(2**63 - 1)  # above every key: a candidate slot past k, never the minimum, stored as NO_KEY
 
@@ -122,12 +127,17 @@ def raw_logprob_columns(
     # met it). So S is a runtime argument and one compiled variant serves every row count.
     most_splits = max_splits_for(vocab, k_pad, block, MAX_SPLITS if max_splits is None else max_splits)
     splits_pad = triton.next_power_of_2(most_splits)
-    _partial_lse_kernel[(num_rows, splits)](logits, maxes, sums, logits.stride(0), vocab, per_split, splits, BLOCK=block)
+    num_tiles = triton.cdiv(vocab, block)
+    tile_maxes = torch.empty(num_rows, num_tiles, dtype=torch.float32, device=device)  # [c, tiles]
+    _partial_lse_kernel[(num_rows, splits)](logits, maxes, sums, tile_maxes, logits.stride(0), vocab, per_split, splits, num_tiles,
+                                            BLOCK=block)  # fmt: skip
     candidates = maxes  # unread when k == 0
     if k > 0:
         candidates = torch.empty(num_rows, splits, k_pad, dtype=torch.int64, device=device)  # [c, S, K_PAD]
-        _candidates_kernel[(num_rows, splits)](logits, maxes, sums, candidates, logits.stride(0), vocab, per_split, k, splits,
-                                               SPLITS_PAD=splits_pad, BLOCK=block, K_PAD=k_pad)  # fmt: skip
+        tiles_pad = triton.next_power_of_2(num_tiles)
+        _candidates_kernel[(num_rows, splits)](logits, maxes, sums, tile_maxes, candidates, logits.stride(0), vocab, per_split, k,
+                                               splits, num_tiles, SPLITS_PAD=splits_pad, BLOCK=block, K_PAD=k_pad,
+                                               TILES_PAD=tiles_pad, RANK_CHUNK=min(RANK_CHUNK, tiles_pad))  # fmt: skip
     ids = ids.contiguous() if ids is not None else targets  # unread when m == 0
     _finish_kernel[(num_rows,)](logits, maxes, sums, candidates, targets.contiguous(), ids, token, values, top_ids, requested,
                                 logits.stride(0), num_ids, k, splits, SPLITS_PAD=splits_pad, K_PAD=k_pad,
@@ -138,9 +148,9 @@ def raw_logprob_columns(
 
 # Ints that change with the rows or the request are not specialized on (value 1, divisibility by
 # 16): each would be another compile of the kernel the first time a step met it.
-@triton.jit(do_not_specialize=["tiles_per_split", "num_splits"])
-def _partial_lse_kernel(logits_ptr, max_ptr, sum_ptr, stride_row, vocab_size, tiles_per_split, num_splits,
-                        BLOCK: tl.constexpr):  # fmt: skip
+@triton.jit(do_not_specialize=["tiles_per_split", "num_splits", "num_tiles"])
+def _partial_lse_kernel(logits_ptr, max_ptr, sum_ptr, tile_max_ptr, stride_row, vocab_size, tiles_per_split, num_splits,
+                        num_tiles, BLOCK: tl.constexpr):  # fmt: skip
     row, split = tl.program_id(0), tl.program_id(1)
     row_ptr = logits_ptr + row.to(tl.int64) * stride_row
     first = split * tiles_per_split * BLOCK
@@ -151,7 +161,9 @@ def _partial_lse_kernel(logits_ptr, max_ptr, sum_ptr, stride_row, vocab_size, ti
     for start in range(first, end, BLOCK):
         offs = start + cols
         x = tl.load(row_ptr + offs, mask=offs < end, other=float("-inf")).to(tl.float32)  # [BLOCK]
-        m_new = tl.maximum(m, tl.max(x, 0))
+        tile_max = tl.max(x, 0)
+        tl.store(tile_max_ptr + row * num_tiles + start // BLOCK, tile_max)
+        m_new = tl.maximum(m, tile_max)
         shift = tl.where(m_new == float("-inf"), 0.0, m_new)  # all -inf so far: sums stay 0, no NaN
         total = total * tl.exp(m - shift) + tl.sum(tl.exp(x - shift), 0)
         m = m_new
@@ -168,6 +180,23 @@ def _row_lse(max_ptr, sum_ptr, row, num_splits, SPLITS_PAD: tl.constexpr):
     m = tl.max(maxes, 0)
     shift = tl.where(m == float("-inf"), 0.0, m)
     return m, tl.log(tl.sum(sums * tl.exp(maxes - shift), 0))
+
+
+@triton.jit
+def _kth_tile_max(tile_max_ptr, row, num_tiles, k, TILES_PAD: tl.constexpr, RANK_CHUNK: tl.constexpr):
+    # The k-th largest of the row's tile maxima (-inf when it has fewer than k tiles): k distinct
+    # columns reach it (each tile's max is a column of its own), so the row's top-k all do. Each
+    # maximum's rank (how many tiles are ahead of it: larger, or equal at a smaller index) in chunks
+    # of RANK_CHUNK columns, not k rounds of a max.
+    t = tl.arange(0, TILES_PAD)
+    maxima = tl.load(tile_max_ptr + row * num_tiles + t, mask=t < num_tiles, other=float("-inf"))  # [TILES_PAD]
+    rank = tl.zeros([TILES_PAD], tl.int32)
+    for first in tl.static_range(0, TILES_PAD, RANK_CHUNK):
+        j = first + tl.arange(0, RANK_CHUNK)
+        other = tl.load(tile_max_ptr + row * num_tiles + j, mask=j < num_tiles, other=float("-inf"))  # [RANK_CHUNK]
+        ahead = (other[None, :] > maxima[:, None]) | ((other[None, :] == maxima[:, None]) & (j[None, :] < t[:, None]))
+        rank += tl.sum(ahead.to(tl.int32), 1)
+    return tl.max(tl.where((rank == k - 1) & (t < num_tiles), maxima, float("-inf")), 0)
 
 
 @triton.jit
@@ -196,9 +225,10 @@ def _insert_tile(best, kth, x, offs, end, m, lse):
     return best, kth
 
 
-@triton.jit(do_not_specialize=["tiles_per_split", "k", "num_splits"])
-def _candidates_kernel(logits_ptr, max_ptr, sum_ptr, cand_ptr, stride_row, vocab_size, tiles_per_split, k, num_splits,
-                       SPLITS_PAD: tl.constexpr, BLOCK: tl.constexpr, K_PAD: tl.constexpr):  # fmt: skip
+@triton.jit(do_not_specialize=["tiles_per_split", "k", "num_splits", "num_tiles"])
+def _candidates_kernel(logits_ptr, max_ptr, sum_ptr, tile_max_ptr, cand_ptr, stride_row, vocab_size, tiles_per_split, k,
+                       num_splits, num_tiles, SPLITS_PAD: tl.constexpr, BLOCK: tl.constexpr, K_PAD: tl.constexpr,
+                       TILES_PAD: tl.constexpr, RANK_CHUNK: tl.constexpr):  # fmt: skip
     row, split = tl.program_id(0), tl.program_id(1)
     m, lse = _row_lse(max_ptr, sum_ptr, row, num_splits, SPLITS_PAD)
     row_ptr = logits_ptr + row.to(tl.int64) * stride_row
@@ -206,9 +236,13 @@ def _candidates_kernel(logits_ptr, max_ptr, sum_ptr, cand_ptr, stride_row, vocab
     end = tl.minimum(first + tiles_per_split * BLOCK, vocab_size)
     cols = tl.arange(0, BLOCK)
     slots = tl.arange(0, K_PAD)
-    # [K_PAD] kept keys: k slots in play, from distinct sentinels (so the minimum is one slot); the rest
-    # out of play, so a tile stops inserting once it no longer beats the k-th kept, not the K_PAD-th.
-    best = tl.where(slots < k, NO_KEY + slots.to(tl.int64), OUT_OF_PLAY)
+    # The floor: no column whose logprob is below the k-th largest tile maximum's is in the row's top-k.
+    floor = _ordered((_kth_tile_max(tile_max_ptr, row, num_tiles, k, TILES_PAD, RANK_CHUNK) - m) - lse).to(tl.int64) << 32
+    # [K_PAD] kept keys: k slots in play, from distinct sentinels just above the floor (below every key
+    # of a column at or above it: their low half, 2^32 - 1 - id, exceeds K_PAD), so the minimum is one
+    # slot and a split keeps nothing under the floor; the rest out of play, so a tile stops inserting
+    # once it no longer beats the k-th kept, not the K_PAD-th.
+    best = tl.where(slots < k, floor + slots.to(tl.int64), OUT_OF_PLAY)
     kth = tl.min(best, 0)
     for start in range(first, end, BLOCK):
         offs = start + cols

@@ -162,9 +162,9 @@ def test_kernels_compile_for_the_h200(pointer) -> None:
     finish = {"cand_ptr": "*i64", "targets_ptr": "*i64", "ids_ptr": "*i64", "token_ptr": f32, "values_ptr": f32,
               "top_ids_ptr": "*i32", "requested_ptr": f32, "stride_row": i32, "num_ids": i32, "k": i32, "num_splits": i32}  # fmt: skip
     specs = [
-        (kernels._partial_lse_kernel, {**common, **scan, "num_splits": i32}, {"BLOCK": 1024}),
-        (kernels._candidates_kernel, {**common, "cand_ptr": "*i64", **scan, "k": i32, "num_splits": i32},
-         {"SPLITS_PAD": 64, "BLOCK": 1024, "K_PAD": 32}),
+        (kernels._partial_lse_kernel, {**common, "tile_max_ptr": f32, **scan, "num_splits": i32, "num_tiles": i32}, {"BLOCK": 1024}),
+        (kernels._candidates_kernel, {**common, "tile_max_ptr": f32, "cand_ptr": "*i64", **scan, "k": i32, "num_splits": i32,
+                                      "num_tiles": i32}, {"SPLITS_PAD": 64, "BLOCK": 1024, "K_PAD": 32, "TILES_PAD": 256, "RANK_CHUNK": 32}),
         *((kernels._finish_kernel, {**common, **finish},
            {"SPLITS_PAD": 64, "K_PAD": 32, "CANDIDATES_PAD": 2048, "IDS_PAD": 4, "HAS_TOP_K": has}) for has in (False, True)),
     ]  # fmt: skip
@@ -234,6 +234,33 @@ def test_interpreted_kernels_match_the_torch_path(dtype, num_rows, max_splits) -
         assert_columns_match(got, torch_columns(logits, targets, k, ids))
     if num_rows == 1:  # the tie rule: 20.0 at ids 4 and V - 1, then 15.0 at five ids by id
         assert got[2][0, :7].tolist() == [4, VOCAB - 1, 3, 130, 700, 1000, VOCAB - 2]
+
+
+@interpreted
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_interpreted_floor_from_the_tile_maxima_keeps_every_top_k_column(dtype) -> None:
+    # Tiles of 32 columns (47 a row, more than k): the candidates keep only columns at or above the
+    # k-th largest tile maximum. Row 0: its 20 best all in one tile (one tile max above the floor's
+    # tile). Row 1: 25 tiles whose maxima tie at the 20th rank, and columns of other tiles equal to
+    # that value at smaller ids (they rank before the tile maxima). Row 2: every logit equal.
+    from services.scheduler.triton_logprobs import raw_logprob_columns
+
+    logits = tricky_logits(3, torch.float32, seed=7).clamp(-8, 8)
+    logits[0, 640:660] = 24.0 + torch.arange(20, dtype=torch.float32) / 8  # exact in bf16 too
+    logits[1, torch.arange(25) * 32 + 31] = 12.0  # tile maxima, tied
+    logits[1, [3, 35, 64]] = 12.0  # same value, smaller ids, tiles that already hold a 12.0
+    logits[1, 1490] = 12.0
+    logits[2] = 1.0
+    logits = logits.to(dtype)
+    for k, num_ids in ((20, 3), (5, 0), (1, 0)):
+        targets, ids = row_inputs(3, num_ids)
+        got = raw_logprob_columns(logits, targets, k, ids, block=32)
+        assert_columns_match(got, torch_columns(logits, targets, k, ids))
+    assert got[2][:, 0].tolist() == [659, 3, 0]
+    top20 = raw_logprob_columns(logits, targets, 20, None, block=32)[2]
+    assert top20[0].tolist() == list(range(659, 639, -1))
+    assert top20[1].tolist() == [3, 31, 35, 63, 64, *(torch.arange(2, 17) * 32 + 31).tolist()]
+    assert top20[2].tolist() == list(range(20))
 
 
 @interpreted
