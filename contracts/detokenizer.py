@@ -92,8 +92,49 @@ class RequestLogprobs(msgspec.Struct, frozen=True, gc=False, omit_defaults=True)
             raise ValueError("flat prompt top logprobs need both values and ids")
 
     def num_output_rows(self) -> int | None:
-        arrays = [self.output_token_logprobs, self.output_top_logprobs, self.output_top_ids, self.output_ids_logprobs]
-        return next((array.shape[0] for array in arrays if array is not None), None)
+        for array in (self.output_token_logprobs, self.output_top_logprobs, self.output_top_ids, self.output_ids_logprobs):
+            if array is not None:
+                return array.shape[0]
+        return None
+
+
+class OutputLogprobColumns(msgspec.Struct, frozen=True, gc=False, omit_defaults=True):
+    """The output logprob entries new in one step of every request of a `TokenBatch`, one array per
+    kind (`services.common.output_logprob_columns` builds and reads them). Over the batch's R
+    requests: request i owns `rows[i]` rows (its new tokens if it asked for logprobs, else 0), in
+    request order, of `token_logprobs`, `rows[i] * top_k[i]` values of `top_logprobs` / `top_ids`
+    (row-major [rows, k]) and `rows[i] * num_ids[i]` of `ids_logprobs`. The width columns and their
+    values are absent when no request of the batch has any. Values as in `RequestLogprobs`."""
+
+    rows: NDArray  # i32 [R]
+    token_logprobs: NDArray  # f32 [sum(rows)]
+    top_k: NDArray | None = None  # i32 [R]
+    top_logprobs: NDArray | None = None  # f32 [sum(rows * top_k)]
+    top_ids: NDArray | None = None  # i32 [sum(rows * top_k)]
+    num_ids: NDArray | None = None  # i32 [R]
+    ids_logprobs: NDArray | None = None  # f32 [sum(rows * num_ids)]
+
+    def __post_init__(self) -> None:
+        """Invariant: the widths are R-vectors >= 0 and every value column holds exactly its rows'
+        entries, so readers slice without checking again."""
+        rows = _int32s(self.rows, "rows")
+        if min(rows, default=0) < 0 or not self.token_logprobs.is_vector("<f4", sum(rows)):
+            raise ValueError("rows must be >= 0 and token_logprobs an f32 vector of sum(rows)")
+        for widths, values, dtypes in ((self.top_k, (self.top_logprobs, self.top_ids), ("<f4", "<i4")),
+                                       (self.num_ids, (self.ids_logprobs,), ("<f4",))):  # fmt: skip
+            if widths is None:
+                if any(v is not None for v in values):
+                    raise ValueError("logprob values need their widths")
+                continue
+            counts = _int32s(widths, "widths", len(rows))
+            if min(counts, default=0) < 0:
+                raise ValueError("widths must be >= 0")
+            size = sum(n * w for n, w in zip(rows, counts, strict=True))
+            if not all(v is not None and v.is_vector(d, size) for v, d in zip(values, dtypes, strict=True)):
+                raise ValueError(f"logprob values must be vectors of sum(rows * widths) = {size}")
+
+    def num_requests(self) -> int:
+        return self.rows.shape[0]
 
 
 class TokenBatch(msgspec.Struct, frozen=True, gc=False, omit_defaults=True):
@@ -112,10 +153,22 @@ class TokenBatch(msgspec.Struct, frozen=True, gc=False, omit_defaults=True):
     finish: list[Finish | None]  # [R]; None while running
     logprobs: list[RequestLogprobs | None] | None = None  # [R]; None when nobody asked
     spec_verify_ct: NDArray | None = None  # i32 [R], cumulative verify passes (speculative only)
+    # Appended (schema evolution): the output entries of this step, columnar; then no entry of
+    # `logprobs` holds output rows (those carry the prompt's alone, or nothing). A reader that
+    # predates the field finds the output entries missing, not wrong.
+    output_logprobs: OutputLogprobColumns | None = None
 
     def __post_init__(self) -> None:
         check_columns(self.rids, self.num_new_tokens, self.new_token_ids, self.prompt_tokens, self.finish,
                       self.logprobs, self.spec_verify_ct)  # fmt: skip
+        if self.output_logprobs is not None:
+            rows = _int32s(self.output_logprobs.rows, "output_logprobs.rows", len(self.rids))
+            counts = _int32s(self.num_new_tokens, "num_new_tokens")
+            if any(n not in (0, c) for n, c in zip(rows, counts, strict=True)):
+                raise ValueError("a request's output logprob rows must be its new tokens")
+            distinct = {id(entry): entry for entry in self.logprobs or () if entry is not None}  # many share one empty entry
+            if any(entry.num_output_rows() is not None for entry in distinct.values()):
+                raise ValueError("output logprob entries go in output_logprobs or in logprobs, not both")
 
 
 def check_columns(
@@ -140,9 +193,19 @@ def check_columns(
     counts = memoryview(num_new_tokens.data).cast("B").cast("i").tolist()  # little-endian hosts only, as numpy's views
     if min(counts, default=0) < 0 or not new_token_ids.is_vector("<i4", sum(counts)):
         raise ValueError("num_new_tokens must be >= 0 and add up to new_token_ids")
+    rows_of: dict[int, int | None] = {}  # each distinct entry's rows once: many entries of a batch may be one shared empty one
     for num, entry in zip(counts, logprobs or (), strict=False):
-        if entry is not None and entry.num_output_rows() not in (None, num):
+        if entry is None:
+            continue
+        rows = rows_of[id(entry)] if id(entry) in rows_of else rows_of.setdefault(id(entry), entry.num_output_rows())
+        if rows not in (None, num):
             raise ValueError("output logprob rows must match the request's new tokens")
+
+
+def _int32s(column: NDArray, name: str, count: int | None = None) -> list[int]:
+    if not column.is_vector("<i4", count):
+        raise ValueError(f"{name} must be an int32 vector" + (f" of {count} entries" if count is not None else ""))
+    return memoryview(column.data).cast("B").cast("i").tolist()  # little-endian hosts only, as numpy's views
 
 
 def _check_rows(arrays: list[NDArray | None]) -> None:

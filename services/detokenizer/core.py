@@ -7,7 +7,9 @@ trimmed, its token ids and output logprob rows after the completing token are cu
 the slot. Under `min_tokens` (vLLM's meaning) the text of the first `min_tokens` output tokens
 cannot end a stop string; tokens are counted one by one, so a step that delivers several (DSpark)
 is judged exactly as single-token steps would be. Logprob arrays are passed through as the same
-`NDArray` objects unless they must be cut, and a cut is a zero-copy slice of the received bytes.
+`NDArray` objects unless they must be cut, and a cut is a zero-copy slice of the received bytes;
+output entries sent as the batch's columns (`OutputLogprobColumns`) go back into each request's
+`RequestLogprobs` here, as views of the received bytes too.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from contracts.detokenizer import DetokenizerRegistration, Finish, FinishType, R
 from contracts.scheduler import AbortRequest
 from contracts.tokenizer import TextBatch
 from services.common.arrays import from_wire, to_wire
+from services.common.output_logprob_columns import per_request
 from services.detokenizer.incremental import IncrementalDecoder
 from services.detokenizer.stops import StopMatcher
 
@@ -93,6 +96,7 @@ class DetokenizerCore:
     def process(self, batch: TokenBatch) -> DetokenizeResult:
         token_ids = from_wire(batch.new_token_ids)  # int32 [T]
         offsets = np.concatenate(([0], np.cumsum(from_wire(batch.num_new_tokens))))  # [R + 1]
+        outputs = per_request(batch.output_logprobs) if batch.output_logprobs is not None else None  # [R]
         result = DetokenizeResult()
         by_owner: dict[str, list[_Entry]] = {}
         for index, rid in enumerate(batch.rids):
@@ -100,7 +104,8 @@ class DetokenizerCore:
             if request is None:
                 continue
             request.scheduler_id = batch.scheduler_id
-            entry = self._advance(batch, index, token_ids[offsets[index] : offsets[index + 1]], request)
+            output_fields = outputs[index] if outputs is not None else None
+            entry = self._advance(batch, index, token_ids[offsets[index] : offsets[index + 1]], request, output_fields)
             by_owner.setdefault(request.tokenizer_id, []).append(entry)
             if entry.finish is not None:
                 self._forget(rid)
@@ -172,7 +177,8 @@ class DetokenizerCore:
         if len(self._finished) > NUM_REMEMBERED_FINISHED:
             self._finished.popitem(last=False)
 
-    def _advance(self, batch: TokenBatch, index: int, ids: np.ndarray, request: _Request) -> _Entry:
+    def _advance(self, batch: TokenBatch, index: int, ids: np.ndarray, request: _Request,
+                 output_fields: dict[str, NDArray] | None) -> _Entry:  # fmt: skip
         text, num_kept, matched = _detokenize(request, ids.tolist())
         scheduler_finish = batch.finish[index]
         if matched is None and scheduler_finish is not None:
@@ -183,6 +189,8 @@ class DetokenizerCore:
             text += tail if matched is not None else tail + request.stops.flush()
         finish = Finish(FinishType.STOP, matched=matched) if matched is not None else scheduler_finish
         logprobs = batch.logprobs[index] if batch.logprobs is not None else None
+        if output_fields is not None:  # the batch's columns: back into the request's entries, as `TextBatch` carries them
+            logprobs = msgspec.structs.replace(logprobs or RequestLogprobs(), **output_fields)
         cut = num_kept < len(ids)
         if cut:
             logprobs = _cut_output_logprobs(logprobs, num_kept)
@@ -214,7 +222,7 @@ class DetokenizerCore:
             new_token_ids=batch.new_token_ids if whole else _concat_ids(entries),
             prompt_tokens=batch.prompt_tokens if whole else _take(batch.prompt_tokens, indices),
             finish=[entry.finish for entry in entries],
-            logprobs=None if batch.logprobs is None else [entry.logprobs for entry in entries],
+            logprobs=None if batch.logprobs is None and batch.output_logprobs is None else [entry.logprobs for entry in entries],
             spec_verify_ct=batch.spec_verify_ct if whole else _take(batch.spec_verify_ct, indices),
         )
 

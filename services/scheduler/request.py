@@ -90,6 +90,11 @@ class LogprobEntries:
     def is_empty(self) -> bool:
         return all(value is None for value in vars(self).values())
 
+    def has_prompt_entries(self) -> bool:
+        return not (self.input_start is None and self.input_token_logprobs is None and self.input_top_logprobs is None
+                    and self.input_top_ids is None and self.input_ids_logprobs is None
+                    and self.input_top_logprobs_flat is None and self.input_top_null_prefix is None)  # fmt: skip
+
     def prompt_part(self) -> LogprobEntries:
         """Only the prompt (input) entries."""
         return LogprobEntries(**{name: value for name, value in vars(self).items() if name.startswith("input_")})

@@ -1,4 +1,5 @@
-"""A step's `RequestOutput`s -> one columnar `TokenBatch` per detokenizer."""
+"""A step's `RequestOutput`s -> one columnar `TokenBatch` per detokenizer, its output logprob entries
+as the batch's columns where several requests have some (`OutputLogprobColumns`)."""
 
 from __future__ import annotations
 
@@ -7,13 +8,27 @@ import numpy as np
 from contracts.arrays import NDArray
 from contracts.detokenizer import RequestLogprobs, TokenBatch
 from services.common.arrays import to_wire
+from services.common.output_logprob_columns import to_columns
 from services.scheduler.request import LogprobEntries, RequestOutput
+
+# Output entries go as the batch's columns (`OutputLogprobColumns`) once this many requests have
+# some: for one request its own three arrays are cheaper than the columns' five (host_step_cost.py).
+COLUMNS_FROM_REQUESTS = 2
+NO_PROMPT_ENTRIES = RequestLogprobs()  # a request that asked, with no prompt entries in this step (immutable, shared)
+
 
 def to_request_logprobs(entries: LogprobEntries) -> RequestLogprobs:
     """The fields of the same names: arrays as NDArrays (views, no copy), unset ones left at None."""
     fields = {name: to_wire(value) if isinstance(value, np.ndarray) else value
               for name, value in vars(entries).items() if value is not None}  # fmt: skip
     return RequestLogprobs(**fields)
+
+
+def _prompt_logprobs(entries: LogprobEntries) -> RequestLogprobs:
+    """The prompt (input) entries alone: the output ones travel in the batch's columns."""
+    if not entries.has_prompt_entries():
+        return NO_PROMPT_ENTRIES
+    return to_request_logprobs(entries.prompt_part())
 
 
 def to_token_batches(outputs: list[RequestOutput], scheduler_id: str, step: int) -> dict[str, TokenBatch]:
@@ -26,8 +41,11 @@ def to_token_batches(outputs: list[RequestOutput], scheduler_id: str, step: int)
 
 def _token_batch(outputs: list[RequestOutput], scheduler_id: str, step: int) -> TokenBatch:
     new_ids = [token for output in outputs for token in output.new_token_ids]
-    any_logprobs = any(output.logprobs is not None for output in outputs)
-    logprobs = [None if o.logprobs is None else to_request_logprobs(o.logprobs) for o in outputs]
+    entries = [output.logprobs for output in outputs]
+    any_logprobs = any(e is not None for e in entries)
+    columnar = sum(e is not None and e.output_token_logprobs is not None for e in entries) >= COLUMNS_FROM_REQUESTS
+    per_request = _prompt_logprobs if columnar else to_request_logprobs
+    logprobs = [None if e is None else per_request(e) for e in entries]
     return TokenBatch(
         scheduler_id=scheduler_id,
         step=step,
@@ -38,6 +56,7 @@ def _token_batch(outputs: list[RequestOutput], scheduler_id: str, step: int) -> 
         finish=[output.finish for output in outputs],
         logprobs=logprobs if any_logprobs else None,
         spec_verify_ct=_verify_counts(outputs),
+        output_logprobs=to_columns(entries) if columnar else None,
     )
 
 

@@ -21,6 +21,7 @@ from contracts.detokenizer import (
     DetokenizerRegistrationReply,
     Finish,
     FinishType,
+    OutputLogprobColumns,
     RequestLogprobs,
     TokenBatch,
 )
@@ -57,6 +58,12 @@ LOGPROBS = RequestLogprobs(
     input_top_null_prefix=1,
 )
 
+COLUMNS = OutputLogprobColumns(
+    rows=i32(2, 0, 1), token_logprobs=to_wire(np.array([-0.5, np.nan, -1.0], dtype=np.float32)),
+    top_k=i32(0, 0, 2), top_logprobs=to_wire(np.array([-1.0, -2.0], dtype=np.float32)), top_ids=i32(12, 3),
+    num_ids=i32(0, 0, 1), ids_logprobs=to_wire(np.array([-7.0], dtype=np.float32)),
+)
+
 SAMPLES: list[msgspec.Struct] = [
     i32(1, 2, 3),
     Heartbeat("scheduler", "abc", alive=False, num_running=3, reason="shutdown"),
@@ -77,6 +84,18 @@ SAMPLES: list[msgspec.Struct] = [
         logprobs=[LOGPROBS, None, RequestLogprobs()],
         spec_verify_ct=i32(1, 2, 3),
     ),
+    TokenBatch(  # the output entries as the batch's columns: b asked for none, c for top-2 and one id
+        scheduler_id="s",
+        step=8,
+        rids=["a", "b", "c"],
+        num_new_tokens=i32(2, 0, 1),
+        new_token_ids=i32(10, 11, 12),
+        prompt_tokens=i32(5, 6, 7),
+        finish=[None, None, None],
+        logprobs=[RequestLogprobs(input_start=0, input_top_null_prefix=1), None, RequestLogprobs()],
+        output_logprobs=COLUMNS,
+    ),
+    COLUMNS,
     SamplingParams(max_new_tokens=16, temperature=0.0, top_k=5, seed=42, stop_token_ids=(2, 3), ignore_eos=True),
     LogprobParams(return_logprob=True, logprob_start_len=0, top_logprobs_num=2, token_ids_logprob=(5, 6)),
     SchedulerClaim("rid-1", 32768),

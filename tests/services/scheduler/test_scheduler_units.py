@@ -10,8 +10,9 @@ import pytest
 import torch
 
 from contracts.arrays import NDArray
-from contracts.detokenizer import Finish, FinishType, TokenBatch
+from contracts.detokenizer import Finish, FinishType, RequestLogprobs, TokenBatch
 from contracts.scheduler import SamplingParams
+from services.common.arrays import from_wire
 from services.scheduler.block_manager import BlockManager
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.flags import DEFAULT_MAX_PREFILL_TOKENS
@@ -257,7 +258,24 @@ def test_token_batches_are_grouped_per_detokenizer_and_columnar():
     assert d1.rids == ["a", "b"] and d1.step == 7
     assert bytes(d1.num_new_tokens.data) == np.array([1, 0], "<i4").tobytes()
     assert d1.logprobs[1] is None and d1.logprobs[0].input_start == 0
-    assert batches["d2"].logprobs is None  # nobody there asked
+    # one request with output entries: its own arrays, no columns
+    assert from_wire(d1.logprobs[0].output_token_logprobs).tolist() == [-0.5] and d1.output_logprobs is None
+    assert batches["d2"].logprobs is None and batches["d2"].output_logprobs is None  # nobody there asked
+
+
+def test_output_entries_of_several_requests_travel_as_the_batch_columns():
+    outputs = _outputs()
+    top = LogprobEntries(output_token_logprobs=np.array([-0.25, -2.0], np.float32),
+                         output_top_logprobs=np.array([[-0.25], [-0.5]], np.float32), output_top_ids=np.array([[1], [6]], np.int32))  # fmt: skip
+    outputs[2] = RequestOutput("c", "d1", [1, 2], 1, Finish(FinishType.LENGTH), top)
+    batch = msgspec.msgpack.decode(msgspec.msgpack.encode(to_token_batches(outputs, "s", 7)["d1"]), type=TokenBatch)
+    columns = batch.output_logprobs
+    assert batch.rids == ["a", "b", "c"] and from_wire(columns.rows).tolist() == [1, 0, 2]
+    assert from_wire(columns.token_logprobs).tolist() == [-0.5, -0.25, -2.0] and from_wire(columns.top_k).tolist() == [0, 0, 1]
+    assert from_wire(columns.top_ids).tolist() == [1, 6]
+    # the prompt's entries stay per request, without the output ones; c asked, with no prompt entries
+    assert batch.logprobs[0].input_start == 0 and batch.logprobs[0].num_output_rows() is None
+    assert batch.logprobs[1] is None and batch.logprobs[2] == RequestLogprobs()
 
 
 def test_batch_without_flat_requests_encodes_as_if_the_fields_did_not_exist():
