@@ -110,7 +110,7 @@ def service_argv(name: str, args: argparse.Namespace, metrics_port: int | None =
         argv += scheduler_argv(args)
     if name == "tokenizer":
         argv += ["--host", args.host, "--port", str(args.port), "--max-logprobs", str(args.max_logprobs)]
-        argv += ["--reuse-port"] if args.tokenizers > 1 else []  # they share the port
+        argv += ["--reuse-port"] if num_tokenizers(args) > 1 else []  # they share the port
         argv += ["--served-model-name", args.served_model_name] if args.served_model_name else []
     if name in ("scheduler", "tokenizer") and args.max_model_len:
         argv += ["--max-model-len", str(args.max_model_len)]
@@ -200,7 +200,7 @@ class Stack:
         if self.args.record is not None:
             self.recorder = self._start_recorder(self.args.record)
         for name in START_ORDER:
-            copies = self.args.tokenizers if name == "tokenizer" else 1
+            copies = num_tokenizers(self.args) if name == "tokenizer" else 1
             self.children += [self._start_child(name if k == 1 else f"{name}-{k}") for k in range(1, copies + 1)]
         self.metrics_urls = {name: f"http://127.0.0.1:{port}/metrics" for name, port in self.metrics_ports.items()}
         self.metrics_urls["tokenizer"] = f"http://{reachable_host(self.args.host)}:{self.args.port}/metrics"
@@ -335,6 +335,19 @@ def _wait_or_kill(child: Child, deadline: float) -> None:
         child.process.wait()
 
 
+GPU_TOKENIZERS = 2  # front ends where a GPU serves: one formats ~14k top-20 tokens/s at most (gpu_serve.md, run 20)
+
+
+def num_tokenizers(args: argparse.Namespace, gpu_present=None) -> int:
+    """--tokenizers, or its default: GPU_TOKENIZERS where the scheduler serves on a GPU (--device
+    cuda, or auto on a machine with NVIDIA's device nodes: read without importing torch here), else 1."""
+    if args.tokenizers is not None:
+        return args.tokenizers
+    gpu_present = gpu_present or (lambda: any(Path(p).exists() for p in ("/dev/nvidiactl", "/proc/driver/nvidia/version")))
+    on_gpu = args.device == "cuda" or (args.device == "auto" and gpu_present())
+    return GPU_TOKENIZERS if on_gpu else 1
+
+
 def main(args: argparse.Namespace) -> int:
     stack = Stack(args)
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -354,7 +367,7 @@ def _run(stack: Stack) -> int:
     if missing:  # fail before starting anything, in words
         say(f"the scheduler needs {' and '.join(missing)}: {TORCH_HINT}")
         return 1
-    if stack.args.tokenizers < 1:
+    if num_tokenizers(stack.args) < 1:
         say(f"--tokenizers must be at least 1, got {stack.args.tokenizers}")
         return 2
     if port_in_use(stack.args.host, stack.args.port):

@@ -124,8 +124,22 @@ def test_up_refuses_fewer_than_one_tokenizer_in_words(capsys):
     assert "--tokenizers must be at least 1, got 0" in capsys.readouterr().err
 
 
+def test_the_default_number_of_tokenizers_is_two_where_a_gpu_serves():
+    from services.launcher import GPU_TOKENIZERS, num_tokenizers
+
+    def parsed(*flags):
+        return build_parser(["up", *flags]).parse_args(["up", *flags])
+
+    assert GPU_TOKENIZERS == 2
+    assert num_tokenizers(parsed("--device", "cuda"), gpu_present=lambda: False) == 2
+    assert num_tokenizers(parsed("--device", "cpu"), gpu_present=lambda: True) == 1
+    assert num_tokenizers(parsed("--device", "auto"), gpu_present=lambda: True) == 2
+    assert num_tokenizers(parsed("--device", "auto"), gpu_present=lambda: False) == 1
+    assert num_tokenizers(parsed("--device", "cuda", "--tokenizers", "1"), gpu_present=lambda: True) == 1  # asked for
+
+
 def test_more_than_one_tokenizer_share_the_port():
-    one = build_parser(["up"]).parse_args(["up"])
+    one = build_parser(["up", "--device", "cpu"]).parse_args(["up", "--device", "cpu"])
     two = build_parser(["up", "--tokenizers", "2"]).parse_args(["up", "--tokenizers", "2"])
     assert "--reuse-port" not in service_argv("tokenizer", one) and "--reuse-port" in service_argv("tokenizer", two)
     assert "--reuse-port" not in service_argv("scheduler", two)
