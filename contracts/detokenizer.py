@@ -151,11 +151,12 @@ class TokenBatch(msgspec.Struct, frozen=True, gc=False, omit_defaults=True):
     new_token_ids: NDArray  # i32 [sum(num_new_tokens)]
     prompt_tokens: NDArray  # i32 [R]
     finish: list[Finish | None]  # [R]; None while running
-    logprobs: list[RequestLogprobs | None] | None = None  # [R]; None when nobody asked
+    logprobs: list[RequestLogprobs | None] | None = None  # [R]; None when nobody asked (or see output_logprobs)
     spec_verify_ct: NDArray | None = None  # i32 [R], cumulative verify passes (speculative only)
     # Appended (schema evolution): the output entries of this step, columnar; then no entry of
-    # `logprobs` holds output rows (those carry the prompt's alone, or nothing). A reader that
-    # predates the field finds the output entries missing, not wrong.
+    # `logprobs` holds output rows: a request's entries are its `logprobs` entry (prompt entries,
+    # or None) and its rows here together, and `logprobs` is None when no request has prompt
+    # entries. A reader that predates the field finds the output entries missing, not wrong.
     output_logprobs: OutputLogprobColumns | None = None
 
     def __post_init__(self) -> None:
@@ -209,9 +210,13 @@ def _int32s(column: NDArray, name: str, count: int | None = None) -> list[int]:
 
 
 def _check_rows(arrays: list[NDArray | None]) -> None:
-    rows = {array.shape[0] if array.shape else -1 for array in arrays if array is not None}
-    if len(rows) > 1 or -1 in rows:
-        raise ValueError("logprob arrays of the same positions must have the same number of rows")
+    rows = None
+    for array in arrays:
+        if array is None:
+            continue
+        if not array.shape or rows not in (None, array.shape[0]):
+            raise ValueError("logprob arrays of the same positions must have the same number of rows")
+        rows = array.shape[0]
 
 
 def _check_pair(values: NDArray | None, ids: NDArray | None) -> None:

@@ -75,30 +75,31 @@ def _flat(arrays: list[np.ndarray], dtype) -> NDArray:
 
 
 def per_request(columns: OutputLogprobColumns) -> list[dict[str, NDArray] | None]:
-    """Per request: its `RequestLogprobs` output fields (NDArray views into the message), or None
-    when it has no output rows in this step."""
-    rows = from_wire(columns.rows)
+    """Per request: its `RequestLogprobs` output fields, or None when it has no output rows in this
+    step. Each an `NDArray` over a slice of the column's bytes (no copy, no numpy per request: this
+    runs per request per step in the detokenizer)."""
+    rows = from_wire(columns.rows).tolist()
     top_k = _widths(columns.top_k, len(rows))
     num_ids = _widths(columns.num_ids, len(rows))
-    token = from_wire(columns.token_logprobs)
-    top_values = from_wire(columns.top_logprobs) if columns.top_logprobs is not None else None
-    top_ids = from_wire(columns.top_ids) if columns.top_ids is not None else None
-    ids = from_wire(columns.ids_logprobs) if columns.ids_logprobs is not None else None
+    token = memoryview(columns.token_logprobs.data).cast("B")
+    top_values = memoryview(columns.top_logprobs.data).cast("B") if columns.top_logprobs is not None else None
+    top_ids = memoryview(columns.top_ids.data).cast("B") if columns.top_ids is not None else None
+    ids = memoryview(columns.ids_logprobs.data).cast("B") if columns.ids_logprobs is not None else None
     fields: list[dict[str, NDArray] | None] = []
-    at = top_at = ids_at = 0
-    for n, k, m in zip(rows.tolist(), top_k, num_ids, strict=True):
+    at = top_at = ids_at = 0  # in 4-byte entries
+    for n, k, m in zip(rows, top_k, num_ids, strict=True):
         if n == 0:
             fields.append(None)
             continue
-        entry = {"output_token_logprobs": to_wire(token[at : at + n])}
+        entry = {"output_token_logprobs": NDArray("<f4", (n,), token[4 * at : 4 * (at + n)])}
         at += n
         if k:
             size = n * k
-            entry["output_top_logprobs"] = to_wire(top_values[top_at : top_at + size].reshape(n, k))
-            entry["output_top_ids"] = to_wire(top_ids[top_at : top_at + size].reshape(n, k))
+            entry["output_top_logprobs"] = NDArray("<f4", (n, k), top_values[4 * top_at : 4 * (top_at + size)])
+            entry["output_top_ids"] = NDArray("<i4", (n, k), top_ids[4 * top_at : 4 * (top_at + size)])
             top_at += size
         if m:
-            entry["output_ids_logprobs"] = to_wire(ids[ids_at : ids_at + n * m].reshape(n, m))
+            entry["output_ids_logprobs"] = NDArray("<f4", (n, m), ids[4 * ids_at : 4 * (ids_at + n * m)])
             ids_at += n * m
         fields.append(entry)
     return fields

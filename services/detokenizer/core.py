@@ -190,7 +190,7 @@ class DetokenizerCore:
         finish = Finish(FinishType.STOP, matched=matched) if matched is not None else scheduler_finish
         logprobs = batch.logprobs[index] if batch.logprobs is not None else None
         if output_fields is not None:  # the batch's columns: back into the request's entries, as `TextBatch` carries them
-            logprobs = msgspec.structs.replace(logprobs or RequestLogprobs(), **output_fields)
+            logprobs = RequestLogprobs(**output_fields) if logprobs is None else msgspec.structs.replace(logprobs, **output_fields)
         cut = num_kept < len(ids)
         if cut:
             logprobs = _cut_output_logprobs(logprobs, num_kept)

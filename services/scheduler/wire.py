@@ -14,7 +14,7 @@ from services.scheduler.request import LogprobEntries, RequestOutput
 # Output entries go as the batch's columns (`OutputLogprobColumns`) once this many requests have
 # some: for one request its own three arrays are cheaper than the columns' five (host_step_cost.py).
 COLUMNS_FROM_REQUESTS = 2
-NO_PROMPT_ENTRIES = RequestLogprobs()  # a request that asked, with no prompt entries in this step (immutable, shared)
+NO_PROMPT_ENTRIES = RequestLogprobs()  # a request that asked, with nothing new in this step (immutable, shared)
 
 
 def to_request_logprobs(entries: LogprobEntries) -> RequestLogprobs:
@@ -24,11 +24,13 @@ def to_request_logprobs(entries: LogprobEntries) -> RequestLogprobs:
     return RequestLogprobs(**fields)
 
 
-def _prompt_logprobs(entries: LogprobEntries) -> RequestLogprobs:
-    """The prompt (input) entries alone: the output ones travel in the batch's columns."""
-    if not entries.has_prompt_entries():
-        return NO_PROMPT_ENTRIES
-    return to_request_logprobs(entries.prompt_part())
+def _beside_columns(entries: LogprobEntries) -> RequestLogprobs | None:
+    """What a request's `logprobs` entry keeps where its output rows travel in the batch's columns:
+    its prompt entries; None when it has none (the columns are all of it); an empty entry when it
+    has neither (it asked, and nothing is new this step)."""
+    if entries.has_prompt_entries():
+        return to_request_logprobs(entries.prompt_part())
+    return None if entries.output_token_logprobs is not None else NO_PROMPT_ENTRIES
 
 
 def to_token_batches(outputs: list[RequestOutput], scheduler_id: str, step: int) -> dict[str, TokenBatch]:
@@ -44,8 +46,9 @@ def _token_batch(outputs: list[RequestOutput], scheduler_id: str, step: int) -> 
     entries = [output.logprobs for output in outputs]
     any_logprobs = any(e is not None for e in entries)
     columnar = sum(e is not None and e.output_token_logprobs is not None for e in entries) >= COLUMNS_FROM_REQUESTS
-    per_request = _prompt_logprobs if columnar else to_request_logprobs
+    per_request = _beside_columns if columnar else to_request_logprobs
     logprobs = [None if e is None else per_request(e) for e in entries]
+    any_logprobs = any_logprobs and not (columnar and all(entry is None for entry in logprobs))
     return TokenBatch(
         scheduler_id=scheduler_id,
         step=step,

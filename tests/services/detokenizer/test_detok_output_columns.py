@@ -24,7 +24,10 @@ def columnar(batch):
     held = [None if e is None else SimpleNamespace(**{name: None if getattr(e, name) is None else from_wire(getattr(e, name))
                                                       for name in OUTPUT_LOGPROB_FIELDS}) for e in batch.logprobs]  # fmt: skip
     prompt_only = [None if e is None else msgspec.structs.replace(e, **dict.fromkeys(OUTPUT_LOGPROB_FIELDS)) for e in batch.logprobs]
-    return msgspec.structs.replace(batch, logprobs=prompt_only, output_logprobs=to_columns(held))
+    # as `wire._beside_columns`: a request whose rows are all it has keeps None
+    beside = [None if p == RequestLogprobs() and e.output_token_logprobs is not None else p
+              for p, e in zip(prompt_only, batch.logprobs, strict=True)]  # fmt: skip
+    return msgspec.structs.replace(batch, logprobs=beside, output_logprobs=to_columns(held))
 
 
 def test_the_detokenizer_sends_on_the_same_text_batches_for_either_form(tokenizer) -> None:

@@ -273,9 +273,16 @@ def test_output_entries_of_several_requests_travel_as_the_batch_columns():
     assert batch.rids == ["a", "b", "c"] and from_wire(columns.rows).tolist() == [1, 0, 2]
     assert from_wire(columns.token_logprobs).tolist() == [-0.5, -0.25, -2.0] and from_wire(columns.top_k).tolist() == [0, 0, 1]
     assert from_wire(columns.top_ids).tolist() == [1, 6]
-    # the prompt's entries stay per request, without the output ones; c asked, with no prompt entries
+    # the prompt's entries stay per request, without the output ones; c's rows are all it has
     assert batch.logprobs[0].input_start == 0 and batch.logprobs[0].num_output_rows() is None
-    assert batch.logprobs[1] is None and batch.logprobs[2] == RequestLogprobs()
+    assert batch.logprobs[1] is None and batch.logprobs[2] is None
+    # without prompt entries in the batch, no per-request list at all
+    outputs[0] = RequestOutput("a", "d1", [4], 2, None, LogprobEntries(output_token_logprobs=np.array([-0.5], np.float32)))
+    outputs[1] = RequestOutput("b", "d1", [], 3, None, LogprobEntries())  # asked; a prefill chunk, nothing new
+    batch = to_token_batches(outputs, "s", 8)["d1"]
+    assert batch.logprobs == [None, RequestLogprobs(), None] and from_wire(batch.output_logprobs.rows).tolist() == [1, 0, 2]
+    outputs[1] = RequestOutput("b", "d1", [7], 3, None, None)
+    assert to_token_batches(outputs, "s", 9)["d1"].logprobs is None
 
 
 def test_batch_without_flat_requests_encodes_as_if_the_fields_did_not_exist():
