@@ -160,15 +160,13 @@ class TokenBatch(msgspec.Struct, frozen=True, gc=False, omit_defaults=True):
     output_logprobs: OutputLogprobColumns | None = None
 
     def __post_init__(self) -> None:
-        check_columns(self.rids, self.num_new_tokens, self.new_token_ids, self.prompt_tokens, self.finish,
-                      self.logprobs, self.spec_verify_ct)  # fmt: skip
+        counts = check_columns(self.rids, self.num_new_tokens, self.new_token_ids, self.prompt_tokens, self.finish,
+                               self.logprobs, self.spec_verify_ct)  # fmt: skip
         if self.output_logprobs is not None:
             rows = _int32s(self.output_logprobs.rows, "output_logprobs.rows", len(self.rids))
-            counts = _int32s(self.num_new_tokens, "num_new_tokens")
             if any(n not in (0, c) for n, c in zip(rows, counts, strict=True)):
                 raise ValueError("a request's output logprob rows must be its new tokens")
-            distinct = {id(entry): entry for entry in self.logprobs or () if entry is not None}  # many share one empty entry
-            if any(entry.num_output_rows() is not None for entry in distinct.values()):
+            if any(entry is not None and entry.num_output_rows() is not None for entry in self.logprobs or ()):
                 raise ValueError("output logprob entries go in output_logprobs or in logprobs, not both")
 
 
@@ -180,10 +178,11 @@ def check_columns(
     finish: list[Finish | None],
     logprobs: list[RequestLogprobs | None] | None,
     spec_verify_ct: NDArray | None,
-) -> None:
+) -> list[int]:
     """Invariant of the ragged columnar batches (`TokenBatch`, `TextBatch`): every column has R
     entries, the counts are >= 0 and add up to the ids, and a request's output logprob rows are
-    its new tokens. Raises ValueError (on decode: the message is rejected)."""
+    its new tokens. Returns the counts (`num_new_tokens`); raises ValueError (on decode: the
+    message is rejected)."""
     count = len(rids)
     for name, column in (("num_new_tokens", num_new_tokens), ("prompt_tokens", prompt_tokens),
                          ("spec_verify_ct", spec_verify_ct)):  # fmt: skip
@@ -191,16 +190,13 @@ def check_columns(
             raise ValueError(f"{name} must be an int32 vector of {count} entries")
     if len(finish) != count or (logprobs is not None and len(logprobs) != count):
         raise ValueError(f"finish and logprobs must have {count} entries")
-    counts = memoryview(num_new_tokens.data).cast("B").cast("i").tolist()  # little-endian hosts only, as numpy's views
+    counts = _int32s(num_new_tokens, "num_new_tokens")
     if min(counts, default=0) < 0 or not new_token_ids.is_vector("<i4", sum(counts)):
         raise ValueError("num_new_tokens must be >= 0 and add up to new_token_ids")
-    rows_of: dict[int, int | None] = {}  # each distinct entry's rows once: many entries of a batch may be one shared empty one
     for num, entry in zip(counts, logprobs or (), strict=False):
-        if entry is None:
-            continue
-        rows = rows_of[id(entry)] if id(entry) in rows_of else rows_of.setdefault(id(entry), entry.num_output_rows())
-        if rows not in (None, num):
+        if entry is not None and entry.num_output_rows() not in (None, num):
             raise ValueError("output logprob rows must match the request's new tokens")
+    return counts
 
 
 def _int32s(column: NDArray, name: str, count: int | None = None) -> list[int]:

@@ -30,6 +30,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -338,7 +339,7 @@ def _wait_or_kill(child: Child, deadline: float) -> None:
 GPU_TOKENIZERS = 2  # front ends where a GPU serves: one formats ~14k top-20 tokens/s at most (gpu_serve.md, run 20)
 
 
-def num_tokenizers(args: argparse.Namespace, gpu_present=None) -> int:
+def num_tokenizers(args: argparse.Namespace, gpu_present: Callable[[], bool] | None = None) -> int:
     """--tokenizers, or its default: GPU_TOKENIZERS where the scheduler serves on a GPU (--device
     cuda, or auto on a machine with NVIDIA's device nodes: read without importing torch here), else 1."""
     if args.tokenizers is not None:

@@ -40,14 +40,13 @@ def to_columns(entries: Sequence[OutputEntries | None]) -> OutputLogprobColumns 
     tokens, top_values, top_ids, ids = [], [], [], []
     for e in entries:
         token = None if e is None else e.output_token_logprobs
-        if token is None:
-            rows.append(0), top_k.append(0), num_ids.append(0)
-            continue
-        rows.append(len(token))
-        tokens.append(token)
-        top, requested = e.output_top_logprobs, e.output_ids_logprobs
+        top = None if token is None else e.output_top_logprobs
+        requested = None if token is None else e.output_ids_logprobs
+        rows.append(0 if token is None else len(token))
         top_k.append(0 if top is None else top.shape[1])
         num_ids.append(0 if requested is None else requested.shape[1])
+        if token is not None:
+            tokens.append(token)
         if top is not None:
             top_values.append(top)
             top_ids.append(e.output_top_ids)

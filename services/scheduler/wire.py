@@ -44,11 +44,13 @@ def to_token_batches(outputs: list[RequestOutput], scheduler_id: str, step: int)
 def _token_batch(outputs: list[RequestOutput], scheduler_id: str, step: int) -> TokenBatch:
     new_ids = [token for output in outputs for token in output.new_token_ids]
     entries = [output.logprobs for output in outputs]
-    any_logprobs = any(e is not None for e in entries)
-    columnar = sum(e is not None and e.output_token_logprobs is not None for e in entries) >= COLUMNS_FROM_REQUESTS
-    per_request = _beside_columns if columnar else to_request_logprobs
-    logprobs = [None if e is None else per_request(e) for e in entries]
-    any_logprobs = any_logprobs and not (columnar and all(entry is None for entry in logprobs))
+    logprobs, columns = None, None
+    if sum(e is not None and e.output_token_logprobs is not None for e in entries) >= COLUMNS_FROM_REQUESTS:
+        columns = to_columns(entries)
+        beside = [None if e is None else _beside_columns(e) for e in entries]
+        logprobs = beside if any(entry is not None for entry in beside) else None
+    elif any(e is not None for e in entries):
+        logprobs = [None if e is None else to_request_logprobs(e) for e in entries]
     return TokenBatch(
         scheduler_id=scheduler_id,
         step=step,
@@ -57,9 +59,9 @@ def _token_batch(outputs: list[RequestOutput], scheduler_id: str, step: int) -> 
         new_token_ids=to_wire(np.asarray(new_ids, np.int32)),  # [sum(num_new_tokens)]
         prompt_tokens=to_wire(np.asarray([o.prompt_tokens for o in outputs], np.int32)),  # [R]
         finish=[output.finish for output in outputs],
-        logprobs=logprobs if any_logprobs else None,
+        logprobs=logprobs,
         spec_verify_ct=_verify_counts(outputs),
-        output_logprobs=to_columns(entries) if columnar else None,
+        output_logprobs=columns,
     )
 
 
