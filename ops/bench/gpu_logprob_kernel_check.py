@@ -34,7 +34,7 @@ import numpy as np
 import torch
 
 from ops.bench.gpu_attention_check import check_parser, deadline_sections, finish_run, median_ms, rounded, section_rows
-from ops.bench.gpu_fused_check import failures
+from ops.bench.gpu_fused_check import failures, self_us
 from services.scheduler.logprobs import (
     LogprobQuery,
     TopKKeys,
@@ -157,8 +157,8 @@ def _kernel_device_ms(call, device: str, calls: int = 20) -> dict | None:
         for _ in range(calls):
             call()
         torch.cuda.synchronize()
-    return {event.key: round(event.device_time_total / 1e3 / calls, 4) for event in prof.key_averages()
-            if event.device_time_total > 0 and "_kernel" in event.key}  # fmt: skip
+    return {event.key: round(self_us(event, cuda=True) / 1e3 / calls, 4) for event in prof.key_averages()
+            if self_us(event, cuda=True) > 0 and "_kernel" in event.key}  # fmt: skip
 
 
 def _compare(row: dict, paths: tuple[str, ...], device: str, repeats: int, call) -> dict:
