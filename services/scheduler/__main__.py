@@ -55,6 +55,7 @@ def config_from_args(args: argparse.Namespace) -> SchedulerConfig:
         step_trace=args.step_trace,
         ragged_cuda_graphs=args.ragged_cuda_graphs,
         logprob_cuda_graphs=args.logprob_cuda_graphs,
+        greedy_logprob_graphs=args.greedy_logprob_graphs,
         fused_kernels=args.fused_kernels,
         fused_logprobs=args.fused_logprobs,
         dense_prefill=args.dense_prefill,

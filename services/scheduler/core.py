@@ -97,6 +97,7 @@ class SchedulerCore:
         verify_mode: str = "static",
         make_worker: Callable[..., ModelWorker] = ModelWorker,  # benchmarks swap in a subclass
         logprob_graphs: bool = False,  # output logprobs replayed from CUDA graphs (`LogprobGraphs`)
+        greedy_logprob_graphs: bool = False,  # with them, greedy decode graph steps' tokens too (`LogprobGraphs.greedy`)
         fused_logprobs: bool | None = None,  # raw-mode logprobs from the Triton kernels; None: on CUDA with Triton
         clock: Callable[[], float] = time.monotonic,  # arrival and scheduling times (queue time)
         overlap_decode: bool = True,  # launch the next decode step before this one's readback (see above)
@@ -106,7 +107,7 @@ class SchedulerCore:
         self.vocab_size = config.vocab_size
         self.max_model_len = max_model_len or config.max_position_embeddings
         self.worker = make_worker(runner, logprobs_mode=logprobs_mode, proposer=proposer, logprob_graphs=logprob_graphs,
-                                  fused_logprobs=fused_logprobs)  # fmt: skip
+                                  fused_logprobs=fused_logprobs, greedy_logprob_graphs=greedy_logprob_graphs)  # fmt: skip
         self.policy = Policy(
             num_blocks=min(num_blocks or runner.num_blocks, runner.num_blocks),
             block_size=runner.block_size,

@@ -12,7 +12,9 @@ samples nothing) returns before its copy has run, and the next step must not ove
 `HostReadback` collects the step's device results (sampled tokens, accepted counts, drafts,
 logprob rows) and brings them all back with one device->host copy: every part is 32 bits wide
 (float32 travels as its int32 bit pattern, a small int64 as its two halves), so they concatenate
-into one int32 buffer (a step with one part, a greedy decode's tokens, copies it as it is). `start`
+into one int32 buffer (a step with one part, a greedy decode's tokens, copies it as it is; parts
+that already lie back to back in one buffer, `LogprobGraphs.greedy`'s, are copied as that one
+span, without the concatenation's kernel and its launch). `start`
 only queues that copy (into pinned memory, on CUDA) and `PendingReadback.wait` waits for it, so
 the host can queue the next step's work before it waits for this one's results (overlapped
 decoding, `SchedulerCore`); `fetch` is the two at once.
@@ -100,6 +102,7 @@ class HostReadback:
 
     def __init__(self) -> None:
         self.num_copies = 0  # device->host copies made, over the worker's life
+        self.num_joined = 0  # of them, those whose parts had to be concatenated first
         self._parts: list[torch.Tensor] = []
         self._kinds: list[tuple[torch.dtype, tuple[int, ...], bool]] = []
         self._pinned: list[torch.Tensor] = []  # the two staging buffers (CUDA), grown on demand
@@ -127,9 +130,13 @@ class HostReadback:
         if not parts:
             return PendingReadback(None, None, kinds)
         self.num_copies += 1
-        if parts[0].device.type != "cuda":
-            return PendingReadback(torch.cat(parts).cpu(), None, kinds)  # no device to wait for: the copy is done
-        device = parts[0] if len(parts) == 1 else torch.cat(parts)  # the step's one device->host copy, from here
+        device = parts[0] if len(parts) == 1 else one_span(parts)
+        joined = device is None
+        if joined:
+            self.num_joined += 1
+            device = torch.cat(parts)  # the step's one device->host copy, from here
+        if device.device.type != "cuda":  # no device to wait for: the copy is done (a copy: parts may be static buffers')
+            return PendingReadback((device if joined else device.clone()).cpu(), None, kinds)
         turn, self._turn = self._turn, 1 - self._turn
         if self._in_use[turn] is not None:
             self._in_use[turn].wait()  # the copy two steps back was never waited for: it leaves the buffer now
@@ -154,6 +161,21 @@ class HostReadback:
     def _release(self, turn: int, pending: PendingReadback) -> None:
         if self._in_use[turn] is pending:
             self._in_use[turn] = None
+
+
+def one_span(parts: list[torch.Tensor]) -> torch.Tensor | None:
+    """1-D int32 parts that lie back to back, in order, in one storage: the one 1-D view over all of
+    them (empty parts anywhere); else None."""
+    filled = [part for part in parts if part.numel()]
+    if not filled:
+        return None
+    first = filled[0]
+    storage, end = first.untyped_storage().data_ptr(), first.data_ptr()
+    for part in filled:
+        if part.data_ptr() != end or part.untyped_storage().data_ptr() != storage:
+            return None
+        end += part.numel() * part.element_size()
+    return first.as_strided((sum(part.numel() for part in filled),), (1,))
 
 
 class PendingReadback:

@@ -23,13 +23,20 @@ rows than `max_rows` or than one eager chunk) and keys past `max_graphs` run eag
 captured on first use of a key, all in one memory pool. With `capture=False` (the CPU twin CI
 tests) the same padded path runs eagerly. Prompt logprobs (LM head over hidden states, up to a
 whole prompt's rows) stay on the eager chunked path.
+
+`greedy` serves the commonest step with output logprobs: a plain greedy decode graph step whose
+every sequence wants them. Its graph (keyed also by the decode graph's static logits, which it reads
+in place: no rows copied in) takes each row's argmax too, the step's token, as its target, and
+writes tokens and columns into one buffer back to back, which `HostReadback` copies as one span. At
+batch 1 that leaves the worker two copies, two kernels and a concatenation fewer a step than
+`compute` after its own argmax (host time, which bounds a small model's decode through the stack).
 """
 
 from __future__ import annotations
 
 import bisect
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import structlog
 import torch
@@ -65,13 +72,18 @@ class _Key:
     k: int  # K
     num_ids: int  # M
     sampling: tuple[str, ...] | None  # None: raw mode; else processed mode's inputs present
+    source: int = 0  # 0: `compute`'s (rows copied into static logits); else `greedy`'s (GREEDY_TWIN, or the source's address)
+
+
+GREEDY_TWIN = 1  # the source of every uncaptured `greedy` key: the twin reads each call's logits
 
 
 @dataclass
 class _Graph:
-    inputs: dict[str, torch.Tensor]  # static: logits [R, V], targets [R], ids [R, M] (M > 0), sampling [R] each
+    inputs: dict[str, torch.Tensor]  # static: logits [R, V], targets [R] (not greedy), ids [R, M] (M > 0), sampling [R] each
     output: RowLogprobs[torch.Tensor] | None  # static: token [R], top-k [R, K] twice, ids [R, M]; None: eager
     graph: torch.cuda.CUDAGraph | None
+    packed: torch.Tensor | None = None  # greedy: int32 [3R + 2RK + RM], tokens (int64) then output's columns, in order
 
 
 class LogprobGraphs:
@@ -119,6 +131,37 @@ class LogprobGraphs:
             out = RowLogprobs(*_columns(entry.inputs, key, self.keys, self.fused))
         return RowLogprobs(out.token[:num_rows], out.top_values[:num_rows, :k], out.top_ids[:num_rows, :k], out.ids[:num_rows, :m])
 
+    def greedy(
+        self, queries: list[LogprobQuery], inputs: dict[str, torch.Tensor], static_logits: torch.Tensor, processed: bool
+    ) -> tuple[torch.Tensor, RowLogprobs[torch.Tensor]] | None:
+        """A plain greedy decode step's tokens and output rows, when its every row (in order: `inputs`
+        holds no rows and no targets) wants logprobs and its logits are a decode graph's static
+        logits [R, V] (`ForwardOutput.static_logits`). Returns tokens int64 [R] (each row's argmax,
+        the step's token) and the rows, both padded: R rows, the rungs' K and M columns (rows past the
+        step's and columns past what it asked hold padding, which `split_logprobs` and the worker's
+        results never read), all views of one buffer in that order, valid until the next call. Equal
+        to `compute` given the same argmax, bit for bit. None: off the ladders or past max_graphs."""
+        num_rows = static_logits.shape[0]
+        k = min(max((q.top_k for q in queries), default=0), self.vocab_size)
+        m = inputs["ids"].shape[1] if "ids" in inputs else 0
+        sampling = tuple(name for name in SAMPLING_INPUTS if name in inputs) if processed else None
+        key = self._key(num_rows, k, m, sampling)
+        if key is None or num_rows > self.ladder[-1]:
+            return None
+        source = static_logits.data_ptr() if self.capture else GREEDY_TWIN  # a captured graph reads that buffer
+        key = replace(key, rows=num_rows, source=source)  # the source's rows: a decode rung, no row rung of ours
+        entry = None if key in self._failed else self._graphs.get(key) or self._build(key, static_logits)
+        if entry is None:
+            return None
+        if not self.capture:
+            entry.inputs["logits"] = static_logits
+        _fill_parameters(entry.inputs, inputs, sum(len(q.rows) for q in queries))
+        if entry.graph is not None:
+            entry.graph.replay()
+        else:
+            _greedy_columns(entry, key, self.keys, self.fused)
+        return _packed_tokens(entry.packed, num_rows), entry.output
+
     def _key(self, num_rows: int, k: int, num_ids: int, sampling: tuple[str, ...] | None) -> _Key | None:
         """None: eager (no rows, or a size off the ladders)."""
         rungs = (_rung(self.ladder, num_rows), _rung(K_LADDER, k), _rung(IDS_LADDER, num_ids))
@@ -126,14 +169,16 @@ class LogprobGraphs:
             return None
         return _Key(*rungs, sampling)
 
-    def _build(self, key: _Key) -> _Graph | None:
+    def _build(self, key: _Key, greedy_source: torch.Tensor | None = None) -> _Graph | None:
         if len(self._graphs) >= self.max_graphs:
             return None
-        entry = self._graphs[key] = _Graph(self._static_inputs(key), None, None)
+        entry = self._graphs[key] = _Graph(self._static_inputs(key, greedy_source), None, None)
+        if greedy_source is not None:
+            entry.packed, entry.output = _packed_buffer(key, greedy_source.device)
         if self.capture:
             start = time.perf_counter()
             try:
-                entry.graph, entry.output = self._capture(entry.inputs, key)
+                entry.graph, entry.output = self._capture(entry, key)
             except RuntimeError as exc:  # this key stays on the unpadded eager path (cheaper than the padded one)
                 log.warning("logprob_graph_capture_failed", rows=key.rows, k=key.k, ids=key.num_ids, error=str(exc))
                 del self._graphs[key]
@@ -145,11 +190,15 @@ class LogprobGraphs:
                      graphs=len(self._graphs), capture_ms=round(1e3 * (time.perf_counter() - start), 1))  # fmt: skip
         return entry
 
-    def _static_inputs(self, key: _Key) -> dict[str, torch.Tensor]:
-        """Shared by every key of the same row rung (one [R, V] logits buffer per rung, not per key)."""
+    def _static_inputs(self, key: _Key, greedy_source: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+        """Shared by every key of the same row rung (one [R, V] logits buffer per rung, not per key);
+        a greedy key's logits are its source, and its targets its argmax."""
         rows = key.rows
-        inputs = {"logits": self._buffer("logits", (rows, self.vocab_size), torch.float32, 0.0),
-                  "targets": self._buffer("targets", (rows,), torch.int64, 0)}  # fmt: skip
+        if greedy_source is not None:
+            inputs = {"logits": greedy_source}
+        else:
+            inputs = {"logits": self._buffer("logits", (rows, self.vocab_size), torch.float32, 0.0),
+                      "targets": self._buffer("targets", (rows,), torch.int64, 0)}  # fmt: skip
         if key.num_ids:
             inputs["ids"] = self._buffer("ids", (rows, key.num_ids), torch.int64, 0)
         for name in key.sampling or ():
@@ -161,8 +210,12 @@ class LogprobGraphs:
             self._buffers[name, shape] = torch.full(shape, fill, dtype=dtype, device=self.keys.tied.device)
         return self._buffers[name, shape]
 
-    def _capture(self, static: dict[str, torch.Tensor], key: _Key) -> tuple[torch.cuda.CUDAGraph, RowLogprobs]:
-        graph, output = capture_graph(lambda: RowLogprobs(*_columns(static, key, self.keys, self.fused)), self._pool)
+    def _capture(self, entry: _Graph, key: _Key) -> tuple[torch.cuda.CUDAGraph, RowLogprobs]:
+        if entry.packed is not None:
+            run = lambda: _greedy_columns(entry, key, self.keys, self.fused)  # noqa: E731
+        else:
+            run = lambda: RowLogprobs(*_columns(entry.inputs, key, self.keys, self.fused))  # noqa: E731
+        graph, output = capture_graph(run, self._pool)
         self._pool = graph.pool()
         return graph, output
 
@@ -175,6 +228,31 @@ def _rung(ladder: tuple[int, ...], size: int) -> int | None:
 def _columns(static: dict[str, torch.Tensor], key: _Key, keys: TopKKeys, fused: bool):
     sampling = None if key.sampling is None else {name: static[name] for name in key.sampling}
     return logprob_columns(static["logits"], static["targets"], key.k, static.get("ids"), sampling, keys, fused)
+
+
+def _packed_buffer(key: _Key, device: torch.device) -> tuple[torch.Tensor, RowLogprobs[torch.Tensor]]:
+    """A greedy key's one int32 buffer and its columns' views: tokens int64 [R] (2R words), then
+    token f32 [R], top values f32 [R, K], top ids int32 [R, K], ids f32 [R, M], back to back."""
+    rows, k, m = key.rows, key.k, key.num_ids
+    packed = torch.zeros(3 * rows + 2 * rows * k + rows * m, dtype=torch.int32, device=device)
+    bounds = [2 * rows, 3 * rows, 3 * rows + rows * k, 3 * rows + 2 * rows * k, len(packed)]
+    token, values, ids, requested = (packed[a:b] for a, b in zip(bounds, bounds[1:]))
+    return packed, RowLogprobs(token.view(torch.float32), values.view(torch.float32).view(rows, k), ids.view(rows, k),
+                               requested.view(torch.float32).view(rows, m))  # fmt: skip
+
+
+def _packed_tokens(packed: torch.Tensor, rows: int) -> torch.Tensor:
+    return packed[: 2 * rows].view(torch.int64)
+
+
+def _greedy_columns(entry: _Graph, key: _Key, keys: TopKKeys, fused: bool) -> RowLogprobs[torch.Tensor]:
+    """A greedy key's work: each row's argmax, then its columns with the argmax as targets, all into
+    the key's buffer (what its graph captures; the twin runs it eagerly)."""
+    static, tokens = entry.inputs, _packed_tokens(entry.packed, key.rows)
+    torch.argmax(static["logits"], dim=-1, out=tokens)
+    sampling = None if key.sampling is None else {name: static[name] for name in key.sampling}
+    logprob_columns(static["logits"], tokens, key.k, static.get("ids"), sampling, keys, fused, out=entry.output.columns())
+    return entry.output
 
 
 def _fill(static: dict[str, torch.Tensor], inputs: dict[str, torch.Tensor], logits: torch.Tensor,
@@ -192,6 +270,11 @@ def _fill(static: dict[str, torch.Tensor], inputs: dict[str, torch.Tensor], logi
         targets.copy_(sampled[:num_rows])
     else:
         torch.index_select(sampled, 0, rows, out=targets)
+    _fill_parameters(static, inputs, num_rows)
+
+
+def _fill_parameters(static: dict[str, torch.Tensor], inputs: dict[str, torch.Tensor], num_rows: int) -> None:
+    """The requested ids and the sampling parameters of rows 0..n-1 (each present only when asked)."""
     if "ids" in inputs:
         static["ids"][:num_rows, : inputs["ids"].shape[1]].copy_(inputs["ids"])
     for name in SAMPLING_INPUTS:

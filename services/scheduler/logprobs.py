@@ -189,16 +189,24 @@ def logprob_columns(
     sampling: dict[str, torch.Tensor] | None,
     keys: TopKKeys,
     fused: bool = False,
+    out: tuple[torch.Tensor, ...] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """One chunk's device work: logits [c, V] (f32, or the model's dtype) -> the columns of `RowLogprobs`
     (token [c], top-k [c, k] twice, ids [c, m]). sampling: None in raw mode, else processed mode's present
-    inputs [c]. fused: `runs_fused`'s switch. Every op is per row (what lets `LogprobGraphs` run it on
-    padded rows), and neither path syncs with the host (what lets it capture them)."""
+    inputs [c]. fused: `runs_fused`'s switch. out: the four columns' tensors to write (the kernels
+    write them as they are; the torch path copies into them), None: new ones. Every op is per row
+    (what lets `LogprobGraphs` run it on padded rows), and neither path syncs with the host (what
+    lets it capture them)."""
     if runs_fused(fused, sampling is not None, k):
         from services.scheduler.triton_logprobs import raw_logprob_columns
 
-        return raw_logprob_columns(logits, targets, k, ids)
-    return _gather(_log_distribution(logits.float(), sampling), targets, k, ids, keys)
+        return raw_logprob_columns(logits, targets, k, ids, out=out)
+    columns = _gather(_log_distribution(logits.float(), sampling), targets, k, ids, keys)
+    if out is None:
+        return columns
+    for target, column in zip(out, columns, strict=True):
+        target.copy_(column)
+    return tuple(out)
 
 
 def _gather(logprobs: torch.Tensor, targets: torch.Tensor, k: int, ids: torch.Tensor | None, keys: TopKKeys):

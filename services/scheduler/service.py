@@ -117,6 +117,7 @@ def build_core(config: SchedulerConfig) -> SchedulerCore:
         logprobs_mode=config.logprobs_mode,
         seed=config.seed,
         logprob_graphs=config.logprob_cuda_graphs and runner.device.type == "cuda",  # elsewhere the flag does nothing
+        greedy_logprob_graphs=config.greedy_logprob_graphs,
         fused_logprobs=fused_logprobs,
     )
 

@@ -99,10 +99,11 @@ def warm_kernels(vocab_size: int, device: torch.device, dtypes: tuple[torch.dtyp
 
 def raw_logprob_columns(
     logits: torch.Tensor, targets: torch.Tensor, k: int, ids: torch.Tensor | None, *, block: int | None = None,
-    max_splits: int | None = None, target_programs: int = TARGET_PROGRAMS,
+    max_splits: int | None = None, target_programs: int = TARGET_PROGRAMS, out: tuple[torch.Tensor, ...] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """logits [c, V] bf16/f16/f32, targets int64 [c], ids int64 [c, m] or None, 0 <= k <= min(MAX_FUSED_K, V)
     -> token f32 [c], top-k values f32 [c, k], top-k ids int32 [c, k], ids' logprobs f32 [c, m].
+    out: those four, contiguous, to write into (`LogprobGraphs.greedy`'s one buffer); None: new ones.
     block (None: `block_for` the logits' dtype), max_splits (None: MAX_SPLITS) and target_programs
     are for tests and the layout sweep (ops/bench/gpu_logprob_kernel_check.py --sweep)."""
     assert 0 <= k <= MAX_FUSED_K, k
@@ -111,10 +112,12 @@ def raw_logprob_columns(
     num_rows, vocab = logits.shape
     num_ids = ids.shape[1] if ids is not None else 0
     device = logits.device
-    token = torch.empty(num_rows, dtype=torch.float32, device=device)
-    values = torch.empty(num_rows, k, dtype=torch.float32, device=device)
-    top_ids = torch.empty(num_rows, k, dtype=torch.int32, device=device)
-    requested = torch.empty(num_rows, num_ids, dtype=torch.float32, device=device)
+    if out is None:
+        out = (torch.empty(num_rows, dtype=torch.float32, device=device), torch.empty(num_rows, k, dtype=torch.float32, device=device),
+               torch.empty(num_rows, k, dtype=torch.int32, device=device), torch.empty(num_rows, num_ids, dtype=torch.float32, device=device))  # fmt: skip
+    else:
+        assert all(t.is_contiguous() for t in out) and out[1].shape == out[2].shape == (num_rows, k), [t.shape for t in out]
+    token, values, top_ids, requested = out
     if num_rows == 0:
         return token, values, top_ids, requested
     k_pad = max(2, triton.next_power_of_2(k))

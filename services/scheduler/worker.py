@@ -67,11 +67,14 @@ class _Layout:
 class ModelWorker:
     def __init__(
         self, runner, *, logprobs_mode: str = "raw", proposer: Proposer | None = None, logprob_graphs: bool = False,
-        fused_logprobs: bool | None = None,
+        fused_logprobs: bool | None = None, greedy_logprob_graphs: bool = False,
     ) -> None:
         """logprob_graphs: output logprobs from `LogprobGraphs` (captured on CUDA; elsewhere its padded
         eager twin). fused_logprobs: raw-mode logprobs from the Triton kernels (`logprobs.runs_fused`);
-        only where Triton runs (CUDA; the interpreter in tests); None: on CUDA with Triton, as served."""
+        only where Triton runs (CUDA; the interpreter in tests); None: on CUDA with Triton, as served.
+        greedy_logprob_graphs: with logprob_graphs, a plain greedy decode graph step whose every
+        sequence wants output logprobs takes its tokens and rows from `LogprobGraphs.greedy`
+        (`_greedy_rows`)."""
         self.runner = runner
         self.proposer = proposer
         self.vocab_size = runner.config.vocab_size
@@ -82,6 +85,7 @@ class ModelWorker:
             fused_logprobs = runner.device.type == "cuda" and triton_available()
         self._fused_logprobs = fused_logprobs
         self.logprob_graphs = LogprobGraphs(self._top_k_keys, capture=capture, fused=fused_logprobs) if logprob_graphs else None
+        self.greedy_logprob_graphs = greedy_logprob_graphs
         self._upload = HostUpload(runner.device)
         self._readback = HostReadback()
         self._draft_probs: dict[str, torch.Tensor] = {}  # rid -> q [gamma, V] of its pending block
@@ -116,10 +120,12 @@ class ModelWorker:
             arrays["input_ids"] = previous.next_token if followed_rows is None else previous.next_token[arrays["followed_rows"]]
         clock = _StepClock(self.runner.device)
         out = self.runner.forward(self._batch(plan, arrays))  # 3
-        verified = self._verify(plan, layout, out, arrays)  # 4
+        greedy = self._greedy_rows(plan, layout, wanted, arrays, out)  # 4 and 5's output rows at once, or None
+        verified = greedy[0] if greedy is not None else self._verify(plan, layout, out, arrays)  # 4
         handles = _Handles(self._readback)
         handles.verify(verified)
-        handles.logprobs(self._logprobs(wanted, arrays, out.hidden_states, verified))  # 5
+        output_rows = greedy[1] if greedy is not None else None
+        handles.logprobs(self._logprobs(wanted, arrays, out.hidden_states, verified, output_rows))  # 5
         clock.mark()
         proposal = self._propose(plan, layout, out.captured, arrays, verified)  # 6
         handles.proposal(proposal)
@@ -241,6 +247,27 @@ class ModelWorker:
         tokens = torch.where(slots[None, :] < num_accepted[:, None], padded, next_token[:, None])  # [P, K + 1]
         return _Verified(reported, num_accepted, next_token, tokens)
 
+    def _greedy_rows(self, plan: StepPlan, layout: _Layout, wanted: _LogprobQueries, arrays, out) -> tuple[_Verified, RowLogprobs] | None:
+        """A plain greedy decode graph step whose every producer wants output logprobs (the commonest
+        step with them): its tokens and rows from `LogprobGraphs.greedy`, one graph over the decode
+        graph's logits, which also takes the argmax (padded rows: `_Verified`). None: `_verify` and
+        `_logprobs` take the step."""
+        if not self.greedy_logprob_graphs or self.logprob_graphs is None or out.static_logits is None:
+            return None
+        if not layout.verifies_every_row or "drafts" in arrays:
+            return None
+        inputs = _section(arrays, OUTPUT_LP)
+        if len(wanted.output) != len(layout.producers) or "rows" in inputs or "targets" in inputs:
+            return None
+        if not all(is_identity(plan.steps[i].seq.request.sampling) for i in layout.producers):
+            return None  # processed logits: the argmax is of others
+        found = self.logprob_graphs.greedy([q for _, q in wanted.output], inputs, out.static_logits, self._processed)
+        if found is None:
+            return None
+        tokens, rows = found  # [R], R >= P
+        num_producers = len(layout.producers)
+        return _Verified(out.logits.view(num_producers, 1, -1), None, tokens[:num_producers], tokens[:, None]), rows
+
     def _accept(self, block: VerifyBlock) -> tuple[torch.Tensor, torch.Tensor]:
         """The accept rule (`spec.accept`); a benchmark's subclass may replace it."""
         return accept(block)
@@ -308,12 +335,13 @@ class ModelWorker:
         prompt = [(i, q) for i, q in prompt if q is not None]
         return _LogprobQueries(prompt, output, len(layout.producers) * width)
 
-    def _logprobs(self, wanted: _LogprobQueries, arrays, hidden: torch.Tensor, verified: _Verified | None):
+    def _logprobs(self, wanted: _LogprobQueries, arrays, hidden: torch.Tensor, verified: _Verified | None,
+                  output_lp: RowLogprobs[torch.Tensor] | None = None):  # fmt: skip
+        """output_lp: the output rows already computed (`_greedy_rows`); None: computed here."""
         prompt = [q for _, q in wanted.prompt]
         prompt_lp = logprobs_on_device(prompt, _section(arrays, PROMPT_LP), hidden, self.runner.head_logits,
                                        self._top_k_keys, self._processed, fused=self._fused_logprobs)  # fmt: skip
-        output_lp = None
-        if wanted.output and verified is not None:
+        if wanted.output and verified is not None and output_lp is None:
             logits = verified.logits.view(-1, verified.logits.shape[-1])  # [P * (K + 1), V]
             sampled = verified.tokens.reshape(-1)  # [P * (K + 1)]: each logits row's token, sampled this step
             queries, inputs = [q for _, q in wanted.output], _section(arrays, OUTPUT_LP)
@@ -372,7 +400,8 @@ class _Verified:
     logits: torch.Tensor  # f32 [P, K + 1, V], what output logprobs read: raw, or after logits_processing when processed
     num_accepted: torch.Tensor | None  # int64 [P]; None: no drafts were verified (plain greedy decoding), none accepted
     next_token: torch.Tensor  # int64 [P]
-    tokens: torch.Tensor  # int64 [P, K + 1]: accepted drafts, then next_token (then padding)
+    tokens: torch.Tensor  # int64 [P, K + 1]: accepted drafts, then next_token (then padding); from
+    # `_greedy_rows` [R, 1] with R >= P (rows past P: a decode graph's padded rows, never read)
 
 
 @dataclass(frozen=True)

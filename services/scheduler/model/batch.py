@@ -45,3 +45,7 @@ class ForwardOutput:
     hidden_states: torch.Tensor  # [T, H], after the final norm, in the model dtype
     captured: torch.Tensor | None = None  # [T, len(capture_layers) * H], or None
     logits: torch.Tensor | None = None  # f32 [T, V], when the step replayed a graph that computes them
+    # f32 [R, V]: on a decode graph step, the graph's whole static logits (`logits` is its first T
+    # rows; rows past them are its padded rows'): a buffer that stays put, which
+    # `LogprobGraphs.greedy` reads in place. None on any other step.
+    static_logits: torch.Tensor | None = None

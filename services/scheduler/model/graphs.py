@@ -186,4 +186,4 @@ def head_rows(out: ForwardOutput, num_tokens: int, batch: ForwardBatch) -> Forwa
     """The first `num_tokens` rows of a padded step's static outputs (captures only if the batch asked)."""
     captured = out.captured[:num_tokens] if out.captured is not None and batch.capture_layers else None
     logits = out.logits[:num_tokens] if out.logits is not None else None
-    return ForwardOutput(out.hidden_states[:num_tokens], captured, logits)
+    return ForwardOutput(out.hidden_states[:num_tokens], captured, logits, out.logits)

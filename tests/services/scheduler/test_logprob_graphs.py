@@ -182,3 +182,102 @@ def test_a_replayed_call_launches_only_the_copies_into_its_static_inputs(fake_cu
         graphs.compute(queries, inputs, logits, processed, sampled)
     copies = 3 + 4 * processed  # logits, targets, ids; temperature, top_k, top_p, min_p
     assert counter.num_kernels == copies and graphs.num_captured == 1
+
+
+# ---- greedy: a plain greedy decode graph step's tokens and rows from one graph over its logits ----
+
+
+@pytest.mark.parametrize("processed", [False, True])
+def test_greedy_equals_compute_given_the_argmax_bit_for_bit(processed):
+    """Each call: a source of R rows (a decode rung), n <= R of them the step's, every one asking (in
+    order, no targets); tokens are the rows' argmax, the rows equal `compute`'s given those tokens, and
+    the padding past n rows and past the asked k and ids is never what the split reads."""
+    keys = TopKKeys.build(VOCAB, "cpu")
+    graphs, reference = LogprobGraphs(keys, capture=False), LogprobGraphs(keys, capture=False)
+    cases = [(1, 1, [20], [()]), (4, 3, [20, 5, 0], [(3, 4), (), (299,)]), (4, 4, [3] * 4, [(1, 2, 3)] * 4), (8, 5, [1] * 5, [()] * 5)]
+    for seed, (rows, n, ks, ids) in enumerate(cases):
+        source = _logits(rows, seed=20 + seed)
+        samplings = [SamplingParams(temperature=0.0)] * n if not processed else [SAMPLINGS[i % 4] for i in range(n)]
+        queries = [LogprobQuery(np.asarray([i], np.int64), None, k, m, s) for i, (k, m, s) in enumerate(zip(ks, ids, samplings))]
+        inputs = {name: torch.from_numpy(a) for name, a in logprob_inputs(queries, processed, n).items()}
+        assert "rows" not in inputs and "targets" not in inputs
+        tokens, got = graphs.greedy(queries, inputs, source, processed)
+        assert tokens.shape == (rows,) and torch.equal(tokens, source.argmax(dim=-1))
+        want = reference.compute(queries, inputs, source[:n], processed, tokens[:n].clone())
+        assert got.token.shape[0] == rows and got.top_values.shape[1] >= want.top_values.shape[1]
+        split_want = split_logprobs(queries, [t.contiguous().numpy() for t in want.columns()])
+        split_got = split_logprobs(queries, [t.numpy() for t in got.columns()])
+        for a, b in zip(split_want, split_got, strict=True):
+            for x, y in zip(a.columns(), b.columns(), strict=True):
+                np.testing.assert_array_equal(x, y)
+    assert all(key.source for key in graphs._graphs) and len(graphs._graphs) == 4
+
+
+def test_greedy_writes_tokens_and_columns_back_to_back_so_the_readback_copies_one_span():
+    from services.scheduler.host_io import HostReadback
+
+    graphs = LogprobGraphs(TopKKeys.build(VOCAB, "cpu"), capture=False)
+    source = _logits(4, seed=30)
+    queries = [LogprobQuery(np.asarray([i], np.int64), None, 5, (1, 2)) for i in range(4)]
+    inputs = {name: torch.from_numpy(a) for name, a in logprob_inputs(queries, False, 4).items()}
+    tokens, rows = graphs.greedy(queries, inputs, source, False)
+    readback = HostReadback()
+    handles = [readback.add(tokens[:, None]), *(readback.add(t) for t in rows.columns())]
+    host = readback.fetch()
+    assert readback.num_copies == 1 and readback.num_joined == 0
+    assert host[handles[0]].ravel().tolist() == source.argmax(dim=-1).tolist()
+    for handle, column in zip(handles[1:], rows.columns(), strict=True):
+        np.testing.assert_array_equal(host[handle], column.numpy())
+    readback.add(tokens[:2, None])  # a gap (rows 2-3 of the tokens) before the next part: concatenated
+    readback.add(rows.token)
+    assert [len(part) for part in readback.fetch()] == [2, 4] and readback.num_joined == 1
+
+
+def test_a_replayed_greedy_call_launches_nothing_without_requested_ids(fake_cuda_capture):
+    """Top-k alone: no copy in (the logits are read in place, the targets are the graph's argmax), so
+    the host's cost is the replay; requested ids add their one copy."""
+    from ops.bench.logprob_ops import OpCounter
+
+    graphs = LogprobGraphs(TopKKeys.build(VOCAB, "cpu"), capture=True)
+    source = _logits(2, seed=31)
+    for ids, copies in (((), 0), ((5, 6), 1)):
+        queries = [LogprobQuery(np.asarray([i], np.int64), None, 20, ids) for i in range(2)]
+        inputs = {name: torch.from_numpy(a) for name, a in logprob_inputs(queries, False, 2).items()}
+        graphs.greedy(queries, inputs, source, False)  # captures
+        with OpCounter() as counter:
+            graphs.greedy(queries, inputs, source, False)
+        assert counter.num_kernels == copies, counter.kernels
+    assert graphs.num_captured == 2 and all(key.source == source.data_ptr() for key in graphs._graphs)
+
+
+@pytest.mark.parametrize("mode", ["raw", "processed"])
+def test_a_core_on_decode_graphs_takes_greedy_steps_with_logprobs_in_one_span_and_serves_what_it_did_before(
+    make_core, tiny_runner, mode
+):
+    """Greedy requests that all ask for output logprobs (3 and 4 of them: a padded rung and an exact
+    one), and a pair with a penalty (processed logits: the general path), through the decode graphs'
+    twin: tokens and logprobs equal those of the same core with the greedy path switched off (`_verify`
+    and `compute`), bit for bit, and every decode step the greedy path took was read back as one span."""
+    top20 = LogprobParams(return_logprob=True, top_logprobs_num=20)
+    with_ids = LogprobParams(return_logprob=True, top_logprobs_num=5, token_ids_logprob=(7, 3, 1999))
+    groups = [
+        [request(f"a{i}", prompt_of(700 + i, 5 + i), max_new_tokens=6, ignore_eos=True, logprobs=top20) for i in range(3)],
+        [request(f"b{i}", prompt_of(710 + i, 4), max_new_tokens=5, ignore_eos=True, logprobs=(top20, with_ids)[i % 2]) for i in range(4)],
+        [request(f"c{i}", prompt_of(720 + i, 6), max_new_tokens=4, ignore_eos=True, logprobs=top20,
+                 **({"repetition_penalty": 1.3} if i == 0 else {})) for i in range(2)],  # fmt: skip
+    ]
+    tiny_runner.prepare_decode_graphs(ladder=(1, 2, 4), max_blocks_per_seq=8, capture=False)
+    try:
+        for reqs in groups:
+            want = run(make_core(logprobs_mode=mode, logprob_graphs=True), reqs)  # the switch off: `_verify` and `compute`
+            core = make_core(logprobs_mode=mode, logprob_graphs=True, greedy_logprob_graphs=True)
+            graphs, readback = core.worker.logprob_graphs, core.worker._readback
+            taken, original = [], graphs.greedy
+            graphs.greedy = lambda *a: taken.append(readback.num_joined) or original(*a)
+            _assert_exact(want, run(core, reqs))
+            if reqs[0].rid.startswith("c"):
+                assert not taken  # a penalty's processed logits: not the greedy path
+            else:
+                assert len(taken) >= 3 and readback.num_joined == taken[0]  # no greedy step needed a join
+    finally:
+        tiny_runner.drop_decode_graphs()
