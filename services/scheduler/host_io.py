@@ -22,6 +22,7 @@ decoding, `SchedulerCore`); `fetch` is the two at once.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import numpy as np
@@ -204,7 +205,7 @@ class PendingReadback:
             self._release()
         out, offset = [], 0
         for dtype, shape, halves in self._kinds:
-            size = int(np.prod(shape, dtype=np.int64)) * (2 if halves else 1)
+            size = math.prod(shape) * (2 if halves else 1)  # math's: np.prod took ~3.5 us a part
             chunk = host[offset : offset + size]
             offset += size
             if halves:

@@ -57,7 +57,7 @@ class SeqStep:
     prompt_lo: int  # prompt positions [prompt_lo, prompt_hi] get their logprob entries this step
     prompt_hi: int
     slots: np.ndarray | list[int]  # int64 [len(query)], KV slot of each query token
-    block_table: list[int]
+    block_table: np.ndarray  # int32 [blocks]: `BlockManager.block_table`'s view, read when the step is launched
     output_position: int  # output index of the first token this step produces
 
     @property
@@ -319,7 +319,7 @@ class Policy:
             seq, start = step.seq, end - 1
             self.blocks.allocate(seq.rid, end)
             slots = self.blocks.slots(seq.rid, start, end)
-            table = list(self.blocks.block_table(seq.rid))
+            table = self.blocks.block_table(seq.rid)
             no_prompt_rows = (seq.num_prompt, seq.num_prompt - 1)  # a decode returns no prompt logprobs
             followed.append(SeqStep(seq, start, [FOLLOWED_TOKEN], 0, True, *no_prompt_rows, slots, table, step.output_position + 1))
         return StepPlan(followed)
@@ -459,7 +459,7 @@ class Policy:
         lo = seq.next_prompt_logprob if prompt_lo is None else prompt_lo
         hi = min(end, seq.num_prompt - 1)  # position p comes from row p - 1
         slots = self.blocks.slots(seq.rid, start, start + len(query))
-        table = list(self.blocks.block_table(seq.rid))
+        table = self.blocks.block_table(seq.rid)
         return SeqStep(seq, start, query, num_draft, samples, lo, hi, slots, table, seq.num_outputs)
 
     # ---- update ----

@@ -147,7 +147,7 @@ def test_block_manager_refcounts_shared_blocks():
     blocks.allocate("p", 10)  # 3 blocks
     blocks.fork("p", "c", 8)  # the first 2, shared
     blocks.allocate("c", 10)  # + its own tail block
-    assert blocks.block_table("c")[:2] == blocks.block_table("p")[:2]
+    assert blocks.block_table("c")[:2].tolist() == blocks.block_table("p")[:2].tolist()
     assert blocks.block_table("c")[2] != blocks.block_table("p")[2]
     assert blocks.num_free_blocks == 2
     blocks.free("p")  # the shared blocks stay with c

@@ -46,6 +46,25 @@ def compute_logprobs(
     return split_logprobs(queries, host)
 
 
+def test_block_manager_tables_grow_past_their_first_room_and_slots_read_them():
+    """A table grows one block at a time past its array's first room (8 ids) and by many at once;
+    its view, the short and the long slot paths all read the same ids; shrink and free give them back."""
+    blocks = BlockManager(num_blocks=200, block_size=4)
+    for tokens in range(1, 41):  # 10 blocks, one token at a time
+        blocks.allocate("a", tokens)
+    blocks.allocate("b", 4 * 30)  # 30 blocks at once
+    blocks.allocate("a", 4 * 50)  # 40 more
+    table = blocks.block_table("a")
+    assert table.dtype == np.int32 and table.tolist() == [*range(10), *range(40, 80)]
+    expected = [table[p // 4] * 4 + p % 4 for p in range(190)]
+    assert blocks.slots("a", 37, 45) == expected[37:45]  # short: a list
+    np.testing.assert_array_equal(blocks.slots("a", 3, 190), expected[3:190])  # long: int64 [187]
+    blocks.shrink("a", 41)  # 11 blocks kept
+    assert blocks.block_table("a").tolist() == [*range(10), 40] and blocks.num_free_blocks == 200 - 30 - 11
+    blocks.free("a"), blocks.free("b")
+    assert blocks.num_free_blocks == 200 and blocks.block_table("a").size == 0
+
+
 def test_block_manager_allocates_appends_and_rolls_back():
     blocks = BlockManager(num_blocks=4, block_size=4)
     blocks.allocate("a", 5)  # 2 blocks
