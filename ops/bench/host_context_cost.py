@@ -6,7 +6,9 @@ block id each step grows with it. Here the core decodes `--batch` sequences at e
 length with the model's forward replaced by a fixed output of the right shape (its compute is not
 what is measured; the rest of the step, planning, host arrays, upload, readback, results and
 update, runs as served), and the milliseconds per decode step are the best of `--repeats` timed
-runs of `--steps` steps. `--before PATH` runs this same script on another tree too, alternately.
+runs of `--steps` steps. `--repetition-penalty R` gives every request that penalty (its logits then
+depend on every token the request has seen; overlapped decoding is off for it, as served).
+`--before PATH` runs this same script on another tree too, alternately.
 
     python -m ops.bench.host_context_cost --before /work/wt-base --rounds 2 --out ops/bench/results/host_context_cost.json
 """
@@ -33,7 +35,7 @@ RESULTS = REPO / "ops/bench/results"
 BLOCK_SIZE = 16
 
 
-def measure(context: int, batch: int, steps: int, repeats: int) -> dict:
+def measure(context: int, batch: int, steps: int, repeats: int, repetition_penalty: float = 1.0) -> dict:
     """ms per decode step, best of `repeats` runs of `steps`, once every sequence decodes."""
     num_blocks = batch * (context // BLOCK_SIZE + 8 + -(-steps * (repeats + 2) // BLOCK_SIZE)) + 16
     runner = load_model_runner(RANDOM_TINY_MODEL, device="cpu", dtype=torch.float32, load_format="dummy",
@@ -43,7 +45,7 @@ def measure(context: int, batch: int, steps: int, repeats: int) -> dict:
     runner.compute_logits = lambda states: torch.zeros(states.shape[0], vocab)
     core = SchedulerCore(runner, max_running_requests=batch, chunked_prefill_size=16384, max_prefill_tokens=1 << 22,
                          max_model_len=context + steps * (repeats + 2) + 16)  # fmt: skip
-    sampling = SamplingParams(max_new_tokens=steps * (repeats + 2), temperature=0.0, ignore_eos=True)
+    sampling = SamplingParams(max_new_tokens=steps * (repeats + 2), temperature=0.0, ignore_eos=True, repetition_penalty=repetition_penalty)
     prompt = np.arange(context, dtype=np.int32) % vocab
     for index in range(batch):
         core.add(SchedulerRequest(f"r{index}", prompt, "d", sampling, LogprobParams()))
@@ -58,13 +60,14 @@ def measure(context: int, batch: int, steps: int, repeats: int) -> dict:
             core.step()
         times.append((time.perf_counter() - start) / steps)
     assert core.policy.num_running == batch and core.num_preemptions == 0, "every sequence decoded in every timed step"
-    return {"context": context, "batch": batch, "ms_per_step": round(1e3 * min(times), 3),
+    return {"context": context, "batch": batch, "repetition_penalty": repetition_penalty, "ms_per_step": round(1e3 * min(times), 3),
             "ms_per_step_all": [round(1e3 * t, 3) for t in times], "block_ids_per_step": batch * -(-context // BLOCK_SIZE)}  # fmt: skip
 
 
-def run(contexts, batch: int, steps: int, repeats: int) -> dict:
+def run(contexts, batch: int, steps: int, repeats: int, repetition_penalty: float) -> dict:
     torch.set_num_threads(1)
-    return {"batch": batch, "steps": steps, "repeats": repeats, "rows": [measure(c, batch, steps, repeats) for c in contexts]}
+    rows = [measure(c, batch, steps, repeats, repetition_penalty) for c in contexts]
+    return {"batch": batch, "steps": steps, "repeats": repeats, "rows": rows}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -73,15 +76,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--repetition-penalty", type=float, default=1.0)
     parser.add_argument("--before", type=Path, help="another tree to measure with this script, in the same run")
     parser.add_argument("--rounds", type=int, default=2, help="with --before: alternate rounds of each tree")
     parser.add_argument("--out", type=Path, default=RESULTS / "host_context_cost.json")
     parser.add_argument("--print-json", action="store_true", help=argparse.SUPPRESS)  # a subprocess's output
     args = parser.parse_args(argv)
     common = ["--contexts", *map(str, args.contexts), "--batch", str(args.batch), "--steps", str(args.steps),
-              "--repeats", str(args.repeats)]  # fmt: skip
+              "--repeats", str(args.repeats), "--repetition-penalty", str(args.repetition_penalty)]  # fmt: skip
     if args.before is None:
-        result = run(args.contexts, args.batch, args.steps, args.repeats)
+        result = run(args.contexts, args.batch, args.steps, args.repeats, args.repetition_penalty)
         if args.print_json:
             print(json.dumps(result))
             return
@@ -99,11 +103,11 @@ def main(argv: list[str] | None = None) -> None:
         result = trees
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2))
-    print("| tree | batch | context | block ids a step | ms per decode step (host) |")
-    print("|---|---|---|---|---|")
+    print("| tree | batch | context | repetition penalty | block ids a step | ms per decode step (host) |")
+    print("|---|---|---|---|---|---|")
     for name, tree in trees.items():
         for r in tree["rows"]:
-            print(f"| {name} | {r['batch']} | {r['context']} | {r['block_ids_per_step']} | {r['ms_per_step']} |")
+            print(f"| {name} | {r['batch']} | {r['context']} | {r.get('repetition_penalty', 1.0)} | {r['block_ids_per_step']} | {r['ms_per_step']} |")
 
 
 if __name__ == "__main__":

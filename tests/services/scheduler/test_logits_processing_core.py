@@ -119,3 +119,36 @@ def test_processed_logprobs_include_the_processors_and_raw_ones_do_not(make_core
     assert raw.tokens == processed.tokens == [7] * 4
     assert np.all(processed.cat("output_token") > -1e-3)  # p(7) ~ 1 after a +100 bias
     assert np.all(raw.cat("output_token") < -1.0)  # the model's own p(7) is small
+
+
+def test_the_workers_kept_penalty_counts_give_the_reference_rows_of_every_verify_step(make_core):
+    """`ModelWorker._processed_logits` (each request's `PenaltyCounts`, grown step by step, plus its
+    drafts per row) equals `process_logits` over `verify_row_contexts` (the lists, rebuilt), bit for
+    bit, on every step of requests mixing penalties, min_tokens and logit_bias, with random drafts
+    (verify blocks of several rows) and without; the kept counts go once a request finishes."""
+    from services.scheduler.logits_processing import process_logits, verify_row_contexts
+
+    mixed = [dict(repetition_penalty=1.3), dict(frequency_penalty=0.7, presence_penalty=0.2), dict(min_new_tokens=4),
+             dict(logit_bias=((5, 2.0),), repetition_penalty=0.8), {}]  # fmt: skip
+    requests = [request(f"p{i}", prompt_of(40 + i, 6 + 3 * i), max_new_tokens=10, ignore_eos=True, **mixed[i % len(mixed)])
+                for i in range(7)]  # fmt: skip
+    for proposer in (None, RandomProposer(VOCAB)):
+        core = make_core(proposer=proposer)
+        worker, checked = core.worker, []
+        kept = worker._processed_logits
+
+        def checked_rows(producers, logits, kept=kept, worker=worker, checked=checked):
+            got = kept(producers, logits)
+            width, vocab, eos = logits.shape[1], logits.shape[2], frozenset(worker.runner.config.eos_token_ids)
+            contexts = [c for s in producers for c in verify_row_contexts(
+                s.seq.request.sampling, s.seq.request.prompt_ids.tolist(),
+                s.seq.tokens[s.seq.num_prompt : s.seq.num_prompt + s.output_position], s.drafts, width, eos)]  # fmt: skip
+            want = process_logits(logits.reshape(-1, vocab), contexts).view_as(logits)
+            assert torch.equal(got, want)
+            checked.append(width)
+            return got
+
+        worker._processed_logits = checked_rows
+        run(core, requests)
+        assert len(checked) >= 9 and (proposer is None or max(checked) > 1)
+        assert worker._penalty_counts == {}  # released with their requests
