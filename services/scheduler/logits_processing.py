@@ -131,6 +131,60 @@ class PenaltyCounts:
             self.num_counted += len(ids)
 
 
+@dataclass(frozen=True)
+class PenalizedBlock:
+    """One request's verify block, as `KeptPenalties.rows` reads it."""
+
+    rid: str
+    params: SamplingParams
+    prompt_ids: Sequence[int]
+    tokens: Sequence[int]  # prompt + committed outputs (+ anything after: never read), not copied
+    num_outputs: int  # committed outputs before the block's first row
+    drafts: Sequence[int]  # row j has seen drafts 1..j too
+
+
+class KeptPenalties:
+    """Each penalized request's `PenaltyCounts`, by request id, from its first step to its `release`."""
+
+    def __init__(self) -> None:
+        self._counts: dict[str, PenaltyCounts] = {}
+
+    def __len__(self) -> int:
+        return len(self._counts)
+
+    def release(self, rid: str) -> None:
+        self._counts.pop(rid, None)
+
+    def rows(self, blocks: Sequence[PenalizedBlock | None], width: int, vocab: int, device: torch.device):
+        """`ProcessorRows`' (output_counts f32 [B * width, V], prompt_seen bool [B * width, V] or None)
+        for `width` rows of each block (None: a request without penalties, zero rows), as
+        `verify_row_contexts` would give them; (None, None) when no block has penalties."""
+        penalized = [(b, block) for b, block in enumerate(blocks) if block is not None]
+        if not penalized:
+            return None, None
+        counts = torch.zeros(len(blocks) * width, vocab, device=device)
+        repetition = any(block.params.repetition_penalty != 1.0 for _, block in penalized)
+        seen = torch.zeros(len(blocks) * width, vocab, dtype=torch.bool, device=device) if repetition else None
+        draft_rows, draft_ids = [], []
+        for b, block in penalized:
+            state = self._counts.get(block.rid)
+            if state is None:
+                state = self._counts[block.rid] = PenaltyCounts(block.prompt_ids, vocab, device)
+            first = len(block.prompt_ids)
+            state.catch_up(block.tokens[first + state.num_counted : first + block.num_outputs])
+            rows = slice(b * width, (b + 1) * width)
+            counts[rows] = state.output_counts
+            if seen is not None:
+                seen[rows] = state.prompt_seen
+            for j in range(1, width):
+                draft_ids += block.drafts[:j]
+                draft_rows += [b * width + j] * len(block.drafts[:j])
+        if draft_rows:
+            index = (torch.tensor(draft_rows, device=device), torch.tensor(draft_ids, device=device))
+            counts.index_put_(index, torch.ones(len(draft_rows), device=device), accumulate=True)
+        return counts, seen
+
+
 def process_logits(logits: torch.Tensor, contexts: Sequence[RowContext]) -> torch.Tensor:
     """Steps 1-4 of the module docstring for every row; a new tensor, `logits` is not modified."""
     if all(is_identity(c.params) for c in contexts):

@@ -26,7 +26,14 @@ import numpy as np
 import torch
 
 from services.scheduler.host_io import HostReadback, HostUpload, PendingReadback
-from services.scheduler.logits_processing import PenaltyCounts, ProcessorRows, apply_processors, has_penalties, is_identity
+from services.scheduler.logits_processing import (
+    KeptPenalties,
+    PenalizedBlock,
+    ProcessorRows,
+    apply_processors,
+    has_penalties,
+    is_identity,
+)
 from services.scheduler.logprob_graphs import LogprobGraphs
 from services.scheduler.logprobs import (
     LogprobQuery,
@@ -89,7 +96,7 @@ class ModelWorker:
         self._upload = HostUpload(runner.device)
         self._readback = HostReadback()
         self._draft_probs: dict[str, torch.Tensor] = {}  # rid -> q [gamma, V] of its pending block
-        self._penalty_counts: dict[str, PenaltyCounts] = {}  # rid -> its penalties' device state, kept across steps
+        self._penalties = KeptPenalties()  # penalized requests' counts on the device, kept across steps
         self.last_forward_s = 0.0  # the last step's forward + verify + logprobs, device time on CUDA
         self.last_draft_s = 0.0  # the last step's inject + propose
         self._unread_clocks: list[_StepClock] = []  # steps whose GPU work had not finished when they returned
@@ -101,7 +108,7 @@ class ModelWorker:
     def release(self, rids: list[str]) -> None:
         for rid in rids:
             self._draft_probs.pop(rid, None)
-            self._penalty_counts.pop(rid, None)
+            self._penalties.release(rid)
 
     def execute(self, plan: StepPlan) -> list[SeqResult]:
         return self.collect(self.launch(plan))
@@ -289,40 +296,12 @@ class ModelWorker:
         num_producers, width, vocab = logits.shape
         params = [s.seq.request.sampling for s in producers for _ in range(width)]
         num_outputs = [s.output_position + min(j, s.num_draft) for s in producers for j in range(width)]
-        counts, seen = self._penalty_rows(producers, width, vocab, logits.device)
+        blocks = [PenalizedBlock(s.seq.rid, s.seq.request.sampling, s.seq.request.prompt_ids, s.seq.tokens, s.output_position,
+                                 s.drafts) if has_penalties(s.seq.request.sampling) else None for s in producers]  # fmt: skip
+        counts, seen = self._penalties.rows(blocks, width, vocab, logits.device)
         eos = [frozenset(self.runner.config.eos_token_ids)] * len(params)
         rows = ProcessorRows(params, num_outputs, eos, counts, seen)
         return apply_processors(logits.reshape(-1, vocab), rows).view(num_producers, width, vocab)
-
-    def _penalty_rows(self, producers: list[SeqStep], width: int, vocab: int, device: torch.device):
-        """(output counts f32 [P * (K + 1), V], prompt mask bool [P * (K + 1), V]) of the verify rows,
-        from each producer's `PenaltyCounts` brought up to its committed outputs, plus its drafts
-        before each row; (None, None) when no producer has penalties (None mask: no repetition penalty)."""
-        penalized = [(p, s) for p, s in enumerate(producers) if has_penalties(s.seq.request.sampling)]
-        if not penalized:
-            return None, None
-        counts = torch.zeros(len(producers) * width, vocab, device=device)
-        repetition = any(s.seq.request.sampling.repetition_penalty != 1.0 for _, s in penalized)
-        seen = torch.zeros(len(producers) * width, vocab, dtype=torch.bool, device=device) if repetition else None
-        draft_rows, draft_ids = [], []
-        for p, step in penalized:
-            state = self._penalty_counts.get(step.seq.rid)
-            if state is None:
-                state = self._penalty_counts[step.seq.rid] = PenaltyCounts(step.seq.request.prompt_ids, vocab, device)
-            seq = step.seq
-            state.catch_up(seq.tokens[seq.num_prompt + state.num_counted : seq.num_prompt + step.output_position])
-            rows = slice(p * width, (p + 1) * width)
-            counts[rows] = state.output_counts
-            if seen is not None:
-                seen[rows] = state.prompt_seen
-            for j in range(1, width):  # row j has seen drafts 1..j as well
-                for draft in step.drafts[:j]:
-                    draft_rows.append(p * width + j)
-                    draft_ids.append(draft)
-        if draft_rows:
-            index = (torch.tensor(draft_rows, device=device), torch.tensor(draft_ids, device=device))
-            counts.index_put_(index, torch.ones(len(draft_rows), device=device), accumulate=True)
-        return counts, seen
 
     def _sampling_inputs(
         self, producers: list[SeqStep], logits: torch.Tensor, drafts: torch.Tensor

@@ -151,4 +151,4 @@ def test_the_workers_kept_penalty_counts_give_the_reference_rows_of_every_verify
         worker._processed_logits = checked_rows
         run(core, requests)
         assert len(checked) >= 9 and (proposer is None or max(checked) > 1)
-        assert worker._penalty_counts == {}  # released with their requests
+        assert len(worker._penalties) == 0  # released with their requests
