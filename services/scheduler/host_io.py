@@ -166,17 +166,19 @@ class HostReadback:
 
 def one_span(parts: list[torch.Tensor]) -> torch.Tensor | None:
     """1-D int32 parts that lie back to back, in order, in one storage: the one 1-D view over all of
-    them (empty parts anywhere); else None."""
-    filled = [part for part in parts if part.numel()]
-    if not filled:
-        return None
-    first = filled[0]
-    storage, end = first.untyped_storage().data_ptr(), first.data_ptr()
-    for part in filled:
-        if part.data_ptr() != end or part.untyped_storage().data_ptr() != storage:
+    them (empty parts anywhere); else None, found out at the first part that breaks the run."""
+    first = storage = end = None
+    total = 0
+    for part in parts:
+        if not part.numel():
+            continue
+        if first is None:
+            first, storage, end = part, part.untyped_storage().data_ptr(), part.data_ptr()
+        elif part.data_ptr() != end or part.untyped_storage().data_ptr() != storage:
             return None
         end += part.numel() * part.element_size()
-    return first.as_strided((sum(part.numel() for part in filled),), (1,))
+        total += part.numel()
+    return None if first is None else first.as_strided((total,), (1,))
 
 
 class PendingReadback:

@@ -79,3 +79,20 @@ def test_readback_brings_int64_parts_back_as_int32_small_as_halves_large_narrowe
     alone = readback.add(small)  # one part: copied as it is
     np.testing.assert_array_equal(readback.fetch()[alone], small.numpy())
     assert readback.num_copies == 2
+
+
+def test_parts_back_to_back_in_one_buffer_are_read_as_one_span_and_others_are_joined():
+    from services.scheduler.host_io import one_span
+
+    buffer = torch.arange(10, dtype=torch.int32)
+    adjacent = [buffer[0:3], buffer[3:3], buffer[3:7], buffer[7:10]]  # an empty part in between changes nothing
+    span = one_span(adjacent)
+    assert span is not None and span.data_ptr() == buffer.data_ptr() and span.tolist() == list(range(10))
+    assert one_span([buffer[0:3], buffer[4:7]]) is None  # a gap
+    assert one_span([buffer[3:6], buffer[0:3]]) is None  # out of order
+    assert one_span([buffer[0:3], buffer[3:6].clone()]) is None  # another storage
+    assert one_span([buffer[0:0]]) is None
+    readback = HostReadback()
+    handles = [readback.add(part) for part in adjacent]
+    host = readback.fetch()
+    assert readback.num_joined == 0 and [host[h].tolist() for h in handles] == [p.tolist() for p in adjacent]
