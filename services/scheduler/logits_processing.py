@@ -29,6 +29,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from contracts.scheduler import SamplingParams
@@ -119,7 +120,8 @@ class PenaltyCounts:
     (built once) and the output's counts, grown by each step's new committed tokens (`catch_up`)."""
 
     def __init__(self, prompt_ids: Sequence[int], vocab: int, device: torch.device) -> None:
-        self.prompt_seen = token_counts([prompt_ids], vocab, device)[0] > 0  # bool [V]
+        self.prompt_seen = torch.zeros(vocab, dtype=torch.bool, device=device)  # bool [V]
+        self.prompt_seen[torch.as_tensor(np.asarray(prompt_ids, dtype=np.int64), device=device)] = True  # no per-id Python
         self.output_counts = torch.zeros(vocab, device=device)  # f32 [V]
         self.num_counted = 0
 
