@@ -27,9 +27,10 @@ whole prompt's rows) stay on the eager chunked path.
 `greedy` serves the commonest step with output logprobs: a plain greedy decode graph step whose
 every sequence wants them. Its graph (keyed also by the decode graph's static logits, which it reads
 in place: no rows copied in) takes each row's argmax too, the step's token, as its target, and
-writes tokens and columns into one buffer back to back, which `HostReadback` copies as one span. At
-batch 1 that leaves the worker two copies, two kernels and a concatenation fewer a step than
-`compute` after its own argmax (host time, which bounds a small model's decode through the stack).
+writes tokens and columns into one buffer back to back, which `HostReadback` copies as one span: a
+step launches two copies (logits rows, targets), an argmax and a concatenation fewer than `_verify`'s
+argmax and `compute`, the host's time that bounds a small model's batch-1 decode through the stack.
+Off by default (`--greedy-logprob-graphs`) until measured on a GPU (ops/bench/gpu_greedy_rows_check.py).
 """
 
 from __future__ import annotations
