@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
@@ -160,8 +162,8 @@ class Sequence:
     def rid(self) -> str:
         return self.request.rid
 
-    @property
-    def num_prompt(self) -> int:
+    @functools.cached_property
+    def num_prompt(self) -> int:  # read ~4 times a sequence a step: once per sequence (the prompt never changes)
         return len(self.request.prompt_ids)
 
     @property
