@@ -46,8 +46,8 @@ class DetokenizerService:
 
     @classmethod
     async def start(cls, config: DetokenizerConfig) -> DetokenizerService:
-        """Connect, subscribe, then beat: the first heartbeat means the subscriptions are live
-        (the server handles one connection's SUBs and PUBs in order)."""
+        """Connect, subscribe, then beat: the first heartbeat means the subscriptions are live (a
+        round trip on both connections after the SUBs: subscriptions and beats travel on different ones)."""
         core = DetokenizerCore(Tokenizer.from_file(str(config.tokenizer_path)), config.instance_id)
         transport = await Transport.connect(config.nats, f"{SERVICE}-{config.instance_id}")
         service = cls(config, transport, core)
@@ -61,6 +61,7 @@ class DetokenizerService:
         await transport.subscribe(tokens, TokenBatch, service._on_tokens, on_gap=service._on_tokens_lost)
         await transport.subscribe(subjects.SCHEDULER_ABORT, AbortRequest, service._on_abort)
         await service._schedulers.start()
+        await transport.flush()  # the SUBs went out on the receiving connection, beats go on the other: in effect first
         service._heartbeat.start()
         await service.telemetry.start(config.metrics_host, config.metrics_port)
         log.info("detokenizer.started", instance=config.instance_id, nats=config.nats.redacted_url)

@@ -210,6 +210,7 @@ class SchedulerService:
         or a step fails (1)."""
         self._transport = transport
         await self._subscribe()
+        await transport.flush()  # the SUBs went out on the receiving connection, beats go on the other: in effect first
         self._heartbeat = HeartbeatPublisher(
             self._transport, "scheduler", self._id, self._config.nats.heartbeat_interval_s, lambda: self._core.num_running
         )

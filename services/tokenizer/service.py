@@ -76,6 +76,7 @@ class TokenizerService:
         await transport.subscribe(outputs, TextBatch, service._on_outputs, on_gap=service._on_outputs_lost)
         await service._schedulers.start()
         await service._detokenizers.start()
+        await transport.flush()  # the SUBs went out on the receiving connection, beats go on the other: in effect first
         service._heartbeat.start()
         service._watchdog = asyncio.create_task(service._watch_unseen())
         return service
