@@ -12,8 +12,8 @@ the free list when its last holder frees it.
 
 Each table is an int32 array grown by doubling (`_Table`): a step reads a long context's table as
 one array view, where a list of thousands of ids cost the step's host time per sequence twice over
-(copied into the plan, then converted by numpy): ~5 ms a decode step at 64 sequences of 32k tokens
-against ~1.3 ms at 128 tokens (ops/bench/results/host_step_cost.md).
+(copied into the plan, then converted by numpy): 4.2 ms of host time a decode step at 64 sequences
+of 32k tokens against 1.2 ms now (ops/bench/results/host_context_cost.md).
 """
 
 from __future__ import annotations
@@ -30,8 +30,9 @@ class _Table:
     __slots__ = ("ids", "size", "view")
 
     def __init__(self, ids: np.ndarray | None = None) -> None:
-        self.ids = np.zeros(8, np.int32) if ids is None or not len(ids) else ids.astype(np.int32)  # [capacity]
         self.size = 0 if ids is None else len(ids)
+        self.ids = np.zeros(max(8, self.size), np.int32)  # [capacity]
+        self.ids[: self.size] = ids if ids is not None else []
         self.view = self.ids[: self.size]
 
     def append(self, block: int) -> None:
@@ -71,7 +72,7 @@ class BlockManager:
     def num_new_blocks(self, rid: str, num_tokens: int) -> int:
         """Blocks `allocate(rid, num_tokens)` would take from the free list."""
         table = self._tables.get(rid)
-        return max(0, -(-num_tokens // self.block_size) - (0 if table is None else table.size))
+        return max(0, self.num_blocks_for(num_tokens) - (0 if table is None else table.size))
 
     def can_allocate(self, rid: str, num_tokens: int) -> bool:
         return self.num_new_blocks(rid, num_tokens) <= len(self._free)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import functools
-
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
