@@ -83,7 +83,7 @@ def test_every_service_takes_the_log_flags_with_the_environments_defaults(comman
 
 @pytest.mark.parametrize(
     ("flag", "default"),
-    [("ragged-cuda-graphs", True), ("logprob-cuda-graphs", True), ("greedy-logprob-graphs", False), ("fused-kernels", True),
+    [("ragged-cuda-graphs", True), ("logprob-cuda-graphs", True), ("greedy-logprob-graphs", True), ("fused-kernels", True),
      ("split-kv-decode", True)],
 )
 def test_up_passes_each_cuda_flag_to_the_scheduler_config(flag, default):
@@ -101,7 +101,7 @@ def test_every_scheduler_flag_of_up_reaches_the_scheduler_with_its_value(tmp_pat
     values = ["--model", str(tmp_path), "--device", "cpu", "--dtype", "float16", "--load-format", "dummy",
               "--logprobs-mode", "processed", "--chunked-prefill-size", "4096", "--max-prefill-tokens", "9000", "--no-dense-prefill", "--dense-attention", "sdpa", "--max-running-requests", "7", "--no-overlap-decode",
               "--max-model-len", "300", "--kv-cache-memory-fraction", "0.25", "--no-ragged-cuda-graphs",
-              "--no-logprob-cuda-graphs", "--greedy-logprob-graphs", "--no-fused-kernels", "--no-fused-logprobs", "--no-split-kv-decode", "--speculative-algorithm", "dspark", "--draft-model", str(tmp_path / "d"),
+              "--no-logprob-cuda-graphs", "--no-greedy-logprob-graphs", "--no-fused-kernels", "--no-fused-logprobs", "--no-split-kv-decode", "--speculative-algorithm", "dspark", "--draft-model", str(tmp_path / "d"),
               "--speculative-num-draft-tokens", "5", "--draft-context-window", "512", "--verify-mode", "compact",
               "--step-trace", str(tmp_path / "trace")]  # fmt: skip
     up = build_parser(["up", *values]).parse_args(["up", *values])

@@ -44,8 +44,8 @@ class SchedulerConfig:
     ragged_cuda_graphs: bool = True  # CUDA with Triton: ragged steps replay graphs (checked on the H200: gpu_serve.md)
     logprob_cuda_graphs: bool = True  # CUDA: output logprobs replay graphs (`LogprobGraphs`; exact on the H200: gpu_core.md)
     # CUDA, with them: greedy decode steps' tokens and rows from one graph (`LogprobGraphs.greedy`);
-    # off until measured on the H200 (ops/bench/gpu_greedy_rows_check.py)
-    greedy_logprob_graphs: bool = False
+    # bit-identical and less host time a step on the H200 (ops/bench/results/gpu_greedy_rows.md)
+    greedy_logprob_graphs: bool = True
     fused_kernels: bool = True  # CUDA with Triton: triton_fused.py's kernels (checked on the H200: gpu_fused.md)
     fused_logprobs: bool = True  # CUDA with Triton: raw-mode logprobs from triton_logprobs.py's kernels
     dense_prefill: bool = True  # CUDA: steps past the chunk budget attend long queries densely (`dense_attention.py`)

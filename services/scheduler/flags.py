@@ -82,10 +82,10 @@ CUDA_SWITCHES = {
                                  "captured on first use of each padded shape (default on; elsewhere it does nothing)"),
     "logprob-cuda-graphs": (True, "CUDA: compute output logprobs (top-k, requested ids) of up to 128 rows from CUDA graphs "
                                   "captured on first use of each padded shape (default on; elsewhere it does nothing)"),
-    "greedy-logprob-graphs": (False, "CUDA, with --logprob-cuda-graphs: a greedy decode step whose every request asks for "
-                                     "output logprobs takes its tokens (the argmax) and rows from one graph over the decode "
-                                     "graph's logits, read back without a concatenation (default off: not yet measured on "
-                                     "the H200; ops/bench/gpu_greedy_rows_check.py)"),
+    "greedy-logprob-graphs": (True, "CUDA, with --logprob-cuda-graphs: a greedy decode step whose every request asks for "
+                                    "output logprobs takes its tokens (the argmax) and rows from one graph over the decode "
+                                    "graph's logits, read back without a concatenation (default on: bit-identical and "
+                                    "less host time a step on the H200, ops/bench/results/gpu_greedy_rows.md)"),
     "fused-kernels": (True, "CUDA with Triton: run each layer's norms, residual adds, RoPE, K/V write and SiLU * up "
                             "as fused Triton kernels (default on; elsewhere it does nothing)"),
     "fused-logprobs": (True, "CUDA with Triton: compute raw-mode logprobs (log-softmax, top-k up to 64, the target's and "
