@@ -344,7 +344,7 @@ def _same(want, got) -> bool:
 
 def _processed_agree(queries, logits, sampled, keys) -> bool:
     """Processed mode, graphs against eager on the same rows, requests' sampling parameters mixed."""
-    from dataclasses import replace
+    from msgspec.structs import replace
 
     from services.scheduler.logprob_graphs import LogprobGraphs
     from services.scheduler.logprobs import logprob_inputs, logprobs_on_device

@@ -25,12 +25,12 @@ preempted one re-prefills its whole prompt + output alone.
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import random
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
+import msgspec
 import numpy as np
 import structlog
 
@@ -45,9 +45,10 @@ log = structlog.get_logger(__name__)
 FOLLOWED_TOKEN = -1  # the query of a followed decode (`Policy.follow_decodes`): the device has its token
 
 
-@dataclass(frozen=True)
-class SeqStep:
-    """One sequence's share of a step."""
+class SeqStep(msgspec.Struct, frozen=True):
+    """One sequence's share of a step. (Per-sequence-per-step objects are frozen `msgspec.Struct`s, not
+    frozen dataclasses: ~0.06 against ~1.2 us to build one of ten fields, a cost paid 64 times a step
+    at batch 64.)"""
 
     seq: Sequence
     start: int  # KV position of the first query token
@@ -78,24 +79,22 @@ class StepPlan:
         return sum(len(s.query) for s in self.steps)
 
 
-@dataclass(frozen=True)
-class SeqResult:
+class SeqResult(msgspec.Struct, frozen=True):
     """What the worker returns for one sequence of the plan."""
 
-    tokens: list[int] = field(default_factory=list)  # accepted drafts, then the next token
+    tokens: list[int] = []  # accepted drafts, then the next token (an empty default is copied per instance)
     output_logprobs: RowLogprobs | None = None  # one row per entry of `tokens`
     prompt_logprobs: RowLogprobs | None = None  # positions [prompt_lo, prompt_hi]; the null row not included
-    drafts: list[int] = field(default_factory=list)  # the next block to verify
+    drafts: list[int] = []  # the next block to verify
     draft_confidence: list[float] | None = None
 
 
-@dataclass
-class _Pending:
+class _Pending(msgspec.Struct):
     """One request's output under construction during a step."""
 
     seq: Sequence
-    new_token_ids: list[int] = field(default_factory=list)
-    logprobs: LogprobEntries = field(default_factory=LogprobEntries)
+    new_token_ids: list[int] = []  # an empty default is copied per instance
+    logprobs: LogprobEntries = msgspec.field(default_factory=LogprobEntries)
     finish: Finish | None = None
 
 
@@ -555,7 +554,7 @@ class Policy:
             self.num_prefix_hits += shared
             child.next_prompt_logprob, child.flat_sent = child.num_prompt, True  # returned here, once
             if child.wants_logprobs and not prompt.is_empty():
-                self._entry(child).logprobs = dataclasses.replace(prompt)
+                self._entry(child).logprobs = msgspec.structs.replace(prompt)  # a copy
         self._waiting.extendleft(reversed(parent.forks))
         parent.forks, parent.prompt_parts = [], []
 
@@ -564,7 +563,7 @@ class Policy:
     def _record_prompt(self, step: SeqStep, result: SeqResult) -> None:
         if result.prompt_logprobs is None:
             return
-        seq, lo, hi = step.seq, step.prompt_lo, step.prompt_hi
+        seq, lo = step.seq, step.prompt_lo
         rows = result.prompt_logprobs
         if lo == seq.prompt_logprob_start:
             rows = rows.with_null_row()

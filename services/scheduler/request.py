@@ -6,11 +6,10 @@ import functools
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
+import msgspec
 import numpy as np
 
 from contracts.detokenizer import Finish
-import msgspec
-
 from contracts.scheduler import ForkedChoice, GenerateRequest, LogprobParams, SamplingParams
 from services.common.arrays import from_wire
 
@@ -40,8 +39,7 @@ class SchedulerRequest:
 Array = TypeVar("Array")  # np.ndarray on the host; torch.Tensor on the device, before the step's readback
 
 
-@dataclass(frozen=True)
-class RowLogprobs(Generic[Array]):
+class RowLogprobs(msgspec.Struct, Generic[Array], frozen=True):
     """Logprobs of n rows: the target token's, the top-k (sorted, ties by id), the requested ids'.
     One layout on both sides of the readback: the worker builds `RowLogprobs[torch.Tensor]` for
     every query of a step at once, and each request gets its `RowLogprobs[np.ndarray]` slice."""
@@ -71,9 +69,10 @@ class RowLogprobs(Generic[Array]):
         )
 
 
-@dataclass
-class LogprobEntries:
-    """One request's new logprob entries of one step; field names follow `RequestLogprobs`."""
+class LogprobEntries(msgspec.Struct):
+    """One request's new logprob entries of one step; field names follow `RequestLogprobs`. (A
+    mutable `msgspec.Struct`: one is made per request per step, ~10x faster than a dataclass of these
+    twelve fields.)"""
 
     output_token_logprobs: np.ndarray | None = None  # f32 [n]
     output_top_logprobs: np.ndarray | None = None  # f32 [n, k]
@@ -89,7 +88,7 @@ class LogprobEntries:
     input_top_null_prefix: int | None = None
 
     def is_empty(self) -> bool:
-        return all(value is None for value in vars(self).values())
+        return all(getattr(self, name) is None for name in self.__struct_fields__)
 
     def has_prompt_entries(self) -> bool:
         return not (self.input_start is None and self.input_token_logprobs is None and self.input_top_logprobs is None
@@ -98,7 +97,7 @@ class LogprobEntries:
 
     def prompt_part(self) -> LogprobEntries:
         """Only the prompt (input) entries."""
-        return LogprobEntries(**{name: value for name, value in vars(self).items() if name.startswith("input_")})
+        return LogprobEntries(**{name: getattr(self, name) for name in self.__struct_fields__ if name.startswith("input_")})
 
     @staticmethod
     def joined_prompt(parts: list[LogprobEntries]) -> LogprobEntries:
@@ -125,8 +124,7 @@ class LogprobEntries:
 PROMPT_ARRAYS = ("input_token_logprobs", "input_top_logprobs", "input_top_ids", "input_ids_logprobs")
 
 
-@dataclass(frozen=True)
-class RequestOutput:
+class RequestOutput(msgspec.Struct, frozen=True):
     rid: str
     detokenizer_id: str
     new_token_ids: list[int]

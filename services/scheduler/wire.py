@@ -3,6 +3,7 @@ as the batch's columns where several requests have some (`OutputLogprobColumns`)
 
 from __future__ import annotations
 
+import msgspec
 import numpy as np
 
 from contracts.arrays import NDArray
@@ -20,7 +21,7 @@ NO_PROMPT_ENTRIES = RequestLogprobs()  # a request that asked, with nothing new 
 def to_request_logprobs(entries: LogprobEntries) -> RequestLogprobs:
     """The fields of the same names: arrays as NDArrays (views, no copy), unset ones left at None."""
     fields = {name: to_wire(value) if isinstance(value, np.ndarray) else value
-              for name, value in vars(entries).items() if value is not None}  # fmt: skip
+              for name, value in msgspec.structs.asdict(entries).items() if value is not None}  # fmt: skip
     return RequestLogprobs(**fields)
 
 

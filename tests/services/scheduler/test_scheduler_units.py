@@ -356,11 +356,9 @@ def test_processed_mode_floors_logprobs_even_when_sampling_changes_nothing():
 def test_logprob_entries_hold_exactly_the_wire_fields_of_request_logprobs():
     """wire.to_request_logprobs passes LogprobEntries' set fields to RequestLogprobs by name: a field
     on one side only would fail every publish (or never travel)."""
-    import dataclasses
-
     from contracts.detokenizer import RequestLogprobs
 
-    assert [f.name for f in dataclasses.fields(LogprobEntries)] == list(RequestLogprobs.__struct_fields__)
+    assert LogprobEntries.__struct_fields__ == RequestLogprobs.__struct_fields__
 
 
 def test_build_core_takes_the_prefill_budget_and_leaves_the_dense_path_to_cuda():
