@@ -79,10 +79,10 @@ class BlockManager:
 
     def allocate(self, rid: str, num_tokens: int) -> None:
         """Grow `rid`'s table to hold `num_tokens` tokens in all (a no-op if it already does)."""
-        needed = self.num_new_blocks(rid, num_tokens)
+        table = self._tables.get(rid)
+        needed = max(0, self.num_blocks_for(num_tokens) - (0 if table is None else table.size))
         if needed > len(self._free):
             raise MemoryError(f"{rid}: needs {needed} KV blocks, {len(self._free)} free")
-        table = self._tables.get(rid)
         if table is None:
             table = self._tables[rid] = _Table()
         for _ in range(needed):

@@ -273,7 +273,8 @@ class SchedulerCore:
         counts = self._counts
         counts["generated"] += sum(len(o.new_token_ids) for o in outputs)
         for step, result in zip(plan.steps, results, strict=True):
-            counts["prompt"] += _num_prefill_tokens(step)
+            if step.start < step.seq.num_prompt:  # else a decode: no prompt tokens
+                counts["prompt"] += _num_prefill_tokens(step)
             if step.samples:
                 counts["drafted"] += step.num_draft
                 counts["accepted"] += max(0, len(result.tokens) - 1)
