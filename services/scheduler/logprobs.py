@@ -254,18 +254,23 @@ def _processed_inputs(queries: list[LogprobQuery]) -> dict[str, np.ndarray]:
 
 
 def _split(queries, token, top_values, top_ids, ids_lp) -> list[RowLogprobs]:
-    """Each query's rows as views of the columns; only a query asking for fewer top-k (or ids) than the
-    widest one's has its columns cut, and copied (contiguous, as the wire sends them)."""
+    """Each query's rows as views of the columns, which they name as their `source`; only a query
+    asking for fewer top-k (or ids) than the widest one's has its columns cut, and copied
+    (contiguous, as the wire sends them), and names none."""
+    columns = RowLogprobs(token, top_values, top_ids, ids_lp)
     max_k, max_m = top_values.shape[1], ids_lp.shape[1]
     out, start = [], 0
     for q in queries:
         end = start + len(q.rows)
         values, ids, requested = top_values[start:end], top_ids[start:end], ids_lp[start:end]
+        source = columns
         if q.top_k < max_k:
             values, ids = np.ascontiguousarray(values[:, : q.top_k]), np.ascontiguousarray(ids[:, : q.top_k])
+            source = None
         if len(q.token_ids) < max_m:
             requested = np.ascontiguousarray(requested[:, : len(q.token_ids)])
-        out.append(RowLogprobs(token[start:end], values, ids, requested))
+            source = None
+        out.append(RowLogprobs(token[start:end], values, ids, requested, source, start))
         start = end
     return out
 

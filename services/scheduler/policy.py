@@ -96,6 +96,7 @@ class _Pending(msgspec.Struct):
     new_token_ids: list[int] = []  # an empty default is copied per instance
     logprobs: LogprobEntries = msgspec.field(default_factory=LogprobEntries)
     finish: Finish | None = None
+    output_rows: RowLogprobs | None = None  # what `logprobs`' output arrays were set from
 
 
 class Policy:
@@ -499,7 +500,8 @@ class Policy:
         entry = self._entry(seq)
         entry.new_token_ids.extend(result.tokens[:kept])
         if result.output_logprobs is not None:
-            entry.logprobs.set_output(result.output_logprobs.head(kept), seq.request.logprobs)
+            entry.output_rows = result.output_logprobs.head(kept)
+            entry.logprobs.set_output(entry.output_rows, seq.request.logprobs)
         seq.drafts = result.drafts if finish is None else []
         seq.draft_confidence = result.draft_confidence
         if finish is not None:
@@ -617,6 +619,7 @@ def _to_output(entry: _Pending) -> RequestOutput:
         finish=entry.finish,
         logprobs=entry.logprobs if seq.wants_logprobs else None,
         spec_verify_ct=seq.spec_verify_ct if seq.speculative else None,
+        output_rows=entry.output_rows,
     )
 
 

@@ -48,6 +48,11 @@ class RowLogprobs(msgspec.Struct, Generic[Array], frozen=True):
     top_values: Array  # f32 [n, k]
     top_ids: Array  # i32 [n, k]
     ids: Array  # f32 [n, m]
+    # where these rows are views of a step's host columns at their widths (`split_logprobs`): those
+    # columns and the first row, which let `wire` send a batch's rows as the step's columns (or
+    # one gather of them) instead of joining per-request arrays; None: rows of their own
+    source: RowLogprobs | None = None
+    start: int = 0
 
     def columns(self) -> tuple[Array, Array, Array, Array]:
         """In field order: what the readback carries, and what `RowLogprobs(*columns)` rebuilds."""
@@ -56,7 +61,7 @@ class RowLogprobs(msgspec.Struct, Generic[Array], frozen=True):
     def head(self, n: int) -> RowLogprobs:
         if n >= len(self.token):
             return self  # every row kept (each plain decode step): no per-request slicing
-        return RowLogprobs(self.token[:n], self.top_values[:n], self.top_ids[:n], self.ids[:n])
+        return RowLogprobs(self.token[:n], self.top_values[:n], self.top_ids[:n], self.ids[:n], self.source, self.start)
 
     def with_null_row(self) -> RowLogprobs:
         """Prepend the null entry of the first returned prompt position: NaN values, -1 ids."""
@@ -132,6 +137,7 @@ class RequestOutput(msgspec.Struct, frozen=True):
     finish: Finish | None
     logprobs: LogprobEntries | None  # None when the request did not ask for logprobs
     spec_verify_ct: int | None = None  # verify passes so far; None without speculative decoding
+    output_rows: RowLogprobs | None = None  # what `logprobs`' output arrays were set from (`wire` reads its source)
 
 
 @dataclass(eq=False)  # identity: hashed and compared as objects (the policy's running set), never by token lists

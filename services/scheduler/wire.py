@@ -7,7 +7,7 @@ import msgspec
 import numpy as np
 
 from contracts.arrays import NDArray
-from contracts.detokenizer import RequestLogprobs, TokenBatch
+from contracts.detokenizer import OutputLogprobColumns, RequestLogprobs, TokenBatch
 from services.common.arrays import to_wire
 from services.common.output_logprob_columns import to_columns
 from services.scheduler.request import LogprobEntries, RequestOutput
@@ -47,7 +47,7 @@ def _token_batch(outputs: list[RequestOutput], scheduler_id: str, step: int) -> 
     entries = [output.logprobs for output in outputs]
     logprobs, columns = None, None
     if sum(e is not None and e.output_token_logprobs is not None for e in entries) >= COLUMNS_FROM_REQUESTS:
-        columns = to_columns(entries)
+        columns = _source_columns(outputs) or to_columns(entries)
         beside = [None if e is None else _beside_columns(e) for e in entries]
         logprobs = beside if any(entry is not None for entry in beside) else None
     elif any(e is not None for e in entries):
@@ -64,6 +64,58 @@ def _token_batch(outputs: list[RequestOutput], scheduler_id: str, step: int) -> 
         spec_verify_ct=_verify_counts(outputs),
         output_logprobs=columns,
     )
+
+
+def _source_columns(outputs: list[RequestOutput]) -> OutputLogprobColumns | None:
+    """The batch's output columns cut from the one step's columns its requests' rows are views of
+    (`RowLogprobs.source`: each asked for their widths): those columns as they are when the batch
+    holds all of their rows in order (one detokenizer, a decode step), else one gather of their
+    rows, instead of `to_columns` joining one array per request. None: some request's rows are
+    arrays of their own (`to_columns` takes them), or come from another step's columns."""
+    source = None
+    counts, firsts = [], []
+    for output in outputs:
+        rows = output.output_rows
+        if rows is None:
+            if output.logprobs is not None and output.logprobs.output_token_logprobs is not None:
+                return None
+            counts.append(0)
+            continue
+        if rows.source is None or (source is not None and rows.source is not source):
+            return None
+        source = rows.source
+        counts.append(len(rows.token))
+        if len(rows.token):
+            firsts.append(rows.start)
+    if source is None:
+        return None
+    rows_of = np.asarray(counts, np.int32)  # [R]
+    index = _source_rows(np.asarray(firsts, np.int64), rows_of[rows_of > 0], len(source.token))
+
+    def pick(column: np.ndarray) -> np.ndarray:
+        return column if index is None else column[index]
+
+    columns = {"rows": to_wire(rows_of), "token_logprobs": to_wire(pick(source.token))}
+    k, m = source.top_values.shape[1], source.ids.shape[1]
+    if k:
+        columns |= {"top_k": to_wire(np.where(rows_of > 0, k, 0).astype(np.int32)),
+                    "top_logprobs": to_wire(pick(source.top_values).reshape(-1)), "top_ids": to_wire(pick(source.top_ids).reshape(-1))}  # fmt: skip
+    if m:
+        columns |= {"num_ids": to_wire(np.where(rows_of > 0, m, 0).astype(np.int32)), "ids_logprobs": to_wire(pick(source.ids).reshape(-1))}
+    return OutputLogprobColumns(**columns)
+
+
+def _source_rows(firsts: np.ndarray, counts: np.ndarray, num_source: int) -> np.ndarray | None:
+    """The source's rows of requests' runs (first rows [S], counts [S] > 0), in order; None when
+    they are all of its rows in order (nothing to gather)."""
+    if (counts == 1).all():
+        index = firsts
+    else:
+        offsets = np.cumsum(counts) - counts  # each run's first row in the batch's columns
+        index = np.repeat(firsts - offsets, counts) + np.arange(int(counts.sum()))
+    if len(index) == num_source and (index == np.arange(num_source)).all():
+        return None
+    return index
 
 
 def _verify_counts(outputs: list[RequestOutput]) -> NDArray | None:

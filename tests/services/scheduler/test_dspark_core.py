@@ -126,3 +126,19 @@ def test_every_prefill_chunk_reaches_the_drafters_context(make_core, dspark):
     written = whole.flatten(4).abs().sum(-1) > 0  # [layers, k/v, blocks, slot in block]: rows the prompt wrote
     assert written.sum() == whole.shape[0] * 2 * len(prompt)
     torch.testing.assert_close(chunked, whole, atol=1e-5, rtol=1e-5)
+
+
+def test_verify_blocks_output_rows_travel_as_cuts_of_the_steps_columns(make_core, dspark):
+    """Several rows a request a step (an anchor and its accepted drafts), some kept short by a
+    finish: the batch's columns cut from the step's equal the ones joined per request."""
+    from test_wire_columns import TOP20, assert_columns_agree
+
+    core = make_core(chunked_prefill_size=48, proposer=dspark())
+    for i in range(6):
+        core.add(request(f"v{i}", prompt_of(500 + i, 6 + i), max_new_tokens=5 + 3 * i, ignore_eos=True, logprobs=TOP20))
+    taken, multi_row = 0, False
+    while core.has_work():
+        outputs = core.step()
+        multi_row |= any(o.output_rows is not None and len(o.output_rows.token) > 1 for o in outputs)
+        taken += assert_columns_agree(outputs)["source"]
+    assert taken > 0 and multi_row
