@@ -1,8 +1,9 @@
-"""What the tokenizer's OpenAI `logprobs` objects cost per token (`openai_format`): the position
-rows from the wire arrays, then the completions object (`completion_logprobs`) or the chat items
-(`chat_content`), then JSON (`json_body.encode_json`), for the bundled model's vocabulary, random
-ids, top-k of --top-k, in calls of --tokens tokens (1: a streamed chunk; 128: a whole response);
-each figure the best of 5 rounds of --repeats calls.
+"""What the tokenizer's logprobs objects cost per token: OpenAI's (`openai_format`: the position
+rows from the wire arrays, then the completions object, `completion_logprobs`, or the chat items,
+`chat_content`) and `/generate`'s output fields (`logprobs_format`: `token_triples`, `top_rows`),
+then JSON (`json_body.encode_json`), for the bundled model's vocabulary, random ids, top-k of
+--top-k, in calls of --tokens tokens (1: a streamed chunk; 128: a whole response); each figure the
+best of 5 rounds of --repeats calls.
 
 With --before DIR (another checkout, e.g. a `git worktree` of the previous commit), the same
 timing runs there too, in a child process with DIR first on the path, in the same run: a row per
@@ -37,7 +38,7 @@ def _per_call_us(build, repeats: int) -> float:
 def time_formats(top_ks: list[int], token_counts: list[int], repeats: int) -> list[dict]:
     """µs per token of each format (best of `ROUNDS`), in whichever tree `services` is imported from."""
     from services.models import BUNDLED_MODEL
-    from services.tokenizer import openai_format
+    from services.tokenizer import logprobs_format, openai_format
     from services.tokenizer.json_body import encode_json
     from services.tokenizer.text_model import TextModel
 
@@ -58,7 +59,11 @@ def time_formats(top_ks: list[int], token_counts: list[int], repeats: int) -> li
             def chat() -> bytes:
                 return encode_json({"content": openai_format.chat_content(openai_format._positions(values, ids, top_v, top_i), model)})
 
-            for name, build in (("completion", completion), ("chat", chat)):
+            def generate() -> bytes:
+                return encode_json({"output_token_logprobs": logprobs_format.token_triples(values, ids, None),
+                                    "output_top_logprobs": logprobs_format.top_rows(top_v, top_i, None)})  # fmt: skip
+
+            for name, build in (("completion", completion), ("chat", chat), ("generate", generate)):
                 body = build()  # first call: any table built on first use is built here, outside the timing
                 us = min(_per_call_us(build, repeats) for _ in range(ROUNDS)) / tokens
                 rows.append({"format": name, "top_k": k, "tokens": tokens, "us_per_token": round(us, 2),

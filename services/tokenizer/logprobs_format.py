@@ -86,16 +86,18 @@ class LogprobChunks:
         return sum(len(piece) for piece in self.input_token)
 
 
-def _value(v: float) -> float | None:
-    return None if v != v else v  # NaN -> null
+FEW_ROWS = 8  # token_triples: rows up to this many skip numpy's NaN search
 
 
 def token_triples(values: np.ndarray, ids: Sequence[int], text_of: TextOf) -> list[Triple]:
     """values f32 [n], ids [n] -> n triples. Hot for long prompts (32k-128k positions): no
     per-entry function call; the few NaNs (null positions) are patched afterwards."""
     logprobs: list[float | None] = values.tolist()
-    for index in np.flatnonzero(np.isnan(values)).tolist():
-        logprobs[index] = None
+    if len(logprobs) <= FEW_ROWS:  # a streamed event's one token: numpy's fixed cost would be most of it
+        logprobs = [None if v != v else v for v in logprobs]
+    else:
+        for index in np.flatnonzero(np.isnan(values)).tolist():
+            logprobs[index] = None
     # Tuples, not lists: JSON-encoded the same, but 3x cheaper to build (lists are tracked by the
     # cyclic GC, whose collections dominate building 100k+ small lists).
     texts = [text_of(i) for i in ids] if text_of else itertools.repeat(None)
@@ -109,7 +111,8 @@ def top_rows(values: np.ndarray, ids: np.ndarray, text_of: TextOf) -> list[list[
         if all(i < 0 for i in irow):
             rows.append(None)
             continue
-        rows.append([[_value(v), i, text_of(i) if text_of else None] for v, i in zip(vrow, irow, strict=True) if i >= 0])
+        # tuples and no call per entry (NaN -> null inline), as `token_triples`: JSON-encoded the same
+        rows.append([(None if v != v else v, i, text_of(i) if text_of else None) for v, i in zip(vrow, irow, strict=True) if i >= 0])
     return rows
 
 
@@ -120,7 +123,7 @@ def ids_rows(values: np.ndarray, token_ids: tuple[int, ...], text_of: TextOf) ->
         if vrow and all(v != v for v in vrow):
             rows.append(None)
             continue
-        rows.append([[_value(v), i, text_of(i) if text_of else None] for v, i in zip(vrow, token_ids, strict=True)])
+        rows.append([(None if v != v else v, i, text_of(i) if text_of else None) for v, i in zip(vrow, token_ids, strict=True)])
     return rows
 
 

@@ -15,6 +15,6 @@ def test_both_trees_are_timed_and_agree(tmp_path):
     result = run(argparse.Namespace(top_k=[3], tokens=[1, 4], repeats=3, before=REPO, out=tmp_path / "cost.json"))
     assert list(result["trees"]) == ["before", "this"] and result["same_json"] is True
     for rows in result["trees"].values():
-        assert [(r["format"], r["tokens"]) for r in rows] == [("completion", 1), ("chat", 1), ("completion", 4), ("chat", 4)]
+        assert [(r["format"], r["tokens"]) for r in rows] == [(f, n) for n in (1, 4) for f in ("completion", "chat", "generate")]
         assert all(r["us_per_token"] > 0 for r in rows)
     assert (tmp_path / "cost.json").is_file()
