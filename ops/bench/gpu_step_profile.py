@@ -4,7 +4,10 @@ and without top-k output logprobs, overlapped decoding off against on (or, with 
 with that dummy drafter, which never overlaps): one request (or --batch), dummy weights, the step
 loop under `torch.profiler` (CPU and CUDA), then under cProfile.
 
-Per setting: ms per step (host clock, unprofiled run first), the device's kernel time per step, and
+Per setting: ms per step (host clock, unprofiled run first: `ms_per_step` is the whole run over
+all its steps, the batch's prefill step included, so above a decode step's at large batches;
+`decode_ms_per_step` the median decode step's wall, what `host_ms_per_step` compares with), the device's kernel time per
+step (also over all steps, the prefill's kernels included), and
 the CUDA runtime calls the host makes (launches, copies, synchronizes, host allocations), with their
 count and total ms; the ops with the most host self time; the Python functions with the most
 self time per step (cProfile: where host time goes that no torch op accounts for).
@@ -41,14 +44,15 @@ HOST_CALLS = ("cudaStreamSynchronize", "cudaEventSynchronize", "cudaDeviceSynchr
          "cudaGraphLaunch")  # fmt: skip
 
 
-def steps(core: SchedulerCore, batch: int, new_tokens: int, logprobs: LogprobParams, vocab: int) -> tuple[int, list[float]]:
+def steps(core: SchedulerCore, batch: int, new_tokens: int, logprobs: LogprobParams, vocab: int) -> tuple[int, list[float], list[float]]:
     """(steps run, each decode step's host seconds: its `core.step` wall time less its wait for the
-    device's readback, `StepRecord.collect_s`; with overlap, what the host must do per step)."""
+    device's readback, `StepRecord.collect_s`; with overlap, what the host must do per step; each
+    decode step's wall seconds)."""
     prompts = np.random.default_rng(0).integers(0, vocab, size=(batch, 128), dtype=np.int32)
     sampling = SamplingParams(max_new_tokens=new_tokens, temperature=0.0, ignore_eos=True)
     for index, prompt in enumerate(prompts):
         core.add(SchedulerRequest(f"r{index}", prompt, "d", sampling, logprobs))
-    count, hosts = 0, []
+    count, hosts, walls = 0, [], []
     while core.has_work():
         begin = time.perf_counter()
         core.step()
@@ -57,7 +61,8 @@ def steps(core: SchedulerCore, batch: int, new_tokens: int, logprobs: LogprobPar
         record = core.last_step
         if record is not None and record.num_prefill_tokens == 0:
             hosts.append(wall - record.collect_s)
-    return count, hosts
+            walls.append(wall)
+    return count, hosts, walls
 
 
 def measure(core: SchedulerCore, overlap: bool, batch: int, new_tokens: int, logprobs: LogprobParams, cuda: bool) -> dict:
@@ -67,20 +72,21 @@ def measure(core: SchedulerCore, overlap: bool, batch: int, new_tokens: int, log
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     sync()
     begin = time.perf_counter()
-    count, hosts = steps(core, batch, new_tokens, logprobs, vocab)
+    count, hosts, walls = steps(core, batch, new_tokens, logprobs, vocab)
     sync()
-    ms_per_step = 1e3 * (time.perf_counter() - begin) / count
+    ms_per_step = 1e3 * (time.perf_counter() - begin) / count  # the whole run over its steps: the prefill's included
     host_ms = round(1e3 * float(np.median(hosts)), 4)
+    decode_ms = round(1e3 * float(np.median(walls)), 4)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     with profile(activities=activities) as prof:
-        count, _ = steps(core, batch, new_tokens, logprobs, vocab)
+        count, _, _ = steps(core, batch, new_tokens, logprobs, vocab)
         sync()
     events = prof.key_averages()
     device_us = sum(e.self_device_time_total for e in events if e.self_device_time_total and not e.key.startswith("cuda"))
     host_calls = {e.key: {"count": e.count, "ms": round(e.cpu_time_total / 1e3, 2)} for e in events if e.key in HOST_CALLS}
     top = sorted(events, key=lambda e: e.self_cpu_time_total, reverse=True)[:12]
     return {
-        "overlap": overlap, "ms_per_step": round(ms_per_step, 3), "host_ms_per_step": host_ms, "steps": count,
+        "overlap": overlap, "ms_per_step": round(ms_per_step, 3), "decode_ms_per_step": decode_ms, "host_ms_per_step": host_ms, "steps": count,
         "device_ms_per_step": round(device_us / 1e3 / count, 3), "host_calls": host_calls,
         "top_host_self_ms": {e.key: round(e.self_cpu_time_total / 1e3, 2) for e in top},
         "python_self_ms_per_step": python_profile(core, batch, new_tokens, logprobs, sync),
@@ -91,7 +97,7 @@ def python_profile(core: SchedulerCore, batch: int, new_tokens: int, logprobs: L
     """The step loop once more under cProfile: the functions with the most self time, ms per step."""
     profiler = cProfile.Profile()
     profiler.enable()
-    count, _ = steps(core, batch, new_tokens, logprobs, core.vocab_size)
+    count, _, _ = steps(core, batch, new_tokens, logprobs, core.vocab_size)
     sync()
     profiler.disable()
     stats = pstats.Stats(profiler).stats  # (file, line, name) -> (calls, primitive calls, self s, cumulative s, callers)
@@ -127,8 +133,8 @@ def main(argv: list[str] | None = None) -> int:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2))
     for r in rows:
-        print(f"logprobs={r['logprobs']} overlap={r['overlap']}: {r['ms_per_step']} ms/step, host {r['host_ms_per_step']} ms/step, "
-              f"device {r['device_ms_per_step']} ms/step")
+        print(f"logprobs={r['logprobs']} overlap={r['overlap']}: {r['ms_per_step']} ms/step (decode steps: {r['decode_ms_per_step']}), "
+              f"host {r['host_ms_per_step']} ms/step, device {r['device_ms_per_step']} ms/step")
         print("   host calls:", {k: v for k, v in r["host_calls"].items()})
         print("   host self ms:", r["top_host_self_ms"])
         print("   python self ms/step:", r["python_self_ms_per_step"])

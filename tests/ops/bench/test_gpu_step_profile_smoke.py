@@ -13,7 +13,7 @@ def test_step_profile_records_each_setting(tmp_path) -> None:
     assert gpu_step_profile.main(["--device", "cpu", "--out", str(out)]) == 0
     rows = json.loads(out.read_text())["rows"]
     assert [(r["logprobs"], r["overlap"]) for r in rows] == [(False, False), (False, True), (True, False), (True, True)]
-    assert all(r["ms_per_step"] > 0 and r["steps"] > 0 and r["top_host_self_ms"] and r["python_self_ms_per_step"] for r in rows)
+    assert all(r["ms_per_step"] > 0 and r["decode_ms_per_step"] > 0 and r["steps"] > 0 and r["top_host_self_ms"] and r["python_self_ms_per_step"] for r in rows)
 
 
 def test_dspark_profile_runs_verify_steps_without_overlap(tmp_path) -> None:
