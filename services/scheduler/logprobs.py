@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from contracts.scheduler import SamplingParams
-from services.scheduler.request import RowLogprobs
+from services.scheduler.request import RowLogprobs, are_all_rows
 from services.scheduler.sampler import filter_arrays, filtered_out, unfiltered
 
 CHUNK_BYTES = 512 * 1024 * 1024  # a chunk's fp32 logprobs, at most (and 1024 rows); with its logits and the
@@ -231,11 +231,6 @@ def _log_distribution(logits: torch.Tensor, sampling: dict[str, torch.Tensor] | 
         removed = filtered_out(torch.softmax(logits, dim=-1), sampling["top_k"], sampling["top_p"], sampling["min_p"])
         logits = logits.masked_fill(removed, float("-inf"))
     return torch.log_softmax(logits, dim=-1).clamp_min(FILTERED_LOGPROB)
-
-
-def are_all_rows(rows: np.ndarray, num_source_rows: int | None) -> bool:
-    """rows == 0, 1, ..., num_source_rows - 1: a source's every row, in order (nothing to gather)."""
-    return rows.size == num_source_rows and bool((rows == np.arange(rows.size)).all())
 
 
 def _padded_ids(queries: list[LogprobQuery]) -> np.ndarray:

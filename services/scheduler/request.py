@@ -74,6 +74,11 @@ class RowLogprobs(msgspec.Struct, Generic[Array], frozen=True):
         )
 
 
+def are_all_rows(rows: np.ndarray, num_source_rows: int | None) -> bool:
+    """rows == 0, 1, ..., num_source_rows - 1: a source's every row, in order (nothing to gather)."""
+    return rows.size == num_source_rows and bool((rows == np.arange(rows.size)).all())
+
+
 class LogprobEntries(msgspec.Struct):
     """One request's new logprob entries of one step; field names follow `RequestLogprobs`. (A
     mutable `msgspec.Struct`: one is made per request per step, ~10x faster than a dataclass of these

@@ -10,7 +10,7 @@ from contracts.arrays import NDArray
 from contracts.detokenizer import OutputLogprobColumns, RequestLogprobs, TokenBatch
 from services.common.arrays import to_wire
 from services.common.output_logprob_columns import to_columns
-from services.scheduler.request import LogprobEntries, RequestOutput
+from services.scheduler.request import LogprobEntries, RequestOutput, are_all_rows
 
 # Output entries go as the batch's columns (`OutputLogprobColumns`) once this many requests have
 # some: for one request its own three arrays are cheaper than the columns' five (host_step_cost.py).
@@ -113,9 +113,7 @@ def _source_rows(firsts: np.ndarray, counts: np.ndarray, num_source: int) -> np.
     else:
         offsets = np.cumsum(counts) - counts  # each run's first row in the batch's columns
         index = np.repeat(firsts - offsets, counts) + np.arange(int(counts.sum()))
-    if len(index) == num_source and (index == np.arange(num_source)).all():
-        return None
-    return index
+    return None if are_all_rows(index, num_source) else index
 
 
 def _verify_counts(outputs: list[RequestOutput]) -> NDArray | None:

@@ -38,7 +38,6 @@ from services.scheduler.logprob_graphs import LogprobGraphs
 from services.scheduler.logprobs import (
     LogprobQuery,
     TopKKeys,
-    are_all_rows,
     logprob_inputs,
     logprobs_on_device,
     split_logprobs,
@@ -46,7 +45,7 @@ from services.scheduler.logprobs import (
 from services.scheduler.model.batch import ForwardBatch
 from services.scheduler.model.runner import triton_available
 from services.scheduler.policy import SeqResult, SeqStep, StepPlan
-from services.scheduler.request import RowLogprobs
+from services.scheduler.request import RowLogprobs, are_all_rows
 from services.scheduler.sampler import draw_noise, mix_seed, sampling_probs
 from services.scheduler.spec.accept import VerifyBlock, accept
 from services.scheduler.spec.base import ContextRows, DraftRequest, Proposer
