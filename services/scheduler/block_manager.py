@@ -71,7 +71,9 @@ class BlockManager:
 
     def num_new_blocks(self, rid: str, num_tokens: int) -> int:
         """Blocks `allocate(rid, num_tokens)` would take from the free list."""
-        table = self._tables.get(rid)
+        return self._num_new(self._tables.get(rid), num_tokens)
+
+    def _num_new(self, table: _Table | None, num_tokens: int) -> int:
         return max(0, self.num_blocks_for(num_tokens) - (0 if table is None else table.size))
 
     def can_allocate(self, rid: str, num_tokens: int) -> bool:
@@ -80,7 +82,7 @@ class BlockManager:
     def allocate(self, rid: str, num_tokens: int) -> None:
         """Grow `rid`'s table to hold `num_tokens` tokens in all (a no-op if it already does)."""
         table = self._tables.get(rid)
-        needed = max(0, self.num_blocks_for(num_tokens) - (0 if table is None else table.size))
+        needed = self._num_new(table, num_tokens)
         if needed > len(self._free):
             raise MemoryError(f"{rid}: needs {needed} KV blocks, {len(self._free)} free")
         if table is None:
