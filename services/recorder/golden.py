@@ -4,7 +4,8 @@
 the stack's tokenizer one at a time, and returns the HTTP responses. Commit the recording and the
 responses; the replay tests publish the recorded scheduler output into fresh detokenizer and
 tokenizer services and compare their answers with these responses (after `normalise`, which
-blanks what differs from run to run). Standard library HTTP only, so a production install needs
+blanks what differs from run to run, and, for streams, `fold_stream`: a tokenizer merges the
+steps a reader has not taken yet into one event, so how tokens group into events depends on timing). Standard library HTTP only, so a production install needs
 nothing extra. `ops/record/record_goldens.py` (re)records the committed goldens.
 """
 
@@ -93,3 +94,58 @@ def _normalise_field(key: str, value: Any) -> Any:
     if key == "id" and isinstance(value, str) and value.startswith(OPENAI_ID_PREFIXES):
         return value.split("-", 1)[0] + "-<id>"
     return normalise(value)
+
+
+# /generate's per-event logprob lists: each event carries only its new entries (PRODUCT §3)
+NATIVE_INCREMENTAL = frozenset({"input_token_logprobs", "output_token_logprobs", "input_top_logprobs",
+                                "output_top_logprobs", "input_token_ids_logprobs", "output_token_ids_logprobs"})  # fmt: skip
+
+
+def fold_stream(events: list[Any]) -> list[Any]:
+    """A streamed body's consecutive data events of one choice merged, as a client reading the
+    stream sees them: two streams that carry the same tokens fold alike however they were grouped
+    into events. /generate: cumulative fields from the later event, logprob lists joined; OpenAI
+    chunks: text (or the chat delta's content) and logprob lists joined, the later finish_reason.
+    `[DONE]`, errors, role-only chat chunks and usage chunks stay events of their own."""
+    folded: list[Any] = []
+    for event in events:
+        merged = _folded_pair(folded[-1], event) if folded else None
+        if merged is None:
+            folded.append(event)
+        else:
+            folded[-1] = merged
+    return folded
+
+
+def _folded_pair(first: Any, then: Any) -> dict[str, Any] | None:
+    if not (isinstance(first, dict) and isinstance(then, dict)) or "error" in first or "error" in then:
+        return None
+    if "meta_info" in first and "meta_info" in then:
+        meta = dict(first["meta_info"])
+        for key, value in then["meta_info"].items():
+            meta[key] = meta.get(key, []) + value if key in NATIVE_INCREMENTAL else value
+        return {**then, "meta_info": meta}
+    return _folded_choice(first, then)
+
+
+def _folded_choice(first: dict[str, Any], then: dict[str, Any]) -> dict[str, Any] | None:
+    choices = first.get("choices"), then.get("choices")
+    if not all(isinstance(c, list) and len(c) == 1 for c in choices) or choices[0][0]["index"] != choices[1][0]["index"]:
+        return None
+    a, b = choices[0][0], choices[1][0]
+    if "delta" in a:
+        if "role" in a["delta"] or "role" in b["delta"]:
+            return None
+        merged = {**b, "delta": {**b["delta"], "content": a["delta"].get("content", "") + b["delta"].get("content", "")}}
+    else:
+        merged = {**b, "text": a["text"] + b["text"]}
+    merged["logprobs"] = _joined_lists(a.get("logprobs"), b.get("logprobs"))
+    return {**then, "choices": [merged]}
+
+
+def _joined_lists(a: dict[str, Any] | None, b: dict[str, Any] | None) -> dict[str, Any] | None:
+    """Two events' logprobs objects with each list field joined (completions: tokens, token_logprobs,
+    top_logprobs, text_offset; chat: content)."""
+    if a is None or b is None:
+        return b if a is None else a
+    return {key: a.get(key, []) + value if isinstance(value, list) else value for key, value in b.items()}

@@ -81,6 +81,10 @@ class LogprobChunks:
             values, ids = from_wire(lp.input_top_logprobs_flat), from_wire(lp.input_top_ids_flat)
             self.flat = FlatTopLogprobs(values, ids, lp.input_top_null_prefix or 0)
 
+    def add_all(self, entries: tuple[RequestLogprobs, ...]) -> None:
+        for lp in entries:
+            self.add(lp)
+
     @property
     def num_input(self) -> int:
         return sum(len(piece) for piece in self.input_token)

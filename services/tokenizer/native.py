@@ -76,8 +76,8 @@ class GenerationResult:
         self.finish = delta.finish
         if delta.spec_verify_ct is not None:
             self.spec_verify_ct = delta.spec_verify_ct
-        if delta.logprobs is not None and not self.spec.stream:
-            self.chunks.add(delta.logprobs)
+        if not self.spec.stream:
+            self.chunks.add_all(delta.logprobs)
 
     @property
     def e2e_latency(self) -> float:
@@ -121,8 +121,7 @@ def native_event(result: GenerationResult, delta: Delta, model: TextModel) -> di
     fields: dict[str, Any] = {}
     if spec.logprobs.return_logprob:
         chunks = LogprobChunks()
-        if delta.logprobs is not None:
-            chunks.add(delta.logprobs)
+        chunks.add_all(delta.logprobs)
         fields = meta_logprobs(chunks, spec.prompt_ids, delta.token_ids, format_options(spec, model))
     return {"text": result.text, "output_ids": list(result.output_ids), "meta_info": meta_info(result, fields)}
 

@@ -263,8 +263,7 @@ def chat_response(plan: Plan, results: list[GenerationResult], model: TextModel)
 
 def _delta_chunks(delta: Delta) -> LogprobChunks:
     chunks = LogprobChunks()
-    if delta.logprobs is not None:
-        chunks.add(delta.logprobs)
+    chunks.add_all(delta.logprobs)
     return chunks
 
 

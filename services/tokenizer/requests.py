@@ -4,6 +4,12 @@
 news, HTTP handlers consume each request's queue. A request leaves the table when its finish
 arrives, when it fails, or when its client goes away; then (and only then) `on_done` sees it,
 once, with its outcome and timings: that is where metrics and the one-line summary come from.
+
+A handler that falls behind its request (the tokenizer busy with other streams while steps keep
+coming) takes every delta waiting in the queue at once, merged into one (`merge_deltas`): one SSE
+event for several steps' tokens instead of one each, so a loaded front end formats fewer, larger
+events rather than falling further behind, as SGLang's and vLLM's front ends merge outputs their
+client has not read yet. A handler that keeps up still sends one event per step.
 """
 
 from __future__ import annotations
@@ -26,14 +32,29 @@ class RequestFailed(Exception):
 
 @dataclass(frozen=True)
 class Delta:
-    """What one TextBatch carried for one request."""
+    """What one TextBatch (or several in a row, merged: `merge_deltas`) carried for one request."""
 
     text: str
     token_ids: list[int]  # [n]
     prompt_tokens: int
     finish: Finish | None
-    logprobs: RequestLogprobs | None
-    spec_verify_ct: int | None
+    logprobs: tuple[RequestLogprobs, ...]  # each TextBatch's entries for the request, in arrival order
+    spec_verify_ct: int | None  # the request's verify steps so far (cumulative)
+
+
+def merge_deltas(deltas: list[Delta]) -> Delta:
+    """Consecutive deltas of one request as one: text and token ids joined, logprob entries kept in
+    order, the newest counts and finish (prompt_tokens and spec_verify_ct are running totals)."""
+    if len(deltas) == 1:
+        return deltas[0]
+    return Delta(
+        "".join(d.text for d in deltas),
+        [token for d in deltas for token in d.token_ids],
+        next((d.prompt_tokens for d in reversed(deltas) if d.prompt_tokens), 0),
+        deltas[-1].finish,
+        tuple(entries for d in deltas for entries in d.logprobs),
+        next((d.spec_verify_ct for d in reversed(deltas) if d.spec_verify_ct is not None), None),
+    )
 
 
 @dataclass(frozen=True)
@@ -82,14 +103,29 @@ class PendingRequest:
         return self.spec.rid
 
     async def deltas(self) -> AsyncIterator[Delta]:
-        """Every delta up to and including the finishing one; raises `RequestFailed`."""
+        """Every delta up to and including the finishing one, those already waiting merged into one
+        (the module's docstring says why); raises `RequestFailed` after the deltas before it."""
         while True:
             item = await self.queue.get()
             if isinstance(item, Failure):
                 raise RequestFailed(item.message)
-            yield item
-            if item.finish is not None:
+            waiting, failure = self._take_waiting(item)
+            delta = merge_deltas(waiting)
+            yield delta
+            if failure is not None:
+                raise RequestFailed(failure.message)
+            if delta.finish is not None:
                 return
+
+    def _take_waiting(self, first: Delta) -> tuple[list[Delta], Failure | None]:
+        """`first` and the deltas queued behind it, up to a finish or a failure (returned apart)."""
+        waiting = [first]
+        while waiting[-1].finish is None and not self.queue.empty():
+            item = self.queue.get_nowait()
+            if isinstance(item, Failure):
+                return waiting, item
+            waiting.append(item)
+        return waiting, None
 
 
 OnDone = Callable[[PendingRequest], None]
@@ -132,7 +168,8 @@ class PendingRequests:
             pending = self._by_rid.get(rid)
             if pending is not None:
                 ct = verify[i] if verify is not None else None
-                delta = Delta(batch.text_deltas[i], token_ids[start:end], prompt_tokens[i], batch.finish[i], logprobs[i], ct)
+                entries = (logprobs[i],) if logprobs[i] is not None else ()
+                delta = Delta(batch.text_deltas[i], token_ids[start:end], prompt_tokens[i], batch.finish[i], entries, ct)
                 self._push(pending, delta)
             start = end
 

@@ -288,7 +288,7 @@ def test_a_streamed_result_keeps_counts_and_text_but_not_the_logprob_arrays():
 
     logprobs = RequestLogprobs(output_token_logprobs=f32([-1.0, -2.0]), output_top_logprobs=f32([[-1.0], [-2.0]]),
                                output_top_ids=i32([[3], [4]]))  # fmt: skip
-    delta = Delta("ab", [3, 4], 5, None, logprobs, None)
+    delta = Delta("ab", [3, 4], 5, None, (logprobs,), None)
     kept = GenerationResult(SimpleNamespace(prompt_ids=(1,) * 5, stream=False))
     streamed = GenerationResult(SimpleNamespace(prompt_ids=(1,) * 5, stream=True))
     kept.add(delta)
