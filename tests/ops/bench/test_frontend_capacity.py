@@ -1,0 +1,23 @@
+"""`frontend_capacity` at a tiny size against the real detokenizer and tokenizer behind the paced
+stand-in, so the benchmark cannot rot: every token arrives, the pace bounds the rate, and the
+top-20 run carries its rows."""
+
+from __future__ import annotations
+
+import pytest
+
+from ops.bench.frontend_capacity import Load, run, table
+
+
+@pytest.mark.timeout(120)
+def test_the_front_half_carries_every_token_under_the_paced_ceiling():
+    load = Load(concurrency=4, step_ms=5.0, num_prompts=8, output_len=6)
+    result = run(load)
+    plain, top = result["scenarios"]["plain"], result["scenarios"]["top20"]
+    assert plain["failed"] == top["failed"] == 0
+    for scenario in (plain, top):
+        assert 0 < scenario["output_tok_s"] <= load.ceiling_tok_s * 1.05  # nothing outruns the stand-in's pace
+        assert scenario["tpot_p50"] >= load.step_ms * 0.9  # a token a step at most
+        assert scenario["cores"]["tokenizer-0"] > 0 and scenario["tokenizer_us_per_token"] > 0
+    assert result["top20_cost"] is not None
+    assert "| this tree | 1 | top20 |" in table({"this tree": [result]})
