@@ -101,13 +101,14 @@ class LogprobEntries(msgspec.Struct):
         return all(getattr(self, name) is None for name in self.__struct_fields__)
 
     def has_prompt_entries(self) -> bool:
+        # Spelled out, not a loop over PROMPT_FIELDS: asked per request per step (wire), where a getattr loop costs ~3x.
         return not (self.input_start is None and self.input_token_logprobs is None and self.input_top_logprobs is None
-                    and self.input_top_ids is None and self.input_ids_logprobs is None
-                    and self.input_top_logprobs_flat is None and self.input_top_null_prefix is None)  # fmt: skip
+                    and self.input_top_ids is None and self.input_ids_logprobs is None and self.input_top_logprobs_flat is None
+                    and self.input_top_ids_flat is None and self.input_top_null_prefix is None)  # fmt: skip
 
     def prompt_part(self) -> LogprobEntries:
         """Only the prompt (input) entries."""
-        return LogprobEntries(**{name: getattr(self, name) for name in self.__struct_fields__ if name.startswith("input_")})
+        return LogprobEntries(**{name: getattr(self, name) for name in PROMPT_FIELDS})
 
     @staticmethod
     def joined_prompt(parts: list[LogprobEntries]) -> LogprobEntries:
@@ -131,7 +132,8 @@ class LogprobEntries(msgspec.Struct):
             self.output_ids_logprobs = rows.ids
 
 
-PROMPT_ARRAYS = ("input_token_logprobs", "input_top_logprobs", "input_top_ids", "input_ids_logprobs")
+PROMPT_FIELDS = tuple(name for name in LogprobEntries.__struct_fields__ if name.startswith("input_"))
+PROMPT_ARRAYS = ("input_token_logprobs", "input_top_logprobs", "input_top_ids", "input_ids_logprobs")  # joined step by step
 
 
 class RequestOutput(msgspec.Struct, frozen=True):

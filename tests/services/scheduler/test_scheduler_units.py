@@ -270,6 +270,17 @@ def _outputs():
     ]
 
 
+def test_each_prompt_field_alone_counts_as_prompt_entries_and_output_fields_do_not():
+    from services.scheduler.request import PROMPT_FIELDS
+
+    assert LogprobEntries().has_prompt_entries() is False
+    assert LogprobEntries(output_token_logprobs=np.zeros(1, np.float32)).has_prompt_entries() is False
+    for name in PROMPT_FIELDS:
+        entries = LogprobEntries(**{name: 0 if name in ("input_start", "input_top_null_prefix") else np.zeros((1, 1), np.float32)})
+        assert entries.has_prompt_entries(), name
+        assert getattr(entries.prompt_part(), name) is getattr(entries, name), name
+
+
 def test_token_batches_are_grouped_per_detokenizer_and_columnar():
     batches = to_token_batches(_outputs(), "s", 7)
     assert set(batches) == {"d1", "d2"}
