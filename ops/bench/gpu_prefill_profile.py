@@ -18,7 +18,8 @@ Settings (path, chunk budget, tokens per step while nothing decodes):
   `served_flash4` the same with those queries on FlashAttention-4 (`flash4_attention.py`), where
   it is installed (else the rows record why not).
 `seconds` is the median of --repeats timed top-2 prefills (each in `seconds_runs`: the card at its
-power limit moves a 32k prefill by ~10 ms from run to run). Each row also has the peak device
+power limit moves a 32k prefill by ~10 ms from run to run); `clocks` what the SM clock, the board
+power and the driver's throttle reasons did over them (`gpu_clocks.ClockSampler`, NVML). Each row also has the peak device
 memory above the start, with top-2 and without (`plain_s`): the logprobs' extra memory is the
 difference.
 
@@ -40,6 +41,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from contracts.scheduler import LogprobParams, SamplingParams
 from ops.bench.gpu_attention_check import FULL, TINY, Shape, load_runner
+from ops.bench.gpu_clocks import ClockSampler, sustained_gemm
 from services.scheduler.core import SchedulerCore
 from services.scheduler.flags import DEFAULT_MAX_PREFILL_TOKENS
 from services.scheduler.model.dense_attention import DENSE_MIN_QUERY_LEN, DenseConfig
@@ -127,7 +129,8 @@ def profile_setting(runner, shape: Shape, path: str, chunk: int, prompt: np.ndar
         prefill_once(runner, chunk, prompt[: 2 * min(chunk, shape.chunk)], TOP2, max_prefill)  # warm-up: kernels compiled
         prefill_once(runner, chunk, prompt, TOP2, max_prefill)  # the full shapes once: allocator grown, cuBLAS heuristics cached
         plain_s, plain_mib = prefill_once(runner, chunk, prompt, LogprobParams(), max_prefill)
-        timed = [prefill_once(runner, chunk, prompt, TOP2, max_prefill) for _ in range(repeats)]
+        with ClockSampler() as clocks:  # the card's SM clock, power and throttle reasons over the timed runs
+            timed = [prefill_once(runner, chunk, prompt, TOP2, max_prefill) for _ in range(repeats)]
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if runner.device.type == "cuda" else [])
         with profile(activities=activities) as prof:
             profiled_s, _ = prefill_once(runner, chunk, prompt, TOP2, max_prefill)
@@ -143,7 +146,7 @@ def profile_setting(runner, shape: Shape, path: str, chunk: int, prompt: np.ndar
     memory = {"peak_extra_mib": round(top2_mib, 1), "logprobs_extra_mib": round(top2_mib - plain_mib, 1)} if top2_mib is not None else {}
     return {"path": path, "chunk": chunk, "max_prefill_tokens": max_prefill, "seconds": round(float(np.median(runs)), 4),
             "seconds_runs": [round(seconds, 4) for seconds in runs], "plain_s": round(plain_s, 4), **memory, "profiled_s": round(profiled_s, 4),
-            "kernels_ms": round(sum(kernels.values()), 2), "device_idle": device_gaps(prof), "categories_ms": {k: round(v, 2) for k, v in sorted(by_category.items())},
+            "kernels_ms": round(sum(kernels.values()), 2), "device_idle": device_gaps(prof), "clocks": clocks.summary(), "categories_ms": {k: round(v, 2) for k, v in sorted(by_category.items())},
             "top_kernels_ms": [(name[:140], round(ms, 2)) for name, ms in top]}  # fmt: skip
 
 
@@ -163,9 +166,13 @@ def run(args: argparse.Namespace) -> dict:
         rows.append(profile_setting(runner, shape, path, size, prompt, max_prefill and min(max_prefill, shape.long_prompt), args.repeats))
     result = {"device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu", "torch": torch.__version__,
               "prompt": shape.long_prompt, "model": shape.model.name, "rows": rows}  # fmt: skip
+    if args.sustained_gemm_s and args.device == "cuda":
+        result["sustained_gemm"] = sustained_gemm(args.sustained_gemm_s)  # the card's clock under GEMMs alone, for comparison
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
     print(table(result))
+    if "sustained_gemm" in result:
+        print(f"\nsustained GEMMs: {json.dumps(result['sustained_gemm'])}")
     return result
 
 
@@ -184,6 +191,7 @@ def table(result: dict) -> str:
         if "unavailable" in row:
             continue
         lines.append(f"\n{row['path']} @ {row['chunk']}, top kernels (ms): " + "; ".join(f"{n[:60]} {ms}" for n, ms in row["top_kernels_ms"][:8]))
+        lines.append(f"  clocks over the timed runs: {json.dumps(row['clocks'])}")
         idle = row["device_idle"]
         lines.append(f"  device idle {idle['idle_ms']} ms in {idle['gaps']} gaps; longest: "
                      + "; ".join(f"{g['ms']} ms after {g['after'][:30]} before {g['before'][:30]}" for g in idle["longest"][:4]))
@@ -198,6 +206,8 @@ def main() -> None:
                         help="only these paths (default all)")
     parser.add_argument("--repeats", type=int, default=1, help="timed top-2 prefills per setting: `seconds` is their median, "
                         "`seconds_runs` each (sorted)")
+    parser.add_argument("--sustained-gemm-s", type=float, default=0.0, help="after the rows: bf16 8192^3 GEMMs for this long, "
+                        "their TFLOP/s at the start and the end and the clocks (gpu_clocks.sustained_gemm)")
     parser.add_argument("--out", type=Path, default=REPO / "ops/bench/results/gpu_prefill_profile.json")
     run(parser.parse_args())
 

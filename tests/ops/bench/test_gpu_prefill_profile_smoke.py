@@ -23,7 +23,7 @@ def test_kernel_names_fall_into_their_categories():
 
 def test_every_setting_runs_on_cpu(tmp_path):
     out = tmp_path / "profile.json"
-    run(argparse.Namespace(device="cpu", tiny=True, out=out, settings=None, repeats=1))
+    run(argparse.Namespace(device="cpu", tiny=True, out=out, settings=None, repeats=1, sustained_gemm_s=0.0))
     result = json.loads(out.read_text())
     assert [(r["path"], r["chunk"], r["max_prefill_tokens"]) for r in result["rows"]] == [
         ("kernel", 64, None), ("kernel", 256, None), ("dense", 256, None), ("dense", 256, None), ("served", 64, 256), ("served", 64, 256),
@@ -31,7 +31,7 @@ def test_every_setting_runs_on_cpu(tmp_path):
     measured, unavailable = result["rows"][:-2], result["rows"][-2:]
     assert len(result["rows"]) == len(SETTINGS) and all(r["seconds"] > 0 and r["plain_s"] > 0 and r["profiled_s"] > 0 for r in measured)
     assert all(r["unavailable"] == "flash4 needs CUDA, not cpu" and "seconds" not in r for r in unavailable)  # FA4 is CUDA's alone
-    run(argparse.Namespace(device="cpu", tiny=True, out=out, settings=["served"], repeats=3))
+    run(argparse.Namespace(device="cpu", tiny=True, out=out, settings=["served"], repeats=3, sustained_gemm_s=0.0))
     rows = json.loads(out.read_text())["rows"]
     assert [r["path"] for r in rows] == ["served", "served"]
     assert all(len(r["seconds_runs"]) == 3 and r["seconds_runs"] == sorted(r["seconds_runs"]) and r["seconds"] == r["seconds_runs"][1] for r in rows)
