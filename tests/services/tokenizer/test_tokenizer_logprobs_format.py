@@ -222,6 +222,24 @@ def test_array_path_equals_row_path_field_for_field(b64, num_rows):
     assert from_arrays["input_top_logprobs_shape"] == [num_rows - 1, 3]
 
 
+@pytest.mark.parametrize("num_rows", [1, 8, 9, 300])
+def test_top_rows_equal_one_row_at_a_time_with_nulls_gaps_and_nan(num_rows, text_model):
+    # Past FEW_ROWS rows take one pass over every entry and slice it; each row must read as
+    # `top_row` makes it alone: null rows, -1 gaps inside a row, NaN values, texts.
+    from services.tokenizer.logprobs_format import top_row, top_rows
+
+    rng = np.random.default_rng(num_rows)
+    values, ids = -rng.random((num_rows, 3)).astype(np.float32), rng.integers(0, 500, (num_rows, 3)).astype(np.int32)
+    ids[::7] = -1  # null rows
+    ids[3::11, 1:] = -1  # rows with fewer than k candidates
+    values[5::13, 0] = np.nan
+    for text_of in (None, text_model.token_text):
+        want = [top_row(v, i, text_of) for v, i in zip(values.tolist(), ids.tolist())]
+        assert top_rows(values, ids, text_of) == want
+        assert encode_json(top_rows(values, ids, text_of)) == encode_json(want)
+    assert top_rows(values[:, :0], ids[:, :0], None) == [None] * num_rows  # k = 0 reads as before: every row null
+
+
 def test_top_rows_with_and_without_padding_read_the_same(text_model):
     # A step without padding takes the one-zip-per-row path; one padded id anywhere sends the whole
     # call down the filtering path: each row must come out the same either way.
@@ -295,3 +313,20 @@ def test_a_streamed_result_keeps_counts_and_text_but_not_the_logprob_arrays():
     streamed.add(delta)
     assert (streamed.text, streamed.output_ids, streamed.prompt_tokens) == (kept.text, kept.output_ids, kept.prompt_tokens) == ("ab", [3, 4], 5)
     assert len(kept.chunks.output_token) == 1 and streamed.chunks.output_token == [] and streamed.chunks.output_top_ids == []
+
+
+def test_the_garbage_collector_is_left_as_it_was_found():
+    import gc
+
+    from services.tokenizer.logprobs_format import top_rows
+
+    values, ids = np.zeros((64, 2), np.float32), np.ones((64, 2), np.int32)
+    assert gc.isenabled()
+    top_rows(values, ids, None)
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        top_rows(values, ids, None)
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
