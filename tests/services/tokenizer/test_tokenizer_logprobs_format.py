@@ -330,3 +330,24 @@ def test_the_garbage_collector_is_left_as_it_was_found():
         assert not gc.isenabled()
     finally:
         gc.enable()
+
+
+@pytest.mark.parametrize("num_rows, k", [(1, 3), (300, 5), (40, 0)])
+def test_openai_positions_equal_one_row_at_a_time(num_rows, k):
+    # _positions builds every row from one flat pass; each must read as the row alone would:
+    # a row of -1 ids is null, -1 gaps are left out, k = 0 gives empty rows, ids shorter than values cut.
+    from services.tokenizer.openai_format import _positions
+
+    rng = np.random.default_rng(num_rows + k)
+    values, top_v = -rng.random(num_rows).astype(np.float32), -rng.random((num_rows, k)).astype(np.float32)
+    top_i = rng.integers(0, 500, (num_rows, k)).astype(np.int32)
+    top_i[::9] = -1
+    if k > 1:
+        top_i[4::17, 1:] = -1
+    ids = list(range(num_rows - 1)) if num_rows > 1 else [0]
+    want = []
+    for row_v, row_i in zip(top_v.tolist(), top_i.tolist()):
+        null = bool(row_i) and all(i < 0 for i in row_i)
+        want.append(None if null else [(i, v) for v, i in zip(row_v, row_i) if i >= 0])
+    got = _positions(values, ids, top_v, top_i)
+    assert got.top == want[: len(ids)] and got.ids == ids and len(got.values) == len(ids)
