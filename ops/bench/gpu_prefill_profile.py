@@ -19,9 +19,9 @@ Settings (path, chunk budget, tokens per step while nothing decodes):
   it is installed (else the rows record why not).
 `seconds` is the median of --repeats timed top-2 prefills (each in `seconds_runs`: the card at its
 power limit moves a 32k prefill by ~10 ms from run to run); `clocks` what the SM clock, the board
-power and the driver's throttle reasons did over them (`gpu_clocks.ClockSampler`, NVML). Each row also has the peak device
-memory above the start, with top-2 and without (`plain_s`): the logprobs' extra memory is the
-difference.
+power and the driver's throttle reasons did over them (`gpu_clocks.ClockSampler`, NVML). Each row
+also has the peak device memory above the start, with top-2 and without (`plain_s`): the logprobs'
+extra memory is the difference.
 
     PYTHONPATH=. python ops/bench/gpu_prefill_profile.py --out $OUT/gpu_prefill_profile.json
     PYTHONPATH=. python ops/bench/gpu_prefill_profile.py --device cpu --tiny --out /tmp/profile.json  # smoke

@@ -5,8 +5,9 @@ the stack's tokenizer one at a time, and returns the HTTP responses. Commit the 
 responses; the replay tests publish the recorded scheduler output into fresh detokenizer and
 tokenizer services and compare their answers with these responses (after `normalise`, which
 blanks what differs from run to run, and, for streams, `fold_stream`: a tokenizer merges the
-steps a reader has not taken yet into one event, so how tokens group into events depends on timing). Standard library HTTP only, so a production install needs
-nothing extra. `ops/record/record_goldens.py` (re)records the committed goldens.
+steps a reader has not taken yet into one event, so how tokens group into events depends on
+timing). Standard library HTTP only, so a production install needs nothing extra.
+`ops/record/record_goldens.py` (re)records the committed goldens.
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from services.tokenizer.logprobs_format import LogprobChunks, concat, gc_paused
+from services.tokenizer.logprobs_format import LogprobChunks, concat, gc_paused, padded_rows, sliced
 from services.tokenizer.text_model import TextModel
 
 CHAT_NULL_LOGPROB = -9999.0  # OpenAI's chat schema has no null logprob; it uses this floor
@@ -38,13 +38,12 @@ def _positions(values: np.ndarray, ids: Sequence[int], top_v: np.ndarray, top_i:
     n = min(len(values), len(ids))
     vals = [None if v != v else v for v in values[:n].tolist()]
     top_i, top_v = top_i[:n], top_v[:n]
-    k = top_i.shape[1] if top_i.ndim == 2 else 0
-    top: list[list[tuple[int, float]] | None]
+    k = top_i.shape[1]
+    if k == 0:
+        return Positions(list(ids[:n]), vals, [[] for _ in range(n)])
     with gc_paused():  # a prompt's rows: tens of thousands of small lists, nothing cyclic
-        pairs = list(zip(top_i.ravel().tolist(), top_v.ravel().tolist()))  # [len(top_i) * k]
-        top = [pairs[start : start + k] for start in range(0, len(pairs), k)] if k else [[] for _ in range(len(top_i))]
-    # Rows with padding (a prompt's null first row, fewer candidates than k) redone one by one.
-    for row in np.flatnonzero((top_i < 0).any(axis=1)).tolist() if k else []:
+        top: list[list[tuple[int, float]] | None] = sliced(list(zip(top_i.ravel().tolist(), top_v.ravel().tolist())), k)
+    for row in padded_rows(top_i):  # a prompt's null first row, fewer candidates than k: redone alone
         row_i, row_v = top_i[row].tolist(), top_v[row].tolist()
         top[row] = None if all(i < 0 for i in row_i) else [(i, v) for v, i in zip(row_v, row_i, strict=True) if i >= 0]
     top += [[] for _ in range(n - len(top))]
