@@ -104,7 +104,7 @@ def scenario(base_url: str, load: Load, top_k: int | None, meter: ProcessMeter) 
     seconds, cpu = time.monotonic() - began, ProcessMeter.per_run(before, meter.read(), 1)
     cores = {name: round(figures["cpu_ms"] / 1e3 / seconds, 3) for name, figures in cpu.items()}
     tokenizer_cpu_s = sum(figures["cpu_ms"] for name, figures in cpu.items() if name.startswith("tokenizer")) / 1e3
-    tokens = result["total_output_tokens"] * (1 + load.concurrency / load.num_prompts)  # the warm-ups' tokens too
+    tokens = (load.num_prompts + load.concurrency) * load.output_len  # the warm-ups' too: ignore_eos, every request that long
     return {
         "output_tok_s": round(result["output_throughput"], 1),
         "of_ceiling": round(result["output_throughput"] / load.ceiling_tok_s, 3),
@@ -134,15 +134,11 @@ def run(load: Load) -> dict[str, Any]:
             "top20_cost": round(1 - top / plain, 4) if plain else None, "services": str(Path(sys.modules["services"].__file__).parent)}  # fmt: skip
 
 
-def compare(before: Path, argv: list[str], rounds: int) -> dict[str, Any]:
+def compare(before: Path, argv: list[str], rounds: int) -> dict[str, list]:
     """This tree and `before` alternately, `rounds` times each."""
-    from ops.bench.other_tree import run_on_tree  # the parent's only: the child imports from the other tree
+    from ops.bench.other_tree import alternate  # the parent's only: the child imports from the other tree
 
-    runs: dict[str, list] = {"after": [], "before": []}
-    for _ in range(rounds):
-        for name, tree in (("after", REPO), ("before", before)):
-            runs[name].append(run_on_tree(__file__, tree, [*argv, "--print-json"]))
-    return runs
+    return alternate(__file__, {"after": REPO, "before": before}, argv, rounds)
 
 
 def table(runs: dict[str, list]) -> str:

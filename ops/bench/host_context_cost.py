@@ -91,12 +91,9 @@ def main(argv: list[str] | None = None) -> None:
             return
         trees = {"this": result}
     else:
-        from ops.bench.other_tree import run_on_tree  # the parent's only: the child imports from the other tree
+        from ops.bench.other_tree import alternate  # the parent's only: the child imports from the other tree
 
-        runs: dict[str, list[dict]] = {"before": [], "after": []}
-        for _ in range(args.rounds):
-            for name, tree in (("before", args.before.resolve()), ("after", REPO)):
-                runs[name].append(run_on_tree(__file__, tree, [*common, "--print-json"]))
+        runs = alternate(__file__, {"before": args.before.resolve(), "after": REPO}, common, args.rounds)
         trees = {name: {**results[-1], "rows": [min(same, key=lambda r: r["ms_per_step"]) for same in zip(*(r["rows"] for r in results))],
                         "rounds": len(results), "tree": str(args.before.resolve() if name == "before" else REPO)}
                  for name, results in runs.items()}  # fmt: skip

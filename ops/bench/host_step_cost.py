@@ -217,14 +217,10 @@ def best_of(results: list[dict]) -> dict:
 
 def compare(before_tree: Path, argv: list[str], rounds: int, profile: bool) -> dict:
     """Before and after alternately, `rounds` times each, so both see the same load."""
-    from ops.bench.other_tree import run_on_tree  # the parent's only: the child imports from the other tree
+    from ops.bench.other_tree import alternate  # the parent's only: the child imports from the other tree
 
     trees = {"before": before_tree, "after": REPO}
-    runs: dict[str, list[dict]] = {"before": [], "after": []}
-    for index in range(rounds):
-        last = profile and index == rounds - 1
-        for name, tree in trees.items():
-            runs[name].append(run_on_tree(__file__, tree, [*argv, *(["--profile"] if last else []), "--print-json"]))
+    runs = alternate(__file__, trees, argv, rounds, last_round_extra=["--profile"] if profile else [])
     return {name: best_of(results) | {"tree": str(trees[name])} for name, results in runs.items()}
 
 

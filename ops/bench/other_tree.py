@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 
@@ -16,3 +17,15 @@ def run_on_tree(script: str | Path, tree: Path, argv: list[str]) -> object:
     env = os.environ | {"PYTHONPATH": os.pathsep.join(filter(None, (str(tree), os.environ.get("PYTHONPATH"))))}
     done = subprocess.run([sys.executable, str(script), *argv], env=env, cwd=tree, capture_output=True, text=True, check=True)
     return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def alternate(script: str | Path, trees: dict[str, Path], argv: list[str], rounds: int, last_round_extra: Sequence[str] = ()) -> dict[str, list]:
+    """`script` run on each of `trees` in turn (in the dict's order), `rounds` times, so every tree
+    sees the same load; each run with `--print-json` (the script prints its result as its last
+    line), the last round with `last_round_extra` too. Tree name -> its results, in round order."""
+    runs: dict[str, list] = {name: [] for name in trees}
+    for index in range(rounds):
+        extra = list(last_round_extra) if index == rounds - 1 else []
+        for name, tree in trees.items():
+            runs[name].append(run_on_tree(script, tree, [*argv, *extra, "--print-json"]))
+    return runs
