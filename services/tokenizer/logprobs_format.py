@@ -9,10 +9,8 @@ from that event's new entries (stream).
 
 from __future__ import annotations
 
-import contextlib
-import gc
 import itertools
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -111,50 +109,15 @@ def token_triples(values: np.ndarray, ids: Sequence[int], text_of: TextOf) -> li
 
 
 def top_rows(values: np.ndarray, ids: np.ndarray, text_of: TextOf) -> list[list[Triple] | None]:
-    """values f32 [n, k], ids i32 [n, k] -> per position null (a row of -1 ids) or its triples (-1
-    entries left out). Hot for long prompts' top-k: every entry's triple made in one `token_triples`
-    pass, each row a slice of them, with the cyclic GC paused (its collections, set off by the new
-    row lists, were most of the time): a 32k x 2 prompt 14 ms against 69-82 for a comprehension
-    per row with the GC running (dev box)."""
-    num_rows, k = values.shape
-    if num_rows <= FEW_ROWS or k == 0:  # a streamed event's row or two: numpy's fixed costs would be most of it
-        return [top_row(v, i, text_of) for v, i in zip(values.tolist(), ids.tolist(), strict=True)]
-    with gc_paused():
-        rows: list[list[Triple] | None] = sliced(token_triples(values.ravel(), ids.ravel().tolist(), text_of), k)
-    for row in padded_rows(ids):
-        rows[row] = top_row(values[row].tolist(), ids[row].tolist(), text_of)
+    """values f32 [n, k], ids i32 [n, k] -> per position null (a -1 row) or k triples."""
+    rows: list[list[Triple] | None] = []
+    for vrow, irow in zip(values.tolist(), ids.tolist(), strict=True):
+        if all(i < 0 for i in irow):
+            rows.append(None)
+            continue
+        # tuples and no call per entry (NaN -> null inline), as `token_triples`: JSON-encoded the same
+        rows.append([(None if v != v else v, i, text_of(i) if text_of else None) for v, i in zip(vrow, irow, strict=True) if i >= 0])
     return rows
-
-
-def sliced(entries: list, k: int) -> list[list]:
-    """A row-major [n * k] list as n rows of k (k > 0)."""
-    return [entries[start : start + k] for start in range(0, len(entries), k)]
-
-
-def padded_rows(ids: np.ndarray) -> list[int]:
-    """The rows of ids [n, k] with a -1 (padding: fewer candidates than k, or a null row)."""
-    return np.flatnonzero((ids < 0).any(axis=1)).tolist()
-
-
-@contextlib.contextmanager
-def gc_paused() -> Iterator[None]:
-    """The cyclic garbage collector off while a bulk build makes many small acyclic objects (nothing
-    it could free), then back as it was."""
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if enabled:
-            gc.enable()
-
-
-def top_row(values: list[float], ids: list[int], text_of: TextOf) -> list[Triple] | None:
-    """One position's top-k: null where every id is -1, else a triple per id >= 0."""
-    if all(i < 0 for i in ids):
-        return None
-    # tuples and no call per entry (NaN -> null inline), as `token_triples`: JSON-encoded the same
-    return [(None if v != v else v, i, text_of(i) if text_of else None) for v, i in zip(values, ids, strict=True) if i >= 0]
 
 
 def ids_rows(values: np.ndarray, token_ids: tuple[int, ...], text_of: TextOf) -> list[list[Triple] | None]:

@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from services.tokenizer.logprobs_format import LogprobChunks, concat, gc_paused, padded_rows, sliced
+from services.tokenizer.logprobs_format import LogprobChunks, concat
 from services.tokenizer.text_model import TextModel
 
 CHAT_NULL_LOGPROB = -9999.0  # OpenAI's chat schema has no null logprob; it uses this floor
@@ -37,15 +37,15 @@ def _positions(values: np.ndarray, ids: Sequence[int], top_v: np.ndarray, top_i:
     (a row of them only: a null row)."""
     n = min(len(values), len(ids))
     vals = [None if v != v else v for v in values[:n].tolist()]
-    top_i, top_v = top_i[:n], top_v[:n]
-    k = top_i.shape[1]
-    if k == 0:
-        return Positions(list(ids[:n]), vals, [[] for _ in range(n)])
-    with gc_paused():  # a prompt's rows: tens of thousands of small lists, nothing cyclic
-        top: list[list[tuple[int, float]] | None] = sliced(list(zip(top_i.ravel().tolist(), top_v.ravel().tolist())), k)
-    for row in padded_rows(top_i):  # a prompt's null first row, fewer candidates than k: redone alone
-        row_i, row_v = top_i[row].tolist(), top_v[row].tolist()
-        top[row] = None if all(i < 0 for i in row_i) else [(i, v) for v, i in zip(row_v, row_i, strict=True) if i >= 0]
+    rows_i, rows_v = top_i[:n].tolist(), top_v[:n].tolist()
+    top: list[list[tuple[int, float]] | None]
+    if top_i[:n].size == 0 or top_i[:n].min() >= 0:  # no padding (the usual case): one zip per row
+        top = [list(zip(row_i, row_v)) for row_i, row_v in zip(rows_i, rows_v)]
+    else:
+        top = []
+        for row_v, row_i in zip(rows_v, rows_i, strict=True):
+            null = bool(row_i) and all(i < 0 for i in row_i)
+            top.append(None if null else [(i, v) for v, i in zip(row_v, row_i, strict=True) if i >= 0])
     top += [[] for _ in range(n - len(top))]
     return Positions(list(ids[:n]), vals, top)
 
