@@ -35,8 +35,13 @@ def _per_call_us(build, repeats: int) -> float:
     return 1e6 * (time.perf_counter() - start) / repeats
 
 
-def time_formats(top_ks: list[int], token_counts: list[int], repeats: int) -> list[dict]:
-    """µs per token of each format (best of `ROUNDS`), in whichever tree `services` is imported from."""
+def time_formats(top_ks: list[int], token_counts: list[int], repeats: int, null_first: bool = False, heap: int = 0) -> list[dict]:
+    """µs per token of each format (best of `ROUNDS`), in whichever tree `services` is imported from.
+    null_first: the first position has no value and a null top-k row, as a prompt's first does
+    (echo + logprobs, prompt logprobs). heap: that many small lists kept alive meanwhile, as a
+    server holds its state (the cyclic GC's full collections walk all of them: a tokenizer with the
+    bundled model holds ~73k tracked objects before any request)."""
+    held = [[index] for index in range(heap)]  # noqa: F841 -- alive until the timing is done
     from services.models import BUNDLED_MODEL
     from services.tokenizer import logprobs_format, openai_format
     from services.tokenizer.json_body import encode_json
@@ -51,6 +56,8 @@ def time_formats(top_ks: list[int], token_counts: list[int], repeats: int) -> li
             top_i = rng.integers(0, model.vocab_size, (tokens, k)).astype(np.int32)
             top_v = -rng.random((tokens, k)).astype(np.float32)
             values = -rng.random(tokens).astype(np.float32)
+            if null_first:
+                values[0], top_i[0] = np.nan, -1
 
             def completion() -> bytes:
                 positions = openai_format._positions(values, ids, top_v, top_i)
@@ -72,11 +79,12 @@ def time_formats(top_ks: list[int], token_counts: list[int], repeats: int) -> li
 
 
 def run(args: argparse.Namespace) -> dict:
-    trees = {"this": time_formats(args.top_k, args.tokens, args.repeats)}
+    trees = {"this": time_formats(args.top_k, args.tokens, args.repeats, args.null_first, args.heap)}
     if args.before is not None:
         from ops.bench.other_tree import run_on_tree  # the parent's only: the child imports from the other tree
 
-        argv = ["--rows-only", "--repeats", str(args.repeats), "--top-k", *map(str, args.top_k), "--tokens", *map(str, args.tokens)]
+        argv = ["--rows-only", "--repeats", str(args.repeats), "--top-k", *map(str, args.top_k), "--tokens", *map(str, args.tokens),
+                *(["--null-first"] if args.null_first else []), "--heap", str(args.heap)]  # fmt: skip
         trees = {"before": run_on_tree(__file__, args.before, argv), **trees}
     reference = {(r["format"], r["top_k"], r["tokens"]): r["json_sha256"] for r in trees["this"]}
     result = {"trees": trees, "same_json": all(reference[(r["format"], r["top_k"], r["tokens"])] == r["json_sha256"]
@@ -103,11 +111,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokens", type=int, nargs="*", default=[1, 128])
     parser.add_argument("--repeats", type=int, default=200)
     parser.add_argument("--before", type=Path, default=None, help="another checkout, timed in the same run")
+    parser.add_argument("--null-first", action="store_true", help="the first position null, as a prompt's first is")
+    parser.add_argument("--heap", type=int, default=0, help="small lists kept alive while timing, as a server's state")
     parser.add_argument("--out", type=Path, default=REPO / "ops/bench/results/openai_logprobs_cost.json")
     parser.add_argument("--rows-only", action="store_true", help=argparse.SUPPRESS)  # the --before child: rows as JSON
     args = parser.parse_args(argv)
     if args.rows_only:
-        print(json.dumps(time_formats(args.top_k, args.tokens, args.repeats)))
+        print(json.dumps(time_formats(args.top_k, args.tokens, args.repeats, args.null_first, args.heap)))
         return 0
     result = run(args)
     return 0 if result["same_json"] else 1
