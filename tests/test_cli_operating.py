@@ -4,6 +4,7 @@ uses them, parse with the real CLI, and every flag has help text."""
 from __future__ import annotations
 
 import argparse
+import os
 
 import pytest
 
@@ -125,18 +126,28 @@ def test_up_refuses_fewer_than_one_tokenizer_in_words(capsys):
     assert "--tokenizers must be at least 1, got 0" in capsys.readouterr().err
 
 
-def test_the_default_number_of_tokenizers_is_two_where_a_gpu_serves():
-    from services.launcher import GPU_TOKENIZERS, num_tokenizers
+def test_the_default_number_of_tokenizers_grows_with_the_cores_where_a_gpu_serves():
+    from services.launcher import gpu_tokenizers, num_tokenizers
 
     def parsed(*flags):
         return build_parser(["up", *flags]).parse_args(["up", *flags])
 
-    assert GPU_TOKENIZERS == 2
-    assert num_tokenizers(parsed("--device", "cuda"), gpu_present=lambda: False) == 2
-    assert num_tokenizers(parsed("--device", "cpu"), gpu_present=lambda: True) == 1
-    assert num_tokenizers(parsed("--device", "auto"), gpu_present=lambda: True) == 2
-    assert num_tokenizers(parsed("--device", "auto"), gpu_present=lambda: False) == 1
-    assert num_tokenizers(parsed("--device", "cuda", "--tokenizers", "1"), gpu_present=lambda: True) == 1  # asked for
+    assert [gpu_tokenizers(cores) for cores in (1, 2, 8, 11, 12, 15, 16, 64)] == [2, 2, 2, 2, 3, 3, 4, 4]
+    def sixteen():
+        return 16
+
+    assert num_tokenizers(parsed("--device", "cuda"), gpu_present=lambda: False, cores=sixteen) == 4
+    assert num_tokenizers(parsed("--device", "cuda"), gpu_present=lambda: False, cores=lambda: 2) == 2
+    assert num_tokenizers(parsed("--device", "cpu"), gpu_present=lambda: True, cores=sixteen) == 1
+    assert num_tokenizers(parsed("--device", "auto"), gpu_present=lambda: True, cores=sixteen) == 4
+    assert num_tokenizers(parsed("--device", "auto"), gpu_present=lambda: False, cores=sixteen) == 1
+    assert num_tokenizers(parsed("--device", "cuda", "--tokenizers", "1"), gpu_present=lambda: True, cores=sixteen) == 1  # asked for
+
+
+def test_usable_cores_are_this_process_s():
+    from services.launcher import usable_cores
+
+    assert 1 <= usable_cores() <= (os.cpu_count() or 1)
 
 
 def test_more_than_one_tokenizer_share_the_port():
