@@ -88,7 +88,7 @@ class Child:
             if self.ready_prefix is not None and line.startswith(self.ready_prefix):
                 self.ready.set()
             with contextlib.suppress(OSError, ValueError):  # our stderr gone: keep draining the pipe
-                print(f"[{self.name}] {line}", file=sys.stderr, flush=True)
+                write_line(f"[{self.name}] {line}")
 
     def exit_code(self) -> int | None:
         return self.process.poll()
@@ -171,8 +171,16 @@ class Backoff:
         return self.in_a_row >= MAX_RESTARTS_IN_A_ROW
 
 
+def write_line(text: str) -> None:
+    """One line to stderr in one write: every child's output is relayed by its own thread, and
+    print's separate write of the newline let two children's lines run together (unbuffered
+    stderr: "[tokenizer] a[tokenizer-2] b", then two newlines)."""
+    sys.stderr.write(text + "\n")
+    sys.stderr.flush()
+
+
 def say(message: str) -> None:
-    print(f"sparkwire up: {message}", file=sys.stderr, flush=True)
+    write_line(f"sparkwire up: {message}")
 
 
 class Stack:

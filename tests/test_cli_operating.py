@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 
 import pytest
 
@@ -155,3 +156,24 @@ def test_more_than_one_tokenizer_share_the_port():
     two = build_parser(["up", "--tokenizers", "2"]).parse_args(["up", "--tokenizers", "2"])
     assert "--reuse-port" not in service_argv("tokenizer", one) and "--reuse-port" in service_argv("tokenizer", two)
     assert "--reuse-port" not in service_argv("scheduler", two)
+
+
+def test_the_children_s_relayed_lines_never_run_together(capsys):
+    """Each child's output is relayed by its own thread: two chatty children, every line whole."""
+    from services.launcher import Child
+
+    script = "import sys\nfor i in range(20000): sys.stdout.write(f'line {i} of this child\\n')"
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # the relay threads switch as often as they can
+    try:
+        children = [Child.start(name, [sys.executable, "-c", script], env=dict(os.environ)) for name in ("one", "two")]
+        for child in children:
+            assert child.process.wait(timeout=60) == 0
+            child.reader.join(timeout=60)
+    finally:
+        sys.setswitchinterval(interval)
+    lines = capsys.readouterr().err.splitlines()
+    for name in ("one", "two"):
+        mine = [line for line in lines if line.startswith(f"[{name}] ")]
+        assert mine == [f"[{name}] line {i} of this child" for i in range(20000)]
+    assert len(lines) == 40000
