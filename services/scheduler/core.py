@@ -10,17 +10,18 @@ append to a lock-protected inbox that `step` drains first. One `step`:
 The policy (`policy.py`) knows no tensors; the worker (`worker.py`) owns the device and crosses
 to the host once per step.
 
-Overlapped decoding (`overlap_decode`): when every sequence of a step samples and no waiting
-request could be admitted, the next step is planned (`Policy.follow_decodes`) and launched before
-this one's tokens are read back, its queries taken from this step's sampled tokens on the device;
-then this step's results are read and applied. So the device runs step N + 1 while the host
+Overlapped decoding (`overlap_decode`): when every sequence of a step samples, the next step is
+planned (`Policy.follow_decodes`) and launched before this one's tokens are read back, its decode
+queries taken from this step's sampled tokens on the device, beside the first chunks of any
+waiting requests that can be admitted (their tokens are the prompt's); then this step's results
+are read and applied. So the device runs step N + 1 while the host
 reads, applies and hands on step N's outputs, and plans step N + 2. A sequence that finishes at
 step N (a stop, EOS, an abort applied between steps) has computed one token too many in step
 N + 1, which `update` drops. A step of prompt chunks that sample nothing is followed the same
 way by the prompts' next chunks (`Policy.follow_prefill`: a long prompt's steps back to back, its
-prompt-logprob rows read while the next chunk runs). Any other step (admissible arrivals, a mix of
-chunks and decodes, drafts, processors that read the host's token history: `ModelWorker.can_follow`)
-runs as before: planned after the previous step's results.
+prompt-logprob rows read while the next chunk runs). Any other step (after a chunk that samples
+nothing beside decodes, drafts, processors that read the host's token history:
+`ModelWorker.can_follow`) runs as before: planned after the previous step's results.
 
 Queue time (vLLM's `request_queue_time_seconds`) is measured here: from
 `add` until the first step whose plan includes the request (its first prefill chunk). With a
@@ -235,6 +236,7 @@ class SchedulerCore:
         if self.overlap_decode and self.worker.can_follow(launched.plan):
             following = self.policy.follow_decodes(launched.plan)  # 3, for the next step
             if following is not None:
+                self._note_first_scheduled(following)  # arrivals it admits
                 self._in_flight = self.worker.launch(following, previous=launched)  # 4, queued behind this one
             elif (following := self.policy.follow_prefill(launched.plan)) is not None:
                 self._in_flight = self.worker.launch(following)  # 4: the next chunks, their tokens known

@@ -44,7 +44,7 @@ from services.scheduler.logprobs import (
 )
 from services.scheduler.model.batch import ForwardBatch
 from services.scheduler.model.runner import triton_available
-from services.scheduler.policy import SeqResult, SeqStep, StepPlan
+from services.scheduler.policy import FOLLOWED_TOKEN, SeqResult, SeqStep, StepPlan
 from services.scheduler.request import RowLogprobs, are_all_rows
 from services.scheduler.sampler import draw_noise, mix_seed, sampling_probs
 from services.scheduler.spec.accept import VerifyBlock, accept
@@ -115,17 +115,18 @@ class ModelWorker:
     @torch.inference_mode()
     def launch(self, plan: StepPlan, previous: LaunchedStep | None = None) -> LaunchedStep:
         """Queue the step's device work and its readback (1-7) without waiting for the device.
-        previous: the launched step `plan` follows (`Policy.follow_decodes`): each of plan's queries is
-        the token its sequence samples in `previous`, taken on the device (see `can_follow`)."""
+        previous: the launched step `plan` follows (`Policy.follow_decodes`): each of plan's decode
+        queries is the token its sequence samples in `previous`, taken on the device (see
+        `can_follow`); prompt chunks admitted beside them bring their own tokens."""
         layout = _lay_out(plan)  # 1
         wanted = self._logprob_queries(plan, layout)
         host_arrays = self._host_arrays(plan, layout) | wanted.inputs(self._processed)
-        followed_rows = None if previous is None else previous.producer_rows(plan)
-        if followed_rows is not None:
-            host_arrays["followed_rows"] = followed_rows
+        followed = None if previous is None else previous.followed(plan, layout)
+        if followed is not None:
+            host_arrays |= followed.host_arrays()
         arrays = self._upload.send(host_arrays)  # 2
-        if previous is not None:  # [T]: one token per sequence
-            arrays["input_ids"] = previous.next_token if followed_rows is None else previous.next_token[arrays["followed_rows"]]
+        if followed is not None:
+            arrays["input_ids"] = followed.input_ids(previous.next_token, arrays)
         clock = _StepClock(self.runner.device)
         out = self.runner.forward(self._batch(plan, arrays))  # 3
         greedy = self._greedy_rows(plan, layout, wanted, arrays, out)  # 4 and 5's output rows at once, or None
@@ -423,12 +424,38 @@ class LaunchedStep:
     clock: _StepClock
     next_token: torch.Tensor | None  # int64 [P] on the device: each producer's token, in layout.producers order
 
-    def producer_rows(self, following: StepPlan) -> np.ndarray | None:
-        """int64 [B]: for each sequence of `following` (each one of this step's producers), its row of
-        next_token; None when they are every producer, in order (next_token as it is: no gather)."""
+    def followed(self, following: StepPlan, layout: _Layout) -> _Followed:
+        """Where `following`'s followed decodes (query `FOLLOWED_TOKEN`: each one of this step's
+        producers) take their tokens from this step's next_token, on the device."""
         rows = {id(self.plan.steps[i].seq): p for p, i in enumerate(self.layout.producers)}
-        followed = np.asarray([rows[id(s.seq)] for s in following.steps], np.int64)
-        return None if are_all_rows(followed, len(rows)) else followed
+        steps = [(i, s) for i, s in enumerate(following.steps) if s.query == [FOLLOWED_TOKEN]]
+        producer_rows = np.asarray([rows[id(s.seq)] for _, s in steps], np.int64)
+        positions = np.asarray([layout.row_start[i] for i, _ in steps], np.int64)
+        every_row = len(steps) == len(following.steps)  # a plain followed decode step: its queries are these tokens
+        return _Followed(
+            None if are_all_rows(producer_rows, len(rows)) else producer_rows, None if every_row else positions
+        )
+
+
+@dataclass(frozen=True)
+class _Followed:
+    """A followed step's queries from the step before it (`LaunchedStep.followed`): rows of its
+    next_token [P] (None: all of them, in order) and, in a step that also admits prompt chunks, the
+    query rows they fill (None: every query is one of them, in order)."""
+
+    producer_rows: np.ndarray | None  # int64 [F]
+    positions: np.ndarray | None  # int64 [F]
+
+    def host_arrays(self) -> dict[str, np.ndarray]:
+        arrays = {"followed_rows": self.producer_rows, "followed_positions": self.positions}
+        return {name: value for name, value in arrays.items() if value is not None}
+
+    def input_ids(self, next_token: torch.Tensor, arrays: dict[str, torch.Tensor]) -> torch.Tensor:
+        """[T]: the step's query tokens, the followed ones taken from next_token on the device."""
+        tokens = next_token if self.producer_rows is None else next_token[arrays["followed_rows"]]
+        if self.positions is None:
+            return tokens
+        return arrays["input_ids"].index_copy(0, arrays["followed_positions"], tokens)  # prompt chunks' tokens kept
 
 
 PROMPT_LP, OUTPUT_LP = "prompt_logprobs.", "output_logprobs."  # their inputs' names in the upload

@@ -102,13 +102,44 @@ def test_what_is_never_followed(make_core) -> None:
     launched = core._in_flight
     assert launched is not None and all(s.query == [FOLLOWED_TOKEN] for s in launched.plan.steps)
     assert "short" not in {s.seq.rid for s in launched.plan.steps}  # max_new_tokens=1: nothing left to sample
-    policy = core.policy
-    policy.add(request("waiting", prompt_of(9, 4)))
-    assert policy.follow_decodes(launched.plan) is None  # a waiting request: the next step is scheduled
     seq = launched.plan.steps[0].seq
     penalised = msgspec.structs.replace(seq.request.sampling, repetition_penalty=1.3)
     seq.request = dataclasses.replace(seq.request, sampling=penalised)
     assert not core.worker.can_follow(launched.plan)  # penalties read the token history on the host
+
+
+def test_an_arrival_joins_the_followed_step_beside_the_decodes(make_core) -> None:
+    core = make_core(overlap_decode=True)
+    for r in _workload():
+        core.add(r)
+    core.step()  # the prompts, and their first decodes launched behind them
+    launched = core._in_flight
+    decoding = [s.seq.rid for s in launched.plan.steps]
+    core.policy.add(request("waiting", prompt_of(9, 4)))
+    following = core.policy.follow_decodes(launched.plan)
+    assert [s.seq.rid for s in following.steps] == [*decoding, "waiting"]
+    assert all(s.query == [FOLLOWED_TOKEN] for s in following.steps[:-1])
+    arrival = following.steps[-1]
+    assert arrival.start == 0 and arrival.query == list(prompt_of(9, 4)) and arrival.samples
+
+
+def test_arrivals_beside_followed_decodes_are_launched_before_the_last_readback(make_core) -> None:
+    core = make_core(overlap_decode=True)
+    launches = []
+    launch = core.worker.launch
+
+    def record(plan, previous=None):
+        launches.append((previous is not None, [(s.seq.rid, s.query == [FOLLOWED_TOKEN]) for s in plan.steps]))
+        return launch(plan, previous)
+
+    core.worker.launch = record
+    first = [request(f"d{i}", prompt_of(60 + i, 6), max_new_tokens=8, ignore_eos=True, logprobs=LOGPROBS) for i in range(3)]
+    late = [request("late", prompt_of(70, 7), max_new_tokens=4, ignore_eos=True, logprobs=LOGPROBS)]
+    overlapped = run(core, first, joins={3: list(late)})
+    plain = run(make_core(overlap_decode=False), first, joins={3: list(late)})
+    _same(overlapped, plain)
+    mixed = [steps for previous, steps in launches if previous and any(not followed for _, followed in steps)]
+    assert mixed and mixed[0][-1] == ("late", False), launches  # its prompt chunk rode a followed step
 
 
 def _launched_plans(core) -> list:
