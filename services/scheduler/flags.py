@@ -51,8 +51,8 @@ def add_model_arguments(parser: argparse.ArgumentParser, env: EnvSettings) -> No
              f"(default: the larger of {DEFAULT_MAX_PREFILL_TOKENS} and --chunked-prefill-size)")  # fmt: skip
     add("--max-running-requests", type=int, default=DEFAULT_MAX_RUNNING_REQUESTS, help="most requests decoded at once")
     add("--overlap-decode", action=argparse.BooleanOptionalAction, default=True,
-        help="launch each decode step before the last one's tokens are read back, so the device does not wait for "
-             "the host between decode steps (default on)")  # fmt: skip
+        help="launch each decode step (and arrivals' first prompt chunks beside it) before the last one's tokens are "
+             "read back, so the device does not wait for the host between decode steps (default on)")  # fmt: skip
     add("--max-model-len", type=int, default=None, help="longest prompt + output (default: the model's)")
     add("--kv-cache-memory-fraction", type=float, default=CUDA_KV_CACHE_FRACTION,
         help="CUDA: the share of device memory left free by the weights (a drafter's included) that the KV caches take")  # fmt: skip
