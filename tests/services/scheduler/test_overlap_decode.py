@@ -94,12 +94,17 @@ def test_steady_decoding_launches_each_step_before_reading_the_last(make_core) -
     assert len(run(core, [request("b", prompt_of(8, 12), max_new_tokens=6, ignore_eos=True)])["b"].tokens) == 6
 
 
-def test_what_is_never_followed(make_core) -> None:
+def _first_decodes_in_flight(make_core):
+    """A core that has run the workload's prompts, with their first decodes launched behind them."""
     core = make_core(overlap_decode=True)
     for r in _workload():
         core.add(r)
-    core.step()  # the prompts, and their first decodes launched behind them
-    launched = core._in_flight
+    core.step()
+    return core, core._in_flight
+
+
+def test_what_is_never_followed(make_core) -> None:
+    core, launched = _first_decodes_in_flight(make_core)
     assert launched is not None and all(s.query == [FOLLOWED_TOKEN] for s in launched.plan.steps)
     assert "short" not in {s.seq.rid for s in launched.plan.steps}  # max_new_tokens=1: nothing left to sample
     seq = launched.plan.steps[0].seq
@@ -109,11 +114,7 @@ def test_what_is_never_followed(make_core) -> None:
 
 
 def test_an_arrival_joins_the_followed_step_beside_the_decodes(make_core) -> None:
-    core = make_core(overlap_decode=True)
-    for r in _workload():
-        core.add(r)
-    core.step()  # the prompts, and their first decodes launched behind them
-    launched = core._in_flight
+    core, launched = _first_decodes_in_flight(make_core)
     decoding = [s.seq.rid for s in launched.plan.steps]
     core.policy.add(request("waiting", prompt_of(9, 4)))
     following = core.policy.follow_decodes(launched.plan)
