@@ -258,6 +258,8 @@ class SchedulerCore:
         return requests, aborts
 
     def _note_first_scheduled(self, plan) -> None:
+        if not self._unscheduled:
+            return  # steady decoding: nothing waits for its first step
         now = self._clock()
         for step in plan.steps:
             arrived = self._unscheduled.pop(step.seq.rid, None)

@@ -428,13 +428,11 @@ class LaunchedStep:
         """Where `following`'s followed decodes (query `FOLLOWED_TOKEN`: each one of this step's
         producers) take their tokens from this step's next_token, on the device."""
         rows = {id(self.plan.steps[i].seq): p for p, i in enumerate(self.layout.producers)}
-        steps = [(i, s) for i, s in enumerate(following.steps) if s.query == [FOLLOWED_TOKEN]]
-        producer_rows = np.asarray([rows[id(s.seq)] for _, s in steps], np.int64)
-        positions = np.asarray([layout.row_start[i] for i, _ in steps], np.int64)
-        every_row = len(steps) == len(following.steps)  # a plain followed decode step: its queries are these tokens
-        return _Followed(
-            None if are_all_rows(producer_rows, len(rows)) else producer_rows, None if every_row else positions
-        )
+        steps = [i for i, s in enumerate(following.steps) if s.query[0] == FOLLOWED_TOKEN]
+        producer_rows = np.fromiter((rows[id(following.steps[i].seq)] for i in steps), np.int64, len(steps))
+        # a plain followed decode step: its queries are these tokens, nothing to place
+        positions = None if len(steps) == len(following.steps) else np.asarray([layout.row_start[i] for i in steps], np.int64)
+        return _Followed(None if are_all_rows(producer_rows, len(rows)) else producer_rows, positions)
 
 
 @dataclass(frozen=True)
