@@ -11,6 +11,9 @@ model's; nothing is simulated), and the output of each step is packed as the ser
 - update:    `Policy.update` (tokens, finishes, logprob entries -> `RequestOutput`s)
 - core:      `SchedulerCore`'s own bookkeeping per step (counts, releases)
 - wire:      `wire.to_token_batches` + msgpack encoding of every `TokenBatch`
+- gc:        the garbage collector's runs inside the above (mostly young collections), timed by
+             `gc.callbacks`; with `--collector tuned` (the services' default) the process runs as a
+             service does: inside `memory.collector_tuned`, its start-up heap frozen before timing
 
 "host" is their sum; "step" the whole `core.step` wall time, which on the CPU includes the tiny model's
 forward and the logprob ops (so it says nothing about a GPU's). Figures are lower quartiles over the
@@ -19,6 +22,7 @@ four requested token ids. `--profile` adds a cProfile of the host pieces (batch 
 the functions with the most own time. `--before PATH` runs this same script on another tree (e.g. a
 `git worktree` of the starting commit) and on this one, each in a subprocess, alternately for
 `--rounds` rounds, and records each figure's best round for both trees in one results file.
+`--compare-collectors` does the same with this tree under `--collector default` and `tuned`.
 
     python -m ops.bench.host_step_cost --before /work/wt/hostcost-base --rounds 3 --profile \
         --out ops/bench/results/host_step_cost.json
@@ -30,6 +34,7 @@ import argparse
 import contextlib
 import cProfile
 import functools
+import gc
 import io
 import json
 import pstats
@@ -43,6 +48,7 @@ import numpy as np
 import torch
 
 from contracts.scheduler import LogprobParams, SamplingParams
+from services.common import memory
 from services.models import RANDOM_TINY_MODEL
 from services.scheduler import core as core_module
 from services.scheduler import policy as policy_module
@@ -72,6 +78,30 @@ PIECES = {
     "core": [(core_module.SchedulerCore, "_count"), (core_module.SchedulerCore, "_finished"),
              (core_module.SchedulerCore, "_note_first_scheduled")],  # fmt: skip
 }
+
+
+class CollectorClock:
+    """Seconds the garbage collector ran, and its runs per generation, while installed."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+        self.runs = [0, 0, 0]
+        self._start = 0.0
+
+    def _callback(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._start = time.perf_counter()
+        else:
+            self.seconds += time.perf_counter() - self._start
+            self.runs[info["generation"]] += 1
+
+    @contextlib.contextmanager
+    def installed(self):
+        gc.callbacks.append(self._callback)
+        try:
+            yield self
+        finally:
+            gc.callbacks.remove(self._callback)
 HOST_PIECES = (*PIECES, "wire")
 
 
@@ -135,24 +165,28 @@ def measure(runner, batch: int, logprobs: str, new_tokens: int, warm_steps: int 
         publish(core.step(), core.num_steps, encoder)
     per_step: dict[str, list[float]] = defaultdict(list)
     payload = []
+    collector = CollectorClock()
     while core.has_work():
         timer = PieceTimer()
-        with timer.installed():
+        collected_before = collector.seconds
+        with timer.installed(), collector.installed():
             start = time.perf_counter()
             outputs = core.step()
             per_step["step"].append(time.perf_counter() - start)
-        start = time.perf_counter()
-        payload.append(publish(outputs, core.num_steps, encoder))
-        timer.seconds["wire"] = time.perf_counter() - start
+            start = time.perf_counter()
+            payload.append(publish(outputs, core.num_steps, encoder))
+            timer.seconds["wire"] = time.perf_counter() - start
         for piece in HOST_PIECES:
             per_step[piece].append(timer.seconds[piece])
         per_step["host"].append(sum(timer.seconds[piece] for piece in HOST_PIECES))
+        per_step["gc"].append(collector.seconds - collected_before)
     # the lower quartile: the decode steps timed are alike, and on a shared machine the quartile is the
     # undisturbed cost where a median moves with whatever else runs (both are recorded)
     quartiles = {f"{name}_us": 1e6 * _lower_quartile(values) for name, values in per_step.items()}
     medians = {f"{name}_median_us": 1e6 * statistics.median(values) for name, values in per_step.items()}
-    return {"batch": batch, "logprobs": logprobs, "steps": len(per_step["step"]),
-            "payload_bytes": int(statistics.median(payload)), **quartiles, **medians}  # fmt: skip
+    means = {"gc_mean_us": 1e6 * statistics.fmean(per_step["gc"])}  # rare and long: its mean is its cost
+    return {"batch": batch, "logprobs": logprobs, "steps": len(per_step["step"]), "gc_runs": collector.runs,
+            "payload_bytes": int(statistics.median(payload)), **quartiles, **medians, **means}  # fmt: skip
 
 
 def _lower_quartile(values: list[float]) -> float:
@@ -186,23 +220,34 @@ def profile_host(runner, batch: int, logprobs: str, new_tokens: int, limit: int 
     return text.getvalue()
 
 
-def run(batches, new_tokens: int, profile: bool) -> dict:
+def run(batches, new_tokens: int, profile: bool, collector: str = "tuned") -> dict:
     torch.manual_seed(0)
     torch.set_num_threads(1)  # the model's CPU compute is not what is measured; keep it from competing
-    runner = load_model_runner(RANDOM_TINY_MODEL, device="cpu", dtype=torch.float32, num_kv_blocks=1024, kv_block_size=16)
-    measure(runner, 8, "top20_ids", 8)  # warm-up: first calls, allocator
-    rows = [measure(runner, batch, name, new_tokens) for batch in batches for name in LOGPROBS]
-    result = {"model": RANDOM_TINY_MODEL.name, "torch": torch.__version__, "new_tokens": new_tokens, "rows": rows}
+    with _collector(collector):
+        runner = load_model_runner(RANDOM_TINY_MODEL, device="cpu", dtype=torch.float32, num_kv_blocks=1024, kv_block_size=16)
+        measure(runner, 8, "top20_ids", 8)  # warm-up: first calls, allocator
+        if collector == "tuned":
+            memory.settle_startup_heap()  # as a service does once ready
+        rows = [measure(runner, batch, name, new_tokens) for batch in batches for name in LOGPROBS]
+    result = {"model": RANDOM_TINY_MODEL.name, "torch": torch.__version__, "new_tokens": new_tokens, "collector": collector, "rows": rows}
     if profile:
         result["profile"] = profile_host(runner, max(batches), "top20_ids", new_tokens)
     return result
 
 
+def _collector(mode: str):
+    """The services' collector settings (`memory.collector_tuned`), or CPython's own; a tree from
+    before those settings has only CPython's."""
+    if mode == "tuned" and hasattr(memory, "collector_tuned"):
+        return memory.collector_tuned()
+    return contextlib.nullcontext()
+
+
 def table(rows: list[dict], label: str = "") -> str:
-    names = [*HOST_PIECES, "host", "step"]
+    names = [*HOST_PIECES, "host", "gc", "step"]
     lines = [f"| tree | batch | logprobs | {' | '.join(names)} |", "|---|---|---|" + "---|" * len(names)]
     for r in rows:
-        cells = " | ".join(f"{r[f'{n}_us']:.0f}" for n in names)
+        cells = " | ".join(f"{r.get(f'{n}_mean_us', r.get(f'{n}_us', float('nan'))):.0f}" for n in names)
         lines.append(f"| {label} | {r['batch']} | {r['logprobs']} | {cells} |")
     return "\n".join(lines)
 
@@ -213,6 +258,17 @@ def best_of(results: list[dict]) -> dict:
     for same in zip(*(r["rows"] for r in results), strict=True):
         rows.append({key: min(row[key] for row in same) if key.endswith("_us") else value for key, value in same[0].items()})
     return results[-1] | {"rows": rows, "rounds": len(results)}
+
+
+def compare_collectors(argv: list[str], rounds: int) -> dict:
+    """This tree under CPython's collector and under the services' tuned one, alternately."""
+    from ops.bench.other_tree import run_on_tree
+
+    runs: dict[str, list] = {"default": [], "tuned": []}
+    for _ in range(rounds):
+        for mode, results in runs.items():
+            results.append(run_on_tree(__file__, REPO, [*argv, "--collector", mode, "--print-json"]))
+    return {mode: best_of(results) for mode, results in runs.items()}
 
 
 def compare(before_tree: Path, argv: list[str], rounds: int, profile: bool) -> dict:
@@ -231,16 +287,22 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--profile", action="store_true", help="add a cProfile of the host pieces")
     parser.add_argument("--before", type=Path, help="another tree to measure with this script, in the same run")
     parser.add_argument("--rounds", type=int, default=3, help="with --before: alternate rounds of each tree")
+    parser.add_argument("--collector", choices=memory.COLLECTOR_MODES, default="tuned", help="the garbage collector's settings")
+    parser.add_argument("--compare-collectors", action="store_true", help="this tree under each --collector, alternately")
     parser.add_argument("--out", type=Path, default=RESULTS / "host_step_cost.json")
     parser.add_argument("--print-json", action="store_true", help=argparse.SUPPRESS)  # a subprocess's output
     args = parser.parse_args(argv)
-    if args.before is not None:
-        common = ["--batches", *map(str, args.batches), "--new-tokens", str(args.new_tokens)]
+    common = ["--batches", *map(str, args.batches), "--new-tokens", str(args.new_tokens)]
+    if args.compare_collectors:
+        result = compare_collectors(common, args.rounds)
+        print(table(result["default"]["rows"], "default collector"))
+        print(table(result["tuned"]["rows"], "tuned collector").split("\n", 2)[2])
+    elif args.before is not None:
         result = compare(args.before.resolve(), common, args.rounds, args.profile)
         print(table(result["before"]["rows"], "before"))
         print(table(result["after"]["rows"], "after").split("\n", 2)[2])
     else:
-        result = run(tuple(args.batches), args.new_tokens, args.profile)
+        result = run(tuple(args.batches), args.new_tokens, args.profile, args.collector)
         if args.print_json:
             print(json.dumps(result))
             return

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import contextvars
 import os
 import signal
@@ -15,7 +16,7 @@ from typing import Any, TypeVar
 
 import uvloop
 
-from services.common.memory import keep_large_buffers_mapped
+from services.common.memory import COLLECTOR_MODES, collector_tuned, keep_large_buffers_mapped
 from services.common.nats_start import NatsStartError
 from services.common.settings import EnvSettings
 
@@ -103,25 +104,32 @@ async def wait_until(done: Callable[[], bool], timeout_s: float, poll_s: float =
     return True
 
 
-def run_event_loop(main: Coroutine[Any, Any, T], event_loop: str = "uvloop", allocator: str = "tuned") -> T:
+def run_event_loop(
+    main: Coroutine[Any, Any, T], event_loop: str = "uvloop", allocator: str = "tuned", collector: str = "tuned"
+) -> T:
     """Run a service's main coroutine to the end. uvloop (libuv's loop) is the default: it moves
     large NATS messages with less CPU than asyncio's selector loop, which matters on a 2-core box.
     `allocator="tuned"` applies `memory.keep_large_buffers_mapped` first. (`sparkwire bench
-    logprob-transport` measures the defaults against each alternative in one run.)"""
+    logprob-transport` measures the defaults against each alternative in one run.)
+    `collector="tuned"` runs it inside `memory.collector_tuned` (the service calls
+    `memory.settle_startup_heap` once ready); "default" leaves CPython's collector as it is."""
     if event_loop not in EVENT_LOOPS:
         raise ValueError(f"event loop {event_loop!r}: expected one of {', '.join(EVENT_LOOPS)}")
     if allocator not in ALLOCATOR_MODES:
         raise ValueError(f"allocator {allocator!r}: expected one of {', '.join(ALLOCATOR_MODES)}")
+    if collector not in COLLECTOR_MODES:
+        raise ValueError(f"collector {collector!r}: expected one of {', '.join(COLLECTOR_MODES)}")
     if allocator == "tuned":
         keep_large_buffers_mapped()
-    return uvloop.run(main) if event_loop == "uvloop" else asyncio.run(main)
+    with collector_tuned() if collector == "tuned" else contextlib.nullcontext():
+        return uvloop.run(main) if event_loop == "uvloop" else asyncio.run(main)
 
 
 def run_service(main: Coroutine[Any, Any, T]) -> T:
-    """`run_event_loop` with the event loop and allocator mode of the environment (`SPARKWIRE_*`).
+    """`run_event_loop` with the event loop, allocator and collector modes of the environment (`SPARKWIRE_*`).
     A service that cannot make its first NATS connection exits with one line and status 1."""
     env = EnvSettings.from_environ()
     try:
-        return run_event_loop(main, env.event_loop, env.allocator)
+        return run_event_loop(main, env.event_loop, env.allocator, env.collector)
     except NatsStartError as exc:
         raise SystemExit(f"sparkwire: {exc}") from None

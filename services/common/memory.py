@@ -1,4 +1,5 @@
-"""Process-wide allocator settings for services that move multi-MB messages.
+"""Process-wide memory settings of the services: glibc's allocator thresholds (multi-MB messages)
+and CPython's garbage collector (per-step objects).
 
 On the 2-core machine a first touch of a fresh 4 KiB page costs ~6 us (a fresh 21 MB buffer
 filled by one copy took ~31 ms, the same copy into reused memory ~1 ms). glibc serves blocks
@@ -9,12 +10,25 @@ again and again. `sparkwire bench logprob-transport` runs the HTTP path both way
 defaults the tokenizer took 14,939 page faults and 158.6 ms of CPU per such request, with these
 settings 880 and 111.4 ms. Raising both thresholds keeps freed large blocks in the heap for
 reuse: page faults are paid once per high-water mark, not once per message.
+
+The collector: CPython runs a young collection once 700 more container objects are alive than
+at the last one. A scheduler step with top-20 output logprobs at batch 64 holds a few hundred
+short-lived objects per step (views, entries, outputs), so with that threshold it ran a young
+collection almost every step (~100 us each on the 2-core box, `ops/bench/host_step_cost.py`'s
+`gc_us`), and every collection that reaches the oldest generation walks the whole heap: ~310,000
+objects after torch's import, 138 ms on that box. `collector_tuned` raises the young threshold so
+that the step's objects are freed by their reference counts before any collection sees them, and
+`settle_startup_heap` moves what start-up made (modules, the model, compiled kernels) out of the
+collector's reach once a service is ready (`gc.freeze`), as vLLM and SGLang do after start-up.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
+import gc
+from collections.abc import Iterator
 
 import structlog
 
@@ -25,6 +39,9 @@ M_TRIM_THRESHOLD = -1
 M_MMAP_THRESHOLD = -3
 MMAP_THRESHOLD_BYTES = 32 * 1024 * 1024  # glibc's largest allowed value on 64-bit
 TRIM_THRESHOLD_BYTES = 512 * 1024 * 1024  # freed heap kept mapped, up to this much
+
+COLLECTOR_MODES = ("tuned", "default")
+YOUNG_COLLECTION_THRESHOLD = 20_000  # CPython's default is 700
 
 
 def keep_large_buffers_mapped() -> bool:
@@ -43,3 +60,36 @@ def keep_large_buffers_mapped() -> bool:
     if not applied:
         log.warning("memory.allocator_untuned", reason="mallopt refused the thresholds")
     return applied
+
+
+@contextlib.contextmanager
+def collector_tuned() -> Iterator[None]:
+    """While inside: young collections only once 20,000 more container objects are alive (the
+    older generations' thresholds unchanged). On leaving: CPython's thresholds as they were, and
+    anything `settle_startup_heap` froze back in the collector's reach."""
+    saved = gc.get_threshold()
+    gc.set_threshold(YOUNG_COLLECTION_THRESHOLD, *saved[1:])
+    try:
+        yield
+    finally:
+        gc.set_threshold(*saved)
+        gc.unfreeze()
+
+
+def collections_since_start() -> list[int]:
+    """The garbage collector's runs so far in this process, per generation (young first): what a
+    service reports when it stops."""
+    return [generation["collections"] for generation in gc.get_stats()]
+
+
+def settle_startup_heap() -> int:
+    """Once a service is ready: with the collector tuned (`collector_tuned`), collect once, then
+    freeze every object alive (`gc.freeze`: later collections skip them). Returns how many were
+    frozen; 0, and nothing done, where the collector is CPython's own (`SPARKWIRE_COLLECTOR=default`)."""
+    if gc.get_threshold()[0] != YOUNG_COLLECTION_THRESHOLD:
+        return 0
+    gc.collect()
+    gc.freeze()
+    frozen = gc.get_freeze_count()
+    log.info("memory.startup_heap_frozen", objects=frozen)
+    return frozen

@@ -30,6 +30,7 @@ class EnvSettings:
     event_loop: str = "uvloop"  # "uvloop" or "asyncio" (the standard library's, for debugging)
     api_key: str = ""  # SPARKWIRE_API_KEY: the tokenizer's --api-key (kept out of process lists)
     allocator: str = "tuned"  # "tuned" (services/common/memory.py) or "default" (glibc's own thresholds)
+    collector: str = "tuned"  # "tuned" (services/common/memory.py) or "default" (CPython's own thresholds, nothing frozen)
 
     @classmethod
     def from_environ(cls, environ: Mapping[str, str] = os.environ) -> EnvSettings:

@@ -17,6 +17,7 @@ from contracts.detokenizer import DetokenizerRegistration, DetokenizerRegistrati
 from contracts.tokenizer import TextBatch
 from services.common.heartbeat import HeartbeatMonitor, HeartbeatPublisher
 from services.common.lifecycle import wait_until
+from services.common.memory import settle_startup_heap
 from services.common.logging import request_id_from
 from services.common.nats_reader import Delivery
 from services.common.transport import Transport, remember_sender
@@ -158,6 +159,7 @@ class DetokenizerService:
 
 async def run(config: DetokenizerConfig, stop: asyncio.Event) -> None:
     service = await DetokenizerService.start(config)
+    settle_startup_heap()
     drained = False
     try:
         await stop.wait()

@@ -29,6 +29,7 @@ from contracts.scheduler import (
 from services.common.arrays import from_wire
 from services.common.heartbeat import HeartbeatPublisher
 from services.common.lifecycle import wait_until
+from services.common.memory import collections_since_start, settle_startup_heap
 from services.common.logging import bound_request_id, request_id_from
 from services.common.metrics_scheduler import SchedulerStats, SchedulerTelemetry
 from services.common.nats_reader import Delivery
@@ -219,6 +220,7 @@ class SchedulerService:
         decode = asyncio.create_task(self._decode_loop(), name="scheduler-decode")
         expiry = asyncio.create_task(self._expire_claims(), name="scheduler-claims")
         log.info("scheduler.ready", instance=self._id, model=self._config.model)
+        settle_startup_heap()
         stopped = asyncio.create_task(stop.wait())
         await asyncio.wait({decode, stopped}, return_when=asyncio.FIRST_COMPLETED)
         stopped.cancel()
@@ -379,7 +381,7 @@ class SchedulerService:
         await self._heartbeat.stop(reason, drained=drained)
         await self._telemetry.close()
         await self._transport.close()
-        log.info("scheduler.stopped", instance=self._id, reason=reason)
+        log.info("scheduler.stopped", instance=self._id, reason=reason, gc_collections=collections_since_start())
         return 1 if error is not None else 0
 
     async def _publish_last(self, reason: str) -> bool:

@@ -11,8 +11,9 @@ from collections.abc import AsyncIterator
 import structlog
 import uvicorn
 
-from services.tokenizer.config import TokenizerConfig
+from services.common.memory import settle_startup_heap
 from services.common.metrics import TrafficCollector
+from services.tokenizer.config import TokenizerConfig
 from services.tokenizer.frontend import request_left
 from services.tokenizer.http_app import Frontend, create_asgi
 from services.tokenizer.metrics import Metrics
@@ -50,6 +51,7 @@ async def serving(config: TokenizerConfig) -> AsyncIterator[Frontend]:
                 raise RuntimeError("uvicorn stopped before it started")
             await asyncio.sleep(0.02)
         log.info("tokenizer.listening", host=config.host, port=config.port, instance=config.instance_id)
+        settle_startup_heap()
         yield frontend
     finally:
         # Drain: uvicorn stops accepting connections and lets in-flight requests (streams too)

@@ -81,6 +81,10 @@ def test_up_serves_generate_and_stops_cleanly_on_sigint(tmp_path):
         process.send_signal(signal.SIGINT)
         assert process.wait(timeout=20) == 0, log.read_text()[-4000:]
         assert not any(password in log.read_text() for password in passwords)  # nor in any log line
+        lines = log.read_text().splitlines()
+        frozen = {line.split("]", 1)[0][1:] for line in lines if "memory.startup_heap_frozen" in line}
+        assert frozen == {"scheduler", "detokenizer", "tokenizer"}  # each service, once ready (memory.settle_startup_heap)
+        assert any(line.startswith("[scheduler] ") and "scheduler.stopped" in line and "gc_collections=" in line for line in lines)
         assert [pid for pid in children if alive(pid)] == []
     finally:
         if process.poll() is None:

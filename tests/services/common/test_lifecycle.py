@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import threading
 
 import pytest
 
 from services.common.lifecycle import ABANDONABLE, in_daemon_thread, run_event_loop, unless_stopped, wait_until
+from services.common.memory import YOUNG_COLLECTION_THRESHOLD
 
 
 async def test_wait_until_returns_once_done_and_gives_up_after_the_timeout():
@@ -24,12 +26,26 @@ def test_run_event_loop_runs_on_the_chosen_loop(event_loop):
     assert run_event_loop(loop_name(), event_loop).startswith(event_loop)
 
 
-@pytest.mark.parametrize("settings, refused", [(("trio", "tuned"), "event loop"), (("uvloop", "jemalloc"), "allocator")])
+@pytest.mark.parametrize(
+    "settings, refused",
+    [(("trio", "tuned"), "event loop"), (("uvloop", "jemalloc"), "allocator"), (("uvloop", "tuned", "off"), "collector")],
+)
 def test_unknown_settings_are_refused(settings, refused):
     never_run = asyncio.sleep(0)
     with pytest.raises(ValueError, match=refused):
         run_event_loop(never_run, *settings)
     never_run.close()
+
+
+@pytest.mark.parametrize("collector", ["tuned", "default"])
+def test_run_event_loop_runs_the_service_under_the_chosen_collector_and_restores_it(collector):
+    async def young_threshold() -> int:
+        return gc.get_threshold()[0]
+
+    saved = gc.get_threshold()
+    expected = YOUNG_COLLECTION_THRESHOLD if collector == "tuned" else saved[0]
+    assert run_event_loop(young_threshold(), "uvloop", "tuned", collector) == expected
+    assert gc.get_threshold() == saved
 
 
 async def test_unless_stopped_gives_the_result_or_none_once_stopped():

@@ -1,9 +1,12 @@
-"""The allocator settings the services apply at start."""
+"""The allocator and garbage-collector settings the services apply at start."""
 
 from __future__ import annotations
 
+import gc
 import subprocess
 import sys
+
+import pytest
 
 from services.common import memory
 
@@ -42,3 +45,25 @@ print((faults() - before) // 5)
 def test_thresholds_are_within_what_glibc_allows():
     assert memory.MMAP_THRESHOLD_BYTES <= 32 * 1024 * 1024  # mallopt refuses more on 64-bit
     assert memory.TRIM_THRESHOLD_BYTES >= memory.MMAP_THRESHOLD_BYTES
+
+
+def test_the_start_up_heap_is_frozen_only_under_the_tuned_collector_and_thawed_after():
+    gc.collect()
+    assert memory.settle_startup_heap() == 0 or gc.get_threshold()[0] == memory.YOUNG_COLLECTION_THRESHOLD
+    saved = gc.get_threshold()
+    thresholds = []
+    with memory.collector_tuned():
+        thresholds.append(gc.get_threshold())
+        frozen = memory.settle_startup_heap()
+        assert frozen > 1000 and gc.get_freeze_count() == frozen  # this interpreter's modules, at least
+    assert thresholds == [(memory.YOUNG_COLLECTION_THRESHOLD, *saved[1:])]
+    assert gc.get_threshold() == saved
+    assert gc.get_freeze_count() == 0
+
+
+def test_the_collector_is_restored_when_the_block_raises():
+    saved = gc.get_threshold()
+    with pytest.raises(RuntimeError), memory.collector_tuned():
+        memory.settle_startup_heap()
+        raise RuntimeError("a service failed")
+    assert gc.get_threshold() == saved and gc.get_freeze_count() == 0
