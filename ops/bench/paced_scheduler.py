@@ -30,7 +30,7 @@ from ops.bench.standin_scheduler import StandInScheduler
 from services.common.lifecycle import run_event_loop
 from services.common.nats_reader import Delivery
 from services.common.transport import Transport
-from services.scheduler.request import LogprobEntries, RequestOutput
+from services.scheduler.request import LogprobEntries, RequestOutput, RowLogprobs
 from services.scheduler.wire import to_token_batches
 
 MAX_TOP = 20  # the widest top-k row kept ready (the tokenizer's default --max-logprobs)
@@ -103,10 +103,9 @@ class PacedScheduler(StandInScheduler):
         if not params.return_logprob:
             return None
         k = params.top_logprobs_num
-        entries = LogprobEntries(output_token_logprobs=self._top_values[0, :1])  # f32 [1]
         if k:
-            entries.output_top_logprobs, entries.output_top_ids = self._top_values[:, :k], self._top_ids[:, :k]  # [1, k]
-        return entries
+            return LogprobEntries(output=RowLogprobs.of(self._top_values[0, :1], self._top_values[:, :k], self._top_ids[:, :k]))  # [1, k]
+        return LogprobEntries(output=RowLogprobs.of(self._top_values[0, :1]))  # f32 [1]
 
 
 async def serve(url: str, step_s: float, vocab_size: int) -> None:

@@ -19,7 +19,7 @@ from services.common.arrays import from_wire
 from services.common.heartbeat import HeartbeatPublisher
 from services.common.nats_reader import Delivery
 from services.common.transport import Transport
-from services.scheduler.request import LogprobEntries, RequestOutput
+from services.scheduler.request import LogprobEntries, RequestOutput, RowLogprobs
 from services.scheduler.wire import to_token_batches
 
 NULL_PREFIX = 1
@@ -73,7 +73,7 @@ class StandInScheduler:
         prompt = from_wire(request.input_ids)  # int32 [P]
         token_logprobs = np.full(len(prompt), -1.5, np.float32)  # [P]
         token_logprobs[:NULL_PREFIX] = np.nan
-        entries = LogprobEntries(output_token_logprobs=np.array([-0.5], np.float32), input_start=0,
+        entries = LogprobEntries(output=RowLogprobs.of(np.array([-0.5], np.float32)), input_start=0,
                                  input_token_logprobs=token_logprobs)
         if params.flat_prompt_top_logprobs and params.top_logprobs_num:
             key = (int(prompt[0]), len(prompt) - NULL_PREFIX, params.top_logprobs_num)

@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from contracts.scheduler import SamplingParams
-from services.scheduler.request import RowLogprobs, are_all_rows
+from services.scheduler.request import HostRows, RowLogprobs, RowSpan, are_all_rows
 from services.scheduler.sampler import filter_arrays, filtered_out, unfiltered
 
 CHUNK_BYTES = 512 * 1024 * 1024  # a chunk's fp32 logprobs, at most (and 1024 rows); with its logits and the
@@ -154,7 +154,7 @@ def logprobs_on_device(
     return RowLogprobs(*(torch.cat(column) for column in zip(*parts, strict=True)))
 
 
-def split_logprobs(queries: list[LogprobQuery], host: list[np.ndarray] | None) -> list[RowLogprobs]:
+def split_logprobs(queries: list[LogprobQuery], host: list[np.ndarray] | None) -> list[HostRows]:
     """Host copies of `logprobs_on_device(...).columns()` -> each query's own slice (its k, its ids)."""
     if host is None:
         return [_empty(q) for q in queries]
@@ -248,25 +248,22 @@ def _processed_inputs(queries: list[LogprobQuery]) -> dict[str, np.ndarray]:
     return inputs
 
 
-def _split(queries, token, top_values, top_ids, ids_lp) -> list[RowLogprobs]:
-    """Each query's rows as views of the columns, which they name as their `source`; only a query
-    asking for fewer top-k (or ids) than the widest one's has its columns cut, and copied
-    (contiguous, as the wire sends them), and names none."""
+def _split(queries, token, top_values, top_ids, ids_lp) -> list[HostRows]:
+    """Each query's rows: a `RowSpan` of the columns where it asked for their widths, else its rows
+    cut to its own widths and copied (contiguous, as the wire sends them)."""
     columns = RowLogprobs(token, top_values, top_ids, ids_lp)
     max_k, max_m = top_values.shape[1], ids_lp.shape[1]
     out, start = [], 0
     for q in queries:
-        end = start + len(q.rows)
-        values, ids, requested = top_values[start:end], top_ids[start:end], ids_lp[start:end]
-        source = columns
-        if q.top_k < max_k:
-            values, ids = np.ascontiguousarray(values[:, : q.top_k]), np.ascontiguousarray(ids[:, : q.top_k])
-            source = None
-        if len(q.token_ids) < max_m:
-            requested = np.ascontiguousarray(requested[:, : len(q.token_ids)])
-            source = None
-        out.append(RowLogprobs(token[start:end], values, ids, requested, source, start))
-        start = end
+        count = len(q.rows)
+        if q.top_k < max_k or len(q.token_ids) < max_m:
+            end = start + count
+            out.append(RowLogprobs(token[start:end], np.ascontiguousarray(top_values[start:end, : q.top_k]),
+                                   np.ascontiguousarray(top_ids[start:end, : q.top_k]),
+                                   np.ascontiguousarray(ids_lp[start:end, : len(q.token_ids)])))  # fmt: skip
+        else:
+            out.append(RowSpan(columns, start, count))
+        start += count
     return out
 
 

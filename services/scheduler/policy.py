@@ -37,7 +37,7 @@ import structlog
 from contracts.detokenizer import Finish, FinishType
 from services.common.flat_logprobs import FlatLogprobsError, build_flat_top_logprobs
 from services.scheduler.block_manager import BlockManager
-from services.scheduler.request import LogprobEntries, RequestOutput, RowLogprobs, SchedulerRequest, Sequence
+from services.scheduler.request import HostRows, LogprobEntries, RequestOutput, SchedulerRequest, Sequence
 
 log = structlog.get_logger(__name__)
 
@@ -83,8 +83,8 @@ class SeqResult(msgspec.Struct, frozen=True):
     """What the worker returns for one sequence of the plan."""
 
     tokens: list[int] = []  # accepted drafts, then the next token (an empty default is copied per instance)
-    output_logprobs: RowLogprobs | None = None  # one row per entry of `tokens`
-    prompt_logprobs: RowLogprobs | None = None  # positions [prompt_lo, prompt_hi]; the null row not included
+    output_logprobs: HostRows | None = None  # one row per entry of `tokens`
+    prompt_logprobs: HostRows | None = None  # positions [prompt_lo, prompt_hi]; the null row not included
     drafts: list[int] = []  # the next block to verify
     draft_confidence: list[float] | None = None
 
@@ -96,7 +96,6 @@ class _Pending(msgspec.Struct):
     new_token_ids: list[int] = []  # an empty default is copied per instance
     logprobs: LogprobEntries = msgspec.field(default_factory=LogprobEntries)
     finish: Finish | None = None
-    output_rows: RowLogprobs | None = None  # what `logprobs`' output arrays were set from
 
 
 class Policy:
@@ -506,8 +505,7 @@ class Policy:
         entry = self._entry(seq)
         entry.new_token_ids.extend(result.tokens[:kept])
         if result.output_logprobs is not None:
-            entry.output_rows = result.output_logprobs.head(kept)
-            entry.logprobs.set_output(entry.output_rows, seq.request.logprobs)
+            entry.logprobs.output = result.output_logprobs.head(kept)
         seq.drafts = result.drafts if finish is None else []
         seq.draft_confidence = result.draft_confidence
         if finish is not None:
@@ -625,7 +623,6 @@ def _to_output(entry: _Pending) -> RequestOutput:
         finish=entry.finish,
         logprobs=entry.logprobs if seq.wants_logprobs else None,
         spec_verify_ct=seq.spec_verify_ct if seq.speculative else None,
-        output_rows=entry.output_rows,
     )
 
 

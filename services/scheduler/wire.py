@@ -3,14 +3,13 @@ as the batch's columns where several requests have some (`OutputLogprobColumns`)
 
 from __future__ import annotations
 
-import msgspec
 import numpy as np
 
 from contracts.arrays import NDArray
 from contracts.detokenizer import OutputLogprobColumns, RequestLogprobs, TokenBatch
 from services.common.arrays import to_wire
 from services.common.output_logprob_columns import to_columns
-from services.scheduler.request import LogprobEntries, RequestOutput, are_all_rows
+from services.scheduler.request import LogprobEntries, RequestOutput, RowSpan, are_all_rows
 
 # Output entries go as the batch's columns (`OutputLogprobColumns`) once this many requests have
 # some: for one request its own three arrays are cheaper than the columns' five (host_step_cost.py).
@@ -20,8 +19,7 @@ NO_PROMPT_ENTRIES = RequestLogprobs()  # a request that asked, with nothing new 
 
 def to_request_logprobs(entries: LogprobEntries) -> RequestLogprobs:
     """The fields of the same names: arrays as NDArrays (views, no copy), unset ones left at None."""
-    fields = {name: to_wire(value) if isinstance(value, np.ndarray) else value
-              for name, value in msgspec.structs.asdict(entries).items() if value is not None}  # fmt: skip
+    fields = {name: to_wire(value) if isinstance(value, np.ndarray) else value for name, value in entries.fields().items()}
     return RequestLogprobs(**fields)
 
 
@@ -31,7 +29,7 @@ def _beside_columns(entries: LogprobEntries) -> RequestLogprobs | None:
     has neither (it asked, and nothing is new this step)."""
     if entries.has_prompt_entries():
         return to_request_logprobs(entries.prompt_part())
-    return None if entries.output_token_logprobs is not None else NO_PROMPT_ENTRIES
+    return None if entries.output is not None else NO_PROMPT_ENTRIES
 
 
 def to_token_batches(outputs: list[RequestOutput], scheduler_id: str, step: int) -> dict[str, TokenBatch]:
@@ -46,7 +44,7 @@ def _token_batch(outputs: list[RequestOutput], scheduler_id: str, step: int) -> 
     new_ids = [token for output in outputs for token in output.new_token_ids]
     entries = [output.logprobs for output in outputs]
     logprobs, columns = None, None
-    if sum(e is not None and e.output_token_logprobs is not None for e in entries) >= COLUMNS_FROM_REQUESTS:
+    if sum(e is not None and e.output is not None for e in entries) >= COLUMNS_FROM_REQUESTS:
         columns = _source_columns(outputs) or to_columns(entries)
         beside = [None if e is None else _beside_columns(e) for e in entries]
         logprobs = beside if any(entry is not None for entry in beside) else None
@@ -67,25 +65,23 @@ def _token_batch(outputs: list[RequestOutput], scheduler_id: str, step: int) -> 
 
 
 def _source_columns(outputs: list[RequestOutput]) -> OutputLogprobColumns | None:
-    """The batch's output columns cut from the one step's columns its requests' rows are views of
-    (`RowLogprobs.source`: each asked for their widths): those columns as they are when the batch
-    holds all of their rows in order (one detokenizer, a decode step), else one gather of their
-    rows, instead of `to_columns` joining one array per request. None: some request's rows are
-    arrays of their own (`to_columns` takes them), or come from another step's columns."""
+    """The batch's output columns cut from the one step's columns its requests' rows are spans of
+    (`RowSpan`: each asked for their widths): those columns as they are when the batch holds all
+    of their rows in order (one detokenizer, a decode step), else one gather of their rows, instead
+    of `to_columns` joining one array per request. None: some request's rows are rows of their own
+    (`to_columns` takes them), or spans of another step's columns."""
     source = None
     counts, firsts = [], []
     for output in outputs:
-        rows = output.output_rows
+        rows = None if output.logprobs is None else output.logprobs.output
         if rows is None:
-            if output.logprobs is not None and output.logprobs.output_token_logprobs is not None:
-                return None
             counts.append(0)
             continue
-        if rows.source is None or (source is not None and rows.source is not source):
+        if type(rows) is not RowSpan or (source is not None and rows.source is not source):
             return None
         source = rows.source
-        counts.append(len(rows.token))
-        if len(rows.token):
+        counts.append(rows.count)
+        if rows.count:
             firsts.append(rows.start)
     if source is None:
         return None

@@ -139,6 +139,6 @@ def test_verify_blocks_output_rows_travel_as_cuts_of_the_steps_columns(make_core
     taken, multi_row = 0, False
     while core.has_work():
         outputs = core.step()
-        multi_row |= any(o.output_rows is not None and len(o.output_rows.token) > 1 for o in outputs)
+        multi_row |= any(o.logprobs is not None and o.logprobs.output is not None and o.logprobs.output.num_rows > 1 for o in outputs)
         taken += assert_columns_agree(outputs)["source"]
     assert taken > 0 and multi_row

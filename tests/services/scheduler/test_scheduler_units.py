@@ -24,7 +24,7 @@ from services.scheduler.logprobs import (
     split_logprobs,
     top_k_sorted,
 )
-from services.scheduler.request import LogprobEntries, RequestOutput, RowLogprobs
+from services.scheduler.request import LogprobEntries, RequestOutput, RowLogprobs, RowSpan
 from services.scheduler.sampler import Sampler, SampleRow
 from services.scheduler.wire import to_token_batches
 
@@ -160,8 +160,9 @@ def test_compute_logprobs_chunks_rows_and_slices_per_request(monkeypatch):
 
 
 def test_split_logprobs_views_full_width_rows_and_cuts_narrower_queries():
-    """Each query takes its own rows of the step's columns: as views when it asks for the widest k
-    and ids (every request alike, the usual decode step), cut to its k and ids (contiguous) otherwise."""
+    """Each query takes its own rows of the step's columns: a span of them (read as views) when it
+    asks for the widest k and ids (every request alike, the usual decode step), cut to its k and
+    ids (contiguous) otherwise."""
     token = np.arange(4, dtype=np.float32)  # [n]
     top_values = np.arange(12, dtype=np.float32).reshape(4, 3)  # [n, max_k]
     top_ids = np.arange(12, dtype=np.int32).reshape(4, 3)
@@ -172,7 +173,9 @@ def test_split_logprobs_views_full_width_rows_and_cuts_narrower_queries():
         LogprobQuery(np.array([3]), None, top_k=0, token_ids=()),
     ]
     wide, narrow, bare = split_logprobs(queries, [token, top_values, top_ids, ids])
+    assert isinstance(wide, RowSpan) and (wide.start, wide.count) == (0, 1)
     assert all(np.shares_memory(a, b) for a, b in zip(wide.columns(), (token, top_values, top_ids, ids)))
+    assert isinstance(narrow, RowLogprobs) and isinstance(bare, RowLogprobs)
     np.testing.assert_array_equal(wide.top_ids, [[0, 1, 2]])
     np.testing.assert_array_equal(narrow.token, [1, 2])
     np.testing.assert_array_equal(narrow.top_values, [[3], [6]])
@@ -257,7 +260,7 @@ class _OldTokenBatch(msgspec.Struct, frozen=True, gc=False, omit_defaults=True):
 
 def _outputs():
     entries = LogprobEntries(
-        output_token_logprobs=np.array([-0.5], np.float32),
+        output=RowLogprobs.of(np.array([-0.5], np.float32)),
         input_start=0,
         input_token_logprobs=np.array([np.nan, -1.0], np.float32),
         input_top_logprobs=np.array([[np.nan], [-1.0]], np.float32),
@@ -274,7 +277,7 @@ def test_each_prompt_field_alone_counts_as_prompt_entries_and_output_fields_do_n
     from services.scheduler.request import PROMPT_FIELDS
 
     assert LogprobEntries().has_prompt_entries() is False
-    assert LogprobEntries(output_token_logprobs=np.zeros(1, np.float32)).has_prompt_entries() is False
+    assert LogprobEntries(output=RowLogprobs.of(np.zeros(1, np.float32))).has_prompt_entries() is False
     for name in PROMPT_FIELDS:
         entries = LogprobEntries(**{name: 0 if name in ("input_start", "input_top_null_prefix") else np.zeros((1, 1), np.float32)})
         assert entries.has_prompt_entries(), name
@@ -295,8 +298,8 @@ def test_token_batches_are_grouped_per_detokenizer_and_columnar():
 
 def test_output_entries_of_several_requests_travel_as_the_batch_columns():
     outputs = _outputs()
-    top = LogprobEntries(output_token_logprobs=np.array([-0.25, -2.0], np.float32),
-                         output_top_logprobs=np.array([[-0.25], [-0.5]], np.float32), output_top_ids=np.array([[1], [6]], np.int32))  # fmt: skip
+    top = LogprobEntries(output=RowLogprobs.of(np.array([-0.25, -2.0], np.float32), np.array([[-0.25], [-0.5]], np.float32),
+                                               np.array([[1], [6]], np.int32)))  # fmt: skip
     outputs[2] = RequestOutput("c", "d1", [1, 2], 1, Finish(FinishType.LENGTH), top)
     batch = msgspec.msgpack.decode(msgspec.msgpack.encode(to_token_batches(outputs, "s", 7)["d1"]), type=TokenBatch)
     columns = batch.output_logprobs
@@ -307,7 +310,7 @@ def test_output_entries_of_several_requests_travel_as_the_batch_columns():
     assert batch.logprobs[0].input_start == 0 and batch.logprobs[0].num_output_rows() is None
     assert batch.logprobs[1] is None and batch.logprobs[2] is None
     # without prompt entries in the batch, no per-request list at all
-    outputs[0] = RequestOutput("a", "d1", [4], 2, None, LogprobEntries(output_token_logprobs=np.array([-0.5], np.float32)))
+    outputs[0] = RequestOutput("a", "d1", [4], 2, None, LogprobEntries(output=RowLogprobs.of(np.array([-0.5], np.float32))))
     outputs[1] = RequestOutput("b", "d1", [], 3, None, LogprobEntries())  # asked; a prefill chunk, nothing new
     batch = to_token_batches(outputs, "s", 8)["d1"]
     assert batch.logprobs == [None, RequestLogprobs(), None] and from_wire(batch.output_logprobs.rows).tolist() == [1, 0, 2]
@@ -365,11 +368,16 @@ def test_processed_mode_floors_logprobs_even_when_sampling_changes_nothing():
 
 
 def test_logprob_entries_hold_exactly_the_wire_fields_of_request_logprobs():
-    """wire.to_request_logprobs passes LogprobEntries' set fields to RequestLogprobs by name: a field
-    on one side only would fail every publish (or never travel)."""
+    """wire.to_request_logprobs passes LogprobEntries' set fields to RequestLogprobs by name (the
+    output ones read from its rows): a field on one side only would fail every publish (or never travel)."""
     from contracts.detokenizer import RequestLogprobs
+    from services.scheduler.request import OUTPUT_FIELDS, PROMPT_FIELDS
 
-    assert LogprobEntries.__struct_fields__ == RequestLogprobs.__struct_fields__
+    assert (*OUTPUT_FIELDS, *PROMPT_FIELDS) == RequestLogprobs.__struct_fields__
+    assert LogprobEntries.__struct_fields__ == ("output", *PROMPT_FIELDS)
+    rows = RowLogprobs.of(np.zeros(2, np.float32), np.zeros((2, 3), np.float32), np.zeros((2, 3), np.int32))
+    assert sorted(LogprobEntries(output=rows, input_start=4).fields()) == sorted(
+        ["output_token_logprobs", "output_top_logprobs", "output_top_ids", "input_start"])  # no ids asked: width 0
 
 
 def test_build_core_takes_the_prefill_budget_and_leaves_the_dense_path_to_cuda():
