@@ -73,20 +73,25 @@ def _source_columns(outputs: list[RequestOutput]) -> OutputLogprobColumns | None
     source = None
     counts, firsts = [], []
     for output in outputs:
-        rows = None if output.logprobs is None else output.logprobs.output
+        entries = output.logprobs
+        rows = None if entries is None else entries.output
         if rows is None:
             counts.append(0)
             continue
-        if type(rows) is not RowSpan or (source is not None and rows.source is not source):
+        if rows.__class__ is not RowSpan:
             return None
-        source = rows.source
-        counts.append(rows.count)
-        if rows.count:
+        if rows.source is not source:
+            if source is not None:
+                return None
+            source = rows.source
+        count = rows.count
+        counts.append(count)
+        if count:
             firsts.append(rows.start)
     if source is None:
         return None
     rows_of = np.asarray(counts, np.int32)  # [R]
-    index = _source_rows(np.asarray(firsts, np.int64), rows_of[rows_of > 0], len(source.token))
+    index = _source_rows(firsts, counts, len(source.token))
 
     def pick(column: np.ndarray) -> np.ndarray:
         return column if index is None else column[index]
@@ -101,14 +106,15 @@ def _source_columns(outputs: list[RequestOutput]) -> OutputLogprobColumns | None
     return OutputLogprobColumns(**columns)
 
 
-def _source_rows(firsts: np.ndarray, counts: np.ndarray, num_source: int) -> np.ndarray | None:
-    """The source's rows of requests' runs (first rows [S], counts [S] > 0), in order; None when
-    they are all of its rows in order (nothing to gather)."""
-    if (counts == 1).all():
-        index = firsts
-    else:
-        offsets = np.cumsum(counts) - counts  # each run's first row in the batch's columns
-        index = np.repeat(firsts - offsets, counts) + np.arange(int(counts.sum()))
+def _source_rows(firsts: list[int], counts: list[int], num_source: int) -> np.ndarray | None:
+    """The source's rows of requests' runs (first rows of the runs, and every request's count, 0
+    for those without rows), in order; None when they are all of its rows in order (nothing to
+    gather: a decode step's one row per request, one detokenizer)."""
+    if len(firsts) == num_source and (not firsts or (firsts[-1] == num_source - 1 and firsts == list(range(num_source)))):
+        return None  # num_source disjoint runs from rows 0..num_source - 1: one row each, in order
+    runs = np.asarray([count for count in counts if count], np.int64)  # [S]
+    offsets = np.cumsum(runs) - runs  # each run's first row in the batch's columns
+    index = np.repeat(np.asarray(firsts, np.int64) - offsets, runs) + np.arange(int(runs.sum()))
     return None if are_all_rows(index, num_source) else index
 
 

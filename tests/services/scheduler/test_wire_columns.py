@@ -77,7 +77,11 @@ def test_requests_of_different_widths_fall_back_to_joining_their_arrays(make_cor
 
 
 def test_source_rows_of_runs_and_of_every_row_in_order():
-    assert wire._source_rows(np.array([0, 1, 2]), np.array([1, 1, 1]), 3) is None  # all rows in order
-    assert wire._source_rows(np.array([0, 2]), np.array([1, 1]), 3).tolist() == [0, 2]
-    assert wire._source_rows(np.array([4, 0]), np.array([2, 3]), 6).tolist() == [4, 5, 0, 1, 2]  # verify blocks
-    assert wire._source_rows(np.array([0, 3]), np.array([3, 1]), 5).tolist() == [0, 1, 2, 3]  # the last row unused
+    assert wire._source_rows([0, 1, 2], [1, 1, 1], 3) is None  # all rows in order
+    assert wire._source_rows([0, 1, 2], [1, 0, 1, 1], 3) is None  # a request without rows between them
+    assert wire._source_rows([], [0, 0], 0) is None
+    assert wire._source_rows([0, 2], [1, 1], 3).tolist() == [0, 2]
+    assert wire._source_rows([1, 0], [1, 1], 2).tolist() == [1, 0]  # two detokenizers' requests interleaved
+    assert wire._source_rows([4, 0], [2, 0, 3], 6).tolist() == [4, 5, 0, 1, 2]  # verify blocks
+    assert wire._source_rows([0, 3], [3, 1], 5).tolist() == [0, 1, 2, 3]  # the last row unused
+    assert wire._source_rows([0, 3], [3, 2], 5) is None  # runs that make up every row in order
