@@ -12,11 +12,13 @@ settings 880 and 111.4 ms. Raising both thresholds keeps freed large blocks in t
 reuse: page faults are paid once per high-water mark, not once per message.
 
 The collector: CPython runs a young collection once 700 more container objects are alive than
-at the last one. A scheduler step with top-20 output logprobs at batch 64 holds a few hundred
-short-lived objects per step (views, entries, outputs), so with that threshold it ran a young
-collection almost every step (~100 us each on the 2-core box, `ops/bench/host_step_cost.py`'s
-`gc_us`), and every collection that reaches the oldest generation walks the whole heap: ~310,000
-objects after torch's import, 138 ms on that box. `collector_tuned` raises the young threshold so
+at the last one. A scheduler decode step makes a few short-lived objects per request (queries,
+entries, outputs): with top-20 output logprobs that crossed 700 at batch 64 in 38 of 39 steps
+(before a request's rows became one `RowSpan`; at batch 128 it still does about every other step,
+`tests/services/scheduler/test_collector.py`), ~100 us a collection on the 2-core box
+(`ops/bench/host_step_cost.py`'s `gc` column), and every collection that reaches the oldest
+generation walks the whole heap: ~310,000 objects after torch's import, 138 ms on that box, and
+180-228 ms pauses in every stream of a 0.6B run on an H100 (`gpu_serve.md`, 0.6B run 31). `collector_tuned` raises the young threshold so
 that the step's objects are freed by their reference counts before any collection sees them, and
 `settle_startup_heap` moves what start-up made (modules, the model, compiled kernels) out of the
 collector's reach once a service is ready (`gc.freeze`), as vLLM and SGLang do after start-up.

@@ -131,13 +131,15 @@ class HostReadback:
         if not parts:
             return PendingReadback(None, None, kinds)
         self.num_copies += 1
-        device = parts[0] if len(parts) == 1 else one_span(parts)
-        joined = device is None
+        span = (parts[0], [0]) if len(parts) == 1 else one_span(parts)
+        joined = span is None
         if joined:
             self.num_joined += 1
-            device = torch.cat(parts)  # the step's one device->host copy, from here
+            device, gaps = torch.cat(parts), None  # the step's one device->host copy, from here
+        else:
+            device, gaps = span
         if device.device.type != "cuda":  # no device to wait for: the copy is done (a copy: parts may be static buffers')
-            return PendingReadback((device if joined else device.clone()).cpu(), None, kinds)
+            return PendingReadback((device if joined else device.clone()).cpu(), None, kinds, gaps=gaps)
         turn, self._turn = self._turn, 1 - self._turn
         if self._in_use[turn] is not None:
             self._in_use[turn].wait()  # the copy two steps back was never waited for: it leaves the buffer now
@@ -145,7 +147,7 @@ class HostReadback:
         staging.copy_(device, non_blocking=True)
         copied = self._copied[turn]  # free to record again: the step that last used it was waited for
         copied.record()
-        pending = self._in_use[turn] = PendingReadback(staging, copied, kinds, release=lambda: self._release(turn, pending))
+        pending = self._in_use[turn] = PendingReadback(staging, copied, kinds, release=lambda: self._release(turn, pending), gaps=gaps)
         return pending
 
     def fetch(self) -> list[np.ndarray]:
@@ -164,21 +166,30 @@ class HostReadback:
             self._in_use[turn] = None
 
 
-def one_span(parts: list[torch.Tensor]) -> torch.Tensor | None:
-    """1-D int32 parts that lie back to back, in order, in one storage: the one 1-D view over all of
-    them (empty parts anywhere); else None, found out at the first part that breaks the run."""
+MAX_GAP_WORDS = 3  # padding one span still covers between two parts (a packed buffer aligning its columns to 16 bytes)
+
+
+def one_span(parts: list[torch.Tensor]) -> tuple[torch.Tensor, list[int]] | None:
+    """1-D int32 parts that lie in order in one storage, back to back or apart by at most
+    MAX_GAP_WORDS words of padding: the one 1-D view over all of them (padding included) and the
+    words to skip before each part (empty parts anywhere: 0); else None, found out at the first
+    part that breaks the run."""
     first = storage = end = None
     total = 0
+    gaps = []
     for part in parts:
         if not part.numel():
+            gaps.append(0)
             continue
         if first is None:
             first, storage, end = part, part.untyped_storage().data_ptr(), part.data_ptr()
-        elif part.data_ptr() != end or part.untyped_storage().data_ptr() != storage:
+        gap, rest = divmod(part.data_ptr() - end, part.element_size())
+        if rest or not 0 <= gap <= MAX_GAP_WORDS or part.untyped_storage().data_ptr() != storage:
             return None
-        end += part.numel() * part.element_size()
-        total += part.numel()
-    return None if first is None else first.as_strided((total,), (1,))
+        gaps.append(gap)
+        end = part.data_ptr() + part.numel() * part.element_size()
+        total += gap + part.numel()
+    return None if first is None else (first.as_strided((total,), (1,)), gaps)
 
 
 class PendingReadback:
@@ -190,8 +201,10 @@ class PendingReadback:
         copied: torch.cuda.Event | None,
         kinds: list[tuple[torch.dtype, tuple[int, ...], bool]],  # (dtype, shape, sent as int64 halves)
         release: Callable[[], None] | None = None,  # gives the staging buffer back (CUDA)
+        gaps: list[int] | None = None,  # words of padding before each part (`one_span`); None: none
     ) -> None:
         self._host, self._copied, self._kinds, self._release = host, copied, kinds, release
+        self._gaps = gaps or [0] * len(kinds)
         self._out: list[np.ndarray] | None = None
 
     def wait(self) -> list[np.ndarray]:
@@ -206,8 +219,9 @@ class PendingReadback:
             host = host.copy()
             self._release()
         out, offset = [], 0
-        for dtype, shape, halves in self._kinds:
+        for (dtype, shape, halves), gap in zip(self._kinds, self._gaps, strict=True):
             size = math.prod(shape) * (2 if halves else 1)  # math's: np.prod took ~3.5 us a part
+            offset += gap
             chunk = host[offset : offset + size]
             offset += size
             if halves:

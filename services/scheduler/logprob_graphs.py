@@ -232,13 +232,23 @@ def _columns(static: dict[str, torch.Tensor], key: _Key, keys: TopKKeys, fused: 
     return logprob_columns(static["logits"], static["targets"], key.k, static.get("ids"), sampling, keys, fused)
 
 
+PACKED_ALIGN_WORDS = 4  # each column of a greedy key's buffer starts at a multiple of 16 bytes
+
+
 def _packed_buffer(key: _Key, device: torch.device) -> tuple[torch.Tensor, RowLogprobs[torch.Tensor]]:
     """A greedy key's one int32 buffer and its columns' views: tokens int64 [R] (2R words), then
-    token f32 [R], top values f32 [R, K], top ids int32 [R, K], ids f32 [R, M], back to back."""
+    token f32 [R], top values f32 [R, K], top ids int32 [R, K], ids f32 [R, M], in that order, each
+    from a multiple of 16 bytes (padding between them is never read). Triton compiles a kernel
+    again for a pointer not 16-byte aligned, so unaligned columns (R = 1 or 2, any K) made the
+    first step of such a rung compile the logprob kernels anew while serving (150-310 ms,
+    `gpu_serve.md` run 33); aligned, they run what `triton_logprobs.warm_kernels` compiled."""
     rows, k, m = key.rows, key.k, key.num_ids
-    packed = torch.zeros(3 * rows + 2 * rows * k + rows * m, dtype=torch.int32, device=device)
-    bounds = [2 * rows, 3 * rows, 3 * rows + rows * k, 3 * rows + 2 * rows * k, len(packed)]
-    token, values, ids, requested = (packed[a:b] for a, b in zip(bounds, bounds[1:]))
+    sizes = (2 * rows, rows, rows * k, rows * k, rows * m)  # int32 words
+    starts = [0]
+    for size in sizes[:-1]:
+        starts.append(starts[-1] + -(-size // PACKED_ALIGN_WORDS) * PACKED_ALIGN_WORDS)
+    packed = torch.zeros(starts[-1] + sizes[-1], dtype=torch.int32, device=device)
+    _, token, values, ids, requested = (packed[start : start + size] for start, size in zip(starts, sizes, strict=True))
     return packed, RowLogprobs(token.view(torch.float32), values.view(torch.float32).view(rows, k), ids.view(rows, k),
                                requested.view(torch.float32).view(rows, m))  # fmt: skip
 

@@ -86,13 +86,34 @@ def test_parts_back_to_back_in_one_buffer_are_read_as_one_span_and_others_are_jo
 
     buffer = torch.arange(10, dtype=torch.int32)
     adjacent = [buffer[0:3], buffer[3:3], buffer[3:7], buffer[7:10]]  # an empty part in between changes nothing
-    span = one_span(adjacent)
-    assert span is not None and span.data_ptr() == buffer.data_ptr() and span.tolist() == list(range(10))
-    assert one_span([buffer[0:3], buffer[4:7]]) is None  # a gap
+    span, gaps = one_span(adjacent)
+    assert span.data_ptr() == buffer.data_ptr() and span.tolist() == list(range(10)) and gaps == [0, 0, 0, 0]
     assert one_span([buffer[3:6], buffer[0:3]]) is None  # out of order
     assert one_span([buffer[0:3], buffer[3:6].clone()]) is None  # another storage
+    assert one_span([buffer[0:3], buffer[7:10]]) is None  # more padding than MAX_GAP_WORDS (3) between them
     assert one_span([buffer[0:0]]) is None
     readback = HostReadback()
     handles = [readback.add(part) for part in adjacent]
     host = readback.fetch()
     assert readback.num_joined == 0 and [host[h].tolist() for h in handles] == [p.tolist() for p in adjacent]
+
+
+def test_parts_apart_by_a_few_words_of_padding_are_still_one_span_and_read_past_it():
+    """A packed buffer aligns its columns to 16 bytes (logprob_graphs._packed_buffer): up to three
+    words of padding between parts; the one copy covers them and each part is read at its place."""
+    from services.scheduler.host_io import one_span
+
+    buffer = torch.arange(20, dtype=torch.int32)
+    parts = [buffer[0:2], buffer[4:5], buffer[5:5], buffer[8:11], buffer[12:20]]  # gaps 2, 0, 3 and 1 words
+    span, gaps = one_span(parts)
+    assert span.data_ptr() == buffer.data_ptr() and span.numel() == 20 and gaps == [0, 2, 0, 3, 1]
+    readback = HostReadback()
+    handles = [readback.add(part) for part in parts]
+    floats = buffer[12:20].view(torch.float32)  # a float column among them reads back as floats
+    readback.add(floats)
+    host = readback.fetch()
+    assert readback.num_copies == 1 and readback.num_joined == 1  # the float part repeats [12:20]: joined
+    readback = HostReadback()
+    handles = [readback.add(part) for part in parts]
+    host = readback.fetch()
+    assert readback.num_joined == 0 and [host[h].tolist() for h in handles] == [p.tolist() for p in parts]

@@ -233,6 +233,30 @@ def test_greedy_writes_tokens_and_columns_back_to_back_so_the_readback_copies_on
     assert [len(part) for part in readback.fetch()] == [2, 4] and readback.num_joined == 1
 
 
+@pytest.mark.parametrize("rows", [1, 2, 3, 4])
+@pytest.mark.parametrize("k, num_ids", [(1, 0), (5, 2), (20, 0), (20, 4)])
+def test_greedy_buffers_align_every_column_to_16_bytes_and_still_read_back_in_one_copy(rows, k, num_ids):
+    """Triton compiles its kernels again for a pointer not 16-byte aligned: the greedy buffer's
+    columns all start at 16 bytes (the warm-up's fresh tensors do), padding between them, and the
+    readback still copies the buffer once, reading each column past the padding."""
+    from services.scheduler.host_io import HostReadback
+    from services.scheduler.logprob_graphs import _Key, _packed_buffer, _packed_tokens
+
+    packed, rows_out = _packed_buffer(_Key(rows, k, num_ids, None), torch.device("cpu"))
+    columns = [_packed_tokens(packed, rows), *rows_out.columns()]
+    assert all((c.data_ptr() - packed.data_ptr()) % 16 == 0 for c in columns if c.numel())
+    columns[0].copy_(torch.arange(rows) + 7)  # tokens (int64 that fit 32 bits, as token ids do)
+    for i, column in enumerate(columns[1:], start=1):  # distinct words in every other column
+        column.view(torch.int32).view(-1).copy_(torch.arange(column.numel(), dtype=torch.int32) + 100 * i)
+    readback = HostReadback()
+    handles = [readback.add(columns[0][:, None]), *(readback.add(c) for c in columns[1:])]
+    host = readback.fetch()
+    assert readback.num_copies == 1 and readback.num_joined == 0
+    assert host[handles[0]].ravel().tolist() == columns[0].tolist()
+    for handle, column in zip(handles[1:], columns[1:], strict=True):
+        np.testing.assert_array_equal(host[handle], column.numpy())
+
+
 def test_a_replayed_greedy_call_launches_nothing_without_requested_ids(fake_cuda_capture):
     """Top-k alone: no copy in (the logits are read in place, the targets are the graph's argmax), so
     the host's cost is the replay; requested ids add their one copy."""
