@@ -27,7 +27,8 @@ whole prompt's rows) stay on the eager chunked path.
 `greedy` serves the commonest step with output logprobs: a plain greedy decode graph step whose
 every sequence wants them. Its graph (keyed also by the decode graph's static logits, which it reads
 in place: no rows copied in) takes each row's argmax too, the step's token, as its target, and
-writes tokens and columns into one buffer back to back, which `HostReadback` copies as one span: a
+writes tokens and columns into one buffer (each column 16-byte aligned, a few words of padding
+between them: `_packed_buffer`), which `HostReadback` copies as one span: a
 step launches two copies (logits rows, targets), an argmax and a concatenation fewer than `_verify`'s
 argmax and `compute`, the host's time that bounds a small model's batch-1 decode through the stack.
 Served by default (`--no-greedy-logprob-graphs` turns it off): on the H200 it gives the same tokens and
@@ -85,7 +86,7 @@ class _Graph:
     inputs: dict[str, torch.Tensor]  # static: logits [R, V], targets [R] (not greedy), ids [R, M] (M > 0), sampling [R] each
     output: RowLogprobs[torch.Tensor] | None  # static: token [R], top-k [R, K] twice, ids [R, M]; None: eager
     graph: torch.cuda.CUDAGraph | None
-    packed: torch.Tensor | None = None  # greedy: int32 [3R + 2RK + RM], tokens (int64) then output's columns, in order
+    packed: torch.Tensor | None = None  # greedy: int32, tokens (int64) then output's columns, in order (`_packed_buffer`)
 
 
 class LogprobGraphs:
