@@ -333,7 +333,8 @@ class ModelWorker:
         """Known before the forward (so their indices ride in the step's one upload): every prompt
         row asked for, and the verify rows of each producer that wants logprobs: its anchor's and its
         drafts' (its tokens come from those; the rows padding it to K + 1 would be computed for nothing)."""
-        prompt = [(i, self._prompt_query(plan.steps[i], layout.row_start[i])) for i in range(len(plan.steps))]
+        asking = [i for i, step in enumerate(plan.steps) if step.prompt_lo <= step.prompt_hi]  # a decode step: none
+        prompt = [(i, self._prompt_query(plan.steps[i], layout.row_start[i])) for i in asking]
         width = layout.max_draft + 1
         logits_rows = np.arange(len(layout.producers) * width, dtype=np.int64).reshape(-1, width)  # [P, K + 1] of the verified logits
         output = []
