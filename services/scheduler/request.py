@@ -94,6 +94,19 @@ class RowLogprobs(msgspec.Struct, Generic[Array], frozen=True):
         )
 
 
+class _SpanColumn:
+    """A `RowSpan`'s column of the name it is bound to: the source's, cut to the span's rows (a
+    view, made when read)."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    def __get__(self, span: RowSpan | None, owner: type | None = None):
+        if span is None:
+            return self  # read on the class
+        return getattr(span.source, self.name)[span.start : span.start + span.count]
+
+
 class RowSpan(msgspec.Struct, frozen=True, gc=False):
     """`count` rows of a step's host columns from row `start`, read as `RowLogprobs` reads (each
     column a view, made when read). What each request of a step gets where it asked for the
@@ -104,21 +117,10 @@ class RowSpan(msgspec.Struct, frozen=True, gc=False):
     start: int
     count: int
 
-    @property
-    def token(self) -> np.ndarray:
-        return self.source.token[self.start : self.start + self.count]
-
-    @property
-    def top_values(self) -> np.ndarray:
-        return self.source.top_values[self.start : self.start + self.count]
-
-    @property
-    def top_ids(self) -> np.ndarray:
-        return self.source.top_ids[self.start : self.start + self.count]
-
-    @property
-    def ids(self) -> np.ndarray:
-        return self.source.ids[self.start : self.start + self.count]
+    token = _SpanColumn()  # f32 [count]
+    top_values = _SpanColumn()  # f32 [count, k]
+    top_ids = _SpanColumn()  # i32 [count, k]
+    ids = _SpanColumn()  # f32 [count, m]
 
     @property
     def num_rows(self) -> int:

@@ -333,8 +333,8 @@ class ModelWorker:
         """Known before the forward (so their indices ride in the step's one upload): every prompt
         row asked for, and the verify rows of each producer that wants logprobs: its anchor's and its
         drafts' (its tokens come from those; the rows padding it to K + 1 would be computed for nothing)."""
-        asking = [i for i, step in enumerate(plan.steps) if step.prompt_lo <= step.prompt_hi]  # a decode step: none
-        prompt = [(i, self._prompt_query(plan.steps[i], layout.row_start[i])) for i in asking]
+        # only steps with prompt rows left (none in a decode step)
+        prompt = [(i, self._prompt_query(s, layout.row_start[i])) for i, s in enumerate(plan.steps) if s.prompt_lo <= s.prompt_hi]
         width = layout.max_draft + 1
         logits_rows = np.arange(len(layout.producers) * width, dtype=np.int64).reshape(-1, width)  # [P, K + 1] of the verified logits
         output = []
@@ -342,7 +342,6 @@ class ModelWorker:
             step = plan.steps[i]
             if step.seq.wants_logprobs:
                 output.append((i, self._query(step, logits_rows[p, : step.num_draft + 1], None)))  # a view per query
-        prompt = [(i, q) for i, q in prompt if q is not None]
         return _LogprobQueries(prompt, output, len(layout.producers) * width)
 
     def _logprobs(self, wanted: _LogprobQueries, arrays, hidden: torch.Tensor, verified: _Verified | None,
@@ -362,10 +361,9 @@ class ModelWorker:
                                                self._fused_logprobs)  # fmt: skip
         return _LogprobJobs(wanted.prompt, prompt_lp, wanted.output, output_lp)
 
-    def _prompt_query(self, step: SeqStep, row_start: int) -> LogprobQuery | None:
+    def _prompt_query(self, step: SeqStep, row_start: int) -> LogprobQuery:
+        """The rows of prompt positions [prompt_lo, prompt_hi] (a step with some: lo <= hi)."""
         seq, lo, hi = step.seq, step.prompt_lo, step.prompt_hi
-        if lo > hi:
-            return None
         first = lo + 1 if lo == seq.prompt_logprob_start else lo  # the first returned position is null
         positions = np.arange(first, hi + 1, dtype=np.int64)  # [p]
         rows = row_start + positions - 1 - step.start
