@@ -114,15 +114,17 @@ def prompt_chunk_section(shape: Shape, device: str, paths: tuple[str, ...], repe
     return _compare(row, paths, device, repeats, lambda fused: logprob_columns(logits, targets, shape.prompt_k, None, None, keys, fused))
 
 
-# (BLOCK, target programs) of the layout sweep; the defaults: (1024, 264) for f32 rows, (2048, 264) for bf16
-LAYOUTS = ((1024, 264), (1024, 1024), (1024, 2048), (1024, 4096), (1024, 8192), (2048, 264), (2048, 2048), (4096, 264), (4096, 2048))
+# (BLOCK, target programs) of the layout sweep; the default first: (2048, 528) for every dtype
+LAYOUTS = ((2048, 528), (1024, 264), (1024, 528), (1024, 1024), (2048, 264), (2048, 1024), (2048, 2048), (4096, 528))
 
 
 def layout_section(shape: Shape, device: str, repeats: int) -> list[dict]:
     """The kernels at other column tiles (BLOCK) and programs per step (more splits a row), on prompt
     rows (bf16, k=2: the chunk, and a short prompt's 128) and output rows (f32, k=20: each of the
-    `rows` section's counts): ms eagerly, and agreement with the torch path (the split count changes
-    the log-sum-exp's order of additions, not the top-k). The defaults: `block_for` each dtype."""
+    `rows` section's counts): ms eagerly and replayed from a CUDA graph (a step runs them graphed: the
+    eager figure is mostly three launches at tens of rows), each kernel's device ms, and agreement
+    with the torch path (the split count changes the log-sum-exp's order of additions, not the
+    top-k). The default: `triton_logprobs.BLOCK` and `TARGET_PROGRAMS`."""
     from services.scheduler.triton_logprobs import raw_logprob_columns, split_layout
 
     generator = torch.Generator(device=device).manual_seed(3)
@@ -140,7 +142,8 @@ def layout_section(shape: Shape, device: str, repeats: int) -> list[dict]:
             token, values, ids, _ = call()
             splits = split_layout(num_rows, shape.vocab, max(2, 1 << (k - 1).bit_length()), block, target_programs=programs)[0]
             row = {"block": block, "target_programs": programs, "splits": splits, "rows": num_rows, "k": k, "dtype": str(dtype).removeprefix("torch."),
-                   "kernel_ms": median_ms(call, device, repeats)} | agreement(want, (token, values, ids))  # fmt: skip
+                   "kernel_ms": median_ms(call, device, repeats), "kernel_graph_ms": graph_ms(call, device, repeats),
+                   "kernels_device_ms": _kernel_device_ms(call, device)} | agreement(want, (token, values, ids))  # fmt: skip
             rows.append(rounded(row))
     return rows
 
@@ -262,7 +265,8 @@ def table(result: dict) -> str:
                      f"peak extra {gib or 'n/a'} |")  # fmt: skip
     for row in section_rows(result, "layouts"):
         lines.append(f"| layout BLOCK {row['block']}, {row['target_programs']} programs ({row['splits']} splits): {row['rows']} rows "
-                     f"{row['dtype']} k={row['k']} | | {row['kernel_ms']} | | | {row['max_abs_diff']} | {row['ids_equal']} | |")  # fmt: skip
+                     f"{row['dtype']} k={row['k']} | | {row['kernel_ms']} | | {row.get('kernel_graph_ms') or ''} | {row['max_abs_diff']} | "
+                     f"{row['ids_equal']} | {_per_kernel(row)} |")  # fmt: skip
     return "\n".join(lines)
 
 

@@ -5,30 +5,30 @@ by the smaller id), top-k ids int32 [c, k], requested ids' logprobs [c, m].
 
 Imported lazily, only where Triton runs (`logprobs.runs_fused`: the caller's switch, on CUDA with
 Triton; the interpreter in tests). Why this shape: the torch path's cost at 64-512 rows is its two
-top-k passes over [c, V] and their [c, V] temporaries; here the row is read twice (512 fp32 rows of
-the 8B vocabulary: 2 x 311 MB, ~0.13 ms at the H200's bandwidth; an estimate until
-ops/bench/gpu_logprob_kernel_check.py measures it) and nothing of size [c, V] is written, so the
-prompt path can hand over bf16 logits (no f32 copy) in chunks of 1024 rows.
+top-k passes over [c, V] and their [c, V] temporaries; here the row is read once, plus the ~k tiles
+that can hold its top-k, and nothing of size [c, V] is written, so the prompt path can hand over bf16
+logits (no f32 copy) in chunks of 1024 rows.
 
 Each row is cut into S splits of whole BLOCK-column tiles, one program each (grid [c, S]); S comes
 from the host ints c and V alone (`split_layout`: ~TARGET_PROGRAMS programs, so one row still fills
-the GPU; 1 for hundreds of rows), so a captured graph keeps it, and no kernel reads a device value on
+the GPU; 1 for a thousand rows), so a captured graph keeps it, and no kernel reads a device value on
 the host: CUDA-graph safe.
 
-1. `_partial_lse_kernel`: each split's max m_s and sum of exp(x - m_s), fp32, and each tile's max.
+1. `_partial_lse_kernel`: each split's max m_s and sum of exp(x - m_s), fp32, and each tile's max
+   (the next tile's load in flight while this one is reduced).
 2. `_candidates_kernel`: each program merges its row's S partials (m = max m_s, L = log sum_s l_s
-   exp(m_s - m): every program of the row computes the same two numbers the same way), scans its
-   split again with logprob = (x - m) - L (log_softmax's own order of operations, so values match
-   torch to rounding of L) and keeps its split's k best (in K_PAD >= k slots) as unique int64 keys:
-   the fp32 logprob's bits made order-preserving in the high half, 2^32 - 1 - id in the low half,
-   so a larger key is a larger logprob and, among equal logprobs, the smaller id. A tile builds
-   keys only when its largest logit's logprob reaches the k-th kept, and inserts only while its best
-   key beats it (threshold pruning: most tiles cost one float max; a 1024-row bf16 chunk at k = 2
-   0.28 against 0.37 ms with keys built for every tile, ops/bench/results/gpu_logprob_kernel.md, run 5).
-   The k-th kept starts at a floor: the logprob of the k-th largest tile maximum of the row (k
-   columns of distinct tiles reach it, so every column of the row's top-k does), so a split inserts
-   only its columns at or above the floor, not its own k best (each insertion is a round of two
-   reductions: one row's candidates 9.5 against 19.5 us, run 9).
+   exp(m_s - m): every program of the row computes the same two numbers the same way) and keeps its
+   split's best (in K_PAD >= k slots) as unique int64 keys of logprob = (x - m) - L (log_softmax's
+   own order of operations, so values match torch to rounding of L): the fp32 logprob's bits made
+   order-preserving in the high half, 2^32 - 1 - id in the low half, so a larger key is a larger
+   logprob and, among equal logprobs, the smaller id. The kept k-th starts at a floor: the logprob
+   of the k-th largest tile maximum of the row (k columns of distinct tiles reach it, so every
+   column of the row's top-k does), so a split keeps only its columns at or above the floor (each
+   insertion is a round of two reductions: one row's candidates 9.5 against 19.5 us,
+   ops/bench/results/gpu_logprob_kernel.md, run 9). A tile is read only when its stored maximum's
+   logprob reaches the k-th kept (the tile maxima come from kernel 1, screened as a vector, so the
+   rest of the row is not read again: 64 f32 rows' candidates 21 against 35 us, run 10), and then
+   inserts only while its best key beats it.
 3. `_finish_kernel` (grid [c]): the same m and L, the target's and requested ids' logprobs (gathers
    of x, same formula), and the top-k of the row's S * K_PAD candidates by k rounds of max, unpacked
    to value and id. The row's top-k is in the union of every split's top-k, so it is exact.
@@ -46,22 +46,16 @@ import triton.language as tl
 
 from services.scheduler.logprobs import MAX_FUSED_K
 
-BLOCK = 1024  # columns a program reads at once, f32 logits (the H200: 4 warps, 8 fp32 a thread)
-# bf16 / f16 logits (the prompt path's chunks, as the LM head gives them): twice the columns, the same
-# bytes a tile. A 1024-row bf16 chunk at k = 2: 0.35-0.37 ms against 0.53 at 1024 columns
-# (ops/bench/results/gpu_logprob_kernel.md, run 4: ~5 ms over a 32k prompt's 32 chunks).
-HALF_PRECISION_BLOCK = 2 * BLOCK
+# Columns a program reads at once, of any dtype (f32 output rows: 16 a thread at 4 warps; bf16 prompt
+# chunks: 16 bf16). At 64 f32 rows, k = 20, 0.045 ms graphed against 0.056 at 1024 columns, and every
+# row count and the prompt chunk as fast or faster (ops/bench/results/gpu_logprob_kernel.md, run 10).
+BLOCK = 2048
 MAX_SPLITS = 64
-TARGET_PROGRAMS = 264  # 2 per SM of the H200's 132
+TARGET_PROGRAMS = 528  # 4 per SM of the H200's 132 (run 10: 64 f32 rows 0.045 against 0.047 ms at 264)
 MAX_CANDIDATES = 4096  # S * K_PAD: what `_finish_kernel` holds in registers for one row
-RANK_CHUNK = 32  # tile maxima `_kth_tile_max` compares each one with at once ([tiles, 32]: 64 a thread at 149 tiles)
+RANK_CHUNK = 32  # tile maxima `_kth_tile_max` compares each one with at once ([tiles, 32]: 32 a thread at 75 tiles)
 NO_KEY = tl.constexpr(-(2**63 - 1))  # below every key of a non-NaN logprob (their high half >= -2139095041)
 OUT_OF_PLAY = tl.constexpr(2**63 - 1)  # above every key: a candidate slot past k, never the minimum, stored as NO_KEY
-
-
-def block_for(dtype: torch.dtype) -> int:
-    """The column tile the kernels read logits of `dtype` in."""
-    return BLOCK if dtype.itemsize >= 4 else HALF_PRECISION_BLOCK
 
 
 def max_splits_for(vocab_size: int, k_pad: int, block: int = BLOCK, most: int = MAX_SPLITS) -> int:
@@ -104,10 +98,10 @@ def raw_logprob_columns(
     """logits [c, V] bf16/f16/f32, targets int64 [c], ids int64 [c, m] or None, 0 <= k <= min(MAX_FUSED_K, V)
     -> token f32 [c], top-k values f32 [c, k], top-k ids int32 [c, k], ids' logprobs f32 [c, m].
     out: those four, contiguous, to write into (`LogprobGraphs.greedy`'s one buffer); None: new ones.
-    block (None: `block_for` the logits' dtype), max_splits (None: MAX_SPLITS) and target_programs
+    block (None: BLOCK), max_splits (None: MAX_SPLITS) and target_programs
     are for tests and the layout sweep (ops/bench/gpu_logprob_kernel_check.py --sweep)."""
     assert 0 <= k <= MAX_FUSED_K, k
-    block = block_for(logits.dtype) if block is None else block
+    block = BLOCK if block is None else block
     logits = logits if logits.stride(-1) == 1 else logits.contiguous()
     num_rows, vocab = logits.shape
     num_ids = ids.shape[1] if ids is not None else 0
@@ -161,9 +155,13 @@ def _partial_lse_kernel(logits_ptr, max_ptr, sum_ptr, tile_max_ptr, stride_row, 
     cols = tl.arange(0, BLOCK)
     m = tl.full([], float("-inf"), tl.float32)
     total = tl.full([], 0.0, tl.float32)
+    # The next tile's load is issued before this tile's two reductions, so one is always in flight
+    # (64 f32 rows: 17 against 26 us at 1024 columns, run 10).
+    ahead = tl.load(row_ptr + first + cols, mask=first + cols < end, other=float("-inf"))
     for start in range(first, end, BLOCK):
         offs = start + cols
-        x = tl.load(row_ptr + offs, mask=offs < end, other=float("-inf")).to(tl.float32)  # [BLOCK]
+        x = ahead.to(tl.float32)  # [BLOCK]
+        ahead = tl.load(row_ptr + offs + BLOCK, mask=offs + BLOCK < end, other=float("-inf"))
         tile_max = tl.max(x, 0)
         tl.store(tile_max_ptr + row * num_tiles + start // BLOCK, tile_max)
         m_new = tl.maximum(m, tile_max)
@@ -187,10 +185,11 @@ def _row_lse(max_ptr, sum_ptr, row, num_splits, SPLITS_PAD: tl.constexpr):
 
 @triton.jit
 def _kth_tile_max(tile_max_ptr, row, num_tiles, k, TILES_PAD: tl.constexpr, RANK_CHUNK: tl.constexpr):
-    # The k-th largest of the row's tile maxima (-inf when it has fewer than k tiles): k distinct
-    # columns reach it (each tile's max is a column of its own), so the row's top-k all do. Each
-    # maximum's rank (how many tiles are ahead of it: larger, or equal at a smaller index) in chunks
-    # of RANK_CHUNK columns, not k rounds of a max.
+    # (the k-th largest of the row's tile maxima, -inf when it has fewer than k tiles; the maxima
+    # [TILES_PAD], -inf past the row's tiles). k distinct columns reach the former (each tile's max
+    # is a column of its own), so the row's top-k all do. Each maximum's rank (how many tiles are
+    # ahead of it: larger, or equal at a smaller index) in chunks of RANK_CHUNK columns, not k rounds
+    # of a max.
     t = tl.arange(0, TILES_PAD)
     maxima = tl.load(tile_max_ptr + row * num_tiles + t, mask=t < num_tiles, other=float("-inf"))  # [TILES_PAD]
     rank = tl.zeros([TILES_PAD], tl.int32)
@@ -199,7 +198,7 @@ def _kth_tile_max(tile_max_ptr, row, num_tiles, k, TILES_PAD: tl.constexpr, RANK
         other = tl.load(tile_max_ptr + row * num_tiles + j, mask=j < num_tiles, other=float("-inf"))  # [RANK_CHUNK]
         ahead = (other[None, :] > maxima[:, None]) | ((other[None, :] == maxima[:, None]) & (j[None, :] < t[:, None]))
         rank += tl.sum(ahead.to(tl.int32), 1)
-    return tl.max(tl.where((rank == k - 1) & (t < num_tiles), maxima, float("-inf")), 0)
+    return tl.max(tl.where((rank == k - 1) & (t < num_tiles), maxima, float("-inf")), 0), maxima
 
 
 @triton.jit
@@ -240,20 +239,30 @@ def _candidates_kernel(logits_ptr, max_ptr, sum_ptr, tile_max_ptr, cand_ptr, str
     cols = tl.arange(0, BLOCK)
     slots = tl.arange(0, K_PAD)
     # The floor: no column whose logprob is below the k-th largest tile maximum's is in the row's top-k.
-    floor = _ordered((_kth_tile_max(tile_max_ptr, row, num_tiles, k, TILES_PAD, RANK_CHUNK) - m) - lse).to(tl.int64) << 32
+    kth_tile_max, maxima = _kth_tile_max(tile_max_ptr, row, num_tiles, k, TILES_PAD, RANK_CHUNK)
+    floor = _ordered((kth_tile_max - m) - lse).to(tl.int64) << 32
     # [K_PAD] kept keys: k slots in play, from distinct sentinels just above the floor (below every key
     # of a column at or above it: their low half, 2^32 - 1 - id, exceeds K_PAD), so the minimum is one
     # slot and a split keeps nothing under the floor; the rest out of play, so a tile stops inserting
     # once it no longer beats the k-th kept, not the K_PAD-th.
     best = tl.where(slots < k, floor + slots.to(tl.int64), OUT_OF_PLAY)
     kth = tl.min(best, 0)
-    for start in range(first, end, BLOCK):
-        offs = start + cols
+    # A tile whose largest logit's logprob ranks below the k-th kept holds no better key (rounding
+    # keeps x's order). Its largest logit is the one `_partial_lse_kernel` stored (the same tile of the
+    # same split, so the same max), so such a tile is never read again: the split's tiles are screened
+    # from the maxima the floor's ranking loaded, and only those at or above the k-th kept (~k tiles a
+    # row, of 75) are read and inserted, in order, each screened against the k-th kept as it is then.
+    t = tl.arange(0, TILES_PAD)
+    first_tile = split * tiles_per_split
+    tile_key = _ordered((maxima - m) - lse)  # int32 [TILES_PAD]
+    pending = (t >= first_tile) & (t < first_tile + tiles_per_split) & (t < num_tiles) & (tile_key >= (kth >> 32).to(tl.int32))
+    tile = tl.min(tl.where(pending, t, TILES_PAD), 0)
+    while tile < TILES_PAD:
+        offs = tile * BLOCK + cols
         x = tl.load(row_ptr + offs, mask=offs < end, other=float("-inf")).to(tl.float32)
-        # A tile whose largest logit's logprob ranks below the k-th kept holds no better key (rounding
-        # keeps x's order): most tiles cost one float max and build no int64 keys.
-        if _ordered((tl.max(x, 0) - m) - lse) >= (kth >> 32).to(tl.int32):
-            best, kth = _insert_tile(best, kth, x, offs, end, m, lse)
+        best, kth = _insert_tile(best, kth, x, offs, end, m, lse)
+        pending = pending & (t > tile) & (tile_key >= (kth >> 32).to(tl.int32))
+        tile = tl.min(tl.where(pending, t, TILES_PAD), 0)
     tl.store(cand_ptr + (row * num_splits + split) * K_PAD + slots, tl.where(slots < k, best, NO_KEY))
 
 

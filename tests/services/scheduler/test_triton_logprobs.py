@@ -204,12 +204,13 @@ def test_split_layout_fills_the_gpu_for_one_row_and_uses_one_split_for_hundreds(
     pytest.importorskip("triton")
     from services.scheduler.triton_logprobs import MAX_CANDIDATES, split_layout
 
-    vocab = 151936  # 149 tiles of 1024
-    assert split_layout(1, vocab, 32) == (50, 3)  # 64 wanted, whole tiles: 50 splits of 3
-    assert split_layout(64, vocab, 32) == (5, 30)
-    assert split_layout(512, vocab, 32) == (1, 149)
+    vocab = 151936  # 75 tiles of 2048
+    assert split_layout(1, vocab, 32) == (38, 2)  # 64 wanted, whole tiles: 38 splits of 2
+    assert split_layout(64, vocab, 32) == (9, 9)  # 528 programs: 9 a row
+    assert split_layout(512, vocab, 32) == (2, 38)
+    assert split_layout(1024, vocab, 32) == (1, 75)
     splits, per_split = split_layout(1, vocab, 64)
-    assert splits * 64 <= MAX_CANDIDATES and (splits - 1) * per_split < 149 <= splits * per_split
+    assert splits * 64 <= MAX_CANDIDATES and (splits - 1) * per_split < 75 <= splits * per_split
 
 
 # ---- in the interpreter ----
@@ -238,11 +239,14 @@ def test_interpreted_kernels_match_the_torch_path(dtype, num_rows, max_splits) -
 
 @interpreted
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_interpreted_floor_from_the_tile_maxima_keeps_every_top_k_column(dtype) -> None:
+@pytest.mark.parametrize("max_splits", [None, 3, 1])
+def test_interpreted_floor_from_the_tile_maxima_keeps_every_top_k_column(dtype, max_splits) -> None:
     # Tiles of 32 columns (47 a row, more than k): the candidates keep only columns at or above the
-    # k-th largest tile maximum. Row 0: its 20 best all in one tile (one tile max above the floor's
-    # tile). Row 1: 25 tiles whose maxima tie at the 20th rank, and columns of other tiles equal to
-    # that value at smaller ids (they rank before the tile maxima). Row 2: every logit equal.
+    # k-th largest tile maximum, and read only the tiles whose stored maximum reaches the k-th kept
+    # (one tile a split, 16, or all 47 in one, screened as the k-th kept rises). Row 0: its 20 best
+    # all in one tile (one tile max above the floor's tile). Row 1: 25 tiles whose maxima tie at the
+    # 20th rank, and columns of other tiles equal to that value at smaller ids (they rank before the
+    # tile maxima). Row 2: every logit equal.
     from services.scheduler.triton_logprobs import raw_logprob_columns
 
     logits = tricky_logits(3, torch.float32, seed=7).clamp(-8, 8)
@@ -254,10 +258,10 @@ def test_interpreted_floor_from_the_tile_maxima_keeps_every_top_k_column(dtype) 
     logits = logits.to(dtype)
     for k, num_ids in ((20, 3), (5, 0), (1, 0)):
         targets, ids = row_inputs(3, num_ids)
-        got = raw_logprob_columns(logits, targets, k, ids, block=32)
+        got = raw_logprob_columns(logits, targets, k, ids, block=32, max_splits=max_splits)
         assert_columns_match(got, torch_columns(logits, targets, k, ids))
     assert got[2][:, 0].tolist() == [659, 3, 0]
-    top20 = raw_logprob_columns(logits, targets, 20, None, block=32)[2]
+    top20 = raw_logprob_columns(logits, targets, 20, None, block=32, max_splits=max_splits)[2]
     assert top20[0].tolist() == list(range(659, 639, -1))
     assert top20[1].tolist() == [3, 31, 35, 63, 64, *(torch.arange(2, 17) * 32 + 31).tolist()]
     assert top20[2].tolist() == list(range(20))
@@ -274,11 +278,12 @@ def test_interpreted_kernels_read_strided_rows_and_the_default_layout() -> None:
 
 
 @interpreted
-def test_interpreted_half_precision_logits_default_to_tiles_of_2048_columns() -> None:
-    from services.scheduler.triton_logprobs import HALF_PRECISION_BLOCK, block_for, raw_logprob_columns
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_interpreted_logits_of_each_dtype_default_to_tiles_of_2048_columns(dtype) -> None:
+    from services.scheduler.triton_logprobs import BLOCK, raw_logprob_columns
 
-    assert block_for(torch.bfloat16) == block_for(torch.float16) == HALF_PRECISION_BLOCK == 2 * block_for(torch.float32)
-    logits = tricky_logits(3, torch.bfloat16).repeat(1, 3)[:, : 2 * HALF_PRECISION_BLOCK + 300]  # three tiles, the last short; ties across them
+    assert BLOCK == 2048
+    logits = tricky_logits(3, dtype).repeat(1, 3)[:, : 2 * BLOCK + 300]  # three tiles, the last short; ties across them
     targets, ids = row_inputs(3, 3)
     for k in (2, 20):
         assert_columns_match(raw_logprob_columns(logits, targets, k, ids), torch_columns(logits, targets, k, ids))
