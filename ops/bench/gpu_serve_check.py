@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ops.bench import step_trace_summary
+from ops.bench import scheduler_profile, step_trace_summary
 from ops.bench.logprob_transport import ProcessMeter
 from ops.bench.reliability import descendants
 from ops.bench.serve import ServeConfig, run_serve_benchmark
@@ -77,6 +77,7 @@ class CheckConfig:
     up_args: tuple[str, ...] = ()  # more `sparkwire up` flags
     progress: bool = True
     step_trace: bool = True  # the scheduler's step trace, summarized per scenario (`step_trace_summary.py`)
+    profile_scheduler: bool = False  # py-spy on the scheduler during each scenario (`scheduler_profile.py`)
 
 
 def serving_model_dir(model_config: Path, into: Path) -> Path:
@@ -159,8 +160,11 @@ def serve_scenarios(check: CheckConfig, model_dir: Path, log_path: Path) -> dict
     up_args = ("--device", check.device, "--load-format", "dummy", "--model", str(model_dir), *check.up_args)
     up_args += ("--step-trace", str(trace_dir)) if check.step_trace else ()
     base_url = f"http://127.0.0.1:{free_port()}"
+    if check.profile_scheduler:
+        scheduler_profile.py_spy()  # missing: fail before the stack starts
+    spy_path = log_path.with_name(log_path.stem.removesuffix("_up") + "_spy.txt") if check.profile_scheduler else None
     with launched_stack(up_args, base_url, log_path) as stack:
-        scenarios = run_scenarios(check, base_url, stack.up.process.pid)
+        scenarios = run_scenarios(check, base_url, stack.up.process.pid, spy_path)
     if check.step_trace:
         add_step_traces(scenarios, sorted(trace_dir.glob("*.jsonl")))
     return {"ready_s": stack.ready_s, "up_exit_code": stack.exit_code, "scenarios": scenarios,
@@ -199,20 +203,41 @@ def captures_in_log(log_path: Path, capture: tuple[str, float]) -> dict[str, flo
     return {"count": len(seconds), "seconds": round(sum(seconds), 3), "longest_s": round(max(seconds, default=0.0), 3)}
 
 
-def run_scenarios(check: CheckConfig, base_url: str, up_pid: int | None = None) -> dict[str, dict]:
+def run_scenarios(check: CheckConfig, base_url: str, up_pid: int | None = None, spy_path: Path | None = None) -> dict[str, dict]:
     """Each scenario in order; one that fails is recorded and the rest still run. With `up_pid`,
-    each records the CPU its stack's processes used meanwhile (`stack_cpu`)."""
+    each records the CPU its stack's processes used meanwhile (`stack_cpu`); with `spy_path` too,
+    py-spy's profile of the scheduler's GIL meanwhile (`scheduler_profile`, warm-ups included; the
+    raw samples beside `spy_path`, one file a scenario)."""
     measured: dict[str, dict] = {}
     for name in check.scenarios:
+        scheduler = _scheduler_pid(up_pid) if spy_path is not None else None
+        recording = None if scheduler is None else scheduler_profile.Recording.start(scheduler, spy_path.with_stem(f"{spy_path.stem}_{name}"))
         before, began = tree_cpu_seconds(up_pid), time.monotonic()
         try:
             measured[name] = run_serve_benchmark(scenario_config(name, check, base_url, measured))
         except Exception:
             measured[name] = {"error": traceback.format_exc()[-3000:]}
             continue
+        finally:
+            profile = None if recording is None else recording.stop(time.monotonic() - began)
         wall, after = time.monotonic() - began, tree_cpu_seconds(up_pid)
         measured[name]["stack_cpu"] = {proc: round((after[proc] - before.get(proc, 0.0)) / wall, 3) for proc in after}
+        if profile is not None:
+            measured[name]["scheduler_profile"] = profile
     return measured
+
+
+def _scheduler_pid(up_pid: int | None) -> int | None:
+    """The (first) scheduler process under `sparkwire up`."""
+    if up_pid is None or not Path("/proc").is_dir():
+        return None
+    for pid in sorted(descendants(up_pid)):
+        try:
+            if _process_name(Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")) == "sparkwire scheduler":
+                return pid
+        except OSError:
+            continue
+    return None
 
 
 def tree_cpu_seconds(root: int | None) -> dict[str, float]:
@@ -266,6 +291,8 @@ def table(result: dict[str, Any]) -> str:
                          + ", ".join(f"{proc} {cores:.2f}" for proc, cores in sorted(r["stack_cpu"].items())))  # fmt: skip
         if "step_trace" in r:
             lines.append(f"\nsteps of `{name}`: {step_trace_summary.table(r['step_trace'])}")
+        if "scheduler_profile" in r:
+            lines.append(f"\n`{name}`: {scheduler_profile.table(r['scheduler_profile'])}")
     for kind in ("ragged", "logprob"):
         captures = result.get(f"{kind}_captures")
         if captures:
@@ -299,6 +326,8 @@ def main() -> None:
     parser.add_argument("--scenarios", nargs="*", choices=SCENARIOS, default=list(SCENARIOS))
     parser.add_argument("--up-args", default="", help='more `sparkwire up` flags, e.g. --up-args="--chunked-prefill-size 8192"')
     parser.add_argument("--no-step-trace", action="store_true", help="run the scheduler without its step trace")
+    parser.add_argument("--profile-scheduler", action="store_true",
+                        help="py-spy the scheduler's GIL during each scenario (needs py-spy on PATH; scheduler_profile.py)")
     parser.add_argument("--out", type=Path, default=REPO / "ops/bench/results/gpu_serve.json")
     args = parser.parse_args()
     check = CheckConfig(
@@ -307,7 +336,7 @@ def main() -> None:
         num_warmups=args.num_warmups, long_prompt_len=args.long_prompt_len, batch1_prompts=args.batch1_prompts,
         core_baseline=not args.no_core_baseline, scenarios=tuple(args.scenarios), up_args=tuple(shlex.split(args.up_args)),
         progress=sys.stderr.isatty(),  # a captured log gets the table, not thousands of bar updates
-        step_trace=not args.no_step_trace,
+        step_trace=not args.no_step_trace, profile_scheduler=args.profile_scheduler,
     )  # fmt: skip
     run(check, args.out)
 

@@ -99,3 +99,26 @@ def test_the_flash4_warm_up_is_read_from_the_scheduler_log(tmp_path):
     assert flash4_warmed_s(log) == 10.69
     log.write_text("[scheduler] 2026-12-02 05:30:01 [info     ] logprob_kernels.warmed         seconds=1.98\n")
     assert flash4_warmed_s(log) is None  # no FA4: long prompts attended by SDPA
+
+
+@pytest.mark.timeout(120)
+def test_profile_scheduler_records_the_schedulers_gil_per_scenario(shape_dir, tmp_path, capsys):
+    from ops.bench import scheduler_profile
+
+    try:
+        scheduler_profile.py_spy()
+    except RuntimeError:
+        pytest.skip("py-spy is not installed (the test extras install it)")
+    check = CheckConfig(model_config=shape_dir, device="cpu", concurrency=3, num_prompts=12, input_len=8, output_len=16, num_warmups=1,
+                        core_baseline=False, progress=False, scenarios=("concurrency",), profile_scheduler=True)  # fmt: skip
+    out = tmp_path / "gpu_serve.json"
+    run(check, out)
+    profile = json.loads(out.read_text())["scenarios"]["concurrency"]["scheduler_profile"]
+    if "error" in profile and ("ermission" in profile["error"] or "not permitted" in profile["error"]):
+        pytest.skip(f"this machine does not let py-spy read another process: {profile['error']}")
+    assert "error" not in profile, profile
+    assert profile["samples"] > 0 and 0 < profile["gil_held_share"] <= 1.2
+    assert "scheduler-step" in profile["threads"]  # the step thread, by its name
+    assert any(name.startswith("SchedulerCore.step ") for name in profile["inclusive"]), profile["inclusive"]
+    assert (tmp_path / "gpu_serve_spy_concurrency.txt").is_file()
+    assert "`concurrency`: scheduler's GIL:" in capsys.readouterr().out
