@@ -327,7 +327,7 @@ def main() -> None:
     parser.add_argument("--up-args", default="", help='more `sparkwire up` flags, e.g. --up-args="--chunked-prefill-size 8192"')
     parser.add_argument("--no-step-trace", action="store_true", help="run the scheduler without its step trace")
     parser.add_argument("--profile-scheduler", action="store_true",
-                        help="py-spy the scheduler's GIL during each scenario (needs py-spy on PATH; scheduler_profile.py)")
+                        help="py-spy the scheduler's GIL during each scenario (needs py-spy: the 'profile' extra; scheduler_profile.py)")
     parser.add_argument("--out", type=Path, default=REPO / "ops/bench/results/gpu_serve.json")
     args = parser.parse_args()
     check = CheckConfig(

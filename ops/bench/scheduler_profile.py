@@ -58,8 +58,8 @@ class Recording:
         raw.parent.mkdir(parents=True, exist_ok=True)
         command = [py_spy(), "record", "--pid", str(pid), "--gil", "--threads", "--nonblocking", "--rate", str(rate_hz),
                    "--format", "raw", "--output", str(raw)]  # fmt: skip
-        log = raw.with_suffix(".log").open("w")
-        return cls(subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT), raw, rate_hz)
+        with raw.with_suffix(".log").open("w") as log:  # py-spy's own messages (the child keeps its copy)
+            return cls(subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT), raw, rate_hz)
 
     def stop(self, seconds: float, timeout_s: float = 30.0) -> dict:
         """SIGINT (py-spy then writes what it sampled), wait, and the summary over `seconds` of wall."""
