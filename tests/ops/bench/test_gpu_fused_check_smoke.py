@@ -1,5 +1,5 @@
 """ops/bench/gpu_fused_check.py in its CPU smoke mode (tiny model): without Triton's interpreter the
-"off" setting alone; in it (skipped without Triton; CI has none) both, so every branch the GPU run
+"off" setting alone; in it (skipped without Triton; the test extras install it) both, so every branch the GPU run
 takes, capture and CUDA events aside, has run before the GPU call."""
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """ops/bench/gpu_gemv_check.py in its CPU smoke mode, in Triton's interpreter (skipped without Triton;
-CI has none): every op and tile setting it times on the H200 runs and matches what served before to
+the test extras install it): every op and tile setting it times on the H200 runs and matches what served before to
 fp32 rounding, and the batch-1 step with the GEMVs gives the step's token without them."""
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """ops/bench/gpu_logprob_kernel_check.py in its CPU smoke mode (V=1000): without Triton's interpreter the
-torch path alone; in it (skipped without Triton; CI has none) the kernels too, compared, so every
+torch path alone; in it (skipped without Triton; the test extras install it) the kernels too, compared, so every
 branch the GPU run takes, capture, CUDA events and memory peaks aside, has run before the GPU call."""
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """ops/bench/gpu_split_kv_check.py in its CPU smoke mode (tiny model): without Triton's interpreter the
 graph section alone (the attention section says why it did not run); in it (skipped without Triton;
-CI has none) the kernel rows too, so every branch the GPU run takes, capture and CUDA events aside,
+the test extras install it) the kernel rows too, so every branch the GPU run takes, capture and CUDA events aside,
 has run before the GPU call."""
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The fused raw-mode logprob kernels (`triton_logprobs.py`) against the torch path (`logprobs._gather`
-of `_log_distribution`, the reference), in Triton's CPU interpreter (skipped without Triton; CI has
-none): f32 and bf16 logits, several splits per row, k 0..20 with and without requested ids, rows built
+of `_log_distribution`, the reference), in Triton's CPU interpreter (skipped without Triton; the
+test extras install it): f32 and bf16 logits, several splits per row, k 0..20 with and without requested ids, rows built
 with ties (at the top, across splits, at the k-th boundary, a flat row) and -inf columns; the prompt
 path through a bf16 LM head in several chunks; `LogprobGraphs`' padded twin; and a whole core. Values
 to 1e-6 (+1e-6 relative: one ulp of a logprob near -20 is 1.9e-6), ids exactly."""
@@ -120,7 +120,7 @@ def test_the_scheduler_flag_reaches_the_core_only_where_triton_runs(flag, device
                              config=SimpleNamespace(vocab_size=96), dtype=torch.bfloat16)  # fmt: skip
     warmed = []
     kernels = SimpleNamespace(warm_kernels=lambda vocab, on, dtypes: warmed.append((vocab, on.type, dtypes)))
-    monkeypatch.setitem(sys.modules, "services.scheduler.triton_logprobs", kernels)  # no Triton needed (CI has none)
+    monkeypatch.setitem(sys.modules, "services.scheduler.triton_logprobs", kernels)  # no Triton needed
     monkeypatch.setattr(service, "load_model_runner", lambda path, **options: runner)
     monkeypatch.setattr(service, "SchedulerCore", core)
     monkeypatch.setattr(service, "triton_available", lambda: True)

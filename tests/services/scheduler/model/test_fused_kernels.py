@@ -1,6 +1,6 @@
 """The fused Triton kernels (`triton_fused.py`) against their torch twins in `llama.py`, one by one
 and inside whole fp32 forwards (Qwen3 with q/k norms; Llama with attention biases), in Triton's CPU
-interpreter (skipped without Triton; CI has none). The interpreter rounds fp32 to bf16 by truncation,
+interpreter (skipped without Triton; the test extras install it). The interpreter rounds fp32 to bf16 by truncation,
 so only fp32 is compared here; bf16 is ops/bench/gpu_fused_check.py's, on the GPU."""
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Split-KV decode attention (`triton_decode.py`, num_splits > 1): the host-side split count
 (`kv_splits.py`) and the plans that carry it, the runner's switch (on by default), and the kernels
-against the torch twin in Triton's CPU interpreter (skipped without Triton; CI has none), plus a
+against the torch twin in Triton's CPU interpreter (skipped without Triton; the test extras install it), plus a
 compile-only check down to an sm_90 cubin. Speed is ops/bench/gpu_split_kv_check.py's, on the GPU."""
 
 from __future__ import annotations

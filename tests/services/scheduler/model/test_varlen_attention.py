@@ -1,6 +1,6 @@
 """Ragged steps on the varlen path: the host-built tile map, the torch twin against a dense
 reference and the SDPA groups, the runner's routing, and the Triton kernel itself, in Triton's CPU
-interpreter (skipped without Triton; CI has none) and on CUDA (skipped without a GPU)."""
+interpreter (skipped without Triton; the test extras install it) and on CUDA (skipped without a GPU)."""
 
 from __future__ import annotations
 

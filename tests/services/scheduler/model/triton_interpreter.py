@@ -1,6 +1,6 @@
 """Triton kernels' CPU checks: a file's `interpreted` cases run in a child pytest whose Triton
-starts in interpreter mode (Triton reads TRITON_INTERPRET when it is imported). CI has no Triton:
-there both the runner test and the cases skip."""
+starts in interpreter mode (Triton reads TRITON_INTERPRET when it is imported). The test extras
+install Triton (pyproject.toml), so CI runs them; without it both the runner test and the cases skip."""
 
 from __future__ import annotations
 
