@@ -34,6 +34,7 @@ import numpy as np
 import torch
 
 from contracts.scheduler import SamplingParams
+from services.scheduler.request import has_penalties, is_identity
 
 
 @dataclass(frozen=True)
@@ -44,11 +45,6 @@ class RowContext:
     prompt_ids: Sequence[int]  # the request's prompt (repetition penalty)
     output_ids: Sequence[int]  # every token generated before this row (draft tokens before it included)
     eos_ids: frozenset[int] = frozenset()  # the model's EOS ids (min_tokens holds them back unless ignore_eos)
-
-
-def is_identity(params: SamplingParams) -> bool:
-    """True when none of the processors changes this request's logits."""
-    return not params.logit_bias and params.min_new_tokens == 0 and not has_penalties(params)
 
 
 def apply_logit_bias(logits: torch.Tensor, rows: torch.Tensor, token_ids: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
@@ -103,11 +99,6 @@ class ProcessorRows:
         if any(p.repetition_penalty != 1.0 for p in params):
             seen = token_counts([c.prompt_ids for c in contexts], vocab, device) > 0
         return cls(params, [len(c.output_ids) for c in contexts], [c.eos_ids for c in contexts], counts, seen)
-
-
-def has_penalties(params: SamplingParams) -> bool:
-    """Whether this request's logits depend on the tokens it has seen (rather than only on its parameters)."""
-    return params.repetition_penalty != 1.0 or params.frequency_penalty != 0.0 or params.presence_penalty != 0.0
 
 
 class PenaltyCounts:

@@ -236,6 +236,17 @@ class RequestOutput(msgspec.Struct, frozen=True):
     spec_verify_ct: int | None = None  # verify passes so far; None without speculative decoding
 
 
+def has_penalties(params: SamplingParams) -> bool:
+    """Whether this request's logits depend on the tokens it has seen (rather than only on its
+    parameters): `logits_processing`'s penalties. Here, torch-free, so that `Sequence` can cache it."""
+    return params.repetition_penalty != 1.0 or params.frequency_penalty != 0.0 or params.presence_penalty != 0.0
+
+
+def is_identity(params: SamplingParams) -> bool:
+    """True when none of `logits_processing`'s processors changes this request's logits."""
+    return not params.logit_bias and params.min_new_tokens == 0 and not has_penalties(params)
+
+
 @dataclass(eq=False)  # identity: hashed and compared as objects (the policy's running set), never by token lists
 class Sequence:
     """A request's live state. `tokens` is prompt + output; the first `num_computed` are in KV."""
@@ -275,6 +286,17 @@ class Sequence:
     @property
     def num_pending(self) -> int:
         return len(self.tokens) - self.num_computed
+
+    @functools.cached_property
+    def processes_logits(self) -> bool:
+        """Some processor (`logits_processing`) changes this sequence's logits: asked of every producer a step."""
+        return not is_identity(self.request.sampling)
+
+    @functools.cached_property
+    def output_logprob_key(self) -> tuple[int, tuple[int, ...]]:
+        """(top-k, requested ids) of its output rows: producers with equal keys share one logprob query a step."""
+        params = self.request.logprobs
+        return params.top_logprobs_num, params.token_ids_logprob
 
     @functools.cached_property
     def wants_logprobs(self) -> bool:

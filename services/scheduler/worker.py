@@ -22,18 +22,12 @@ import itertools
 import time
 from dataclasses import dataclass
 
+import msgspec
 import numpy as np
 import torch
 
 from services.scheduler.host_io import HostReadback, HostUpload, PendingReadback
-from services.scheduler.logits_processing import (
-    KeptPenalties,
-    PenalizedBlock,
-    ProcessorRows,
-    apply_processors,
-    has_penalties,
-    is_identity,
-)
+from services.scheduler.logits_processing import KeptPenalties, PenalizedBlock, ProcessorRows, apply_processors
 from services.scheduler.logprob_graphs import LogprobGraphs
 from services.scheduler.logprobs import (
     LogprobQuery,
@@ -45,7 +39,7 @@ from services.scheduler.logprobs import (
 from services.scheduler.model.batch import ForwardBatch
 from services.scheduler.model.runner import triton_available
 from services.scheduler.policy import FOLLOWED_TOKEN, SeqResult, SeqStep, StepPlan
-from services.scheduler.request import RowLogprobs, are_all_rows
+from services.scheduler.request import HostRows, RowLogprobs, RowSpan, Sequence, are_all_rows, has_penalties
 from services.scheduler.sampler import draw_noise, mix_seed, sampling_probs
 from services.scheduler.spec.accept import VerifyBlock, accept
 from services.scheduler.spec.base import ContextRows, DraftRequest, Proposer
@@ -158,7 +152,7 @@ class ModelWorker:
         (penalties, logit bias, min_tokens: `logits_processing`). The worker owns these device-side
         reasons; `Policy.follow_decodes` and `follow_prefill` the scheduling ones."""
         producers = [s for s in plan.steps if s.samples]
-        return not producers or (self.proposer is None and all(is_identity(s.seq.request.sampling) for s in producers))
+        return not producers or (self.proposer is None and not any(s.seq.processes_logits for s in producers))
 
     def _step_times(self, clock: _StepClock) -> tuple[float, float]:
         """(forward, draft) seconds of this step and of earlier ones that ended before their GPU work
@@ -266,11 +260,11 @@ class ModelWorker:
         if not layout.verifies_every_row or "drafts" in arrays:
             return None
         inputs = _section(arrays, OUTPUT_LP)
-        if len(wanted.output) != len(layout.producers) or "rows" in inputs or "targets" in inputs:
+        if wanted.num_output_steps != len(layout.producers) or "rows" in inputs or "targets" in inputs:
             return None
-        if not all(is_identity(plan.steps[i].seq.request.sampling) for i in layout.producers):
+        if any(plan.steps[i].seq.processes_logits for i in layout.producers):
             return None  # processed logits: the argmax is of others
-        found = self.logprob_graphs.greedy([q for _, q in wanted.output], inputs, out.static_logits, self._processed)
+        found = self.logprob_graphs.greedy([job.query for job in wanted.output], inputs, out.static_logits, self._processed)
         if found is None:
             return None
         tokens, rows = found  # [R], R >= P
@@ -291,7 +285,7 @@ class ModelWorker:
         """logit_bias, min_tokens and the penalties (logits_processing.py), per verify row: row j of a
         producer's block has seen its committed outputs and drafts 1..j (rows past its drafts: all of
         them), as `verify_row_contexts` says. [P, K + 1, V]"""
-        if all(is_identity(s.seq.request.sampling) for s in producers):
+        if not any(s.seq.processes_logits for s in producers):
             return logits
         num_producers, width, vocab = logits.shape
         params = [s.seq.request.sampling for s in producers for _ in range(width)]
@@ -332,28 +326,40 @@ class ModelWorker:
     def _logprob_queries(self, plan: StepPlan, layout: _Layout) -> _LogprobQueries:
         """Known before the forward (so their indices ride in the step's one upload): every prompt
         row asked for, and the verify rows of each producer that wants logprobs: its anchor's and its
-        drafts' (its tokens come from those; the rows padding it to K + 1 would be computed for nothing)."""
+        drafts' (its tokens come from those; the rows padding it to K + 1 would be computed for nothing).
+        Prompt rows are a query per sequence; output rows are one query for the whole step when its
+        producers that want them all want the same (`Sequence.output_logprob_key`, and in processed
+        mode the same filters: the commonest decode step), else one per producer."""
         # only steps with prompt rows left (none in a decode step)
-        prompt = [(i, self._prompt_query(s, layout.row_start[i])) for i, s in enumerate(plan.steps) if s.prompt_lo <= s.prompt_hi]
+        prompt = [_Owned.one(i, self._prompt_query(s, layout.row_start[i])) for i, s in enumerate(plan.steps) if s.prompt_lo <= s.prompt_hi]
         width = layout.max_draft + 1
-        logits_rows = np.arange(len(layout.producers) * width, dtype=np.int64).reshape(-1, width)  # [P, K + 1] of the verified logits
-        output = []
-        for p, i in enumerate(layout.producers):
-            step = plan.steps[i]
-            if step.seq.wants_logprobs:
-                output.append((i, self._query(step, logits_rows[p, : step.num_draft + 1], None)))  # a view per query
-        return _LogprobQueries(prompt, output, len(layout.producers) * width)
+        num_verify_rows = len(layout.producers) * width
+        seqs = [plan.steps[i].seq for i in layout.producers]
+        positions = [p for p, seq in enumerate(seqs) if seq.wants_logprobs]  # of the producers that want them
+        if not positions:
+            return _LogprobQueries(prompt, [], num_verify_rows)
+        owners = [layout.producers[p] for p in positions]
+        keys = [_output_key(seqs[p]) for p in positions] if self._processed else [seqs[p].output_logprob_key for p in positions]
+        rows = [np.arange(p * width, p * width + plan.steps[i].num_draft + 1, dtype=np.int64) for p, i in zip(positions, owners)] if width > 1 else None
+        if keys.count(keys[0]) == len(keys):  # one query for the step's output rows
+            query_rows = np.asarray(positions, np.int64) if rows is None else np.concatenate(rows)
+            counts = None if rows is None else [len(r) for r in rows]
+            output = [_Owned(owners, counts, self._query(plan.steps[owners[0]], query_rows, None))]
+        else:
+            output = [_Owned.one(i, self._query(plan.steps[i], np.asarray([p], np.int64) if rows is None else rows[j], None))
+                      for j, (p, i) in enumerate(zip(positions, owners))]  # fmt: skip
+        return _LogprobQueries(prompt, output, num_verify_rows)
 
     def _logprobs(self, wanted: _LogprobQueries, arrays, hidden: torch.Tensor, verified: _Verified | None,
                   output_lp: RowLogprobs[torch.Tensor] | None = None):  # fmt: skip
         """output_lp: the output rows already computed (`_greedy_rows`); None: computed here."""
-        prompt = [q for _, q in wanted.prompt]
+        prompt = [job.query for job in wanted.prompt]
         prompt_lp = logprobs_on_device(prompt, _section(arrays, PROMPT_LP), hidden, self.runner.head_logits,
                                        self._top_k_keys, self._processed, fused=self._fused_logprobs)  # fmt: skip
         if wanted.output and verified is not None and output_lp is None:
             logits = verified.logits.view(-1, verified.logits.shape[-1])  # [P * (K + 1), V]
             sampled = verified.tokens.reshape(-1)  # [P * (K + 1)]: each logits row's token, sampled this step
-            queries, inputs = [q for _, q in wanted.output], _section(arrays, OUTPUT_LP)
+            queries, inputs = [job.query for job in wanted.output], _section(arrays, OUTPUT_LP)
             if self.logprob_graphs is not None:
                 output_lp = self.logprob_graphs.compute(queries, inputs, logits, self._processed, sampled)
             else:
@@ -458,15 +464,43 @@ class _Followed:
 PROMPT_LP, OUTPUT_LP = "prompt_logprobs.", "output_logprobs."  # their inputs' names in the upload
 
 
+class _Owned(msgspec.Struct, frozen=True):
+    """A query and the steps whose rows it holds, in order: step `steps[j]` owns its next
+    `counts[j]` rows (None: one row each). (A `msgspec.Struct`: one per step, or one per
+    producer a step where producers ask different widths.)"""
+
+    steps: list[int]  # indices into plan.steps
+    counts: list[int] | None
+    query: LogprobQuery
+
+    @classmethod
+    def one(cls, step: int, query: LogprobQuery) -> _Owned:
+        return cls([step], None if len(query.rows) == 1 else [len(query.rows)], query)
+
+    def split(self, rows: HostRows) -> dict[int, HostRows]:
+        """The query's host rows (`split_logprobs`) -> each step's (by step index): spans of the same columns."""
+        if len(self.steps) == 1 or rows.num_rows == 0:  # no rows: nothing computed (`split_logprobs`' empty rows)
+            return dict.fromkeys(self.steps, rows)
+        source, start = (rows.source, rows.start) if rows.__class__ is RowSpan else (rows, 0)
+        if self.counts is None:
+            return dict(zip(self.steps, [RowSpan(source, first, 1) for first in range(start, start + len(self.steps))], strict=True))
+        firsts = itertools.accumulate(self.counts, initial=start)
+        return dict(zip(self.steps, [RowSpan(source, first, count) for first, count in zip(firsts, self.counts)], strict=True))
+
+
 @dataclass(frozen=True)
 class _LogprobQueries:
-    prompt: list[tuple[int, LogprobQuery]]  # (step index, query)
-    output: list[tuple[int, LogprobQuery]]  # (step index, query: rows of the verified logits, targets sampled)
+    prompt: list[_Owned]  # a query per step with prompt rows
+    output: list[_Owned]  # rows of the verified logits, targets sampled
     num_verify_rows: int  # P * (K + 1): the rows of the verified logits that output queries index
 
+    @property
+    def num_output_steps(self) -> int:
+        return sum(len(job.steps) for job in self.output)
+
     def inputs(self, processed: bool) -> dict[str, np.ndarray]:
-        prompt = logprob_inputs([q for _, q in self.prompt], processed)
-        output = logprob_inputs([q for _, q in self.output], processed, self.num_verify_rows)
+        prompt = logprob_inputs([job.query for job in self.prompt], processed)
+        output = logprob_inputs([job.query for job in self.output], processed, self.num_verify_rows)
         return {PROMPT_LP + k: v for k, v in prompt.items()} | {OUTPUT_LP + k: v for k, v in output.items()}
 
 
@@ -476,9 +510,9 @@ def _section(arrays: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Te
 
 @dataclass(frozen=True)
 class _LogprobJobs:
-    prompt: list[tuple[int, LogprobQuery]]  # (step index, query)
+    prompt: list[_Owned]
     prompt_rows: RowLogprobs[torch.Tensor] | None
-    output: list[tuple[int, LogprobQuery]]
+    output: list[_Owned]
     output_rows: RowLogprobs[torch.Tensor] | None
 
 
@@ -528,11 +562,13 @@ class _Handles:
             for i in range(len(plan.steps))
         ]
 
-    def _rows(self, jobs, handles, host) -> dict[int, RowLogprobs]:
+    def _rows(self, jobs: list[_Owned], handles, host) -> dict[int, HostRows]:
         if not jobs:
             return {}
-        rows = split_logprobs([q for _, q in jobs], None if handles is None else [host[h] for h in handles])
-        return {i: r for (i, _), r in zip(jobs, rows, strict=True)}
+        rows = split_logprobs([job.query for job in jobs], None if handles is None else [host[h] for h in handles])
+        if len(jobs) == 1:
+            return jobs[0].split(rows[0])
+        return {i: r for job, query_rows in zip(jobs, rows, strict=True) for i, r in job.split(query_rows).items()}
 
     def _per_producer(self, layout: _Layout, host: list[np.ndarray], handle: int | None) -> dict[int, list]:
         if handle is None:
@@ -566,6 +602,13 @@ class _StepClock:
         event = torch.cuda.Event(enable_timing=True)
         event.record()
         return event
+
+
+def _output_key(seq: Sequence) -> tuple:
+    """In processed mode, what the work on a request's output rows reads of it: its widths
+    (`Sequence.output_logprob_key`, all it reads in raw mode) and its filters."""
+    sampling = seq.request.sampling
+    return seq.output_logprob_key, sampling.temperature, sampling.top_k, sampling.top_p, sampling.min_p
 
 
 def _lay_out(plan: StepPlan) -> _Layout:

@@ -78,6 +78,21 @@ def test_dspark_greedy_equals_plain_greedy_with_every_logprob(make_core, dspark,
         assert stats.num_drafted_tokens < 3 * sum(r.spec_verify_ct for r in spec.values())
 
 
+def test_dspark_blocks_of_requests_asking_the_same_logprobs_share_one_query(make_core, dspark, monkeypatch):
+    """Every request asks the same: each verify step's output rows are one query (a block of
+    1 + accepted drafts rows a request, cut per request after the readback), equal to plain decoding's."""
+    from test_scheduler_core import _output_queries_per_step
+
+    params = LogprobParams(return_logprob=True, top_logprobs_num=3, token_ids_logprob=(7, 3))
+    requests = [request(f"u{i}", prompt_of(700 + i, 5 + i), max_new_tokens=6 + i, ignore_eos=True, logprobs=params) for i in range(5)]
+    plain = run(make_core(chunked_prefill_size=48), requests)
+    core = make_core(chunked_prefill_size=48, proposer=dspark())
+    queries = _output_queries_per_step(core, monkeypatch)
+    spec = run(core, requests)
+    _assert_same(plain, spec)
+    assert core.stats().num_drafted_tokens > 0 and [5] in queries and all(len(q) <= 1 for q in queries)
+
+
 def test_dspark_seeded_sampling_is_reproducible_alone_and_in_a_busy_batch(make_core, dspark):
     prompt = prompt_of(5, 10)
     sampled = dict(temperature=1.0, seed=1234, max_new_tokens=10, ignore_eos=True)

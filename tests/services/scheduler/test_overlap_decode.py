@@ -14,7 +14,7 @@ import pytest
 
 from contracts.detokenizer import FinishType
 from contracts.scheduler import LogprobParams
-from services.scheduler.policy import FOLLOWED_TOKEN
+from services.scheduler.policy import FOLLOWED_TOKEN, StepPlan
 from test_scheduler_core import prompt_of, request, run
 
 LOGPROBS = LogprobParams(return_logprob=True, logprob_start_len=0, top_logprobs_num=5, token_ids_logprob=(7, 3, 1999))
@@ -107,10 +107,12 @@ def test_what_is_never_followed(make_core) -> None:
     core, launched = _first_decodes_in_flight(make_core)
     assert launched is not None and all(s.query == [FOLLOWED_TOKEN] for s in launched.plan.steps)
     assert "short" not in {s.seq.rid for s in launched.plan.steps}  # max_new_tokens=1: nothing left to sample
-    seq = launched.plan.steps[0].seq
-    penalised = msgspec.structs.replace(seq.request.sampling, repetition_penalty=1.3)
-    seq.request = dataclasses.replace(seq.request, sampling=penalised)
-    assert not core.worker.can_follow(launched.plan)  # penalties read the token history on the host
+    assert core.worker.can_follow(launched.plan)
+    first = launched.plan.steps[0]
+    penalised = msgspec.structs.replace(first.seq.request.sampling, repetition_penalty=1.3)
+    seq = dataclasses.replace(first.seq, request=dataclasses.replace(first.seq.request, sampling=penalised))  # a sequence never changes its request
+    plan = StepPlan([msgspec.structs.replace(first, seq=seq), *launched.plan.steps[1:]])
+    assert not core.worker.can_follow(plan)  # penalties read the token history on the host
 
 
 def test_an_arrival_joins_the_followed_step_beside_the_decodes(make_core) -> None:

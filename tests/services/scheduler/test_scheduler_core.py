@@ -269,6 +269,68 @@ def test_requests_without_logprobs_get_none_and_mixed_k_per_request(make_core):
     assert outputs["k2"].logprobs.input_token_logprobs is None  # logprob_start_len -1: output only
 
 
+OUTPUT_ROWS = ("output_token", "output_top_values", "output_top_ids", "output_ids")
+
+
+def _output_queries_per_step(core, monkeypatch) -> list[list[int]]:
+    """Each step's output logprob queries, as the number of requests each one holds (filled as the core steps)."""
+    seen, worker_type = [], type(core.worker)
+    build = worker_type._logprob_queries
+
+    def spy(self, plan, layout):
+        wanted = build(self, plan, layout)
+        seen.append([len(job.steps) for job in wanted.output])
+        return wanted
+
+    monkeypatch.setattr(worker_type, "_logprob_queries", spy)
+    return seen
+
+
+def test_requests_asking_the_same_output_logprobs_share_one_query_a_step(make_core, monkeypatch):
+    """A step's producers that ask the same k and ids are one output query (one pass over the batch,
+    not an object per request); each request's rows are still its own, equal to its rows alone.
+    Another k in the batch: a query per producer again."""
+    params = LogprobParams(return_logprob=True, top_logprobs_num=3, token_ids_logprob=(5, 9))
+    same = [request(f"r{i}", prompt_of(40 + i, 5 + i), max_new_tokens=4, ignore_eos=True, logprobs=params) for i in range(3)]
+    plain = request("plain", prompt_of(50, 6), max_new_tokens=4, ignore_eos=True)
+    core = make_core()
+    queries = _output_queries_per_step(core, monkeypatch)
+    together = run(core, [*same, plain])
+    assert [3] in queries and all(len(q) <= 1 for q in queries)  # the plain request is in no query
+    assert "plain" in together and together["plain"].output_token == []
+    for r in same:
+        alone = run(make_core(), [r])[r.rid]
+        for name in OUTPUT_ROWS:
+            np.testing.assert_allclose(together[r.rid].cat(name), alone.cat(name), atol=TOL)
+    other = request("k2", prompt_of(51, 7), max_new_tokens=4, ignore_eos=True, logprobs=LogprobParams(return_logprob=True, top_logprobs_num=2))
+    core = make_core()
+    queries = _output_queries_per_step(core, monkeypatch)
+    mixed = run(core, [*same, other])
+    assert [1, 1, 1, 1] in queries
+    assert mixed["k2"].cat("output_top_values").shape == (4, 2) and mixed["r0"].cat("output_top_values").shape == (4, 3)
+    for r in same:
+        np.testing.assert_allclose(mixed[r.rid].cat("output_top_values"), together[r.rid].cat("output_top_values"), atol=TOL)
+
+
+def test_processed_mode_shares_a_query_only_between_requests_of_the_same_filters(make_core, monkeypatch):
+    params = LogprobParams(return_logprob=True, top_logprobs_num=4)
+    warm = [request(f"w{i}", prompt_of(60 + i, 6), max_new_tokens=3, temperature=0.5, seed=i, top_k=8, logprobs=params) for i in range(2)]
+    hot = request("hot", prompt_of(62, 6), max_new_tokens=3, temperature=0.9, seed=2, top_k=8, logprobs=params)
+    core = make_core(logprobs_mode="processed")
+    queries = _output_queries_per_step(core, monkeypatch)
+    warm_only = run(core, warm)
+    assert [2] in queries  # other seeds, the same filters
+    core = make_core(logprobs_mode="processed")
+    queries = _output_queries_per_step(core, monkeypatch)
+    together = run(core, [*warm, hot])
+    assert [1, 1, 1] in queries
+    hot_alone = run(make_core(logprobs_mode="processed"), [hot])["hot"]
+    for name in OUTPUT_ROWS[:3]:  # no requested ids
+        np.testing.assert_allclose(together["hot"].cat(name), hot_alone.cat(name), atol=TOL)
+        for r in warm:
+            np.testing.assert_allclose(together[r.rid].cat(name), warm_only[r.rid].cat(name), atol=TOL)
+
+
 def test_processed_mode_applies_temperature(make_core, tiny_runner):
     prompt = prompt_of(16, 8)
     params = LogprobParams(return_logprob=True, top_logprobs_num=1)
