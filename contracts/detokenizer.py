@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import operator
 from typing import Annotated
 
 import msgspec
@@ -129,7 +130,7 @@ class OutputLogprobColumns(msgspec.Struct, frozen=True, gc=False, omit_defaults=
             counts = _int32s(widths, "widths", len(rows))
             if min(counts, default=0) < 0:
                 raise ValueError("widths must be >= 0")
-            size = sum(n * w for n, w in zip(rows, counts, strict=True))
+            size = sum(map(operator.mul, rows, counts))  # both of len(rows) (`_int32s`)
             if not all(v is not None and v.is_vector(d, size) for v, d in zip(values, dtypes, strict=True)):
                 raise ValueError(f"logprob values must be vectors of sum(rows * widths) = {size}")
 

@@ -9,7 +9,7 @@ from contracts.arrays import NDArray
 from contracts.detokenizer import OutputLogprobColumns, RequestLogprobs, TokenBatch
 from services.common.arrays import to_wire
 from services.common.output_logprob_columns import to_columns
-from services.scheduler.request import LogprobEntries, RequestOutput, RowSpan, are_all_rows
+from services.scheduler.request import HostRows, LogprobEntries, RequestOutput, RowSpan, are_all_rows
 
 # Output entries go as the batch's columns (`OutputLogprobColumns`) once this many requests have
 # some: for one request its own three arrays are cheaper than the columns' five (host_step_cost.py).
@@ -44,11 +44,12 @@ def _token_batch(outputs: list[RequestOutput], scheduler_id: str, step: int) -> 
     new_ids = [token for output in outputs for token in output.new_token_ids]
     entries = [output.logprobs for output in outputs]
     logprobs, columns = None, None
-    if sum(e is not None and e.output is not None for e in entries) >= COLUMNS_FROM_REQUESTS:
-        columns = _source_columns(outputs) or to_columns(entries)
+    rows = [None if e is None else e.output for e in entries]  # each request's output rows (None: none)
+    if len(rows) - rows.count(None) >= COLUMNS_FROM_REQUESTS:
+        columns = _source_columns(rows) or to_columns(entries)
         beside = [None if e is None else _beside_columns(e) for e in entries]
-        logprobs = beside if any(entry is not None for entry in beside) else None
-    elif any(e is not None for e in entries):
+        logprobs = beside if beside.count(None) < len(beside) else None
+    elif entries.count(None) < len(entries):
         logprobs = [None if e is None else to_request_logprobs(e) for e in entries]
     return TokenBatch(
         scheduler_id=scheduler_id,
@@ -64,32 +65,19 @@ def _token_batch(outputs: list[RequestOutput], scheduler_id: str, step: int) -> 
     )
 
 
-def _source_columns(outputs: list[RequestOutput]) -> OutputLogprobColumns | None:
+def _source_columns(rows: list[HostRows | None]) -> OutputLogprobColumns | None:
     """The batch's output columns cut from the one step's columns its requests' rows are spans of
     (`RowSpan`: each asked for their widths): those columns as they are when the batch holds all
     of their rows in order (one detokenizer, a decode step), else one gather of their rows, instead
     of `to_columns` joining one array per request. None: some request's rows are rows of their own
-    (`to_columns` takes them), or spans of another step's columns."""
-    source = None
-    counts, firsts = [], []
-    for output in outputs:
-        entries = output.logprobs
-        rows = None if entries is None else entries.output
-        if rows is None:
-            counts.append(0)
-            continue
-        if rows.__class__ is not RowSpan:
-            return None
-        if rows.source is not source:
-            if source is not None:
-                return None
-            source = rows.source
-        count = rows.count
-        counts.append(count)
-        if count:
-            firsts.append(rows.start)
-    if source is None:
+    (`to_columns` takes them), or spans of another step's columns. rows: each request's (None: it
+    has none), in the batch's order."""
+    spans = [r for r in rows if r is not None]
+    source = spans[0].source if spans[0].__class__ is RowSpan else None
+    if source is None or not all(r.__class__ is RowSpan and r.source is source for r in spans):
         return None
+    counts = [0 if r is None else r.count for r in rows]
+    firsts = [r.start for r in spans if r.count]
     rows_of = np.asarray(counts, np.int32)  # [R]
     index = _source_rows(firsts, counts, len(source.token))
 
@@ -98,11 +86,13 @@ def _source_columns(outputs: list[RequestOutput]) -> OutputLogprobColumns | None
 
     columns = {"rows": to_wire(rows_of), "token_logprobs": to_wire(pick(source.token))}
     k, m = source.top_values.shape[1], source.ids.shape[1]
+    if k or m:
+        has_rows = np.minimum(rows_of, 1)  # i32 [R]: 1 where a request has rows (its widths are the source's), else 0
     if k:
-        columns |= {"top_k": to_wire(np.where(rows_of > 0, k, 0).astype(np.int32)),
-                    "top_logprobs": to_wire(pick(source.top_values).reshape(-1)), "top_ids": to_wire(pick(source.top_ids).reshape(-1))}  # fmt: skip
+        columns |= {"top_k": to_wire(has_rows * k), "top_logprobs": to_wire(pick(source.top_values).reshape(-1)),
+                    "top_ids": to_wire(pick(source.top_ids).reshape(-1))}  # fmt: skip
     if m:
-        columns |= {"num_ids": to_wire(np.where(rows_of > 0, m, 0).astype(np.int32)), "ids_logprobs": to_wire(pick(source.ids).reshape(-1))}
+        columns |= {"num_ids": to_wire(has_rows * m), "ids_logprobs": to_wire(pick(source.ids).reshape(-1))}
     return OutputLogprobColumns(**columns)
 
 
@@ -112,6 +102,8 @@ def _source_rows(firsts: list[int], counts: list[int], num_source: int) -> np.nd
     gather: a decode step's one row per request, one detokenizer)."""
     if len(firsts) == num_source and (not firsts or (firsts[-1] == num_source - 1 and firsts == list(range(num_source)))):
         return None  # num_source disjoint runs from rows 0..num_source - 1: one row each, in order
+    if len(firsts) == sum(counts):  # one row a run (a decode step, its requests spread over detokenizers)
+        return np.asarray(firsts, np.int64)
     runs = np.asarray([count for count in counts if count], np.int64)  # [S]
     offsets = np.cumsum(runs) - runs  # each run's first row in the batch's columns
     index = np.repeat(np.asarray(firsts, np.int64) - offsets, runs) + np.arange(int(runs.sum()))

@@ -34,7 +34,7 @@ def assert_columns_agree(outputs) -> dict[str, int]:
         entries = [o.logprobs for o in group]
         if sum(e is not None and e.output_token_logprobs is not None for e in entries) < wire.COLUMNS_FROM_REQUESTS:
             continue
-        cut, joined = wire._source_columns(group), to_columns(entries)
+        cut, joined = wire._source_columns([None if e is None else e.output for e in entries]), to_columns(entries)
         if cut is None:
             taken["joined"] += 1
             continue
