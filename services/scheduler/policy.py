@@ -73,6 +73,11 @@ class SeqStep(msgspec.Struct, frozen=True):
 @dataclass(frozen=True)
 class StepPlan:
     steps: list[SeqStep]
+    # What every sequence of the plan shares, from the policy's running set when it made the plan
+    # (`RunningSet`: counted as sequences join and leave, so the worker reads them instead of
+    # asking each sequence every step); None: unknown (ask each sequence).
+    output_logprob_keys: tuple[tuple[int, tuple[int, ...]] | None, ...] | None = None  # the distinct keys, one: all share it
+    processes_logits: bool | None = None  # False: no sequence's logits are processed
 
     @property
     def num_tokens(self) -> int:
@@ -96,6 +101,44 @@ class _Pending(msgspec.Struct):
     new_token_ids: list[int] = []  # an empty default is copied per instance
     logprobs: LogprobEntries = msgspec.field(default_factory=LogprobEntries)
     finish: Finish | None = None
+
+
+class RunningSet(dict):
+    """The running sequences, oldest first: a dict (seq -> None) as an ordered set, by identity
+    (`Sequence` has eq=False), so membership and removal are O(1) where a list made each step's
+    membership tests O(B^2); a dict subclass, so `in`, iteration and `len` stay the dict's own
+    (asked per sequence per step). Sequences join and leave through `add` and `remove` (never
+    `set[seq] = ...` or `del`), which count what the worker would otherwise ask of every sequence
+    of every step: `plan` hands those counts on (`StepPlan.output_logprob_keys`, `processes_logits`)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._keys: dict[tuple[int, tuple[int, ...]] | None, int] = {}  # output_logprob_key -> running sequences
+        self._num_processing = 0  # running sequences whose logits a processor changes
+
+    def add(self, seq: Sequence) -> None:
+        self[seq] = None
+        key = seq.output_logprob_key
+        self._keys[key] = self._keys.get(key, 0) + 1
+        self._num_processing += seq.processes_logits
+
+    def remove(self, seq: Sequence) -> None:
+        del self[seq]
+        key = seq.output_logprob_key
+        if self._keys[key] == 1:
+            del self._keys[key]
+        else:
+            self._keys[key] -= 1
+        self._num_processing -= seq.processes_logits
+
+    def clear(self) -> None:
+        super().clear()
+        self._keys.clear()
+        self._num_processing = 0
+
+    def plan(self, steps: list[SeqStep]) -> StepPlan:
+        """A plan of running sequences only, with what they share (counted now)."""
+        return StepPlan(steps, tuple(self._keys), self._num_processing > 0)
 
 
 class Policy:
@@ -127,9 +170,7 @@ class Policy:
         self._prefill_budget = max(chunk_budget, prefill_budget or chunk_budget)
         self._rng = random.Random(seed)  # sampling seeds of requests that bring none
         self._waiting: deque[Sequence] = deque()
-        # oldest first; a dict as an ordered set (by identity: Sequence has eq=False), so membership and
-        # removal are O(1) where a list made each step's membership tests O(B^2)
-        self._running: dict[Sequence, None] = {}
+        self._running = RunningSet()
         self._arrivals = itertools.count()
         self._pending: dict[str, _Pending] = {}
         self.num_preemptions = 0
@@ -242,7 +283,7 @@ class Policy:
         for seq in (*self._running, *self._waiting):
             if seq.rid == rid:
                 if seq in self._running:
-                    del self._running[seq]
+                    self._running.remove(seq)
                 else:
                     self._waiting.remove(seq)
                 self.blocks.free(rid)
@@ -284,7 +325,7 @@ class Policy:
             chosen.append((seq, num_tokens, num_draft))
             budget -= num_tokens + num_draft
         chosen.extend(self._admit(budget))
-        return StepPlan([self._seq_step(seq, n, k) for seq, n, k in chosen])
+        return self._running.plan([self._seq_step(seq, n, k) for seq, n, k in chosen])
 
     def follow_decodes(self, plan: StepPlan) -> StepPlan | None:
         """The step after `plan`, planned before `plan`'s results are known (overlapped decoding: the
@@ -327,7 +368,7 @@ class Policy:
             no_prompt_rows = (seq.num_prompt, seq.num_prompt - 1)  # a decode returns no prompt logprobs
             followed.append(SeqStep(seq, start, [FOLLOWED_TOKEN], 0, True, *no_prompt_rows, slots, table, step.output_position + 1))
         admitted = self._admit(self._chunk_budget - len(followed)) if self._can_admit_next() else []
-        return StepPlan(followed + [self._seq_step(seq, n, k) for seq, n, k in admitted])
+        return self._running.plan(followed + [self._seq_step(seq, n, k) for seq, n, k in admitted])
 
     def follow_prefill(self, plan: StepPlan) -> StepPlan | None:
         """The step after `plan`, planned before `plan`'s results are known, when `plan` is prompt
@@ -359,7 +400,7 @@ class Policy:
             return None
         for rid, end in ends:
             self.blocks.allocate(rid, end)
-        return StepPlan([self._seq_step(step.seq, n, 0, start, _next_prompt_logprob(step)) for step, start, n in chosen])
+        return self._running.plan([self._seq_step(step.seq, n, 0, start, _next_prompt_logprob(step)) for step, start, n in chosen])
 
     def _query_size(self, seq: Sequence, budget: int) -> tuple[int, int]:
         """(committed tokens, drafts) to compute: a decode always runs; a prefill chunk fits the budget;
@@ -395,7 +436,7 @@ class Policy:
             if victim is seq and len(self._running) == 1:
                 if self._drop_waiting_holds():
                     continue
-                del self._running[seq]
+                self._running.remove(seq)
                 self.blocks.free(seq.rid)
                 message = f"the KV cache cannot hold {num_tokens} tokens of this request"
                 self._fail(seq, Finish(FinishType.ABORT, message=message))
@@ -407,7 +448,7 @@ class Policy:
         return True
 
     def _preempt(self, seq: Sequence) -> None:
-        del self._running[seq]
+        self._running.remove(seq)
         self.blocks.free(seq.rid)
         seq.num_computed = 0
         self._waiting.appendleft(seq)
@@ -447,7 +488,7 @@ class Policy:
                 break
             self._waiting.popleft()
             self.blocks.allocate(seq.rid, total)
-            self._running[seq] = None
+            self._running.add(seq)
             admitted.append((seq, num_tokens, num_draft))
             budget -= num_tokens + num_draft
         return admitted
@@ -526,7 +567,7 @@ class Policy:
         return None
 
     def _finish(self, seq: Sequence, finish: Finish) -> None:
-        del self._running[seq]
+        self._running.remove(seq)
         self.blocks.free(seq.rid)
         self._entry(seq).finish = finish
 

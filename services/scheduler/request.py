@@ -293,10 +293,11 @@ class Sequence:
         return not is_identity(self.request.sampling)
 
     @functools.cached_property
-    def output_logprob_key(self) -> tuple[int, tuple[int, ...]]:
-        """(top-k, requested ids) of its output rows: producers with equal keys share one logprob query a step."""
+    def output_logprob_key(self) -> tuple[int, tuple[int, ...]] | None:
+        """(top-k, requested ids) of its output rows, None where it wants none: producers with equal
+        keys share one logprob query a step (the policy's `RunningSet` counts them)."""
         params = self.request.logprobs
-        return params.top_logprobs_num, params.token_ids_logprob
+        return (params.top_logprobs_num, params.token_ids_logprob) if params.return_logprob else None
 
     @functools.cached_property
     def wants_logprobs(self) -> bool:

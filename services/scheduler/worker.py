@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import itertools
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import msgspec
@@ -152,7 +153,7 @@ class ModelWorker:
         (penalties, logit bias, min_tokens: `logits_processing`). The worker owns these device-side
         reasons; `Policy.follow_decodes` and `follow_prefill` the scheduling ones."""
         producers = [s for s in plan.steps if s.samples]
-        return not producers or (self.proposer is None and not any(s.seq.processes_logits for s in producers))
+        return not producers or (self.proposer is None and not _any_processes_logits(plan, producers))
 
     def _step_times(self, clock: _StepClock) -> tuple[float, float]:
         """(forward, draft) seconds of this step and of earlier ones that ended before their GPU work
@@ -232,7 +233,8 @@ class ModelWorker:
             # a graph step computed every row's logits already
             logits = out.logits[rows] if out.logits is not None else self.runner.compute_logits(out.hidden_states[rows])
         logits = logits.view(len(producers), width, -1)  # [P, K + 1, V]
-        chosen = self._processed_logits(producers, logits)  # what argmax and sampling see
+        # what argmax and sampling see (no pass over the producers where the plan says none processes them)
+        chosen = logits if plan.processes_logits is False else self._processed_logits(producers, logits)
         reported = chosen if self._processed else logits  # raw logprobs: before the processors too
         if "drafts" not in arrays:  # plain greedy decoding: the argmax is the token, no draft to accept
             next_token = chosen[:, 0].argmax(dim=-1)
@@ -262,7 +264,7 @@ class ModelWorker:
         inputs = _section(arrays, OUTPUT_LP)
         if wanted.num_output_steps != len(layout.producers) or "rows" in inputs or "targets" in inputs:
             return None
-        if any(plan.steps[i].seq.processes_logits for i in layout.producers):
+        if _any_processes_logits(plan, (plan.steps[i] for i in layout.producers)):
             return None  # processed logits: the argmax is of others
         found = self.logprob_graphs.greedy([job.query for job in wanted.output], inputs, out.static_logits, self._processed)
         if found is None:
@@ -334,21 +336,34 @@ class ModelWorker:
         prompt = [_Owned.one(i, self._prompt_query(s, layout.row_start[i])) for i, s in enumerate(plan.steps) if s.prompt_lo <= s.prompt_hi]
         width = layout.max_draft + 1
         num_verify_rows = len(layout.producers) * width
-        seqs = [plan.steps[i].seq for i in layout.producers]
-        positions = [p for p, seq in enumerate(seqs) if seq.wants_logprobs]  # of the producers that want them
-        if not positions:
+        wanting = self._wanting_output_rows(plan, layout)
+        if wanting is None:
             return _LogprobQueries(prompt, [], num_verify_rows)
-        owners = [layout.producers[p] for p in positions]
-        keys = [_output_key(seqs[p]) for p in positions] if self._processed else [seqs[p].output_logprob_key for p in positions]
+        positions, owners, keys = wanting
         rows = [np.arange(p * width, p * width + plan.steps[i].num_draft + 1, dtype=np.int64) for p, i in zip(positions, owners)] if width > 1 else None
         if keys.count(keys[0]) == len(keys):  # one query for the step's output rows
-            query_rows = np.asarray(positions, np.int64) if rows is None else np.concatenate(rows)
+            query_rows = _row_indices(positions) if rows is None else np.concatenate(rows)
             counts = None if rows is None else [len(r) for r in rows]
             output = [_Owned(owners, counts, self._query(plan.steps[owners[0]], query_rows, None))]
         else:
             output = [_Owned.one(i, self._query(plan.steps[i], np.asarray([p], np.int64) if rows is None else rows[j], None))
                       for j, (p, i) in enumerate(zip(positions, owners))]  # fmt: skip
         return _LogprobQueries(prompt, output, num_verify_rows)
+
+    def _wanting_output_rows(self, plan: StepPlan, layout: _Layout) -> tuple[list[int] | range, list[int], list] | None:
+        """The producers that want output logprob rows: their positions among the producers, their
+        step indices, and their keys (a single key: they all share it); None where none does. From
+        the plan's `output_logprob_keys` where every sequence shares one (in processed mode, only
+        where that one is None), else asked of each producer."""
+        shared = plan.output_logprob_keys
+        if shared is not None and len(shared) == 1 and (shared[0] is None or not self._processed):
+            return None if shared[0] is None or not layout.producers else (range(len(layout.producers)), layout.producers, list(shared))
+        seqs = [plan.steps[i].seq for i in layout.producers]
+        positions = [p for p, seq in enumerate(seqs) if seq.wants_logprobs]
+        if not positions:
+            return None
+        keys = [_output_key(seqs[p]) for p in positions] if self._processed else [seqs[p].output_logprob_key for p in positions]
+        return positions, [layout.producers[p] for p in positions], keys
 
     def _logprobs(self, wanted: _LogprobQueries, arrays, hidden: torch.Tensor, verified: _Verified | None,
                   output_lp: RowLogprobs[torch.Tensor] | None = None):  # fmt: skip
@@ -602,6 +617,17 @@ class _StepClock:
         event = torch.cuda.Event(enable_timing=True)
         event.record()
         return event
+
+
+def _any_processes_logits(plan: StepPlan, steps: Iterable[SeqStep]) -> bool:
+    """Whether a processor changes the logits of one of `steps` (of `plan`): no pass over them
+    where the plan says none of its sequences' are (`StepPlan.processes_logits`)."""
+    return plan.processes_logits is not False and any(s.seq.processes_logits for s in steps)
+
+
+def _row_indices(positions: list[int] | range) -> np.ndarray:
+    """int64 [n]: the producers' rows of a step without drafts (one each)."""
+    return np.arange(len(positions), dtype=np.int64) if positions.__class__ is range else np.asarray(positions, np.int64)
 
 
 def _output_key(seq: Sequence) -> tuple:

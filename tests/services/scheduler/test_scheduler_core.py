@@ -302,6 +302,13 @@ def test_requests_asking_the_same_output_logprobs_share_one_query_a_step(make_co
         alone = run(make_core(), [r])[r.rid]
         for name in OUTPUT_ROWS:
             np.testing.assert_allclose(together[r.rid].cat(name), alone.cat(name), atol=TOL)
+    core = make_core()
+    queries = _output_queries_per_step(core, monkeypatch)
+    uniform = run(core, same)  # every running request asks the same: the plan says so, no pass to find out
+    assert [3] in queries
+    for r in same:
+        for name in OUTPUT_ROWS:
+            np.testing.assert_allclose(uniform[r.rid].cat(name), together[r.rid].cat(name), atol=TOL)
     other = request("k2", prompt_of(51, 7), max_new_tokens=4, ignore_eos=True, logprobs=LogprobParams(return_logprob=True, top_logprobs_num=2))
     core = make_core()
     queries = _output_queries_per_step(core, monkeypatch)
@@ -310,6 +317,49 @@ def test_requests_asking_the_same_output_logprobs_share_one_query_a_step(make_co
     assert mixed["k2"].cat("output_top_values").shape == (4, 2) and mixed["r0"].cat("output_top_values").shape == (4, 3)
     for r in same:
         np.testing.assert_allclose(mixed[r.rid].cat("output_top_values"), together[r.rid].cat("output_top_values"), atol=TOL)
+
+
+def test_every_plan_says_truly_what_its_sequences_share(make_core, monkeypatch):
+    """The worker trusts a plan's `output_logprob_keys` (one key: every sequence has it) and
+    `processes_logits` (False: none has a processor) instead of asking each sequence: they come
+    from the policy's running set, counted as sequences join and leave, and equal a recount. Held to over admissions,
+    finishes, preemptions (3 KV blocks), forks, an abort and followed steps, with logprob kinds and
+    a penalized request mixed in, then alone."""
+    import dataclasses
+
+    from contracts.scheduler import ForkedChoice
+    from services.scheduler import policy as policy_module
+
+    checked = {"shared": 0, "unprocessed": 0}
+    for name in ("schedule", "follow_decodes", "follow_prefill"):
+        make = getattr(policy_module.Policy, name)
+
+        def checking(self, *args, make=make):
+            plan = make(self, *args)
+            if plan is not None:  # exact, not only sound: a count that drifts would turn the worker's shortcuts off
+                assert set(plan.output_logprob_keys) == {seq.output_logprob_key for seq in self._running}
+                assert plan.processes_logits == any(seq.processes_logits for seq in self._running)
+            if plan is not None and len(plan.output_logprob_keys) == 1:
+                assert all(s.seq.output_logprob_key == plan.output_logprob_keys[0] for s in plan.steps)
+                checked["shared"] += 1
+            if plan is not None and plan.processes_logits is False:
+                assert not any(s.seq.processes_logits for s in plan.steps)
+                checked["unprocessed"] += 1
+            return plan
+
+        monkeypatch.setattr(policy_module.Policy, name, checking)
+    top3 = LogprobParams(return_logprob=True, top_logprobs_num=3)
+    kinds = [top3, top3, None, LogprobParams(return_logprob=True, top_logprobs_num=1, token_ids_logprob=(4,))]
+    requests = [request(f"r{i}", prompt_of(80 + i, 3 + 2 * i), max_new_tokens=6 + i % 5, ignore_eos=True, logprobs=kinds[i % 4])
+                for i in range(12)]  # fmt: skip
+    requests[5] = request("r5", prompt_of(85, 9), max_new_tokens=8, ignore_eos=True, repetition_penalty=1.2, logprobs=top3)
+    requests[7] = dataclasses.replace(requests[7], choices=(ForkedChoice("r7.1", "detok", 3),))
+    core = make_core(num_blocks=3, chunked_prefill_size=24, overlap_decode=True)
+    results = run(core, requests[:8], joins={4: requests[8:]}, abort_at={6: ["r2"]})
+    assert core.num_preemptions > 0 and "r7.1" in results and checked["shared"] > 0
+    uniform = [request(f"u{i}", prompt_of(90 + i, 4 + i), max_new_tokens=5, ignore_eos=True, logprobs=top3) for i in range(4)]
+    run(make_core(overlap_decode=True), uniform)
+    assert checked["unprocessed"] > 0
 
 
 def test_processed_mode_shares_a_query_only_between_requests_of_the_same_filters(make_core, monkeypatch):
