@@ -114,8 +114,8 @@ def prompt_chunk_section(shape: Shape, device: str, paths: tuple[str, ...], repe
     return _compare(row, paths, device, repeats, lambda fused: logprob_columns(logits, targets, shape.prompt_k, None, None, keys, fused))
 
 
-# (BLOCK, target programs) of the layout sweep; the default first: (2048, 528) for every dtype
-LAYOUTS = ((2048, 528), (1024, 264), (1024, 528), (1024, 1024), (2048, 264), (2048, 1024), (2048, 2048), (4096, 528))
+# (BLOCK, target programs) the layout sweep tries after the default (`triton_logprobs.BLOCK`, `TARGET_PROGRAMS`)
+OTHER_LAYOUTS = ((1024, 264), (1024, 528), (1024, 1024), (2048, 264), (2048, 1024), (2048, 2048), (4096, 528))
 
 
 def layout_section(shape: Shape, device: str, repeats: int) -> list[dict]:
@@ -125,7 +125,7 @@ def layout_section(shape: Shape, device: str, repeats: int) -> list[dict]:
     eager figure is mostly three launches at tens of rows), each kernel's device ms, and agreement
     with the torch path (the split count changes the log-sum-exp's order of additions, not the
     top-k). The default: `triton_logprobs.BLOCK` and `TARGET_PROGRAMS`."""
-    from services.scheduler.triton_logprobs import raw_logprob_columns, split_layout
+    from services.scheduler.triton_logprobs import BLOCK, TARGET_PROGRAMS, raw_logprob_columns, split_layout
 
     generator = torch.Generator(device=device).manual_seed(3)
     keys = TopKKeys.build(shape.vocab, device)
@@ -136,7 +136,7 @@ def layout_section(shape: Shape, device: str, repeats: int) -> list[dict]:
         targets = torch.randint(0, shape.vocab, (num_rows,), generator=generator, device=device)
         cases.append((num_rows, k, dtype, logits, targets, logprob_columns(logits, targets, k, None, None, keys, False)))
     rows = []
-    for block, programs in LAYOUTS:
+    for block, programs in dict.fromkeys(((BLOCK, TARGET_PROGRAMS), *OTHER_LAYOUTS)):  # the default first, once
         for num_rows, k, dtype, logits, targets, want in cases:
             call = lambda: raw_logprob_columns(logits, targets, k, None, block=block, target_programs=programs)  # noqa: E731
             token, values, ids, _ = call()

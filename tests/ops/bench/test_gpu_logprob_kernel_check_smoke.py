@@ -39,12 +39,15 @@ def test_ids_that_differ_fail_the_run(tmp_path, monkeypatch) -> None:
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs Triton's interpreter")
 def test_cpu_tiny_run_in_the_triton_interpreter_compares_both_paths(tmp_path) -> None:
+    from services.scheduler import triton_logprobs
+
     out = tmp_path / "lpk.json"
     run_script_interpreted("ops/bench/gpu_logprob_kernel_check.py", [*SMOKE, "--sweep", "--out", str(out)])
     result = json.loads(out.read_text())
     assert result["paths"] == ["torch", "kernel"]
     rows = [*result["rows"], result["prompt_chunk"], result["prompt_32k"], *result["layouts"]]
     assert all(row["ids_equal"] is True and row["max_abs_diff"] < 2e-6 and row["kernel_ms"] > 0 for row in rows)
-    # two prompt-row counts (bf16) and each output-row count (f32) at every layout
-    assert len(result["layouts"]) == (2 + len(result["rows"])) * len(gpu_logprob_kernel_check.LAYOUTS)
+    # two prompt-row counts (bf16) and each output-row count (f32) at every layout, the default first
+    assert len(result["layouts"]) == (2 + len(result["rows"])) * (1 + len(gpu_logprob_kernel_check.OTHER_LAYOUTS))
+    assert (result["layouts"][0]["block"], result["layouts"][0]["target_programs"]) == (triton_logprobs.BLOCK, triton_logprobs.TARGET_PROGRAMS)
     assert {(row["dtype"], row["rows"]) for row in result["layouts"]} == {("bfloat16", 16), ("float32", 1), ("float32", 3), ("float32", 8)}
