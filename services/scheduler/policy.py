@@ -77,7 +77,7 @@ class StepPlan:
     # (`RunningSet`: counted as sequences join and leave, so the worker reads them instead of
     # asking each sequence every step); None: unknown (ask each sequence).
     output_logprob_keys: tuple[tuple[int, tuple[int, ...]] | None, ...] | None = None  # the distinct keys, one: all share it
-    processes_logits: bool | None = None  # False: no sequence's logits are processed
+    processes_logits: bool | None = None  # False: no sequence's logits are processed; True: some running one's are
 
     @property
     def num_tokens(self) -> int:
@@ -108,7 +108,7 @@ class RunningSet(dict):
     (`Sequence` has eq=False), so membership and removal are O(1) where a list made each step's
     membership tests O(B^2); a dict subclass, so `in`, iteration and `len` stay the dict's own
     (asked per sequence per step). Sequences join and leave through `add` and `remove` (never
-    `set[seq] = ...` or `del`), which count what the worker would otherwise ask of every sequence
+    `running[seq] = ...` or `del`), which count what the worker would otherwise ask of every sequence
     of every step: `plan` hands those counts on (`StepPlan.output_logprob_keys`, `processes_logits`)."""
 
     def __init__(self) -> None:
