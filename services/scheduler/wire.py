@@ -100,10 +100,10 @@ def _source_rows(firsts: list[int], counts: list[int], num_source: int) -> np.nd
     """The source's rows of requests' runs (first rows of the runs, and every request's count, 0
     for those without rows), in order; None when they are all of its rows in order (nothing to
     gather: a decode step's one row per request, one detokenizer)."""
-    if len(firsts) == num_source and (not firsts or (firsts[-1] == num_source - 1 and firsts == list(range(num_source)))):
-        return None  # num_source disjoint runs from rows 0..num_source - 1: one row each, in order
-    if len(firsts) == sum(counts):  # one row a run (a decode step, its requests spread over detokenizers)
-        return np.asarray(firsts, np.int64)
+    if len(firsts) == sum(counts):  # one row a run (a decode step)
+        if len(firsts) == num_source and (not firsts or (firsts[-1] == num_source - 1 and firsts == list(range(num_source)))):
+            return None  # every row of the source, in order (one detokenizer)
+        return np.asarray(firsts, np.int64)  # its requests spread over detokenizers
     runs = np.asarray([count for count in counts if count], np.int64)  # [S]
     offsets = np.cumsum(runs) - runs  # each run's first row in the batch's columns
     index = np.repeat(np.asarray(firsts, np.int64) - offsets, runs) + np.arange(int(runs.sum()))

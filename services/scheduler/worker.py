@@ -481,8 +481,8 @@ PROMPT_LP, OUTPUT_LP = "prompt_logprobs.", "output_logprobs."  # their inputs' n
 
 class _Owned(msgspec.Struct, frozen=True):
     """A query and the steps whose rows it holds, in order: step `steps[j]` owns its next
-    `counts[j]` rows (None: one row each). (A `msgspec.Struct`: one per step, or one per
-    producer a step where producers ask different widths.)"""
+    `counts[j]` rows (None: one row each, or a single step owning them all). (A `msgspec.Struct`:
+    one per step, or one per producer a step where producers ask different widths.)"""
 
     steps: list[int]  # indices into plan.steps
     counts: list[int] | None
@@ -490,7 +490,7 @@ class _Owned(msgspec.Struct, frozen=True):
 
     @classmethod
     def one(cls, step: int, query: LogprobQuery) -> _Owned:
-        return cls([step], None if len(query.rows) == 1 else [len(query.rows)], query)
+        return cls([step], None, query)
 
     def split(self, rows: HostRows) -> dict[int, HostRows]:
         """The query's host rows (`split_logprobs`) -> each step's (by step index): spans of the same columns."""
