@@ -13,8 +13,9 @@ samples nothing) returns before its copy has run, and the next step must not ove
 logprob rows) and brings them all back with one device->host copy: every part is 32 bits wide
 (float32 travels as its int32 bit pattern, a small int64 as its two halves), so they concatenate
 into one int32 buffer (a step with one part, a greedy decode's tokens, copies it as it is; parts
-that already lie back to back in one buffer, `LogprobGraphs.greedy`'s, are copied as that one
-span, without the concatenation's kernel and its launch). `start`
+that already lie back to back in one buffer are copied as that one span, without the
+concatenation's kernel and its launch; views of one buffer known together, `LogprobGraphs.greedy`'s
+tokens and columns, are registered as that one part with `add_packed`). `start`
 only queues that copy (into pinned memory, on CUDA) and `PendingReadback.wait` waits for it, so
 the host can queue the next step's work before it waits for this one's results (overlapped
 decoding, `SchedulerCore`); `fetch` is the two at once.
@@ -22,8 +23,10 @@ decoding, `SchedulerCore`); `fetch` is the two at once.
 
 from __future__ import annotations
 
+import itertools
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -105,7 +108,7 @@ class HostReadback:
         self.num_copies = 0  # device->host copies made, over the worker's life
         self.num_joined = 0  # of them, those whose parts had to be concatenated first
         self._parts: list[torch.Tensor] = []
-        self._kinds: list[tuple[torch.dtype, tuple[int, ...], bool]] = []
+        self._kinds: list[tuple[torch.dtype, tuple[int, ...], bool, int, int]] = []  # (dtype, shape, halves, part, first word in it)
         self._pinned: list[torch.Tensor] = []  # the two staging buffers (CUDA), grown on demand
         self._copied: list[torch.cuda.Event] = []  # each staging buffer's copy-done event (CUDA)
         self._in_use: list[PendingReadback | None] = [None, None]
@@ -116,30 +119,42 @@ class HostReadback:
         come back as int32. A small int64 part travels as its two 32-bit halves (no conversion
         kernel: a decode step's tokens), a large one narrowed on the device (half the bytes)."""
         halves = tensor.dtype == torch.int64 and tensor.numel() <= MAX_HALVES_NUMEL
-        self._kinds.append((tensor.dtype, tuple(tensor.shape), halves))
+        self._kinds.append((tensor.dtype, tuple(tensor.shape), halves, len(self._parts), 0))
         if tensor.dtype == torch.float32 or halves:
             tensor = tensor.contiguous().view(torch.int32)
         elif tensor.dtype != torch.int32:
             tensor = tensor.to(torch.int32)
         self._parts.append(tensor.reshape(-1))
-        return len(self._parts) - 1
+        return len(self._kinds) - 1
+
+    def add_packed(self, buffer: torch.Tensor, views: Sequence[PackedView]) -> list[int]:
+        """Handles for `views` of one 1-D int32 device buffer, which travels whole as one part
+        (padding between the views included): what an `add` per view would give, without a view,
+        a reshape and a step of `one_span`'s walk per view (a greedy decode step's five columns:
+        ~23 us of host time a step on the CPU, `host_step_cost.md`)."""
+        part, first = len(self._parts), len(self._kinds)
+        self._parts.append(buffer)
+        self._kinds.extend((v.dtype, v.shape, v.dtype == torch.int64, part, v.offset) for v in views)
+        return list(range(first, len(self._kinds)))
 
     def start(self) -> PendingReadback:
         """Queue the one device->host copy of every part added since the last call."""
         parts, kinds = self._parts, self._kinds
         self._parts, self._kinds = [], []
         if not parts:
-            return PendingReadback(None, None, kinds)
+            return PendingReadback(None, None, [])
         self.num_copies += 1
         span = (parts[0], [0]) if len(parts) == 1 else one_span(parts)
         joined = span is None
         if joined:
             self.num_joined += 1
-            device, gaps = torch.cat(parts), None  # the step's one device->host copy, from here
+            device = torch.cat(parts)  # the step's one device->host copy, from here
+            starts = list(itertools.accumulate((part.numel() for part in parts[:-1]), initial=0))
         else:
-            device, gaps = span
+            device, starts = span
+        kinds = [(dtype, shape, halves, starts[part] + offset) for dtype, shape, halves, part, offset in kinds]
         if device.device.type != "cuda":  # no device to wait for: the copy is done (a copy: parts may be static buffers')
-            return PendingReadback((device if joined else device.clone()).cpu(), None, kinds, gaps=gaps)
+            return PendingReadback((device if joined else device.clone()).cpu(), None, kinds)
         turn, self._turn = self._turn, 1 - self._turn
         if self._in_use[turn] is not None:
             self._in_use[turn].wait()  # the copy two steps back was never waited for: it leaves the buffer now
@@ -147,7 +162,7 @@ class HostReadback:
         staging.copy_(device, non_blocking=True)
         copied = self._copied[turn]  # free to record again: the step that last used it was waited for
         copied.record()
-        pending = self._in_use[turn] = PendingReadback(staging, copied, kinds, release=lambda: self._release(turn, pending), gaps=gaps)
+        pending = self._in_use[turn] = PendingReadback(staging, copied, kinds, release=lambda: self._release(turn, pending))
         return pending
 
     def fetch(self) -> list[np.ndarray]:
@@ -171,25 +186,33 @@ MAX_GAP_WORDS = 3  # padding one span still covers between two parts (a packed b
 
 def one_span(parts: list[torch.Tensor]) -> tuple[torch.Tensor, list[int]] | None:
     """1-D int32 parts that lie in order in one storage, back to back or apart by at most
-    MAX_GAP_WORDS words of padding: the one 1-D view over all of them (padding included) and the
-    words to skip before each part (empty parts anywhere: 0); else None, found out at the first
-    part that breaks the run."""
+    MAX_GAP_WORDS words of padding: the one 1-D view over all of them (padding included) and each
+    part's first word in it (an empty part's: where the next would begin); else None, found out at
+    the first part that breaks the run."""
     first = storage = end = None
     total = 0
-    gaps = []
+    starts = []
     for part in parts:
         if not part.numel():
-            gaps.append(0)
+            starts.append(total)
             continue
         if first is None:
             first, storage, end = part, part.untyped_storage().data_ptr(), part.data_ptr()
         gap, rest = divmod(part.data_ptr() - end, part.element_size())
         if rest or not 0 <= gap <= MAX_GAP_WORDS or part.untyped_storage().data_ptr() != storage:
             return None
-        gaps.append(gap)
+        starts.append(total + gap)
         end = part.data_ptr() + part.numel() * part.element_size()
         total += gap + part.numel()
-    return None if first is None else (first.as_strided((total,), (1,)), gaps)
+    return None if first is None else (first.as_strided((total,), (1,)), starts)
+
+
+class PackedView(NamedTuple):
+    """A view of a 1-D int32 buffer read back whole (`HostReadback.add_packed`)."""
+
+    dtype: torch.dtype  # int32, float32 (as its bit pattern), or int64 (as its pairs of words: values that fit 32 bits)
+    shape: tuple[int, ...]
+    offset: int  # its first word in the buffer
 
 
 class PendingReadback:
@@ -199,12 +222,10 @@ class PendingReadback:
         self,
         host: torch.Tensor | None,
         copied: torch.cuda.Event | None,
-        kinds: list[tuple[torch.dtype, tuple[int, ...], bool]],  # (dtype, shape, sent as int64 halves)
+        kinds: list[tuple[torch.dtype, tuple[int, ...], bool, int]],  # (dtype, shape, sent as int64 halves, first word)
         release: Callable[[], None] | None = None,  # gives the staging buffer back (CUDA)
-        gaps: list[int] | None = None,  # words of padding before each part (`one_span`); None: none
     ) -> None:
         self._host, self._copied, self._kinds, self._release = host, copied, kinds, release
-        self._gaps = gaps or [0] * len(kinds)
         self._out: list[np.ndarray] | None = None
 
     def wait(self) -> list[np.ndarray]:
@@ -218,12 +239,10 @@ class PendingReadback:
             self._copied.synchronize()
             host = host.copy()
             self._release()
-        out, offset = [], 0
-        for (dtype, shape, halves), gap in zip(self._kinds, self._gaps, strict=True):
+        out = []
+        for dtype, shape, halves, offset in self._kinds:
             size = math.prod(shape) * (2 if halves else 1)  # math's: np.prod took ~3.5 us a part
-            offset += gap
             chunk = host[offset : offset + size]
-            offset += size
             if halves:
                 chunk = chunk.view(np.int64).astype(np.int32)
             elif dtype == torch.float32:

@@ -28,7 +28,7 @@ whole prompt's rows) stay on the eager chunked path.
 every sequence wants them. Its graph (keyed also by the decode graph's static logits, which it reads
 in place: no rows copied in) takes each row's argmax too, the step's token, as its target, and
 writes tokens and columns into one buffer (each column 16-byte aligned, a few words of padding
-between them: `_packed_buffer`), which `HostReadback` copies as one span: a
+between them: `_packed_buffer`), which `HostReadback` reads back as one part (`add_packed`): a
 step launches two copies (logits rows, targets), an argmax and a concatenation fewer than `_verify`'s
 argmax and `compute`, the host's time that bounds a small model's batch-1 decode through the stack.
 Served by default (`--no-greedy-logprob-graphs` turns it off): on the H200 it gives the same tokens and
@@ -40,6 +40,7 @@ from __future__ import annotations
 import bisect
 import time
 from dataclasses import dataclass, replace
+from typing import NamedTuple
 
 import structlog
 import torch
@@ -52,6 +53,7 @@ from services.scheduler.logprobs import (
     logprobs_on_device,
     max_chunk_rows,
 )
+from services.scheduler.host_io import PackedView
 from services.scheduler.model.graphs import capture_graph
 from services.scheduler.request import RowLogprobs
 from services.scheduler.sampler import TOP_K_OFF
@@ -87,6 +89,16 @@ class _Graph:
     output: RowLogprobs[torch.Tensor] | None  # static: token [R], top-k [R, K] twice, ids [R, M]; None: eager
     graph: torch.cuda.CUDAGraph | None
     packed: torch.Tensor | None = None  # greedy: int32, tokens (int64) then output's columns, in order (`_packed_buffer`)
+    greedy: GreedyRows | None = None  # greedy: what each call returns (views of `packed`)
+
+
+class GreedyRows(NamedTuple):
+    """`LogprobGraphs.greedy`'s step: its tokens and output rows, views of one buffer."""
+
+    tokens: torch.Tensor  # int64 [R]: each row's argmax
+    rows: RowLogprobs[torch.Tensor]  # token [R], top-k [R, K] twice, ids [R, M]
+    packed: torch.Tensor  # int32: the buffer both are views of, padding between them
+    views: tuple[PackedView, ...]  # tokens as [R, 1] (a block of one token a row), then rows' four columns
 
 
 class LogprobGraphs:
@@ -105,6 +117,10 @@ class LogprobGraphs:
         self._failed: set[_Key] = set()  # keys whose capture raised: eager, never retried
         self.capture_s = 0.0  # host seconds spent capturing (warm-up included)
         self._graphs: dict[_Key, _Graph] = {}
+        # `greedy`'s calls by (rows, k, ids, sampling inputs, source) -> their key and graph: a decode
+        # step asks the same every step, and working its key out again (rungs, `replace`, a dataclass
+        # hash) was ~10 us of the serving scheduler's host time a step on the CPU (`host_step_cost.md`)
+        self._greedy_calls: dict[tuple, tuple[_Key, _Graph]] = {}
         self._buffers: dict[tuple[str, tuple[int, ...]], torch.Tensor] = {}  # static inputs by (name, shape)
         self._pool = None
 
@@ -136,7 +152,7 @@ class LogprobGraphs:
 
     def greedy(
         self, queries: list[LogprobQuery], inputs: dict[str, torch.Tensor], static_logits: torch.Tensor, processed: bool
-    ) -> tuple[torch.Tensor, RowLogprobs[torch.Tensor]] | None:
+    ) -> GreedyRows | None:
         """A plain greedy decode step's tokens and output rows, when its every row (in order: `inputs`
         holds no rows and no targets) wants logprobs and its logits are a decode graph's static
         logits [R, V] (`ForwardOutput.static_logits`). Returns tokens int64 [R] (each row's argmax,
@@ -148,14 +164,12 @@ class LogprobGraphs:
         k = min(max((q.top_k for q in queries), default=0), self.vocab_size)
         m = inputs["ids"].shape[1] if "ids" in inputs else 0
         sampling = tuple(name for name in SAMPLING_INPUTS if name in inputs) if processed else None
-        key = self._key(num_rows, k, m, sampling)
-        if key is None or num_rows > self.ladder[-1]:
-            return None
         source = static_logits.data_ptr() if self.capture else GREEDY_TWIN  # a captured graph reads that buffer
-        key = replace(key, rows=num_rows, source=source)  # the source's rows: a decode rung, no row rung of ours
-        entry = None if key in self._failed else self._graphs.get(key) or self._build(key, static_logits)
-        if entry is None:
+        call = (num_rows, k, m, sampling, source)
+        found = self._greedy_calls.get(call) or self._greedy_graph(call, static_logits)
+        if found is None:
             return None
+        key, entry = found
         if not self.capture:
             entry.inputs["logits"] = static_logits
         _fill_parameters(entry.inputs, inputs, sum(len(q.rows) for q in queries))
@@ -163,7 +177,21 @@ class LogprobGraphs:
             entry.graph.replay()
         else:
             _greedy_columns(entry, key, self.keys, self.fused)
-        return _packed_tokens(entry.packed, num_rows), entry.output
+        return entry.greedy
+
+    def _greedy_graph(self, call: tuple, static_logits: torch.Tensor) -> tuple[_Key, _Graph] | None:
+        """`greedy`'s key and graph for a call not seen before (built or captured now), kept for the
+        calls after it; None: off the ladders, failed, or past max_graphs (not kept: asked again)."""
+        num_rows, k, m, sampling, source = call
+        key = self._key(num_rows, k, m, sampling)
+        if key is None or num_rows > self.ladder[-1]:
+            return None
+        key = replace(key, rows=num_rows, source=source)  # the source's rows: a decode rung, no row rung of ours
+        entry = None if key in self._failed else self._graphs.get(key) or self._build(key, static_logits)
+        if entry is None:
+            return None
+        self._greedy_calls[call] = key, entry
+        return key, entry
 
     def _key(self, num_rows: int, k: int, num_ids: int, sampling: tuple[str, ...] | None) -> _Key | None:
         """None: eager (no rows, or a size off the ladders)."""
@@ -176,8 +204,9 @@ class LogprobGraphs:
         if len(self._graphs) >= self.max_graphs:
             return None
         entry = self._graphs[key] = _Graph(self._static_inputs(key, greedy_source), None, None)
+        views = ()
         if greedy_source is not None:
-            entry.packed, entry.output = _packed_buffer(key, greedy_source.device)
+            entry.packed, entry.output, views = _packed_buffer(key, greedy_source.device)
         if self.capture:
             start = time.perf_counter()
             try:
@@ -191,6 +220,8 @@ class LogprobGraphs:
             self.capture_s += time.perf_counter() - start
             log.info("logprob_graph_captured", rows=key.rows, k=key.k, ids=key.num_ids, sampling=key.sampling,
                      graphs=len(self._graphs), capture_ms=round(1e3 * (time.perf_counter() - start), 1))  # fmt: skip
+        if entry.packed is not None:  # the capture's output is the buffer's views (`_greedy_columns` writes them)
+            entry.greedy = GreedyRows(_packed_tokens(entry.packed, key.rows), entry.output, entry.packed, views)
         return entry
 
     def _static_inputs(self, key: _Key, greedy_source: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
@@ -236,8 +267,8 @@ def _columns(static: dict[str, torch.Tensor], key: _Key, keys: TopKKeys, fused: 
 PACKED_ALIGN_WORDS = 4  # each column of a greedy key's buffer starts at a multiple of 16 bytes
 
 
-def _packed_buffer(key: _Key, device: torch.device) -> tuple[torch.Tensor, RowLogprobs[torch.Tensor]]:
-    """A greedy key's one int32 buffer and its columns' views: tokens int64 [R] (2R words), then
+def _packed_buffer(key: _Key, device: torch.device) -> tuple[torch.Tensor, RowLogprobs[torch.Tensor], tuple[PackedView, ...]]:
+    """A greedy key's one int32 buffer, its columns' views and where they lie (`GreedyRows.views`): tokens int64 [R] (2R words), then
     token f32 [R], top values f32 [R, K], top ids int32 [R, K], ids f32 [R, M], in that order, each
     from a multiple of 16 bytes (padding between them is never read). Triton compiles a kernel
     again for a pointer not 16-byte aligned, so unaligned columns (R = 1 or 2, any K) made the
@@ -250,8 +281,11 @@ def _packed_buffer(key: _Key, device: torch.device) -> tuple[torch.Tensor, RowLo
         starts.append(starts[-1] + -(-size // PACKED_ALIGN_WORDS) * PACKED_ALIGN_WORDS)
     packed = torch.zeros(starts[-1] + sizes[-1], dtype=torch.int32, device=device)
     _, token, values, ids, requested = (packed[start : start + size] for start, size in zip(starts, sizes, strict=True))
-    return packed, RowLogprobs(token.view(torch.float32), values.view(torch.float32).view(rows, k), ids.view(rows, k),
-                               requested.view(torch.float32).view(rows, m))  # fmt: skip
+    columns = RowLogprobs(token.view(torch.float32), values.view(torch.float32).view(rows, k), ids.view(rows, k),
+                          requested.view(torch.float32).view(rows, m))  # fmt: skip
+    views = [PackedView(torch.int64, (rows, 1), starts[0])]
+    views += [PackedView(c.dtype, tuple(c.shape), start) for c, start in zip(columns.columns(), starts[1:], strict=True)]
+    return packed, columns, tuple(views)
 
 
 def _packed_tokens(packed: torch.Tensor, rows: int) -> torch.Tensor:

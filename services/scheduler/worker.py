@@ -29,7 +29,7 @@ import torch
 
 from services.scheduler.host_io import HostReadback, HostUpload, PendingReadback
 from services.scheduler.logits_processing import KeptPenalties, PenalizedBlock, ProcessorRows, apply_processors
-from services.scheduler.logprob_graphs import LogprobGraphs
+from services.scheduler.logprob_graphs import GreedyRows, LogprobGraphs
 from services.scheduler.logprobs import (
     LogprobQuery,
     TopKKeys,
@@ -127,8 +127,11 @@ class ModelWorker:
         greedy = self._greedy_rows(plan, layout, wanted, arrays, out)  # 4 and 5's output rows at once, or None
         verified = greedy[0] if greedy is not None else self._verify(plan, layout, out, arrays)  # 4
         handles = _Handles(self._readback)
-        handles.verify(verified)
-        output_rows = greedy[1] if greedy is not None else None
+        if greedy is None:
+            handles.verify(verified)
+        else:
+            handles.greedy(greedy[1])  # the tokens and the output rows, as one part
+        output_rows = greedy[1].rows if greedy is not None else None
         handles.logprobs(self._logprobs(wanted, arrays, out.hidden_states, verified, output_rows))  # 5
         clock.mark()
         proposal = self._propose(plan, layout, out.captured, arrays, verified)  # 6
@@ -252,7 +255,7 @@ class ModelWorker:
         tokens = torch.where(slots[None, :] < num_accepted[:, None], padded, next_token[:, None])  # [P, K + 1]
         return _Verified(reported, num_accepted, next_token, tokens)
 
-    def _greedy_rows(self, plan: StepPlan, layout: _Layout, wanted: _LogprobQueries, arrays, out) -> tuple[_Verified, RowLogprobs] | None:
+    def _greedy_rows(self, plan: StepPlan, layout: _Layout, wanted: _LogprobQueries, arrays, out) -> tuple[_Verified, GreedyRows] | None:
         """A plain greedy decode graph step whose every producer wants output logprobs (the commonest
         step with them): its tokens and rows from `LogprobGraphs.greedy`, one graph over the decode
         graph's logits, which also takes the argmax (padded rows: `_Verified`). None: `_verify` and
@@ -269,9 +272,9 @@ class ModelWorker:
         found = self.logprob_graphs.greedy([job.query for job in wanted.output], inputs, out.static_logits, self._processed)
         if found is None:
             return None
-        tokens, rows = found  # [R], R >= P
+        tokens = found.tokens  # [R], R >= P
         num_producers = len(layout.producers)
-        return _Verified(out.logits.view(num_producers, 1, -1), None, tokens[:num_producers], tokens[:, None]), rows
+        return _Verified(out.logits.view(num_producers, 1, -1), None, tokens[:num_producers], tokens[:, None]), found
 
     def _accept(self, block: VerifyBlock) -> tuple[torch.Tensor, torch.Tensor]:
         """The accept rule (`spec.accept`); a benchmark's subclass may replace it."""
@@ -548,11 +551,17 @@ class _Handles:
             accepted = None if verified.num_accepted is None else self._readback.add(verified.num_accepted)
             self.verified = (accepted, self._readback.add(verified.tokens))
 
+    def greedy(self, found: GreedyRows) -> None:
+        """`_greedy_rows`' step: its tokens and output rows, views of one buffer, read back as that
+        one part (instead of `verify` and `logprobs` adding each view)."""
+        tokens, *self.output = self._readback.add_packed(found.packed, found.views)
+        self.verified = (None, tokens)
+
     def logprobs(self, jobs: _LogprobJobs) -> None:
         self.jobs = jobs
         if jobs.prompt_rows is not None:
             self.prompt = [self._readback.add(t) for t in jobs.prompt_rows.columns()]
-        if jobs.output_rows is not None:
+        if jobs.output_rows is not None and self.output is None:  # `greedy`'s were added already
             self.output = [self._readback.add(t) for t in jobs.output_rows.columns()]
 
     def proposal(self, proposal) -> None:

@@ -86,8 +86,8 @@ def test_parts_back_to_back_in_one_buffer_are_read_as_one_span_and_others_are_jo
 
     buffer = torch.arange(10, dtype=torch.int32)
     adjacent = [buffer[0:3], buffer[3:3], buffer[3:7], buffer[7:10]]  # an empty part in between changes nothing
-    span, gaps = one_span(adjacent)
-    assert span.data_ptr() == buffer.data_ptr() and span.tolist() == list(range(10)) and gaps == [0, 0, 0, 0]
+    span, starts = one_span(adjacent)
+    assert span.data_ptr() == buffer.data_ptr() and span.tolist() == list(range(10)) and starts == [0, 3, 3, 7]
     assert one_span([buffer[3:6], buffer[0:3]]) is None  # out of order
     assert one_span([buffer[0:3], buffer[3:6].clone()]) is None  # another storage
     assert one_span([buffer[0:3], buffer[7:10]]) is None  # more padding than MAX_GAP_WORDS (3) between them
@@ -105,8 +105,8 @@ def test_parts_apart_by_a_few_words_of_padding_are_still_one_span_and_read_past_
 
     buffer = torch.arange(20, dtype=torch.int32)
     parts = [buffer[0:2], buffer[4:5], buffer[5:5], buffer[8:11], buffer[12:20]]  # gaps 2, 0, 3 and 1 words
-    span, gaps = one_span(parts)
-    assert span.data_ptr() == buffer.data_ptr() and span.numel() == 20 and gaps == [0, 2, 0, 3, 1]
+    span, starts = one_span(parts)
+    assert span.data_ptr() == buffer.data_ptr() and span.numel() == 20 and starts == [0, 4, 5, 8, 12]  # each part's place
     readback = HostReadback()
     handles = [readback.add(part) for part in parts]
     floats = buffer[12:20].view(torch.float32)  # a float column among them reads back as floats

@@ -201,7 +201,7 @@ def test_greedy_equals_compute_given_the_argmax_bit_for_bit(processed):
         queries = [LogprobQuery(np.asarray([i], np.int64), None, k, m, s) for i, (k, m, s) in enumerate(zip(ks, ids, samplings))]
         inputs = {name: torch.from_numpy(a) for name, a in logprob_inputs(queries, processed, n).items()}
         assert "rows" not in inputs and "targets" not in inputs
-        tokens, got = graphs.greedy(queries, inputs, source, processed)
+        tokens, got = graphs.greedy(queries, inputs, source, processed)[:2]
         assert tokens.shape == (rows,) and torch.equal(tokens, source.argmax(dim=-1))
         want = reference.compute(queries, inputs, source[:n], processed, tokens[:n].clone())
         assert got.token.shape[0] == rows and got.top_values.shape[1] >= want.top_values.shape[1]
@@ -213,24 +213,31 @@ def test_greedy_equals_compute_given_the_argmax_bit_for_bit(processed):
     assert all(key.source for key in graphs._graphs) and len(graphs._graphs) == 4
 
 
-def test_greedy_writes_tokens_and_columns_back_to_back_so_the_readback_copies_one_span():
+def test_greedy_rows_read_back_as_one_part_equal_each_view_read_back_alone():
+    """`GreedyRows.views` say where the tokens and columns lie in their buffer: read back as that one
+    part (`add_packed`, beside a part before and after it), each is what an `add` of its view gives."""
     from services.scheduler.host_io import HostReadback
 
     graphs = LogprobGraphs(TopKKeys.build(VOCAB, "cpu"), capture=False)
     source = _logits(4, seed=30)
     queries = [LogprobQuery(np.asarray([i], np.int64), None, 5, (1, 2)) for i in range(4)]
     inputs = {name: torch.from_numpy(a) for name, a in logprob_inputs(queries, False, 4).items()}
-    tokens, rows = graphs.greedy(queries, inputs, source, False)
+    found = graphs.greedy(queries, inputs, source, False)
+    views = [found.tokens[:, None], *found.rows.columns()]
+    alone = HostReadback()
+    handles = [alone.add(view) for view in views]
+    want = alone.fetch()
     readback = HostReadback()
-    handles = [readback.add(tokens[:, None]), *(readback.add(t) for t in rows.columns())]
+    before = readback.add(torch.arange(3, dtype=torch.int32))
+    packed = readback.add_packed(found.packed, found.views)
+    after = readback.add(torch.full((2,), 7, dtype=torch.int64))
     host = readback.fetch()
-    assert readback.num_copies == 1 and readback.num_joined == 0
-    assert host[handles[0]].ravel().tolist() == source.argmax(dim=-1).tolist()
-    for handle, column in zip(handles[1:], rows.columns(), strict=True):
-        np.testing.assert_array_equal(host[handle], column.numpy())
-    readback.add(tokens[:2, None])  # a gap (rows 2-3 of the tokens) before the next part: concatenated
-    readback.add(rows.token)
-    assert [len(part) for part in readback.fetch()] == [2, 4] and readback.num_joined == 1
+    assert readback.num_copies == 1 and len(packed) == len(views) == 5
+    assert host[packed[0]].ravel().tolist() == source.argmax(dim=-1).tolist()
+    for got, handle in zip(packed, handles, strict=True):
+        assert host[got].dtype == want[handle].dtype
+        np.testing.assert_array_equal(host[got], want[handle])
+    assert host[before].tolist() == [0, 1, 2] and host[after].tolist() == [7, 7]
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 4])
@@ -242,9 +249,11 @@ def test_greedy_buffers_align_every_column_to_16_bytes_and_still_read_back_in_on
     from services.scheduler.host_io import HostReadback
     from services.scheduler.logprob_graphs import _Key, _packed_buffer, _packed_tokens
 
-    packed, rows_out = _packed_buffer(_Key(rows, k, num_ids, None), torch.device("cpu"))
+    packed, rows_out, views = _packed_buffer(_Key(rows, k, num_ids, None), torch.device("cpu"))
     columns = [_packed_tokens(packed, rows), *rows_out.columns()]
     assert all((c.data_ptr() - packed.data_ptr()) % 16 == 0 for c in columns if c.numel())
+    assert all(view.offset == (c.data_ptr() - packed.data_ptr()) // 4 for view, c in zip(views, columns, strict=True) if c.numel())
+    assert [(view.dtype, view.shape) for view in views] == [(torch.int64, (rows, 1)), *((c.dtype, tuple(c.shape)) for c in columns[1:])]
     columns[0].copy_(torch.arange(rows) + 7)  # tokens (int64 that fit 32 bits, as token ids do)
     for i, column in enumerate(columns[1:], start=1):  # distinct words in every other column
         column.view(torch.int32).view(-1).copy_(torch.arange(column.numel(), dtype=torch.int32) + 100 * i)
@@ -255,6 +264,11 @@ def test_greedy_buffers_align_every_column_to_16_bytes_and_still_read_back_in_on
     assert host[handles[0]].ravel().tolist() == columns[0].tolist()
     for handle, column in zip(handles[1:], columns[1:], strict=True):
         np.testing.assert_array_equal(host[handle], column.numpy())
+    whole = HostReadback()  # the buffer as one part, read through its views
+    packed_handles = whole.add_packed(packed, views)
+    for got, want in zip(whole.fetch(), host, strict=True):
+        np.testing.assert_array_equal(got, want)
+    assert packed_handles == list(range(5))
 
 
 def test_a_replayed_greedy_call_launches_nothing_without_requested_ids(fake_cuda_capture):
