@@ -165,7 +165,8 @@ class TokenBatch(msgspec.Struct, frozen=True, gc=False, omit_defaults=True):
                                self.logprobs, self.spec_verify_ct)  # fmt: skip
         if self.output_logprobs is not None:
             rows = _int32s(self.output_logprobs.rows, "output_logprobs.rows", len(self.rids))
-            if any(n not in (0, c) for n, c in zip(rows, counts, strict=True)):
+            # (the commonest batch, every request with rows, is equal lists: one C comparison)
+            if rows != counts and any(n not in (0, c) for n, c in zip(rows, counts, strict=True)):
                 raise ValueError("a request's output logprob rows must be its new tokens")
             if any(entry is not None and entry.num_output_rows() is not None for entry in self.logprobs or ()):
                 raise ValueError("output logprob entries go in output_logprobs or in logprobs, not both")

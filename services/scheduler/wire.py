@@ -47,7 +47,8 @@ def _token_batch(outputs: list[RequestOutput], scheduler_id: str, step: int) -> 
     rows = [None if e is None else e.output for e in entries]  # each request's output rows (None: none)
     if len(rows) - rows.count(None) >= COLUMNS_FROM_REQUESTS:
         columns = _source_columns(rows) or to_columns(entries)
-        beside = [None if e is None else _beside_columns(e) for e in entries]
+        # (the commonest entry, output rows alone, is None without a call to `_beside_columns`)
+        beside = [None if e is None or (e.output is not None and not e.has_prompt_entries()) else _beside_columns(e) for e in entries]
         logprobs = beside if beside.count(None) < len(beside) else None
     elif entries.count(None) < len(entries):
         logprobs = [None if e is None else to_request_logprobs(e) for e in entries]
