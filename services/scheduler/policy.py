@@ -357,16 +357,12 @@ class Policy:
         if not steps:
             return None
         ends = [s.start + s.num_committed + 1 for s in steps]  # KV length after the next step
-        if sum(self.blocks.num_new_blocks(s.seq.rid, end) for s, end in zip(steps, ends)) > self.blocks.num_free_blocks:
+        grown = self.blocks.grow_by_one([s.seq.rid for s in steps], ends)
+        if grown is None:
             return None
-        followed = []
-        for step, end in zip(steps, ends, strict=True):
-            seq, start = step.seq, end - 1
-            self.blocks.allocate(seq.rid, end)
-            slots = self.blocks.slots(seq.rid, start, end)
-            table = self.blocks.block_table(seq.rid)
-            no_prompt_rows = (seq.num_prompt, seq.num_prompt - 1)  # a decode returns no prompt logprobs
-            followed.append(SeqStep(seq, start, [FOLLOWED_TOKEN], 0, True, *no_prompt_rows, slots, table, step.output_position + 1))
+        # a decode returns no prompt logprobs: prompt rows [num_prompt, num_prompt - 1]
+        followed = [SeqStep(step.seq, end - 1, [FOLLOWED_TOKEN], 0, True, step.seq.num_prompt, step.seq.num_prompt - 1, [slot],
+                            table, step.output_position + 1) for step, end, slot, table in zip(steps, ends, *grown, strict=True)]  # fmt: skip
         admitted = self._admit(self._chunk_budget - len(followed)) if self._can_admit_next() else []
         return self._running.plan(followed + [self._seq_step(seq, n, k) for seq, n, k in admitted])
 
