@@ -7,7 +7,10 @@ model's; nothing is simulated), and the output of each step is packed as the ser
 - schedule:  `Policy.schedule` (admission, KV reservation, the plan of every sequence), or
              `Policy.follow_decodes` for a step planned by overlapped decoding
 - inputs:    the worker's host arrays: layout, logprob queries and their inputs, `HostUpload.send`
-- unpack:    the readback's columns -> per-sequence `SeqResult`s (`_Handles.results`; the copy itself untimed)
+- readback:  registering the step's device results for the one copy and queueing it (`_Handles`' verify,
+             greedy and logprobs, `HostReadback.start`), then splitting the host copy (`PendingReadback.wait`;
+             on the CPU the copy itself is a clone, timed too)
+- unpack:    the readback's columns -> per-sequence `SeqResult`s (`_Handles.results`)
 - update:    `Policy.update` (tokens, finishes, logprob entries -> `RequestOutput`s)
 - core:      `SchedulerCore`'s own bookkeeping per step (counts, releases)
 - wire:      `wire.to_token_batches` + msgpack encoding of every `TokenBatch`
@@ -23,6 +26,10 @@ the functions with the most own time. `--before PATH` runs this same script on a
 `git worktree` of the starting commit) and on this one, each in a subprocess, alternately for
 `--rounds` rounds, and records each figure's best round for both trees in one results file.
 `--compare-collectors` does the same with this tree under `--collector default` and `tuned`.
+`--served-paths` runs the paths `sparkwire up` serves on a GPU through their CPU twins: decode steps
+on the decode graphs' padded twin (`prepare_decode_graphs(capture=False)`), output logprobs from
+`LogprobGraphs` and greedy steps' tokens and rows from `LogprobGraphs.greedy` (without it, the
+core's defaults: eager decode, eager logprobs).
 
     python -m ops.bench.host_step_cost --before /work/wt/hostcost-base --rounds 3 --profile \
         --out ops/bench/results/host_step_cost.json
@@ -55,7 +62,7 @@ from services.scheduler import policy as policy_module
 from services.scheduler import wire
 from services.scheduler import worker as worker_module
 from services.scheduler.core import SchedulerCore
-from services.scheduler.host_io import HostUpload
+from services.scheduler.host_io import HostReadback, HostUpload, PendingReadback
 from services.scheduler.model import load_model_runner
 from services.scheduler.request import SchedulerRequest
 
@@ -73,6 +80,8 @@ PIECES = {
     "inputs": [(worker_module, "_lay_out"), (worker_module.ModelWorker, "_logprob_queries"),
                (worker_module.ModelWorker, "_host_arrays"), (worker_module._LogprobQueries, "inputs"),
                (HostUpload, "send")],  # fmt: skip
+    "readback": [(worker_module._Handles, "verify"), (worker_module._Handles, "greedy"), (worker_module._Handles, "logprobs"),
+                 (HostReadback, "start"), (PendingReadback, "wait")],  # fmt: skip
     "unpack": [(worker_module._Handles, "results")],
     "update": [(policy_module.Policy, "update")],
     "core": [(core_module.SchedulerCore, "_count"), (core_module.SchedulerCore, "_finished"),
@@ -155,9 +164,9 @@ def publish(outputs, step: int, encoder: msgspec.msgpack.Encoder) -> int:
     return size
 
 
-def measure(runner, batch: int, logprobs: str, new_tokens: int, warm_steps: int = 3) -> dict:
+def measure(runner, batch: int, logprobs: str, new_tokens: int, warm_steps: int = 3, served_paths: bool = False) -> dict:
     """Prefill and `warm_steps` decode steps, then every piece's time per decode step until all finish."""
-    core = SchedulerCore(runner, max_running_requests=max(batch, 64), chunked_prefill_size=4096)
+    core = make_core(runner, batch, served_paths)
     for request in requests(batch, LOGPROBS[logprobs], runner.config.vocab_size, new_tokens):
         core.add(request)
     encoder = msgspec.msgpack.Encoder()
@@ -193,7 +202,13 @@ def _lower_quartile(values: list[float]) -> float:
     return statistics.quantiles(values, n=4)[0] if len(values) > 1 else values[0]
 
 
-def profile_host(runner, batch: int, logprobs: str, new_tokens: int, limit: int = 25) -> str:
+def make_core(runner, batch: int, served_paths: bool) -> SchedulerCore:
+    """served_paths: the logprob graphs' twins too (the runner's decode graphs: `run`)."""
+    graphs = {"logprob_graphs": True, "greedy_logprob_graphs": True} if served_paths else {}
+    return SchedulerCore(runner, max_running_requests=max(batch, 64), chunked_prefill_size=4096, **graphs)
+
+
+def profile_host(runner, batch: int, logprobs: str, new_tokens: int, limit: int = 25, served_paths: bool = False) -> str:
     """cProfile of the decode steps' host pieces only (the timed functions, not the model)."""
     profiler = cProfile.Profile()
 
@@ -205,7 +220,7 @@ def profile_host(runner, batch: int, logprobs: str, new_tokens: int, limit: int 
 
             return timed
 
-    core = SchedulerCore(runner, max_running_requests=max(batch, 64), chunked_prefill_size=4096)
+    core = make_core(runner, batch, served_paths)
     for request in requests(batch, LOGPROBS[logprobs], runner.config.vocab_size, new_tokens):
         core.add(request)
     encoder = msgspec.msgpack.Encoder()
@@ -220,18 +235,21 @@ def profile_host(runner, batch: int, logprobs: str, new_tokens: int, limit: int 
     return text.getvalue()
 
 
-def run(batches, new_tokens: int, profile: bool, collector: str = "tuned") -> dict:
+def run(batches, new_tokens: int, profile: bool, collector: str = "tuned", served_paths: bool = False) -> dict:
     torch.manual_seed(0)
     torch.set_num_threads(1)  # the model's CPU compute is not what is measured; keep it from competing
     with _collector(collector):
         runner = load_model_runner(RANDOM_TINY_MODEL, device="cpu", dtype=torch.float32, num_kv_blocks=1024, kv_block_size=16)
-        measure(runner, 8, "top20_ids", 8)  # warm-up: first calls, allocator
+        if served_paths:  # every batch on a rung (1 and 64 both are), every request's blocks in its table
+            runner.prepare_decode_graphs(max_blocks_per_seq=-(-(PROMPT_LEN + new_tokens) // 16) + 1, capture=False)
+        measure(runner, 8, "top20_ids", 8, served_paths=served_paths)  # warm-up: first calls, allocator
         if collector == "tuned":
             memory.settle_startup_heap()  # as a service does once ready
-        rows = [measure(runner, batch, name, new_tokens) for batch in batches for name in LOGPROBS]
-    result = {"model": RANDOM_TINY_MODEL.name, "torch": torch.__version__, "new_tokens": new_tokens, "collector": collector, "rows": rows}
+        rows = [measure(runner, batch, name, new_tokens, served_paths=served_paths) for batch in batches for name in LOGPROBS]
+    result = {"model": RANDOM_TINY_MODEL.name, "torch": torch.__version__, "new_tokens": new_tokens, "collector": collector,
+              "served_paths": served_paths, "rows": rows}  # fmt: skip
     if profile:
-        result["profile"] = profile_host(runner, max(batches), "top20_ids", new_tokens)
+        result["profile"] = profile_host(runner, max(batches), "top20_ids", new_tokens, served_paths=served_paths)
     return result
 
 
@@ -289,10 +307,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rounds", type=int, default=3, help="with --before: alternate rounds of each tree")
     parser.add_argument("--collector", choices=memory.COLLECTOR_MODES, default="tuned", help="the garbage collector's settings")
     parser.add_argument("--compare-collectors", action="store_true", help="this tree under each --collector, alternately")
+    parser.add_argument("--served-paths", action="store_true", help="decode graphs' and logprob graphs' CPU twins, as served on a GPU")
     parser.add_argument("--out", type=Path, default=RESULTS / "host_step_cost.json")
     parser.add_argument("--print-json", action="store_true", help=argparse.SUPPRESS)  # a subprocess's output
     args = parser.parse_args(argv)
-    common = ["--batches", *map(str, args.batches), "--new-tokens", str(args.new_tokens)]
+    common = ["--batches", *map(str, args.batches), "--new-tokens", str(args.new_tokens), *(["--served-paths"] if args.served_paths else [])]
     if args.compare_collectors:
         result = compare_collectors(common, args.rounds)
         print(table(result["default"]["rows"], "default collector"))
@@ -302,7 +321,7 @@ def main(argv: list[str] | None = None) -> None:
         print(table(result["before"]["rows"], "before"))
         print(table(result["after"]["rows"], "after").split("\n", 2)[2])
     else:
-        result = run(tuple(args.batches), args.new_tokens, args.profile, args.collector)
+        result = run(tuple(args.batches), args.new_tokens, args.profile, args.collector, args.served_paths)
         if args.print_json:
             print(json.dumps(result))
             return

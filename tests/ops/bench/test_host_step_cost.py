@@ -24,6 +24,23 @@ def test_every_piece_is_timed_on_decode_steps_and_the_wrappers_come_off(runner):
     assert all(getattr(owner, name) is original for (owner, name), original in originals.items())
 
 
+def test_served_paths_take_greedy_steps_through_the_logprob_graphs_twin(runner, monkeypatch):
+    """`--served-paths`: decode steps on the decode graphs' twin and their tokens and top-20 rows from
+    `LogprobGraphs.greedy`, whose registering for the readback the readback piece times."""
+    from services.scheduler import worker
+
+    taken = []
+    original = worker._Handles.greedy
+    monkeypatch.setattr(worker._Handles, "greedy", lambda self, found: taken.append(found) or original(self, found))
+    runner.prepare_decode_graphs(max_blocks_per_seq=4, capture=False)
+    try:
+        row = host_step_cost.measure(runner, 3, "top20", new_tokens=8, served_paths=True)
+    finally:
+        runner.drop_decode_graphs()
+    assert row["steps"] == 4 and row["readback_us"] > 0
+    assert len(taken) >= 4  # the 4 timed decode steps at least (warm ones too)
+
+
 def test_best_of_takes_each_figure_from_its_least_disturbed_round():
     rounds = [{"rows": [{"batch": 1, "host_us": 5.0, "wire_us": 1.0}]}, {"rows": [{"batch": 1, "host_us": 4.0, "wire_us": 2.0}]}]
     assert host_step_cost.best_of(rounds)["rows"] == [{"batch": 1, "host_us": 4.0, "wire_us": 1.0}]
