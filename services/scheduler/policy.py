@@ -78,6 +78,7 @@ class StepPlan:
     # asking each sequence every step); None: unknown (ask each sequence).
     output_logprob_keys: tuple[tuple[int, tuple[int, ...]] | None, ...] | None = None  # the distinct keys, one: all share it
     processes_logits: bool | None = None  # False: no sequence's logits are processed; True: some running one's are
+    samples_randomly: bool | None = None  # False: every sequence's token is the argmax; True: some running one samples
 
     @property
     def num_tokens(self) -> int:
@@ -109,18 +110,21 @@ class RunningSet(dict):
     membership tests O(B^2); a dict subclass, so `in`, iteration and `len` stay the dict's own
     (asked per sequence per step). Sequences join and leave through `add` and `remove` (never
     `running[seq] = ...` or `del`), which count what the worker would otherwise ask of every sequence
-    of every step: `plan` hands those counts on (`StepPlan.output_logprob_keys`, `processes_logits`)."""
+    of every step: `plan` hands those counts on (`StepPlan.output_logprob_keys`, `processes_logits`,
+    `samples_randomly`)."""
 
     def __init__(self) -> None:
         super().__init__()
         self._keys: dict[tuple[int, tuple[int, ...]] | None, int] = {}  # output_logprob_key -> running sequences
         self._num_processing = 0  # running sequences whose logits a processor changes
+        self._num_random = 0  # running sequences that sample (temperature > 0)
 
     def add(self, seq: Sequence) -> None:
         self[seq] = None
         key = seq.output_logprob_key
         self._keys[key] = self._keys.get(key, 0) + 1
         self._num_processing += seq.processes_logits
+        self._num_random += seq.samples_randomly
 
     def remove(self, seq: Sequence) -> None:
         del self[seq]
@@ -130,15 +134,17 @@ class RunningSet(dict):
         else:
             self._keys[key] -= 1
         self._num_processing -= seq.processes_logits
+        self._num_random -= seq.samples_randomly
 
     def clear(self) -> None:
         super().clear()
         self._keys.clear()
         self._num_processing = 0
+        self._num_random = 0
 
     def plan(self, steps: list[SeqStep]) -> StepPlan:
         """A plan of running sequences only, with what they share (counted now)."""
-        return StepPlan(steps, tuple(self._keys), self._num_processing > 0)
+        return StepPlan(steps, tuple(self._keys), self._num_processing > 0, self._num_random > 0)
 
 
 class Policy:

@@ -293,6 +293,11 @@ class Sequence:
         return not is_identity(self.request.sampling)
 
     @functools.cached_property
+    def samples_randomly(self) -> bool:
+        """Its tokens are drawn (temperature > 0), not the argmax: asked of every producer a step."""
+        return self.request.sampling.temperature > 0
+
+    @functools.cached_property
     def output_logprob_key(self) -> tuple[int, tuple[int, ...]] | None:
         """(top-k, requested ids) of its output rows, None where it wants none: producers with equal
         keys share one logprob query a step (the policy's `RunningSet` counts them)."""

@@ -320,17 +320,18 @@ def test_requests_asking_the_same_output_logprobs_share_one_query_a_step(make_co
 
 
 def test_every_plan_says_truly_what_its_sequences_share(make_core, monkeypatch):
-    """The worker trusts a plan's `output_logprob_keys` (one key: every sequence has it) and
-    `processes_logits` (False: none has a processor) instead of asking each sequence: they come
-    from the policy's running set, counted as sequences join and leave, and equal a recount. Held to over admissions,
-    finishes, preemptions (3 KV blocks), forks, an abort and followed steps, with logprob kinds and
-    a penalized request mixed in, then alone."""
+    """The worker trusts a plan's `output_logprob_keys` (one key: every sequence has it),
+    `processes_logits` (False: none has a processor) and `samples_randomly` (False: every token is
+    the argmax) instead of asking each sequence: they come from the policy's running set, counted as
+    sequences join and leave, and equal a recount. Held to over admissions, finishes, preemptions (3
+    KV blocks), forks, an abort and followed steps, with logprob kinds, a penalized request and a
+    sampled one mixed in, then alone."""
     import dataclasses
 
     from contracts.scheduler import ForkedChoice
     from services.scheduler import policy as policy_module
 
-    checked = {"shared": 0, "unprocessed": 0}
+    checked = {"shared": 0, "unprocessed": 0, "greedy": 0, "sampled": 0}
     for name in ("schedule", "follow_decodes", "follow_prefill"):
         make = getattr(policy_module.Policy, name)
 
@@ -339,6 +340,8 @@ def test_every_plan_says_truly_what_its_sequences_share(make_core, monkeypatch):
             if plan is not None:  # exact, not only sound: a count that drifts would turn the worker's shortcuts off
                 assert set(plan.output_logprob_keys) == {seq.output_logprob_key for seq in self._running}
                 assert plan.processes_logits == any(seq.processes_logits for seq in self._running)
+                assert plan.samples_randomly == any(seq.samples_randomly for seq in self._running)
+                checked["sampled" if plan.samples_randomly else "greedy"] += 1
             if plan is not None and len(plan.output_logprob_keys) == 1:
                 assert all(s.seq.output_logprob_key == plan.output_logprob_keys[0] for s in plan.steps)
                 checked["shared"] += 1
@@ -354,12 +357,13 @@ def test_every_plan_says_truly_what_its_sequences_share(make_core, monkeypatch):
                 for i in range(12)]  # fmt: skip
     requests[5] = request("r5", prompt_of(85, 9), max_new_tokens=8, ignore_eos=True, repetition_penalty=1.2, logprobs=top3)
     requests[7] = dataclasses.replace(requests[7], choices=(ForkedChoice("r7.1", "detok", 3),))
+    requests[9] = request("r9", prompt_of(89, 5), max_new_tokens=7, temperature=0.8, seed=9, logprobs=top3)  # sampled: joins at step 4
     core = make_core(num_blocks=3, chunked_prefill_size=24, overlap_decode=True)
     results = run(core, requests[:8], joins={4: requests[8:]}, abort_at={6: ["r2"]})
     assert core.num_preemptions > 0 and "r7.1" in results and checked["shared"] > 0
     uniform = [request(f"u{i}", prompt_of(90 + i, 4 + i), max_new_tokens=5, ignore_eos=True, logprobs=top3) for i in range(4)]
     run(make_core(overlap_decode=True), uniform)
-    assert checked["unprocessed"] > 0
+    assert checked["unprocessed"] > 0 and checked["greedy"] > 0 and checked["sampled"] > 0
 
 
 def test_processed_mode_shares_a_query_only_between_requests_of_the_same_filters(make_core, monkeypatch):
