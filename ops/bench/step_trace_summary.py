@@ -7,7 +7,10 @@ Each step is one of:
 - `prefill`: prompt chunks alone;
 - `idle`: a step that planned nothing (finishes handed on).
 Per kind: steps, wall seconds and their share of the window, ms per step, sequences and tokens per
-step, and how long the host waited for the device (`collect_s`). Between steps the thread waited
+step, how long the host waited for the device (`collect_s`, the split into per-sequence results
+included), and the step less that wait (`host_ms`: the step thread's own time a step, GIL waits
+included; it tells trees apart where the device sets the pace and the step's wall cannot:
+gpu_serve.md, 0.6B run 44). Between steps the thread waited
 `turn_s`: `held` when the event loop had not published the step ahead yet, else for work. The
 decode batch is weighted by time: a decode step of fewer sequences than the concurrency serves
 fewer tokens for the same weights read.
@@ -59,6 +62,7 @@ def summarize(lines: Iterable[dict]) -> dict[str, Any]:
                     (("seqs", "num_seqs"), ("tokens", "num_tokens"), ("prefill_tokens", "num_prefill_tokens"),
                      ("collect_ms", "collect_s"))}  # fmt: skip
             row["collect_ms"] *= 1e3
+            row["host_ms"] = row["ms_per_step"] - row["collect_ms"]
         kinds[kind] = row
     decodes = [line for line in lines if kind_of(line).startswith("decode")]
     decode_s = sum(line["dur_s"] for line in decodes)
@@ -79,9 +83,11 @@ def table(summary: dict[str, Any]) -> str:
     lines = [f"{summary['num_steps']} steps over {summary['span_s']:.3f} s: busy {summary['busy_s']:.3f} s, "
              f"held by publishing {summary['held_s']:.3f} s, waiting for work {summary['waited_for_work_s']:.3f} s; "
              f"decode batch (time-weighted) {summary['decode_batch_time_weighted'] or 0:.1f}",
-             "| kind | steps | s | share | ms/step | seqs | tokens | prefill tokens | collect ms |", "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+             "| kind | steps | s | share | ms/step | seqs | tokens | prefill tokens | collect ms | host ms |",
+             "|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for kind, row in summary["kinds"].items():
-        extra = " | ".join(f"{row[k]:.1f}" for k in ("seqs", "tokens", "prefill_tokens", "collect_ms")) if "seqs" in row else " | | |"
+        extra = " | ".join(f"{row[k]:.1f}" for k in ("seqs", "tokens", "prefill_tokens")) if "seqs" in row else " | |"
+        extra += f" | {row['collect_ms']:.2f} | {row['host_ms']:.2f}" if "seqs" in row else " | |"
         lines.append(f"| {kind} | {row['steps']} | {row['seconds']:.3f} | {row['share']:.2f} | {row['ms_per_step']:.2f} | {extra} |")
     return "\n".join(lines)
 

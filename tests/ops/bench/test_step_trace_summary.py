@@ -37,8 +37,10 @@ def test_kinds_and_sums():
     assert summary["decode_batch_time_weighted"] == pytest.approx((64 * 0.006 * 2 + 32 * 0.002) / 0.014)
     followed = summary["kinds"]["decode_followed"]
     assert (followed["steps"], followed["seqs"], followed["ms_per_step"]) == (2, 48, pytest.approx(4.0))
+    assert (followed["collect_ms"], followed["host_ms"]) == (pytest.approx(2.0), pytest.approx(2.0))  # each waited half its step
     assert summary["kinds"]["mixed"]["prefill_tokens"] == 2048 and summary["kinds"]["idle"]["steps"] == 1
     assert "| mixed | 1 |" in table(summary)
+    assert all(line.count("|") == 11 for line in table(summary).splitlines()[1:])  # ten columns, idle's blank
 
 
 def test_a_window_keeps_the_steps_that_began_inside_it(tmp_path):
