@@ -163,10 +163,11 @@ def serve_scenarios(check: CheckConfig, model_dir: Path, log_path: Path) -> dict
     if check.profile_scheduler:
         scheduler_profile.py_spy()  # missing: fail before the stack starts
     spy_path = log_path.with_name(log_path.stem.removesuffix("_up") + "_spy.txt") if check.profile_scheduler else None
+    earlier = set(trace_dir.glob("*.jsonl"))  # an earlier run's with the same --out: not this stack's
     with launched_stack(up_args, base_url, log_path) as stack:
         scenarios = run_scenarios(check, base_url, stack.up.process.pid, spy_path)
     if check.step_trace:
-        add_step_traces(scenarios, sorted(trace_dir.glob("*.jsonl")))
+        add_step_traces(scenarios, sorted(set(trace_dir.glob("*.jsonl")) - earlier))
     return {"ready_s": stack.ready_s, "up_exit_code": stack.exit_code, "scenarios": scenarios,
             "ragged_captures": captures_in_log(log_path, RAGGED_CAPTURE), "logprob_captures": captures_in_log(log_path, LOGPROB_CAPTURE),
             "flash4_warmed_s": flash4_warmed_s(log_path)}  # fmt: skip

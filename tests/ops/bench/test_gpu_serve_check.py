@@ -34,6 +34,8 @@ def test_every_scenario_runs_at_toy_size(shape_dir, tmp_path, capsys):
     check = CheckConfig(model_config=shape_dir, device="cpu", concurrency=3, num_prompts=6, batch1_prompts=2,
                         input_len=8, output_len=4, num_warmups=1, core_baseline=False, progress=False, long_prompt_len=40)  # fmt: skip
     out = tmp_path / "gpu_serve.json"
+    (tmp_path / "gpu_serve_trace").mkdir()  # an earlier run's trace with the same --out: not read as this one's
+    (tmp_path / "gpu_serve_trace" / "scheduler-earlier.jsonl").write_text(json.dumps({"t": 0.0, "dur_s": 1.0}) + "\n")
     run(check, out)
     result = json.loads(out.read_text())
     assert list(result["scenarios"]) == list(SCENARIOS) and result["up_exit_code"] == 0
