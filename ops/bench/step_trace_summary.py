@@ -7,10 +7,13 @@ Each step is one of:
 - `prefill`: prompt chunks alone;
 - `idle`: a step that planned nothing (finishes handed on).
 Per kind: steps, wall seconds and their share of the window, ms per step, sequences and tokens per
-step, how long the host waited for the device (`collect_s`, the split into per-sequence results
-included), and the step less that wait (`host_ms`: the step thread's own time a step, GIL waits
-included; it tells trees apart where the device sets the pace and the step's wall cannot:
-gpu_serve.md, 0.6B run 44). Between steps the thread waited
+step, how long collecting its results took (`collect_s`) and, of that, how long the host waited
+for the device (`wait_s`; a trace from before it was recorded: `collect_s` stands in), the step
+less that wait (`host_ms`: the step thread's own time a step, GIL waits included; it tells trees
+apart where the device sets the pace and the step's wall cannot: gpu_serve.md, 0.6B run 44), and
+the share of steps whose readback was back before the host asked for it (`host_late_share`, a
+wait under 0.05 ms: the device had finished the step and idled for the host, for how long the
+trace cannot say). Between steps the thread waited
 `turn_s`: `held` when the event loop had not published the step ahead yet, else for work. The
 decode batch is weighted by time: a decode step of fewer sequences than the concurrency serves
 fewer tokens for the same weights read.
@@ -27,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 KINDS = ("decode_followed", "decode", "mixed", "prefill", "idle")
+HOST_LATE_S = 5e-5  # a readback wait under this: the step's results were back before the host asked
 
 
 def read_trace(path: Path, window: tuple[float, float] | None = None) -> list[dict]:
@@ -62,7 +66,10 @@ def summarize(lines: Iterable[dict]) -> dict[str, Any]:
                     (("seqs", "num_seqs"), ("tokens", "num_tokens"), ("prefill_tokens", "num_prefill_tokens"),
                      ("collect_ms", "collect_s"))}  # fmt: skip
             row["collect_ms"] *= 1e3
-            row["host_ms"] = row["ms_per_step"] - row["collect_ms"]
+            waits = [line.get("wait_s", line["collect_s"]) for line in chosen]
+            row["wait_ms"] = 1e3 * sum(waits) / len(chosen)
+            row["host_ms"] = row["ms_per_step"] - row["wait_ms"]
+            row["host_late_share"] = sum(wait < HOST_LATE_S for wait in waits) / len(chosen)
         kinds[kind] = row
     decodes = [line for line in lines if kind_of(line).startswith("decode")]
     decode_s = sum(line["dur_s"] for line in decodes)
@@ -83,11 +90,11 @@ def table(summary: dict[str, Any]) -> str:
     lines = [f"{summary['num_steps']} steps over {summary['span_s']:.3f} s: busy {summary['busy_s']:.3f} s, "
              f"held by publishing {summary['held_s']:.3f} s, waiting for work {summary['waited_for_work_s']:.3f} s; "
              f"decode batch (time-weighted) {summary['decode_batch_time_weighted'] or 0:.1f}",
-             "| kind | steps | s | share | ms/step | seqs | tokens | prefill tokens | collect ms | host ms |",
-             "|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+             "| kind | steps | s | share | ms/step | seqs | tokens | prefill tokens | wait ms | host ms | host late |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for kind, row in summary["kinds"].items():
         extra = " | ".join(f"{row[k]:.1f}" for k in ("seqs", "tokens", "prefill_tokens")) if "seqs" in row else " | |"
-        extra += f" | {row['collect_ms']:.2f} | {row['host_ms']:.2f}" if "seqs" in row else " | |"
+        extra += f" | {row['wait_ms']:.2f} | {row['host_ms']:.2f} | {row['host_late_share']:.2f}" if "seqs" in row else " | | |"
         lines.append(f"| {kind} | {row['steps']} | {row['seconds']:.3f} | {row['share']:.2f} | {row['ms_per_step']:.2f} | {extra} |")
     return "\n".join(lines)
 

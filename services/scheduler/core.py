@@ -71,8 +71,10 @@ class SchedulerStats:
 class StepRecord:
     """What one `step` ran, for the step trace (`step_trace.py`): its plan's shape, whether it was
     launched before the step ahead of it was read back (`followed`), whether it launched the next
-    one that way (`follows`), and how long the host waited for its readback (`collect_s`: the
-    device's share of the step, when the host is ahead)."""
+    one that way (`follows`), how long the host waited for its readback (`wait_s`: the device's
+    share of the step, when the host is ahead; 0 where the device had finished first and idled for
+    the host), and how long collecting took (`collect_s`: the wait, then the readback's split into
+    per-sequence results)."""
 
     num_seqs: int
     num_tokens: int
@@ -81,6 +83,7 @@ class StepRecord:
     followed: bool
     follows: bool
     collect_s: float
+    wait_s: float
 
 
 class SchedulerCore:
@@ -131,7 +134,7 @@ class SchedulerCore:
         self._queue_times: dict[str, float] = {}  # rid -> seconds from arrival to first scheduled, until taken
         self.overlap_decode = overlap_decode
         self._in_flight: LaunchedStep | None = None  # launched, results not applied yet (overlapped decoding)
-        self._last_step: tuple | None = None  # (plan, followed, follows, collect_s) of the last `step`, for `last_step`
+        self._last_step: tuple | None = None  # (plan, followed, follows, collect_s, wait_s) of the last `step`, for `last_step`
         self.num_steps = 0
         self._counts = {"prompt": 0, "generated": 0, "drafted": 0, "accepted": 0, "forward_s": 0.0, "draft_s": 0.0}
         self._accept_lengths = [0] * (proposer.num_draft_tokens + 2) if proposer is not None else []
@@ -245,7 +248,7 @@ class SchedulerCore:
         collect_s = time.perf_counter() - collect_began
         outputs = self.policy.update(launched.plan, results)  # 5
         self._count(launched.plan, results, outputs)
-        self._last_step = (launched.plan, followed, self._in_flight is not None, collect_s)
+        self._last_step = (launched.plan, followed, self._in_flight is not None, collect_s, self.worker.last_wait_s)
         self.num_steps += 1
         return self._finished(outputs)
 
@@ -292,7 +295,7 @@ def _num_prefill_tokens(step) -> int:
     return max(0, min(step.start + step.num_committed, step.seq.num_prompt) - step.start)
 
 
-def _record(plan, followed: bool, follows: bool, collect_s: float) -> StepRecord:
+def _record(plan, followed: bool, follows: bool, collect_s: float, wait_s: float) -> StepRecord:
     steps = plan.steps
     return StepRecord(len(steps), plan.num_tokens, sum(_num_prefill_tokens(s) for s in steps),
-                      sum(s.samples for s in steps), followed, follows, collect_s)  # fmt: skip
+                      sum(s.samples for s in steps), followed, follows, collect_s, wait_s)  # fmt: skip

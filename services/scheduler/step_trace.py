@@ -7,7 +7,7 @@ Written by the step thread as it steps, to `DIR/<instance id>.jsonl`, one object
     dur_s      the step's wall time (`core.step`)
     turn_s     how long the thread waited before it, and why: `held` (the step ahead was not yet
                published: the event loop is behind) or not (no work had arrived)
-    num_seqs, num_tokens, num_prefill_tokens, num_sampling, followed, follows, collect_s:
+    num_seqs, num_tokens, num_prefill_tokens, num_sampling, followed, follows, collect_s, wait_s:
                `core.StepRecord`
     running, waiting: the policy's counts after the step
 A step that planned nothing (only finishes to hand on) has no `num_seqs`. The trace costs a dict

@@ -93,6 +93,7 @@ class ModelWorker:
         self._penalties = KeptPenalties()  # penalized requests' counts on the device, kept across steps
         self.last_forward_s = 0.0  # the last step's forward + verify + logprobs, device time on CUDA
         self.last_draft_s = 0.0  # the last step's inject + propose
+        self.last_wait_s = 0.0  # how long the host waited for the last collected step's readback
         self._unread_clocks: list[_StepClock] = []  # steps whose GPU work had not finished when they returned
 
     @property
@@ -145,7 +146,9 @@ class ModelWorker:
 
     def collect(self, launched: LaunchedStep) -> list[SeqResult]:
         """Wait for a launched step's readback; its per-sequence results."""
+        waited = time.perf_counter()
         host = launched.readback.wait()
+        self.last_wait_s = time.perf_counter() - waited
         self.last_forward_s, self.last_draft_s = self._step_times(launched.clock)
         return launched.handles.results(launched.plan, launched.layout, host)
 

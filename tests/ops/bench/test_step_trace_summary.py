@@ -38,9 +38,15 @@ def test_kinds_and_sums():
     followed = summary["kinds"]["decode_followed"]
     assert (followed["steps"], followed["seqs"], followed["ms_per_step"]) == (2, 48, pytest.approx(4.0))
     assert (followed["collect_ms"], followed["host_ms"]) == (pytest.approx(2.0), pytest.approx(2.0))  # each waited half its step
+    assert followed["wait_ms"] == followed["collect_ms"]  # lines without wait_s (older traces): the collect time stands in
+    assert followed["host_late_share"] == 0  # every step waited for its readback
+    late = [_line(1.0, 0.002, seqs=8, tokens=8, followed=True) | {"wait_s": 0.0}, _line(1.002, 0.002, seqs=8, tokens=8, followed=True)]
+    decodes = summarize(late)["kinds"]["decode_followed"]
+    assert decodes["host_late_share"] == 0.5  # one of two found its readback back (its collecting still took 1 ms)
+    assert decodes["wait_ms"] == pytest.approx(0.5) and decodes["host_ms"] == pytest.approx(1.5)
     assert summary["kinds"]["mixed"]["prefill_tokens"] == 2048 and summary["kinds"]["idle"]["steps"] == 1
     assert "| mixed | 1 |" in table(summary)
-    assert all(line.count("|") == 11 for line in table(summary).splitlines()[1:])  # ten columns, idle's blank
+    assert all(line.count("|") == 12 for line in table(summary).splitlines()[1:])  # eleven columns, idle's blank
 
 
 def test_a_window_keeps_the_steps_that_began_inside_it(tmp_path):

@@ -48,6 +48,7 @@ async def test_each_step_is_one_line_and_the_lines_add_up(make_core, tmp_path, o
     assert sum(line["num_sampling"] for line in ran) >= generated  # a followed step may sample for a finished request
     assert max(line["num_prefill_tokens"] for line in ran) <= 16 and len(ran) >= sum(PROMPT_LENS) // 16
     assert all(line["dur_s"] > 0 and line["turn_s"] >= 0 and line["collect_s"] <= line["dur_s"] for line in ran)
+    assert all(0 <= line["wait_s"] <= line["collect_s"] for line in ran)  # the readback wait is part of collecting
     assert [line["t"] for line in lines] == sorted(line["t"] for line in lines)
     assert any(line["followed"] for line in ran) is overlap and any(line["follows"] for line in ran) is overlap
     assert lines[-1]["running"] == 0 and lines[-1]["waiting"] == 0
