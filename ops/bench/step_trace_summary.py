@@ -24,7 +24,9 @@ fewer tokens for the same weights read.
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
+import statistics
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -34,7 +36,9 @@ HOST_LATE_S = 5e-5  # a readback wait under this: the step's results were back b
 
 
 def read_trace(path: Path, window: tuple[float, float] | None = None) -> list[dict]:
-    lines = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    """A trace's lines (a `.gz` file: gunzipped), those that began in `window` where given."""
+    text = gzip.decompress(path.read_bytes()).decode() if path.suffix == ".gz" else path.read_text()
+    lines = [json.loads(line) for line in text.splitlines() if line.strip()]
     if window is None:
         return lines
     start, end = window
@@ -70,6 +74,7 @@ def summarize(lines: Iterable[dict]) -> dict[str, Any]:
             row["wait_ms"] = 1e3 * sum(waits) / len(chosen)
             row["host_ms"] = row["ms_per_step"] - row["wait_ms"]
             row["host_late_share"] = sum(wait < HOST_LATE_S for wait in waits) / len(chosen)
+            row |= _host_spread(chosen, waits)
         kinds[kind] = row
     decodes = [line for line in lines if kind_of(line).startswith("decode")]
     decode_s = sum(line["dur_s"] for line in decodes)
@@ -82,6 +87,18 @@ def summarize(lines: Iterable[dict]) -> dict[str, Any]:
         "decode_batch_time_weighted": sum(line["num_seqs"] * line["dur_s"] for line in decodes) / decode_s if decode_s else None,
         "kinds": kinds,
     }
+
+
+def _host_spread(chosen: list[dict], waits: list[float]) -> dict[str, float | None]:
+    """The host's time a step at its median and 90th percentile, and the mean wall of the steps the
+    host was late for (the device idled) against the others' (JSON only)."""
+    hosts = [1e3 * (line["dur_s"] - wait) for line, wait in zip(chosen, waits, strict=True)]
+    late = [1e3 * line["dur_s"] for line, wait in zip(chosen, waits, strict=True) if wait < HOST_LATE_S]
+    waited = [1e3 * line["dur_s"] for line, wait in zip(chosen, waits, strict=True) if wait >= HOST_LATE_S]
+    deciles = statistics.quantiles(hosts, n=10, method="inclusive") if len(hosts) > 1 else hosts * 9
+    return {"host_ms_p50": statistics.median(hosts), "host_ms_p90": deciles[8],
+            "late_ms_per_step": statistics.fmean(late) if late else None,
+            "waited_ms_per_step": statistics.fmean(waited) if waited else None}
 
 
 def table(summary: dict[str, Any]) -> str:

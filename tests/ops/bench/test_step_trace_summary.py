@@ -3,6 +3,7 @@ time-weighted decode batch."""
 
 from __future__ import annotations
 
+import gzip
 import json
 
 import pytest
@@ -44,6 +45,8 @@ def test_kinds_and_sums():
     decodes = summarize(late)["kinds"]["decode_followed"]
     assert decodes["host_late_share"] == 0.5  # one of two found its readback back (its collecting still took 1 ms)
     assert decodes["wait_ms"] == pytest.approx(0.5) and decodes["host_ms"] == pytest.approx(1.5)
+    assert (decodes["late_ms_per_step"], decodes["waited_ms_per_step"]) == (pytest.approx(2.0), pytest.approx(2.0))
+    assert (decodes["host_ms_p50"], decodes["host_ms_p90"]) == (pytest.approx(1.5), pytest.approx(1.9))  # hosts 2 and 1 ms
     assert summary["kinds"]["mixed"]["prefill_tokens"] == 2048 and summary["kinds"]["idle"]["steps"] == 1
     assert "| mixed | 1 |" in table(summary)
     assert all(line.count("|") == 12 for line in table(summary).splitlines()[1:])  # eleven columns, idle's blank
@@ -53,4 +56,7 @@ def test_a_window_keeps_the_steps_that_began_inside_it(tmp_path):
     path = tmp_path / "s.jsonl"
     path.write_text("".join(json.dumps(line) + "\n" for line in LINES))
     assert [line["t"] for line in read_trace(path, (10.05, 10.1))] == [10.05, 10.09, 10.096]
+    packed = tmp_path / "s.jsonl.gz"  # a trace kept gzipped in the results
+    packed.write_bytes(gzip.compress(path.read_bytes()))
+    assert read_trace(packed) == read_trace(path)
     assert summarize([]) == {"num_steps": 0} and table(summarize([])) == "no steps in the window"
