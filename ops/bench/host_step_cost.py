@@ -26,6 +26,11 @@ the functions with the most own time. `--before PATH` runs this same script on a
 `git worktree` of the starting commit) and on this one, each in a subprocess, alternately for
 `--rounds` rounds, and records each figure's best round for both trees in one results file.
 `--compare-collectors` does the same with this tree under `--collector default` and `tuned`.
+`--churn STEPS` times a batch that changes instead (served paths on): 64 requests of 64-token prompts
+and 40-120 new tokens, a new one added as each finishes, STEPS steps; each piece's median per step
+kind: a steady decode step, one where a request finished, a mixed step (an arrival's prefill beside
+the decodes), and a mixed step where one finished (the served trace's host-late steps follow such
+changes: gpu_serve.md, 0.6B run 45).
 `--served-paths` runs the paths `sparkwire up` serves on a GPU through their CPU twins: decode steps
 on the decode graphs' padded twin (`prepare_decode_graphs(capture=False)`), output logprobs from
 `LogprobGraphs` and greedy steps' tokens and rows from `LogprobGraphs.greedy` (without it, the
@@ -198,6 +203,50 @@ def measure(runner, batch: int, logprobs: str, new_tokens: int, warm_steps: int 
             "payload_bytes": int(statistics.median(payload)), **quartiles, **medians, **means}  # fmt: skip
 
 
+CHURN_GROUPS = ("decode", "decode+finish", "mixed", "mixed+finish")
+
+
+def measure_churn(runner, logprobs: str, num_steps: int, batch: int = 64, lengths: tuple[int, int] = (40, 120),
+                  prompt_len: int = 64) -> list[dict]:  # fmt: skip
+    """`--churn`: each piece's median per step kind (`CHURN_GROUPS`) over `num_steps` steps of a batch
+    that changes, the first 20 left out (the batch filling); a kind no step fell in has steps 0."""
+    rng = np.random.default_rng(batch)
+    core = make_core(runner, batch, served_paths=True)
+    added = 0
+
+    def add() -> None:
+        nonlocal added
+        prompt = rng.integers(0, runner.config.vocab_size, size=prompt_len, dtype=np.int32)
+        sampling = SamplingParams(max_new_tokens=int(rng.integers(*lengths)), temperature=0.0, ignore_eos=True)
+        core.add(SchedulerRequest(f"r{added}", prompt, f"d{added % 2}", sampling, LOGPROBS[logprobs]))
+        added += 1
+
+    for _ in range(batch):
+        add()
+    encoder = msgspec.msgpack.Encoder()
+    steps: dict[str, list[dict[str, float]]] = {group: [] for group in CHURN_GROUPS}
+    for index in range(num_steps):
+        timer = PieceTimer()
+        with timer.installed():
+            outputs = core.step()
+            start = time.perf_counter()
+            publish(outputs, core.num_steps, encoder)
+            timer.seconds["wire"] = time.perf_counter() - start
+        finished = sum(output.finish is not None for output in outputs)
+        for _ in range(finished):
+            add()
+        record = core.last_step
+        if record is not None and index >= 20:
+            group = ("mixed" if record.num_prefill_tokens else "decode") + ("+finish" if finished else "")
+            steps[group].append({piece: timer.seconds[piece] for piece in HOST_PIECES})
+    rows = []
+    for group, timed in steps.items():
+        medians = {f"{piece}_us": 1e6 * statistics.median(t[piece] for t in timed) if timed else 0.0 for piece in HOST_PIECES}
+        host = 1e6 * statistics.median(sum(t.values()) for t in timed) if timed else 0.0
+        rows.append({"batch": batch, "logprobs": f"{logprobs}, {group}", "steps": len(timed), **medians, "host_us": host})
+    return rows
+
+
 def _lower_quartile(values: list[float]) -> float:
     return statistics.quantiles(values, n=4)[0] if len(values) > 1 else values[0]
 
@@ -235,19 +284,24 @@ def profile_host(runner, batch: int, logprobs: str, new_tokens: int, limit: int 
     return text.getvalue()
 
 
-def run(batches, new_tokens: int, profile: bool, collector: str = "tuned", served_paths: bool = False) -> dict:
+def run(batches, new_tokens: int, profile: bool, collector: str = "tuned", served_paths: bool = False, churn: int = 0) -> dict:
     torch.manual_seed(0)
     torch.set_num_threads(1)  # the model's CPU compute is not what is measured; keep it from competing
+    served_paths = served_paths or churn > 0
     with _collector(collector):
         runner = load_model_runner(RANDOM_TINY_MODEL, device="cpu", dtype=torch.float32, num_kv_blocks=1024, kv_block_size=16)
         if served_paths:  # every batch on a rung (1 and 64 both are), every request's blocks in its table
-            runner.prepare_decode_graphs(max_blocks_per_seq=-(-(PROMPT_LEN + new_tokens) // 16) + 1, capture=False)
+            longest = max(PROMPT_LEN + new_tokens, 64 + 120) if churn else PROMPT_LEN + new_tokens  # (churn: measure_churn's)
+            runner.prepare_decode_graphs(max_blocks_per_seq=-(-longest // 16) + 1, capture=False)
         measure(runner, 8, "top20_ids", 8, served_paths=served_paths)  # warm-up: first calls, allocator
         if collector == "tuned":
             memory.settle_startup_heap()  # as a service does once ready
-        rows = [measure(runner, batch, name, new_tokens, served_paths=served_paths) for batch in batches for name in LOGPROBS]
+        if churn:
+            rows = [row for name in LOGPROBS for row in measure_churn(runner, name, churn)]
+        else:
+            rows = [measure(runner, batch, name, new_tokens, served_paths=served_paths) for batch in batches for name in LOGPROBS]
     result = {"model": RANDOM_TINY_MODEL.name, "torch": torch.__version__, "new_tokens": new_tokens, "collector": collector,
-              "served_paths": served_paths, "rows": rows}  # fmt: skip
+              "served_paths": served_paths, "churn_steps": churn, "rows": rows}  # fmt: skip
     if profile:
         result["profile"] = profile_host(runner, max(batches), "top20_ids", new_tokens, served_paths=served_paths)
     return result
@@ -265,7 +319,7 @@ def table(rows: list[dict], label: str = "") -> str:
     names = [*HOST_PIECES, "host", "gc", "step"]
     lines = [f"| tree | batch | logprobs | {' | '.join(names)} |", "|---|---|---|" + "---|" * len(names)]
     for r in rows:
-        cells = " | ".join(f"{r.get(f'{n}_mean_us', r.get(f'{n}_us', float('nan'))):.0f}" for n in names)
+        cells = " | ".join(f"{r.get(f'{n}_mean_us', r.get(f'{n}_us', float('nan'))):.0f}" if f"{n}_us" in r else "" for n in names)
         lines.append(f"| {label} | {r['batch']} | {r['logprobs']} | {cells} |")
     return "\n".join(lines)
 
@@ -308,10 +362,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--collector", choices=memory.COLLECTOR_MODES, default="tuned", help="the garbage collector's settings")
     parser.add_argument("--compare-collectors", action="store_true", help="this tree under each --collector, alternately")
     parser.add_argument("--served-paths", action="store_true", help="decode graphs' and logprob graphs' CPU twins, as served on a GPU")
+    parser.add_argument("--churn", type=int, default=0, metavar="STEPS", help="a batch that changes, this many steps (served paths)")
     parser.add_argument("--out", type=Path, default=RESULTS / "host_step_cost.json")
     parser.add_argument("--print-json", action="store_true", help=argparse.SUPPRESS)  # a subprocess's output
     args = parser.parse_args(argv)
-    common = ["--batches", *map(str, args.batches), "--new-tokens", str(args.new_tokens), *(["--served-paths"] if args.served_paths else [])]
+    common = ["--batches", *map(str, args.batches), "--new-tokens", str(args.new_tokens), *(["--served-paths"] if args.served_paths else []),
+              *(["--churn", str(args.churn)] if args.churn else [])]  # fmt: skip
     if args.compare_collectors:
         result = compare_collectors(common, args.rounds)
         print(table(result["default"]["rows"], "default collector"))
@@ -321,7 +377,7 @@ def main(argv: list[str] | None = None) -> None:
         print(table(result["before"]["rows"], "before"))
         print(table(result["after"]["rows"], "after").split("\n", 2)[2])
     else:
-        result = run(tuple(args.batches), args.new_tokens, args.profile, args.collector, args.served_paths)
+        result = run(tuple(args.batches), args.new_tokens, args.profile, args.collector, args.served_paths, args.churn)
         if args.print_json:
             print(json.dumps(result))
             return

@@ -41,6 +41,16 @@ def test_served_paths_take_greedy_steps_through_the_logprob_graphs_twin(runner, 
     assert len(taken) >= 4  # the 4 timed decode steps at least (warm ones too)
 
 
+def test_churn_times_each_kind_of_step_of_a_batch_that_changes(runner):
+    """`--churn`: short requests replaced as they finish give steady decodes, finishes and arrivals'
+    mixed steps, each kind's pieces timed (the batch's first 20 steps left out)."""
+    rows = host_step_cost.measure_churn(runner, "top20", num_steps=80, batch=6, lengths=(3, 9), prompt_len=8)
+    assert [row["logprobs"] for row in rows] == [f"top20, {group}" for group in host_step_cost.CHURN_GROUPS]
+    assert all(row["steps"] > 0 and row["host_us"] > 0 and row["update_us"] > 0 for row in rows), rows
+    assert sum(row["steps"] for row in rows) <= 80 - 20
+    assert "top20, mixed+finish" in host_step_cost.table(rows)
+
+
 def test_best_of_takes_each_figure_from_its_least_disturbed_round():
     rounds = [{"rows": [{"batch": 1, "host_us": 5.0, "wire_us": 1.0}]}, {"rows": [{"batch": 1, "host_us": 4.0, "wire_us": 2.0}]}]
     assert host_step_cost.best_of(rounds)["rows"] == [{"batch": 1, "host_us": 4.0, "wire_us": 1.0}]
