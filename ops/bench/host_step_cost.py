@@ -204,10 +204,11 @@ def measure(runner, batch: int, logprobs: str, new_tokens: int, warm_steps: int 
 
 
 CHURN_GROUPS = ("decode", "decode+finish", "mixed", "mixed+finish")
+CHURN_PROMPT_LEN, CHURN_LENGTHS = 64, (40, 120)  # `--churn`'s requests: prompt tokens, new tokens drawn from [lo, hi)
 
 
-def measure_churn(runner, logprobs: str, num_steps: int, batch: int = 64, lengths: tuple[int, int] = (40, 120),
-                  prompt_len: int = 64) -> list[dict]:  # fmt: skip
+def measure_churn(runner, logprobs: str, num_steps: int, batch: int = 64, lengths: tuple[int, int] = CHURN_LENGTHS,
+                  prompt_len: int = CHURN_PROMPT_LEN) -> list[dict]:  # fmt: skip
     """`--churn`: each piece's median per step kind (`CHURN_GROUPS`) over `num_steps` steps of a batch
     that changes, the first 20 left out (the batch filling); a kind no step fell in has steps 0."""
     rng = np.random.default_rng(batch)
@@ -291,7 +292,7 @@ def run(batches, new_tokens: int, profile: bool, collector: str = "tuned", serve
     with _collector(collector):
         runner = load_model_runner(RANDOM_TINY_MODEL, device="cpu", dtype=torch.float32, num_kv_blocks=1024, kv_block_size=16)
         if served_paths:  # every batch on a rung (1 and 64 both are), every request's blocks in its table
-            longest = max(PROMPT_LEN + new_tokens, 64 + 120) if churn else PROMPT_LEN + new_tokens  # (churn: measure_churn's)
+            longest = CHURN_PROMPT_LEN + CHURN_LENGTHS[1] if churn else PROMPT_LEN + new_tokens
             runner.prepare_decode_graphs(max_blocks_per_seq=-(-longest // 16) + 1, capture=False)
         measure(runner, 8, "top20_ids", 8, served_paths=served_paths)  # warm-up: first calls, allocator
         if collector == "tuned":

@@ -87,7 +87,11 @@ class BlockManager:
             raise MemoryError(f"{rid}: needs {needed} KV blocks, {len(self._free)} free")
         if table is None:
             table = self._tables[rid] = _Table()
-        for _ in range(needed):
+        self._take(table, needed)
+
+    def _take(self, table: _Table, count: int) -> None:
+        """`count` free blocks onto the end of `table`, each held once (the caller checked they are free)."""
+        for _ in range(count):
             block = self._free.pop()
             self._refs[block] = 1
             table.append(block)
@@ -106,10 +110,8 @@ class BlockManager:
             return None
         slots = []
         for table, end, needed in zip(held, ends, growth):
-            for _ in range(needed):
-                block = self._free.pop()
-                self._refs[block] = 1
-                table.append(block)
+            if needed > 0:
+                self._take(table, needed)
             position = end - 1
             slots.append(table.ids.item(position // size) * size + position % size)
         return slots, [table.view for table in held]

@@ -185,9 +185,9 @@ class ModelWorker:
         arrays["block_tables"] = block_tables
         if not layout.verifies_every_row:
             arrays["verify_rows"] = layout.verify_rows(plan)  # [P, K + 1]
-        producers = [steps[i] for i in layout.producers]
-        if self._plain_greedy(plan, producers, layout):
+        if self._plain_greedy(plan, layout):
             return arrays  # the accept rule needs no more
+        producers = [steps[i] for i in layout.producers]
         drafts = np.zeros((len(producers), layout.max_draft), np.int64)  # [P, K]
         for p, step in enumerate(producers):
             drafts[p, : step.num_draft] = step.drafts
@@ -270,12 +270,12 @@ class ModelWorker:
         """The accept rule (`spec.accept`); a benchmark's subclass may replace it."""
         return accept(block)
 
-    def _plain_greedy(self, plan: StepPlan, producers: list[SeqStep], layout: _Layout) -> bool:
+    def _plain_greedy(self, plan: StepPlan, layout: _Layout) -> bool:
         """No drafts, no proposer, every producer greedy: the step's token is the argmax, nothing more
         (no pass over the producers where the plan says no running sequence samples)."""
         if layout.max_draft > 0 or self.proposer is not None:
             return False
-        return plan.samples_randomly is False or not any(s.seq.samples_randomly for s in producers)
+        return plan.samples_randomly is False or not any(plan.steps[i].seq.samples_randomly for i in layout.producers)
 
     def _processed_logits(self, producers: list[SeqStep], logits: torch.Tensor) -> torch.Tensor:
         """logit_bias, min_tokens and the penalties (logits_processing.py), per verify row: row j of a
