@@ -7,6 +7,10 @@ Sections, each in its own try/except (one failure keeps the rest); one that woul
   per row count (1, 64, 512): ms of `logprob_columns` eagerly and replayed from a CUDA graph (CUDA
   events, median of --repeats), torch path and kernels; max |diff| of the values (token and top-k)
   and whether the top-k ids are equal.
+- `greedy`: a greedy decode step's rows (f32, k=20, 1 and 64 rows; `LogprobGraphs.greedy`'s work)
+  where the kernels run: the argmax as a kernel of its own, then the kernels over it as targets
+  (`before`), against the kernels taking the argmax in their first pass (`after`, `argmax_targets`):
+  ms eagerly and from a CUDA graph, each kernel's device ms, and whether the tokens and columns agree.
 - `prompt_chunk`: one fused prompt chunk, 1024 bf16 rows, k=2, the same columns.
 - `prompt_32k`: a whole 32768-row prompt's top-2 through `logprobs_on_device` with an LM head
   ([151936, 4096] bf16 weight) over random [32768, 4096] bf16 hidden states, each path in its own
@@ -102,6 +106,34 @@ def rows_section(shape: Shape, device: str, paths: tuple[str, ...], repeats: int
         targets = logits.argmax(dim=-1)
         row = {"rows": num_rows, "k": shape.top_k, "dtype": "float32"}
         rows.append(_compare(row, paths, device, repeats, lambda fused: logprob_columns(logits, targets, shape.top_k, None, None, keys, fused)))
+    return rows
+
+
+def greedy_section(shape: Shape, device: str, repeats: int) -> list[dict]:
+    """The kernels for a greedy step's rows: argmax first (before), or taken in their first pass (after)."""
+    from services.scheduler.triton_logprobs import raw_logprob_columns
+
+    generator = torch.Generator(device=device).manual_seed(4)
+    rows = []
+    for num_rows in shape.rows[:2]:
+        logits = bf16_valued(num_rows, shape.vocab, device, generator).float()  # f32 [n, V], a decode graph's logits
+        tokens = {name: torch.empty(num_rows, dtype=torch.int64, device=device) for name in ("before", "after")}
+
+        def before(tokens=tokens["before"], logits=logits):
+            torch.argmax(logits, dim=-1, out=tokens)
+            return raw_logprob_columns(logits, tokens, shape.top_k, None)
+
+        def after(tokens=tokens["after"], logits=logits):
+            return raw_logprob_columns(logits, tokens, shape.top_k, None, argmax_targets=True)
+
+        row: dict = {"rows": num_rows, "k": shape.top_k, "dtype": "float32"}
+        outputs = {"before": before(), "after": after()}
+        for name, call in (("before", before), ("after", after)):
+            row[f"{name}_ms"] = median_ms(call, device, repeats)
+            row[f"{name}_graph_ms"] = graph_ms(call, device, repeats)
+            row[f"{name}_kernels_device_ms"] = _kernel_device_ms(call, device)
+        row["tokens_equal"] = bool(torch.equal(tokens["before"], logits.argmax(dim=-1)) and torch.equal(tokens["after"], tokens["before"]))
+        rows.append(rounded(row | agreement(outputs["before"], outputs["after"])))
     return rows
 
 
@@ -235,6 +267,8 @@ def run(args: argparse.Namespace) -> dict:
                     "vocab": shape.vocab, "paths": list(paths)}  # fmt: skip
     section = deadline_sections(result, deadline)
     section("rows", lambda: rows_section(shape, args.device, paths, args.repeats))
+    if "kernel" in paths:
+        section("greedy", lambda: greedy_section(shape, args.device, args.repeats))
     section("prompt_chunk", lambda: prompt_chunk_section(shape, args.device, paths, args.repeats))
     section("prompt_32k", lambda: prompt_section(shape, args.device, paths, args.prompt_repeats))
     if args.sweep and "kernel" in paths:
@@ -263,6 +297,12 @@ def table(result: dict) -> str:
         lines.append(f"| prompt {prompt['rows']} rows k={prompt['k']} via LM head | {prompt['torch_ms']} | {prompt.get('kernel_ms', '')} | | | "
                      f"{prompt.get('max_abs_diff', '')} | {prompt.get('ids_equal', '')} | head alone {prompt['head_alone_ms']} ms; "
                      f"peak extra {gib or 'n/a'} |")  # fmt: skip
+    for row in section_rows(result, "greedy"):
+        for name in ("before", "after"):
+            what = "argmax, then the kernels" if name == "before" else "the kernels taking the argmax"
+            lines.append(f"| greedy {row['rows']} rows k={row['k']}: {what} | | {row[f'{name}_ms']} | | {row.get(f'{name}_graph_ms') or ''} | "
+                         f"{row['max_abs_diff']} | {row['ids_equal']} | tokens equal {row['tokens_equal']}; "
+                         f"{_per_kernel({'kernels_device_ms': row.get(f'{name}_kernels_device_ms')})} |")  # fmt: skip
     for row in section_rows(result, "layouts"):
         lines.append(f"| layout BLOCK {row['block']}, {row['target_programs']} programs ({row['splits']} splits): {row['rows']} rows "
                      f"{row['dtype']} k={row['k']} | | {row['kernel_ms']} | | {row.get('kernel_graph_ms') or ''} | {row['max_abs_diff']} | "
@@ -283,8 +323,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sweep", action="store_true", help="also time the kernels at other column tiles and split counts (`layouts`)")
     args = parser.parse_args(argv)
     result = run(args)
-    mismatched = [name for name in ("rows", "prompt_chunk", "prompt_32k", "layouts")
-                  for row in (section_rows(result, name) or [result.get(name) or {}]) if row.get("ids_equal") is False]  # fmt: skip
+    mismatched = [name for name in ("rows", "greedy", "prompt_chunk", "prompt_32k", "layouts")
+                  for row in (section_rows(result, name) or [result.get(name) or {}])
+                  if row.get("ids_equal") is False or row.get("tokens_equal") is False]  # fmt: skip
     return 1 if failures(result) or mismatched else 0
 
 

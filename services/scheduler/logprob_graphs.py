@@ -26,7 +26,8 @@ whole prompt's rows) stay on the eager chunked path.
 
 `greedy` serves the commonest step with output logprobs: a plain greedy decode graph step whose
 every sequence wants them. Its graph (keyed also by the decode graph's static logits, which it reads
-in place: no rows copied in) takes each row's argmax too, the step's token, as its target, and
+in place: no rows copied in) takes each row's argmax too, the step's token, as its target (with the
+fused kernels, in their first pass over the row: no argmax kernel of its own), and
 writes tokens and columns into one buffer (each column 16-byte aligned, a few words of padding
 between them: `_packed_buffer`), which `HostReadback` reads back as one part (`add_packed`): a
 step launches two copies (logits rows, targets), an argmax and a concatenation fewer than `_verify`'s
@@ -294,11 +295,12 @@ def _packed_tokens(packed: torch.Tensor, rows: int) -> torch.Tensor:
 
 def _greedy_columns(entry: _Graph, key: _Key, keys: TopKKeys, fused: bool) -> RowLogprobs[torch.Tensor]:
     """A greedy key's work: each row's argmax, then its columns with the argmax as targets, all into
-    the key's buffer (what its graph captures; the twin runs it eagerly)."""
+    the key's buffer (what its graph captures; the twin runs it eagerly). The fused kernels take the
+    argmax in their first pass over the logits (`logprob_columns`' argmax_targets)."""
     static, tokens = entry.inputs, _packed_tokens(entry.packed, key.rows)
-    torch.argmax(static["logits"], dim=-1, out=tokens)
     sampling = None if key.sampling is None else {name: static[name] for name in key.sampling}
-    logprob_columns(static["logits"], tokens, key.k, static.get("ids"), sampling, keys, fused, out=entry.output.columns())
+    logprob_columns(static["logits"], tokens, key.k, static.get("ids"), sampling, keys, fused, out=entry.output.columns(),
+                    argmax_targets=True)  # fmt: skip
     return entry.output
 
 

@@ -191,17 +191,22 @@ def logprob_columns(
     keys: TopKKeys,
     fused: bool = False,
     out: tuple[torch.Tensor, ...] | None = None,
+    argmax_targets: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """One chunk's device work: logits [c, V] (f32, or the model's dtype) -> the columns of `RowLogprobs`
     (token [c], top-k [c, k] twice, ids [c, m]). sampling: None in raw mode, else processed mode's present
     inputs [c]. fused: `runs_fused`'s switch. out: the four columns' tensors to write (the kernels
-    write them as they are; the torch path copies into them), None: new ones. Every op is per row
-    (what lets `LogprobGraphs` run it on padded rows), and neither path syncs with the host (what
-    lets it capture them)."""
+    write them as they are; the torch path copies into them), None: new ones. argmax_targets:
+    targets int64 [c] is written first, each row's `torch.argmax` of the logits, then read as the
+    targets (a greedy step's tokens; the kernels take it in their first pass over the row). Every op
+    is per row (what lets `LogprobGraphs` run it on padded rows), and neither path syncs with the host
+    (what lets it capture them)."""
     if runs_fused(fused, sampling is not None, k):
         from services.scheduler.triton_logprobs import raw_logprob_columns
 
-        return raw_logprob_columns(logits, targets, k, ids, out=out)
+        return raw_logprob_columns(logits, targets, k, ids, out=out, argmax_targets=argmax_targets)
+    if argmax_targets:
+        torch.argmax(logits, dim=-1, out=targets)
     columns = _gather(_log_distribution(logits.float(), sampling), targets, k, ids, keys)
     if out is None:
         return columns

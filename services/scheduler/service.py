@@ -104,7 +104,9 @@ def build_core(config: SchedulerConfig) -> SchedulerCore:
         from services.scheduler.triton_logprobs import warm_kernels
 
         start = time.perf_counter()
-        warm_kernels(runner.config.vocab_size, runner.device, (torch.float32, runner.dtype))  # output rows f32, prompt rows the model's
+        greedy = config.logprob_cuda_graphs and config.greedy_logprob_graphs  # greedy steps' rows: f32, the argmax taken too
+        warm_kernels(runner.config.vocab_size, runner.device, (torch.float32, runner.dtype),  # output rows f32, prompt rows the model's
+                     (torch.float32,) if greedy else ())  # fmt: skip
         log.info("logprob_kernels.warmed", seconds=round(time.perf_counter() - start, 2))
     return SchedulerCore(
         runner,

@@ -33,6 +33,12 @@ the host: CUDA-graph safe.
    of x, same formula), and the top-k of the row's S * K_PAD candidates by k rounds of max, unpacked
    to value and id. The row's top-k is in the union of every split's top-k, so it is exact.
 
+A greedy step's targets are its rows' argmax (`argmax_targets`): kernel 1 also keeps each split's
+first column holding its maximum (a tile's by the reduction's tie-break to the left, then a later
+tile's only where strictly larger), and kernel 3 takes the first split holding the row's maximum m,
+so the target is the row's first largest logit, `torch.argmax`'s, written out as the step's token:
+no pass of its own over the logits (rows holding a NaN aside, which `torch.argmax` would pick).
+
 Ties: equal logits give bit-equal logprobs in both paths, and the key order breaks them by id, as
 `top_k_sorted` does. Only distinct logits whose logprobs round together in one path and not the
 other (a gap under one ulp of L) could order differently: never for bf16-valued logits.
@@ -80,24 +86,29 @@ def split_layout(num_rows: int, vocab_size: int, k_pad: int, block: int = BLOCK,
 WARM_KS = (0, 1, 3, 5, 10, 20)
 
 
-def warm_kernels(vocab_size: int, device: torch.device, dtypes: tuple[torch.dtype, ...]) -> None:
+def warm_kernels(vocab_size: int, device: torch.device, dtypes: tuple[torch.dtype, ...],
+                 argmax_dtypes: tuple[torch.dtype, ...] = ()) -> None:  # fmt: skip
     """Compile the kernels now, for logits of each of `dtypes` and each of `WARM_KS`, with no
-    requested ids: otherwise the first request asking for each would pause the step it is in for
-    the compile (~0.4-1.7 s on the H200). Other k pads and ids widths still compile on first use."""
-    for dtype in dtypes:
+    requested ids, and their argmax-taking variant (greedy steps' rows) for each of `argmax_dtypes`:
+    otherwise the first request asking for each would pause the step it is in for the compile
+    (~0.4-1.7 s on the H200). Other k pads and ids widths still compile on first use."""
+    for dtype, argmax in [*((d, False) for d in dtypes), *((d, True) for d in argmax_dtypes)]:
         logits = torch.zeros(1, vocab_size, dtype=dtype, device=device)
         targets = torch.zeros(1, dtype=torch.int64, device=device)
         for k in WARM_KS:
-            raw_logprob_columns(logits, targets, min(k, vocab_size), None)
+            raw_logprob_columns(logits, targets, min(k, vocab_size), None, argmax_targets=argmax)
 
 
 def raw_logprob_columns(
     logits: torch.Tensor, targets: torch.Tensor, k: int, ids: torch.Tensor | None, *, block: int | None = None,
     max_splits: int | None = None, target_programs: int = TARGET_PROGRAMS, out: tuple[torch.Tensor, ...] | None = None,
+    argmax_targets: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """logits [c, V] bf16/f16/f32, targets int64 [c], ids int64 [c, m] or None, 0 <= k <= min(MAX_FUSED_K, V)
     -> token f32 [c], top-k values f32 [c, k], top-k ids int32 [c, k], ids' logprobs f32 [c, m].
     out: those four, contiguous, to write into (`LogprobGraphs.greedy`'s one buffer); None: new ones.
+    argmax_targets: targets (contiguous) is written, not read: each row's argmax, as `torch.argmax`
+    gives it, which is then the row's target (a greedy step's token).
     block (None: BLOCK), max_splits (None: MAX_SPLITS) and target_programs
     are for tests and the layout sweep (ops/bench/gpu_logprob_kernel_check.py --sweep)."""
     assert 0 <= k <= MAX_FUSED_K, k
@@ -112,6 +123,7 @@ def raw_logprob_columns(
     else:
         assert all(t.is_contiguous() for t in out) and out[1].shape == out[2].shape == (num_rows, k), [t.shape for t in out]
     token, values, top_ids, requested = out
+    assert not argmax_targets or targets.is_contiguous(), "argmax targets are written in place"
     if num_rows == 0:
         return token, values, top_ids, requested
     k_pad = max(2, triton.next_power_of_2(k))
@@ -126,8 +138,10 @@ def raw_logprob_columns(
     splits_pad = triton.next_power_of_2(most_splits)
     num_tiles = triton.cdiv(vocab, block)
     tile_maxes = torch.empty(num_rows, num_tiles, dtype=torch.float32, device=device)  # [c, tiles]
-    _partial_lse_kernel[(num_rows, splits)](logits, maxes, sums, tile_maxes, logits.stride(0), vocab, per_split, splits, num_tiles,
-                                            BLOCK=block)  # fmt: skip
+    # each split's first column holding its max (argmax_targets; else unread)
+    firsts = torch.empty(num_rows, splits, dtype=torch.int32, device=device) if argmax_targets else maxes
+    _partial_lse_kernel[(num_rows, splits)](logits, maxes, sums, tile_maxes, firsts, logits.stride(0), vocab, per_split, splits,
+                                            num_tiles, BLOCK=block, ARGMAX=argmax_targets)  # fmt: skip
     candidates = maxes  # unread when k == 0
     if k > 0:
         candidates = torch.empty(num_rows, splits, k_pad, dtype=torch.int64, device=device)  # [c, S, K_PAD]
@@ -136,18 +150,18 @@ def raw_logprob_columns(
                                                splits, num_tiles, SPLITS_PAD=splits_pad, BLOCK=block, K_PAD=k_pad,
                                                TILES_PAD=tiles_pad, RANK_CHUNK=min(RANK_CHUNK, tiles_pad))  # fmt: skip
     ids = ids.contiguous() if ids is not None else targets  # unread when m == 0
-    _finish_kernel[(num_rows,)](logits, maxes, sums, candidates, targets.contiguous(), ids, token, values, top_ids, requested,
-                                logits.stride(0), num_ids, k, splits, SPLITS_PAD=splits_pad, K_PAD=k_pad,
+    _finish_kernel[(num_rows,)](logits, maxes, sums, candidates, firsts, targets.contiguous(), ids, token, values, top_ids,
+                                requested, logits.stride(0), num_ids, k, splits, SPLITS_PAD=splits_pad, K_PAD=k_pad,
                                 CANDIDATES_PAD=triton.next_power_of_2(most_splits * k_pad),
-                                IDS_PAD=max(2, triton.next_power_of_2(num_ids)), HAS_TOP_K=k > 0)  # fmt: skip
+                                IDS_PAD=max(2, triton.next_power_of_2(num_ids)), HAS_TOP_K=k > 0, ARGMAX=argmax_targets)  # fmt: skip
     return token, values, top_ids, requested
 
 
 # Ints that change with the rows or the request are not specialized on (value 1, divisibility by
 # 16): each would be another compile of the kernel the first time a step met it.
 @triton.jit(do_not_specialize=["tiles_per_split", "num_splits", "num_tiles"])
-def _partial_lse_kernel(logits_ptr, max_ptr, sum_ptr, tile_max_ptr, stride_row, vocab_size, tiles_per_split, num_splits,
-                        num_tiles, BLOCK: tl.constexpr):  # fmt: skip
+def _partial_lse_kernel(logits_ptr, max_ptr, sum_ptr, tile_max_ptr, first_ptr, stride_row, vocab_size, tiles_per_split,
+                        num_splits, num_tiles, BLOCK: tl.constexpr, ARGMAX: tl.constexpr):  # fmt: skip
     row, split = tl.program_id(0), tl.program_id(1)
     row_ptr = logits_ptr + row.to(tl.int64) * stride_row
     first = split * tiles_per_split * BLOCK
@@ -155,6 +169,7 @@ def _partial_lse_kernel(logits_ptr, max_ptr, sum_ptr, tile_max_ptr, stride_row, 
     cols = tl.arange(0, BLOCK)
     m = tl.full([], float("-inf"), tl.float32)
     total = tl.full([], 0.0, tl.float32)
+    first_max = first  # ARGMAX: the split's first column holding its max (its first column while all are -inf)
     # The next tile's load is issued before this tile's two reductions, so one is always in flight
     # (64 f32 rows: 17 against 26 us at 1024 columns, run 10).
     ahead = tl.load(row_ptr + first + cols, mask=first + cols < end, other=float("-inf"))
@@ -162,7 +177,11 @@ def _partial_lse_kernel(logits_ptr, max_ptr, sum_ptr, tile_max_ptr, stride_row, 
         offs = start + cols
         x = ahead.to(tl.float32)  # [BLOCK]
         ahead = tl.load(row_ptr + offs + BLOCK, mask=offs + BLOCK < end, other=float("-inf"))
-        tile_max = tl.max(x, 0)
+        if ARGMAX:
+            tile_max, at = tl.max(x, 0, return_indices=True, return_indices_tie_break_left=True)
+            first_max = tl.where(tile_max > m, start + at, first_max)  # an equal max in a later tile comes after
+        else:
+            tile_max = tl.max(x, 0)
         tl.store(tile_max_ptr + row * num_tiles + start // BLOCK, tile_max)
         m_new = tl.maximum(m, tile_max)
         shift = tl.where(m_new == float("-inf"), 0.0, m_new)  # all -inf so far: sums stay 0, no NaN
@@ -170,6 +189,8 @@ def _partial_lse_kernel(logits_ptr, max_ptr, sum_ptr, tile_max_ptr, stride_row, 
         m = m_new
     tl.store(max_ptr + row * num_splits + split, m)
     tl.store(sum_ptr + row * num_splits + split, total)
+    if ARGMAX:
+        tl.store(first_ptr + row * num_splits + split, first_max)
 
 
 @triton.jit
@@ -267,13 +288,21 @@ def _candidates_kernel(logits_ptr, max_ptr, sum_ptr, tile_max_ptr, cand_ptr, str
 
 
 @triton.jit(do_not_specialize=["num_ids", "k", "num_splits"])
-def _finish_kernel(logits_ptr, max_ptr, sum_ptr, cand_ptr, targets_ptr, ids_ptr, token_ptr, values_ptr, top_ids_ptr,
-                   requested_ptr, stride_row, num_ids, k, num_splits, SPLITS_PAD: tl.constexpr, K_PAD: tl.constexpr,
-                   CANDIDATES_PAD: tl.constexpr, IDS_PAD: tl.constexpr, HAS_TOP_K: tl.constexpr):  # fmt: skip
+def _finish_kernel(logits_ptr, max_ptr, sum_ptr, cand_ptr, first_ptr, targets_ptr, ids_ptr, token_ptr, values_ptr,
+                   top_ids_ptr, requested_ptr, stride_row, num_ids, k, num_splits, SPLITS_PAD: tl.constexpr,
+                   K_PAD: tl.constexpr, CANDIDATES_PAD: tl.constexpr, IDS_PAD: tl.constexpr, HAS_TOP_K: tl.constexpr,
+                   ARGMAX: tl.constexpr):  # fmt: skip
     row = tl.program_id(0)
     m, lse = _row_lse(max_ptr, sum_ptr, row, num_splits, SPLITS_PAD)
     row_ptr = logits_ptr + row.to(tl.int64) * stride_row
-    target = tl.load(targets_ptr + row)
+    if ARGMAX:  # the first split holding the row's max holds its first such column
+        s = tl.arange(0, SPLITS_PAD)
+        maxes = tl.load(max_ptr + row * num_splits + s, mask=s < num_splits, other=float("-inf"))
+        split = tl.min(tl.where((maxes == m) & (s < num_splits), s, SPLITS_PAD), 0)
+        target = tl.load(first_ptr + row * num_splits + split).to(tl.int64)
+        tl.store(targets_ptr + row, target)
+    else:
+        target = tl.load(targets_ptr + row)
     tl.store(token_ptr + row, (tl.load(row_ptr + target).to(tl.float32) - m) - lse)
     j = tl.arange(0, IDS_PAD)
     wanted = tl.load(ids_ptr + row * num_ids + j, mask=j < num_ids, other=0)

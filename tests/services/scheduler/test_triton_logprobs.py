@@ -102,7 +102,8 @@ def test_fused_prompt_chunks_hold_1024_bf16_rows_and_the_torch_path_keeps_its_f3
 
 
 @pytest.mark.parametrize(("flag", "device", "passed"), [(True, "cuda", True), (False, "cuda", False), (True, "cpu", False)])
-def test_the_scheduler_flag_reaches_the_core_only_where_triton_runs(flag, device, passed, monkeypatch) -> None:
+@pytest.mark.parametrize("greedy", [True, False])
+def test_the_scheduler_flag_reaches_the_core_only_where_triton_runs(flag, device, passed, greedy, monkeypatch) -> None:
     from types import SimpleNamespace
 
     from services.scheduler import service
@@ -119,16 +120,18 @@ def test_the_scheduler_flag_reaches_the_core_only_where_triton_runs(flag, device
     runner = SimpleNamespace(device=torch.device(device), decode_kernel=False, ragged_kernel=False,
                              config=SimpleNamespace(vocab_size=96), dtype=torch.bfloat16)  # fmt: skip
     warmed = []
-    kernels = SimpleNamespace(warm_kernels=lambda vocab, on, dtypes: warmed.append((vocab, on.type, dtypes)))
+    kernels = SimpleNamespace(warm_kernels=lambda vocab, on, dtypes, argmax: warmed.append((vocab, on.type, dtypes, argmax)))
     monkeypatch.setitem(sys.modules, "services.scheduler.triton_logprobs", kernels)  # no Triton needed
     monkeypatch.setattr(service, "load_model_runner", lambda path, **options: runner)
     monkeypatch.setattr(service, "SchedulerCore", core)
     monkeypatch.setattr(service, "triton_available", lambda: True)
     with pytest.raises(Built) as built:
-        service.build_core(SchedulerConfig(device="cpu", fused_logprobs=flag))
+        service.build_core(SchedulerConfig(device="cpu", fused_logprobs=flag, greedy_logprob_graphs=greedy))
     assert built.value.args == (passed,)
-    # the kernels the core will run are compiled before it serves: f32 output rows, prompt rows in the model's dtype
-    assert warmed == ([(96, "cuda", (torch.float32, torch.bfloat16))] if passed else [])
+    # the kernels the core will run are compiled before it serves: f32 output rows, prompt rows in the
+    # model's dtype, and greedy steps' f32 rows with their argmax
+    argmax = (torch.float32,) if greedy else ()
+    assert warmed == ([(96, "cuda", (torch.float32, torch.bfloat16), argmax)] if passed else [])
 
 
 @interpreted
@@ -138,13 +141,14 @@ def test_interpreted_warm_up_runs_every_warm_k(monkeypatch) -> None:
     calls = []
     original = triton_logprobs.raw_logprob_columns
 
-    def recorded(logits, targets, k, ids):
-        calls.append((logits.dtype, tuple(logits.shape), k))
-        return original(logits, targets, k, ids)
+    def recorded(logits, targets, k, ids, argmax_targets):
+        calls.append((logits.dtype, tuple(logits.shape), k, argmax_targets))
+        return original(logits, targets, k, ids, argmax_targets=argmax_targets)
 
     monkeypatch.setattr(triton_logprobs, "raw_logprob_columns", recorded)
-    triton_logprobs.warm_kernels(50, torch.device("cpu"), (torch.float32, torch.bfloat16))
-    assert calls == [(dtype, (1, 50), k) for dtype in (torch.float32, torch.bfloat16) for k in triton_logprobs.WARM_KS]
+    triton_logprobs.warm_kernels(50, torch.device("cpu"), (torch.float32, torch.bfloat16), (torch.float32,))
+    variants = [(torch.float32, False), (torch.bfloat16, False), (torch.float32, True)]
+    assert calls == [(dtype, (1, 50), k, argmax) for dtype, argmax in variants for k in triton_logprobs.WARM_KS]
 
 
 @pytest.mark.skipif(INTERPRETED or importlib.util.find_spec("triton") is None, reason="needs Triton (its compiler, not a GPU)")
@@ -159,14 +163,16 @@ def test_kernels_compile_for_the_h200(pointer) -> None:
     i32, f32 = "i32", "*fp32"
     common = {"logits_ptr": pointer, "max_ptr": f32, "sum_ptr": f32}
     scan = {"stride_row": i32, "vocab_size": i32, "tiles_per_split": i32}
-    finish = {"cand_ptr": "*i64", "targets_ptr": "*i64", "ids_ptr": "*i64", "token_ptr": f32, "values_ptr": f32,
+    finish = {"cand_ptr": "*i64", "first_ptr": "*i32", "targets_ptr": "*i64", "ids_ptr": "*i64", "token_ptr": f32, "values_ptr": f32,
               "top_ids_ptr": "*i32", "requested_ptr": f32, "stride_row": i32, "num_ids": i32, "k": i32, "num_splits": i32}  # fmt: skip
+    partial = {**common, "tile_max_ptr": f32, "first_ptr": "*i32", **scan, "num_splits": i32, "num_tiles": i32}
     specs = [
-        (kernels._partial_lse_kernel, {**common, "tile_max_ptr": f32, **scan, "num_splits": i32, "num_tiles": i32}, {"BLOCK": 1024}),
+        *((kernels._partial_lse_kernel, partial, {"BLOCK": 1024, "ARGMAX": argmax}) for argmax in (False, True)),
         (kernels._candidates_kernel, {**common, "tile_max_ptr": f32, "cand_ptr": "*i64", **scan, "k": i32, "num_splits": i32,
                                       "num_tiles": i32}, {"SPLITS_PAD": 64, "BLOCK": 1024, "K_PAD": 32, "TILES_PAD": 256, "RANK_CHUNK": 32}),
         *((kernels._finish_kernel, {**common, **finish},
-           {"SPLITS_PAD": 64, "K_PAD": 32, "CANDIDATES_PAD": 2048, "IDS_PAD": 4, "HAS_TOP_K": has}) for has in (False, True)),
+           {"SPLITS_PAD": 64, "K_PAD": 32, "CANDIDATES_PAD": 2048, "IDS_PAD": 4, "HAS_TOP_K": has, "ARGMAX": argmax})
+          for has in (False, True) for argmax in (False, True)),
     ]  # fmt: skip
     for kernel, signature, constants in specs:
         source = ASTSource(kernel, {**signature, **dict.fromkeys(constants, "constexpr")}, constants)
@@ -269,6 +275,48 @@ def test_interpreted_floor_from_the_tile_maxima_keeps_every_top_k_column(dtype, 
     assert top20[2].tolist() == list(range(20))
 
 
+def argmax_logits(dtype: torch.dtype) -> torch.Tensor:
+    """`tricky_logits` (row 0: its max tied at ids 4 and V - 1, in the first and last split; row 1 flat;
+    row 2 -inf columns) and two rows more: row 3 its max twice in one tile (ids 201 and 200 of tile 1)
+    and once in a later split, after a smaller max in tile 0; row 4 its max once, in the last, short
+    tile, behind -inf columns before it in that tile."""
+    logits = torch.cat([tricky_logits(3, torch.float32), (2 * torch.randn(2, VOCAB, generator=torch.Generator().manual_seed(4))).round()])
+    logits[3, 17] = 30.0
+    logits[3, [201, 200, 1300]] = 31.0
+    logits[4, VOCAB - 40 : VOCAB - 5] = float("-inf")
+    logits[4, VOCAB - 3] = 12.5
+    return logits.to(dtype)
+
+
+@pytest.mark.parametrize("k", [0, 20])
+def test_the_torch_path_writes_each_rows_argmax_as_its_target(k) -> None:
+    logits = argmax_logits(torch.float32)
+    targets = torch.full((5,), -1, dtype=torch.int64)
+    _, ids = row_inputs(5, 3)
+    got = logprob_columns(logits, targets, k, ids, None, TopKKeys.build(VOCAB, "cpu"), fused=False, argmax_targets=True)
+    assert targets.tolist() == [4, 0, logits[2].argmax().item(), 200, VOCAB - 3]
+    assert_columns_match(got, torch_columns(logits, targets.clone(), k, ids))
+
+
+@interpreted
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("max_splits", [1, 3, 64])
+def test_interpreted_argmax_targets_are_torch_argmax_and_the_columns_follow(dtype, max_splits) -> None:
+    # The kernels take each row's argmax in their first pass (a greedy step's tokens): the first of
+    # tied maxima within a tile, across tiles and across splits, as `torch.argmax` picks it.
+    from services.scheduler.triton_logprobs import raw_logprob_columns
+
+    logits = argmax_logits(dtype)
+    want_targets = logits.argmax(dim=-1)
+    assert want_targets.tolist()[:2] == [4, 0] and want_targets.tolist()[3:] == [200, VOCAB - 3]
+    for k, num_ids in ((0, 0), (20, 3)):
+        _, ids = row_inputs(5, num_ids)
+        targets = torch.full((5,), -1, dtype=torch.int64)
+        got = raw_logprob_columns(logits, targets, k, ids, block=BLOCK, max_splits=max_splits, argmax_targets=True)
+        assert torch.equal(targets, want_targets)
+        assert_columns_match(got, torch_columns(logits, want_targets, k, ids))
+
+
 @interpreted
 def test_interpreted_kernels_read_strided_rows_and_the_default_layout() -> None:
     from services.scheduler.triton_logprobs import raw_logprob_columns
@@ -325,6 +373,13 @@ def test_interpreted_logprob_graphs_twin_with_the_kernels_matches_the_torch_path
         want = logprobs_on_device(queries, inputs, logits, None, keys, False, sampled)
         assert_columns_match(got.columns(), want.columns())
     assert len(graphs._graphs) == 2  # one padded graph (here its eager twin) per key, the kernels' rows included
+    # a greedy step's: the kernels' argmax is the step's tokens, and the rows follow from it
+    queries = [LogprobQuery(np.asarray([i]), None, 20, (3, 9)) for i in range(6)]
+    inputs = {name: torch.from_numpy(a) for name, a in logprob_inputs(queries, False, 6).items()}
+    tokens, rows = graphs.greedy(queries, inputs, logits, False)[:2]
+    assert torch.equal(tokens, sampled)
+    want = logprobs_on_device(queries, inputs, logits, None, keys, False, sampled)
+    assert_columns_match(rows.columns(), want.columns())
 
 
 @interpreted
