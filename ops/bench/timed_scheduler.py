@@ -27,9 +27,9 @@ def timed_steps(record: list[tuple[float, float, bool]]) -> None:
     """Every `SchedulerCore.step` from now on appends (start, end, work left) to `record`."""
     step = SchedulerCore.step
 
-    def timed(core: SchedulerCore):
+    def timed(core: SchedulerCore, on_queued=None):
         start = time.perf_counter()
-        outputs = step(core)
+        outputs = step(core, on_queued)
         end = time.perf_counter()
         record.append((start, end, core.has_work()))
         return outputs

@@ -220,7 +220,16 @@ class SchedulerCore:
 
     # ---- the step ----
 
-    def step(self) -> list[RequestOutput]:
+    @property
+    def has_in_flight(self) -> bool:
+        """A step is queued on the device behind the last one (`overlap_decode`): the next `step`
+        collects it, so it launches something before it waits."""
+        return self._in_flight is not None
+
+    def step(self, on_queued: Callable[[], None] | None = None) -> list[RequestOutput]:
+        """One step: its outputs. on_queued: called once the step's device work is queued (the next
+        step's too, where it follows this one) and before it waits for the device, or at once when
+        it queues none (`StepThread` hands the step before's outputs over there)."""
         self._last_step = None
         requests, aborts = self._drain_inbox()  # 1
         for request in requests:
@@ -233,6 +242,8 @@ class SchedulerCore:
             plan = self.policy.schedule()  # 3
             self._note_first_scheduled(plan)
             if not plan.steps:
+                if on_queued is not None:
+                    on_queued()
                 self.num_steps += 1
                 return self._finished(self.policy.take_outputs())
             launched = self.worker.launch(plan)  # 4
@@ -243,6 +254,8 @@ class SchedulerCore:
                 self._in_flight = self.worker.launch(following, previous=launched)  # 4, queued behind this one
             elif (following := self.policy.follow_prefill(launched.plan)) is not None:
                 self._in_flight = self.worker.launch(following)  # 4: the next chunks, their tokens known
+        if on_queued is not None:
+            on_queued()
         collect_began = time.perf_counter()
         results = self.worker.collect(launched)
         collect_s = time.perf_counter() - collect_began

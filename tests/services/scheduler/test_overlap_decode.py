@@ -94,6 +94,26 @@ def test_steady_decoding_launches_each_step_before_reading_the_last(make_core) -
     assert len(run(core, [request("b", prompt_of(8, 12), max_new_tokens=6, ignore_eos=True)])["b"].tokens) == 6
 
 
+def test_each_step_says_its_device_work_is_queued_before_it_waits(make_core) -> None:
+    """`step(on_queued)` calls it once a step, after the launches the step makes (the next step's
+    too, where it follows) and before it collects; `has_in_flight` then says whether a step follows
+    (what `StepThread` hands the step before's outputs over on)."""
+    core = make_core(overlap_decode=True)
+    events = []
+    launch, collect = core.worker.launch, core.worker.collect
+    core.worker.launch = lambda plan, previous=None: events.append(("launch", previous is not None)) or launch(plan, previous)
+    core.worker.collect = lambda launched: events.append(("collect",)) or collect(launched)
+    core.add(request("a", prompt_of(9, 12), max_new_tokens=4, ignore_eos=True))
+    while core.has_work():
+        core.step(lambda: events.append(("queued", core.has_in_flight)))
+        events.append(("returned", core.has_in_flight))
+    followed = [("launch", True), ("queued", True), ("collect",), ("returned", True)]
+    # the prefill with the first decode queued behind it; two more decodes each queued before the
+    # last is read; the step that samples the 4th token follows nothing
+    assert events == [("launch", False), *followed, *followed, *followed, ("queued", False), ("collect",), ("returned", False)]
+    assert core.step(lambda: events.append(("queued", None))) == [] and events[-1] == ("queued", None)  # nothing to run
+
+
 def _first_decodes_in_flight(make_core):
     """A core that has run the workload's prompts, with their first decodes launched behind them."""
     core = make_core(overlap_decode=True)

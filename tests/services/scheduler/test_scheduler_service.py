@@ -125,12 +125,12 @@ async def test_the_next_step_runs_while_the_last_steps_outputs_are_published(har
     calls = [0]
     stepped = asyncio.Event()
 
-    def slow_step():
+    def slow_step(on_queued=None):
         calls[0] += 1
         index = calls[0]
         loop.call_soon_threadsafe(stepped.set)
         time.sleep(0.02)  # the device at work
-        outputs = original_step()
+        outputs = original_step(on_queued)
         step_of[id(outputs)] = index
         return outputs
 
@@ -193,9 +193,9 @@ async def test_abort_finishes_running_request_and_shutdown_sends_dead_sentinel(h
     h = harness
     core_step = h.service._core.step
 
-    def paced_step():  # 40 steps take 0.8 s: the abort lands long before the last (the tiny model alone is faster)
+    def paced_step(on_queued=None):  # 40 steps take 0.8 s: the abort lands long before the last (the tiny model alone is faster)
         time.sleep(0.02)
-        return core_step()
+        return core_step(on_queued)
 
     h.service._core.step = paced_step
     await _claim(h, "r2", len(PROMPT))
@@ -221,7 +221,7 @@ async def test_abort_finishes_running_request_and_shutdown_sends_dead_sentinel(h
 async def test_fatal_step_error_aborts_requests_sends_dead_sentinel_and_exits_nonzero(harness):
     h = harness
 
-    def broken_step():
+    def broken_step(on_queued=None):
         raise RuntimeError("device lost")
 
     h.service._core.step = broken_step  # the next step fails
@@ -264,11 +264,11 @@ class Journal:
         core = service._core
         step, publish, fail_all = core.step, service._publish, core.fail_all
 
-        def journaled_step():
+        def journaled_step(on_queued=None):
             self.stepping = True
             try:
                 self.before_step()
-                outputs = step()
+                outputs = step(on_queued)
             finally:
                 self.stepping = False
             self.events.append(("stepped", core.num_steps))

@@ -13,13 +13,18 @@ RUN_AHEAD_CHANCE_S = 0.1  # time a loop that ignored the bound would have to beg
 
 
 class PacedCore:
-    """Has `steps_left` steps of work; step k returns [k]. Each step first waits for a permit from
-    `allow`; `began` counts the steps begun, `events` is a loop-side Event set on every step begun."""
+    """Has `steps_left` steps of work; step k returns [k]. Each step queues its device work (calls
+    `on_queued`; `queued` counts them), then waits for a permit from `allow`; `began` counts the
+    steps begun, `began_event` is a loop-side Event set on every step begun. follows: each step
+    leaves the next one in flight while work is left (`has_in_flight`), as overlapped decoding does."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, steps_left: int, *, fail_at: int | None = None) -> None:
-        self.loop, self.steps_left, self.fail_at = loop, steps_left, fail_at
+    def __init__(self, loop: asyncio.AbstractEventLoop, steps_left: int, *, fail_at: int | None = None, follows: bool = False,
+                 gate_queue_at: int | None = None) -> None:  # fmt: skip
+        self.loop, self.steps_left, self.fail_at, self.follows = loop, steps_left, fail_at, follows
+        self.gate_queue_at, self.queue_gate = gate_queue_at, threading.Event()  # that step queues once the gate is set
         self.permits = threading.Semaphore(0)
         self.began = 0
+        self.queued = 0
         self.num_steps = 0
         self.stepping = False
         self.began_event = asyncio.Event()
@@ -36,14 +41,22 @@ class PacedCore:
         with self._lock:
             return self.steps_left > 0
 
-    def step(self) -> list[int]:
+    @property
+    def has_in_flight(self) -> bool:
+        return self.follows and self.has_work()
+
+    def step(self, on_queued=None) -> list[int]:
         self.stepping = True
         self.began += 1
         self.loop.call_soon_threadsafe(self.began_event.set)
-        self.permits.acquire()
-        if self.began == self.fail_at:
+        if self.began == self.fail_at:  # before it queues anything
             self.stepping = False
             raise RuntimeError("device lost")
+        if self.began == self.gate_queue_at:
+            self.queue_gate.wait()
+        self.queued += 1
+        on_queued()
+        self.permits.acquire()
         with self._lock:
             self.steps_left -= 1
         self.num_steps += 1
@@ -158,3 +171,61 @@ async def test_stop_ends_a_thread_waiting_on_an_unpublished_step():
     await asyncio.wait_for(_until_began(core, 2), 10)
     await asyncio.wait_for(steps.stop(), 10)
     assert core.began == 2
+
+
+@pytest.mark.timeout(30)
+async def test_a_followed_steps_outputs_come_once_the_next_step_is_queued_and_the_last_at_once():
+    """With the next step in flight behind each, step k's outputs are handed over once step k + 1 has
+    queued its device work, while it still runs (its publication overlaps the wait for the device,
+    not the launch); the last step, nothing in flight behind it, hands its own over as it ends."""
+    core = PacedCore(asyncio.get_running_loop(), steps_left=3, follows=True, gate_queue_at=2)
+    core.allow(1)
+    steps = StepThread(core)
+    steps.start()
+    await asyncio.wait_for(_until_began(core, 2), 10)
+    with pytest.raises(TimeoutError):  # step 1 is done, step 2 has not queued yet: nothing handed over
+        await asyncio.wait_for(steps.next(), RUN_AHEAD_CHANCE_S)
+    core.queue_gate.set()
+    first = await asyncio.wait_for(steps.next(), 10)
+    assert (first.outputs, first.step) == ([1], 1)
+    assert (core.began, core.queued, core.stepping) == (2, 2, True)  # step 2 queued, still running
+    steps.published()
+    core.allow(2)
+    rest = [await asyncio.wait_for(steps.next(), 10) for _ in range(2)]
+    assert [(r.outputs, r.step) for r in rest] == [([2], 2), ([3], 3)] and core.began == 3
+    steps.published()
+    steps.published()
+    await steps.stop()
+    assert await asyncio.wait_for(steps.next(), 10) is None
+
+
+@pytest.mark.timeout(30)
+async def test_a_followed_step_that_fails_before_queuing_comes_after_the_outputs_before_it():
+    core = PacedCore(asyncio.get_running_loop(), steps_left=10, fail_at=3, follows=True)
+    core.allow(10)
+    steps = StepThread(core)
+    steps.start()
+    for expected in (1, 2):
+        assert (await asyncio.wait_for(steps.next(), 10)).step == expected
+        steps.published()
+    with pytest.raises(RuntimeError, match="device lost"):
+        await asyncio.wait_for(steps.next(), 10)
+    await asyncio.wait_for(steps.stop(), 10)
+    assert core.began == 3 and core.queued == 2
+
+
+@pytest.mark.timeout(30)
+async def test_stop_during_a_followed_step_keeps_the_outputs_of_both_steps():
+    core = PacedCore(asyncio.get_running_loop(), steps_left=10, follows=True)
+    core.allow(1)
+    steps = StepThread(core)
+    steps.start()
+    assert (await asyncio.wait_for(steps.next(), 10)).step == 1  # step 2 queued, waiting for its permit
+    steps.published()
+    stopping = asyncio.create_task(steps.stop())
+    await asyncio.sleep(RUN_AHEAD_CHANCE_S)
+    assert not stopping.done()
+    core.allow(10)
+    await asyncio.wait_for(stopping, 10)
+    assert (await asyncio.wait_for(steps.next(), 10)).step == 2  # held for step 3, which never began
+    assert await asyncio.wait_for(steps.next(), 10) is None and core.began == 2
