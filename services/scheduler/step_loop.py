@@ -9,12 +9,13 @@ N + 1 runs while step N is published, never further ahead), so a slow network st
 instead of piling outputs up.
 
 A step's outputs are handed over once the next step's device work is queued (`core.step`'s
-on_queued), not as soon as the step returns: handed over at once, the event loop's publication
-(the wire's columns, encoding, NATS: ~0.1-0.25 ms of Python a step on the CPU, more with top-k
-rows) took the GIL at the next step's first torch call and held it through the launch, the step's
-critical path; handed over after it, it runs while the step thread waits for the device with the
-GIL released. A step that leaves nothing in flight (`core.has_in_flight`) hands its outputs over
-at once: no launch of the next one is coming to wait for.
+on_queued), not as soon as the step returns. Handed over at once, the event loop's publication
+(the wire's columns and their encoding: ~0.1 ms of Python a step at batch 64 on the dev box, ~0.25
+with top-20 rows; then NATS) took the GIL at the step thread's next release of it and held it
+through the next launch, the step's critical path. Handed over after the launch, it runs while the
+step thread waits for the device with the GIL released: on a slow H100 host, top-20 served 5% more
+tok/s (ops/bench/results/gpu_serve.md, 0.6B run 49). A step that leaves nothing in flight
+(`core.has_in_flight`) hands its outputs over at once: no launch of the next one is coming.
 """
 
 from __future__ import annotations
@@ -90,18 +91,18 @@ class StepThread:
 
     def _run(self, loop: asyncio.AbstractEventLoop) -> None:
         end: BaseException | None = None
-        held: list[StepResult] = []  # the last step's outputs, until the next step's device work is queued
+        kept: list[StepResult] = []  # the last step's outputs, until the next step's device work is queued
 
         def hand_over() -> None:
-            if held:
-                loop.call_soon_threadsafe(self._results.put_nowait, held.pop())
+            if kept:
+                loop.call_soon_threadsafe(self._results.put_nowait, kept.pop())
 
         try:
             while (turn := self._wait_for_turn()) is not None:
                 begin = time.monotonic()
                 outputs = self._core.step(hand_over)
                 ended = time.monotonic()
-                held.append(StepResult(outputs, self._core.num_steps, list(self._core.take_queue_times().values())))
+                kept.append(StepResult(outputs, self._core.num_steps, list(self._core.take_queue_times().values())))
                 if not self._core.has_in_flight:
                     hand_over()
                 if self._trace is not None:
@@ -109,7 +110,8 @@ class StepThread:
         except BaseException as exc:  # fatal for the scheduler: the event loop raises it from `next`
             end = exc
         finally:
-            hand_over()  # before the end: a failed step's error comes after the outputs before it
+            with contextlib.suppress(RuntimeError):  # (the loop is closed: nobody waits any more)
+                hand_over()  # before the end: a failed step's error comes after the outputs before it
             if self._trace is not None:
                 self._trace.close()
         with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits any more
