@@ -14,9 +14,12 @@ apart where the device sets the pace and the step's wall cannot: gpu_serve.md, 0
 the share of steps whose readback was back before the host asked for it (`host_late_share`, a
 wait under 0.05 ms: the device had finished the step and idled for the host, for how long the
 trace cannot say). Between steps the thread waited
-`turn_s`: `held` when the event loop had not published the step ahead yet, else for work. The
-decode batch is weighted by time: a decode step of fewer sequences than the concurrency serves
-fewer tokens for the same weights read.
+`turn_s`: `held` when the event loop had not published the step ahead yet, else for work. What is
+left of the window (`between_steps_s`: the span less the steps and the turns after the first) is
+the thread's own time between steps: handing the outputs over, the trace line, and waiting there
+for the GIL while the event loop publishes (8-10% of a 0.6B run's span before b1dd88a:
+gpu_serve.md, 0.6B runs 48-49). The decode batch is weighted by time: a decode step of fewer
+sequences than the concurrency serves fewer tokens for the same weights read.
 
     python -m ops.bench.step_trace_summary TRACE.jsonl [--window START END]  # time.monotonic() seconds
 """
@@ -78,10 +81,12 @@ def summarize(lines: Iterable[dict]) -> dict[str, Any]:
         kinds[kind] = row
     decodes = [line for line in lines if kind_of(line).startswith("decode")]
     decode_s = sum(line["dur_s"] for line in decodes)
+    busy = sum(line["dur_s"] for line in lines)
     return {
         "num_steps": len(lines),
         "span_s": span,
-        "busy_s": sum(line["dur_s"] for line in lines),
+        "busy_s": busy,
+        "between_steps_s": span - busy - sum(line["turn_s"] for line in lines[1:]),  # the first turn came before the span
         "held_s": sum(line["turn_s"] for line in lines if line["held"]),
         "waited_for_work_s": sum(line["turn_s"] for line in lines if not line["held"]),
         "decode_batch_time_weighted": sum(line["num_seqs"] * line["dur_s"] for line in decodes) / decode_s if decode_s else None,
@@ -105,7 +110,8 @@ def table(summary: dict[str, Any]) -> str:
     if not summary.get("num_steps"):
         return "no steps in the window"
     lines = [f"{summary['num_steps']} steps over {summary['span_s']:.3f} s: busy {summary['busy_s']:.3f} s, "
-             f"held by publishing {summary['held_s']:.3f} s, waiting for work {summary['waited_for_work_s']:.3f} s; "
+             f"held by publishing {summary['held_s']:.3f} s, waiting for work {summary['waited_for_work_s']:.3f} s, "
+             f"between steps {summary['between_steps_s']:.3f} s; "
              f"decode batch (time-weighted) {summary['decode_batch_time_weighted'] or 0:.1f}",
              "| kind | steps | s | share | ms/step | seqs | tokens | prefill tokens | wait ms | host ms | host late |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip

@@ -52,6 +52,18 @@ def test_kinds_and_sums():
     assert all(line.count("|") == 12 for line in table(summary).splitlines()[1:])  # eleven columns, idle's blank
 
 
+def test_the_time_between_steps_is_the_span_less_the_steps_and_the_turns_after_the_first():
+    # three decode steps of 2 ms: a turn of 0.3 ms before the first (outside the span), 0.5 ms
+    # held before the second, then 0.1 ms of the thread's own between its end and the turn; 0.2 ms
+    # between the second and the third with no turn
+    lines = [_line(1.0, 0.002, seqs=8, tokens=8, turn=0.0003), _line(1.0026, 0.002, seqs=8, tokens=8, turn=0.0005, held=True),
+             _line(1.0048, 0.002, seqs=8, tokens=8)]  # fmt: skip
+    summary = summarize(lines)
+    assert summary["span_s"] == pytest.approx(0.0068) and summary["busy_s"] == pytest.approx(0.006)
+    assert summary["between_steps_s"] == pytest.approx(0.0003)
+    assert "between steps 0.000 s" in table(summary)
+
+
 def test_a_window_keeps_the_steps_that_began_inside_it(tmp_path):
     path = tmp_path / "s.jsonl"
     path.write_text("".join(json.dumps(line) + "\n" for line in LINES))
