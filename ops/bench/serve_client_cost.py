@@ -37,10 +37,10 @@ REPO = Path(__file__).resolve().parents[2]
 CLIENTS = ("aiohttp_uvloop", "aiohttp_asyncio", "httpx_asyncio")
 
 
-async def _with_aiohttp(url: str, prompts: list[Prompt], concurrency: int) -> int:
+async def _with_aiohttp(url: str, prompts: list[Prompt], concurrency: int, logprobs: int | None) -> int:
     from ops.bench.serve import ServeConfig
 
-    slots, endpoint, options = asyncio.Semaphore(concurrency), ENDPOINTS["generate"], RequestOptions(ignore_eos=True)
+    slots, endpoint, options = asyncio.Semaphore(concurrency), ENDPOINTS["generate"], RequestOptions(ignore_eos=True, logprobs=logprobs)
     defaults = ServeConfig()
     async with client_session(defaults.api_key, defaults.request_timeout_s) as client:
 
@@ -53,7 +53,7 @@ async def _with_aiohttp(url: str, prompts: list[Prompt], concurrency: int) -> in
         return sum(await asyncio.gather(*(one(p) for p in prompts)))
 
 
-async def _with_httpx(url: str, prompts: list[Prompt], concurrency: int) -> int:
+async def _with_httpx(url: str, prompts: list[Prompt], concurrency: int, logprobs: int | None) -> int:
     """BASELINE: the httpx client `bench serve` used before (streamed lines, JSON per event)."""
     slots, body = asyncio.Semaphore(concurrency), ENDPOINTS["generate"].body
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
@@ -61,7 +61,7 @@ async def _with_httpx(url: str, prompts: list[Prompt], concurrency: int) -> int:
 
         async def one(prompt: Prompt) -> int:
             events = 0
-            async with slots, client.stream("POST", "/generate", json=body(prompt, RequestOptions(ignore_eos=True))) as response:
+            async with slots, client.stream("POST", "/generate", json=body(prompt, RequestOptions(ignore_eos=True, logprobs=logprobs))) as response:
                 async for line in response.aiter_lines():
                     if line.startswith("data:") and line[5:].strip() != "[DONE]":
                         msgspec.json.decode(line[5:])
@@ -71,13 +71,13 @@ async def _with_httpx(url: str, prompts: list[Prompt], concurrency: int) -> int:
         return sum(await asyncio.gather(*(one(p) for p in prompts)))
 
 
-def measure(client: str, url: str, prompts: list[Prompt], concurrency: int) -> dict:
+def measure(client: str, url: str, prompts: list[Prompt], concurrency: int, logprobs: int | None = None) -> dict:
     run = uvloop.run if client == "aiohttp_uvloop" else asyncio.run
     reader = _with_httpx if client.startswith("httpx") else _with_aiohttp
     cpu, wall = time.process_time(), time.perf_counter()
-    events = run(reader(url, prompts, concurrency))
+    events = run(reader(url, prompts, concurrency, logprobs))
     cpu, wall = time.process_time() - cpu, time.perf_counter() - wall
-    return {"client": client, "events": events, "wall_s": round(wall, 3), "cpu_s": round(cpu, 3),
+    return {"client": client, "logprobs": logprobs, "events": events, "wall_s": round(wall, 3), "cpu_s": round(cpu, 3),
             "cpu_fraction": round(cpu / wall, 3), "cpu_us_per_event": round(1e6 * cpu / events, 1)}  # fmt: skip
 
 
@@ -93,16 +93,17 @@ def run(args: argparse.Namespace) -> dict:
                 raise RuntimeError("the SSE server did not come up")
             time.sleep(0.1)
         prompts = [Prompt(tuple(range(args.input_len)), None, args.output_len) for _ in range(args.num_prompts)]
-        rows = [measure(client, url, prompts, args.concurrency) for _ in range(args.repeats) for client in CLIENTS]
+        rows = [measure(client, url, prompts, args.concurrency, logprobs) for _ in range(args.repeats)
+                for logprobs in (None, *args.logprobs) for client in CLIENTS]  # fmt: skip
     finally:
         stop_process(server, 10)
     result = {"config": {k: v for k, v in vars(args).items() if k != "out"}, "rows": rows}
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(result, indent=2) + "\n")
-    print("| client | events | wall s | CPU s | CPU fraction | CPU us / event |\n|---|---|---|---|---|---|")
+    print("| client | top logprobs | events | wall s | CPU s | CPU fraction | CPU us / event |\n|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['client']} | {r['events']} | {r['wall_s']} | {r['cpu_s']} | {r['cpu_fraction']} | {r['cpu_us_per_event']} |")
+        print(f"| {r['client']} | {r['logprobs'] or ''} | {r['events']} | {r['wall_s']} | {r['cpu_s']} | {r['cpu_fraction']} | {r['cpu_us_per_event']} |")
     return result
 
 
@@ -114,6 +115,7 @@ def main() -> None:
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--interval-ms", type=float, default=6.0, help="the server's time between a stream's events")
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--logprobs", type=int, nargs="*", default=[20], help="also with this many top logprobs a token (none: plain only)")
     parser.add_argument("--out", type=Path, default=None)
     run(parser.parse_args())
 
