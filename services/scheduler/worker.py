@@ -194,7 +194,7 @@ class ModelWorker:
         arrays["drafts"] = drafts
         arrays["num_draft"] = np.asarray([s.num_draft for s in producers], np.int64)  # [P]
         arrays["anchor_base"] = np.asarray([s.start + s.num_committed - 1 for s in producers], np.int64)  # [P]
-        arrays["is_greedy"] = np.asarray([s.seq.request.sampling.temperature <= 0 for s in producers], np.int64)
+        arrays["is_greedy"] = np.asarray([not s.seq.samples_randomly for s in producers], np.int64)
         arrays["producers"] = np.asarray(layout.producers, np.int64)  # [P], rows of the batch's tables
         return arrays
 
@@ -296,13 +296,13 @@ class ModelWorker:
     def _sampling_inputs(
         self, producers: list[SeqStep], logits: torch.Tensor, drafts: torch.Tensor
     ) -> dict[str, torch.Tensor | None]:
-        params = [s.seq.request.sampling for s in producers]
-        if all(p.temperature <= 0 for p in params):
+        if not any(s.seq.samples_randomly for s in producers):
             return {}
+        params = [s.seq.request.sampling for s in producers]
         num_rows, width, vocab = logits.shape
         row_params = [p for p in params for _ in range(width)]
         probs = sampling_probs(logits.reshape(-1, vocab), row_params).view(num_rows, width, vocab)
-        seeds = [None if s.seq.request.sampling.temperature <= 0 else s.seq.sampling_seed for s in producers]
+        seeds = [s.seq.sampling_seed if s.seq.samples_randomly else None for s in producers]
         noise, uniforms = draw_noise(seeds, [s.output_position for s in producers], width - 1, vocab, logits.device)
         draft_probs = self._stacked_draft_probs(producers, drafts, vocab)
         return {"target_probs": probs, "draft_probs": draft_probs, "uniforms": uniforms, "noise": noise}
@@ -414,7 +414,7 @@ class ModelWorker:
         if proposal is None or proposal.probs is None:
             return
         for p, i in enumerate(layout.producers):
-            if plan.steps[i].seq.request.sampling.temperature > 0:
+            if plan.steps[i].seq.samples_randomly:
                 self._draft_probs[plan.steps[i].seq.rid] = proposal.probs[p]
 
 
