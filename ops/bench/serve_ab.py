@@ -90,7 +90,8 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
             values = [run[name] for run in mine if "tok_s" in run.get(name, {})]
             keys = [key for key in values[0] if all(v.get(key) is not None for v in values)] if values else []
             scenarios[name] = {key: _spread([v[key] for v in values]) for key in keys}
-        top20 = {plain: {"rounds": [costs(run)[plain] for run in mine if plain in costs(run)]} for plain, _ in PAIRS}
+        run_costs = [costs(run) for run in mine]
+        top20 = {plain: {"rounds": [cost[plain] for cost in run_costs if plain in cost]} for plain, _ in PAIRS}
         for plain, top in PAIRS:
             if top20[plain]["rounds"]:
                 top20[plain]["of_summed_tok_s"] = scenarios[top]["tok_s"]["mean"] / scenarios[plain]["tok_s"]["mean"] - 1
