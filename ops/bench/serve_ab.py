@@ -131,6 +131,14 @@ def strip_requests(value: Any) -> Any:
     return [strip_requests(v) for v in value] if isinstance(value, list) else value
 
 
+def write_results(out: Path, trees: dict[str, str], check_args: list[str], runs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """The runs so far and their summary, to `out` (replaced whole); the summary."""
+    summary = summarize(runs)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"trees": trees, "check_args": check_args, "summary": summary, "runs": runs}, indent=1) + "\n")
+    return summary
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     ours, check_args = (argv[: argv.index("--")], argv[argv.index("--") + 1 :]) if "--" in argv else (argv, [])
@@ -142,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
     trees = dict(tree.split("=", 1) for tree in args.tree)
     if len(trees) < 2 or any(not (Path(d) / "ops/bench/gpu_serve_check.py").is_file() for d in trees.values()):
         parser.error("--tree LABEL=DIR at least twice, each DIR holding ops/bench/gpu_serve_check.py")
-    runs = []
+    runs: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="serve_ab_") as scratch:
         for index, (round_index, label) in enumerate(alternating(list(trees), args.rounds)):
             result = run_tree(Path(trees[label]).resolve(), check_args, Path(scratch) / f"{index}.json")
@@ -151,9 +159,7 @@ def main(argv: list[str] | None = None) -> int:
                          **({"error": result["error"]} if "error" in result else {}), "result": strip_requests(result)})  # fmt: skip
             print(f"round {round_index} {label}: " + ("failed: " + result["error"][-300:] if "error" in result else
                   ", ".join(f"{n} {s['tok_s']:,.0f} tok/s" for n, s in scenarios.items() if "tok_s" in s)), flush=True)  # fmt: skip
-    summary = summarize(runs)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"trees": trees, "check_args": check_args, "summary": summary, "runs": runs}, indent=1) + "\n")
+            summary = write_results(args.out, trees, check_args, runs)  # after every run: a call cut short keeps its rounds
     print(table(summary))
     return 1 if any("error" in run for run in runs) else 0
 

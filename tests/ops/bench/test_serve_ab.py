@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from ops.bench import serve_ab
 from ops.bench.serve_ab import alternating, main, scenario_figures, summarize
 from services.models import BUNDLED_MODEL
 
@@ -71,3 +72,17 @@ def _keys_named(name: str, value) -> bool:
     if isinstance(value, dict):
         return name in value or any(_keys_named(name, v) for v in value.values())
     return isinstance(value, list) and any(_keys_named(name, v) for v in value)
+
+
+def test_each_run_is_written_out_before_the_next_begins(tmp_path, monkeypatch):
+    """A call cut short by its time limit keeps the rounds it finished."""
+    out, seen = tmp_path / "ab.json", []
+
+    def fake_run(tree, check_args, run_out):
+        seen.append([run["tree"] for run in json.loads(out.read_text())["runs"]] if out.exists() else [])
+        return {"scenarios": {"concurrency": {"output_throughput": 100.0 + len(seen), "ttft_ms": {"p50": 1.0}, "itl_ms": {"p50": 1.0}}}}
+
+    monkeypatch.setattr(serve_ab, "run_tree", fake_run)
+    assert serve_ab.main(["--tree", f"a={REPO}", "--tree", f"b={REPO}", "--rounds", "2", "--out", str(out)]) == 0
+    assert seen == [[], ["a"], ["a", "b"], ["a", "b", "b"]]
+    assert json.loads(out.read_text())["summary"]["a"]["scenarios"]["concurrency"]["tok_s"]["mean"] == 102.5  # runs 1 and 4
