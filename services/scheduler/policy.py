@@ -29,6 +29,7 @@ import itertools
 import random
 from collections import deque
 from dataclasses import dataclass
+from typing import NoReturn
 
 import msgspec
 import numpy as np
@@ -111,7 +112,7 @@ class RunningSet(dict):
     (asked per sequence per step). Sequences join and leave through `add` and `remove` (never
     `running[seq] = ...` or `del`), which count what the worker would otherwise ask of every sequence
     of every step: `plan` hands those counts on (`StepPlan.output_logprob_keys`, `processes_logits`,
-    `samples_randomly`)."""
+    `samples_randomly`); the dict's other ways in and out raise, so no change can skip the counts."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -120,14 +121,14 @@ class RunningSet(dict):
         self._num_random = 0  # running sequences that sample (temperature > 0)
 
     def add(self, seq: Sequence) -> None:
-        self[seq] = None
+        dict.__setitem__(self, seq, None)
         key = seq.output_logprob_key
         self._keys[key] = self._keys.get(key, 0) + 1
         self._num_processing += seq.processes_logits
         self._num_random += seq.samples_randomly
 
     def remove(self, seq: Sequence) -> None:
-        del self[seq]
+        dict.__delitem__(self, seq)
         key = seq.output_logprob_key
         if self._keys[key] == 1:
             del self._keys[key]
@@ -141,6 +142,11 @@ class RunningSet(dict):
         self._keys.clear()
         self._num_processing = 0
         self._num_random = 0
+
+    def _uncounted(self, *args: object, **kwargs: object) -> NoReturn:
+        raise TypeError("RunningSet: sequences join and leave through add() and remove(), which keep its counts")
+
+    __setitem__ = __delitem__ = __ior__ = pop = popitem = setdefault = update = _uncounted
 
     def plan(self, steps: list[SeqStep]) -> StepPlan:
         """A plan of running sequences only, with what they share (counted now)."""

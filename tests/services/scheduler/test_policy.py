@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from contracts.detokenizer import Finish, FinishType
 from contracts.scheduler import LogprobParams, SamplingParams
@@ -210,3 +211,20 @@ def test_policy_runs_without_torch():
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip().splitlines()[-1] == f"ok {len(names)}"
+
+
+def test_the_running_set_takes_sequences_only_through_add_and_remove_which_count_them():
+    policy = make_policy()
+    params = SamplingParams(max_new_tokens=4, temperature=0.7, ignore_eos=True)
+    policy.add(SchedulerRequest("counted", np.asarray([1, 2, 3], np.int32), "detok", params, LogprobParams()))
+    policy.schedule()
+    running = policy._running
+    (seq,) = running
+    assert running.plan([]).samples_randomly
+    for uncounted in (lambda: running.__setitem__(seq, None), lambda: running.__delitem__(seq), lambda: running.pop(seq),
+                      running.popitem, lambda: running.setdefault(seq), lambda: running.update({seq: None})):  # fmt: skip
+        with pytest.raises(TypeError, match="add\\(\\) and remove\\(\\)"):
+            uncounted()
+    assert list(running) == [seq] and running.plan([]).samples_randomly
+    running.remove(seq)
+    assert not running and not running.plan([]).samples_randomly
