@@ -188,6 +188,39 @@ def add_step_traces(scenarios: dict[str, dict], traces: list[Path]) -> None:
     for result in scenarios.values():
         if "monotonic_window" in result:
             result["step_trace"] = step_trace_summary.summarize(read_trace(traces[0], tuple(result["monotonic_window"])))
+            concurrency = result.get("config", {}).get("max_concurrency")
+            if concurrency and result.get("requests"):
+                result["turnaround"] = closed_loop_turnaround(result["requests"], read_trace(traces[0]), concurrency)
+
+
+def closed_loop_turnaround(requests: list[dict], trace_lines: list[dict], concurrency: int) -> dict[str, float] | None:
+    """Where a slot of a closed loop (`concurrency` requests in flight, the next one sent as one
+    ends) spends the time it runs nothing at the scheduler (the decode batch's shortfall), mean ms a
+    turnover, over the steady part of the run (from the send that fills the last slot to the last
+    send; the ramp and the drain left out):
+    - `slot_idle`: (concurrency - the scheduler's running requests, time-weighted) x that window /
+      the sends in it;
+    - `queued`: from arrival at the scheduler until first scheduled (the trace's `queued_s`);
+    - `client`: from a stream's end at the client until the next request is sent. The k-th stream
+      to end frees the slot the (concurrency + k)-th request is sent in;
+    - `in_stack`: the rest: a finish's way out (publication, detokenizer, front end, HTTP) and the
+      next request's way in (front end, NATS) up to its arrival at the scheduler;
+    - `stream_tail`: part of `in_stack`: from the last token's event to the stream's end.
+    None without the figures (a trace from before `queued_s`, requests without `sent_at`)."""
+    done = [r for r in requests if r["ok"] and r.get("sent_at")]
+    if len(done) <= concurrency:
+        return None
+    sends = sorted(r["sent_at"] for r in done)
+    ends = sorted(r["sent_at"] + r["e2e_s"] for r in done)
+    steady = step_trace_summary.summarize([line for line in trace_lines if sends[concurrency - 1] <= line["t"] <= sends[-1]])
+    if not steady.get("queue_ms") or steady.get("running_time_weighted") is None:
+        return None
+    turnovers = len(done) - concurrency
+    client_ms = sum(sends[concurrency + k] - ends[k] for k in range(turnovers)) * 1e3 / turnovers
+    slot_idle_ms = 1e3 * (concurrency - steady["running_time_weighted"]) * steady["span_s"] / turnovers
+    return {"slot_idle_ms": slot_idle_ms, "queued_ms": steady["queue_ms"]["mean"], "client_ms": client_ms,
+            "in_stack_ms": slot_idle_ms - steady["queue_ms"]["mean"] - client_ms,
+            "stream_tail_ms": 1e3 * sum(r["e2e_s"] - r["last_token_s"] for r in done) / len(done)}  # fmt: skip
 
 
 # The scheduler's log lines for a CUDA graph captured while serving, and the group holding its time in seconds / ms.
@@ -292,6 +325,9 @@ def table(result: dict[str, Any]) -> str:
                          + ", ".join(f"{proc} {cores:.2f}" for proc, cores in sorted(r["stack_cpu"].items())))  # fmt: skip
         if "step_trace" in r:
             lines.append(f"\nsteps of `{name}`: {step_trace_summary.table(r['step_trace'])}")
+        if r.get("turnaround"):
+            lines.append(f"\nturnaround of `{name}`, ms a request: " + ", ".join(f"{key.removesuffix('_ms')} {ms:.2f}"
+                                                                              for key, ms in r["turnaround"].items()))  # fmt: skip
         if "scheduler_profile" in r:
             lines.append(f"\n`{name}`: {scheduler_profile.table(r['scheduler_profile'])}")
     for kind in ("ragged", "logprob"):

@@ -7,8 +7,9 @@ A tree is a directory holding the repository's `ops/` and `services/` (`.` for t
 `git archive` of another commit); each run uses that tree's own `gpu_serve_check.py` and code.
 Per tree and scenario: output tok/s, TTFT and ITL p50 and, from the step trace, the decode step's
 ms, the host's ms a step (the step less its readback wait), the share of steps the host was late
-for, the time-weighted decode batch, and the step thread's time held by publishing and between
-steps. Where a run holds both `concurrency` and `concurrency_logprobs` (or both batch-1
+for, the time-weighted decode batch, the step thread's time held by publishing and between
+steps, and a closed loop's slot idle time with its parts (`gpu_serve_check.closed_loop_turnaround`).
+Where a run holds both `concurrency` and `concurrency_logprobs` (or both batch-1
 scenarios), top-20's cost in that run; its mean is the cost of the tree's summed tok/s.
 
     python -m ops.bench.serve_ab --tree after=. --tree before=/tmp/before --rounds 4 --out $OUT/ab.json -- \
@@ -62,7 +63,7 @@ def scenario_figures(scenario: dict[str, Any]) -> dict[str, Any]:
         figures |= {"decode_ms": decode["ms_per_step"], "host_ms": decode.get("host_ms"), "host_late_share": decode.get("host_late_share"),
                     "decode_batch": trace["decode_batch_time_weighted"], "held_s": trace["held_s"], "span_s": trace["span_s"],
                     "between_steps_ms": 1e3 * _between_steps_s(trace) / trace["num_steps"]}  # fmt: skip
-    return figures
+    return figures | (scenario.get("turnaround") or {})  # a closed loop's slot idle time and its parts (gpu_serve_check)
 
 
 def _between_steps_s(trace: dict[str, Any]) -> float:
@@ -105,7 +106,8 @@ def _spread(values: list[float]) -> dict[str, float]:
 
 def table(summary: dict[str, dict[str, Any]]) -> str:
     lines = ["| tree | scenario | rounds | tok/s (mean) | top-20 cost, each round / of the means | decode ms | host ms | host late | "
-             "decode batch | held s | between steps ms |", "|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+             "decode batch | held s | between steps ms | slot idle ms (client / queued / in stack), means |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for tree, figures in summary.items():
         for name, row in figures["scenarios"].items():
             cost = figures["top20_cost"].get(name)
@@ -113,7 +115,9 @@ def table(summary: dict[str, dict[str, Any]]) -> str:
             cells = [_range(row, key, digits) for key, digits in
                      (("decode_ms", 3), ("host_ms", 3), ("host_late_share", 2), ("decode_batch", 1), ("held_s", 2), ("between_steps_ms", 3))]  # fmt: skip
             tok_s = f"{row['tok_s']['mean']:,.0f}" if "tok_s" in row else "failed"
-            lines.append(f"| {tree} | {name} | {figures['rounds']} | {tok_s} | {cost_text} | {' | '.join(cells)} |")
+            parts = " / ".join(f"{row[key]['mean']:.2f}" for key in ("client_ms", "queued_ms", "in_stack_ms") if key in row)
+            idle = f"{row['slot_idle_ms']['mean']:.2f} ({parts})" if "slot_idle_ms" in row else ""
+            lines.append(f"| {tree} | {name} | {figures['rounds']} | {tok_s} | {cost_text} | {' | '.join(cells)} | {idle} |")
     return "\n".join(lines)
 
 

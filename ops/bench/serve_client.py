@@ -137,6 +137,7 @@ class RequestRecord:
     chunk_tokens: list[int] = field(default_factory=list)  # tokens in that event
     prompt_tokens: int = 0
     output_tokens: int = 0
+    sent_at: float = 0.0  # time.monotonic() as it was sent: a step trace's clock
 
     @property
     def ok(self) -> bool:
@@ -159,7 +160,7 @@ async def send(
 ) -> RequestRecord:
     """Stream one request to `base_url` + the endpoint's path (a base URL may have a path of its
     own); a failure of any kind is kept in the record, never raised."""
-    record = RequestRecord(prompt, prompt_tokens=len(prompt.input_ids or ()))
+    record = RequestRecord(prompt, prompt_tokens=len(prompt.input_ids or ()), sent_at=time.monotonic())
     start = time.perf_counter()
     try:
         url, body = base_url.rstrip("/") + endpoint.path, _encode(endpoint.body(prompt, options))

@@ -77,7 +77,8 @@ def per_request(records: Sequence[RequestRecord]) -> list[dict[str, Any]]:
     return [
         {"ok": r.ok, "error": r.error or None, "prompt_tokens": r.prompt_tokens, "output_tokens": r.output_tokens,
          "asked_output_tokens": r.prompt.output_len, "ttft_s": r.ttft, "e2e_s": r.e2e, "num_events": len(r.chunk_times),
-         "last_token_s": r.chunk_times[-1] if r.chunk_times else None, "itl_sum_s": sum(inter_token_latencies(r))}
+         "last_token_s": r.chunk_times[-1] if r.chunk_times else None, "itl_sum_s": sum(inter_token_latencies(r)),
+         "sent_at": r.sent_at}
         for r in records
     ]  # fmt: skip
 

@@ -19,7 +19,9 @@ left of the window (`between_steps_s`: the span less the steps and the turns aft
 the thread's own time between steps: handing the outputs over, the trace line, and waiting there
 for the GIL while the event loop publishes (8-10% of a 0.6B run's span before b1dd88a:
 gpu_serve.md, 0.6B runs 48-49). The decode batch is weighted by time: a decode step of fewer
-sequences than the concurrency serves fewer tokens for the same weights read.
+sequences than the concurrency serves fewer tokens for the same weights read; so is `running`
+(the scheduler's running requests after each step, over every step). `queue_ms`: the requests
+first scheduled in the window, from their arrival at the scheduler until then (`admitted` of them).
 
     python -m ops.bench.step_trace_summary TRACE.jsonl [--window START END]  # time.monotonic() seconds
 """
@@ -82,6 +84,7 @@ def summarize(lines: Iterable[dict]) -> dict[str, Any]:
     decodes = [line for line in lines if kind_of(line).startswith("decode")]
     decode_s = sum(line["dur_s"] for line in decodes)
     busy = sum(line["dur_s"] for line in lines)
+    queued_ms = [1e3 * seconds for line in lines for seconds in line.get("queued_s", ())]
     return {
         "num_steps": len(lines),
         "span_s": span,
@@ -90,8 +93,16 @@ def summarize(lines: Iterable[dict]) -> dict[str, Any]:
         "held_s": sum(line["turn_s"] for line in lines if line["held"]),
         "waited_for_work_s": sum(line["turn_s"] for line in lines if not line["held"]),
         "decode_batch_time_weighted": sum(line["num_seqs"] * line["dur_s"] for line in decodes) / decode_s if decode_s else None,
+        "running_time_weighted": sum(line["running"] * line["dur_s"] for line in lines) / busy if busy else None,
+        "admitted": len(queued_ms),
+        "queue_ms": _spread_ms(queued_ms) if queued_ms else None,
         "kinds": kinds,
     }
+
+
+def _spread_ms(values: list[float]) -> dict[str, float]:
+    deciles = statistics.quantiles(values, n=10, method="inclusive") if len(values) > 1 else values * 9
+    return {"mean": statistics.fmean(values), "p50": statistics.median(values), "p90": deciles[8], "max": max(values)}
 
 
 def _host_spread(chosen: list[dict], waits: list[float]) -> dict[str, float | None]:
@@ -112,7 +123,9 @@ def table(summary: dict[str, Any]) -> str:
     lines = [f"{summary['num_steps']} steps over {summary['span_s']:.3f} s: busy {summary['busy_s']:.3f} s, "
              f"held by publishing {summary['held_s']:.3f} s, waiting for work {summary['waited_for_work_s']:.3f} s, "
              f"between steps {summary['between_steps_s']:.3f} s; "
-             f"decode batch (time-weighted) {summary['decode_batch_time_weighted'] or 0:.1f}",
+             f"decode batch (time-weighted) {summary['decode_batch_time_weighted'] or 0:.1f}"
+             + (f"; {summary['admitted']} admitted, queued {summary['queue_ms']['mean']:.2f} ms mean, "
+                f"{summary['queue_ms']['p90']:.2f} p90" if summary.get("queue_ms") else ""),
              "| kind | steps | s | share | ms/step | seqs | tokens | prefill tokens | wait ms | host ms | host late |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for kind, row in summary["kinds"].items():

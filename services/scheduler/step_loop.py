@@ -102,11 +102,12 @@ class StepThread:
                 begin = time.monotonic()
                 outputs = self._core.step(hand_over)
                 ended = time.monotonic()
-                kept.append(StepResult(outputs, self._core.num_steps, list(self._core.take_queue_times().values())))
+                queue_times = list(self._core.take_queue_times().values())
+                kept.append(StepResult(outputs, self._core.num_steps, queue_times))
                 if not self._core.has_in_flight:
                     hand_over()
                 if self._trace is not None:
-                    self._write_trace(begin, ended, *turn)
+                    self._write_trace(begin, ended, *turn, queue_times)
         except BaseException as exc:  # fatal for the scheduler: the event loop raises it from `next`
             end = exc
         finally:
@@ -129,9 +130,9 @@ class StepThread:
             self._num_unpublished += 1
         return time.perf_counter() - began, held
 
-    def _write_trace(self, begin: float, ended: float, turn_s: float, held: bool) -> None:
+    def _write_trace(self, begin: float, ended: float, turn_s: float, held: bool, queue_times: list[float]) -> None:
         core = self._core
-        self._trace.write(begin, ended, turn_s, held, core.last_step, core.policy.num_running, core.policy.num_waiting)
+        self._trace.write(begin, ended, turn_s, held, core.last_step, core.policy.num_running, core.policy.num_waiting, queue_times)
 
     def _exit(self, end: BaseException | None) -> None:
         self._results.put_nowait(end)

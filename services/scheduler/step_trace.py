@@ -10,6 +10,8 @@ Written by the step thread as it steps, to `DIR/<instance id>.jsonl`, one object
     num_seqs, num_tokens, num_prefill_tokens, num_sampling, followed, follows, collect_s, wait_s:
                `core.StepRecord`
     running, waiting: the policy's counts after the step
+    queued_s   for each request this step scheduled first: seconds from its arrival at this
+               scheduler (`add`) until then (absent when none)
 A step that planned nothing (only finishes to hand on) has no `num_seqs`. The trace costs a dict
 and a flushed write (a syscall) per step; it is off unless asked for.
 """
@@ -17,6 +19,7 @@ and a flushed write (a syscall) per step; it is off unless asked for.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from pathlib import Path
 from typing import IO
 
@@ -37,13 +40,15 @@ class StepTrace:
         return cls((path / f"{instance_id}.jsonl").open("wb"))
 
     def write(self, begin: float, end: float, turn_s: float, held: bool, record: StepRecord | None,
-              num_running: int, num_waiting: int) -> None:  # fmt: skip
+              num_running: int, num_waiting: int, queued_s: Sequence[float] = ()) -> None:  # fmt: skip
         """begin, end: time.monotonic() around the step. Flushed at once: a reader may cut the
         trace while the scheduler runs (a syscall a step, for a trace asked for)."""
         line = {"t": round(begin, 6), "dur_s": round(end - begin, 6), "turn_s": round(turn_s, 6), "held": held}
         if record is not None:
             line |= dataclasses.asdict(record)
         line |= {"running": num_running, "waiting": num_waiting}
+        if queued_s:
+            line["queued_s"] = [round(seconds, 6) for seconds in queued_s]
         self._file.write(self._encode(line) + b"\n")
         self._file.flush()
 

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from ops.bench.gpu_serve_check import SCENARIOS, CheckConfig, run, serving_model_dir
+from ops.bench.gpu_serve_check import SCENARIOS, CheckConfig, closed_loop_turnaround, run, serving_model_dir
 from services.models import BUNDLED_MODEL
 
 
@@ -59,6 +59,11 @@ def test_every_scenario_runs_at_toy_size(shape_dir, tmp_path, capsys):
         prefilled = sum(row["steps"] * row["prefill_tokens"] for kind, row in trace["kinds"].items() if kind != "idle")
         assert prefilled == pytest.approx(figures["total_input_tokens"]), name  # warm-ups and other scenarios cut out
         assert 0 < trace["busy_s"] <= trace["span_s"] + 1e-6 <= figures["duration_s"] + 1e-6, name
+        assert trace["admitted"] == figures["completed"], name  # each timed request first scheduled inside the window
+    turnaround = scenarios["concurrency"]["turnaround"]
+    assert turnaround["slot_idle_ms"] >= 0 and 0 <= turnaround["client_ms"] < 1e3 and turnaround["queued_ms"] >= 0, turnaround
+    assert turnaround["in_stack_ms"] == pytest.approx(turnaround["slot_idle_ms"] - turnaround["queued_ms"] - turnaround["client_ms"])
+    assert "turnaround of `concurrency`, ms a request: slot_idle" in printed
     assert "steps of `concurrency`" in printed and (tmp_path / "gpu_serve_trace").is_dir()
     cpu = scenarios["concurrency"]["stack_cpu"]  # cores each of the stack's processes used
     assert {"sparkwire tokenizer", "sparkwire scheduler", "sparkwire detokenizer", "nats-server"} <= set(cpu), cpu
@@ -124,3 +129,27 @@ def test_profile_scheduler_records_the_schedulers_gil_per_scenario(shape_dir, tm
     assert any(name.startswith("SchedulerCore.step ") for name in profile["inclusive"]), profile["inclusive"]
     assert (tmp_path / "gpu_serve_spy_concurrency.txt").is_file()
     assert "`concurrency`: scheduler's GIL:" in capsys.readouterr().out
+
+
+def test_the_turnaround_splits_a_slots_idle_time():
+    """Two slots, six requests of 1 s: the first two sent at 100 s, each next one 50 ms after a
+    stream ends. Over the steady window (100-102.1 s) the scheduler ran 1.77 requests on average and
+    arrivals queued 10 ms there; steps outside it (the ramp, the drain) are not counted."""
+    sent = (100.0, 100.0, 101.05, 101.05, 102.1, 102.1)
+    requests = [{"ok": True, "sent_at": t, "e2e_s": 1.0, "last_token_s": 0.998} for t in sent]
+    requests.append({"ok": False, "sent_at": 100.5, "e2e_s": 0.01, "last_token_s": None})  # failed: not counted
+
+    def step(t, dur, running, queued=()):
+        return {"t": t, "dur_s": dur, "turn_s": 0.0, "held": False, "running": running, "num_seqs": running, "num_tokens": running,
+                "num_prefill_tokens": 0, "followed": False, "collect_s": 0.0} | ({"queued_s": list(queued)} if queued else {})  # fmt: skip
+
+    lines = [step(99.0, 1.0, 0, (0.5,)),  # before the window
+             step(100.0, 1.0, 2, (0.01, 0.01)), step(101.0, 0.5, 2, (0.01,)), step(101.5, 0.6, 1.2, (0.01,)),
+             step(102.5, 1.0, 2, (0.9,))]  # after the window  # fmt: skip
+    turnaround = closed_loop_turnaround(requests, lines, concurrency=2)
+    # the steady steps: 2 x 1.0 + 2 x 0.5 + 1.2 x 0.6 over 2.1 s: 1.77 running; 4 turnovers: 120 ms idle each
+    idle = 1e3 * (2 - (2 * 1.0 + 2 * 0.5 + 1.2 * 0.6) / 2.1) * 2.1 / 4
+    assert turnaround == {"slot_idle_ms": pytest.approx(idle), "queued_ms": pytest.approx(10.0), "client_ms": pytest.approx(50.0),
+                          "in_stack_ms": pytest.approx(idle - 60.0), "stream_tail_ms": pytest.approx(2.0)}  # fmt: skip
+    assert closed_loop_turnaround(requests, [{k: v for k, v in line.items() if k != "queued_s"} for line in lines], 2) is None  # an older trace
+    assert closed_loop_turnaround([{**r, "sent_at": 0.0} for r in requests], lines, concurrency=2) is None  # results without sent_at

@@ -64,6 +64,7 @@ def test_two_trees_served_at_toy_size(tmp_path, capsys):
         summary = result["summary"][tree]
         assert summary["scenarios"]["concurrency"]["tok_s"]["mean"] > 0 and len(summary["top20_cost"]["concurrency"]["rounds"]) == 1
         assert summary["scenarios"]["concurrency_logprobs"]["decode_batch"]["mean"] > 0  # from the step trace
+        assert summary["scenarios"]["concurrency"]["client_ms"]["mean"] >= 0  # the closed loop's turnaround
     assert not any(_keys_named("requests", run["result"]) for run in result["runs"])  # kept without per-request lists
     assert "| a | concurrency_logprobs | 1 |" in capsys.readouterr().out
 

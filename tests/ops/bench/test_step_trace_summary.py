@@ -72,3 +72,16 @@ def test_a_window_keeps_the_steps_that_began_inside_it(tmp_path):
     packed.write_bytes(gzip.compress(path.read_bytes()))
     assert read_trace(packed) == read_trace(path)
     assert summarize([]) == {"num_steps": 0} and table(summarize([])) == "no steps in the window"
+
+
+def test_queue_times_and_the_running_count_weighted_by_time():
+    lines = [_line(1.0, 0.004, seqs=2, tokens=256, prefill=256) | {"running": 2, "queued_s": [0.001, 0.003]},
+             _line(1.004, 0.002, seqs=2, tokens=2) | {"running": 2},
+             _line(1.006, 0.002, seqs=3, tokens=130, prefill=128) | {"running": 3, "queued_s": [0.008]},
+             _line(1.008, 0.002, seqs=3, tokens=3) | {"running": 1}]  # fmt: skip
+    summary = summarize(lines)
+    assert summary["admitted"] == 3
+    assert summary["queue_ms"] == {"mean": pytest.approx(4.0), "p50": pytest.approx(3.0), "p90": pytest.approx(7.0), "max": pytest.approx(8.0)}
+    assert summary["running_time_weighted"] == pytest.approx((2 * 0.004 + 2 * 0.002 + 3 * 0.002 + 1 * 0.002) / 0.010)
+    assert "3 admitted, queued 4.00 ms mean, 7.00 p90" in table(summary)
+    assert summarize(lines[1:2])["queue_ms"] is None and "admitted" not in table(summarize(lines[1:2]))

@@ -52,6 +52,9 @@ async def test_each_step_is_one_line_and_the_lines_add_up(make_core, tmp_path, o
     assert [line["t"] for line in lines] == sorted(line["t"] for line in lines)
     assert any(line["followed"] for line in ran) is overlap and any(line["follows"] for line in ran) is overlap
     assert lines[-1]["running"] == 0 and lines[-1]["waiting"] == 0
+    queued = [seconds for line in lines for seconds in line.get("queued_s", ())]  # each request's, in the step that first scheduled it
+    assert len(queued) == len(reqs) and all(0 <= seconds < 60 for seconds in queued)
+    assert "queued_s" in lines[0] and all(line["num_prefill_tokens"] > 0 for line in ran if "queued_s" in line)
 
 
 def test_the_scheduler_config_takes_a_trace_directory():
