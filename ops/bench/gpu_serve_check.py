@@ -185,12 +185,14 @@ def add_step_traces(scenarios: dict[str, dict], traces: list[Path]) -> None:
     """Each scenario's timed window of the (one) scheduler's step trace, summarized, as `step_trace`."""
     if len(traces) != 1:
         return
+    lines = read_trace(traces[0])
     for result in scenarios.values():
         if "monotonic_window" in result:
-            result["step_trace"] = step_trace_summary.summarize(read_trace(traces[0], tuple(result["monotonic_window"])))
+            start, end = result["monotonic_window"]
+            result["step_trace"] = step_trace_summary.summarize([line for line in lines if start <= line["t"] <= end])
             concurrency = result.get("config", {}).get("max_concurrency")
             if concurrency and result.get("requests"):
-                result["turnaround"] = closed_loop_turnaround(result["requests"], read_trace(traces[0]), concurrency)
+                result["turnaround"] = closed_loop_turnaround(result["requests"], lines, concurrency)
 
 
 def closed_loop_turnaround(requests: list[dict], trace_lines: list[dict], concurrency: int) -> dict[str, float] | None:
@@ -326,7 +328,7 @@ def table(result: dict[str, Any]) -> str:
         if "step_trace" in r:
             lines.append(f"\nsteps of `{name}`: {step_trace_summary.table(r['step_trace'])}")
         if r.get("turnaround"):
-            lines.append(f"\nturnaround of `{name}`, ms a request: " + ", ".join(f"{key.removesuffix('_ms')} {ms:.2f}"
+            lines.append(f"\nturnaround of `{name}`, ms a turnover: " + ", ".join(f"{key.removesuffix('_ms')} {ms:.2f}"
                                                                               for key, ms in r["turnaround"].items()))  # fmt: skip
         if "scheduler_profile" in r:
             lines.append(f"\n`{name}`: {scheduler_profile.table(r['scheduler_profile'])}")

@@ -63,7 +63,7 @@ def test_every_scenario_runs_at_toy_size(shape_dir, tmp_path, capsys):
     turnaround = scenarios["concurrency"]["turnaround"]
     assert turnaround["slot_idle_ms"] >= 0 and 0 <= turnaround["client_ms"] < 1e3 and turnaround["queued_ms"] >= 0, turnaround
     assert turnaround["in_stack_ms"] == pytest.approx(turnaround["slot_idle_ms"] - turnaround["queued_ms"] - turnaround["client_ms"])
-    assert "turnaround of `concurrency`, ms a request: slot_idle" in printed
+    assert "turnaround of `concurrency`, ms a turnover: slot_idle" in printed
     assert "steps of `concurrency`" in printed and (tmp_path / "gpu_serve_trace").is_dir()
     cpu = scenarios["concurrency"]["stack_cpu"]  # cores each of the stack's processes used
     assert {"sparkwire tokenizer", "sparkwire scheduler", "sparkwire detokenizer", "nats-server"} <= set(cpu), cpu
