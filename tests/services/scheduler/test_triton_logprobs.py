@@ -232,12 +232,12 @@ def test_logprob_kernels_in_the_triton_interpreter() -> None:
 
 @interpreted
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize(("num_rows", "max_splits"), [(1, 1), (1, 3), (1, 64), (37, 64)])
+@pytest.mark.parametrize(("num_rows", "max_splits"), [(1, 1), (1, 3), (1, 64), (9, 64)])
 def test_interpreted_kernels_match_the_torch_path(dtype, num_rows, max_splits) -> None:
     from services.scheduler.triton_logprobs import raw_logprob_columns
 
     logits = tricky_logits(num_rows, dtype)
-    for k, num_ids in CASES if num_rows == 1 else CASES[3::2]:  # 37 rows: (2, 3), (20, 3) (the interpreter is slow)
+    for k, num_ids in CASES if num_rows == 1 else CASES[3::2]:  # 9 rows (the 3 of tricky_logits, 6 random): (2, 3), (20, 3) (the interpreter is slow)
         targets, ids = row_inputs(num_rows, num_ids)
         got = raw_logprob_columns(logits, targets, k, ids, block=BLOCK, max_splits=max_splits)
         assert_columns_match(got, torch_columns(logits, targets, k, ids))
