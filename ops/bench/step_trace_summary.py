@@ -111,8 +111,8 @@ def _host_spread(chosen: list[dict], waits: list[float]) -> dict[str, float | No
     hosts = [1e3 * (line["dur_s"] - wait) for line, wait in zip(chosen, waits, strict=True)]
     late = [1e3 * line["dur_s"] for line, wait in zip(chosen, waits, strict=True) if wait < HOST_LATE_S]
     waited = [1e3 * line["dur_s"] for line, wait in zip(chosen, waits, strict=True) if wait >= HOST_LATE_S]
-    deciles = statistics.quantiles(hosts, n=10, method="inclusive") if len(hosts) > 1 else hosts * 9
-    return {"host_ms_p50": statistics.median(hosts), "host_ms_p90": deciles[8],
+    spread = _spread_ms(hosts)
+    return {"host_ms_p50": spread["p50"], "host_ms_p90": spread["p90"],
             "late_ms_per_step": statistics.fmean(late) if late else None,
             "waited_ms_per_step": statistics.fmean(waited) if waited else None}
 
