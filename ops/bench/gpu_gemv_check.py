@@ -5,12 +5,12 @@ issue 12, point 2) on one GPU, against what they replace: the fused small op the
 Sections, each in its own try/except; one that would start more than --budget-s after the start
 is skipped:
 - `kernels`: per model shape (--models) and op (norm + q/k/v, norm + gate/up, SiLU * up + down,
-  o_proj), µs per call of what served before and of the GEMV at each tile setting (TILES; `gemv_tiles`' own
-  marked), as the median of --repeats replays of a CUDA graph of --calls calls; GB/s of the weight
+  o_proj), µs per call of what served before and of the GEMV at each tile setting (TILES, TINY_TILES with
+  --tiny; `gemv_tiles`' own marked), as the median of --repeats replays of a CUDA graph of --calls calls; GB/s of the weight
   read; the largest |diff| against what served before, over that output's largest |value|.
 - `steps`: per model, the batch-1 decode step through `ModelRunner` with the fused kernels on (its
-  decode graphs captured, context 256): ms of one replay with the GEMVs off (`llama.GEMV_TOKENS`
-  set to 0 for the row: the step as it was), on, and on with each op's fastest tiles of `kernels`;
+  decode graphs captured, context 256; 20 with --tiny): ms of one replay with the GEMVs off
+  (`llama.GEMV_TOKENS` set to 0 for the row: the step as it was), on, and on with each op's fastest tiles of `kernels`;
   each replay's next token against the eager GEMV-off step's; device kernels in one eager step,
   their device time, and those that take the most.
 
@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from ops.bench.gpu_attention_check import check_parser, deadline_sections, finish_run, median_ms, ragged_step
-from ops.bench.gpu_fused_check import next_tokens, self_us
+from ops.bench.gpu_fused_check import next_tokens, self_us, warmup_calls
 from ops.bench.gpu_rope_check import time_us
 from services.models import RANDOM_TINY_MODEL
 from services.scheduler.model import llama
@@ -43,6 +43,10 @@ TILES = ((4, 256, 4), (4, 512, 4), (8, 256, 4), (8, 512, 4), (16, 256, 4), (16, 
          (16, 1024, 8), (32, 512, 8))  # (BLOCK_N, BLOCK_K, warps)  # fmt: skip
 OPS = ("norm_qkv", "norm_gate_up", "silu_down", "o_proj")
 CONTEXT, PAGE = 256, 16
+# --tiny: two tile settings of few programs, and a short context. In Triton's interpreter the cost is
+# per program and BLOCK_K step: one call of the tiny model's gate/up GEMV took 2.8 s at 8 x 16 tiles,
+# 0.12 s at 64 x 64; the context's prefill 10.7 s at 255 tokens, 0.9 s at 19 (2-core CPU box).
+TINY_TILES, TINY_CONTEXT = ((32, 128, 4), (64, 64, 4)), 20
 
 
 def op_inputs(config: ModelConfig, op: str, device: torch.device, dtype: torch.dtype) -> dict:
@@ -126,26 +130,27 @@ def gemv_setting(setting: str, tuned: dict[tuple[int, int], tuple[int, int, int]
 def step_rows(model: Path, tuned: dict, device: torch.device, dtype: torch.dtype, args: argparse.Namespace) -> list[dict]:
     runner = load_model_runner(model, device=device.type, dtype=dtype, load_format="dummy", kv_block_size=PAGE, cuda_graphs=False)
     runner.fused_kernels = runner.fused_kernels or device.type == "cpu"  # the interpreter on the CPU smoke run
-    width = -(-CONTEXT // PAGE)
-    runner.forward(ragged_step([(0, CONTEXT - 1)], PAGE, width, device.type))  # the context the decode reads
-    step = ragged_step([(CONTEXT - 1, 1)], PAGE, width, device.type)
+    context = TINY_CONTEXT if args.tiny else CONTEXT
+    width = -(-context // PAGE)
+    runner.forward(ragged_step([(0, context - 1)], PAGE, width, device.type))  # the context the decode reads
+    step = ragged_step([(context - 1, 1)], PAGE, width, device.type)
     with gemv_setting("off", tuned):
         eager = next_tokens(runner, runner.forward(step).hidden_states)
     rows = []
     for setting in ("off", "on", "tuned"):
         with gemv_setting(setting, tuned):
-            rows.append({"model": model.name, "setting": setting, **graph_step(runner, step, eager, args.repeats),
+            rows.append({"model": model.name, "setting": setting, **graph_step(runner, step, width, eager, args.repeats),
                          **eager_kernels(runner, step)})  # fmt: skip
     return rows
 
 
-def graph_step(runner: ModelRunner, step, eager: torch.Tensor, repeats: int) -> dict:
+def graph_step(runner: ModelRunner, step, width: int, eager: torch.Tensor, repeats: int) -> dict:
     try:
-        runner.prepare_decode_graphs(ladder=(1,), max_blocks_per_seq=-(-CONTEXT // PAGE))  # captures on CUDA
+        runner.prepare_decode_graphs(ladder=(1,), max_blocks_per_seq=width)  # captures on CUDA
         replayed = next_tokens(runner, runner.forward(step).hidden_states)
         graph = runner.decode_graphs.graphs.get((1, 1))
         replay = graph.replay if graph is not None else lambda: runner.forward(step)
-        return {"captured": graph is not None, "step_ms": median_ms(replay, runner.device.type, repeats),
+        return {"captured": graph is not None, "step_ms": median_ms(replay, runner.device.type, repeats, warmup=warmup_calls(runner.device.type)),
                 "token_agrees": bool(torch.equal(replayed, eager))}  # fmt: skip
     finally:
         runner.drop_decode_graphs()
@@ -178,7 +183,7 @@ def run(args: argparse.Namespace) -> dict:
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     models = (RANDOM_TINY_MODEL,) if args.tiny else tuple(args.models)
-    tiles = ((8, 16, 4), (4, 32, 4)) if args.tiny else TILES
+    tiles = TINY_TILES if args.tiny else TILES
     deadline = time.monotonic() + args.budget_s
     result: dict = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "torch": torch.__version__,
                     "models": [m.name for m in models], "calls": args.calls}  # fmt: skip
@@ -223,7 +228,7 @@ def table(result: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = check_parser(__doc__, tiny="the tiny random model, two tile settings", repeats=20, budget_s=240, out="gpu_gemv.json",
+    parser = check_parser(__doc__, tiny="the tiny random model, two tile settings, context 20", repeats=20, budget_s=240, out="gpu_gemv.json",
                           what="graph replays per measurement")  # fmt: skip
     parser.add_argument("--models", type=Path, nargs="*", default=list(MODELS), help="config directories (dummy weights)")
     parser.add_argument("--calls", type=int, default=20, help="calls captured in each timed graph")
