@@ -225,19 +225,24 @@ def test_split_layout_fills_the_gpu_for_one_row_and_uses_one_split_for_hundreds(
 @runs_the_interpreter
 @pytest.mark.timeout(660)  # the child's own limit, and more: the suite's 120 s would cut it first
 def test_logprob_kernels_in_the_triton_interpreter() -> None:
-    """The interpreted cases below, in a child pytest whose Triton starts in interpreter mode (101
-    s alone on a 2-core dev box; 120 s, the suite's limit, was hit with the box shared)."""
+    """The interpreted cases below, in a child pytest whose Triton starts in interpreter mode (~38 s
+    alone on a 2-core dev box; when it took 101 s, 120 s, the suite's limit, was hit with the box shared)."""
     run_interpreted_cases(__file__, timeout_s=600)
 
 
+# One row at each split count in both dtypes; the many-rows grid (9 rows: the 3 of tricky_logits, 6
+# random) in f32 only: the dtype changes nothing but the loads' upcast, which the one-row cases run in
+# bf16 at the same splits (and bf16's flat and -inf rows run in the argmax test).
+ROW_LAYOUTS = [(dtype, 1, splits) for dtype in (torch.float32, torch.bfloat16) for splits in (1, 3, 64)] + [(torch.float32, 9, 64)]
+
+
 @interpreted
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize(("num_rows", "max_splits"), [(1, 1), (1, 3), (1, 64), (9, 64)])
+@pytest.mark.parametrize(("dtype", "num_rows", "max_splits"), ROW_LAYOUTS)
 def test_interpreted_kernels_match_the_torch_path(dtype, num_rows, max_splits) -> None:
     from services.scheduler.triton_logprobs import raw_logprob_columns
 
     logits = tricky_logits(num_rows, dtype)
-    for k, num_ids in CASES if num_rows == 1 else CASES[3::2]:  # 9 rows (the 3 of tricky_logits, 6 random): (2, 3), (20, 3) (the interpreter is slow)
+    for k, num_ids in CASES if num_rows == 1 else CASES[3::2]:  # 9 rows: (2, 3), (20, 3) (the interpreter is slow)
         targets, ids = row_inputs(num_rows, num_ids)
         got = raw_logprob_columns(logits, targets, k, ids, block=BLOCK, max_splits=max_splits)
         assert_columns_match(got, torch_columns(logits, targets, k, ids))
@@ -245,9 +250,14 @@ def test_interpreted_kernels_match_the_torch_path(dtype, num_rows, max_splits) -
         assert got[2][0, :7].tolist() == [4, VOCAB - 1, 3, 130, 700, 1000, VOCAB - 2]
 
 
+# One tile a split (3 rows x 47 splits: 141 programs a kernel, ~8 s interpreted on a 2-core box) in f32
+# only: every logit here is bf16-valued, so bf16 changes only the loads' upcast, run at 16 tiles a split
+# and at one split.
+FLOOR_LAYOUTS = [(torch.float32, None), *((dtype, splits) for splits in (3, 1) for dtype in (torch.float32, torch.bfloat16))]
+
+
 @interpreted
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("max_splits", [None, 3, 1])
+@pytest.mark.parametrize(("dtype", "max_splits"), FLOOR_LAYOUTS)
 def test_interpreted_floor_from_the_tile_maxima_keeps_every_top_k_column(dtype, max_splits) -> None:
     # Tiles of 32 columns (47 a row, more than k): the candidates keep only columns at or above the
     # k-th largest tile maximum, and read only the tiles whose stored maximum reaches the k-th kept
@@ -264,12 +274,14 @@ def test_interpreted_floor_from_the_tile_maxima_keeps_every_top_k_column(dtype, 
     logits[1, 1490] = 12.0
     logits[2] = 1.0
     logits = logits.to(dtype)
+    top_ids = {}
     for k, num_ids in ((20, 3), (5, 0), (1, 0)):
         targets, ids = row_inputs(3, num_ids)
         got = raw_logprob_columns(logits, targets, k, ids, block=32, max_splits=max_splits)
         assert_columns_match(got, torch_columns(logits, targets, k, ids))
-    assert got[2][:, 0].tolist() == [659, 3, 0]
-    top20 = raw_logprob_columns(logits, targets, 20, None, block=32, max_splits=max_splits)[2]
+        top_ids[k] = got[2]
+    assert top_ids[1][:, 0].tolist() == [659, 3, 0]
+    top20 = top_ids[20]  # the requested ids' columns are gathers of their own: the top-k is the same without them
     assert top20[0].tolist() == list(range(659, 639, -1))
     assert top20[1].tolist() == [3, 31, 35, 63, 64, *(torch.arange(2, 17) * 32 + 31).tolist()]
     assert top20[2].tolist() == list(range(20))
@@ -298,9 +310,13 @@ def test_the_torch_path_writes_each_rows_argmax_as_its_target(k) -> None:
     assert_columns_match(got, torch_columns(logits, targets.clone(), k, ids))
 
 
+# f32 at each split count; bf16 (every logit here bf16-valued: only the loads' upcast differs) at 3
+# splits of 4 tiles, where ties fall within a tile, across tiles and across splits.
+ARGMAX_LAYOUTS = [*((torch.float32, splits) for splits in (1, 3, 64)), (torch.bfloat16, 3)]
+
+
 @interpreted
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("max_splits", [1, 3, 64])
+@pytest.mark.parametrize(("dtype", "max_splits"), ARGMAX_LAYOUTS)
 def test_interpreted_argmax_targets_are_torch_argmax_and_the_columns_follow(dtype, max_splits) -> None:
     # The kernels take each row's argmax in their first pass (a greedy step's tokens): the first of
     # tied maxima within a tile, across tiles and across splits, as `torch.argmax` picks it.

@@ -6,10 +6,6 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -26,8 +22,8 @@ from services.scheduler.model.attention import (
     varlen_attention_torch,
 )
 from services.scheduler.model.loader import load_model_runner
+from tests.services.scheduler.model.triton_interpreter import INTERPRETED, run_interpreted_cases
 
-REPO = Path(__file__).resolve().parents[4]
 # (query lengths, seq lens): decodes beside a chunk with context, a whole prefill, a verify block
 MIXES = [
     ([1, 5, 13, 1], [1, 9, 40, 77]),
@@ -145,17 +141,10 @@ def test_sdpa_groups_and_varlen_twin_agree_on_one_layer(make_pager) -> None:
     torch.testing.assert_close(twin, sdpa, atol=1e-5, rtol=1e-5)
 
 
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"  # read by Triton when it is imported
-
-
 @pytest.mark.skipif(INTERPRETED or importlib.util.find_spec("triton") is None, reason="needs Triton; runs the interpreter")
 def test_kernel_in_the_triton_interpreter() -> None:
     """The interpreted cases below, in a child pytest whose Triton starts in interpreter mode."""
-    tests = [f"{__file__}::{name}" for name in ("test_interpreted_kernel_matches_twin", "test_interpreted_kernel_on_a_padded_step")]
-    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *tests]
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0 and " passed" in done.stdout, done.stdout[-4000:] + done.stderr[-2000:]
+    run_interpreted_cases(__file__, timeout_s=120)
 
 
 @pytest.mark.skipif(not INTERPRETED, reason="run by test_kernel_in_the_triton_interpreter")
