@@ -141,9 +141,12 @@ def layer_inputs(shape: Shape, steps: list[list[tuple[int, int]]], device: str, 
 # ---- timing ----
 
 
-def median_ms(fn: Callable[[], object], device: str, repeats: int, warmup: int = 2) -> float:
-    """Median over `repeats` calls, each from an idle device: CUDA events (host launch gaps count), else the host clock."""
-    for _ in range(warmup):
+def median_ms(fn: Callable[[], object], device: str, repeats: int, warmup: int | None = None) -> float:
+    """Median over `repeats` calls, each from an idle device: CUDA events (host launch gaps count), else the host clock.
+    warmup: untimed calls first; by default 2 on CUDA (compiles, the allocator's growth) and none on the
+    CPU, where a smoke run's times only show that it ran and a call may run Triton's interpreter (up to
+    seconds a step)."""
+    for _ in range(warmup if warmup is not None else 2 if device == "cuda" else 0):
         fn()
     times = []
     for _ in range(repeats):

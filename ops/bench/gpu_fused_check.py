@@ -59,13 +59,6 @@ FULL = Shape(REPO / "ops/model_configs/Qwen3-8B", (1, 64), 256, 16)
 TINY = Shape(RANDOM_TINY_MODEL, (1, 3), 20, 4)
 
 
-def warmup_calls(device: str) -> int:
-    """Untimed calls before each timed measurement (`median_ms`'s warmup): its 2 on CUDA (compiles, the
-    allocator's growth); none on the CPU, where the smoke run's times only show that it ran and every
-    call runs the Triton interpreter (up to seconds a step)."""
-    return 2 if device == "cuda" else 0
-
-
 def settings_here(device: str) -> tuple[str, ...]:
     """"off", and "on" where the fused kernels run: CUDA with Triton, or Triton's CPU interpreter."""
     interpreted = os.environ.get("TRITON_INTERPRET") == "1"
@@ -173,7 +166,7 @@ def _graph_rows(runner: ModelRunner, shape: Shape, setting: str, repeats: int) -
             graph = runner.decode_graphs.graphs.get((size, 1))
             step = graph.replay if graph is not None else lambda: runner.forward(batch)
             rows.append({"fused": setting, "batch": size, "captured": graph is not None,
-                         "step_ms": median_ms(step, device, repeats, warmup=warmup_calls(device)),
+                         "step_ms": median_ms(step, device, repeats),
                          "tokens_agree_with_eager": float((replayed == eager).float().mean())})  # fmt: skip
     finally:
         runner.drop_decode_graphs()

@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from ops.bench.gpu_attention_check import check_parser, deadline_sections, finish_run, median_ms, ragged_step
-from ops.bench.gpu_fused_check import next_tokens, self_us, warmup_calls
+from ops.bench.gpu_fused_check import next_tokens, self_us
 from ops.bench.gpu_rope_check import time_us
 from services.models import RANDOM_TINY_MODEL
 from services.scheduler.model import llama
@@ -150,7 +150,7 @@ def graph_step(runner: ModelRunner, step, width: int, eager: torch.Tensor, repea
         replayed = next_tokens(runner, runner.forward(step).hidden_states)
         graph = runner.decode_graphs.graphs.get((1, 1))
         replay = graph.replay if graph is not None else lambda: runner.forward(step)
-        return {"captured": graph is not None, "step_ms": median_ms(replay, runner.device.type, repeats, warmup=warmup_calls(runner.device.type)),
+        return {"captured": graph is not None, "step_ms": median_ms(replay, runner.device.type, repeats),
                 "token_agrees": bool(torch.equal(replayed, eager))}  # fmt: skip
     finally:
         runner.drop_decode_graphs()

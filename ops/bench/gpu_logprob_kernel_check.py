@@ -38,7 +38,7 @@ import numpy as np
 import torch
 
 from ops.bench.gpu_attention_check import check_parser, deadline_sections, finish_run, median_ms, rounded, section_rows
-from ops.bench.gpu_fused_check import failures, self_us, warmup_calls
+from ops.bench.gpu_fused_check import failures, self_us
 from services.scheduler.logprobs import (
     LogprobQuery,
     TopKKeys,
@@ -131,7 +131,7 @@ def greedy_section(shape: Shape, device: str, repeats: int) -> list[dict]:
         row: dict = {"rows": num_rows, "k": shape.top_k, "dtype": "float32"}
         outputs = {"before": before(), "after": after()}
         for name, call in (("before", before), ("after", after)):
-            row[f"{name}_ms"] = median_ms(call, device, repeats, warmup=warmup_calls(device))
+            row[f"{name}_ms"] = median_ms(call, device, repeats)
             row[f"{name}_graph_ms"] = graph_ms(call, device, repeats)
             row[f"{name}_kernels_device_ms"] = _kernel_device_ms(call, device)
         row["tokens_equal"] = bool(torch.equal(tokens["before"], logits.argmax(dim=-1)) and torch.equal(tokens["after"], tokens["before"]))
@@ -176,7 +176,7 @@ def layout_section(shape: Shape, device: str, repeats: int) -> list[dict]:
             token, values, ids, _ = call()
             splits = split_layout(num_rows, shape.vocab, max(2, 1 << (k - 1).bit_length()), block, target_programs=programs)[0]
             row = {"block": block, "target_programs": programs, "splits": splits, "rows": num_rows, "k": k, "dtype": str(dtype).removeprefix("torch."),
-                   "kernel_ms": median_ms(call, device, repeats, warmup=warmup_calls(device)), "kernel_graph_ms": graph_ms(call, device, repeats),
+                   "kernel_ms": median_ms(call, device, repeats), "kernel_graph_ms": graph_ms(call, device, repeats),
                    "kernels_device_ms": _kernel_device_ms(call, device)} | agreement(want, (token, values, ids))  # fmt: skip
             rows.append(rounded(row))
     return rows
@@ -202,7 +202,7 @@ def _compare(row: dict, paths: tuple[str, ...], device: str, repeats: int, call)
     outputs = {}
     for path in paths:
         outputs[path] = call(PATHS[path])
-        row[f"{path}_ms"] = median_ms(lambda: call(PATHS[path]), device, repeats, warmup=warmup_calls(device))
+        row[f"{path}_ms"] = median_ms(lambda: call(PATHS[path]), device, repeats)
         row[f"{path}_graph_ms"] = graph_ms(lambda: call(PATHS[path]), device, repeats)
     if "kernel" in outputs:
         row |= agreement(outputs["torch"], outputs["kernel"])

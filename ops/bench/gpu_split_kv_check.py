@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 
 from ops.bench.gpu_attention_check import check_parser, deadline_sections, finish_run, median_ms, ragged_step, rounded, section_rows
-from ops.bench.gpu_fused_check import failures, warmup_calls
+from ops.bench.gpu_fused_check import failures
 from services.models import RANDOM_TINY_MODEL
 from services.scheduler.model.attention import paged_decode_attention_torch
 from services.scheduler.model.batch import ForwardBatch
@@ -103,8 +103,8 @@ def _attention_row(runner: ModelRunner, shape: Shape, q: int, context: int, batc
     splits = num_kv_splits(batch, config.num_key_value_heads, shape.max_blocks, num_sms(device))
     off, on = (paged_block_attention_triton(*args, n).float() for n in (1, splits))
     row = {"q": q, "context": context, "batch": batch, "num_splits": splits,
-           "off_us": 1e3 * median_ms(lambda: paged_block_attention_triton(*args, 1), device, repeats, warmup=warmup_calls(device)),
-           "on_us": 1e3 * median_ms(lambda: paged_block_attention_triton(*args, splits), device, repeats, warmup=warmup_calls(device)),
+           "off_us": 1e3 * median_ms(lambda: paged_block_attention_triton(*args, 1), device, repeats),
+           "on_us": 1e3 * median_ms(lambda: paged_block_attention_triton(*args, splits), device, repeats),
            "on_vs_off_max_abs_diff": float((on - off).abs().max())}  # fmt: skip
     if batch * q * context <= TWIN_MAX_TOKEN_KEYS:
         twin = paged_decode_attention_torch(*args).float()
@@ -138,7 +138,7 @@ def _graph_rows(runner: ModelRunner, shape: Shape, setting: str, repeats: int, o
                 graph = runner.decode_graphs.graphs.get((size, 1))
                 step = graph.replay if graph is not None else lambda: runner.forward(batch)  # noqa: B023 (timed at once)
                 rows.append(rounded({"split": setting, "context": context, "batch": size, "captured": graph is not None,
-                                     "step_ms": median_ms(step, device, repeats, warmup=warmup_calls(device)),
+                                     "step_ms": median_ms(step, device, repeats),
                                      "tokens_agree_with_off": float((next_ids == off_ids).float().mean())}))  # fmt: skip
     finally:
         runner.drop_decode_graphs()
