@@ -40,7 +40,7 @@ from ops.bench import scheduler_profile, step_trace_summary
 from ops.bench.logprob_transport import ProcessMeter
 from ops.bench.reliability import descendants
 from ops.bench.serve import ServeConfig, run_serve_benchmark
-from ops.bench.step_trace_summary import read_trace
+from ops.bench.step_trace_summary import in_window, read_trace
 from ops.bench.serve_launch import launched_stack
 from services.models import BUNDLED_MODEL
 from services.common.nats_server import free_port
@@ -188,8 +188,7 @@ def add_step_traces(scenarios: dict[str, dict], traces: list[Path]) -> None:
     lines = read_trace(traces[0])
     for result in scenarios.values():
         if "monotonic_window" in result:
-            start, end = result["monotonic_window"]
-            result["step_trace"] = step_trace_summary.summarize([line for line in lines if start <= line["t"] <= end])
+            result["step_trace"] = step_trace_summary.summarize(in_window(lines, *result["monotonic_window"]))
             concurrency = result.get("config", {}).get("max_concurrency")
             if concurrency and result.get("requests"):
                 result["turnaround"] = closed_loop_turnaround(result["requests"], lines, concurrency)
@@ -214,7 +213,7 @@ def closed_loop_turnaround(requests: list[dict], trace_lines: list[dict], concur
         return None
     sends = sorted(r["sent_at"] for r in done)
     ends = sorted(r["sent_at"] + r["e2e_s"] for r in done)
-    steady = step_trace_summary.summarize([line for line in trace_lines if sends[concurrency - 1] <= line["t"] <= sends[-1]])
+    steady = step_trace_summary.summarize(in_window(trace_lines, sends[concurrency - 1], sends[-1]))
     if not steady.get("queue_ms") or steady.get("running_time_weighted") is None:
         return None
     turnovers = len(done) - concurrency

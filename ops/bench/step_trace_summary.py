@@ -44,9 +44,11 @@ def read_trace(path: Path, window: tuple[float, float] | None = None) -> list[di
     """A trace's lines (a `.gz` file: gunzipped), those that began in `window` where given."""
     text = gzip.decompress(path.read_bytes()).decode() if path.suffix == ".gz" else path.read_text()
     lines = [json.loads(line) for line in text.splitlines() if line.strip()]
-    if window is None:
-        return lines
-    start, end = window
+    return lines if window is None else in_window(lines, *window)
+
+
+def in_window(lines: list[dict], start: float, end: float) -> list[dict]:
+    """The lines of the steps that began from `start` to `end` (time.monotonic() seconds)."""
     return [line for line in lines if start <= line["t"] <= end]
 
 
