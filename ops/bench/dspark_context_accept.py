@@ -34,7 +34,7 @@ from tokenizers import Tokenizer
 from ops.train.evaluate import mean_accept_length, run_speculative
 from services.models import BUNDLED_DRAFT_MODEL, BUNDLED_MODEL
 from services.scheduler.config import SchedulerConfig
-from services.scheduler.service import build_core
+from services.scheduler.build import build_core
 from services.scheduler.spec.dspark_config import DSparkConfig
 
 REPO = Path(__file__).resolve().parents[2]

@@ -52,6 +52,7 @@ import torch
 from contracts.scheduler import LogprobParams, SamplingParams
 from services.models import RANDOM_TINY_MODEL
 from services.scheduler.config import SchedulerConfig
+from services.scheduler.build import core_for
 from services.scheduler.core import SchedulerCore
 from services.scheduler.model.attention import paged_attention, plan_attention, plan_varlen
 from services.scheduler.model.batch import ForwardBatch
@@ -397,7 +398,7 @@ def dense_prefill_rows(runner: ModelRunner, shape: Shape, prompt: np.ndarray) ->
 
 def _prefill(runner: ModelRunner, chunk: int, prompt: np.ndarray, logprobs: LogprobParams) -> dict:
     cuda = runner.device.type == "cuda"
-    core = SchedulerCore(runner, max_running_requests=1, chunked_prefill_size=chunk)  # fused logprob kernels where they run
+    core = core_for(runner, max_running_requests=1, chunked_prefill_size=chunk)  # fused logprob kernels where they run
     sampling = SamplingParams(max_new_tokens=1, temperature=0.0, ignore_eos=True)
     core.add(SchedulerRequest("long", prompt, "d", sampling, logprobs))
     if cuda:

@@ -43,12 +43,13 @@ import numpy as np
 import torch
 
 from contracts.scheduler import LogprobParams, SamplingParams
+from services.scheduler.build import CoreSettings, core_for, make_policy
 from services.scheduler.core import SchedulerCore
 from services.scheduler.model.loader import load_model_runner
 from services.scheduler.model.runner import triton_available
 from services.scheduler.request import SchedulerRequest
 from services.scheduler.spec.accept import VerifyBlock
-from services.scheduler.worker import ModelWorker
+from services.scheduler.worker import ModelWorker, WorkerOptions
 
 REPO = Path(__file__).resolve().parents[2]
 TARGET = REPO / "ops/model_configs/Qwen3-8B"
@@ -71,13 +72,20 @@ class SimulatedAcceptWorker(ModelWorker):
     """BENCHMARK ONLY: every verify keeps min(accept_len - 1, k) drafts whatever the target says, so a
     draft/verify loop is timed at a chosen accept length (the output is not the model's)."""
 
-    def __init__(self, accept_len: int, runner, **kwargs) -> None:
-        super().__init__(runner, **kwargs)
+    def __init__(self, accept_len: int, runner, options: WorkerOptions, proposer=None) -> None:
+        super().__init__(runner, options, proposer)
         self.accept_len = accept_len
 
     def _accept(self, block: VerifyBlock) -> tuple[torch.Tensor, torch.Tensor]:
         num_accepted = block.num_draft.clamp(max=self.accept_len - 1)  # [P]
         return num_accepted, block.target_argmax.gather(1, num_accepted[:, None])[:, 0]
+
+
+def simulated_accept_core(runner, proposer, accept_len: int, **settings) -> SchedulerCore:
+    """A core whose worker is `SimulatedAcceptWorker`, built as `build.assemble_core` builds one."""
+    settings = CoreSettings.of(**settings)
+    worker = SimulatedAcceptWorker(accept_len, runner, settings.worker, proposer)
+    return SchedulerCore(worker, make_policy(runner, settings, proposer), overlap_decode=settings.overlap_decode)
 
 
 def time_core(core, reqs, warm_steps: int = 3) -> dict:
@@ -109,7 +117,7 @@ def core_rows(runner, batches, prompt_len, new_tokens, fused: bool = False, runs
     for batch in batches:
         cores = []
         for name, logprobs, graphs in runs:
-            core = SchedulerCore(runner, max_running_requests=max(batches), chunked_prefill_size=16384, logprob_graphs=graphs,
+            core = core_for(runner, max_running_requests=max(batches), chunked_prefill_size=16384, logprob_graphs=graphs,
                                  fused_logprobs=fused)  # fmt: skip
             time_core(core, requests(batch, prompt_len, 6, runner.config.vocab_size, logprobs, "w"))  # warm-up
             cores.append((name, logprobs, core))
@@ -184,7 +192,7 @@ def sync_count(runner, batch: int, logprob_graphs: bool = False, fused: bool = F
     warm steps: logprob graphs are captured in those)."""
     if runner.device.type != "cuda":
         return {"batch": batch, "logprob_graphs": logprob_graphs, "syncs_per_decode_step": None}
-    core = SchedulerCore(runner, max_running_requests=batch, chunked_prefill_size=16384, logprob_graphs=logprob_graphs,
+    core = core_for(runner, max_running_requests=batch, chunked_prefill_size=16384, logprob_graphs=logprob_graphs,
                          fused_logprobs=fused)  # fmt: skip
     for r in requests(batch, 32, 12, runner.config.vocab_size, TOP20, "s"):
         core.add(r)
@@ -216,9 +224,8 @@ def dspark_rows(runner, draft: Path, batches, prompt_len, new_tokens, accept_len
     for batch in batches:
         cores = []
         for name, logprobs, graphs in LOGPROB_RUNS:
-            core = SchedulerCore(runner, max_running_requests=max(batches), chunked_prefill_size=16384, proposer=proposer,
-                                 make_worker=functools.partial(SimulatedAcceptWorker, accept_len), logprob_graphs=graphs,
-                                 fused_logprobs=fused)  # fmt: skip
+            core = simulated_accept_core(runner, proposer, accept_len, max_running_requests=max(batches),
+                                         chunked_prefill_size=16384, logprob_graphs=graphs, fused_logprobs=fused)  # fmt: skip
             # warm-up as long as the timed run: draft graphs are captured on first use per context bucket,
             # and a shorter warm-up left the last bucket's capture inside the first timed run
             time_core(core, requests(batch, prompt_len, new_tokens, runner.config.vocab_size, logprobs, "w"))
@@ -255,7 +262,7 @@ def pair_rows(target: Path, draft: Path, batches, new_tokens: int, device: str) 
         reqs = [SchedulerRequest(f"p{i}", prompts[i % len(prompts)], "d", sampling) for i in range(batch)]
         outputs = {}
         for name, spec in (("plain", None), ("dspark", proposer)):
-            core = SchedulerCore(runner, max_running_requests=max(batches), chunked_prefill_size=16384, proposer=spec)
+            core = core_for(runner, max_running_requests=max(batches), chunked_prefill_size=16384, proposer=spec)
             time_core(core, reqs)  # warm-up (and the tokens, below, from a second run)
             for r in reqs:
                 core.add(r)

@@ -27,7 +27,7 @@ from contracts.scheduler import LogprobParams, SamplingParams
 from services.models import RANDOM_TINY_MODEL
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.request import SchedulerRequest
-from services.scheduler.service import build_core
+from services.scheduler.build import build_core
 
 REPO = Path(__file__).resolve().parents[2]
 SETTINGS = {

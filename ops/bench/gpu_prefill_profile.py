@@ -42,6 +42,7 @@ from torch.profiler import ProfilerActivity, profile
 from contracts.scheduler import LogprobParams, SamplingParams
 from ops.bench.gpu_attention_check import FULL, TINY, Shape, load_runner
 from ops.bench.gpu_clocks import ClockSampler, sustained_gemm
+from services.scheduler.build import core_for
 from services.scheduler.core import SchedulerCore
 from services.scheduler.flags import DEFAULT_MAX_PREFILL_TOKENS
 from services.scheduler.model.dense_attention import DENSE_MIN_QUERY_LEN, DenseConfig
@@ -72,7 +73,7 @@ def category(kernel: str) -> str:
 
 def prefill_once(runner, chunk: int, prompt: np.ndarray, logprobs: LogprobParams, max_prefill: int | None = None) -> tuple[float, float | None]:
     """(seconds, peak device MiB above the start; None off CUDA)"""
-    core = SchedulerCore(runner, max_running_requests=1, chunked_prefill_size=chunk, max_prefill_tokens=max_prefill)
+    core = core_for(runner, max_running_requests=1, chunked_prefill_size=chunk, max_prefill_tokens=max_prefill)
     core.add(SchedulerRequest("long", prompt, "d", SamplingParams(max_new_tokens=1, temperature=0.0, ignore_eos=True), logprobs))
     cuda = runner.device.type == "cuda"
     if cuda:

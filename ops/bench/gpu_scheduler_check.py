@@ -28,6 +28,7 @@ import numpy as np
 import torch
 
 from contracts.scheduler import LogprobParams, SamplingParams
+from services.scheduler.build import core_for
 from services.scheduler.core import SchedulerCore
 from services.scheduler.model.loader import load_model_runner
 from services.scheduler.request import SchedulerRequest
@@ -86,7 +87,7 @@ def bench_config(
     for batch in batches:
         row = {"model": config_dir.name, "batch": batch}
         for suffix, overlap in settings.items():
-            core = SchedulerCore(runner, max_running_requests=max(batches), chunked_prefill_size=8192, overlap_decode=overlap)
+            core = core_for(runner, max_running_requests=max(batches), chunked_prefill_size=8192, overlap_decode=overlap)
             prompts = make_prompts(batch, prompt_len, runner.config.vocab_size)
             # warm-up at the timed shapes, with and without logprobs: the whole batch's prefill and decode (one
             # prompt left the big prefill's first launch inside the timed run: on 2026-12-01 its tok/s came out

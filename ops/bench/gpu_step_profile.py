@@ -36,7 +36,7 @@ from services.models import BUNDLED_DRAFT_MODEL, BUNDLED_MODEL, RANDOM_TINY_MODE
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.core import SchedulerCore
 from services.scheduler.request import SchedulerRequest
-from services.scheduler.service import build_core
+from services.scheduler.build import build_core
 
 REPO = Path(__file__).resolve().parents[2]
 HOST_CALLS = ("cudaStreamSynchronize", "cudaEventSynchronize", "cudaDeviceSynchronize", "cudaHostAlloc", "cudaFreeHost",

@@ -25,6 +25,7 @@ import torch
 
 from contracts.scheduler import LogprobParams, SamplingParams
 from services.models import RANDOM_TINY_MODEL
+from services.scheduler.build import core_for
 from services.scheduler.core import SchedulerCore
 from services.scheduler.model import load_model_runner
 from services.scheduler.model.batch import ForwardOutput
@@ -43,7 +44,7 @@ def measure(context: int, batch: int, steps: int, repeats: int, repetition_penal
     hidden, vocab = runner.config.hidden_size, runner.config.vocab_size
     runner.forward = lambda batch: ForwardOutput(torch.zeros(batch.num_tokens, hidden))  # the model's compute left out
     runner.compute_logits = lambda states: torch.zeros(states.shape[0], vocab)
-    core = SchedulerCore(runner, max_running_requests=batch, chunked_prefill_size=16384, max_prefill_tokens=1 << 22,
+    core = core_for(runner, max_running_requests=batch, chunked_prefill_size=16384, max_prefill_tokens=1 << 22,
                          max_model_len=context + steps * (repeats + 2) + 16)  # fmt: skip
     sampling = SamplingParams(max_new_tokens=steps * (repeats + 2), temperature=0.0, ignore_eos=True, repetition_penalty=repetition_penalty)
     prompt = np.arange(context, dtype=np.int32) % vocab

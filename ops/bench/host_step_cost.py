@@ -66,6 +66,7 @@ from services.scheduler import core as core_module
 from services.scheduler import policy as policy_module
 from services.scheduler import wire
 from services.scheduler import worker as worker_module
+from services.scheduler.build import core_for
 from services.scheduler.core import SchedulerCore
 from services.scheduler.host_io import HostReadback, HostUpload, PendingReadback
 from services.scheduler.model import load_model_runner
@@ -255,7 +256,7 @@ def _lower_quartile(values: list[float]) -> float:
 def make_core(runner, batch: int, served_paths: bool) -> SchedulerCore:
     """served_paths: the logprob graphs' twins too (the runner's decode graphs: `run`)."""
     graphs = {"logprob_graphs": True, "greedy_logprob_graphs": True} if served_paths else {}
-    return SchedulerCore(runner, max_running_requests=max(batch, 64), chunked_prefill_size=4096, **graphs)
+    return core_for(runner, max_running_requests=max(batch, 64), chunked_prefill_size=4096, **graphs)
 
 
 def profile_host(runner, batch: int, logprobs: str, new_tokens: int, limit: int = 25, served_paths: bool = False) -> str:

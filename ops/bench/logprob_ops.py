@@ -34,7 +34,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from contracts.scheduler import LogprobParams, SamplingParams
 from services.models import RANDOM_TINY_MODEL
-from services.scheduler.core import SchedulerCore
+from services.scheduler.build import core_for
 from services.scheduler.model import load_model_runner
 from services.scheduler.request import SchedulerRequest
 
@@ -93,8 +93,8 @@ def _requests(batch: int, logprobs: str, vocab: int) -> list[SchedulerRequest]:
 
 def _core(runner, kind: str, logprobs_mode: str, accept_len: int) -> SchedulerCore:
     if kind == "plain":
-        return SchedulerCore(runner, max_running_requests=128, chunked_prefill_size=4096, logprobs_mode=logprobs_mode)
-    from ops.bench.gpu_core_check import SimulatedAcceptWorker
+        return core_for(runner, max_running_requests=128, chunked_prefill_size=4096, logprobs_mode=logprobs_mode)
+    from ops.bench.gpu_core_check import simulated_accept_core
     from services.scheduler.spec.dspark import DSparkProposer
     from services.scheduler.spec.dspark_config import draft_config_for_target
     from services.scheduler.spec.dspark_loader import empty_drafter, fill_random_weights
@@ -103,8 +103,8 @@ def _core(runner, kind: str, logprobs_mode: str, accept_len: int) -> SchedulerCo
     drafter = empty_drafter(config, runner.model.model.embed_tokens, runner.lm_head_weight)
     fill_random_weights(drafter, seed=3)
     proposer = DSparkProposer(drafter.eval(), runner.num_blocks, runner.block_size)
-    return SchedulerCore(runner, max_running_requests=128, chunked_prefill_size=4096, logprobs_mode=logprobs_mode,
-                         proposer=proposer, make_worker=functools.partial(SimulatedAcceptWorker, accept_len))  # fmt: skip
+    return simulated_accept_core(runner, proposer, accept_len, max_running_requests=128, chunked_prefill_size=4096,
+                                 logprobs_mode=logprobs_mode)
 
 
 def count_step(runner, kind: str, batch: int, logprobs: str, logprobs_mode: str = "raw") -> dict:

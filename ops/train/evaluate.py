@@ -33,6 +33,7 @@ from ops.train.common import encode_documents, environment, load_hf_target, pick
 from ops.train.corpus import read_split
 from ops.train.recipes import TARGETS
 from ops.train.tokenizer import END_OF_TEXT
+from services.scheduler.build import core_for
 from services.scheduler.core import SchedulerCore
 from services.scheduler.model.loader import load_model_runner
 from services.scheduler.request import SchedulerRequest
@@ -145,7 +146,7 @@ def accept_lengths(model_dir: Path, draft_dir: Path, prompts: list[list[int]], d
     for temperature in TEMPERATURES:
         runner = load_model_runner(model_dir, device=device, dtype=dtype, num_kv_blocks=blocks_needed, kv_block_size=16)
         proposer = load_dspark_proposer(draft_dir, runner)
-        core = SchedulerCore(runner, max_running_requests=len(prompts), chunked_prefill_size=4096, proposer=proposer, seed=seed)
+        core = core_for(runner, max_running_requests=len(prompts), chunked_prefill_size=4096, proposer=proposer, seed=seed)
         accept, forwards, gained = mean_accept_length(run_speculative(core, prompts, temperature, new_tokens))
         results[f"temperature_{temperature:g}"] = {
             "gamma": proposer.num_draft_tokens, "mean_accept_length": accept, "verify_forwards": forwards,

@@ -16,7 +16,8 @@ from services.common.settings import EnvSettings, connection_values
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.core import SchedulerCore
 from services.scheduler.flags import add_cuda_arguments, add_model_arguments, add_speculative_arguments
-from services.scheduler.service import SchedulerService, build_core, check_model, connect
+from services.scheduler.build import build_core, check_model
+from services.scheduler.service import SchedulerService, connect
 
 log = structlog.get_logger(__name__)
 LOAD_ERRORS = (OSError, ValueError, KeyError)  # a bad model directory, an unsupported checkpoint

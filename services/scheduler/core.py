@@ -38,7 +38,6 @@ from dataclasses import dataclass
 
 from services.scheduler.policy import Policy
 from services.scheduler.request import RequestOutput, SchedulerRequest
-from services.scheduler.spec.base import Proposer
 from services.scheduler.worker import LaunchedStep, ModelWorker
 
 
@@ -89,42 +88,18 @@ class StepRecord:
 class SchedulerCore:
     def __init__(
         self,
-        runner,
+        worker: ModelWorker,
+        policy: Policy,
         *,
-        max_running_requests: int,
-        chunked_prefill_size: int,
-        max_model_len: int | None = None,
-        logprobs_mode: str = "raw",
-        seed: int = 0,
-        num_blocks: int | None = None,  # use only this many of the runner's KV blocks (tests)
-        proposer: Proposer | None = None,
-        verify_mode: str = "static",
-        make_worker: Callable[..., ModelWorker] = ModelWorker,  # benchmarks swap in a subclass
-        logprob_graphs: bool = False,  # output logprobs replayed from CUDA graphs (`LogprobGraphs`)
-        greedy_logprob_graphs: bool = False,  # with them, greedy decode graph steps' tokens too (`LogprobGraphs.greedy`)
-        fused_logprobs: bool | None = None,  # raw-mode logprobs from the Triton kernels; None: on CUDA with Triton
+        overlap_decode: bool = True,  # launch the next step before this one's readback (see above)
         clock: Callable[[], float] = time.monotonic,  # arrival and scheduling times (queue time)
-        overlap_decode: bool = True,  # launch the next decode step before this one's readback (see above)
-        max_prefill_tokens: int | None = None,  # tokens per step while nothing decodes (`Policy`); None: chunked_prefill_size
     ) -> None:
-        config = runner.config
-        self.vocab_size = config.vocab_size
-        self.max_model_len = max_model_len or config.max_position_embeddings
-        self.worker = make_worker(runner, logprobs_mode=logprobs_mode, proposer=proposer, logprob_graphs=logprob_graphs,
-                                  fused_logprobs=fused_logprobs, greedy_logprob_graphs=greedy_logprob_graphs)  # fmt: skip
-        self.policy = Policy(
-            num_blocks=min(num_blocks or runner.num_blocks, runner.num_blocks),
-            block_size=runner.block_size,
-            max_running_requests=max_running_requests,
-            chunk_budget=chunked_prefill_size,
-            prefill_budget=max_prefill_tokens,
-            max_model_len=self.max_model_len,
-            vocab_size=config.vocab_size,
-            eos_ids=frozenset(config.eos_token_ids),
-            num_draft_tokens=proposer.num_draft_tokens if proposer is not None else 0,
-            verify_mode=verify_mode,
-            seed=seed,
-        )
+        """A worker and a policy built for one runner (`build.assemble_core`)."""
+        self.worker = worker
+        self.policy = policy
+        self.vocab_size = policy.config.vocab_size
+        self.max_model_len = policy.config.max_model_len
+        self.overlap_decode = overlap_decode
         self._lock = threading.Lock()
         self._inbox: list[SchedulerRequest] = []
         self._inbox_aborts: list[tuple[str, str]] = []
@@ -132,12 +107,12 @@ class SchedulerCore:
         self._clock = clock
         self._unscheduled: dict[str, float] = {}  # rid -> arrival, until a plan first includes it
         self._queue_times: dict[str, float] = {}  # rid -> seconds from arrival to first scheduled, until taken
-        self.overlap_decode = overlap_decode
         self._in_flight: LaunchedStep | None = None  # launched, results not applied yet (overlapped decoding)
         self._last_step: tuple | None = None  # (plan, followed, follows, collect_s, wait_s) of the last `step`, for `last_step`
         self.num_steps = 0
         self._counts = {"prompt": 0, "generated": 0, "drafted": 0, "accepted": 0, "forward_s": 0.0, "draft_s": 0.0}
-        self._accept_lengths = [0] * (proposer.num_draft_tokens + 2) if proposer is not None else []
+        num_draft = policy.config.num_draft_tokens
+        self._accept_lengths = [0] * (num_draft + 2) if num_draft > 0 else []
 
     # ---- thread-safe entry points ----
 

@@ -153,34 +153,38 @@ class RunningSet(dict):
         return StepPlan(steps, tuple(self._keys), self._num_processing > 0, self._num_random > 0)
 
 
+@dataclass(frozen=True)
+class PolicyConfig:
+    """The policy's limits and the model facts it schedules by."""
+
+    num_blocks: int
+    block_size: int
+    max_running_requests: int
+    chunk_budget: int  # tokens per step
+    max_model_len: int
+    vocab_size: int
+    eos_ids: frozenset[int]
+    prefill_budget: int | None = None  # tokens per step while nothing decodes; None: chunk_budget
+    num_draft_tokens: int = 0
+    verify_mode: str = "static"
+    confidence_threshold: float = 0.3
+    seed: int = 0  # seeds the sampling seeds of requests that bring none
+
+
 class Policy:
-    def __init__(
-        self,
-        *,
-        num_blocks: int,
-        block_size: int,
-        max_running_requests: int,
-        chunk_budget: int,
-        max_model_len: int,
-        prefill_budget: int | None = None,  # tokens per step while nothing decodes; None: chunk_budget
-        vocab_size: int,
-        eos_ids: frozenset[int],
-        num_draft_tokens: int = 0,
-        verify_mode: str = "static",
-        confidence_threshold: float = 0.3,
-        seed: int = 0,
-    ) -> None:
-        self.blocks = BlockManager(num_blocks, block_size)
-        self.max_model_len = max_model_len
-        self.vocab_size = vocab_size
-        self.num_draft_tokens = num_draft_tokens
-        self.verify_mode = verify_mode
-        self.confidence_threshold = confidence_threshold
-        self._eos_ids = eos_ids
-        self._max_running = max_running_requests
-        self._chunk_budget = chunk_budget
-        self._prefill_budget = max(chunk_budget, prefill_budget or chunk_budget)
-        self._rng = random.Random(seed)  # sampling seeds of requests that bring none
+    def __init__(self, config: PolicyConfig) -> None:
+        self.config = config
+        self.blocks = BlockManager(config.num_blocks, config.block_size)
+        self.max_model_len = config.max_model_len
+        self.vocab_size = config.vocab_size
+        self.num_draft_tokens = config.num_draft_tokens
+        self.verify_mode = config.verify_mode
+        self.confidence_threshold = config.confidence_threshold
+        self._eos_ids = config.eos_ids
+        self._max_running = config.max_running_requests
+        self._chunk_budget = config.chunk_budget
+        self._prefill_budget = max(config.chunk_budget, config.prefill_budget or config.chunk_budget)
+        self._rng = random.Random(config.seed)  # sampling seeds of requests that bring none
         self._waiting: deque[Sequence] = deque()
         self._running = RunningSet()
         self._arrivals = itertools.count()

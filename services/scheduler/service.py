@@ -36,11 +36,6 @@ from services.common.nats_reader import Delivery
 from services.common.transport import Traffic, Transport
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.core import SchedulerCore
-from services.scheduler.model import MemoryReserve, ModelConfig, load_model_runner
-from services.scheduler.model.dense_attention import DenseConfig, resolve_dense_kernel
-from services.scheduler.model.flash4_attention import warm_flash4
-from services.scheduler.model.ragged_graphs import seq_ladder, token_ladder
-from services.scheduler.model.runner import triton_available
 from services.scheduler.request import RequestOutput, SchedulerRequest
 from services.scheduler.step_loop import StepThread
 from services.scheduler.step_trace import StepTrace
@@ -49,106 +44,6 @@ from services.scheduler.wire import to_token_batches
 log = structlog.get_logger(__name__)
 
 SHUTDOWN_MESSAGE = "the scheduler is shutting down"
-
-
-def build_core(config: SchedulerConfig) -> SchedulerCore:
-    """Load the model (minutes for a large one: call it off the event loop) and wrap it in a core."""
-    reserve = MemoryReserve()
-    if config.speculative_algorithm == "dspark":
-        from services.scheduler.spec.dspark_loader import drafter_memory
-
-        target_config = ModelConfig.from_pretrained(config.model)
-        reserve = drafter_memory(config.resolved_draft_model, target_config, config.torch_dtype, config.kv_block_size)
-    runner = load_model_runner(
-        config.model,
-        device=config.resolved_device,
-        dtype=config.torch_dtype,
-        load_format=config.load_format,
-        num_kv_blocks=config.num_kv_blocks,
-        kv_block_size=config.kv_block_size,
-        kv_cache_bytes=config.kv_cache_bytes,
-        kv_cache_fraction=config.kv_cache_memory_fraction,
-        reserve=reserve,
-        seed=config.seed,
-        cuda_graphs=False,  # captured below, once the verify width and captured layers are known
-        fused_kernels=None if config.fused_kernels else False,  # None: on where Triton runs (CUDA)
-        split_kv_decode=config.split_kv_decode,
-    )
-    proposer = None
-    if config.speculative_algorithm == "dspark":
-        from services.scheduler.spec.dspark_loader import load_dspark_proposer
-
-        proposer = load_dspark_proposer(
-            config.resolved_draft_model, runner, load_format=config.load_format, seed=config.seed,
-            num_draft_tokens=config.num_draft_tokens, context_window=config.draft_context_window,
-        )  # fmt: skip
-        if runner.decode_kernel:  # CUDA: greedy drafts replay graphs
-            from services.scheduler.spec.draft_graphs import DraftGraphs
-
-            proposer = DraftGraphs(proposer)
-    capture_layers = () if proposer is None else tuple(proposer.capture_layers)  # the drafter's context
-    if runner.decode_kernel:
-        query_lens = (1,) if proposer is None else (1, proposer.num_draft_tokens + 1)
-        runner.prepare_decode_graphs(query_lens=query_lens, capture_layers=capture_layers)
-    if config.ragged_cuda_graphs and runner.ragged_kernel:  # CUDA with Triton; elsewhere the flag does nothing
-        runner.prepare_ragged_graphs(seq_ladder(config.max_running_requests), token_ladder(config.chunked_prefill_size),
-                                     capture_layers=capture_layers)  # fmt: skip
-        runner.ragged_graphs.capture_prefill_keys()  # arrivals beside decodes: no capture pauses them later
-    if config.dense_prefill and runner.device.type == "cuda" and config.resolved_max_prefill_tokens > config.chunked_prefill_size:
-        # only queries no chunk-budget step holds: steps past the budget run eagerly whatever their path
-        runner.dense_prefill = dense_prefill_config(config, runner)
-    fused_logprobs = config.fused_logprobs and runner.device.type == "cuda" and triton_available()  # elsewhere the flag does nothing
-    if fused_logprobs:
-        import torch
-
-        from services.scheduler.triton_logprobs import warm_kernels
-
-        start = time.perf_counter()
-        greedy = config.logprob_cuda_graphs and config.greedy_logprob_graphs  # greedy steps' rows: f32, the argmax taken too
-        warm_kernels(runner.config.vocab_size, runner.device, (torch.float32, runner.dtype),  # output rows f32, prompt rows the model's
-                     (torch.float32,) if greedy else ())  # fmt: skip
-        log.info("logprob_kernels.warmed", seconds=round(time.perf_counter() - start, 2))
-    return SchedulerCore(
-        runner,
-        proposer=proposer,
-        verify_mode=config.verify_mode,
-        max_running_requests=config.max_running_requests,
-        chunked_prefill_size=config.chunked_prefill_size,
-        max_prefill_tokens=config.resolved_max_prefill_tokens,
-        overlap_decode=config.overlap_decode,
-        max_model_len=config.max_model_len,
-        logprobs_mode=config.logprobs_mode,
-        seed=config.seed,
-        logprob_graphs=config.logprob_cuda_graphs and runner.device.type == "cuda",  # elsewhere the flag does nothing
-        greedy_logprob_graphs=config.greedy_logprob_graphs,
-        fused_logprobs=fused_logprobs,
-    )
-
-
-def dense_prefill_config(config: SchedulerConfig, runner) -> DenseConfig:
-    """The dense path of steps past the chunk budget, on the kernel `--dense-attention` resolves to.
-    FlashAttention-4 is compiled here, not inside the first long prompt's step; with auto, one that
-    fails to (a package that imports but does not run here) leaves SDPA in its place, with a warning."""
-    kernel = resolve_dense_kernel(config.dense_attention, runner.device)
-    if kernel == "flash4":
-        start = time.perf_counter()
-        model = runner.config
-        try:
-            warm_flash4(runner.device, runner.dtype, model.num_attention_heads, model.num_key_value_heads, model.head_dim)
-        except Exception as exc:
-            if config.dense_attention == "flash4":
-                raise
-            log.warning("dense_attention.flash4_failed", error=f"{type(exc).__name__}: {exc}"[:500], kernel="sdpa")
-            kernel = "sdpa"
-        else:
-            log.info("dense_attention.warmed", kernel=kernel, seconds=round(time.perf_counter() - start, 2))
-    return DenseConfig(min_query_len=config.chunked_prefill_size + 1, kernel=kernel)
-
-
-def check_model(config: SchedulerConfig) -> None:
-    """What `build_core` refuses in milliseconds (no config.json, an unsupported architecture),
-    raised before `connect`: a bad `--model` fails at once, whether NATS answers or not."""
-    ModelConfig.from_pretrained(config.model)
 
 
 async def connect(config: SchedulerConfig) -> Transport:

@@ -65,28 +65,35 @@ class _Layout:
         return first[:, None] + np.minimum(np.arange(self.max_draft + 1)[None, :], num_draft[:, None])
 
 
+@dataclass(frozen=True)
+class WorkerOptions:
+    """logprob_graphs: output logprobs from `LogprobGraphs` (captured on CUDA; elsewhere its padded
+    eager twin). greedy_logprob_graphs: with them, a plain greedy decode graph step whose every
+    sequence wants output logprobs takes its tokens and rows from `LogprobGraphs.greedy`
+    (`_greedy_rows`). fused_logprobs: raw-mode logprobs from the Triton kernels
+    (`logprobs.runs_fused`), only where Triton runs (CUDA; the interpreter in tests); None: on CUDA
+    with Triton, as served."""
+
+    logprobs_mode: str = "raw"
+    logprob_graphs: bool = False
+    greedy_logprob_graphs: bool = False
+    fused_logprobs: bool | None = None
+
+
 class ModelWorker:
-    def __init__(
-        self, runner, *, logprobs_mode: str = "raw", proposer: Proposer | None = None, logprob_graphs: bool = False,
-        fused_logprobs: bool | None = None, greedy_logprob_graphs: bool = False,
-    ) -> None:
-        """logprob_graphs: output logprobs from `LogprobGraphs` (captured on CUDA; elsewhere its padded
-        eager twin). fused_logprobs: raw-mode logprobs from the Triton kernels (`logprobs.runs_fused`);
-        only where Triton runs (CUDA; the interpreter in tests); None: on CUDA with Triton, as served.
-        greedy_logprob_graphs: with logprob_graphs, a plain greedy decode graph step whose every
-        sequence wants output logprobs takes its tokens and rows from `LogprobGraphs.greedy`
-        (`_greedy_rows`)."""
+    def __init__(self, runner, options: WorkerOptions = WorkerOptions(), proposer: Proposer | None = None) -> None:
         self.runner = runner
         self.proposer = proposer
         self.vocab_size = runner.config.vocab_size
-        self._processed = logprobs_mode == "processed"
+        self._processed = options.logprobs_mode == "processed"
         self._top_k_keys = TopKKeys.build(self.vocab_size, runner.device)
         capture = runner.device.type == "cuda"
+        fused_logprobs = options.fused_logprobs
         if fused_logprobs is None:
             fused_logprobs = runner.device.type == "cuda" and triton_available()
         self._fused_logprobs = fused_logprobs
-        self.logprob_graphs = LogprobGraphs(self._top_k_keys, capture=capture, fused=fused_logprobs) if logprob_graphs else None
-        self.greedy_logprob_graphs = greedy_logprob_graphs
+        self.logprob_graphs = LogprobGraphs(self._top_k_keys, capture=capture, fused=fused_logprobs) if options.logprob_graphs else None
+        self.greedy_logprob_graphs = options.greedy_logprob_graphs
         self._upload = HostUpload(runner.device)
         self._readback = HostReadback()
         self._draft_probs: dict[str, torch.Tensor] = {}  # rid -> q [gamma, V] of its pending block

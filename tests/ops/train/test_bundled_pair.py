@@ -72,7 +72,7 @@ def test_the_pair_is_described_by_its_configs():
 
 def test_dspark_without_a_draft_flag_serves_the_bundled_drafter():
     from services.scheduler.config import SchedulerConfig
-    from services.scheduler.service import build_core
+    from services.scheduler.build import build_core
 
     config = SchedulerConfig(speculative_algorithm="dspark", device="cpu", num_kv_blocks=16)
     assert config.model == str(BUNDLED_MODEL) and config.resolved_draft_model == str(BUNDLED_DRAFT_MODEL)

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from services.models import RANDOM_TINY_MODEL
+from services.scheduler.build import core_for
 from services.scheduler.core import SchedulerCore
 from services.scheduler.model import ModelRunner, load_model_runner
 
@@ -30,7 +31,7 @@ def make_core(tiny_runner):
     def make(**overrides) -> SchedulerCore:
         options = {"max_running_requests": 64, "chunked_prefill_size": 256, "logprobs_mode": "raw", "seed": 0}
         options.update(overrides)
-        return SchedulerCore(tiny_runner, **options)
+        return core_for(tiny_runner, **options)
 
     return make
 

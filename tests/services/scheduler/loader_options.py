@@ -7,7 +7,7 @@ import pytest
 
 
 def loader_options(monkeypatch: pytest.MonkeyPatch, config) -> dict:
-    from services.scheduler import service
+    from services.scheduler import build
 
     class Loaded(Exception):
         pass
@@ -15,7 +15,7 @@ def loader_options(monkeypatch: pytest.MonkeyPatch, config) -> dict:
     def load(path, **options):
         raise Loaded(options)
 
-    monkeypatch.setattr(service, "load_model_runner", load)
+    monkeypatch.setattr(build, "load_model_runner", load)
     with pytest.raises(Loaded) as loaded:
-        service.build_core(config)
+        build.build_core(config)
     return loaded.value.args[0]

@@ -17,6 +17,7 @@ from contracts.scheduler import LogprobParams, SamplingParams
 from services.common import memory
 from services.models import RANDOM_TINY_MODEL
 from services.scheduler import wire
+from services.scheduler.build import core_for
 from services.scheduler.core import SchedulerCore
 from services.scheduler.model import load_model_runner
 from services.scheduler.request import SchedulerRequest
@@ -25,7 +26,7 @@ torch.set_num_threads(1)
 tuned = sys.argv[1] == "tuned"
 with memory.collector_tuned() if tuned else contextlib.nullcontext():
     runner = load_model_runner(RANDOM_TINY_MODEL, device="cpu", dtype=torch.float32, num_kv_blocks=640, kv_block_size=16)
-    core = SchedulerCore(runner, max_running_requests=128, chunked_prefill_size=4096)
+    core = core_for(runner, max_running_requests=128, chunked_prefill_size=4096)
     sampling = SamplingParams(max_new_tokens=40, temperature=0.0, ignore_eos=True)
     logprobs = LogprobParams(return_logprob=True, top_logprobs_num=20)
     for i in range(128):

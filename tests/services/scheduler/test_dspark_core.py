@@ -56,9 +56,9 @@ JOINS = {3: REQUESTS[12:16], 6: REQUESTS[16:]}  # arrivals mid-flight: prefill c
 
 @pytest.fixture(scope="module")
 def plain_mixed(tiny_runner):
-    from services.scheduler.core import SchedulerCore
+    from services.scheduler.build import core_for
 
-    return run(SchedulerCore(tiny_runner, max_running_requests=64, chunked_prefill_size=48), REQUESTS[:12], JOINS)
+    return run(core_for(tiny_runner, max_running_requests=64, chunked_prefill_size=48), REQUESTS[:12], JOINS)
 
 
 @pytest.mark.parametrize("verify_mode", ["static", "compact"])

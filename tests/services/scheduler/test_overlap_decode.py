@@ -247,7 +247,7 @@ def test_what_stops_a_prompt_chunk_being_followed(make_core) -> None:
 @pytest.mark.parametrize("flag", [False, True])
 def test_the_config_switch_reaches_the_core(flag) -> None:
     from services.scheduler.config import SchedulerConfig
-    from services.scheduler.service import build_core
+    from services.scheduler.build import build_core
 
     assert SchedulerConfig().overlap_decode is True
     assert build_core(SchedulerConfig(device="cpu", overlap_decode=flag)).overlap_decode is flag

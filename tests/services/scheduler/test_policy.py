@@ -16,7 +16,7 @@ import pytest
 
 from contracts.detokenizer import Finish, FinishType
 from contracts.scheduler import LogprobParams, SamplingParams
-from services.scheduler.policy import Policy, SeqResult, StepPlan
+from services.scheduler.policy import Policy, PolicyConfig, SeqResult, StepPlan
 from services.scheduler.request import RowLogprobs, SchedulerRequest
 
 VOCAB = 97
@@ -76,10 +76,10 @@ def _rows(positions: list[int], k: int) -> RowLogprobs:
 
 def make_policy(num_blocks: int = 64, chunk: int = 64, drafts: int = GAMMA, max_running: int = 16,
                 prefill_budget: int | None = None) -> Policy:  # fmt: skip
-    return Policy(
+    return Policy(PolicyConfig(
         num_blocks=num_blocks, block_size=4, max_running_requests=max_running, chunk_budget=chunk,
         max_model_len=256, vocab_size=VOCAB, eos_ids=frozenset({0}), num_draft_tokens=drafts, prefill_budget=prefill_budget,
-    )  # fmt: skip
+    ))  # fmt: skip
 
 
 def req(rid: str, prompt: list[int], max_new: int = 12, logprobs: LogprobParams | None = None, **sampling):

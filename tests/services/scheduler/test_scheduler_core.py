@@ -188,12 +188,12 @@ class _EosRunner:
 
 
 def test_eos_finishes_unless_ignore_eos(tiny_runner):
-    from services.scheduler.core import SchedulerCore
+    from services.scheduler.build import core_for
 
     prompt = prompt_of(7, 10)
-    core = SchedulerCore(tiny_runner, max_running_requests=4, chunked_prefill_size=64)
+    core = core_for(tiny_runner, max_running_requests=4, chunked_prefill_size=64)
     free = run(core, [request("a", prompt, max_new_tokens=5, ignore_eos=True)])["a"].tokens
-    eos_core = SchedulerCore(_EosRunner(tiny_runner, free[1]), max_running_requests=4, chunked_prefill_size=64)
+    eos_core = core_for(_EosRunner(tiny_runner, free[1]), max_running_requests=4, chunked_prefill_size=64)
     stopped = run(eos_core, [request("a", prompt, max_new_tokens=5)])["a"]
     assert stopped.tokens == free[: free.index(free[1]) + 1]
     assert stopped.finish == Finish(FinishType.STOP, matched=free[1])

@@ -400,7 +400,7 @@ def test_logprob_entries_hold_exactly_the_wire_fields_of_request_logprobs():
 
 
 def test_build_core_takes_the_prefill_budget_and_leaves_the_dense_path_to_cuda():
-    from services.scheduler.service import build_core
+    from services.scheduler.build import build_core
 
     core = build_core(SchedulerConfig(device="cpu", chunked_prefill_size=512, max_prefill_tokens=4096))
     assert (core.policy._chunk_budget, core.policy._prefill_budget) == (512, 4096)

@@ -106,14 +106,14 @@ def test_fused_prompt_chunks_hold_1024_bf16_rows_and_the_torch_path_keeps_its_f3
 def test_the_scheduler_flag_reaches_the_core_only_where_triton_runs(flag, device, passed, greedy, monkeypatch) -> None:
     from types import SimpleNamespace
 
-    from services.scheduler import service
+    from services.scheduler import build
     from services.scheduler.config import SchedulerConfig
 
     class Built(Exception):
         pass
 
-    def core(runner, **options):
-        raise Built(options["fused_logprobs"])
+    def core(runner, settings, proposer=None, clock=None):
+        raise Built(settings.worker.fused_logprobs)
 
     import sys
 
@@ -122,11 +122,11 @@ def test_the_scheduler_flag_reaches_the_core_only_where_triton_runs(flag, device
     warmed = []
     kernels = SimpleNamespace(warm_kernels=lambda vocab, on, dtypes, argmax: warmed.append((vocab, on.type, dtypes, argmax)))
     monkeypatch.setitem(sys.modules, "services.scheduler.triton_logprobs", kernels)  # no Triton needed
-    monkeypatch.setattr(service, "load_model_runner", lambda path, **options: runner)
-    monkeypatch.setattr(service, "SchedulerCore", core)
-    monkeypatch.setattr(service, "triton_available", lambda: True)
+    monkeypatch.setattr(build, "load_model_runner", lambda path, **options: runner)
+    monkeypatch.setattr(build, "assemble_core", core)
+    monkeypatch.setattr(build, "triton_available", lambda: True)
     with pytest.raises(Built) as built:
-        service.build_core(SchedulerConfig(device="cpu", fused_logprobs=flag, greedy_logprob_graphs=greedy))
+        build.build_core(SchedulerConfig(device="cpu", fused_logprobs=flag, greedy_logprob_graphs=greedy))
     assert built.value.args == (passed,)
     # the kernels the core will run are compiled before it serves: f32 output rows, prompt rows in the
     # model's dtype, and greedy steps' f32 rows with their argmax

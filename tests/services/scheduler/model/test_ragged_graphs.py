@@ -15,6 +15,7 @@ import torch
 
 from contracts.scheduler import LogprobParams, SamplingParams
 from services.models import RANDOM_TINY_MODEL
+from services.scheduler.build import core_for
 from services.scheduler.core import SchedulerCore
 from services.scheduler.model.loader import load_model_runner
 from services.scheduler.model.ragged_graphs import RaggedGraphRunner, RaggedKey, padded_tiles, seq_ladder, token_ladder
@@ -177,7 +178,7 @@ def test_past_max_graphs_new_keys_are_not_taken(make_pager) -> None:
 
 def serve(runner, prompts: dict[str, list[int]], joins_at: dict[str, int]) -> dict[str, tuple[list[int], np.ndarray]]:
     """Greedy tokens and prompt logprobs per request, requests joining at their step (mixed steps)."""
-    core = SchedulerCore(runner, max_running_requests=8, chunked_prefill_size=24, logprobs_mode="raw", seed=0)
+    core = core_for(runner, max_running_requests=8, chunked_prefill_size=24, logprobs_mode="raw", seed=0)
     params = LogprobParams(return_logprob=True, logprob_start_len=0, top_logprobs_num=2)
     sampling = SamplingParams(max_new_tokens=6, temperature=0.0, ignore_eos=True)
     tokens: dict[str, list[int]] = {rid: [] for rid in prompts}

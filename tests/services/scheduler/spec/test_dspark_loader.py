@@ -120,7 +120,7 @@ def test_the_drafters_memory_is_known_before_the_target_loads():
 def test_dspark_scheduler_fits_both_kv_caches_in_its_budget():
     """kv_cache_bytes holds the target's and the drafter's KV caches together, not the target's alone."""
     from services.scheduler.config import SchedulerConfig
-    from services.scheduler.service import build_core
+    from services.scheduler.build import build_core
 
     budget = 4 * 2**20
     plain = build_core(SchedulerConfig(device="cpu", kv_cache_bytes=budget)).worker.runner
@@ -133,7 +133,7 @@ def test_dspark_scheduler_fits_both_kv_caches_in_its_budget():
 
 def test_the_served_drafter_attends_to_its_configured_window_unless_the_flag_says_otherwise():
     from services.scheduler.config import SchedulerConfig
-    from services.scheduler.service import build_core
+    from services.scheduler.build import build_core
 
     def served_window(**options) -> int | None:
         return build_core(SchedulerConfig(speculative_algorithm="dspark", device="cpu", kv_cache_bytes=2**20, **options)).worker.proposer.context_window
