@@ -419,23 +419,23 @@ class _RunnerStandIn:
 def test_dense_prefill_takes_flash4_where_it_compiles_and_sdpa_where_auto_meets_a_broken_install(monkeypatch):
     """FlashAttention-4 is chosen and compiled at start-up where it resolves; with auto, one that
     fails to compile leaves SDPA with a warning; asked for by name, its failure stops the start."""
-    from services.scheduler import service
+    from services.scheduler import build
 
     warmed = []
-    monkeypatch.setattr(service, "resolve_dense_kernel", lambda choice, device: "sdpa" if choice == "sdpa" else "flash4")
-    monkeypatch.setattr(service, "warm_flash4", lambda *args: warmed.append(args))
+    monkeypatch.setattr(build, "resolve_dense_kernel", lambda choice, device: "sdpa" if choice == "sdpa" else "flash4")
+    monkeypatch.setattr(build, "warm_flash4", lambda *args: warmed.append(args))
     config = SchedulerConfig(device="cpu", chunked_prefill_size=512, max_prefill_tokens=4096)
-    dense = service.dense_prefill_config(config, _RunnerStandIn())
+    dense = build.dense_prefill_config(config, _RunnerStandIn())
     assert (dense.kernel, dense.min_query_len, warmed) == ("flash4", 513, [(torch.device("cpu"), torch.float32, 4, 2, 16)])
-    assert service.dense_prefill_config(SchedulerConfig(device="cpu", dense_attention="sdpa"), _RunnerStandIn()).kernel == "sdpa"
+    assert build.dense_prefill_config(SchedulerConfig(device="cpu", dense_attention="sdpa"), _RunnerStandIn()).kernel == "sdpa"
 
     def broken(*args):
         raise RuntimeError("no CUDA driver for cutlass")
 
-    monkeypatch.setattr(service, "warm_flash4", broken)
-    assert service.dense_prefill_config(config, _RunnerStandIn()).kernel == "sdpa"
+    monkeypatch.setattr(build, "warm_flash4", broken)
+    assert build.dense_prefill_config(config, _RunnerStandIn()).kernel == "sdpa"
     with pytest.raises(RuntimeError, match="no CUDA driver"):
-        service.dense_prefill_config(SchedulerConfig(device="cpu", dense_attention="flash4"), _RunnerStandIn())
+        build.dense_prefill_config(SchedulerConfig(device="cpu", dense_attention="flash4"), _RunnerStandIn())
 
 
 def test_the_scheduler_config_refuses_an_unknown_dense_kernel():
