@@ -96,26 +96,6 @@ class BlockManager:
             self._refs[block] = 1
             table.append(block)
 
-    def grow_by_one(self, rids: list[str], ends: list[int]) -> tuple[list[int], list[np.ndarray]] | None:
-        """Each of `rids`' tables grown to hold `ends[i]` tokens (`allocate`), for a step that
-        writes one token of each at position `ends[i] - 1`: that position's slot (`slots`) and the
-        table (`block_table`), each rid's, in order; None, nothing taken, when the free blocks are
-        too few for them all. Every rid holds a table. One call for a followed decode step's batch:
-        `allocate`, `slots` and `block_table` a sequence each took half of `follow_decodes`' time (146
-        us at batch 64 on the CPU, `host_step_cost.md`)."""
-        size, tables = self.block_size, self._tables
-        held = [tables[rid] for rid in rids]
-        growth = [-(-end // size) - table.size for table, end in zip(held, ends, strict=True)]
-        if sum(n for n in growth if n > 0) > len(self._free):
-            return None
-        slots = []
-        for table, end, needed in zip(held, ends, growth):
-            if needed > 0:
-                self._take(table, needed)
-            position = end - 1
-            slots.append(table.ids.item(position // size) * size + position % size)
-        return slots, [table.view for table in held]
-
     def fork(self, parent: str, child: str, num_tokens: int) -> None:
         """`child` starts with the blocks of `parent`'s first `num_tokens` tokens (a whole number of
         blocks), shared, not copied."""

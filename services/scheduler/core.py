@@ -3,30 +3,24 @@
 A plain object (no NATS, no asyncio). `add` and `abort` may be called from any thread: they only
 append to a lock-protected inbox that `step` drains first. One `step`:
 
-    1. drain the inbox             4. execute: forward, verify, logprobs, propose (worker)
-    2. apply aborts                5. update: tokens gained, finishes, outputs (policy)
+    1. drain the inbox             4. launch: forward, verify, logprobs, propose (worker)
+    2. apply aborts                5. collect the step's results and update (policy)
     3. schedule (policy)
 
-The policy (`policy.py`) knows no tensors; the worker (`worker.py`) owns the device and crosses
-to the host once per step.
+The policy (`policy/`) knows no tensors; the worker (`worker/`) owns the device and crosses to the
+host once per step.
 
-Overlapped decoding (`overlap_decode`): when every sequence of a step samples, the next step is
-planned (`Policy.follow_decodes`) and launched before this one's tokens are read back, its decode
-queries taken from this step's sampled tokens on the device, beside the first chunks of any
-waiting requests that can be admitted (their tokens are the prompt's); then this step's results
-are read and applied. So the device runs step N + 1 while the host
-reads, applies and hands on step N's outputs, and plans step N + 2. A sequence that finishes at
-step N (a stop, EOS, an abort applied between steps) has computed one token too many in step
-N + 1, which `update` drops. A step of prompt chunks that sample nothing is followed the same
-way by the prompts' next chunks (`Policy.follow_prefill`: a long prompt's steps back to back, its
-prompt-logprob rows read while the next chunk runs). Any other step (after a chunk that samples
-nothing beside decodes, drafts, processors that read the host's token history:
-`ModelWorker.can_follow`) runs as before: planned after the previous step's results.
+Overlapped steps (`overlap_decode`): where the effects of the step just launched are known before
+its results (`Policy.can_expect`), the policy counts them (`expect`) and plans the next step from
+host state alone, which the worker launches at once: each sequence's last sampled token stays on
+the device in the worker's token pool, and the next step's query takes it from there. Only then
+does the core wait for the first step's readback and apply it. So the device runs step N + 1 while
+the host reads, applies and hands on step N, and plans step N + 2. A sequence that finishes at step
+N (a stop, EOS, an abort applied between steps) has computed one token too many in step N + 1,
+which `update` drops.
 
-Queue time (vLLM's `request_queue_time_seconds`) is measured here: from
-`add` until the first step whose plan includes the request (its first prefill chunk). With a
-proposer, each sequence's query is its last token plus the block drafted for it the step before,
-and it gains the accepted drafts plus one token.
+Queue time (vLLM's `request_queue_time_seconds`) is measured here: from `add` until the first step
+whose plan includes the request (its first prefill chunk).
 """
 
 from __future__ import annotations
@@ -36,6 +30,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from services.scheduler.plan import StepPlan
 from services.scheduler.policy import Policy
 from services.scheduler.request import RequestOutput, SchedulerRequest
 from services.scheduler.worker import LaunchedStep, ModelWorker
@@ -144,7 +139,12 @@ class SchedulerCore:
         return [seq.rid for seq in self.policy.held()]
 
     def claim_error(self, num_prompt_tokens: int) -> str | None:
-        return self.policy.claim_error(num_prompt_tokens)
+        """Why a prompt of this length can never run here (what a claim knows); None when it can."""
+        return self.policy.admission.length_error(num_prompt_tokens)
+
+    def request_error(self, request: SchedulerRequest) -> str | None:
+        """Why this core cannot run `request` (the policy's one admission check); None when it can."""
+        return self.policy.admission.error(request)
 
     def has_room(self, num_prompt_tokens: int, num_claimed: int = 0, num_choices: int = 1) -> bool:
         """Load-aware placement: whether this core should take one more request (of `num_choices`
@@ -152,9 +152,6 @@ class SchedulerCore:
         with self._lock:
             num_pending = len(self._inbox) + num_claimed
         return self.policy.has_room(num_prompt_tokens, num_pending, num_choices)
-
-    def validate(self, request: SchedulerRequest) -> str | None:
-        return self.policy.validate(request)
 
     @property
     def last_step(self) -> StepRecord | None:
@@ -203,7 +200,7 @@ class SchedulerCore:
 
     def step(self, on_queued: Callable[[], None] | None = None) -> list[RequestOutput]:
         """One step: its outputs. on_queued: called once the step's device work is queued (the next
-        step's too, where it follows this one) and before it waits for the device, or at once when
+        step's too, where it is planned ahead) and before it waits for the device, or at once when
         it queues none (`StepThread` hands the step before's outputs over there)."""
         self._last_step = None
         requests, aborts = self._drain_inbox()  # 1
@@ -222,23 +219,28 @@ class SchedulerCore:
                 self.num_steps += 1
                 return self._finished(self.policy.take_outputs())
             launched = self.worker.launch(plan)  # 4
-        if self.overlap_decode and self.worker.can_follow(launched.plan):
-            following = self.policy.follow_decodes(launched.plan)  # 3, for the next step
-            if following is not None:
-                self._note_first_scheduled(following)  # arrivals it admits
-                self._in_flight = self.worker.launch(following, previous=launched)  # 4, queued behind this one
-            elif (following := self.policy.follow_prefill(launched.plan)) is not None:
-                self._in_flight = self.worker.launch(following)  # 4: the next chunks, their tokens known
+        if self.overlap_decode and self.policy.can_expect(launched.plan):
+            self._in_flight = self._launch_ahead(launched.plan)  # 3 and 4 of the next step
         if on_queued is not None:
             on_queued()
         collect_began = time.perf_counter()
-        results = self.worker.collect(launched)
+        results = self.worker.collect(launched)  # 5
         collect_s = time.perf_counter() - collect_began
-        outputs = self.policy.update(launched.plan, results)  # 5
+        outputs = self.policy.update(launched.plan, results)
         self._count(launched.plan, results, outputs)
         self._last_step = (launched.plan, followed, self._in_flight is not None, collect_s, self.worker.last_wait_s)
         self.num_steps += 1
         return self._finished(outputs)
+
+    def _launch_ahead(self, plan: StepPlan) -> LaunchedStep | None:
+        """The step after `plan`, planned from `plan`'s expected effects and launched behind it;
+        None where there is nothing to launch or it would preempt (the next `step` plans it)."""
+        self.policy.expect(plan)
+        following = self.policy.schedule(ahead=True)
+        if following is None or not following.steps:
+            return None
+        self._note_first_scheduled(following)
+        return self.worker.launch(following)
 
     def _drain_inbox(self) -> tuple[list[SchedulerRequest], list[tuple[str, str]]]:
         with self._lock:
@@ -253,9 +255,9 @@ class SchedulerCore:
             return  # steady decoding: nothing waits for its first step
         now = self._clock()
         for step in plan.steps:
-            arrived = self._unscheduled.pop(step.seq.rid, None)
+            arrived = self._unscheduled.pop(step.rid, None)
             if arrived is not None:
-                self._queue_times[step.seq.rid] = now - arrived
+                self._queue_times[step.rid] = now - arrived
 
     def _finished(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
         finished = [o.rid for o in outputs if o.finish is not None]
@@ -268,7 +270,7 @@ class SchedulerCore:
         counts = self._counts
         counts["generated"] += sum(len(o.new_token_ids) for o in outputs)
         for step, result in zip(plan.steps, results, strict=True):
-            if step.start < step.seq.num_prompt:  # else a decode: no prompt tokens
+            if step.start < step.params.num_prompt:  # else a decode: no prompt tokens
                 counts["prompt"] += _num_prefill_tokens(step)
             if step.samples:
                 counts["drafted"] += step.num_draft
@@ -280,7 +282,7 @@ class SchedulerCore:
 
 
 def _num_prefill_tokens(step) -> int:
-    return max(0, min(step.start + step.num_committed, step.seq.num_prompt) - step.start)
+    return max(0, min(step.start + step.num_committed, step.params.num_prompt) - step.start)
 
 
 def _record(plan, followed: bool, follows: bool, collect_s: float, wait_s: float) -> StepRecord:

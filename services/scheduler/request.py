@@ -1,9 +1,8 @@
-"""What the core holds per request, and what it returns per step. No torch."""
+"""A request as the core takes it, and what the core returns per step. No torch."""
 
 from __future__ import annotations
 
-import functools
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Generic, TypeVar
 
 import msgspec
@@ -245,74 +244,3 @@ def has_penalties(params: SamplingParams) -> bool:
 def is_identity(params: SamplingParams) -> bool:
     """True when none of `logits_processing`'s processors changes this request's logits."""
     return not params.logit_bias and params.min_new_tokens == 0 and not has_penalties(params)
-
-
-@dataclass(eq=False)  # identity: hashed and compared as objects (the policy's running set), never by token lists
-class Sequence:
-    """A request's live state. `tokens` is prompt + output; the first `num_computed` are in KV."""
-
-    request: SchedulerRequest
-    arrival: int
-    tokens: list[int]
-    max_outputs: int  # min(max_new_tokens, max_model_len - prompt length)
-    num_computed: int = 0
-    next_prompt_logprob: int = 0  # next prompt position whose entry is not yet returned
-    flat_values: list[np.ndarray | None] = field(default_factory=list)  # per prompt position
-    flat_ids: list[np.ndarray | None] = field(default_factory=list)
-    flat_sent: bool = False
-    sampling_seed: int = 0  # the request's seed, or one the scheduler drew for it
-    drafts: list[int] = field(default_factory=list)  # the proposed block the next step verifies
-    draft_confidence: list[float] | None = None  # the proposer's survival estimate per draft
-    speculative: bool = False  # the scheduler runs a proposer: report spec_verify_ct
-    spec_verify_ct: int = 0
-    forks: list[Sequence] = field(default_factory=list)  # choices waiting for this prefill, then forked
-    prompt_parts: list[LogprobEntries] = field(default_factory=list)  # prompt entries returned so far, for forks
-
-    # What follows from the request alone is read once per sequence (cached: the scheduler never
-    # replaces a sequence's request): several times a sequence a step, ~40-60 ns a property call each.
-
-    @functools.cached_property
-    def rid(self) -> str:
-        return self.request.rid
-
-    @functools.cached_property
-    def num_prompt(self) -> int:
-        return len(self.request.prompt_ids)
-
-    @property
-    def num_outputs(self) -> int:
-        return len(self.tokens) - self.num_prompt
-
-    @property
-    def num_pending(self) -> int:
-        return len(self.tokens) - self.num_computed
-
-    @functools.cached_property
-    def processes_logits(self) -> bool:
-        """Some processor (`logits_processing`) changes this sequence's logits: asked of every producer a step."""
-        return not is_identity(self.request.sampling)
-
-    @functools.cached_property
-    def samples_randomly(self) -> bool:
-        """Its tokens are drawn (temperature > 0), not the argmax: asked of every producer a step."""
-        return self.request.sampling.temperature > 0
-
-    @functools.cached_property
-    def output_logprob_key(self) -> tuple[int, tuple[int, ...]] | None:
-        """(top-k, requested ids) of its output rows, None where it wants none: producers with equal
-        keys share one logprob query a step (the policy's `RunningSet` counts them)."""
-        params = self.request.logprobs
-        return (params.top_logprobs_num, params.token_ids_logprob) if params.return_logprob else None
-
-    @functools.cached_property
-    def wants_logprobs(self) -> bool:
-        return self.request.logprobs.return_logprob
-
-    @functools.cached_property
-    def prompt_logprob_start(self) -> int | None:
-        params = self.request.logprobs
-        return params.logprob_start_len if params.return_logprob and params.logprob_start_len >= 0 else None
-
-    @functools.cached_property
-    def wants_flat(self) -> bool:
-        return self.prompt_logprob_start is not None and self.request.logprobs.flat_prompt_top_logprobs

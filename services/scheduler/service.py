@@ -26,7 +26,6 @@ from contracts.scheduler import (
     SchedulerInfo,
     SchedulerPing,
 )
-from services.common.arrays import from_wire
 from services.common.heartbeat import HeartbeatPublisher
 from services.common.lifecycle import wait_until
 from services.common.memory import collections_since_start, settle_startup_heap
@@ -51,26 +50,6 @@ async def connect(config: SchedulerConfig) -> Transport:
     that a wrong password or an absent server fails in seconds, not after minutes of loading
     (`SchedulerService.run` joins the claim queue group only once there is a model to serve)."""
     return await Transport.connect(config.nats, f"scheduler-{config.instance_id}")
-
-
-def unservable(request: GenerateRequest, vocab_size: int, max_model_len: int) -> str | None:
-    """Why this model cannot serve a request that is well-formed on the wire (the decoder checked
-    that): ids outside the vocabulary, more top logprobs than tokens, a prompt too long. Such a
-    request fails alone; admitted, it would make a step raise, which is fatal for the scheduler."""
-    prompt = from_wire(request.input_ids)  # int32 [num_prompt_tokens]
-    ids = [*(prompt.min(), prompt.max()), *request.logprobs.token_ids_logprob, *request.sampling.stop_token_ids]
-    if bad := [int(i) for i in ids if not 0 <= i < vocab_size]:
-        return f"token id {bad[0]} is outside the vocabulary [0, {vocab_size})"
-    if len(prompt) >= max_model_len:
-        return f"the prompt has {len(prompt)} tokens; max_model_len is {max_model_len}"
-    if request.logprobs.top_logprobs_num > vocab_size:
-        return f"top_logprobs_num {request.logprobs.top_logprobs_num} exceeds the vocabulary ({vocab_size})"
-    rids = [rid for rid, _ in _routes(request)]
-    if len(set(rids)) < len(rids):
-        return "the request's choices must have distinct rids"
-    if request.logprobs.logprob_start_len >= len(prompt):
-        return f"logprob_start_len {request.logprobs.logprob_start_len} is not inside the {len(prompt)}-token prompt"
-    return None
 
 
 class SchedulerService:
@@ -175,13 +154,14 @@ class SchedulerService:
         aborted = [rid for rid, _ in routes if self._aborted_claims.pop(rid, None) is not None]
         if len(aborted) == len(routes):
             return
-        if (error := unservable(request, self._core.vocab_size, self._core.max_model_len)) is not None:
+        scheduled = SchedulerRequest.from_generate(request)
+        if (error := self._core.request_error(scheduled)) is not None:
             log.warning("scheduler.request_refused", rid=request.rid, error=error)
             finish = Finish(FinishType.ABORT, message=f"request refused: {error}")
             refusals = [RequestOutput(rid, owner, [], request.input_ids.shape[0], finish, None) for rid, owner in routes]
             await self._publish(refusals, self._core.num_steps)
             return
-        self._core.add(SchedulerRequest.from_generate(request))  # while closing, fail_all finishes it
+        self._core.add(scheduled)  # while closing, fail_all finishes it
         for rid in aborted:  # applied right after the add (the core drains adds, then aborts)
             self._core.abort(rid, "abort")
         self._steps.wake()

@@ -137,12 +137,13 @@ def test_the_workers_kept_penalty_counts_give_the_reference_rows_of_every_verify
         worker, checked = core.worker, []
         kept = worker._processed_logits
 
-        def checked_rows(producers, logits, kept=kept, worker=worker, checked=checked):
+        def checked_rows(producers, logits, kept=kept, worker=worker, checked=checked, core=core):
             got = kept(producers, logits)
             width, vocab, eos = logits.shape[1], logits.shape[2], frozenset(worker.runner.config.eos_token_ids)
+            seqs = {seq.rid: seq for seq in core.policy.held()}  # the policy's token history, the reference's input
             contexts = [c for s in producers for c in verify_row_contexts(
-                s.seq.request.sampling, s.seq.request.prompt_ids.tolist(),
-                s.seq.tokens[s.seq.num_prompt : s.seq.num_prompt + s.output_position], s.drafts, width, eos)]  # fmt: skip
+                s.params.sampling, s.params.prompt_ids.tolist(),
+                seqs[s.rid].tokens[s.params.num_prompt : s.params.num_prompt + s.output_position], s.drafts, width, eos)]  # fmt: skip
             want = process_logits(logits.reshape(-1, vocab), contexts).view_as(logits)
             assert torch.equal(got, want)
             checked.append(width)

@@ -1,8 +1,9 @@
-"""Overlapped decoding (`SchedulerCore(overlap_decode=True)`, `Policy.follow_decodes`): the next
-decode step is launched before this one's tokens are read back; likewise a prompt's next chunk
-(`Policy.follow_prefill`). Outputs, finishes and every logprob must be those of the same core
-without overlap, whatever finishes, arrives or aborts meanwhile; the KV blocks of followed steps
-must come back; and the overlap must actually happen in steady decoding and in a long prefill."""
+"""Overlapped steps (`SchedulerCore(overlap_decode=True)`, `Policy.expect` + `schedule(ahead=True)`):
+the next step is planned from the host's state and launched before this one's tokens are read back
+(they stay on the device, in the worker's token pool); likewise a prompt's next chunk. Outputs,
+finishes and every logprob must be those of the same core without overlap, whatever finishes,
+arrives or aborts meanwhile; the KV blocks of steps launched ahead must come back; and the overlap
+must actually happen in steady decoding and in a long prefill."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import pytest
 
 from contracts.detokenizer import FinishType
 from contracts.scheduler import LogprobParams
-from services.scheduler.policy import FOLLOWED_TOKEN, StepPlan
+from services.scheduler.policy import StepPlan
 from test_scheduler_core import prompt_of, request, run
 
 LOGPROBS = LogprobParams(return_logprob=True, logprob_start_len=0, top_logprobs_num=5, token_ids_logprob=(7, 3, 1999))
@@ -80,12 +81,29 @@ def test_followed_steps_give_their_kv_blocks_back(make_core) -> None:
     assert core.stats().num_free_blocks == free_at_start
 
 
+def _spy_launches(core, events: list) -> None:
+    """Record ("launch", ahead) per launch (ahead: another launched step is not collected yet) and
+    ("collect",) per collect."""
+    launch, collect = core.worker.launch, core.worker.collect
+    outstanding = []
+
+    def launching(plan):
+        events.append(("launch", bool(outstanding)))
+        outstanding.append(plan)
+        return launch(plan)
+
+    def collecting(launched):
+        events.append(("collect",))
+        outstanding.remove(launched.plan)
+        return collect(launched)
+
+    core.worker.launch, core.worker.collect = launching, collecting
+
+
 def test_steady_decoding_launches_each_step_before_reading_the_last(make_core) -> None:
     core = make_core(overlap_decode=True)
     events = []
-    launch, collect = core.worker.launch, core.worker.collect
-    core.worker.launch = lambda plan, previous=None: events.append(("launch", previous is not None)) or launch(plan, previous)
-    core.worker.collect = lambda launched: events.append(("collect",)) or collect(launched)
+    _spy_launches(core, events)
     run(core, [request("a", prompt_of(8, 12), max_new_tokens=6, ignore_eos=True)])
     # prefill, then the first decode queued behind it, then each decode queued before the last is read;
     # the step that samples the 6th token is not followed (nothing left to sample)
@@ -100,9 +118,7 @@ def test_each_step_says_its_device_work_is_queued_before_it_waits(make_core) -> 
     (what `StepThread` hands the step before's outputs over on)."""
     core = make_core(overlap_decode=True)
     events = []
-    launch, collect = core.worker.launch, core.worker.collect
-    core.worker.launch = lambda plan, previous=None: events.append(("launch", previous is not None)) or launch(plan, previous)
-    core.worker.collect = lambda launched: events.append(("collect",)) or collect(launched)
+    _spy_launches(core, events)
     core.add(request("a", prompt_of(9, 12), max_new_tokens=4, ignore_eos=True))
     while core.has_work():
         core.step(lambda: events.append(("queued", core.has_in_flight)))
@@ -125,35 +141,38 @@ def _first_decodes_in_flight(make_core):
 
 def test_what_is_never_followed(make_core) -> None:
     core, launched = _first_decodes_in_flight(make_core)
-    assert launched is not None and all(s.query == [FOLLOWED_TOKEN] for s in launched.plan.steps)
-    assert "short" not in {s.seq.rid for s in launched.plan.steps}  # max_new_tokens=1: nothing left to sample
-    assert core.worker.can_follow(launched.plan)
+    assert launched is not None and all(s.from_pool and not s.tokens for s in launched.plan.steps)
+    assert "short" not in {s.rid for s in launched.plan.steps}  # max_new_tokens=1: nothing left to sample
+    assert core.policy.can_expect(launched.plan)
     first = launched.plan.steps[0]
-    penalised = msgspec.structs.replace(first.seq.request.sampling, repetition_penalty=1.3)
-    seq = dataclasses.replace(first.seq, request=dataclasses.replace(first.seq.request, sampling=penalised))  # a sequence never changes its request
-    plan = StepPlan([msgspec.structs.replace(first, seq=seq), *launched.plan.steps[1:]])
-    assert not core.worker.can_follow(plan)  # penalties read the token history on the host
+    penalised = msgspec.structs.replace(first.params.sampling, repetition_penalty=1.3)
+    params = msgspec.structs.replace(first.params, sampling=penalised, processes_logits=True, has_penalties=True)
+    plan = StepPlan([msgspec.structs.replace(first, params=params), *launched.plan.steps[1:]])
+    assert not core.policy.can_expect(plan)  # penalties read the token history on the host
 
 
 def test_an_arrival_joins_the_followed_step_beside_the_decodes(make_core) -> None:
     core, launched = _first_decodes_in_flight(make_core)
-    decoding = [s.seq.rid for s in launched.plan.steps]
+    decoding = [s.rid for s in launched.plan.steps]
     core.policy.add(request("waiting", prompt_of(9, 4)))
-    following = core.policy.follow_decodes(launched.plan)
-    assert [s.seq.rid for s in following.steps] == [*decoding, "waiting"]
-    assert all(s.query == [FOLLOWED_TOKEN] for s in following.steps[:-1])
+    core.policy.expect(launched.plan)
+    following = core.policy.schedule(ahead=True)
+    assert [s.rid for s in following.steps] == [*decoding, "waiting"]
+    assert all(s.from_pool and not s.tokens for s in following.steps[:-1])
     arrival = following.steps[-1]
-    assert arrival.start == 0 and arrival.query == list(prompt_of(9, 4)) and arrival.samples
+    assert arrival.start == 0 and not arrival.from_pool and arrival.tokens == list(prompt_of(9, 4)) and arrival.samples
 
 
 def test_arrivals_beside_followed_decodes_are_launched_before_the_last_readback(make_core) -> None:
     core = make_core(overlap_decode=True)
-    launches = []
+    events, launches = [], []
+    _spy_launches(core, events)
     launch = core.worker.launch
 
-    def record(plan, previous=None):
-        launches.append((previous is not None, [(s.seq.rid, s.query == [FOLLOWED_TOKEN]) for s in plan.steps]))
-        return launch(plan, previous)
+    def record(plan):
+        launched = launch(plan)
+        launches.append((events[-1][1], [(s.rid, s.from_pool) for s in plan.steps]))
+        return launched
 
     core.worker.launch = record
     first = [request(f"d{i}", prompt_of(60 + i, 6), max_new_tokens=8, ignore_eos=True, logprobs=LOGPROBS) for i in range(3)]
@@ -161,8 +180,8 @@ def test_arrivals_beside_followed_decodes_are_launched_before_the_last_readback(
     overlapped = run(core, first, joins={3: list(late)})
     plain = run(make_core(overlap_decode=False), first, joins={3: list(late)})
     _same(overlapped, plain)
-    mixed = [steps for previous, steps in launches if previous and any(not followed for _, followed in steps)]
-    assert mixed and mixed[0][-1] == ("late", False), launches  # its prompt chunk rode a followed step
+    mixed = [steps for ahead, steps in launches if ahead and any(not from_pool for _, from_pool in steps)]
+    assert mixed and mixed[0][-1] == ("late", False), launches  # its prompt chunk rode a step launched ahead
 
 
 def _launched_plans(core) -> list:
@@ -170,10 +189,11 @@ def _launched_plans(core) -> list:
     a followed decode's is on the device only)."""
     plans, launch = [], core.worker.launch
 
-    def record(plan, previous=None):
-        plans.append([(s.seq.rid, s.start, tuple(s.query) if s.start < s.seq.num_prompt else "decode", s.samples,
-                       s.prompt_lo, s.prompt_hi, tuple(s.slots)) for s in plan.steps])  # fmt: skip
-        return launch(plan, previous)
+    def record(plan):
+        # (KV slots aside: a step launched ahead plans before the last step's finishes free their blocks)
+        plans.append([(s.rid, s.start, tuple(s.tokens) if s.start < s.params.num_prompt else "decode", s.samples,
+                       s.prompt_lo, s.prompt_hi, len(s.slots)) for s in plan.steps])  # fmt: skip
+        return launch(plan)
 
     core.worker.launch = record
     return plans
@@ -220,28 +240,32 @@ def test_prompts_side_by_side_and_a_budget_they_share(make_core) -> None:
     assert any(len(plan) > 1 for plan in plans[1])
 
 
-def test_what_stops_a_prompt_chunk_being_followed(make_core) -> None:
+def test_what_a_prompt_chunk_is_followed_by(make_core) -> None:
+    """A chunk that samples nothing is followed by the prompt's next chunk, planned as `schedule`
+    plans it (an arrival waits where the chunk takes the budget); chunks beside a decode are
+    followed too (the decode's token is in the pool), with the outputs of the core without overlap."""
     core = make_core(chunked_prefill_size=8)
     core.add(request("long", prompt_of(70, 40), max_new_tokens=4, ignore_eos=True))
     core.step()
     launched = core._in_flight
     assert launched is not None and launched.plan.steps[0].start == 8 and not launched.plan.steps[0].samples
     policy = core.policy
-    assert policy.follow_prefill(launched.plan) is not None  # alone: the chunk after it too
     policy.add(request("waiting", prompt_of(71, 4)))
-    assert policy.follow_prefill(launched.plan) is None  # a request it could admit: `schedule` plans the next step
+    policy.expect(launched.plan)
+    following = policy.schedule(ahead=True)
+    assert [(s.rid, s.start) for s in following.steps] == [("long", 16)] and policy.num_waiting == 1  # the budget is the chunk's
+    requests = [request("d", prompt_of(72, 4), max_new_tokens=1, ignore_eos=True),
+                request("d2", prompt_of(73, 5), max_new_tokens=20, ignore_eos=True)]  # fmt: skip
+    joins = {4: [request("long", prompt_of(70, 40), max_new_tokens=4, ignore_eos=True)]}
     decoding = make_core(chunked_prefill_size=8)
-    run(decoding, [request("d", prompt_of(72, 4), max_new_tokens=1, ignore_eos=True)])
-    decoding.add(request("d2", prompt_of(73, 5), max_new_tokens=20, ignore_eos=True))
-    for _ in range(3):
-        decoding.step()  # d2 decodes
-    decoding.add(request("long", prompt_of(70, 40), max_new_tokens=4, ignore_eos=True))
+    events = []
+    _spy_launches(decoding, events)
     plans = _launched_plans(decoding)
-    while decoding.has_work():
-        decoding.step()
-    mixed = [plan for plan in plans if {rid for rid, *_ in plan} == {"d2", "long"}]
-    assert mixed  # chunks beside a decode: every step scheduled (the decode's token is needed), none followed by a chunk
-    assert all(any(samples for _, _, _, samples, *_ in plan) for plan in mixed)
+    overlapped = run(decoding, requests, joins=dict(joins))
+    _same(overlapped, run(make_core(chunked_prefill_size=8, overlap_decode=False), requests, joins=dict(joins)))
+    launched_ahead = [ahead for event, ahead, *_ in (e + (None,) for e in events) if event == "launch"]
+    mixed = [i for i, plan in enumerate(plans) if {rid for rid, *_ in plan} == {"d2", "long"}]
+    assert mixed and all(launched_ahead[i] for i in mixed[1:])  # chunks beside a decode, launched ahead
 
 
 @pytest.mark.parametrize("flag", [False, True])
@@ -255,13 +279,13 @@ def test_the_config_switch_reaches_the_core(flag) -> None:
 
 def test_a_request_waiting_for_a_slot_does_not_stop_overlap(make_core) -> None:
     core = make_core(overlap_decode=True, max_running_requests=2)
-    followed = []
-    launch = core.worker.launch
-    core.worker.launch = lambda plan, previous=None: followed.append(previous is not None) or launch(plan, previous)
+    events = []
+    _spy_launches(core, events)
     requests = [request(f"q{i}", prompt_of(30 + i, 8), max_new_tokens=10, ignore_eos=True) for i in range(4)]
     results = run(core, requests)
     assert all(len(results[r.rid].tokens) == 10 for r in requests)
-    # two run while two wait for a slot: the decodes of the first pair are followed all the same
+    # two run while two wait for a slot: the decodes of the first pair are launched ahead all the same
+    followed = [event[1] for event in events if event[0] == "launch"]
     assert sum(followed[:10]) >= 8, followed
 
 
@@ -324,9 +348,9 @@ def test_random_aborts_leave_prefixes_and_free_blocks(make_core, seed) -> None:
     assert core.stats().num_free_blocks == free and not core.has_work()
 
 
-def test_steady_greedy_decoding_gathers_nothing_and_reads_back_only_tokens(make_core, monkeypatch) -> None:
-    """A followed step whose sequences are the last step's producers in order takes their tokens as
-    they are (no followed_rows, no gather); a decode step's rows are its verify rows (no verify_rows);
+def test_steady_greedy_decoding_uploads_only_pool_rows_and_reads_back_only_tokens(make_core, monkeypatch) -> None:
+    """A decode step takes its queries from the token pool and puts its tokens back in the same rows
+    (no input_ids, no pool_positions, no put_rows); its rows are its verify rows (no verify_rows);
     plain greedy decoding reads back its tokens alone (no accepted counts). Outputs as without overlap."""
     from services.scheduler.host_io import HostReadback, HostUpload
 
@@ -337,7 +361,7 @@ def test_steady_greedy_decoding_gathers_nothing_and_reads_back_only_tokens(make_
     requests = [request(f"g{i}", prompt_of(i, 6 + i), max_new_tokens=6, ignore_eos=True) for i in range(3)]
     overlapped = run(make_core(overlap_decode=True), requests)
     decodes = sends[1:]  # after the one prefill step
-    assert len(decodes) >= 5 and all(not {"followed_rows", "verify_rows"} & names for names in decodes)
+    assert len(decodes) >= 5 and all(not {"input_ids", "pool_positions", "put_rows", "verify_rows"} & names for names in decodes)
     assert parts[1:] and all(shape == (3, 1) for shape in parts[1:])  # [P, 1] tokens only, one part a step
     monkeypatch.undo()
     plain = run(make_core(overlap_decode=False), [request(f"g{i}", prompt_of(i, 6 + i), max_new_tokens=6, ignore_eos=True) for i in range(3)])

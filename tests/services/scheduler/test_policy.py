@@ -39,6 +39,7 @@ class FakeWorker:
     def __init__(self, accept: int = GAMMA, top_k: int = 2) -> None:
         self.accept, self.top_k = accept, top_k
         self.plans: list[StepPlan] = []
+        self.pool: dict[str, int] = {}  # rid -> its last sampled token (the worker's token pool)
 
     def execute(self, plan: StepPlan) -> list[SeqResult]:
         self.plans.append(plan)
@@ -47,16 +48,18 @@ class FakeWorker:
     def _result(self, step) -> SeqResult:
         prompt = None
         if step.prompt_lo <= step.prompt_hi:
-            first = step.prompt_lo + 1 if step.prompt_lo == step.seq.prompt_logprob_start else step.prompt_lo
+            first = step.prompt_lo + 1 if step.prompt_lo == step.params.prompt_logprob_start else step.prompt_lo
             prompt = _rows(list(range(first, step.prompt_hi + 1)), self.top_k)
         if not step.samples:
             return SeqResult(prompt_logprobs=prompt)
-        anchor = step.query[step.num_committed - 1]
+        query = [self.pool[step.rid], *step.tokens] if step.from_pool else step.tokens
+        anchor = query[step.num_committed - 1]
         truth = continuation(anchor, step.num_draft + 1)
         accepted = 0
         while accepted < step.num_draft and step.drafts[accepted] == truth[accepted]:
             accepted += 1
         tokens = truth[: accepted + 1]
+        self.pool[step.rid] = tokens[-1]
         drafts = _drafts(tokens[-1], self.accept)
         positions = list(range(step.output_position, step.output_position + len(tokens)))
         return SeqResult(tokens, _rows(positions, self.top_k), prompt, drafts)
@@ -75,10 +78,10 @@ def _rows(positions: list[int], k: int) -> RowLogprobs:
 
 
 def make_policy(num_blocks: int = 64, chunk: int = 64, drafts: int = GAMMA, max_running: int = 16,
-                prefill_budget: int | None = None) -> Policy:  # fmt: skip
+                prefill_budget: int | None = None, max_model_len: int = 256) -> Policy:  # fmt: skip
     return Policy(PolicyConfig(
         num_blocks=num_blocks, block_size=4, max_running_requests=max_running, chunk_budget=chunk,
-        max_model_len=256, vocab_size=VOCAB, eos_ids=frozenset({0}), num_draft_tokens=drafts, prefill_budget=prefill_budget,
+        max_model_len=max_model_len, vocab_size=VOCAB, eos_ids=frozenset({0}), num_draft_tokens=drafts, prefill_budget=prefill_budget,
     ))  # fmt: skip
 
 
@@ -114,7 +117,7 @@ def test_ragged_acceptance_gives_the_model_continuation():
     worker = FakeWorker(accept=2)
     result = drive(make_policy(), worker, [req("a", [11, 12, 13], max_new=12)])["a"]
     assert result["tokens"] == continuation(13, 12) and result["finish"] == Finish(FinishType.LENGTH)
-    verify_sizes = [len(p.steps[0].query) for p in worker.plans[1:]]
+    verify_sizes = [p.steps[0].num_query for p in worker.plans[1:]]
     # each verify: the anchor + a full block (the last one too: uniform queries replay graphs)
     assert verify_sizes == [1 + GAMMA] * 4
     assert len(worker.plans) == 1 + -(-11 // 3)  # prefill, then 3 tokens per verify (2 accepted + 1)
@@ -137,8 +140,7 @@ def test_max_new_tokens_cuts_the_accepted_block_and_max_model_len_limits_the_dra
     assert result["tokens"] == continuation(5, 7) and result["finish"] == Finish(FinishType.LENGTH)
     assert len(result["output_lp"]) == 7  # rows of the tokens past max_new_tokens are dropped too
     assert [p.steps[0].num_draft for p in worker.plans] == [0, GAMMA, GAMMA]  # 1 + 5 + 1 (of 5) outputs
-    near_the_end = make_policy()
-    near_the_end.max_model_len = 10
+    near_the_end = make_policy(max_model_len=10)
     worker = FakeWorker(accept=GAMMA)
     drive(near_the_end, worker, [req("b", [5, 6, 7], max_new=100)])
     assert [p.steps[0].num_draft for p in worker.plans] == [0, GAMMA, 1]  # KV room: positions 3..9
@@ -149,7 +151,7 @@ def test_chunked_prefill_splits_by_budget_and_drafts_ride_the_last_chunk():
     logprobs = LogprobParams(return_logprob=True, logprob_start_len=0, top_logprobs_num=2)
     prompt = list(range(1, 21))
     result = drive(make_policy(chunk=7), worker, [req("a", prompt, max_new=3, logprobs=logprobs)])["a"]
-    assert [len(p.steps[0].query) for p in worker.plans[:3]] == [7, 7, 6]
+    assert [p.steps[0].num_query for p in worker.plans[:3]] == [7, 7, 6]
     assert [p.steps[0].samples for p in worker.plans[:3]] == [False, False, True]
     assert result["prompt_lp"][0] != result["prompt_lp"][0]  # NaN: the null first position
     assert result["prompt_lp"][1:] == [-float(p) for p in range(1, 20)]  # every position once, in order
@@ -166,7 +168,7 @@ def test_the_prefill_budget_holds_only_while_nothing_decodes():
         policy.update(plan := policy.schedule(), worker.execute(plan))
     policy.add(req("b", list(range(40, 60)), max_new=3))
     result = drive(policy, worker, [])
-    sizes = [[len(step.query) for step in plan.steps] for plan in worker.plans]
+    sizes = [[step.num_query for step in plan.steps] for plan in worker.plans]
     assert sizes[:3] == [[16], [14], [5]]  # a alone: 16 then 14 prompt tokens, then a verify (its token + 4 drafts)
     assert sizes[3] == [5, 2]  # a decodes: b's first chunk takes what is left of 7
     assert sizes[4] == [16] and sizes[4:] == [[16], [2], [5]]  # a has finished: b alone takes 16 again

@@ -274,15 +274,16 @@ OUTPUT_ROWS = ("output_token", "output_top_values", "output_top_ids", "output_id
 
 def _output_queries_per_step(core, monkeypatch) -> list[list[int]]:
     """Each step's output logprob queries, as the number of requests each one holds (filled as the core steps)."""
-    seen, worker_type = [], type(core.worker)
-    build = worker_type._logprob_queries
+    from services.scheduler.worker import worker as worker_module
 
-    def spy(self, plan, layout):
-        wanted = build(self, plan, layout)
+    seen, build = [], worker_module.ask
+
+    def spy(plan, layout, processed):
+        wanted = build(plan, layout, processed)
         seen.append([len(job.steps) for job in wanted.output])
         return wanted
 
-    monkeypatch.setattr(worker_type, "_logprob_queries", spy)
+    monkeypatch.setattr(worker_module, "ask", spy)
     return seen
 
 
@@ -332,21 +333,21 @@ def test_every_plan_says_truly_what_its_sequences_share(make_core, monkeypatch):
     from services.scheduler import policy as policy_module
 
     checked = {"shared": 0, "unprocessed": 0, "greedy": 0, "sampled": 0}
-    for name in ("schedule", "follow_decodes", "follow_prefill"):
+    for name in ("schedule",):
         make = getattr(policy_module.Policy, name)
 
-        def checking(self, *args, make=make):
-            plan = make(self, *args)
+        def checking(self, *args, make=make, **kwargs):
+            plan = make(self, *args, **kwargs)
             if plan is not None:  # exact, not only sound: a count that drifts would turn the worker's shortcuts off
-                assert set(plan.output_logprob_keys) == {seq.output_logprob_key for seq in self._running}
-                assert plan.processes_logits == any(seq.processes_logits for seq in self._running)
-                assert plan.samples_randomly == any(seq.samples_randomly for seq in self._running)
+                assert set(plan.output_logprob_keys) == {seq.params.output_logprob_key for seq in self._running}
+                assert plan.processes_logits == any(seq.params.processes_logits for seq in self._running)
+                assert plan.samples_randomly == any(seq.params.samples_randomly for seq in self._running)
                 checked["sampled" if plan.samples_randomly else "greedy"] += 1
             if plan is not None and len(plan.output_logprob_keys) == 1:
-                assert all(s.seq.output_logprob_key == plan.output_logprob_keys[0] for s in plan.steps)
+                assert all(s.params.output_logprob_key == plan.output_logprob_keys[0] for s in plan.steps)
                 checked["shared"] += 1
             if plan is not None and plan.processes_logits is False:
-                assert not any(s.seq.processes_logits for s in plan.steps)
+                assert not any(s.params.processes_logits for s in plan.steps)
                 checked["unprocessed"] += 1
             return plan
 

@@ -81,25 +81,6 @@ def test_block_manager_allocates_appends_and_rolls_back():
     assert blocks.num_free_blocks == 4 and not blocks.holds("a")
 
 
-def test_block_manager_grows_a_batch_by_one_token_as_allocate_slots_and_block_table_would():
-    """`grow_by_one` (a followed decode step's batch): the same blocks, slots and tables as `allocate`,
-    `slots` and `block_table` a sequence each on a twin manager, tables that need no block, one and
-    two included; and with too few free blocks for them all, None and nothing taken."""
-    grown, twin = BlockManager(num_blocks=12, block_size=4), BlockManager(num_blocks=12, block_size=4)
-    for blocks in (grown, twin):
-        blocks.allocate("a", 4), blocks.allocate("b", 6), blocks.allocate("c", 8)  # 1, 2 and 2 blocks
-    for ends in ([5, 7, 9], [6, 8, 10], [9, 9, 17]):  # a: one more block; c: two at once in the last
-        slots, tables = grown.grow_by_one(["a", "b", "c"], ends)
-        for rid, end in zip("abc", ends, strict=True):
-            twin.allocate(rid, end)
-        assert slots == [twin.slots(rid, end - 1, end)[0] for rid, end in zip("abc", ends, strict=True)]
-        assert [t.tolist() for t in tables] == [twin.block_table(rid).tolist() for rid in "abc"]
-        assert grown.num_free_blocks == twin.num_free_blocks
-    free = grown.num_free_blocks  # 12 - 3 - 3 - 5 = 1
-    assert free == 1 and grown.grow_by_one(["a", "b"], [13, 13]) is None  # two blocks wanted, one free
-    assert grown.num_free_blocks == free and [len(grown.block_table(r)) for r in "ab"] == [3, 3]
-
-
 # ---- sampler ----
 
 
@@ -403,9 +384,9 @@ def test_build_core_takes_the_prefill_budget_and_leaves_the_dense_path_to_cuda()
     from services.scheduler.build import build_core
 
     core = build_core(SchedulerConfig(device="cpu", chunked_prefill_size=512, max_prefill_tokens=4096))
-    assert (core.policy._chunk_budget, core.policy._prefill_budget) == (512, 4096)
+    assert (core.policy.config.chunk_budget, core.policy.config.prefill_budget) == (512, 4096)
     assert core.worker.runner.dense_prefill is None  # `--dense-prefill` does nothing off CUDA
-    assert build_core(SchedulerConfig(device="cpu")).policy._prefill_budget == DEFAULT_MAX_PREFILL_TOKENS
+    assert build_core(SchedulerConfig(device="cpu")).policy.config.prefill_budget == DEFAULT_MAX_PREFILL_TOKENS
 
 
 class _RunnerStandIn:

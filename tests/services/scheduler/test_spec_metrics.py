@@ -45,17 +45,16 @@ class _Clock:
 def test_step_times_of_a_step_without_readback_are_read_once_done_by_a_later_step():
     """A prefill chunk that samples nothing reads nothing back, so the step ends before its GPU
     work: its events must wait for a later step (on CUDA, reading them early raises), and count once."""
-    from services.scheduler.worker import ModelWorker
+    from services.scheduler.worker.readback import DeviceTimes
 
-    worker = ModelWorker.__new__(ModelWorker)  # only the clock bookkeeping is under test
-    worker._unread_clocks = []
+    times = DeviceTimes()  # the worker's clock bookkeeping
     chunk, decode = _Clock(2.0, 0.0), _Clock(0.5, 0.25)
-    assert worker._step_times(chunk) == (0.0, 0.0)  # not done: nothing read yet
+    assert times.read(chunk) == (0.0, 0.0)  # not done: nothing read yet
     chunk.finished = decode.finished = True
-    assert worker._step_times(decode) == (2.5, 0.25)  # both steps, in stream order
-    assert worker._unread_clocks == []
+    assert times.read(decode) == (2.5, 0.25)  # both steps, in stream order
+    assert times.unread == []
     late = _Clock(1.0, 0.0)
-    worker._step_times(late)
+    times.read(late)
     blocked = _Clock(3.0, 0.0)
     blocked.finished = True
-    assert worker._step_times(blocked) == (0.0, 0.0)  # in order: the earlier step is not done yet
+    assert times.read(blocked) == (0.0, 0.0)  # in order: the earlier step is not done yet

@@ -1,0 +1,172 @@
+"""Who runs this step, with which tokens: decodes, prefill chunks, admissions, KV and preemption.
+
+Running requests first, oldest first (a decode is its last token plus its drafts; a prefill chunk
+takes what is left of the token budget), then waiting requests while the budget, the running
+limit and free KV blocks allow. A step in which no sequence decodes has nothing to stall, so its
+budget is `prefill_budget` (>= `chunk_budget`): a long prompt that arrives alone prefills in a
+few large steps instead of many small ones. When a running request needs a block and none is
+free, the newest running request is preempted: its blocks are freed and it goes back to the front
+of the queue; on resume it re-prefills prompt + generated tokens (its pending drafts ride on the
+last chunk), and since sampling depends only on (seed, output position) and logprobs already
+returned are not returned again, its results are those it would have had alone.
+
+Planned ahead (a step in flight whose results are not applied yet, its effects counted by
+`Policy.expect`), a plan never preempts: it is None where it would have to, and the step after the
+in-flight one's results plans instead.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+import structlog
+
+from contracts.detokenizer import Finish, FinishType
+from services.scheduler.block_manager import BlockManager
+from services.scheduler.plan import SeqStep, StepPlan
+from services.scheduler.policy.config import PolicyConfig
+from services.scheduler.policy.forks import Forks
+from services.scheduler.policy.outputs import Outputs
+from services.scheduler.policy.running import RunningSet
+from services.scheduler.policy.sequence import Sequence
+
+log = structlog.get_logger(__name__)
+
+
+class _WouldPreempt(Exception):
+    """A plan made ahead needs KV blocks that only a preemption would free."""
+
+
+class Planner:
+    def __init__(self, config: PolicyConfig, blocks: BlockManager, running: RunningSet, waiting: deque[Sequence],
+                 outputs: Outputs, forks: Forks) -> None:  # fmt: skip
+        self.config = config
+        self._blocks = blocks
+        self._running = running
+        self._waiting = waiting
+        self._outputs = outputs
+        self._forks = forks
+        self._chunk_budget = config.chunk_budget
+        self._prefill_budget = max(config.chunk_budget, config.prefill_budget or config.chunk_budget)
+        self.num_preemptions = 0
+
+    def schedule(self, ahead: bool = False) -> tuple[StepPlan, list[Sequence]] | None:
+        """The next step's plan and its sequences, in order; None only `ahead`, where it would preempt."""
+        decoding = any(seq.num_pending == 1 for seq in self._running)  # a decode (or verify) this step
+        budget = self._chunk_budget if decoding else self._prefill_budget
+        chosen: list[tuple[Sequence, int, int]] = []  # (seq, committed tokens, drafts)
+        try:
+            for seq in list(self._running):
+                if seq not in self._running or (seq.num_unread and seq.num_outputs >= seq.max_outputs):
+                    continue  # preempted for an older request this step; or its unread token is its last
+                num_tokens, num_draft = self._query_size(seq, budget)
+                if num_tokens <= 0:
+                    continue
+                if not self._reserve(seq, seq.num_computed + num_tokens + num_draft, ahead):
+                    break  # seq itself was the newest: preempted (or failed)
+                chosen.append((seq, num_tokens, num_draft))
+                budget -= num_tokens + num_draft
+        except _WouldPreempt:
+            return None
+        chosen.extend(self._admit(budget))
+        return self._running.plan([self._seq_step(seq, n, k) for seq, n, k in chosen]), [seq for seq, _, _ in chosen]
+
+    def _query_size(self, seq: Sequence, budget: int) -> tuple[int, int]:
+        """(committed tokens, drafts) to compute: a decode always runs; a prefill chunk fits the budget;
+        drafts ride along only once every committed token is in the query."""
+        pending = seq.num_pending
+        num_tokens = pending if pending == 1 else min(pending, budget)
+        if num_tokens < pending:
+            return num_tokens, 0
+        # Drafts past max_new_tokens are verified anyway (the finish drops what follows it): a full block
+        # for every decoding sequence keeps the step's queries uniform, so it replays a CUDA graph.
+        room = self.config.max_model_len - seq.num_tokens  # KV positions left after the anchor
+        left = budget - num_tokens if pending > 1 else len(seq.drafts)
+        return num_tokens, max(0, min(self._num_to_verify(seq), room, left))
+
+    def _num_to_verify(self, seq: Sequence) -> int:
+        """`static`: the whole block. `compact`: the longest prefix whose survival, the product of the
+        drafter's confidences, stays >= `confidence_threshold` (at least one draft). Choosing fewer
+        drafts from the drafter's own outputs keeps verification lossless."""
+        if self.config.verify_mode == "static" or seq.draft_confidence is None:
+            return len(seq.drafts)
+        survival, count = 1.0, 0
+        for confidence in seq.draft_confidence[: len(seq.drafts)]:
+            survival *= confidence
+            if survival < self.config.confidence_threshold and count > 0:
+                break
+            count += 1
+        return count
+
+    def _reserve(self, seq: Sequence, num_tokens: int, ahead: bool) -> bool:
+        """Make room for `num_tokens` of `seq` in KV, preempting the newest running requests."""
+        while not self._blocks.can_allocate(seq.rid, num_tokens):
+            if ahead:
+                raise _WouldPreempt
+            victim = next(reversed(self._running))
+            if victim is seq and len(self._running) == 1:
+                if self._forks.drop_waiting_holds():
+                    continue
+                self._running.remove(seq)
+                self._blocks.free(seq.rid)
+                self.fail(seq, f"the KV cache cannot hold {num_tokens} tokens of this request")
+                return False
+            self._preempt(victim)
+            if victim is seq:
+                return False
+        self._blocks.allocate(seq.rid, num_tokens)
+        return True
+
+    def _preempt(self, seq: Sequence) -> None:
+        self._running.remove(seq)
+        self._blocks.free(seq.rid)
+        seq.num_computed = 0
+        self._waiting.appendleft(seq)
+        self.num_preemptions += 1
+        log.debug("scheduler.preempt", rid=seq.rid, tokens=seq.num_tokens)
+
+    def _admit(self, budget: int) -> list[tuple[Sequence, int, int]]:
+        admitted = []
+        while self._waiting and budget > 0 and len(self._running) < self.config.max_running_requests:
+            seq = self._waiting[0]
+            num_tokens, num_draft = self._query_size(seq, budget)
+            total = seq.num_computed + num_tokens + num_draft  # a fork starts with its prompt's shared blocks
+            # keep one block per running request free so admissions rarely force a preemption
+            needed = self._blocks.num_new_blocks(seq.rid, total) + len(self._running)
+            if needed > self._blocks.num_free_blocks and self._running:
+                break
+            if not self._blocks.can_allocate(seq.rid, total):
+                if self._running:
+                    break
+                if self._forks.drop_waiting_holds():  # alone and still too big: it can never run
+                    continue
+                self._waiting.popleft()
+                self._blocks.free(seq.rid)
+                self.fail(seq, f"the KV cache cannot hold {num_tokens} tokens of this request")
+                continue
+            self._waiting.popleft()
+            self._blocks.allocate(seq.rid, total)
+            self._running.add(seq)
+            admitted.append((seq, num_tokens, num_draft))
+            budget -= num_tokens + num_draft
+        return admitted
+
+    def _seq_step(self, seq: Sequence, num_tokens: int, num_draft: int) -> SeqStep:
+        start = seq.num_computed
+        end = start + num_tokens  # committed tokens computed through this step
+        from_pool = start == seq.sampled_position  # the query begins at the token its last step sampled
+        tokens = seq.tokens[start + from_pool : end] + seq.drafts[:num_draft]
+        samples = end == seq.num_tokens and seq.num_outputs < seq.max_outputs
+        hi = min(end, seq.num_prompt - 1)  # position p comes from row p - 1
+        slots = self._blocks.slots(seq.rid, start, end + num_draft)
+        table = self._blocks.block_table(seq.rid)
+        history = seq.tokens if seq.params.has_penalties else None
+        return SeqStep(seq.params, start, from_pool, tokens, num_draft, samples, seq.next_prompt_logprob, hi, slots, table,
+                       seq.num_outputs, history)  # fmt: skip
+
+    def fail(self, seq: Sequence, message: str) -> None:
+        """Finish `seq` (holding no blocks) and the forks waiting on it: they share its prompt."""
+        finish = Finish(FinishType.ABORT, message=message)
+        for each in (seq, *seq.forks):
+            self._outputs.finish(each, finish)
+        seq.forks = []

@@ -1,0 +1,61 @@
+"""A request's live state, as the policy keeps it. No torch."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from services.scheduler.plan import RequestParams
+from services.scheduler.request import LogprobEntries, SchedulerRequest
+
+NOT_SAMPLED = -1  # `Sequence.sampled_position` before the sequence's first token
+
+
+@dataclass(eq=False)  # identity: hashed and compared as objects (the running set), never by token lists
+class Sequence:
+    """`tokens` is prompt + output as the host knows them; `num_unread` more were sampled by steps
+    whose results are not applied yet (launched ahead: `Policy.expect`), so the sequence is
+    `num_tokens` long. The first `num_computed` tokens are in KV."""
+
+    request: SchedulerRequest
+    params: RequestParams
+    arrival: int
+    tokens: list[int]
+    max_outputs: int  # min(max_new_tokens, max_model_len - prompt length)
+    num_computed: int = 0
+    num_unread: int = 0
+    sampled_position: int = NOT_SAMPLED  # the position of the token its last step sampled (in the worker's token pool)
+    next_prompt_logprob: int = 0  # next prompt position whose entry is not yet returned
+    flat_values: list[np.ndarray] = field(default_factory=list)  # per prompt chunk: [rows, k]
+    flat_ids: list[np.ndarray] = field(default_factory=list)
+    flat_sent: bool = False
+    drafts: list[int] = field(default_factory=list)  # the proposed block the next step verifies
+    draft_confidence: list[float] | None = None  # the proposer's survival estimate per draft
+    speculative: bool = False  # the scheduler runs a proposer: report spec_verify_ct
+    spec_verify_ct: int = 0
+    forks: list[Sequence] = field(default_factory=list)  # choices waiting for this prefill, then forked
+    prompt_parts: list[LogprobEntries] = field(default_factory=list)  # prompt entries returned so far, for forks
+    # read several times a sequence a step: plain attributes, not properties
+    rid: str = field(init=False)
+    num_prompt: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.rid = self.params.rid
+        self.num_prompt = len(self.params.prompt_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.tokens) + self.num_unread
+
+    @property
+    def num_outputs(self) -> int:
+        return self.num_tokens - self.num_prompt
+
+    @property
+    def num_pending(self) -> int:
+        return self.num_tokens - self.num_computed
+
+    @property
+    def wants_flat(self) -> bool:
+        return self.params.prompt_logprob_start is not None and self.params.logprobs.flat_prompt_top_logprobs
