@@ -5,12 +5,12 @@ What a decode step costs the host around the device work, piece by piece, on the
 model's; nothing is simulated), and the output of each step is packed as the service publishes it:
 
 - schedule:  `Policy.schedule` (admission, KV reservation, the plan of every sequence), or
-             `Policy.follow_decodes` for a step planned by overlapped decoding
+             `Policy.expect` for a step planned ahead (overlapped steps)
 - inputs:    the worker's host arrays: layout, logprob queries and their inputs, `HostUpload.send`
-- readback:  registering the step's device results for the one copy and queueing it (`_Handles`' verify,
+- readback:  registering the step's device results for the one copy and queueing it (`StepParts`' verify,
              greedy and logprobs, `HostReadback.start`), then splitting the host copy (`PendingReadback.wait`;
              on the CPU the copy itself is a clone, timed too)
-- unpack:    the readback's columns -> per-sequence `SeqResult`s (`_Handles.results`)
+- unpack:    the readback's columns -> per-sequence `SeqResult`s (`StepParts.results`)
 - update:    `Policy.update` (tokens, finishes, logprob entries -> `RequestOutput`s)
 - core:      `SchedulerCore`'s own bookkeeping per step (counts, releases)
 - wire:      `wire.to_token_batches` + msgpack encoding of every `TokenBatch`
@@ -65,7 +65,10 @@ from services.models import RANDOM_TINY_MODEL
 from services.scheduler import core as core_module
 from services.scheduler import policy as policy_module
 from services.scheduler import wire
-from services.scheduler import worker as worker_module
+from services.scheduler.worker import worker as worker_module
+from services.scheduler.worker.logprob_asks import LogprobAsks
+from services.scheduler.worker.readback import StepParts
+from services.scheduler.worker.token_pool import TokenPool
 from services.scheduler.build import core_for
 from services.scheduler.core import SchedulerCore
 from services.scheduler.host_io import HostReadback, HostUpload, PendingReadback
@@ -82,13 +85,12 @@ LOGPROBS = {
 }
 # piece -> (owner, attribute) of the functions timed for it; an absent attribute is left out (older trees)
 PIECES = {
-    "schedule": [(policy_module.Policy, "schedule"), (policy_module.Policy, "follow_decodes")],  # overlapped: the latter
-    "inputs": [(worker_module, "_lay_out"), (worker_module.ModelWorker, "_logprob_queries"),
-               (worker_module.ModelWorker, "_host_arrays"), (worker_module._LogprobQueries, "inputs"),
-               (HostUpload, "send")],  # fmt: skip
-    "readback": [(worker_module._Handles, "verify"), (worker_module._Handles, "greedy"), (worker_module._Handles, "logprobs"),
+    "schedule": [(policy_module.Policy, "schedule"), (policy_module.Policy, "expect")],  # overlapped: the latter too
+    "inputs": [(worker_module, "ask"), (worker_module, "forward_arrays"), (worker_module, "accept_arrays"),
+               (LogprobAsks, "inputs"), (TokenPool, "host_arrays"), (HostUpload, "send")],  # fmt: skip
+    "readback": [(StepParts, "verify"), (StepParts, "greedy"), (StepParts, "logprobs"),
                  (HostReadback, "start"), (PendingReadback, "wait")],  # fmt: skip
-    "unpack": [(worker_module._Handles, "results")],
+    "unpack": [(StepParts, "results")],
     "update": [(policy_module.Policy, "update")],
     "core": [(core_module.SchedulerCore, "_count"), (core_module.SchedulerCore, "_finished"),
              (core_module.SchedulerCore, "_note_first_scheduled")],  # fmt: skip

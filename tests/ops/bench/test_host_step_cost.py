@@ -27,11 +27,11 @@ def test_every_piece_is_timed_on_decode_steps_and_the_wrappers_come_off(runner):
 def test_served_paths_take_greedy_steps_through_the_logprob_graphs_twin(runner, monkeypatch):
     """`--served-paths`: decode steps on the decode graphs' twin and their tokens and top-20 rows from
     `LogprobGraphs.greedy`, whose registering for the readback the readback piece times."""
-    from services.scheduler import worker
+    from services.scheduler.worker.readback import StepParts
 
     taken = []
-    original = worker._Handles.greedy
-    monkeypatch.setattr(worker._Handles, "greedy", lambda self, found: taken.append(found) or original(self, found))
+    original = StepParts.greedy
+    monkeypatch.setattr(StepParts, "greedy", lambda self, found: taken.append(found) or original(self, found))
     runner.prepare_decode_graphs(max_blocks_per_seq=4, capture=False)
     try:
         row = host_step_cost.measure(runner, 3, "top20", new_tokens=8, served_paths=True)
