@@ -15,7 +15,7 @@ from services.common.logging import add_logging_arguments, configure_logging, wi
 from services.common.settings import EnvSettings, connection_values
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.core import SchedulerCore
-from services.scheduler.flags import add_cuda_arguments, add_model_arguments, add_speculative_arguments
+from services.scheduler.flags import CUDA_SWITCHES, add_cuda_arguments, add_model_arguments, add_speculative_arguments
 from services.scheduler.build import build_core, check_model
 from services.scheduler.service import SchedulerService, connect
 
@@ -54,14 +54,7 @@ def config_from_args(args: argparse.Namespace) -> SchedulerConfig:
         max_prefill_tokens=args.max_prefill_tokens,
         overlap_decode=args.overlap_decode,
         step_trace=args.step_trace,
-        ragged_cuda_graphs=args.ragged_cuda_graphs,
-        logprob_cuda_graphs=args.logprob_cuda_graphs,
-        greedy_logprob_graphs=args.greedy_logprob_graphs,
-        fused_kernels=args.fused_kernels,
-        fused_logprobs=args.fused_logprobs,
-        dense_prefill=args.dense_prefill,
         dense_attention=args.dense_attention,
-        split_kv_decode=args.split_kv_decode,
         kv_block_size=args.kv_block_size,
         num_kv_blocks=args.num_kv_blocks,
         max_model_len=args.max_model_len,
@@ -72,6 +65,7 @@ def config_from_args(args: argparse.Namespace) -> SchedulerConfig:
         kv_cache_memory_fraction=args.kv_cache_memory_fraction,
         metrics_host=args.metrics_host,
         metrics_port=args.metrics_port,
+        **{name.replace("-", "_"): getattr(args, name.replace("-", "_")) for name in CUDA_SWITCHES},
     )
 
 

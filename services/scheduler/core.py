@@ -28,56 +28,12 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 
 from services.scheduler.plan import StepPlan
+from services.scheduler.step_counts import QueueTimes, SchedulerStats, StepCounts, StepRecord, step_record
 from services.scheduler.policy import Policy
 from services.scheduler.request import RequestOutput, SchedulerRequest
 from services.scheduler.worker import LaunchedStep, ModelWorker
-
-
-@dataclass(frozen=True)
-class SchedulerStats:
-    """A snapshot for metrics and heartbeats."""
-
-    num_running: int
-    num_waiting: int
-    num_free_blocks: int
-    num_blocks: int
-    num_preemptions: int
-    num_steps: int
-    num_prompt_tokens: int  # computed prompt (prefill) tokens, re-prefills included
-    num_generated_tokens: int
-    num_drafted_tokens: int  # draft tokens sent to verification
-    num_accepted_tokens: int  # of those, accepted
-    accept_lengths: tuple[int, ...] = ()  # [gamma + 2]: verify passes that yielded n tokens (bonus included)
-    forward_s: float = 0.0  # target forward + verify + logprobs, summed over steps
-    draft_s: float = 0.0  # drafter inject + propose, summed over steps
-    num_prefix_queries: int = 0  # prompt tokens of the requests added (vLLM's prefix-cache queries)
-    num_prefix_hits: int = 0  # of those, tokens whose KV was shared, not computed (forked choices)
-
-    @property
-    def kv_usage(self) -> float:
-        return 1.0 - self.num_free_blocks / self.num_blocks
-
-
-@dataclass(frozen=True)
-class StepRecord:
-    """What one `step` ran, for the step trace (`step_trace.py`): its plan's shape, whether it was
-    launched before the step ahead of it was read back (`followed`), whether it launched the next
-    one that way (`follows`), how long the host waited for its readback (`wait_s`: the device's
-    share of the step, when the host is ahead; 0 where the device had finished first and idled for
-    the host), and how long collecting took (`collect_s`: the wait, then the readback's split into
-    per-sequence results)."""
-
-    num_seqs: int
-    num_tokens: int
-    num_prefill_tokens: int  # prompt tokens computed (chunks and re-prefills)
-    num_sampling: int  # sequences that sampled (a decode, a verify or a prompt's last chunk)
-    followed: bool
-    follows: bool
-    collect_s: float
-    wait_s: float
 
 
 class SchedulerCore:
@@ -100,14 +56,11 @@ class SchedulerCore:
         self._inbox_aborts: list[tuple[str, str]] = []
         self._inbox_arrivals: dict[str, float] = {}  # rid -> when `add` took it
         self._clock = clock
-        self._unscheduled: dict[str, float] = {}  # rid -> arrival, until a plan first includes it
-        self._queue_times: dict[str, float] = {}  # rid -> seconds from arrival to first scheduled, until taken
+        self._queue_times = QueueTimes(clock)
         self._in_flight: LaunchedStep | None = None  # launched, results not applied yet (overlapped decoding)
         self._last_step: tuple | None = None  # (plan, followed, follows, collect_s, wait_s) of the last `step`, for `last_step`
         self.num_steps = 0
-        self._counts = {"prompt": 0, "generated": 0, "drafted": 0, "accepted": 0, "forward_s": 0.0, "draft_s": 0.0}
-        num_draft = policy.config.num_draft_tokens
-        self._accept_lengths = [0] * (num_draft + 2) if num_draft > 0 else []
+        self._counts = StepCounts(policy.config.num_draft_tokens)
 
     # ---- thread-safe entry points ----
 
@@ -157,23 +110,15 @@ class SchedulerCore:
     def last_step(self) -> StepRecord | None:
         """What the last `step` ran (None: it planned nothing), summed only when asked: the step
         trace asks, the decode loop without one never pays for it."""
-        return None if self._last_step is None else _record(*self._last_step)
+        return None if self._last_step is None else step_record(*self._last_step)
 
     def take_queue_times(self) -> dict[str, float]:
         """rid -> seconds from `add` until first scheduled, for requests first scheduled since the
         last call. Call between steps (the adapter: after each step)."""
-        taken, self._queue_times = self._queue_times, {}
-        return taken
+        return self._queue_times.take()
 
     def stats(self) -> SchedulerStats:
-        blocks = self.policy.blocks
-        counts = self._counts
-        return SchedulerStats(
-            self.policy.num_running, self.policy.num_waiting, blocks.num_free_blocks, blocks.num_blocks,
-            self.policy.num_preemptions, self.num_steps, counts["prompt"], counts["generated"],
-            counts["drafted"], counts["accepted"], tuple(self._accept_lengths), counts["forward_s"], counts["draft_s"],
-            self.policy.num_prefix_queries, self.policy.num_prefix_hits,
-        )  # fmt: skip
+        return self._counts.stats(self.policy, self.num_steps)
 
     def fail_all(self, message: str) -> list[RequestOutput]:
         """Finish every request held (inbox included) with ABORT: fatal errors and shutdown.
@@ -187,7 +132,7 @@ class SchedulerCore:
         self._in_flight = None  # its results are not wanted: every request it ran for ends here
         outputs = self.policy.fail_all(message)
         self.worker.release(held)
-        self._unscheduled.clear()
+        self._queue_times.clear()
         return outputs
 
     # ---- the step ----
@@ -212,7 +157,7 @@ class SchedulerCore:
         followed = launched is not None
         if launched is None:
             plan = self.policy.schedule()  # 3
-            self._note_first_scheduled(plan)
+            self._queue_times.scheduled(plan)
             if not plan.steps:
                 if on_queued is not None:
                     on_queued()
@@ -227,7 +172,7 @@ class SchedulerCore:
         results = self.worker.collect(launched)  # 5
         collect_s = time.perf_counter() - collect_began
         outputs = self.policy.update(launched.plan, results)
-        self._count(launched.plan, results, outputs)
+        self._counts.count(launched.plan, results, outputs, self.worker)
         self._last_step = (launched.plan, followed, self._in_flight is not None, collect_s, self.worker.last_wait_s)
         self.num_steps += 1
         return self._finished(outputs)
@@ -239,7 +184,7 @@ class SchedulerCore:
         following = self.policy.schedule(ahead=True)
         if following is None or not following.steps:
             return None
-        self._note_first_scheduled(following)
+        self._queue_times.scheduled(following)
         return self.worker.launch(following)
 
     def _drain_inbox(self) -> tuple[list[SchedulerRequest], list[tuple[str, str]]]:
@@ -247,45 +192,11 @@ class SchedulerCore:
             requests, self._inbox = self._inbox, []
             aborts, self._inbox_aborts = self._inbox_aborts, []
             arrivals, self._inbox_arrivals = self._inbox_arrivals, {}
-        self._unscheduled.update(arrivals)
+        self._queue_times.arrived(arrivals)
         return requests, aborts
-
-    def _note_first_scheduled(self, plan) -> None:
-        if not self._unscheduled:
-            return  # steady decoding: nothing waits for its first step
-        now = self._clock()
-        for step in plan.steps:
-            arrived = self._unscheduled.pop(step.rid, None)
-            if arrived is not None:
-                self._queue_times[step.rid] = now - arrived
 
     def _finished(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
         finished = [o.rid for o in outputs if o.finish is not None]
         self.worker.release(finished)
-        for rid in finished:  # refused or aborted before it was ever scheduled: no queue time
-            self._unscheduled.pop(rid, None)
+        self._queue_times.forget(finished)
         return outputs
-
-    def _count(self, plan, results, outputs: list[RequestOutput]) -> None:
-        counts = self._counts
-        counts["generated"] += sum(len(o.new_token_ids) for o in outputs)
-        for step, result in zip(plan.steps, results, strict=True):
-            if step.start < step.params.num_prompt:  # else a decode: no prompt tokens
-                counts["prompt"] += _num_prefill_tokens(step)
-            if step.samples:
-                counts["drafted"] += step.num_draft
-                counts["accepted"] += max(0, len(result.tokens) - 1)
-                if self._accept_lengths and step.output_position > 0:  # a verify pass (see spec_verify_ct)
-                    self._accept_lengths[min(len(result.tokens), len(self._accept_lengths) - 1)] += 1
-        counts["forward_s"] += self.worker.last_forward_s
-        counts["draft_s"] += self.worker.last_draft_s
-
-
-def _num_prefill_tokens(step) -> int:
-    return max(0, min(step.start + step.num_committed, step.params.num_prompt) - step.start)
-
-
-def _record(plan, followed: bool, follows: bool, collect_s: float, wait_s: float) -> StepRecord:
-    steps = plan.steps
-    return StepRecord(len(steps), plan.num_tokens, sum(_num_prefill_tokens(s) for s in steps),
-                      sum(s.samples for s in steps), followed, follows, collect_s, wait_s)  # fmt: skip

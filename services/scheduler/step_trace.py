@@ -25,7 +25,7 @@ from typing import IO
 
 import msgspec
 
-from services.scheduler.core import StepRecord
+from services.scheduler.step_counts import StepRecord
 
 
 class StepTrace:

@@ -104,13 +104,7 @@ class Policy:
 
     def _sequence(self, request: SchedulerRequest) -> Sequence:
         seed = request.sampling.seed if request.sampling.seed is not None else self._rng.getrandbits(63)
-        params = RequestParams.of(request, seed)
-        max_outputs = min(request.sampling.max_new_tokens, self.config.max_model_len - len(request.prompt_ids))
-        seq = Sequence(request, params, next(self._arrivals), request.prompt_ids.tolist(), max_outputs)
-        start = params.prompt_logprob_start
-        seq.next_prompt_logprob = seq.num_prompt if start is None else start
-        seq.speculative = self.config.num_draft_tokens > 0
-        return seq
+        return Sequence.of(request, RequestParams.of(request, seed), next(self._arrivals), self.config)
 
     def abort(self, rid: str, reason: str) -> None:
         seq = self._remove(rid)
@@ -210,7 +204,7 @@ class Policy:
         for token in result.tokens:
             seq.tokens.append(token)
             kept += 1
-            finish = self._finish_reason(seq, token)
+            finish = _finish_reason(seq, token, self.config.eos_ids)
             if finish is not None:
                 break
         # a row per verified position (the worker's output queries), cut to the tokens kept
@@ -221,20 +215,21 @@ class Policy:
         if finish is not None:
             self._finish(seq, finish)
 
-    def _finish_reason(self, seq: Sequence, token_id: int) -> Finish | None:
-        sampling = seq.params.sampling
-        if token_id in sampling.stop_token_ids:
-            return Finish(FinishType.STOP, matched=token_id)
-        if token_id in self.config.eos_ids and not sampling.ignore_eos:
-            return Finish(FinishType.STOP, matched=token_id)
-        if seq.num_outputs >= seq.max_outputs:
-            return Finish(FinishType.LENGTH)
-        return None
-
     def _finish(self, seq: Sequence, finish: Finish) -> None:
         self._running.remove(seq)
         self.blocks.free(seq.rid)
         self._outputs.finish(seq, finish)
+
+
+def _finish_reason(seq: Sequence, token_id: int, eos_ids: frozenset[int]) -> Finish | None:
+    sampling = seq.params.sampling
+    if token_id in sampling.stop_token_ids:
+        return Finish(FinishType.STOP, matched=token_id)
+    if token_id in eos_ids and not sampling.ignore_eos:
+        return Finish(FinishType.STOP, matched=token_id)
+    if seq.num_outputs >= seq.max_outputs:
+        return Finish(FinishType.LENGTH)
+    return None
 
 
 def _next_prompt_logprob(step: SeqStep) -> int:

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from services.scheduler.plan import RequestParams
+from services.scheduler.policy.config import PolicyConfig
 from services.scheduler.request import LogprobEntries, SchedulerRequest
 
 NOT_SAMPLED = -1  # `Sequence.sampled_position` before the sequence's first token
@@ -43,6 +44,15 @@ class Sequence:
     def __post_init__(self) -> None:
         self.rid = self.params.rid
         self.num_prompt = len(self.params.prompt_ids)
+
+    @classmethod
+    def of(cls, request: SchedulerRequest, params: RequestParams, arrival: int, config: PolicyConfig) -> Sequence:
+        max_outputs = min(request.sampling.max_new_tokens, config.max_model_len - len(request.prompt_ids))
+        seq = cls(request, params, arrival, request.prompt_ids.tolist(), max_outputs)
+        start = params.prompt_logprob_start
+        seq.next_prompt_logprob = seq.num_prompt if start is None else start
+        seq.speculative = config.num_draft_tokens > 0
+        return seq
 
     @property
     def num_tokens(self) -> int:
