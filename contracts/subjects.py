@@ -17,7 +17,7 @@ chunks safe: every chunk reaches the same process, in order.
 
 from __future__ import annotations
 
-VERSION = "v1"
+VERSION = "v2"  # v2: logprobs travel as LogprobColumns alone (contracts/logprobs.py)
 PREFIX = f"sparkwire.{VERSION}"
 ALL = f"{PREFIX}.>"  # what `sparkwire record` captures
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 import msgspec
 
 from contracts.arrays import NDArray
-from contracts.detokenizer import Finish, RequestLogprobs, check_columns
+from contracts.detokenizer import Finish, check_columns, check_logprobs
+from contracts.logprobs import LogprobColumns
 from contracts.limits import InstanceId, Rid
 
 
@@ -25,11 +26,15 @@ class TextBatch(msgspec.Struct, frozen=True, gc=False, omit_defaults=True):
     new_token_ids: NDArray  # i32 [sum(num_new_tokens)]
     prompt_tokens: NDArray  # i32 [R]
     finish: list[Finish | None]  # [R]
-    logprobs: list[RequestLogprobs | None] | None = None  # [R], passed through from the scheduler
     spec_verify_ct: NDArray | None = None  # i32 [R]
+    # as in `TokenBatch`; output rows after a stop match cut too
+    output_logprobs: LogprobColumns | None = None
+    prompt_logprobs: LogprobColumns | None = None
+    prompt_top_flat: LogprobColumns | None = None
 
     def __post_init__(self) -> None:
         if len(self.text_deltas) != len(self.rids):
             raise ValueError(f"text_deltas must have {len(self.rids)} entries")
-        check_columns(self.rids, self.num_new_tokens, self.new_token_ids, self.prompt_tokens, self.finish,
-                      self.logprobs, self.spec_verify_ct)  # fmt: skip
+        counts = check_columns(self.rids, self.num_new_tokens, self.new_token_ids, self.prompt_tokens, self.finish,
+                               self.spec_verify_ct)  # fmt: skip
+        check_logprobs(counts, self.output_logprobs, self.prompt_logprobs, self.prompt_top_flat)

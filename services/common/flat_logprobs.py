@@ -1,7 +1,8 @@
 """PRODUCT §5: prompt top logprobs as flat row-major arrays, built and validated in one place.
 
 Position p (>= null_prefix), entry j of the top-k list lives at index (p - null_prefix) * k + j
-of the flattened arrays. Every caller (the scheduler when the last prefill chunk is done, the
+of the flattened arrays: a request's top-k rows of the one logprob layout (`RowLogprobs` with no
+`token`, its `start` the null prefix), which travel as `TokenBatch.prompt_top_flat`. Every caller (the scheduler when the last prefill chunk is done, the
 tokenizer for its fallback path) builds them with `build_flat_top_logprobs`; whatever it cannot
 represent raises `FlatLogprobsError` and nothing else.
 """
@@ -9,9 +10,10 @@ represent raises `FlatLogprobsError` and nothing else.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import numpy as np
+
+from services.common.logprob_rows import RowLogprobs
 
 INT32_MAX = np.iinfo(np.int32).max
 
@@ -27,19 +29,9 @@ class FlatLogprobsError(ValueError):
     """
 
 
-@dataclass(frozen=True)
-class FlatTopLogprobs:
-    values: np.ndarray  # f32 [rows, k], rows = positions after the null prefix
-    ids: np.ndarray  # i32 [rows, k]
-    null_prefix: int  # leading positions with no top logprobs
-
-    @property
-    def k(self) -> int:
-        return self.values.shape[1]
-
-
-def build_flat_top_logprobs(values: Rows, ids: Rows, k: int) -> FlatTopLogprobs:
-    """Rows are sequences (a null row is None) or 2-D arrays (a null row is all-NaN / all -1)."""
+def build_flat_top_logprobs(values: Rows, ids: Rows, k: int) -> RowLogprobs:
+    """Rows are sequences (a null row is None) or 2-D arrays (a null row is all-NaN / all -1). The
+    result: top-k rows only (`token` None), the rows after the null prefix, `start` the prefix."""
     if isinstance(k, bool) or not isinstance(k, int | np.integer) or k < 0:
         raise FlatLogprobsError(f"k must be a non-negative integer; got {k!r}")
     value_nulls, value_rows = _split_nulls(values, k, "values", _null_value_rows)
@@ -49,11 +41,7 @@ def build_flat_top_logprobs(values: Rows, ids: Rows, k: int) -> FlatTopLogprobs:
     if not np.array_equal(value_nulls, id_nulls):
         raise FlatLogprobsError("value rows and id rows are null at different positions")
     null_prefix = _null_prefix(value_nulls)
-    return FlatTopLogprobs(
-        values=_as_values(value_rows, k, null_prefix),
-        ids=_as_ids(id_rows, k, null_prefix),
-        null_prefix=null_prefix,
-    )
+    return RowLogprobs.of(None, _as_values(value_rows, k, null_prefix), _as_ids(id_rows, k, null_prefix), start=null_prefix)
 
 
 def _split_nulls(rows: Rows, k: int, name: str, null_rows) -> tuple[np.ndarray, list | np.ndarray]:

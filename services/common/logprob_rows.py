@@ -133,6 +133,9 @@ class RowSpan(msgspec.Struct, frozen=True, gc=False):
     def m(self) -> int:
         return self.source.ids.shape[1]
 
+    def columns(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        return self.token, self.top_values, self.top_ids, self.ids
+
     def head(self, n: int) -> RowSpan:
         return self if n >= self.count else RowSpan(self.source, self.first, n)
 
@@ -171,7 +174,7 @@ def to_columns(rows: Sequence[HostRows | None]) -> LogprobColumns | None:
     output rows) are that source's columns as they are, or one gather of them."""
     present = [r for r in rows if r is not None]
     if not present:
-        return None
+        return None  # (`rows` may be empty: nothing of that kind in the batch)
     source = present[0].source if present[0].__class__ is RowSpan else None
     if source is not None and all(r.__class__ is RowSpan and r.source is source for r in present):
         return _span_columns(rows, source)

@@ -6,36 +6,33 @@ trimmed, its token ids and output logprob rows after the completing token are cu
 `AbortRequest(reason="stop")` is returned for the adapter to broadcast so the scheduler frees
 the slot. Under `min_tokens` (vLLM's meaning) the text of the first `min_tokens` output tokens
 cannot end a stop string; tokens are counted one by one, so a step that delivers several (DSpark)
-is judged exactly as single-token steps would be. Logprob arrays are passed through as the same
-`NDArray` objects unless they must be cut, and a cut is a zero-copy slice of the received bytes;
-output entries sent as the batch's columns (`OutputLogprobColumns`) go back into each request's
-`RequestLogprobs` here, as views of the received bytes too.
+is judged exactly as single-token steps would be. Logprob columns pass through as the same
+objects where a text batch carries the token batch's every request uncut; otherwise each request's
+rows (views of the received bytes) are cut where they must be and joined again per text batch.
 """
 
 from __future__ import annotations
 
-import math
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
-import msgspec
 import numpy as np
 import structlog
 from tokenizers import Tokenizer
 
 from contracts.arrays import NDArray
-from contracts.detokenizer import DetokenizerRegistration, Finish, FinishType, RequestLogprobs, TokenBatch
+from contracts.detokenizer import DetokenizerRegistration, Finish, FinishType, TokenBatch
+from contracts.logprobs import LogprobColumns
 from contracts.scheduler import AbortRequest
 from contracts.tokenizer import TextBatch
 from services.common.arrays import from_wire, to_wire
-from services.common.output_logprob_columns import per_request
+from services.common.logprob_rows import RowLogprobs, from_columns, to_columns
 from services.detokenizer.incremental import IncrementalDecoder
 from services.detokenizer.stops import StopMatcher
 
 log = structlog.get_logger(__name__)
 
 NUM_REMEMBERED_FINISHED = 65536  # late batches for these rids are dropped quietly
-OUTPUT_LOGPROB_FIELDS = ("output_token_logprobs", "output_top_logprobs", "output_top_ids", "output_ids_logprobs")
 
 
 @dataclass
@@ -61,7 +58,7 @@ class _Entry:
     token_ids: np.ndarray  # int32 [num_kept]
     cut: bool  # token ids (and output logprob rows) after a stop match were dropped
     finish: Finish | None
-    logprobs: RequestLogprobs | None
+    output_rows: RowLogprobs | None  # its output logprob rows, cut as its ids
 
 
 @dataclass
@@ -96,7 +93,7 @@ class DetokenizerCore:
     def process(self, batch: TokenBatch) -> DetokenizeResult:
         token_ids = from_wire(batch.new_token_ids)  # int32 [T]
         offsets = np.concatenate(([0], np.cumsum(from_wire(batch.num_new_tokens))))  # [R + 1]
-        outputs = per_request(batch.output_logprobs) if batch.output_logprobs is not None else None  # [R]
+        outputs = from_columns(batch.output_logprobs, len(batch.rids))  # [R]: each request's rows, views
         result = DetokenizeResult()
         by_owner: dict[str, list[_Entry]] = {}
         for index, rid in enumerate(batch.rids):
@@ -104,8 +101,7 @@ class DetokenizerCore:
             if request is None:
                 continue
             request.scheduler_id = batch.scheduler_id
-            output_fields = outputs[index] if outputs is not None else None
-            entry = self._advance(batch, index, token_ids[offsets[index] : offsets[index + 1]], request, output_fields)
+            entry = self._advance(batch, index, token_ids[offsets[index] : offsets[index + 1]], request, outputs[index])
             by_owner.setdefault(request.tokenizer_id, []).append(entry)
             if entry.finish is not None:
                 self._forget(rid)
@@ -178,7 +174,7 @@ class DetokenizerCore:
             self._finished.popitem(last=False)
 
     def _advance(self, batch: TokenBatch, index: int, ids: np.ndarray, request: _Request,
-                 output_fields: dict[str, NDArray] | None) -> _Entry:  # fmt: skip
+                 output_rows: RowLogprobs | None) -> _Entry:  # fmt: skip
         text, num_kept, matched = _detokenize(request, ids.tolist())
         scheduler_finish = batch.finish[index]
         if matched is None and scheduler_finish is not None:
@@ -188,13 +184,10 @@ class DetokenizerCore:
             tail, matched = request.stops.feed(tail)
             text += tail if matched is not None else tail + request.stops.flush()
         finish = Finish(FinishType.STOP, matched=matched) if matched is not None else scheduler_finish
-        logprobs = batch.logprobs[index] if batch.logprobs is not None else None
-        if output_fields is not None:  # the batch's columns: back into the request's entries, as `TextBatch` carries them
-            logprobs = RequestLogprobs(**output_fields) if logprobs is None else msgspec.structs.replace(logprobs, **output_fields)
         cut = num_kept < len(ids)
-        if cut:
-            logprobs = _cut_output_logprobs(logprobs, num_kept)
-        return _Entry(index, text, ids[:num_kept], cut, finish, logprobs)
+        if cut and output_rows is not None:
+            output_rows = output_rows.head(num_kept)
+        return _Entry(index, text, ids[:num_kept], cut, finish, output_rows)
 
     def _failure_batch(self, rids: list[str], finish: Finish) -> TextBatch:
         """No text or tokens, only the ABORT finish; its sender is this detokenizer on both ends."""
@@ -213,6 +206,11 @@ class DetokenizerCore:
     def _text_batch(self, batch: TokenBatch, entries: list[_Entry]) -> TextBatch:
         indices = [entry.index for entry in entries]
         whole = len(entries) == len(batch.rids) and not any(entry.cut for entry in entries)
+        if whole:  # the batch's every request, uncut: its columns as they came
+            output, prompt, flat = batch.output_logprobs, batch.prompt_logprobs, batch.prompt_top_flat
+        else:
+            output = to_columns([entry.output_rows for entry in entries]) if batch.output_logprobs is not None else None
+            prompt, flat = _subset(batch.prompt_logprobs, indices, len(batch.rids)), _subset(batch.prompt_top_flat, indices, len(batch.rids))
         return TextBatch(
             detokenizer_id=self.instance_id,
             scheduler_id=batch.scheduler_id,
@@ -222,8 +220,10 @@ class DetokenizerCore:
             new_token_ids=batch.new_token_ids if whole else _concat_ids(entries),
             prompt_tokens=batch.prompt_tokens if whole else _take(batch.prompt_tokens, indices),
             finish=[entry.finish for entry in entries],
-            logprobs=None if batch.logprobs is None and batch.output_logprobs is None else [entry.logprobs for entry in entries],
             spec_verify_ct=batch.spec_verify_ct if whole else _take(batch.spec_verify_ct, indices),
+            output_logprobs=output,
+            prompt_logprobs=prompt,
+            prompt_top_flat=flat,
         )
 
 
@@ -260,20 +260,12 @@ def _probe_held(request: _Request) -> tuple[str, str] | None:
     return request.stops.probe(held) if held else None
 
 
-def _cut_output_logprobs(logprobs: RequestLogprobs | None, num_rows: int) -> RequestLogprobs | None:
-    if logprobs is None:
+def _subset(columns: LogprobColumns | None, indices: list[int], count: int) -> LogprobColumns | None:
+    """The rows of the batch's requests at `indices`, as columns of their own."""
+    if columns is None:
         return None
-    cuts = {name: _head(getattr(logprobs, name), num_rows) for name in OUTPUT_LOGPROB_FIELDS}
-    return msgspec.structs.replace(logprobs, **cuts)
-
-
-def _head(array: NDArray | None, num_rows: int) -> NDArray | None:
-    """The first `num_rows` rows of a row-major array: a zero-copy slice of its bytes."""
-    if array is None or not array.shape or array.shape[0] <= num_rows:
-        return array
-    row_bytes = np.dtype(array.dtype).itemsize * math.prod(array.shape[1:])
-    data = memoryview(array.data).cast("B")[: num_rows * row_bytes]
-    return NDArray(dtype=array.dtype, shape=(num_rows, *array.shape[1:]), data=data)
+    rows = from_columns(columns, count)
+    return to_columns([rows[i] for i in indices])
 
 
 def _counts(entries: list[_Entry]) -> NDArray:

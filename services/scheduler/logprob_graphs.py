@@ -56,7 +56,7 @@ from services.scheduler.logprobs import (
     max_chunk_rows,
 )
 from services.scheduler.model.graphs import capture_graph
-from services.scheduler.request import RowLogprobs
+from services.common.logprob_rows import RowLogprobs
 from services.scheduler.sampler import TOP_K_OFF
 
 log = structlog.get_logger(__name__)

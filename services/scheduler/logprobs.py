@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from contracts.scheduler import SamplingParams
-from services.scheduler.request import HostRows, RowLogprobs, RowSpan, are_all_rows
+from services.common.logprob_rows import HostRows, RowLogprobs, RowSpan, are_all_rows
 from services.scheduler.sampler import filter_arrays, filtered_out, unfiltered
 
 CHUNK_BYTES = 512 * 1024 * 1024  # a chunk's fp32 logprobs, at most (and 1024 rows); with its logits and the

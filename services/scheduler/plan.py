@@ -15,7 +15,8 @@ import msgspec
 import numpy as np
 
 from contracts.scheduler import LogprobParams, SamplingParams
-from services.scheduler.request import HostRows, SchedulerRequest, has_penalties, is_identity
+from services.common.logprob_rows import HostRows
+from services.scheduler.request import SchedulerRequest, has_penalties, is_identity
 
 class RequestParams(msgspec.Struct, frozen=True, gc=False):
     """A request's parameters as the worker reads them, fixed for its life."""

@@ -1,7 +1,7 @@
 """Logprob arrays from the scheduler -> the JSON fields of the native /generate API.
 
 Pure functions over numpy arrays (no NATS, no HTTP). Conventions of
-`contracts.detokenizer.RequestLogprobs`: NaN is a null value, a row of -1 ids is a null row.
+`contracts.logprobs.LogprobColumns`: NaN is a null value, a row of -1 ids is a null row.
 A triple is `[logprob | None, token_id, text | None]`; text only with `return_text_in_logprobs`.
 Each field is built once from the request's complete arrays (non-stream), or once per SSE event
 from that event's new entries (stream).
@@ -17,9 +17,8 @@ from typing import Any
 import numpy as np
 import structlog
 
-from contracts.detokenizer import RequestLogprobs
-from services.common.arrays import from_wire
-from services.common.flat_logprobs import FlatLogprobsError, FlatTopLogprobs, build_flat_top_logprobs
+from services.common.flat_logprobs import FlatLogprobsError, build_flat_top_logprobs
+from services.common.logprob_rows import RequestLogprobs, RowLogprobs
 from services.tokenizer.json_body import Base64Field
 
 log = structlog.get_logger(__name__)
@@ -37,49 +36,21 @@ class FormatOptions:
     flat_b64: bool = False
 
 
-def concat(pieces: list[np.ndarray], dtype: str, width: int | None = None) -> np.ndarray:
-    """The pieces as one array (the piece itself when there is one: a streamed step's; read only)."""
-    if len(pieces) == 1:
-        return pieces[0]
-    if pieces:
-        return np.concatenate(pieces)
-    return np.empty((0,) if width is None else (0, width), dtype=dtype)
-
-
 @dataclass
 class LogprobChunks:
-    """One request's logprob entries gathered over one or more steps, kept as numpy pieces."""
+    """One request's logprob rows gathered over one or more steps (numpy views, joined when formatted)."""
 
-    output_token: list[np.ndarray] = field(default_factory=list)  # f32 [n] each
-    output_top_values: list[np.ndarray] = field(default_factory=list)  # f32 [n, k]
-    output_top_ids: list[np.ndarray] = field(default_factory=list)  # i32 [n, k]
-    output_ids_values: list[np.ndarray] = field(default_factory=list)  # f32 [n, m]
-    input_start: int | None = None
-    input_token: list[np.ndarray] = field(default_factory=list)  # f32 [p]
-    input_top_values: list[np.ndarray] = field(default_factory=list)  # f32 [p, k]
-    input_top_ids: list[np.ndarray] = field(default_factory=list)  # i32 [p, k]
-    input_ids_values: list[np.ndarray] = field(default_factory=list)  # f32 [p, m]
-    flat: FlatTopLogprobs | None = None  # as the scheduler sent it (PRODUCT §5)
+    output: list[RowLogprobs] = field(default_factory=list)
+    prompt: list[RowLogprobs] = field(default_factory=list)
+    flat: RowLogprobs | None = None  # as the scheduler sent it (PRODUCT §5): the top-k rows, `start` the null prefix
 
     def add(self, lp: RequestLogprobs) -> None:
-        pairs = (
-            (lp.output_token_logprobs, self.output_token),
-            (lp.output_top_logprobs, self.output_top_values),
-            (lp.output_top_ids, self.output_top_ids),
-            (lp.output_ids_logprobs, self.output_ids_values),
-            (lp.input_token_logprobs, self.input_token),
-            (lp.input_top_logprobs, self.input_top_values),
-            (lp.input_top_ids, self.input_top_ids),
-            (lp.input_ids_logprobs, self.input_ids_values),
-        )
-        for wire, pieces in pairs:
-            if wire is not None:
-                pieces.append(from_wire(wire))
-        if lp.input_start is not None and self.input_start is None:
-            self.input_start = lp.input_start
-        if lp.input_top_logprobs_flat is not None and lp.input_top_ids_flat is not None:
-            values, ids = from_wire(lp.input_top_logprobs_flat), from_wire(lp.input_top_ids_flat)
-            self.flat = FlatTopLogprobs(values, ids, lp.input_top_null_prefix or 0)
+        if lp.output is not None:
+            self.output.append(lp.output)
+        if lp.prompt is not None:
+            self.prompt.append(lp.prompt)
+        if lp.flat is not None:
+            self.flat = lp.flat
 
     def add_all(self, entries: tuple[RequestLogprobs, ...]) -> None:
         for lp in entries:
@@ -87,7 +58,21 @@ class LogprobChunks:
 
     @property
     def num_input(self) -> int:
-        return sum(len(piece) for piece in self.input_token)
+        return sum(rows.num_rows for rows in self.prompt)
+
+    def prompt_rows(self, k: int, m: int) -> RowLogprobs:
+        return _joined(self.prompt, k, m)
+
+    def output_rows(self, k: int, m: int) -> RowLogprobs:
+        return _joined(self.output, k, m)
+
+
+def _joined(parts: list[RowLogprobs], k: int, m: int) -> RowLogprobs:
+    """The parts as one (the part itself when there is one: a streamed step's; read only); empty
+    rows of widths k and m when there are none."""
+    if parts:
+        return RowLogprobs.joined(parts)
+    return RowLogprobs(np.empty(0, "<f4"), np.empty((0, k), "<f4"), np.empty((0, k), "<i4"), np.empty((0, m), "<f4"))
 
 
 FEW_ROWS = 8  # token_triples: rows up to this many skip numpy's NaN search
@@ -131,13 +116,13 @@ def ids_rows(values: np.ndarray, token_ids: tuple[int, ...], text_of: TextOf) ->
     return rows
 
 
-def flat_fields(flat: FlatTopLogprobs, b64: bool) -> dict[str, Any]:
+def flat_fields(flat: RowLogprobs, b64: bool) -> dict[str, Any]:
     """PRODUCT §5 fields that replace `input_top_logprobs`; b64 bytes are little-endian."""
-    values = np.ascontiguousarray(flat.values, dtype="<f4")  # [rows, k]
-    ids = np.ascontiguousarray(flat.ids, dtype="<i4")  # [rows, k]
+    values = np.ascontiguousarray(flat.top_values, dtype="<f4")  # [rows, k]
+    ids = np.ascontiguousarray(flat.top_ids, dtype="<i4")  # [rows, k]
     fields: dict[str, Any] = {
         "input_top_logprobs_shape": list(values.shape),
-        "input_top_logprobs_null_prefix": flat.null_prefix,
+        "input_top_logprobs_null_prefix": flat.start,
     }
     if b64:
         # The arrays themselves: `json_body.encode_json` writes their base64 straight into the body.
@@ -151,12 +136,11 @@ def flat_fields(flat: FlatTopLogprobs, b64: bool) -> dict[str, Any]:
     return fields
 
 
-def _input_top(chunks: LogprobChunks, opts: FormatOptions) -> dict[str, Any]:
+def _input_top(chunks: LogprobChunks, rows: RowLogprobs, opts: FormatOptions) -> dict[str, Any]:
     """Nested rows, or the flat fields: the scheduler's arrays win over anything rebuilt here,
     whenever they arrive; nested rows are converted only when no arrays came."""
     k = opts.top_logprobs_num
-    values = concat(chunks.input_top_values, "<f4", k)  # [p, k]
-    ids = concat(chunks.input_top_ids, "<i4", k)  # [p, k]
+    values, ids = rows.top_values, rows.top_ids  # [p, k] each
     if not opts.flat:
         return {"input_top_logprobs": top_rows(values, ids, opts.text_of)}
     if chunks.flat is not None:
@@ -168,30 +152,28 @@ def _input_top(chunks: LogprobChunks, opts: FormatOptions) -> dict[str, Any]:
         return {"input_top_logprobs": top_rows(values, ids, opts.text_of)}
 
 
+def _widths(opts: FormatOptions) -> tuple[int, int]:
+    return opts.top_logprobs_num, len(opts.token_ids_logprob or ())
+
+
 def _input_fields(chunks: LogprobChunks, prompt_ids: Sequence[int], opts: FormatOptions) -> dict[str, Any]:
-    start = chunks.input_start or 0
-    token_values = concat(chunks.input_token, "<f4")  # [p]
-    ids = list(prompt_ids[start : start + len(token_values)])
-    fields: dict[str, Any] = {"input_token_logprobs": token_triples(token_values, ids, opts.text_of)}
+    rows = chunks.prompt_rows(*_widths(opts))
+    ids = list(prompt_ids[rows.start : rows.start + rows.num_rows])
+    fields: dict[str, Any] = {"input_token_logprobs": token_triples(rows.token, ids, opts.text_of)}
     if opts.top_logprobs_num > 0:
-        fields.update(_input_top(chunks, opts))
+        fields.update(_input_top(chunks, rows, opts))
     if opts.token_ids_logprob is not None:
-        m = len(opts.token_ids_logprob)
-        values = concat(chunks.input_ids_values, "<f4", m)  # [p, m]
-        fields["input_token_ids_logprobs"] = ids_rows(values, opts.token_ids_logprob, opts.text_of)
+        fields["input_token_ids_logprobs"] = ids_rows(rows.ids, opts.token_ids_logprob, opts.text_of)  # [p, m]
     return fields
 
 
 def _output_fields(chunks: LogprobChunks, output_ids: Sequence[int], opts: FormatOptions) -> dict[str, Any]:
-    token_values = concat(chunks.output_token, "<f4")  # [n]
-    fields: dict[str, Any] = {"output_token_logprobs": token_triples(token_values, output_ids, opts.text_of)}
+    rows = chunks.output_rows(*_widths(opts))
+    fields: dict[str, Any] = {"output_token_logprobs": token_triples(rows.token, output_ids, opts.text_of)}
     if opts.top_logprobs_num > 0:
-        k = opts.top_logprobs_num
-        values, ids = concat(chunks.output_top_values, "<f4", k), concat(chunks.output_top_ids, "<i4", k)
-        fields["output_top_logprobs"] = top_rows(values, ids, opts.text_of)
+        fields["output_top_logprobs"] = top_rows(rows.top_values, rows.top_ids, opts.text_of)
     if opts.token_ids_logprob is not None:
-        values = concat(chunks.output_ids_values, "<f4", len(opts.token_ids_logprob))  # [n, m]
-        fields["output_token_ids_logprobs"] = ids_rows(values, opts.token_ids_logprob, opts.text_of)
+        fields["output_token_ids_logprobs"] = ids_rows(rows.ids, opts.token_ids_logprob, opts.text_of)  # [n, m]
     return fields
 
 

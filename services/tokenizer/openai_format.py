@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from services.tokenizer.logprobs_format import LogprobChunks, concat
+from services.tokenizer.logprobs_format import LogprobChunks
 from services.tokenizer.text_model import TextModel
 
 CHAT_NULL_LOGPROB = -9999.0  # OpenAI's chat schema has no null logprob; it uses this floor
@@ -51,16 +51,14 @@ def _positions(values: np.ndarray, ids: Sequence[int], top_v: np.ndarray, top_i:
 
 
 def prompt_positions(chunks: LogprobChunks, prompt_ids: Sequence[int], k: int) -> Positions:
-    start = chunks.input_start or 0
-    values = concat(chunks.input_token, "<f4")  # [p]
-    ids = list(prompt_ids[start : start + len(values)])
-    return _positions(values, ids, concat(chunks.input_top_values, "<f4", k), concat(chunks.input_top_ids, "<i4", k))
+    rows = chunks.prompt_rows(k, 0)
+    ids = list(prompt_ids[rows.start : rows.start + rows.num_rows])
+    return _positions(rows.token, ids, rows.top_values, rows.top_ids)
 
 
 def output_positions(chunks: LogprobChunks, output_ids: Sequence[int], k: int) -> Positions:
-    values = concat(chunks.output_token, "<f4")  # [n]
-    top_v, top_i = concat(chunks.output_top_values, "<f4", k), concat(chunks.output_top_ids, "<i4", k)
-    return _positions(values, output_ids, top_v, top_i)
+    rows = chunks.output_rows(k, 0)
+    return _positions(rows.token, output_ids, rows.top_values, rows.top_ids)
 
 
 def text_offsets(pieces: Sequence[bytes], start: int = 0) -> list[int]:

@@ -19,9 +19,10 @@ import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
-from contracts.detokenizer import Finish, RequestLogprobs
+from contracts.detokenizer import Finish
 from contracts.tokenizer import TextBatch
 from services.common.arrays import from_wire
+from services.common.logprob_rows import RequestLogprobs, from_columns
 from services.common.metrics import finish_reason
 from services.tokenizer.validation import GenerationSpec, InvalidRequest
 
@@ -161,7 +162,7 @@ class PendingRequests:
         token_ids = from_wire(batch.new_token_ids).tolist()  # [sum(counts)]
         prompt_tokens = from_wire(batch.prompt_tokens).tolist()  # [R]
         verify = from_wire(batch.spec_verify_ct).tolist() if batch.spec_verify_ct is not None else None
-        logprobs = batch.logprobs or [None] * len(batch.rids)
+        logprobs = _request_logprobs(batch)
         start = 0
         for i, rid in enumerate(batch.rids):
             end = start + counts[i]
@@ -191,3 +192,12 @@ class PendingRequests:
 
     def fail_owned_by(self, instance_id: str, message: str) -> list[str]:
         return self.fail(lambda p: instance_id in (p.scheduler_id, p.detokenizer_id), message)
+
+
+def _request_logprobs(batch: TextBatch) -> list[RequestLogprobs | None]:
+    """Each request's rows of the batch's logprob columns (None: none), views of the received bytes."""
+    count = len(batch.rids)
+    if batch.output_logprobs is None and batch.prompt_logprobs is None and batch.prompt_top_flat is None:
+        return [None] * count
+    kinds = zip(*(from_columns(columns, count) for columns in (batch.output_logprobs, batch.prompt_logprobs, batch.prompt_top_flat)))
+    return [None if rows == (None, None, None) else RequestLogprobs(*rows) for rows in kinds]

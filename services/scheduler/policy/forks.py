@@ -11,7 +11,7 @@ from collections import deque
 from services.scheduler.block_manager import BlockManager
 from services.scheduler.policy.outputs import Outputs
 from services.scheduler.policy.sequence import Sequence
-from services.scheduler.request import LogprobEntries
+from services.common.logprob_rows import RequestLogprobs, RowLogprobs
 
 
 class Forks:
@@ -42,7 +42,7 @@ class Forks:
         and it samples the fork's first token from its own row with its own seed, as if alone.
         """
         shared = num_shared_tokens(parent.num_prompt, self._blocks.block_size)
-        prompt = LogprobEntries.joined_prompt(parent.prompt_parts)
+        prompt = _joined(parent.prompt_parts)
         for child in parent.forks:
             self._blocks.fork(parent.rid, child.rid, shared)
             child.num_computed = shared
@@ -69,6 +69,13 @@ class Forks:
             self._blocks.free(seq.rid)
             seq.num_computed = 0
         return bool(holders)
+
+
+def _joined(parts: list[RequestLogprobs]) -> RequestLogprobs:
+    """The prompt rows of several steps as one step's: rows joined in order, the flat arrays (sent once, so in one part)."""
+    prompts = [part.prompt for part in parts if part.prompt is not None]
+    flat = next((part.flat for part in parts if part.flat is not None), None)
+    return RequestLogprobs(prompt=RowLogprobs.joined(prompts) if prompts else None, flat=flat)
 
 
 def num_shared_tokens(num_prompt: int, block_size: int) -> int:

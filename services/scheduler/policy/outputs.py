@@ -11,7 +11,8 @@ from contracts.detokenizer import Finish
 from services.common.flat_logprobs import FlatLogprobsError, build_flat_top_logprobs
 from services.scheduler.plan import SeqResult, SeqStep
 from services.scheduler.policy.sequence import Sequence
-from services.scheduler.request import HostRows, LogprobEntries, RequestOutput
+from services.common.logprob_rows import HostRows, RequestLogprobs, RowLogprobs
+from services.scheduler.request import RequestOutput
 
 log = structlog.get_logger(__name__)
 
@@ -21,7 +22,7 @@ class _Pending(msgspec.Struct):
 
     seq: Sequence
     new_token_ids: list[int] = []  # an empty default is copied per instance
-    logprobs: LogprobEntries = msgspec.field(default_factory=LogprobEntries)
+    logprobs: RequestLogprobs = msgspec.field(default_factory=RequestLogprobs)
     finish: Finish | None = None
 
 
@@ -49,50 +50,44 @@ class Outputs:
             entry.logprobs.output = rows if rows.num_rows == len(tokens) else rows.head(len(tokens))
 
     def record_prompt(self, seq: Sequence, step: SeqStep, result: SeqResult) -> None:
-        """The step's prompt rows: nested entries now, or kept for the flat arrays (`attach_flat`)."""
+        """The step's prompt rows, from their first position: returned now, or, for a request that
+        wants flat arrays, held until the whole prompt is in (`attach_flat`)."""
         if result.prompt_logprobs is None:
             return
         rows = result.prompt_logprobs
         if step.prompt_lo == seq.params.prompt_logprob_start:
             rows = rows.with_null_row()
-        entries = self._entry(seq).logprobs
-        entries.input_start = step.prompt_lo
-        entries.input_token_logprobs = rows.token
-        entries.input_ids_logprobs = rows.ids if seq.params.logprobs.token_ids_logprob else None
+        rows = (rows if rows.__class__ is RowLogprobs else rows.rows()).at(step.prompt_lo)
         if seq.wants_flat:
-            seq.flat_values.append(rows.top_values)
-            seq.flat_ids.append(rows.top_ids)
-        elif seq.params.logprobs.top_logprobs_num > 0:
-            entries.input_top_logprobs = rows.top_values
-            entries.input_top_ids = rows.top_ids
+            seq.held_prompt.append(rows)
+        else:
+            self._entry(seq).logprobs.prompt = rows
 
     def attach_flat(self, seq: Sequence) -> None:
-        """PRODUCT §5: build the flat prompt top arrays once, when the whole prompt is in. Rows that
-        cannot be represented fall back to nested rows (with a warning) for this request only."""
+        """PRODUCT §5: the whole prompt's rows, once it is in, their top-k as the flat arrays. Rows
+        that cannot be represented fall back to nested rows (with a warning) for this request only."""
         k = seq.params.logprobs.top_logprobs_num
-        values = np.concatenate(seq.flat_values) if seq.flat_values else np.zeros((0, k), np.float32)
-        ids = np.concatenate(seq.flat_ids) if seq.flat_ids else np.zeros((0, k), np.int32)
-        seq.flat_values, seq.flat_ids, seq.flat_sent = [], [], True
+        held = seq.held_prompt or [RowLogprobs.of(np.zeros(0, np.float32), np.zeros((0, k), np.float32), np.zeros((0, k), np.int32))]
+        rows = RowLogprobs.joined(held)
+        seq.held_prompt, seq.flat_sent = [], True
         entries = self._entry(seq).logprobs
         try:
-            flat = build_flat_top_logprobs(values, ids, k)
+            entries.flat = build_flat_top_logprobs(rows.top_values, rows.top_ids, k)
         except FlatLogprobsError as exc:
             log.warning("scheduler.flat_logprobs_fallback", rid=seq.rid, error=str(exc))
-            entries.input_top_logprobs, entries.input_top_ids = values, ids  # every prompt row, in order
+            entries.prompt = rows  # every prompt row, nested, in order
             return
-        entries.input_top_logprobs_flat = flat.values
-        entries.input_top_ids_flat = flat.ids
-        entries.input_top_null_prefix = flat.null_prefix
+        entries.prompt = RowLogprobs.of(rows.token, None, None, rows.ids, start=rows.start)  # the top-k goes flat
 
-    def prompt_part(self, seq: Sequence) -> LogprobEntries | None:
-        """The prompt entries `seq` got this step (a parent keeps them for its forks); None: none."""
+    def prompt_part(self, seq: Sequence) -> RequestLogprobs | None:
+        """The prompt rows `seq` got this step (a parent keeps them for its forks); None: none."""
         entry = self._pending.get(seq.rid)
-        if entry is None or entry.seq is not seq or entry.logprobs.is_empty():
+        if entry is None or entry.seq is not seq or (entry.logprobs.prompt is None and entry.logprobs.flat is None):
             return None
-        return entry.logprobs.prompt_part()
+        return RequestLogprobs(prompt=entry.logprobs.prompt, flat=entry.logprobs.flat)
 
-    def give_prompt(self, seq: Sequence, prompt: LogprobEntries) -> None:
-        """A fork's copy of its parent's prompt entries, returned with its first output."""
+    def give_prompt(self, seq: Sequence, prompt: RequestLogprobs) -> None:
+        """A fork's copy of its parent's prompt rows, returned with its first output."""
         self._entry(seq).logprobs = msgspec.structs.replace(prompt)
 
     def _entry(self, seq: Sequence) -> _Pending:

@@ -4,11 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import numpy as np
-
 from services.scheduler.plan import RequestParams
 from services.scheduler.policy.config import PolicyConfig
-from services.scheduler.request import LogprobEntries, SchedulerRequest
+from services.common.logprob_rows import RequestLogprobs, RowLogprobs
+from services.scheduler.request import SchedulerRequest
 
 NOT_SAMPLED = -1  # `Sequence.sampled_position` before the sequence's first token
 
@@ -28,15 +27,14 @@ class Sequence:
     num_unread: int = 0
     sampled_position: int = NOT_SAMPLED  # the position of the token its last step sampled (in the worker's token pool)
     next_prompt_logprob: int = 0  # next prompt position whose entry is not yet returned
-    flat_values: list[np.ndarray] = field(default_factory=list)  # per prompt chunk: [rows, k]
-    flat_ids: list[np.ndarray] = field(default_factory=list)
+    held_prompt: list[RowLogprobs] = field(default_factory=list)  # a flat-arrays request's prompt rows, until the prompt is in
     flat_sent: bool = False
     drafts: list[int] = field(default_factory=list)  # the proposed block the next step verifies
     draft_confidence: list[float] | None = None  # the proposer's survival estimate per draft
     speculative: bool = False  # the scheduler runs a proposer: report spec_verify_ct
     spec_verify_ct: int = 0
     forks: list[Sequence] = field(default_factory=list)  # choices waiting for this prefill, then forked
-    prompt_parts: list[LogprobEntries] = field(default_factory=list)  # prompt entries returned so far, for forks
+    prompt_parts: list[RequestLogprobs] = field(default_factory=list)  # prompt rows returned so far, for forks
     # read several times a sequence a step: plain attributes, not properties
     rid: str = field(init=False)
     num_prompt: int = field(init=False)

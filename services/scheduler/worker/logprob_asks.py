@@ -15,7 +15,7 @@ import torch
 
 from services.scheduler.logprobs import LogprobQuery, logprob_inputs, split_logprobs
 from services.scheduler.plan import RequestParams, SeqStep, StepPlan
-from services.scheduler.request import HostRows, RowLogprobs, RowSpan
+from services.common.logprob_rows import HostRows, RowLogprobs, RowSpan
 from services.scheduler.worker.layout import StepLayout
 
 PROMPT_LP, OUTPUT_LP = "prompt_logprobs.", "output_logprobs."  # their inputs' names in the upload
@@ -38,7 +38,7 @@ class Owned(msgspec.Struct, frozen=True):
         """The query's host rows (`split_logprobs`) -> each step's (by step index): spans of the same columns."""
         if len(self.steps) == 1 or rows.num_rows == 0:  # no rows: nothing computed (`split_logprobs`' empty rows)
             return dict.fromkeys(self.steps, rows)
-        source, start = (rows.source, rows.start) if rows.__class__ is RowSpan else (rows, 0)
+        source, start = (rows.source, rows.first) if rows.__class__ is RowSpan else (rows, 0)
         if self.counts is None:
             spans = [RowSpan(source, first, 1) for first in range(start, start + len(self.steps))]
         else:

@@ -33,7 +33,7 @@ from services.scheduler.logprobs import TopKKeys, logprobs_on_device
 from services.scheduler.model.batch import ForwardBatch
 from services.scheduler.model.runner import triton_available
 from services.scheduler.plan import SeqResult, SeqStep, StepPlan
-from services.scheduler.request import RowLogprobs
+from services.common.logprob_rows import RowLogprobs
 from services.scheduler.sampler import draw_noise, mix_seed, sampling_probs
 from services.scheduler.spec.accept import VerifyBlock, accept
 from services.scheduler.spec.base import ContextRows, DraftRequest, Proposer

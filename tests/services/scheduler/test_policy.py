@@ -17,7 +17,8 @@ import pytest
 from contracts.detokenizer import Finish, FinishType
 from contracts.scheduler import LogprobParams, SamplingParams
 from services.scheduler.policy import Policy, PolicyConfig, SeqResult, StepPlan
-from services.scheduler.request import RowLogprobs, SchedulerRequest
+from services.common.logprob_rows import RowLogprobs
+from services.scheduler.request import SchedulerRequest
 
 VOCAB = 97
 GAMMA = 4
@@ -106,10 +107,10 @@ def drive(policy: Policy, worker: FakeWorker, requests, aborts: dict[int, list[s
             entry = out.setdefault(o.rid, {"tokens": [], "finish": None, "output_lp": [], "prompt_lp": []})
             entry["tokens"] += o.new_token_ids
             entry["finish"] = o.finish
-            if o.logprobs is not None and o.logprobs.output_token_logprobs is not None:
-                entry["output_lp"] += o.logprobs.output_token_logprobs.tolist()
-            if o.logprobs is not None and o.logprobs.input_token_logprobs is not None:
-                entry["prompt_lp"] += o.logprobs.input_token_logprobs.tolist()
+            if o.logprobs is not None and o.logprobs.output is not None:
+                entry["output_lp"] += o.logprobs.output.token.tolist()
+            if o.logprobs is not None and o.logprobs.prompt is not None:
+                entry["prompt_lp"] += o.logprobs.prompt.token.tolist()
     raise AssertionError("policy did not finish")
 
 

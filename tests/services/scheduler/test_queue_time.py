@@ -51,7 +51,7 @@ def test_each_request_is_observed_once_and_one_aborted_while_waiting_never(make_
     run(core, requests, abort_at={1: ["late"]})
     assert core.num_preemptions > 0  # re-prefills are not first schedules
     assert sorted(taken) == sorted(f"r{i}" for i in range(12))  # once each; "late" never ran
-    assert core.take_queue_times() == {} and core._unscheduled == {}
+    assert core.take_queue_times() == {} and core._queue_times._unscheduled == {}
 
 
 def test_forked_choices_queue_until_their_own_first_step(make_core):
@@ -65,4 +65,4 @@ def test_forked_choices_queue_until_their_own_first_step(make_core):
         queue_times |= core.take_queue_times()
     assert queue_times["p"] == 0.0
     assert queue_times["p.1"] == queue_times["p.2"] >= 3.0  # a 40-token prompt in chunks of 16
-    assert core._unscheduled == {}
+    assert core._queue_times._unscheduled == {}

@@ -45,26 +45,26 @@ class Result:
         lp = output.logprobs
         if lp is None:
             return
-        if lp.input_token_logprobs is not None:
-            expected = lp.input_start if self.input_start is None else self.input_start + self.num_input_entries
-            assert lp.input_start == expected, "prompt entries must be contiguous"
-            self.input_start = self.input_start if self.input_start is not None else lp.input_start
-            self.num_input_entries += len(lp.input_token_logprobs)
-        for name, target in (
-            ("input_token_logprobs", self.input_token),
-            ("input_top_logprobs", self.input_top_values),
-            ("input_top_ids", self.input_top_ids),
-            ("input_ids_logprobs", self.input_ids),
-            ("output_token_logprobs", self.output_token),
-            ("output_top_logprobs", self.output_top_values),
-            ("output_top_ids", self.output_top_ids),
-            ("output_ids_logprobs", self.output_ids),
+        if lp.prompt is not None:
+            expected = lp.prompt.start if self.input_start is None else self.input_start + self.num_input_entries
+            assert lp.prompt.start == expected, "prompt entries must be contiguous"
+            self.input_start = self.input_start if self.input_start is not None else lp.prompt.start
+            self.num_input_entries += lp.prompt.num_rows
+        for rows, token, top_values, top_ids, ids in (
+            (lp.prompt, self.input_token, self.input_top_values, self.input_top_ids, self.input_ids),
+            (lp.output, self.output_token, self.output_top_values, self.output_top_ids, self.output_ids),
         ):
-            if getattr(lp, name) is not None:
-                target.append(getattr(lp, name))
-        if lp.input_top_logprobs_flat is not None:
+            if rows is None:
+                continue
+            token.append(rows.token)
+            if rows.k:  # a kind asked for (its width 0 where not)
+                top_values.append(rows.top_values)
+                top_ids.append(rows.top_ids)
+            if rows.m:
+                ids.append(rows.ids)
+        if lp.flat is not None:
             assert self.flat is None, "flat arrays are sent once"
-            self.flat = (lp.input_top_logprobs_flat, lp.input_top_ids_flat, lp.input_top_null_prefix)
+            self.flat = (lp.flat.top_values, lp.flat.top_ids, lp.flat.start)
 
     def cat(self, name: str) -> np.ndarray:
         return np.concatenate(getattr(self, name))
@@ -264,9 +264,9 @@ def test_requests_without_logprobs_get_none_and_mixed_k_per_request(make_core):
         core.add(r)
     outputs = {o.rid: o for o in core.step()}
     assert outputs["plain"].logprobs is None
-    assert outputs["k2"].logprobs.output_top_logprobs.shape == (1, 2) and outputs["k2"].logprobs.output_ids_logprobs is None
-    assert outputs["k7"].logprobs.output_top_ids.shape == (1, 7) and outputs["k7"].logprobs.output_ids_logprobs.shape == (1, 1)
-    assert outputs["k2"].logprobs.input_token_logprobs is None  # logprob_start_len -1: output only
+    assert outputs["k2"].logprobs.output.top_values.shape == (1, 2) and outputs["k2"].logprobs.output.m == 0  # no ids asked
+    assert outputs["k7"].logprobs.output.top_ids.shape == (1, 7) and outputs["k7"].logprobs.output.ids.shape == (1, 1)
+    assert outputs["k2"].logprobs.prompt is None  # logprob_start_len -1: output only
 
 
 OUTPUT_ROWS = ("output_token", "output_top_values", "output_top_ids", "output_ids")

@@ -107,11 +107,11 @@ async def test_claim_generate_receive_until_finish(harness):
     assert len(tokens) == 5
     assert all(b.scheduler_id == "sched-test" for b in batches)
     assert batches[-1].finish[-1].type == FinishType.LENGTH
-    output_logprobs = [
-        from_wire(lp.output_token_logprobs) for b in batches for lp in b.logprobs or [] if lp and lp.output_token_logprobs
-    ]
+    from services.common.logprob_rows import from_columns
+
+    output_logprobs = [rows.token for b in batches for rows in from_columns(b.output_logprobs, len(b.rids)) if rows is not None]
     assert sum(len(x) for x in output_logprobs) == 5
-    prompt_logprobs = [from_wire(lp.input_token_logprobs) for b in batches for lp in b.logprobs or [] if lp and lp.input_token_logprobs]
+    prompt_logprobs = [rows.token for b in batches for rows in from_columns(b.prompt_logprobs, len(b.rids)) if rows is not None]
     assert sum(len(x) for x in prompt_logprobs) == len(PROMPT)
 
 

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from contracts.arrays import NDArray
-from contracts.detokenizer import Finish, FinishType, RequestLogprobs, TokenBatch
+from contracts.detokenizer import Finish, FinishType, TokenBatch
+from contracts.logprobs import LogprobColumns
 from contracts.scheduler import SamplingParams
 from services.common.arrays import from_wire
 from services.scheduler.block_manager import BlockManager
@@ -24,7 +25,8 @@ from services.scheduler.logprobs import (
     split_logprobs,
     top_k_sorted,
 )
-from services.scheduler.request import LogprobEntries, RequestOutput, RowLogprobs, RowSpan
+from services.common.logprob_rows import RequestLogprobs, RowLogprobs, RowSpan, from_columns, to_columns
+from services.scheduler.request import RequestOutput
 from services.scheduler.sampler import Sampler, SampleRow
 from services.scheduler.wire import to_token_batches
 
@@ -173,7 +175,7 @@ def test_split_logprobs_views_full_width_rows_and_cuts_narrower_queries():
         LogprobQuery(np.array([3]), None, top_k=0, token_ids=()),
     ]
     wide, narrow, bare = split_logprobs(queries, [token, top_values, top_ids, ids])
-    assert isinstance(wide, RowSpan) and (wide.start, wide.count) == (0, 1)
+    assert isinstance(wide, RowSpan) and (wide.first, wide.count) == (0, 1)
     assert all(np.shares_memory(a, b) for a, b in zip(wide.columns(), (token, top_values, top_ids, ids)))
     assert isinstance(narrow, RowLogprobs) and isinstance(bare, RowLogprobs)
     np.testing.assert_array_equal(wide.top_ids, [[0, 1, 2]])
@@ -233,21 +235,10 @@ def test_config_validates_its_choices():
 # ---- wire ----
 
 
-class _OldRequestLogprobs(msgspec.Struct, frozen=True, gc=False, omit_defaults=True):
-    """RequestLogprobs as it was before the flat fields existed."""
+class _NoFlatTokenBatch(msgspec.Struct, frozen=True, gc=False, omit_defaults=True):
+    """TokenBatch without its flat prompt arrays (PRODUCT §5: a batch with no opted-in request
+    encodes as if the field did not exist)."""
 
-    output_token_logprobs: NDArray | None = None
-    output_top_logprobs: NDArray | None = None
-    output_top_ids: NDArray | None = None
-    output_ids_logprobs: NDArray | None = None
-    input_start: int | None = None
-    input_token_logprobs: NDArray | None = None
-    input_top_logprobs: NDArray | None = None
-    input_top_ids: NDArray | None = None
-    input_ids_logprobs: NDArray | None = None
-
-
-class _OldTokenBatch(msgspec.Struct, frozen=True, gc=False, omit_defaults=True):
     scheduler_id: str
     step: int
     rids: list[str]
@@ -255,17 +246,15 @@ class _OldTokenBatch(msgspec.Struct, frozen=True, gc=False, omit_defaults=True):
     new_token_ids: NDArray
     prompt_tokens: NDArray
     finish: list[Finish | None]
-    logprobs: list[_OldRequestLogprobs | None] | None = None
+    spec_verify_ct: NDArray | None = None
+    output_logprobs: LogprobColumns | None = None
+    prompt_logprobs: LogprobColumns | None = None
 
 
 def _outputs():
-    entries = LogprobEntries(
-        output=RowLogprobs.of(np.array([-0.5], np.float32)),
-        input_start=0,
-        input_token_logprobs=np.array([np.nan, -1.0], np.float32),
-        input_top_logprobs=np.array([[np.nan], [-1.0]], np.float32),
-        input_top_ids=np.array([[-1], [4]], np.int32),
-    )
+    prompt = RowLogprobs.of(np.array([np.nan, -1.0], np.float32), np.array([[np.nan], [-1.0]], np.float32),
+                            np.array([[-1], [4]], np.int32), start=0)  # fmt: skip
+    entries = RequestLogprobs(output=RowLogprobs.of(np.array([-0.5], np.float32)), prompt=prompt)
     return [
         RequestOutput("a", "d1", [4], 2, None, entries),
         RequestOutput("b", "d1", [], 3, Finish(FinishType.ABORT, message="gone"), None),
@@ -273,15 +262,11 @@ def _outputs():
     ]
 
 
-def test_each_prompt_field_alone_counts_as_prompt_entries_and_output_fields_do_not():
-    from services.scheduler.request import PROMPT_FIELDS
-
-    assert LogprobEntries().has_prompt_entries() is False
-    assert LogprobEntries(output=RowLogprobs.of(np.zeros(1, np.float32))).has_prompt_entries() is False
-    for name in PROMPT_FIELDS:
-        entries = LogprobEntries(**{name: 0 if name in ("input_start", "input_top_null_prefix") else np.zeros((1, 1), np.float32)})
-        assert entries.has_prompt_entries(), name
-        assert getattr(entries.prompt_part(), name) is getattr(entries, name), name
+def test_each_kind_of_rows_alone_is_news_and_none_is_not():
+    assert RequestLogprobs().is_empty()
+    rows = RowLogprobs.of(np.zeros(1, np.float32))
+    for kind in ("output", "prompt", "flat"):
+        assert not RequestLogprobs(**{kind: rows}).is_empty(), kind
 
 
 def test_token_batches_are_grouped_per_detokenizer_and_columnar():
@@ -290,44 +275,59 @@ def test_token_batches_are_grouped_per_detokenizer_and_columnar():
     d1 = msgspec.msgpack.decode(msgspec.msgpack.encode(batches["d1"]), type=TokenBatch)
     assert d1.rids == ["a", "b"] and d1.step == 7
     assert bytes(d1.num_new_tokens.data) == np.array([1, 0], "<i4").tobytes()
-    assert d1.logprobs[1] is None and d1.logprobs[0].input_start == 0
-    # one request with output entries: its own arrays, no columns
-    assert from_wire(d1.logprobs[0].output_token_logprobs).tolist() == [-0.5] and d1.output_logprobs is None
-    assert batches["d2"].logprobs is None and batches["d2"].output_logprobs is None  # nobody there asked
+    prompt = from_columns(d1.prompt_logprobs, 2)
+    assert prompt[1] is None and prompt[0].start == 0 and prompt[0].top_ids.tolist() == [[-1], [4]]
+    assert [None if r is None else r.token.tolist() for r in from_columns(d1.output_logprobs, 2)] == [[-0.5], None]
+    assert d1.prompt_top_flat is None
+    d2 = batches["d2"]  # nobody there asked
+    assert d2.output_logprobs is None and d2.prompt_logprobs is None and d2.prompt_top_flat is None
 
 
 def test_output_entries_of_several_requests_travel_as_the_batch_columns():
     outputs = _outputs()
-    top = LogprobEntries(output=RowLogprobs.of(np.array([-0.25, -2.0], np.float32), np.array([[-0.25], [-0.5]], np.float32),
-                                               np.array([[1], [6]], np.int32)))  # fmt: skip
+    top = RequestLogprobs(output=RowLogprobs.of(np.array([-0.25, -2.0], np.float32), np.array([[-0.25], [-0.5]], np.float32),
+                                                np.array([[1], [6]], np.int32)))  # fmt: skip
     outputs[2] = RequestOutput("c", "d1", [1, 2], 1, Finish(FinishType.LENGTH), top)
     batch = msgspec.msgpack.decode(msgspec.msgpack.encode(to_token_batches(outputs, "s", 7)["d1"]), type=TokenBatch)
     columns = batch.output_logprobs
     assert batch.rids == ["a", "b", "c"] and from_wire(columns.rows).tolist() == [1, 0, 2]
-    assert from_wire(columns.token_logprobs).tolist() == [-0.5, -0.25, -2.0] and from_wire(columns.top_k).tolist() == [0, 0, 1]
+    assert from_wire(columns.token).tolist() == [-0.5, -0.25, -2.0] and from_wire(columns.top_k).tolist() == [0, 0, 1]
     assert from_wire(columns.top_ids).tolist() == [1, 6]
-    # the prompt's entries stay per request, without the output ones; c's rows are all it has
-    assert batch.logprobs[0].input_start == 0 and batch.logprobs[0].num_output_rows() is None
-    assert batch.logprobs[1] is None and batch.logprobs[2] is None
-    # without prompt entries in the batch, no per-request list at all
-    outputs[0] = RequestOutput("a", "d1", [4], 2, None, LogprobEntries(output=RowLogprobs.of(np.array([-0.5], np.float32))))
-    outputs[1] = RequestOutput("b", "d1", [], 3, None, LogprobEntries())  # asked; a prefill chunk, nothing new
+    # the prompt's rows are a's alone
+    assert from_wire(batch.prompt_logprobs.rows).tolist() == [2, 0, 0]
+    # without prompt rows in the batch, no prompt columns at all
+    outputs[0] = RequestOutput("a", "d1", [4], 2, None, RequestLogprobs(output=RowLogprobs.of(np.array([-0.5], np.float32))))
+    outputs[1] = RequestOutput("b", "d1", [], 3, None, RequestLogprobs())  # asked; a prefill chunk, nothing new
     batch = to_token_batches(outputs, "s", 8)["d1"]
-    assert batch.logprobs == [None, RequestLogprobs(), None] and from_wire(batch.output_logprobs.rows).tolist() == [1, 0, 2]
-    outputs[1] = RequestOutput("b", "d1", [7], 3, None, None)
-    assert to_token_batches(outputs, "s", 9)["d1"].logprobs is None
+    assert batch.prompt_logprobs is None and from_wire(batch.output_logprobs.rows).tolist() == [1, 0, 2]
+    outputs = [RequestOutput(o.rid, o.detokenizer_id, o.new_token_ids, o.prompt_tokens, o.finish, None) for o in outputs]
+    assert to_token_batches(outputs, "s", 9)["d1"].output_logprobs is None
 
 
 def test_batch_without_flat_requests_encodes_as_if_the_fields_did_not_exist():
     batch = to_token_batches(_outputs(), "s", 7)["d1"]
-    old = _OldTokenBatch(
-        **{f: getattr(batch, f) for f in _OldTokenBatch.__struct_fields__ if f != "logprobs"},
-        logprobs=[
-            None if lp is None else _OldRequestLogprobs(**{f: getattr(lp, f) for f in _OldRequestLogprobs.__struct_fields__})
-            for lp in batch.logprobs
-        ],
-    )
-    assert msgspec.msgpack.encode(batch) == msgspec.msgpack.encode(old)
+    old = _NoFlatTokenBatch(**{f: getattr(batch, f) for f in _NoFlatTokenBatch.__struct_fields__})
+    assert batch.prompt_top_flat is None and msgspec.msgpack.encode(batch) == msgspec.msgpack.encode(old)
+
+
+def test_rows_of_every_width_and_start_come_back_from_the_columns_as_they_went():
+    """`to_columns` then `from_columns` (the one encoder and decoder): each request's rows equal, its
+    widths and start kept, requests without rows None; the flat arrays (no token) too."""
+    rng = np.random.default_rng(0)
+
+    def rows(n, k, m, start=0, token=True):
+        return RowLogprobs.of(rng.random(n, np.float32) if token else None, rng.random((n, k), np.float32),
+                              rng.integers(0, 99, (n, k)).astype(np.int32), rng.random((n, m), np.float32), start)  # fmt: skip
+
+    for batch in ([rows(2, 3, 1, 5), None, rows(1, 0, 2, 7), rows(3, 3, 0)], [rows(4, 2, 0, 1, token=False), None]):
+        wire = msgspec.msgpack.decode(msgspec.msgpack.encode(to_columns(batch)), type=LogprobColumns)
+        for sent, got in zip(batch, from_columns(wire, len(batch)), strict=True):
+            assert (sent is None) == (got is None)
+            if sent is not None:
+                assert got.start == sent.start and (got.token is None) == (sent.token is None)
+                for kind in ("token", "top_values", "top_ids", "ids"):
+                    if getattr(sent, kind) is not None:
+                        np.testing.assert_array_equal(getattr(got, kind), getattr(sent, kind), err_msg=kind)
 
 
 def test_processed_mode_is_the_filtered_sampling_distribution():
@@ -365,19 +365,6 @@ def test_processed_mode_floors_logprobs_even_when_sampling_changes_nothing():
     (raw,) = compute_logprobs([query], logits, None, 3, processed=False)
     assert processed.token[0] == processed.ids[0, 0] == processed.top_values[0, -1] == -9999.0
     assert raw.token[0] < -19000
-
-
-def test_logprob_entries_hold_exactly_the_wire_fields_of_request_logprobs():
-    """wire.to_request_logprobs passes LogprobEntries' set fields to RequestLogprobs by name (the
-    output ones read from its rows): a field on one side only would fail every publish (or never travel)."""
-    from contracts.detokenizer import RequestLogprobs
-    from services.scheduler.request import OUTPUT_FIELDS, PROMPT_FIELDS
-
-    assert (*OUTPUT_FIELDS, *PROMPT_FIELDS) == RequestLogprobs.__struct_fields__
-    assert LogprobEntries.__struct_fields__ == ("output", *PROMPT_FIELDS)
-    rows = RowLogprobs.of(np.zeros(2, np.float32), np.zeros((2, 3), np.float32), np.zeros((2, 3), np.int32))
-    assert sorted(LogprobEntries(output=rows, input_start=4).fields()) == sorted(
-        ["output_token_logprobs", "output_top_logprobs", "output_top_ids", "input_start"])  # no ids asked: width 0
 
 
 def test_build_core_takes_the_prefill_budget_and_leaves_the_dense_path_to_cuda():

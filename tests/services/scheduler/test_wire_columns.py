@@ -1,5 +1,5 @@
-"""A batch's output logprob columns cut from the step's readback columns (`wire._source_columns`)
-hold byte for byte what `to_columns` joins from each request's arrays, over a core's real steps:
+"""A batch's output logprob columns cut from the step's readback columns (`logprob_rows._span_columns`)
+hold byte for byte what joining each request's arrays gives (`_joined_columns`), over a core's real steps:
 decodes and prefill chunks, requests with and without logprobs, one k or two, one detokenizer (the
 step's columns as they are) or two (a gather of their rows)."""
 
@@ -10,8 +10,8 @@ import dataclasses
 import numpy as np
 
 from contracts.scheduler import LogprobParams
-from services.common.output_logprob_columns import to_columns
-from services.scheduler import wire
+from services.common import logprob_rows
+from services.common.logprob_rows import RowSpan
 from test_scheduler_core import prompt_of, request
 
 TOP20 = LogprobParams(return_logprob=True, top_logprobs_num=20)
@@ -25,19 +25,21 @@ def _fields(columns) -> dict:
 
 def assert_columns_agree(outputs) -> dict[str, int]:
     """Per detokenizer group of one step's outputs with columns: the source path's columns equal
-    `to_columns`'; how often it took them ("source") or fell back ("joined")."""
+    the joined ones; how often it took them ("source") or fell back ("joined")."""
     taken = {"source": 0, "joined": 0}
     groups: dict[str, list] = {}
     for output in outputs:
         groups.setdefault(output.detokenizer_id, []).append(output)
     for group in groups.values():
-        entries = [o.logprobs for o in group]
-        if sum(e is not None and e.output_token_logprobs is not None for e in entries) < wire.COLUMNS_FROM_REQUESTS:
+        rows = [None if o.logprobs is None else o.logprobs.output for o in group]
+        present = [r for r in rows if r is not None]
+        if len(present) < 2:
             continue
-        cut, joined = wire._source_columns([None if e is None else e.output for e in entries]), to_columns(entries)
-        if cut is None:
+        source = present[0].source if present[0].__class__ is RowSpan else None
+        if source is None or not all(r.__class__ is RowSpan and r.source is source for r in present):
             taken["joined"] += 1
             continue
+        cut, joined = logprob_rows._span_columns(rows, source), logprob_rows._joined_columns(rows, present)
         assert _fields(cut) == _fields(joined)
         taken["source"] += 1
     return taken
@@ -77,11 +79,11 @@ def test_requests_of_different_widths_fall_back_to_joining_their_arrays(make_cor
 
 
 def test_source_rows_of_runs_and_of_every_row_in_order():
-    assert wire._source_rows([0, 1, 2], [1, 1, 1], 3) is None  # all rows in order
-    assert wire._source_rows([0, 1, 2], [1, 0, 1, 1], 3) is None  # a request without rows between them
-    assert wire._source_rows([], [0, 0], 0) is None
-    assert wire._source_rows([0, 2], [1, 1], 3).tolist() == [0, 2]
-    assert wire._source_rows([1, 0], [1, 1], 2).tolist() == [1, 0]  # two detokenizers' requests interleaved
-    assert wire._source_rows([4, 0], [2, 0, 3], 6).tolist() == [4, 5, 0, 1, 2]  # verify blocks
-    assert wire._source_rows([0, 3], [3, 1], 5).tolist() == [0, 1, 2, 3]  # the last row unused
-    assert wire._source_rows([0, 3], [3, 2], 5) is None  # runs that make up every row in order
+    assert logprob_rows._source_rows([0, 1, 2], [1, 1, 1], 3) is None  # all rows in order
+    assert logprob_rows._source_rows([0, 1, 2], [1, 0, 1, 1], 3) is None  # a request without rows between them
+    assert logprob_rows._source_rows([], [0, 0], 0) is None
+    assert logprob_rows._source_rows([0, 2], [1, 1], 3).tolist() == [0, 2]
+    assert logprob_rows._source_rows([1, 0], [1, 1], 2).tolist() == [1, 0]  # two detokenizers' requests interleaved
+    assert logprob_rows._source_rows([4, 0], [2, 0, 3], 6).tolist() == [4, 5, 0, 1, 2]  # verify blocks
+    assert logprob_rows._source_rows([0, 3], [3, 1], 5).tolist() == [0, 1, 2, 3]  # the last row unused
+    assert logprob_rows._source_rows([0, 3], [3, 2], 5) is None  # runs that make up every row in order

@@ -191,8 +191,8 @@ def serve(runner, prompts: dict[str, list[int]], joins_at: dict[str, int]) -> di
             return {rid: (tokens[rid], np.asarray(prompt_lp[rid])) for rid in prompts}
         for output in core.step():
             tokens[output.rid].extend(output.new_token_ids)
-            if output.logprobs is not None and output.logprobs.input_token_logprobs is not None:
-                prompt_lp[output.rid].extend(np.asarray(output.logprobs.input_token_logprobs, np.float64).tolist())
+            if output.logprobs is not None and output.logprobs.prompt is not None:
+                prompt_lp[output.rid].extend(np.asarray(output.logprobs.prompt.token, np.float64).tolist())
     raise AssertionError("core did not finish")
 
 
