@@ -250,7 +250,9 @@ def _columns(rows: np.ndarray, token: np.ndarray | None, top: tuple | None, requ
 
 def _flat_join(arrays: list[np.ndarray]) -> np.ndarray:
     """The arrays' values in order, as one vector: one concatenate when they share their width (the
-    usual batch: one k for all)."""
+    usual batch: one k for all); one array's, as a view."""
+    if len(arrays) == 1:
+        return arrays[0].reshape(-1)
     if arrays[0].ndim == 1 or len({a.shape[1] for a in arrays}) == 1:
         return np.concatenate(arrays).reshape(-1)
     return np.concatenate([a.reshape(-1) for a in arrays])

@@ -205,12 +205,14 @@ class DetokenizerCore:
 
     def _text_batch(self, batch: TokenBatch, entries: list[_Entry]) -> TextBatch:
         indices = [entry.index for entry in entries]
-        whole = len(entries) == len(batch.rids) and not any(entry.cut for entry in entries)
-        if whole:  # the batch's every request, uncut: its columns as they came
-            output, prompt, flat = batch.output_logprobs, batch.prompt_logprobs, batch.prompt_top_flat
-        else:
-            output = to_columns([entry.output_rows for entry in entries]) if batch.output_logprobs is not None else None
-            prompt, flat = _subset(batch.prompt_logprobs, indices, len(batch.rids)), _subset(batch.prompt_top_flat, indices, len(batch.rids))
+        every = len(entries) == len(batch.rids)  # the batch's every request, in order: its prompt columns as they came
+        whole = every and not any(entry.cut for entry in entries)  # and uncut: its output columns too
+        output = batch.output_logprobs
+        if not whole and output is not None:
+            output = to_columns([entry.output_rows for entry in entries])
+        prompt, flat = batch.prompt_logprobs, batch.prompt_top_flat
+        if not every:
+            prompt, flat = _subset(prompt, indices, len(batch.rids)), _subset(flat, indices, len(batch.rids))
         return TextBatch(
             detokenizer_id=self.instance_id,
             scheduler_id=batch.scheduler_id,

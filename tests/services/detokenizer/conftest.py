@@ -9,8 +9,9 @@ import numpy as np
 import pytest
 from tokenizers import Tokenizer
 
-from contracts.detokenizer import Finish, RequestLogprobs, TokenBatch
+from contracts.detokenizer import Finish, TokenBatch
 from services.common.arrays import to_wire
+from services.common.logprob_rows import RequestLogprobs, RowLogprobs, to_columns
 from services.models import RANDOM_TINY_MODEL
 
 TOKENIZER_PATH = RANDOM_TINY_MODEL / "tokenizer.json"
@@ -44,17 +45,22 @@ def token_batch(
         new_token_ids=to_wire(flat.astype(np.int32)),
         prompt_tokens=to_wire(np.arange(10, 10 + len(entries), dtype=np.int32)),
         finish=[finish for _, _, finish in entries],
-        logprobs=None if logprobs is None else list(logprobs),
         spec_verify_ct=None if spec_verify_ct is None else to_wire(np.asarray(spec_verify_ct, dtype=np.int32)),
+        **_columns(logprobs),
     )
+
+
+def _columns(logprobs: Sequence[RequestLogprobs | None] | None) -> dict:
+    """The batch's logprob columns of each request's rows, as the scheduler's wire builds them."""
+    if logprobs is None:
+        return {}
+    rows = {kind: [None if lp is None else getattr(lp, kind) for lp in logprobs] for kind in ("output", "prompt", "flat")}
+    return {"output_logprobs": to_columns(rows["output"]), "prompt_logprobs": to_columns(rows["prompt"]),
+            "prompt_top_flat": to_columns(rows["flat"])}  # fmt: skip
 
 
 def output_logprobs(n: int, k: int, m: int, seed: int = 0) -> RequestLogprobs:
     """Random output logprob arrays for n positions: [n], [n, k], [n, k], [n, m]."""
     rng = np.random.default_rng(seed)
-    return RequestLogprobs(
-        output_token_logprobs=to_wire(-rng.random(n, dtype=np.float32)),
-        output_top_logprobs=to_wire(-rng.random((n, k), dtype=np.float32)),
-        output_top_ids=to_wire(rng.integers(0, 2048, (n, k), dtype=np.int32)),
-        output_ids_logprobs=to_wire(-rng.random((n, m), dtype=np.float32)),
-    )
+    return RequestLogprobs(output=RowLogprobs.of(-rng.random(n, dtype=np.float32), -rng.random((n, k), dtype=np.float32),
+                                                 rng.integers(0, 2048, (n, k), dtype=np.int32), -rng.random((n, m), dtype=np.float32)))

@@ -2,7 +2,8 @@ import numpy as np
 import pytest
 from tokenizers import Tokenizer
 
-from contracts.detokenizer import DetokenizeParams, DetokenizerRegistration, Finish, FinishType, RequestLogprobs
+from contracts.detokenizer import DetokenizeParams, DetokenizerRegistration, Finish, FinishType
+from services.common.logprob_rows import RequestLogprobs, RowLogprobs, from_columns
 from contracts.scheduler import AbortRequest
 from services.common.arrays import from_wire, to_wire
 from services.detokenizer.core import DetokenizerCore
@@ -109,11 +110,11 @@ def test_stop_string_spanning_tokens_is_trimmed_and_cut(tokenizer):
     assert from_wire(out.num_new_tokens).tolist() == [num_kept]
     assert out.finish == [Finish(FinishType.STOP, matched="STOPHERE")]
     assert result.aborts == [AbortRequest(rid="r", reason="stop")]
-    cut = out.logprobs[0]
-    for name in ("output_token_logprobs", "output_top_logprobs", "output_top_ids", "output_ids_logprobs"):
-        full = from_wire(getattr(logprobs, name))
-        np.testing.assert_array_equal(from_wire(getattr(cut, name)), full[:num_kept])
-    assert from_wire(cut.output_top_logprobs).shape == (num_kept, 3)
+    (cut,) = from_columns(out.output_logprobs, 1)
+    for name in ("token", "top_values", "top_ids", "ids"):
+        full = getattr(logprobs.output, name)
+        np.testing.assert_array_equal(getattr(cut, name), full[:num_kept])
+    assert cut.top_values.shape == (num_kept, 3)
 
 
 def test_stop_string_one_token_per_batch_then_late_tokens_dropped(tokenizer):
@@ -190,16 +191,9 @@ def test_multiple_owners_get_one_batch_each(tokenizer):
 
 def flat_logprobs(n: int, rows: int, k: int) -> RequestLogprobs:
     rng = np.random.default_rng(1)
-    outputs = output_logprobs(n, k, 1) if n else RequestLogprobs()
-    return RequestLogprobs(
-        output_token_logprobs=outputs.output_token_logprobs,
-        output_top_logprobs=outputs.output_top_logprobs,
-        input_start=0,
-        input_token_logprobs=to_wire(-rng.random(rows + 1, dtype=np.float32)),
-        input_top_logprobs_flat=to_wire(-rng.random((rows, k), dtype=np.float32)),
-        input_top_ids_flat=to_wire(rng.integers(0, 2048, (rows, k), dtype=np.int32)),
-        input_top_null_prefix=1,
-    )
+    outputs = output_logprobs(n, k, 1).output if n else None
+    flat = RowLogprobs.of(None, -rng.random((rows, k), dtype=np.float32), rng.integers(0, 2048, (rows, k), dtype=np.int32), start=1)
+    return RequestLogprobs(outputs, RowLogprobs.of(-rng.random(rows + 1, dtype=np.float32), start=0), flat)
 
 
 def test_logprobs_pass_through_untouched_without_cut(tokenizer):
@@ -208,7 +202,8 @@ def test_logprobs_pass_through_untouched_without_cut(tokenizer):
     logprobs = flat_logprobs(len(ids), rows=50, k=4)
     batch = token_batch([("r", ids, None)], logprobs=[logprobs])
     out = core.process(batch).outputs["tok-1"]
-    assert out.logprobs[0] is logprobs
+    assert (out.output_logprobs, out.prompt_logprobs, out.prompt_top_flat) == (batch.output_logprobs, batch.prompt_logprobs, batch.prompt_top_flat)
+    assert out.output_logprobs is batch.output_logprobs and out.prompt_top_flat is batch.prompt_top_flat
     assert out.new_token_ids is batch.new_token_ids  # one owner, nothing cut: same arrays
 
 
@@ -217,14 +212,13 @@ def test_flat_fields_same_objects_when_output_is_cut(tokenizer):
     num_kept = first_token_completing(tokenizer, ids, "STOPHERE")
     core = make_core(tokenizer, r=DetokenizeParams(stop=("STOPHERE",)))
     logprobs = flat_logprobs(len(ids), rows=50, k=4)
-    cut = core.process(token_batch([("r", ids, None)], logprobs=[logprobs])).outputs["tok-1"].logprobs[0]
-    for name in ("input_token_logprobs", "input_top_logprobs_flat", "input_top_ids_flat"):
-        assert getattr(cut, name) is getattr(logprobs, name)
-    assert cut.input_top_null_prefix == 1 and cut.input_start == 0
-    assert from_wire(cut.output_token_logprobs).shape == (num_kept,)
-    np.testing.assert_array_equal(
-        from_wire(cut.output_top_logprobs), from_wire(logprobs.output_top_logprobs)[:num_kept]
-    )
+    batch = token_batch([("r", ids, None)], logprobs=[logprobs])
+    out = core.process(batch).outputs["tok-1"]
+    assert out.prompt_logprobs is batch.prompt_logprobs and out.prompt_top_flat is batch.prompt_top_flat
+    (flat,), (prompt,), (cut,) = (from_columns(c, 1) for c in (out.prompt_top_flat, out.prompt_logprobs, out.output_logprobs))
+    assert flat.start == 1 and prompt.start == 0
+    assert cut.token.shape == (num_kept,)
+    np.testing.assert_array_equal(cut.top_values, logprobs.output.top_values[:num_kept])
 
 
 def test_skip_special_tokens(tokenizer):
@@ -247,8 +241,10 @@ def test_unknown_rid_is_dropped(tokenizer):
 def test_prefill_chunk_with_no_tokens_passes_logprobs(tokenizer):
     core = make_core(tokenizer, r=DetokenizeParams(stop=("x",)))
     logprobs = flat_logprobs(0, rows=8, k=2)
-    out = core.process(token_batch([("r", [], None)], logprobs=[logprobs])).outputs["tok-1"]
-    assert out.text_deltas == [""] and out.logprobs[0] is logprobs and out.finish == [None]
+    batch = token_batch([("r", [], None)], logprobs=[logprobs])
+    out = core.process(batch).outputs["tok-1"]
+    assert out.text_deltas == [""] and out.finish == [None]
+    assert out.prompt_logprobs is batch.prompt_logprobs and out.prompt_top_flat is batch.prompt_top_flat
 
 
 @pytest.mark.parametrize("seed", range(12))
@@ -425,3 +421,32 @@ def test_a_stop_seen_behind_an_incomplete_character_within_min_tokens_is_ignored
     assert len(ids) == 9 and tokenizer.decode(ids[:3]) == "abc\ufffd"  # "bc" is visible at token 3, before "é"
     core = make_core(tokenizer, r=DetokenizeParams(stop=("bc",), min_tokens=3))
     assert stream_batches(core, "r", batches_of(ids, sizes)) == ("abcé tail", LENGTH, ids)
+
+
+def test_each_text_batch_carries_exactly_its_requests_rows_cut_where_cut(tokenizer):
+    """Three requests of one token batch for two tokenizers, one stopped by a stop string: each text
+    batch's columns hold its own requests' rows (output rows cut at the stop, prompt rows and the
+    flat arrays as sent), the same bytes whatever goes to the other tokenizer."""
+    ids = tokenizer.encode("hello world, this is a longer text to stop at STOP and more after").ids
+    num_kept = first_token_completing(tokenizer, ids, "STOP")
+    core = DetokenizerCore(tokenizer, "detok-1")
+    for rid, owner, params in (("a", "tok-1", DetokenizeParams(stop=("STOP",))), ("b", "tok-2", DetokenizeParams()),
+                               ("c", "tok-1", DetokenizeParams())):  # fmt: skip
+        core.register(DetokenizerRegistration(rid=rid, tokenizer_id=owner, params=params))
+    sent = [output_logprobs(len(ids), k=5, m=2, seed=1), flat_logprobs(2, rows=6, k=3), output_logprobs(3, k=1, m=0, seed=3)]
+    sent[2] = RequestLogprobs(sent[2].output, RowLogprobs.of(-np.ones(4, np.float32), start=2))
+    result = core.process(token_batch([("a", ids, None), ("b", ids[:2], None), ("c", ids[:3], LENGTH)], logprobs=sent))
+    one, two = result.outputs["tok-1"], result.outputs["tok-2"]
+    assert one.rids == ["a", "c"] and two.rids == ["b"] and [a.rid for a in result.aborts] == ["a"]
+    for batch, rids in ((one, (0, 2)), (two, (1,))):
+        for kind, columns in (("output", batch.output_logprobs), ("prompt", batch.prompt_logprobs), ("flat", batch.prompt_top_flat)):
+            for index, got in zip(rids, from_columns(columns, len(rids)), strict=True):
+                want = getattr(sent[index], kind)
+                if want is not None and kind == "output" and index == 0:
+                    want = want.head(num_kept)  # cut at the stop string
+                assert (got is None) == (want is None), (kind, index)
+                if want is not None:
+                    assert got.start == want.start
+                    for name in ("token", "top_values", "top_ids", "ids"):
+                        if getattr(want, name) is not None:
+                            np.testing.assert_array_equal(getattr(got, name), getattr(want, name), err_msg=f"{kind} {index} {name}")

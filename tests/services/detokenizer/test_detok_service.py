@@ -16,11 +16,11 @@ from contracts.detokenizer import (
     DetokenizerRegistrationReply,
     Finish,
     FinishType,
-    RequestLogprobs,
 )
 from contracts.scheduler import AbortRequest
 from contracts.tokenizer import TextBatch
 from services.common.arrays import from_wire, to_wire
+from services.common.logprob_rows import RequestLogprobs, RowLogprobs, from_columns
 from services.common.connection import NatsConnection
 from services.common.nats_reader import Delivery
 from services.common.transport import Transport
@@ -106,20 +106,15 @@ async def test_21mb_flat_prompt_logprobs_pass_through_1mb_server(nats_server_fac
         outputs = Inbox()
         await client.subscribe(subjects.tokenizer_outputs("tok-A"), TextBatch, outputs.handler)
         await register(client, "big", "tok-A")
-        logprobs = RequestLogprobs(
-            input_start=0,
-            input_top_logprobs_flat=to_wire(values),
-            input_top_ids_flat=to_wire(ids),
-            input_top_null_prefix=1,
-        )
+        logprobs = RequestLogprobs(flat=RowLogprobs.of(None, values, ids, start=1))
         first_ids = tokenizer.encode("ok").ids
         batch = token_batch([("big", first_ids, None)], logprobs=[logprobs])
         await client.publish(subjects.detokenizer_tokens(DETOK_ID), batch)
         out = await outputs.get(timeout=40)
-        received = out.logprobs[0]
-        np.testing.assert_array_equal(from_wire(received.input_top_logprobs_flat), values)
-        np.testing.assert_array_equal(from_wire(received.input_top_ids_flat), ids)
-        assert received.input_top_null_prefix == 1
+        (received,) = from_columns(out.prompt_top_flat, 1)
+        np.testing.assert_array_equal(received.top_values, values)
+        np.testing.assert_array_equal(received.top_ids, ids)
+        assert received.start == 1
         assert out.text_deltas == ["ok"]
 
 
