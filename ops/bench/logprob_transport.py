@@ -24,6 +24,7 @@ For each size (rows x k) it measures, in one run on this machine:
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 import os
@@ -43,6 +44,7 @@ import numpy as np
 import pybase64
 
 from contracts.detokenizer import RequestLogprobs
+from ops.bench.common import RESULTS, script
 from ops.bench.relay import HOP1, HOP2
 from ops.bench.natspy_receiver import NatsPyReceiver
 from ops.bench.standin_scheduler import StandInScheduler
@@ -382,3 +384,17 @@ def run(
                   f"{base['page_faults']} per request")
     print(f"results written to {out}")
     return results
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--out", type=Path, default=RESULTS / "logprob_transport.json")
+    parser.add_argument("--repeat", type=int, default=9, help="timed repetitions per figure (median)")
+
+
+def main(args: argparse.Namespace) -> int:
+    run(args.out, repeat=args.repeat)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(script(__doc__, add_arguments, main))

@@ -36,6 +36,8 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from ops.bench.common import script
+
 KINDS = ("decode_followed", "decode", "mixed", "prefill", "idle")
 HOST_LATE_S = 5e-5  # a readback wait under this: the step's results were back before the host asked
 
@@ -137,15 +139,17 @@ def table(summary: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("trace", type=Path)
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("trace", type=Path, help="a scheduler's trace file (<instance>.jsonl in its --step-trace directory)")
     parser.add_argument("--window", type=float, nargs=2, metavar=("START", "END"), default=None)
     parser.add_argument("--json", action="store_true", help="print the summary as JSON instead of a table")
-    args = parser.parse_args()
+
+
+def main(args: argparse.Namespace) -> int:
     summary = summarize(read_trace(args.trace, tuple(args.window) if args.window else None))
     print(json.dumps(summary, indent=2) if args.json else table(summary))
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(script(__doc__, add_arguments, main))

@@ -1,4 +1,5 @@
-"""`sparkwire bench logprob-transport` end to end at a small size, so the benchmark cannot rot."""
+"""`sparkwire bench logprob-transport` end to end at a small size, so the benchmark cannot rot
+(sizes and runtimes are `run`'s arguments; the command's own flags are parsed in test_cli.py)."""
 
 from __future__ import annotations
 
