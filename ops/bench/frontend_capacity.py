@@ -6,9 +6,9 @@ logprobs. The stand-in's rate (concurrency / step) is the ceiling: output tok/s 
 and TPOT over what the pace gives, are the front half's doing. Per scenario it also records each
 process's CPU (cores) and the tokenizers' CPU per output token.
 
-Issue 12, point 4 (top-20 output logprobs cost <= 5% of tok/s at batch 64): on the H200 the 0.6B
-shape decodes 64 requests every ~2 ms, and the front end, not the GPU, set what top-20 cost
-(ops/bench/results/gpu_serve.md, run 24). This reproduces that load on a CPU box.
+Issue 12, point 4 (top-20 output logprobs cost <= 5% of tok/s at batch 64): on a GPU the 0.6B
+shape decodes 64 requests every ~2 ms, and there the front end, not the GPU, set what top-20 cost
+(ops/bench/results/gpu_serve.md). This reproduces that load on a CPU box.
 
 `--before DIR` runs that checkout's own copy of this script (e.g. a `git worktree` of the commit
 before a front-end change), the two alternating for `--rounds` rounds, in one results file.

@@ -27,8 +27,8 @@ start more than --budget-s after the start is skipped:
 - `sweep`: the kernel's launch settings (tile rows, keys per iteration, warps, stages) on `mixed`
   and `long`, so the defaults can be set from one run.
 
-    PYTHONPATH=. python ops/bench/gpu_attention_check.py --out $OUT/gpu_attention.json
-    PYTHONPATH=. python ops/bench/gpu_attention_check.py --device cpu --tiny --out /tmp/attention.json  # smoke
+    sparkwire bench gpu-kernels attention --out $OUT/gpu_attention.json
+    sparkwire bench gpu-kernels attention --device cpu --tiny --out /tmp/attention.json  # smoke
 
 On CPU there is no kernel: the "kernel" columns run its torch twin (`varlen_attention_torch`).
 """

@@ -17,9 +17,9 @@ start more than --budget-s after the start is skipped:
 - `profile`: the eager batch-1 decode step under torch.profiler, off and on: device kernels per step
   and the top --top of the unfused step by device time.
 
-    PYTHONPATH=. python ops/bench/gpu_fused_check.py --out $OUT/gpu_fused.json
-    PYTHONPATH=. python ops/bench/gpu_fused_check.py --device cpu --tiny --out /tmp/fused.json  # smoke, off only
-    TRITON_INTERPRET=1 PYTHONPATH=. python ops/bench/gpu_fused_check.py --device cpu --tiny --out /tmp/fused.json
+    sparkwire bench gpu-kernels fused --out $OUT/gpu_fused.json
+    sparkwire bench gpu-kernels fused --device cpu --tiny --out /tmp/fused.json  # smoke, off only
+    TRITON_INTERPRET=1 python ops/bench/gpu_fused_check.py --device cpu --tiny --out /tmp/fused.json
 
 On CPU the fused kernels run only in Triton's interpreter (TRITON_INTERPRET=1); elsewhere the
 "on" setting is left out.

@@ -14,8 +14,8 @@ is skipped:
   each replay's next token against the eager GEMV-off step's; device kernels in one eager step,
   their device time, and those that take the most.
 
-    PYTHONPATH=. python ops/bench/gpu_gemv_check.py --out $OUT/gpu_gemv.json
-    TRITON_INTERPRET=1 PYTHONPATH=. python ops/bench/gpu_gemv_check.py --device cpu --tiny --out /tmp/gemv.json  # smoke
+    sparkwire bench gpu-kernels gemv --out $OUT/gpu_gemv.json
+    TRITON_INTERPRET=1 python ops/bench/gpu_gemv_check.py --device cpu --tiny --out /tmp/gemv.json  # smoke
 """
 
 from __future__ import annotations

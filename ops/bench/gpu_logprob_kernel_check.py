@@ -18,9 +18,9 @@ Sections, each in its own try/except (one failure keeps the rest); one that woul
   (torch.cuda.max_memory_allocated over what was allocated before: issue 12 asks <= 1 GiB), and the
   LM head alone over the same chunks as the floor; the same correctness columns.
 
-    PYTHONPATH=. python ops/bench/gpu_logprob_kernel_check.py --out $OUT/gpu_logprob_kernel.json
-    PYTHONPATH=. python ops/bench/gpu_logprob_kernel_check.py --device cpu --tiny --out /tmp/lpk.json  # smoke, torch only
-    TRITON_INTERPRET=1 PYTHONPATH=. python ops/bench/gpu_logprob_kernel_check.py --device cpu --tiny --out /tmp/lpk.json
+    sparkwire bench gpu-kernels logprobs --out $OUT/gpu_logprob_kernel.json
+    sparkwire bench gpu-kernels logprobs --device cpu --tiny --out /tmp/lpk.json  # smoke, torch only
+    TRITON_INTERPRET=1 python ops/bench/gpu_logprob_kernel_check.py --device cpu --tiny --out /tmp/lpk.json
 
 On CPU the kernels run only in Triton's interpreter (TRITON_INTERPRET=1); elsewhere the "kernel"
 path is left out. On CPU nothing is captured: the graph columns stay empty.

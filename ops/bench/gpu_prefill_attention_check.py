@@ -10,8 +10,8 @@ prompt (CUDA events, median of --repeats after a warm-up), TFLOP/s of the causal
 same inputs. A candidate that fails records its error; one that would start more than --budget-s
 after the start is skipped.
 
-    PYTHONPATH=. python ops/bench/gpu_prefill_attention_check.py --out $OUT/gpu_prefill_attention.json
-    PYTHONPATH=. python ops/bench/gpu_prefill_attention_check.py --device cpu --tiny --out /tmp/pa.json  # smoke
+    sparkwire bench gpu-kernels prefill-attention --out $OUT/gpu_prefill_attention.json
+    sparkwire bench gpu-kernels prefill-attention --device cpu --tiny --out /tmp/pa.json  # smoke
 
 Candidates:
 - `varlen` (the paged Triton kernel, `triton_varlen.py`) at its default launch and a few others,

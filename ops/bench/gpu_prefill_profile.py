@@ -17,14 +17,14 @@ Settings (path, chunk budget, tokens per step while nothing decodes):
   alone in steps of `--max-prefill-tokens` (16384; and 32768) attended on cuDNN (`--dense-prefill`);
   `served_flash4` the same with those queries on FlashAttention-4 (`flash4_attention.py`), where
   it is installed (else the rows record why not).
-`seconds` is the median of --repeats timed top-2 prefills (each in `seconds_runs`: the card at its
-power limit moves a 32k prefill by ~10 ms from run to run); `clocks` what the SM clock, the board
-power and the driver's throttle reasons did over them (`gpu_clocks.ClockSampler`, NVML). Each row
+`seconds` is the median of --repeats timed top-2 prefills (each in `seconds_runs`: a card at its
+power limit moves a 32k prefill from run to run); `clocks` what the SM clock, the board
+power and the driver's throttle reasons did over them (`common.ClockSampler`, NVML). Each row
 also has the peak device memory above the start, with top-2 and without (`plain_s`): the logprobs'
 extra memory is the difference.
 
-    PYTHONPATH=. python ops/bench/gpu_prefill_profile.py --out $OUT/gpu_prefill_profile.json
-    PYTHONPATH=. python ops/bench/gpu_prefill_profile.py --device cpu --tiny --out /tmp/profile.json  # smoke
+    sparkwire bench gpu-prefill --out $OUT/gpu_prefill_profile.json
+    sparkwire bench gpu-prefill --device cpu --tiny --out /tmp/profile.json  # smoke
 """
 
 from __future__ import annotations

@@ -13,8 +13,8 @@ program per token and head; the default, `triton_fused.ROPE_HEADS_PER_PROGRAM`, 
 On CPU (the smoke run) the kernel runs only in Triton's interpreter (TRITON_INTERPRET=1), timed by
 the host clock and without graphs.
 
-    PYTHONPATH=. python ops/bench/gpu_rope_check.py --out $OUT/gpu_rope.json
-    TRITON_INTERPRET=1 PYTHONPATH=. python ops/bench/gpu_rope_check.py --device cpu --tiny --out /tmp/rope.json
+    sparkwire bench gpu-kernels rope --out $OUT/gpu_rope.json
+    TRITON_INTERPRET=1 python ops/bench/gpu_rope_check.py --device cpu --tiny --out /tmp/rope.json
 """
 
 from __future__ import annotations

@@ -74,9 +74,8 @@ class CheckConfig:
     request_rate: float | None = None  # the Poisson rate itself, instead of `load`
     # Warm-ups before each scenario (graphs captured, allocator warm), sent at the scenario's
     # concurrency; None: as many as the concurrency, so that every connection the timed run uses is
-    # open. With 16 (runs 1-23), 16 requests of the first wave came at once and the other 48, on new
-    # connections, ~90 ms later, and the closed loop kept that stagger wave after wave: ~20 decode
-    # steps a wave at a batch of 15 (ops/bench/results/gpu_serve.md, run 23's trace).
+    # open: with fewer, the first wave's requests on new connections came late, and the closed loop
+    # kept that stagger wave after wave (ops/bench/results/gpu_serve.md).
     num_warmups: int | None = None
     core_baseline: bool = True  # the scheduler core at batch = concurrency, first (GPU only)
     scenarios: tuple[str, ...] = SCENARIOS

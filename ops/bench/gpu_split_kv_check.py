@@ -13,10 +13,10 @@ Sections, each in its own try/except (one failure keeps the rest); one that woul
   tokens' argmax agreement with the "off" replay's. On CPU there is no capture (the padded eager
   twin runs, split or not: the switch only reaches the Triton kernel), timed by the host clock.
 
-    PYTHONPATH=. python ops/bench/gpu_split_kv_check.py --out $OUT/gpu_split_kv_8b.json
-    PYTHONPATH=. python ops/bench/gpu_split_kv_check.py --model ops/model_configs/Qwen3-0.6B --out $OUT/gpu_split_kv_06b.json
-    PYTHONPATH=. python ops/bench/gpu_split_kv_check.py --device cpu --tiny --out /tmp/split_kv.json  # smoke
-    TRITON_INTERPRET=1 PYTHONPATH=. python ops/bench/gpu_split_kv_check.py --device cpu --tiny --out /tmp/split_kv.json
+    sparkwire bench gpu-kernels split-kv --out $OUT/gpu_split_kv_8b.json
+    sparkwire bench gpu-kernels split-kv --model ops/model_configs/Qwen3-0.6B --out $OUT/gpu_split_kv_06b.json
+    sparkwire bench gpu-kernels split-kv --device cpu --tiny --out /tmp/split_kv.json  # smoke
+    TRITON_INTERPRET=1 python ops/bench/gpu_split_kv_check.py --device cpu --tiny --out /tmp/split_kv.json
 
 The attention section needs the kernel: CUDA with Triton, or Triton's CPU interpreter (which takes
 H200_SMS for the split count); elsewhere it records why it did not run.

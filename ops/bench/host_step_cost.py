@@ -30,7 +30,7 @@ the functions with the most own time. `--before PATH` runs that tree's own copy 
 and 40-120 new tokens, a new one added as each finishes, STEPS steps; each piece's median per step
 kind: a steady decode step, one where a request finished, a mixed step (an arrival's prefill beside
 the decodes), and a mixed step where one finished (the served trace's host-late steps follow such
-changes: gpu_serve.md, 0.6B run 45).
+changes: gpu_serve.md).
 `--served-paths` runs the paths `sparkwire up` serves on a GPU through their CPU twins: decode steps
 on the decode graphs' padded twin (`prepare_decode_graphs(capture=False)`), output logprobs from
 `LogprobGraphs` and greedy steps' tokens and rows from `LogprobGraphs.greedy` (without it, the

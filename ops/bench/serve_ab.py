@@ -1,7 +1,7 @@
 """Trees of Sparkwire served side by side on one machine: `gpu_serve_check.py` once per tree per
 round, the trees alternating (A B, then B A, ...), and each tree's scenarios summarized over its
-rounds. This is how issue 12's served comparisons are made (gpu_serve.md, 0.6B runs 41-49): on one
-machine, in one call, because two H100 hosts differ by more than most changes do.
+rounds. This is how served comparisons are made (gpu_serve.md): on one machine, in one call,
+because two GPU hosts differ by more than most changes do.
 
 A tree is a directory holding the repository's `ops/` and `services/` (`.` for this checkout, or a
 `git archive` of another commit); each run uses that tree's own `gpu_serve_check.py` and code.
