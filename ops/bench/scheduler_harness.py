@@ -15,7 +15,7 @@ benchmarks keep calling the same functions:
 - `runner_of`, `proposer_of`, `num_steps`, `core_counts`, `last_step`, `prompt_logprob_rows`: what
   benchmarks read off a core and its outputs;
 - `StandInOutput` / `token_batches`: a stand-in scheduler's outputs through the real wire code;
-- `HOST_STEP_PIECES` / `publish`: the functions `host_step_cost` times, and the service's encoding.
+- `host_step_pieces` / `publish`: the functions `host_step_cost` times, and the service's encoding.
 
 torch is imported only by the functions that build or run a core, so the stand-ins (front-end
 benchmarks, no torch) can use this module too.
