@@ -1,115 +1,101 @@
-"""`sparkwire bench <name>`: the benchmarks. Each writes a JSON file and prints a short table."""
+"""`sparkwire bench <name>`: the benchmarks (ops/bench/README.md: which question each answers, and
+where its figures are kept). Each writes a JSON file and prints a short table.
+
+A suite's module is imported only when its subcommand parses its arguments, so `sparkwire bench
+--help` needs neither torch nor any suite's own dependencies. `python -m ops.bench <name> ...` is
+the same command without the console script.
+"""
 
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
+import importlib
+import sys
+from dataclasses import dataclass
 
-RESULTS = Path(__file__).resolve().parent / "results"
+
+@dataclass(frozen=True)
+class Suite:
+    module: str  # defines add_arguments(parser) and main(args) -> int
+    help: str
+
+
+SUITES: dict[str, Suite] = {
+    "logprob-transport": Suite("ops.bench.logprob_transport", "prompt top logprobs over NATS: flat arrays vs nested rows, per hop, "
+                               "two hops, through HTTP"),
+    "serve": Suite("ops.bench.serve", "online serving against a running server (or --launch): TTFT / ITL / TPOT / e2e, tok/s, "
+                   "top-k logprobs"),
+    "frontend-capacity": Suite("ops.bench.frontend_capacity", "the front half behind a stand-in decoding at a GPU's pace, no GPU: "
+                               "tok/s with and without top-20"),
+    "reliability": Suite("ops.bench.reliability", "hostile HTTP and NATS input, kill -9 of each service and nats-server, "
+                         "concurrent streams; lost/short/5xx must be 0"),
+    "host-step": Suite("ops.bench.host_step_cost", "the core's host time per decode step, piece by piece (CPU)"),
+    "host-context": Suite("ops.bench.host_context_cost", "the core's host time per decode step against the context length (CPU)"),
+    "logprob-ops": Suite("ops.bench.logprob_ops", "torch ops and kernels output logprobs add to a decode step (CPU)"),
+    "dspark-accept": Suite("ops.bench.dspark_context_accept", "the bundled DSpark pair's accept length by prompt length and "
+                           "draft context window"),
+    "step-trace": Suite("ops.bench.step_trace_summary", "a scheduler's --step-trace summarized: time by step kind, host ms, "
+                        "time between steps"),
+    "gpu-serve": Suite("ops.bench.gpu_serve_check", "the whole stack on a GPU: concurrency 64 with and without top-20, batch 1, "
+                       "Poisson, 32k prompt + top-2; the core as the bar"),
+    "gpu-serve-ab": Suite("ops.bench.serve_ab", "gpu-serve for two or more trees on one machine, rounds alternating"),
+    "gpu-core": Suite("ops.bench.gpu_core_check", "the core's decode step at batch 1 / 64: plain, top-20, DSpark at a simulated "
+                      "accept length; --before another tree"),
+    "gpu-peer": Suite("ops.bench.gpu_peer_check", "decode tok/s through the core against HF transformers generate() and the "
+                      "HBM roofline"),
+    "gpu-prefill": Suite("ops.bench.gpu_prefill_profile", "a 32k prompt with top-2 prompt logprobs through the core: seconds, "
+                         "device time by kernel kind"),
+    "two-gpu-serve": Suite("ops.bench.two_gpu_serve", "two schedulers on two GPUs behind one NATS: scaling, placement, one "
+                           "stopping mid-run"),
+}
+# `sparkwire bench gpu-kernels <check>`: the Triton kernels against the torch paths they replace,
+# correctness first, then speed; each has a CPU smoke mode (--device cpu --tiny).
+KERNEL_CHECKS: dict[str, Suite] = {
+    "attention": Suite("ops.bench.gpu_attention_check", "ragged (varlen) attention against the SDPA groups; ragged CUDA "
+                       "graphs; the 32k prefill"),
+    "split-kv": Suite("ops.bench.gpu_split_kv_check", "split-KV decode attention off against on"),
+    "prefill-attention": Suite("ops.bench.gpu_prefill_attention_check", "long-prefill attention: varlen, SDPA backends, "
+                               "FlexAttention, FlashAttention-4"),
+    "fused": Suite("ops.bench.gpu_fused_check", "the fused small-op kernels (norms, RoPE + KV write, SiLU) off against on"),
+    "gemv": Suite("ops.bench.gpu_gemv_check", "the one-token GEMV kernels against cuBLAS and what they replace"),
+    "rope": Suite("ops.bench.gpu_rope_check", "the RoPE + KV-write kernel's heads per program"),
+    "logprobs": Suite("ops.bench.gpu_logprob_kernel_check", "the fused raw-mode logprob kernels against the torch path"),
+}
+
+
+class SuiteParser(argparse.ArgumentParser):
+    """A subcommand's parser that imports its suite and adds the suite's arguments only when it
+    parses (not when the parent's help lists it)."""
+
+    def __init__(self, *args, suite: Suite | None = None, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._suite = suite
+
+    def parse_known_args(self, args=None, namespace=None):
+        if self._suite is not None:
+            module, self._suite = importlib.import_module(self._suite.module), None
+            self.description = (module.__doc__ or "").split("\n\n")[0]
+            module.add_arguments(self)
+            self.set_defaults(bench=module.main)
+        return super().parse_known_args(args, namespace)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    sub = parser.add_subparsers(dest="benchmark", required=True, metavar="BENCHMARK")
-    transport = sub.add_parser(
-        "logprob-transport",
-        help="prompt top logprobs: flat arrays vs nested rows, per hop, two hops over NATS, response building",
-    )
-    transport.add_argument("--out", type=Path, default=RESULTS / "logprob_transport.json")
-    transport.add_argument("--repeat", type=int, default=9, help="timed repetitions per figure (median)")
-    transport.set_defaults(bench=_logprob_transport)
-    _add_serve(sub)
-    _add_reliability(sub)
-
-
-def _logprob_transport(args: argparse.Namespace) -> int:
-    from ops.bench.logprob_transport import run
-
-    run(args.out, repeat=args.repeat)
-    return 0
-
-
-def _add_serve(sub: argparse._SubParsersAction) -> None:
-    serve = sub.add_parser("serve", help="online serving: request rate or concurrency, TTFT / ITL / TPOT / e2e, tok/s",
-                           description="Online serving benchmark against a running server (or one --launch starts).")
-    target = serve.add_argument_group("server")
-    target.add_argument("--base-url", default="http://127.0.0.1:8000")
-    target.add_argument("--endpoint", choices=("generate", "completions"), default="generate",
-                        help="generate: /generate (native); completions: /v1/completions (any OpenAI-compatible server)")
-    target.add_argument("--model-name", default=None, help="OpenAI `model` (default: the first of GET /v1/models)")
-    target.add_argument("--api-key", default=None, help="sent as Authorization: Bearer")
-    target.add_argument("--launch", action="store_true", help="start `sparkwire up` on the base URL's port for the run")
-    target.add_argument("--up-args", default="", help='flags for the launched `sparkwire up`, e.g. --up-args="--device cuda"')
-    target.add_argument("--up-log", type=Path, default=None, help="the launched stack's output (default: a temp file)")
-    load = serve.add_argument_group("workload")
-    load.add_argument("--num-prompts", type=int, default=100)
-    load.add_argument("--input-len", type=int, default=128, help="random prompts: token ids per prompt")
-    load.add_argument("--output-len", type=int, default=128, help="tokens asked per request")
-    load.add_argument("--range-ratio", type=float, default=0.0, help="lengths uniform in len * [1 - r, 1 + r]")
-    load.add_argument("--dataset-path", type=Path, default=None,
-                      help='JSONL prompts instead: {"prompt": str} or {"input_ids": [int]}, optional "output_len"')
-    load.add_argument("--vocab-from", type=Path, default=None, help="model dir whose tokenizer random ids come from")
-    load.add_argument("--request-rate", type=float, default=float("inf"), help="requests/s (default inf: all at once)")
-    load.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of arrival gaps; 1 = Poisson")
-    load.add_argument("--max-concurrency", type=int, default=None)
-    load.add_argument("--ignore-eos", action="store_true", help="generate exactly the asked lengths")
-    load.add_argument("--temperature", type=float, default=0.0)
-    load.add_argument("--logprobs", type=int, default=None, help="ask top-k logprobs per output token (measures their cost)")
-    load.add_argument("--prompt-logprobs", action="store_true",
-                      help="with --logprobs, on /generate: the same top-k for every prompt position too")
-    load.add_argument("--num-warmups", type=int, default=0)
-    load.add_argument("--seed", type=int, default=0)
-    load.add_argument("--request-timeout-s", type=float, default=600.0)
-    serve.add_argument("--out", type=Path, default=RESULTS / "serve.json")
-    serve.add_argument("--no-progress", action="store_true")
-    serve.set_defaults(bench=_serve)
-
-
-def _serve(args: argparse.Namespace) -> int:
-    import shlex
-
-    from ops.bench.serve import ServeConfig, run
-
-    names = ("base_url", "endpoint", "model_name", "api_key", "num_prompts", "input_len", "output_len", "range_ratio",
-             "dataset_path", "request_rate", "burstiness", "max_concurrency", "ignore_eos", "temperature", "logprobs",
-             "prompt_logprobs", "num_warmups", "seed", "request_timeout_s")  # fmt: skip
-    settings = {name: getattr(args, name) for name in names}
-    if args.vocab_from is not None:
-        settings["vocab_from"] = args.vocab_from
-    launch = tuple(shlex.split(args.up_args)) if args.launch else None
-    config = ServeConfig(**settings, progress=not args.no_progress, launch=launch, launch_log=args.up_log)
-    results = run(config, args.out)
-    return 0 if results["failed"] == 0 else 1  # a failed request fails the command (scripts, CI)
-
-
-def _add_reliability(sub: argparse._SubParsersAction) -> None:
-    from ops.bench.reliability import ALL_CASES, ReliabilityConfig
-
-    defaults = ReliabilityConfig()
-    reliability = sub.add_parser("reliability", help="hostile HTTP and NATS input, kill -9 of each service and of nats-server, "
-                                 "concurrent streams, against a `sparkwire up` of its own; lost/short/5xx must be 0")  # fmt: skip
-    reliability.add_argument("--cases", nargs="+", choices=ALL_CASES, default=list(ALL_CASES))
-    reliability.add_argument("--num-concurrent", type=int, default=defaults.num_concurrent)
-    reliability.add_argument("--num-in-flight", type=int, default=defaults.num_in_flight, help="requests running at each fault")
-    reliability.add_argument("--max-new-tokens", type=int, default=defaults.max_new_tokens)
-    reliability.add_argument("--fault-tokens", type=int, default=defaults.fault_tokens, help="tokens per request hit by a fault")
-    reliability.add_argument("--up-args", default="", help='flags for the launched `sparkwire up`, e.g. --up-args="--device cpu"')
-    reliability.add_argument("--up-log", type=Path, default=None)
-    reliability.add_argument("--out", type=Path, default=RESULTS / "reliability.json")
-    reliability.set_defaults(bench=_reliability)
-
-
-def _reliability(args: argparse.Namespace) -> int:
-    import shlex
-
-    from ops.bench.reliability import ReliabilityConfig, run
-
-    config = ReliabilityConfig(
-        cases=tuple(args.cases), num_concurrent=args.num_concurrent, num_in_flight=args.num_in_flight,
-        max_new_tokens=args.max_new_tokens, fault_tokens=args.fault_tokens, up_args=tuple(shlex.split(args.up_args)),
-        up_log=args.up_log,
-    )  # fmt: skip
-    return 0 if run(args.out, config)["passed"] else 1
+    sub = parser.add_subparsers(dest="benchmark", required=True, metavar="BENCHMARK", parser_class=SuiteParser)
+    for name, suite in SUITES.items():
+        sub.add_parser(name, help=suite.help, suite=suite)
+    kernels = sub.add_parser("gpu-kernels", help="the Triton kernels against the torch paths they replace: "
+                             + ", ".join(KERNEL_CHECKS), description="Triton kernel checks: correctness, then speed.")  # fmt: skip
+    checks = kernels.add_subparsers(dest="kernel_check", required=True, metavar="CHECK", parser_class=SuiteParser)
+    for name, suite in KERNEL_CHECKS.items():
+        checks.add_parser(name, help=suite.help, suite=suite)
 
 
 def main(args: argparse.Namespace) -> int:
-    return args.bench(args)
+    return int(args.bench(args) or 0)
+
+
+if __name__ == "__main__":
+    from services.cli import main as cli_main
+
+    sys.exit(cli_main(["bench", *sys.argv[1:]]))

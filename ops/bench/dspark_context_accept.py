@@ -17,27 +17,25 @@ as `ops/train/evaluate.py` counts it; `propose_ms` (CPU only) the median wall ti
 instead of the whole context.
 Windows: 0 is the whole context; "config" the draft config's.
 
-    python -m ops.bench.dspark_context_accept --prompt-lens 64 256 512 1024 2048 --out ops/bench/results/dspark_context_accept.json
-    python -m ops.bench.dspark_context_accept --device cuda --out $OUT/dspark_context_accept_gpu.json
+    sparkwire bench dspark-accept --prompt-lens 64 256 512 1024 2048 --out ops/bench/results/dspark_context_accept.json
+    sparkwire bench dspark-accept --device cuda --out $OUT/dspark_context_accept_gpu.json
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from pathlib import Path
 
 import torch
 from tokenizers import Tokenizer
 
+from ops.bench import scheduler_harness as harness
+from ops.bench.common import REPO, RESULTS, device_name, script, write_json
 from ops.train.evaluate import mean_accept_length, run_speculative
 from services.models import BUNDLED_DRAFT_MODEL, BUNDLED_MODEL
-from services.scheduler.config import SchedulerConfig
-from services.scheduler.build import build_core
 from services.scheduler.spec.dspark_config import DSparkConfig
 
-REPO = Path(__file__).resolve().parents[2]
 KV_BLOCK_SIZE = 16
 
 
@@ -57,11 +55,10 @@ def accept_length(args: argparse.Namespace, prompts: list[list[int]], window: in
     """The pair served as `sparkwire up --speculative-algorithm dspark` serves it (`build_core`: on CUDA
     with draft graphs), every prompt at once."""
     longest = max(len(prompt) for prompt in prompts) + args.new_tokens + KV_BLOCK_SIZE  # + a verify block past the end
-    config = SchedulerConfig(model=str(args.model), draft_model=str(args.draft), speculative_algorithm="dspark",
-                             draft_context_window=window, device=args.device, max_running_requests=len(prompts),
-                             num_kv_blocks=len(prompts) * (-(-longest // KV_BLOCK_SIZE) + 1), kv_block_size=KV_BLOCK_SIZE)  # fmt: skip
-    core = build_core(config)
-    proposer = core.worker.proposer
+    core = harness.served_core(args.model, device=args.device, draft_model=str(args.draft), speculative_algorithm="dspark",
+                               draft_context_window=window, max_running_requests=len(prompts),
+                               num_kv_blocks=len(prompts) * (-(-longest // KV_BLOCK_SIZE) + 1), kv_block_size=KV_BLOCK_SIZE)  # fmt: skip
+    proposer = harness.proposer_of(core)
     served_window = getattr(proposer, "proposer", proposer).context_window  # DraftGraphs wraps the DSparkProposer
     propose, drafting = proposer.propose, []
 
@@ -76,7 +73,7 @@ def accept_length(args: argparse.Namespace, prompts: list[list[int]], window: in
     started = time.perf_counter()
     accept, forwards, _ = mean_accept_length(run_speculative(core, prompts, temperature, args.new_tokens))
     seconds = time.perf_counter() - started
-    on_cpu = core.worker.runner.device.type == "cpu"  # elsewhere a propose's host time is its launch, not its work
+    on_cpu = harness.runner_of(core).device.type == "cpu"  # elsewhere a propose's host time is its launch, not its work
     return {"accept_length": round(accept, 3), "verify_forwards": forwards, "window_served": served_window,
             "propose_ms": round(1e3 * sorted(drafting)[len(drafting) // 2], 3) if on_cpu else None, "proposes": len(drafting),
             "output_tok_s": round(len(prompts) * args.new_tokens / seconds, 1)}  # fmt: skip
@@ -87,9 +84,8 @@ def run(args: argparse.Namespace) -> dict:
     rows: list[dict] = []
     result = {"model": _shown(args.model), "draft": _shown(args.draft), "configured_window": DSparkConfig.from_pretrained(args.draft).context_window,
               "num_prompts": args.num_prompts, "new_tokens": args.new_tokens,
-              "device": torch.cuda.get_device_name() if args.device == "cuda" else args.device, "torch": torch.__version__,
+              "device": device_name(args.device), "torch": torch.__version__,
               "rows": rows}  # fmt: skip
-    args.out.parent.mkdir(parents=True, exist_ok=True)
     for length in args.prompt_lens:
         prompts = repository_prompts(tokenizer, args.num_prompts, length)
         for temperature in args.temperatures:
@@ -98,7 +94,7 @@ def run(args: argparse.Namespace) -> dict:
                 figures = accept_length(args, prompts, None if window == "config" else int(window), temperature)
                 rows.append({"prompt_len": length, "temperature": temperature, "window": window, **figures,
                              "seconds": round(time.perf_counter() - started, 2)})  # fmt: skip
-                args.out.write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")  # each row kept as it comes
+                write_json(args.out, result)  # each row kept as it comes
                 print(f"prompt {length:5d}  T={temperature:g}  window {window!s:>6}: accept {figures['accept_length']:.3f}, "
                       f"propose {figures['propose_ms']} ms, {figures['output_tok_s']} tok/s", flush=True)  # fmt: skip
     print(table(result))
@@ -129,8 +125,7 @@ def table(result: dict) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--model", type=Path, default=BUNDLED_MODEL)
     parser.add_argument("--draft", type=Path, default=BUNDLED_DRAFT_MODEL)
@@ -139,10 +134,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0])
     parser.add_argument("--num-prompts", type=int, default=16)
     parser.add_argument("--new-tokens", type=int, default=64)
-    parser.add_argument("--out", type=Path, default=REPO / "ops/bench/results/dspark_context_accept.json")
-    run(parser.parse_args(argv))
+    parser.add_argument("--out", type=Path, default=RESULTS / "dspark_context_accept.json")
+
+
+def main(args: argparse.Namespace) -> int:
+    run(args)
     return 0
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(script(__doc__, add_arguments, main))

@@ -6,16 +6,15 @@ logprobs. The stand-in's rate (concurrency / step) is the ceiling: output tok/s 
 and TPOT over what the pace gives, are the front half's doing. Per scenario it also records each
 process's CPU (cores) and the tokenizers' CPU per output token.
 
-Issue 12, point 4 (top-20 output logprobs cost <= 5% of tok/s at batch 64): on the H200 the 0.6B
-shape decodes 64 requests every ~2 ms, and the front end, not the GPU, set what top-20 cost
-(ops/bench/results/gpu_serve.md, run 24). This reproduces that load on a CPU box.
+Issue 12, point 4 (top-20 output logprobs cost <= 5% of tok/s at batch 64): on a GPU the 0.6B
+shape decodes 64 requests every ~2 ms, and there the front end, not the GPU, set what top-20 cost
+(ops/bench/results/gpu_serve.md). This reproduces that load on a CPU box.
 
-`--before DIR` runs this same script on another checkout (e.g. a `git worktree` of the commit
-before a front-end change), the two alternating for `--rounds` rounds, in one results file; the
-stand-in and the benchmark client are this checkout's files, the services the tree's.
+`--before DIR` runs that checkout's own copy of this script (e.g. a `git worktree` of the commit
+before a front-end change), the two alternating for `--rounds` rounds, in one results file.
 
-    python -m ops.bench.frontend_capacity --out ops/bench/results/frontend_capacity.json
-    python -m ops.bench.frontend_capacity --before /tmp/base --rounds 2 --out ...
+    sparkwire bench frontend-capacity --out ops/bench/results/frontend_capacity.json
+    sparkwire bench frontend-capacity --before /tmp/base --rounds 2 --out ...
 """
 
 from __future__ import annotations
@@ -33,13 +32,13 @@ from typing import Any
 
 import uvloop
 
+from ops.bench.common import REPO, RESULTS, script, write_json
 from ops.bench.logprob_transport import ProcessMeter
 from ops.bench.serve import ServeConfig, benchmark
 from ops.bench.serve_launch import health_ok
 from services.common.nats_server import free_port, start_nats_server
 from services.models import BUNDLED_MODEL
 
-REPO = Path(__file__).resolve().parents[2]
 PACED = Path(__file__).resolve().parent / "paced_scheduler.py"
 SCENARIOS = {"plain": None, "top20": 20}
 READY_TIMEOUT_S = 60.0
@@ -155,8 +154,7 @@ def table(runs: dict[str, list]) -> str:
     return "\n".join(lines)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--concurrency", type=int, default=Load.concurrency)
     parser.add_argument("--step-ms", type=float, default=Load.step_ms, help="the stand-in's decode step")
     parser.add_argument("--num-prompts", type=int, default=Load.num_prompts)
@@ -165,22 +163,24 @@ def main() -> None:
     parser.add_argument("--before", type=Path, default=None, help="another checkout, run alternately with this one")
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--print-json", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--out", type=Path, default=REPO / "ops/bench/results/frontend_capacity.json")
-    args = parser.parse_args()
+    parser.add_argument("--out", type=Path, default=RESULTS / "frontend_capacity.json")
+
+
+def main(args: argparse.Namespace) -> int:
     load = Load(args.concurrency, args.step_ms, args.num_prompts, output_len=args.output_len, tokenizers=args.tokenizers)
     if args.print_json:
         print(json.dumps(run(load)))
-        return
+        return 0
     if args.before is not None:
         argv = [f"--concurrency={load.concurrency}", f"--step-ms={load.step_ms}", f"--num-prompts={load.num_prompts}",
                 f"--output-len={load.output_len}", f"--tokenizers={load.tokenizers}"]  # fmt: skip
         runs = compare(args.before, argv, args.rounds)
     else:
         runs = {"this tree": [run(load) for _ in range(args.rounds)]}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"runs": runs, "cpus": os.cpu_count()}, indent=2) + "\n")
+    write_json(args.out, {"runs": runs, "cpus": os.cpu_count()})
     print(table(runs))
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(script(__doc__, add_arguments, main))

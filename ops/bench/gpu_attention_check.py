@@ -27,8 +27,8 @@ start more than --budget-s after the start is skipped:
 - `sweep`: the kernel's launch settings (tile rows, keys per iteration, warps, stages) on `mixed`
   and `long`, so the defaults can be set from one run.
 
-    PYTHONPATH=. python ops/bench/gpu_attention_check.py --out $OUT/gpu_attention.json
-    PYTHONPATH=. python ops/bench/gpu_attention_check.py --device cpu --tiny --out /tmp/attention.json  # smoke
+    sparkwire bench gpu-kernels attention --out $OUT/gpu_attention.json
+    sparkwire bench gpu-kernels attention --device cpu --tiny --out /tmp/attention.json  # smoke
 
 On CPU there is no kernel: the "kernel" columns run its torch twin (`varlen_attention_torch`).
 """
@@ -37,84 +37,32 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
-import statistics
 import time
-import traceback
-import warnings
-from collections.abc import Callable
-from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 import torch
 
 from contracts.scheduler import LogprobParams, SamplingParams
-from services.models import RANDOM_TINY_MODEL
-from services.scheduler.config import SchedulerConfig
-from services.scheduler.build import core_for
-from services.scheduler.core import SchedulerCore
+from ops.bench import scheduler_harness as harness
+from ops.bench.common import (
+    Shape, add_check_arguments, bench_dtype, check_shape, deadline_sections, device_name, finish_run, load_runner,
+    median_ms, only, ragged_step, rounded, script, section_rows, sync_count, worst_row_rel_diff,
+)  # fmt: skip
 from services.scheduler.model.attention import paged_attention, plan_attention, plan_varlen
 from services.scheduler.model.batch import ForwardBatch
 from services.scheduler.model.dense_attention import DENSE_MIN_QUERY_LEN, DenseConfig
-from services.scheduler.model.loader import load_model_runner
 from services.scheduler.model.ragged_graphs import token_ladder
 from services.scheduler.model.runner import ModelRunner, triton_available
-from services.scheduler.request import SchedulerRequest
 
-REPO = Path(__file__).resolve().parents[2]
 TOP2 = LogprobParams(return_logprob=True, logprob_start_len=0, top_logprobs_num=2)
 PATHS = ("sdpa", "kernel")  # ModelRunner.ragged_kernel False, True
 
 
-@dataclass(frozen=True)
-class Shape:
-    model: Path
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    num_layers: int
-    page: int  # the cache's block size
-    decodes: int  # sequences decoding beside the prefill of a mixed step
-    decode_context: int
-    prefill: int  # the mixed step's prefill chunk
-    prefills: tuple[tuple[int, int], ...]  # (context, new tokens) of the `prefills` mix
-    long_prompt: int
-    chunk: int  # the policy's chunk budget
-
-
-FULL = Shape(
-    REPO / "ops/model_configs/Qwen3-8B", 32, 8, 128, 36, SchedulerConfig.kv_block_size, 64, 256, 128,
-    ((0, 512), (1024, 384), (4096, 320), (37, 256), (8192, 224), (500, 192), (16000, 96), (3000, 64)),
-    32768, SchedulerConfig.chunked_prefill_size,
-)  # fmt: skip
-TINY = Shape(RANDOM_TINY_MODEL, 4, 2, 32, 4, 16, 4, 24, 20, ((0, 20), (40, 9), (7, 3)), 256, 64)
 # (tile rows, keys per iteration, warps, stages); the first is the kernel's default at 128 rows
 SWEEP = ((128, 64, 8, 3), (128, 64, 4, 2), (128, 128, 8, 2), (128, 32, 4, 3), (64, 64, 4, 3), (64, 128, 4, 2))
 
 
 # ---- inputs ----
-
-
-def ragged_step(chunks: list[tuple[int, int]], page: int, width: int, device: str, seqs: list[int] | None = None) -> ForwardBatch:
-    """One step of (context, new tokens) per sequence; sequence s owns pages s * width .. (s + 1) * width - 1."""
-    seqs = list(range(len(chunks))) if seqs is None else seqs
-    positions = [torch.arange(ctx, ctx + n) for ctx, n in chunks]
-    slots = [(s * width + pos // page) * page + pos % page for s, pos in zip(seqs, positions)]
-    query_lens = tuple(n for _, n in chunks)
-    seq_lens = tuple(ctx + n for ctx, n in chunks)
-    tables = torch.tensor(seqs)[:, None] * width + torch.arange(width)[None, :]  # [B, width]
-    ids = torch.randint(0, 2048, (sum(query_lens),), generator=torch.Generator().manual_seed(len(chunks)))
-    return ForwardBatch(
-        input_ids=ids.to(device),
-        positions=torch.cat(positions).to(device),
-        query_start_loc=torch.tensor([0, *np.cumsum(query_lens)], dtype=torch.int32, device=device),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
-        block_tables=tables.to(torch.int32).to(device),
-        slot_mapping=torch.cat(slots).to(device),
-        host_query_lens=query_lens,
-        host_seq_lens=seq_lens,
-    )
 
 
 def mixes(shape: Shape) -> dict[str, list[list[tuple[int, int]]]]:
@@ -140,54 +88,6 @@ def layer_inputs(shape: Shape, steps: list[list[tuple[int, int]]], device: str, 
 
 
 # ---- timing ----
-
-
-def median_ms(fn: Callable[[], object], device: str, repeats: int, warmup: int | None = None) -> float:
-    """Median over `repeats` calls, each from an idle device: CUDA events (host launch gaps count), else the host clock.
-    warmup: untimed calls first; by default 2 on CUDA (compiles, the allocator's growth) and none on the
-    CPU, where a smoke run's times only show that it ran and a call may run Triton's interpreter (up to
-    seconds a step)."""
-    for _ in range(warmup if warmup is not None else 2 if device == "cuda" else 0):
-        fn()
-    times = []
-    for _ in range(repeats):
-        if device == "cuda":
-            torch.cuda.synchronize()
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            begin = time.perf_counter()
-            fn()
-            times.append(1e3 * (time.perf_counter() - begin))
-    return round(statistics.median(times), 4)
-
-
-def synced_seconds(call: Callable[[], object], digits: int = 4) -> float:
-    """Host seconds of one call, the device idle before and drained after (a first call: its compile included)."""
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    call()
-    torch.cuda.synchronize()
-    return round(time.perf_counter() - start, digits)
-
-
-def sync_count(fn: Callable[[], object], device: str) -> int | None:
-    """Host syncs during fn, as torch's sync debug mode reports them (CUDA only)."""
-    if device != "cuda":
-        return None
-    torch.cuda.synchronize()
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        torch.cuda.set_sync_debug_mode("warn")
-        try:
-            fn()
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-    return sum("synchroniz" in str(w.message) for w in caught)
 
 
 def uses_kernel(device: str) -> bool:
@@ -246,11 +146,6 @@ def sweep_rows(shape: Shape, device: str, dtype: torch.dtype, repeats: int) -> l
                 row["error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
             rows.append(row)
     return rows
-
-
-def load_runner(shape: Shape, device: str, dtype: torch.dtype) -> ModelRunner:
-    return load_model_runner(shape.model, device=device, dtype=dtype, load_format="dummy", kv_block_size=shape.page,
-                             cuda_graphs=False)  # fmt: skip
 
 
 def mixed_step(runner: ModelRunner, shape: Shape, repeats: int) -> dict:
@@ -355,11 +250,6 @@ def ragged_graph_steps(runner: ModelRunner, shape: Shape, repeats: int) -> dict:
     return rounded(result)
 
 
-def worst_row_rel_diff(got: torch.Tensor, want: torch.Tensor) -> float:
-    """max over rows of |got - want|_inf / |want|_inf: one wrong row stands out of the bf16 noise."""
-    return float(((got - want).abs().amax(-1) / want.abs().amax(-1).clamp_min(1e-6)).max())
-
-
 def _hidden_and_argmax(runner: ModelRunner, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
     """(hidden states f32 [T, H], argmax of every row's logits [T]), copied out of any graph's buffers."""
     hidden = runner.forward(batch).hidden_states
@@ -398,9 +288,9 @@ def dense_prefill_rows(runner: ModelRunner, shape: Shape, prompt: np.ndarray) ->
 
 def _prefill(runner: ModelRunner, chunk: int, prompt: np.ndarray, logprobs: LogprobParams) -> dict:
     cuda = runner.device.type == "cuda"
-    core = core_for(runner, max_running_requests=1, chunked_prefill_size=chunk)  # fused logprob kernels where they run
+    core = harness.core_for(runner, max_running_requests=1, chunked_prefill_size=chunk)  # fused logprob kernels where they run
     sampling = SamplingParams(max_new_tokens=1, temperature=0.0, ignore_eos=True)
-    core.add(SchedulerRequest("long", prompt, "d", sampling, logprobs))
+    core.add(harness.new_request("long", prompt, sampling, logprobs))
     if cuda:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
@@ -408,8 +298,7 @@ def _prefill(runner: ModelRunner, chunk: int, prompt: np.ndarray, logprobs: Logp
     start, steps, rows = time.perf_counter(), 0, 0
     while core.has_work():
         for output in core.step():
-            entries = output.logprobs
-            rows += len(entries.input_token_logprobs) if entries and entries.input_token_logprobs is not None else 0
+            rows += harness.prompt_logprob_rows(output)
         steps += 1
     if cuda:
         torch.cuda.synchronize()
@@ -422,10 +311,10 @@ def _prefill(runner: ModelRunner, chunk: int, prompt: np.ndarray, logprobs: Logp
 
 
 def run(args: argparse.Namespace) -> dict:
-    shape = TINY if args.tiny else FULL
-    dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
+    shape = check_shape(args.tiny)
+    dtype = bench_dtype(args.device)
     deadline = time.monotonic() + args.budget_s
-    result: dict = {"device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu", "torch": torch.__version__,
+    result: dict = {"device": device_name(args.device), "torch": torch.__version__,
                     "shape": {k: str(v) for k, v in dataclasses.asdict(shape).items()}, "kernel": uses_kernel(args.device)}  # fmt: skip
     section = only(args.sections, deadline_sections(result, deadline))
     section("kernels", lambda: kernel_rows(shape, args.device, dtype, args.repeats))
@@ -440,67 +329,12 @@ def run(args: argparse.Namespace) -> dict:
     return finish_run(result, args, deadline, table)
 
 
-def finish_run(result: dict, args: argparse.Namespace, deadline: float, table: Callable[[dict], str]) -> dict:
-    """A GPU check's last lines: its elapsed seconds (from --budget-s and the deadline), the JSON to
-    --out, the table printed."""
-    result["elapsed_s"] = round(args.budget_s - (deadline - time.monotonic()), 1)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
-    print(table(result))
-    return result
-
-
-def check_parser(doc: str, *, tiny: str, repeats: int, budget_s: float, out: str, model: bool = False,
-                 what: str = "calls per measurement") -> argparse.ArgumentParser:
-    """The flags every GPU check script takes (--device, --tiny, [--model], --repeats, --budget-s,
-    --out), with that script's help and defaults; the script adds its own after."""
-    parser = argparse.ArgumentParser(description=doc.split("\n\n")[0])
-    parser.add_argument("--device", default="cuda", help="cuda; cpu for the smoke run (with --tiny)")
-    parser.add_argument("--tiny", action="store_true", help=f"{tiny} (smoke)")
-    if model:
-        parser.add_argument("--model", type=Path, default=None, help="another config directory (dummy weights), e.g. ops/model_configs/Qwen3-0.6B")
-    parser.add_argument("--repeats", type=int, default=repeats, help=f"timed {what} (median)")
-    parser.add_argument("--budget-s", type=float, default=budget_s, help="sections not started this long after the start are skipped")
-    parser.add_argument("--out", type=Path, default=REPO / "ops/bench/results" / out)
-    return parser
-
-
-def only(names: list[str] | None, section: Callable[[str, Callable[[], object]], object]):
-    """`section` restricted to `names` (None: all); the runner loads whenever a section needs it."""
-    if not names:
-        return section
-    wanted = {*names, "runner"}
-    return lambda name, fn: section(name, fn) if name in wanted else None
-
-
-def deadline_sections(result: dict, deadline: float) -> Callable[[str, Callable[[], object]], object]:
-    """section(name, fn): result[name] = fn(), or the error, or "skipped" once the deadline has passed."""
-
-    def section(name: str, fn: Callable[[], object]) -> object:
-        if time.monotonic() > deadline:
-            result[name] = {"skipped": "over --budget-s"}
-            return None
-        try:
-            value = fn()
-        except Exception:
-            result[name] = {"error": traceback.format_exc()[-3000:]}
-            return None
-        result[name] = value
-        return value
-
-    return section
-
-
 def _load(shape: Shape, device: str, dtype: torch.dtype, into: list[ModelRunner]) -> dict:
     if device == "cuda":
         torch.cuda.empty_cache()  # the KV budget is a fraction of the free memory: not of what the kernels section left cached
     start = time.perf_counter()
     into.append(load_runner(shape, device, dtype))
     return {"model": shape.model.name, "load_s": round(time.perf_counter() - start, 1)}
-
-
-def rounded(row: dict) -> dict:
-    return {k: float(f"{v:.5g}") if isinstance(v, float) else v for k, v in row.items()}
 
 
 def table(result: dict) -> str:
@@ -546,22 +380,18 @@ def table(result: dict) -> str:
     return "\n".join(lines)
 
 
-def section_rows(result: dict, name: str) -> list[dict]:
-    """A section's rows; [] when it failed or was skipped (then it holds a dict saying why)."""
-    value = result.get(name)
-    return value if isinstance(value, list) else []
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = check_parser(__doc__, tiny="the tiny random model's shape and short mixes", repeats=10, budget_s=120.0,
-                          out="gpu_attention.json")  # the longest section takes ~20 s
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_check_arguments(parser, tiny="the tiny random model's shape and short mixes", repeats=10, budget_s=120.0,
+                        out="gpu_attention.json")  # the longest section takes ~20 s
     parser.add_argument("--sections", nargs="*", default=None,
                         help="run only these (kernels, mixed_step, ragged_graph, prefill_32k, sweep; default all)")
-    args = parser.parse_args(argv)
+
+
+def main(args: argparse.Namespace) -> int:
     result = run(args)
-    failed = [k for k, v in result.items() if isinstance(v, dict) and "error" in v]
+    failed = [k for k, v in result.items() if isinstance(v, dict) and "error" in v]  # a sweep setting's error is a row
     return 1 if failed else 0
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(script(__doc__, add_arguments, main))

@@ -22,9 +22,12 @@ All on the Qwen3-8B shape with dummy bf16 weights (`ops/model_configs/Qwen3-8B`)
   and from `LogprobGraphs` (captures and their ms; graphs equal to eager exactly, raw and processed); and
   its top-k against a candidate with one top-k instead of two (`_top_k_by_running_count`).
 
-    python ops/bench/gpu_core_check.py --before .devcarry/before --out $OUT/gpu_core.json
-    python ops/bench/gpu_core_check.py --logprob-cost --out $OUT/gpu_core_logprobs.json  # core, DSpark, syncs, the last two
-    python ops/bench/gpu_core_check.py --logprob-cost --fused-logprobs --out $OUT/gpu_core_logprobs_fused.json  # the same, kernels
+    sparkwire bench gpu-core --before DIR --out $OUT/gpu_core.json   # DIR: a checkout of the tree before
+    sparkwire bench gpu-core --logprob-cost --out $OUT/gpu_core_logprobs.json  # core, DSpark, syncs, the last two
+    sparkwire bench gpu-core --device cpu --tiny --out /tmp/core.json  # smoke: the tiny model, a dummy drafter for it
+
+`--before DIR` runs DIR's own copy of this file (`--core-only`), so each tree's core is built by its
+own `scheduler_harness`.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 import warnings
 from pathlib import Path
@@ -43,49 +47,20 @@ import numpy as np
 import torch
 
 from contracts.scheduler import LogprobParams, SamplingParams
-from services.scheduler.build import CoreSettings, core_for, make_policy
-from services.scheduler.core import SchedulerCore
+from ops.bench import scheduler_harness as harness
+from ops.bench.common import MODEL_CONFIGS, RESULTS, TINY_MODEL, bench_dtype, device_name, script, synchronize, write_json
 from services.scheduler.model.loader import load_model_runner
 from services.scheduler.model.runner import triton_available
-from services.scheduler.request import SchedulerRequest
-from services.scheduler.spec.accept import VerifyBlock
-from services.scheduler.worker import ModelWorker, WorkerOptions
 
-REPO = Path(__file__).resolve().parents[2]
-TARGET = REPO / "ops/model_configs/Qwen3-8B"
-DRAFT = REPO / "ops/model_configs/Qwen3-8B-dspark"
+TARGET = MODEL_CONFIGS / "Qwen3-8B"
+DRAFT = MODEL_CONFIGS / "Qwen3-8B-dspark"
 TOP20 = LogprobParams(return_logprob=True, top_logprobs_num=20)
 
 
 def requests(batch: int, prompt_len: int, new_tokens: int, vocab: int, logprobs: LogprobParams, tag: str):
     prompts = np.random.default_rng(batch).integers(0, vocab, size=(batch, prompt_len), dtype=np.int32)
     sampling = SamplingParams(max_new_tokens=new_tokens, temperature=0.0, ignore_eos=True)
-    return [SchedulerRequest(f"{tag}{i}", p, "d", sampling, logprobs) for i, p in enumerate(prompts)]
-
-
-def sync(device: str) -> None:
-    if device == "cuda":
-        torch.cuda.synchronize()
-
-
-class SimulatedAcceptWorker(ModelWorker):
-    """BENCHMARK ONLY: every verify keeps min(accept_len - 1, k) drafts whatever the target says, so a
-    draft/verify loop is timed at a chosen accept length (the output is not the model's)."""
-
-    def __init__(self, accept_len: int, runner, options: WorkerOptions, proposer=None) -> None:
-        super().__init__(runner, options, proposer)
-        self.accept_len = accept_len
-
-    def _accept(self, block: VerifyBlock) -> tuple[torch.Tensor, torch.Tensor]:
-        num_accepted = block.num_draft.clamp(max=self.accept_len - 1)  # [P]
-        return num_accepted, block.target_argmax.gather(1, num_accepted[:, None])[:, 0]
-
-
-def simulated_accept_core(runner, proposer, accept_len: int, **settings) -> SchedulerCore:
-    """A core whose worker is `SimulatedAcceptWorker`, built as `build.assemble_core` builds one."""
-    settings = CoreSettings.of(**settings)
-    worker = SimulatedAcceptWorker(accept_len, runner, settings.worker, proposer)
-    return SchedulerCore(worker, make_policy(runner, settings, proposer), overlap_decode=settings.overlap_decode)
+    return [harness.new_request(f"{tag}{i}", p, sampling, logprobs) for i, p in enumerate(prompts)]
 
 
 def time_core(core, reqs, warm_steps: int = 3) -> dict:
@@ -95,13 +70,13 @@ def time_core(core, reqs, warm_steps: int = 3) -> dict:
     tokens, steps = 0, 0
     for _ in range(1 + warm_steps):  # prefill (and the first token), then a few decode steps
         core.step()
-    device = core.worker.runner.device.type if hasattr(core, "worker") else core._runner.device.type
-    sync(device)
+    device = harness.runner_of(core).device.type
+    synchronize(device)
     start = time.perf_counter()
     while core.has_work():
         tokens += sum(len(o.new_token_ids) for o in core.step())
         steps += 1
-    sync(device)
+    synchronize(device)
     wall = time.perf_counter() - start
     return {"ms_per_step": 1e3 * wall / max(steps, 1), "tok_s": tokens / wall, "steps": steps, "tokens": tokens}
 
@@ -117,8 +92,8 @@ def core_rows(runner, batches, prompt_len, new_tokens, fused: bool = False, runs
     for batch in batches:
         cores = []
         for name, logprobs, graphs in runs:
-            core = core_for(runner, max_running_requests=max(batches), chunked_prefill_size=16384, logprob_graphs=graphs,
-                                 fused_logprobs=fused)  # fmt: skip
+            core = harness.core_for(runner, max_running_requests=max(batches), chunked_prefill_size=16384, logprob_graphs=graphs,
+                                    fused_logprobs=fused)  # fmt: skip
             time_core(core, requests(batch, prompt_len, 6, runner.config.vocab_size, logprobs, "w"))  # warm-up
             cores.append((name, logprobs, core))
         timed = functools.partial(requests, batch, prompt_len, new_tokens, runner.config.vocab_size)
@@ -192,8 +167,8 @@ def sync_count(runner, batch: int, logprob_graphs: bool = False, fused: bool = F
     warm steps: logprob graphs are captured in those)."""
     if runner.device.type != "cuda":
         return {"batch": batch, "logprob_graphs": logprob_graphs, "syncs_per_decode_step": None}
-    core = core_for(runner, max_running_requests=batch, chunked_prefill_size=16384, logprob_graphs=logprob_graphs,
-                         fused_logprobs=fused)  # fmt: skip
+    core = harness.core_for(runner, max_running_requests=batch, chunked_prefill_size=16384, logprob_graphs=logprob_graphs,
+                            fused_logprobs=fused)  # fmt: skip
     for r in requests(batch, 32, 12, runner.config.vocab_size, TOP20, "s"):
         core.add(r)
     core.step()
@@ -210,22 +185,14 @@ def sync_count(runner, batch: int, logprob_graphs: bool = False, fused: bool = F
 
 
 def dspark_rows(runner, draft: Path, batches, prompt_len, new_tokens, accept_len, fused: bool = False, rounds: int = 3) -> list[dict]:
-    from services.scheduler.spec.dspark_loader import load_dspark_proposer
-
-    proposer = load_dspark_proposer(draft, runner, load_format="dummy")
-    if runner.decode_kernel:
-        from services.scheduler.spec.draft_graphs import DraftGraphs
-
-        proposer = DraftGraphs(proposer)
+    proposer = harness.dspark_proposer(runner, draft)
     gamma = proposer.num_draft_tokens
-    if runner.decode_kernel:
-        runner.prepare_decode_graphs(query_lens=(1, gamma + 1), capture_layers=tuple(proposer.capture_layers))
     rows = []
     for batch in batches:
         cores = []
         for name, logprobs, graphs in LOGPROB_RUNS:
-            core = simulated_accept_core(runner, proposer, accept_len, max_running_requests=max(batches),
-                                         chunked_prefill_size=16384, logprob_graphs=graphs, fused_logprobs=fused)  # fmt: skip
+            core = harness.core_for(runner, max_running_requests=max(batches), chunked_prefill_size=16384, proposer=proposer,
+                                    simulated_accept_len=accept_len, logprob_graphs=graphs, fused_logprobs=fused)  # fmt: skip
             # warm-up as long as the timed run: draft graphs are captured on first use per context bucket,
             # and a shorter warm-up left the last bucket's capture inside the first timed run
             time_core(core, requests(batch, prompt_len, new_tokens, runner.config.vocab_size, logprobs, "w"))
@@ -243,38 +210,31 @@ def pair_rows(target: Path, draft: Path, batches, new_tokens: int, device: str) 
 
     from tokenizers import Tokenizer
 
-    from services.scheduler.spec.dspark_loader import load_dspark_proposer
-
     tokenizer = Tokenizer.from_file(str(target / "tokenizer.json"))
     files = sorted(glob.glob("/usr/lib/python3*/[a-z]*.py"))[: max(batches)] or [__file__] * max(batches)
     prompts = [np.asarray(tokenizer.encode(Path(f).read_text(errors="replace")[:400]).ids[:64], np.int32) for f in files]
     prompts = [p for p in prompts if len(p) > 4] or [np.arange(5, 40, dtype=np.int32)]
-    runner = load_model_runner(target, device=device, dtype=_dtype(device), cuda_graphs=False)
-    proposer = load_dspark_proposer(draft, runner)
-    if runner.decode_kernel:
-        from services.scheduler.spec.draft_graphs import DraftGraphs
-
-        proposer = DraftGraphs(proposer)
-        runner.prepare_decode_graphs(query_lens=(1, proposer.num_draft_tokens + 1), capture_layers=tuple(proposer.capture_layers))
+    runner = load_model_runner(target, device=device, dtype=bench_dtype(device), cuda_graphs=False)
+    proposer = harness.dspark_proposer(runner, draft, load_format="auto")
     sampling = SamplingParams(max_new_tokens=new_tokens, temperature=0.0, ignore_eos=True)
     rows = []
     for batch in batches:
-        reqs = [SchedulerRequest(f"p{i}", prompts[i % len(prompts)], "d", sampling) for i in range(batch)]
+        reqs = [harness.new_request(f"p{i}", prompts[i % len(prompts)], sampling) for i in range(batch)]
         outputs = {}
         for name, spec in (("plain", None), ("dspark", proposer)):
-            core = core_for(runner, max_running_requests=max(batches), chunked_prefill_size=16384, proposer=spec)
+            core = harness.core_for(runner, max_running_requests=max(batches), chunked_prefill_size=16384, proposer=spec)
             time_core(core, reqs)  # warm-up (and the tokens, below, from a second run)
             for r in reqs:
                 core.add(r)
             tokens: dict[str, list[int]] = {}
             verify: dict[str, int] = {}
-            sync(device)
+            synchronize(device)
             start = time.perf_counter()
             while core.has_work():
                 for o in core.step():
                     tokens.setdefault(o.rid, []).extend(o.new_token_ids)
                     verify[o.rid] = o.spec_verify_ct or 0
-            sync(device)
+            synchronize(device)
             wall = time.perf_counter() - start
             outputs[name] = tokens
             row = {"batch": batch, "mode": name, "tok_s": sum(map(len, tokens.values())) / wall}
@@ -422,23 +382,21 @@ def _timed(device: torch.device, call, times: int) -> tuple[float, float]:
 
 
 def core_only(args) -> dict:
-    """This tree's (or --before's, when run under its PYTHONPATH) plain core rows."""
-    runner = load_model_runner(args.target, device=args.device, dtype=_dtype(args.device), load_format="dummy")
+    """This tree's plain core rows (what `--before` asks another tree's copy of this file for)."""
+    runner = load_model_runner(args.target, device=args.device, dtype=bench_dtype(args.device), load_format="dummy")
     return {"core": core_rows(runner, args.batches, args.prompt_len, args.new_tokens)}
 
 
-def _dtype(device: str) -> torch.dtype:
-    return torch.bfloat16 if device == "cuda" else torch.float32
-
-
 def before(args) -> dict | None:
+    """The other tree's core rows, from its own copy of this file in a subprocess (its code first on the path)."""
     if args.before is None:
         return None
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(args.before.resolve()), os.environ.get("PYTHONPATH", "")])}
-    command = [sys.executable, __file__, "--core-only", "--batches", *map(str, args.batches),
+    tree = args.before.resolve()
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (str(tree), os.environ.get("PYTHONPATH"))))}
+    command = [sys.executable, str(tree / "ops/bench/gpu_core_check.py"), "--core-only", "--batches", *map(str, args.batches),
                "--prompt-len", str(args.prompt_len), "--new-tokens", str(args.new_tokens),
                "--target", str(args.target.resolve()), "--device", args.device]  # fmt: skip
-    done = subprocess.run(command, cwd=args.before, env=env, capture_output=True, text=True, timeout=900)
+    done = subprocess.run(command, cwd=tree, env=env, capture_output=True, text=True, timeout=900)
     if done.returncode != 0:
         return {"error": done.stderr[-3000:]}
     return json.loads(done.stdout.strip().splitlines()[-1])
@@ -475,17 +433,17 @@ def table(result: dict) -> str:
     return "\n".join(lines)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batches", nargs="*", type=int, default=[1, 64])
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--simulate-accept-len", type=int, default=4)
-    parser.add_argument("--before", type=Path, default=None, help="an export of the previous tree, to time its core")
+    parser.add_argument("--before", type=Path, default=None, help="a checkout of the tree before, to time its core in the same run")
     parser.add_argument("--core-only", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--target", type=Path, default=TARGET, help="target config directory (dummy weights)")
     parser.add_argument("--draft", type=Path, default=DRAFT, help="DSpark draft config directory (dummy weights)")
-    parser.add_argument("--device", default="cuda", help="cuda; cpu only for the smoke test")
+    parser.add_argument("--tiny", action="store_true", help="the tiny random target and a one-layer dummy drafter for it (smoke)")
+    parser.add_argument("--device", default="cuda", help="cuda; cpu only for the smoke run")
     parser.add_argument("--pair", nargs=2, type=Path, default=None, metavar=("TARGET", "DRAFT"),
                         help="a trained target and its DSpark drafter: accept length and tok/s against plain")
     parser.add_argument("--logprob-cost", action="store_true",
@@ -495,14 +453,23 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3, help="timed rounds per core run, in a rotating order (the median is kept)")
     parser.add_argument("--fused-logprobs", action="store_true",
                         help="raw-mode logprobs from the Triton kernels (triton_logprobs.py) in every core and the path alone (CUDA)")
-    parser.add_argument("--out", type=Path, default=REPO / "ops/bench/results/gpu_core.json")
-    args = parser.parse_args()
+    parser.add_argument("--out", type=Path, default=RESULTS / "gpu_core.json")
+
+
+def main(args: argparse.Namespace) -> int:
     if args.core_only:
         print(json.dumps(core_only(args)))
-        return
-    name = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
-    result = {"device": name, "torch": torch.__version__, "before": None if args.logprob_cost else before(args)}
-    runner = load_model_runner(args.target, device=args.device, dtype=_dtype(args.device), load_format="dummy", cuda_graphs=False)
+        return 0
+    if not args.tiny:
+        return measure(args)
+    with tempfile.TemporaryDirectory(prefix="sparkwire-tiny-draft-") as tmp:
+        args.target, args.draft = TINY_MODEL, harness.tiny_draft_config(TINY_MODEL, Path(tmp))
+        return measure(args)
+
+
+def measure(args: argparse.Namespace) -> int:
+    result = {"device": device_name(args.device), "torch": torch.__version__, "before": None if args.logprob_cost else before(args)}
+    runner = load_model_runner(args.target, device=args.device, dtype=bench_dtype(args.device), load_format="dummy", cuda_graphs=False)
     if runner.decode_kernel:
         runner.prepare_decode_graphs(query_lens=(1, 8))
     fused = result["fused_logprobs"] = args.fused_logprobs and runner.device.type == "cuda" and triton_available()
@@ -518,10 +485,10 @@ def main() -> None:
     result["logprob_path"] = logprob_path_rows(runner, args.batches, result["dspark"][0]["gamma"] + 1, fused=fused)
     if args.pair is not None and not args.logprob_cost:
         result["pair"] = pair_rows(*args.pair, (1, 16), args.new_tokens, args.device)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2))
+    write_json(args.out, result)
     print(table(result))
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(script(__doc__, add_arguments, main))

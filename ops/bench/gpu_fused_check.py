@@ -17,9 +17,9 @@ start more than --budget-s after the start is skipped:
 - `profile`: the eager batch-1 decode step under torch.profiler, off and on: device kernels per step
   and the top --top of the unfused step by device time.
 
-    PYTHONPATH=. python ops/bench/gpu_fused_check.py --out $OUT/gpu_fused.json
-    PYTHONPATH=. python ops/bench/gpu_fused_check.py --device cpu --tiny --out /tmp/fused.json  # smoke, off only
-    TRITON_INTERPRET=1 PYTHONPATH=. python ops/bench/gpu_fused_check.py --device cpu --tiny --out /tmp/fused.json
+    sparkwire bench gpu-kernels fused --out $OUT/gpu_fused.json
+    sparkwire bench gpu-kernels fused --device cpu --tiny --out /tmp/fused.json  # smoke, off only
+    TRITON_INTERPRET=1 python ops/bench/gpu_fused_check.py --device cpu --tiny --out /tmp/fused.json
 
 On CPU the fused kernels run only in Triton's interpreter (TRITON_INTERPRET=1); elsewhere the
 "on" setting is left out.
@@ -37,13 +37,15 @@ from pathlib import Path
 
 import torch
 
-from ops.bench.gpu_attention_check import check_parser, deadline_sections, finish_run, median_ms, ragged_step, rounded, section_rows, worst_row_rel_diff
+from ops.bench.common import (
+    MODEL_CONFIGS, add_check_arguments, bench_dtype, deadline_sections, device_name, failures, finish_run, median_ms, next_tokens,
+    ragged_step, rounded, script, section_rows, self_us, worst_row_rel_diff,
+)  # fmt: skip
 from services.models import RANDOM_TINY_MODEL
 from services.scheduler.model.batch import ForwardBatch
 from services.scheduler.model.loader import load_model_runner
 from services.scheduler.model.runner import ModelRunner, triton_available
 
-REPO = Path(__file__).resolve().parents[2]
 SETTINGS = {"off": False, "on": True}  # ModelRunner.fused_kernels
 
 
@@ -55,7 +57,7 @@ class Shape:
     page: int  # the cache's block size
 
 
-FULL = Shape(REPO / "ops/model_configs/Qwen3-8B", (1, 64), 256, 16)
+FULL = Shape(MODEL_CONFIGS / "Qwen3-8B", (1, 64), 256, 16)
 TINY = Shape(RANDOM_TINY_MODEL, (1, 3), 20, 4)
 
 
@@ -96,10 +98,6 @@ def written_kv(runner: ModelRunner, batch: ForwardBatch) -> torch.Tensor:
 def forward_with(runner: ModelRunner, setting: str, batch: ForwardBatch) -> torch.Tensor:
     runner.fused_kernels = SETTINGS[setting]
     return runner.forward(batch).hidden_states.float()  # [T, H], copied out of any graph buffer
-
-
-def next_tokens(runner: ModelRunner, hidden: torch.Tensor) -> torch.Tensor:
-    return runner.compute_logits(hidden).argmax(-1)
 
 
 # ---- sections ----
@@ -219,13 +217,6 @@ def _profile(runner: ModelRunner, setting: str, batch: ForwardBatch, activities:
     return result
 
 
-def self_us(event, cuda: bool) -> float:
-    """An averaged event's own time in us: on the device for a kernel (0 for host ops), else on the CPU."""
-    if not cuda:
-        return event.self_cpu_time_total if event.key.startswith("aten::") else 0.0
-    return getattr(event, "self_device_time_total", None) or getattr(event, "self_cuda_time_total", 0.0)
-
-
 # ---- the run ----
 
 
@@ -233,10 +224,10 @@ def run(args: argparse.Namespace) -> dict:
     shape = TINY if args.tiny else FULL
     if args.model is not None:  # another shape at the same batches and context (e.g. Qwen3-0.6B: issue 12 asks <= 1.5 ms)
         shape = dataclasses.replace(shape, model=args.model)
-    dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
+    dtype = bench_dtype(args.device)
     settings = settings_here(args.device)
     deadline = time.monotonic() + args.budget_s
-    result: dict = {"device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu", "torch": torch.__version__,
+    result: dict = {"device": device_name(args.device), "torch": torch.__version__,
                     "model": shape.model.name, "dtype": str(dtype), "settings": list(settings)}  # fmt: skip
     section = deadline_sections(result, deadline)
     runners: list[ModelRunner] = []
@@ -301,24 +292,15 @@ def shape_batches(result: dict) -> str:
     return f"{sizes[0]} vs b{sizes[-1]}" if sizes else ""
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = check_parser(__doc__, tiny="the tiny random model, batches 1 and 3 at context 20", repeats=30, budget_s=60.0,
-                          out="gpu_fused.json", model=True, what="replays per measurement")
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_check_arguments(parser, tiny="the tiny random model, batches 1 and 3 at context 20", repeats=30, budget_s=60.0,
+                        out="gpu_fused.json", model=True, what="replays per measurement")
     parser.add_argument("--top", type=int, default=12, help="kernels listed from the profile")
-    args = parser.parse_args(argv)
-    result = run(args)
-    return 1 if failures(result) else 0
 
 
-def failures(result: dict) -> list[str]:
-    """Sections that failed, or a setting inside one (graph rows and profile keep the other setting's)."""
-    failed = []
-    for name, value in result.items():
-        rows = value if isinstance(value, list) else [value] if isinstance(value, dict) else []
-        if any("error" in row or any(key.endswith("_error") for key in row) for row in rows):
-            failed.append(name)
-    return failed
+def main(args: argparse.Namespace) -> int:
+    return 1 if failures(run(args)) else 0
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(script(__doc__, add_arguments, main))

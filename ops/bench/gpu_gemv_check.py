@@ -14,8 +14,8 @@ is skipped:
   each replay's next token against the eager GEMV-off step's; device kernels in one eager step,
   their device time, and those that take the most.
 
-    PYTHONPATH=. python ops/bench/gpu_gemv_check.py --out $OUT/gpu_gemv.json
-    TRITON_INTERPRET=1 PYTHONPATH=. python ops/bench/gpu_gemv_check.py --device cpu --tiny --out /tmp/gemv.json  # smoke
+    sparkwire bench gpu-kernels gemv --out $OUT/gpu_gemv.json
+    TRITON_INTERPRET=1 python ops/bench/gpu_gemv_check.py --device cpu --tiny --out /tmp/gemv.json  # smoke
 """
 
 from __future__ import annotations
@@ -28,17 +28,17 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from ops.bench.gpu_attention_check import check_parser, deadline_sections, finish_run, median_ms, ragged_step
-from ops.bench.gpu_fused_check import next_tokens, self_us
-from ops.bench.gpu_rope_check import time_us
+from ops.bench.common import (
+    MODEL_CONFIGS, add_check_arguments, bench_dtype, deadline_sections, device_name, finish_run, graph_us, median_ms, next_tokens,
+    ragged_step, script, self_us,
+)  # fmt: skip
 from services.models import RANDOM_TINY_MODEL
 from services.scheduler.model import llama
 from services.scheduler.model.config import ModelConfig
 from services.scheduler.model.loader import load_model_runner
 from services.scheduler.model.runner import ModelRunner
 
-REPO = Path(__file__).resolve().parents[2]
-MODELS = (REPO / "ops/model_configs/Qwen3-0.6B", REPO / "ops/model_configs/Qwen3-8B")
+MODELS = (MODEL_CONFIGS / "Qwen3-0.6B", MODEL_CONFIGS / "Qwen3-8B")
 TILES = ((4, 256, 4), (4, 512, 4), (8, 256, 4), (8, 512, 4), (16, 256, 4), (16, 512, 4), (32, 256, 4), (8, 1024, 8),
          (16, 1024, 8), (32, 512, 8))  # (BLOCK_N, BLOCK_K, warps)  # fmt: skip
 OPS = ("norm_qkv", "norm_gate_up", "silu_down", "o_proj")
@@ -88,12 +88,12 @@ def kernel_rows(model: Path, tiles: tuple[tuple[int, int, int], ...], device: to
         want = separate().float()
         weight_bytes = inputs["weight"].numel() * inputs["weight"].element_size()
         base = {"model": model.name, "op": op, "weight": list(inputs["weight"].shape)}
-        us = time_us(separate, device, args.calls, args.repeats)
+        us = graph_us(separate, device, args.calls, args.repeats)
         rows.append({**base, "path": "cuBLAS (after the norm or silu kernel)", "us": us, "gb_per_s": round(weight_bytes / us / 1e3, 1)})
         own = gemv_tiles(*inputs["weight"].shape, normed=op.startswith("norm"))
         for tile in dict.fromkeys((own, *tiles)):
             got = gemv(tile).float()
-            us = time_us(lambda t=tile: gemv(t), device, args.calls, args.repeats)
+            us = graph_us(lambda t=tile: gemv(t), device, args.calls, args.repeats)
             rows.append({**base, "path": "gemv", "tiles": list(tile), "default": tile == own, "us": us,
                          "gb_per_s": round(weight_bytes / us / 1e3, 1),
                          "rel_diff": float((got - want).abs().max() / want.abs().max().clamp_min(1e-12))})  # fmt: skip
@@ -181,11 +181,11 @@ def eager_kernels(runner: ModelRunner, step, top: int = 8) -> dict:
 
 def run(args: argparse.Namespace) -> dict:
     device = torch.device(args.device)
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    dtype = bench_dtype(device.type)
     models = (RANDOM_TINY_MODEL,) if args.tiny else tuple(args.models)
     tiles = TINY_TILES if args.tiny else TILES
     deadline = time.monotonic() + args.budget_s
-    result: dict = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "torch": torch.__version__,
+    result: dict = {"device": device_name(device.type), "torch": torch.__version__,
                     "models": [m.name for m in models], "calls": args.calls}  # fmt: skip
     section = deadline_sections(result, deadline)
     kernels: list[dict] = []
@@ -227,15 +227,18 @@ def table(result: dict) -> str:
     return "\n".join(lines + ([f"not run or failed: {', '.join(errors)}"] if errors else []))
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = check_parser(__doc__, tiny="the tiny random model, two tile settings, context 20", repeats=20, budget_s=240, out="gpu_gemv.json",
-                          what="graph replays per measurement")  # fmt: skip
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_check_arguments(parser, tiny="the tiny random model, two tile settings, context 20", repeats=20, budget_s=240, out="gpu_gemv.json",
+                        what="graph replays per measurement")  # fmt: skip
     parser.add_argument("--models", type=Path, nargs="*", default=list(MODELS), help="config directories (dummy weights)")
     parser.add_argument("--calls", type=int, default=20, help="calls captured in each timed graph")
-    result = run(parser.parse_args(argv))
+
+
+def main(args: argparse.Namespace) -> int:
+    result = run(args)
     errors = [v for v in result.values() if isinstance(v, dict) and "error" in v]
     return 0 if result["kernels"] and result["steps"] and not errors else 1
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(script(__doc__, add_arguments, main))

@@ -18,9 +18,9 @@ Sections, each in its own try/except (one failure keeps the rest); one that woul
   (torch.cuda.max_memory_allocated over what was allocated before: issue 12 asks <= 1 GiB), and the
   LM head alone over the same chunks as the floor; the same correctness columns.
 
-    PYTHONPATH=. python ops/bench/gpu_logprob_kernel_check.py --out $OUT/gpu_logprob_kernel.json
-    PYTHONPATH=. python ops/bench/gpu_logprob_kernel_check.py --device cpu --tiny --out /tmp/lpk.json  # smoke, torch only
-    TRITON_INTERPRET=1 PYTHONPATH=. python ops/bench/gpu_logprob_kernel_check.py --device cpu --tiny --out /tmp/lpk.json
+    sparkwire bench gpu-kernels logprobs --out $OUT/gpu_logprob_kernel.json
+    sparkwire bench gpu-kernels logprobs --device cpu --tiny --out /tmp/lpk.json  # smoke, torch only
+    TRITON_INTERPRET=1 python ops/bench/gpu_logprob_kernel_check.py --device cpu --tiny --out /tmp/lpk.json
 
 On CPU the kernels run only in Triton's interpreter (TRITON_INTERPRET=1); elsewhere the "kernel"
 path is left out. On CPU nothing is captured: the graph columns stay empty.
@@ -32,13 +32,13 @@ import argparse
 import os
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 import torch
 
-from ops.bench.gpu_attention_check import check_parser, deadline_sections, finish_run, median_ms, rounded, section_rows
-from ops.bench.gpu_fused_check import failures, self_us
+from ops.bench.common import (
+    add_check_arguments, deadline_sections, device_name, failures, finish_run, median_ms, rounded, script, section_rows, self_us,
+)  # fmt: skip
 from services.scheduler.logprobs import (
     LogprobQuery,
     TopKKeys,
@@ -49,7 +49,6 @@ from services.scheduler.logprobs import (
 )
 from services.scheduler.model.runner import triton_available
 
-REPO = Path(__file__).resolve().parents[2]
 PATHS = {"torch": False, "kernel": True}  # logprob_columns' fused switch
 
 
@@ -265,7 +264,7 @@ def run(args: argparse.Namespace) -> dict:
     shape = TINY if args.tiny else FULL
     paths = paths_here(args.device)
     deadline = time.monotonic() + args.budget_s
-    result: dict = {"device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu", "torch": torch.__version__,
+    result: dict = {"device": device_name(args.device), "torch": torch.__version__,
                     "vocab": shape.vocab, "paths": list(paths)}  # fmt: skip
     section = deadline_sections(result, deadline)
     section("rows", lambda: rows_section(shape, args.device, paths, args.repeats))
@@ -318,12 +317,14 @@ def _per_kernel(row: dict) -> str:
     return ", ".join(f"{name.strip('_').removesuffix('_kernel')} {ms}" for name, ms in kernels.items())
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = check_parser(__doc__, tiny="V=1000, a few rows, a 40-row prompt", repeats=30, budget_s=60.0,
-                          out="gpu_logprob_kernel.json", what="calls per row measurement")
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_check_arguments(parser, tiny="V=1000, a few rows, a 40-row prompt", repeats=30, budget_s=60.0,
+                        out="gpu_logprob_kernel.json", what="calls per row measurement")
     parser.add_argument("--prompt-repeats", type=int, default=3, help="timed whole-prompt calls per path (median)")
     parser.add_argument("--sweep", action="store_true", help="also time the kernels at other column tiles and split counts (`layouts`)")
-    args = parser.parse_args(argv)
+
+
+def main(args: argparse.Namespace) -> int:
     result = run(args)
     mismatched = [name for name in ("rows", "greedy", "prompt_chunk", "prompt_32k", "layouts")
                   for row in (section_rows(result, name) or [result.get(name) or {}])
@@ -332,4 +333,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(script(__doc__, add_arguments, main))

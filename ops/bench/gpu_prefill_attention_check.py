@@ -10,8 +10,8 @@ prompt (CUDA events, median of --repeats after a warm-up), TFLOP/s of the causal
 same inputs. A candidate that fails records its error; one that would start more than --budget-s
 after the start is skipped.
 
-    PYTHONPATH=. python ops/bench/gpu_prefill_attention_check.py --out $OUT/gpu_prefill_attention.json
-    PYTHONPATH=. python ops/bench/gpu_prefill_attention_check.py --device cpu --tiny --out /tmp/pa.json  # smoke
+    sparkwire bench gpu-kernels prefill-attention --out $OUT/gpu_prefill_attention.json
+    sparkwire bench gpu-kernels prefill-attention --device cpu --tiny --out /tmp/pa.json  # smoke
 
 Candidates:
 - `varlen` (the paged Triton kernel, `triton_varlen.py`) at its default launch and a few others,
@@ -50,24 +50,21 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from ops.bench.gpu_attention_check import check_parser, deadline_sections, median_ms
+from ops.bench.common import add_check_arguments, bench_dtype, deadline_sections, median_ms, script, write_json
 from services.scheduler.model.attention import plan_varlen, varlen_attention, varlen_attention_torch
 from services.scheduler.model.batch import ForwardBatch
 from services.scheduler.model.dense_attention import DENSE_MIN_QUERY_LEN, DenseConfig, attention_with_lse, attention_with_lse_torch
 from services.scheduler.model.flash4_attention import flash4_unavailable
 from services.scheduler.model.runner import triton_available
 
-REPO = Path(__file__).resolve().parents[2]
 
 
 @dataclass(frozen=True)
@@ -354,7 +351,7 @@ def environment() -> dict:
 
 def run(args: argparse.Namespace) -> dict:
     shape = TINY if args.tiny else FULL
-    dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
+    dtype = bench_dtype(args.device)
     result: dict = {"shape": shape.__dict__, "environment": environment(), "rows": {}}
     deadline = time.monotonic() + args.budget_s
     section = deadline_sections(result["rows"], deadline)
@@ -386,20 +383,21 @@ def table(result: dict) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = check_parser(__doc__, tiny="a 96-token prompt, small heads", repeats=5, budget_s=90.0,
-                          out="gpu_prefill_attention.json", what="calls per candidate")
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_check_arguments(parser, tiny="a 96-token prompt, small heads", repeats=5, budget_s=90.0,
+                        out="gpu_prefill_attention.json", what="calls per candidate")
     parser.add_argument("--only", nargs="*", default=None, help="candidates whose name starts with one of these (default all)")
-    args = parser.parse_args(argv)
+
+
+def main(args: argparse.Namespace) -> int:
     try:
         result = run(args)
     except Exception:  # noqa: BLE001 - the JSON says what broke
         result = {"error": traceback.format_exc()}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2))
+    write_json(args.out, result)
     print(table(result) if "rows" in result else result["error"])
     return 0 if "rows" in result else 1
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(script(__doc__, add_arguments, main))

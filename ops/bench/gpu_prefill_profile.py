@@ -17,14 +17,14 @@ Settings (path, chunk budget, tokens per step while nothing decodes):
   alone in steps of `--max-prefill-tokens` (16384; and 32768) attended on cuDNN (`--dense-prefill`);
   `served_flash4` the same with those queries on FlashAttention-4 (`flash4_attention.py`), where
   it is installed (else the rows record why not).
-`seconds` is the median of --repeats timed top-2 prefills (each in `seconds_runs`: the card at its
-power limit moves a 32k prefill by ~10 ms from run to run); `clocks` what the SM clock, the board
-power and the driver's throttle reasons did over them (`gpu_clocks.ClockSampler`, NVML). Each row
+`seconds` is the median of --repeats timed top-2 prefills (each in `seconds_runs`: a card at its
+power limit moves a 32k prefill from run to run); `clocks` what the SM clock, the board
+power and the driver's throttle reasons did over them (`common.ClockSampler`, NVML). Each row
 also has the peak device memory above the start, with top-2 and without (`plain_s`): the logprobs'
 extra memory is the difference.
 
-    PYTHONPATH=. python ops/bench/gpu_prefill_profile.py --out $OUT/gpu_prefill_profile.json
-    PYTHONPATH=. python ops/bench/gpu_prefill_profile.py --device cpu --tiny --out /tmp/profile.json  # smoke
+    sparkwire bench gpu-prefill --out $OUT/gpu_prefill_profile.json
+    sparkwire bench gpu-prefill --device cpu --tiny --out /tmp/profile.json  # smoke
 """
 
 from __future__ import annotations
@@ -40,16 +40,13 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from contracts.scheduler import LogprobParams, SamplingParams
-from ops.bench.gpu_attention_check import FULL, TINY, Shape, load_runner
-from ops.bench.gpu_clocks import ClockSampler, sustained_gemm
-from services.scheduler.build import core_for
-from services.scheduler.core import SchedulerCore
-from services.scheduler.flags import DEFAULT_MAX_PREFILL_TOKENS
+from ops.bench import scheduler_harness as harness
+from ops.bench.common import (
+    RESULTS, ClockSampler, Shape, bench_dtype, check_shape, device_name, load_runner, script, sustained_gemm, write_json,
+)  # fmt: skip
 from services.scheduler.model.dense_attention import DENSE_MIN_QUERY_LEN, DenseConfig
 from services.scheduler.model.flash4_attention import flash4_unavailable
-from services.scheduler.request import SchedulerRequest
 
-REPO = Path(__file__).resolve().parents[2]
 TOP2 = LogprobParams(return_logprob=True, logprob_start_len=0, top_logprobs_num=2)
 # (category, name fragments), first match wins; names lower-cased
 CATEGORIES = (
@@ -62,8 +59,8 @@ CATEGORIES = (
 )
 # (path, chunk budget, max prefill tokens): None is the default chunk, "whole" the prompt's length
 SETTINGS = (("kernel", None, None), ("kernel", "whole", None), ("dense", "whole", None), ("dense", 8192, None),
-            ("served", None, DEFAULT_MAX_PREFILL_TOKENS), ("served", None, 32768),
-            ("served_flash4", None, DEFAULT_MAX_PREFILL_TOKENS), ("served_flash4", None, 32768))  # fmt: skip
+            ("served", None, harness.MAX_PREFILL_TOKENS), ("served", None, 32768),
+            ("served_flash4", None, harness.MAX_PREFILL_TOKENS), ("served_flash4", None, 32768))  # fmt: skip
 
 
 def category(kernel: str) -> str:
@@ -73,8 +70,8 @@ def category(kernel: str) -> str:
 
 def prefill_once(runner, chunk: int, prompt: np.ndarray, logprobs: LogprobParams, max_prefill: int | None = None) -> tuple[float, float | None]:
     """(seconds, peak device MiB above the start; None off CUDA)"""
-    core = core_for(runner, max_running_requests=1, chunked_prefill_size=chunk, max_prefill_tokens=max_prefill)
-    core.add(SchedulerRequest("long", prompt, "d", SamplingParams(max_new_tokens=1, temperature=0.0, ignore_eos=True), logprobs))
+    core = harness.core_for(runner, max_running_requests=1, chunked_prefill_size=chunk, max_prefill_tokens=max_prefill)
+    core.add(harness.new_request("long", prompt, SamplingParams(max_new_tokens=1, temperature=0.0, ignore_eos=True), logprobs))
     cuda = runner.device.type == "cuda"
     if cuda:
         torch.cuda.synchronize()
@@ -152,9 +149,8 @@ def profile_setting(runner, shape: Shape, path: str, chunk: int, prompt: np.ndar
 
 
 def run(args: argparse.Namespace) -> dict:
-    shape = TINY if args.tiny else FULL
-    dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
-    runner = load_runner(shape, args.device, dtype)
+    shape = check_shape(args.tiny)
+    runner = load_runner(shape, args.device, bench_dtype(args.device))
     prompt = np.random.default_rng(0).integers(0, runner.config.vocab_size, shape.long_prompt, dtype=np.int32)
     rows = []
     for path, chunk, max_prefill in SETTINGS:
@@ -165,12 +161,11 @@ def run(args: argparse.Namespace) -> dict:
             rows.append({"path": path, "chunk": size, "max_prefill_tokens": max_prefill and min(max_prefill, shape.long_prompt), "unavailable": why})
             continue
         rows.append(profile_setting(runner, shape, path, size, prompt, max_prefill and min(max_prefill, shape.long_prompt), args.repeats))
-    result = {"device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu", "torch": torch.__version__,
+    result = {"device": device_name(args.device), "torch": torch.__version__,
               "prompt": shape.long_prompt, "model": shape.model.name, "rows": rows}  # fmt: skip
     if args.sustained_gemm_s and args.device == "cuda":
         result["sustained_gemm"] = sustained_gemm(args.sustained_gemm_s)  # the card's clock under GEMMs alone, for comparison
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    write_json(args.out, result)
     print(table(result))
     if "sustained_gemm" in result:
         print(f"\nsustained GEMMs: {json.dumps(result['sustained_gemm'])}")
@@ -199,8 +194,7 @@ def table(result: dict) -> str:
     return "\n".join(lines)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--tiny", action="store_true", help="the tiny model and a 256-token prompt (CPU smoke)")
     parser.add_argument("--settings", nargs="*", choices=sorted({path for path, _, _ in SETTINGS}), default=None,
@@ -208,10 +202,14 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=1, help="timed top-2 prefills per setting: `seconds` is their median, "
                         "`seconds_runs` each (sorted)")
     parser.add_argument("--sustained-gemm-s", type=float, default=0.0, help="after the rows: bf16 8192^3 GEMMs for this long, "
-                        "their TFLOP/s at the start and the end and the clocks (gpu_clocks.sustained_gemm)")
-    parser.add_argument("--out", type=Path, default=REPO / "ops/bench/results/gpu_prefill_profile.json")
-    run(parser.parse_args())
+                        "their TFLOP/s at the start and the end and the clocks (common.sustained_gemm)")
+    parser.add_argument("--out", type=Path, default=RESULTS / "gpu_prefill_profile.json")
+
+
+def main(args: argparse.Namespace) -> int:
+    run(args)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(script(__doc__, add_arguments, main))

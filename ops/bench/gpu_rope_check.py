@@ -13,8 +13,8 @@ program per token and head; the default, `triton_fused.ROPE_HEADS_PER_PROGRAM`, 
 On CPU (the smoke run) the kernel runs only in Triton's interpreter (TRITON_INTERPRET=1), timed by
 the host clock and without graphs.
 
-    PYTHONPATH=. python ops/bench/gpu_rope_check.py --out $OUT/gpu_rope.json
-    TRITON_INTERPRET=1 PYTHONPATH=. python ops/bench/gpu_rope_check.py --device cpu --tiny --out /tmp/rope.json
+    sparkwire bench gpu-kernels rope --out $OUT/gpu_rope.json
+    TRITON_INTERPRET=1 python ops/bench/gpu_rope_check.py --device cpu --tiny --out /tmp/rope.json
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ops.bench.gpu_attention_check import check_parser, deadline_sections, finish_run, median_ms
+from ops.bench.common import add_check_arguments, bench_dtype, deadline_sections, device_name, finish_run, graph_us, script
 from services.scheduler.model.config import ModelConfig
 from services.scheduler.model.kv_cache import PagedKVCache
 from services.scheduler.model.llama import Attention, rope_cos_sin, rope_inv_freq
@@ -57,9 +57,9 @@ def run(args: argparse.Namespace) -> dict:
     from services.scheduler.model import triton_fused
 
     shape = TINY if args.tiny else FULL
-    device, dtype = torch.device(args.device), torch.bfloat16 if args.device == "cuda" else torch.float32
+    device, dtype = torch.device(args.device), bench_dtype(args.device)
     deadline = time.monotonic() + args.budget_s
-    result: dict = {"device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu", "torch": torch.__version__,
+    result: dict = {"device": device_name(args.device), "torch": torch.__version__,
                     "shape": shape.__dict__ | {"tokens": list(shape.tokens)},
                     "default_heads_per_program": triton_fused.ROPE_HEADS_PER_PROGRAM}  # fmt: skip
     section = deadline_sections(result, deadline)
@@ -100,7 +100,7 @@ def token_rows(shape: Shape, num_tokens: int, choices: list[int], device: torch.
         written = cache.kv.clone()
         if reference is None:
             reference = (q, written)
-        us = time_us(call, device, args.calls, args.repeats)
+        us = graph_us(call, device, args.calls, args.repeats)
         rows.append({
             "tokens": num_tokens, "heads_per_program": per_program, "us": us, "gb_per_s": round(moved / us / 1e3, 1),
             "default": per_program == ROPE_HEADS_PER_PROGRAM,
@@ -108,26 +108,6 @@ def token_rows(shape: Shape, num_tokens: int, choices: list[int], device: torch.
             "max_diff_vs_twin": max((q.float() - twin.float()).abs().max().item(), (written.float() - twin_cache.kv.float()).abs().max().item()),
         })  # fmt: skip
     return rows
-
-
-def time_us(call, device: torch.device, calls: int, repeats: int) -> float:
-    """µs per call: a CUDA graph of `calls` calls (`graphs.capture_graph`) replayed `repeats` times
-    (`median_ms`); the host clock on CPU."""
-    if device.type != "cuda":
-        begin = time.perf_counter()
-        call()
-        return round(1e6 * (time.perf_counter() - begin), 1)
-    from services.scheduler.model.graphs import capture_graph
-
-    def many() -> None:
-        for _ in range(calls):
-            call()
-
-    graph, _ = capture_graph(many)
-    us = 1e3 * median_ms(graph.replay, "cuda", repeats) / calls
-    del graph
-    torch.cuda.empty_cache()  # a 32k-token graph's pool holds `calls` q outputs
-    return round(us, 2)
 
 
 def table(result: dict) -> str:
@@ -139,15 +119,18 @@ def table(result: dict) -> str:
     return "\n".join(lines + ([f"not run or failed: {', '.join(errors)}"] if errors else []))
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = check_parser(__doc__, tiny="4 q / 2 kv heads of 16, 1 and 5 tokens", repeats=5, budget_s=120, out="gpu_rope.json",
-                          what="graph replays per measurement")  # fmt: skip
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_check_arguments(parser, tiny="4 q / 2 kv heads of 16, 1 and 5 tokens", repeats=5, budget_s=120, out="gpu_rope.json",
+                        what="graph replays per measurement")  # fmt: skip
     parser.add_argument("--tokens", type=int, nargs="*", default=None, help="step sizes (default: decode steps to a 32k prompt)")
     parser.add_argument("--heads-per-program", type=int, nargs="*", default=[1, 2, 4, 8, 16])
     parser.add_argument("--calls", type=int, default=20, help="calls captured in each timed graph")
-    result = run(parser.parse_args(argv))
+
+
+def main(args: argparse.Namespace) -> int:
+    result = run(args)
     return 0 if result["rows"] and all(r["identical_to_first"] for r in result["rows"]) else 1
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(script(__doc__, add_arguments, main))

@@ -16,7 +16,13 @@ The model directory the stack serves is the shape's `config.json` beside the bun
 tokenizer (the shapes in ops/model_configs carry no tokenizer): ids the tokenizer lacks decode to
 empty text, which costs the detokenizer nothing a real tokenizer would not.
 
-    PATH=/tmp/site/bin:$PATH PYTHONPATH=/tmp/site:. python3 ops/bench/gpu_serve_check.py --out $OUT/gpu_serve.json
+    sparkwire bench gpu-serve --out $OUT/gpu_serve.json
+    sparkwire bench gpu-serve --model-config ops/model_configs/Qwen3-0.6B --no-core-baseline --num-prompts 2560 \
+        --scenarios concurrency concurrency_logprobs batch1 batch1_logprobs --out $OUT/gpu_serve_06b.json
+    sparkwire bench gpu-serve --device cpu --model-config ops/models/sparkwire-micro --no-core-baseline \
+        --concurrency 3 --num-prompts 6 --input-len 8 --output-len 4 --long-prompt-len 40 --out /tmp/serve.json  # smoke
+
+`sparkwire bench gpu-serve-ab` (serve_ab.py) runs this file of two trees on one machine, alternating.
 """
 
 from __future__ import annotations
@@ -37,6 +43,7 @@ from pathlib import Path
 from typing import Any
 
 from ops.bench import scheduler_profile, step_trace_summary
+from ops.bench.common import REPO, RESULTS, script
 from ops.bench.logprob_transport import ProcessMeter
 from ops.bench.reliability import descendants
 from ops.bench.serve import ServeConfig, run_serve_benchmark
@@ -45,7 +52,6 @@ from ops.bench.serve_launch import launched_stack
 from services.models import BUNDLED_MODEL
 from services.common.nats_server import free_port
 
-REPO = Path(__file__).resolve().parents[2]
 SCENARIOS = ("concurrency", "concurrency_logprobs", "batch1", "batch1_logprobs", "poisson", "long_prompt_top2")
 TOP_LOGPROBS = 20
 SHAPE_FILES = ("config.json", "generation_config.json")
@@ -68,9 +74,8 @@ class CheckConfig:
     request_rate: float | None = None  # the Poisson rate itself, instead of `load`
     # Warm-ups before each scenario (graphs captured, allocator warm), sent at the scenario's
     # concurrency; None: as many as the concurrency, so that every connection the timed run uses is
-    # open. With 16 (runs 1-23), 16 requests of the first wave came at once and the other 48, on new
-    # connections, ~90 ms later, and the closed loop kept that stagger wave after wave: ~20 decode
-    # steps a wave at a batch of 15 (ops/bench/results/gpu_serve.md, run 23's trace).
+    # open: with fewer, the first wave's requests on new connections came late, and the closed loop
+    # kept that stagger wave after wave (ops/bench/results/gpu_serve.md).
     num_warmups: int | None = None
     core_baseline: bool = True  # the scheduler core at batch = concurrency, first (GPU only)
     scenarios: tuple[str, ...] = SCENARIOS
@@ -93,10 +98,10 @@ def serving_model_dir(model_config: Path, into: Path) -> Path:
 
 
 def core_baseline(check: CheckConfig, work: Path) -> dict[str, Any]:
-    """`gpu_scheduler_check.py` at batch = concurrency in a child process (the GPU is then all
-    the stack's); its tok/s counts generated tokens over the core's wall time, as ours does."""
+    """`gpu_peer_check.py` at batch = concurrency in a child process (the GPU is then all the
+    stack's); its tok/s counts generated tokens over the core's wall time, as ours does."""
     out = work / "core.json"
-    command = [sys.executable, "-m", "ops.bench.gpu_scheduler_check", "--configs", str(check.model_config),
+    command = [sys.executable, "-m", "ops.bench.gpu_peer_check", "--device", check.device, "--configs", str(check.model_config),
                "--batch-sizes", str(check.concurrency), "--prompt-len", str(check.input_len),
                "--new-tokens", str(check.output_len), "--no-peer", "--out", str(out)]  # fmt: skip
     try:
@@ -347,8 +352,7 @@ def _ms(value: float | None) -> str:
     return "-" if value is None else f"{value:.2f}"
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model-config", type=Path, default=CheckConfig.model_config)
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--concurrency", type=int, default=64)
@@ -366,8 +370,10 @@ def main() -> None:
     parser.add_argument("--no-step-trace", action="store_true", help="run the scheduler without its step trace")
     parser.add_argument("--profile-scheduler", action="store_true",
                         help="py-spy the scheduler's GIL during each scenario (needs py-spy: the 'profile' extra; scheduler_profile.py)")
-    parser.add_argument("--out", type=Path, default=REPO / "ops/bench/results/gpu_serve.json")
-    args = parser.parse_args()
+    parser.add_argument("--out", type=Path, default=RESULTS / "gpu_serve.json")
+
+
+def main(args: argparse.Namespace) -> int:
     check = CheckConfig(
         model_config=args.model_config, device=args.device, concurrency=args.concurrency, num_prompts=args.num_prompts,
         input_len=args.input_len, output_len=args.output_len, load=args.load, request_rate=args.request_rate,
@@ -376,8 +382,10 @@ def main() -> None:
         progress=sys.stderr.isatty(),  # a captured log gets the table, not thousands of bar updates
         step_trace=not args.no_step_trace, profile_scheduler=args.profile_scheduler,
     )  # fmt: skip
-    run(check, args.out)
+    result = run(check, args.out)
+    failed = [name for name, figures in result["scenarios"].items() if "error" in figures or figures.get("failed")]
+    return 1 if "stack_error" in result or failed else 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(script(__doc__, add_arguments, main))

@@ -13,10 +13,10 @@ Sections, each in its own try/except (one failure keeps the rest); one that woul
   tokens' argmax agreement with the "off" replay's. On CPU there is no capture (the padded eager
   twin runs, split or not: the switch only reaches the Triton kernel), timed by the host clock.
 
-    PYTHONPATH=. python ops/bench/gpu_split_kv_check.py --out $OUT/gpu_split_kv_8b.json
-    PYTHONPATH=. python ops/bench/gpu_split_kv_check.py --model ops/model_configs/Qwen3-0.6B --out $OUT/gpu_split_kv_06b.json
-    PYTHONPATH=. python ops/bench/gpu_split_kv_check.py --device cpu --tiny --out /tmp/split_kv.json  # smoke
-    TRITON_INTERPRET=1 PYTHONPATH=. python ops/bench/gpu_split_kv_check.py --device cpu --tiny --out /tmp/split_kv.json
+    sparkwire bench gpu-kernels split-kv --out $OUT/gpu_split_kv_8b.json
+    sparkwire bench gpu-kernels split-kv --model ops/model_configs/Qwen3-0.6B --out $OUT/gpu_split_kv_06b.json
+    sparkwire bench gpu-kernels split-kv --device cpu --tiny --out /tmp/split_kv.json  # smoke
+    TRITON_INTERPRET=1 python ops/bench/gpu_split_kv_check.py --device cpu --tiny --out /tmp/split_kv.json
 
 The attention section needs the kernel: CUDA with Triton, or Triton's CPU interpreter (which takes
 H200_SMS for the split count); elsewhere it records why it did not run.
@@ -34,8 +34,10 @@ from pathlib import Path
 
 import torch
 
-from ops.bench.gpu_attention_check import check_parser, deadline_sections, finish_run, median_ms, ragged_step, rounded, section_rows
-from ops.bench.gpu_fused_check import failures
+from ops.bench.common import (
+    MODEL_CONFIGS, add_check_arguments, bench_dtype, deadline_sections, device_name, failures, finish_run, median_ms, ragged_step,
+    rounded, script, section_rows,
+)  # fmt: skip
 from services.models import RANDOM_TINY_MODEL
 from services.scheduler.model.attention import paged_decode_attention_torch
 from services.scheduler.model.batch import ForwardBatch
@@ -43,7 +45,6 @@ from services.scheduler.model.kv_splits import num_kv_splits
 from services.scheduler.model.loader import load_model_runner
 from services.scheduler.model.runner import ModelRunner, triton_available
 
-REPO = Path(__file__).resolve().parents[2]
 SETTINGS = {"off": False, "on": True}  # ModelRunner.split_kv_decode
 H200_SMS = 132
 TWIN_MAX_TOKEN_KEYS = 64 * 4096  # query tokens x context the twin gathers (fp32) at most
@@ -63,7 +64,7 @@ class Shape:
         return -(-max(self.contexts) // self.page)
 
 
-FULL = Shape(REPO / "ops/model_configs/Qwen3-8B", (1, 64), (256, 4096), 16)
+FULL = Shape(MODEL_CONFIGS / "Qwen3-8B", (1, 64), (256, 4096), 16)
 TINY = Shape(RANDOM_TINY_MODEL, (1, 3), (9, 20), 4)
 
 
@@ -156,9 +157,9 @@ def run(args: argparse.Namespace) -> dict:
     shape = TINY if args.tiny else FULL
     if args.model is not None:  # another shape at the same batches and contexts (e.g. Qwen3-0.6B)
         shape = dataclasses.replace(shape, model=args.model)
-    dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
+    dtype = bench_dtype(args.device)
     deadline = time.monotonic() + args.budget_s
-    result: dict = {"device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu", "torch": torch.__version__,
+    result: dict = {"device": device_name(args.device), "torch": torch.__version__,
                     "model": shape.model.name, "dtype": str(dtype), "kernel": kernel_here(args.device)}  # fmt: skip
     section = deadline_sections(result, deadline)
     runners: list[ModelRunner] = []
@@ -201,13 +202,14 @@ def table(result: dict) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = check_parser(__doc__, tiny="the tiny random model, batches 1 and 3 at contexts 9 and 20", repeats=30, budget_s=40.0,
-                          out="gpu_split_kv.json", model=True)
-    args = parser.parse_args(argv)
-    result = run(args)
-    return 1 if failures(result) else 0
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_check_arguments(parser, tiny="the tiny random model, batches 1 and 3 at contexts 9 and 20", repeats=30, budget_s=40.0,
+                        out="gpu_split_kv.json", model=True)
+
+
+def main(args: argparse.Namespace) -> int:
+    return 1 if failures(run(args)) else 0
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(script(__doc__, add_arguments, main))

@@ -8,9 +8,9 @@ what is measured; the rest of the step, planning, host arrays, upload, readback,
 update, runs as served), and the milliseconds per decode step are the best of `--repeats` timed
 runs of `--steps` steps. `--repetition-penalty R` gives every request that penalty (its logits then
 depend on every token the request has seen; overlapped decoding is off for it, as served).
-`--before PATH` runs this same script on another tree too, alternately.
+`--before PATH` runs that tree's own copy of this script too, alternately.
 
-    python -m ops.bench.host_context_cost --before /work/wt-base --rounds 2 --out ops/bench/results/host_context_cost.json
+    sparkwire bench host-context --before DIR --rounds 2 --out ops/bench/results/host_context_cost.json
 """
 
 from __future__ import annotations
@@ -25,14 +25,11 @@ import torch
 
 from contracts.scheduler import LogprobParams, SamplingParams
 from services.models import RANDOM_TINY_MODEL
-from services.scheduler.build import core_for
-from services.scheduler.core import SchedulerCore
+from ops.bench import scheduler_harness as harness
+from ops.bench.common import REPO, RESULTS, script, write_json
 from services.scheduler.model import load_model_runner
 from services.scheduler.model.batch import ForwardOutput
-from services.scheduler.request import SchedulerRequest
 
-REPO = Path(__file__).resolve().parents[2]
-RESULTS = REPO / "ops/bench/results"
 BLOCK_SIZE = 16
 
 
@@ -44,13 +41,13 @@ def measure(context: int, batch: int, steps: int, repeats: int, repetition_penal
     hidden, vocab = runner.config.hidden_size, runner.config.vocab_size
     runner.forward = lambda batch: ForwardOutput(torch.zeros(batch.num_tokens, hidden))  # the model's compute left out
     runner.compute_logits = lambda states: torch.zeros(states.shape[0], vocab)
-    core = core_for(runner, max_running_requests=batch, chunked_prefill_size=16384, max_prefill_tokens=1 << 22,
-                         max_model_len=context + steps * (repeats + 2) + 16)  # fmt: skip
+    core = harness.core_for(runner, max_running_requests=batch, chunked_prefill_size=16384, max_prefill_tokens=1 << 22,
+                            max_model_len=context + steps * (repeats + 2) + 16)  # fmt: skip
     sampling = SamplingParams(max_new_tokens=steps * (repeats + 2), temperature=0.0, ignore_eos=True, repetition_penalty=repetition_penalty)
     prompt = np.arange(context, dtype=np.int32) % vocab
     for index in range(batch):
-        core.add(SchedulerRequest(f"r{index}", prompt, "d", sampling, LogprobParams()))
-    while core.policy.num_waiting or core.last_step is None or core.last_step.num_prefill_tokens:
+        core.add(harness.new_request(f"r{index}", prompt, sampling, LogprobParams()))
+    while harness.core_counts(core)["waiting"] or harness.last_step(core) is None or harness.last_step(core).num_prefill_tokens:
         core.step()  # the prompts' chunks, until a step decodes every sequence
     for _ in range(steps):
         core.step()  # warm-up
@@ -60,7 +57,8 @@ def measure(context: int, batch: int, steps: int, repeats: int, repetition_penal
         for _ in range(steps):
             core.step()
         times.append((time.perf_counter() - start) / steps)
-    assert core.policy.num_running == batch and core.num_preemptions == 0, "every sequence decoded in every timed step"
+    counts = harness.core_counts(core)
+    assert counts["running"] == batch and counts["preemptions"] == 0, "every sequence decoded in every timed step"
     return {"context": context, "batch": batch, "repetition_penalty": repetition_penalty, "ms_per_step": round(1e3 * min(times), 3),
             "ms_per_step_all": [round(1e3 * t, 3) for t in times], "block_ids_per_step": batch * -(-context // BLOCK_SIZE)}  # fmt: skip
 
@@ -71,25 +69,26 @@ def run(contexts, batch: int, steps: int, repeats: int, repetition_penalty: floa
     return {"batch": batch, "steps": steps, "repeats": repeats, "rows": rows}
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--contexts", nargs="+", type=int, default=[128, 4096, 32768])
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--repetition-penalty", type=float, default=1.0)
-    parser.add_argument("--before", type=Path, help="another tree to measure with this script, in the same run")
+    parser.add_argument("--before", type=Path, help="another tree to measure with its own copy of this script, in the same run")
     parser.add_argument("--rounds", type=int, default=2, help="with --before: alternate rounds of each tree")
     parser.add_argument("--out", type=Path, default=RESULTS / "host_context_cost.json")
     parser.add_argument("--print-json", action="store_true", help=argparse.SUPPRESS)  # a subprocess's output
-    args = parser.parse_args(argv)
+
+
+def main(args: argparse.Namespace) -> int:
     common = ["--contexts", *map(str, args.contexts), "--batch", str(args.batch), "--steps", str(args.steps),
               "--repeats", str(args.repeats), "--repetition-penalty", str(args.repetition_penalty)]  # fmt: skip
     if args.before is None:
         result = run(args.contexts, args.batch, args.steps, args.repeats, args.repetition_penalty)
         if args.print_json:
             print(json.dumps(result))
-            return
+            return 0
         trees = {"this": result}
     else:
         from ops.bench.other_tree import alternate  # the parent's only: the child imports from the other tree
@@ -99,14 +98,14 @@ def main(argv: list[str] | None = None) -> None:
                         "rounds": len(results), "tree": str(args.before.resolve() if name == "before" else REPO)}
                  for name, results in runs.items()}  # fmt: skip
         result = trees
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2))
+    write_json(args.out, result)
     print("| tree | batch | context | repetition penalty | block ids a step | ms per decode step (host) |")
     print("|---|---|---|---|---|---|")
     for name, tree in trees.items():
         for r in tree["rows"]:
             print(f"| {name} | {r['batch']} | {r['context']} | {r.get('repetition_penalty', 1.0)} | {r['block_ids_per_step']} | {r['ms_per_step']} |")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(script(__doc__, add_arguments, main))

@@ -22,7 +22,7 @@ model's; nothing is simulated), and the output of each step is packed as the ser
 forward and the logprob ops (so it says nothing about a GPU's). Figures are lower quartiles over the
 timed decode steps (medians too, in the JSON), in microseconds, for batch 1 and 64 with no logprobs, top-20 output logprobs, and top-20 plus
 four requested token ids. `--profile` adds a cProfile of the host pieces (batch 64, top-20 + ids):
-the functions with the most own time. `--before PATH` runs this same script on another tree (e.g. a
+the functions with the most own time. `--before PATH` runs that tree's own copy of this script (e.g. a
 `git worktree` of the starting commit) and on this one, each in a subprocess, alternately for
 `--rounds` rounds, and records each figure's best round for both trees in one results file.
 `--compare-collectors` does the same with this tree under `--collector default` and `tuned`.
@@ -30,14 +30,13 @@ the functions with the most own time. `--before PATH` runs this same script on a
 and 40-120 new tokens, a new one added as each finishes, STEPS steps; each piece's median per step
 kind: a steady decode step, one where a request finished, a mixed step (an arrival's prefill beside
 the decodes), and a mixed step where one finished (the served trace's host-late steps follow such
-changes: gpu_serve.md, 0.6B run 45).
+changes: gpu_serve.md).
 `--served-paths` runs the paths `sparkwire up` serves on a GPU through their CPU twins: decode steps
 on the decode graphs' padded twin (`prepare_decode_graphs(capture=False)`), output logprobs from
 `LogprobGraphs` and greedy steps' tokens and rows from `LogprobGraphs.greedy` (without it, the
 core's defaults: eager decode, eager logprobs).
 
-    python -m ops.bench.host_step_cost --before /work/wt/hostcost-base --rounds 3 --profile \
-        --out ops/bench/results/host_step_cost.json
+    sparkwire bench host-step --before DIR --rounds 3 --profile --out ops/bench/results/host_step_cost.json
 """
 
 from __future__ import annotations
@@ -60,41 +59,20 @@ import numpy as np
 import torch
 
 from contracts.scheduler import LogprobParams, SamplingParams
+from ops.bench import scheduler_harness as harness
+from ops.bench.common import REPO, RESULTS, script, write_json
+from ops.bench.scheduler_harness import publish
 from services.common import memory
 from services.models import RANDOM_TINY_MODEL
-from services.scheduler import core as core_module
-from services.scheduler import policy as policy_module
-from services.scheduler import wire
-from services.scheduler.worker import worker as worker_module
-from services.scheduler.worker.logprob_asks import LogprobAsks
-from services.scheduler.worker.readback import StepParts
-from services.scheduler.worker.token_pool import TokenPool
-from services.scheduler.build import core_for
-from services.scheduler.core import SchedulerCore
-from services.scheduler.host_io import HostReadback, HostUpload, PendingReadback
 from services.scheduler.model import load_model_runner
-from services.scheduler.request import SchedulerRequest
 
-REPO = Path(__file__).resolve().parents[2]
-RESULTS = REPO / "ops/bench/results"
 PROMPT_LEN = 16
 LOGPROBS = {
     "none": LogprobParams(),
     "top20": LogprobParams(return_logprob=True, top_logprobs_num=20),
     "top20_ids": LogprobParams(return_logprob=True, top_logprobs_num=20, token_ids_logprob=(3, 7, 11, 13)),
 }
-# piece -> (owner, attribute) of the functions timed for it; an absent attribute is left out (older trees)
-PIECES = {
-    "schedule": [(policy_module.Policy, "schedule"), (policy_module.Policy, "expect")],  # overlapped: the latter too
-    "inputs": [(worker_module, "ask"), (worker_module, "forward_arrays"), (worker_module, "accept_arrays"),
-               (LogprobAsks, "inputs"), (TokenPool, "host_arrays"), (HostUpload, "send")],  # fmt: skip
-    "readback": [(StepParts, "verify"), (StepParts, "greedy"), (StepParts, "logprobs"),
-                 (HostReadback, "start"), (PendingReadback, "wait")],  # fmt: skip
-    "unpack": [(StepParts, "results")],
-    "update": [(policy_module.Policy, "update")],
-    "core": [(core_module.SchedulerCore, "_count"), (core_module.SchedulerCore, "_finished"),
-             (core_module.SchedulerCore, "_note_first_scheduled")],  # fmt: skip
-}
+PIECES = harness.host_step_pieces()  # piece -> (owner, attribute) of the functions timed for it
 
 
 class CollectorClock:
@@ -156,20 +134,10 @@ class PieceTimer:
         return timed
 
 
-def requests(batch: int, logprobs: LogprobParams, vocab: int, new_tokens: int) -> list[SchedulerRequest]:
+def requests(batch: int, logprobs: LogprobParams, vocab: int, new_tokens: int) -> list:
     prompts = np.random.default_rng(batch).integers(0, vocab, size=(batch, PROMPT_LEN), dtype=np.int32)
     sampling = SamplingParams(max_new_tokens=new_tokens, temperature=0.0, ignore_eos=True)
-    return [SchedulerRequest(f"r{i}", p, f"d{i % 2}", sampling, logprobs) for i, p in enumerate(prompts)]
-
-
-def publish(outputs, step: int, encoder: msgspec.msgpack.Encoder) -> int:
-    """What the service does with a step's outputs before the network: bytes encoded."""
-    size = 0
-    for batch in wire.to_token_batches(outputs, "s", step).values():
-        buffer = bytearray()
-        encoder.encode_into(batch, buffer)
-        size += len(buffer)
-    return size
+    return [harness.new_request(f"r{i}", p, sampling, logprobs, detokenizer=f"d{i % 2}") for i, p in enumerate(prompts)]
 
 
 def measure(runner, batch: int, logprobs: str, new_tokens: int, warm_steps: int = 3, served_paths: bool = False) -> dict:
@@ -179,7 +147,7 @@ def measure(runner, batch: int, logprobs: str, new_tokens: int, warm_steps: int 
         core.add(request)
     encoder = msgspec.msgpack.Encoder()
     for _ in range(1 + warm_steps):
-        publish(core.step(), core.num_steps, encoder)
+        publish(core.step(), harness.num_steps(core), encoder)
     per_step: dict[str, list[float]] = defaultdict(list)
     payload = []
     collector = CollectorClock()
@@ -190,8 +158,9 @@ def measure(runner, batch: int, logprobs: str, new_tokens: int, warm_steps: int 
             start = time.perf_counter()
             outputs = core.step()
             per_step["step"].append(time.perf_counter() - start)
+            step = harness.num_steps(core)
             start = time.perf_counter()
-            payload.append(publish(outputs, core.num_steps, encoder))
+            payload.append(publish(outputs, step, encoder))
             timer.seconds["wire"] = time.perf_counter() - start
         for piece in HOST_PIECES:
             per_step[piece].append(timer.seconds[piece])
@@ -222,7 +191,7 @@ def measure_churn(runner, logprobs: str, num_steps: int, batch: int = 64, length
         nonlocal added
         prompt = rng.integers(0, runner.config.vocab_size, size=prompt_len, dtype=np.int32)
         sampling = SamplingParams(max_new_tokens=int(rng.integers(*lengths)), temperature=0.0, ignore_eos=True)
-        core.add(SchedulerRequest(f"r{added}", prompt, f"d{added % 2}", sampling, LOGPROBS[logprobs]))
+        core.add(harness.new_request(f"r{added}", prompt, sampling, LOGPROBS[logprobs], detokenizer=f"d{added % 2}"))
         added += 1
 
     for _ in range(batch):
@@ -233,13 +202,14 @@ def measure_churn(runner, logprobs: str, num_steps: int, batch: int = 64, length
         timer = PieceTimer()
         with timer.installed():
             outputs = core.step()
+            step = harness.num_steps(core)
             start = time.perf_counter()
-            publish(outputs, core.num_steps, encoder)
+            publish(outputs, step, encoder)
             timer.seconds["wire"] = time.perf_counter() - start
         finished = sum(output.finish is not None for output in outputs)
         for _ in range(finished):
             add()
-        record = core.last_step
+        record = harness.last_step(core)
         if record is not None and index >= 20:
             group = ("mixed" if record.num_prefill_tokens else "decode") + ("+finish" if finished else "")
             steps[group].append({piece: timer.seconds[piece] for piece in HOST_PIECES})
@@ -255,10 +225,10 @@ def _lower_quartile(values: list[float]) -> float:
     return statistics.quantiles(values, n=4)[0] if len(values) > 1 else values[0]
 
 
-def make_core(runner, batch: int, served_paths: bool) -> SchedulerCore:
+def make_core(runner, batch: int, served_paths: bool):
     """served_paths: the logprob graphs' twins too (the runner's decode graphs: `run`)."""
     graphs = {"logprob_graphs": True, "greedy_logprob_graphs": True} if served_paths else {}
-    return core_for(runner, max_running_requests=max(batch, 64), chunked_prefill_size=4096, **graphs)
+    return harness.core_for(runner, max_running_requests=max(batch, 64), chunked_prefill_size=4096, **graphs)
 
 
 def profile_host(runner, batch: int, logprobs: str, new_tokens: int, limit: int = 25, served_paths: bool = False) -> str:
@@ -278,11 +248,11 @@ def profile_host(runner, batch: int, logprobs: str, new_tokens: int, limit: int 
         core.add(request)
     encoder = msgspec.msgpack.Encoder()
     for _ in range(4):
-        publish(core.step(), core.num_steps, encoder)
+        publish(core.step(), harness.num_steps(core), encoder)
     with ProfiledTimer().installed():
         while core.has_work():
             outputs = core.step()
-            profiler.runcall(publish, outputs, core.num_steps, encoder)
+            profiler.runcall(publish, outputs, harness.num_steps(core), encoder)
     text = io.StringIO()
     pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(limit)
     return text.getvalue()
@@ -356,12 +326,11 @@ def compare(before_tree: Path, argv: list[str], rounds: int, profile: bool) -> d
     return {name: best_of(results) | {"tree": str(trees[name])} for name, results in runs.items()}
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batches", nargs="*", type=int, default=[1, 64])
     parser.add_argument("--new-tokens", type=int, default=64, help="tokens per request (decode steps timed: this - 4)")
     parser.add_argument("--profile", action="store_true", help="add a cProfile of the host pieces")
-    parser.add_argument("--before", type=Path, help="another tree to measure with this script, in the same run")
+    parser.add_argument("--before", type=Path, help="another tree to measure with its own copy of this script, in the same run")
     parser.add_argument("--rounds", type=int, default=3, help="with --before: alternate rounds of each tree")
     parser.add_argument("--collector", choices=memory.COLLECTOR_MODES, default="tuned", help="the garbage collector's settings")
     parser.add_argument("--compare-collectors", action="store_true", help="this tree under each --collector, alternately")
@@ -369,7 +338,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--churn", type=int, default=0, metavar="STEPS", help="a batch that changes, this many steps (served paths)")
     parser.add_argument("--out", type=Path, default=RESULTS / "host_step_cost.json")
     parser.add_argument("--print-json", action="store_true", help=argparse.SUPPRESS)  # a subprocess's output
-    args = parser.parse_args(argv)
+
+
+def main(args: argparse.Namespace) -> int:
     common = ["--batches", *map(str, args.batches), "--new-tokens", str(args.new_tokens), *(["--served-paths"] if args.served_paths else []),
               *(["--churn", str(args.churn)] if args.churn else [])]  # fmt: skip
     if args.compare_collectors:
@@ -384,13 +355,13 @@ def main(argv: list[str] | None = None) -> None:
         result = run(tuple(args.batches), args.new_tokens, args.profile, args.collector, args.served_paths, args.churn)
         if args.print_json:
             print(json.dumps(result))
-            return
+            return 0
         print(table(result["rows"]))
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2))
+    write_json(args.out, result)
     if args.profile:
         print((result.get("after") or result)["profile"])
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(script(__doc__, add_arguments, main))

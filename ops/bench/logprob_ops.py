@@ -15,16 +15,15 @@ around `SchedulerCore.step`, for
 "ops" counts every aten call, "kernels" leaves out those returning a view of an input (views, and
 `to`/`reshape` with nothing to do). "added" is the
 step's count with logprobs minus without. No times: on the CPU the tiny model's step says nothing
-about the H200's (`gpu_core_check.py --logprob-cost` times it there).
+about the H200's (`sparkwire bench gpu-core --logprob-cost` times it there).
 
-    python -m ops.bench.logprob_ops --out ops/bench/results/logprob_ops.json
+    sparkwire bench logprob-ops --out ops/bench/results/logprob_ops.json
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
-import json
 from collections import Counter
 from pathlib import Path
 
@@ -34,11 +33,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from contracts.scheduler import LogprobParams, SamplingParams
 from services.models import RANDOM_TINY_MODEL
-from services.scheduler.build import core_for
+from ops.bench import scheduler_harness as harness
+from ops.bench.common import RESULTS, script, write_json
 from services.scheduler.model import load_model_runner
-from services.scheduler.request import SchedulerRequest
 
-RESULTS = Path(__file__).resolve().parent / "results"
 TOP20 = LogprobParams(return_logprob=True, top_logprobs_num=20)
 MIXED = LogprobParams(return_logprob=True, top_logprobs_num=5, token_ids_logprob=(7, 3))
 PROMPT_LEN = 12
@@ -84,27 +82,18 @@ def _returns_alias(func) -> bool:
     return bool(returns) and all(r.alias_info is not None and not r.alias_info.is_write for r in returns)
 
 
-def _requests(batch: int, logprobs: str, vocab: int) -> list[SchedulerRequest]:
+def _requests(batch: int, logprobs: str, vocab: int) -> list:
     prompts = np.random.default_rng(batch).integers(0, vocab, size=(batch, PROMPT_LEN), dtype=np.int32)
     sampling = SamplingParams(max_new_tokens=64, temperature=0.0, ignore_eos=True)
     kinds = {"none": (LogprobParams(),), "top20": (TOP20,), "mixed": (MIXED, LogprobParams())}[logprobs]
-    return [SchedulerRequest(f"r{i}", p, "d", sampling, kinds[i % len(kinds)]) for i, p in enumerate(prompts)]
+    return [harness.new_request(f"r{i}", p, sampling, kinds[i % len(kinds)]) for i, p in enumerate(prompts)]
 
 
-def _core(runner, kind: str, logprobs_mode: str, accept_len: int) -> SchedulerCore:
+def _core(runner, kind: str, logprobs_mode: str, accept_len: int):
     if kind == "plain":
-        return core_for(runner, max_running_requests=128, chunked_prefill_size=4096, logprobs_mode=logprobs_mode)
-    from ops.bench.gpu_core_check import simulated_accept_core
-    from services.scheduler.spec.dspark import DSparkProposer
-    from services.scheduler.spec.dspark_config import draft_config_for_target
-    from services.scheduler.spec.dspark_loader import empty_drafter, fill_random_weights
-
-    config = draft_config_for_target(runner.config, num_draft_layers=1, mask_token_id=5, block_size=7, markov_rank=8)
-    drafter = empty_drafter(config, runner.model.model.embed_tokens, runner.lm_head_weight)
-    fill_random_weights(drafter, seed=3)
-    proposer = DSparkProposer(drafter.eval(), runner.num_blocks, runner.block_size)
-    return simulated_accept_core(runner, proposer, accept_len, max_running_requests=128, chunked_prefill_size=4096,
-                                 logprobs_mode=logprobs_mode)
+        return harness.core_for(runner, max_running_requests=128, chunked_prefill_size=4096, logprobs_mode=logprobs_mode)
+    return harness.core_for(runner, max_running_requests=128, chunked_prefill_size=4096, logprobs_mode=logprobs_mode,
+                            proposer=harness.random_dspark_proposer(runner, block_size=7), simulated_accept_len=accept_len)  # fmt: skip
 
 
 def count_step(runner, kind: str, batch: int, logprobs: str, logprobs_mode: str = "raw") -> dict:
@@ -135,8 +124,7 @@ def run(out: Path, batches=(1, 64)) -> dict:
                              "added_by_op": _difference(row["by_op"], base["by_op"]),
                              "added_kernels_by_op": _difference(row["kernels_by_op"], base["kernels_by_op"])})  # fmt: skip
     result = {"model": RANDOM_TINY_MODEL.name, "torch": torch.__version__, "rows": rows}
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2))
+    write_json(out, result)
     print(table(rows))
     return result
 
@@ -154,13 +142,15 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batches", nargs="*", type=int, default=[1, 64])
     parser.add_argument("--out", type=Path, default=RESULTS / "logprob_ops.json")
-    args = parser.parse_args(argv)
+
+
+def main(args: argparse.Namespace) -> int:
     run(args.out, tuple(args.batches))
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(script(__doc__, add_arguments, main))

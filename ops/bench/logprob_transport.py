@@ -3,7 +3,7 @@
 For each size (rows x k) it measures, in one run on this machine:
 - per hop: encode + decode of the message that carries the prompt top logprobs — nested rows
   (per position `null` or a list of `(logprob, token_id, text)` triples, SGLang's layout) against
-  the flat arrays of `contracts.detokenizer.RequestLogprobs` (float32/int32 `[rows, k]`);
+  the flat arrays as `contracts.logprobs.LogprobColumns` carries them (float32/int32 `[rows, k]`);
 - two hops over a real nats-server left at the default 1 MB `max_payload` (so large messages are
   chunked by `services.common.transport`): sender -> relay (its own process, decoding and
   re-encoding as the detokenizer does, `ops.bench.relay`) -> receiver (decode), wall time from
@@ -24,6 +24,7 @@ For each size (rows x k) it measures, in one run on this machine:
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 import os
@@ -42,7 +43,9 @@ import nats
 import numpy as np
 import pybase64
 
-from contracts.detokenizer import RequestLogprobs
+from contracts.logprobs import LogprobColumns
+from services.common.logprob_rows import RowLogprobs, to_columns
+from ops.bench.common import RESULTS, script
 from ops.bench.relay import HOP1, HOP2
 from ops.bench.natspy_receiver import NatsPyReceiver
 from ops.bench.standin_scheduler import StandInScheduler
@@ -93,10 +96,8 @@ def nested_message(values: np.ndarray, ids: np.ndarray) -> NestedPromptTop:
     return NestedPromptTop(rows)
 
 
-def flat_message(values: np.ndarray, ids: np.ndarray) -> RequestLogprobs:
-    return RequestLogprobs(
-        input_top_logprobs_flat=to_wire(values), input_top_ids_flat=to_wire(ids), input_top_null_prefix=NULL_PREFIX
-    )
+def flat_message(values: np.ndarray, ids: np.ndarray) -> LogprobColumns:
+    return to_columns([RowLogprobs.of(None, values, ids, start=NULL_PREFIX)])
 
 
 def median_ms(fn: Callable[[], Any], repeat: int) -> float:
@@ -118,15 +119,15 @@ def per_hop(message: msgspec.Struct, message_type: type, repeat: int) -> dict[st
 
 def _touch(message: Any) -> None:
     """Decoding flat arrays must end in numpy views, as a real receiver would use them."""
-    if isinstance(message, RequestLogprobs):
-        from_wire(message.input_top_logprobs_flat)
-        from_wire(message.input_top_ids_flat)
+    if isinstance(message, LogprobColumns):
+        from_wire(message.top_values)
+        from_wire(message.top_ids)
 
 
 async def two_hops(url: str, message: msgspec.Struct, message_type: type, repeat: int, event_loop: str) -> float:
     """sender -> relay (its own process, like the detokenizer) -> receiver; median ms. The relay
     runs on `event_loop`, as does the caller."""
-    layout = "flat" if message_type is RequestLogprobs else "nested"
+    layout = "flat" if message_type is LogprobColumns else "nested"
     relay = subprocess.Popen([sys.executable, "-m", "ops.bench.relay", url, layout, event_loop],
                              stdin=subprocess.PIPE, stdout=subprocess.PIPE)  # fmt: skip
     sender, receiver = await Transport.connect(url, "sender"), await Transport.connect(url, "receiver")
@@ -165,9 +166,9 @@ async def one_hop_readers(url: str, message: msgspec.Struct, repeat: int) -> dic
         land(decoded)
 
     nc = await nats.connect(url, name="bench-natspy-receiver")
-    await NatsPyReceiver(nc, RequestLogprobs, land).subscribe(ONE_HOP_NATS_PY)
+    await NatsPyReceiver(nc, LogprobColumns, land).subscribe(ONE_HOP_NATS_PY)
     reader = await Transport.connect(url, "bench-reader-receiver")
-    await reader.subscribe(ONE_HOP_READER, RequestLogprobs, land_async)
+    await reader.subscribe(ONE_HOP_READER, LogprobColumns, land_async)
     await reader.flush()
     result = {}
     for key, subject in (("nats_py_ms", ONE_HOP_NATS_PY), ("reader_ms", ONE_HOP_READER)):
@@ -216,11 +217,11 @@ def bench_size(url: str, rows: int, k: int, repeat: int) -> dict[str, Any]:
     nested, flat = nested_message(values, ids), flat_message(values, ids)
     result: dict[str, Any] = {"rows": rows, "k": k}
     result["nested_hop"] = per_hop(nested, NestedPromptTop, max(3, repeat // 3))
-    result["flat_hop"] = per_hop(flat, RequestLogprobs, repeat)
+    result["flat_hop"] = per_hop(flat, LogprobColumns, repeat)
     result["nested_two_hops_ms"] = run_event_loop(two_hops(url, nested, NestedPromptTop, 3, "uvloop"))
     for loop in EVENT_LOOPS:
         key = "flat_two_hops_ms" if loop == "uvloop" else f"flat_two_hops_{loop}_ms"
-        result[key] = run_event_loop(two_hops(url, flat, RequestLogprobs, repeat, loop), loop)
+        result[key] = run_event_loop(two_hops(url, flat, LogprobColumns, repeat, loop), loop)
     result["flat_one_hop"] = run_event_loop(one_hop_readers(url, flat, repeat))
     result["response"] = response_building(values, ids, max(3, repeat // 3))
     hop = lambda key: result[key]["encode_ms"] + result[key]["decode_ms"]  # noqa: E731
@@ -382,3 +383,17 @@ def run(
                   f"{base['page_faults']} per request")
     print(f"results written to {out}")
     return results
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--out", type=Path, default=RESULTS / "logprob_transport.json")
+    parser.add_argument("--repeat", type=int, default=9, help="timed repetitions per figure (median)")
+
+
+def main(args: argparse.Namespace) -> int:
+    run(args.out, repeat=args.repeat)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(script(__doc__, add_arguments, main))

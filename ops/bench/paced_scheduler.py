@@ -1,6 +1,6 @@
 """A stand-in scheduler that decodes at a set pace, without a model: every step (`--step-ms`) each
 running request gets one token, and the output logprob rows it asked for (top-k values and ids,
-token logprob), published through the scheduler's own message code (`wire.to_token_batches`), as
+token logprob), published through the scheduler's own message code (`scheduler_harness.token_batches`), as
 the real one publishes a decode step. So the front half (detokenizer, tokenizers) can be loaded
 on a machine without a GPU at the token rate a GPU decodes (64 requests every 2 ms: 32,000
 tokens/s), which no CPU model reaches (`frontend_capacity.py` runs it).
@@ -26,12 +26,11 @@ import numpy as np
 from contracts import subjects
 from contracts.detokenizer import Finish, FinishType
 from contracts.scheduler import AbortRequest, GenerateRequest
+from ops.bench.scheduler_harness import StandInOutput, token_batches
 from ops.bench.standin_scheduler import StandInScheduler
 from services.common.lifecycle import run_event_loop
 from services.common.nats_reader import Delivery
 from services.common.transport import Transport
-from services.scheduler.request import LogprobEntries, RequestOutput, RowLogprobs
-from services.scheduler.wire import to_token_batches
 
 MAX_TOP = 20  # the widest top-k row kept ready (the tokenizer's default --max-logprobs)
 
@@ -86,26 +85,22 @@ class PacedScheduler(StandInScheduler):
     async def _step(self) -> None:
         outputs = [self._output(running) for running in self.running.values()]
         self.running = {rid: r for rid, r in self.running.items() if not r.done}
-        for detokenizer_id, batch in to_token_batches(outputs, self.instance_id, self.num_steps).items():
+        for detokenizer_id, batch in token_batches(outputs, self.instance_id, self.num_steps).items():
             await self.transport.publish(subjects.detokenizer_tokens(detokenizer_id), batch)
         self.num_steps += 1
 
-    def _output(self, running: Running) -> RequestOutput:
+    def _output(self, running: Running) -> StandInOutput:
         request = running.request
         token = (request.input_ids.shape[0] + running.emitted * 31) % self.vocab_size
         running.emitted += 1
         finish = Finish(FinishType.LENGTH) if running.done else None
-        return RequestOutput(request.rid, request.detokenizer_id, [token], request.input_ids.shape[0], finish,
-                             self._logprobs(request))  # fmt: skip
-
-    def _logprobs(self, request: GenerateRequest) -> LogprobEntries | None:
+        output = StandInOutput(request.rid, request.detokenizer_id, [token], request.input_ids.shape[0], finish)
         params = request.logprobs
-        if not params.return_logprob:
-            return None
-        k = params.top_logprobs_num
-        if k:
-            return LogprobEntries(output=RowLogprobs.of(self._top_values[0, :1], self._top_values[:, :k], self._top_ids[:, :k]))  # [1, k]
-        return LogprobEntries(output=RowLogprobs.of(self._top_values[0, :1]))  # f32 [1]
+        if params.return_logprob:
+            output.output_logprobs = self._top_values[0, :1]  # f32 [1]
+            k = params.top_logprobs_num
+            output.output_top = (self._top_values[:, :k], self._top_ids[:, :k]) if k else None  # [1, k]
+        return output
 
 
 async def serve(url: str, step_s: float, vocab_size: int) -> None:

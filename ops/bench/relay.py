@@ -11,7 +11,7 @@ import asyncio
 import sys
 from typing import Any
 
-from contracts.detokenizer import RequestLogprobs
+from contracts.logprobs import LogprobColumns
 from services.common.lifecycle import run_event_loop
 from services.common.transport import Transport
 
@@ -21,7 +21,7 @@ HOP1, HOP2 = "sparkwire.v1.bench.hop1", "sparkwire.v1.bench.hop2"
 async def relay(url: str, layout: str) -> None:
     from ops.bench.logprob_transport import NestedPromptTop, _touch
 
-    message_type = RequestLogprobs if layout == "flat" else NestedPromptTop
+    message_type = LogprobColumns if layout == "flat" else NestedPromptTop
     transport = await Transport.connect(url, "bench-relay")
 
     async def forward(decoded: Any, _msg: Any) -> None:

@@ -20,10 +20,12 @@ with the faults injected and survived; lost, short and server errors must be 0.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 import os
 import re
+import shlex
 import signal
 import tempfile
 import time
@@ -35,6 +37,7 @@ from typing import Any
 import httpx
 import nats
 
+from ops.bench.common import RESULTS, script
 from ops.bench.reliability_inputs import HttpCase, http_cases, nats_messages
 from ops.bench.serve_launch import launched_stack
 from services.common.nats_server import free_port
@@ -385,3 +388,28 @@ def table(tallies: dict[str, Tally]) -> str:
     lines = [header, " | ".join("---" for _ in range(len(COLUMNS) + 2))]
     lines += [row(name, tally) for name, tally in tallies.items()]
     return "\n".join(f"| {line} |" for line in lines)
+
+
+def add_arguments(reliability: argparse.ArgumentParser) -> None:
+    defaults = ReliabilityConfig()
+    reliability.add_argument("--cases", nargs="+", choices=ALL_CASES, default=list(ALL_CASES))
+    reliability.add_argument("--num-concurrent", type=int, default=defaults.num_concurrent)
+    reliability.add_argument("--num-in-flight", type=int, default=defaults.num_in_flight, help="requests running at each fault")
+    reliability.add_argument("--max-new-tokens", type=int, default=defaults.max_new_tokens)
+    reliability.add_argument("--fault-tokens", type=int, default=defaults.fault_tokens, help="tokens per request hit by a fault")
+    reliability.add_argument("--up-args", default="", help='flags for the launched `sparkwire up`, e.g. --up-args="--device cpu"')
+    reliability.add_argument("--up-log", type=Path, default=None)
+    reliability.add_argument("--out", type=Path, default=RESULTS / "reliability.json")
+
+
+def main(args: argparse.Namespace) -> int:
+    config = ReliabilityConfig(
+        cases=tuple(args.cases), num_concurrent=args.num_concurrent, num_in_flight=args.num_in_flight,
+        max_new_tokens=args.max_new_tokens, fault_tokens=args.fault_tokens, up_args=tuple(shlex.split(args.up_args)),
+        up_log=args.up_log,
+    )  # fmt: skip
+    return 0 if run(args.out, config)["passed"] else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(script(__doc__, add_arguments, main))

@@ -12,10 +12,12 @@ dict that the CLI writes as JSON; `benchmark(config)` is the same inside a runni
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import dataclasses
 import json
 import math
+import shlex
 import sys
 import tempfile
 import time
@@ -27,6 +29,7 @@ from typing import Any
 import aiohttp
 import uvloop
 
+from ops.bench.common import RESULTS, script
 from ops.bench.serve_client import ENDPOINTS, RequestOptions, RequestRecord, client_session, send
 from ops.bench.serve_launch import launched_stack
 from ops.bench.serve_metrics import per_request, summarize, table
@@ -205,3 +208,53 @@ def run(config: ServeConfig, out: Path) -> dict[str, Any]:
         print(f"failed: {error}", file=sys.stderr)
     print(f"results: {out}")
     return results
+
+
+def add_arguments(serve: argparse.ArgumentParser) -> None:
+    target = serve.add_argument_group("server")
+    target.add_argument("--base-url", default="http://127.0.0.1:8000")
+    target.add_argument("--endpoint", choices=("generate", "completions"), default="generate",
+                        help="generate: /generate (native); completions: /v1/completions (any OpenAI-compatible server)")
+    target.add_argument("--model-name", default=None, help="OpenAI `model` (default: the first of GET /v1/models)")
+    target.add_argument("--api-key", default=None, help="sent as Authorization: Bearer")
+    target.add_argument("--launch", action="store_true", help="start `sparkwire up` on the base URL's port for the run")
+    target.add_argument("--up-args", default="", help='flags for the launched `sparkwire up`, e.g. --up-args="--device cuda"')
+    target.add_argument("--up-log", type=Path, default=None, help="the launched stack's output (default: a temp file)")
+    load = serve.add_argument_group("workload")
+    load.add_argument("--num-prompts", type=int, default=100)
+    load.add_argument("--input-len", type=int, default=128, help="random prompts: token ids per prompt")
+    load.add_argument("--output-len", type=int, default=128, help="tokens asked per request")
+    load.add_argument("--range-ratio", type=float, default=0.0, help="lengths uniform in len * [1 - r, 1 + r]")
+    load.add_argument("--dataset-path", type=Path, default=None,
+                      help='JSONL prompts instead: {"prompt": str} or {"input_ids": [int]}, optional "output_len"')
+    load.add_argument("--vocab-from", type=Path, default=None, help="model dir whose tokenizer random ids come from")
+    load.add_argument("--request-rate", type=float, default=float("inf"), help="requests/s (default inf: all at once)")
+    load.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of arrival gaps; 1 = Poisson")
+    load.add_argument("--max-concurrency", type=int, default=None)
+    load.add_argument("--ignore-eos", action="store_true", help="generate exactly the asked lengths")
+    load.add_argument("--temperature", type=float, default=0.0)
+    load.add_argument("--logprobs", type=int, default=None, help="ask top-k logprobs per output token (measures their cost)")
+    load.add_argument("--prompt-logprobs", action="store_true",
+                      help="with --logprobs, on /generate: the same top-k for every prompt position too")
+    load.add_argument("--num-warmups", type=int, default=0)
+    load.add_argument("--seed", type=int, default=0)
+    load.add_argument("--request-timeout-s", type=float, default=600.0)
+    serve.add_argument("--out", type=Path, default=RESULTS / "serve.json")
+    serve.add_argument("--no-progress", action="store_true")
+
+
+def main(args: argparse.Namespace) -> int:
+    names = ("base_url", "endpoint", "model_name", "api_key", "num_prompts", "input_len", "output_len", "range_ratio",
+             "dataset_path", "request_rate", "burstiness", "max_concurrency", "ignore_eos", "temperature", "logprobs",
+             "prompt_logprobs", "num_warmups", "seed", "request_timeout_s")  # fmt: skip
+    settings = {name: getattr(args, name) for name in names}
+    if args.vocab_from is not None:
+        settings["vocab_from"] = args.vocab_from
+    launch = tuple(shlex.split(args.up_args)) if args.launch else None
+    config = ServeConfig(**settings, progress=not args.no_progress, launch=launch, launch_log=args.up_log)
+    results = run(config, args.out)
+    return 0 if results["failed"] == 0 else 1  # a failed request fails the command (scripts, CI)
+
+
+if __name__ == "__main__":
+    raise SystemExit(script(__doc__, add_arguments, main))

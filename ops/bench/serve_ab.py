@@ -1,7 +1,7 @@
 """Trees of Sparkwire served side by side on one machine: `gpu_serve_check.py` once per tree per
 round, the trees alternating (A B, then B A, ...), and each tree's scenarios summarized over its
-rounds. This is how issue 12's served comparisons are made (gpu_serve.md, 0.6B runs 41-49): on one
-machine, in one call, because two H100 hosts differ by more than most changes do.
+rounds. This is how served comparisons are made (gpu_serve.md): on one machine, in one call,
+because two GPU hosts differ by more than most changes do.
 
 A tree is a directory holding the repository's `ops/` and `services/` (`.` for this checkout, or a
 `git archive` of another commit); each run uses that tree's own `gpu_serve_check.py` and code.
@@ -12,7 +12,7 @@ steps, and a closed loop's slot idle time with its parts (`gpu_serve_check.close
 Where a run holds both `concurrency` and `concurrency_logprobs` (or both batch-1
 scenarios), top-20's cost in that run; its mean is the cost of the tree's summed tok/s.
 
-    python -m ops.bench.serve_ab --tree after=. --tree before=/tmp/before --rounds 4 --out $OUT/ab.json -- \
+    sparkwire bench gpu-serve-ab --tree after=. --tree before=/tmp/before --rounds 4 --out $OUT/ab.json -- \
         --model-config ops/model_configs/Qwen3-0.6B --no-core-baseline --scenarios concurrency concurrency_logprobs --num-prompts 2560
 """
 
@@ -27,6 +27,8 @@ import sys
 import tempfile
 from pathlib import Path
 from typing import Any
+
+from ops.bench.common import script
 
 PAIRS = (("concurrency", "concurrency_logprobs"), ("batch1", "batch1_logprobs"))  # (plain, top-20)
 DECODE_KINDS = ("decode_followed", "decode")  # the trace's decode rows, followed (overlapped) first
@@ -47,7 +49,7 @@ def run_tree(tree: Path, check_args: list[str], out: Path) -> dict[str, Any]:
         done = subprocess.run(command, cwd=tree, env=env, capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
     except subprocess.TimeoutExpired:
         return {"error": f"timed out after {RUN_TIMEOUT_S} s"}
-    if done.returncode != 0 or not out.is_file():
+    if not out.is_file():  # the run's own JSON records a failed scenario or a stack that did not come up
         return {"error": f"exit {done.returncode}: {(done.stdout + done.stderr)[-2000:]}"}
     return json.loads(out.read_text())
 
@@ -143,17 +145,18 @@ def write_results(out: Path, trees: dict[str, str], check_args: list[str], runs:
     return summary
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    ours, check_args = (argv[: argv.index("--")], argv[argv.index("--") + 1 :]) if "--" in argv else (argv, [])
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tree", action="append", required=True, metavar="LABEL=DIR", help="a tree to serve (twice or more)")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--out", type=Path, required=True)
-    args = parser.parse_args(ours)
+    parser.add_argument("check_args", nargs=argparse.REMAINDER, metavar="-- GPU-SERVE FLAGS", help="after --: each run's gpu-serve flags")
+
+
+def main(args: argparse.Namespace) -> int:
+    check_args = args.check_args[1:] if args.check_args[:1] == ["--"] else args.check_args
     trees = dict(tree.split("=", 1) for tree in args.tree)
     if len(trees) < 2 or any(not (Path(d) / "ops/bench/gpu_serve_check.py").is_file() for d in trees.values()):
-        parser.error("--tree LABEL=DIR at least twice, each DIR holding ops/bench/gpu_serve_check.py")
+        raise SystemExit("--tree LABEL=DIR at least twice, each DIR holding ops/bench/gpu_serve_check.py")
     runs: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="serve_ab_") as scratch:
         for index, (round_index, label) in enumerate(alternating(list(trees), args.rounds)):
@@ -169,4 +172,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(script(__doc__, add_arguments, main))

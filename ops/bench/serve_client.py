@@ -6,11 +6,9 @@ cumulative `output_ids`, so the tokens of every event are known exactly) and `/v
 otherwise each event counts as one token, as `vllm bench serve` counts them — and the totals come
 from the final `usage` event, asked for with `stream_options.include_usage`).
 
-The client is aiohttp, as `vllm bench serve`'s is. At 64 streams of 128 events (`python -m
-ops.bench.serve_client_cost`, ops/bench/results/serve_client_cost.json, 2 cores) it spends 32-33
-us of CPU per event on uvloop, which `serve.py` runs it on; the httpx client it replaced spent
-160-184 and saturated its core (4.2-4.7 s for a run the server streams in 2.5). A client near one
-core of CPU delays every request it sends and times (ops/bench/results/gpu_serve.md, run 18).
+The client is aiohttp on uvloop, as `vllm bench serve`'s is: a fraction of the CPU per event of
+the httpx client it replaced, which saturated its core and so delayed every request it sent and
+timed (the figures: ops/bench/results/serve.md).
 """
 
 from __future__ import annotations

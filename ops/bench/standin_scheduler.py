@@ -3,7 +3,7 @@
 It answers claims and pings like a scheduler, beats like one, and for each `GenerateRequest`
 publishes one finished output whose prompt top logprobs are seeded random float32/int32
 `[num_prompt - 1, k]` arrays, built and sent by the scheduler's own message code
-(`services.scheduler.wire.to_token_batches`). Used to measure and test the detokenizer ->
+(`scheduler_harness.token_batches`). Used to measure and test the detokenizer ->
 tokenizer path with payloads no CPU model could produce quickly (131072 x 20 = 21 MB).
 The seed of a request's arrays is its first prompt token id, so a client can recompute them.
 """
@@ -19,8 +19,7 @@ from services.common.arrays import from_wire
 from services.common.heartbeat import HeartbeatPublisher
 from services.common.nats_reader import Delivery
 from services.common.transport import Transport
-from services.scheduler.request import LogprobEntries, RequestOutput, RowLogprobs
-from services.scheduler.wire import to_token_batches
+from ops.bench.scheduler_harness import StandInOutput, token_batches
 
 NULL_PREFIX = 1
 
@@ -59,27 +58,20 @@ class StandInScheduler:
         await self.transport.respond(msg, SchedulerInfo(self.instance_id, "standin", self.max_model_len, 2048))
 
     async def _on_generate(self, request: GenerateRequest, _msg: Delivery) -> None:
-        output = RequestOutput(
-            request.rid, request.detokenizer_id, [7], request.input_ids.shape[0], Finish(FinishType.LENGTH),
-            self._logprobs(request),
-        )
-        for detokenizer_id, batch in to_token_batches([output], self.instance_id, 0).items():
+        output = StandInOutput(request.rid, request.detokenizer_id, [7], request.input_ids.shape[0], Finish(FinishType.LENGTH))
+        if request.logprobs.return_logprob:
+            self._add_logprobs(output, request)
+        for detokenizer_id, batch in token_batches([output], self.instance_id, 0).items():
             await self.transport.publish(subjects.detokenizer_tokens(detokenizer_id), batch)
 
-    def _logprobs(self, request: GenerateRequest) -> LogprobEntries | None:
-        params = request.logprobs
-        if not params.return_logprob:
-            return None
+    def _add_logprobs(self, output: StandInOutput, request: GenerateRequest) -> None:
         prompt = from_wire(request.input_ids)  # int32 [P]
         token_logprobs = np.full(len(prompt), -1.5, np.float32)  # [P]
         token_logprobs[:NULL_PREFIX] = np.nan
-        entries = LogprobEntries(output=RowLogprobs.of(np.array([-0.5], np.float32)), input_start=0,
-                                 input_token_logprobs=token_logprobs)
+        output.output_logprobs, output.prompt_token_logprobs = np.array([-0.5], np.float32), token_logprobs
+        params = request.logprobs
         if params.flat_prompt_top_logprobs and params.top_logprobs_num:
             key = (int(prompt[0]), len(prompt) - NULL_PREFIX, params.top_logprobs_num)
             if key not in self._arrays:
                 self._arrays[key] = seeded_top_logprobs(*key)
-            values, ids = self._arrays[key]
-            entries.input_top_logprobs_flat, entries.input_top_ids_flat = values, ids
-            entries.input_top_null_prefix = NULL_PREFIX
-        return entries
+            output.prompt_top_flat = (*self._arrays[key], NULL_PREFIX)

@@ -10,20 +10,19 @@ Per kind: steps, wall seconds and their share of the window, ms per step, sequen
 step, how long collecting its results took (`collect_s`) and, of that, how long the host waited
 for the device (`wait_s`; a trace from before it was recorded: `collect_s` stands in), the step
 less that wait (`host_ms`: the step thread's own time a step, GIL waits included; it tells trees
-apart where the device sets the pace and the step's wall cannot: gpu_serve.md, 0.6B run 44), and
+apart where the device sets the pace and the step's wall cannot), and
 the share of steps whose readback was back before the host asked for it (`host_late_share`, a
 wait under 0.05 ms: the device had finished the step and idled for the host, for how long the
 trace cannot say). Between steps the thread waited
 `turn_s`: `held` when the event loop had not published the step ahead yet, else for work. What is
 left of the window (`between_steps_s`: the span less the steps and the turns after the first) is
 the thread's own time between steps: handing the outputs over, the trace line, and waiting there
-for the GIL while the event loop publishes (8-10% of a 0.6B run's span before b1dd88a:
-gpu_serve.md, 0.6B runs 48-49). The decode batch is weighted by time: a decode step of fewer
+for the GIL while the event loop publishes. The decode batch is weighted by time: a decode step of fewer
 sequences than the concurrency serves fewer tokens for the same weights read; so is `running`
 (the scheduler's running requests after each step, over every step). `queue_ms`: the requests
 first scheduled in the window, from their arrival at the scheduler until then (`admitted` of them).
 
-    python -m ops.bench.step_trace_summary TRACE.jsonl [--window START END]  # time.monotonic() seconds
+    sparkwire bench step-trace TRACE.jsonl [--window START END]  # time.monotonic() seconds
 """
 
 from __future__ import annotations
@@ -35,6 +34,8 @@ import statistics
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
+
+from ops.bench.common import script
 
 KINDS = ("decode_followed", "decode", "mixed", "prefill", "idle")
 HOST_LATE_S = 5e-5  # a readback wait under this: the step's results were back before the host asked
@@ -137,15 +138,17 @@ def table(summary: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("trace", type=Path)
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("trace", type=Path, help="a scheduler's trace file (<instance>.jsonl in its --step-trace directory)")
     parser.add_argument("--window", type=float, nargs=2, metavar=("START", "END"), default=None)
     parser.add_argument("--json", action="store_true", help="print the summary as JSON instead of a table")
-    args = parser.parse_args()
+
+
+def main(args: argparse.Namespace) -> int:
     summary = summarize(read_trace(args.trace, tuple(args.window) if args.window else None))
     print(json.dumps(summary, indent=2) if args.json else table(summary))
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(script(__doc__, add_arguments, main))

@@ -18,10 +18,10 @@ each pinned to its own GPU (`CUDA_VISIBLE_DEVICES=i`), all serving the same dumm
 NCCL and NVLink settings are not touched: nothing here uses them (the schedulers are separate
 processes that share nothing but NATS). On the two-GPU machine:
 
-    python3 -m ops.bench.two_gpu_serve --out ops/bench/results/two_gpu_serve.json
+    sparkwire bench two-gpu-serve --out ops/bench/results/two_gpu_serve.json
 A CPU rehearsal of the same path (tiny numbers, no GPU):
 
-    python3 -m ops.bench.two_gpu_serve --device cpu --model-config ops/models/sparkwire-micro \\
+    sparkwire bench two-gpu-serve --device cpu --model-config ops/models/sparkwire-micro \\
         --concurrency 4 --prompts-per-scheduler 8 --input-len 16 --output-len 16 --num-warmups 1 --out /tmp/two.json
 """
 
@@ -40,19 +40,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ops.bench.common import MODEL_CONFIGS, RESULTS, script
 from ops.bench.gpu_serve_check import serving_model_dir
 from ops.bench.serve import ServeConfig, run_serve_benchmark
 from ops.bench.serve_launch import LoggedProcess, health_ok
 from services.common.nats_server import NatsServer, free_port, start_nats_server
 
-REPO = Path(__file__).resolve().parents[2]
 READY_TIMEOUT_S = 600.0
 STOP_GRACE_S = 30.0
 
 
 @dataclass(frozen=True)
 class TwoGpuConfig:
-    model_config: Path = REPO / "ops/model_configs/Qwen3-1.7B"
+    model_config: Path = MODEL_CONFIGS / "Qwen3-1.7B"
     draft_model: Path | None = None
     device: str = "cuda"
     num_schedulers: int = 2
@@ -210,8 +210,7 @@ def summary(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     defaults = TwoGpuConfig()
     parser.add_argument("--model-config", type=Path, default=defaults.model_config)
     parser.add_argument("--draft-model", type=Path, default=None, help="a DSpark draft config fitting the target: adds the dspark phases")
@@ -224,15 +223,17 @@ def main() -> None:
     parser.add_argument("--num-warmups", type=int, default=defaults.num_warmups)
     parser.add_argument("--stop-after-s", type=float, default=defaults.stop_after_s)
     parser.add_argument("--no-progress", action="store_true")
-    parser.add_argument("--out", type=Path, default=REPO / "ops/bench/results/two_gpu_serve.json")
-    args = parser.parse_args()
+    parser.add_argument("--out", type=Path, default=RESULTS / "two_gpu_serve.json")
+
+
+def main(args: argparse.Namespace) -> int:
     config = TwoGpuConfig(
         model_config=args.model_config, draft_model=args.draft_model, device=args.device, num_schedulers=args.num_schedulers,
         concurrency=args.concurrency, prompts_per_scheduler=args.prompts_per_scheduler, input_len=args.input_len,
         output_len=args.output_len, num_warmups=args.num_warmups, stop_after_s=args.stop_after_s, progress=not args.no_progress,
     )  # fmt: skip
-    run(config, args.out)
+    return 1 if "error" in run(config, args.out) else 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(script(__doc__, add_arguments, main))

@@ -1,18 +1,18 @@
-"""ops/bench/dspark_context_accept.py at a small size on the CPU: the bundled pair through the core,
+"""`sparkwire bench dspark-accept` (ops/bench/dspark_context_accept.py) at a small size on the CPU: the bundled pair through the core,
 with and without the drafter's configured context window."""
 
 from __future__ import annotations
 
 import json
 
-from ops.bench import dspark_context_accept
+from tests.ops.bench.bench_cli import bench
 
 
 def test_small_run_serves_both_windows_and_the_window_only_matters_past_its_length(tmp_path, capsys) -> None:
     out = tmp_path / "accept.json"
     argv = ["--prompt-lens", "32", "400", "--windows", "0", "config", "--temperatures", "0", "--num-prompts", "2",
             "--new-tokens", "16", "--out", str(out)]  # fmt: skip
-    assert dspark_context_accept.main(argv) == 0
+    assert bench("dspark-accept", *argv) == 0
     result = json.loads(out.read_text())
     rows = {(row["prompt_len"], row["window"]): row for row in result["rows"]}
     assert set(rows) == {(32, "0"), (32, "config"), (400, "0"), (400, "config")} and result["configured_window"] == 256

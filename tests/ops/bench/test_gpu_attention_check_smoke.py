@@ -1,15 +1,16 @@
-"""ops/bench/gpu_attention_check.py in its CPU smoke mode (tiny shape, the kernel's torch twin): it cannot rot."""
+"""`sparkwire bench gpu-kernels attention` (ops/bench/gpu_attention_check.py) in its CPU smoke mode (tiny shape, the kernel's torch twin): it cannot rot."""
 
 from __future__ import annotations
 
 import json
 
 from ops.bench import gpu_attention_check
+from tests.ops.bench.bench_cli import bench
 
 
 def test_cpu_tiny_run_fills_every_section_it_can_and_prints_the_table(tmp_path, capsys) -> None:
     out = tmp_path / "attention.json"
-    assert gpu_attention_check.main(["--device", "cpu", "--tiny", "--repeats", "1", "--out", str(out)]) == 0
+    assert bench("gpu-kernels", "attention", "--device", "cpu", "--tiny", "--repeats", "1", "--out", out) == 0
     result = json.loads(out.read_text())
     assert [r["mix"] for r in result["kernels"]] == ["mixed", "prefills", "long"]
     assert all(r["max_abs_err"] < 1e-4 and r["sdpa_ms"] > 0 and r["kernel_ms"] > 0 for r in result["kernels"])
@@ -31,7 +32,7 @@ def test_a_failing_section_is_recorded_and_the_rest_still_run(tmp_path, monkeypa
 
     monkeypatch.setattr(gpu_attention_check, "kernel_rows", broken)
     out = tmp_path / "attention.json"
-    assert gpu_attention_check.main(["--device", "cpu", "--tiny", "--repeats", "1", "--out", str(out)]) == 1
+    assert bench("gpu-kernels", "attention", "--device", "cpu", "--tiny", "--repeats", "1", "--out", out) == 1
     result = json.loads(out.read_text())
     assert "no kernel today" in result["kernels"]["error"]
     assert result["mixed_step"]["mixed_sdpa_ms"] > 0 and len(result["prefill_32k"]) == 2

@@ -1,4 +1,4 @@
-"""`gpu_clocks.ClockSampler`: NVML read from a thread and summarised; without NVML it says why."""
+"""`common.ClockSampler`: NVML read from a thread and summarised; without NVML it says why."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import sys
 import time
 import types
 
-from ops.bench.gpu_clocks import ClockSampler
+from ops.bench.common import ClockSampler
 
 
 def fake_nvml(clocks: list[int], watts: list[float], reasons: list[int]) -> types.ModuleType:

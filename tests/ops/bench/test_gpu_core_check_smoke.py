@@ -1,4 +1,6 @@
-"""ops/bench/gpu_core_check.py at toy size on CPU (tiny target, a dummy drafter for it): it cannot rot."""
+"""`sparkwire bench gpu-core` (ops/bench/gpu_core_check.py) at toy size on CPU (tiny target, a dummy
+drafter for it: `--tiny`): it cannot rot. A subprocess each: the run leaves torch threads and
+caches behind that the other tests need not share."""
 
 from __future__ import annotations
 
@@ -8,17 +10,12 @@ import subprocess
 import sys
 from pathlib import Path
 
-from services.scheduler.model.config import ModelConfig
-from services.scheduler.spec.dspark_config import draft_config_for_target
-
 REPO = Path(__file__).resolve().parents[3]
-TINY = REPO / "ops/models/sparkwire-tiny"
 
 
 def test_gpu_core_check_runs_on_cpu_and_reports_the_simulated_accept_length(tmp_path):
-    draft = _draft(tmp_path)
     out = tmp_path / "core.json"
-    command = [sys.executable, "ops/bench/gpu_core_check.py", "--device", "cpu", "--target", str(TINY), "--draft", str(draft),
+    command = [sys.executable, "-m", "ops.bench", "gpu-core", "--device", "cpu", "--tiny",
                "--batches", "1", "2", "--prompt-len", "8", "--new-tokens", "30", "--simulate-accept-len", "3", "--out", str(out)]
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
@@ -45,9 +42,8 @@ def test_gpu_core_check_runs_on_cpu_and_reports_the_simulated_accept_length(tmp_
 
 
 def test_gpu_core_check_logprob_cost_runs_only_what_the_top20_cost_needs(tmp_path):
-    draft = _draft(tmp_path)
     out = tmp_path / "core.json"
-    command = [sys.executable, "ops/bench/gpu_core_check.py", "--device", "cpu", "--target", str(TINY), "--draft", str(draft),
+    command = [sys.executable, "-m", "ops.bench", "gpu-core", "--device", "cpu", "--tiny",
                "--batches", "1", "--prompt-len", "8", "--new-tokens", "30", "--logprob-cost", "--out", str(out)]
     done = subprocess.run(command, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
@@ -56,11 +52,3 @@ def test_gpu_core_check_logprob_cost_runs_only_what_the_top20_cost_needs(tmp_pat
     assert len(result["top20_cost"]) == 4 and len(result["logprob_path"]) == 2
     assert "top-20 cost, dspark" in done.stdout
 
-
-def _draft(tmp_path: Path) -> Path:
-    """A dummy drafter's config for the tiny target (block size 3)."""
-    draft = tmp_path / "draft"
-    draft.mkdir()
-    config = draft_config_for_target(ModelConfig.from_pretrained(TINY), num_draft_layers=1, mask_token_id=5, block_size=3, markov_rank=4)
-    (draft / "config.json").write_text(json.dumps(config.to_dict()))
-    return draft

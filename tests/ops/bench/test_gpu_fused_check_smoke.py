@@ -1,4 +1,4 @@
-"""ops/bench/gpu_fused_check.py in its CPU smoke mode (tiny model): without Triton's interpreter the
+"""`sparkwire bench gpu-kernels fused` (ops/bench/gpu_fused_check.py) in its CPU smoke mode (tiny model): without Triton's interpreter the
 "off" setting alone; in it (skipped without Triton; the test extras install it) both, so every branch the GPU run
 takes, capture and CUDA events aside, has run before the GPU call."""
 
@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from ops.bench import gpu_fused_check
+from tests.ops.bench.bench_cli import bench
 from tests.services.scheduler.model.triton_interpreter import run_script_interpreted
 
 REPO = Path(__file__).resolve().parents[3]
@@ -21,7 +22,7 @@ SMOKE = ["--device", "cpu", "--tiny", "--repeats", "1", "--top", "3"]
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason="the interpreted run is the test below")
 def test_cpu_tiny_run_without_the_kernels_fills_the_off_rows(tmp_path, capsys) -> None:
     out = tmp_path / "fused.json"
-    assert gpu_fused_check.main([*SMOKE, "--out", str(out)]) == 0
+    assert bench("gpu-kernels", "fused", *SMOKE, "--out", out) == 0
     result = json.loads(out.read_text())
     assert result["settings"] == ["off"] and "argmax_agreement" not in result["prefill"]
     assert [row["batch"] for row in result["agreement"]] == [1, 3, "noise"]
@@ -40,7 +41,7 @@ def test_a_failing_on_setting_is_recorded_and_the_off_baseline_kept(tmp_path, mo
     monkeypatch.setattr(gpu_fused_check, "settings_here", lambda device: ("off", "on"))
     monkeypatch.setattr(gpu_fused_check.ModelRunner, "fused_kernels", property(lambda runner: False, switch))
     out = tmp_path / "fused.json"
-    assert gpu_fused_check.main([*SMOKE, "--out", str(out)]) == 1
+    assert bench("gpu-kernels", "fused", *SMOKE, "--out", out) == 1
     result = json.loads(out.read_text())
     assert "no fused kernel today" in result["agreement"]["error"]
     assert [row["fused"] for row in result["graph_decode"] if "step_ms" in row] == ["off", "off"]

@@ -1,4 +1,4 @@
-"""ops/bench/gpu_gemv_check.py in its CPU smoke mode, in Triton's interpreter (skipped without Triton;
+"""`sparkwire bench gpu-kernels gemv` (ops/bench/gpu_gemv_check.py) in its CPU smoke mode, in Triton's interpreter (skipped without Triton;
 the test extras install it): every op it times on the H200 runs at `gemv_tiles`' own tiles and the two
 tiny settings and matches what served before to fp32 rounding, and the batch-1 step with the GEMVs (own
 tiles, and each op's fastest) gives the step's token without them. The kernels' masks and odd tiles are

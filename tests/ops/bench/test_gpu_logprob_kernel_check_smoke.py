@@ -1,4 +1,4 @@
-"""ops/bench/gpu_logprob_kernel_check.py in its CPU smoke mode (V=1000): without Triton's interpreter the
+"""`sparkwire bench gpu-kernels logprobs` (ops/bench/gpu_logprob_kernel_check.py) in its CPU smoke mode (V=1000): without Triton's interpreter the
 torch path alone; in it (skipped without Triton; the test extras install it) the kernels too, compared, so every
 branch the GPU run takes, capture, CUDA events and memory peaks aside, has run before the GPU call."""
 
@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from ops.bench import gpu_logprob_kernel_check
+from tests.ops.bench.bench_cli import bench
 from tests.services.scheduler.model.triton_interpreter import run_script_interpreted
 
 REPO = Path(__file__).resolve().parents[3]
@@ -21,7 +22,7 @@ SMOKE = ["--device", "cpu", "--tiny", "--repeats", "1", "--prompt-repeats", "1"]
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason="the interpreted run is the test below")
 def test_cpu_tiny_run_without_the_kernels_times_the_torch_path(tmp_path, capsys) -> None:
     out = tmp_path / "lpk.json"
-    assert gpu_logprob_kernel_check.main([*SMOKE, "--out", str(out)]) == 0
+    assert bench("gpu-kernels", "logprobs", *SMOKE, "--out", out) == 0
     result = json.loads(out.read_text())
     assert result["paths"] == ["torch"]
     assert [row["rows"] for row in result["rows"]] == [1, 3] and all(row["torch_ms"] > 0 for row in result["rows"])
@@ -35,7 +36,7 @@ def test_ids_that_differ_fail_the_run(tmp_path, monkeypatch) -> None:
     monkeypatch.setattr(gpu_logprob_kernel_check, "paths_here", lambda device: ("torch", "kernel"))
     monkeypatch.setattr(gpu_logprob_kernel_check, "PATHS", {"torch": False, "kernel": False})  # the torch path twice
     monkeypatch.setattr(gpu_logprob_kernel_check, "agreement", lambda want, got: {"max_abs_diff": 0.0, "ids_equal": False})
-    assert gpu_logprob_kernel_check.main([*SMOKE, "--out", str(tmp_path / "lpk.json")]) == 1
+    assert bench("gpu-kernels", "logprobs", *SMOKE, "--out", tmp_path / "lpk.json") == 1
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs Triton's interpreter")

@@ -1,4 +1,4 @@
-"""ops/bench/gpu_prefill_profile.py at toy size on CPU: every setting runs under the profiler and
+"""`sparkwire bench gpu-prefill` (ops/bench/gpu_prefill_profile.py) at toy size on CPU: every setting runs under the profiler and
 kernel names land in the categories the H200 table is read by."""
 
 from __future__ import annotations
@@ -7,6 +7,7 @@ import argparse
 import json
 
 from ops.bench.gpu_prefill_profile import SETTINGS, category, run
+from tests.ops.bench.bench_cli import bench
 
 
 def test_kernel_names_fall_into_their_categories():
@@ -31,7 +32,7 @@ def test_every_setting_runs_on_cpu(tmp_path):
     measured, unavailable = result["rows"][:-2], result["rows"][-2:]
     assert len(result["rows"]) == len(SETTINGS) and all(r["seconds"] > 0 and r["plain_s"] > 0 and r["profiled_s"] > 0 for r in measured)
     assert all(r["unavailable"] == "flash4 needs CUDA, not cpu" and "seconds" not in r for r in unavailable)  # FA4 is CUDA's alone
-    run(argparse.Namespace(device="cpu", tiny=True, out=out, settings=["served"], repeats=3, sustained_gemm_s=0.0))
+    assert bench("gpu-prefill", "--device", "cpu", "--tiny", "--settings", "served", "--repeats", 3, "--out", out) == 0
     rows = json.loads(out.read_text())["rows"]
     assert [r["path"] for r in rows] == ["served", "served"]
     assert all(len(r["seconds_runs"]) == 3 and r["seconds_runs"] == sorted(r["seconds_runs"]) and r["seconds"] == r["seconds_runs"][1] for r in rows)

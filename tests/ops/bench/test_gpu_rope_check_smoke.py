@@ -1,4 +1,4 @@
-"""ops/bench/gpu_rope_check.py in its CPU smoke mode, in Triton's interpreter (skipped without Triton;
+"""`sparkwire bench gpu-kernels rope` (ops/bench/gpu_rope_check.py) in its CPU smoke mode, in Triton's interpreter (skipped without Triton;
 the test extras install it): every launch shape it times on the H200 runs, matches one head per program bit for
 bit and the torch twin to fp32 rounding, before the GPU call."""
 

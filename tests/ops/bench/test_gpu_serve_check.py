@@ -1,4 +1,4 @@
-"""`ops/bench/gpu_serve_check.py` at toy size on CPU, so the H200 script cannot rot: every scenario
+"""`sparkwire bench gpu-serve` (ops/bench/gpu_serve_check.py) at toy size on CPU, so the H200 script cannot rot: every scenario
 runs through a launched stack serving a shape directory with no tokenizer of its own."""
 
 from __future__ import annotations
@@ -9,6 +9,7 @@ import pytest
 
 from ops.bench.gpu_serve_check import SCENARIOS, CheckConfig, closed_loop_turnaround, run, serving_model_dir
 from services.models import BUNDLED_MODEL
+from tests.ops.bench.bench_cli import bench
 
 
 @pytest.fixture
@@ -31,12 +32,11 @@ def test_serving_dir_has_the_shape_and_the_bundled_tokenizer(shape_dir, tmp_path
 
 @pytest.mark.timeout(120)
 def test_every_scenario_runs_at_toy_size(shape_dir, tmp_path, capsys):
-    check = CheckConfig(model_config=shape_dir, device="cpu", concurrency=3, num_prompts=6, batch1_prompts=2,
-                        input_len=8, output_len=4, num_warmups=1, core_baseline=False, progress=False, long_prompt_len=40)  # fmt: skip
     out = tmp_path / "gpu_serve.json"
     (tmp_path / "gpu_serve_trace").mkdir()  # an earlier run's trace with the same --out: not read as this one's
     (tmp_path / "gpu_serve_trace" / "scheduler-earlier.jsonl").write_text(json.dumps({"t": 0.0, "dur_s": 1.0}) + "\n")
-    run(check, out)
+    assert bench("gpu-serve", "--model-config", shape_dir, "--device", "cpu", "--concurrency", 3, "--num-prompts", 6, "--batch1-prompts", 2,
+                 "--input-len", 8, "--output-len", 4, "--num-warmups", 1, "--no-core-baseline", "--long-prompt-len", 40, "--out", out) == 0  # fmt: skip
     result = json.loads(out.read_text())
     assert list(result["scenarios"]) == list(SCENARIOS) and result["up_exit_code"] == 0
     for name, figures in result["scenarios"].items():  # (requests, prompt and output tokens of each)

@@ -1,4 +1,4 @@
-"""ops/bench/gpu_split_kv_check.py in its CPU smoke mode (tiny model): without Triton's interpreter the
+"""`sparkwire bench gpu-kernels split-kv` (ops/bench/gpu_split_kv_check.py) in its CPU smoke mode (tiny model): without Triton's interpreter the
 graph section alone (the attention section says why it did not run); in it (skipped without Triton;
 the test extras install it) the kernel rows too, so every branch the GPU run takes, capture and CUDA events aside,
 has run before the GPU call."""
@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from ops.bench import gpu_split_kv_check
+from tests.ops.bench.bench_cli import bench
 from tests.services.scheduler.model.triton_interpreter import run_script_interpreted
 
 REPO = Path(__file__).resolve().parents[3]
@@ -23,7 +24,7 @@ STEPS = {(setting, context, batch) for setting in ("off", "on") for context in (
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason="the interpreted run is the test below")
 def test_cpu_tiny_run_fills_the_graph_rows_and_skips_the_kernel_rows(tmp_path, capsys) -> None:
     out = tmp_path / "split_kv.json"
-    assert gpu_split_kv_check.main([*SMOKE, "--out", str(out)]) == 0
+    assert bench("gpu-kernels", "split-kv", *SMOKE, "--out", out) == 0
     result = json.loads(out.read_text())
     assert result["kernel"] is False and "needs the Triton kernel" in result["attention"]["skipped"]
     assert {(row["split"], row["context"], row["batch"]) for row in result["graph_decode"]} == STEPS
@@ -39,7 +40,7 @@ def test_a_failing_on_setting_is_recorded_and_the_off_rows_kept(tmp_path, monkey
 
     monkeypatch.setattr(gpu_split_kv_check.ModelRunner, "split_kv_decode", property(lambda runner: False, switch))
     out = tmp_path / "split_kv.json"
-    assert gpu_split_kv_check.main([*SMOKE, "--out", str(out)]) == 1
+    assert bench("gpu-kernels", "split-kv", *SMOKE, "--out", out) == 1
     rows = json.loads(out.read_text())["graph_decode"]
     assert [row["split"] for row in rows if "step_ms" in row] == ["off"] * 4 and "no split today" in rows[-1]["error"]
     assert "| graph decode, split on | | | | RuntimeError: no split today |" in capsys.readouterr().out

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
 from ops.bench.logprob_ops import count_step
+from tests.ops.bench.bench_cli import bench
 from services.models import RANDOM_TINY_MODEL
 from services.scheduler.model import load_model_runner
 
@@ -36,3 +39,12 @@ def test_output_logprobs_add_the_same_few_kernels_for_any_number_of_requests(run
     assert len(top20) == len(mixed) == 1  # nothing per request: not a kernel, not even a view
     assert top20.pop()[1] <= TOP_K_KERNELS and mixed.pop()[1] <= MIXED_KERNELS
     assert added(runner, kind, 6, "top20", "processed")[1] <= PROCESSED_KERNELS
+
+
+def test_the_command_writes_every_step_kind_and_setting(tmp_path):
+    out = tmp_path / "ops.json"
+    assert bench("logprob-ops", "--batches", 1, "--out", out) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["step"], r["logprobs"], r["mode"]) for r in rows] == [
+        (step, lp, mode) for step in ("plain", "dspark") for lp, mode in (("top20", "raw"), ("top20", "processed"), ("mixed", "raw"))]
+    assert all(0 < r["added_kernels"] <= r["kernels"] for r in rows)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ops.bench.other_tree import alternate, run_on_tree
+from ops.bench.other_tree import REPO, alternate, run_on_tree, script_in
 
 SCRIPT = '''import json, os, sys
 print("noise")
@@ -30,3 +30,14 @@ def test_without_a_pythonpath_only_the_tree_is_on_it(tmp_path: Path, monkeypatch
     script.write_text(SCRIPT)
     monkeypatch.delenv("PYTHONPATH", raising=False)
     assert run_on_tree(script, tmp_path, [])["path"] == [str(tmp_path)]
+
+
+def test_a_tree_runs_its_own_copy_of_a_script_where_it_has_one(tmp_path):
+    """Each tree's benchmark builds its core with its own harness: the trees' scheduler APIs may differ."""
+    ours = REPO / "ops/bench/host_step_cost.py"
+    (tmp_path / "ops/bench").mkdir(parents=True)
+    assert script_in(tmp_path, ours) == ours  # a tree from before the script: this checkout's copy
+    (tmp_path / "ops/bench/host_step_cost.py").write_text(SCRIPT)
+    assert script_in(tmp_path, ours) == tmp_path / "ops/bench/host_step_cost.py"
+    assert run_on_tree(ours, tmp_path, ["--x"])["argv"] == ["--x"]  # it ran their copy (ours would not print argv)
+    assert script_in(tmp_path, tmp_path / "elsewhere.py") == tmp_path / "elsewhere.py"  # not ours: as given

@@ -1,5 +1,5 @@
-"""`ops/bench/serve_ab.py`: the run order, the figures and their summary against a committed call
-whose figures were worked out by hand (gpu_serve.md, 0.6B run 48), and a toy-size run of two trees
+"""`sparkwire bench gpu-serve-ab` (ops/bench/serve_ab.py): the run order, the figures and their summary against a committed call
+whose figures were worked out by hand (gpu_serve.md, 0.6B run 48; the call's JSON kept here as data), and a toy-size run of two trees
 through the launched stack on CPU."""
 
 from __future__ import annotations
@@ -11,11 +11,12 @@ from pathlib import Path
 import pytest
 
 from ops.bench import serve_ab
-from ops.bench.serve_ab import alternating, main, scenario_figures, summarize
+from ops.bench.serve_ab import alternating, scenario_figures, summarize
 from services.models import BUNDLED_MODEL
+from tests.ops.bench.bench_cli import bench
 
 REPO = Path(__file__).resolve().parents[3]
-RUN_48 = REPO / "ops/bench/results/gpu_serve_06b_run48_h100_argmax_ab.json"  # {"r{round}_{tree}.json": a gpu_serve_check result}
+RUN_48 = Path(__file__).parent / "data/serve_ab_run48.json"  # {"r{round}_{tree}.json": a gpu_serve_check result}
 
 
 def test_the_trees_alternate_so_each_round_reverses_the_last():
@@ -57,7 +58,7 @@ def test_two_trees_served_at_toy_size(tmp_path, capsys):
     out = tmp_path / "ab.json"
     check = ["--device", "cpu", "--model-config", str(BUNDLED_MODEL), "--concurrency", "2", "--num-prompts", "4", "--input-len", "8",
              "--output-len", "4", "--num-warmups", "1", "--no-core-baseline", "--scenarios", "concurrency", "concurrency_logprobs"]  # fmt: skip
-    assert main(["--tree", f"a={REPO}", "--tree", f"b={REPO}", "--rounds", "1", "--out", str(out), "--", *check]) == 0
+    assert bench("gpu-serve-ab", "--tree", f"a={REPO}", "--tree", f"b={REPO}", "--rounds", "1", "--out", out, "--", *check) == 0
     result = json.loads(out.read_text())
     assert [(run["round"], run["tree"]) for run in result["runs"]] == [(0, "a"), (0, "b")]
     for tree in ("a", "b"):
@@ -84,6 +85,6 @@ def test_each_run_is_written_out_before_the_next_begins(tmp_path, monkeypatch):
         return {"scenarios": {"concurrency": {"output_throughput": 100.0 + len(seen), "ttft_ms": {"p50": 1.0}, "itl_ms": {"p50": 1.0}}}}
 
     monkeypatch.setattr(serve_ab, "run_tree", fake_run)
-    assert serve_ab.main(["--tree", f"a={REPO}", "--tree", f"b={REPO}", "--rounds", "2", "--out", str(out)]) == 0
+    assert bench("gpu-serve-ab", "--tree", f"a={REPO}", "--tree", f"b={REPO}", "--rounds", "2", "--out", out) == 0
     assert seen == [[], ["a"], ["a", "b"], ["a", "b", "b"]]
     assert json.loads(out.read_text())["summary"]["a"]["scenarios"]["concurrency"]["tok_s"]["mean"] == 102.5  # runs 1 and 4

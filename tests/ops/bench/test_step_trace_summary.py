@@ -1,4 +1,4 @@
-"""`ops/bench/step_trace_summary.py` on hand-written trace lines: each step's kind, the sums and the
+"""`sparkwire bench step-trace` (ops/bench/step_trace_summary.py) on hand-written trace lines: each step's kind, the sums and the
 time-weighted decode batch."""
 
 from __future__ import annotations
@@ -9,6 +9,7 @@ import json
 import pytest
 
 from ops.bench.step_trace_summary import kind_of, read_trace, summarize, table
+from tests.ops.bench.bench_cli import bench
 
 
 def _line(t, dur, seqs=None, tokens=0, prefill=0, followed=False, turn=0.0, held=False):
@@ -72,6 +73,13 @@ def test_a_window_keeps_the_steps_that_began_inside_it(tmp_path):
     packed.write_bytes(gzip.compress(path.read_bytes()))
     assert read_trace(packed) == read_trace(path)
     assert summarize([]) == {"num_steps": 0} and table(summarize([])) == "no steps in the window"
+
+
+def test_the_command_prints_a_trace_files_window_as_json(tmp_path, capsys):
+    path = tmp_path / "scheduler.jsonl"
+    path.write_text("".join(json.dumps(line) + "\n" for line in LINES))
+    assert bench("step-trace", path, "--window", 10.05, 10.1, "--json") == 0
+    assert json.loads(capsys.readouterr().out) == summarize(read_trace(path, (10.05, 10.1)))
 
 
 def test_queue_times_and_the_running_count_weighted_by_time():

@@ -1,7 +1,7 @@
 """The decode path's CPU twins: paged decode attention, and the padded graph runner run eagerly.
 
 On CUDA the same code runs the Triton kernel and replays captured graphs
-(ops/bench/gpu_runtime_check.py checks those against the eager path on an H200); here CI checks
+(`sparkwire bench gpu-kernels fused` checks those against the eager path on a GPU); here CI checks
 that the twins compute the unpadded eager forward, and that padding only ever writes the trash block.
 """
 
