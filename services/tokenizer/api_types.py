@@ -35,6 +35,8 @@ class SamplingParamsBody(msgspec.Struct, kw_only=True):
     logit_bias: dict[str, float] | None = None  # token id (as a string, as OpenAI's) -> bias
     n: int = 1  # parallel samples of each prompt, sharing its prefill
     regex: Unsupported = None
+    stop_regex: Unsupported = None
+    sampling_seed: Unsupported = None
     json_schema: Unsupported = None
     ebnf: Unsupported = None
     structural_tag: Unsupported = None
@@ -59,12 +61,16 @@ class GenerateBody(msgspec.Struct, kw_only=True):
     custom_logit_processor: Unsupported = None
     lora_path: Unsupported = None
     image_data: Unsupported = None
+    audio_data: Unsupported = None
+    video_data: Unsupported = None
     input_embeds: Unsupported = None
     return_hidden_states: Unsupported = None
+    session_params: Unsupported = None
 
 
 class StreamOptions(msgspec.Struct, kw_only=True):
-    include_usage: bool = False
+    include_usage: bool = False  # one last chunk with the call's usage (OpenAI)
+    continuous_usage_stats: bool = False  # usage so far in every chunk (vLLM)
 
 
 class OpenAIBody(msgspec.Struct, kw_only=True):
@@ -84,6 +90,8 @@ class OpenAIBody(msgspec.Struct, kw_only=True):
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    include_stop_str_in_output: bool = False  # vLLM extra: the matched stop string stays in the text
     frequency_penalty: float | None = None
     presence_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
@@ -102,6 +110,11 @@ class OpenAIBody(msgspec.Struct, kw_only=True):
     prompt_logprobs: Unsupported = None
     truncate_prompt_tokens: Unsupported = None
     logits_processors: Unsupported = None
+    vllm_xargs: Unsupported = None
+    return_tokens_as_token_ids: Unsupported = None
+    return_token_ids: Unsupported = None
+    session_params: Unsupported = None
+    lora_path: Unsupported = None
 
 
 class CompletionBody(OpenAIBody, kw_only=True):
@@ -111,10 +124,14 @@ class CompletionBody(OpenAIBody, kw_only=True):
     max_tokens: int | None = 16
     logprobs: int | None = None
     echo: bool = False
+    add_special_tokens: bool = True  # vLLM extra: the tokenizer's BOS/EOS around a text prompt
     suffix: Unsupported = None
 
 
 class ContentPart(msgspec.Struct, kw_only=True):
+    """One part of a message's content. Only `text` parts are read: the served models take text
+    alone, so any other type (`image_url`, `input_audio`, `file`, ...) is a 400 naming it."""
+
     type: str = "text"
     text: str | None = None
 
@@ -122,6 +139,9 @@ class ContentPart(msgspec.Struct, kw_only=True):
 class ChatMessage(msgspec.Struct, kw_only=True):
     role: str
     content: str | list[ContentPart] | None = None
+    name: str | None = None  # handed to the chat template, as transformers hands it
+    tool_calls: Unsupported = None
+    tool_call_id: Unsupported = None
 
 
 class ChatBody(OpenAIBody, kw_only=True):
@@ -135,6 +155,7 @@ class ChatBody(OpenAIBody, kw_only=True):
     add_generation_prompt: bool = True  # vLLM extra: passed to the chat template
     continue_final_message: bool = False  # vLLM extra: the last (assistant) message is continued
     chat_template_kwargs: dict[str, Any] | None = None  # vLLM extra: more template variables
+    add_special_tokens: bool = False  # vLLM extra: the template already writes BOS and the like
     tools: Unsupported = None
     tool_choice: Unsupported = None
     functions: Unsupported = None

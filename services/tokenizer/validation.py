@@ -242,7 +242,7 @@ def check_logit_bias(bias: Mapping[str, float] | None, model: TextModel, param: 
 
 def _neutral(name: str, value: Any) -> bool:
     """Whether an unsupported field's value asks for nothing beyond what we do anyway."""
-    if value is None or value == [] or value == {}:
+    if value is None or value is False or value == [] or value == {}:
         return True
     neutral = {"response_format": ({"type": "text"},), "tool_choice": ("none", "auto"), "modalities": (["text"],), "n": (1,)}
     return value in neutral.get(name, ())
