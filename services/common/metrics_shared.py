@@ -7,9 +7,14 @@ Each process writes a snapshot of its own registry to `<directory>/<instance id>
 snapshot in the directory. Why a counter never goes down from one scrape to the next, whichever
 process answers each: a process's snapshots only grow, each replaces the last in one
 `os.replace`, and the answering process writes its own first, so every term of a sum is at least
-what the previous scrape read. The snapshot of a process that has exited stays, so its counts
-never leave the sums (prometheus_client's multiprocess mode keeps dead processes' files too);
-`sparkwire up` removes the directory when the stack stops.
+what the previous scrape read.
+
+The counts of a process that has exited stay in the sums (prometheus_client's multiprocess mode
+keeps dead processes' files too), folded into one `retired.msgpack` by the next process to start,
+so a scrape reads one file per live process plus one however often processes were restarted.
+Each process holds an flock on its `<instance id>.alive` for its whole life: a free one is an
+exited process's. Folding holds the directory's `.lock` exclusively and scrapes hold it shared,
+so no scrape sees an exited process's counts both in its own file and in the retired one.
 
 Counters and histograms are summed; a `_created` sample takes the earliest. A gauge has no sum
 that means anything across live and exited processes, so a registry holding one is refused.
@@ -18,6 +23,7 @@ that means anything across live and exited processes, so a registry holding one 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -28,6 +34,9 @@ from prometheus_client.core import Metric
 
 PUBLISH_INTERVAL_S = 1.0  # what another process's counts lag behind at most on a scrape
 SUFFIX = ".msgpack"
+ALIVE = ".alive"
+RETIRED = "retired"
+LOCK = ".lock"
 SUMMED_TYPES = frozenset({"counter", "histogram", "summary"})
 
 Labels = tuple[tuple[str, str], ...]
@@ -49,7 +58,7 @@ class Family(msgspec.Struct, array_like=True, frozen=True, gc=False):
 
 class SharedMetricsDir:
     """This process's registry, published into `directory` beside its siblings'; `render` is the
-    text of all of them summed."""
+    text of all of them summed. Linux (flock)."""
 
     def __init__(self, registry: CollectorRegistry, directory: Path, instance_id: str) -> None:
         self._registry = registry
@@ -57,23 +66,72 @@ class SharedMetricsDir:
         self._path = directory / f"{instance_id}{SUFFIX}"
         self._decoder = msgspec.msgpack.Decoder(list[Family])
         self._encoder = msgspec.msgpack.Encoder()
+        with _locked(directory, fcntl.LOCK_EX):
+            self._alive = _hold(directory / f"{instance_id}{ALIVE}")
+            self._fold_exited()
 
     def publish(self) -> None:
         """Replace this process's snapshot with its counts of now (one rename: readers see the
         last snapshot or this one, never a mix)."""
-        families = snapshot(self._registry)
-        partial = self._path.with_suffix(".partial")
-        partial.write_bytes(self._encoder.encode(families))
-        os.replace(partial, self._path)
+        self._write(self._path, snapshot(self._registry))
 
     def render(self) -> bytes:
         self.publish()
-        return generate_latest(_Families(merge(self._read_all())))  # type: ignore[arg-type]
+        with _locked(self._directory, fcntl.LOCK_SH):
+            families = merge(self._read(path) for path in sorted(self._directory.glob(f"*{SUFFIX}")))
+        return generate_latest(_Families([_metric(family) for family in families]))  # type: ignore[arg-type]
 
-    def _read_all(self) -> Iterator[list[Family]]:
-        for path in sorted(self._directory.glob(f"*{SUFFIX}")):
-            with contextlib.suppress(FileNotFoundError, msgspec.DecodeError):
-                yield self._decoder.decode(path.read_bytes())
+    def close(self) -> None:
+        """This process is done (its snapshot stays, for the next process to fold)."""
+        os.close(self._alive)
+
+    def _fold_exited(self) -> None:
+        exited = [path for path in self._directory.glob(f"*{ALIVE}") if _is_free(path)]
+        if not exited:
+            return
+        retired = self._directory / f"{RETIRED}{SUFFIX}"
+        snapshots = [self._read(path) for path in (retired, *(path.with_suffix(SUFFIX) for path in exited))]
+        self._write(retired, merge(snapshots))
+        for path in exited:
+            path.with_suffix(SUFFIX).unlink(missing_ok=True)
+            path.unlink()
+
+    def _write(self, path: Path, families: list[Family]) -> None:
+        partial = path.with_suffix(".partial")
+        partial.write_bytes(self._encoder.encode(families))
+        os.replace(partial, path)
+
+    def _read(self, path: Path) -> list[Family]:
+        try:
+            return self._decoder.decode(path.read_bytes())
+        except (FileNotFoundError, msgspec.DecodeError):
+            return []
+
+
+@contextlib.contextmanager
+def _locked(directory: Path, operation: int) -> Iterator[None]:
+    with open(directory / LOCK, "a+b") as handle:
+        fcntl.flock(handle, operation)
+        yield
+
+
+def _hold(path: Path) -> int:
+    """Open and lock `path` for this process's life (the lock goes when the process does)."""
+    descriptor = os.open(path, os.O_CREAT | os.O_RDWR, 0o644)
+    fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    return descriptor
+
+
+def _is_free(path: Path) -> bool:
+    """No live process holds `path`'s lock (ours is held through another descriptor, so it is not free)."""
+    descriptor = os.open(path, os.O_RDWR)
+    try:
+        fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    finally:
+        os.close(descriptor)
+    return True
 
 
 def snapshot(registry: CollectorRegistry) -> list[Family]:
@@ -86,7 +144,7 @@ def snapshot(registry: CollectorRegistry) -> list[Family]:
     return families
 
 
-def merge(snapshots: Iterable[list[Family]]) -> list[Metric]:
+def merge(snapshots: Iterable[list[Family]]) -> list[Family]:
     """Families in first-seen order; per (sample name, labels) the sum, or for `_created` the minimum."""
     heads: dict[str, Family] = {}
     values: dict[str, dict[tuple[str, Labels], float]] = {}
@@ -98,17 +156,22 @@ def merge(snapshots: Iterable[list[Family]]) -> list[Metric]:
                 key = (sample.name, tuple(sample.labels.items()))
                 seen = totals.get(key)
                 totals[key] = sample.value if seen is None else _combine(sample.name, seen, sample.value)
-    return [_metric(heads[name], totals) for name, totals in values.items()]
+    return [_family(heads[name], totals) for name, totals in values.items()]
 
 
 def _combine(sample_name: str, seen: float, value: float) -> float:
     return min(seen, value) if sample_name.endswith("_created") else seen + value
 
 
-def _metric(head: Family, totals: dict[tuple[str, Labels], float]) -> Metric:
-    metric = Metric(head.name, head.documentation, head.type, head.unit)
-    for (sample_name, labels), value in totals.items():
-        metric.add_sample(sample_name, dict(labels), value)
+def _family(head: Family, totals: dict[tuple[str, Labels], float]) -> Family:
+    samples = [Sample(sample_name, dict(labels), value) for (sample_name, labels), value in totals.items()]
+    return Family(head.name, head.documentation, head.type, head.unit, samples)
+
+
+def _metric(family: Family) -> Metric:
+    metric = Metric(family.name, family.documentation, family.type, family.unit)
+    for sample in family.samples:
+        metric.add_sample(sample.name, sample.labels, sample.value)
     return metric
 
 

@@ -68,6 +68,7 @@ async def serving(config: TokenizerConfig) -> AsyncIterator[Frontend]:
         if publishing is not None:
             publishing.cancel()
             metrics.shared.publish()  # its last counts stay in the sums after it has gone
+            metrics.shared.close()
 
 
 async def _publish_periodically(shared: SharedMetricsDir) -> None:

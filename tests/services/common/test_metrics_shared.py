@@ -47,14 +47,24 @@ def test_a_page_sums_every_process_and_keeps_the_earliest_created(tmp_path):
     assert got[("sparkwire:things_created", (("kind", "x"),))] == min(created)
 
 
-def test_a_process_that_has_gone_still_counts(tmp_path):
+def test_processes_that_have_gone_still_count_folded_into_one_file(tmp_path):
     _, count_a, _, shared_a = process(tmp_path, "a")
     _, count_b, _, shared_b = process(tmp_path, "b")
     count_a.labels("x").inc(4)
-    shared_a.publish()
-    del shared_a, count_a  # exited: its snapshot stays
     count_b.labels("x").inc()
-    assert samples(shared_b.render())[("sparkwire:things_total", (("kind", "x"),))] == 5
+    shared_a.publish()
+    shared_a.close()  # exited: its snapshot stays
+    x_total = ("sparkwire:things_total", (("kind", "x"),))
+    assert samples(shared_b.render())[x_total] == 5
+    for restart in range(3):  # each start folds what the exited ones left
+        _, count, _, shared = process(tmp_path, f"restart-{restart}")
+        count.labels("x").inc(10)
+        shared.publish()
+        shared.close()
+    _, _, _, shared_c = process(tmp_path, "c")
+    assert samples(shared_c.render())[x_total] == 35
+    assert sorted(path.name for path in tmp_path.glob("*.msgpack")) == ["b.msgpack", "c.msgpack", "retired.msgpack"]
+    assert samples(shared_b.render())[x_total] == 35  # a live process's page has the same sum
 
 
 def test_a_gauge_is_refused_it_has_no_sum_across_processes(tmp_path):
