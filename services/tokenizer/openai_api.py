@@ -17,7 +17,14 @@ from litestar.response import Response, Stream
 
 from contracts.detokenizer import Finish
 from services.common.metrics import finish_reason
-from services.tokenizer.api_types import ChatBody, ChatMessage, CompletionBody, SamplingParamsBody, StreamOptions
+from services.tokenizer.api_types import (
+    ChatBody,
+    ChatMessage,
+    CompletionBody,
+    SamplingParamsBody,
+    StreamOptions,
+    TokenizeBody,
+)
 from services.tokenizer.edge import request_id_of
 from services.tokenizer.error_schema import ERROR_RESPONSES
 from services.tokenizer.frontend import SSE_HEADERS, Frontend, merged_deltas, stream_then_abort
@@ -192,6 +199,37 @@ def _template_message(message: ChatMessage, where: str) -> dict[str, Any]:
     return rendered if message.name is None else rendered | {"name": message.name}
 
 
+def chat_prompt(
+    model: TextModel, messages: list[ChatMessage], add_generation_prompt: bool, continue_final_message: bool,
+    template_kwargs: dict[str, Any] | None,
+) -> str:  # fmt: skip
+    """The prompt text of a conversation, rendered with the model's chat template (a template's
+    refusal is a 400 naming `messages`)."""
+    try:
+        text = model.render_chat(
+            chat_messages(messages), add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message, extra=template_kwargs,
+        )  # fmt: skip
+    except ValueError as exc:
+        raise InvalidRequest(str(exc), "messages") from None
+    check_text_size(text, model, "messages")
+    return text
+
+
+def tokenize_ids(body: TokenizeBody, model: TextModel) -> list[int]:
+    """/tokenize's ids (vLLM's shape): a prompt's, or those of chat messages rendered as
+    /v1/chat/completions renders them."""
+    refuse_unsupported(body)
+    require((body.prompt is None) != (body.messages is None), "give exactly one of prompt and messages", "prompt")
+    if body.messages is not None:
+        text = chat_prompt(model, body.messages, body.add_generation_prompt, body.continue_final_message,
+                           body.chat_template_kwargs)  # fmt: skip
+        return model.encode(text, add_special_tokens=body.add_special_tokens is True)
+    assert body.prompt is not None
+    check_text_size(body.prompt, model, "prompt")
+    return model.encode(body.prompt, add_special_tokens=body.add_special_tokens is not False)
+
+
 def chat_plan(body: ChatBody, frontend: Frontend, request_id: str) -> Plan:
     check_model(body.model, frontend)
     refuse_unsupported(body, n=body.n)
@@ -199,14 +237,7 @@ def chat_plan(body: ChatBody, frontend: Frontend, request_id: str) -> Plan:
     top = body.top_logprobs or 0
     require(0 <= top <= min(limit, 20), f"must be in [0, {min(limit, 20)}]", "top_logprobs")
     require(body.logprobs or top == 0, "top_logprobs needs logprobs=true", "top_logprobs")
-    try:
-        text = model.render_chat(
-            chat_messages(body.messages), add_generation_prompt=body.add_generation_prompt,
-            continue_final_message=body.continue_final_message, extra=body.chat_template_kwargs,
-        )  # fmt: skip
-    except ValueError as exc:
-        raise InvalidRequest(str(exc), "messages") from None
-    check_text_size(text, model, "messages")
+    text = chat_prompt(model, body.messages, body.add_generation_prompt, body.continue_final_message, body.chat_template_kwargs)
     ids = check_prompt(model.encode(text, add_special_tokens=body.add_special_tokens), model, "messages")
     max_tokens = body.max_tokens if body.max_completion_tokens is None else body.max_completion_tokens
     max_tokens = model.max_model_len - len(ids) if max_tokens is None else max_tokens

@@ -260,7 +260,7 @@ def refuse_unsupported(body: msgspec.Struct, prefix: str = "", n: int = 1) -> No
 
 @functools.cache
 def unsupported_fields(kind: type[msgspec.Struct]) -> tuple[str, ...]:
-    return tuple(f.name for f in msgspec.structs.fields(kind) if f.type is Unsupported)
+    return tuple(f.name for f in msgspec.structs.fields(kind) if f.type == Unsupported)
 
 
 def check_logprobs(

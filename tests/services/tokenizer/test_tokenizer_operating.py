@@ -137,7 +137,9 @@ BODIES = {
     "/v1/completions": {"prompt": "hi", "max_tokens": 2},
     "/v1/chat/completions": {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
     "/tokenize": {"prompt": "hi"},
+    "/v1/tokenize": {"messages": [{"role": "user", "content": "hi"}]},
     "/detokenize": {"tokens": [5]},
+    "/v1/detokenize": {"tokens": [5]},
 }
 
 
