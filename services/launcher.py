@@ -404,11 +404,11 @@ def main(args: argparse.Namespace) -> int:
 
 
 def _run(stack: Stack) -> int:
-    from services.cli import SCHEDULER_PACKAGES, TORCH_HINT
+    from services.cli import SCHEDULER_PACKAGES, scheduler_install_hint
 
     missing = [name for name in SCHEDULER_PACKAGES if importlib.util.find_spec(name) is None]
     if missing:  # fail before starting anything, in words
-        say(f"the scheduler needs {' and '.join(missing)}: {TORCH_HINT}")
+        say(f"the scheduler needs {' and '.join(missing)}; {scheduler_install_hint()}")
         return 1
     if num_tokenizers(stack.args) < 1:
         say(f"--tokenizers must be at least 1, got {stack.args.tokenizers}")

@@ -124,6 +124,7 @@ def test_the_cuda_scheduler_image_installs_flash4_and_the_cpu_one_does_not(compo
     requirements = result.stdout.split()
     assert any(r.startswith("torch") for r in requirements) and any(r.startswith("safetensors") for r in requirements)
     assert any(r.startswith("flash-attn-4==") for r in requirements) == flash4
+    assert not any(r.startswith("sparkwire") for r in requirements)  # flash4's own `sparkwire[scheduler]`: not on PyPI
 
 
 @pytest.mark.parametrize("name", APP_SERVICES)
