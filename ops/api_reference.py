@@ -87,7 +87,7 @@ def _resolve(schema: dict[str, Any], components: dict[str, Any]) -> dict[str, An
 
 def _type(schema: dict[str, Any]) -> str:
     if "oneOf" in schema:
-        return " \\| ".join(_type(option) for option in schema["oneOf"])
+        return " | ".join(_type(option) for option in schema["oneOf"])
     if "$ref" in schema:
         return "object"
     if schema.get("type") == "array":
@@ -107,7 +107,8 @@ def _default(field: dict[str, Any], required: bool) -> str:
 
 
 def _row(*cells: str) -> str:
-    return "| " + " | ".join(cell.replace("\n", " ").replace("|", "\\|") if i != 1 else cell for i, cell in enumerate(cells)) + " |"
+    """A Markdown table row; a `|` inside a cell (`string | null`) is escaped."""
+    return "| " + " | ".join(cell.replace("\n", " ").replace("|", "\\|") for cell in cells) + " |"
 
 
 def main() -> int:

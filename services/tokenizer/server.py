@@ -67,15 +67,23 @@ async def serving(config: TokenizerConfig) -> AsyncIterator[Frontend]:
         await service.close()
         if publishing is not None:
             publishing.cancel()
-            metrics.shared.publish()  # its last counts stay in the sums after it has gone
+            with contextlib.suppress(OSError):
+                metrics.shared.publish()  # its last counts stay in the sums after it has gone
             metrics.shared.close()
 
 
 async def _publish_periodically(shared: SharedMetricsDir) -> None:
     """Between scrapes too, so a sibling's page lags this process's counts by one interval at most."""
+    failing = False
     while True:
         await asyncio.sleep(PUBLISH_INTERVAL_S)
-        shared.publish()
+        try:
+            shared.publish()
+            failing = False
+        except OSError as exc:  # a full or vanished directory: the page lags, serving goes on; said once
+            if not failing:
+                log.warning("metrics.publish_failed", error=str(exc))
+            failing = True
 
 
 def shared_listener(host: str, port: int) -> socket.socket:
