@@ -32,11 +32,14 @@ def install_commands(python: str = sys.executable, checkout: Path = CHECKOUT) ->
     """The README's install steps for the scheduler, as commands for the Python running this
     (`<python> -m pip`): the package is not on PyPI, so the extra comes from the checkout."""
     pip = f"{shlex.quote(python)} -m pip install"
-    source = str(checkout) if (checkout / "pyproject.toml").is_file() else "<your sparkwire checkout>"
+    if (checkout / "pyproject.toml").is_file():
+        source = f"-e {shlex.quote(f'{checkout}[scheduler]')}"
+    else:  # installed from a wheel: the user names where it came from
+        source = shlex.quote("<the sparkwire wheel or checkout>[scheduler]")
     return {
         "CPU only": f"{pip} {TORCH_REQUIREMENT} --index-url {TORCH_CPU_INDEX}",
         "NVIDIA GPU": f"{pip} {TORCH_REQUIREMENT}",
-        "then": f"{pip} -e {shlex.quote(source + '[scheduler]')}",
+        "then": f"{pip} {source}",
     }
 
 

@@ -187,4 +187,4 @@ def test_the_install_hint_names_this_python_and_where_the_project_comes_from(tmp
     assert here["then"] == f"/opt/py/bin/python3 -m pip install -e '{CHECKOUT}[scheduler]'"
     assert here["CPU only"].endswith("torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu")
     wheel = install_commands("/opt/py/bin/python3", checkout=tmp_path)  # no pyproject.toml there
-    assert wheel["then"] == "/opt/py/bin/python3 -m pip install -e '<your sparkwire checkout>[scheduler]'"
+    assert wheel["then"] == "/opt/py/bin/python3 -m pip install '<the sparkwire wheel or checkout>[scheduler]'"
