@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import shlex
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -20,7 +21,31 @@ from services.common.settings import EnvSettings, connection_values
 
 SERVICES = ("tokenizer", "scheduler", "detokenizer")
 SCHEDULER_PACKAGES = ("torch", "safetensors", "tqdm")  # the `scheduler` extra of pyproject.toml
-TORCH_HINT = "pip install 'sparkwire[scheduler]' (the tokenizer and detokenizer run without it)"
+# What the README's install sections pin and where PyTorch keeps its CPU-only build (PyPI's Linux
+# build is the CUDA one).
+TORCH_REQUIREMENT = "torch==2.13.0"
+TORCH_CPU_INDEX = "https://download.pytorch.org/whl/cpu"
+CHECKOUT = Path(__file__).resolve().parents[1]  # the repository, when installed from one with `pip install -e`
+
+
+def install_commands(python: str = sys.executable, checkout: Path = CHECKOUT) -> dict[str, str]:
+    """The README's install steps for the scheduler, as commands for the Python running this
+    (`<python> -m pip`): the package is not on PyPI, so the extra comes from the checkout."""
+    pip = f"{shlex.quote(python)} -m pip install"
+    if (checkout / "pyproject.toml").is_file():
+        source = f"-e {shlex.quote(f'{checkout}[scheduler]')}"
+    else:  # installed from a wheel: the user names where it came from
+        source = shlex.quote("<the sparkwire wheel or checkout>[scheduler]")
+    return {
+        "CPU only": f"{pip} {TORCH_REQUIREMENT} --index-url {TORCH_CPU_INDEX}",
+        "NVIDIA GPU": f"{pip} {TORCH_REQUIREMENT}",
+        "then": f"{pip} {source}",
+    }
+
+
+def scheduler_install_hint() -> str:
+    steps = "\n".join(f"  {label}: {command}" for label, command in install_commands().items())
+    return f"install the scheduler's packages (README.md, Install; the tokenizer and detokenizer run without them):\n{steps}"
 
 
 @dataclass(frozen=True)
@@ -74,7 +99,7 @@ def _resolve(command: Command, attribute: str) -> Callable[..., object]:
     except ModuleNotFoundError as exc:
         if exc.name not in SCHEDULER_PACKAGES:
             raise
-        raise SystemExit(f"sparkwire: {command.module} needs {exc.name}: {TORCH_HINT}") from None
+        raise SystemExit(f"sparkwire: {command.module} needs {exc.name}; {scheduler_install_hint()}") from None
     return getattr(module, attribute)
 
 

@@ -2,8 +2,9 @@
 
 Starts an embedded nats-server (unless `--nats-url` is given), then the scheduler, detokenizer and
 tokenizer as separate processes (`--tokenizers N`: N tokenizers on the one port, SO_REUSEPORT, the
-kernel spreading the connections; /metrics on that port answers for whichever takes the
-connection), waits until `GET /health` answers 200 and prints the URL. With
+kernel spreading the connections; each publishes its counts into one temporary directory, so
+/metrics on that port answers the sum of all of them whichever takes the connection:
+services/common/metrics_shared.py), waits until `GET /health` answers 200 and prints the URL. With
 `--record FILE`, a `sparkwire record` child subscribes first and writes every message of the stack
 to FILE (it is not restarted: a recording with a gap would replay as if nothing were missing).
 Ctrl-C or SIGTERM stops everything: SIGTERM to each service, SIGKILL after a grace period, then
@@ -22,10 +23,12 @@ import collections
 import contextlib
 import importlib.util
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import urllib.error
@@ -44,6 +47,7 @@ from services.models import BUNDLED_DRAFT_MODEL
 from services.scheduler.flags import scheduler_argv
 
 START_ORDER = ("scheduler", "detokenizer", "tokenizer")
+SHARED_METRICS = ("tokenizer",)  # the kinds `up` may run as several processes, one /metrics page for all
 OUTPUT_TAIL_LINES = 20
 POLL_S = 0.2
 HEALTH_POLL_S = 0.5
@@ -100,13 +104,18 @@ class Child:
         return f"sparkwire up: {self.name} exited with code {self.exit_code()}; last output lines:\n{lines}"
 
 
-def service_argv(name: str, args: argparse.Namespace, metrics_port: int | None = None) -> list[str]:
+def service_argv(
+    name: str, args: argparse.Namespace, metrics_port: int | None = None, metrics_dir: Path | None = None
+) -> list[str]:
     """The command line of one service, as `sparkwire <name>` would be run by hand; the NATS
-    connection travels in its environment (`service_environ`), where no secret shows in `ps`."""
+    connection travels in its environment (`service_environ`), where no secret shows in `ps`.
+    `metrics_dir`: where the processes of this kind publish their counts for one /metrics page."""
     argv = [sys.executable, "-m", "services.cli", name]
     argv += ["--model", args.model, "--log-level", args.log_level]
     if metrics_port is not None:
         argv += ["--metrics-port", str(metrics_port)]
+    if metrics_dir is not None:
+        argv += ["--metrics-dir", str(metrics_dir)]
     if name == "scheduler":
         argv += scheduler_argv(args)
     if name == "tokenizer":
@@ -200,6 +209,7 @@ class Stack:
         self.metrics_urls: dict[str, str] = {}
         # the tokenizer's metrics are on its HTTP port
         self.metrics_ports = {name: free_port() for name in START_ORDER if name != "tokenizer"}
+        self.metrics_root: Path | None = None  # a directory per service kind that runs as several processes
 
     def start(self) -> None:
         if not self.connection.nats_url:
@@ -208,6 +218,7 @@ class Stack:
         say(f"serving {self.args.model}{draft}")
         if self.args.record is not None:
             self.recorder = self._start_recorder(self.args.record)
+        self.metrics_root = Path(tempfile.mkdtemp(prefix="sparkwire-metrics-"))
         for name in START_ORDER:
             copies = num_tokenizers(self.args) if name == "tokenizer" else 1
             self.children += [self._start_child(name if k == 1 else f"{name}-{k}") for k in range(1, copies + 1)]
@@ -222,7 +233,8 @@ class Stack:
         if self.args.api_key:
             env["SPARKWIRE_API_KEY"] = self.args.api_key  # not in argv: `ps` shows argv
         env["SPARKWIRE_LOG_FORMAT"] = self.args.log_format
-        return Child.start(name, service_argv(kind, self.args, self.metrics_ports.get(kind)), env)
+        metrics_dir = self.metrics_root / kind if kind in SHARED_METRICS and self.metrics_root is not None else None
+        return Child.start(name, service_argv(kind, self.args, self.metrics_ports.get(kind), metrics_dir), env)
 
     def _start_recorder(self, path: Path) -> Child:
         """`sparkwire record` under its own identity (it may read every subject, publish none); the
@@ -333,6 +345,8 @@ class Stack:
             _wait_or_kill(self.recorder, time.monotonic() + self.args.grace_s)
         if self.nats is not None:
             self.nats.stop()
+        if self.metrics_root is not None:
+            shutil.rmtree(self.metrics_root, ignore_errors=True)
 
 
 def _wait_or_kill(child: Child, deadline: float) -> None:
@@ -390,11 +404,11 @@ def main(args: argparse.Namespace) -> int:
 
 
 def _run(stack: Stack) -> int:
-    from services.cli import SCHEDULER_PACKAGES, TORCH_HINT
+    from services.cli import SCHEDULER_PACKAGES, scheduler_install_hint
 
     missing = [name for name in SCHEDULER_PACKAGES if importlib.util.find_spec(name) is None]
     if missing:  # fail before starting anything, in words
-        say(f"the scheduler needs {' and '.join(missing)}: {TORCH_HINT}")
+        say(f"the scheduler needs {' and '.join(missing)}; {scheduler_install_hint()}")
         return 1
     if num_tokenizers(stack.args) < 1:
         say(f"--tokenizers must be at least 1, got {stack.args.tokenizers}")

@@ -177,3 +177,14 @@ def test_the_children_s_relayed_lines_never_run_together(capsys):
         mine = [line for line in lines if line.startswith(f"[{name}] ")]
         assert mine == [f"[{name}] line {i} of this child" for i in range(20000)]
     assert len(lines) == 40000
+
+
+def test_the_install_hint_names_this_python_and_where_the_project_comes_from(tmp_path):
+    """Not from PyPI: from the checkout the code runs from, or, installed from a wheel, from one."""
+    from services.cli import CHECKOUT, install_commands
+
+    here = install_commands("/opt/py/bin/python3")
+    assert here["then"] == f"/opt/py/bin/python3 -m pip install -e '{CHECKOUT}[scheduler]'"
+    assert here["CPU only"].endswith("torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu")
+    wheel = install_commands("/opt/py/bin/python3", checkout=tmp_path)  # no pyproject.toml there
+    assert wheel["then"] == "/opt/py/bin/python3 -m pip install '<the sparkwire wheel or checkout>[scheduler]'"

@@ -28,9 +28,12 @@ import jsonschema
 import pytest
 import yaml
 
+from prometheus_client.parser import text_string_to_metric_families
+
 from e2e.stack import Service, generate_body
 from services.cli import build_parser
 from services.common.nats_server import free_port, start_nats_server, stop_process
+from services.models import BUNDLED_MODEL
 
 ROOT = Path(__file__).resolve().parents[1]
 APP_SERVICES = ("scheduler", "scheduler-cpu", "detokenizer", "tokenizer")
@@ -121,6 +124,7 @@ def test_the_cuda_scheduler_image_installs_flash4_and_the_cpu_one_does_not(compo
     requirements = result.stdout.split()
     assert any(r.startswith("torch") for r in requirements) and any(r.startswith("safetensors") for r in requirements)
     assert any(r.startswith("flash-attn-4==") for r in requirements) == flash4
+    assert not any(r.startswith("sparkwire") for r in requirements)  # flash4's own `sparkwire[scheduler]`: not on PyPI
 
 
 @pytest.mark.parametrize("name", APP_SERVICES)
@@ -129,6 +133,58 @@ def test_service_command_parses_with_the_real_cli(compose, name):
     args = build_parser(argv).parse_args(argv)
     assert args.command == name.removesuffix("-cpu") and callable(args.run)
     assert compose["services"][name]["environment"]["SPARKWIRE_NATS_URL"] == "nats://nats:4222"
+
+
+# ---- the model: one volume, one variable ----
+
+MODELS_MOUNT = "/models"
+DEFAULT_MODEL = "/models/sparkwire-micro"
+
+
+def interpolate(value: str, environ: dict[str, str]) -> str:
+    """Compose's `${VAR}` and `${VAR:-default}` (empty or unset: the default)."""
+    return re.sub(r"\$\{(\w+)(?::-([^}]*))?\}", lambda m: environ.get(m[1]) or (m[2] or ""), value)
+
+
+def model_volume(service: dict, environ: dict[str, str]) -> tuple[Path, str]:
+    """(host directory, mount point) of the read-only model volume, as compose would resolve them."""
+    mounts = [interpolate(volume, environ).split(":") for volume in service["volumes"]]
+    source, target, mode = next(mount for mount in mounts if mount[1] == MODELS_MOUNT)
+    assert mode == "ro"
+    return (ROOT / source).resolve(), target
+
+
+def host_path(service: dict, environ: dict[str, str]) -> Path:
+    """Where the directory SPARKWIRE_MODEL names inside a container lies on the host."""
+    source, target = model_volume(service, environ)
+    model = interpolate(service["environment"]["SPARKWIRE_MODEL"], environ)
+    assert model.startswith(target + "/"), model
+    return source / model.removeprefix(target + "/")
+
+
+@pytest.mark.parametrize("name", APP_SERVICES)
+def test_every_service_reads_its_model_from_the_one_volume_and_variable(compose, name):
+    service = compose["services"][name]
+    assert host_path(service, {}) == BUNDLED_MODEL  # unset: the demo, through the same mount
+    real = {"MODELS_DIR": "/srv/models", "SPARKWIRE_MODEL": "/models/Qwen3-8B"}
+    assert host_path(service, real) == Path("/srv/models/Qwen3-8B")  # README's example
+
+
+@pytest.mark.parametrize("name", APP_SERVICES)
+def test_the_service_loads_the_model_sparkwire_model_names(compose, name, monkeypatch):
+    """The CLI takes SPARKWIRE_MODEL (services/common/settings.py) as every service's --model."""
+    monkeypatch.setenv("SPARKWIRE_MODEL", "/models/Qwen3-8B")
+    argv = compose["services"][name]["command"][1:]
+    assert str(build_parser(argv).parse_args(argv).model) == "/models/Qwen3-8B"
+
+
+def test_the_tokenizers_share_their_metrics_through_a_volume_the_image_lets_them_write(compose):
+    tokenizer = compose["services"]["tokenizer"]
+    directory = tokenizer["command"][tokenizer["command"].index("--metrics-dir") + 1]
+    assert f"tokenizer-metrics:{directory}" in tokenizer["volumes"] and "tokenizer-metrics" in compose["volumes"]
+    frontend = " ".join(dockerfile_lines("frontend.Dockerfile"))
+    assert f"mkdir -p {directory} && chown sparkwire:sparkwire {directory}" in frontend
+    assert frontend.index("chown sparkwire") < frontend.index("USER sparkwire")
 
 
 # ---- the local run ----
@@ -202,11 +258,16 @@ def local_compose(compose, tmp_path) -> Iterator[tuple[str, dict[str, Service], 
     dns = FakeDockerDns("tokenizer", REPLICA_HOSTS)
     services: dict[str, Service] = {}
     tokenizer_port, proxy_port, health_port = free_port(), free_port(), free_port()
-    env = {**compose["services"]["tokenizer"]["environment"], "SPARKWIRE_NATS_URL": nats.url}
+    tokenizer = compose["services"]["tokenizer"]
+    # The environment compose gives them, with the model's container path where its volume puts it here.
+    env = {**{key: interpolate(value, {}) for key, value in tokenizer["environment"].items()}, "SPARKWIRE_NATS_URL": nats.url,
+           "SPARKWIRE_MODEL": str(host_path(tokenizer, {}))}  # fmt: skip
+    shared = {"/var/lib/sparkwire/metrics": str(tmp_path / "tokenizer-metrics")}  # the tokenizer-metrics volume
     proxy = None
     try:
         plan = [("scheduler-cpu", "scheduler-cpu", {}), *((f"detokenizer-{i}", "detokenizer", {}) for i in range(2)),
-                *((f"tokenizer-{i}", "tokenizer", {"0.0.0.0": host, "8000": str(tokenizer_port)}) for i, host in enumerate(REPLICA_HOSTS))]  # fmt: skip
+                *((f"tokenizer-{i}", "tokenizer", {"0.0.0.0": host, "8000": str(tokenizer_port), **shared})
+                  for i, host in enumerate(REPLICA_HOSTS))]  # fmt: skip
         for label, name, swaps in plan:
             swaps = {"9090": str(free_port()), **swaps}  # each replica's metrics port (a container each in compose)
             services[label] = Service.start(label, local_argv(compose["services"][name]["command"], swaps), tmp_path, env=env)
@@ -268,3 +329,9 @@ def test_compose_commands_serve_behind_the_proxy_with_two_tokenizers_and_two_det
     assert len(served_by) == len(prompts) and len(set(served_by)) == 2, served_by
     registered = [count_in_log(services[f"detokenizer-{i}"], "detokenizer.registered") for i in range(2)]
     assert sum(registered) >= len(prompts) and min(registered) > 0, registered
+    time.sleep(1.5)  # both replicas have published their counts to the shared volume since
+    finished = ("sparkwire:tokenizer_requests_finished_total", (("finished_reason", "length"), ("model_name", BUNDLED_MODEL.name)))
+    for _ in range(4):  # whichever replica the proxy picks answers for both
+        page = httpx.get(f"{base_url}/metrics", timeout=10).text
+        got = {(s.name, tuple(sorted(s.labels.items()))): s.value for f in text_string_to_metric_families(page) for s in f.samples}
+        assert got[finished] == len(prompts)

@@ -21,6 +21,9 @@ COPY ops ./ops
 RUN pip install --no-deps . && rm -rf /app/build
 
 RUN useradd --create-home --uid 10001 sparkwire
+# Where compose mounts the tokenizers' shared metrics volume: a new volume takes this directory's
+# owner, so the tokenizers (not root) can write their counts there.
+RUN mkdir -p /var/lib/sparkwire/metrics && chown sparkwire:sparkwire /var/lib/sparkwire/metrics
 USER sparkwire
 EXPOSE 8000 9090
 CMD ["sparkwire", "--help"]

@@ -29,11 +29,13 @@ RUN if [ -n "$TORCH_INDEX_URL" ]; then \
 
 WORKDIR /app
 # The other dependencies (the project's and those of the scheduler extra and SCHEDULER_EXTRAS), from pyproject.toml alone:
-# rebuilt only when they change, not on every source edit.
+# rebuilt only when they change, not on every source edit. An extra's `sparkwire[...]` (itself) is left out: the
+# project is installed from the source below, and its name is not on PyPI.
 COPY pyproject.toml ./
 RUN python -c "import os, tomllib; p = tomllib.load(open('pyproject.toml', 'rb'))['project']; \
 extras = ['scheduler', *os.environ.get('SCHEDULER_EXTRAS', '').split()]; \
-print('\n'.join(p['dependencies'] + [d for e in extras for d in p['optional-dependencies'][e]]))" > /tmp/requirements.txt \
+own = [d for e in extras for d in p['optional-dependencies'][e] if not d.startswith('sparkwire[')]; \
+print('\n'.join(p['dependencies'] + own))" > /tmp/requirements.txt \
     && pip install -r /tmp/requirements.txt
 
 COPY README.md LICENSE ./

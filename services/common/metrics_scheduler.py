@@ -25,7 +25,7 @@ import structlog
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 
-from contracts.detokenizer import Finish
+from contracts.detokenizer import Finish, FinishType
 from services.common.metrics import (
     LATENCY_BUCKETS,
     TOKEN_COUNT_BUCKETS,
@@ -152,7 +152,7 @@ class SchedulerMetrics:
         for output in outputs:
             generated += len(output.new_token_ids)
             if output.finish is not None:
-                self.request_success.labels(self.model_name, finish_reason(output.finish.type)).inc()
+                self.request_success.labels(self.model_name, _finished_reason(output.finish)).inc()
                 self.prompt_tokens.labels(self.model_name).inc(output.prompt_tokens)
                 self.num_prompt_tokens += output.prompt_tokens
         self.num_generated_tokens += generated
@@ -165,6 +165,13 @@ class SchedulerMetrics:
 
     def render(self) -> bytes:
         return render(self.registry)
+
+
+def _finished_reason(finish: Finish) -> str:
+    """A stop string ends a request at the detokenizer, which aborts it here with reason "stop":
+    vLLM counts that as a stop, not an abort."""
+    stopped = finish.type is FinishType.ABORT and finish.message == "stop"
+    return "stop" if stopped else finish_reason(finish.type)
 
 
 @dataclass

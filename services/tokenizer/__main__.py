@@ -36,6 +36,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--api-key", default=env.api_key or None,
         help="require `Authorization: Bearer KEY` on every route but /health (env: SPARKWIRE_API_KEY)")  # fmt: skip
     add("--metrics-require-api-key", action="store_true", help="/metrics needs the API key too")
+    add("--metrics-dir", type=Path, default=None,
+        help="a directory every tokenizer behind the same port writes its counts to; /metrics then answers their sum "
+             "(sparkwire up sets it; in compose a shared volume)")  # fmt: skip
     add_connection_arguments(parser, connection_values())
 
 
@@ -55,6 +58,7 @@ def build_config(args: argparse.Namespace) -> TokenizerConfig:
         log_level=args.log_level,
         api_key=args.api_key,
         metrics_require_api_key=args.metrics_require_api_key,
+        metrics_dir=args.metrics_dir,
     )
 
 

@@ -25,6 +25,7 @@ class TokenizerConfig:
     log_level: str = "info"
     api_key: str | None = None  # set: every route but /health needs `Authorization: Bearer <key>`
     metrics_require_api_key: bool = False  # /metrics too needs the key (scrapers often send none)
+    metrics_dir: Path | None = None  # set: /metrics answers the sum of every tokenizer publishing here
 
     def __post_init__(self) -> None:
         if not (self.model_dir / "tokenizer.json").is_file():

@@ -24,7 +24,7 @@ from litestar.openapi import OpenAPIConfig
 from litestar.response import Response, Stream
 from litestar.types import ASGIApp
 
-from services.tokenizer import openai_api
+from services.tokenizer import info_api, openai_api
 from services.tokenizer.edge import HttpEdge, request_id_of
 from services.tokenizer.api_types import ChatBody, CompletionBody, DetokenizeBody, GenerateBody, TokenizeBody
 from services.tokenizer.error_schema import ERROR_RESPONSES
@@ -51,7 +51,8 @@ MISSING_FIELD = re.compile(r"missing required field `([^`]+)`")
 NON_JSON_MEDIA_TYPES = ("text/plain", "application/x-www-form-urlencoded", "multipart/form-data")
 WRONG_TYPE = re.compile(r"(Expected .*) - at `\$\.?([^`]*)`$")
 STRICT_BODY_TYPES = {"/generate": GenerateBody, "/v1/completions": CompletionBody, "/v1/chat/completions": ChatBody,
-                     "/tokenize": TokenizeBody, "/detokenize": DetokenizeBody}  # fmt: skip
+                     "/tokenize": TokenizeBody, "/v1/tokenize": TokenizeBody, "/detokenize": DetokenizeBody,
+                     "/v1/detokenize": DetokenizeBody}  # fmt: skip
 
 
 @post("/generate", status_code=200, responses=ERROR_RESPONSES, summary="Native generation API (SGLang-compatible)")
@@ -105,14 +106,19 @@ def _service_states(frontend: Frontend, alive: dict[str, list[str]], scheduler_a
     return states
 
 
-@post("/tokenize", status_code=200, responses=ERROR_RESPONSES, summary="Text to token ids (vLLM-compatible)")
+@post(["/tokenize", "/v1/tokenize"], status_code=200, responses=ERROR_RESPONSES,
+      summary="A prompt, or chat messages rendered with the model's chat template, to token ids (vLLM-compatible)")  # fmt: skip
 async def tokenize(data: TokenizeBody, frontend: Frontend, request: Request) -> dict[str, Any]:
     openai_api.check_model(data.model, frontend)
-    tokens = await frontend.prepare(request, frontend.model.encode, data.prompt, add_special_tokens=data.add_special_tokens)
-    return {"tokens": tokens, "count": len(tokens), "max_model_len": frontend.model.max_model_len}
+    tokens = await frontend.prepare(request, openai_api.tokenize_ids, data, frontend.model)
+    body: dict[str, Any] = {"tokens": tokens, "count": len(tokens), "max_model_len": frontend.model.max_model_len}
+    if data.return_token_strs:
+        body["token_strs"] = [frontend.model.tokenizer.id_to_token(token) for token in tokens]
+    return body
 
 
-@post("/detokenize", status_code=200, responses=ERROR_RESPONSES, summary="Token ids to text (vLLM-compatible)")
+@post(["/detokenize", "/v1/detokenize"], status_code=200, responses=ERROR_RESPONSES,
+      summary="Token ids to text (vLLM-compatible)")  # fmt: skip
 async def detokenize(data: DetokenizeBody, frontend: Frontend) -> dict[str, Any]:
     openai_api.check_model(data.model, frontend)
     bad = frontend.model.out_of_vocab(data.tokens)
@@ -230,10 +236,12 @@ def _on_unexpected(_request: Request, exc: Exception) -> Response[dict[str, Any]
     return _error(500, "internal server error; the server log has the details under this request's id", "internal_error")
 
 
-ROUTE_HANDLERS = [generate, health, tokenize, detokenize, models, model, metrics, openapi_json, *openai_api.ROUTES]
+ROUTE_HANDLERS = [generate, health, tokenize, detokenize, models, model, metrics, openapi_json, *openai_api.ROUTES,
+                  *info_api.ROUTES]  # fmt: skip
 
 
-def create_app(frontend: Frontend) -> Litestar:
+def create_app(frontend: Frontend | None) -> Litestar:
+    """The routes over `frontend`; None: an app for its OpenAPI schema alone (docs/api-parameters.md)."""
     return Litestar(
         route_handlers=ROUTE_HANDLERS,
         dependencies={"frontend": Provide(lambda: frontend, sync_to_thread=False)},
@@ -250,7 +258,7 @@ def create_app(frontend: Frontend) -> Litestar:
         },
         request_max_body_size=MAX_BODY_BYTES,
         before_request=_json_bodies_only,
-        openapi_config=OpenAPIConfig(title="Sparkwire", version="0.1.0", path="/schema"),
+        openapi_config=OpenAPIConfig(title="Sparkwire", version=info_api.package_version(), path="/schema"),
         state=State({"frontend": frontend}),
         logging_config=None,  # Litestar's default would replace the process's handlers (ours: JSON, redaction)
     )

@@ -3,6 +3,12 @@
 Every request is observed once, when it leaves the pending table (finished, failed or aborted),
 whatever the endpoint and whether it streamed; HTTP requests are counted per route template
 (`/v1/completions`), never per raw path, so unknown paths cannot grow the series without bound.
+
+vLLM's engine counters (`prompt_tokens_total`, `generation_tokens_total`, `request_success_total`)
+are the scheduler's alone: what the front end counts of the same requests is named for the
+tokenizer (`tokenizer_*`: what its clients were answered), so no sum across services counts a
+token twice. With `shared` set (several tokenizers on one port), `render` answers the sum of
+every tokenizer's counts (services/common/metrics_shared.py).
 """
 
 from __future__ import annotations
@@ -12,6 +18,7 @@ from dataclasses import dataclass, field
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
 from services.common.metrics import INTER_TOKEN_BUCKETS, LATENCY_BUCKETS, TOKEN_COUNT_BUCKETS, BulkHistogram, name, render
+from services.common.metrics_shared import SharedMetricsDir
 from services.tokenizer.requests import PendingRequest
 
 UNMATCHED_ROUTE = "<unmatched>"  # the handler label of requests no route matched (404s)
@@ -21,6 +28,7 @@ UNMATCHED_ROUTE = "<unmatched>"  # the handler label of requests no route matche
 class Metrics:
     model_name: str = ""
     registry: CollectorRegistry = field(default_factory=CollectorRegistry)
+    shared: SharedMetricsDir | None = None  # set: /metrics sums every tokenizer publishing there
 
     def __post_init__(self) -> None:
         model, r = ["model_name"], self.registry
@@ -32,11 +40,16 @@ class Metrics:
             name("http_request_duration_seconds"), "HTTP request duration until the response started (streams: "
             "until their headers)", ["handler", "method"], buckets=LATENCY_BUCKETS, registry=r,
         )  # fmt: skip
-        self.prompt_tokens = Counter(name("prompt_tokens"), "Prompt tokens of finished requests", model, registry=r)
-        self.generation_tokens = Counter(name("generation_tokens"), "Tokens generated", model, registry=r)
-        self.request_success = Counter(
-            name("request_success"), "Requests that left the server, by finished_reason (stop, length, abort, error)",
-            [*model, "finished_reason"], registry=r,
+        self.prompt_tokens = Counter(
+            name("tokenizer_prompt_tokens"), "Prompt tokens of the requests answered (usage.prompt_tokens)", model, registry=r
+        )
+        self.generation_tokens = Counter(
+            name("tokenizer_generation_tokens"), "Output tokens the answers carried (after stop strings were cut)", model,
+            registry=r,
+        )  # fmt: skip
+        self.requests_finished = Counter(
+            name("tokenizer_requests_finished"), "Requests that left the front end, by finished_reason (stop, length, "
+            "abort, error: failed before or without a scheduler's answer)", [*model, "finished_reason"], registry=r,
         )  # fmt: skip
         self.ttft = self._histogram("time_to_first_token_seconds", "From arrival to the first token", LATENCY_BUCKETS)
         self.itl = BulkHistogram(name("inter_token_latency_seconds"), "Between successive token deliveries",
@@ -63,7 +76,7 @@ class Metrics:
     def observe_request(self, pending: PendingRequest) -> None:
         """One request left the pending table: count its tokens, outcome and timings."""
         model, timing = self.model_name, pending.timing
-        self.request_success.labels(model, pending.outcome).inc()
+        self.requests_finished.labels(model, pending.outcome).inc()
         self.prompt_tokens.labels(model).inc(pending.prompt_tokens)
         self.generation_tokens.labels(model).inc(timing.num_output_tokens)
         self.prompt_len.labels(model).observe(pending.prompt_tokens)
@@ -76,4 +89,4 @@ class Metrics:
         self.itl.observe_many(timing.gaps)
 
     def render(self) -> bytes:
-        return render(self.registry)
+        return render(self.registry) if self.shared is None else self.shared.render()

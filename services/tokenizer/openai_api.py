@@ -17,7 +17,14 @@ from litestar.response import Response, Stream
 
 from contracts.detokenizer import Finish
 from services.common.metrics import finish_reason
-from services.tokenizer.api_types import ChatBody, CompletionBody, SamplingParamsBody
+from services.tokenizer.api_types import (
+    ChatBody,
+    ChatMessage,
+    CompletionBody,
+    SamplingParamsBody,
+    StreamOptions,
+    TokenizeBody,
+)
 from services.tokenizer.edge import request_id_of
 from services.tokenizer.error_schema import ERROR_RESPONSES
 from services.tokenizer.frontend import SSE_HEADERS, Frontend, merged_deltas, stream_then_abort
@@ -86,18 +93,20 @@ def finish_name(finish: Finish | None) -> str | None:
     return None if finish is None else finish_reason(finish.type)
 
 
-def completion_prompts(prompt: str | list[Any], model: TextModel) -> list[tuple[tuple[int, ...], str]]:
+def completion_prompts(
+    prompt: str | list[Any], model: TextModel, add_special_tokens: bool = True
+) -> list[tuple[tuple[int, ...], str]]:
     """(token ids, echo text) per prompt, for str, [str], [int] and [[int]] prompts."""
     for text in [prompt] if isinstance(prompt, str) else prompt:
         if isinstance(text, str):
             check_text_size(text, model, "prompt")
     if isinstance(prompt, str):
-        return [(check_prompt(model.encode(prompt), model, "prompt"), prompt)]
+        return [(check_prompt(model.encode(prompt, add_special_tokens), model, "prompt"), prompt)]
     require(len(prompt) > 0, "the prompt is empty", "prompt")
     kinds = {type(item) for item in prompt}
     require(len(kinds) == 1, "mixes strings, token ids and lists of token ids", "prompt")
     if kinds == {str}:
-        return [(check_prompt(model.encode(p), model, "prompt"), p) for p in prompt]
+        return [(check_prompt(model.encode(p, add_special_tokens), model, "prompt"), p) for p in prompt]
     rows = [prompt] if kinds == {int} else prompt
     return [(check_prompt(row, model, "prompt"), model.decode(row, skip_special_tokens=False)) for row in rows]
 
@@ -113,6 +122,8 @@ def _sampling_body(body: CompletionBody | ChatBody, max_tokens: int) -> Sampling
         stop_token_ids=body.stop_token_ids,
         ignore_eos=body.ignore_eos,
         skip_special_tokens=body.skip_special_tokens,
+        spaces_between_special_tokens=body.spaces_between_special_tokens,
+        no_stop_trim=body.include_stop_str_in_output,
         seed=body.seed,
         frequency_penalty=body.frequency_penalty or 0.0,
         presence_penalty=body.presence_penalty or 0.0,
@@ -163,21 +174,60 @@ def completion_plan(body: CompletionBody, frontend: Frontend, request_id: str) -
         return_logprob=wants, logprob_start_len=0 if wants and body.echo else -1, top_logprobs_num=body.logprobs or 0
     )
     max_tokens = 16 if body.max_tokens is None else body.max_tokens
-    prompts = completion_prompts(body.prompt, model)
+    prompts = completion_prompts(body.prompt, model, body.add_special_tokens)
     choices = _choices(prompts, body, model, request, COMPLETION_LOGPROB_NAMES, limit, max_tokens, request_id)
     name = frontend.config.model_name
     return Plan(f"cmpl-{request_id}", int(time.time()), name, choices, body.echo, body.logprobs, body.skip_special_tokens)
 
 
-def _chat_messages(body: ChatBody) -> list[dict[str, Any]]:
-    require(len(body.messages) > 0, "needs at least one message", "messages")
-    messages = []
-    for message in body.messages:
-        content = message.content
-        if isinstance(content, list):
-            content = "".join(part.text or "" for part in content if part.type == "text")
-        messages.append({"role": message.role, "content": content or ""})
-    return messages
+def chat_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+    """The conversation as the chat template reads it. A part of a message's content that is not
+    text is a 400 naming it, never dropped: the models served here read text alone."""
+    require(len(messages) > 0, "needs at least one message", "messages")
+    return [_template_message(message, f"messages[{index}]") for index, message in enumerate(messages)]
+
+
+def _template_message(message: ChatMessage, where: str) -> dict[str, Any]:
+    refuse_unsupported(message, f"{where}.")
+    content = message.content
+    if isinstance(content, list):
+        for index, part in enumerate(content):
+            require(part.type == "text", f"a {part.type!r} part cannot be read: this server's model takes text only",
+                    f"{where}.content[{index}].type")  # fmt: skip
+        content = "".join(part.text or "" for part in content)
+    rendered = {"role": message.role, "content": content or ""}
+    return rendered if message.name is None else rendered | {"name": message.name}
+
+
+def chat_prompt(
+    model: TextModel, messages: list[ChatMessage], add_generation_prompt: bool, continue_final_message: bool,
+    template_kwargs: dict[str, Any] | None,
+) -> str:  # fmt: skip
+    """The prompt text of a conversation, rendered with the model's chat template (a template's
+    refusal is a 400 naming `messages`)."""
+    try:
+        text = model.render_chat(
+            chat_messages(messages), add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message, extra=template_kwargs,
+        )  # fmt: skip
+    except ValueError as exc:
+        raise InvalidRequest(str(exc), "messages") from None
+    check_text_size(text, model, "messages")
+    return text
+
+
+def tokenize_ids(body: TokenizeBody, model: TextModel) -> list[int]:
+    """/tokenize's ids (vLLM's shape): a prompt's, or those of chat messages rendered as
+    /v1/chat/completions renders them."""
+    refuse_unsupported(body)
+    require((body.prompt is None) != (body.messages is None), "give exactly one of prompt and messages", "prompt")
+    if body.messages is not None:
+        text = chat_prompt(model, body.messages, body.add_generation_prompt, body.continue_final_message,
+                           body.chat_template_kwargs)  # fmt: skip
+        return model.encode(text, add_special_tokens=body.add_special_tokens is True)
+    assert body.prompt is not None
+    check_text_size(body.prompt, model, "prompt")
+    return model.encode(body.prompt, add_special_tokens=body.add_special_tokens is not False)
 
 
 def chat_plan(body: ChatBody, frontend: Frontend, request_id: str) -> Plan:
@@ -187,15 +237,8 @@ def chat_plan(body: ChatBody, frontend: Frontend, request_id: str) -> Plan:
     top = body.top_logprobs or 0
     require(0 <= top <= min(limit, 20), f"must be in [0, {min(limit, 20)}]", "top_logprobs")
     require(body.logprobs or top == 0, "top_logprobs needs logprobs=true", "top_logprobs")
-    try:
-        text = model.render_chat(
-            _chat_messages(body), add_generation_prompt=body.add_generation_prompt,
-            continue_final_message=body.continue_final_message, extra=body.chat_template_kwargs,
-        )  # fmt: skip
-    except ValueError as exc:
-        raise InvalidRequest(str(exc), "messages") from None
-    check_text_size(text, model, "messages")
-    ids = check_prompt(model.encode(text, add_special_tokens=False), model, "messages")
+    text = chat_prompt(model, body.messages, body.add_generation_prompt, body.continue_final_message, body.chat_template_kwargs)
+    ids = check_prompt(model.encode(text, add_special_tokens=body.add_special_tokens), model, "messages")
     max_tokens = body.max_tokens if body.max_completion_tokens is None else body.max_completion_tokens
     max_tokens = model.max_model_len - len(ids) if max_tokens is None else max_tokens
     request = LogprobRequest(return_logprob=body.logprobs, top_logprobs_num=top)
@@ -280,7 +323,7 @@ def _chunk(plan: Plan, kind: str, choices: list[dict[str, Any]], usage: dict[str
     return sse(_body(plan, kind, choices, usage))
 
 
-def _completion_chunk(plan: Plan, state: _StreamState, index: int, delta: Delta, model: TextModel) -> bytes:
+def _completion_entry(plan: Plan, state: _StreamState, index: int, delta: Delta, model: TextModel) -> dict[str, Any]:
     choice, result = plan.choices[index], state.results[index]
     result.add(delta)
     echo = plan.echo and not state.echoed[index]
@@ -288,33 +331,46 @@ def _completion_chunk(plan: Plan, state: _StreamState, index: int, delta: Delta,
     text = (choice.prompt_text if echo else "") + delta.text
     logprobs = _completion_logprobs(plan, choice, _delta_chunks(delta), delta.token_ids, model, echo, state.offsets[index])
     state.offsets[index] += len(text)
-    entry = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_name(delta.finish)}
-    return _chunk(plan, "text_completion", [entry])
+    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_name(delta.finish)}
 
 
-def _chat_chunk(plan: Plan, state: _StreamState, index: int, delta: Delta, model: TextModel) -> bytes:
+def _chat_entry(plan: Plan, state: _StreamState, index: int, delta: Delta, model: TextModel) -> dict[str, Any]:
     state.results[index].add(delta)
     logprobs = _chat_logprobs(plan, _delta_chunks(delta), delta.token_ids, model)
-    entry = {"index": index, "delta": {"content": delta.text}, "logprobs": logprobs, "finish_reason": finish_name(delta.finish)}
-    return _chunk(plan, "chat.completion.chunk", [entry])
+    return {"index": index, "delta": {"content": delta.text}, "logprobs": logprobs, "finish_reason": finish_name(delta.finish)}
 
 
-async def _events(plan: Plan, frontend: Frontend, pendings: list, chat: bool, include_usage: bool) -> AsyncIterator[bytes]:
+@dataclass(frozen=True)
+class StreamUsage:
+    """`stream_options`: `final` (OpenAI's include_usage) adds a last chunk with the call's usage;
+    `continuous` (vLLM's continuous_usage_stats) puts the call's usage so far in every chunk."""
+
+    final: bool = False
+    continuous: bool = False
+
+
+def stream_usage(options: StreamOptions | None) -> StreamUsage:
+    return StreamUsage() if options is None else StreamUsage(options.include_usage, options.continuous_usage_stats)
+
+
+async def _events(plan: Plan, frontend: Frontend, pendings: list, chat: bool, usage: StreamUsage) -> AsyncIterator[bytes]:
     state = _StreamState(plan)
+    kind = "chat.completion.chunk" if chat else "text_completion"
+    so_far = (lambda: _usage(plan, state.results)) if usage.continuous else (lambda: None)
     if chat:
         for index in range(len(plan.choices)):
             role = {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
-            yield _chunk(plan, "chat.completion.chunk", [role])
-    make = _chat_chunk if chat else _completion_chunk
+            yield _chunk(plan, kind, [role], so_far())
+    entry = _chat_entry if chat else _completion_entry
     try:
         async for index, delta in merged_deltas(pendings):
-            yield make(plan, state, index, delta, frontend.model)
+            yield _chunk(plan, kind, [entry(plan, state, index, delta, frontend.model)], so_far())
     except RequestFailed as exc:
         yield sse(error_body(str(exc)))
         yield SSE_DONE
         return
-    if include_usage:
-        yield _chunk(plan, "chat.completion.chunk" if chat else "text_completion", [], _usage(plan, state.results))
+    if usage.final:
+        yield _chunk(plan, kind, [], _usage(plan, state.results))
     yield SSE_DONE
 
 
@@ -323,8 +379,7 @@ async def _serve(
 ) -> Response[Any] | Stream:
     pendings = await frontend.submit_all([c.spec for c in plan.choices], body.n)
     if body.stream:
-        include_usage = body.stream_options is not None and body.stream_options.include_usage
-        events = _events(plan, frontend, pendings, chat, include_usage)
+        events = _events(plan, frontend, pendings, chat, stream_usage(body.stream_options))
         return Stream(stream_then_abort(frontend, pendings, events), media_type="text/event-stream", headers=SSE_HEADERS)
     results = await frontend.collect_all(pendings, request)
     build = chat_response if chat else completion_response

@@ -13,6 +13,7 @@ import uvicorn
 
 from services.common.memory import settle_startup_heap
 from services.common.metrics import TrafficCollector
+from services.common.metrics_shared import PUBLISH_INTERVAL_S, SharedMetricsDir
 from services.tokenizer.config import TokenizerConfig
 from services.tokenizer.frontend import request_left
 from services.tokenizer.http_app import Frontend, create_asgi
@@ -31,6 +32,9 @@ async def serving(config: TokenizerConfig) -> AsyncIterator[Frontend]:
     metrics = Metrics(config.model_name)
     service = await TokenizerService.start(config, functools.partial(request_left, metrics))
     metrics.registry.register(TrafficCollector(lambda: service.traffic))
+    if config.metrics_dir is not None:
+        config.metrics_dir.mkdir(parents=True, exist_ok=True)
+        metrics.shared = SharedMetricsDir(metrics.registry, config.metrics_dir, config.instance_id)
     frontend = Frontend(config, model, service, metrics)
     # log_config=None: uvicorn keeps its hands off logging, so its lines go through ours
     # (JSON when asked, with the request id of the call they are about).
@@ -44,6 +48,7 @@ async def serving(config: TokenizerConfig) -> AsyncIterator[Frontend]:
     server.install_signal_handlers = lambda: None  # type: ignore[method-assign]
     sockets = [shared_listener(config.host, config.port)] if config.reuse_port else None
     task = asyncio.create_task(server.serve(sockets=sockets))
+    publishing = asyncio.create_task(_publish_periodically(metrics.shared)) if metrics.shared is not None else None
     try:
         while not server.started:
             if task.done():
@@ -60,6 +65,25 @@ async def serving(config: TokenizerConfig) -> AsyncIterator[Frontend]:
         with contextlib.suppress(Exception):
             await asyncio.wait_for(task, config.nats.drain_timeout_s + 5)
         await service.close()
+        if publishing is not None:
+            publishing.cancel()
+            with contextlib.suppress(OSError):
+                metrics.shared.publish()  # its last counts stay in the sums after it has gone
+            metrics.shared.close()
+
+
+async def _publish_periodically(shared: SharedMetricsDir) -> None:
+    """Between scrapes too, so a sibling's page lags this process's counts by one interval at most."""
+    failing = False
+    while True:
+        await asyncio.sleep(PUBLISH_INTERVAL_S)
+        try:
+            shared.publish()
+            failing = False
+        except OSError as exc:  # a full or vanished directory: the page lags, serving goes on; said once
+            if not failing:
+                log.warning("metrics.publish_failed", error=str(exc))
+            failing = True
 
 
 def shared_listener(host: str, port: int) -> socket.socket:

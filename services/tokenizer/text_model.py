@@ -42,6 +42,8 @@ class TextModel:
     max_model_len: int
     chat_template: str | None
     chat: ChatTemplate | None = None  # compiled `chat_template`, with the tokenizer's special tokens
+    model_type: str = ""  # config.json's, as /get_model_info shows it
+    architectures: tuple[str, ...] = ()
 
     @classmethod
     def from_dir(cls, model_dir: Path, max_model_len: int | None = None) -> TextModel:
@@ -53,7 +55,10 @@ class TextModel:
         special = frozenset(i for i, t in tokenizer.get_added_tokens_decoder().items() if t.special)
         source = template_source(tokenizer_config)
         chat = ChatTemplate(source, special_tokens(tokenizer_config)) if source else None
-        return cls(tokenizer, _token_bytes_table(tokenizer, vocab_size), special, vocab_size, limit, source, chat)
+        return cls(
+            tokenizer, _token_bytes_table(tokenizer, vocab_size), special, vocab_size, limit, source, chat,
+            model_type=str(config.get("model_type") or ""), architectures=tuple(config.get("architectures") or ()),
+        )  # fmt: skip
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         # `encode_batch` releases the GIL while it works (`encode` holds it), so a large prompt

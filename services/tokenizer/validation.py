@@ -242,7 +242,7 @@ def check_logit_bias(bias: Mapping[str, float] | None, model: TextModel, param: 
 
 def _neutral(name: str, value: Any) -> bool:
     """Whether an unsupported field's value asks for nothing beyond what we do anyway."""
-    if value is None or value == [] or value == {}:
+    if value is None or value is False or value == [] or value == {}:
         return True
     neutral = {"response_format": ({"type": "text"},), "tool_choice": ("none", "auto"), "modalities": (["text"],), "n": (1,)}
     return value in neutral.get(name, ())
@@ -260,7 +260,7 @@ def refuse_unsupported(body: msgspec.Struct, prefix: str = "", n: int = 1) -> No
 
 @functools.cache
 def unsupported_fields(kind: type[msgspec.Struct]) -> tuple[str, ...]:
-    return tuple(f.name for f in msgspec.structs.fields(kind) if f.type is Unsupported)
+    return tuple(f.name for f in msgspec.structs.fields(kind) if f.type == Unsupported)
 
 
 def check_logprobs(

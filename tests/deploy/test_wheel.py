@@ -128,7 +128,8 @@ def test_the_wheel_installs_into_a_fresh_venv_and_sparkwire_up_serves(tmp_path):
     no_torch, installed_at = probe.stdout.split()
     assert no_torch == "True" and Path(installed_at).is_relative_to(site_packages(bin_dir)), probe.stdout
     refused = subprocess.run([str(bin_dir / "sparkwire"), "up"], cwd=away, capture_output=True, text=True, timeout=60)
-    assert refused.returncode == 1 and "sparkwire[scheduler]" in refused.stderr
+    assert refused.returncode == 1 and "the scheduler needs torch" in refused.stderr
+    assert f"{bin_dir / 'python'} -m pip install '<the sparkwire wheel or checkout>[scheduler]'" in refused.stderr
 
     add_distributions(bin_dir, declared("scheduler"), tmp_path / "scheduler-dependencies")
     pip_install(bin_dir, f"{wheel}[scheduler]", away)

@@ -7,6 +7,7 @@ Token ids never appear in OpenAI responses, so each test sends the same request 
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from typing import Any
 
@@ -217,3 +218,81 @@ def test_chat_stream_logprobs_equal_non_stream(oai, model, http, vocab, runner):
     ids = vocab.chat_ids(MESSAGES)
     output = generate_same(http, ids, 0, -1)["output_ids"]
     check_chat_content(content, output, vocab, reference_logprobs(runner, ids + output), len(ids), 3)
+
+
+# ---- the matched stop string: trimmed, or kept when asked ----
+
+STOP_PROMPT = "def add(a, b):"
+
+
+@pytest.fixture(scope="module")
+def free_run(http: httpx.Client) -> str:
+    """The bundled model's greedy text for STOP_PROMPT, no stop string."""
+    body = {"text": STOP_PROMPT, "sampling_params": {"max_new_tokens": 24, "temperature": 0, "ignore_eos": True}}
+    return post_generate(http, body)["text"]
+
+
+def first_unique_piece(text: str, size: int = 3) -> tuple[int, str]:
+    """A piece of `text` past its first few characters whose first occurrence is where it is taken:
+    stopping on it ends the text there."""
+    for start in range(4, len(text) - size):
+        piece = text[start : start + size]
+        if piece.strip() and text.find(piece) == start:
+            return start, piece
+    raise AssertionError(f"no usable stop string in {text!r}")
+
+
+def streamed_text(http: httpx.Client, path: str, body: dict[str, Any]) -> tuple[str, str | None]:
+    """(text, finish reason) of a streamed OpenAI call, folded from its chunks."""
+    text, finish = "", None
+    with http.stream("POST", path, json=body | {"stream": True}) as response:
+        for line in response.iter_lines():
+            if line.startswith("data: {"):
+                choice = json.loads(line[6:])["choices"][0]
+                text += choice.get("text") or (choice.get("delta") or {}).get("content") or ""
+                finish = choice["finish_reason"] or finish
+    return text, finish
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("keep", [False, True])
+def test_completions_keep_the_stop_string_only_when_asked(http, model, free_run, stream, keep):
+    start, stop = first_unique_piece(free_run)
+    body = {"model": model, "prompt": STOP_PROMPT, "max_tokens": 24, "temperature": 0, "ignore_eos": True,
+            "stop": [stop], "include_stop_str_in_output": keep}  # fmt: skip
+    if stream:
+        text, finish = streamed_text(http, "/v1/completions", body)
+    else:
+        choice = http.post("/v1/completions", json=body).json()["choices"][0]
+        text, finish = choice["text"], choice["finish_reason"]
+    assert text == free_run[: start + len(stop)] if keep else free_run[:start]
+    assert finish == "stop"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_chat_keeps_the_stop_string_when_asked(http, model, stream):
+    body = {"model": model, "messages": MESSAGES, "max_tokens": 24, "temperature": 0, "ignore_eos": True}
+    free = http.post("/v1/chat/completions", json=body).json()["choices"][0]["message"]["content"]
+    start, stop = first_unique_piece(free)
+    asked = body | {"stop": [stop], "include_stop_str_in_output": True}
+    if stream:
+        text, finish = streamed_text(http, "/v1/chat/completions", asked)
+    else:
+        choice = http.post("/v1/chat/completions", json=asked).json()["choices"][0]
+        text, finish = choice["message"]["content"], choice["finish_reason"]
+    assert (text, finish) == (free[: start + len(stop)], "stop")
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_generate_no_stop_trim_keeps_the_stop_string(http, free_run, stream):
+    start, stop = first_unique_piece(free_run)
+    sampling = {"max_new_tokens": 24, "temperature": 0, "ignore_eos": True, "stop": [stop], "no_stop_trim": True}
+    body = {"text": STOP_PROMPT, "sampling_params": sampling, "stream": stream}
+    if stream:
+        with http.stream("POST", "/generate", json=body) as response:
+            events = [json.loads(line[6:]) for line in response.iter_lines() if line.startswith("data: {")]
+        last = events[-1]
+    else:
+        last = http.post("/generate", json=body).json()
+    assert last["text"] == free_run[: start + len(stop)]
+    assert last["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}

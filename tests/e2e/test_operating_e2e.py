@@ -111,7 +111,8 @@ def aborts_counted(got: dict[str, dict]) -> list[float | None]:
     passes them in that order, so the later ones count it a little later."""
     abort = ("sparkwire:request_success_total", (("finished_reason", "abort"), *MODEL))
     detokenizer_abort = ("sparkwire:detokenizer_requests_finished_total", (("finished_reason", "abort"),))
-    return [got["scheduler"].get(abort), got["detokenizer"].get(detokenizer_abort), got["tokenizer"].get(abort)]
+    tokenizer_abort = ("sparkwire:tokenizer_requests_finished_total", (("finished_reason", "abort"), *MODEL))
+    return [got["scheduler"].get(abort), got["detokenizer"].get(detokenizer_abort), got["tokenizer"].get(tokenizer_abort)]
 
 
 def test_every_service_exports_metrics_of_a_known_mix(operated: OperatedStack) -> None:
@@ -147,7 +148,8 @@ def test_every_service_exports_metrics_of_a_known_mix(operated: OperatedStack) -
     assert detokenizer[("sparkwire:detokenizer_registrations_total", ())] == NUM_PARALLEL + 2
     assert detokenizer[("sparkwire:detokenizer_tokens_total", ())] == scheduler[("sparkwire:generation_tokens_total", MODEL)]
 
-    assert tokenizer[("sparkwire:request_success_total", (("finished_reason", "length"), *MODEL))] >= NUM_PARALLEL
+    assert tokenizer[("sparkwire:tokenizer_requests_finished_total", (("finished_reason", "length"), *MODEL))] >= NUM_PARALLEL
+    assert ("sparkwire:request_success_total", (("finished_reason", "length"), *MODEL)) not in tokenizer  # the scheduler's
     for histogram in ("time_to_first_token_seconds", "e2e_request_latency_seconds", "request_placement_time_seconds"):
         assert tokenizer[(f"sparkwire:{histogram}_count", MODEL)] == NUM_PARALLEL + 2, histogram
         assert tokenizer[(f"sparkwire:{histogram}_sum", MODEL)] > 0, histogram
@@ -160,6 +162,28 @@ def test_every_service_exports_metrics_of_a_known_mix(operated: OperatedStack) -
             assert 0 < messages <= chunks < page[("sparkwire:nats_bytes_total", label)], (name, direction)
     generate_200 = ("sparkwire:http_requests_total", (("handler", "/generate"), ("method", "POST"), ("status", "200")))
     assert tokenizer[generate_200] == NUM_PARALLEL + 2  # streamed ones included
+
+
+# Each process's own NATS traffic, by direction: summed over every service kind they count each
+# message once per sender and once per receiver, never one event twice, as process_* metrics do.
+PER_PROCESS_TRANSPORT = {"sparkwire:nats_messages", "sparkwire:nats_chunks", "sparkwire:nats_bytes"}
+
+
+def family_names(stack: OperatedStack) -> dict[str, set[str]]:
+    urls = {name: f"http://127.0.0.1:{port}/metrics" for name, port in stack.metrics_ports.items()}
+    urls["tokenizer"] = f"{stack.base_url}/metrics"
+    return {kind: {f.name for f in text_string_to_metric_families(httpx.get(url, timeout=5).text)} for kind, url in urls.items()}
+
+
+def test_no_metric_name_is_exported_by_two_service_kinds(operated: OperatedStack) -> None:
+    """vLLM's engine counters (tokens, finished requests) are the scheduler's alone; the front end's
+    own counts of the same requests carry `tokenizer_` names, the detokenizer's `detokenizer_`."""
+    names = family_names(operated)
+    shared = {name for kind in names for other in names if other < kind for name in names[kind] & names[other]}
+    assert shared == PER_PROCESS_TRANSPORT, shared
+    for vllm_engine_counter in ("sparkwire:prompt_tokens", "sparkwire:generation_tokens", "sparkwire:request_success"):
+        assert [kind for kind in names if vllm_engine_counter in names[kind]] == ["scheduler"], vllm_engine_counter
+    assert "sparkwire:tokenizer_requests_finished" in names["tokenizer"]
 
 
 def json_lines(path: Path) -> list[dict]:

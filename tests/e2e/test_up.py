@@ -6,12 +6,14 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
 import httpx
 import msgspec
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from contracts import subjects
 from contracts.control import Heartbeat
@@ -91,31 +93,80 @@ def test_up_serves_generate_and_stops_cleanly_on_sigint(tmp_path):
             process.kill()
 
 
+def post_fresh(url: str, body: dict) -> httpx.Response:
+    """On a new connection: SO_REUSEPORT picks a listener per connection, so each may reach another tokenizer."""
+    with httpx.Client() as client:
+        return client.post(url, json=body, timeout=30)
+
+
+def grown_only(page: str) -> dict:
+    """The samples of a /metrics page that may only grow (counters, histogram buckets, counts, sums)."""
+    kinds = {"counter", "histogram"}
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value for f in text_string_to_metric_families(page)
+            if f.type in kinds for s in f.samples if not s.name.endswith("_created")}  # fmt: skip
+
+
+def requests_served_by(log: Path, names: tuple[str, ...], total: int) -> dict[str, int]:
+    """`request.finished` lines per tokenizer. A request's line is logged after its response has
+    gone out, and the launcher relays each child's lines on its own: the last may come a moment late."""
+    deadline = time.monotonic() + 10
+    while True:
+        lines = log.read_text().splitlines()
+        served = {name: sum(line.startswith(f"[{name}] ") and "request.finished" in line for line in lines) for name in names}
+        if sum(served.values()) >= total or time.monotonic() > deadline:
+            return served
+        time.sleep(0.1)
+
+
+def shared_metrics_dir(up_pid: int) -> Path:
+    """The --metrics-dir `up` gave its tokenizers (from their command lines)."""
+    argvs = [Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0") for pid in descendants(up_pid) if alive(pid)]
+    dirs = {argv[argv.index(b"--metrics-dir") + 1].decode() for argv in argvs if b"--metrics-dir" in argv}
+    assert len(dirs) == 1, dirs
+    return Path(dirs.pop())
+
+
 @pytest.mark.timeout(180)
-def test_up_with_two_tokenizers_serves_one_port_from_both(tmp_path):
-    """`--tokenizers 2`: two tokenizer processes listen on the one port (SO_REUSEPORT); new
-    connections are spread over them by the kernel, and each serves its share."""
+def test_up_with_three_tokenizers_serves_one_port_and_one_metrics_page_that_never_goes_back(tmp_path):
+    """`--tokenizers 3`: three tokenizer processes listen on the one port (SO_REUSEPORT); the kernel
+    spreads new connections over them and each serves its share. /metrics on that port answers the
+    sum of all three (services/common/metrics_shared.py): 20 scrapes on fresh connections while
+    requests run never see a counter go down, and once the load is over it counts every request."""
     port = free_port()
-    process, log = start_up(tmp_path, port, "--tokenizers", "2")
+    process, log = start_up(tmp_path, port, "--tokenizers", "3")
+    base = f"http://127.0.0.1:{port}"
     try:
-        wait_for_line(process, log, f"Sparkwire ready on http://127.0.0.1:{port}", 120)
-        for _ in range(24):  # a fresh connection each: 2 ** -23 that all go to one listener
-            with httpx.Client() as client:
-                response = client.post(f"http://127.0.0.1:{port}/generate", json=generate_body(max_new_tokens=2), timeout=30)
-            assert response.status_code == 200 and response.json()["meta_info"]["completion_tokens"] == 2
-        # A request's `request.finished` line is logged after its response has gone out, and the
-        # launcher relays each child's lines on its own: the last one may reach the log a moment late.
-        deadline = time.monotonic() + 10
-        while True:
-            lines = log.read_text().splitlines()
-            served = {name: sum(line.startswith(f"[{name}] ") and "request.finished" in line for line in lines)
-                      for name in ("tokenizer", "tokenizer-2")}  # fmt: skip
-            if sum(served.values()) >= 24 or time.monotonic() > deadline:
-                break
-            time.sleep(0.1)
-        assert sum(served.values()) == 24 and min(served.values()) > 0, served
+        wait_for_line(process, log, f"Sparkwire ready on {base}", 120)
+        metrics_dir = shared_metrics_dir(process.pid)
+        assert len(list(metrics_dir.glob("*.msgpack"))) == 3  # one snapshot per tokenizer
+        done: list[httpx.Response] = []
+        stop = threading.Event()
+
+        def load() -> None:
+            while not stop.is_set() or len(done) < 24:
+                done.append(post_fresh(f"{base}/generate", generate_body(max_new_tokens=2)))
+
+        loader = threading.Thread(target=load)
+        loader.start()
+        pages = []
+        for _ in range(20):
+            pages.append(grown_only(httpx.get(f"{base}/metrics", timeout=10).text))
+            time.sleep(0.15)
+        stop.set()
+        loader.join()
+        assert [r.status_code for r in done] == [200] * len(done) and all(r.json()["meta_info"]["completion_tokens"] == 2 for r in done)
+        went_back = [(key, a[key], b.get(key)) for a, b in zip(pages, pages[1:]) for key in a if b.get(key, 0) < a[key]]
+        assert went_back == [], went_back[:5]
+        served = requests_served_by(log, ("tokenizer", "tokenizer-2", "tokenizer-3"), len(done))
+        assert sum(served.values()) == len(done) and min(served.values()) > 0, served
+        time.sleep(1.5)  # every tokenizer has published its counts since (PUBLISH_INTERVAL_S)
+        last = grown_only(httpx.get(f"{base}/metrics", timeout=10).text)
+        model = ("model_name", BUNDLED_MODEL.name)
+        assert last[("sparkwire:tokenizer_requests_finished_total", (("finished_reason", "length"), model))] == len(done)
+        assert last[("sparkwire:http_requests_total", (("handler", "/generate"), ("method", "POST"), ("status", "200")))] == len(done)
         process.send_signal(signal.SIGINT)
         assert process.wait(timeout=30) == 0, log.read_text()[-4000:]
+        assert not metrics_dir.exists()  # `up` removes what its tokenizers published
     finally:
         if process.poll() is None:
             process.kill()

@@ -69,6 +69,9 @@ def test_scheduler_metrics_export_the_snapshot_and_the_steps():
     metrics = SchedulerMetrics(lambda: stats, "tiny")
     metrics.observe_step([step_output(1), step_output(2, FinishType.STOP, prompt=7)])
     metrics.observe_step([step_output(1, FinishType.ABORT, prompt=9)])
+    stopped_by_a_stop_string = step_output(0)
+    stopped_by_a_stop_string.finish = Finish(FinishType.ABORT, message="stop")  # the detokenizer's abort
+    metrics.observe_step([stopped_by_a_stop_string])
     got = samples(metrics.render().decode())
     model = (("model_name", "tiny"),)
     assert got[("sparkwire:num_requests_running", model)] == 3
@@ -80,10 +83,10 @@ def test_scheduler_metrics_export_the_snapshot_and_the_steps():
     assert got[("sparkwire:prefix_cache_queries_total", model)] == 120
     assert got[("sparkwire:prefix_cache_hits_total", model)] == 96
     assert got[("sparkwire:generation_tokens_total", model)] == 4
-    assert got[("sparkwire:prompt_tokens_total", model)] == 16
-    assert got[("sparkwire:request_success_total", (("finished_reason", "stop"), *model))] == 1
+    assert got[("sparkwire:prompt_tokens_total", model)] == 16 + 5
+    assert got[("sparkwire:request_success_total", (("finished_reason", "stop"), *model))] == 2
     assert got[("sparkwire:request_success_total", (("finished_reason", "abort"), *model))] == 1
-    assert got[("sparkwire:iteration_tokens_total_count", model)] == 2
+    assert got[("sparkwire:iteration_tokens_total_count", model)] == 3
 
 
 def test_unknown_snapshot_fields_are_left_out_not_reported_as_zero():

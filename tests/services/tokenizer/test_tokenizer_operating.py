@@ -57,9 +57,9 @@ async def test_metrics_count_a_known_mix_of_requests(url, backend):
     assert len(sse_payloads(streamed.text)) == 2 and completion.status_code == 200
     got = samples(page)
     finished = 3 + 4 + 2 * 2 + 2
-    assert got[("sparkwire:request_success_total", (("finished_reason", "length"), *MODEL))] == 5
-    assert got[("sparkwire:request_success_total", (("finished_reason", "abort"), *MODEL))] == 1
-    assert got[("sparkwire:generation_tokens_total", MODEL)] == finished + 2  # the leaver got one step
+    assert got[("sparkwire:tokenizer_requests_finished_total", (("finished_reason", "length"), *MODEL))] == 5
+    assert got[("sparkwire:tokenizer_requests_finished_total", (("finished_reason", "abort"), *MODEL))] == 1
+    assert got[("sparkwire:tokenizer_generation_tokens_total", MODEL)] == finished + 2  # the leaver got one step
     for histogram in ("time_to_first_token_seconds", "e2e_request_latency_seconds", "request_placement_time_seconds"):
         assert got[(f"sparkwire:{histogram}_count", MODEL)] == 6, histogram
         assert got[(f"sparkwire:{histogram}_sum", MODEL)] > 0, histogram
@@ -137,7 +137,9 @@ BODIES = {
     "/v1/completions": {"prompt": "hi", "max_tokens": 2},
     "/v1/chat/completions": {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
     "/tokenize": {"prompt": "hi"},
+    "/v1/tokenize": {"messages": [{"role": "user", "content": "hi"}]},
     "/detokenize": {"tokens": [5]},
+    "/v1/detokenize": {"tokens": [5]},
 }
 
 

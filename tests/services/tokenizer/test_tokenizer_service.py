@@ -147,7 +147,7 @@ async def test_health_tokenize_detokenize_models_openapi_metrics(url, text_model
     assert other.status_code == 404 and other.json()["error"]["code"] == "model_not_found"
     assert "/generate" in schema["paths"] and "/v1/completions" in schema["paths"]
     assert 'sparkwire:http_requests_total{handler="/generate",method="POST",status="200"} 1.0' in metrics
-    assert 'sparkwire:generation_tokens_total{model_name="sparkwire-tiny"} 2.0' in metrics
+    assert 'sparkwire:tokenizer_generation_tokens_total{model_name="sparkwire-tiny"} 2.0' in metrics
 
 
 async def test_health_503_when_no_scheduler_answers_pings(start_tokenizer):
