@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 
 from contracts.control import Heartbeat
-from contracts.detokenizer import DetokenizerRegistration, RequestLogprobs, TokenBatch
+from contracts.detokenizer import DetokenizerRegistration, TokenBatch
+from contracts.logprobs import LogprobColumns
 from contracts.limits import MAX_STOP_STRINGS, MAX_TOKEN_IDS_LOGPROB
 from contracts.scheduler import AbortRequest, GenerateRequest, SchedulerClaimReply
 from contracts.tokenizer import TextBatch
@@ -57,10 +58,12 @@ HOSTILE = [
     (TokenBatch, GOOD_BATCH | {"new_token_ids": i32(5, 6)}),
     (TokenBatch, GOOD_BATCH | {"num_new_tokens": i32(4, -1)}),
     (TokenBatch, GOOD_BATCH | {"finish": [None, [7]]}),  # no such FinishType
-    (TokenBatch, GOOD_BATCH | {"logprobs": [None, {"output_token_logprobs": f32(3)}]}),  # 2 new tokens, 3 rows
-    (TokenBatch, GOOD_BATCH | {"logprobs": [None, {"output_top_logprobs": f32(2, 3), "output_top_ids": i32(1, 2)}]}),
+    (TokenBatch, GOOD_BATCH | {"output_logprobs": {"rows": i32(0, 3), "token": f32(3)}}),  # 2 new tokens, 3 rows
+    (TokenBatch, GOOD_BATCH | {"output_logprobs": {"rows": i32(0, 2), "token": f32(2), "top_k": i32(0, 3),
+                                                   "top_values": f32(6), "top_ids": i32(1, 2)}}),  # 6 values, 2 ids
+    (TokenBatch, GOOD_BATCH | {"prompt_logprobs": {"rows": i32(2), "token": f32(2)}}),  # one request's columns, two requests
     (TextBatch, GOOD_BATCH | {"detokenizer_id": "d", "text_deltas": ["x"]}),
-    (RequestLogprobs, {"input_top_logprobs_flat": f32(2, 2)}),  # values without ids
+    (LogprobColumns, {"rows": i32(2), "top_values": f32(4)}),  # values without their widths
 ]
 
 

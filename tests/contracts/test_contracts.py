@@ -15,14 +15,13 @@ import contracts
 from contracts import subjects
 from contracts.arrays import NDArray
 from contracts.control import Heartbeat
+from contracts.logprobs import LogprobColumns
 from contracts.detokenizer import (
     DetokenizeParams,
     DetokenizerRegistration,
     DetokenizerRegistrationReply,
     Finish,
     FinishType,
-    OutputLogprobColumns,
-    RequestLogprobs,
     TokenBatch,
 )
 from contracts.scheduler import (
@@ -48,21 +47,18 @@ def f32(rows: int, cols: int) -> NDArray:
     return to_wire(np.arange(rows * cols, dtype=np.float32).reshape(rows, cols) - 0.5)
 
 
-LOGPROBS = RequestLogprobs(
-    output_token_logprobs=to_wire(np.array([-0.5, np.nan], dtype=np.float32)),
-    output_top_logprobs=f32(2, 3),
-    output_top_ids=to_wire(np.arange(1, 7, dtype=np.int32).reshape(2, 3)),
-    input_start=0,
-    input_top_logprobs_flat=f32(4, 2),
-    input_top_ids_flat=to_wire(np.arange(8, dtype=np.int32).reshape(4, 2)),
-    input_top_null_prefix=1,
-)
+def flat32(*values: float) -> NDArray:
+    return to_wire(np.array(values, dtype=np.float32))
 
-COLUMNS = OutputLogprobColumns(
-    rows=i32(2, 0, 1), token_logprobs=to_wire(np.array([-0.5, np.nan, -1.0], dtype=np.float32)),
-    top_k=i32(0, 0, 2), top_logprobs=to_wire(np.array([-1.0, -2.0], dtype=np.float32)), top_ids=i32(12, 3),
-    num_ids=i32(0, 0, 1), ids_logprobs=to_wire(np.array([-7.0], dtype=np.float32)),
+
+COLUMNS = LogprobColumns(  # the output rows of three requests: b asked for none, c for top-2 and one id
+    rows=i32(2, 0, 1), token=flat32(-0.5, np.nan, -1.0),
+    top_k=i32(0, 0, 2), top_values=flat32(-1.0, -2.0), top_ids=i32(12, 3),
+    num_ids=i32(0, 0, 1), ids=flat32(-7.0),
 )
+PROMPT = LogprobColumns(rows=i32(0, 2, 0), token=flat32(np.nan, -3.0), start=i32(0, 4, 0))  # b's prompt rows, from position 4
+FLAT = LogprobColumns(rows=i32(3, 0, 0), top_k=i32(2, 0, 0), top_values=flat32(-1, -2, -3, -4, -5, -6), top_ids=i32(1, 2, 3, 4, 5, 6),
+                      start=i32(1, 0, 0))  # a's flat prompt arrays: 3 rows after a null prefix of 1 (PRODUCT §5)
 
 SAMPLES: list[msgspec.Struct] = [
     i32(1, 2, 3),
@@ -72,7 +68,6 @@ SAMPLES: list[msgspec.Struct] = [
     DetokenizeParams(stop=("</s>", "\n"), skip_special_tokens=False, no_stop_trim=True),
     DetokenizerRegistration("rid-1", "tok-1", DetokenizeParams(stop=("x",))),
     DetokenizerRegistrationReply("detok-1"),
-    LOGPROBS,
     TokenBatch(
         scheduler_id="s",
         step=7,
@@ -81,10 +76,9 @@ SAMPLES: list[msgspec.Struct] = [
         new_token_ids=i32(10, 11, 12),
         prompt_tokens=i32(5, 6, 7),
         finish=[None, Finish(FinishType.LENGTH), None],
-        logprobs=[LOGPROBS, None, RequestLogprobs()],
         spec_verify_ct=i32(1, 2, 3),
     ),
-    TokenBatch(  # the output entries as the batch's columns: b asked for none, c for top-2 and one id
+    TokenBatch(  # every kind of logprob rows as the batch's columns
         scheduler_id="s",
         step=8,
         rids=["a", "b", "c"],
@@ -92,10 +86,12 @@ SAMPLES: list[msgspec.Struct] = [
         new_token_ids=i32(10, 11, 12),
         prompt_tokens=i32(5, 6, 7),
         finish=[None, None, None],
-        logprobs=[RequestLogprobs(input_start=0, input_top_null_prefix=1), None, RequestLogprobs()],
         output_logprobs=COLUMNS,
+        prompt_logprobs=PROMPT,
+        prompt_top_flat=FLAT,
     ),
     COLUMNS,
+    FLAT,
     SamplingParams(max_new_tokens=16, temperature=0.0, top_k=5, seed=42, stop_token_ids=(2, 3), ignore_eos=True),
     LogprobParams(return_logprob=True, logprob_start_len=0, top_logprobs_num=2, token_ids_logprob=(5, 6)),
     SchedulerClaim("rid-1", 32768),
@@ -117,8 +113,8 @@ SAMPLES: list[msgspec.Struct] = [
         new_token_ids=i32(10, 11, 12),
         prompt_tokens=i32(3, 4),
         finish=[Finish(FinishType.STOP, matched=2), None],
-        logprobs=[None, LOGPROBS],
         spec_verify_ct=None,
+        output_logprobs=LogprobColumns(rows=i32(0, 2), token=flat32(-0.5, -0.25)),
     ),
 ]
 
@@ -160,10 +156,9 @@ def test_msgpack_round_trip(sample):
 
 
 def test_round_trip_keeps_none_entries_in_lists():
-    batch = SAMPLES[8]
+    batch = next(s for s in SAMPLES if isinstance(s, TokenBatch))
     decoded = msgspec.msgpack.decode(msgspec.msgpack.encode(batch), type=TokenBatch)
-    assert decoded.finish[0] is None and decoded.finish[1] == Finish(FinishType.LENGTH)
-    assert decoded.logprobs[1] is None and decoded.logprobs[2] == RequestLogprobs()
+    assert decoded.finish[0] is None and decoded.finish[1] == Finish(FinishType.LENGTH) and decoded.finish[2] is None
 
 
 def test_ndarray_decode_is_zero_copy_over_the_message_buffer():
@@ -218,7 +213,7 @@ class OldFinish(msgspec.Struct, frozen=True, gc=False, array_like=True):
 
 
 def test_old_reader_decodes_a_new_message():
-    new = SAMPLES[8]
+    new = [s for s in SAMPLES if isinstance(s, TokenBatch)][-1]
     old = msgspec.msgpack.decode(msgspec.msgpack.encode(new), type=OldTokenBatch)
     assert (old.scheduler_id, old.step, old.rids) == (new.scheduler_id, new.step, new.rids)
     assert msgspec.msgpack.decode(msgspec.msgpack.encode(Finish(FinishType.STOP, 7)), type=OldFinish).type == FinishType.STOP
@@ -230,7 +225,7 @@ def test_new_reader_decodes_an_old_message_with_defaults():
     assert new == SchedulerInfo("s", "m", 128, 2048)
     assert (new.speculative_algorithm, new.num_running) == ("none", 0)
     batch = msgspec.msgpack.decode(msgspec.msgpack.encode(OldTokenBatch("s", 1, [], i32(), i32(), i32(), [])), type=TokenBatch)
-    assert batch.logprobs is None and batch.spec_verify_ct is None
+    assert batch.output_logprobs is None and batch.prompt_logprobs is None and batch.spec_verify_ct is None
     assert msgspec.msgpack.decode(msgspec.msgpack.encode(OldFinish(FinishType.LENGTH)), type=Finish) == Finish(FinishType.LENGTH)
 
 
@@ -273,13 +268,13 @@ def test_forked_choices_evolve_the_schema():
 
 def test_unset_optional_fields_encode_as_if_they_did_not_exist():
     """PRODUCT §5: a batch with no opted-in request encodes exactly as without the fields."""
-    full = SAMPLES[8]
+    full = [s for s in SAMPLES if isinstance(s, TokenBatch)][-1]
     bare = TokenBatch(full.scheduler_id, full.step, full.rids, full.num_new_tokens, full.new_token_ids,
                       full.prompt_tokens, full.finish)  # fmt: skip
     old = OldTokenBatch(full.scheduler_id, full.step, full.rids, full.num_new_tokens, full.new_token_ids,
                         full.prompt_tokens, full.finish)  # fmt: skip
     assert msgspec.msgpack.encode(bare) == msgspec.msgpack.encode(old)
-    assert msgspec.msgpack.encode(RequestLogprobs()) == msgspec.msgpack.encode({})
+    assert msgspec.msgpack.encode(LogprobColumns(i32())) == msgspec.msgpack.encode({"rows": i32()})
 
 
 def all_subjects() -> list[str]:
@@ -293,7 +288,7 @@ def all_subjects() -> list[str]:
 def test_every_subject_is_versioned():
     found = all_subjects()
     assert len(found) >= 10
-    assert all(subject.startswith("sparkwire.v1.") for subject in found), found
+    assert all(subject.startswith(f"sparkwire.{subjects.VERSION}.") for subject in found), found
 
 
 def test_direct_subjects_embed_the_instance_id():

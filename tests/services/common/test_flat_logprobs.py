@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from services.common.flat_logprobs import FlatLogprobsError, FlatTopLogprobs, build_flat_top_logprobs
+from services.common.flat_logprobs import FlatLogprobsError, build_flat_top_logprobs
 
 NAN = float("nan")
 
@@ -14,28 +14,28 @@ def test_index_formula_from_nested_rows():
     values = [None, None, [-0.1, -2.0], [-0.3, -0.4], [-1.0, -1.5]]
     ids = [None, None, [5, 6], [7, 8], [9, 1]]
     flat = build_flat_top_logprobs(values, ids, 2)
-    assert flat.null_prefix == 2 and flat.values.shape == (3, 2)
-    assert flat.values.dtype == np.float32 and flat.ids.dtype == np.int32
-    flat_values, flat_ids = flat.values.ravel(), flat.ids.ravel()
+    assert flat.start == 2 and flat.top_values.shape == (3, 2)
+    assert flat.top_values.dtype == np.float32 and flat.top_ids.dtype == np.int32
+    flat_values, flat_ids = flat.top_values.ravel(), flat.top_ids.ravel()
     for p in range(2, 5):
         for j in range(2):
-            assert flat_values[(p - flat.null_prefix) * 2 + j] == np.float32(values[p][j])
-            assert flat_ids[(p - flat.null_prefix) * 2 + j] == ids[p][j]
+            assert flat_values[(p - flat.start) * 2 + j] == np.float32(values[p][j])
+            assert flat_ids[(p - flat.start) * 2 + j] == ids[p][j]
 
 
 def test_arrays_with_nan_and_minus_one_null_rows():
     values = np.array([[NAN, NAN], [-0.5, -0.7]], np.float32)
     ids = np.array([[-1, -1], [3, 4]], np.int32)
     flat = build_flat_top_logprobs(values, ids, 2)
-    assert flat == FlatTopLogprobs(flat.values, flat.ids, 1)
-    np.testing.assert_array_equal(flat.ids, [[3, 4]])
+    assert flat.start == 1 and flat.token is None  # top-k rows only, after the null prefix
+    np.testing.assert_array_equal(flat.top_ids, [[3, 4]])
 
 
 def test_all_null_gives_zero_rows():
     flat = build_flat_top_logprobs([None, None], [None, None], 3)
-    assert flat.null_prefix == 2 and flat.values.shape == (0, 3) and flat.ids.shape == (0, 3)
+    assert flat.start == 2 and flat.top_values.shape == (0, 3) and flat.top_ids.shape == (0, 3)
     empty = build_flat_top_logprobs(np.zeros((0, 3), np.float32), np.zeros((0, 3), np.int32), 3)
-    assert empty.null_prefix == 0 and empty.values.shape == (0, 3)
+    assert empty.start == 0 and empty.top_values.shape == (0, 3)
 
 
 @pytest.mark.parametrize(
