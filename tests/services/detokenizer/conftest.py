@@ -11,7 +11,8 @@ from tokenizers import Tokenizer
 
 from contracts.detokenizer import Finish, TokenBatch
 from services.common.arrays import to_wire
-from services.common.logprob_rows import RequestLogprobs, RowLogprobs, to_columns
+from services.common.logprob_rows import RequestLogprobs, RowLogprobs
+from tests.logprob_entries import batch_columns
 from services.models import RANDOM_TINY_MODEL
 
 TOKENIZER_PATH = RANDOM_TINY_MODEL / "tokenizer.json"
@@ -46,17 +47,8 @@ def token_batch(
         prompt_tokens=to_wire(np.arange(10, 10 + len(entries), dtype=np.int32)),
         finish=[finish for _, _, finish in entries],
         spec_verify_ct=None if spec_verify_ct is None else to_wire(np.asarray(spec_verify_ct, dtype=np.int32)),
-        **_columns(logprobs),
+        **batch_columns(logprobs),
     )
-
-
-def _columns(logprobs: Sequence[RequestLogprobs | None] | None) -> dict:
-    """The batch's logprob columns of each request's rows, as the scheduler's wire builds them."""
-    if logprobs is None:
-        return {}
-    rows = {kind: [None if lp is None else getattr(lp, kind) for lp in logprobs] for kind in ("output", "prompt", "flat")}
-    return {"output_logprobs": to_columns(rows["output"]), "prompt_logprobs": to_columns(rows["prompt"]),
-            "prompt_top_flat": to_columns(rows["flat"])}  # fmt: skip
 
 
 def output_logprobs(n: int, k: int, m: int, seed: int = 0) -> RequestLogprobs:

@@ -19,7 +19,6 @@ from contracts.detokenizer import (
     DetokenizerRegistrationReply,
     Finish,
     FinishType,
-    RequestLogprobs,
 )
 from contracts.scheduler import (
     AbortRequest,
@@ -31,6 +30,8 @@ from contracts.scheduler import (
 )
 from contracts.tokenizer import TextBatch
 from services.common.arrays import from_wire, to_wire
+from services.common.logprob_rows import RequestLogprobs
+from tests.logprob_entries import batch_columns, logprobs_of
 from services.common.connection import NatsConnection
 from services.common.lifecycle import wait_until
 from services.common.nats_server import free_port
@@ -76,7 +77,7 @@ def scripted_logprobs(request: GenerateRequest, positions: list[int], prompt_len
         fields["output_ids_logprobs"] = to_wire(np.array(vals, "<f4").reshape(-1, m))
     if first and params.logprob_start_len >= 0:
         fields.update(_input_fields(request, prompt_len))
-    return RequestLogprobs(**fields)
+    return logprobs_of(**fields)
 
 
 def _top_values(positions: list[int], k: int, offset: int) -> np.ndarray:
@@ -200,7 +201,7 @@ class FakeBackend:
             batch = TextBatch(
                 DETOKENIZER_ID, SCHEDULER_ID, [request.rid], [self.model.decode(ids)],
                 to_wire(np.array([len(ids)], "<i4")), to_wire(np.array(ids, "<i4")),
-                to_wire(np.array([prompt_len], "<i4")), [finish], [lp] if lp is not None else None,
+                to_wire(np.array([prompt_len], "<i4")), [finish], **batch_columns([lp]),
             )
             await self.transport.publish(subjects.tokenizer_outputs(self._owner(request.rid)), batch)
             done += len(ids)

@@ -9,7 +9,9 @@ import asyncio
 import msgspec
 import numpy as np
 
-from contracts.detokenizer import DetokenizeParams, Finish, FinishType, RequestLogprobs
+from contracts.detokenizer import DetokenizeParams, Finish, FinishType
+from services.common.logprob_rows import RequestLogprobs
+from tests.logprob_entries import logprobs_of
 from contracts.scheduler import LogprobParams, SamplingParams
 from services.common.arrays import to_wire
 from services.recorder.golden import fold_stream
@@ -24,7 +26,7 @@ K = 2
 def step_logprobs(first: int, count: int) -> RequestLogprobs:
     """Output entries for `count` tokens from output position `first` (values distinct per position)."""
     positions = np.arange(first, first + count)
-    return RequestLogprobs(
+    return logprobs_of(
         output_token_logprobs=to_wire((-0.5 - positions).astype("<f4")),
         output_top_logprobs=to_wire(np.stack([-0.25 - positions, -1.5 - positions], axis=1).astype("<f4")),
         output_top_ids=to_wire(np.stack([positions + 3, positions + 9], axis=1).astype("<i4")),

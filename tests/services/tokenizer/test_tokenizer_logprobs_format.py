@@ -9,7 +9,8 @@ import numpy as np
 import pybase64
 import pytest
 
-from contracts.detokenizer import RequestLogprobs
+from services.common.logprob_rows import RequestLogprobs
+from tests.logprob_entries import logprobs_of
 from services.common.arrays import to_wire
 from services.tokenizer.json_body import encode_json
 from services.tokenizer.logprobs_format import FormatOptions, LogprobChunks
@@ -46,13 +47,13 @@ def i32(rows) -> object:
 
 
 PROMPT = [11, 12, 13]
-INPUT = RequestLogprobs(
+INPUT = logprobs_of(
     input_start=0,
     input_token_logprobs=f32([NAN, -1.5, -2.5]),
     input_top_logprobs=f32([[NAN, NAN], [-0.5, -1.5], [-0.25, -3.0]]),
     input_top_ids=i32([[-1, -1], [12, 40], [13, 7]]),
 )
-OUTPUT = RequestLogprobs(
+OUTPUT = logprobs_of(
     output_token_logprobs=f32([-0.75, -0.125]),
     output_top_logprobs=f32([[-0.75, -1.0], [-0.125, -4.0]]),
     output_top_ids=i32([[50, 51], [52, 53]]),
@@ -76,7 +77,7 @@ def test_text_in_logprobs_and_defaults_off():
 
 
 def test_token_ids_logprob_rows():
-    message = RequestLogprobs(input_start=1, input_token_logprobs=f32([-1.0]), input_ids_logprobs=f32([[-2.0, -3.0]]),
+    message = logprobs_of(input_start=1, input_token_logprobs=f32([-1.0]), input_ids_logprobs=f32([[-2.0, -3.0]]),
                               output_token_logprobs=f32([-0.5]), output_ids_logprobs=f32([[NAN, NAN]]))
     meta = meta_logprobs(chunks_of(message), PROMPT, [9], FormatOptions(token_ids_logprob=(4, 5)))
     assert meta["input_token_logprobs"] == [[-1.0, 12, None]]
@@ -85,12 +86,12 @@ def test_token_ids_logprob_rows():
 
 
 def test_chunks_concatenate_in_order():
-    second = RequestLogprobs(output_token_logprobs=f32([-9.0]), output_top_logprobs=f32([[-9.0, -9.5]]), output_top_ids=i32([[1, 2]]))
+    second = logprobs_of(output_token_logprobs=f32([-9.0]), output_top_logprobs=f32([[-9.0, -9.5]]), output_top_ids=i32([[1, 2]]))
     meta = meta_logprobs(chunks_of(OUTPUT, second), PROMPT, [50, 52, 1], FormatOptions(top_logprobs_num=2))
     assert [t[0] for t in meta["output_token_logprobs"]] == [-0.75, -0.125, -9.0]
 
 
-FLAT = RequestLogprobs(
+FLAT = logprobs_of(
     input_start=0,
     input_token_logprobs=f32([NAN, -1.5, -2.5]),
     input_top_logprobs_flat=f32([[-0.5, -1.5], [-0.25, -3.0]]),
@@ -126,7 +127,7 @@ def test_nested_rows_become_flat_when_no_arrays_came():
 
 
 def test_unrepresentable_rows_fall_back_to_nested():
-    bad = RequestLogprobs(input_start=0, input_token_logprobs=f32([-1.0, NAN]),
+    bad = logprobs_of(input_start=0, input_token_logprobs=f32([-1.0, NAN]),
                           input_top_logprobs=f32([[-0.5, -1.5], [NAN, NAN]]), input_top_ids=i32([[1, 2], [-1, -1]]))
     meta = meta_logprobs(chunks_of(bad), PROMPT, [], FormatOptions(top_logprobs_num=2, flat=True))
     assert meta["input_top_logprobs"] == [[[-0.5, 1, None], [-1.5, 2, None]], None]
@@ -137,7 +138,7 @@ def test_arrays_arriving_after_a_nested_fallback_win():
     chunks = chunks_of(INPUT)  # nested rows first (fallback material) ...
     opts = FormatOptions(top_logprobs_num=2, flat=True)
     first = meta_logprobs(chunks, PROMPT, [], opts)
-    later = RequestLogprobs(input_top_logprobs_flat=f32([[-7.0, -8.0], [-7.5, -8.5]]), input_top_ids_flat=i32([[1, 2], [3, 4]]),
+    later = logprobs_of(input_top_logprobs_flat=f32([[-7.0, -8.0], [-7.5, -8.5]]), input_top_ids_flat=i32([[1, 2], [3, 4]]),
                             input_top_null_prefix=1)
     chunks.add(later)  # ... then the scheduler's arrays
     meta = meta_logprobs(chunks, PROMPT, [], opts)
@@ -163,7 +164,7 @@ def test_text_offsets(pieces, expected):
 def test_echo_puts_prompt_first_with_null_head(text_model):
     prompt = text_model.encode("ab cd")
     out = [text_model.encode("x")[0]]
-    message = RequestLogprobs(
+    message = logprobs_of(
         input_start=0,
         input_token_logprobs=f32([NAN] + [-1.0] * (len(prompt) - 1)),
         input_top_logprobs=f32([[NAN]] + [[-0.5]] * (len(prompt) - 1)),
@@ -184,7 +185,7 @@ def test_echo_puts_prompt_first_with_null_head(text_model):
 
 def test_chat_content_items_carry_bytes(text_model):
     ids = text_model.encode("é!")
-    chunks = chunks_of(RequestLogprobs(output_token_logprobs=f32([-1.0] * len(ids)),
+    chunks = chunks_of(logprobs_of(output_token_logprobs=f32([-1.0] * len(ids)),
                                        output_top_logprobs=f32([[-1.0]] * len(ids)), output_top_ids=i32([[i] for i in ids])))
     items = chat_content(output_positions(chunks, ids, 1), text_model)
     assert b"".join(bytes(item["bytes"]) for item in items) == "é!".encode()
@@ -202,11 +203,11 @@ def _nested_and_flat(num_rows: int, k: int, seed: int) -> tuple[RequestLogprobs,
     values[0], ids[0] = np.nan, -1
     token = np.full(num_rows, -1.0, np.float32)
     token[0] = np.nan
-    nested = RequestLogprobs(input_start=0, input_token_logprobs=f32(token), input_top_logprobs=f32(values),
+    nested = logprobs_of(input_start=0, input_token_logprobs=f32(token), input_top_logprobs=f32(values),
                              input_top_ids=i32(ids))
     flat = build_flat_top_logprobs(values, ids, k)
-    arrays = RequestLogprobs(input_start=0, input_token_logprobs=f32(token), input_top_logprobs_flat=f32(flat.values),
-                             input_top_ids_flat=i32(flat.ids), input_top_null_prefix=flat.null_prefix)
+    arrays = logprobs_of(input_start=0, input_token_logprobs=f32(token), input_top_logprobs_flat=f32(flat.top_values),
+                             input_top_ids_flat=i32(flat.top_ids), input_top_null_prefix=flat.start)
     return nested, arrays
 
 
@@ -308,7 +309,7 @@ def test_a_streamed_result_keeps_counts_and_text_but_not_the_logprob_arrays():
     from services.tokenizer.native import GenerationResult
     from services.tokenizer.requests import Delta
 
-    logprobs = RequestLogprobs(output_token_logprobs=f32([-1.0, -2.0]), output_top_logprobs=f32([[-1.0], [-2.0]]),
+    logprobs = logprobs_of(output_token_logprobs=f32([-1.0, -2.0]), output_top_logprobs=f32([[-1.0], [-2.0]]),
                                output_top_ids=i32([[3], [4]]))  # fmt: skip
     delta = Delta("ab", [3, 4], 5, None, (logprobs,), None)
     kept = GenerationResult(SimpleNamespace(prompt_ids=(1,) * 5, stream=False))
@@ -316,7 +317,7 @@ def test_a_streamed_result_keeps_counts_and_text_but_not_the_logprob_arrays():
     kept.add(delta)
     streamed.add(delta)
     assert (streamed.text, streamed.output_ids, streamed.prompt_tokens) == (kept.text, kept.output_ids, kept.prompt_tokens) == ("ab", [3, 4], 5)
-    assert len(kept.chunks.output_token) == 1 and streamed.chunks.output_token == [] and streamed.chunks.output_top_ids == []
+    assert len(kept.chunks.output) == 1 and streamed.chunks.output == [] and streamed.chunks.prompt == []
 
 
 @pytest.mark.parametrize("num_rows, k", [(1, 3), (300, 5), (40, 0)])
