@@ -73,6 +73,7 @@ def build_core(config: SchedulerConfig) -> SchedulerCore:
         cuda_graphs=False,  # captured below, once the verify width and captured layers are known
         fused_kernels=None if config.fused_kernels else False,  # None: on where Triton runs (CUDA)
         split_kv_decode=config.split_kv_decode,
+        max_model_len=config.max_model_len,
     )
     proposer = None
     if config.speculative_algorithm == "dspark":
@@ -148,7 +149,7 @@ def dense_prefill_config(config: SchedulerConfig, runner) -> DenseConfig:
 def check_model(config: SchedulerConfig) -> None:
     """What `build_core` refuses in milliseconds (no config.json, an unsupported architecture),
     raised before `connect`: a bad `--model` fails at once, whether NATS answers or not."""
-    ModelConfig.from_pretrained(config.model)
+    ModelConfig.from_pretrained(config.model, context_len=config.max_model_len)
 
 
 async def connect(config: SchedulerConfig) -> Transport:

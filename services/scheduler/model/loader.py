@@ -21,7 +21,8 @@ from services.common.progress import Progress
 from services.scheduler.flags import CUDA_KV_CACHE_FRACTION, DEFAULT_SPLIT_KV_DECODE, LOAD_FORMATS
 from services.scheduler.model.config import ModelConfig
 from services.scheduler.model.kv_cache import PagedKVCache, bytes_per_block, num_blocks_for_budget
-from services.scheduler.model.llama import CausalLM, rope_inv_freq
+from services.scheduler.model.llama import CausalLM
+from services.scheduler.model.registry import build_model
 from services.scheduler.model.runner import ModelRunner
 
 DUMMY_STD = 0.02  # the reference initializer_range
@@ -72,6 +73,7 @@ def load_model_runner(
     reserve: MemoryReserve = MemoryReserve(),
     fused_kernels: bool | None = None,
     split_kv_decode: bool = DEFAULT_SPLIT_KV_DECODE,
+    max_model_len: int | None = None,
 ) -> ModelRunner:
     """Load the model at `path` onto `device` in `dtype` and allocate its paged KV cache.
 
@@ -81,11 +83,13 @@ def load_model_runner(
     on the H200 in ops/bench/results/gpu_split_kv.md).
     kv_cache_bytes (or, on CUDA, `kv_cache_fraction` of the memory free after the weights and the
     reserve's weights) holds the cache's blocks together with the reserve's per-block bytes.
+    max_model_len: the longest sequence served (`ModelConfig.context_len`: LongRoPE's factors, and
+    dynamic RoPE's limit); None: the config's max_position_embeddings.
     """
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {load_format!r}")
     model_dir = Path(path)
-    config = ModelConfig.from_pretrained(model_dir)
+    config = ModelConfig.from_pretrained(model_dir, context_len=max_model_len)
     device = torch.device(device)
     model = _empty_model(config, device, dtype)
     _fill_weights(model, model_dir, config, load_format, seed)
@@ -101,9 +105,9 @@ def load_model_runner(
 def _empty_model(config: ModelConfig, device: torch.device, dtype: torch.dtype) -> CausalLM:
     # Built on the meta device so no host memory or init kernels are spent on weights we overwrite.
     with torch.device("meta"):
-        model = CausalLM(config).to(dtype)
+        model = build_model(config).to(dtype)
     model = model.to_empty(device=device)
-    model.rope_inv_freq = rope_inv_freq(config).to(device)  # stays fp32: positions need the precision
+    model.init_rope(device)  # fp32: positions need the precision
     return model
 
 
