@@ -49,6 +49,7 @@ from services.scheduler.spec.dspark_config import DSparkConfig
 from services.scheduler.spec.dspark_model import DSparkDrafter
 
 WEIGHTS_FILE = "model.safetensors"
+TARGET_COPIES = ("embed_tokens.weight", "lm_head.weight")  # published drafts' frozen copies of the target's
 
 
 def load_dspark_proposer(
@@ -114,7 +115,7 @@ def _fill_weights(drafter: DSparkDrafter, draft_dir: Path, load_format: str, see
     if load_format == "dummy":
         fill_random_weights(drafter, seed)
     elif any(draft_dir.glob("*.safetensors")):
-        load_safetensors(drafter, draft_dir)
+        load_safetensors(drafter, draft_dir, ignored=TARGET_COPIES)
     elif backbone.sparkwire_weights == "seeded-random":
         fill_random_weights(drafter, backbone.sparkwire_seed)
     else:
