@@ -37,6 +37,7 @@ from pathlib import Path
 import msgspec
 
 from services.common.connection import NatsConnection, connection_from_args
+from services.common.model_source import ModelSourceError, refuse_remote_code, resolve_model, source_argv
 from services.common.nats_auth import draw_passwords, server_environ
 from services.common.nats_server import SECURED_CONFIG, NatsServer, free_port, start_nats_server
 from services.common.settings import PREFIX, connection_environ, connection_values
@@ -104,7 +105,7 @@ def service_argv(name: str, args: argparse.Namespace, metrics_port: int | None =
     """The command line of one service, as `sparkwire <name>` would be run by hand; the NATS
     connection travels in its environment (`service_environ`), where no secret shows in `ps`."""
     argv = [sys.executable, "-m", "services.cli", name]
-    argv += ["--model", args.model, "--log-level", args.log_level]
+    argv += ["--model", args.model, "--log-level", args.log_level, *source_argv(args, name)]
     if metrics_port is not None:
         argv += ["--metrics-port", str(metrics_port)]
     if name == "scheduler":
@@ -113,6 +114,7 @@ def service_argv(name: str, args: argparse.Namespace, metrics_port: int | None =
         argv += ["--host", args.host, "--port", str(args.port), "--max-logprobs", str(args.max_logprobs)]
         argv += ["--reuse-port"] if num_tokenizers(args) > 1 else []  # they share the port
         argv += ["--served-model-name", args.served_model_name] if args.served_model_name else []
+        argv += ["--chat-template", str(args.chat_template)] if args.chat_template else []
     if name in ("scheduler", "tokenizer") and args.max_model_len:
         argv += ["--max-model-len", str(args.max_model_len)]
     return argv
@@ -398,6 +400,12 @@ def _run(stack: Stack) -> int:
         return 1
     if num_tokenizers(stack.args) < 1:
         say(f"--tokenizers must be at least 1, got {stack.args.tokenizers}")
+        return 2
+    try:  # a model id is fetched once, here, before three services look for it (then in the cache)
+        refuse_remote_code(stack.args.trust_remote_code)
+        resolve_model(stack.args.model, stack.args.revision)
+    except ModelSourceError as exc:
+        say(str(exc))
         return 2
     if port_in_use(stack.args.host, stack.args.port):
         # Otherwise whatever listens there could answer /health and pass for Sparkwire.
