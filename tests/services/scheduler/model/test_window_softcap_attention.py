@@ -168,3 +168,24 @@ def test_decode_plan_passes_window_and_softcap_to_the_twin() -> None:
     plan = DecodePlan(lens, tables, use_kernel=False)
     got = paged_attention(query, key_cache, value_cache, plan, SCALE, 5, 3.0)
     torch.testing.assert_close(got, paged_decode_attention_torch(*args, SCALE, 1, 5, 3.0), atol=0, rtol=0)
+
+
+@pytest.mark.parametrize(("family", "dense"), [("llama", True), ("mistral", False), ("gemma2", False)])
+def test_models_with_windows_or_soft_caps_keep_long_queries_off_the_dense_path(saved_family, family, dense) -> None:
+    from services.scheduler.model.dense_attention import DenseConfig
+    from services.scheduler.model.loader import load_model_runner
+
+    runner = load_model_runner(saved_family(family)[1], num_kv_blocks=8, kv_block_size=16)
+    runner.dense_prefill = DenseConfig()
+    assert (runner.dense_prefill is not None) is dense
+
+
+def test_a_dense_plan_refuses_a_window() -> None:
+    from services.scheduler.model.attention import VarlenPlan, varlen_attention
+    from services.scheduler.model.dense_attention import DenseConfig, plan_dense
+
+    query, key_cache, value_cache, starts, seq_lens, tables = ragged_inputs([20], [20])
+    dense = plan_dense(starts.tolist(), seq_lens.tolist(), DenseConfig(min_query_len=8))
+    plan = VarlenPlan(starts, seq_lens, tables, torch.zeros(2, 0, dtype=torch.int32), 32, False, dense)
+    with pytest.raises(ValueError, match="dense path"):
+        varlen_attention(query, key_cache, value_cache, plan, SCALE, window=5)
