@@ -120,7 +120,9 @@ def add_up_arguments(parser: argparse.ArgumentParser) -> None:
     add_model_arguments(parser, env)
     add_speculative_arguments(parser)
     add_cuda_arguments(parser)
-    add("--served-model-name", default="", help="the model name clients send and see (default: the directory name)")
+    add("--served-model-name", default="", help="the model name clients send and see (default: the model id, or the directory name)")
+    add("--tokenizer", default=None, help="tokenizer directory or model id, instead of --model's tokenizer files")
+    add("--chat-template", type=Path, default=None, metavar="FILE", help="a jinja chat template instead of the tokenizer's")
     add("--max-logprobs", type=int, default=20, help="largest top-k a request may ask for")
     add("--api-key", default=env.api_key or None,
         help="require `Authorization: Bearer KEY` on every route but /health (better: SPARKWIRE_API_KEY)")  # fmt: skip

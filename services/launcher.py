@@ -40,6 +40,7 @@ from pathlib import Path
 import msgspec
 
 from services.common.connection import NatsConnection, connection_from_args
+from services.common.model_source import ModelSourceError, refuse_remote_code, resolve_model, source_argv
 from services.common.nats_auth import draw_passwords, server_environ
 from services.common.nats_server import SECURED_CONFIG, NatsServer, free_port, start_nats_server
 from services.common.settings import PREFIX, connection_environ, connection_values
@@ -111,7 +112,7 @@ def service_argv(
     connection travels in its environment (`service_environ`), where no secret shows in `ps`.
     `metrics_dir`: where the processes of this kind publish their counts for one /metrics page."""
     argv = [sys.executable, "-m", "services.cli", name]
-    argv += ["--model", args.model, "--log-level", args.log_level]
+    argv += ["--model", args.model, "--log-level", args.log_level, *source_argv(args, name)]
     if metrics_port is not None:
         argv += ["--metrics-port", str(metrics_port)]
     if metrics_dir is not None:
@@ -122,6 +123,7 @@ def service_argv(
         argv += ["--host", args.host, "--port", str(args.port), "--max-logprobs", str(args.max_logprobs)]
         argv += ["--reuse-port"] if num_tokenizers(args) > 1 else []  # they share the port
         argv += ["--served-model-name", args.served_model_name] if args.served_model_name else []
+        argv += ["--chat-template", str(args.chat_template)] if args.chat_template else []
     if name in ("scheduler", "tokenizer") and args.max_model_len:
         argv += ["--max-model-len", str(args.max_model_len)]
     return argv
@@ -412,6 +414,12 @@ def _run(stack: Stack) -> int:
         return 1
     if num_tokenizers(stack.args) < 1:
         say(f"--tokenizers must be at least 1, got {stack.args.tokenizers}")
+        return 2
+    try:  # a model id is fetched once, here, before three services look for it (then in the cache)
+        refuse_remote_code(stack.args.trust_remote_code)
+        resolve_model(stack.args.model, stack.args.revision)
+    except ModelSourceError as exc:
+        say(str(exc))
         return 2
     if port_in_use(stack.args.host, stack.args.port):
         # Otherwise whatever listens there could answer /health and pass for Sparkwire.

@@ -105,18 +105,38 @@ def test_every_scheduler_flag_of_up_reaches_the_scheduler_with_its_value(tmp_pat
               "--max-model-len", "300", "--kv-cache-memory-fraction", "0.25", "--no-ragged-cuda-graphs",
               "--no-logprob-cuda-graphs", "--no-greedy-logprob-graphs", "--no-fused-kernels", "--no-fused-logprobs", "--no-split-kv-decode", "--speculative-algorithm", "dspark", "--draft-model", str(tmp_path / "d"),
               "--speculative-num-draft-tokens", "5", "--draft-context-window", "512", "--verify-mode", "compact",
-              "--step-trace", str(tmp_path / "trace")]  # fmt: skip
+              "--step-trace", str(tmp_path / "trace"), "--revision", "v2"]  # fmt: skip
     up = build_parser(["up", *values]).parse_args(["up", *values])
     defaults = build_parser(["up"]).parse_args(["up"])
     scheduler_argv = service_argv("scheduler", up)[3:]
     scheduler = build_parser(scheduler_argv).parse_args(scheduler_argv)
     connection = argparse.ArgumentParser()
     add_connection_arguments(connection, connection_values())  # these travel in the child's environment
-    elsewhere = {"run", "command", "log_level", "log_format", *vars(connection.parse_args([]))}
+    # --trust-remote-code: refused by `up` itself, never handed on
+    elsewhere = {"run", "command", "log_level", "log_format", "trust_remote_code", *vars(connection.parse_args([]))}
     shared = [name for name in vars(scheduler) if name in vars(up) and name not in elsewhere]
     assert {name: getattr(scheduler, name) for name in shared} == {name: getattr(up, name) for name in shared}
     assert all(getattr(up, name) != getattr(defaults, name) for name in shared), [n for n in shared if getattr(up, n) == getattr(defaults, n)]
     assert len(shared) >= 15, shared
+
+
+def test_up_hands_the_model_source_flags_to_the_services_that_read_them(tmp_path):
+    flags = ["--model", "org/name", "--revision", "v2", "--tokenizer", "org/tok", "--chat-template", str(tmp_path / "t.jinja")]
+    args = build_parser(["up", *flags]).parse_args(["up", *flags])
+    scheduler, tokenizer, detokenizer = (service_argv(name, args) for name in ("scheduler", "tokenizer", "detokenizer"))
+    assert [value_after(argv, "--revision") for argv in (scheduler, tokenizer, detokenizer)] == ["v2"] * 3
+    assert [value_after(argv, "--tokenizer") for argv in (scheduler, tokenizer, detokenizer)] == [None, "org/tok", "org/tok"]
+    assert value_after(tokenizer, "--chat-template") == str(tmp_path / "t.jinja") and "--chat-template" not in detokenizer
+    for argv in (scheduler, tokenizer, detokenizer):
+        build_parser(argv[3:]).parse_args(argv[3:])  # each child takes what it is given
+
+
+def test_up_refuses_remote_code_in_words(capsys):
+    from services import launcher
+
+    args = build_parser(["up", "--trust-remote-code"]).parse_args(["up", "--trust-remote-code"])
+    assert launcher.main(args) == 2
+    assert "--trust-remote-code is not supported" in capsys.readouterr().err
 
 
 def test_up_refuses_fewer_than_one_tokenizer_in_words(capsys):

@@ -10,6 +10,7 @@ from pathlib import Path
 from services.common.connection import add_connection_arguments, connection_from_args
 from services.common.lifecycle import new_instance_id, run_service, stop_on_signals
 from services.common.logging import add_logging_arguments, configure_logging
+from services.common.model_source import add_source_arguments, refuse_remote_code, resolve_model
 from services.common.settings import EnvSettings, connection_values
 from services.detokenizer.config import DetokenizerConfig, tokenizer_file
 from services.detokenizer.service import run
@@ -19,7 +20,9 @@ from services.models import BUNDLED_MODEL
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     env = EnvSettings.from_environ()
-    parser.add_argument("--model", default=env.model or str(BUNDLED_MODEL), help="model directory or tokenizer.json")
+    parser.add_argument("--model", default=env.model or str(BUNDLED_MODEL),
+                        help="model directory, tokenizer.json or Hugging Face model id")  # fmt: skip
+    add_source_arguments(parser, tokenizer=True)
     parser.add_argument("--instance-id", default=new_instance_id(), help="fixed id, e.g. to replay a recording")
     add_logging_arguments(parser, env.log_level, env.log_format)
     add_connection_arguments(parser, connection_values())
@@ -27,10 +30,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus /metrics here (0: any free port)")
 
 
+def _text_source(args: argparse.Namespace) -> Path:
+    """--tokenizer, else --model (at --revision), resolved without weights."""
+    refuse_remote_code(args.trust_remote_code)
+    if args.tokenizer:
+        return resolve_model(args.tokenizer, weights=False)
+    return resolve_model(args.model, args.revision, weights=False)
+
+
 def config_from_args(args: argparse.Namespace) -> DetokenizerConfig:
     return DetokenizerConfig(
         nats=connection_from_args(args, connection_values()),
-        tokenizer_path=tokenizer_file(Path(args.model)),
+        tokenizer_path=tokenizer_file(_text_source(args)),
         instance_id=args.instance_id,
         metrics_host=args.metrics_host,
         metrics_port=args.metrics_port,

@@ -12,6 +12,7 @@ import structlog
 from services.common.connection import add_connection_arguments, connection_from_args
 from services.common.lifecycle import in_daemon_thread, leave, new_instance_id, run_service, stop_on_signals, unless_stopped
 from services.common.logging import add_logging_arguments, configure_logging, with_progress
+from services.common.model_source import refuse_remote_code, resolve_model
 from services.common.settings import EnvSettings, connection_values
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.core import SchedulerCore
@@ -39,8 +40,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def config_from_args(args: argparse.Namespace) -> SchedulerConfig:
+    refuse_remote_code(args.trust_remote_code)
     return SchedulerConfig(
-        model=args.model,
+        model=str(resolve_model(args.model, args.revision)),
         draft_model=args.draft_model,
         speculative_algorithm=args.speculative_algorithm,
         num_draft_tokens=args.speculative_num_draft_tokens,

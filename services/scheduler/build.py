@@ -126,7 +126,7 @@ def make_policy(runner: ModelRunner, settings: CoreSettings, proposer: Proposer 
 def check_model(config: SchedulerConfig) -> None:
     """What `build_core` refuses in milliseconds (no config.json, an unsupported architecture),
     raised before `connect`: a bad `--model` fails at once, whether NATS answers or not."""
-    ModelConfig.from_pretrained(config.model)
+    ModelConfig.from_pretrained(config.model, context_len=config.max_model_len)
 
 
 def load_runner(config: SchedulerConfig) -> ModelRunner:
@@ -150,6 +150,7 @@ def load_runner(config: SchedulerConfig) -> ModelRunner:
         cuda_graphs=False,  # captured by `prepare_runtime`, once the verify width and captured layers are known
         fused_kernels=None if config.fused_kernels else False,  # None: on where Triton runs (CUDA)
         split_kv_decode=config.split_kv_decode,
+        max_model_len=config.max_model_len,
     )
 
 

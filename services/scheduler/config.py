@@ -71,7 +71,7 @@ class SchedulerConfig:
         _check_choice("logprobs_mode", self.logprobs_mode, LOGPROBS_MODES)
         _check_choice("speculative_algorithm", self.speculative_algorithm, SPECULATIVE_ALGORITHMS)
         if self.dtype is not None:
-            _check_choice("dtype", self.dtype, tuple(DTYPES))
+            _check_choice("dtype", self.dtype, (*DTYPES, "auto"))
         for name in ("max_running_requests", "chunked_prefill_size", "kv_block_size"):
             _check_positive(name, getattr(self, name))
         if self.max_prefill_tokens is not None and self.max_prefill_tokens < self.chunked_prefill_size:
@@ -106,9 +106,21 @@ class SchedulerConfig:
 
     @property
     def torch_dtype(self) -> torch.dtype:
+        if self.dtype == "auto":
+            return checkpoint_dtype(self.model)
         if self.dtype is not None:
             return DTYPES[self.dtype]
         return torch.bfloat16 if self.resolved_device == "cuda" else torch.float32
+
+
+def checkpoint_dtype(model_dir: str) -> torch.dtype:
+    """`--dtype auto`: the dtype config.json names (`torch_dtype`, or `dtype` as transformers >= 5 writes it)."""
+    from services.scheduler.model.config import ModelConfig
+
+    name = ModelConfig.from_pretrained(model_dir).torch_dtype
+    if name not in DTYPES:
+        raise ValueError(f"--dtype auto: the checkpoint's dtype {name!r} is not one of {', '.join(DTYPES)}")
+    return DTYPES[name]
 
 
 def _check_choice(name: str, value: object, choices: tuple[str, ...]) -> None:

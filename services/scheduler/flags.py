@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 
+from services.common.model_source import add_source_arguments
 from services.common.settings import EnvSettings
 from services.models import BUNDLED_MODEL
 
@@ -14,6 +15,7 @@ SPECULATIVE_ALGORITHMS = ("none", "dspark")
 VERIFY_MODES = ("static", "compact")
 DEVICES = ("auto", "cpu", "cuda")
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
+DTYPE_CHOICES = (*DTYPE_NAMES, "auto")  # auto: the checkpoint's torch_dtype
 LOAD_FORMATS = ("auto", "dummy")
 LOGPROBS_MODES = ("raw", "processed")
 DEFAULT_MAX_RUNNING_REQUESTS = 64
@@ -38,9 +40,12 @@ def add_model_arguments(parser: argparse.ArgumentParser, env: EnvSettings) -> No
     """What the scheduler serves and how much of it at once, shared by `sparkwire scheduler` and
     `sparkwire up`."""
     add = parser.add_argument
-    add("--model", default=env.model or str(BUNDLED_MODEL), help="target model directory (Hugging Face layout)")
+    add("--model", default=env.model or str(BUNDLED_MODEL),
+        help="target model: a directory (Hugging Face layout) or a Hugging Face model id (its cache, HF_HOME, HF_HUB_OFFLINE)")  # fmt: skip
+    add_source_arguments(parser)
     add("--device", choices=DEVICES, default=env.device, help="auto: cuda when available, else cpu")
-    add("--dtype", choices=DTYPE_NAMES, default=None, help="weights and KV cache (default: float32 on cpu, bfloat16 on cuda)")
+    add("--dtype", choices=DTYPE_CHOICES, default=None,
+        help="weights and KV cache (default: float32 on cpu, bfloat16 on cuda; auto: the checkpoint's torch_dtype)")  # fmt: skip
     add("--load-format", choices=LOAD_FORMATS, default="auto", help="dummy: random weights from config.json")
     add("--logprobs-mode", choices=LOGPROBS_MODES, default="raw",
         help="raw: logprobs of the model's own distribution; processed: after temperature")  # fmt: skip

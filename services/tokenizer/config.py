@@ -26,10 +26,12 @@ class TokenizerConfig:
     api_key: str | None = None  # set: every route but /health needs `Authorization: Bearer <key>`
     metrics_require_api_key: bool = False  # /metrics too needs the key (scrapers often send none)
     metrics_dir: Path | None = None  # set: /metrics answers the sum of every tokenizer publishing here
+    tokenizer_dir: Path | None = None  # --tokenizer: tokenizer.json and tokenizer_config.json from here
+    chat_template: str | None = None  # --chat-template: this jinja source instead of the tokenizer's
 
     def __post_init__(self) -> None:
-        if not (self.model_dir / "tokenizer.json").is_file():
-            raise ValueError(f"{self.model_dir} has no tokenizer.json")
+        if not (self.text_dir / "tokenizer.json").is_file():
+            raise ValueError(f"{self.text_dir} has no tokenizer.json")
         if not 0 <= self.port < 65536:
             raise ValueError(f"port {self.port} out of range")
         if self.max_model_len is not None and self.max_model_len < 1:
@@ -39,6 +41,11 @@ class TokenizerConfig:
         for name in ("request_timeout_s", "health_timeout_s", "claim_wait_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0")
+
+    @property
+    def text_dir(self) -> Path:
+        """Where the tokenizer's files are: --tokenizer, else the model directory."""
+        return self.tokenizer_dir or self.model_dir
 
     @property
     def model_name(self) -> str:

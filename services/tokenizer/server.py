@@ -27,7 +27,7 @@ log = structlog.get_logger(__name__)
 @contextlib.asynccontextmanager
 async def serving(config: TokenizerConfig) -> AsyncIterator[Frontend]:
     """The whole tokenizer up (HTTP listening) inside the block; drained and stopped after it."""
-    model = TextModel.from_dir(config.model_dir, config.max_model_len)
+    model = TextModel.from_dir(config.model_dir, config.max_model_len, config.tokenizer_dir, config.chat_template)
     model.warm_logprob_tables()  # so that the first request with logprobs does not hold the event loop building them
     metrics = Metrics(config.model_name)
     service = await TokenizerService.start(config, functools.partial(request_left, metrics))

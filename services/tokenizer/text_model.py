@@ -46,14 +46,20 @@ class TextModel:
     architectures: tuple[str, ...] = ()
 
     @classmethod
-    def from_dir(cls, model_dir: Path, max_model_len: int | None = None) -> TextModel:
-        tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+    def from_dir(
+        cls, model_dir: Path, max_model_len: int | None = None, tokenizer_dir: Path | None = None,
+        chat_template: str | None = None,
+    ) -> TextModel:
+        """tokenizer_dir: the tokenizer's files from there (default model_dir); chat_template: this
+        template's source instead of tokenizer_config.json's."""
+        text_dir = tokenizer_dir or model_dir
+        tokenizer = Tokenizer.from_file(str(text_dir / "tokenizer.json"))
         config = _read_json(model_dir / "config.json")
-        tokenizer_config = _read_json(model_dir / "tokenizer_config.json")
+        tokenizer_config = _read_json(text_dir / "tokenizer_config.json")
         vocab_size = int(config.get("vocab_size") or tokenizer.get_vocab_size(with_added_tokens=True))
         limit = max_model_len or int(config.get("max_position_embeddings") or tokenizer_config.get("model_max_length") or 4096)
         special = frozenset(i for i, t in tokenizer.get_added_tokens_decoder().items() if t.special)
-        source = template_source(tokenizer_config)
+        source = chat_template or template_source(tokenizer_config)
         chat = ChatTemplate(source, special_tokens(tokenizer_config)) if source else None
         return cls(
             tokenizer, _token_bytes_table(tokenizer, vocab_size), special, vocab_size, limit, source, chat,

@@ -207,7 +207,8 @@ def test_up_records_every_message_of_a_request_and_the_recording_replays(tmp_pat
 
 @pytest.mark.timeout(120)
 def test_up_reports_a_service_that_dies_and_exits_non_zero(tmp_path):
-    process, log = start_up(tmp_path, free_port(), "--model", str(tmp_path / "no-such-model"))
+    (tmp_path / "empty-model").mkdir()  # a model directory the services refuse (a missing one `up` refuses itself)
+    process, log = start_up(tmp_path, free_port(), "--model", str(tmp_path / "empty-model"))
     try:
         assert process.wait(timeout=100) != 0
         output = log.read_text()
@@ -216,6 +217,19 @@ def test_up_reports_a_service_that_dies_and_exits_non_zero(tmp_path):
         missing = ("has no tokenizer.json", "tokenizer file not found")
         assert any(words in output for words in missing) and "Traceback" not in output, output[-4000:]
         assert "Sparkwire ready" not in output
+    finally:
+        if process.poll() is None:
+            process.kill()
+
+
+@pytest.mark.timeout(60)
+def test_up_refuses_a_model_that_is_neither_a_path_nor_an_id_before_starting_anything(tmp_path):
+    process, log = start_up(tmp_path, free_port(), "--model", str(tmp_path / "no-such-model"))
+    try:
+        assert process.wait(timeout=50) == 2
+        output = log.read_text()
+        assert "cannot load" in output and "no-such-model" in output and "not a Hugging Face model id" in output
+        assert "exited with code" not in output and "Traceback" not in output  # no service was started
     finally:
         if process.poll() is None:
             process.kill()

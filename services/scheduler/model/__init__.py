@@ -1,8 +1,14 @@
-"""Model runtime: config parsing, the Llama/Qwen2/Qwen3 decoder, paged KV cache, loader, runner."""
+"""Model runtime: config parsing, the decoder families (`registry.py`), paged KV cache, loader, runner."""
 
 from services.scheduler.model.batch import ForwardBatch, ForwardOutput
 from services.scheduler.model.config import ModelConfig, UnsupportedModelError
-from services.scheduler.model.loader import MemoryReserve, MissingTensorError, NoWeightsError, load_model_runner
+from services.scheduler.model.loader import (
+    MemoryReserve,
+    MissingTensorError,
+    NoWeightsError,
+    UnexpectedTensorError,
+    load_model_runner,
+)
 from services.scheduler.model.runner import ModelRunner
 
 __all__ = [
@@ -13,6 +19,7 @@ __all__ = [
     "ModelConfig",
     "ModelRunner",
     "NoWeightsError",
+    "UnexpectedTensorError",
     "UnsupportedModelError",
     "load_model_runner",
 ]

@@ -43,6 +43,7 @@ class AttentionGroup:
     blocks: torch.Tensor  # int64 [G, num_blocks], cache blocks to read (clamped to >= 0)
     mask: torch.Tensor | None  # bool [G, 1, max_q, num_blocks * block_size]; None: plain causal
     num_keys: int  # keys read per sequence: num_blocks * block_size, or seq_len when unmasked
+    query_pos: torch.Tensor  # int64 [G, max_q], each padded query's position (0 on padding)
 
 
 @dataclass(frozen=True)
@@ -169,21 +170,19 @@ def _group(
     num_blocks = -(-max_kv // block_size)
     seq_index = torch.tensor(seqs, device=device)
     blocks = batch.block_tables[seq_index, :num_blocks].long().clamp_min(0)  # [G, num_blocks]
-    if all(q_len == seq_lens[b] for q_len, b in zip(q_lens, seqs)) and len(set(q_lens)) == 1:
-        # Whole sequences of one length: positions 0..n-1 against keys 0..n-1 is plain causal.
-        return AttentionGroup(token_index, valid_rows, valid_tokens, blocks, None, max_kv)
     token_valid = torch.zeros(len(seqs) * max_q, dtype=torch.bool, device=device)
     token_valid[valid_rows] = True
-    mask = _causal_mask(batch, token_index, token_valid.view(len(seqs), max_q), seq_index, num_blocks * block_size)
-    return AttentionGroup(token_index, valid_rows, valid_tokens, blocks, mask, num_blocks * block_size)
-
-
-def _causal_mask(
-    batch: ForwardBatch, token_index: torch.Tensor, token_valid: torch.Tensor, seq_index: torch.Tensor, num_keys: int
-) -> torch.Tensor:
-    key_pos = torch.arange(num_keys, device=token_index.device)  # [K]
     # Padded query rows see key 0 only, so softmax stays finite; their output is dropped.
-    query_pos = torch.where(token_valid, batch.positions[token_index], 0)  # [G, max_q]
+    query_pos = torch.where(token_valid.view(len(seqs), max_q), batch.positions[token_index], 0)  # [G, max_q]
+    if all(q_len == seq_lens[b] for q_len, b in zip(q_lens, seqs)) and len(set(q_lens)) == 1:
+        # Whole sequences of one length: positions 0..n-1 against keys 0..n-1 is plain causal.
+        return AttentionGroup(token_index, valid_rows, valid_tokens, blocks, None, max_kv, query_pos)
+    mask = _causal_mask(batch, query_pos, seq_index, num_blocks * block_size)
+    return AttentionGroup(token_index, valid_rows, valid_tokens, blocks, mask, num_blocks * block_size, query_pos)
+
+
+def _causal_mask(batch: ForwardBatch, query_pos: torch.Tensor, seq_index: torch.Tensor, num_keys: int) -> torch.Tensor:
+    key_pos = torch.arange(num_keys, device=query_pos.device)  # [K]
     seq_lens = batch.seq_lens[seq_index].long()  # [G]
     mask = key_pos[None, None, :] <= query_pos[:, :, None]  # [G, max_q, K]
     mask &= key_pos[None, None, :] < seq_lens[:, None, None]
@@ -196,20 +195,26 @@ def paged_attention(
     value_cache: torch.Tensor,
     plan: AttentionPlan | DecodePlan | VarlenPlan,
     scale: float,
+    window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
-    """query [T, Hq, D]; caches [num_blocks, block_size, Hkv, D] (new K/V already written) -> [T, Hq, D]."""
+    """query [T, Hq, D]; caches [num_blocks, block_size, Hkv, D] (new K/V already written) -> [T, Hq, D].
+    window > 0: a query at position p sees keys p - window + 1 .. p only (a sliding-window layer);
+    softcap > 0: scores s (scaled) become softcap * tanh(s / softcap) before the softmax (Gemma 2)."""
     if isinstance(plan, DecodePlan):
-        return paged_decode_attention(query, key_cache, value_cache, plan, scale)
+        return paged_decode_attention(query, key_cache, value_cache, plan, scale, window, softcap)
     if isinstance(plan, VarlenPlan):
-        return varlen_attention(query, key_cache, value_cache, plan, scale)
+        return varlen_attention(query, key_cache, value_cache, plan, scale, window, softcap)
     out = torch.empty_like(query)
     for group in plan.groups:
-        out.index_copy_(0, group.valid_tokens, _group_attention(query, key_cache, value_cache, group, scale))
+        rows = _group_attention(query, key_cache, value_cache, group, scale, window, softcap)  # [N, Hq, D]
+        out.index_copy_(0, group.valid_tokens, rows)
     return out
 
 
 def _group_attention(
-    query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, group: AttentionGroup, scale: float
+    query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, group: AttentionGroup, scale: float,
+    window: int = 0, softcap: float = 0.0,
 ) -> torch.Tensor:
     q = query[group.token_index].transpose(1, 2)  # [G, Hq, max_q, D]
     k = _read_blocks(key_cache, group)  # [G, Hkv, K, D]
@@ -218,9 +223,32 @@ def _group_attention(
     if repeats > 1:
         k = k.repeat_interleave(repeats, dim=1)  # [G, Hq, K, D]
         v = v.repeat_interleave(repeats, dim=1)
-    causal = group.mask is None
-    o = F.scaled_dot_product_attention(q, k, v, attn_mask=group.mask, is_causal=causal, scale=scale)
+    if window or softcap:  # SDPA takes no soft-capping: the same function, written out in fp32
+        o = _explicit_attention(q, k, v, _windowed_mask(group, k.shape[2], window), scale, softcap)
+    else:
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=group.mask, is_causal=group.mask is None, scale=scale)
     return o.transpose(1, 2).flatten(0, 1).index_select(0, group.valid_rows)  # [N, Hq, D]
+
+
+def _windowed_mask(group: AttentionGroup, num_keys: int, window: int) -> torch.Tensor:
+    """bool [G, 1, max_q, K]: the group's causal mask, and with window > 0 only the last `window` keys."""
+    key_pos = torch.arange(num_keys, device=group.query_pos.device)[None, None, :]  # [1, 1, K]
+    query_pos = group.query_pos[:, :, None]  # [G, max_q, 1]
+    mask = group.mask[:, 0] if group.mask is not None else key_pos <= query_pos  # [G, max_q, K]
+    if window:
+        mask = mask & (key_pos > query_pos - window)
+    return mask[:, None]
+
+
+def _explicit_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float, softcap: float
+) -> torch.Tensor:
+    """softmax(cap(q k^T * scale) masked) v in fp32: q [G, H, Q, D], k, v [G, H, K, D], mask [G, 1, Q, K] -> q's dtype."""
+    scores = q.float() @ k.float().transpose(-1, -2) * scale  # [G, H, Q, K]
+    if softcap:
+        scores = torch.tanh(scores / softcap) * softcap
+    scores = scores.masked_fill(~mask, float("-inf"))
+    return (scores.softmax(dim=-1) @ v.float()).to(q.dtype)
 
 
 def _read_blocks(cache: torch.Tensor, group: AttentionGroup) -> torch.Tensor:
@@ -230,7 +258,8 @@ def _read_blocks(cache: torch.Tensor, group: AttentionGroup) -> torch.Tensor:
 
 
 def paged_decode_attention(
-    query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, plan: DecodePlan, scale: float
+    query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, plan: DecodePlan, scale: float,
+    window: int = 0, softcap: float = 0.0,
 ) -> torch.Tensor:
     """query [B * query_len, Hq, D] -> [B * query_len, Hq, D]."""
     args = (query, key_cache, value_cache, plan.seq_lens, plan.block_tables, scale, plan.query_len)
@@ -240,14 +269,17 @@ def paged_decode_attention(
         # One program per (sequence, kv head) on the tensor cores, for decode too: on the H200 (8B heads,
         # context 256) 0.035 ms against 0.108 for one program per token at batch 64, 0.029 vs 0.047 at
         # batch 1 (ops/bench/gpu_core_check.py, results/gpu_core.json "kernels").
-        return paged_block_attention_triton(*args, plan.num_kv_splits)
-    return paged_decode_attention_torch(*args)
+        return paged_block_attention_triton(*args, plan.num_kv_splits, window=window, softcap=softcap)
+    return paged_decode_attention_torch(*args, window, softcap)
 
 
 def varlen_attention(
-    query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, plan: VarlenPlan, scale: float
+    query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, plan: VarlenPlan, scale: float,
+    window: int = 0, softcap: float = 0.0,
 ) -> torch.Tensor:
     """query [T, Hq, D] of a ragged step -> [T, Hq, D]."""
+    if plan.dense is not None and (window or softcap):
+        raise ValueError("the dense path takes no sliding window or soft-capping (ModelRunner.dense_prefill)")
     if plan.dense is not None and (whole := plan.dense.whole_step(query.shape[0])) is not None:
         # a prompt alone: the dense call's output is the step's, with no kernel launch or copy beside it
         return attend_dense_sequence(query, key_cache, value_cache, plan.block_tables, whole, scale, plan.dense.config)
@@ -255,9 +287,10 @@ def varlen_attention(
     if plan.use_kernel:  # where Triton is
         from services.scheduler.model.triton_varlen import varlen_attention_triton
 
-        out = varlen_attention_triton(query, key_cache, value_cache, *tensors, plan.tiles, plan.block_m, scale)
+        out = varlen_attention_triton(query, key_cache, value_cache, *tensors, plan.tiles, plan.block_m, scale,
+                                      window=window, softcap=softcap)  # fmt: skip
     else:  # the twin computes the dense rows too; attend_dense overwrites them
-        out = varlen_attention_torch(query, key_cache, value_cache, *tensors, scale)
+        out = varlen_attention_torch(query, key_cache, value_cache, *tensors, scale, window, softcap)
     if plan.dense is not None:  # rows the kernel left unwritten (no tiles)
         attend_dense(query, key_cache, value_cache, plan.block_tables, plan.dense, scale, out)
     return out
@@ -271,9 +304,12 @@ def varlen_attention_torch(
     seq_lens: torch.Tensor,
     block_tables: torch.Tensor,
     scale: float,
+    window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """The varlen kernel's reference. Query token i of sequence b (q_len = query_start_loc[b + 1] -
-    query_start_loc[b]) sits at position seq_lens[b] - q_len + i and sees keys 0 .. that position.
+    query_start_loc[b]) sits at position seq_lens[b] - q_len + i and sees keys 0 .. that position
+    (the last `window` of them with window > 0).
     As in the kernel, sequences may be empty (q_len 0: padding) and tokens past query_start_loc[-1]
     belong to none (padding): the kernel stores nothing for them, the twin zeros (no host sync)."""
     num_tokens = query.shape[0]
@@ -284,7 +320,7 @@ def varlen_attention_torch(
     token_seq = (torch.searchsorted(starts[1:], tokens, right=True)).clamp_max(len(query_lens) - 1)  # [T]
     index = tokens - starts[token_seq]  # [T], query index in its sequence
     visible = torch.where(covered, seq_lens.long()[token_seq] - query_lens[token_seq] + index + 1, 1)  # [T]
-    out = attend_visible_keys(query, key_cache, value_cache, token_seq, visible, block_tables, scale)
+    out = attend_visible_keys(query, key_cache, value_cache, token_seq, visible, block_tables, scale, window, softcap)
     return out.masked_fill(~covered[:, None, None], 0.0)
 
 
@@ -296,15 +332,17 @@ def paged_decode_attention_torch(
     block_tables: torch.Tensor,
     scale: float,
     query_len: int = 1,
+    window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """The decode kernel's reference, fp32 inside.
 
     query [T = B * query_len, Hq, D]; caches [N, block_size, Hkv, D]; seq_lens int32 [B];
     block_tables int32 [B, M]. Token t of sequence b = t // query_len sees keys
-    0 .. seq_lens[b] - query_len + t % query_len.
+    0 .. seq_lens[b] - query_len + t % query_len (the last `window` of them with window > 0).
     """
     token_seq, visible = token_lengths(seq_lens, query_len)  # [T], [T]
-    return attend_visible_keys(query, key_cache, value_cache, token_seq, visible, block_tables, scale)
+    return attend_visible_keys(query, key_cache, value_cache, token_seq, visible, block_tables, scale, window, softcap)
 
 
 def attend_visible_keys(
@@ -315,10 +353,13 @@ def attend_visible_keys(
     visible: torch.Tensor,
     block_tables: torch.Tensor,
     scale: float,
+    window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
-    """softmax(q k^T * scale) v of each token t over keys 0 .. visible[t] - 1 of sequence token_seq[t],
-    fp32 inside; every block of the table is gathered per token. Query head h reads kv head
-    h // (Hq / Hkv). query [T, Hq, D]; token_seq, visible int64 [T] -> [T, Hq, D]."""
+    """softmax(q k^T * scale) v of each token t over keys 0 .. visible[t] - 1 of sequence token_seq[t]
+    (visible[t] - window .. with window > 0; scores soft-capped with softcap > 0), fp32 inside;
+    every block of the table is gathered per token. Query head h reads kv head h // (Hq / Hkv).
+    query [T, Hq, D]; token_seq, visible int64 [T] -> [T, Hq, D]."""
     num_tokens, num_heads, head_dim = query.shape
     num_kv_heads = key_cache.shape[2]
     blocks = block_tables.long().clamp_min(0)[token_seq]  # [T, M]
@@ -326,8 +367,12 @@ def attend_visible_keys(
     values = value_cache[blocks].flatten(1, 2).float()  # [T, K, Hkv, D]
     q = query.float().view(num_tokens, num_kv_heads, num_heads // num_kv_heads, head_dim)  # [T, Hkv, G, D]
     scores = torch.einsum("bhgd,bkhd->bhgk", q, keys) * scale  # [T, Hkv, G, K]
+    if softcap:
+        scores = torch.tanh(scores / softcap) * softcap
     key_pos = torch.arange(keys.shape[1], device=query.device)  # [K]
     seen = key_pos[None, :] < visible[:, None]  # [T, K]
+    if window:
+        seen &= key_pos[None, :] >= visible[:, None] - window
     scores = scores.masked_fill(~seen[:, None, None, :], float("-inf"))
     out = torch.einsum("bhgk,bkhd->bhgd", scores.softmax(dim=-1), values)  # [T, Hkv, G, D]
     return out.reshape(num_tokens, num_heads, head_dim).to(query.dtype)

@@ -1,10 +1,15 @@
-"""Llama / Qwen2 / Qwen3 decoder over ragged flattened tokens with a paged KV cache.
+"""The shared decoder: Llama, Mistral, Qwen2, Qwen3 and Phi-3 as they are, Gemma 2/3 through
+`gemma.py`'s overrides; ragged flattened tokens over a paged KV cache.
 
-The three families differ only by flags on `ModelConfig`: q/k/v (and o) biases, Qwen3's per-head
-RMSNorm on q and k, Llama 3 RoPE scaling, tied embeddings. Parameter names match the Hugging Face
-checkpoints (`model.layers.0.self_attn.q_proj.weight`, ...) through `checkpoint_tensors`: q/k/v
-live in one fused `qkv_proj` and gate/up in one `gate_up_proj` (one matmul each instead of three
-and two, fewer launches per decode step), and each Hugging Face name maps to a row slice of those.
+The Llama-shaped families differ only by `ModelConfig`: q/k/v (and o) biases, Qwen3's per-head
+RMSNorm on q and k, sliding-window layers (Mistral, Phi-3, Qwen with `use_sliding_window`), RoPE
+scaling (`rope.py`), tied embeddings. Parameter names match the Hugging Face checkpoints
+(`model.layers.0.self_attn.q_proj.weight`, ...) through `checkpoint_tensors`: q/k/v live in one
+fused `qkv_proj` and gate/up in one `gate_up_proj` (one matmul each instead of three and two, fewer
+launches per decode step), and each Hugging Face name maps to a row slice of those (Phi-3 ships
+them fused: `phi3.py`). A family whose layer differs subclasses the parts here (`DecoderLayer`'s
+`mlp_class` is where a mixture-of-experts MLP slots in; `make_linear` where a quantized one does),
+and `registry.MODEL_CLASSES` maps each config `architectures` entry to its class.
 
 `CausalLM.fused_kernels` (the runner sets it: `ModelRunner.fused_kernels`) swaps the small ops
 between the matmuls for the Triton kernels of `triton_fused.py`, with the torch code here as their
@@ -12,14 +17,14 @@ twin (same rounding): residual add + RMSNorm (`add_rms_norm`), Qwen3's q/k RMSNo
 K/V write into the paged cache (`Attention.rotate_and_store`), and SiLU(gate) * up (`silu_mul`);
 at one token (`GEMV_TOKENS`) the norms take the matmul after them along (`norm_linear`: q/k/v,
 gate/up) and SiLU * up the down projection (`silu_linear`), as GEMVs in the same launch, and
-o_proj is a GEMV of its own (`project`).
+o_proj is a GEMV of its own (`project`). Norms whose rounding the kernels do not compute (Gemma's,
+`fusable` False) and other activations than SiLU stay on the torch ops.
 Layers carry the residual stream beside the sublayer output, so each add meets the norm after it:
 layer l takes (its input's last sublayer output, the stream before it) and returns the same pair.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterator
 
 import torch
@@ -28,16 +33,20 @@ from torch import nn
 
 from services.scheduler.model.attention import AttentionPlan, DecodePlan, VarlenPlan, paged_attention, plan_attention
 from services.scheduler.model.batch import ForwardBatch
-from services.scheduler.model.config import ModelConfig, RopeScaling
+from services.scheduler.model.config import SLIDING, ModelConfig
 from services.scheduler.model.kv_cache import PagedKVCache
+from services.scheduler.model.rope import apply_rope, default_inv_freq, rope_cos_sin, rope_frequencies
 
 GEMV_TOKENS = 1  # rows that triton_fused's one-token GEMVs take when fused: a batch-1 decode step's
-
+GLOBAL, LOCAL = "global", "local"  # RoPE tables: every layer's, and Gemma 3's sliding layers' own
 
 Plan = AttentionPlan | DecodePlan | VarlenPlan
+Ropes = dict[str, tuple[torch.Tensor, torch.Tensor]]  # table -> (cos, sin) [T, 1, D]
 
 
 class RMSNorm(nn.Module):
+    fusable = True  # triton_fused's norms compute this rounding
+
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
@@ -50,11 +59,11 @@ class RMSNorm(nn.Module):
 
 
 def add_rms_norm(
-    x: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm, fused: bool = False
+    x: torch.Tensor, residual: torch.Tensor | None, norm: nn.Module, fused: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(norm(x + residual), x + residual), the sum rounded once to x's dtype; residual None (the first
     layer's input): (norm(x), x). x, residual [T, H]."""
-    if fused:
+    if fused and norm.fusable:
         from services.scheduler.model.triton_fused import add_rms_norm_triton
 
         return add_rms_norm_triton(x, residual, norm.weight, norm.eps)
@@ -73,16 +82,22 @@ def silu_mul(gate_up: torch.Tensor, fused: bool = False) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+def gelu_tanh_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """GELU(gate, tanh approximation) * up of gate_up [T, 2I] -> [T, I]: Gemma's GeGLU."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up
+
+
 def takes_gemv(x: torch.Tensor, fused: bool) -> bool:
     """Whether a matmul of x [T, K] runs as triton_fused's one-token GEMV."""
     return fused and x.shape[0] == GEMV_TOKENS
 
 
 def norm_linear(
-    x: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm, linear: nn.Linear, fused: bool = False
+    x: torch.Tensor, residual: torch.Tensor | None, norm: nn.Module, linear: nn.Linear, fused: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(linear(norm(x + residual)), x + residual) as `add_rms_norm`; fused at one token, one launch."""
-    if takes_gemv(x, fused):
+    if takes_gemv(x, fused) and norm.fusable:
         from services.scheduler.model.triton_fused import norm_gemv_triton
 
         return norm_gemv_triton(x, residual, norm.weight, norm.eps, linear.weight, linear.bias)
@@ -108,42 +123,32 @@ def silu_linear(gate_up: torch.Tensor, linear: nn.Linear, fused: bool = False) -
     return linear(silu_mul(gate_up, fused))
 
 
-def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
-    """Inverse frequencies [head_dim // 2], fp32, with Llama 3 scaling when configured."""
-    exponents = torch.arange(0, config.head_dim, 2, dtype=torch.int64).float() / config.head_dim
-    inv_freq = 1.0 / (config.rope_theta**exponents)
-    if config.rope_scaling is not None:
-        inv_freq = _llama3_scale(inv_freq, config.rope_scaling)
-    return inv_freq
+def softcap(x: torch.Tensor, cap: float | None) -> torch.Tensor:
+    """cap * tanh(x / cap) in x's dtype (Gemma 2's logit soft-capping); cap None: x."""
+    return x if cap is None else torch.tanh(x / cap) * cap
 
 
-def _llama3_scale(inv_freq: torch.Tensor, scaling: RopeScaling) -> torch.Tensor:
-    # Long wavelengths are slowed by `factor`, short ones kept, the band between interpolated.
-    old_len = scaling.original_max_position_embeddings
-    low_freq_wavelen = old_len / scaling.low_freq_factor
-    high_freq_wavelen = old_len / scaling.high_freq_factor
-    wavelen = 2 * math.pi / inv_freq
-    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / scaling.factor, inv_freq)
-    smooth = (old_len / wavelen - scaling.low_freq_factor) / (scaling.high_freq_factor - scaling.low_freq_factor)
-    smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
-    is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
-    return torch.where(is_medium, smoothed, scaled)
+def make_linear(in_features: int, out_features: int, bias: bool) -> nn.Linear:
+    """Every projection of the decoder (a quantized checkpoint's linear would be built here)."""
+    return nn.Linear(in_features, out_features, bias=bias)
 
 
-def rope_cos_sin(inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
-    freqs = positions.float()[:, None] * inv_freq[None, :]  # [T, D/2]
-    angles = torch.cat((freqs, freqs), dim=-1)[:, None, :]  # [T, 1, D]
-    return angles.cos().to(dtype), angles.sin().to(dtype)
+def rope_inv_freq(config: ModelConfig, local: bool = False) -> torch.Tensor:
+    """Inverse frequencies [head_dim // 2], fp32: the global layers' RoPE, or (local) Gemma 3's sliding layers'."""
+    return rope_parameters(config, local)[0]
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [T, heads, D]; rotate-half convention of the Hugging Face checkpoints."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return torch.addcmul(x * cos, rotated, sin)
+def rope_parameters(config: ModelConfig, local: bool = False) -> tuple[torch.Tensor, float]:
+    """(inverse frequencies fp32 [head_dim // 2], attention factor) of the global or the local RoPE."""
+    if local:
+        return default_inv_freq(config.local_rope_theta or config.rope_theta, config.head_dim), 1.0
+    return rope_frequencies(config.rope_scaling, config.rope_theta, config.head_dim, config.max_position_embeddings,
+                            config.served_len)  # fmt: skip
 
 
 class Attention(nn.Module):
+    norm_class: type[nn.Module] = RMSNorm
+
     def __init__(self, config: ModelConfig, layer_index: int) -> None:
         super().__init__()
         self.layer_index = layer_index
@@ -152,26 +157,30 @@ class Attention(nn.Module):
         self.head_dim = config.head_dim
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         self.split_sizes = (q_size, kv_size, kv_size)
-        self.qkv_proj = nn.Linear(config.hidden_size, q_size + 2 * kv_size, bias=config.attention_bias)
-        self.o_proj = nn.Linear(q_size, config.hidden_size, bias=config.o_proj_bias)
+        self.qkv_proj = make_linear(config.hidden_size, q_size + 2 * kv_size, config.attention_bias)
+        self.o_proj = make_linear(q_size, config.hidden_size, config.o_proj_bias)
         if config.qk_norm:
-            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
-            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+            self.q_norm = self.norm_class(self.head_dim, config.rms_norm_eps)
+            self.k_norm = self.norm_class(self.head_dim, config.rms_norm_eps)
         self.qk_norm = config.qk_norm
+        self.scale = config.scale
+        self.window = config.layer_window(layer_index)  # 0: every key
+        self.softcap = config.attn_logit_softcap or 0.0  # 0: none
+        local = config.local_rope_theta is not None and config.layer_window(layer_index) > 0
+        self.rope_table = LOCAL if local else GLOBAL
 
     def checkpoint_slices(self) -> Iterator[tuple[str, torch.Tensor]]:
         yield from _fused_slices(self.qkv_proj, ("q_proj", "k_proj", "v_proj"), self.split_sizes)
 
     def forward(
-        self, qkv: torch.Tensor, rope: tuple[torch.Tensor, ...], batch: ForwardBatch, cache: PagedKVCache, plan: Plan,
-        fused: bool = False,
+        self, qkv: torch.Tensor, ropes: Ropes, batch: ForwardBatch, cache: PagedKVCache, plan: Plan, fused: bool = False,
     ) -> torch.Tensor:
         """qkv [T, (Hq + 2 Hkv) D], the `qkv_proj` of the normed stream (the layer applies it with
         the norm: `norm_linear`) -> the o_proj output [T, H]."""
         num_tokens = qkv.shape[0]
-        q = self.rotate_and_store(qkv, rope, batch.slot_mapping, cache, fused)  # [T, Hq, D]
+        q = self.rotate_and_store(qkv, ropes[self.rope_table], batch.slot_mapping, cache, fused)  # [T, Hq, D]
         key_cache, value_cache = cache.key_cache(self.layer_index), cache.value_cache(self.layer_index)
-        out = paged_attention(q, key_cache, value_cache, plan, self.head_dim**-0.5)  # [T, Hq, D]
+        out = paged_attention(q, key_cache, value_cache, plan, self.scale, self.window, self.softcap)  # [T, Hq, D]
         return project(out.reshape(num_tokens, -1), self.o_proj, fused)
 
     def rotate_and_store(
@@ -180,7 +189,7 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         """qkv [T, (Hq + 2 Hkv) D] -> q [T, Hq, D], q/k normed (Qwen3) and rotated; k and v written to
         this layer's cache at `slot_mapping` (attention reads them from there)."""
-        if fused:
+        if fused and (not self.qk_norm or self.q_norm.fusable):
             from services.scheduler.model.triton_fused import rotate_and_store_triton
 
             norms = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if self.qk_norm else None
@@ -200,18 +209,27 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
+    """Gated MLP, down(act(gate) * up): SiLU (SwiGLU) or, for Gemma, tanh-GELU (GeGLU)."""
+
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.intermediate_size = config.intermediate_size
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=config.mlp_bias)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
+        self.gate_up_proj = make_linear(config.hidden_size, 2 * config.intermediate_size, config.mlp_bias)
+        self.down_proj = make_linear(config.intermediate_size, config.hidden_size, config.mlp_bias)
+        self.silu = config.hidden_act == "silu"
 
     def checkpoint_slices(self) -> Iterator[tuple[str, torch.Tensor]]:
         sizes = (self.intermediate_size, self.intermediate_size)
         yield from _fused_slices(self.gate_up_proj, ("gate_proj", "up_proj"), sizes)
 
     def forward(self, x: torch.Tensor, fused: bool = False) -> torch.Tensor:
-        return silu_linear(self.gate_up_proj(x), self.down_proj, fused)
+        return self.down(self.gate_up_proj(x), fused)
+
+    def down(self, gate_up: torch.Tensor, fused: bool = False) -> torch.Tensor:
+        """gate_up [T, 2I] -> [T, H]."""
+        if self.silu:
+            return silu_linear(gate_up, self.down_proj, fused)
+        return self.down_proj(gelu_tanh_mul(gate_up))
 
 
 def _fused_slices(
@@ -226,44 +244,64 @@ def _fused_slices(
 
 
 class DecoderLayer(nn.Module):
+    attention_class: type[nn.Module] = Attention
+    mlp_class: type[nn.Module] = MLP  # a mixture of experts takes the same [T, H] -> [T, H]
+    norm_class: type[nn.Module] = RMSNorm
+
     def __init__(self, config: ModelConfig, layer_index: int) -> None:
         super().__init__()
-        self.self_attn = Attention(config, layer_index)
-        self.mlp = MLP(config)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = self.attention_class(config, layer_index)
+        self.mlp = self.mlp_class(config)
+        self.input_layernorm = self.norm_class(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = self.norm_class(config.hidden_size, config.rms_norm_eps)
 
     def forward(
-        self, x: torch.Tensor, residual: torch.Tensor | None, rope: tuple[torch.Tensor, ...], batch: ForwardBatch,
+        self, x: torch.Tensor, residual: torch.Tensor | None, ropes: Ropes, batch: ForwardBatch,
         cache: PagedKVCache, plan: Plan, fused: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(x, residual) -> (this layer's MLP output, the stream before it); their sum is the layer's
         output. residual None: x is the whole stream (the embeddings, or a layer output made whole)."""
         qkv, residual = norm_linear(x, residual, self.input_layernorm, self.self_attn.qkv_proj, fused)
-        x = self.self_attn(qkv, rope, batch, cache, plan, fused)
+        x = self.self_attn(qkv, ropes, batch, cache, plan, fused)
         gate_up, residual = norm_linear(x, residual, self.post_attention_layernorm, self.mlp.gate_up_proj, fused)
-        return silu_linear(gate_up, self.mlp.down_proj, fused), residual
+        return self.mlp.down(gate_up, fused), residual
 
 
 class DecoderModel(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, layer_class: type[nn.Module], norm_class: type[nn.Module]) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.layers = nn.ModuleList(layer_class(config, i) for i in range(config.num_hidden_layers))
+        self.norm = norm_class(config.hidden_size, config.rms_norm_eps)
 
 
 class CausalLM(nn.Module):
     """`forward` returns final-normed hidden states [T, H] and the captured layers' outputs."""
 
+    layer_class: type[nn.Module] = DecoderLayer
+
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.config = config
-        self.model = DecoderModel(config)
+        self.model = DecoderModel(config, self.layer_class, self.layer_class.norm_class)
         if not config.tie_word_embeddings:
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        self.register_buffer("rope_inv_freq", rope_inv_freq(config), persistent=False)
+        self.init_rope()
         self.fused_kernels = False  # the Triton kernels of triton_fused.py (CUDA; the interpreter in tests)
+
+    def init_rope(self, device: torch.device | None = None) -> None:
+        """The RoPE tables' inverse frequencies (fp32: positions need the precision), on `device` (None:
+        the default one); a model built on the meta device calls this again once it is on a real one."""
+        inv_freq, self.rope_factor = rope_parameters(self.config)
+        self.register_buffer("rope_inv_freq", inv_freq.to(device), persistent=False)
+        if SLIDING in self.config.layer_types and self.config.local_rope_theta is not None:
+            self.register_buffer("rope_local_inv_freq", rope_inv_freq(self.config, local=True).to(device), persistent=False)
+
+    def rope_tables(self, positions: torch.Tensor, dtype: torch.dtype) -> Ropes:
+        ropes = {GLOBAL: rope_cos_sin(self.rope_inv_freq, positions, dtype, self.rope_factor)}
+        if hasattr(self, "rope_local_inv_freq"):
+            ropes[LOCAL] = rope_cos_sin(self.rope_local_inv_freq, positions, dtype)
+        return ropes
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
@@ -290,13 +328,13 @@ class CausalLM(nn.Module):
         """`plan` None: plan the ragged SDPA path here (a host sync unless the batch carries its lengths);
         a DecodePlan or VarlenPlan keeps it sync-free."""
         x = self.model.embed_tokens(batch.input_ids)  # [T, H]
-        rope = rope_cos_sin(self.rope_inv_freq, batch.positions, x.dtype)
+        ropes = self.rope_tables(batch.positions, x.dtype)
         if plan is None:
             plan = plan_attention(batch, cache.block_size)
         captured: dict[int, torch.Tensor] = {}
         residual = None
         for index, layer in enumerate(self.model.layers):
-            x, residual = layer(x, residual, rope, batch, cache, plan, self.fused_kernels)
+            x, residual = layer(x, residual, ropes, batch, cache, plan, self.fused_kernels)
             if index in batch.capture_layers:
                 x, residual = x + residual, None  # the layer's output, whole; the next layer adds nothing
                 captured[index] = x
@@ -306,7 +344,8 @@ class CausalLM(nn.Module):
         return hidden, torch.cat([captured[i] for i in batch.capture_layers], dim=-1)  # [T, C * H]
 
     def head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden, self.lm_head_weight)  # [N, V], the model's dtype
+        """[N, V] in the model's dtype, soft-capped where the config says (Gemma 2), as transformers does."""
+        return softcap(F.linear(hidden, self.lm_head_weight), self.config.final_logit_softcap)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.head_logits(hidden).float()  # [N, V]

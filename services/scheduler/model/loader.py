@@ -5,6 +5,11 @@ load_format "auto" reads `*.safetensors` (one file, or shards listed in
 `"sparkwire_weights": "seeded-random"` (the random test model, sparkwire-tiny) gets weights from its
 `sparkwire_seed`. load_format "dummy" always builds random weights from config.json alone.
 Either way every tensor filled counts on one `Progress` (a bar on a terminal, else log records).
+
+Loading is strict: before any tensor is read, every name in the checkpoint must be one the model
+consumes (`checkpoint_tensors`) or known to be harmless (`HARMLESS_SUFFIXES`, a tied model's copy of
+its embedding as `lm_head.weight`), and of a float dtype: an extra bias, a quantization scale or an
+integer/float8 weight is an error naming it, never dropped or cast in silence.
 """
 
 from __future__ import annotations
@@ -21,7 +26,8 @@ from services.common.progress import Progress
 from services.scheduler.flags import CUDA_KV_CACHE_FRACTION, DEFAULT_SPLIT_KV_DECODE, LOAD_FORMATS
 from services.scheduler.model.config import ModelConfig
 from services.scheduler.model.kv_cache import PagedKVCache, bytes_per_block, num_blocks_for_budget
-from services.scheduler.model.llama import CausalLM, rope_inv_freq
+from services.scheduler.model.llama import CausalLM
+from services.scheduler.model.registry import build_model
 from services.scheduler.model.runner import ModelRunner
 
 DUMMY_STD = 0.02  # the reference initializer_range
@@ -29,6 +35,10 @@ DUMMY_STD = 0.02  # the reference initializer_range
 # host would dominate start-up of a dummy 8B model, and benchmarks only need plausible numbers.
 DUMMY_PERIOD = 4_000_037
 CPU_KV_CACHE_CAP_BYTES = 1 << 30
+# Checkpoint tensors no model consumes and none needs: RoPE tables some exports keep (recomputed here).
+HARMLESS_SUFFIXES = ("rotary_emb.inv_freq",)
+# safetensors dtypes of quantized weights: loaded into float parameters they would be wrong.
+QUANTIZED_DTYPES = ("F8_E4M3", "F8_E5M2", "I8", "U8", "I4", "U4")
 
 
 class MissingTensorError(KeyError):
@@ -38,6 +48,13 @@ class MissingTensorError(KeyError):
         super().__init__(f"tensor {name!r} not found in the safetensors files of {model_dir}")
         self.name = name
         self.model_dir = model_dir
+
+    def __str__(self) -> str:
+        return str(self.args[0])
+
+
+class UnexpectedTensorError(KeyError):
+    """A checkpoint tensor the model does not consume, or one whose dtype it cannot take as it is."""
 
     def __str__(self) -> str:
         return str(self.args[0])
@@ -72,6 +89,7 @@ def load_model_runner(
     reserve: MemoryReserve = MemoryReserve(),
     fused_kernels: bool | None = None,
     split_kv_decode: bool = DEFAULT_SPLIT_KV_DECODE,
+    max_model_len: int | None = None,
 ) -> ModelRunner:
     """Load the model at `path` onto `device` in `dtype` and allocate its paged KV cache.
 
@@ -81,11 +99,13 @@ def load_model_runner(
     on the H200 in ops/bench/results/gpu_split_kv.md).
     kv_cache_bytes (or, on CUDA, `kv_cache_fraction` of the memory free after the weights and the
     reserve's weights) holds the cache's blocks together with the reserve's per-block bytes.
+    max_model_len: the longest sequence served (`ModelConfig.context_len`: LongRoPE's factors, and
+    dynamic RoPE's limit); None: the config's max_position_embeddings.
     """
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {load_format!r}")
     model_dir = Path(path)
-    config = ModelConfig.from_pretrained(model_dir)
+    config = ModelConfig.from_pretrained(model_dir, context_len=max_model_len)
     device = torch.device(device)
     model = _empty_model(config, device, dtype)
     _fill_weights(model, model_dir, config, load_format, seed)
@@ -101,9 +121,9 @@ def load_model_runner(
 def _empty_model(config: ModelConfig, device: torch.device, dtype: torch.dtype) -> CausalLM:
     # Built on the meta device so no host memory or init kernels are spent on weights we overwrite.
     with torch.device("meta"):
-        model = CausalLM(config).to(dtype)
+        model = build_model(config).to(dtype)
     model = model.to_empty(device=device)
-    model.rope_inv_freq = rope_inv_freq(config).to(device)  # stays fp32: positions need the precision
+    model.init_rope(device)  # fp32: positions need the precision
     return model
 
 
@@ -129,20 +149,51 @@ def _safetensors_files(model_dir: Path) -> list[Path]:
 
 
 @torch.no_grad()
-def load_safetensors(model: CausalLM, model_dir: Path) -> None:
-    """Copy every parameter, by its Hugging Face name, from the directory's safetensors files."""
+def load_safetensors(model: torch.nn.Module, model_dir: Path, ignored: tuple[str, ...] = ()) -> None:
+    """Copy every parameter, by its Hugging Face name, from the directory's safetensors files, after
+    checking the files' names against the model's (`ignored`: names the caller knows it does not use)."""
     needed = dict(model.checkpoint_tensors())
+    files = _safetensors_files(model_dir)
+    check_checkpoint_names(model, model_dir, files, set(needed), set(ignored) | _tied_head(model))
     progress = _load_progress(model, needed.values(), path=str(model_dir))
-    for path in _safetensors_files(model_dir):
+    for path in files:
         with safe_open(str(path), framework="pt", device="cpu") as handle:
             for name in handle.keys():
                 if name in needed:
                     param = needed.pop(name)
                     param.copy_(handle.get_tensor(name))
                     progress.advance(num_bytes=_nbytes(param), tensor=name)
-    if needed:
-        raise MissingTensorError(sorted(needed)[0], model_dir)
     progress.close()
+
+
+def check_checkpoint_names(
+    model: torch.nn.Module, model_dir: Path, files: list[Path], needed: set[str], ignored: set[str]
+) -> None:
+    """Raise unless the files hold exactly the needed tensors (plus ignored or harmless ones), each
+    of a float dtype: a missing one is `MissingTensorError`, an extra or quantized one `UnexpectedTensorError`."""
+    found: set[str] = set()
+    for path in files:
+        with safe_open(str(path), framework="pt", device="cpu") as handle:
+            for name in handle.keys():
+                found.add(name)
+                _check_tensor(model, path, name, handle.get_slice(name).get_dtype(), needed, ignored)
+    if missing := needed - found:
+        raise MissingTensorError(sorted(missing)[0], model_dir)
+
+
+def _check_tensor(model: torch.nn.Module, path: Path, name: str, dtype: str, needed: set[str], ignored: set[str]) -> None:
+    where = f"checkpoint tensor {name!r} ({path.name})"
+    if name not in needed and name not in ignored and not name.endswith(HARMLESS_SUFFIXES):
+        raise UnexpectedTensorError(f"{where} is not consumed by {type(model).__name__}: refused rather than dropped")
+    if name in needed and dtype in QUANTIZED_DTYPES:
+        raise UnexpectedTensorError(f"{where} is {dtype}: quantized weights are not supported")
+
+
+def _tied_head(model: torch.nn.Module) -> set[str]:
+    """A tied model's `lm_head.weight`, which some checkpoints keep as a copy of the embedding:
+    transformers ties it back to the embedding and ignores it too."""
+    config = getattr(model, "config", None)
+    return {"lm_head.weight"} if isinstance(config, ModelConfig) and config.tie_word_embeddings else set()
 
 
 @torch.no_grad()

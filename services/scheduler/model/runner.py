@@ -78,10 +78,7 @@ class ModelRunner:
         self.fused_kernels = on_cuda_with_triton if fused_kernels is None else fused_kernels
         self._split_kv_decode = split_kv_decode
         self._num_sms = device_sms(kv_cache.kv.device) if num_sms is None else num_sms
-        # Long queries of ragged steps on the kernel path attended densely (`dense_attention.py`);
-        # None: off (`build_core` sets it, `--dense-prefill`). Graphs capture no dense call, so this
-        # may be switched at any time.
-        self.dense_prefill: DenseConfig | None = None
+        self._dense_prefill: DenseConfig | None = None
 
     def prepare_decode_graphs(
         self,
@@ -145,6 +142,19 @@ class ModelRunner:
         if on != self.model.fused_kernels and (self.decode_graphs is not None or self.ragged_graphs is not None):
             raise RuntimeError("fused_kernels switched with CUDA graphs captured: drop them first")
         self.model.fused_kernels = on
+
+    @property
+    def dense_prefill(self) -> DenseConfig | None:
+        """Long queries of ragged steps on the kernel path attended densely (`dense_attention.py`);
+        None: off (`build_core` sets it, `--dense-prefill`). Graphs capture no dense call, so this
+        may be switched at any time."""
+        return self._dense_prefill
+
+    @dense_prefill.setter
+    def dense_prefill(self, config: DenseConfig | None) -> None:
+        # FA4 and SDPA are called there without sliding windows or soft-capping (SDPA has no softcap):
+        # such models' long queries stay on the varlen kernel, which takes both.
+        self._dense_prefill = None if self.config.has_windows_or_softcap else config
 
     @property
     def split_kv_decode(self) -> bool:

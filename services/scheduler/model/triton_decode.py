@@ -17,6 +17,11 @@ chosen on the host from shapes alone, once per plan (`kv_splits.num_kv_splits`, 
 a graph captured for a rung keeps it; the split length comes from each sequence's own seq_len on
 the device, and splits past its last block, or past a verify row's last key, leave m_s = -inf,
 which the combine weighs 0.
+
+Sliding windows and soft-capping (WINDOW, SOFTCAP: constexprs, 0 for none) follow the twin: a row
+at position p sees keys p - WINDOW + 1 .. p, so a sequence's programs start at the block holding its
+first row's window start (the split kernel splits the blocks from there on), and rows may see no
+key of a block; scores s become SOFTCAP * tanh(s / SOFTCAP) before the online softmax.
 """
 
 from __future__ import annotations
@@ -48,12 +53,31 @@ def _query_rows(q_ptr, seq, kv_head, seq_len, stride_qt, stride_qh,
 
 
 @triton.jit
+def tanh(x):
+    """tanh from one exp, sign-symmetric (no overflow for any |x|)."""
+    t = tl.exp(-2.0 * tl.abs(x))
+    y = (1.0 - t) / (1.0 + t)
+    return tl.where(x < 0, -y, y)
+
+
+@triton.jit
+def _first_block(seq_len, QUERY_LEN: tl.constexpr, BLOCK_SIZE: tl.constexpr, WINDOW: tl.constexpr):
+    # The block holding the first row's first visible key: 0 without a window.
+    first = seq_len * 0
+    if WINDOW > 0:
+        first = tl.maximum(seq_len - QUERY_LEN + 1 - WINDOW, 0) // BLOCK_SIZE
+    return first
+
+
+@triton.jit
 def _attend_blocks(q, k_ptr, v_ptr, tables_ptr, seq, kv_head, seq_len, row_len, first_block, end_block, scale,
                    stride_kb, stride_ks, stride_kh, stride_tb,
-                   ROWS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, ROWS_MAY_SEE_NONE: tl.constexpr):
+                   ROWS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, ROWS_MAY_SEE_NONE: tl.constexpr,
+                   WINDOW: tl.constexpr, SOFTCAP: tl.constexpr):
     # Online softmax of q's rows over table blocks first_block .. end_block - 1: (row max [R], sum of
     # exp [R], unnormalized output [R, D]), fp32. ROWS_MAY_SEE_NONE: a run that need not hold key 0,
     # where a row can see no key (it keeps m = -inf, sums 0); else block 0 makes m finite at once.
+    # A window lets a row see none of a block too.
     d = tl.arange(0, HEAD_DIM)
     s = tl.arange(0, BLOCK_SIZE)
     m = tl.full([ROWS], float("-inf"), tl.float32)
@@ -66,9 +90,14 @@ def _attend_blocks(q, k_ptr, v_ptr, tables_ptr, seq, kv_head, seq_len, row_len, 
         k = tl.load(k_ptr + kv_offs, mask=(key_pos < seq_len)[:, None], other=0.0)  # [S, D]
         v = tl.load(v_ptr + kv_offs, mask=(key_pos < seq_len)[:, None], other=0.0)  # [S, D]
         scores = tl.dot(q, tl.trans(k)) * scale  # [R, S], fp32 accumulation
-        scores = tl.where(key_pos[None, :] < row_len[:, None], scores, float("-inf"))
+        if SOFTCAP > 0:
+            scores = SOFTCAP * tanh(scores / SOFTCAP)
+        seen = key_pos[None, :] < row_len[:, None]  # [R, S]
+        if WINDOW > 0:
+            seen = seen & (key_pos[None, :] >= row_len[:, None] - WINDOW)
+        scores = tl.where(seen, scores, float("-inf"))
         m_new = tl.maximum(m, tl.max(scores, axis=1))
-        if ROWS_MAY_SEE_NONE:
+        if ROWS_MAY_SEE_NONE or WINDOW > 0:
             m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # exp(-inf - 0) = 0, not exp(-inf + inf)
         else:
             m_ref = m_new
@@ -85,7 +114,7 @@ def _paged_block_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, seq_lens_ptr, tables_ptr, scale,
     stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_ot, stride_oh, stride_tb,
     GROUP: tl.constexpr, QUERY_LEN: tl.constexpr, ROWS: tl.constexpr, HEAD_DIM: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
 ):
     # One program per (sequence, kv head) for all QUERY_LEN x GROUP query rows, every block of the sequence.
     seq = tl.program_id(0)
@@ -93,9 +122,10 @@ def _paged_block_kernel(
     seq_len = tl.load(seq_lens_ptr + seq)
     q, token, head, row_ok, row_len = _query_rows(q_ptr, seq, kv_head, seq_len, stride_qt, stride_qh,
                                                   GROUP, QUERY_LEN, ROWS, HEAD_DIM)  # fmt: skip
+    first_block = _first_block(seq_len, QUERY_LEN, BLOCK_SIZE, WINDOW)
     m, den, acc = _attend_blocks(q, k_ptr, v_ptr, tables_ptr, seq, kv_head, seq_len, row_len,
-                                 0, tl.cdiv(seq_len, BLOCK_SIZE), scale, stride_kb, stride_ks, stride_kh, stride_tb,
-                                 ROWS, HEAD_DIM, BLOCK_SIZE, False)  # fmt: skip
+                                 first_block, tl.cdiv(seq_len, BLOCK_SIZE), scale, stride_kb, stride_ks, stride_kh,
+                                 stride_tb, ROWS, HEAD_DIM, BLOCK_SIZE, False, WINDOW, SOFTCAP)  # fmt: skip
     out = acc / den[:, None]
     d = tl.arange(0, HEAD_DIM)
     o_offs = token[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :]
@@ -107,24 +137,26 @@ def _paged_split_kernel(
     q_ptr, k_ptr, v_ptr, max_ptr, sum_ptr, acc_ptr, seq_lens_ptr, tables_ptr, scale, num_heads, num_splits,
     stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_tb,
     GROUP: tl.constexpr, QUERY_LEN: tl.constexpr, ROWS: tl.constexpr, HEAD_DIM: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
 ):
-    # One program per (sequence, kv head, split): split s reads blocks s * per_split .. of the sequence's
-    # cdiv(seq_len, BLOCK_SIZE), per_split = cdiv(that, num_splits) (none past the last); partials are
-    # laid out [T, Hq, num_splits] (and [T, Hq, num_splits, D]), fp32.
+    # One program per (sequence, kv head, split): split s reads blocks lo + s * per_split .. of the
+    # sequence's blocks lo .. cdiv(seq_len, BLOCK_SIZE) - 1 (lo: 0, or the window's first),
+    # per_split = cdiv(their count, num_splits) (none past the last); partials are laid out
+    # [T, Hq, num_splits] (and [T, Hq, num_splits, D]), fp32.
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + seq)
     num_blocks = tl.cdiv(seq_len, BLOCK_SIZE)
-    per_split = tl.cdiv(num_blocks, num_splits)
-    first_block = split * per_split
+    lo = _first_block(seq_len, QUERY_LEN, BLOCK_SIZE, WINDOW)
+    per_split = tl.cdiv(num_blocks - lo, num_splits)
+    first_block = lo + split * per_split
     end_block = tl.minimum(first_block + per_split, num_blocks)
     q, token, head, row_ok, row_len = _query_rows(q_ptr, seq, kv_head, seq_len, stride_qt, stride_qh,
                                                   GROUP, QUERY_LEN, ROWS, HEAD_DIM)  # fmt: skip
     m, den, acc = _attend_blocks(q, k_ptr, v_ptr, tables_ptr, seq, kv_head, seq_len, row_len,
                                  first_block, end_block, scale, stride_kb, stride_ks, stride_kh, stride_tb,
-                                 ROWS, HEAD_DIM, BLOCK_SIZE, True)  # fmt: skip
+                                 ROWS, HEAD_DIM, BLOCK_SIZE, True, WINDOW, SOFTCAP)  # fmt: skip
     part = (token * num_heads + head) * num_splits + split  # [R]
     tl.store(max_ptr + part, m, mask=row_ok)
     tl.store(sum_ptr + part, den, mask=row_ok)
@@ -138,7 +170,7 @@ def _combine_splits_kernel(
     HEAD_DIM: tl.constexpr, SPLITS: tl.constexpr,
 ):
     # One program per (query token, query head): the log-sum-exp merge of its num_splits partials.
-    # Split 0 always holds key 0, which every row sees, so the max is finite; empty splits weigh 0.
+    # Some split holds the row's own key, which it sees, so the max is finite; empty splits weigh 0.
     token = tl.program_id(0)
     head = tl.program_id(1)
     sp = tl.arange(0, SPLITS)
@@ -162,11 +194,13 @@ def paged_block_attention_triton(
     scale: float,
     query_len: int = 1,
     num_splits: int = 1,
+    window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """query [B * query_len, Hq, D]; caches [N, block_size, Hkv, D]; seq_lens int32 [B] (>= query_len);
     tables int32 [B, M]. Token t belongs to sequence t // query_len (see DecodePlan). num_splits 1:
     one program per (sequence, kv head); more (up to MAX_SPLITS): split-KV, the count
-    `kv_splits.num_kv_splits` picks."""
+    `kv_splits.num_kv_splits` picks. window, softcap: as `attention.paged_attention` (0: none)."""
     if not 1 <= num_splits <= MAX_SPLITS:
         raise ValueError(f"num_splits must be in 1..{MAX_SPLITS}, got {num_splits}")
     num_tokens, num_heads, head_dim = query.shape
@@ -174,7 +208,8 @@ def paged_block_attention_triton(
     group = num_heads // num_kv_heads
     query = query.contiguous() if query.stride(-1) != 1 else query
     out = torch.empty_like(query)
-    shape = {"GROUP": group, "QUERY_LEN": query_len, "ROWS": tile_rows(query_len, group), "HEAD_DIM": head_dim, "BLOCK_SIZE": block_size}
+    shape = {"GROUP": group, "QUERY_LEN": query_len, "ROWS": tile_rows(query_len, group), "HEAD_DIM": head_dim,
+             "BLOCK_SIZE": block_size, "WINDOW": window, "SOFTCAP": float(softcap)}
     cache_strides = (key_cache.stride(0), key_cache.stride(1), key_cache.stride(2))
     grid = (num_tokens // query_len, num_kv_heads)
     if num_splits == 1:

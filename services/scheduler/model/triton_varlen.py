@@ -11,6 +11,11 @@ mask; only the last few iterations (the diagonal) mask key > row position. Query
 sequence b (q_len = query_start_loc[b + 1] - query_start_loc[b]) sits at position
 seq_lens[b] - q_len + i. No host sync; the grid is the tile count, which the host knows.
 
+Sliding windows and soft-capping (WINDOW, SOFTCAP constexprs, 0 for none): a row at position p sees
+keys p - WINDOW + 1 .. p, so a tile starts at the block of its first row's window start and every
+iteration masks both ends (a row may then see none of a block); soft-capping applies to the scores
+in base 2 with the cap scaled alike (cap * tanh(s / cap) * log2 e = c2 * tanh(s2 / c2), c2 = cap * log2 e).
+
 Imported lazily and only where Triton is (CUDA; the CPU interpreter in tests, TRITON_INTERPRET=1).
 Reference semantics: `attention.varlen_attention_torch` (small shapes) and the ragged SDPA groups.
 """
@@ -23,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from services.scheduler.model.triton_decode import tile_rows
+from services.scheduler.model.triton_decode import tanh, tile_rows
 
 LOG2_E = 1.4426950408889634
 
@@ -48,8 +53,10 @@ def _attend_keys(
     q, m, den, acc, start, row_pos, last_pos, seq, kv_head, k_ptr, v_ptr, tables_ptr, qk_scale,
     stride_kb, stride_ks, stride_kh, stride_tb,
     HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
+    WINDOW: tl.constexpr, SOFTCAP2: tl.constexpr,
 ):
-    # One online-softmax update with keys start .. start + BLOCK_N - 1, in base 2 (qk_scale carries log2 e).
+    # One online-softmax update with keys start .. start + BLOCK_N - 1, in base 2 (qk_scale carries log2 e,
+    # SOFTCAP2 the cap times log2 e).
     key = start + tl.arange(0, BLOCK_N)  # [N]
     d = tl.arange(0, HEAD_DIM)
     page_ptrs = tables_ptr + seq * stride_tb + key // PAGE_SIZE
@@ -66,13 +73,23 @@ def _attend_keys(
         k = tl.load(k_ptr + kv_offs)
         v = tl.load(v_ptr + kv_offs)
     scores = tl.dot(q, tl.trans(k)) * qk_scale  # [R, N], fp32 accumulation
+    if SOFTCAP2 > 0:
+        scores = SOFTCAP2 * tanh(scores / SOFTCAP2)
     if MASKED:
-        scores = tl.where(key[None, :] <= row_pos[:, None], scores, float("-inf"))
+        seen = key[None, :] <= row_pos[:, None]  # [R, N]
+        if WINDOW > 0:
+            seen = seen & (key[None, :] > row_pos[:, None] - WINDOW)
+        scores = tl.where(seen, scores, float("-inf"))
     # Finite from the first iteration on: key 0 is in it and every row sees key 0. A later row
-    # with every key of a diagonal block masked keeps m (alpha 1, p 0).
+    # with every key of a diagonal block masked keeps m (alpha 1, p 0). With a window a row may
+    # have seen no key yet: its m stays -inf and is measured from 0 (exp2(-inf) = 0, never -inf + inf).
     m_new = tl.maximum(m, tl.max(scores, axis=1))
-    alpha = tl.math.exp2(m - m_new)
-    p = tl.math.exp2(scores - m_new[:, None])  # [R, N]
+    if WINDOW > 0:
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+    else:
+        m_ref = m_new
+    alpha = tl.math.exp2(m - m_ref)
+    p = tl.math.exp2(scores - m_ref[:, None])  # [R, N]
     den = den * alpha + tl.sum(p, axis=1)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
     return m_new, den, acc
@@ -83,7 +100,7 @@ def _varlen_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, query_start_ptr, seq_lens_ptr, tables_ptr, tiles_ptr, num_tiles, qk_scale,
     stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_ot, stride_oh, stride_tb,
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, ROWS: tl.constexpr, HEAD_DIM: tl.constexpr,
-    PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+    PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP2: tl.constexpr,
 ):
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -104,16 +121,19 @@ def _varlen_kernel(
     m = tl.full([ROWS], float("-inf"), tl.float32)
     den = tl.zeros([ROWS], tl.float32)
     acc = tl.zeros([ROWS, HEAD_DIM], tl.float32)
-    unmasked_end = (context + first + 1) // BLOCK_N * BLOCK_N  # keys below it: visible to every row
-    for start in range(0, unmasked_end, BLOCK_N):
-        m, den, acc = _attend_keys(
-            q, m, den, acc, start, row_pos, last_pos, seq, kv_head, k_ptr, v_ptr, tables_ptr, qk_scale,
-            stride_kb, stride_ks, stride_kh, stride_tb, HEAD_DIM, PAGE_SIZE, BLOCK_N, False,
-        )
+    if WINDOW > 0:  # from the block of the first row's window start, both ends masked
+        unmasked_end = tl.maximum(context + first - WINDOW + 1, 0) // BLOCK_N * BLOCK_N
+    else:
+        unmasked_end = (context + first + 1) // BLOCK_N * BLOCK_N  # keys below it: visible to every row
+        for start in range(0, unmasked_end, BLOCK_N):
+            m, den, acc = _attend_keys(
+                q, m, den, acc, start, row_pos, last_pos, seq, kv_head, k_ptr, v_ptr, tables_ptr, qk_scale,
+                stride_kb, stride_ks, stride_kh, stride_tb, HEAD_DIM, PAGE_SIZE, BLOCK_N, False, WINDOW, SOFTCAP2,
+            )
     for start in range(unmasked_end, last_pos + 1, BLOCK_N):
         m, den, acc = _attend_keys(
             q, m, den, acc, start, row_pos, last_pos, seq, kv_head, k_ptr, v_ptr, tables_ptr, qk_scale,
-            stride_kb, stride_ks, stride_kh, stride_tb, HEAD_DIM, PAGE_SIZE, BLOCK_N, True,
+            stride_kb, stride_ks, stride_kh, stride_tb, HEAD_DIM, PAGE_SIZE, BLOCK_N, True, WINDOW, SOFTCAP2,
         )
     out = acc / den[:, None]
     o_offs = (token0 + index)[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :]
@@ -131,10 +151,13 @@ def varlen_attention_triton(
     block_m: int,
     scale: float,
     config: LaunchConfig | None = None,
+    window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """query [T, Hq, D]; caches [N, page_size, Hkv, D] (new K/V already written); query_start_loc
     int32 [B + 1]; seq_lens int32 [B]; block_tables int32 [B, M]; tiles int32 [2, num_tiles]
-    (sequence, first query index) of `block_m`-token tiles covering every query -> [T, Hq, D]."""
+    (sequence, first query index) of `block_m`-token tiles covering every query -> [T, Hq, D].
+    window, softcap: as `attention.paged_attention` (0: none)."""
     num_heads, head_dim = query.shape[1], query.shape[2]
     num_kv_heads, page_size = key_cache.shape[2], key_cache.shape[1]
     group = num_heads // num_kv_heads
@@ -150,6 +173,7 @@ def varlen_attention_triton(
         query.stride(0), query.stride(1), key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         out.stride(0), out.stride(1), block_tables.stride(0),
         GROUP=group, BLOCK_M=block_m, ROWS=rows, HEAD_DIM=head_dim, PAGE_SIZE=page_size, BLOCK_N=config.block_n,
+        WINDOW=window, SOFTCAP2=float(softcap) * LOG2_E,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip
     return out

@@ -229,8 +229,10 @@ def draft_config_for_target(
     Context layers default to one per draft layer, evenly spread (DFlash's convention).
     """
     layer_ids = target_layer_ids or default_target_layer_ids(target.num_hidden_layers, num_draft_layers)
+    # Qwen3 layers whatever the target's family: full attention, SiLU, no soft-capping, one RoPE.
     backbone = replace(target, architecture="Qwen3ForCausalLM", num_hidden_layers=num_draft_layers, qk_norm=True,
-                       tie_word_embeddings=False)  # fmt: skip
+                       tie_word_embeddings=False, layer_types=(), sliding_window=None, attention_scale=None,
+                       attn_logit_softcap=None, final_logit_softcap=None, hidden_act="silu", local_rope_theta=None)  # fmt: skip
     config = DSparkConfig(
         backbone=backbone, block_size=block_size, mask_token_id=mask_token_id, target_layer_ids=tuple(layer_ids),
         num_target_layers=target.num_hidden_layers, markov_rank=markov_rank,

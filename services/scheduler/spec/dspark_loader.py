@@ -49,6 +49,7 @@ from services.scheduler.spec.dspark_config import DSparkConfig
 from services.scheduler.spec.dspark_model import DSparkDrafter
 
 WEIGHTS_FILE = "model.safetensors"
+TARGET_COPIES = ("embed_tokens.weight", "lm_head.weight")  # published drafts' frozen copies of the target's
 
 
 def load_dspark_proposer(
@@ -59,7 +60,7 @@ def load_dspark_proposer(
     context_window None: the draft config's, 0: the whole context (`DSparkProposer`)."""
     drafter = load_drafter(
         path, runner.model.model.embed_tokens, runner.lm_head_weight, runner.config,
-        load_format=load_format, seed=seed,
+        load_format=load_format, seed=seed, logit_softcap=runner.config.final_logit_softcap,
     )  # fmt: skip
     return DSparkProposer(drafter, runner.num_blocks, runner.block_size, num_draft_tokens, context_window)
 
@@ -84,22 +85,26 @@ def load_drafter(
     *,
     load_format: str = "auto",
     seed: int = 0,
+    logit_softcap: float | None = None,
 ) -> DSparkDrafter:
-    """Build the drafter of `path` on the device and dtype of the target's LM head, checked against the target."""
+    """Build the drafter of `path` on the device and dtype of the target's LM head, checked against the
+    target; logit_softcap: the target's final soft-cap, which its head applies (Gemma 2)."""
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {load_format!r}")
     draft_dir = Path(path)
     config = DSparkConfig.from_pretrained(draft_dir)
     config.check_target(target_config)
-    drafter = empty_drafter(config, embed_tokens, lm_head_weight)
+    drafter = empty_drafter(config, embed_tokens, lm_head_weight, logit_softcap)
     _fill_weights(drafter, draft_dir, load_format, seed)
     return drafter.eval()
 
 
-def empty_drafter(config: DSparkConfig, embed_tokens: nn.Module, lm_head_weight: torch.Tensor) -> DSparkDrafter:
+def empty_drafter(
+    config: DSparkConfig, embed_tokens: nn.Module, lm_head_weight: torch.Tensor, logit_softcap: float | None = None
+) -> DSparkDrafter:
     """Uninitialised weights on the LM head's device and dtype (built on meta: no wasted init kernels)."""
     with torch.device("meta"):
-        drafter = DSparkDrafter(config, embed_tokens, lm_head_weight).to(lm_head_weight.dtype)
+        drafter = DSparkDrafter(config, embed_tokens, lm_head_weight, logit_softcap).to(lm_head_weight.dtype)
     drafter = drafter.to_empty(device=lm_head_weight.device)
     drafter.rope_inv_freq = rope_inv_freq(config.backbone).to(lm_head_weight.device)  # fp32, like the target's
     return drafter
@@ -110,7 +115,7 @@ def _fill_weights(drafter: DSparkDrafter, draft_dir: Path, load_format: str, see
     if load_format == "dummy":
         fill_random_weights(drafter, seed)
     elif any(draft_dir.glob("*.safetensors")):
-        load_safetensors(drafter, draft_dir)
+        load_safetensors(drafter, draft_dir, ignored=TARGET_COPIES)
     elif backbone.sparkwire_weights == "seeded-random":
         fill_random_weights(drafter, backbone.sparkwire_seed)
     else:

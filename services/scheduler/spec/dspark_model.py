@@ -45,7 +45,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from services.scheduler.model.config import ModelConfig
-from services.scheduler.model.llama import MLP, RMSNorm, apply_rope, rope_cos_sin, rope_inv_freq
+from services.scheduler.model.llama import MLP, RMSNorm, apply_rope, rope_cos_sin, rope_inv_freq, rope_parameters, softcap
 from services.scheduler.spec.dspark_config import DSparkConfig
 
 Rope = tuple[torch.Tensor, torch.Tensor]  # cos, sin [T, 1, D]
@@ -56,8 +56,10 @@ ContextKV = Callable[[int], tuple[torch.Tensor, torch.Tensor]]  # layer -> K, V 
 class SharedTarget:
     """The target's modules the drafter uses; a plain holder so nn.Module does not register them."""
 
-    embed_tokens: nn.Module  # [V, H] embedding
+    embed_tokens: nn.Module  # [V, H] embedding (Gemma's: scaled by sqrt(H), as the target's own rows)
     lm_head_weight: torch.Tensor  # [V, H]
+    # the target's final soft-cap (Gemma 2; `gemma.py` says why q takes it too); None: none
+    logit_softcap: float | None = None
 
 
 @dataclass(frozen=True)
@@ -203,11 +205,13 @@ class ConfidenceHead(nn.Module):
 
 
 class DSparkDrafter(nn.Module):
-    def __init__(self, config: DSparkConfig, embed_tokens: nn.Module, lm_head_weight: torch.Tensor) -> None:
+    def __init__(
+        self, config: DSparkConfig, embed_tokens: nn.Module, lm_head_weight: torch.Tensor, logit_softcap: float | None = None
+    ) -> None:
         super().__init__()
         backbone = config.backbone
         self.config = config
-        self.target = SharedTarget(embed_tokens, lm_head_weight)
+        self.target = SharedTarget(embed_tokens, lm_head_weight, logit_softcap)
         self.fc = nn.Linear(config.num_context_layers * backbone.hidden_size, backbone.hidden_size, bias=False)
         self.hidden_norm = RMSNorm(backbone.hidden_size, backbone.rms_norm_eps)
         self.layers = nn.ModuleList(DraftLayer(backbone) for _ in range(backbone.num_hidden_layers))
@@ -221,6 +225,7 @@ class DSparkDrafter(nn.Module):
             extra = config.markov_rank if config.confidence_uses_markov else 0
             self.confidence_head = ConfidenceHead(backbone.hidden_size + extra)
         self.register_buffer("rope_inv_freq", rope_inv_freq(backbone), persistent=False)
+        self.rope_factor = rope_parameters(backbone)[1]  # YaRN's mscale where the backbone's RoPE has one
 
     @property
     def num_draft_tokens(self) -> int:
@@ -241,7 +246,7 @@ class DSparkDrafter(nn.Module):
         return self.hidden_norm(self.fc(target_hidden))  # [..., K*H] -> [..., H]
 
     def rope(self, positions: torch.Tensor) -> Rope:
-        return rope_cos_sin(self.rope_inv_freq, positions.reshape(-1), self.fc.weight.dtype)  # [T, 1, D] each
+        return rope_cos_sin(self.rope_inv_freq, positions.reshape(-1), self.fc.weight.dtype, self.rope_factor)  # [T, 1, D] each
 
     def context_key_values(self, context: torch.Tensor, positions: torch.Tensor) -> Iterator[tuple[torch.Tensor, ...]]:
         """Projected context [T, H] at positions [T] -> each layer's injected K, V [T, Hkv, D]."""
@@ -264,7 +269,7 @@ class DSparkDrafter(nn.Module):
         return self.norm(x)
 
     def base_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden, self.target.lm_head_weight).float()  # [..., V]
+        return softcap(F.linear(hidden, self.target.lm_head_weight), self.target.logit_softcap).float()  # [..., V]
 
     def markov_step(self, prev: torch.Tensor, hidden: torch.Tensor, state: torch.Tensor | None) -> tuple:
         """One serving slot's Markov bias ([B, V], or 0.0 without the head) and the head's next state."""

@@ -25,6 +25,23 @@ FAMILY_CONFIGS: dict[str, dict] = {
     },
     "qwen2": {"architectures": ["Qwen2ForCausalLM"], "rope_theta": 1000000.0},
     "qwen3": {"architectures": ["Qwen3ForCausalLM"], "rope_theta": 1000000.0, "head_dim": 32},
+    # The families added for issue 42: windows of 12 (tests run prompts of 40+ tokens in 16-token
+    # blocks), scaled RoPE with an original context of 32 (tests run past it).
+    "mistral": {"architectures": ["MistralForCausalLM"], "sliding_window": 12, "head_dim": 16},
+    "qwen2-window": {"architectures": ["Qwen2ForCausalLM"], "use_sliding_window": True, "sliding_window": 12,
+                     "max_window_layers": 1},  # layers 1 and 2 slide
+    "qwen3-yarn": {"architectures": ["Qwen3ForCausalLM"], "rope_theta": 10000.0, "head_dim": 16,
+                   "rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32}},
+    "llama-dynamic": {"architectures": ["LlamaForCausalLM"], "rope_scaling": {"rope_type": "dynamic", "factor": 2.0}},
+    "gemma2": {"architectures": ["Gemma2ForCausalLM"], "head_dim": 16, "sliding_window": 12, "query_pre_attn_scalar": 24,
+               # caps small enough to bend these random scores and logits
+               "attn_logit_softcapping": 4.0, "final_logit_softcapping": 6.0},
+    "gemma3": {"architectures": ["Gemma3ForCausalLM"], "config_class": "Gemma3TextConfig", "head_dim": 16,
+               "sliding_window": 12, "sliding_window_pattern": 2, "rope_theta": 10000.0, "rope_local_base_freq": 100.0,
+               "rope_scaling": {"rope_type": "linear", "factor": 2.0}, "query_pre_attn_scalar": 16},
+    "phi3": {"architectures": ["Phi3ForCausalLM"], "pad_token_id": 0, "original_max_position_embeddings": 32,
+             "rope_scaling": {"type": "longrope", "short_factor": [1.0 + 0.1 * i for i in range(8)],
+                              "long_factor": [1.5 + 0.5 * i for i in range(8)]}},
 }
 SHAPE = {
     "vocab_size": 384,
@@ -46,7 +63,7 @@ def build_hf_model(family: str, tie: bool, seed: int = 0) -> torch.nn.Module:
 
     options = {**SHAPE, **FAMILY_CONFIGS[family], "tie_word_embeddings": tie}
     architecture = options.pop("architectures")[0]
-    config_class = getattr(transformers, architecture.replace("ForCausalLM", "Config"))
+    config_class = getattr(transformers, options.pop("config_class", architecture.replace("ForCausalLM", "Config")))
     config = config_class(**options, architectures=[architecture])
     torch.manual_seed(seed)
     model = getattr(transformers, architecture)(config).eval()
@@ -122,6 +139,21 @@ def hf_model_dir(tmp_path: Path) -> Callable[..., tuple[torch.nn.Module, Path]]:
         return model, save_hf_model(model, out, sharded)
 
     return make
+
+
+@pytest.fixture(scope="session")
+def saved_family(tmp_path_factory) -> Callable[[str], tuple[torch.nn.Module, Path]]:
+    """Factory: family -> (reference model, directory it was saved to), each built once a session
+    (untied, but Gemma's, which ties as its checkpoints do)."""
+    built: dict[str, tuple[torch.nn.Module, Path]] = {}
+
+    def get(family: str) -> tuple[torch.nn.Module, Path]:
+        if family not in built:
+            model = build_hf_model(family, tie=family.startswith("gemma"))
+            built[family] = model, save_hf_model(model, tmp_path_factory.mktemp(family))
+        return built[family]
+
+    return get
 
 
 @pytest.fixture

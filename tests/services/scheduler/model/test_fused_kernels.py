@@ -14,6 +14,7 @@ import torch
 from services.scheduler.model.config import ModelConfig
 from services.scheduler.model.kv_cache import PagedKVCache
 from services.scheduler.model.llama import CausalLM, RMSNorm, add_rms_norm, norm_linear, project, rope_cos_sin, silu_linear, silu_mul
+from services.scheduler.model.registry import build_model
 from services.scheduler.model.runner import ModelRunner
 from tests.services.scheduler.model.triton_interpreter import INTERPRETED, interpreted, run_interpreted_cases, runs_the_interpreter
 
@@ -23,6 +24,12 @@ SHAPE = {"vocab_size": 96, "hidden_size": 48, "intermediate_size": 80, "num_hidd
 FAMILIES = {
     "qwen3": {"architectures": ["Qwen3ForCausalLM"], "rope_theta": 1000000.0},  # q/k norms, no biases
     "llama": {"architectures": ["LlamaForCausalLM"], "rope_theta": 500000.0, "attention_bias": True},  # q/k/v/o biases
+    # Gemma's norms and GeGLU stay on torch ops beside the fused RoPE/K-V write, GEMVs and attention
+    # kernels' windows and soft-caps
+    "gemma2": {"architectures": ["Gemma2ForCausalLM"], "sliding_window": 3, "attn_logit_softcapping": 2.0,
+               "final_logit_softcapping": 5.0, "query_pre_attn_scalar": 8},
+    "gemma3": {"architectures": ["Gemma3ForCausalLM"], "sliding_window": 3, "sliding_window_pattern": 2,
+               "rope_local_base_freq": 100.0},  # q/k norms, a local and a global RoPE
 }
 
 
@@ -32,7 +39,7 @@ def tiny_config(family: str) -> ModelConfig:
 
 def random_model(config: ModelConfig, seed: int = 0) -> CausalLM:
     """Every parameter random (norm weights around 1, biases too), so a misread weight or lane shows."""
-    model = CausalLM(config).eval()
+    model = build_model(config).eval()
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, param in model.named_parameters():

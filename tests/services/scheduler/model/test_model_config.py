@@ -1,4 +1,5 @@
-"""ModelConfig parsing: both config dialects, family flags, eos ids, the published Qwen3 shapes."""
+"""ModelConfig parsing: both config dialects, family flags and options (from published configs), refusals,
+eos ids, the published Qwen3 shapes."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from services.scheduler.model.config import ModelConfig, RopeScaling, UnsupportedModelError
+from services.scheduler.model.config import FULL, SLIDING, ModelConfig, RopeScaling, UnsupportedModelError
 from services.scheduler.model.kv_cache import PagedKVCache, bytes_per_block, num_blocks_for_budget
 
 REPO = Path(__file__).resolve().parents[4]
@@ -34,8 +35,8 @@ def test_transformers5_rope_parameters() -> None:
 
 
 def test_unsupported_rope_type() -> None:
-    with pytest.raises(UnsupportedModelError, match="yarn"):
-        parse("Qwen2ForCausalLM", rope_scaling={"type": "yarn", "factor": 4.0})
+    with pytest.raises(UnsupportedModelError, match="'mrope'"):
+        parse("Qwen2ForCausalLM", rope_scaling={"type": "mrope", "mrope_section": [16, 24, 24]})
 
 
 def test_family_flags() -> None:
@@ -93,3 +94,78 @@ def test_tokenizer_build_is_deterministic(tmp_path: Path) -> None:
         subprocess.run([sys.executable, str(script), "--out", str(tmp_path / out)], check=True, capture_output=True)
     for name in ("tokenizer.json", "config.json", "tokenizer_config.json", "generation_config.json"):
         assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "b" / name).read_bytes(), name
+
+
+# ---- the families of issue 42, from excerpts of their published config.json files ----
+
+GEMMA2_9B = {"architectures": ["Gemma2ForCausalLM"], **BASE, "num_hidden_layers": 6, "head_dim": 256,
+             "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0, "query_pre_attn_scalar": 256,
+             "sliding_window": 4096, "hidden_act": "gelu_pytorch_tanh", "hidden_activation": "gelu_pytorch_tanh",
+             "rope_theta": 10000.0, "cache_implementation": "hybrid"}  # fmt: skip
+GEMMA3_1B = {"architectures": ["Gemma3ForCausalLM"], **BASE, "num_hidden_layers": 7, "head_dim": 256,
+             "sliding_window": 512, "sliding_window_pattern": 6, "rope_local_base_freq": 10000, "rope_theta": 1000000,
+             "rope_scaling": None, "query_pre_attn_scalar": 256, "attn_logit_softcapping": None,
+             "final_logit_softcapping": None, "hidden_activation": "gelu_pytorch_tanh"}  # fmt: skip
+
+
+def test_mistral_and_phi3_slide_every_layer_when_the_config_has_a_window() -> None:
+    mistral = parse("MistralForCausalLM", sliding_window=4096)
+    assert mistral.layer_types == (SLIDING, SLIDING) and [mistral.layer_window(i) for i in (0, 1)] == [4096, 4096]
+    assert parse("MistralForCausalLM", sliding_window=None).layer_types == ()  # v0.2+: none
+    phi3 = parse("Phi3ForCausalLM", sliding_window=2047, max_position_embeddings=4096)  # Phi-3-mini-4k
+    assert phi3.layer_window(1) == 2047 and not phi3.attention_bias
+
+
+def test_qwen_sliding_window_follows_max_window_layers_as_transformers_does() -> None:
+    off = parse("Qwen2ForCausalLM", use_sliding_window=False, sliding_window=131072, max_window_layers=28)  # Qwen2.5
+    assert off.layer_types == () and off.layer_window(0) == 0
+    on = parse("Qwen3ForCausalLM", num_hidden_layers=4, use_sliding_window=True, sliding_window=64, max_window_layers=2)
+    assert on.layer_types == (FULL, FULL, SLIDING, SLIDING) and on.layer_window(3) == 64
+
+
+def test_gemma2_options() -> None:
+    config = ModelConfig.from_dict(GEMMA2_9B)
+    assert config.layer_types == (SLIDING, FULL) * 3 and config.sliding_window == 4096
+    assert (config.attn_logit_softcap, config.final_logit_softcap) == (50.0, 30.0)
+    assert config.scale == 256**-0.5 and config.hidden_act == "gelu_pytorch_tanh" and not config.qk_norm
+    assert config.tie_word_embeddings and config.local_rope_theta is None
+
+
+def test_gemma3_options() -> None:
+    config = ModelConfig.from_dict(GEMMA3_1B)
+    assert config.layer_types == (SLIDING,) * 5 + (FULL, SLIDING)
+    assert (config.rope_theta, config.local_rope_theta, config.rope_scaling) == (1e6, 10000.0, None)
+    assert config.qk_norm and config.attn_logit_softcap is None and config.final_logit_softcap is None
+    nested = {**GEMMA3_1B, "rope_theta": None, "rope_local_base_freq": None, "rope_scaling": None,
+              "rope_parameters": {FULL: {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+                                  SLIDING: {"rope_type": "default", "rope_theta": 10000.0}}}  # fmt: skip
+    config = ModelConfig.from_dict(nested)  # transformers >= 5 writes it nested by layer type
+    assert (config.rope_theta, config.local_rope_theta, config.rope_scaling.rope_type) == (1e6, 10000.0, "linear")
+
+
+@pytest.mark.parametrize(
+    ("keys", "message"),
+    [
+        ({"quantization_config": {"quant_method": "awq", "bits": 4}}, "quant_method 'awq'"),
+        ({"quantization_config": {"quant_method": "gptq", "bits": 4}}, "quant_method 'gptq'"),
+        ({"quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]}}, "quant_method 'fp8'"),
+        ({"partial_rotary_factor": 0.75}, "partial_rotary_factor"),
+        ({"hidden_act": "relu"}, "hidden_act 'relu'"),
+    ],
+)
+def test_refused_with_one_line(keys, message) -> None:
+    with pytest.raises(UnsupportedModelError, match=message) as refused:
+        parse("Qwen3ForCausalLM", **keys)
+    assert "\n" not in str(refused.value)
+
+
+def test_gemma_encoder_mode_is_refused() -> None:
+    with pytest.raises(UnsupportedModelError, match="use_bidirectional_attention"):
+        ModelConfig.from_dict({**GEMMA3_1B, "use_bidirectional_attention": True})
+
+
+def test_every_architecture_has_a_network_and_every_network_a_config_row() -> None:
+    from services.scheduler.model.config import ARCHITECTURES
+    from services.scheduler.model.registry import MODEL_CLASSES
+
+    assert set(MODEL_CLASSES) == set(ARCHITECTURES)

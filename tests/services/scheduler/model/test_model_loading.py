@@ -1,4 +1,4 @@
-"""Loader: weight sources, error messages, deterministic dummy weights, the bundled tiny model."""
+"""Loader: weight sources, strict names, error messages, deterministic dummy weights, the bundled tiny model."""
 
 from __future__ import annotations
 
@@ -11,7 +11,13 @@ from safetensors.torch import load_file, save_file
 
 from services.models import RANDOM_TINY_MODEL
 from services.scheduler.model.config import UnsupportedModelError
-from services.scheduler.model.loader import MissingTensorError, NoWeightsError, _random_tensor, load_model_runner
+from services.scheduler.model.loader import (
+    MissingTensorError,
+    NoWeightsError,
+    UnexpectedTensorError,
+    _random_tensor,
+    load_model_runner,
+)
 
 
 def test_missing_tensor_names_tensor_and_directory(hf_model_dir) -> None:
@@ -25,12 +31,62 @@ def test_missing_tensor_names_tensor_and_directory(hf_model_dir) -> None:
     assert str(path) in str(excinfo.value)
 
 
+def rewrite_checkpoint(path: Path, change) -> Path:
+    tensors = load_file(path / "model.safetensors")
+    change(tensors)
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    return path
+
+
+def test_an_unconsumed_tensor_is_refused_by_name(hf_model_dir) -> None:
+    # An extra bias (a checkpoint of another variant) would otherwise be dropped and serve wrong.
+    _, path = hf_model_dir("qwen3", True)
+    rewrite_checkpoint(path, lambda t: t.update({"model.layers.0.self_attn.o_proj.bias": torch.zeros(64)}))
+    with pytest.raises(UnexpectedTensorError, match=r"'model.layers.0.self_attn.o_proj.bias' \(model.safetensors\)"):
+        load_model_runner(path, num_kv_blocks=4)
+
+
+def test_a_quantization_scale_is_refused_by_name(hf_model_dir) -> None:
+    _, path = hf_model_dir("llama", False)
+    scale = {"model.layers.1.mlp.down_proj.weight_scale_inv": torch.ones(1, 1)}
+    rewrite_checkpoint(path, lambda t: t.update(scale))
+    with pytest.raises(UnexpectedTensorError, match="weight_scale_inv"):
+        load_model_runner(path, num_kv_blocks=4)
+
+
+def test_a_float8_weight_is_refused(hf_model_dir) -> None:
+    _, path = hf_model_dir("llama", False)
+    name = "model.layers.0.mlp.up_proj.weight"
+    rewrite_checkpoint(path, lambda t: t.update({name: t[name].to(torch.float8_e4m3fn)}))
+    with pytest.raises(UnexpectedTensorError, match=f"'{name}'.*F8_E4M3"):
+        load_model_runner(path, num_kv_blocks=4)
+
+
+def test_harmless_extras_load(hf_model_dir, make_pager) -> None:
+    # rotary_emb.inv_freq (recomputed here) and a tied model's copy of its embedding as lm_head.weight
+    model, path = hf_model_dir("qwen2", True)
+    def add(tensors):
+        tensors["model.layers.0.self_attn.rotary_emb.inv_freq"] = torch.ones(8)
+        tensors["lm_head.weight"] = torch.zeros_like(tensors["model.embed_tokens.weight"])
+    rewrite_checkpoint(path, add)
+    runner = load_model_runner(path, num_kv_blocks=4, kv_block_size=4)
+    torch.testing.assert_close(runner.lm_head_weight, model.model.embed_tokens.weight.detach())
+
+
+def test_an_untied_models_head_is_not_an_extra(hf_model_dir) -> None:
+    _, path = hf_model_dir("qwen2", True)
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": False}))
+    with pytest.raises(MissingTensorError, match="lm_head.weight"):
+        load_model_runner(path, num_kv_blocks=4)
+
+
 def test_unsupported_architecture_names_it_and_the_supported_ones(tmp_path: Path) -> None:
-    config = {"architectures": ["MistralForCausalLM"], "vocab_size": 8, "hidden_size": 8}
+    config = {"architectures": ["MixtralForCausalLM"], "vocab_size": 8, "hidden_size": 8}
     (tmp_path / "config.json").write_text(json.dumps(config))
-    with pytest.raises(UnsupportedModelError, match="MistralForCausalLM") as excinfo:
+    with pytest.raises(UnsupportedModelError, match="MixtralForCausalLM") as excinfo:
         load_model_runner(tmp_path, load_format="dummy")
-    assert "Qwen3ForCausalLM" in str(excinfo.value) and "LlamaForCausalLM" in str(excinfo.value)
+    assert all(name in str(excinfo.value) for name in ("Qwen3ForCausalLM", "LlamaForCausalLM", "Gemma2ForCausalLM"))
 
 
 def test_directory_without_weights_suggests_dummy(tmp_path: Path) -> None:

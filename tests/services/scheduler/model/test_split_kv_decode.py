@@ -151,9 +151,9 @@ def recorded_splits(monkeypatch) -> list[int]:
 
     calls, kernel = [], triton_decode.paged_block_attention_triton
 
-    def counted(*args):
-        calls.append(args[-1])
-        return kernel(*args)
+    def counted(*args, **options):
+        calls.append(args[-1])  # num_splits, the last positional argument
+        return kernel(*args, **options)
 
     def no_device(device):
         raise AssertionError("attention read the device's properties")
@@ -188,8 +188,8 @@ def test_interpreted_eager_decode_step_splits_every_layer_as_planned(monkeypatch
 
 
 @pytest.mark.skipif(INTERPRETED or not HAS_TRITON, reason="needs Triton (its compiler, not a GPU)")
-@pytest.mark.parametrize("query_len", [1, 8])
-def test_decode_kernels_compile_for_the_h200_at_the_8b_shape(query_len) -> None:
+@pytest.mark.parametrize(("query_len", "window", "softcap"), [(1, 0, 0.0), (8, 0, 0.0), (8, 4096, 50.0)])
+def test_decode_kernels_compile_for_the_h200_at_the_8b_shape(query_len, window, softcap) -> None:
     # The interpreter runs the kernels' Python; this runs Triton's compiler down to an sm_90 cubin (no
     # device needed), so what only the compiler refuses (types across branches, layouts) fails here.
     import triton
@@ -206,7 +206,8 @@ def test_decode_kernels_compile_for_the_h200_at_the_8b_shape(query_len) -> None:
     block = {**inputs, "out_ptr": bf16, **tables, **strides, "stride_ot": i32, "stride_oh": i32, "stride_tb": i32}
     split = {**inputs, **partials, **tables, "num_heads": i32, "num_splits": i32, **strides, "stride_tb": i32}
     combine = {**partials, "out_ptr": bf16, "num_heads": i32, "num_splits": i32, "stride_ot": i32, "stride_oh": i32}
-    shape = {"GROUP": 4, "QUERY_LEN": query_len, "ROWS": triton_decode.tile_rows(query_len, 4), "HEAD_DIM": 128, "BLOCK_SIZE": 16}
+    shape = {"GROUP": 4, "QUERY_LEN": query_len, "ROWS": triton_decode.tile_rows(query_len, 4), "HEAD_DIM": 128,
+             "BLOCK_SIZE": 16, "WINDOW": window, "SOFTCAP": softcap}
     kernels = [
         (triton_decode._paged_block_kernel, block, shape),
         (triton_decode._paged_split_kernel, split, shape),

@@ -9,7 +9,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from services.scheduler.model import ForwardBatch, MissingTensorError, NoWeightsError, load_model_runner
+from services.scheduler.model import ForwardBatch, MissingTensorError, NoWeightsError, UnexpectedTensorError, load_model_runner
 from services.scheduler.spec.base import ContextRows, DraftRequest
 from services.scheduler.spec.dspark_loader import WEIGHTS_FILE, load_drafter, load_dspark_proposer, save_drafter
 from tests.services.scheduler.spec.conftest import TARGET_CONFIG
@@ -44,6 +44,15 @@ def test_a_deepspec_checkpoint_with_its_embedding_and_lm_head_copies_loads(tmp_p
     loaded = load_like(target, target_config, tmp_path)
     assert same_weights(loaded, drafter)
     assert loaded.target.lm_head_weight is target.lm_head_weight
+
+
+def test_a_tensor_the_drafter_does_not_consume_is_refused_by_name(tmp_path, drafter, target, target_config):
+    tensors = {name: t.detach().clone() for name, t in drafter.checkpoint_tensors()}
+    tensors["layers.0.self_attn.o_proj.bias"] = torch.zeros(drafter.config.hidden_size)  # the drafter has none
+    (tmp_path / "config.json").write_text(json.dumps(drafter.config.to_dict()))
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    with pytest.raises(UnexpectedTensorError, match="'layers.0.self_attn.o_proj.bias'"):
+        load_like(target, target_config, tmp_path)
 
 
 def test_a_missing_tensor_is_named(tmp_path, drafter, target, target_config):
