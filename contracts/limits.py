@@ -26,7 +26,7 @@ MAX_ARRAY_DIMS = 4
 MAX_TEMPERATURE = 1e6
 MAX_FORKED_CHOICES = 127  # the other choices of one n > 1 request (the tokenizer's fan-out limit, less one)
 
-# An instance id becomes one token of a subject (`sparkwire.v1.detokenizer.<id>.tokens`): no dots,
+# An instance id becomes one token of a subject (`sparkwire.v2.detokenizer.<id>.tokens`): no dots,
 # wildcards or whitespace, which would make a publish fail or reach other subscribers.
 InstanceId = Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9_-]+$", min_length=1, max_length=MAX_INSTANCE_ID_CHARS)]
 Rid = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_RID_CHARS)]

@@ -64,7 +64,7 @@ COMMANDS: dict[str, Command] = {
         for name in SERVICES
     },
     "record": Command(
-        "services.recorder.__main__", "add_record_arguments", "record_main", "record every sparkwire.v1 message to a file"
+        "services.recorder.__main__", "add_record_arguments", "record_main", "record every sparkwire.v2 message to a file"
     ),
     "replay": Command(
         "services.recorder.__main__", "add_replay_arguments", "replay_main", "publish a recorded file back to NATS"
@@ -137,7 +137,7 @@ def add_up_arguments(parser: argparse.ArgumentParser) -> None:
     add("--ready-timeout-s", type=float, default=300.0, help="give up if /health is not 200 by then")
     add("--grace-s", type=float, default=10.0, help="wait this long after SIGTERM before SIGKILL")
     add("--record", type=Path, default=None, metavar="FILE",
-        help="record every sparkwire.v1 message of the stack to FILE (`sparkwire replay FILE` plays it back)")
+        help="record every sparkwire.v2 message of the stack to FILE (`sparkwire replay FILE` plays it back)")
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)

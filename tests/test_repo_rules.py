@@ -86,7 +86,7 @@ def test_every_subject_in_the_subjects_module_is_versioned():
 def test_subject_strings_are_only_spelled_in_the_subjects_module():
     """Services build subjects through `contracts.subjects`, never by hand."""
     offenders = [str(path.relative_to(ROOT)) for path in python_files("services")
-                 if "sparkwire.v1." in path.read_text()]  # fmt: skip
+                 if f"{subjects.PREFIX}." in path.read_text()]  # fmt: skip
     assert offenders == []
 
 

@@ -1,6 +1,6 @@
 """Record golden message streams from a running stack, for the replay tests in tests/replay.
 
-`record_golden` records the `sparkwire.v1` messages on `subject` while it sends HTTP requests to
+`record_golden` records the `sparkwire.v2` messages on `subject` while it sends HTTP requests to
 the stack's tokenizer one at a time, and returns the HTTP responses. Commit the recording and the
 responses; the replay tests publish the recorded scheduler output into fresh detokenizer and
 tokenizer services and compare their answers with these responses (after `normalise`, which

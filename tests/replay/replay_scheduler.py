@@ -114,7 +114,7 @@ class ReplayScheduler:
         self.by_key: dict[bytes, list[RecordedRequest]] = {}
         for request in recorded:
             self.by_key.setdefault(request.key, []).append(request)
-        self.rewrites: dict[str, Rewrite] = {}  # recorded rid -> change to its batches (failure tests)
+        self.rewrite: Rewrite | None = None  # a change to the batches of every request played (failure tests)
         self.unmatched: list[str] = []
 
     @classmethod
@@ -151,8 +151,8 @@ class ReplayScheduler:
             self.unmatched.append(request.rid)
             await self.raw.publish(subject, abort_batch(self.instance_id, request.rid, "no recorded stream matches"))
             return
-        rewrite = self.rewrites.get(recorded.rid, lambda batches: batches)
-        for parts in rewrite(recorded.batches):
+        batches = recorded.batches if self.rewrite is None else self.rewrite(recorded.batches)
+        for parts in batches:
             for part in with_rid(parts, recorded.rid, request.rid):
                 await self.raw.publish(subject, part.data, headers=part.headers or None)
         await self.raw.flush()

@@ -13,12 +13,13 @@ import nats
 import pytest
 
 from contracts.control import Heartbeat
+from contracts.subjects import PREFIX
 from services.common.transport import CHUNK_HEADER, MSG_HEADER, Transport
 from services.recorder.format import FORMAT_VERSION, MAGIC, RecordingError, read_recording
 from services.recorder.record import record
 from services.recorder.replay import ReplayError, replay, subject_matches
 
-BIG_SUBJECT = "sparkwire.v1.detokenizer.abc.tokens"
+BIG_SUBJECT = f"{PREFIX}.detokenizer.abc.tokens"
 
 
 class Blob(msgspec.Struct):
@@ -38,15 +39,15 @@ async def record_while(url: str, out: Path, publish) -> None:
 
 async def publish_sample(url: str) -> bytes:
     """Small messages with and without headers, one 3 MiB message chunked by the transport,
-    and one message outside sparkwire.v1 that must not be recorded."""
+    and one message outside the project's subjects that must not be recorded."""
     sender = await Transport.connect(url, "sender")
     nc = sender._nc  # one connection: NATS orders messages per connection only
     big = bytes(range(256)) * (3 * 4096)
-    await sender.publish("sparkwire.v1.heartbeat.x", Heartbeat("x", "1"))
-    await nc.publish("sparkwire.v1.custom", b"plain", headers={"K": "v", "Other": "w"})
+    await sender.publish(f"{PREFIX}.heartbeat.x", Heartbeat("x", "1"))
+    await nc.publish(f"{PREFIX}.custom", b"plain", headers={"K": "v", "Other": "w"})
     await sender.publish(BIG_SUBJECT, Blob(big))
     await nc.publish("elsewhere.topic", b"ignored")
-    await sender.publish("sparkwire.v1.heartbeat.x", Heartbeat("x", "2"))
+    await sender.publish(f"{PREFIX}.heartbeat.x", Heartbeat("x", "2"))
     await nc.flush()
     await sender.close()
     return big
@@ -70,8 +71,8 @@ async def test_record_then_replay_round_trip(nats_server_factory, tmp_path):
     assert [m.headers[CHUNK_HEADER] for m in chunks] == [f"{i}/4" for i in range(4)]
     assert len({m.headers[MSG_HEADER] for m in chunks}) == 1
     subjects_in_order = [m.subject for m in messages]
-    assert subjects_in_order == ["sparkwire.v1.heartbeat.x", "sparkwire.v1.custom"] + [BIG_SUBJECT] * 4 + [
-        "sparkwire.v1.heartbeat.x"
+    assert subjects_in_order == [f"{PREFIX}.heartbeat.x", f"{PREFIX}.custom"] + [BIG_SUBJECT] * 4 + [
+        f"{PREFIX}.heartbeat.x"
     ]
     assert messages[1].headers == {"K": "v", "Other": "w"} and messages[1].data == b"plain"
     assert stats.num_messages == len(messages) == 7
@@ -92,7 +93,7 @@ async def test_record_then_replay_round_trip(nats_server_factory, tmp_path):
     async def on_blob(blob: Blob, _msg) -> None:
         reassembled.put_nowait(blob.data)
 
-    await watcher.subscribe("sparkwire.v1.>", cb=on_raw)
+    await watcher.subscribe(f"{PREFIX}.>", cb=on_raw)
     receiver = await Transport.connect(target.url, "receiver")
     await receiver.subscribe(BIG_SUBJECT, Blob, on_blob)
     await watcher.flush()
@@ -113,11 +114,11 @@ async def test_replay_only_subject_and_original_timing(nats_server, tmp_path):
 
     async def publish() -> None:
         nc = await nats.connect(nats_server.url)
-        await nc.publish("sparkwire.v1.a.one", b"1")
+        await nc.publish(f"{PREFIX}.a.one", b"1")
         await nc.flush()
         await asyncio.sleep(0.4)
-        await nc.publish("sparkwire.v1.b.two", b"2")
-        await nc.publish("sparkwire.v1.a.three", b"3")
+        await nc.publish(f"{PREFIX}.b.two", b"2")
+        await nc.publish(f"{PREFIX}.a.three", b"3")
         await nc.flush()
         await nc.close()
 
@@ -128,9 +129,9 @@ async def test_replay_only_subject_and_original_timing(nats_server, tmp_path):
     async def on_msg(msg) -> None:
         got.append((asyncio.get_running_loop().time(), msg.data))
 
-    await watcher.subscribe("sparkwire.v1.>", cb=on_msg)
+    await watcher.subscribe(f"{PREFIX}.>", cb=on_msg)
     await watcher.flush()
-    stats = await replay(nats_server.url, out, timing="original", only_subject="sparkwire.v1.a.*")
+    stats = await replay(nats_server.url, out, timing="original", only_subject=f"{PREFIX}.a.*")
     await watcher.flush()
     await asyncio.sleep(0.1)
     assert (stats.num_messages, stats.num_skipped) == (2, 1)
@@ -145,7 +146,7 @@ async def test_replay_refuses_messages_over_target_max_payload(nats_server_facto
 
     async def publish() -> None:
         nc = await nats.connect(source.url)
-        await nc.publish("sparkwire.v1.big", b"x" * (2 * 1024 * 1024))
+        await nc.publish(f"{PREFIX}.big", b"x" * (2 * 1024 * 1024))
         await nc.flush()
         await nc.close()
 
@@ -173,12 +174,12 @@ def test_truncated_recording_reads_up_to_last_whole_message(tmp_path):
 @pytest.mark.parametrize(
     ("pattern", "subject", "expected"),
     [
-        ("sparkwire.v1.>", "sparkwire.v1.a.b", True),
-        ("sparkwire.v1.>", "sparkwire.v1", False),
-        ("sparkwire.*.a", "sparkwire.v1.a", True),
-        ("sparkwire.*.a", "sparkwire.v1.a.b", False),
-        ("sparkwire.v1.a", "sparkwire.v1.a", True),
-        ("sparkwire.v1.a", "sparkwire.v1.b", False),
+        (f"{PREFIX}.>", f"{PREFIX}.a.b", True),
+        (f"{PREFIX}.>", PREFIX, False),
+        ("sparkwire.*.a", f"{PREFIX}.a", True),
+        ("sparkwire.*.a", f"{PREFIX}.a.b", False),
+        (f"{PREFIX}.a", f"{PREFIX}.a", True),
+        (f"{PREFIX}.a", f"{PREFIX}.b", False),
     ],
 )
 def test_subject_matches(pattern, subject, expected):
@@ -203,8 +204,8 @@ def test_record_cli_stops_on_sigint_and_reports(nats_server, tmp_path):
 
 async def _publish_two(url: str) -> None:
     nc = await nats.connect(url)
-    await nc.publish("sparkwire.v1.x", b"one")
-    await nc.publish("sparkwire.v1.y", b"two")
+    await nc.publish(f"{PREFIX}.x", b"one")
+    await nc.publish(f"{PREFIX}.y", b"two")
     await nc.flush()
     await nc.close()
     await asyncio.sleep(0.2)
@@ -225,7 +226,7 @@ async def test_record_golden_records_while_posting(nats_server, tmp_path):
     class Handler(BaseHTTPRequestHandler):
         def do_POST(self) -> None:
             body = self.rfile.read(int(self.headers["Content-Length"]))
-            asyncio.run_coroutine_threadsafe(nc.publish("sparkwire.v1.test.seen", body), loop).result(5)
+            asyncio.run_coroutine_threadsafe(nc.publish(f"{PREFIX}.test.seen", body), loop).result(5)
             asyncio.run_coroutine_threadsafe(nc.flush(), loop).result(5)
             reply = json.dumps({"echo": json.loads(body)}).encode()
             self.send_response(404 if self.path == "/missing" else 200)
