@@ -1,9 +1,8 @@
 """Dense attention for the long queries of a ragged step (long prefill chunks): FlashAttention-4
 where it runs, else torch SDPA.
 
-For one layer of a 32k prompt on the H200 (ops/bench/results/gpu_prefill_attention.md) cuDNN's
-SDPA took 13.8-15.0 ms and FlashAttention-4 12.4 ms, against 20.2 to 33.0 for the paged varlen
-kernel (`triton_varlen.py`). So a sequence of the step whose query is at least
+On a long prompt's layers cuDNN's SDPA and FlashAttention-4 are both well ahead of the paged
+varlen kernel (`triton_varlen.py`). So a sequence of the step whose query is at least
 `DenseConfig.min_query_len` tokens leaves the varlen tile map (`attention.plan_varlen`) and is
 attended here instead: its keys/values 0..seq_len-1 are gathered from the paged cache into
 contiguous copies ([L, Hkv, D]) and its queries (positions ctx..ctx+q-1, ctx = seq_len - q) attend

@@ -2,20 +2,19 @@
 `flash_attn.cute`): the second kernel of the dense path (`dense_attention.py`,
 `DenseConfig.kernel == "flash4"`), which `build_core` takes where it can run.
 
-Faster than cuDNN through SDPA (`gpu_prefill_attention.md`, run 4: one layer of a 32k prompt,
-12.4 against 14.1 ms), it also drops the two calls merged by log-sum-exp for a query with context
-(the second 16k step of a 32k prompt): its causal mask is lower-right aligned, so query i of q sees
-keys 0 .. L - q + i in one call. Queries, keys and output are in the step's own row layout
-([T, H, D], BSHD), so nothing is transposed. The K/V are the dense path's contiguous gather: FA4
-reading the 16-token pages in place (its `page_table`) was slower (14.5-14.8 ms, runs 3-4; as
-128-token pages, one a key tile, its TMA path, 12.4-13.3 ms).
+Faster than cuDNN through SDPA on a long prompt's layers, it also drops the two calls merged by
+log-sum-exp for a query with context (the second 16k step of a 32k prompt): its causal mask is
+lower-right aligned, so query i of q sees keys 0 .. L - q + i in one call. Queries, keys and
+output are in the step's own row layout ([T, H, D], BSHD), so nothing is transposed. The K/V are
+the dense path's contiguous gather: FA4 reading the 16-token pages in place (its `page_table`) was
+slower, and as 128-token pages (one a key tile, its TMA path) no faster.
 
 The package is optional (`pip install 'sparkwire[flash4]'`): it needs CUDA on compute
 capability 9.x (Hopper, its SM90 forward) or 10.x, and JIT-compiles each kernel variant on first
-use (~10 s for the first, ~4 s for the next; `warm_flash4` does it at start-up; a new length does
-not compile again). `flash4_unavailable` says why it cannot run here, or None. CI has no GPU: the
-CPU tests cover the choice, and `ops/bench/gpu_prefill_attention_check.py` checks its output
-against the varlen kernel's on the H200.
+use (seconds each, so `warm_flash4` does it at start-up; a new length does not compile again).
+`flash4_unavailable` says why it cannot run here, or None. CI has no GPU: the CPU tests cover the
+choice, and `sparkwire bench gpu-kernels prefill-attention` checks its output against the varlen
+kernel's on a GPU.
 """
 
 from __future__ import annotations

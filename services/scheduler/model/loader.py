@@ -94,9 +94,8 @@ def load_model_runner(
     """Load the model at `path` onto `device` in `dtype` and allocate its paged KV cache.
 
     cuda_graphs None: capture decode CUDA graphs when on CUDA with Triton; True/False forces it.
-    fused_kernels: `ModelRunner.fused_kernels` (None: on CUDA with Triton; checked on the H200 in
-    ops/bench/results/gpu_fused.md). split_kv_decode: `ModelRunner.split_kv_decode` (default on; checked
-    on the H200 in ops/bench/results/gpu_split_kv.md).
+    fused_kernels: `ModelRunner.fused_kernels` (None: on CUDA with Triton). split_kv_decode:
+    `ModelRunner.split_kv_decode` (default on).
     kv_cache_bytes (or, on CUDA, `kv_cache_fraction` of the memory free after the weights and the
     reserve's weights) holds the cache's blocks together with the reserve's per-block bytes.
     max_model_len: the longest sequence served (`ModelConfig.context_len`: LongRoPE's factors, and

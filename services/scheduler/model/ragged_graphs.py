@@ -1,13 +1,10 @@
 """Ragged steps (prefill chunks, mixed prefill + decode batches, `compact` verify blocks) replayed
 from CUDA graphs over padded static buffers.
 
-Eagerly, a ragged step is host-bound (36 layers x ~40 ops, each launched from Python): on the H200
-(8B shape, dummy weights) the mixed step of 64 decodes + a 128-token prefill took 19.8 ms eager and
-11.4 ms replayed, a compact-like verify step (64 queries of 1..8 tokens) 28.3 and 13.9 ms
-(ops/bench/results/gpu_attention_run1.json, section "ragged_graph"). The varlen
-kernel (`triton_varlen.py`) reads everything it needs from device tensors and a host-built tile
-map, so it can be captured with a fixed grid. Graphs are keyed by (sequence rung S, token rung T,
-block_m):
+Eagerly, a ragged step is host-bound (36 layers x ~40 ops, each launched from Python); replaying
+a graph takes those launches off the host. The varlen kernel (`triton_varlen.py`) reads everything
+it needs from device tensors and a host-built tile map, so it can be captured with a fixed grid.
+Graphs are keyed by (sequence rung S, token rung T, block_m):
 
 - tokens are padded up to T (token ids 0, position 0, K/V written to the cache's trash block) and
   belong to no sequence: no tile covers them, the kernel stores nothing for them, and every other
@@ -28,11 +25,10 @@ Capture is lazy, on a key's first use: the key set is the product of three ladde
 a workload never visits, and capturing all of it at start-up would cost seconds and one output
 buffer per key. `capture_prefill_keys` captures, at start-up, the keys of steps that carry a prefill
 chunk of 32+ tokens (the largest block_m, every sequence and token rung): those are the ones a
-burst of arrivals visits while other requests decode, and a capture mid-serving pauses them all
-(on the H200, 8B shape, concurrency 64: 7 captures, 0.5 s in all, within a 3.5 s run). A capture costs one eager warm-up forward plus the capture, once per key (0.035 to
-0.08 s on the H200 for the 8B shape: ops/bench/gpu_attention_check.py, section "ragged_graph"); it
-runs with every row padded, so it writes the trash block only. All graphs share one memory pool
-(intermediates are reused between keys; each key keeps only its outputs, [T, H] and the captures).
+burst of arrivals visits while other requests decode, and a capture mid-serving pauses them all.
+A capture costs one eager warm-up forward plus the capture, once per key; it runs with every row
+padded, so it writes the trash block only. All graphs share one memory pool (intermediates are
+reused between keys; each key keeps only its outputs, [T, H] and the captures).
 After `max_graphs` captures, steps of new keys are not taken (`fits`); a capture that fails is
 logged and its key left eager. Each capture is logged (`cuda_graphs.ragged_capture.done`, with its
 key). With `capture=False` (the CPU twin CI tests) the very same padded forward runs eagerly, on the
@@ -59,10 +55,10 @@ from services.scheduler.model.llama import CausalLM
 DEFAULT_SEQ_LADDER = (1, 2, 4, 8, 16, 32, 64, 128)
 # Token rungs up to 1024: 1.5x steps past 256 (padding <= 50%). Past 1024 a step is compute-bound
 # (its GEMMs run on every padded row), so `token_ladder` adds FINE_RUNGS_PER_OCTAVE rungs per
-# doubling there: padding <= 25%, <= 12.5% near the top of each octave. On the H200 (8B shape,
-# concurrency 64, chunks of 2048) the mixed steps carried 1,620 tokens on average, and a 2048 rung
-# ran their GEMMs on 26% padding (ops/bench/results/gpu_serve.md, run 18); a budget above 2048 had
-# no rung between 2048 and itself (a 3,000-token step at an 8192 budget ran 8192 rows).
+# doubling there: padding <= 25%, <= 12.5% near the top of each octave. Mixed steps seldom fill the
+# budget, so with the budget as the only rung past 1024 their GEMMs ran on much padding, and a
+# budget above 2048 had no rung between 2048 and itself (a 3,000-token step at an 8192 budget ran
+# 8192 rows).
 COARSE_TOKEN_RUNGS = (64, 128, 256, 384, 512, 768, 1024)
 FINE_RUNGS_PER_OCTAVE = 4
 DEFAULT_MAX_GRAPHS = 160  # the prefill keys captured at start-up (77 at the default budgets, 133 at 8192) and room for others
@@ -79,8 +75,7 @@ def token_ladder(chunk_budget: int, ladder: tuple[int, ...] = COARSE_TOKEN_RUNGS
     """The rungs up to the scheduler's tokens per step (its chunked-prefill budget), which is a rung
     too: `ladder`'s, then past its top FINE_RUNGS_PER_OCTAVE evenly spaced rungs per doubling.
     (Stopping the graphs at 2048 tokens whatever the budget, so that larger steps ran eagerly,
-    took the stack at 8192-token chunks from 0.71x to 0.41-0.44x the core on the H200:
-    ops/bench/results/gpu_serve.md, runs 9, 10 and 14.)"""
+    served large chunk budgets far slower.)"""
     rungs = {r for r in ladder if r < chunk_budget}
     octave = max(ladder)
     while octave < chunk_budget:

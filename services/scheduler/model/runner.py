@@ -65,8 +65,8 @@ class ModelRunner:
         steps use the Triton varlen kernel, not the SDPA groups; fused_kernels: the model's small ops
         (norms, RoPE, the K/V write, SiLU * up) run as the Triton kernels of `triton_fused.py` (each
         default: on CUDA with Triton); split_kv_decode: that decode kernel splits each sequence's keys
-        across programs where the batch alone leaves SMs idle (`kv_splits.num_kv_splits`; default on,
-        measured on the H200 in ops/bench/results/gpu_split_kv.md; nothing without the decode kernel);
+        across programs where the batch alone leaves SMs idle (`kv_splits.num_kv_splits`; default on;
+        nothing without the decode kernel);
         num_sms: the SMs the split count fills (None: read from the device once, here; 0 off CUDA)."""
         self.model = model
         self.kv_cache = kv_cache

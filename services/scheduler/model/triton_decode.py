@@ -7,7 +7,7 @@ of its kv head (q tokens x the GQA group), walks the sequence's block table one 
 time up to `seq_len`, and keeps an online softmax in fp32, so nothing is padded to the longest
 sequence and no host sync is needed (the kernel is CUDA-graph safe). Reference semantics, tested
 against this kernel on the GPU: `attention.paged_decode_attention_torch`. (An earlier kernel with
-one program per query token was slower at every measured shape, ops/bench/results/gpu_core.md.)
+one program per query token was slower at every measured shape.)
 
 Split-KV ("flash-decoding"): at batch 1 the grid above is num_kv_heads programs (8 on 132 SMs).
 With `num_splits` S > 1 each (sequence, kv head) is cut into S runs of its own blocks, one program

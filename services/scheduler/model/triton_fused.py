@@ -14,8 +14,9 @@ Each kernel computes what its torch twin in `llama.py` computes, rounding where 
   a GEMV in the same launch: `norm_gemv_triton` (twin `llama.norm_linear`: the add + RMSNorm above,
   then the linear, fp32 sums) before q/k/v and gate/up, `silu_gemv_triton` (twin `llama.silu_linear`:
   SiLU * up as above, then down's linear): 3 launches a layer fewer; and o_proj's alone
-  (`gemv_triton`, twin `llama.project`), where cuBLAS takes 11 µs for the 0.6B's 4 MB. Their sums
-  run in another order than cuBLAS's, so these match their twins to fp32 rounding, not bit for bit.
+  (`gemv_triton`, twin `llama.project`), where cuBLAS is slow for a weight as small as the 0.6B's.
+  Their sums run in another order than cuBLAS's, so these match their twins to fp32 rounding, not
+  bit for bit.
 
 Every launch's grid and outputs follow the input shapes only: no host sync, no data-dependent
 allocation, so CUDA graphs capture them.
@@ -136,10 +137,9 @@ def _rotate_and_store_kernel(
 
 
 # Heads one program rotates, one warp each, so each head's norm sums its lanes in the order one head
-# per program did: the result is bit for bit the same whatever the setting (checked on the H200).
-# 8B shape, one layer (ops/bench/results/gpu_rope.md): 8 heads take 1.8 us at 1 token (one head
-# 1.7), 2.3 at 64, 23 at 2048 and 342 at 32k against one head's 3.2, 51 and 791: cos/sin read once
-# per 8 heads, and a fifth as many programs.
+# per program did: the result is bit for bit the same whatever the setting. At 8 heads a program,
+# cos/sin are read once per 8 heads and a fifth as many programs launch: about as fast at one token,
+# faster from a batch of decodes up to a long prompt.
 ROPE_HEADS_PER_PROGRAM = 8
 
 
@@ -296,12 +296,11 @@ def _store_gemv(acc, bias_ptr, out_ptr, rows, N, HAS_BIAS: tl.constexpr):
 def gemv_tiles(out_features: int, in_features: int, normed: bool) -> tuple[int, int, int]:
     """(BLOCK_N, BLOCK_K, warps) for a one-token GEMV of a weight [N, K]; `normed`: `_norm_gemv_kernel`.
 
-    From the H200 sweeps (ops/bench/results/gpu_gemv.md, runs 1-4: 10 settings each, µs, these
-    against the fastest): the norm kernel sums the row's squares once per program, so it takes 16
-    rows over 256 columns (0.6B q/k/v 3.6 / 3.6, gate/up 4.1 / 4.1; 8B 16.6 / 15.3, 49.0 / 49.0);
-    the plain and gated GEMV 8 rows over 512 columns (8B down 27.8 / 27.7, o_proj 6.2 / 6.0), or
-    over 1024 with 8 warps where 8-row programs would not fill the card twice (the 0.6B's 1024 rows,
-    128 programs: down 3.5 / 3.4, o_proj 2.5 / 2.4).
+    Picked from a sweep of tile settings at the 0.6B's and the 8B's shapes (`sparkwire bench
+    gpu-kernels gemv` times each): the norm kernel sums the row's squares once per program, so it
+    takes 16 rows over 256 columns; the plain and gated GEMV 8 rows over 512 columns, or over 1024
+    with 8 warps where 8-row programs would not fill the card twice (the 0.6B's 1024 rows, 128
+    programs).
     """
     if normed:
         tiles = (16, 256, 4)
@@ -339,7 +338,7 @@ def gemv_triton(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, tiles: tuple[int, int, int] | None = None
 ) -> torch.Tensor:
     """x [1, K]; weight [N, K] (rows contiguous) -> linear(x) [1, N]: one launch where cuBLAS takes one
-    or two slower ones at these shapes (gpu_gemv.md)."""
+    or two slower ones at these shapes."""
     return _gemv(x, weight, bias, tiles, gated=False)
 
 

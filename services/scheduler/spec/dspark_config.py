@@ -20,8 +20,8 @@ layers, heads, `head_dim`, `intermediate_size`, `rope_theta`, ...) with
 - `enable_confidence_head`, `confidence_head_with_markov` (the head also sees W1[prev]).
 - `sparkwire_context_window` (this project's, optional): how many context positions before its
   anchor a block attends to when serving; a drafter trained on sequences of S tokens never saw an
-  anchor further than S positions from its context's start, and past that its accept length falls
-  (ops/bench/results/dspark_context_accept.md). Absent: the whole context, as published drafts.
+  anchor further than S positions from its context's start, and past that its accept length falls.
+  Absent: the whole context, as published drafts.
 
 Also read: `target_layer_ids` / `mask_token_id` nested in a `dflash_config` dict (SpecForge's layout).
 Refused: `speculators_model_type` (the speculators convention, slot j predicting anchor + j, would
