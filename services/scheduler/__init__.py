@@ -4,8 +4,8 @@ Importing this package, which every scheduler process does before torch loads, g
 passive wait policy unless the environment already names one. With libgomp's default active wait
 the step thread (step_loop.py) and its OpenMP worker spin between and at the end of every parallel
 region, and as steps run back to back they never sleep: two schedulers on two cores then held four
-spinning threads, and each op waited for a preemption (0.4x the tokens at 2.3x the CPU per token;
-ops/bench/results/step_gap.md). libgomp reads the variable once, when it loads, so it is set here.
+spinning threads, and each op waited for a preemption (far fewer tokens, each for more CPU).
+libgomp reads the variable once, when it loads, so it is set here.
 """
 
 import os

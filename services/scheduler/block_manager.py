@@ -12,8 +12,8 @@ the free list when its last holder frees it.
 
 Each table is an int32 array grown by doubling (`_Table`): a step reads a long context's table as
 one array view, where a list of thousands of ids cost the step's host time per sequence twice over
-(copied into the plan, then converted by numpy): 4.2 ms of host time a decode step at 64 sequences
-of 32k tokens against 1.2 ms now (ops/bench/results/host_context_cost.md).
+(copied into the plan, then converted by numpy), so a decode step's host time grew with the
+context.
 """
 
 from __future__ import annotations

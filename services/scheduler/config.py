@@ -41,16 +41,16 @@ class SchedulerConfig:
     chunked_prefill_size: int = DEFAULT_CHUNKED_PREFILL_SIZE
     max_prefill_tokens: int | None = None  # tokens per step while nothing decodes (`Policy`); None: `resolved_max_prefill_tokens`
     overlap_decode: bool = True  # `SchedulerCore`: the next decode step launched before this one's readback
-    ragged_cuda_graphs: bool = True  # CUDA with Triton: ragged steps replay graphs (checked on the H200: gpu_serve.md)
-    logprob_cuda_graphs: bool = True  # CUDA: output logprobs replay graphs (`LogprobGraphs`; exact on the H200: gpu_core.md)
+    ragged_cuda_graphs: bool = True  # CUDA with Triton: ragged steps replay graphs
+    logprob_cuda_graphs: bool = True  # CUDA: output logprobs replay graphs (`LogprobGraphs`; exact against eager)
     # CUDA, with them: greedy decode steps' tokens and rows from one graph (`LogprobGraphs.greedy`);
-    # bit-identical and less host time a step on the H200 (ops/bench/results/gpu_greedy_rows.md)
+    # bit-identical, and less host time a step
     greedy_logprob_graphs: bool = True
-    fused_kernels: bool = True  # CUDA with Triton: triton_fused.py's kernels (checked on the H200: gpu_fused.md)
+    fused_kernels: bool = True  # CUDA with Triton: triton_fused.py's kernels
     fused_logprobs: bool = True  # CUDA with Triton: raw-mode logprobs from triton_logprobs.py's kernels
     dense_prefill: bool = True  # CUDA: steps past the chunk budget attend long queries densely (`dense_attention.py`)
     dense_attention: str = "auto"  # that path's kernel, one of DENSE_ATTENTION_CHOICES (`dense_attention.resolve_dense_kernel`)
-    split_kv_decode: bool = DEFAULT_SPLIT_KV_DECODE  # CUDA with Triton: split-KV decode attention (checked on the H200: gpu_split_kv.md)
+    split_kv_decode: bool = DEFAULT_SPLIT_KV_DECODE  # CUDA with Triton: split-KV decode attention
     kv_block_size: int = 16
     num_kv_blocks: int | None = None  # None: sized from kv_cache_bytes
     kv_cache_bytes: int | None = None  # the target's and a drafter's KV caches together; None: the runner's default budget

@@ -77,9 +77,8 @@ class HostUpload:
     def _layout_views(self, turn: int, arrays: dict[str, np.ndarray], offsets: list[int]) -> dict[str, torch.Tensor]:
         """The typed views of one layout (names, dtypes, shapes), made once: a decode step sends the
         same layout step after step, and ~3 view calls per array were most of `send`'s own time. A new
-        layout (a batch that changed size, tables that widened: a quarter of the steps of a batch
-        whose requests come and go, `host_step_cost.py --churn`) makes each view in one call, from
-        the target viewed whole as its dtype (1.2 against 3.3 us a view on the CPU)."""
+        layout (a batch that changed size, tables that widened: frequent in a batch whose requests
+        come and go) makes each view in one call, from the target viewed whole as its dtype."""
         key = tuple((name, array.dtype.str, array.shape) for name, array in arrays.items())
         views = self._views[turn].get(key)
         if views is None:
@@ -130,8 +129,8 @@ class HostReadback:
     a step's copy can be queued while the last one is still being read; `wait` copies the result
     out into fresh host memory (results are views of it that outlive the step: logprob rows), so a
     buffer is free again once its step was waited for, and no step allocates pinned memory (a
-    pinned allocation per step, held by those views, was suspected of a slowdown that turned out to
-    be a benchmark's warm-up: ops/bench/results/gpu_overlap.md, runs 1-4; not measured apart)."""
+    pinned allocation per step, held by those views, was once blamed for a slowdown that turned out
+    to be a benchmark's warm-up; its own cost was never measured apart)."""
 
     def __init__(self) -> None:
         self.num_copies = 0  # device->host copies made, over the worker's life
@@ -160,7 +159,7 @@ class HostReadback:
         """Handles for `views` of one 1-D int32 device buffer, which travels whole as one part
         (padding between the views included): what an `add` per view would give, without a view,
         a reshape and a step of `one_span`'s walk per view (a greedy decode step's tokens and four
-        columns at 64 rows, read back and split on the CPU: 30 us with an `add` each, 10 with this)."""
+        columns, split on the host every step)."""
         part, first = len(self._parts), len(self._kinds)
         self._parts.append(buffer)
         self._kinds.extend((v.dtype, v.shape, v.dtype == torch.int64, part, v.offset) for v in views)
@@ -270,7 +269,7 @@ class PendingReadback:
             self._release()
         out = []
         for dtype, shape, halves, offset in self._kinds:
-            size = math.prod(shape) * (2 if halves else 1)  # math's: np.prod took ~3.5 us a part
+            size = math.prod(shape) * (2 if halves else 1)  # math's: np.prod's fixed cost, paid per part, shows
             chunk = host[offset : offset + size]
             if halves:
                 chunk = chunk.view(np.int64).astype(np.int32)

@@ -1,28 +1,27 @@
 """Output logprobs (rows of a step's computed logits) replayed from CUDA graphs.
 
 The eager path (`logprobs_on_device`) launches ~27 ops per step whatever the batch; at 1-64 rows
-that launch time (~25 us per op on the H200 host), not the GPU, is its cost. Its device work
-(`logprob_columns`: the distribution, the targets' gather, top-k, the requested ids' gather) has
-shapes fixed by the rows, k, the ids' width and which processed-mode inputs are present, so one
-graph per key (row rung, k rung, ids rung, mode and inputs present) captures it over static buffers:
+that launch time, not the GPU, is its cost. Its device work (`logprob_columns`: the distribution,
+the targets' gather, top-k, the requested ids' gather) has shapes fixed by the rows, k, the ids'
+width and which processed-mode inputs are present, so one graph per key (row rung, k rung, ids
+rung, mode and inputs present) captures it over static buffers:
 
 - inputs, shared by the keys of a row rung: logits f32 [R, V] (each step gathers its rows of the
-  source logits into it, one index_select or copy: the source tensor is new every step; at 512 rows
-  that copy is ~0.15 ms of device time the eager path, reading the source in place, does not pay),
-  targets int64 [R], ids int64 [R, M], and in processed mode the per-row parameters [R] present;
+  source logits into it, one index_select or copy: the source tensor is new every step; a copy the
+  eager path, reading the source in place, does not pay), targets int64 [R], ids int64 [R, M],
+  and in processed mode the per-row parameters [R] present;
 - rows n..R-1 (and ids columns m..M-1) keep what an earlier step left there (at first: zeros and
   neutral sampling parameters), always valid inputs; every op is per row, so they change nothing
   in rows 0..n-1, and the result is the views [:n, :k] and [:n, :m].
 
 Exact against the eager path, bit for bit: the same ops (torch's, or the fused kernels' where
-`logprobs.runs_fused` picks them, each per row; replayed, the kernels take 0.035 ms at 1 row and
-0.099 at 64, against 0.150 and 0.168 eagerly: ops/bench/results/gpu_logprob_kernel.md) on the same rows; the top-K's first k
-columns are the top-k (its order, logprob descending and ties by the smaller id, is total); the ids'
-gather's first m columns are the m requested. Keys off the ladders (k > 20, more than 16 ids, more
-rows than `max_rows` or than one eager chunk) and keys past `max_graphs` run eagerly. Graphs are
-captured on first use of a key, all in one memory pool. With `capture=False` (the CPU twin CI
-tests) the same padded path runs eagerly. Prompt logprobs (LM head over hidden states, up to a
-whole prompt's rows) stay on the eager chunked path.
+`logprobs.runs_fused` picks them, each per row, and faster replayed than launched eagerly) on the
+same rows; the top-K's first k columns are the top-k (its order, logprob descending and ties by the
+smaller id, is total); the ids' gather's first m columns are the m requested. Keys off the
+ladders (k > 20, more than 16 ids, more rows than `max_rows` or than one eager chunk) and keys past
+`max_graphs` run eagerly. Graphs are captured on first use of a key, all in one memory pool. With
+`capture=False` (the CPU twin CI tests) the same padded path runs eagerly. Prompt logprobs (LM head
+over hidden states, up to a whole prompt's rows) stay on the eager chunked path.
 
 `greedy` serves the commonest step with output logprobs: a plain greedy decode graph step whose
 every sequence wants them. Its graph (keyed also by the decode graph's static logits, which it reads
@@ -32,8 +31,8 @@ writes tokens and columns into one buffer (each column 16-byte aligned, a few wo
 between them: `_packed_buffer`), which `HostReadback` reads back as one part (`add_packed`): a
 step launches two copies (logits rows, targets), an argmax and a concatenation fewer than `_verify`'s
 argmax and `compute`, the host's time that bounds a small model's batch-1 decode through the stack.
-Served by default (`--no-greedy-logprob-graphs` turns it off): on the H200 it gives the same tokens and
-arrays bit for bit and 0.12-0.22 ms less host time a step (ops/bench/results/gpu_greedy_rows.md).
+Served by default (`--no-greedy-logprob-graphs` turns it off): it gives the same tokens and arrays
+bit for bit, for less host time a step.
 """
 
 from __future__ import annotations
@@ -65,9 +64,9 @@ ROW_LADDER = (1, 2, 4, 8, 16, 32, 64, 96, 128, 192, 256, 384, 512)  # at most 1.
 K_LADDER = (0, 1, 5, 10, 20)
 IDS_LADDER = (0, 1, 2, 4, 8, 16)
 MAX_GRAPHS = 32
-# More rows are device-bound (top-k over [rows, V]): on the H200 512 rows took 3.27 ms from a graph
-# against 3.19 eager (gpu_core.md, run 7), and their static logits + pool (~1.5 GB at the 8B
-# vocabulary) would sit outside the KV-cache reserve. Up to 128 rows the static logits are ~78 MB.
+# More rows are device-bound (top-k over [rows, V]): a graph saves them nothing, and their static
+# logits + pool (~1.5 GB at the 8B vocabulary) would sit outside the KV-cache reserve. Up to 128
+# rows the static logits are ~78 MB.
 DEFAULT_MAX_ROWS = 128
 NEUTRAL_SAMPLING = {"temperature": 1.0, "top_k": TOP_K_OFF, "top_p": 1.0, "min_p": 0.0}  # padded rows, at first
 
@@ -120,7 +119,7 @@ class LogprobGraphs:
         self._graphs: dict[_Key, _Graph] = {}
         # `greedy`'s calls by (rows, k, ids, sampling inputs, source) -> their key and graph: a decode
         # step asks the same every step, and working its key out again (rungs, `replace`, a dataclass
-        # hash) took 4.0 us a step against 0.06 for this lookup (CPU)
+        # hash) costs far more host time than this lookup
         self._greedy_calls: dict[tuple, tuple[_Key, _Graph]] = {}
         self._buffers: dict[tuple[str, tuple[int, ...]], torch.Tensor] = {}  # static inputs by (name, shape)
         self._pool = None
@@ -273,8 +272,8 @@ def _packed_buffer(key: _Key, device: torch.device) -> tuple[torch.Tensor, RowLo
     tokens int64 [R] (2R words), then token f32 [R], top values f32 [R, K], top ids int32 [R, K], ids f32 [R, M], in that order, each
     from a multiple of 16 bytes (padding between them is never read). Triton compiles a kernel
     again for a pointer not 16-byte aligned, so unaligned columns (R = 1 or 2, any K) made the
-    first step of such a rung compile the logprob kernels anew while serving (150-310 ms,
-    `gpu_serve.md` run 33); aligned, they run what `triton_logprobs.warm_kernels` compiled."""
+    first step of such a rung compile the logprob kernels anew while serving; aligned, they run
+    what `triton_logprobs.warm_kernels` compiled."""
     rows, k, m = key.rows, key.k, key.num_ids
     sizes = (2 * rows, rows, rows * k, rows * k, rows * m)  # int32 words
     starts = [0]

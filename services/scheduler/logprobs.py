@@ -35,7 +35,7 @@ CHUNK_BYTES = 512 * 1024 * 1024  # a chunk's fp32 logprobs, at most (and 1024 ro
 # top-k's int32 keys and masks, a chunk holds ~4x this (the int64 temporaries of the first top-k held ~8x)
 # Rows whose logits the chunk computes itself (prompt rows, through the LM head): bulk work whose
 # launches are few against its FLOPs, so a smaller chunk costs little and keeps a 32k-token prompt's
-# top-k within ~0.5 GiB of working memory (issue 12: <= 1 GiB extra; 512 MiB chunks measured +2.4 GiB).
+# top-k within ~0.5 GiB of working memory (issue 12: <= 1 GiB extra, which 512 MiB chunks exceeded).
 PROMPT_CHUNK_BYTES = 128 * 1024 * 1024
 # The fused kernels' prompt chunk holds only its logits in the model's dtype (and [c, S, K_PAD] int64
 # candidates): at the 8B vocabulary 1024 bf16 rows are 311 MB.

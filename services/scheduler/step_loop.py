@@ -10,12 +10,12 @@ instead of piling outputs up.
 
 A step's outputs are handed over once the next step's device work is queued (`core.step`'s
 on_queued), not as soon as the step returns. Handed over at once, the event loop's publication
-(the wire's columns and their encoding: ~0.1 ms of Python a step at batch 64 on the dev box, ~0.25
-with top-20 rows; then NATS) took the GIL at the step thread's next release of it and held it
-through the next launch, the step's critical path. Handed over after the launch, it runs while the
-step thread waits for the device with the GIL released: on a slow H100 host, top-20 served 5% more
-tok/s (ops/bench/results/gpu_serve.md, 0.6B run 49). A step that leaves nothing in flight
-(`core.has_in_flight`) hands its outputs over at once: no launch of the next one is coming.
+(the wire's columns and their encoding in Python, more of it with top-20 rows; then NATS) took the
+GIL at the step thread's next release of it and held it through the next launch, the step's
+critical path. Handed over after the launch, it runs while the step thread waits for the device
+with the GIL released, which serves top-20 streams faster on a slow host. A step that leaves
+nothing in flight (`core.has_in_flight`) hands its outputs over at once: no launch of the next one
+is coming.
 """
 
 from __future__ import annotations

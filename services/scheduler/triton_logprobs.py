@@ -24,11 +24,10 @@ the host: CUDA-graph safe.
    logprob and, among equal logprobs, the smaller id. The kept k-th starts at a floor: the logprob
    of the k-th largest tile maximum of the row (k columns of distinct tiles reach it, so every
    column of the row's top-k does), so a split keeps only its columns at or above the floor (each
-   insertion is a round of two reductions: one row's candidates 9.5 against 19.5 us,
-   ops/bench/results/gpu_logprob_kernel.md, run 9). A tile is read only when its stored maximum's
-   logprob reaches the k-th kept (the tile maxima come from kernel 1, screened as a vector, so the
-   rest of the row is not read again: 64 f32 rows' candidates 21 against 35 us, run 10), and then
-   inserts only while its best key beats it.
+   insertion is a round of two reductions: the fewer, the faster). A tile is read only when its
+   stored maximum's logprob reaches the k-th kept (the tile maxima come from kernel 1, screened as
+   a vector, so the rest of the row is not read again), and then inserts only while its best key
+   beats it.
 3. `_finish_kernel` (grid [c]): the same m and L, the target's and requested ids' logprobs (gathers
    of x, same formula), and the top-k of the row's S * K_PAD candidates by k rounds of max, unpacked
    to value and id. The row's top-k is in the union of every split's top-k, so it is exact.
@@ -53,11 +52,11 @@ import triton.language as tl
 from services.scheduler.logprobs import MAX_FUSED_K
 
 # Columns a program reads at once, of any dtype (f32 output rows: 16 a thread at 4 warps; bf16 prompt
-# chunks: 16 bf16). At 64 f32 rows, k = 20, 0.045 ms graphed against 0.056 at 1024 columns, and every
-# row count and the prompt chunk as fast or faster (ops/bench/results/gpu_logprob_kernel.md, run 10).
+# chunks: 16 bf16). 2048 rather than 1024: faster at 64 rows, as fast or faster at every row count
+# and for the prompt chunk.
 BLOCK = 2048
 MAX_SPLITS = 64
-TARGET_PROGRAMS = 528  # 4 per SM of the H200's 132 (run 10: 64 f32 rows 0.045 against 0.047 ms at 264)
+TARGET_PROGRAMS = 528  # 4 per SM of the H200's 132: a little faster than 2 per SM
 MAX_CANDIDATES = 4096  # S * K_PAD: what `_finish_kernel` holds in registers for one row
 RANK_CHUNK = 32  # tile maxima `_kth_tile_max` compares each one with at once ([tiles, 32]: 32 a thread at 75 tiles)
 NO_KEY = tl.constexpr(-(2**63 - 1))  # below every key of a non-NaN logprob (their high half >= -2139095041)
@@ -90,8 +89,8 @@ def warm_kernels(vocab_size: int, device: torch.device, dtypes: tuple[torch.dtyp
                  argmax_dtypes: tuple[torch.dtype, ...] = ()) -> None:  # fmt: skip
     """Compile the kernels now, for logits of each of `dtypes` and each of `WARM_KS`, with no
     requested ids, and their argmax-taking variant (greedy steps' rows) for each of `argmax_dtypes`:
-    otherwise the first request asking for each would pause the step it is in for the compile
-    (~0.4-1.7 s on the H200). Other k pads and ids widths still compile on first use."""
+    otherwise the first request asking for each would pause the step it is in for the whole
+    compile. Other k pads and ids widths still compile on first use."""
     for dtype, argmax in [*((d, False) for d in dtypes), *((d, True) for d in argmax_dtypes)]:
         logits = torch.zeros(1, vocab_size, dtype=dtype, device=device)
         targets = torch.zeros(1, dtype=torch.int64, device=device)
@@ -132,8 +131,8 @@ def raw_logprob_columns(
     sums = torch.empty_like(maxes)  # [c, S]
     # The pads are the most splits any number of rows gets at this vocabulary and k, not this call's
     # S: S follows the rows (1 row: ~50 splits; 64 rows: 5), and as a compile-time constant it made
-    # Triton compile the three kernels again at every row count (~0.4-1.5 s, in the step that first
-    # met it). So S is a runtime argument and one compiled variant serves every row count.
+    # Triton compile the three kernels again at every row count (in the step that first met it). So
+    # S is a runtime argument and one compiled variant serves every row count.
     most_splits = max_splits_for(vocab, k_pad, block, MAX_SPLITS if max_splits is None else max_splits)
     splits_pad = triton.next_power_of_2(most_splits)
     num_tiles = triton.cdiv(vocab, block)
@@ -170,8 +169,7 @@ def _partial_lse_kernel(logits_ptr, max_ptr, sum_ptr, tile_max_ptr, first_ptr, s
     m = tl.full([], float("-inf"), tl.float32)
     total = tl.full([], 0.0, tl.float32)
     first_max = first  # ARGMAX: the split's first column holding its max (its first column while all are -inf)
-    # The next tile's load is issued before this tile's two reductions, so one is always in flight
-    # (64 f32 rows: 17 against 26 us at 1024 columns, run 10).
+    # The next tile's load is issued before this tile's two reductions, so one is always in flight.
     ahead = tl.load(row_ptr + first + cols, mask=first + cols < end, other=float("-inf"))
     for start in range(first, end, BLOCK):
         offs = start + cols
