@@ -130,9 +130,8 @@ def add_up_arguments(parser: argparse.ArgumentParser) -> None:
     add("--port", type=int, default=8000, help="HTTP port")
     add("--tokenizers", type=int, default=None,
         help="tokenizer (HTTP front end) processes sharing --port (SO_REUSEPORT, Linux); default where the scheduler "
-             "serves on a GPU: one per 4 usable cores, 2 to 4 (one front end formats ~14k top-20 tokens/s at most; "
-             "bursts queue at one; four served the 0.6B's plain streams 9%% faster than two on 16 cores: "
-             "ops/bench/results/gpu_serve.md, runs 20 and 0.6B 26-27, gpu_frontends.md), else 1")  # fmt: skip
+             "serves on a GPU: one per 4 usable cores, 2 to 4 (one front end cannot keep up with a GPU's top-20 "
+             "streams, and bursts queue at one), else 1")  # fmt: skip
     add_logging_arguments(parser, env.log_level, env.log_format)
     add("--ready-timeout-s", type=float, default=300.0, help="give up if /health is not 200 by then")
     add("--grace-s", type=float, default=10.0, help="wait this long after SIGTERM before SIGKILL")

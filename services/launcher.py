@@ -366,10 +366,9 @@ CORES_PER_TOKENIZER = 4
 
 def gpu_tokenizers(cores: int) -> int:
     """Tokenizers to start beside a GPU scheduler on a host of `cores` CPUs: one per
-    CORES_PER_TOKENIZER cores, within GPU_TOKENIZERS. One tokenizer formats ~14k top-20 tokens/s at
-    most (gpu_serve.md, run 20), so two is the floor; on the H100 host's 16 cores four served the
-    0.6B's plain streams at concurrency 64 9% faster than two (26,840-27,193 against 24,391-25,448
-    tok/s, top-20 the same: gpu_serve.md, 0.6B runs 26-27)."""
+    CORES_PER_TOKENIZER cores, within GPU_TOKENIZERS. One tokenizer cannot keep up with a GPU's
+    top-20 streams, so two is the floor; where the cores allow, four serve a small model's plain
+    streams at high concurrency faster than two."""
     low, high = GPU_TOKENIZERS
     return min(high, max(low, cores // CORES_PER_TOKENIZER))
 

@@ -20,15 +20,12 @@ LOAD_FORMATS = ("auto", "dummy")
 LOGPROBS_MODES = ("raw", "processed")
 DEFAULT_MAX_RUNNING_REQUESTS = 64
 DEFAULT_CHUNKED_PREFILL_SIZE = 2048  # tokens per step, prefill chunks and decode tokens together
-# Tokens per step while no sequence decodes (nothing to stall): a 32k prompt alone on the H200 (8B
-# shape, top-2 prompt logprobs) took 1.79 s in 2048-token steps and 1.40-1.45 s in 8192- to
-# 32768-token steps on cuDNN (`--dense-prefill`; ops/bench/results/gpu_prefill_profile.md); on
-# FlashAttention-4, 1.315 s at 16384 and 1.308 s at 32768 (same file, run 8)
+# Tokens per step while no sequence decodes (nothing to stall): a long prompt alone runs faster in
+# steps well past the chunk budget (`--dense-prefill`), and hardly faster again past 16384
 DEFAULT_MAX_PREFILL_TOKENS = 16384
 CUDA_KV_CACHE_FRACTION = 0.8  # of the memory still free once weights are loaded
-# Split-KV decode attention on (`--split-kv-decode`): on the H200, graph decode steps at batch 1 went
-# 15.2 -> 5.2 ms (8B) and 9.4 -> 1.6 ms (0.6B) at context 4096, with the same next tokens; at batch 64
-# the count is 1, the same kernel (ops/bench/results/gpu_split_kv.md).
+# Split-KV decode attention on (`--split-kv-decode`): it fills the SMs a small batch leaves idle,
+# with the same next tokens, and a batch that fills them gets one split, the same kernel
 DEFAULT_SPLIT_KV_DECODE = True
 # The kernels `--dense-prefill` attends with (`dense_attention.py`): FlashAttention-4 where its
 # package is installed and runs on the GPU (`flash4_attention.py`), else torch SDPA (cuDNN first)
@@ -89,8 +86,8 @@ CUDA_SWITCHES = {
                                   "captured on first use of each padded shape (default on; elsewhere it does nothing)"),
     "greedy-logprob-graphs": (True, "CUDA, with --logprob-cuda-graphs: a greedy decode step whose every request asks for "
                                     "output logprobs takes its tokens (the argmax) and rows from one graph over the decode "
-                                    "graph's logits, read back without a concatenation (default on: bit-identical and "
-                                    "less host time a step on the H200, ops/bench/results/gpu_greedy_rows.md)"),
+                                    "graph's logits, read back without a concatenation (default on: bit-identical, and "
+                                    "less host time a step)"),
     "fused-kernels": (True, "CUDA with Triton: run each layer's norms, residual adds, RoPE, K/V write and SiLU * up "
                             "as fused Triton kernels (default on; elsewhere it does nothing)"),
     "fused-logprobs": (True, "CUDA with Triton: compute raw-mode logprobs (log-softmax, top-k up to 64, the target's and "
@@ -100,9 +97,9 @@ CUDA_SWITCHES = {
                             "(default on: such steps run without graphs anyway; elsewhere it does nothing)"),
     "split-kv-decode": (DEFAULT_SPLIT_KV_DECODE,
                         "CUDA with Triton: split each sequence's keys across several decode attention programs when "
-                        "the batch leaves SMs idle (flash-decoding; default on: on the H200 a batch-1 decode step at "
-                        "context 4096 took 5.2 ms instead of 15.2 (8B); a batch that fills the SMs gets one split, the same "
-                        "kernel; elsewhere it does nothing)"),
+                        "the batch leaves SMs idle (flash-decoding; default on: small batches at long contexts decode "
+                        "much faster; a batch that fills the SMs gets one split, the same kernel; elsewhere it does "
+                        "nothing)"),
 }  # fmt: skip
 
 
