@@ -16,7 +16,7 @@ _WIRE_NAMES = {np.dtype(name): name for name in get_args(WireDtype)}  # dtype ->
 
 def to_wire(array: np.ndarray) -> NDArray:
     """One copy at most (none if already contiguous little-endian: the NDArray then views `array`).
-    Called per logprob array per request per step, so the view costs only what it must (~1 us)."""
+    Called per logprob array per request per step, so the view costs only what it must."""
     if not (array.flags.c_contiguous and array.dtype.byteorder in _WIRE_ORDERS):
         array = np.ascontiguousarray(array, dtype=array.dtype.newbyteorder("<"))
     data = array.data.cast("B") if array.size else memoryview(b"")  # a view with a 0 in its shape cannot be cast

@@ -1,27 +1,26 @@
 """Process-wide memory settings of the services: glibc's allocator thresholds (multi-MB messages)
 and CPython's garbage collector (per-step objects).
 
-On the 2-core machine a first touch of a fresh 4 KiB page costs ~6 us (a fresh 21 MB buffer
-filled by one copy took ~31 ms, the same copy into reused memory ~1 ms). glibc serves blocks
-above its mmap threshold (dynamic, 128 KiB at start) with a fresh `mmap` and unmaps them on free,
-and trims the heap top when more than the trim threshold is free, so the buffers of every large
-message (a reassembled 131072 x 20 prompt-logprob message, a 28 MB response body) are faulted in
-again and again. `sparkwire bench logprob-transport` runs the HTTP path both ways: with glibc's
-defaults the tokenizer took 14,939 page faults and 158.6 ms of CPU per such request, with these
-settings 880 and 111.4 ms. Raising both thresholds keeps freed large blocks in the heap for
-reuse: page faults are paid once per high-water mark, not once per message.
+A first touch of a fresh 4 KiB page is a page fault, so a copy into a fresh multi-MB buffer costs
+many times the same copy into reused memory. glibc serves blocks above its mmap threshold
+(dynamic, 128 KiB at start) with a fresh `mmap` and unmaps them on free, and trims the heap top
+when more than the trim threshold is free, so the buffers of every large message (a reassembled
+131072 x 20 prompt-logprob message, a 28 MB response body) are faulted in again and again.
+`sparkwire bench logprob-transport` runs the HTTP path both ways: with these settings the
+tokenizer takes far fewer page faults and less CPU per such request than with glibc's defaults.
+Raising both thresholds keeps freed large blocks in the heap for reuse: page faults are paid once
+per high-water mark, not once per message.
 
 The collector: CPython runs a young collection once 700 more container objects are alive than
 at the last one. A scheduler decode step makes a few short-lived objects per request (queries,
-entries, outputs): with top-20 output logprobs that crossed 700 at batch 64 in 38 of 39 steps
+entries, outputs): with top-20 output logprobs that crossed 700 at batch 64 almost every step
 (before a request's rows became one `RowSpan`; at batch 128 it still does about every other step,
-`tests/services/scheduler/test_collector.py`), ~100 us a collection on the 2-core box
-(`ops/bench/host_step_cost.py`'s `gc` column), and every collection that reaches the oldest
-generation walks the whole heap: ~310,000 objects after torch's import, 138 ms on that box, and
-180-228 ms pauses in every stream of a 0.6B run on an H100 (`gpu_serve.md`, 0.6B run 31). `collector_tuned` raises the young threshold so
-that the step's objects are freed by their reference counts before any collection sees them, and
-`settle_startup_heap` moves what start-up made (modules, the model, compiled kernels) out of the
-collector's reach once a service is ready (`gc.freeze`), as vLLM and SGLang do after start-up.
+`tests/services/scheduler/test_collector.py`), each collection host time in the step, and every
+collection that reaches the oldest generation walks the whole heap (~310,000 objects after
+torch's import): a pause that shows in every stream. `collector_tuned` raises the young threshold
+so that the step's objects are freed by their reference counts before any collection sees them,
+and `settle_startup_heap` moves what start-up made (modules, the model, compiled kernels) out of
+the collector's reach once a service is ready (`gc.freeze`), as vLLM and SGLang do after start-up.
 """
 
 from __future__ import annotations

@@ -66,9 +66,8 @@ class BulkHistogram:
     """A Prometheus histogram of one label set fed many values at once (`observe_many`): one numpy
     pass a call where prometheus_client's `Histogram.observe` takes a lock and a bucket search per
     value. The tokenizer observes a request's inter-token gaps when it leaves, 127 of them for 128
-    tokens, all the finishing requests of a wave together: 511-546 us a request with `Histogram`,
-    17-19 us with this (`python -m ops.bench.metrics_cost`, 2 cores), in the burst the next wave's
-    requests wait behind (ops/bench/results/gpu_serve.md, runs 23 and 26).
+    tokens, all the finishing requests of a wave together, in the burst the next wave's requests
+    wait behind, where a lock and a search per value add up.
     Exposed as `Histogram` exposes it (`_bucket` per `le`, `_count`, `_sum`); register it in a
     registry like any collector."""
 
