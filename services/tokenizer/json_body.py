@@ -1,12 +1,12 @@
 """JSON response bodies whose large base64 fields skip msgspec's per-character string pass.
 
 The flat b64 prompt logprobs of a 131072 x 20 request are two ~14 MB base64 strings. Encoding
-them as Python `str` through `msgspec.json.encode` costs ~43 ms on the 2-core machine (every
-character is checked for escaping, and the output grows by reallocation); base64 text never needs
-escaping. Here such a field is a `Base64Field` (the array itself): the rest of the body is encoded
-by msgspec with a short marker string in its place, then the base64 text, made straight from the
-array's buffer by pybase64, is joined in at the marker — one copy of the big text, ~8 ms in all
-(`sparkwire bench logprob-transport` reports both ways).
+them as Python `str` through `msgspec.json.encode` is slow (every character is checked for
+escaping, and the output grows by reallocation); base64 text never needs escaping. Here such a
+field is a `Base64Field` (the array itself): the rest of the body is encoded by msgspec with a
+short marker string in its place, then the base64 text, made straight from the array's buffer by
+pybase64, is joined in at the marker — one copy of the big text (`sparkwire bench
+logprob-transport` reports both ways).
 """
 
 from __future__ import annotations

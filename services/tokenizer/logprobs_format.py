@@ -87,7 +87,7 @@ def token_triples(values: np.ndarray, ids: Sequence[int], text_of: TextOf) -> li
     else:
         for index in np.flatnonzero(np.isnan(values)).tolist():
             logprobs[index] = None
-    # Tuples, not lists: JSON-encoded the same, but 3x cheaper to build (lists are tracked by the
+    # Tuples, not lists: JSON-encoded the same, but cheaper to build (lists are tracked by the
     # cyclic GC, whose collections dominate building 100k+ small lists).
     texts = [text_of(i) for i in ids] if text_of else itertools.repeat(None)
     return list(zip(logprobs, ids, texts))

@@ -66,7 +66,7 @@ def text_offsets(pieces: Sequence[bytes], start: int = 0) -> list[int]:
     plus `start`. A piece starting inside a multi-byte character gets that character's offset;
     an empty piece, that of the next piece with bytes (the text's length if none follows).
     Plain Python: numpy's fixed cost (a join, frombuffer, cumsums) dominated the one piece of a
-    streamed token; streamed completion events with top-k cost 2-3x less since (`openai_logprobs_cost.md`)."""
+    streamed token."""
     offsets: list[int] = []
     waiting = 0  # empty pieces, offset by the next piece with bytes
     begun = 0  # characters begun in the pieces so far

@@ -87,7 +87,7 @@ class TextModel:
         return tuple(map(tuple, self.token_bytes))
 
     def warm_logprob_tables(self) -> None:
-        """Build `token_labels` and `token_byte_lists` now (~0.3 s for 152k ids on the 2-core dev box)."""
+        """Build `token_labels` and `token_byte_lists` now: a pass over every id of the vocabulary."""
         for table in ("token_labels", "token_byte_lists"):
             getattr(self, table)  # a cached_property: built on this first read
 
