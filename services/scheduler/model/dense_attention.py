@@ -41,11 +41,11 @@ from services.scheduler.model.flash4_attention import attend_sequence_flash4, fl
 
 # Below this many query tokens a sequence stays on the varlen kernel: one SDPA call per sequence
 # (plus its K/V gather) costs a launch and a copy of the whole prefix, which a short query does
-# not win back. Untuned: the H200 check (ops/bench/gpu_prefill_attention_check.py) has 2048- and
-# 8192-token chunks; 512 is a first guess below both.
+# not win back. Untuned: `sparkwire bench gpu-kernels prefill-attention` times 2048- and 8192-token
+# chunks; 512 is a first guess below both.
 DENSE_MIN_QUERY_LEN = 512
 DENSE_MASKS = ("merge", "lower_right")
-DEFAULT_DENSE_MASK = "merge"  # cuDNN on both halves; to be settled by the H200 check
+DEFAULT_DENSE_MASK = "merge"  # cuDNN on both halves; to be settled by that benchmark
 LSE_BACKENDS = ("cudnn", "flash")  # the CUDA ops that return a log-sum-exp, tried in this order
 
 

@@ -41,8 +41,8 @@ class LaunchConfig:
 
 
 def default_launch_config(rows: int) -> LaunchConfig:
-    # Untuned first guess (FlashAttention-2 Triton settings for d 128 at 128 rows); the H200 check
-    # sweeps alternatives (ops/bench/gpu_attention_check.py, section "sweep").
+    # Untuned first guess (FlashAttention-2 Triton settings for d 128 at 128 rows); `sparkwire bench
+    # gpu-kernels attention` sweeps alternatives (its "sweep" section).
     if rows >= 128:
         return LaunchConfig(block_n=64, num_warps=8, num_stages=3)
     return LaunchConfig(block_n=64, num_warps=4, num_stages=2)
