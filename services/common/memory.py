@@ -15,8 +15,8 @@ The collector: CPython runs a young collection once 700 more container objects a
 at the last one. A scheduler decode step makes a few short-lived objects per request (queries,
 entries, outputs): with top-20 output logprobs that crossed 700 at batch 64 almost every step
 (before a request's rows became one `RowSpan`; at batch 128 it still does about every other step,
-`tests/services/scheduler/test_collector.py`), each collection host time in the step, and every
-collection that reaches the oldest generation walks the whole heap (~310,000 objects after
+`tests/services/scheduler/test_collector.py`), each collection adding host time to the step, and
+every collection that reaches the oldest generation walks the whole heap (~310,000 objects after
 torch's import): a pause that shows in every stream. `collector_tuned` raises the young threshold
 so that the step's objects are freed by their reference counts before any collection sees them,
 and `settle_startup_heap` moves what start-up made (modules, the model, compiled kernels) out of
