@@ -101,3 +101,55 @@ def test_the_quick_start_installs_what_sparkwire_up_needs():
     installs = re.findall(r"pip install (?:-e )?'?([^\s']+)'?", command)
     extras = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))["project"]["optional-dependencies"]
     assert "scheduler" in extras and any(target.startswith(".[") and "scheduler" in target for target in installs), command
+
+
+# ---- the code's shape (issue 40): rooms a reader holds in their head ----
+
+MAX_SCHEDULER_MODULE_LINES = 400
+MAX_CLASS_METHODS = 20
+MAX_CORE_ARGUMENTS = 5
+LAYOUT_KINDS = {"token", "top_values", "top_ids", "ids"}  # the logprob layout's kinds (`LogprobColumns`, `RowLogprobs`)
+LAYOUT_HOMES = {"contracts/logprobs.py": "LogprobColumns", "services/common/logprob_rows.py": "RowLogprobs"}
+
+
+def _classes(path: Path) -> list[ast.ClassDef]:
+    return [node for node in ast.walk(ast.parse(path.read_text(), filename=str(path))) if isinstance(node, ast.ClassDef)]
+
+
+def _fields(node: ast.ClassDef) -> set[str]:
+    return {item.target.id for item in node.body if isinstance(item, ast.AnnAssign) and isinstance(item.target, ast.Name)}
+
+
+def test_no_scheduler_module_is_over_400_lines():
+    long = {str(p.relative_to(ROOT)): n for p in python_files("services/scheduler")
+            if (n := p.read_text().count("\n")) > MAX_SCHEDULER_MODULE_LINES}  # fmt: skip
+    assert long == {}
+
+
+def test_no_class_has_more_than_20_methods():
+    crowded = {f"{p.relative_to(ROOT)}:{c.name}": n for p in python_files("contracts", "services") for c in _classes(p)
+               if (n := sum(isinstance(i, ast.FunctionDef | ast.AsyncFunctionDef) for i in c.body)) > MAX_CLASS_METHODS}  # fmt: skip
+    assert crowded == {}
+
+
+def test_the_scheduler_core_is_built_from_at_most_5_arguments():
+    from services.scheduler.core import SchedulerCore
+
+    import inspect
+
+    parameters = [p for p in inspect.signature(SchedulerCore.__init__).parameters if p != "self"]
+    assert len(parameters) <= MAX_CORE_ARGUMENTS, parameters
+
+
+def test_the_logprob_layout_is_declared_once_on_the_wire_and_once_as_a_requests_rows():
+    """Only `LogprobColumns` (the wire) and `RowLogprobs` (one request's rows, host or device)
+    declare the layout's kinds as fields: any other struct holding them is a second layout."""
+    declaring = {f"{p.relative_to(ROOT).as_posix()}:{c.name}" for p in python_files("contracts", "services") for c in _classes(p)
+                 if len(_fields(c) & LAYOUT_KINDS) >= 2}  # fmt: skip
+    assert declaring == {f"{path}:{name}" for path, name in LAYOUT_HOMES.items()}
+
+
+def test_the_layout_check_can_fail(tmp_path):
+    second = tmp_path / "second.py"
+    second.write_text("class Rows:\n    token: list\n    top_values: list\n    top_ids: list\n")
+    assert len(_fields(_classes(second)[0]) & LAYOUT_KINDS) >= 2

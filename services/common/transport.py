@@ -195,6 +195,73 @@ class _Window:
         self.num_bytes = 0
 
 
+class _SendWindows:
+    """The sender's side of flow control and gap marks: a window per destination subject, the ack
+    inbox every framed chunk names, and the marks sent after the publishing connection returns."""
+
+    def __init__(self, nc: Client, sender_id: str, window_bytes: int, ack_timeout_s: float) -> None:
+        self._nc = nc
+        self._sender_id = sender_id
+        self.window_bytes = window_bytes  # 0 disables flow control
+        self._ack_timeout_s = ack_timeout_s
+        self.windows: dict[str, _Window] = {}
+        self.ack_keys: dict[str, str] = {}  # ack key -> destination subject
+        self._ack_subject: str | None = None
+
+    def of(self, subject: str) -> _Window:
+        return self.windows.get(subject) or self.windows.setdefault(subject, _Window())
+
+    async def acquire(self, subject: str, window: _Window, key: str, size: int) -> None:
+        """Wait until `size` more bytes fit in `subject`'s window (one chunk always fits an empty
+        one), then count the chunk `key` in it."""
+        while window.num_bytes and window.num_bytes + size > self.window_bytes:
+            remaining = window.oldest_sent_at() + self._ack_timeout_s - time.monotonic()
+            if remaining <= 0:
+                self._forget(window)
+                raise ReceiverGone(
+                    f"{subject}: no flow-control ack for {self._ack_timeout_s:.1f}s with "
+                    f"{window.num_bytes} bytes unacked; the receiver is gone or stuck"
+                )
+            window.changed.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(window.changed.wait(), remaining)
+        self.ack_keys[key] = subject
+        window.add(key, size)
+
+    def _forget(self, window: _Window) -> None:
+        for key in window.outstanding:
+            self.ack_keys.pop(key, None)
+        window.forget()
+
+    async def ack_inbox(self) -> str:
+        if self._ack_subject is None:
+            subject = self._nc.new_inbox()
+            await self._nc.subscribe(subject, cb=self._on_ack, pending_msgs_limit=-1, pending_bytes_limit=-1)
+            self._ack_subject = subject
+        return self._ack_subject
+
+    async def _on_ack(self, msg: Msg) -> None:
+        key = msg.data.decode(errors="replace")
+        subject = self.ack_keys.pop(key, None)
+        if subject is not None:  # unknown keys: duplicates, or acks for a forgotten window
+            self.windows[subject].release(key)
+
+    async def send_marks(self) -> None:
+        """Our publishing connection dropped and came back. What it sent just before may be lost,
+        and when that was a subject's last message no later one shows the gap: tell each recent
+        destination the last number sent (`Sw-Mark`), a few times, since its own connection may
+        come back later than ours."""
+        for pause in MARK_PAUSES_S:
+            await asyncio.sleep(pause)
+            now = time.monotonic()
+            for subject, window in list(self.windows.items()):
+                if window.last_number is not None and now - window.last_sent < MARK_RECENT_S:
+                    async with window.lock:  # after any message already numbered
+                        mark = {SEQ_HEADER: f"{self._sender_id} {window.last_number}", MARK_HEADER: "1"}
+                        with contextlib.suppress(Exception):
+                            await self._nc.publish(subject, b"", headers=mark)
+
+
 class Transport:
     """One NATS connection owned by one service instance."""
 
@@ -214,8 +281,6 @@ class Transport:
         self._reader = reader
         self._name = name
         self.events = events or ConnectionEvents()
-        self._window_bytes = window_bytes  # 0 disables flow control
-        self._ack_timeout_s = ack_timeout_s
         self._reassembly_timeout_s = reassembly_timeout_s
         self.max_message_bytes = max_message_bytes
         self.max_partial_bytes = max_partial_bytes
@@ -226,9 +291,7 @@ class Transport:
         self._seq = itertools.count()
         self._encoder = msgspec.msgpack.Encoder()
         self._tasks: list[asyncio.Task[None]] = []
-        self._windows: dict[str, _Window] = {}
-        self._ack_keys: dict[str, str] = {}  # ack key -> destination subject
-        self._ack_subject: str | None = None
+        self._send = _SendWindows(nc, self._sender_id, window_bytes, ack_timeout_s)
 
     @classmethod
     async def connect(
@@ -278,8 +341,8 @@ class Transport:
         framed message's receiver stopped acking for `ack_timeout_s`. `headers` (e.g. the
         request id) travel with the message, on every chunk of a framed one."""
         payload = message if isinstance(message, (bytes, bytearray)) else self.encode(message)
-        window = self._windows.get(subject) or self._windows.setdefault(subject, _Window())
-        flow_controlled = self._window_bytes > 0 and len(payload) >= FRAMED_MIN_BYTES
+        window = self._send.of(subject)
+        flow_controlled = self._send.window_bytes > 0 and len(payload) >= FRAMED_MIN_BYTES
         async with window.lock:  # Sw-Seq numbers are taken in send order
             window.last_number, window.last_sent = next(window.seq), time.monotonic()
             extra = (headers or {}) | {SEQ_HEADER: f"{self._sender_id} {window.last_number}"}
@@ -294,52 +357,17 @@ class Transport:
     async def _publish_framed(
         self, subject: str, payload: bytes | bytearray, window: _Window, extra: dict[str, str]
     ) -> None:
-        ack_subject = await self._ensure_ack_inbox() if self._window_bytes > 0 else None
+        ack_subject = await self._send.ack_inbox() if self._send.window_bytes > 0 else None
         msg_id = f"{self._sender_id}-{next(self._seq)}"
         chunk_size, num_chunks, width = plan_chunks(len(payload), self.max_payload, msg_id, ack_subject, extra)
         view = memoryview(payload).cast("B")  # byte-sized items: len(chunk) is its size in bytes
         for index in range(num_chunks):
             chunk = view[index * chunk_size : (index + 1) * chunk_size]  # no copy; nats-py joins it once
             if ack_subject is not None:
-                await self._acquire(subject, window, len(chunk))
-                key = f"{msg_id} {index}"
-                self._ack_keys[key] = subject
-                window.add(key, len(chunk))
+                await self._send.acquire(subject, window, f"{msg_id} {index}", len(chunk))
             headers = chunk_headers(msg_id, index, num_chunks, width, ack_subject, extra)
             await self._nc.publish(subject, chunk, headers=headers)
             self.events.traffic.chunks_sent += 1
-
-    async def _acquire(self, subject: str, window: _Window, size: int) -> None:
-        """Wait until `size` more bytes fit in `subject`'s window (one chunk always fits an empty one)."""
-        while window.num_bytes and window.num_bytes + size > self._window_bytes:
-            remaining = window.oldest_sent_at() + self._ack_timeout_s - time.monotonic()
-            if remaining <= 0:
-                self._forget(window)
-                raise ReceiverGone(
-                    f"{subject}: no flow-control ack for {self._ack_timeout_s:.1f}s with "
-                    f"{window.num_bytes} bytes unacked; the receiver is gone or stuck"
-                )
-            window.changed.clear()
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(window.changed.wait(), remaining)
-
-    def _forget(self, window: _Window) -> None:
-        for key in window.outstanding:
-            self._ack_keys.pop(key, None)
-        window.forget()
-
-    async def _ensure_ack_inbox(self) -> str:
-        if self._ack_subject is None:
-            subject = self._nc.new_inbox()
-            await self._nc.subscribe(subject, cb=self._on_ack, pending_msgs_limit=-1, pending_bytes_limit=-1)
-            self._ack_subject = subject
-        return self._ack_subject
-
-    async def _on_ack(self, msg: Msg) -> None:
-        key = msg.data.decode(errors="replace")
-        subject = self._ack_keys.pop(key, None)
-        if subject is not None:  # unknown keys: duplicates, or acks for a forgotten window
-            self._windows[subject].release(key)
 
     async def request(
         self, subject: str, message: msgspec.Struct, reply_type: type[T], timeout: float,
@@ -389,22 +417,7 @@ class Transport:
         self.events.loss_listeners.append(listener)
 
     def _mark_sequences_soon(self) -> None:
-        self._tasks.append(asyncio.get_running_loop().create_task(self._send_marks()))
-
-    async def _send_marks(self) -> None:
-        """Our publishing connection dropped and came back. What it sent just before may be lost,
-        and when that was a subject's last message no later one shows the gap: tell each recent
-        destination the last number sent (`Sw-Mark`), a few times, since its own connection may
-        come back later than ours."""
-        for pause in MARK_PAUSES_S:
-            await asyncio.sleep(pause)
-            now = time.monotonic()
-            for subject, window in list(self._windows.items()):
-                if window.last_number is not None and now - window.last_sent < MARK_RECENT_S:
-                    async with window.lock:  # after any message already numbered
-                        mark = {SEQ_HEADER: f"{self._sender_id} {window.last_number}", MARK_HEADER: "1"}
-                        with contextlib.suppress(Exception):
-                            await self._nc.publish(subject, b"", headers=mark)
+        self._tasks.append(asyncio.get_running_loop().create_task(self._send.send_marks()))
 
     def _forget_sequences(self) -> None:
         """After a reconnect every sender is heard from anew: the loss listeners already failed

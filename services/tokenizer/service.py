@@ -16,39 +16,24 @@ from collections import OrderedDict
 from collections.abc import Callable
 
 import nats.errors
-import numpy as np
 import structlog
 
 from contracts import subjects
-from contracts.detokenizer import DetokenizerRegistration, DetokenizerRegistrationReply
-from contracts.scheduler import (
-    AbortRequest,
-    ForkedChoice,
-    GenerateRequest,
-    SchedulerClaim,
-    SchedulerClaimReply,
-    SchedulerInfo,
-    SchedulerPing,
-)
+from contracts.scheduler import AbortRequest, SchedulerInfo, SchedulerPing
 from contracts.tokenizer import TextBatch
-from services.common.arrays import to_wire
 from services.common.heartbeat import HeartbeatMonitor, HeartbeatPublisher
 from services.common.nats_reader import Delivery
 from services.common.transport import Traffic, Transport, remember_sender
 from services.tokenizer.config import TokenizerConfig
 from services.common.logging import request_headers
+from services.tokenizer.placement import Placement, ServiceUnavailable, generate_request
 from services.tokenizer.requests import OnDone, PendingRequest, PendingRequests
-from services.tokenizer.validation import GenerationSpec, InvalidRequest
+from services.tokenizer.validation import GenerationSpec
 
 log = structlog.get_logger(__name__)
 
 
-CLAIM_RETRY_FIRST_S = 0.002  # pauses between claims that found no room: 0, 2, 4, ... 25 ms
-CLAIM_RETRY_MAX_S = 0.025  # short: a scheduler that frees a slot idles until the next claim arrives
-
-
-class ServiceUnavailable(Exception):
-    """No scheduler or detokenizer can take the request now (HTTP 503)."""
+__all__ = ["ServiceUnavailable", "TokenizerService"]
 
 
 class TokenizerService:
@@ -62,6 +47,7 @@ class TokenizerService:
         timeout = config.nats.heartbeat_timeout_s
         self._schedulers = HeartbeatMonitor(transport, "scheduler", timeout, self._on_dead)
         self._detokenizers = HeartbeatMonitor(transport, "detokenizer", timeout, self._on_dead)
+        self._placement = Placement(config, transport)
         self._watchdog: asyncio.Task[None] | None = None
         self._background: set[asyncio.Task[None]] = set()
         self._detokenizers_by_sender: OrderedDict[str, str] = OrderedDict()  # Sw-Seq sender -> detokenizer id
@@ -108,12 +94,12 @@ class TokenizerService:
         gets choice 0, and the others are claimed and sent as requests of their own."""
         pendings = [self.pending.add(spec) for spec in specs]
         try:
-            await self._register_all(pendings)
-            reply = await self._claim(pendings[0], pendings[1:])
+            await self._placement.register_all(pendings)
+            reply = await self._placement.claim(pendings[0], pendings[1:])
             together = pendings if reply.forks else pendings[:1]
             await self._send(reply.scheduler_id, together)
             for pending in pendings[len(together) :]:
-                await self._send((await self._claim(pending, [])).scheduler_id, [pending])
+                await self._send((await self._placement.claim(pending, [])).scheduler_id, [pending])
         except BaseException:
             for pending in pendings:
                 self.pending.remove(pending.rid, outcome=None)
@@ -122,21 +108,12 @@ class TokenizerService:
             raise
         return pendings
 
-    async def _register_all(self, pendings: list[PendingRequest]) -> None:
-        ids = await asyncio.gather(*(self._register(p.spec) for p in pendings), return_exceptions=True)
-        for pending, detokenizer_id in zip(pendings, ids, strict=True):
-            if isinstance(detokenizer_id, str):
-                pending.detokenizer_id = detokenizer_id
-        for error in ids:
-            if isinstance(error, BaseException):
-                raise error
-
     async def _send(self, scheduler_id: str, pendings: list[PendingRequest]) -> None:
         """Publish one GenerateRequest for `pendings` (choice 0, then its forked choices)."""
         for pending in pendings:
             pending.scheduler_id = scheduler_id
         headers = request_headers(pendings[0].spec.request_id)
-        await self._transport.publish(subjects.scheduler_generate(scheduler_id), self._request(pendings), headers)
+        await self._transport.publish(subjects.scheduler_generate(scheduler_id), generate_request(pendings), headers)
         now = time.monotonic()
         for pending in pendings:
             pending.timing.submitted_at = now
@@ -161,46 +138,6 @@ class TokenizerService:
     def liveness(self) -> dict[str, list[str]]:
         """The live instances of each service this tokenizer depends on, from their heartbeats."""
         return {"scheduler": self._schedulers.alive_instances(), "detokenizer": self._detokenizers.alive_instances()}
-
-    async def _register(self, spec: GenerationSpec) -> str:
-        registration = DetokenizerRegistration(spec.rid, self.config.instance_id, spec.detokenize)
-        reply = await self._ask(
-            subjects.DETOKENIZER_REGISTER, registration, DetokenizerRegistrationReply, "detokenizer", spec.request_id
-        )
-        return reply.detokenizer_id
-
-    async def _claim(self, pending: PendingRequest, forks: list[PendingRequest]) -> SchedulerClaimReply:
-        """Load-aware placement (docs/architecture.md): a scheduler without room answers `busy`;
-        ask again (the queue group picks a member at random each time) with a growing pause,
-        until one with room takes it, or `claim_wait_s` passed and any must (`force`)."""
-        spec, choices = pending.spec, _forked_choices(forks)
-        deadline, pause = time.monotonic() + self.config.claim_wait_s, 0.0
-        while True:
-            force = time.monotonic() >= deadline
-            claim = SchedulerClaim(spec.rid, len(spec.prompt_ids), force, pending.detokenizer_id, choices)
-            reply = await self._ask(subjects.SCHEDULER_CLAIM, claim, SchedulerClaimReply, "scheduler", spec.request_id)
-            if not reply.busy:
-                break
-            await asyncio.sleep(pause)
-            pause = min(max(2 * pause, CLAIM_RETRY_FIRST_S), CLAIM_RETRY_MAX_S)
-        if not reply.accepted:
-            raise InvalidRequest(reply.error or "the scheduler refused the request")
-        return reply
-
-    async def _ask(self, subject: str, message: object, reply_type: type, who: str, request_id: str):  # type: ignore[no-untyped-def]
-        timeout, headers = self.config.request_timeout_s, request_headers(request_id)
-        try:
-            return await self._transport.request(subject, message, reply_type, timeout, headers)  # type: ignore[arg-type]
-        except nats.errors.NoRespondersError:
-            raise ServiceUnavailable(f"no {who} is running; try again once one is up") from None
-        except (nats.errors.TimeoutError, asyncio.TimeoutError):
-            raise ServiceUnavailable(f"no {who} answered within {timeout}s") from None
-
-    def _request(self, pendings: list[PendingRequest]) -> GenerateRequest:
-        first, spec = pendings[0], pendings[0].spec
-        ids = to_wire(np.asarray(spec.prompt_ids, dtype=np.int32))  # [num_prompt_tokens]
-        choices = _forked_choices(pendings[1:])
-        return GenerateRequest(spec.rid, ids, first.detokenizer_id, spec.sampling, spec.logprobs, spec.stream, choices)
 
     async def _on_outputs(self, batch: TextBatch, msg: Delivery) -> None:
         remember_sender(self._detokenizers_by_sender, msg, batch.detokenizer_id)
@@ -251,7 +188,3 @@ class TokenizerService:
         task = asyncio.create_task(coro)
         self._background.add(task)
         task.add_done_callback(self._background.discard)
-
-
-def _forked_choices(pendings: list[PendingRequest]) -> tuple[ForkedChoice, ...]:
-    return tuple(ForkedChoice(p.rid, p.detokenizer_id, p.spec.sampling.seed) for p in pendings)

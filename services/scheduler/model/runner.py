@@ -70,6 +70,11 @@ class ModelRunner:
         num_sms: the SMs the split count fills (None: read from the device once, here; 0 off CUDA)."""
         self.model = model
         self.kv_cache = kv_cache
+        self.config: ModelConfig = model.config
+        self.device: torch.device = kv_cache.kv.device
+        self.dtype: torch.dtype = kv_cache.kv.dtype
+        self.block_size: int = kv_cache.block_size
+        self.num_blocks: int = kv_cache.num_blocks
         on_cuda_with_triton = kv_cache.kv.device.type == "cuda" and triton_available()
         self.decode_kernel = on_cuda_with_triton if decode_kernel is None else decode_kernel
         self.ragged_kernel = on_cuda_with_triton if ragged_kernel is None else ragged_kernel
@@ -179,26 +184,6 @@ class ModelRunner:
         return DecodePlan(batch.seq_lens, batch.block_tables, True, query_len, splits)
 
     @property
-    def config(self) -> ModelConfig:
-        return self.model.config
-
-    @property
-    def device(self) -> torch.device:
-        return self.kv_cache.kv.device
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.kv_cache.kv.dtype
-
-    @property
-    def block_size(self) -> int:
-        return self.kv_cache.block_size
-
-    @property
-    def num_blocks(self) -> int:
-        return self.kv_cache.num_blocks
-
-    @property
     def lm_head_weight(self) -> torch.Tensor:
         return self.model.lm_head_weight  # [V, H]
 
@@ -212,7 +197,7 @@ class ModelRunner:
             return self.decode_graphs.run(batch, query_len)
         if query_len is not None and self.decode_kernel:
             return ForwardOutput(*self.model(batch, self.kv_cache, self.decode_plan(batch, query_len)))
-        graphable = self.ragged_graphs is not None and not self._has_dense_query(batch)
+        graphable = self.ragged_graphs is not None and not _has_dense_query(self.dense_prefill, batch)
         if query_len is None and graphable and self.ragged_graphs.fits(batch):
             return self.ragged_graphs.run(batch)
         if query_len is None and self.ragged_kernel:
@@ -234,15 +219,6 @@ class ModelRunner:
     def embed_tokens(self, ids: torch.Tensor) -> torch.Tensor:
         return self.model.model.embed_tokens(ids.to(self.device))  # [..., H]
 
-    def _has_dense_query(self, batch: ForwardBatch) -> bool:
-        """A query the dense path takes: the ragged graphs' token ladder reaches the chunk budget, so
-        prefill chunks of 512 tokens and more do fit captured shapes, but a
-        dense call's shapes change with every step (gathered keys: seq_len), so such a step runs
-        eagerly. Without host lengths no graph fits anyway."""
-        if self.dense_prefill is None or batch.host_query_lens is None:
-            return False
-        return max(batch.host_query_lens, default=0) >= self.dense_prefill.min_query_len
-
     def _on_device(self, batch: ForwardBatch) -> ForwardBatch:
         if batch.input_ids.device == self.device:
             return batch
@@ -262,3 +238,13 @@ class ModelRunner:
         bad = [i for i in batch.capture_layers if not 0 <= i < self.config.num_hidden_layers]
         if bad:
             raise ValueError(f"capture_layers {bad} out of range for {self.config.num_hidden_layers} layers")
+
+
+def _has_dense_query(dense: DenseConfig | None, batch: ForwardBatch) -> bool:
+    """A query the dense path takes: the ragged graphs' token ladder reaches the chunk budget, so
+    prefill chunks of 512 tokens and more do fit captured shapes, but a dense call's shapes change
+    with every step (gathered keys: seq_len), so such a step runs eagerly. Without host lengths no
+    graph fits anyway."""
+    if dense is None or batch.host_query_lens is None:
+        return False
+    return max(batch.host_query_lens, default=0) >= dense.min_query_len

@@ -166,7 +166,7 @@ def socket_of(receiver: Transport) -> asyncio.Transport:
 
 def window_is_full(sender: Transport, window_bytes: int) -> bool:
     """No room for another chunk (a chunk is at most `max_payload`): the sender waits for acks."""
-    window = sender._windows.get(SUBJECT)
+    window = sender._send.windows.get(SUBJECT)
     return window_bytes > 0 and window is not None and window_bytes - window.num_bytes < sender.max_payload
 
 
@@ -286,8 +286,8 @@ async def test_acks_give_the_whole_window_back_after_delivery(nats_server):
     await got.wait_for(3, 10)
     assert len(sent) == 3  # one framed message each, with headers
     async with asyncio.timeout(5):
-        while sender._windows[SUBJECT].num_bytes:
+        while sender._send.windows[SUBJECT].num_bytes:
             await asyncio.sleep(0.02)
-    assert sender._ack_keys == {}
+    assert sender._send.ack_keys == {}
     await sender.close()
     await receiver.close()
