@@ -27,6 +27,8 @@ SUITES: dict[str, Suite] = {
                    "top-k logprobs"),
     "frontend-capacity": Suite("ops.bench.frontend_capacity", "the front half behind a stand-in decoding at a GPU's pace, no GPU: "
                                "tok/s with and without top-20"),
+    "metrics-shared": Suite("ops.bench.metrics_shared_cost", "one /metrics page for several tokenizers: a tokenizer's "
+                            "snapshot publish and a scrape, against rendering one registry (CPU)"),
     "reliability": Suite("ops.bench.reliability", "hostile HTTP and NATS input, kill -9 of each service and nats-server, "
                          "concurrent streams; lost/short/5xx must be 0"),
     "host-step": Suite("ops.bench.host_step_cost", "the core's host time per decode step, piece by piece (CPU)"),

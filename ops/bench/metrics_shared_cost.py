@@ -6,7 +6,7 @@ on a request's path: requests count into their own process's registry exactly as
 Each tokenizer's registry is filled as a busy one's is: every route and status seen, requests of
 every outcome, inter-token gaps.
 
-    python -m ops.bench.metrics_shared_cost --out ops/bench/results/metrics_shared_cost.json
+    sparkwire bench metrics-shared --out ops/bench/results/metrics_shared_cost.json
 """
 
 from __future__ import annotations
@@ -75,13 +75,18 @@ def run(args: argparse.Namespace) -> dict:
     return result
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tokenizers", type=int, nargs="+", default=[1, 3, 4])
     parser.add_argument("--repeats", type=int, default=200)
     parser.add_argument("--out", type=Path, default=None)
-    run(parser.parse_args())
+
+
+def main(args: argparse.Namespace) -> int:
+    run(args)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_arguments(parser)
+    raise SystemExit(main(parser.parse_args()))

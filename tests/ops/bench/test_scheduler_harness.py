@@ -8,6 +8,7 @@ import numpy as np
 from contracts.detokenizer import Finish, FinishType
 from ops.bench import scheduler_harness as harness
 from services.common.arrays import from_wire
+from services.common.logprob_rows import from_columns
 from services.scheduler.config import SchedulerConfig
 
 
@@ -28,7 +29,7 @@ def test_stand_in_outputs_become_one_token_batch_per_detokenizer():
     assert sorted(batches) == ["d0", "d1"]
     d0, d1 = batches["d0"], batches["d1"]
     assert (d0.rids, d1.rids, d0.step) == (["a", "c"], ["b"], 7)
-    assert d1.logprobs is None  # nobody there asked
-    prompt = d0.logprobs[0]  # the flat prompt arrays travel as the scheduler sends them
-    assert (prompt.input_top_logprobs_flat.shape, prompt.input_top_null_prefix) == ((3, 2), 1)
+    assert d1.output_logprobs is None and d1.prompt_logprobs is None and d1.prompt_top_flat is None  # nobody there asked
+    flat = from_columns(d0.prompt_top_flat, 2)[0]  # the flat prompt arrays travel as the scheduler sends them
+    assert (flat.top_values.shape, flat.start) == ((3, 2), 1)
     assert from_wire(d0.output_logprobs.top_k).tolist() == [2, 0]  # top-2 for "a", none for "c"

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from contracts.scheduler import LogprobParams
-from services.scheduler.core import SchedulerCore
+from services.scheduler.build import core_for
 from services.scheduler.model.loader import load_model_runner
 from tests.services.scheduler.test_scheduler_core import request, run
 
@@ -43,7 +43,7 @@ def serve(path, graph_twins: bool, max_model_len: int | None = None, lens=PROMPT
     if graph_twins:  # the CUDA routing, eagerly: padded static batches on the kernels' torch twins
         runner.prepare_decode_graphs(ladder=(1, 2, 4), capture=False)
         runner.prepare_ragged_graphs((1, 2, 4), (16, 32), capture=False)
-    core = SchedulerCore(runner, max_running_requests=8, chunked_prefill_size=16, seed=0, max_model_len=max_model_len)
+    core = core_for(runner, max_running_requests=8, chunked_prefill_size=16, seed=0, max_model_len=max_model_len)
     prompts = {f"r{i}": prompt(n, seed=i) for i, n in enumerate(lens)}
     requests = [request(rid, p, max_new_tokens=max_new_tokens, logprobs=LOGPROBS, ignore_eos=True) for rid, p in prompts.items()]
     return run(core, requests), prompts
@@ -108,7 +108,7 @@ def test_dspark_on_gemma2_uses_the_scaled_embedding_and_the_soft_capped_head(sav
     with torch.no_grad():
         torch.testing.assert_close(loaded.base_logits(hidden), model.lm_head(hidden).div(6.0).tanh().mul(6.0))
     runner.prepare_decode_graphs(ladder=(1, 2, 4), query_lens=(1, 5), capture=False, capture_layers=(1,))
-    core = SchedulerCore(runner, max_running_requests=8, chunked_prefill_size=16, seed=0, proposer=proposer)
+    core = core_for(runner, max_running_requests=8, chunked_prefill_size=16, seed=0, proposer=proposer)
     prompts = {f"r{i}": prompt(n, seed=i) for i, n in enumerate(PROMPT_LENS)}
     requests = [request(rid, p, max_new_tokens=10, logprobs=LOGPROBS, ignore_eos=True) for rid, p in prompts.items()]
     results = run(core, requests)
