@@ -79,6 +79,20 @@ class BlockManager:
     def can_allocate(self, rid: str, num_tokens: int) -> bool:
         return self.num_new_blocks(rid, num_tokens) <= len(self._free)
 
+    def ensure(self, rid: str, num_tokens: int) -> bool:
+        """`allocate` where the free blocks allow it (True), else nothing taken (False): one check
+        for the commonest call, a decode whose blocks already hold its next token."""
+        table = self._tables.get(rid)
+        needed = self._num_new(table, num_tokens)
+        if needed == 0:
+            return True
+        if needed > len(self._free):
+            return False
+        if table is None:
+            table = self._tables[rid] = _Table()
+        self._take(table, needed)
+        return True
+
     def allocate(self, rid: str, num_tokens: int) -> None:
         """Grow `rid`'s table to hold `num_tokens` tokens in all (a no-op if it already does)."""
         table = self._tables.get(rid)

@@ -52,7 +52,7 @@ class Planner:
 
     def schedule(self, ahead: bool = False) -> tuple[StepPlan, list[Sequence]] | None:
         """The next step's plan and its sequences, in order; None only `ahead`, where it would preempt."""
-        decoding = any(seq.num_pending == 1 for seq in self._running)  # a decode (or verify) this step
+        decoding = any(seq.num_tokens - seq.num_computed == 1 for seq in self._running)  # a decode (or verify) this step
         budget = self._chunk_budget if decoding else self._prefill_budget
         chosen: list[tuple[Sequence, int, int]] = []  # (seq, committed tokens, drafts)
         try:
@@ -74,7 +74,7 @@ class Planner:
     def _query_size(self, seq: Sequence, budget: int) -> tuple[int, int]:
         """(committed tokens, drafts) to compute: a decode always runs; a prefill chunk fits the budget;
         drafts ride along only once every committed token is in the query."""
-        pending = seq.num_pending
+        pending = seq.num_tokens - seq.num_computed
         num_tokens = pending if pending == 1 else min(pending, budget)
         if num_tokens < pending:
             return num_tokens, 0
@@ -100,7 +100,7 @@ class Planner:
 
     def _reserve(self, seq: Sequence, num_tokens: int, ahead: bool) -> bool:
         """Make room for `num_tokens` of `seq` in KV, preempting the newest running requests."""
-        while not self._blocks.can_allocate(seq.rid, num_tokens):
+        while not self._blocks.ensure(seq.rid, num_tokens):
             if ahead:
                 raise _WouldPreempt
             victim = next(reversed(self._running))
@@ -114,7 +114,6 @@ class Planner:
             self._preempt(victim)
             if victim is seq:
                 return False
-        self._blocks.allocate(seq.rid, num_tokens)
         return True
 
     def _preempt(self, seq: Sequence) -> None:
@@ -152,17 +151,17 @@ class Planner:
         return admitted
 
     def _seq_step(self, seq: Sequence, num_tokens: int, num_draft: int) -> SeqStep:
-        start = seq.num_computed
+        start, params, num_outputs = seq.num_computed, seq.params, seq.num_tokens - seq.num_prompt
         end = start + num_tokens  # committed tokens computed through this step
         from_pool = start == seq.sampled_position  # the query begins at the token its last step sampled
-        tokens = seq.tokens[start + from_pool : end] + seq.drafts[:num_draft]
-        samples = end == seq.num_tokens and seq.num_outputs < seq.max_outputs
+        tokens = seq.tokens[start + from_pool : end] + seq.drafts[:num_draft] if num_draft else seq.tokens[start + from_pool : end]
+        samples = end == seq.num_tokens and num_outputs < seq.max_outputs
         hi = min(end, seq.num_prompt - 1)  # position p comes from row p - 1
         slots = self._blocks.slots(seq.rid, start, end + num_draft)
         table = self._blocks.block_table(seq.rid)
-        history = seq.tokens if seq.params.has_penalties else None
-        return SeqStep(seq.params, start, from_pool, tokens, num_draft, samples, seq.next_prompt_logprob, hi, slots, table,
-                       seq.num_outputs, history)  # fmt: skip
+        history = seq.tokens if params.has_penalties else None
+        return SeqStep(params, start, from_pool, tokens, num_draft, samples, seq.next_prompt_logprob, hi, slots, table,
+                       num_outputs, history)  # fmt: skip
 
     def fail(self, seq: Sequence, message: str) -> None:
         """Finish `seq` (holding no blocks) and the forks waiting on it: they share its prompt."""

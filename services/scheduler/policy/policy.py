@@ -175,8 +175,7 @@ class Policy:
             seq.num_computed = step.start + step.num_committed
             seq.next_prompt_logprob = _next_prompt_logprob(step)
             if step.samples:
-                seq.num_unread += 1
-                seq.sampled_position = seq.num_tokens - 1
+                seq.expect_token()
 
     def update(self, plan: StepPlan, results: list[SeqResult]) -> list[RequestOutput]:
         """Advance every planned sequence by its result; returns the step's outputs."""
@@ -184,32 +183,39 @@ class Policy:
         for step, seq, result in zip(plan.steps, launched.seqs, results, strict=True):
             if seq not in self._running:
                 continue  # finished or aborted since the plan was made (ahead: its token is dropped)
-            self._outputs.record_prompt(seq, step, result)
-            seq.num_computed = step.start + step.num_committed + max(0, len(result.tokens) - 1)
+            if result.prompt_logprobs is not None:
+                self._outputs.record_prompt(seq, step, result)
+            end = step.start + step.num_committed  # committed tokens in KV after the step
+            seq.num_computed = end + max(0, len(result.tokens) - 1)
             seq.next_prompt_logprob = _next_prompt_logprob(step)
-            if seq.wants_flat and not seq.flat_sent and seq.num_computed >= seq.num_prompt:
-                self._outputs.attach_flat(seq)
-            self._forks.advance(seq)
+            if seq.forks or (not seq.flat_sent and seq.wants_flat and seq.num_computed >= seq.num_prompt):
+                self._prompt_done(seq)
             if step.samples:
-                seq.num_unread -= launched.expected
-                self._append_tokens(seq, step, result)
-            elif step.start + step.num_committed == seq.num_tokens and seq.num_outputs >= seq.max_outputs:
+                self._append_tokens(seq, step, result, launched.expected)
+            elif end == seq.num_tokens and seq.num_outputs >= seq.max_outputs:
                 self._finish(seq, Finish(FinishType.LENGTH))  # nothing left to generate
         return self.take_outputs()
 
-    def _append_tokens(self, seq: Sequence, step: SeqStep, result: SeqResult) -> None:
+    def _prompt_done(self, seq: Sequence) -> None:
+        """The flat arrays once the whole prompt is in; forks once their prompt is."""
+        if seq.wants_flat and not seq.flat_sent and seq.num_computed >= seq.num_prompt:
+            self._outputs.attach_flat(seq)
+        self._forks.advance(seq)
+
+    def _append_tokens(self, seq: Sequence, step: SeqStep, result: SeqResult, expected: bool) -> None:
         if self.config.num_draft_tokens > 0 and step.output_position > 0:
             seq.spec_verify_ct += 1  # every forward after the first token verifies a block (maybe empty)
+        num_outputs = len(seq.tokens) - seq.num_prompt  # read back so far
         kept, finish = 0, None
         for token in result.tokens:
-            seq.tokens.append(token)
             kept += 1
-            finish = _finish_reason(seq, token, self.config.eos_ids)
+            finish = _finish_reason(seq, token, num_outputs + kept, self.config.eos_ids)
             if finish is not None:
                 break
+        tokens = result.tokens if kept == len(result.tokens) else result.tokens[:kept]
+        seq.take(tokens, expected)
         # a row per verified position (the worker's output queries), cut to the tokens kept
-        self._outputs.add_tokens(seq, result.tokens[:kept], result.output_logprobs)
-        seq.sampled_position = len(seq.tokens) - 1
+        self._outputs.add_tokens(seq, tokens, result.output_logprobs)
         seq.drafts = result.drafts if finish is None else []
         seq.draft_confidence = result.draft_confidence
         if finish is not None:
@@ -221,13 +227,13 @@ class Policy:
         self._outputs.finish(seq, finish)
 
 
-def _finish_reason(seq: Sequence, token_id: int, eos_ids: frozenset[int]) -> Finish | None:
+def _finish_reason(seq: Sequence, token_id: int, num_outputs: int, eos_ids: frozenset[int]) -> Finish | None:
     sampling = seq.params.sampling
     if token_id in sampling.stop_token_ids:
         return Finish(FinishType.STOP, matched=token_id)
     if token_id in eos_ids and not sampling.ignore_eos:
         return Finish(FinishType.STOP, matched=token_id)
-    if seq.num_outputs >= seq.max_outputs:
+    if num_outputs >= seq.max_outputs:
         return Finish(FinishType.LENGTH)
     return None
 

@@ -38,10 +38,12 @@ class Sequence:
     # read several times a sequence a step: plain attributes, not properties
     rid: str = field(init=False)
     num_prompt: int = field(init=False)
+    num_tokens: int = field(init=False)  # len(tokens) + num_unread, kept by `take` and `expect_token`
 
     def __post_init__(self) -> None:
         self.rid = self.params.rid
         self.num_prompt = len(self.params.prompt_ids)
+        self.num_tokens = len(self.tokens)
 
     @classmethod
     def of(cls, request: SchedulerRequest, params: RequestParams, arrival: int, config: PolicyConfig) -> Sequence:
@@ -53,16 +55,25 @@ class Sequence:
         return seq
 
     @property
-    def num_tokens(self) -> int:
-        return len(self.tokens) + self.num_unread
-
-    @property
     def num_outputs(self) -> int:
         return self.num_tokens - self.num_prompt
 
     @property
     def num_pending(self) -> int:
         return self.num_tokens - self.num_computed
+
+    def expect_token(self) -> None:
+        """A launched step samples this sequence's next token; its id comes with `take`."""
+        self.num_unread += 1
+        self.num_tokens += 1
+        self.sampled_position = self.num_tokens - 1
+
+    def take(self, tokens: list[int], expected: bool) -> None:
+        """A step's tokens, read back (one of them the token `expect_token` counted, if `expected`)."""
+        self.tokens += tokens
+        self.num_unread -= expected
+        self.num_tokens = len(self.tokens) + self.num_unread
+        self.sampled_position = len(self.tokens) - 1
 
     @property
     def wants_flat(self) -> bool:
