@@ -75,6 +75,8 @@ class Planner:
         """(committed tokens, drafts) to compute: a decode always runs; a prefill chunk fits the budget;
         drafts ride along only once every committed token is in the query."""
         pending = seq.num_tokens - seq.num_computed
+        if pending == 1 and not seq.drafts:
+            return 1, 0  # a plain decode: the commonest query
         num_tokens = pending if pending == 1 else min(pending, budget)
         if num_tokens < pending:
             return num_tokens, 0

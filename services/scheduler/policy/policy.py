@@ -172,7 +172,7 @@ class Policy:
         for step, seq in zip(plan.steps, launched.seqs, strict=True):
             if seq not in self._running:
                 continue  # finished or aborted since the plan was made
-            seq.num_computed = step.start + step.num_committed
+            seq.num_computed = step.start + step.num_query - step.num_draft
             seq.next_prompt_logprob = _next_prompt_logprob(step)
             if step.samples:
                 seq.expect_token()
