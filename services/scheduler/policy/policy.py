@@ -42,6 +42,19 @@ class _Launched:
     expected: bool = False  # `expect` counted its effects already
 
 
+class _Arrivals:
+    """Sequences of arriving requests, in arrival order, each with its sampling seed settled."""
+
+    def __init__(self, config: PolicyConfig) -> None:
+        self._config = config
+        self._rng = random.Random(config.seed)  # sampling seeds of requests that bring none
+        self._order = itertools.count()
+
+    def sequence(self, request: SchedulerRequest) -> Sequence:
+        seed = request.sampling.seed if request.sampling.seed is not None else self._rng.getrandbits(63)
+        return Sequence.of(request, RequestParams.of(request, seed), next(self._order), self._config)
+
+
 class Policy:
     def __init__(self, config: PolicyConfig) -> None:
         self.config = config
@@ -53,8 +66,7 @@ class Policy:
         self._forks = Forks(self.blocks, self._waiting, self._outputs)
         self._planner = Planner(config, self.blocks, self._running, self._waiting, self._outputs, self._forks)
         self._launched: dict[StepPlan, _Launched] = {}
-        self._rng = random.Random(config.seed)  # sampling seeds of requests that bring none
-        self._arrivals = itertools.count()
+        self._arrivals = _Arrivals(config)
         self.num_prefix_queries = 0  # vLLM's prefix-cache queries: prompt tokens of every request admitted
 
     # ---- what the core asks ----
@@ -93,18 +105,14 @@ class Policy:
     # ---- requests in and out ----
 
     def add(self, request: SchedulerRequest) -> None:
-        seq = self._sequence(request)
-        seq.forks = [self._sequence(request.choice(choice)) for choice in request.choices]
+        seq = self._arrivals.sequence(request)
+        seq.forks = [self._arrivals.sequence(request.choice(choice)) for choice in request.choices]
         error = self.admission.error(request)
         if error is not None:
             self._planner.fail(seq, error)
             return
         self.num_prefix_queries += seq.num_prompt * (1 + len(seq.forks))
         self._waiting.append(seq)
-
-    def _sequence(self, request: SchedulerRequest) -> Sequence:
-        seed = request.sampling.seed if request.sampling.seed is not None else self._rng.getrandbits(63)
-        return Sequence.of(request, RequestParams.of(request, seed), next(self._arrivals), self.config)
 
     def abort(self, rid: str, reason: str) -> None:
         seq = self._remove(rid)
