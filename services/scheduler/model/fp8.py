@@ -17,6 +17,7 @@ reference, which the GPU path matches to FP8 activation rounding (ops/bench gpu-
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -83,7 +84,12 @@ class Fp8Linear(nn.Module):
 
 def fp8_matmul_available(device: torch.device) -> bool:
     """FP8 tensor cores: CUDA compute capability 8.9 (Ada) or later."""
-    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
+    return device.type == "cuda" and _capability(device.index if device.index is not None else torch.cuda.current_device()) >= (8, 9)
+
+
+@functools.cache
+def _capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)  # a fixed property of the card: asked once, not per layer
 
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
