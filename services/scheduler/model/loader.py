@@ -23,7 +23,7 @@ import torch
 from safetensors import safe_open
 
 from services.common.progress import Progress
-from services.scheduler.flags import CUDA_KV_CACHE_FRACTION, DEFAULT_SPLIT_KV_DECODE, LOAD_FORMATS
+from services.scheduler.flags import CUDA_KV_CACHE_FRACTION, DEFAULT_SPLIT_KV_DECODE, LOAD_FORMATS, QUANTIZATIONS
 from services.scheduler.model.config import ModelConfig
 from services.scheduler.model.fp8 import FP8, empty_fp8_linears, quantize_linears
 from services.scheduler.model.kv_cache import PagedKVCache, bytes_per_block, num_blocks_for_budget
@@ -134,8 +134,8 @@ def _empty_model(config: ModelConfig, device: torch.device, dtype: torch.dtype) 
 
 
 def _quantize_at_load(model: CausalLM, config: ModelConfig, quantization: str) -> CausalLM:
-    if quantization != "fp8":
-        raise ValueError(f"quantization must be 'fp8' or None, got {quantization!r}")
+    if quantization not in QUANTIZATIONS:
+        raise ValueError(f"quantization must be one of {QUANTIZATIONS} or None, got {quantization!r}")
     if config.quantization is not None:
         raise ValueError("--quantization fp8 quantizes an unquantized checkpoint; this one is already fp8")
     return quantize_linears(model)
