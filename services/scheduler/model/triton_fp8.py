@@ -44,7 +44,7 @@ def quantize_groups(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Te
     rows, cols = x.shape
     if cols % group:
         raise ValueError(f"block-wise FP8 needs in_features ({cols}) to be a multiple of the scale block ({group})")
-    grouped = x.float().view(rows, cols // group, group)
+    grouped = x.float().reshape(rows, cols // group, group)
     scale = grouped.abs().amax(dim=-1).clamp(min=1e-12) / FP8_MAX  # [M, K / group]
     return (grouped / scale.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).to(FP8).view(rows, cols), scale
 
