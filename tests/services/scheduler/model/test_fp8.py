@@ -150,3 +150,23 @@ def test_block_fp8_kernel_matches_dequantized_twin_interpreted(num_rows: int) ->
     torch.testing.assert_close(out, x_deq @ dequantize_blocks(q, scale).T, atol=1e-5, rtol=1e-5)
     # against the unquantized activations: FP8's 3 mantissa bits, 2^-4 of each group's largest value at worst
     assert (out - x @ dequantize_blocks(q, scale).T).abs().max() < 0.05 * out.abs().max()
+
+
+@interpreted
+@pytest.mark.parametrize("tokens", [1, 3])
+def test_interpreted_fp8_projections_skip_the_one_token_gemvs(tokens: int, make_pager) -> None:
+    # With the fused kernels on, a one-token step's projections would be triton_fused's GEMVs, which
+    # read float weights: an Fp8Linear stays on its own path, and the forward equals the unfused one.
+    from services.scheduler.model.fp8 import quantize_linears
+    from services.scheduler.model.kv_cache import PagedKVCache
+    from services.scheduler.model.runner import ModelRunner
+    from tests.services.scheduler.model.test_fused_kernels import random_model, tiny_config
+
+    config = tiny_config("qwen3")
+    pager = make_pager(num_seqs=1, max_blocks_per_seq=4, block_size=4)
+    runners = [ModelRunner(quantize_linears(random_model(config)), PagedKVCache(config, pager.num_blocks, 4, torch.float32,
+                                                                                torch.device("cpu"))) for _ in range(2)]  # fmt: skip
+    runners[1].fused_kernels = True
+    batch = pager.batch([(0, list(range(5, 5 + tokens)), 0)])
+    got, want = (runner.forward(batch).hidden_states for runner in reversed(runners))
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)

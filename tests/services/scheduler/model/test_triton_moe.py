@@ -59,3 +59,36 @@ def test_blocks_hold_each_experts_pairs_padded() -> None:
         assert all(int(flat[p]) == expert for p in real)  # a block is one expert's
     assert sorted(p for p in pairs.tolist() if p < 10) == list(range(10))  # every pair once
     assert experts.tolist() == [0, 1, 2, 2, 3, 6, 6]  # expert 2's 5 pairs take 2 blocks; spare blocks: E (skipped)
+
+
+@interpreted
+def test_interpreted_moe_model_forward_fused_equals_the_twin(make_pager) -> None:
+    # A Qwen3-MoE forward (layer 1 dense) with the fused kernels on against off: a prefill through the
+    # padded ragged-graph twin, then a decode through the padded decode-graph twin, whose padded rows
+    # route through the kernel too.
+    import dataclasses
+
+    from services.scheduler.model.config import ModelConfig
+    from services.scheduler.model.kv_cache import PagedKVCache
+    from services.scheduler.model.runner import ModelRunner
+    from tests.services.scheduler.model.test_fused_kernels import random_model
+
+    config = ModelConfig.from_dict({"architectures": ["Qwen3MoeForCausalLM"], "vocab_size": 96, "hidden_size": 48,
+                                    "intermediate_size": 80, "num_hidden_layers": 2, "num_attention_heads": 4,
+                                    "num_key_value_heads": 2, "head_dim": 16, "num_experts": E, "num_experts_per_tok": 2,
+                                    "moe_intermediate_size": I, "norm_topk_prob": True, "mlp_only_layers": [1],
+                                    "max_position_embeddings": 128})  # fmt: skip
+    pager = make_pager(num_seqs=3, max_blocks_per_seq=4, block_size=4, seed=1)
+    cache = lambda: PagedKVCache(config, pager.num_blocks, 4, torch.float32, torch.device("cpu"))  # noqa: E731
+    runners = [ModelRunner(random_model(config), cache()) for _ in range(2)]
+    runners[1].fused_kernels = True
+    prefill = pager.batch([(0, [5, 6, 7, 8, 9], 0), (1, [10, 11, 12], 0)])
+    prefill = dataclasses.replace(prefill, host_query_lens=(5, 3), host_seq_lens=(5, 3))
+    decode = pager.batch([(0, [40], 5), (1, [41], 3)])
+    outputs = []
+    for runner in runners:
+        runner.prepare_ragged_graphs((4,), (12,), max_blocks_per_seq=4, capture=False)
+        runner.prepare_decode_graphs(ladder=(4,), max_blocks_per_seq=4, capture=False)
+        outputs.append((runner.forward(prefill).hidden_states, runner.forward(decode).hidden_states))
+    for got, want in zip(outputs[1], outputs[0]):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
