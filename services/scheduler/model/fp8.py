@@ -8,8 +8,9 @@ Three layouts, one module (`Fp8Linear`), dequantized as W = W8 * scale:
 - `--quantization fp8` (`quantize_linears`): a bf16 checkpoint's weights quantized at load, per row
   (amax / 448).
 Activations are quantized per token on the fly ("dynamic": a per-tensor static `input_scale` is
-refused at config time): per row for per-channel weights (`torch._scaled_mm`, row-wise scales),
-per token and bk-column group for block-wise weights (the Triton kernel of `triton_fp8.py`).
+refused at config time): per token and column group inside the Triton kernel of `triton_fp8.py`
+(block-wise weights; per-row ones in decode-sized steps), per token for per-row weights in larger
+steps (`torch._scaled_mm`, row-wise scales).
 That path needs float8 tensor cores (CUDA compute capability 8.9+); elsewhere (CPU, older GPUs)
 the twin dequantizes the weight to the activations' dtype and runs the plain linear: the CPU tests'
 reference, which the GPU path matches to FP8 activation rounding (ops/bench gpu-models reports it).
@@ -28,6 +29,9 @@ from torch import nn
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0  # float8_e4m3fn's largest finite value
 SUPPORTED_QUANTIZATIONS = ("fp8",)  # quantization_config quant_method values loaded as shipped
+# Per-row weights past this many rows: cuBLAS's row-scaled FP8 GEMM (`torch._scaled_mm`), its
+# activation quantized by torch ops; at or under it the Triton kernel, which quantizes inside.
+CUBLAS_MIN_ROWS = 16
 QUANTIZED_PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")  # the router and lm_head stay unquantized
 
 
@@ -73,12 +77,12 @@ class Fp8Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not fp8_matmul_available(x.device):
             return F.linear(x, self.dequantized(x.dtype), self.bias)
-        if self.block is None:
+        if self.block is None and x.numel() > CUBLAS_MIN_ROWS * x.shape[-1]:
             out = scaled_mm_rows(x, self.weight, self.weight_scale)
         else:
-            from services.scheduler.model.triton_fp8 import block_fp8_linear
+            from services.scheduler.model.triton_fp8 import fp8_linear
 
-            out = block_fp8_linear(x, self.weight, self.weight_scale_inv, self.block)
+            out = fp8_linear(x, self.weight, self.scale, self.block)
         return out if self.bias is None else out + self.bias
 
 

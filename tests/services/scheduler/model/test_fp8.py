@@ -138,18 +138,35 @@ def test_triton_fp8_in_the_interpreter() -> None:
 
 @interpreted
 @pytest.mark.parametrize("num_rows", [1, 5, 40])
-def test_block_fp8_kernel_matches_dequantized_twin_interpreted(num_rows: int) -> None:
-    from services.scheduler.model.triton_fp8 import block_fp8_linear, quantize_groups
+@pytest.mark.parametrize("layout", ["block", "rows"])
+def test_fp8_kernel_matches_dequantized_twin_interpreted(num_rows: int, layout: str) -> None:
+    from services.scheduler.model.triton_fp8 import ROW_SCALE_BLOCK_K, fp8_linear, quantize_groups
 
     gen = torch.Generator().manual_seed(num_rows)
-    q, scale = quantize_blocks(0.1 * torch.randn(96, 64, generator=gen))
-    x = torch.randn(num_rows, 64, generator=gen)
-    out = block_fp8_linear(x, q, scale, (BLOCK, BLOCK))
-    x_q, x_scale = quantize_groups(x, BLOCK)
-    x_deq = x_q.float() * x_scale.repeat_interleave(BLOCK, dim=1)  # the activations as the kernel sees them
-    torch.testing.assert_close(out, x_deq @ dequantize_blocks(q, scale).T, atol=1e-5, rtol=1e-5)
-    # against the unquantized activations: FP8's 3 mantissa bits, 2^-4 of each group's largest value at worst
-    assert (out - x @ dequantize_blocks(q, scale).T).abs().max() < 0.05 * out.abs().max()
+    in_features = 64 if layout == "block" else 2 * ROW_SCALE_BLOCK_K  # per-row: two activation groups
+    weight = 0.1 * torch.randn(96, in_features, generator=gen)
+    if layout == "block":
+        q, scale = quantize_blocks(weight)
+        dequantized, block, group = dequantize_blocks(q, scale), (BLOCK, BLOCK), BLOCK
+    else:
+        q, scale = quantize_weight_rows(weight)
+        dequantized, block, group = q.float() * scale[:, None], None, ROW_SCALE_BLOCK_K
+    x = representable_activations(num_rows, in_features, group, gen)
+    out = fp8_linear(x, q, scale, block)
+    x_q, x_scale = quantize_groups(x, group)
+    torch.testing.assert_close(x_q.float() * x_scale.repeat_interleave(group, dim=1), x)  # quantized exactly
+    want = x @ dequantized.T
+    torch.testing.assert_close(out, want, atol=1e-5 * float(want.abs().max()), rtol=1e-5)  # fp32 sums, another order
+
+
+def representable_activations(num_rows: int, in_features: int, group: int, gen: torch.Generator) -> torch.Tensor:
+    """FP8 values times a power of two per (row, group), each group holding a +-448: the kernel's own
+    quantization gives them back exactly, whatever its rounding (Triton's interpreter converts fp32
+    to FP8 without carrying a round-up into the exponent, 31.5 -> 16; the GPU rounds to nearest)."""
+    q = (torch.randn(num_rows, in_features, generator=gen) * 100).to(FP8).float()
+    q[:, ::group] = FP8_MAX
+    scale = 2.0 ** torch.randint(-6, 2, (num_rows, in_features // group), generator=gen).float()
+    return q * scale.repeat_interleave(group, dim=1)
 
 
 @interpreted
