@@ -5,7 +5,8 @@ a step in two grouped GEMMs.
    BLOCK_M with the invalid pair id T*k, so each block of BLOCK_M rows belongs to one expert. The
    buffer's size, the step's expert capacity, follows from the batch alone: at most min(E, T*k)
    experts are hit and each pads by at most BLOCK_M - 1, so T*k + min(E, T*k) * (BLOCK_M - 1) rows.
-   Torch ops without a host sync (scatter-add counts, a stable argsort, a searchsorted per block).
+   One program (`_align_kernel`: counts, padded runs, each pair's place, each block's expert) in
+   place of ~20 torch ops a layer; its twin `align_to_blocks_torch` gives the same buffers.
 2. `_grouped_gemm_kernel` over (block, N tile): gate/up = x[pair // k] @ W13[e]^T, then, after
    SiLU(gate) * up, down = h[pair] @ W2[e]^T; fp32 sums, each output rounded to x's dtype; a block
    past the last expert's run exits at once.
@@ -60,9 +61,61 @@ def capacity(num_pairs: int, num_experts: int, block_m: int) -> int:
     return -(-rows // block_m) * block_m
 
 
+@triton.jit
+def _align_kernel(
+    ids_ptr, sorted_ptr, block_experts_ptr, num_pairs, rows, num_blocks,
+    NUM_EXPERTS: tl.constexpr, EXPERTS_POW2: tl.constexpr, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr,
+):
+    # One program; pairs are read CHUNK at a time against every expert at once ([CHUNK, E] one-hots).
+    experts = tl.arange(0, EXPERTS_POW2)
+    counts = tl.zeros((EXPERTS_POW2,), dtype=tl.int64)
+    for start in range(0, num_pairs, CHUNK):
+        onehot = _onehot(ids_ptr, start, num_pairs, experts, CHUNK)
+        counts += tl.sum(onehot, axis=0)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M  # [E]
+    run_ends = tl.cumsum(padded, axis=0)
+    for start in range(0, rows, CHUNK):
+        offs = start + tl.arange(0, CHUNK)
+        tl.store(sorted_ptr + offs, tl.zeros((CHUNK,), dtype=tl.int64) + num_pairs, mask=offs < rows)
+    tl.debug_barrier()  # the padding written before any pair's place
+    taken = run_ends - padded  # [E]: the next free row of each expert's run
+    for start in range(0, num_pairs, CHUNK):
+        onehot = _onehot(ids_ptr, start, num_pairs, experts, CHUNK)
+        before = tl.cumsum(onehot, axis=0) - onehot  # [CHUNK, E]: earlier pairs of the chunk with the same expert
+        place = tl.sum(onehot * (taken[None, :] + before), axis=1)  # [CHUNK]
+        offs = start + tl.arange(0, CHUNK)
+        tl.store(sorted_ptr + place, offs.to(tl.int64), mask=offs < num_pairs)
+        taken += tl.sum(onehot, axis=0)
+    real = experts < NUM_EXPERTS
+    for start in range(0, num_blocks, CHUNK):
+        blocks = start + tl.arange(0, CHUNK)
+        ended = (run_ends[None, :] <= (blocks * BLOCK_M)[:, None]) & real[None, :]  # runs over before the block
+        tl.store(block_experts_ptr + blocks, tl.sum(ended.to(tl.int64), axis=1), mask=blocks < num_blocks)
+
+
+@triton.jit
+def _onehot(ids_ptr, start, num_pairs, experts, CHUNK: tl.constexpr):
+    offs = start + tl.arange(0, CHUNK)
+    ids = tl.load(ids_ptr + offs, mask=offs < num_pairs, other=-1)
+    return (ids[:, None] == experts[None, :]).to(tl.int64)  # [CHUNK, E]
+
+
 def align_to_blocks(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
     """ids [T, k] -> (pair ids sorted by expert, runs padded to BLOCK_M with T*k [P], each block's expert
-    [P / BLOCK_M], num_experts past the last run)."""
+    [P / BLOCK_M], num_experts past the last run); pairs of one expert in pair order."""
+    flat = ids.flatten().contiguous()
+    rows = capacity(flat.numel(), num_experts, block_m)
+    sorted_pairs = torch.empty(rows, dtype=torch.int64, device=ids.device)
+    block_experts = torch.empty(rows // block_m, dtype=torch.int64, device=ids.device)
+    _align_kernel[(1,)](
+        flat, sorted_pairs, block_experts, flat.numel(), rows, rows // block_m,
+        NUM_EXPERTS=num_experts, EXPERTS_POW2=triton.next_power_of_2(num_experts), BLOCK_M=block_m, CHUNK=32, num_warps=4,
+    )  # fmt: skip
+    return sorted_pairs, block_experts
+
+
+def align_to_blocks_torch(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`align_to_blocks` in torch ops (its twin, in the tests)."""
     flat = ids.flatten()  # [N]
     num_pairs = flat.numel()
     counts = torch.zeros(num_experts, dtype=torch.int64, device=ids.device).scatter_add_(0, flat, torch.ones_like(flat))

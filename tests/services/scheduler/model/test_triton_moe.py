@@ -33,6 +33,18 @@ def test_triton_moe_in_the_interpreter() -> None:
 
 
 @interpreted
+@pytest.mark.parametrize(("num_tokens", "top_k", "num_experts", "block_m"), [(1, 2, 6, 16), (37, 2, 6, 4), (70, 3, 5, 16)])
+def test_align_kernel_equals_its_torch_twin_interpreted(num_tokens: int, top_k: int, num_experts: int, block_m: int) -> None:
+    # 70 x 3 pairs: more than one chunk of the kernel's; 5 experts: not a power of two
+    from services.scheduler.model.triton_moe import align_to_blocks, align_to_blocks_torch
+
+    gen = torch.Generator().manual_seed(num_tokens)
+    ids = torch.randint(0, num_experts - 1, (num_tokens, top_k), generator=gen)  # the last expert: none
+    for got, want in zip(align_to_blocks(ids, num_experts, block_m), align_to_blocks_torch(ids, num_experts, block_m)):
+        assert torch.equal(got, want)
+
+
+@interpreted
 @pytest.mark.parametrize("num_tokens", [1, 3, 37])
 def test_fused_experts_match_the_twin_interpreted(num_tokens: int) -> None:
     from services.scheduler.model.triton_moe import fused_experts
@@ -47,10 +59,10 @@ def test_fused_experts_match_the_twin_interpreted(num_tokens: int) -> None:
 
 
 def test_blocks_hold_each_experts_pairs_padded() -> None:
-    from services.scheduler.model.triton_moe import align_to_blocks, capacity
+    from services.scheduler.model.triton_moe import align_to_blocks_torch, capacity
 
     ids = torch.tensor([[0, 2], [2, 0], [2, 1], [0, 2], [2, 3]])  # experts 4, 5 get no pair
-    pairs, experts = align_to_blocks(ids, num_experts=6, block_m=4)
+    pairs, experts = align_to_blocks_torch(ids, num_experts=6, block_m=4)
     assert pairs.numel() == capacity(10, 6, 4) == 28  # 10 pairs + at most min(6, 10) experts' pads of 3
     blocks = pairs.view(-1, 4)
     flat = ids.flatten()
