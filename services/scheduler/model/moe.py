@@ -83,7 +83,8 @@ class Experts(nn.Module):
             yield f"experts.{expert}.{down}.weight", self.down_proj[expert]
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, fused: bool = False) -> torch.Tensor:
-        if fused:
+        # On CUDA the kernel even with the fused small ops off: the twin syncs the host, which graphs cannot capture.
+        if fused or x.is_cuda:
             from services.scheduler.model.triton_moe import fused_experts
 
             return fused_experts(x, self.gate_up_proj, self.down_proj, weights, ids)
