@@ -56,7 +56,8 @@ def experts_reference(
 
 
 def combine(pair_out: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    """Pair outputs [T k, H] weighted by the router [T, k] (fp32) and summed per token -> [T, H] in pair_out's dtype."""
+    """Pair outputs [T k, H] weighted by the router [T, k] (fp32) and summed per token -> [T, H] in pair_out's dtype
+    (transformers rounds Qwen3-MoE's weights to the model's dtype first: in bf16 the two differ by that rounding)."""
     num_tokens, top_k = weights.shape
     weighted = pair_out.view(num_tokens, top_k, -1) * weights.unsqueeze(-1)  # fp32 [T, k, H]
     return weighted.sum(dim=1).to(pair_out.dtype)

@@ -1,6 +1,7 @@
 """FP8 weights (fp8.py) on CPU, where `Fp8Linear` dequantizes (W = W8 * scale, in fp32) and runs the
 plain linear: a tiny Qwen3 checkpoint written here in the block-wise layout (weight_scale_inv per
-32 x 32 tile, as Qwen3-FP8 ships 128 x 128) and in the per-channel one (weight_scale [N, 1]), and
+32 x 32 tile, as Qwen3-FP8 ships 128 x 128), the per-channel one (weight_scale [N, 1]) and the
+per-tensor one (a scalar weight_scale), and
 `--quantization fp8` of its fp32 checkpoint, each served through the core against transformers
 running the same dequantized weights: greedy ids and every logprob kind within 1e-4 (the bound: the
 twin's computation is the reference's, so only fp32 summation order differs). Their error against
@@ -41,7 +42,7 @@ def dequantize_blocks(q: torch.Tensor, scale: torch.Tensor, block: int = BLOCK) 
 
 
 def write_fp8_checkpoint(src: Path, dst: Path, layout: str) -> dict[str, torch.Tensor]:
-    """Copy the checkpoint at src with its projections in FP8 (`layout` "block" or "channel");
+    """Copy the checkpoint at src with its projections in FP8 (`layout` "block", "channel" or "tensor");
     returns the dequantized weights by name (the reference's)."""
     dst.mkdir()
     tensors, dequantized = load_file(str(src / "model.safetensors")), {}
@@ -49,6 +50,10 @@ def write_fp8_checkpoint(src: Path, dst: Path, layout: str) -> dict[str, torch.T
         if layout == "block":
             q, scale = quantize_blocks(tensors[name])
             tensors[name.replace(".weight", ".weight_scale_inv")], dequantized[name] = scale, dequantize_blocks(q, scale)
+        elif layout == "tensor":  # one scalar per projection: fused q/k/v keep each part's own
+            scale = tensors[name].abs().max() / FP8_MAX
+            q = (tensors[name] / scale).to(FP8)
+            tensors[name.replace(".weight", ".weight_scale")], dequantized[name] = scale, q.float() * scale
         else:
             q, scale = quantize_weight_rows(tensors[name])
             tensors[name.replace(".weight", ".weight_scale")], dequantized[name] = scale[:, None], q.float() * scale[:, None]
@@ -68,7 +73,7 @@ def with_weights(model: torch.nn.Module, weights: dict[str, torch.Tensor]) -> to
     return reference
 
 
-@pytest.mark.parametrize("layout", ["block", "channel"])
+@pytest.mark.parametrize("layout", ["block", "channel", "tensor"])
 def test_fp8_checkpoint_matches_its_dequantized_reference(saved_family, tmp_path, layout: str) -> None:
     model, path = saved_family("qwen3")
     dequantized = write_fp8_checkpoint(path, tmp_path / "fp8", layout)
