@@ -191,7 +191,8 @@ def check_checkpoint_names(
     fp8_names: set[str] = frozenset(),
 ) -> None:
     """Raise unless the files hold exactly the needed tensors (plus ignored or harmless ones), each
-    of a float dtype (float8 e4m3 where the parameter is, `fp8_names`): a missing one is `MissingTensorError`, an extra or quantized one `UnexpectedTensorError`."""
+    of a float dtype (float8 e4m3 where the parameter is, `fp8_names`): a missing one is
+    `MissingTensorError`, an extra or quantized one `UnexpectedTensorError`."""
     found: set[str] = set()
     for path in files:
         with safe_open(str(path), framework="pt", device="cpu") as handle:

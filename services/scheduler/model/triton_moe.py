@@ -143,7 +143,8 @@ def grouped_gemm(
     _grouped_gemm_kernel[grid](
         a, weights, out, sorted_pairs, block_experts, num_pairs, n, k,
         a.stride(0), weights.stride(0), weights.stride(1), out.stride(0),
-        ROWS_PER_PAIR_DIV=rows_per_pair_div, NUM_EXPERTS=num_experts, IEEE=a.dtype == torch.float32, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+        ROWS_PER_PAIR_DIV=rows_per_pair_div, NUM_EXPERTS=num_experts, IEEE=a.dtype == torch.float32,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
     )  # fmt: skip
     return out
 
