@@ -22,7 +22,9 @@ from services.scheduler.model.config import UnsupportedModelError
 from services.scheduler.model.fp8 import FP8, FP8_MAX, Fp8Linear, quantize_weight_rows
 from services.scheduler.model.loader import UnexpectedTensorError, load_model_runner
 from tests.services.scheduler.model.test_families_core import check_against_transformers, serve
-from tests.services.scheduler.model.triton_interpreter import interpreted, run_interpreted_cases, runs_the_interpreter
+from tests.services.scheduler.model.triton_interpreter import (
+    compile_for_hopper, compiles, interpreted, run_interpreted_cases, runs_the_interpreter,
+)
 
 BLOCK = 32
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -192,3 +194,16 @@ def test_interpreted_fp8_projections_skip_the_one_token_gemvs(tokens: int, make_
     batch = pager.batch([(0, list(range(5, 5 + tokens)), 0)])
     got, want = (runner.forward(batch).hidden_states for runner in reversed(runners))
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+@compiles
+def test_fp8_kernel_compiles_for_hopper() -> None:
+    # FP8 tensor-core dots exist from sm_89 on: the interpreter cannot tell whether these tiles lower.
+    from services.scheduler.model import triton_fp8
+
+    i32 = "i32"
+    signature = {"x_ptr": "*bf16", "w_ptr": "*fp8e4nv", "w_scale_ptr": "*fp32", "out_ptr": "*bf16", "M": i32, "N": i32, "K": i32,
+                 "stride_x": i32, "stride_w": i32, "stride_ws_n": i32, "stride_ws_k": i32, "stride_out": i32}  # fmt: skip
+    for group_n, (block_m, block_n) in ((1, triton_fp8.tiles(1, 4096)), (128, triton_fp8.tiles(1, 24576)), (128, triton_fp8.tiles(64, 4096))):
+        constants = {"GROUP_N": group_n, "FP8_LIMIT": FP8_MAX, "BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": 128}
+        assert compile_for_hopper(triton_fp8._fp8_linear_kernel, signature, constants, num_warps=4, num_stages=4)

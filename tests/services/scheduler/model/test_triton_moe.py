@@ -8,7 +8,9 @@ import pytest
 import torch
 
 from services.scheduler.model.moe import experts_reference, route
-from tests.services.scheduler.model.triton_interpreter import interpreted, run_interpreted_cases, runs_the_interpreter
+from tests.services.scheduler.model.triton_interpreter import (
+    compile_for_hopper, compiles, interpreted, run_interpreted_cases, runs_the_interpreter,
+)
 
 E, H, I = 6, 40, 24  # noqa: E741  (not multiples of the tiles: masked edges)
 
@@ -104,3 +106,17 @@ def test_interpreted_moe_model_forward_fused_equals_the_twin(make_pager) -> None
         outputs.append((runner.forward(prefill).hidden_states, runner.forward(decode).hidden_states))
     for got, want in zip(outputs[1], outputs[0]):
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+@compiles
+def test_moe_kernels_compile_for_hopper_at_the_30b_a3b_shape() -> None:
+    from services.scheduler.model import triton_moe
+
+    i32, i64 = "i32", "*i64"
+    gemm = {"a_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16", "pairs_ptr": i64, "block_experts_ptr": i64, "num_pairs": i32,
+            "N": i32, "K": i32, "stride_a": i32, "stride_we": i32, "stride_wn": i32, "stride_out": i32}  # fmt: skip
+    align = {"ids_ptr": i64, "sorted_ptr": i64, "block_experts_ptr": i64, "num_pairs": i32, "rows": i32, "num_blocks": i32}
+    for div, block_m in ((8, 16), (1, 64)):  # gate/up at decode, down at prefill
+        constants = {"ROWS_PER_PAIR_DIV": div, "NUM_EXPERTS": 128, "IEEE": False, "BLOCK_M": block_m, "BLOCK_N": 128, "BLOCK_K": 64}
+        assert compile_for_hopper(triton_moe._grouped_gemm_kernel, gemm, constants)
+    assert compile_for_hopper(triton_moe._align_kernel, align, {"NUM_EXPERTS": 128, "EXPERTS_POW2": 128, "BLOCK_M": 16, "CHUNK": 32})
