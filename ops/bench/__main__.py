@@ -47,6 +47,8 @@ SUITES: dict[str, Suite] = {
                       "HBM roofline"),
     "gpu-prefill": Suite("ops.bench.gpu_prefill_profile", "a 32k prompt with top-2 prompt logprobs through the core: seconds, "
                          "device time by kernel kind"),
+    "gpu-models": Suite("ops.bench.gpu_models", "Qwen3-30B-A3B (MoE) decode against its bytes floor, the fused MoE kernel "
+                        "against its twin, Qwen3-8B FP8 against bf16 and FP8 logprobs against dequantized"),
     "two-gpu-serve": Suite("ops.bench.two_gpu_serve", "two schedulers on two GPUs behind one NATS: scaling, placement, one "
                            "stopping mid-run"),
 }

@@ -51,6 +51,7 @@ def config_from_args(args: argparse.Namespace) -> SchedulerConfig:
         device=args.device,
         dtype=args.dtype,
         load_format=args.load_format,
+        quantization=args.quantization,
         max_running_requests=args.max_running_requests,
         chunked_prefill_size=args.chunked_prefill_size,
         max_prefill_tokens=args.max_prefill_tokens,

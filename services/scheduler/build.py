@@ -151,6 +151,7 @@ def load_runner(config: SchedulerConfig) -> ModelRunner:
         fused_kernels=None if config.fused_kernels else False,  # None: on where Triton runs (CUDA)
         split_kv_decode=config.split_kv_decode,
         max_model_len=config.max_model_len,
+        quantization=config.quantization,
     )
 
 

@@ -19,6 +19,7 @@ from services.scheduler.flags import (
     DTYPE_NAMES,
     LOAD_FORMATS,
     LOGPROBS_MODES,
+    QUANTIZATIONS,
     SPECULATIVE_ALGORITHMS,
     VERIFY_MODES,
 )
@@ -37,6 +38,7 @@ class SchedulerConfig:
     device: str = "auto"  # auto: cuda when available, else cpu
     dtype: str | None = None  # None: float32 on cpu, bfloat16 on cuda
     load_format: str = "auto"
+    quantization: str | None = None  # one of QUANTIZATIONS: quantized at load; None: the checkpoint's own
     max_running_requests: int = DEFAULT_MAX_RUNNING_REQUESTS
     chunked_prefill_size: int = DEFAULT_CHUNKED_PREFILL_SIZE
     max_prefill_tokens: int | None = None  # tokens per step while nothing decodes (`Policy`); None: `resolved_max_prefill_tokens`
@@ -68,6 +70,8 @@ class SchedulerConfig:
     def __post_init__(self) -> None:
         _check_choice("device", self.device, DEVICES)
         _check_choice("load_format", self.load_format, LOAD_FORMATS)
+        if self.quantization is not None:
+            _check_choice("quantization", self.quantization, QUANTIZATIONS)
         _check_choice("logprobs_mode", self.logprobs_mode, LOGPROBS_MODES)
         _check_choice("speculative_algorithm", self.speculative_algorithm, SPECULATIVE_ALGORITHMS)
         if self.dtype is not None:

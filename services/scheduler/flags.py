@@ -17,6 +17,7 @@ DEVICES = ("auto", "cpu", "cuda")
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
 DTYPE_CHOICES = (*DTYPE_NAMES, "auto")  # auto: the checkpoint's torch_dtype
 LOAD_FORMATS = ("auto", "dummy")
+QUANTIZATIONS = ("fp8",)  # --quantization: an unquantized checkpoint quantized at load (model/fp8.py)
 LOGPROBS_MODES = ("raw", "processed")
 DEFAULT_MAX_RUNNING_REQUESTS = 64
 DEFAULT_CHUNKED_PREFILL_SIZE = 2048  # tokens per step, prefill chunks and decode tokens together
@@ -44,6 +45,9 @@ def add_model_arguments(parser: argparse.ArgumentParser, env: EnvSettings) -> No
     add("--dtype", choices=DTYPE_CHOICES, default=None,
         help="weights and KV cache (default: float32 on cpu, bfloat16 on cuda; auto: the checkpoint's torch_dtype)")  # fmt: skip
     add("--load-format", choices=LOAD_FORMATS, default="auto", help="dummy: random weights from config.json")
+    add("--quantization", choices=QUANTIZATIONS, default=None,
+        help="fp8: quantize an unquantized checkpoint's projections to FP8 at load, per output channel (FP8 checkpoints "
+             "load as shipped without it)")  # fmt: skip
     add("--logprobs-mode", choices=LOGPROBS_MODES, default="raw",
         help="raw: logprobs of the model's own distribution; processed: after temperature")  # fmt: skip
     add("--chunked-prefill-size", type=int, default=DEFAULT_CHUNKED_PREFILL_SIZE,
@@ -122,6 +126,7 @@ def scheduler_argv(args: argparse.Namespace) -> list[str]:
     argv += ["--overlap-decode" if args.overlap_decode else "--no-overlap-decode"]
     argv += ["--step-trace", args.step_trace] if args.step_trace else []
     argv += ["--dtype", args.dtype] if args.dtype else []
+    argv += ["--quantization", args.quantization] if args.quantization else []
     argv += [f"--{name}" if getattr(args, name.replace("-", "_")) else f"--no-{name}" for name in CUDA_SWITCHES]
     argv += ["--dense-attention", args.dense_attention]
     argv += ["--speculative-algorithm", args.speculative_algorithm, "--verify-mode", args.verify_mode]

@@ -15,12 +15,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from services.scheduler.model.fp8 import SUPPORTED_QUANTIZATIONS, Fp8Scheme
 from services.scheduler.model.rope import ROPE_TYPES, RopeScaling
 
 FULL, SLIDING = "full_attention", "sliding_attention"
 SUPPORTED_ROPE_TYPES = ROPE_TYPES
 SUPPORTED_ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
-SUPPORTED_QUANTIZATIONS: tuple[str, ...] = ()  # quant_method values loaded as shipped (none yet)
 
 __all__ = ["ARCHITECTURES", "ModelConfig", "RopeScaling", "SUPPORTED_ARCHITECTURES", "UnsupportedModelError"]
 
@@ -61,6 +61,12 @@ class ModelConfig:
     hidden_act: str = "silu"  # one of SUPPORTED_ACTIVATIONS (the MLP's gate)
     local_rope_theta: float | None = None  # Gemma 3: SLIDING layers' RoPE base (no scaling); None: rope_theta
     context_len: int | None = None  # the longest sequence served (--max-model-len); None: max_position_embeddings
+    num_experts: int = 0  # mixture of experts (moe.py): experts of each sparse layer; 0: dense
+    num_experts_per_tok: int = 0  # top-k experts a token is routed to
+    moe_intermediate_size: int = 0  # each expert's intermediate size
+    norm_topk_prob: bool = True  # the top-k router probabilities renormalized to sum to 1
+    dense_layers: tuple[int, ...] = ()  # layers of an MoE model with a dense MLP (Qwen3-MoE's mlp_only_layers)
+    quantization: Fp8Scheme | None = None  # fp8.py: FP8 weights (as shipped, or quantized at load)
 
     def __post_init__(self) -> None:
         if self.architecture not in ARCHITECTURES:
@@ -75,6 +81,8 @@ class ModelConfig:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         self._check_layers()
         self._check_rope()
+        if self.num_experts and not 0 < self.num_experts_per_tok <= self.num_experts:
+            raise ValueError(f"num_experts_per_tok must be in 1..{self.num_experts}, got {self.num_experts_per_tok}")
         if self.hidden_act not in SUPPORTED_ACTIVATIONS:
             raise UnsupportedModelError(f"hidden_act {self.hidden_act!r} is not supported; supported: {SUPPORTED_ACTIVATIONS}")
 
@@ -123,7 +131,7 @@ class ModelConfig:
         cls, raw: dict[str, Any], generation: dict[str, Any] | None = None, context_len: int | None = None
     ) -> ModelConfig:
         architecture = _architecture(raw)
-        _refuse_quantization(raw)
+        quantization = _quantization(raw)
         heads = int(raw["num_attention_heads"])
         hidden = int(raw["hidden_size"])
         rope_theta, rope_scaling = _rope(raw, architecture)
@@ -152,6 +160,7 @@ class ModelConfig:
             sparkwire_seed=int(raw.get("sparkwire_seed", 0)),
             hidden_act=str(raw.get("hidden_act") or "silu"),
             context_len=context_len,
+            quantization=quantization,
         )
         return cls(**{**common, **ARCHITECTURES[architecture](raw)})
 
@@ -233,6 +242,25 @@ def _gemma3(raw: dict[str, Any]) -> dict[str, Any]:
     return {**_gemma(raw, pattern, qk_norm=True), "local_rope_theta": _gemma3_local_theta(raw)}
 
 
+def _qwen3_moe(raw: dict[str, Any]) -> dict[str, Any]:
+    """Sparse layers: every `decoder_sparse_step`-th one not in `mlp_only_layers` (transformers' rule)."""
+    layers, step = int(raw["num_hidden_layers"]), int(raw.get("decoder_sparse_step") or 1)
+    experts = int(raw.get("num_experts") or raw.get("num_local_experts") or 0)
+    only_mlp = {int(i) for i in raw.get("mlp_only_layers") or ()}
+    dense = tuple(i for i in range(layers) if i in only_mlp or experts == 0 or (i + 1) % step)
+    return {**_qwen3(raw), **_experts(raw, experts, int(raw["moe_intermediate_size"])),
+            "norm_topk_prob": bool(raw.get("norm_topk_prob", False)), "dense_layers": dense}  # fmt: skip
+
+
+def _mixtral(raw: dict[str, Any]) -> dict[str, Any]:
+    experts = _experts(raw, int(raw["num_local_experts"]), int(raw["intermediate_size"]))
+    return {**_llama(raw), **_every_layer_sliding(raw), **experts, "norm_topk_prob": True}
+
+
+def _experts(raw: dict[str, Any], experts: int, intermediate: int) -> dict[str, Any]:
+    return {"num_experts": experts, "num_experts_per_tok": int(raw["num_experts_per_tok"]), "moe_intermediate_size": intermediate}
+
+
 # architecture -> the ModelConfig options its config sets (on top of the shapes every config has)
 ARCHITECTURES: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
     "LlamaForCausalLM": _llama,
@@ -242,6 +270,8 @@ ARCHITECTURES: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
     "Phi3ForCausalLM": _every_layer_sliding,
     "Gemma2ForCausalLM": _gemma2,
     "Gemma3ForCausalLM": _gemma3,
+    "Qwen3MoeForCausalLM": _qwen3_moe,
+    "MixtralForCausalLM": _mixtral,
 }
 SUPPORTED_ARCHITECTURES = tuple(ARCHITECTURES)
 
@@ -262,15 +292,30 @@ def _architecture(raw: dict[str, Any]) -> str:
     return architectures[0]
 
 
-def _refuse_quantization(raw: dict[str, Any]) -> None:
+def _quantization(raw: dict[str, Any]) -> Fp8Scheme | None:
+    """The checkpoint's quantization_config as loaded (fp8); any other quant_method is refused in one line."""
     quantization = raw.get("quantization_config")
     if not quantization:
-        return
+        return None
     method = quantization.get("quant_method", "<no quant_method>") if isinstance(quantization, dict) else quantization
     if method not in SUPPORTED_QUANTIZATIONS:
         raise UnsupportedModelError(
-            f"quantization_config quant_method {method!r} is not supported (supported: unquantized checkpoints only)"
+            f"quantization_config quant_method {method!r} is not supported (supported: {', '.join(SUPPORTED_QUANTIZATIONS)}, "
+            "or an unquantized checkpoint)"
         )
+    if raw.get("num_experts") or raw.get("num_local_experts"):
+        raise UnsupportedModelError("fp8 checkpoints of mixture-of-experts models are not supported (dense models only)")
+    return _fp8_scheme(quantization)
+
+
+def _fp8_scheme(quantization: dict[str, Any]) -> Fp8Scheme:
+    if (quantization.get("activation_scheme") or "dynamic") != "dynamic":
+        raise UnsupportedModelError(f"fp8 activation_scheme {quantization['activation_scheme']!r} is not supported (dynamic only)")
+    if str(quantization.get("fmt") or "e4m3") != "e4m3":
+        raise UnsupportedModelError(f"fp8 fmt {quantization['fmt']!r} is not supported (e4m3 only)")
+    block = quantization.get("weight_block_size")
+    skipped = tuple(quantization.get("modules_to_not_convert") or quantization.get("ignored_layers") or ())
+    return Fp8Scheme(block=(int(block[0]), int(block[1])) if block else None, skipped=skipped)
 
 
 def _optional_float(value: Any) -> float | None:

@@ -88,16 +88,16 @@ def gelu_tanh_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return F.gelu(gate, approximate="tanh") * up
 
 
-def takes_gemv(x: torch.Tensor, fused: bool) -> bool:
-    """Whether a matmul of x [T, K] runs as triton_fused's one-token GEMV."""
-    return fused and x.shape[0] == GEMV_TOKENS
+def takes_gemv(x: torch.Tensor, fused: bool, linear: nn.Module) -> bool:
+    """Whether a matmul of x [T, K] by `linear` runs as triton_fused's one-token GEMV (float weights only: not fp8.py's)."""
+    return fused and x.shape[0] == GEMV_TOKENS and isinstance(linear, nn.Linear)
 
 
 def norm_linear(
     x: torch.Tensor, residual: torch.Tensor | None, norm: nn.Module, linear: nn.Linear, fused: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(linear(norm(x + residual)), x + residual) as `add_rms_norm`; fused at one token, one launch."""
-    if takes_gemv(x, fused) and norm.fusable:
+    if takes_gemv(x, fused, linear) and norm.fusable:
         from services.scheduler.model.triton_fused import norm_gemv_triton
 
         return norm_gemv_triton(x, residual, norm.weight, norm.eps, linear.weight, linear.bias)
@@ -107,7 +107,7 @@ def norm_linear(
 
 def project(x: torch.Tensor, linear: nn.Linear, fused: bool = False) -> torch.Tensor:
     """linear(x) for x [T, K]; fused at one token, the one-token GEMV."""
-    if takes_gemv(x, fused):
+    if takes_gemv(x, fused, linear):
         from services.scheduler.model.triton_fused import gemv_triton
 
         return gemv_triton(x, linear.weight, linear.bias)
@@ -116,7 +116,7 @@ def project(x: torch.Tensor, linear: nn.Linear, fused: bool = False) -> torch.Te
 
 def silu_linear(gate_up: torch.Tensor, linear: nn.Linear, fused: bool = False) -> torch.Tensor:
     """linear(SiLU(gate) * up) for gate_up [T, 2I]; fused at one token, one launch."""
-    if takes_gemv(gate_up, fused):
+    if takes_gemv(gate_up, fused, linear):
         from services.scheduler.model.triton_fused import silu_gemv_triton
 
         return silu_gemv_triton(gate_up, linear.weight, linear.bias)
@@ -235,11 +235,13 @@ class MLP(nn.Module):
 def _fused_slices(
     fused: nn.Linear, names: tuple[str, ...], sizes: tuple[int, ...]
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """(checkpoint-relative name, row view of the fused parameter) for each part, weight and bias."""
-    for suffix, param in (("weight", fused.weight), ("bias", fused.bias)):
+    """(checkpoint-relative name, row view of the fused parameter) for each part: weight, bias (and an
+    FP8 weight's scales, `fp8.Fp8Linear.row_parts`, a row of them per `rows` output rows)."""
+    parts = fused.row_parts() if hasattr(fused, "row_parts") else (("weight", fused.weight, 1), ("bias", fused.bias, 1))
+    for suffix, param, rows in parts:
         if param is None:
             continue
-        for name, part in zip(names, param.split(sizes, dim=0)):
+        for name, part in zip(names, param.split([size // rows for size in sizes], dim=0)):
             yield f"{name}.{suffix}", part
 
 
@@ -251,9 +253,12 @@ class DecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, layer_index: int) -> None:
         super().__init__()
         self.self_attn = self.attention_class(config, layer_index)
-        self.mlp = self.mlp_class(config)
+        self.mlp = self.make_mlp(config, layer_index)
         self.input_layernorm = self.norm_class(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = self.norm_class(config.hidden_size, config.rms_norm_eps)
+
+    def make_mlp(self, config: ModelConfig, layer_index: int) -> nn.Module:
+        return self.mlp_class(config)
 
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None, ropes: Ropes, batch: ForwardBatch,

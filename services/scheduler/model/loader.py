@@ -23,8 +23,9 @@ import torch
 from safetensors import safe_open
 
 from services.common.progress import Progress
-from services.scheduler.flags import CUDA_KV_CACHE_FRACTION, DEFAULT_SPLIT_KV_DECODE, LOAD_FORMATS
+from services.scheduler.flags import CUDA_KV_CACHE_FRACTION, DEFAULT_SPLIT_KV_DECODE, LOAD_FORMATS, QUANTIZATIONS
 from services.scheduler.model.config import ModelConfig
+from services.scheduler.model.fp8 import FP8, empty_fp8_linears, quantize_linears
 from services.scheduler.model.kv_cache import PagedKVCache, bytes_per_block, num_blocks_for_budget
 from services.scheduler.model.llama import CausalLM
 from services.scheduler.model.registry import build_model
@@ -90,6 +91,7 @@ def load_model_runner(
     fused_kernels: bool | None = None,
     split_kv_decode: bool = DEFAULT_SPLIT_KV_DECODE,
     max_model_len: int | None = None,
+    quantization: str | None = None,
 ) -> ModelRunner:
     """Load the model at `path` onto `device` in `dtype` and allocate its paged KV cache.
 
@@ -100,6 +102,7 @@ def load_model_runner(
     reserve's weights) holds the cache's blocks together with the reserve's per-block bytes.
     max_model_len: the longest sequence served (`ModelConfig.context_len`: LongRoPE's factors, and
     dynamic RoPE's limit); None: the config's max_position_embeddings.
+    quantization "fp8": quantize an unquantized checkpoint's projections to FP8 at load (`fp8.py`).
     """
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {load_format!r}")
@@ -108,6 +111,8 @@ def load_model_runner(
     device = torch.device(device)
     model = _empty_model(config, device, dtype)
     _fill_weights(model, model_dir, config, load_format, seed)
+    if quantization is not None:
+        model = _quantize_at_load(model, config, quantization)
     model.eval()
     num_blocks = num_kv_blocks or _default_num_blocks(config, kv_block_size, dtype, device, kv_cache_bytes, kv_cache_fraction, reserve)
     cache = PagedKVCache(config, num_blocks, kv_block_size, dtype, device)
@@ -121,9 +126,19 @@ def _empty_model(config: ModelConfig, device: torch.device, dtype: torch.dtype) 
     # Built on the meta device so no host memory or init kernels are spent on weights we overwrite.
     with torch.device("meta"):
         model = build_model(config).to(dtype)
+        if config.quantization is not None:  # after the cast: FP8 weights and fp32 scales keep their dtypes
+            model = empty_fp8_linears(model, config.quantization)
     model = model.to_empty(device=device)
     model.init_rope(device)  # fp32: positions need the precision
     return model
+
+
+def _quantize_at_load(model: CausalLM, config: ModelConfig, quantization: str) -> CausalLM:
+    if quantization not in QUANTIZATIONS:
+        raise ValueError(f"quantization must be one of {QUANTIZATIONS} or None, got {quantization!r}")
+    if config.quantization is not None:
+        raise ValueError("--quantization fp8 quantizes an unquantized checkpoint; this one is already fp8")
+    return quantize_linears(model)
 
 
 def _fill_weights(model: CausalLM, model_dir: Path, config: ModelConfig, load_format: str, seed: int) -> None:
@@ -153,38 +168,48 @@ def load_safetensors(model: torch.nn.Module, model_dir: Path, ignored: tuple[str
     checking the files' names against the model's (`ignored`: names the caller knows it does not use)."""
     needed = dict(model.checkpoint_tensors())
     files = _safetensors_files(model_dir)
-    check_checkpoint_names(model, model_dir, files, set(needed), set(ignored) | _tied_head(model))
+    fp8_names = {name for name, param in needed.items() if param.dtype == FP8}
+    check_checkpoint_names(model, model_dir, files, set(needed), set(ignored) | _tied_head(model), fp8_names)
     progress = _load_progress(model, needed.values(), path=str(model_dir))
     for path in files:
         with safe_open(str(path), framework="pt", device="cpu") as handle:
             for name in handle.keys():
                 if name in needed:
                     param = needed.pop(name)
-                    param.copy_(handle.get_tensor(name))
+                    param.copy_(_fitted(handle.get_tensor(name), param))
                     progress.advance(num_bytes=_nbytes(param), tensor=name)
     progress.close()
 
 
+def _fitted(tensor: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+    """A per-row scale shipped as [N, 1] for a parameter [N]; a per-tensor one ([] or [1]) broadcasts."""
+    return tensor.view(param.shape) if tensor.shape != param.shape and tensor.numel() == param.numel() else tensor
+
+
 def check_checkpoint_names(
-    model: torch.nn.Module, model_dir: Path, files: list[Path], needed: set[str], ignored: set[str]
+    model: torch.nn.Module, model_dir: Path, files: list[Path], needed: set[str], ignored: set[str],
+    fp8_names: set[str] = frozenset(),
 ) -> None:
     """Raise unless the files hold exactly the needed tensors (plus ignored or harmless ones), each
-    of a float dtype: a missing one is `MissingTensorError`, an extra or quantized one `UnexpectedTensorError`."""
+    of a float dtype (float8 e4m3 where the parameter is, `fp8_names`): a missing one is
+    `MissingTensorError`, an extra or quantized one `UnexpectedTensorError`."""
     found: set[str] = set()
     for path in files:
         with safe_open(str(path), framework="pt", device="cpu") as handle:
             for name in handle.keys():
                 found.add(name)
-                _check_tensor(model, path, name, handle.get_slice(name).get_dtype(), needed, ignored)
+                _check_tensor(model, path, name, handle.get_slice(name).get_dtype(), needed, ignored, fp8_names)
     if missing := needed - found:
         raise MissingTensorError(sorted(missing)[0], model_dir)
 
 
-def _check_tensor(model: torch.nn.Module, path: Path, name: str, dtype: str, needed: set[str], ignored: set[str]) -> None:
+def _check_tensor(
+    model: torch.nn.Module, path: Path, name: str, dtype: str, needed: set[str], ignored: set[str], fp8_names: set[str]
+) -> None:
     where = f"checkpoint tensor {name!r} ({path.name})"
     if name not in needed and name not in ignored and not name.endswith(HARMLESS_SUFFIXES):
         raise UnexpectedTensorError(f"{where} is not consumed by {type(model).__name__}: refused rather than dropped")
-    if name in needed and dtype in QUANTIZED_DTYPES:
+    if name in needed and dtype in QUANTIZED_DTYPES and not (dtype == "F8_E4M3" and name in fp8_names):
         raise UnexpectedTensorError(f"{where} is {dtype}: quantized weights are not supported")
 
 
@@ -201,7 +226,7 @@ def fill_random_weights(model: CausalLM, seed: int) -> None:
     tensors = list(model.checkpoint_tensors())
     progress = _load_progress(model, [param for _, param in tensors], weights="random")
     for name, param in tensors:
-        if name.endswith("norm.weight"):
+        if name.endswith(("norm.weight", "weight_scale", "weight_scale_inv")):  # scales of 1: FP8 weights as drawn
             param.fill_(1.0)
         else:
             param.copy_(_random_tensor(name, param.shape, seed, param.device))

@@ -7,6 +7,7 @@ from __future__ import annotations
 from services.scheduler.model.config import ModelConfig
 from services.scheduler.model.gemma import GemmaForCausalLM
 from services.scheduler.model.llama import CausalLM
+from services.scheduler.model.moe import MixtralForCausalLM, MoeForCausalLM
 from services.scheduler.model.phi3 import Phi3ForCausalLM
 
 MODEL_CLASSES: dict[str, type[CausalLM]] = {
@@ -17,6 +18,8 @@ MODEL_CLASSES: dict[str, type[CausalLM]] = {
     "Phi3ForCausalLM": Phi3ForCausalLM,
     "Gemma2ForCausalLM": GemmaForCausalLM,
     "Gemma3ForCausalLM": GemmaForCausalLM,
+    "Qwen3MoeForCausalLM": MoeForCausalLM,
+    "MixtralForCausalLM": MixtralForCausalLM,
 }
 
 

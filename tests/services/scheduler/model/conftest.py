@@ -42,6 +42,12 @@ FAMILY_CONFIGS: dict[str, dict] = {
     "phi3": {"architectures": ["Phi3ForCausalLM"], "pad_token_id": 0, "original_max_position_embeddings": 32,
              "rope_scaling": {"type": "longrope", "short_factor": [1.0 + 0.1 * i for i in range(8)],
                               "long_factor": [1.5 + 0.5 * i for i in range(8)]}},
+    # Mixtures of experts (test_moe.py): 8 experts, top 2; a decode step of 3 sequences routes 6
+    # pairs, so some expert gets no token. Qwen3-MoE unnormalized with a dense layer 1, Mixtral renormalized.
+    "qwen3-moe": {"architectures": ["Qwen3MoeForCausalLM"], "rope_theta": 1000000.0, "head_dim": 16, "num_experts": 8,
+                  "num_experts_per_tok": 2, "moe_intermediate_size": 32, "norm_topk_prob": False, "mlp_only_layers": [1]},
+    "mixtral": {"architectures": ["MixtralForCausalLM"], "head_dim": 16, "num_local_experts": 8, "num_experts_per_tok": 2,
+                "sliding_window": 12},
 }
 SHAPE = {
     "vocab_size": 384,

@@ -148,7 +148,7 @@ def test_gemma3_options() -> None:
     [
         ({"quantization_config": {"quant_method": "awq", "bits": 4}}, "quant_method 'awq'"),
         ({"quantization_config": {"quant_method": "gptq", "bits": 4}}, "quant_method 'gptq'"),
-        ({"quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]}}, "quant_method 'fp8'"),
+        ({"quantization_config": {"quant_method": "fp8", "activation_scheme": "static"}}, "activation_scheme 'static'"),
         ({"partial_rotary_factor": 0.75}, "partial_rotary_factor"),
         ({"hidden_act": "relu"}, "hidden_act 'relu'"),
     ],

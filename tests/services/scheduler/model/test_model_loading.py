@@ -82,9 +82,9 @@ def test_an_untied_models_head_is_not_an_extra(hf_model_dir) -> None:
 
 
 def test_unsupported_architecture_names_it_and_the_supported_ones(tmp_path: Path) -> None:
-    config = {"architectures": ["MixtralForCausalLM"], "vocab_size": 8, "hidden_size": 8}
+    config = {"architectures": ["DeepseekV3ForCausalLM"], "vocab_size": 8, "hidden_size": 8}
     (tmp_path / "config.json").write_text(json.dumps(config))
-    with pytest.raises(UnsupportedModelError, match="MixtralForCausalLM") as excinfo:
+    with pytest.raises(UnsupportedModelError, match="DeepseekV3ForCausalLM") as excinfo:
         load_model_runner(tmp_path, load_format="dummy")
     assert all(name in str(excinfo.value) for name in ("Qwen3ForCausalLM", "LlamaForCausalLM", "Gemma2ForCausalLM"))
 

@@ -50,3 +50,17 @@ def run_interpreted_cases(test_file: str, timeout_s: float = 300) -> None:
     assert done.returncode == 0 and " passed" in done.stdout and "skipped" not in done.stdout, (
         done.stdout[-4000:] + done.stderr[-2000:]
     )
+
+
+# Triton's compiler (not the interpreter, no GPU needed): what only it refuses fails on the CPU too.
+compiles = pytest.mark.skipif(INTERPRETED or importlib.util.find_spec("triton") is None, reason="needs Triton (its compiler, not a GPU)")
+
+
+def compile_for_hopper(kernel, signature: dict[str, str], constants: dict, **options) -> bytes:
+    """`kernel` compiled down to an sm_90 cubin (H100/H200) with these argument types and constexprs."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    source = ASTSource(kernel, {**signature, **dict.fromkeys(constants, "constexpr")}, constants)
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options).asm["cubin"]

@@ -1,0 +1,295 @@
+"""The models of issue 42 on one GPU, dummy weights at the published shapes: Qwen3-30B-A3B (MoE)
+decode steps against the floor of the bytes they must read, the fused MoE kernel against its torch
+twin, and Qwen3-8B in FP8 (block-wise 128 x 128, and per-channel) against bf16, with FP8's logprobs
+against its dequantized reference.
+
+Sections, each in its own try/except; one that would start more than --budget-s after the start
+is skipped:
+- `moe_kernel`: one sparse layer's experts at the 30B-A3B shape (128 experts, top 8, H 2048, I 768)
+  for 1, 64 and 2048 tokens, uneven random routing: µs of `triton_moe.fused_experts` and of
+  `moe.experts_reference`, and the largest |diff| over the largest |value|.
+- `moe_steps`: the 30B-A3B decode step (context 256, CUDA graph replayed, the fused kernels on) at
+  batch 1 and 64: ms/step, tok/s, and the floor: the bytes the step reads (attention, router, the
+  distinct experts its routing hits, the LM head; measured from one eager step) at the measured
+  copy bandwidth; the replay's next tokens against the eager step's.
+- `fp8_steps_<layout>`: Qwen3-8B bf16, FP8 block-wise and FP8 per-channel (a section each), decode
+  step at batch 1 and 64 as above; `fp8_steps` gathers them with each step over bf16's (issue 42's
+  target: block-wise batch 1 <= 0.65).
+- `fp8_logprobs`: each FP8 layout's log-softmax over 4 prompts of 64 tokens against the same weights
+  dequantized to bf16 (`Fp8Linear`'s twin): largest |diff| over the reference's top-20 and over the
+  whole vocabulary, and how often the greedy token agrees.
+
+    sparkwire bench gpu-models --out $OUT/gpu_models.json
+    TRITON_INTERPRET=1 python ops/bench/gpu_models.py --device cpu --tiny --out /tmp/models.json  # smoke
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import gc
+import os
+import time
+
+import torch
+
+from ops.bench.common import (
+    MODEL_CONFIGS, add_check_arguments, bench_dtype, copy_bandwidth_gb_s, deadline_sections, device_name, finish_run,
+    median_ms, next_tokens, ragged_step, script, worst_row_rel_diff,
+)  # fmt: skip
+from services.scheduler.model import fp8
+from services.scheduler.model.config import ModelConfig
+from services.scheduler.model.fp8 import FP8, Fp8Scheme, empty_fp8_linears
+from services.scheduler.model.kv_cache import PagedKVCache
+from services.scheduler.model.moe import SparseMoE, experts_reference, route
+from services.scheduler.model.registry import build_model
+from services.scheduler.model.runner import ModelRunner
+
+MOE_MODEL, DENSE_MODEL = MODEL_CONFIGS / "Qwen3-30B-A3B", MODEL_CONFIGS / "Qwen3-8B"
+BATCHES, CONTEXT, PAGE = (1, 64), 256, 16
+KERNEL_TOKENS = (1, 64, 2048)
+FP8_LAYOUTS = {"bf16": None, "fp8-block": Fp8Scheme(block=(128, 128)), "fp8-channel": Fp8Scheme()}
+# --tiny: the same code on shapes a CPU runs in seconds (the kernel section in Triton's interpreter); a vocabulary
+# of 2048: `common.ragged_step` draws its ids below that
+TINY_MOE = {"architectures": ["Qwen3MoeForCausalLM"], "vocab_size": 2048, "hidden_size": 64, "intermediate_size": 96,
+            "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "num_experts": 8,
+            "num_experts_per_tok": 2, "moe_intermediate_size": 32, "norm_topk_prob": True, "max_position_embeddings": 512}  # fmt: skip
+TINY_DENSE = {**{k: v for k, v in TINY_MOE.items() if "expert" not in k and "moe" not in k and k != "norm_topk_prob"},
+              "architectures": ["Qwen3ForCausalLM"]}  # fmt: skip
+TINY_BATCHES, TINY_CONTEXT, TINY_KERNEL_TOKENS, TINY_BLOCK = (1, 4), 20, (1, 5), (32, 32)
+
+
+# ---- dummy models ----
+
+
+def model_config(args: argparse.Namespace, moe: bool, scheme: Fp8Scheme | None = None) -> ModelConfig:
+    if args.tiny:
+        config = ModelConfig.from_dict(TINY_MOE if moe else TINY_DENSE)
+        scheme = dataclasses.replace(scheme, block=TINY_BLOCK if scheme.block else None) if scheme else None
+    else:
+        config = ModelConfig.from_pretrained(MOE_MODEL if moe else DENSE_MODEL, context_len=CONTEXT)
+    return dataclasses.replace(config, quantization=scheme)
+
+
+@torch.no_grad()
+def dummy_runner(config: ModelConfig, device: torch.device, dtype: torch.dtype, num_seqs: int, context: int) -> ModelRunner:
+    """Random weights drawn on the device, parameter by parameter (an expert stack is one draw: the
+    loader's per-tensor host draws would take minutes at 30B); FP8 weights ~N(0, 1) with scales of ~0.02."""
+    with torch.device("meta"):
+        model = build_model(config).to(dtype)
+        if config.quantization is not None:
+            model = empty_fp8_linears(model, config.quantization)
+    model = model.to_empty(device=device)
+    model.init_rope(device)
+    gen = torch.Generator(device=device).manual_seed(0)
+    for name, param in model.named_parameters():
+        if "norm" in name:
+            param.fill_(1.0)
+        elif param.dtype == FP8:
+            param.copy_(torch.randn(param.shape, generator=gen, device=device, dtype=torch.bfloat16).clamp(-fp8.FP8_MAX, fp8.FP8_MAX))
+        elif name.endswith(("weight_scale", "weight_scale_inv")):
+            param.uniform_(0.018, 0.022, generator=gen)
+        else:
+            param.normal_(0.0, 0.02, generator=gen)
+    model.eval()
+    cache = PagedKVCache(config, num_seqs * -(-context // PAGE), PAGE, dtype, device)
+    return ModelRunner(model, cache)
+
+
+def free_device_memory() -> None:
+    """Return what the dropped runner or tensors held, before the next one loads."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+# ---- sections ----
+
+
+def uneven_ids(num_tokens: int, num_experts: int, top_k: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Routing with a skew (expert e's logit + e / E) so loads differ, as trained routers' do."""
+    gen = torch.Generator(device=device).manual_seed(num_tokens)
+    logits = torch.randn(num_tokens, num_experts, generator=gen, device=device) + torch.arange(num_experts, device=device) / num_experts
+    return route(logits, top_k, renormalize=True)
+
+
+@torch.no_grad()
+def kernel_rows(args: argparse.Namespace, device: torch.device, dtype: torch.dtype) -> list[dict]:
+    from services.scheduler.model.triton_moe import fused_experts
+
+    config = model_config(args, moe=True)
+    experts, hidden, inter, top_k = config.num_experts, config.hidden_size, config.moe_intermediate_size, config.num_experts_per_tok
+    gen = torch.Generator(device=device).manual_seed(1)
+    gate_up = 0.02 * torch.randn(experts, 2 * inter, hidden, generator=gen, device=device, dtype=dtype)
+    down = 0.02 * torch.randn(experts, hidden, inter, generator=gen, device=device, dtype=dtype)
+    rows = []
+    for tokens in TINY_KERNEL_TOKENS if args.tiny else KERNEL_TOKENS:
+        x = torch.randn(tokens, hidden, generator=gen, device=device, dtype=dtype)
+        weights, ids = uneven_ids(tokens, experts, top_k, device)
+        fused = fused_experts(x, gate_up, down, weights, ids)
+        twin = experts_reference(x, gate_up, down, weights, ids)
+        rows.append({"tokens": tokens, "experts_hit": int(ids.unique().numel()),
+                     "fused_us": 1e3 * median_ms(lambda: fused_experts(x, gate_up, down, weights, ids), device.type, args.repeats),
+                     "twin_us": 1e3 * median_ms(lambda: experts_reference(x, gate_up, down, weights, ids), device.type, args.repeats),
+                     "rel_diff": worst_row_rel_diff(fused.float(), twin.float())})  # fmt: skip
+    return rows
+
+
+def step_bytes(runner: ModelRunner, experts_hit: list[int], num_tokens: int, context: int) -> int:
+    """Bytes one decode step must read: every parameter but the input embedding and the expert
+    stacks, each sparse layer's experts that its routing hit (`experts_hit`), and the K/V of
+    `num_tokens` sequences of `context` tokens."""
+    config = runner.config
+    kv_per_token = config.num_hidden_layers * 2 * config.num_key_value_heads * config.head_dim * runner.dtype.itemsize
+    total = kv_per_token * num_tokens * context
+    for name, param in runner.model.named_parameters():
+        if "embed_tokens" not in name and ".experts." not in name:
+            total += param.numel() * param.element_size()
+    expert_bytes = 3 * config.hidden_size * config.moe_intermediate_size * runner.dtype.itemsize
+    return total + expert_bytes * sum(experts_hit)
+
+
+@contextlib.contextmanager
+def routing_recorded(runner: ModelRunner):
+    """Distinct experts each sparse layer's routing hits, per forward, appended to the yielded list."""
+    hits: list[int] = []
+    handles = [m.gate.register_forward_hook(lambda mod, inp, out, k=m.top_k: hits.append(int(out.topk(k, dim=-1).indices.unique().numel())))
+               for m in runner.model.modules() if isinstance(m, SparseMoE)]  # fmt: skip
+    try:
+        yield hits
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+@torch.inference_mode()
+def decode_row(runner: ModelRunner, batch: int, context: int, repeats: int, bandwidth: float) -> dict:
+    width = -(-context // PAGE)
+    step = ragged_step([(context - 1, 1)] * batch, PAGE, width, runner.device.type)
+    with routing_recorded(runner) as hits:
+        eager = next_tokens(runner, runner.forward(step).hidden_states)
+    try:
+        runner.prepare_decode_graphs(ladder=(batch,), max_blocks_per_seq=width)
+        replayed = next_tokens(runner, runner.forward(step).hidden_states)
+        graph = runner.decode_graphs.graphs.get((batch, 1))
+        step_ms = median_ms(graph.replay if graph is not None else lambda: runner.forward(step), runner.device.type, repeats)
+    finally:
+        runner.drop_decode_graphs()
+    read = step_bytes(runner, hits, batch, context)
+    floor_ms = read / bandwidth / 1e6 if bandwidth else 0.0
+    return {"batch": batch, "captured": graph is not None, "step_ms": step_ms, "tok_per_s": round(1e3 * batch / step_ms, 1),
+            "bytes_read_gb": round(read / 1e9, 3), "floor_ms": round(floor_ms, 4),
+            "floor_over_step": round(floor_ms / step_ms, 3) if floor_ms else None,
+            "experts_hit_per_layer": round(sum(hits) / len(hits), 1) if hits else None,
+            "next_tokens_agree": bool(torch.equal(replayed, eager))}  # fmt: skip
+
+
+def moe_rows(args: argparse.Namespace, device: torch.device, dtype: torch.dtype, bandwidth: float) -> list[dict]:
+    batches, context = (TINY_BATCHES, TINY_CONTEXT) if args.tiny else (BATCHES, CONTEXT)
+    runner = dummy_runner(model_config(args, moe=True), device, dtype, max(batches), context)
+    rows = [{"model": "Qwen3-30B-A3B", **decode_row(runner, b, context, args.repeats, bandwidth)} for b in batches]
+    del runner
+    free_device_memory()
+    return rows
+
+
+def layout_rows(args: argparse.Namespace, layout: str, device: torch.device, dtype: torch.dtype, bandwidth: float,
+                logprobs: list[dict]) -> list[dict]:  # fmt: skip
+    """One layout's decode rows (and, for FP8, its logprob agreement)."""
+    batches, context = (TINY_BATCHES, TINY_CONTEXT) if args.tiny else (BATCHES, CONTEXT)
+    scheme = FP8_LAYOUTS[layout]
+    runner = dummy_runner(model_config(args, moe=False, scheme=scheme), device, dtype, max(batches), context)
+    try:
+        if scheme is not None:
+            logprobs.append({"layout": layout, **logprob_agreement(runner, length=min(64, context))})
+        return [{"model": "Qwen3-8B", "layout": layout, **decode_row(runner, b, context, args.repeats, bandwidth)} for b in batches]
+    finally:
+        del runner
+        free_device_memory()
+
+
+def fp8_rows(result: dict) -> list[dict]:
+    """Every layout's rows, each step over bf16's at its batch."""
+    rows = [r for layout in FP8_LAYOUTS for r in result.get(f"fp8_steps_{layout}") or [] if isinstance(r, dict)]
+    base = {r["batch"]: r["step_ms"] for r in rows if r["layout"] == "bf16"}
+    return [{**r, "step_over_bf16": round(r["step_ms"] / base[r["batch"]], 3) if r["batch"] in base else None} for r in rows]
+
+
+@contextlib.contextmanager
+def dequantized_twin():
+    """Every `Fp8Linear` on its twin (the weight dequantized to the activations' dtype, the plain linear)."""
+    saved = fp8.fp8_matmul_available
+    fp8.fp8_matmul_available = lambda device: False
+    try:
+        yield
+    finally:
+        fp8.fp8_matmul_available = saved
+
+
+@torch.inference_mode()
+def logprob_agreement(runner: ModelRunner, length: int, num_prompts: int = 4) -> dict:
+    step = ragged_step([(0, length)] * num_prompts, PAGE, -(-length // PAGE), runner.device.type)
+    got = torch.log_softmax(runner.compute_logits(runner.forward(step).hidden_states), dim=-1)  # [T, V]
+    with dequantized_twin():
+        want = torch.log_softmax(runner.compute_logits(runner.forward(step).hidden_states), dim=-1)
+    top = want.topk(20, dim=-1).indices
+    return {"rows": int(got.shape[0]), "max_abs_diff_top20": float((got.gather(1, top) - want.gather(1, top)).abs().max()),
+            "max_abs_diff_all": float((got - want).abs().max()),
+            "greedy_agree": round(float((got.argmax(-1) == want.argmax(-1)).float().mean()), 4)}  # fmt: skip
+
+
+def run(args: argparse.Namespace) -> dict:
+    device = torch.device(args.device)
+    dtype = bench_dtype(device.type)
+    deadline = time.monotonic() + args.budget_s
+    bandwidth = copy_bandwidth_gb_s(device.type)
+    result: dict = {"device": device_name(device.type), "torch": torch.__version__, "copy_gb_per_s": round(bandwidth, 1),
+                    "context": TINY_CONTEXT if args.tiny else CONTEXT}  # fmt: skip
+    section = deadline_sections(result, deadline)
+    interpretable = device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
+    if interpretable:
+        section("moe_kernel", lambda: kernel_rows(args, device, dtype))
+        free_device_memory()  # the kernel rows' expert stacks, before the 30B model
+    else:
+        result["moe_kernel"] = {"skipped": "needs CUDA or TRITON_INTERPRET=1"}
+    section("moe_steps", lambda: moe_rows(args, device, dtype, bandwidth))
+    logprobs: list[dict] = []
+    for layout in FP8_LAYOUTS:
+        section(f"fp8_steps_{layout}", lambda layout=layout: layout_rows(args, layout, device, dtype, bandwidth, logprobs))
+    result["fp8_steps"] = fp8_rows(result)
+    result["fp8_logprobs"] = logprobs
+    return finish_run(result, args, deadline, table)
+
+
+def table(result: dict) -> str:
+    lines = [f"device {result['device']}, torch {result['torch']}, copy {result['copy_gb_per_s']} GB/s, {result['elapsed_s']} s", "",
+             "| MoE experts, tokens | experts hit | fused µs | twin µs | rel diff |", "|---|---|---|---|---|"]  # fmt: skip
+    for r in result["moe_kernel"] if isinstance(result["moe_kernel"], list) else []:
+        lines.append(f"| {r['tokens']} | {r['experts_hit']} | {r['fused_us']:.1f} | {r['twin_us']:.1f} | {r['rel_diff']:.2e} |")
+    lines += ["", "| model | layout | batch | ms/step | tok/s | floor ms (GB read) | floor/step | x bf16 | tokens = eager |",
+              "|---|---|---|---|---|---|---|---|---|"]
+    steps = [*(result["moe_steps"] if isinstance(result["moe_steps"], list) else []),
+             *(result["fp8_steps"] if isinstance(result["fp8_steps"], list) else [])]  # fmt: skip
+    for r in steps:
+        lines.append(f"| {r['model']} | {r.get('layout', 'bf16')} | {r['batch']} | {r['step_ms']} | {r['tok_per_s']} | {r['floor_ms']} "
+                     f"({r['bytes_read_gb']}) | {r['floor_over_step']} | {r.get('step_over_bf16', '')} | {r['next_tokens_agree']} |")  # fmt: skip
+    lines += ["", "| FP8 layout | rows | max |Δ logprob| top-20 | max |Δ| all | greedy agree |", "|---|---|---|---|---|"]
+    for r in result["fp8_logprobs"]:
+        lines.append(f"| {r['layout']} | {r['rows']} | {r['max_abs_diff_top20']:.4f} | {r['max_abs_diff_all']:.4f} | {r['greedy_agree']} |")
+    errors = [name for name, value in result.items() if isinstance(value, dict) and ("error" in value or "skipped" in value)]
+    return "\n".join(lines + ([f"not run or failed: {', '.join(errors)}"] if errors else []))
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_check_arguments(parser, tiny="tiny MoE and dense shapes, context 20", repeats=20, budget_s=240, out="gpu_models.json",
+                        what="replays per measurement")  # fmt: skip
+
+
+def main(args: argparse.Namespace) -> int:
+    result = run(args)
+    return 0 if isinstance(result.get("moe_steps"), list) and len(result["fp8_steps"]) == 2 * len(FP8_LAYOUTS) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(script(__doc__, add_arguments, main))

@@ -1,0 +1,161 @@
+"""Mixture-of-experts decoders: Qwen3-MoE and Mixtral, the shared decoder (`llama.py`) with a
+sparse MLP in place of the dense one.
+
+Each token's router logits [T, E] pick its top-k experts; the kept probabilities are
+    w_j = softmax(logits)[e_j]                      (Qwen3-MoE, norm_topk_prob false)
+    w_j = softmax(logits)[e_j] / sum_i softmax(logits)[e_i]   (Mixtral always; Qwen3-MoE with norm_topk_prob)
+in fp32, as transformers computes them, and the layer's output is sum_j w_j * expert_{e_j}(x), each
+expert a SwiGLU MLP. Qwen3-MoE keeps dense MLPs on `mlp_only_layers` and off every
+`decoder_sparse_step`-th layer (`ModelConfig.dense_layers`).
+
+The experts run as one grouped computation over (token, expert) pairs: on CUDA the fused Triton
+kernel of `triton_moe.py` (pairs sorted by expert into blocks, a grouped GEMM for gate/up and one
+for down, capacity sized from the batch, so CUDA graphs capture it), elsewhere `experts_reference`
+(the twin: one matmul per expert that got a token). The weights live as [E, 2I, H] and [E, H, I]
+stacks; each checkpoint tensor (`experts.{e}.gate_proj.weight`, Mixtral's `w1`/`w3`/`w2`) fills a
+slice of them. DSpark reads the residual stream after each layer, as for dense models.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from services.scheduler.model.batch import ForwardBatch
+from services.scheduler.model.config import ModelConfig
+from services.scheduler.model.kv_cache import PagedKVCache
+from services.scheduler.model.llama import MLP, CausalLM, DecoderLayer, Plan, Ropes, add_rms_norm, norm_linear, silu_mul
+
+
+def route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Router logits [T, E] -> (weights fp32 [T, k], expert ids int64 [T, k]): the top-k of the fp32
+    softmax, renormalized to sum to 1 where the family does."""
+    probs = torch.softmax(logits.float(), dim=-1)  # [T, E]
+    weights, ids = torch.topk(probs, top_k, dim=-1)  # [T, k] each
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, ids
+
+
+def experts_reference(
+    x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
+) -> torch.Tensor:
+    """sum_j weights[t, j] * down[e](SiLU(gate) * up) for x [T, H], gate_up [E, 2I, H], down [E, H, I],
+    weights/ids [T, k] -> [T, H]: one matmul per expert hit (a host sync: the CPU twin)."""
+    num_tokens, top_k = ids.shape
+    flat = ids.flatten()  # [T k], pair p is (token p // k, choice p % k)
+    pair_out = x.new_zeros(num_tokens * top_k, x.shape[1])  # [T k, H]
+    for expert in flat.unique().tolist():
+        pairs = (flat == expert).nonzero().squeeze(1)  # [n]
+        hidden = silu_mul(F.linear(x[pairs // top_k], gate_up[expert]))  # [n, I]
+        pair_out[pairs] = F.linear(hidden, down[expert])
+    return combine(pair_out, weights)
+
+
+def combine(pair_out: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """Pair outputs [T k, H] weighted by the router [T, k] (fp32) and summed per token -> [T, H] in pair_out's dtype
+    (transformers rounds Qwen3-MoE's weights to the model's dtype first: in bf16 the two differ by that rounding)."""
+    num_tokens, top_k = weights.shape
+    weighted = pair_out.view(num_tokens, top_k, -1) * weights.unsqueeze(-1)  # fp32 [T, k, H]
+    return weighted.sum(dim=1).to(pair_out.dtype)
+
+
+class Experts(nn.Module):
+    """E SwiGLU experts as two weight stacks; `names`: the checkpoint's (gate, up, down) per expert."""
+
+    names = ("gate_proj", "up_proj", "down_proj")
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        experts, inter, hidden = config.num_experts, config.moe_intermediate_size, config.hidden_size
+        self.gate_up_proj = nn.Parameter(torch.empty(experts, 2 * inter, hidden))  # [E, 2I, H]: [gate | up] rows
+        self.down_proj = nn.Parameter(torch.empty(experts, hidden, inter))  # [E, H, I]
+        self.intermediate_size = inter
+
+    def checkpoint_slices(self) -> Iterator[tuple[str, torch.Tensor]]:
+        gate, up, down = self.names
+        for expert in range(self.gate_up_proj.shape[0]):
+            gate_part, up_part = self.gate_up_proj[expert].split(self.intermediate_size, dim=0)
+            yield f"experts.{expert}.{gate}.weight", gate_part
+            yield f"experts.{expert}.{up}.weight", up_part
+            yield f"experts.{expert}.{down}.weight", self.down_proj[expert]
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, fused: bool = False) -> torch.Tensor:
+        # On CUDA the kernel even with the fused small ops off: the twin syncs the host, which graphs cannot capture.
+        if fused or x.is_cuda:
+            from services.scheduler.model.triton_moe import fused_experts
+
+            return fused_experts(x, self.gate_up_proj, self.down_proj, weights, ids)
+        return experts_reference(x, self.gate_up_proj, self.down_proj, weights, ids)
+
+
+class MixtralExperts(Experts):
+    names = ("w1", "w3", "w2")
+
+
+class SparseMoE(nn.Module):
+    """Router + experts: [T, H] -> [T, H]. `gate` is the router (the checkpoint's name)."""
+
+    experts_class: type[Experts] = Experts
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.gate = nn.Linear(config.hidden_size, config.num_experts, bias=False)
+        self.experts = self.experts_class(config)
+        self.top_k = config.num_experts_per_tok
+        self.renormalize = config.norm_topk_prob
+
+    def checkpoint_slices(self) -> Iterator[tuple[str, torch.Tensor]]:
+        yield from self.experts.checkpoint_slices()
+
+    def forward(self, x: torch.Tensor, fused: bool = False) -> torch.Tensor:
+        weights, ids = route(self.gate(x), self.top_k, self.renormalize)  # [T, k] each
+        return self.experts(x, weights, ids, fused)
+
+
+class MixtralMoE(SparseMoE):
+    experts_class = MixtralExperts
+
+
+class MoeDecoderLayer(DecoderLayer):
+    moe_class: type[SparseMoE] = SparseMoE
+
+    def make_mlp(self, config: ModelConfig, layer_index: int) -> nn.Module:
+        return MLP(config) if layer_index in config.dense_layers else self.moe_class(config)
+
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None, ropes: Ropes, batch: ForwardBatch,
+        cache: PagedKVCache, plan: Plan, fused: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """As `DecoderLayer.forward`; a sparse MLP takes the normed stream whole (no gate_up to fuse the norm with)."""
+        if not isinstance(self.mlp, SparseMoE):
+            return super().forward(x, residual, ropes, batch, cache, plan, fused)
+        qkv, residual = norm_linear(x, residual, self.input_layernorm, self.self_attn.qkv_proj, fused)
+        x = self.self_attn(qkv, ropes, batch, cache, plan, fused)
+        normed, residual = add_rms_norm(x, residual, self.post_attention_layernorm, fused)
+        return self.mlp(normed, fused), residual
+
+
+class MixtralDecoderLayer(MoeDecoderLayer):
+    moe_class = MixtralMoE
+
+
+class MoeForCausalLM(CausalLM):
+    """Qwen3-MoE: the sparse layers' tensors under `mlp.` (the stacks filled through their slices)."""
+
+    layer_class = MoeDecoderLayer
+    block_name = "mlp"  # the checkpoint's name for a layer's sparse block
+
+    def checkpoint_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        for name, tensor in super().checkpoint_tensors():
+            if ".experts.gate_up_proj" in name or ".experts.down_proj" in name:
+                continue  # the stacks: their slices come by expert
+            yield name.replace(".mlp.", f".{self.block_name}."), tensor
+
+
+class MixtralForCausalLM(MoeForCausalLM):
+    layer_class = MixtralDecoderLayer
+    block_name = "block_sparse_moe"

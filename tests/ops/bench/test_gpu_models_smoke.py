@@ -1,0 +1,29 @@
+"""`sparkwire bench gpu-models` (ops/bench/gpu_models.py) in its CPU smoke mode, in Triton's interpreter
+(skipped without Triton; the test extras install it): the fused MoE kernel matches its twin at the
+tiny shape, every decode row of the MoE, bf16 and both FP8 layouts runs with its replay's tokens
+equal to eager, and FP8's logprobs are compared (on the CPU both sides are the twin: 0)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+
+import pytest
+
+from tests.services.scheduler.model.triton_interpreter import run_script_interpreted
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs Triton's interpreter")
+def test_cpu_tiny_run_in_the_triton_interpreter(tmp_path) -> None:
+    out = tmp_path / "models.json"
+    run_script_interpreted("ops/bench/gpu_models.py", ["--device", "cpu", "--tiny", "--repeats", "1", "--out", str(out)])
+    result = json.loads(out.read_text())
+    assert [r["tokens"] for r in result["moe_kernel"]] == [1, 5]
+    assert all(r["rel_diff"] < 1e-5 and r["fused_us"] > 0 for r in result["moe_kernel"])
+    steps = result["moe_steps"] + result["fp8_steps"]
+    assert [(r.get("layout", "moe"), r["batch"]) for r in steps] == [
+        (layout, batch) for layout in ("moe", "bf16", "fp8-block", "fp8-channel") for batch in (1, 4)
+    ]
+    assert all(r["next_tokens_agree"] and r["step_ms"] > 0 and r["bytes_read_gb"] > 0 for r in steps)
+    assert [r["layout"] for r in result["fp8_logprobs"]] == ["fp8-block", "fp8-channel"]
+    assert all(r["max_abs_diff_all"] == 0.0 and r["greedy_agree"] == 1.0 for r in result["fp8_logprobs"])

@@ -1,0 +1,209 @@
+"""FP8 weights (fp8.py) on CPU, where `Fp8Linear` dequantizes (W = W8 * scale, in fp32) and runs the
+plain linear: a tiny Qwen3 checkpoint written here in the block-wise layout (weight_scale_inv per
+32 x 32 tile, as Qwen3-FP8 ships 128 x 128), the per-channel one (weight_scale [N, 1]) and the
+per-tensor one (a scalar weight_scale), and
+`--quantization fp8` of its fp32 checkpoint, each served through the core against transformers
+running the same dequantized weights: greedy ids and every logprob kind within 1e-4 (the bound: the
+twin's computation is the reference's, so only fp32 summation order differs). Their error against
+the unquantized model is FP8's and is not a bound we test. Other quant_methods are refused in one
+line. The block-wise Triton kernel against the twin in the interpreter: test cases *interpreted*."""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from services.scheduler.model.config import UnsupportedModelError
+from services.scheduler.model.fp8 import FP8, FP8_MAX, Fp8Linear, quantize_weight_rows
+from services.scheduler.model.loader import UnexpectedTensorError, load_model_runner
+from tests.services.scheduler.model.test_families_core import check_against_transformers, serve
+from tests.services.scheduler.model.triton_interpreter import (
+    compile_for_hopper, compiles, interpreted, run_interpreted_cases, runs_the_interpreter,
+)
+
+BLOCK = 32
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def quantize_blocks(weight: torch.Tensor, block: int = BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+    """weight [N, K] (multiples of block) -> (FP8 [N, K], scale per tile [N / b, K / b]), amax / 448."""
+    n, k = weight.shape
+    tiles = weight.view(n // block, block, k // block, block)
+    scale = tiles.abs().amax(dim=(1, 3)) / FP8_MAX  # [N / b, K / b]
+    q = (tiles / scale[:, None, :, None]).to(FP8).view(n, k)
+    return q, scale
+
+
+def dequantize_blocks(q: torch.Tensor, scale: torch.Tensor, block: int = BLOCK) -> torch.Tensor:
+    return q.float() * scale.repeat_interleave(block, 0).repeat_interleave(block, 1)
+
+
+def write_fp8_checkpoint(src: Path, dst: Path, layout: str) -> dict[str, torch.Tensor]:
+    """Copy the checkpoint at src with its projections in FP8 (`layout` "block", "channel" or "tensor");
+    returns the dequantized weights by name (the reference's)."""
+    dst.mkdir()
+    tensors, dequantized = load_file(str(src / "model.safetensors")), {}
+    for name in [n for n in tensors if n.endswith(".weight") and n.split(".")[-2] in PROJECTIONS]:
+        if layout == "block":
+            q, scale = quantize_blocks(tensors[name])
+            tensors[name.replace(".weight", ".weight_scale_inv")], dequantized[name] = scale, dequantize_blocks(q, scale)
+        elif layout == "tensor":  # one scalar per projection: fused q/k/v keep each part's own
+            scale = tensors[name].abs().max() / FP8_MAX
+            q = (tensors[name] / scale).to(FP8)
+            tensors[name.replace(".weight", ".weight_scale")], dequantized[name] = scale, q.float() * scale
+        else:
+            q, scale = quantize_weight_rows(tensors[name])
+            tensors[name.replace(".weight", ".weight_scale")], dequantized[name] = scale[:, None], q.float() * scale[:, None]
+        tensors[name] = q
+    save_file(tensors, str(dst / "model.safetensors"))
+    config = json.loads((src / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic"}
+    if layout == "block":
+        config["quantization_config"]["weight_block_size"] = [BLOCK, BLOCK]
+    (dst / "config.json").write_text(json.dumps(config))
+    return dequantized
+
+
+def with_weights(model: torch.nn.Module, weights: dict[str, torch.Tensor]) -> torch.nn.Module:
+    reference = copy.deepcopy(model)
+    reference.load_state_dict(weights, strict=False)
+    return reference
+
+
+@pytest.mark.parametrize("layout", ["block", "channel", "tensor"])
+def test_fp8_checkpoint_matches_its_dequantized_reference(saved_family, tmp_path, layout: str) -> None:
+    model, path = saved_family("qwen3")
+    dequantized = write_fp8_checkpoint(path, tmp_path / "fp8", layout)
+    runner = load_model_runner(tmp_path / "fp8", num_kv_blocks=4)
+    qkv = runner.model.model.layers[0].self_attn.qkv_proj
+    assert isinstance(qkv, Fp8Linear) and qkv.weight.dtype == FP8 and qkv.block == ((BLOCK, BLOCK) if layout == "block" else None)
+    reference = with_weights(model, dequantized)
+    results, prompts = serve(tmp_path / "fp8", graph_twins=layout == "block")
+    for rid, result in results.items():
+        check_against_transformers(reference, result, prompts[rid])
+
+
+def test_quantization_fp8_quantizes_at_load(saved_family) -> None:
+    model, path = saved_family("qwen3")
+    runner = load_model_runner(path, num_kv_blocks=4, quantization="fp8")
+    layer = runner.model.model.layers[1]
+    assert isinstance(layer.mlp.down_proj, Fp8Linear) and layer.mlp.down_proj.weight.dtype == FP8
+    assert not isinstance(runner.model.lm_head, Fp8Linear)
+    weights = {name: param for name, param in model.state_dict().items() if name.split(".")[-2] in PROJECTIONS}
+    dequantized = {}
+    for name, weight in weights.items():
+        q, scale = quantize_weight_rows(weight)
+        dequantized[name] = q.float() * scale[:, None]
+    torch.testing.assert_close(layer.mlp.down_proj.dequantized(torch.float32), dequantized["model.layers.1.mlp.down_proj.weight"])
+    reference = with_weights(model, dequantized)
+    core_results, prompts = serve_quantized(path)
+    for rid, result in core_results.items():
+        check_against_transformers(reference, result, prompts[rid])
+
+
+def serve_quantized(path: Path):
+    from services.scheduler.build import core_for
+    from tests.services.scheduler.model.test_families_core import LOGPROBS, PROMPT_LENS, prompt
+    from tests.services.scheduler.test_scheduler_core import request, run
+
+    runner = load_model_runner(path, num_kv_blocks=48, kv_block_size=16, quantization="fp8")
+    core = core_for(runner, max_running_requests=8, chunked_prefill_size=16, seed=0)
+    prompts = {f"r{i}": prompt(n, seed=i) for i, n in enumerate(PROMPT_LENS)}
+    return run(core, [request(rid, p, max_new_tokens=10, logprobs=LOGPROBS, ignore_eos=True) for rid, p in prompts.items()]), prompts
+
+
+@pytest.mark.parametrize("method", ["awq", "gptq", "bitsandbytes"])
+def test_other_quant_methods_are_refused_with_one_line(saved_family, tmp_path, method: str) -> None:
+    _, path = saved_family("qwen3")
+    config = json.loads((path / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": method, "bits": 4, "group_size": 128}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(UnsupportedModelError, match=f"quant_method '{method}' is not supported") as refused:
+        load_model_runner(tmp_path, load_format="dummy", num_kv_blocks=4)
+    assert "\n" not in str(refused.value) and "fp8" in str(refused.value)
+
+
+def test_fp8_weights_without_their_config_are_refused(saved_family, tmp_path) -> None:
+    _, path = saved_family("qwen3")
+    write_fp8_checkpoint(path, tmp_path / "fp8", "block")
+    config = json.loads((tmp_path / "fp8" / "config.json").read_text())
+    del config["quantization_config"]
+    (tmp_path / "fp8" / "config.json").write_text(json.dumps(config))
+    with pytest.raises(UnexpectedTensorError, match="weight_scale_inv|F8_E4M3"):
+        load_model_runner(tmp_path / "fp8", num_kv_blocks=4)
+
+
+@runs_the_interpreter
+def test_triton_fp8_in_the_interpreter() -> None:
+    run_interpreted_cases(__file__)
+
+
+@interpreted
+@pytest.mark.parametrize("num_rows", [1, 5, 40])
+@pytest.mark.parametrize("layout", ["block", "rows"])
+def test_fp8_kernel_matches_dequantized_twin_interpreted(num_rows: int, layout: str) -> None:
+    from services.scheduler.model.triton_fp8 import ROW_SCALE_BLOCK_K, fp8_linear, quantize_groups
+
+    gen = torch.Generator().manual_seed(num_rows)
+    in_features = 64 if layout == "block" else 2 * ROW_SCALE_BLOCK_K  # per-row: two activation groups
+    weight = 0.1 * torch.randn(96, in_features, generator=gen)
+    if layout == "block":
+        q, scale = quantize_blocks(weight)
+        dequantized, block, group = dequantize_blocks(q, scale), (BLOCK, BLOCK), BLOCK
+    else:
+        q, scale = quantize_weight_rows(weight)
+        dequantized, block, group = q.float() * scale[:, None], None, ROW_SCALE_BLOCK_K
+    x = representable_activations(num_rows, in_features, group, gen)
+    out = fp8_linear(x, q, scale, block)
+    x_q, x_scale = quantize_groups(x, group)
+    torch.testing.assert_close(x_q.float() * x_scale.repeat_interleave(group, dim=1), x)  # quantized exactly
+    want = x @ dequantized.T
+    torch.testing.assert_close(out, want, atol=1e-5 * float(want.abs().max()), rtol=1e-5)  # fp32 sums, another order
+
+
+def representable_activations(num_rows: int, in_features: int, group: int, gen: torch.Generator) -> torch.Tensor:
+    """FP8 values times a power of two per (row, group), each group holding a +-448: the kernel's own
+    quantization gives them back exactly, whatever its rounding (Triton's interpreter converts fp32
+    to FP8 without carrying a round-up into the exponent, 31.5 -> 16; the GPU rounds to nearest)."""
+    q = (torch.randn(num_rows, in_features, generator=gen) * 100).to(FP8).float()
+    q[:, ::group] = FP8_MAX
+    scale = 2.0 ** torch.randint(-6, 2, (num_rows, in_features // group), generator=gen).float()
+    return q * scale.repeat_interleave(group, dim=1)
+
+
+@interpreted
+@pytest.mark.parametrize("tokens", [1, 3])
+def test_interpreted_fp8_projections_skip_the_one_token_gemvs(tokens: int, make_pager) -> None:
+    # With the fused kernels on, a one-token step's projections would be triton_fused's GEMVs, which
+    # read float weights: an Fp8Linear stays on its own path, and the forward equals the unfused one.
+    from services.scheduler.model.fp8 import quantize_linears
+    from services.scheduler.model.kv_cache import PagedKVCache
+    from services.scheduler.model.runner import ModelRunner
+    from tests.services.scheduler.model.test_fused_kernels import random_model, tiny_config
+
+    config = tiny_config("qwen3")
+    pager = make_pager(num_seqs=1, max_blocks_per_seq=4, block_size=4)
+    runners = [ModelRunner(quantize_linears(random_model(config)), PagedKVCache(config, pager.num_blocks, 4, torch.float32,
+                                                                                torch.device("cpu"))) for _ in range(2)]  # fmt: skip
+    runners[1].fused_kernels = True
+    batch = pager.batch([(0, list(range(5, 5 + tokens)), 0)])
+    got, want = (runner.forward(batch).hidden_states for runner in reversed(runners))
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+@compiles
+def test_fp8_kernel_compiles_for_hopper() -> None:
+    # FP8 tensor-core dots exist from sm_89 on: the interpreter cannot tell whether these tiles lower.
+    from services.scheduler.model import triton_fp8
+
+    i32 = "i32"
+    signature = {"x_ptr": "*bf16", "w_ptr": "*fp8e4nv", "w_scale_ptr": "*fp32", "out_ptr": "*bf16", "M": i32, "N": i32, "K": i32,
+                 "stride_x": i32, "stride_w": i32, "stride_ws_n": i32, "stride_ws_k": i32, "stride_out": i32}  # fmt: skip
+    for group_n, (block_m, block_n) in ((1, triton_fp8.tiles(1, 4096)), (128, triton_fp8.tiles(1, 24576)), (128, triton_fp8.tiles(64, 4096))):
+        constants = {"GROUP_N": group_n, "FP8_LIMIT": FP8_MAX, "BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": 128}
+        assert compile_for_hopper(triton_fp8._fp8_linear_kernel, signature, constants, num_warps=4, num_stages=4)

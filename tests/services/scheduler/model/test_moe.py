@@ -1,0 +1,96 @@
+"""Mixtures of experts (moe.py) through the scheduler core against transformers (issue 42): Qwen3-MoE
+(top-2 of 8 unnormalized, layer 1 dense) and Mixtral (renormalized, windows of 12), chunked and
+batched as test_families_core serves every family, on both CPU paths; the routing seen on the way
+is uneven and leaves experts without a token. The Triton kernel's own checks: test_triton_moe.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from services.scheduler.model.config import ModelConfig
+from services.scheduler.model.moe import SparseMoE, experts_reference, route
+from tests.services.scheduler.model.test_families_core import check_against_transformers, serve
+
+
+def expert_loads(monkeypatch) -> list[torch.Tensor]:
+    """Every sparse layer call's tokens per expert [E], recorded while the test runs."""
+    loads: list[torch.Tensor] = []
+    forward = SparseMoE.forward
+
+    def recording(self, x, fused=False):
+        _, ids = route(self.gate(x), self.top_k, self.renormalize)
+        loads.append(torch.bincount(ids.flatten(), minlength=self.gate.out_features))
+        return forward(self, x, fused)
+
+    monkeypatch.setattr(SparseMoE, "forward", recording)
+    return loads
+
+
+@pytest.mark.parametrize("graph_twins", [False, True], ids=["sdpa-groups", "graph-twins"])
+@pytest.mark.parametrize("family", ["qwen3-moe", "mixtral"])
+def test_moe_core_matches_transformers(saved_family, monkeypatch, family: str, graph_twins: bool) -> None:
+    model, path = saved_family(family)
+    loads = expert_loads(monkeypatch)
+    results, prompts = serve(path, graph_twins)
+    for rid, result in results.items():
+        assert len(result.tokens) == 10
+        check_against_transformers(model, result, prompts[rid])
+    assert any(bool((load == 0).any()) for load in loads)  # an expert with no token
+    assert any(int(load.max()) >= int(load[load > 0].min()) + 3 for load in loads)  # uneven loads
+
+
+def test_qwen3_moe_config_places_dense_layers() -> None:
+    raw = {"architectures": ["Qwen3MoeForCausalLM"], "vocab_size": 64, "hidden_size": 32, "intermediate_size": 48,
+           "num_hidden_layers": 6, "num_attention_heads": 4, "num_key_value_heads": 2, "num_experts": 4,
+           "num_experts_per_tok": 2, "moe_intermediate_size": 16, "decoder_sparse_step": 2, "mlp_only_layers": [3]}  # fmt: skip
+    config = ModelConfig.from_dict(raw)
+    assert config.dense_layers == (0, 2, 3, 4) and not config.norm_topk_prob
+    assert ModelConfig.from_dict({**raw, "norm_topk_prob": True, "decoder_sparse_step": 1}).dense_layers == (3,)
+
+
+def test_routing_normalizations() -> None:
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0]])
+    probs = torch.softmax(logits, dim=-1)[0]
+    weights, ids = route(logits, 2, renormalize=False)
+    assert ids.tolist() == [[0, 1]] and torch.allclose(weights[0], probs[:2])
+    weights, _ = route(logits, 2, renormalize=True)
+    assert torch.allclose(weights[0], probs[:2] / probs[:2].sum())
+
+
+def test_experts_reference_is_the_sum_of_each_tokens_experts() -> None:
+    gen = torch.Generator().manual_seed(0)
+    x, gate_up, down = torch.randn(5, 8, generator=gen), torch.randn(4, 12, 8, generator=gen), torch.randn(4, 8, 6, generator=gen)
+    ids = torch.tensor([[0, 2], [2, 0], [2, 1], [0, 2], [2, 0]])  # expert 3 gets none, 2 gets every token
+    weights = torch.rand(5, 2, generator=gen)
+    out = experts_reference(x, gate_up, down, weights, ids)
+    for t in range(5):
+        expected = sum(weights[t, j] * down[e] @ (torch.nn.functional.silu(gate_up[e, :6] @ x[t]) * (gate_up[e, 6:] @ x[t]))
+                       for j, e in enumerate(ids[t].tolist()))  # fmt: skip
+        torch.testing.assert_close(out[t], expected, atol=1e-5, rtol=1e-5)
+
+
+def test_dspark_on_qwen3_moe_is_lossless(saved_family, tmp_path) -> None:
+    # A drafter reading the MoE target's layer 1 (verify steps of q = 5 route every drafted token):
+    # the speculative greedy output and logprobs still equal transformers'.
+    from services.scheduler.build import core_for
+    from services.scheduler.model.loader import load_model_runner
+    from services.scheduler.spec.dspark_config import draft_config_for_target
+    from services.scheduler.spec.dspark_loader import empty_drafter, fill_random_weights, load_dspark_proposer, save_drafter
+    from tests.services.scheduler.model.test_families_core import LOGPROBS, PROMPT_LENS, prompt
+    from tests.services.scheduler.test_scheduler_core import request, run
+
+    model, path = saved_family("qwen3-moe")
+    runner = load_model_runner(path, num_kv_blocks=48, kv_block_size=16)
+    config = draft_config_for_target(runner.config, num_draft_layers=1, mask_token_id=5, block_size=4, markov_rank=8,
+                                     target_layer_ids=(1,))  # fmt: skip
+    drafter = empty_drafter(config, runner.model.model.embed_tokens, runner.lm_head_weight)
+    fill_random_weights(drafter, seed=3)
+    proposer = load_dspark_proposer(save_drafter(drafter, tmp_path / "draft"), runner)
+    runner.prepare_decode_graphs(ladder=(1, 2, 4), query_lens=(1, 5), capture=False, capture_layers=(1,))
+    core = core_for(runner, max_running_requests=8, chunked_prefill_size=16, seed=0, proposer=proposer)
+    prompts = {f"r{i}": prompt(n, seed=i) for i, n in enumerate(PROMPT_LENS)}
+    results = run(core, [request(rid, p, max_new_tokens=10, logprobs=LOGPROBS, ignore_eos=True) for rid, p in prompts.items()])
+    assert all(result.spec_verify_ct for result in results.values())
+    for rid, result in results.items():
+        check_against_transformers(model, result, prompts[rid])
