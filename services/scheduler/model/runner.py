@@ -235,7 +235,7 @@ class ModelRunner:
             )
         if batch.query_start_loc.shape[0] != batch.num_seqs + 1:
             raise ValueError(f"query_start_loc needs {batch.num_seqs + 1} entries, got {batch.query_start_loc.shape[0]}")
-        bad = [i for i in batch.capture_layers if not 0 <= i < self.config.num_hidden_layers]
+        bad = [i for i in batch.capture_layers if not -1 <= i < self.config.num_hidden_layers]  # -1: the embedding
         if bad:
             raise ValueError(f"capture_layers {bad} out of range for {self.config.num_hidden_layers} layers")
 
