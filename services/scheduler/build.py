@@ -187,6 +187,8 @@ def prepare_runtime(config: SchedulerConfig, settings: CoreSettings, runner: Mod
         runner.prepare_ragged_graphs(seq_ladder(config.max_running_requests), token_ladder(config.chunked_prefill_size),
                                      capture_layers=capture_layers)  # fmt: skip
         runner.ragged_graphs.capture_prefill_keys()  # arrivals beside decodes: no capture pauses them later
+        if proposer is not None and settings.verify_mode == "compact":
+            runner.ragged_graphs.capture_keys(runner.ragged_graphs.verify_keys(proposer.num_draft_tokens + 1), "verify")
     on_cuda = runner.device.type == "cuda"
     if config.dense_prefill and on_cuda and config.resolved_max_prefill_tokens > config.chunked_prefill_size:
         # only queries no chunk-budget step holds: steps past the budget run eagerly whatever their path
