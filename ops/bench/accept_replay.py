@@ -68,7 +68,14 @@ class AcceptReplay:
 
     @classmethod
     def load(cls, path: Path, gamma: int) -> AcceptReplay:
-        return cls.from_counts(json.loads(Path(path).read_text(encoding="utf-8"))["accept_length_counts"], gamma)
+        """`accept_length_counts` at the top, or summed over a `gpu-core --pair` run's DSpark rows."""
+        document = json.loads(Path(path).read_text(encoding="utf-8"))
+        if "accept_length_counts" in document:
+            return cls.from_counts(document["accept_length_counts"], gamma)
+        rows = [r["accept_length_counts"] for r in document.get("pair", []) if "accept_length_counts" in r]
+        if not rows:
+            raise ValueError(f"{path}: no accept_length_counts (at the top, or in `pair` rows)")
+        return cls.from_counts([sum(column) for column in zip(*rows)], gamma)
 
     def hazards(self) -> list[float]:
         """[gamma]: P(n >= k + 2 | n >= k + 1), the chance draft k + 1 survives once the k before it did."""

@@ -78,3 +78,13 @@ def test_replayed_acceptance_draws_its_distribution_and_hazards():
     folded = AcceptReplay.from_counts([0, 2, 0, 1, 1, 4], gamma=3)  # a gamma-4 run's 5 tokens count as 4
     assert folded.probs == pytest.approx((0, 0.25, 0, 0.125, 0.625))
     assert AcceptReplay.fixed(3, 2).hazards() == [1.0, 0.0, 0.0]  # the first draft always kept, the second never
+
+
+def test_a_pair_runs_counts_are_replayed(tmp_path):
+    path = tmp_path / "pair.json"
+    path.write_text(json.dumps({"pair": [{"mode": "plain"}, {"mode": "dspark", "accept_length_counts": [0, 1, 3]},
+                                         {"mode": "dspark", "accept_length_counts": [0, 1, 1]}]}))  # fmt: skip
+    assert AcceptReplay.load(path, gamma=1).probs == pytest.approx((0, 2 / 6, 4 / 6))
+    path.write_text("{}")
+    with pytest.raises(ValueError, match="no accept_length_counts"):
+        AcceptReplay.load(path, gamma=1)
