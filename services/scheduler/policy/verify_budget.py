@@ -20,49 +20,59 @@ own cut (through s_{k+1}). The first step, with no lambda yet, verifies every dr
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
+
+import numpy as np
+
+from services.scheduler.spec.step_cost import StepCost
 
 
-def survivals(confidences: Sequence[float]) -> list[float]:
-    out, survival = [], 1.0
-    for confidence in confidences:
-        survival *= min(max(confidence, 0.0), 1.0)
-        out.append(survival)
-    return out
+def prefix_survivals(confidences: Sequence[Sequence[float]]) -> np.ndarray:
+    """Each block's confidences -> float64 [B, gamma] prefix survivals (0 past a shorter block's end)."""
+    width = max(map(len, confidences), default=0)
+    if all(len(row) == width for row in confidences):
+        padded = np.asarray(confidences, dtype=np.float64).reshape(len(confidences), width)
+    else:
+        padded = np.zeros((len(confidences), width))
+        for row, values in zip(padded, confidences):
+            row[: len(values)] = values
+    return np.cumprod(np.clip(padded, 0.0, 1.0), axis=1)
 
 
-def best_lengths(
-    survival: Sequence[Sequence[float]], step_cost: Callable[[int], float], num_query_tokens: int, num_outputs: int
-) -> tuple[list[int], float]:
-    """Per request, the drafts to verify that maximise expected tokens per second, and the lambda
-    that picks them (`survival[b]`: request b's prefix survivals, non-increasing)."""
-    ranked = sorted(((s, b) for b, row in enumerate(survival) for s in row), key=lambda x: -x[0])
-    best_rate, best_rows, gained = num_outputs / step_cost(num_query_tokens), 0, 0.0
-    for rows, (s, _) in enumerate(ranked, start=1):
-        gained += s
-        rate = (num_outputs + gained) / step_cost(num_query_tokens + rows)
-        if rate > best_rate:
-            best_rate, best_rows = rate, rows
-    lengths = [0] * len(survival)
-    for _, b in ranked[:best_rows]:
-        lengths[b] += 1
-    above = ranked[best_rows - 1][0] if best_rows else 1.0
-    below = ranked[best_rows][0] if best_rows < len(ranked) else 0.0
-    return lengths, (above + below) / 2
+def best_lengths(survival: np.ndarray, step_cost: StepCost, num_query_tokens: int, num_outputs: int) -> tuple[list[int], float]:
+    """survival float64 [B, gamma] (each row non-increasing) -> the drafts each request verifies to
+    maximise expected tokens per second, and the lambda that picks them."""
+    flat = survival.ravel()  # [B * gamma]
+    order = np.argsort(-flat, kind="stable")  # ties: request order, then position: prefixes stay prefixes
+    ranked = flat[order]
+    gained = np.concatenate(([0.0], np.cumsum(ranked)))  # [N + 1]: expected tokens of the best E rows
+    rates = (num_outputs + gained) / step_cost.many(num_query_tokens + np.arange(len(ranked) + 1))
+    rows = int(np.argmax(rates))  # the fewest rows among equal rates
+    lengths = np.bincount(order[:rows] // max(survival.shape[1], 1), minlength=survival.shape[0]).tolist()
+    above = ranked[rows - 1] if rows else 1.0
+    below = ranked[rows] if rows < len(ranked) else 0.0
+    return lengths, float(above + below) / 2
 
 
 class VerifyBudget:
     """The lagged lambda: `num_to_verify` cuts this step's blocks by it, `observe` sets the next one."""
 
-    def __init__(self, step_cost: Callable[[int], float]) -> None:
+    def __init__(self, step_cost: StepCost) -> None:
         self.step_cost = step_cost
         self.threshold = 0.0
 
     def num_to_verify(self, confidences: Sequence[float], num_drafts: int) -> int:
         """The longest prefix of the block whose survival reaches lambda."""
-        return sum(1 for s in survivals(confidences[:num_drafts]) if s >= self.threshold)
+        count, survival = 0, 1.0
+        for confidence in confidences[:num_drafts]:
+            survival *= min(max(confidence, 0.0), 1.0)
+            if survival < self.threshold:
+                break
+            count += 1
+        return count
 
     def observe(self, confidences: Sequence[Sequence[float]], num_query_tokens: int, num_outputs: int) -> None:
         """This step's blocks (their confidences), committed query tokens and outputs -> the next lambda."""
         if confidences:
-            _, self.threshold = best_lengths([survivals(c) for c in confidences], self.step_cost, num_query_tokens, num_outputs)
+            survival = prefix_survivals(confidences)
+            _, self.threshold = best_lengths(survival, self.step_cost, num_query_tokens, num_outputs)

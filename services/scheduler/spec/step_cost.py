@@ -5,15 +5,18 @@ and kept beside the drafter as `dspark_sps.json`. Between points the cost is lin
 last point it keeps the last segment's slope, below the first it is the first point's. Without a
 file, `DEFAULT_POINTS`: flat while the weights' reads dominate, then linear in tokens, the shape of
 a dense model's step on a GPU (relative units: only ratios of costs matter to the budget).
-Torch-free: the policy reads it.
+Torch-free (numpy): the policy reads it.
 """
 
 from __future__ import annotations
 
 import bisect
+import functools
 import json
 from dataclasses import dataclass
 from pathlib import Path
+
+import numpy as np
 
 SPS_FILE = "dspark_sps.json"
 DEFAULT_POINTS: tuple[tuple[int, float], ...] = ((1, 1.0), (128, 1.0), (1024, 8.0))
@@ -44,6 +47,20 @@ class StepCost:
                 return s0
             (t0, s0), (t1, s1) = points[-2], points[-1]
         return s0 + (s1 - s0) * (num_tokens - t0) / (t1 - t0)
+
+    @functools.cached_property
+    def _arrays(self) -> tuple[np.ndarray, np.ndarray]:
+        return np.asarray([t for t, _ in self.points], np.float64), np.asarray([s for _, s in self.points], np.float64)
+
+    def many(self, num_tokens: np.ndarray) -> np.ndarray:
+        """`self(t)` for every t of `num_tokens` (int [N]) -> float64 [N]."""
+        tokens, seconds = self._arrays
+        out = np.interp(num_tokens, tokens, seconds)  # flat outside the points
+        if len(tokens) > 1:
+            slope = (seconds[-1] - seconds[-2]) / (tokens[-1] - tokens[-2])
+            past = num_tokens > tokens[-1]
+            out[past] = seconds[-1] + slope * (num_tokens[past] - tokens[-1])
+        return out
 
     @classmethod
     def load(cls, draft_dir: str | Path | None) -> StepCost:

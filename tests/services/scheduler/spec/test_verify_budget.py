@@ -7,10 +7,11 @@ import itertools
 import json
 import random
 
+import numpy as np
 import pytest
 import torch
 
-from services.scheduler.policy.verify_budget import VerifyBudget, best_lengths, survivals
+from services.scheduler.policy.verify_budget import VerifyBudget, best_lengths, prefix_survivals
 from services.scheduler.spec.calibration import expected_calibration_error, fit_temperature, load_temperature, save_temperature
 from services.scheduler.spec.step_cost import DEFAULT_POINTS, SPS_FILE, StepCost
 
@@ -33,9 +34,9 @@ COSTS = {
 def test_the_chosen_lengths_reach_the_brute_force_optimum(cost_name, seed):
     cost, rng = COSTS[cost_name], random.Random(seed)
     batch, gamma = rng.randint(1, 3), rng.randint(1, 4)
-    survival = [survivals([rng.random() ** 0.3 for _ in range(gamma)]) for _ in range(batch)]
+    survival = prefix_survivals([[rng.random() ** 0.3 for _ in range(gamma)] for _ in range(batch)]).tolist()
     num_query_tokens, num_outputs = batch + rng.randint(0, 3), batch + rng.randint(0, 1)
-    lengths, threshold = best_lengths(survival, cost, num_query_tokens, num_outputs)
+    lengths, threshold = best_lengths(np.asarray(survival), cost, num_query_tokens, num_outputs)
     best = max(rate(c, survival, cost, num_query_tokens, num_outputs) for c in itertools.product(range(gamma + 1), repeat=batch))
     assert rate(lengths, survival, cost, num_query_tokens, num_outputs) == pytest.approx(best, rel=1e-12)
     # lambda picks exactly the chosen prefixes
@@ -43,11 +44,12 @@ def test_the_chosen_lengths_reach_the_brute_force_optimum(cost_name, seed):
 
 
 def test_free_rows_verify_everything_and_dear_rows_nothing():
-    survival = [survivals([0.9, 0.5, 0.2])]
-    assert best_lengths(survival, lambda t: 1.0, 1, 1)[0] == [3]
-    assert best_lengths(survival, lambda t: float(t), 1, 1)[0] == [0]  # each row costs a whole step
+    survival = prefix_survivals([[0.9, 0.5, 0.2]])
+    assert best_lengths(survival, StepCost(((1, 1.0),)), 1, 1)[0] == [3]
+    assert best_lengths(survival, StepCost(((1, 1.0), (2, 2.0))), 1, 1)[0] == [0]  # each row costs a whole step
     # t(T) = 1 + T/2 from 1 query token: E=0 -> 1/1.5, E=1 -> 1.9/2, E=2 -> 2.35/2.5
-    assert best_lengths([survivals([0.9, 0.5])], lambda t: 0.5 + 0.5 * t, 1, 1)[0] == [1]
+    assert best_lengths(prefix_survivals([[0.9, 0.5]]), StepCost(((1, 1.0), (2, 1.5))), 1, 1)[0] == [1]
+    assert prefix_survivals([[0.5, 0.5], [0.5]]).tolist() == [[0.5, 0.25], [0.5, 0.0]]  # a short block ends at 0
 
 
 def test_the_budget_cuts_with_the_previous_steps_lambda():
@@ -63,6 +65,8 @@ def test_step_cost_interpolates_extrapolates_and_round_trips(tmp_path):
     cost = StepCost(((4, 1.0), (8, 2.0), (16, 2.0)))
     assert [cost(t) for t in (1, 4, 6, 8, 12, 16, 32)] == [1.0, 1.0, 1.5, 2.0, 2.0, 2.0, 2.0]
     assert StepCost(((1, 1.0), (3, 2.0)))(7) == 4.0  # past the last point: the last slope
+    assert cost.many(np.array([1, 4, 6, 8, 12, 16, 32])).tolist() == [cost(t) for t in (1, 4, 6, 8, 12, 16, 32)]
+    assert StepCost(((1, 1.0), (3, 2.0))).many(np.array([7, 0])).tolist() == [4.0, 1.0]
     assert StepCost.load(tmp_path).points == DEFAULT_POINTS
     cost.save(tmp_path / SPS_FILE, device="cpu")
     assert StepCost.load(tmp_path) == cost and json.loads((tmp_path / SPS_FILE).read_text())["device"] == "cpu"
