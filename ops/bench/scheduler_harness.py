@@ -87,6 +87,46 @@ def served_core(model: Path, *, device: str, **config: Any):
     return build_core(SchedulerConfig(model=str(model), device=device, **config))
 
 
+def serve_replayed(argv: list[str], replay_for) -> int:
+    """BENCHMARK ONLY: `sparkwire scheduler ARGV`, built as `build_core` builds it, but with DSpark
+    acceptance replayed (`replay_for(gamma)` -> an `AcceptReplay`); plain without a drafter. Serves
+    over NATS until SIGTERM, like the real one."""
+    import argparse
+    import asyncio
+
+    from services.common.lifecycle import leave, run_service, stop_on_signals
+    from services.common.logging import configure_logging
+    from services.scheduler import __main__ as scheduler_cli
+    from services.scheduler import build
+    from services.scheduler.core import SchedulerCore
+    from services.scheduler.service import SchedulerService, connect
+
+    parser = argparse.ArgumentParser(prog="replayed scheduler")
+    scheduler_cli.add_arguments(parser)
+    args = parser.parse_args(argv)
+    configure_logging(args.log_level, args.log_format)
+    config = scheduler_cli.config_from_args(args)
+    runner = build.load_runner(config)
+    proposer = build.load_proposer(config, runner)
+    settings = build.resolve(config, runner)
+    build.prepare_runtime(config, settings, runner, proposer)
+    if proposer is None:
+        core = build.assemble_core(runner, settings)
+    else:
+        replay = replay_for(proposer.num_draft_tokens)
+        if settings.verify_mode == "compact":
+            proposer = _HazardConfidences(proposer, replay.hazards())
+        worker = _simulated_accept_worker()(replay.sampler(runner.device), runner, settings.worker, proposer)
+        core = SchedulerCore(worker, build.make_policy(runner, settings, proposer), overlap_decode=settings.overlap_decode)
+
+    async def serve() -> int:
+        stop = asyncio.Event()
+        stop_on_signals(stop)
+        return await SchedulerService(config, core).run(await connect(config), stop)
+
+    return leave(run_service(serve()))
+
+
 def dspark_proposer(runner, draft: Path, load_format: str = "dummy", confidences: bool = True):
     """A DSpark drafter for `runner`, replaying draft graphs where the runner decodes on CUDA (as
     `build_core` serves it); the runner's decode graphs then capture the verify width too.

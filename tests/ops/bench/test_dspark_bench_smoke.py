@@ -88,3 +88,17 @@ def test_a_pair_runs_counts_are_replayed(tmp_path):
     path.write_text("{}")
     with pytest.raises(ValueError, match="no accept_length_counts"):
         AcceptReplay.load(path, gamma=1)
+
+
+@pytest.mark.timeout(240)
+def test_dspark_serve_runs_plain_and_compact_through_the_stack(tmp_path):
+    out = tmp_path / "serve.json"
+    done = bench("dspark-serve", "--device", "cpu", "--model-config", "ops/models/sparkwire-micro", "--draft-model",
+                 "ops/models/sparkwire-micro-dspark", "--concurrency", "1", "--prompts-per-level", "2", "--output-len", "6",
+                 "--modes", "plain", "compact", "--out", str(out))  # fmt: skip
+    result = json.loads(out.read_text())
+    assert "error" not in result
+    assert [(r["mode"], r["concurrency"], r["completed"], r["failed"]) for r in result["rows"]] == [
+        (mode, 1, 2, 0) for mode in ("plain", "compact")]
+    assert result["summary"][0]["compact_speedup"] > 0 and "compact tok/s" in done.stdout
+    assert "DSparkDrafter" in (tmp_path / "dspark_serve_logs" / "scheduler-compact.log").read_text()
