@@ -136,7 +136,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--accept-lengths", type=Path, default=None, help="a JSON with accept_length_counts to replay")
     parser.add_argument("--modes", nargs="*", choices=MODES, default=list(MODES))
-    parser.add_argument("--budget-s", type=float, default=540, help="modes and levels not started by then are skipped")
+    parser.add_argument("--budget-s", type=float, default=480, help="modes and levels not started by then are skipped")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)  # the replaying scheduler itself
     parser.add_argument("scheduler_args", nargs="*", help=argparse.SUPPRESS)
     parser.add_argument("--out", type=Path, default=RESULTS / "dspark_serve.json")

@@ -60,6 +60,7 @@ def load_runner(target: Path, draft: DSparkConfig, args: argparse.Namespace):
     if runner.ragged_kernel:
         budget = max(harness.CHUNKED_PREFILL_SIZE, args.max_batch * (draft.block_size + 1))
         runner.prepare_ragged_graphs(seq_ladder(args.max_batch), token_ladder(budget), capture_layers=layers)
+        runner.ragged_graphs.capture_keys(runner.ragged_graphs.verify_keys(draft.block_size + 1), "verify")
     return runner
 
 
@@ -75,7 +76,8 @@ def profile(runner, gamma: int, capture_layers: tuple[int, ...], max_batch: int,
         batch = dataclasses.replace(batch, capture_layers=capture_layers)
 
         def step(batch=batch):
-            runner.compute_logits(runner.forward(batch).hidden_states)
+            out = runner.forward(batch)  # a decode graph computes every row's logits itself, as served
+            return out.logits if out.logits is not None else runner.compute_logits(out.hidden_states)
 
         rows.append({"tokens": num_tokens, "seqs": batch.num_seqs, "ms": median_ms(step, device, repeats)})
     return rows
