@@ -19,7 +19,6 @@ few warm-up requests; output tok/s, ITL and TTFT as `sparkwire bench serve` repo
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import tempfile
 import time
