@@ -36,6 +36,12 @@ SUITES: dict[str, Suite] = {
     "logprob-ops": Suite("ops.bench.logprob_ops", "torch ops and kernels output logprobs add to a decode step (CPU)"),
     "dspark-accept": Suite("ops.bench.dspark_context_accept", "the bundled DSpark pair's accept length by prompt length and "
                            "draft context window"),
+    "dspark-sps": Suite("ops.bench.dspark_sps", "DSpark's step-cost table: ms of a verify step against its tokens, "
+                        "saved beside the drafter for `compact`"),
+    "dspark-sts": Suite("ops.bench.dspark_sts", "the confidence head's temperature (calibration, ECE) on held-out drafts "
+                        "of a trained pair, saved beside the drafter"),
+    "dspark-serve": Suite("ops.bench.dspark_serve", "the whole stack at concurrency 1 / 16 / 64: plain against DSpark "
+                          "static and compact, acceptance replayed (8B shape, dummy weights)"),
     "step-trace": Suite("ops.bench.step_trace_summary", "a scheduler's --step-trace summarized: time by step kind, host ms, "
                         "time between steps"),
     "gpu-serve": Suite("ops.bench.gpu_serve_check", "the whole stack on a GPU: concurrency 64 with and without top-20, batch 1, "

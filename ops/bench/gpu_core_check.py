@@ -47,9 +47,12 @@ import numpy as np
 import torch
 
 from contracts.scheduler import LogprobParams, SamplingParams
+from ops.bench import dspark_sps
 from ops.bench import scheduler_harness as harness
+from ops.bench.accept_replay import ALPHA, AcceptReplay
 from ops.bench.common import MODEL_CONFIGS, RESULTS, TINY_MODEL, bench_dtype, device_name, script, synchronize, write_json
 from services.scheduler.model.loader import load_model_runner
+from services.scheduler.model.ragged_graphs import seq_ladder, token_ladder
 from services.scheduler.model.runner import triton_available
 
 TARGET = MODEL_CONFIGS / "Qwen3-8B"
@@ -240,9 +243,110 @@ def pair_rows(target: Path, draft: Path, batches, new_tokens: int, device: str) 
             row = {"batch": batch, "mode": name, "tok_s": sum(map(len, tokens.values())) / wall}
             if spec is not None:
                 row["accept_len"] = (sum(map(len, tokens.values())) - batch) / max(1, sum(verify.values()))
+                row["accept_length_counts"] = harness.accept_length_counts(core)  # both runs: `--accept-lengths` reads them
                 row["same_tokens_as_plain"] = sum(outputs["plain"][r] == tokens[r] for r in tokens) / batch
             rows.append(row)
     return rows
+
+
+# ---- --speedup: plain against DSpark static and compact, replayed acceptance ----
+
+SERVED_RUNS = (("plain", LogprobParams(), False), ("top20", TOP20, True))  # top-20 as served: from logprob graphs
+
+
+def accept_replay(args, gamma: int) -> AcceptReplay:
+    if args.accept_lengths is not None:
+        return AcceptReplay.load(args.accept_lengths, gamma)
+    return AcceptReplay.geometric(gamma)
+
+
+def speedup(args, runner, result: dict, deadline: float) -> None:
+    """Plain decoding, DSpark `static` and `compact` (its step-cost table profiled on this runner
+    first) at every batch, each with and without top-20 (compact: without), acceptance replayed.
+    Plain runs first, before the drafter exists: its decode graphs then capture no context layers."""
+    rows = _modes_rows(runner, args, [("plain", None, SERVED_RUNS, {})], None, deadline)
+    proposer = harness.dspark_proposer(runner, args.draft, confidences=False)  # compact's come from the replay
+    gamma, layers = proposer.num_draft_tokens, tuple(proposer.capture_layers)
+    replay = accept_replay(args, gamma)
+    result["accept_replay"] = {"source": str(args.accept_lengths or f"geometric, alpha {ALPHA}"), **replay.describe()}
+    if runner.ragged_kernel:  # compact's ragged verify steps replay ragged graphs, as served
+        budget = max(harness.CHUNKED_PREFILL_SIZE, max(args.batches) * (gamma + 1))
+        runner.prepare_ragged_graphs(seq_ladder(max(args.batches)), token_ladder(budget), capture_layers=layers)
+        runner.ragged_graphs.capture_keys(runner.ragged_graphs.verify_keys(gamma + 1), "verify")
+    sps = dspark_sps.profile(runner, gamma, layers, max(args.batches), args.prompt_len, 10, deadline)
+    result["sps"] = sps
+    cost = dspark_sps.step_cost(sps).points
+    modes = [("static", proposer, SERVED_RUNS, {"verify_mode": "static"}),
+             ("compact", proposer, SERVED_RUNS[:1], {"verify_mode": "compact", "verify_step_cost": cost})]  # fmt: skip
+    rows += _modes_rows(runner, args, modes, replay, deadline)
+    result["speedup"] = sorted(rows, key=lambda r: (r["batch"], MODES.index(r["mode"])))
+    result["speedup_summary"] = speedup_summary(rows)
+
+
+MODES = ("plain", "static", "compact")
+
+
+def _modes_rows(runner, args, modes, replay, deadline: float) -> list[dict]:
+    rows = []
+    for batch in args.batches:
+        for mode, spec, runs, options in modes:
+            if time.monotonic() > deadline:
+                rows.append({"batch": batch, "mode": mode, "skipped": "over --budget-s"})
+                continue
+            rows += [{"batch": batch, "mode": mode, **row} for row in _mode_rows(runner, args, batch, spec, runs, replay, options)]
+    return rows
+
+
+def _mode_rows(runner, args, batch: int, proposer, runs, replay, options: dict) -> list[dict]:
+    cores = []
+    for name, logprobs, graphs in runs:
+        core = harness.core_for(runner, max_running_requests=max(args.batches), chunked_prefill_size=16384, proposer=proposer,
+                                accept_replay=replay if proposer is not None else None, logprob_graphs=graphs,
+                                fused_logprobs=runner.device.type == "cuda" and triton_available(), **options)  # fmt: skip
+        time_core(core, requests(batch, args.prompt_len, args.new_tokens, runner.config.vocab_size, logprobs, "w"))  # warm-up
+        cores.append((name, logprobs, core))
+    timed = functools.partial(requests, batch, args.prompt_len, args.new_tokens, runner.config.vocab_size)
+    rows = rotated_rounds(cores, timed, args.rounds)
+    for row in rows:
+        row["tokens_per_request_step"] = row["tokens"] / max(1, row["steps"] * batch)
+    return rows
+
+
+def speedup_summary(rows: list[dict]) -> list[dict]:
+    """Per batch: tok/s of each mode, DSpark over plain, top-20 cost (targets: 3.0x / 2.0x / 1.5x at 1 / 16 / 64, top-20 <= 5%)."""
+    tok_s = {(r["batch"], r["mode"], r["logprobs"]): r["tok_s"] for r in rows if "tok_s" in r}
+    out = []
+    for batch in sorted({r["batch"] for r in rows}):
+        plain = tok_s.get((batch, "plain", "plain"))
+        row = {"batch": batch, "plain_tok_s": plain, "target_speedup": SPEEDUP_TARGETS.get(batch)}
+        for mode in ("static", "compact"):
+            value = tok_s.get((batch, mode, "plain"))
+            row[f"{mode}_tok_s"] = value
+            row[f"{mode}_speedup"] = value / plain if value and plain else None
+        for mode in ("plain", "static"):
+            base, top20 = tok_s.get((batch, mode, "plain")), tok_s.get((batch, mode, "top20"))
+            row[f"{mode}_top20_cost"] = 1 - top20 / base if base and top20 else None
+        out.append(row)
+    return out
+
+
+SPEEDUP_TARGETS = {1: 3.0, 16: 2.0, 64: 1.5}
+
+
+def speedup_table(result: dict) -> str:
+    replay = result["accept_replay"]
+    lines = [f"acceptance replayed: {replay['source']}, mean {replay['accept_len_mean']} tokens a verify",
+             "| batch | plain tok/s | static tok/s (x) | compact tok/s (x) | target x | top-20 cost plain / DSpark static |",
+             "|---|---|---|---|---|---|"]  # fmt: skip
+
+    def fmt(value, spec):
+        return "n/a" if value is None else format(value, spec)
+
+    for r in result["speedup_summary"]:
+        lines.append(f"| {r['batch']} | {fmt(r['plain_tok_s'], '.0f')} | {fmt(r['static_tok_s'], '.0f')} "
+                     f"({fmt(r['static_speedup'], '.2f')}) | {fmt(r['compact_tok_s'], '.0f')} ({fmt(r['compact_speedup'], '.2f')}) | "
+                     f"{fmt(r['target_speedup'], '.1f')} | {fmt(r['plain_top20_cost'], '.1%')} / {fmt(r['static_top20_cost'], '.1%')} |")  # fmt: skip
+    return "\n".join(lines)
 
 
 def top20_cost(result: dict) -> list[dict]:
@@ -434,7 +538,7 @@ def table(result: dict) -> str:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--batches", nargs="*", type=int, default=[1, 64])
+    parser.add_argument("--batches", nargs="*", type=int, default=None, help="default 1 64 (--speedup: 1 16 64)")
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--simulate-accept-len", type=int, default=4)
@@ -453,6 +557,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rounds", type=int, default=3, help="timed rounds per core run, in a rotating order (the median is kept)")
     parser.add_argument("--fused-logprobs", action="store_true",
                         help="raw-mode logprobs from the Triton kernels (triton_logprobs.py) in every core and the path alone (CUDA)")
+    parser.add_argument("--speedup", action="store_true",
+                        help="only plain against DSpark static and compact at --batches (default 1 16 64), acceptance replayed")
+    parser.add_argument("--accept-lengths", type=Path, default=None,
+                        help="--speedup: a JSON with accept_length_counts (a --pair run's) to replay; default geometric, mean ~4")
+    parser.add_argument("--budget-s", type=float, default=280, help="--speedup: runs not started by then are skipped")
     parser.add_argument("--out", type=Path, default=RESULTS / "gpu_core.json")
 
 
@@ -468,6 +577,9 @@ def main(args: argparse.Namespace) -> int:
 
 
 def measure(args: argparse.Namespace) -> int:
+    args.batches = args.batches or ([1, 16, 64] if args.speedup else [1, 64])
+    if args.speedup:
+        return measure_speedup(args)
     result = {"device": device_name(args.device), "torch": torch.__version__, "before": None if args.logprob_cost else before(args)}
     runner = load_model_runner(args.target, device=args.device, dtype=bench_dtype(args.device), load_format="dummy", cuda_graphs=False)
     if runner.decode_kernel:
@@ -487,6 +599,20 @@ def measure(args: argparse.Namespace) -> int:
         result["pair"] = pair_rows(*args.pair, (1, 16), args.new_tokens, args.device)
     write_json(args.out, result)
     print(table(result))
+    return 0
+
+
+def measure_speedup(args: argparse.Namespace) -> int:
+    deadline = time.monotonic() + args.budget_s
+    result = {"device": device_name(args.device), "torch": torch.__version__, "prompt_len": args.prompt_len,
+              "new_tokens": args.new_tokens, "rounds": args.rounds}  # fmt: skip
+    runner = load_model_runner(args.target, device=args.device, dtype=bench_dtype(args.device), load_format="dummy", cuda_graphs=False)
+    if runner.decode_kernel:
+        runner.prepare_decode_graphs(query_lens=(1,))
+    speedup(args, runner, result, deadline)
+    result["elapsed_s"] = round(args.budget_s - (deadline - time.monotonic()), 1)
+    write_json(args.out, result)
+    print(speedup_table(result))
     return 0
 
 

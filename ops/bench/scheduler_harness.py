@@ -53,18 +53,27 @@ def new_request(rid: str, prompt: np.ndarray, sampling: SamplingParams, logprobs
 
 
 def core_for(runner, *, max_running_requests: int, chunked_prefill_size: int, proposer=None,
-             simulated_accept_len: int | None = None, **options: Any):  # fmt: skip
+             simulated_accept_len: int | None = None, accept_replay=None, **options: Any):  # fmt: skip
     """A `SchedulerCore` over `runner`. options: max_model_len, logprobs_mode, logprob_graphs,
-    greedy_logprob_graphs, fused_logprobs, overlap_decode, max_prefill_tokens (the core's own
-    defaults where left out). simulated_accept_len: every verify keeps that many tokens whatever the
-    target says (needs a proposer) — timings at a chosen accept length, never the model's output."""
+    greedy_logprob_graphs, fused_logprobs, overlap_decode, max_prefill_tokens, verify_mode,
+    verify_step_cost (the core's own defaults where left out). simulated_accept_len: every verify
+    keeps that many tokens whatever the target says; accept_replay (`accept_replay.AcceptReplay`):
+    each request's verify at each step keeps a length drawn from it, and in `compact` the drafter's
+    confidences are the replay's hazards (both need a proposer) — timings at a chosen acceptance,
+    never the model's output."""
     from services.scheduler import build
     from services.scheduler.core import SchedulerCore
 
     settings = build.CoreSettings.of(max_running_requests=max_running_requests, chunked_prefill_size=chunked_prefill_size, **options)
-    if simulated_accept_len is None:
+    if simulated_accept_len is not None:
+        from ops.bench.accept_replay import AcceptReplay
+
+        accept_replay = AcceptReplay.fixed(proposer.num_draft_tokens, simulated_accept_len)
+    if accept_replay is None:
         return build.assemble_core(runner, settings, proposer)
-    worker = _simulated_accept_worker()(simulated_accept_len, runner, settings.worker, proposer)
+    if settings.verify_mode == "compact":
+        proposer = _HazardConfidences(proposer, accept_replay.hazards())
+    worker = _simulated_accept_worker()(accept_replay.sampler(runner.device), runner, settings.worker, proposer)
     return SchedulerCore(worker, build.make_policy(runner, settings, proposer), overlap_decode=settings.overlap_decode)
 
 
@@ -78,18 +87,66 @@ def served_core(model: Path, *, device: str, **config: Any):
     return build_core(SchedulerConfig(model=str(model), device=device, **config))
 
 
-def dspark_proposer(runner, draft: Path, load_format: str = "dummy"):
+def serve_replayed(argv: list[str], replay_for) -> int:
+    """BENCHMARK ONLY: `sparkwire scheduler ARGV`, built as `build_core` builds it, but with DSpark
+    acceptance replayed (`replay_for(gamma)` -> an `AcceptReplay`); plain without a drafter. Serves
+    over NATS until SIGTERM, like the real one."""
+    import argparse
+    import asyncio
+
+    from services.common.lifecycle import leave, run_service, stop_on_signals
+    from services.common.logging import configure_logging
+    from services.scheduler import __main__ as scheduler_cli
+    from services.scheduler import build
+    from services.scheduler.core import SchedulerCore
+    from services.scheduler.service import SchedulerService, connect
+
+    parser = argparse.ArgumentParser(prog="replayed scheduler")
+    scheduler_cli.add_arguments(parser)
+    args = parser.parse_args(argv)
+    configure_logging(args.log_level, args.log_format)
+    config = scheduler_cli.config_from_args(args)
+    runner = build.load_runner(config)
+    proposer = build.load_proposer(config, runner)
+    settings = build.resolve(config, runner)
+    build.prepare_runtime(config, settings, runner, proposer)
+    if proposer is None:
+        core = build.assemble_core(runner, settings)
+    else:
+        replay = replay_for(proposer.num_draft_tokens)
+        if settings.verify_mode == "compact":
+            proposer = _HazardConfidences(proposer, replay.hazards())
+        worker = _simulated_accept_worker()(replay.sampler(runner.device), runner, settings.worker, proposer)
+        core = SchedulerCore(worker, build.make_policy(runner, settings, proposer), overlap_decode=settings.overlap_decode)
+
+    async def serve() -> int:
+        stop = asyncio.Event()
+        stop_on_signals(stop)
+        return await SchedulerService(config, core).run(await connect(config), stop)
+
+    return leave(run_service(serve()))
+
+
+def dspark_proposer(runner, draft: Path, load_format: str = "dummy", confidences: bool = True):
     """A DSpark drafter for `runner`, replaying draft graphs where the runner decodes on CUDA (as
-    `build_core` serves it); the runner's decode graphs then capture the verify width too."""
+    `build_core` serves it); the runner's decode graphs then capture the verify width too.
+    confidences: its blocks carry them (`compact`; `static` serves without)."""
     from services.scheduler.spec.dspark_loader import load_dspark_proposer
 
-    proposer = load_dspark_proposer(draft, runner, load_format=load_format)
+    proposer = load_dspark_proposer(draft, runner, load_format=load_format, confidences=confidences)
     if runner.decode_kernel:
         from services.scheduler.spec.draft_graphs import DraftGraphs
 
         proposer = DraftGraphs(proposer)
         runner.prepare_decode_graphs(query_lens=(1, proposer.num_draft_tokens + 1), capture_layers=tuple(proposer.capture_layers))
     return proposer
+
+
+def dspark_drafter(runner, draft: Path, load_format: str = "auto"):
+    """The drafter network at `draft` (`DSparkDrafter`) over `runner`'s embedding and LM head."""
+    from services.scheduler.spec.dspark_loader import load_dspark_proposer
+
+    return load_dspark_proposer(draft, runner, load_format=load_format).drafter.eval()
 
 
 def random_dspark_proposer(runner, block_size: int = 7, seed: int = 3):
@@ -122,21 +179,46 @@ def tiny_draft_config(target: Path, into: Path) -> Path:
 @functools.cache
 def _simulated_accept_worker() -> type:
     """`ModelWorker`'s benchmark subclass, defined on first use (its module needs torch)."""
+    import torch
+
     from services.scheduler.worker import ModelWorker
 
     class SimulatedAcceptWorker(ModelWorker):
-        """BENCHMARK ONLY: every verify keeps min(accept_len - 1, k) drafts whatever the target says, so a
-        draft/verify loop is timed at a chosen accept length (the output is not the model's)."""
+        """BENCHMARK ONLY: every verify keeps min(n - 1, k) of its k drafts, n drawn per row from the
+        replay whatever the target says, so a draft/verify loop is timed at a chosen acceptance (the
+        output is not the model's)."""
 
-        def __init__(self, accept_len: int, runner, options, proposer) -> None:
+        def __init__(self, draw, runner, options, proposer) -> None:
             super().__init__(runner, options, proposer)
-            self.accept_len = accept_len
+            self.draw = draw
 
         def _accept(self, block):
-            num_accepted = block.num_draft.clamp(max=self.accept_len - 1)  # [P]
+            num_accepted = torch.minimum(self.draw(block.num_draft.shape[0]) - 1, block.num_draft)  # [P]
             return num_accepted, block.target_argmax.gather(1, num_accepted[:, None])[:, 0]
 
     return SimulatedAcceptWorker
+
+
+class _HazardConfidences:
+    """BENCHMARK ONLY: a proposer whose blocks carry the replay's hazards as confidences (a head
+    calibrated on the replayed acceptance, with nothing to tell requests apart)."""
+
+    def __init__(self, proposer, hazards: list[float]) -> None:
+        self.proposer, self.hazards = proposer, hazards
+        self.num_draft_tokens, self.capture_layers, self.has_confidence = proposer.num_draft_tokens, proposer.capture_layers, True
+
+    def inject(self, context) -> None:
+        self.proposer.inject(context)
+
+    def propose(self, request):
+        import dataclasses
+
+        import torch
+
+        proposal = self.proposer.propose(request)
+        gamma = proposal.tokens.shape[1]
+        hazards = torch.tensor(self.hazards[:gamma], device=proposal.tokens.device).expand(proposal.tokens.shape[0], gamma)
+        return dataclasses.replace(proposal, confidence=hazards)
 
 
 # ---- reading a core ----
@@ -159,6 +241,11 @@ def last_step(core):
 def num_steps(core) -> int:
     """Steps the core has run (the step index its outputs are published with)."""
     return core.num_steps
+
+
+def accept_length_counts(core) -> list[int]:
+    """Verify passes by tokens gained (index = tokens, the bonus included), as `spec_accept_lengths`."""
+    return list(core.stats().accept_lengths)
 
 
 def core_counts(core) -> dict[str, int]:

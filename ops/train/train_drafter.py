@@ -48,7 +48,7 @@ from ops.train.common import (
 from ops.train.recipes import DRAFTERS, DrafterRecipe
 from ops.train.tokenizer import MASK
 from services.scheduler.model.config import ModelConfig
-from services.scheduler.spec.dspark_config import default_target_layer_ids, draft_config_for_target
+from services.scheduler.spec.dspark_config import EMBEDDING_LAYER, default_target_layer_ids, draft_config_for_target
 from services.scheduler.spec.dspark_loader import save_drafter
 from services.scheduler.spec.dspark_model import DSparkDrafter, block_positions, draft_targets
 
@@ -65,11 +65,20 @@ class TargetFeatures:
         self.model, self.layer_ids = model, layer_ids
         self.captured: dict[int, torch.Tensor] = {}
         for index in layer_ids:
-            model.model.layers[index].register_forward_hook(self._hook(index))
+            if index == EMBEDDING_LAYER:  # the embedding output: what layer 0 reads (scaled, for Gemma)
+                model.model.layers[0].register_forward_pre_hook(self._input_hook(index), with_kwargs=True)
+            else:
+                model.model.layers[index].register_forward_hook(self._hook(index))
 
     def _hook(self, index: int):
         def capture(_module, _inputs, output):
             self.captured[index] = output[0] if isinstance(output, tuple) else output  # [B, S, H]
+
+        return capture
+
+    def _input_hook(self, index: int):
+        def capture(_module, args, kwargs):
+            self.captured[index] = args[0] if args else kwargs["hidden_states"]  # [B, S, H]
 
         return capture
 

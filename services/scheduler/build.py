@@ -27,6 +27,7 @@ from services.scheduler.model.ragged_graphs import seq_ladder, token_ladder
 from services.scheduler.model.runner import triton_available
 from services.scheduler.policy import Policy, PolicyConfig
 from services.scheduler.spec.base import Proposer
+from services.scheduler.spec.step_cost import DEFAULT_POINTS, StepCost
 from services.scheduler.worker import ModelWorker, WorkerOptions
 
 log = structlog.get_logger(__name__)
@@ -42,6 +43,7 @@ class CoreSettings:
     max_model_len: int | None = None  # None: the model's
     num_blocks: int | None = None  # use only this many of the runner's KV blocks (tests)
     verify_mode: str = "static"
+    verify_step_cost: tuple[tuple[int, float], ...] = DEFAULT_POINTS  # `compact`: the drafter's SPS table
     seed: int = 0
     overlap_decode: bool = True  # the next step launched before this one's readback (`SchedulerCore`)
     worker: WorkerOptions = WorkerOptions()
@@ -70,6 +72,7 @@ def resolve(config: SchedulerConfig, runner: ModelRunner) -> CoreSettings:
         max_prefill_tokens=config.resolved_max_prefill_tokens,
         max_model_len=config.max_model_len,
         verify_mode=config.verify_mode,
+        verify_step_cost=StepCost.load(config.resolved_draft_model if config.speculative_algorithm == "dspark" else None).points,
         seed=config.seed,
         overlap_decode=config.overlap_decode,
         worker=worker,
@@ -106,6 +109,8 @@ def make_worker(runner: ModelRunner, settings: CoreSettings, proposer: Proposer 
 
 
 def make_policy(runner: ModelRunner, settings: CoreSettings, proposer: Proposer | None = None) -> Policy:
+    if settings.verify_mode == "compact" and proposer is not None and not proposer.has_confidence:
+        raise ValueError("--verify-mode compact needs a drafter with a confidence head (enable_confidence_head)")
     model = runner.config
     num_blocks = runner.num_blocks if settings.num_blocks is None else min(settings.num_blocks, runner.num_blocks)
     return Policy(PolicyConfig(
@@ -119,6 +124,7 @@ def make_policy(runner: ModelRunner, settings: CoreSettings, proposer: Proposer 
         eos_ids=frozenset(model.eos_token_ids),
         num_draft_tokens=proposer.num_draft_tokens if proposer is not None else 0,
         verify_mode=settings.verify_mode,
+        verify_step_cost=settings.verify_step_cost,
         seed=settings.seed,
     ))  # fmt: skip
 
@@ -163,6 +169,7 @@ def load_proposer(config: SchedulerConfig, runner: ModelRunner) -> Proposer | No
     proposer = load_dspark_proposer(
         config.resolved_draft_model, runner, load_format=config.load_format, seed=config.seed,
         num_draft_tokens=config.num_draft_tokens, context_window=config.draft_context_window,
+        confidences=config.verify_mode == "compact",
     )  # fmt: skip
     if runner.decode_kernel:  # CUDA: greedy drafts replay graphs
         from services.scheduler.spec.draft_graphs import DraftGraphs
@@ -181,6 +188,8 @@ def prepare_runtime(config: SchedulerConfig, settings: CoreSettings, runner: Mod
         runner.prepare_ragged_graphs(seq_ladder(config.max_running_requests), token_ladder(config.chunked_prefill_size),
                                      capture_layers=capture_layers)  # fmt: skip
         runner.ragged_graphs.capture_prefill_keys()  # arrivals beside decodes: no capture pauses them later
+        if proposer is not None and settings.verify_mode == "compact":
+            runner.ragged_graphs.capture_keys(runner.ragged_graphs.verify_keys(proposer.num_draft_tokens + 1), "verify")
     on_cuda = runner.device.type == "cuda"
     if config.dense_prefill and on_cuda and config.resolved_max_prefill_tokens > config.chunked_prefill_size:
         # only queries no chunk-budget step holds: steps past the budget run eagerly whatever their path

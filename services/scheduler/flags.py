@@ -78,7 +78,9 @@ def add_speculative_arguments(parser: argparse.ArgumentParser) -> None:
                         help="context positions before its anchor a draft block attends to; default: the draft config's "
                              "sparkwire_context_window (its training length), else all; 0: all")  # fmt: skip
     parser.add_argument("--verify-mode", choices=VERIFY_MODES, default="static",
-                        help="static: verify every draft; compact: as many as the confidence head expects to survive")
+                        help="static: verify every draft; compact: per request, the drafts whose calibrated survival pays "
+                             "for their share of the step (the drafter's dspark_sps.json / dspark_sts.json; needs a "
+                             "confidence head)")  # fmt: skip
 
 
 # The CUDA on/off switches: flag name -> (default, help). `add_cuda_arguments` declares each as

@@ -34,6 +34,7 @@ class FormatOptions:
     text_of: TextOf = None  # token id -> text, only with return_text_in_logprobs
     flat: bool = False
     flat_b64: bool = False
+    stream_event: bool = False  # one SSE event's entries: flat fields only in the event that carries rows
 
 
 @dataclass
@@ -145,6 +146,8 @@ def _input_top(chunks: LogprobChunks, rows: RowLogprobs, opts: FormatOptions) ->
         return {"input_top_logprobs": top_rows(values, ids, opts.text_of)}
     if chunks.flat is not None:
         return flat_fields(chunks.flat, opts.flat_b64)
+    if opts.stream_event and rows.num_rows == 0:
+        return {}  # a client that overwrites fields per event must not read an empty [0, k] over the arrays
     try:
         return flat_fields(build_flat_top_logprobs(values, ids, k), opts.flat_b64)
     except FlatLogprobsError as exc:

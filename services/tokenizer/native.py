@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 
@@ -91,6 +91,11 @@ async def collect(pending: PendingRequest, result: GenerationResult | None = Non
     return result
 
 
+def accept_length(num_output_tokens: int, num_verifies: int) -> float:
+    """Tokens each verify pass committed: the prefill samples the first token, so it is not counted."""
+    return max(num_output_tokens - 1, 0) / max(num_verifies, 1)
+
+
 def meta_info(result: GenerationResult, logprob_fields: dict[str, Any]) -> dict[str, Any]:
     meta: dict[str, Any] = {
         "id": result.spec.response_id or result.spec.rid,
@@ -102,7 +107,7 @@ def meta_info(result: GenerationResult, logprob_fields: dict[str, Any]) -> dict[
     }
     if result.spec_verify_ct is not None:
         meta["spec_verify_ct"] = result.spec_verify_ct
-        meta["spec_accept_length"] = len(result.output_ids) / max(result.spec_verify_ct, 1)
+        meta["spec_accept_length"] = accept_length(len(result.output_ids), result.spec_verify_ct)
     return meta
 
 
@@ -122,7 +127,8 @@ def native_event(result: GenerationResult, delta: Delta, model: TextModel) -> di
     if spec.logprobs.return_logprob:
         chunks = LogprobChunks()
         chunks.add_all(delta.logprobs)
-        fields = meta_logprobs(chunks, spec.prompt_ids, delta.token_ids, format_options(spec, model))
+        opts = replace(format_options(spec, model), stream_event=True)
+        fields = meta_logprobs(chunks, spec.prompt_ids, delta.token_ids, opts)
     return {"text": result.text, "output_ids": list(result.output_ids), "meta_info": meta_info(result, fields)}
 
 

@@ -336,7 +336,7 @@ class CausalLM(nn.Module):
         ropes = self.rope_tables(batch.positions, x.dtype)
         if plan is None:
             plan = plan_attention(batch, cache.block_size)
-        captured: dict[int, torch.Tensor] = {}
+        captured: dict[int, torch.Tensor] = {-1: x}  # -1: the embedding output (a DSpark context layer)
         residual = None
         for index, layer in enumerate(self.model.layers):
             x, residual = layer(x, residual, ropes, batch, cache, plan, self.fused_kernels)

@@ -25,7 +25,9 @@ Capture is lazy, on a key's first use: the key set is the product of three ladde
 a workload never visits, and capturing all of it at start-up would cost seconds and one output
 buffer per key. `capture_prefill_keys` captures, at start-up, the keys of steps that carry a prefill
 chunk of 32+ tokens (the largest block_m, every sequence and token rung): those are the ones a
-burst of arrivals visits while other requests decode, and a capture mid-serving pauses them all.
+burst of arrivals visits while other requests decode, and a capture mid-serving pauses them all;
+likewise `verify_keys` under `compact`, whose steps are ragged verify blocks keyed by their total
+tokens (and uniform ones narrower than the decode graphs' widths, which the runner sends here).
 A capture costs one eager warm-up forward plus the capture, once per key; it runs with every row
 padded, so it writes the trash block only. All graphs share one memory pool (intermediates are
 reused between keys; each key keeps only its outputs, [T, H] and the captures).
@@ -166,7 +168,7 @@ class RaggedGraphRunner:
 
     def key(self, batch: ForwardBatch) -> RaggedKey:
         seqs = self.seq_ladder[bisect.bisect_left(self.seq_ladder, batch.num_seqs)]
-        tokens = self.token_ladder[bisect.bisect_left(self.token_ladder, batch.num_tokens)]
+        tokens = self._token_rung(batch.num_tokens)
         return RaggedKey(seqs, tokens, tile_tokens(max(batch.host_query_lens), self.group, self.max_tile_rows))
 
     def run(self, batch: ForwardBatch) -> ForwardOutput:
@@ -234,12 +236,31 @@ class RaggedGraphRunner:
         keys = [RaggedKey(s, t, block_m) for s in self.seq_ladder for t in self.token_ladder if t >= max(s, block_m)]
         return keys[: self.max_graphs]
 
+    def verify_keys(self, width: int) -> list[RaggedKey]:
+        """Keys of `compact` verify steps: S sequences (a rung) of 1 .. `width` tokens each, the longest
+        at least 2 (else the step is a uniform decode), so their total tokens' rungs run from that of
+        the fewest sequences the rung holds to that of S * width."""
+        blocks = sorted({tile_tokens(q, self.group, self.max_tile_rows) for q in range(2, width + 1)})
+        keys, fewest = [], 1
+        for seqs in self.seq_ladder:
+            low, high = self._token_rung(fewest), self._token_rung(min(seqs * width, self.token_ladder[-1]))
+            keys += [RaggedKey(seqs, t, b) for t in self.token_ladder if low <= t <= high for b in blocks]
+            fewest = seqs + 1
+        return keys
+
+    def _token_rung(self, num_tokens: int) -> int:
+        return self.token_ladder[bisect.bisect_left(self.token_ladder, num_tokens)]
+
     def capture_prefill_keys(self) -> int:
         """Capture `prefill_keys()` now (start-up), with progress; the number captured. No-op without capture."""
+        return self.capture_keys(self.prefill_keys(), "prefill")
+
+    def capture_keys(self, keys: list[RaggedKey], what: str) -> int:
+        """Capture `keys` now (start-up) while `max_graphs` leaves room, with progress; the number captured."""
         if not self.capture:
             return 0
-        keys = [k for k in self.prefill_keys() if k not in self.graphs and k not in self.failed]
-        progress = Progress("cuda_graphs.ragged_prefill_capture", "graphs", len(keys))
+        keys = [k for k in keys if k not in self.graphs and k not in self.failed][: max(0, self.max_graphs - len(self.graphs))]
+        progress = Progress(f"cuda_graphs.ragged_{what}_capture", "graphs", len(keys))
         for key in keys:
             self._try_capture(key, logged=False)
             progress.advance()

@@ -195,11 +195,12 @@ class ModelRunner:
         query_len = uniform_query_len(batch)
         if query_len is not None and self.decode_graphs is not None and self.decode_graphs.fits(batch, query_len):
             return self.decode_graphs.run(batch, query_len)
+        graphable = self.ragged_graphs is not None and not _has_dense_query(self.dense_prefill, batch)
+        ragged = query_len is None or _uncaptured_verify(self.decode_graphs, query_len)
+        if ragged and graphable and self.ragged_graphs.fits(batch):
+            return self.ragged_graphs.run(batch)
         if query_len is not None and self.decode_kernel:
             return ForwardOutput(*self.model(batch, self.kv_cache, self.decode_plan(batch, query_len)))
-        graphable = self.ragged_graphs is not None and not _has_dense_query(self.dense_prefill, batch)
-        if query_len is None and graphable and self.ragged_graphs.fits(batch):
-            return self.ragged_graphs.run(batch)
         if query_len is None and self.ragged_kernel:
             plan = plan_varlen(batch, self.config.num_queries_per_kv, dense=self.dense_prefill)
             return ForwardOutput(*self.model(batch, self.kv_cache, plan))
@@ -235,9 +236,15 @@ class ModelRunner:
             )
         if batch.query_start_loc.shape[0] != batch.num_seqs + 1:
             raise ValueError(f"query_start_loc needs {batch.num_seqs + 1} entries, got {batch.query_start_loc.shape[0]}")
-        bad = [i for i in batch.capture_layers if not 0 <= i < self.config.num_hidden_layers]
+        bad = [i for i in batch.capture_layers if not -1 <= i < self.config.num_hidden_layers]  # -1: the embedding
         if bad:
             raise ValueError(f"capture_layers {bad} out of range for {self.config.num_hidden_layers} layers")
+
+
+def _uncaptured_verify(graphs: DecodeGraphRunner | None, query_len: int) -> bool:
+    """A uniform verify narrower than the widest captured one (`compact` cut every block alike, as at
+    batch 1): the ragged graphs take it, keyed by its total tokens, rather than an eager forward."""
+    return graphs is not None and 1 < query_len < graphs.query_lens[-1]
 
 
 def _has_dense_query(dense: DenseConfig | None, batch: ForwardBatch) -> bool:

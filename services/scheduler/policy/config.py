@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from services.scheduler.flags import VERIFY_MODES
+from services.scheduler.spec.step_cost import DEFAULT_POINTS
 
 
 @dataclass(frozen=True)
@@ -19,7 +20,7 @@ class PolicyConfig:
     prefill_budget: int | None = None  # tokens per step while nothing decodes; None: chunk_budget
     num_draft_tokens: int = 0
     verify_mode: str = "static"
-    confidence_threshold: float = 0.3  # `compact`: verify drafts while their survival stays above this
+    verify_step_cost: tuple[tuple[int, float], ...] = DEFAULT_POINTS  # `compact`: (tokens, seconds) of a step
     seed: int = 0  # seeds the sampling seeds of requests that bring none
 
     def __post_init__(self) -> None:

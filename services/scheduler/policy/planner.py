@@ -29,6 +29,8 @@ from services.scheduler.policy.forks import Forks
 from services.scheduler.policy.outputs import Outputs
 from services.scheduler.policy.running import RunningSet
 from services.scheduler.policy.sequence import Sequence
+from services.scheduler.policy.verify_budget import VerifyBudget
+from services.scheduler.spec.step_cost import StepCost
 
 log = structlog.get_logger(__name__)
 
@@ -48,6 +50,8 @@ class Planner:
         self._forks = forks
         self._chunk_budget = config.chunk_budget
         self._prefill_budget = max(config.chunk_budget, config.prefill_budget or config.chunk_budget)
+        compact = config.verify_mode == "compact"
+        self._budget = VerifyBudget(StepCost(config.verify_step_cost)) if compact else None
         self.num_preemptions = 0
 
     def schedule(self, ahead: bool = False) -> tuple[StepPlan, list[Sequence]] | None:
@@ -69,6 +73,7 @@ class Planner:
         except _WouldPreempt:
             return None
         chosen.extend(self._admit(budget))
+        self._observe_blocks(chosen)
         return self._running.plan([self._seq_step(seq, n, k) for seq, n, k in chosen]), [seq for seq, _, _ in chosen]
 
     def _query_size(self, seq: Sequence, budget: int) -> tuple[int, int]:
@@ -87,18 +92,17 @@ class Planner:
         return num_tokens, max(0, min(self._num_to_verify(seq), room, left))
 
     def _num_to_verify(self, seq: Sequence) -> int:
-        """`static`: the whole block. `compact`: the longest prefix whose survival, the product of the
-        drafter's confidences, stays >= `confidence_threshold` (at least one draft). Choosing fewer
-        drafts from the drafter's own outputs keeps verification lossless."""
-        if self.config.verify_mode == "static" or seq.draft_confidence is None:
+        """`static`: the whole block. `compact`: the prefix the verify budget buys (verify_budget.py)."""
+        if self._budget is None or seq.draft_confidence is None:
             return len(seq.drafts)
-        survival, count = 1.0, 0
-        for confidence in seq.draft_confidence[: len(seq.drafts)]:
-            survival *= confidence
-            if survival < self.config.confidence_threshold and count > 0:
-                break
-            count += 1
-        return count
+        return self._budget.num_to_verify(seq.draft_confidence, len(seq.drafts))
+
+    def _observe_blocks(self, chosen: list[tuple[Sequence, int, int]]) -> None:
+        """`compact`: this step's blocks set the verify budget's next lambda (lagged: lossless)."""
+        blocks = [seq.draft_confidence[: len(seq.drafts)] for seq, _, _ in chosen if seq.drafts and seq.draft_confidence]
+        if self._budget is not None and blocks:
+            num_outputs = sum(seq.num_computed + n == seq.num_tokens for seq, n, _ in chosen)
+            self._budget.observe(blocks, sum(n for _, n, _ in chosen), num_outputs)
 
     def _reserve(self, seq: Sequence, num_tokens: int, ahead: bool) -> bool:
         """Make room for `num_tokens` of `seq` in KV, preempting the newest running requests."""

@@ -56,6 +56,7 @@ class DraftProposal:
 class Proposer(Protocol):
     num_draft_tokens: int  # gamma: tokens per proposed block
     capture_layers: tuple[int, ...]  # target layers whose outputs `inject` needs; () for none
+    has_confidence: bool  # its blocks can carry confidences (`compact` needs them)
 
     def inject(self, context: ContextRows) -> None: ...
 

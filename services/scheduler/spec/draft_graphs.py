@@ -44,6 +44,7 @@ class DraftGraphs:
         self.proposer = proposer
         self.num_draft_tokens = proposer.num_draft_tokens
         self.capture_layers = proposer.capture_layers
+        self.has_confidence = proposer.has_confidence
         self.capture = capture
         self.ladder = ladder
         self._graphs: dict[tuple[int, int], _Graph] = {}

@@ -39,12 +39,13 @@ from services.scheduler.spec.dspark_model import DSparkDrafter, block_positions
 
 class DSparkProposer:
     def __init__(self, drafter: DSparkDrafter, num_blocks: int, block_size: int, num_draft_tokens: int | None = None,
-                 context_window: int | None = None) -> None:  # fmt: skip
+                 context_window: int | None = None, confidence_temperature: float | None = 1.0) -> None:  # fmt: skip
         """num_blocks/block_size: the target cache's; num_draft_tokens: <= the config's block_size (default all).
 
         A shorter gamma still runs the whole trained block and keeps its first tokens. context_window:
         a block's queries see only the last that many context positions before its anchor; None: the
-        draft config's `context_window`, 0: the whole context.
+        draft config's `context_window`, 0: the whole context. confidence_temperature: the head's
+        calibration (calibration.py); None: no block carries confidences (`static` reads none).
         """
         gamma = drafter.num_draft_tokens if num_draft_tokens is None else num_draft_tokens
         if not 1 <= gamma <= drafter.num_draft_tokens:
@@ -56,6 +57,8 @@ class DSparkProposer:
         self.drafter = drafter
         self.num_draft_tokens = gamma
         self.capture_layers = drafter.config.target_layer_ids
+        self.has_confidence = drafter.confidence_head is not None
+        self.confidence_temperature = confidence_temperature
         self.kv_cache = PagedKVCache(drafter.config.backbone, num_blocks, block_size, weight.dtype, weight.device)
 
     @property
@@ -149,11 +152,12 @@ class DSparkProposer:
         tokens = torch.stack(tokens, dim=1)  # [B, gamma]
         # The confidence head needs every slot's prev only, so it runs once, after the left-to-right loop.
         prevs = torch.cat((inputs.anchor_tokens[:, None], tokens[:, :-1]), dim=1)  # [B, gamma]
-        confidence = self.drafter.confidence_logit(hidden, prevs)
+        temperature = self.confidence_temperature
+        confidence = None if temperature is None else self.drafter.confidence_logit(hidden, prevs)
         return DraftProposal(
             tokens=tokens,
             probs=None if sampler.all_greedy else torch.stack(probs, dim=1),
-            confidence=None if confidence is None else confidence.sigmoid(),
+            confidence=None if confidence is None else (confidence / temperature).sigmoid(),
         )
 
 

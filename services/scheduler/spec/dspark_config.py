@@ -12,8 +12,9 @@ layers, heads, `head_dim`, `intermediate_size`, `rope_theta`, ...) with
   holds the anchor plus 15 predicting mask slots.)
 - `mask_token_id`: the token embedded at the mask slots; must be < the target's vocabulary.
 - `target_layer_ids`: the K target decoder layers whose outputs form the context (layer i = the
-  output of decoder layer i, 0-based; DeepSpec's -1, the embedding output, is not captured by this
-  runtime and is refused). `num_target_layers`: the target's layer count, checked against it.
+  output of decoder layer i, 0-based; -1, as DeepSpec allows, the embedding output: the stream
+  layer 0 reads, i.e. Hugging Face's `hidden_states[i + 1]` for every i). `num_target_layers`: the
+  target's layer count, checked against it.
 - `num_anchors`: anchors sampled per training sequence (training only).
 - `markov_rank` r (0: no Markov head), `markov_head_type`: "vanilla" (W2 W1[prev], the paper's
   default), "gated" or "rnn" (its variants; see dspark_model).
@@ -41,6 +42,7 @@ from services.scheduler.model.config import ModelConfig, UnsupportedModelError
 DSPARK_ARCHITECTURE = "Qwen3DSparkModel"
 MARKOV_HEAD_TYPES = ("vanilla", "gated", "rnn")
 DEFAULT_NUM_ANCHORS = 512  # the paper's anchors per training sequence
+EMBEDDING_LAYER = -1  # a target_layer_ids entry: the embedding output (DeepSpec's convention)
 _NESTED_KEYS = ("target_layer_ids", "mask_token_id")
 # Qwen3 shape keys a draft config.json carries (besides the DSpark fields).
 _SHAPE_KEYS = (
@@ -201,9 +203,8 @@ def _refuse_other_conventions(raw: dict[str, Any]) -> None:
 
 def _check_layer_ids(layer_ids: tuple[int, ...], num_target_layers: int) -> None:
     _check(len(layer_ids) > 0, "target_layer_ids must not be empty")
-    _check(all(0 <= i < num_target_layers for i in layer_ids),
-           f"target_layer_ids {list(layer_ids)} out of range [0, {num_target_layers - 1}] "
-           "(-1, the embedding output, is not supported)")  # fmt: skip
+    _check(all(EMBEDDING_LAYER <= i < num_target_layers for i in layer_ids),
+           f"target_layer_ids {list(layer_ids)} out of range [-1, {num_target_layers - 1}] (-1: the embedding output)")
     _check(all(a < b for a, b in zip(layer_ids, layer_ids[1:])),
            f"target_layer_ids {list(layer_ids)} must be strictly increasing")
 

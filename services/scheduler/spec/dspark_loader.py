@@ -38,6 +38,7 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
+from services.scheduler.spec.calibration import load_temperature
 from services.scheduler.model.config import ModelConfig
 from services.scheduler.model.kv_cache import bytes_per_block
 from services.scheduler.model.llama import rope_inv_freq
@@ -54,15 +55,17 @@ TARGET_COPIES = ("embed_tokens.weight", "lm_head.weight")  # published drafts' f
 
 def load_dspark_proposer(
     path: str | Path, runner: ModelRunner, *, load_format: str = "auto", seed: int = 0, num_draft_tokens: int | None = None,
-    context_window: int | None = None,
+    context_window: int | None = None, confidences: bool = True,
 ) -> DSparkProposer:
     """The drafter at `path`, on the runner's device and dtype, with a KV cache shaped like the runner's;
-    context_window None: the draft config's, 0: the whole context (`DSparkProposer`)."""
+    context_window None: the draft config's, 0: the whole context (`DSparkProposer`); confidences:
+    whether its blocks carry them (`compact`), calibrated by the temperature beside it."""
     drafter = load_drafter(
         path, runner.model.model.embed_tokens, runner.lm_head_weight, runner.config,
         load_format=load_format, seed=seed, logit_softcap=runner.config.final_logit_softcap,
     )  # fmt: skip
-    return DSparkProposer(drafter, runner.num_blocks, runner.block_size, num_draft_tokens, context_window)
+    temperature = load_temperature(path) if confidences else None
+    return DSparkProposer(drafter, runner.num_blocks, runner.block_size, num_draft_tokens, context_window, temperature)
 
 
 def drafter_memory(path: str | Path, target_config: ModelConfig, dtype: torch.dtype, block_size: int) -> MemoryReserve:

@@ -113,3 +113,19 @@ def test_write_results_puts_the_run_first_and_history_last(tmp_path):
     assert written["recipe_settings"]["steps"] == TARGETS["toy"].steps and results["seed"] == 3
     assert written["loss_curve_png"] in (None, "r.png")
     assert (written["loss_curve_png"] is None) != args.results.with_suffix(".png").is_file()
+
+
+def test_target_features_minus_one_is_the_embedding_output():
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from ops.train.train_drafter import TargetFeatures
+
+    torch.manual_seed(0)
+    config = Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
+                         num_key_value_heads=2, head_dim=8)  # fmt: skip
+    model = Qwen3ForCausalLM(config).eval()
+    ids = torch.randint(0, 64, (2, 7))
+    _, features = TargetFeatures(model, (-1, 1))(ids, torch.device("cpu"))
+    with torch.no_grad():
+        states = model(input_ids=ids, output_hidden_states=True).hidden_states
+    torch.testing.assert_close(features, torch.cat([states[0], states[2]], dim=-1))

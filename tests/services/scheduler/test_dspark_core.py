@@ -64,7 +64,8 @@ def plain_mixed(tiny_runner):
 @pytest.mark.parametrize("verify_mode", ["static", "compact"])
 def test_dspark_greedy_equals_plain_greedy_with_every_logprob(make_core, dspark, plain_mixed, verify_mode):
     requests, joins, plain = REQUESTS, JOINS, plain_mixed
-    core = make_core(chunked_prefill_size=48, proposer=dspark(), verify_mode=verify_mode)
+    linear = ((1, 1.0), (2, 1.05))  # each row costs 5% of a step: the budget cuts blocks
+    core = make_core(chunked_prefill_size=48, proposer=dspark(), verify_mode=verify_mode, verify_step_cost=linear)
     spec = run(core, requests[:12], joins)
     _assert_same(plain, spec)
     for rid, result in plain.items():
@@ -76,6 +77,12 @@ def test_dspark_greedy_equals_plain_greedy_with_every_logprob(make_core, dspark,
     assert all(spec[r.rid].spec_verify_ct >= 1 for r in requests)
     if verify_mode == "compact":  # fewer drafts verified than proposed: the head decided
         assert stats.num_drafted_tokens < 3 * sum(r.spec_verify_ct for r in spec.values())
+
+
+def test_compact_without_a_confidence_head_is_refused(make_core, dspark):
+    with pytest.raises(ValueError, match="confidence head"):
+        make_core(proposer=dspark(confidence=False), verify_mode="compact")
+    make_core(proposer=dspark(confidence=False), verify_mode="static")
 
 
 def test_dspark_blocks_of_requests_asking_the_same_logprobs_share_one_query(make_core, dspark, monkeypatch):

@@ -339,3 +339,21 @@ def test_openai_positions_equal_one_row_at_a_time(num_rows, k):
         want.append(None if null else [(i, v) for v, i in zip(row_v, row_i) if i >= 0])
     got = _positions(values, ids, top_v, top_i)
     assert got.top == want[: len(ids)] and got.ids == ids and len(got.values) == len(ids)
+
+
+@pytest.mark.parametrize("b64", [False, True])
+def test_streamed_flat_fields_only_in_the_event_with_rows(b64):
+    opts = FormatOptions(top_logprobs_num=2, flat=True, flat_b64=b64, stream_event=True)
+    later = meta_logprobs(chunks_of(OUTPUT), PROMPT, [50, 52], opts)  # an event after the prompt's
+    assert not [key for key in later if key.startswith("input_top_logprobs")]
+    first = meta_logprobs(chunks_of(FLAT, OUTPUT), PROMPT, [50, 52], opts)
+    assert first["input_top_logprobs_shape"] == [2, 2] and first["input_top_logprobs_null_prefix"] == 1
+    whole = meta_logprobs(chunks_of(OUTPUT), PROMPT, [50, 52], FormatOptions(top_logprobs_num=2, flat=True, flat_b64=b64))
+    assert whole["input_top_logprobs_shape"] == [0, 2]  # a whole body keeps its (empty) fields
+
+
+def test_accept_length_leaves_out_the_prefill_token():
+    from services.tokenizer.native import accept_length
+
+    assert accept_length(9, 2) == 4.0  # 1 token from the prefill + 2 verifies of 4
+    assert accept_length(1, 0) == 0.0 and accept_length(0, 0) == 0.0

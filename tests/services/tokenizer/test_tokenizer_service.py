@@ -69,6 +69,19 @@ async def test_stream_logprobs_carry_only_new_entries(url):
     assert prompt == plain["meta_info"]["input_token_logprobs"]
 
 
+async def test_streamed_flat_arrays_ride_only_the_event_that_carries_them(url):
+    body = {"text": "Say hi", "stream": True, "return_logprob": True, "top_logprobs_num": 2, "logprob_start_len": 0,
+            "return_flat_raw_top_logprobs": True}  # fmt: skip
+    async with httpx.AsyncClient(base_url=url) as client:
+        events = sse_payloads((await client.post("/generate", json=body)).text)
+        plain = (await client.post("/generate", json=body | {"stream": False})).json()
+    carrying = [e["meta_info"] for e in events if "input_top_logprobs_shape" in e["meta_info"]]
+    assert len(events) > 1 and len(carrying) == 1
+    assert all("input_top_logprobs_val_flat" not in e["meta_info"] for e in events if e["meta_info"] is not carrying[0])
+    for key in ("input_top_logprobs_shape", "input_top_logprobs_null_prefix", "input_top_logprobs_val_flat"):
+        assert carrying[0][key] == plain["meta_info"][key]
+
+
 async def test_batch_text_returns_list(url):
     async with httpx.AsyncClient(base_url=url) as client:
         response = await client.post("/generate", json={"text": ["a", "bb"], "sampling_params": {"max_new_tokens": 3}})

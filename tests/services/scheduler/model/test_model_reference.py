@@ -85,6 +85,18 @@ def test_capture_layers_returns_chosen_layer_outputs(hf_model_dir, make_pager) -
     torch.testing.assert_close(out.captured, expected, atol=TOL, rtol=0)
 
 
+@pytest.mark.parametrize("family", ["qwen3", "gemma2"])
+def test_capture_layer_minus_one_is_the_embedding_output(hf_model_dir, make_pager, family: str) -> None:
+    model, path = hf_model_dir(family, True)
+    ids = prompt(9, seed=8)
+    pager = make_pager(num_seqs=1, max_blocks_per_seq=4, block_size=4)
+    runner = load_model_runner(path, num_kv_blocks=pager.num_blocks, kv_block_size=4)
+    out = runner.forward(pager.batch([(0, ids, 0)], capture_layers=(-1, 1)))
+    with torch.no_grad():
+        states = model(torch.tensor([ids]), output_hidden_states=True).hidden_states  # [L + 1] x [1, S, H]
+    torch.testing.assert_close(out.captured, torch.cat([states[0][0], states[2][0]], dim=-1), atol=TOL, rtol=0)
+
+
 def test_no_capture_returns_none(hf_model_dir, make_pager) -> None:
     _, path = hf_model_dir("llama", False)
     pager = make_pager(num_seqs=1, max_blocks_per_seq=4, block_size=4)

@@ -227,3 +227,38 @@ def test_start_up_captures_every_prefill_key_once(make_pager, fake_cuda_capture)
     assert graphs.key(one_chunk) in graphs.graphs
     idle = RaggedGraphRunner(runner.model, runner.kv_cache, SEQ_LADDER, TOKEN_LADDER, MAX_BLOCKS, capture=False, use_kernel=False)
     assert idle.capture_prefill_keys() == 0 and not idle.graphs
+
+
+def test_verify_keys_hold_every_compact_verify_step_and_start_up_captures_them(make_pager) -> None:
+    runner, pager = prefilled_runner(make_pager)
+    graphs = RaggedGraphRunner(runner.model, runner.kv_cache, SEQ_LADDER, TOKEN_LADDER, MAX_BLOCKS, capture=True, use_kernel=False,
+                               max_graphs=16)  # fmt: skip
+    graphs._capture = lambda key: graphs.graphs.__setitem__(key, None)  # the bookkeeping only
+    width = 4
+    keys = graphs.verify_keys(width)
+    rng = np.random.default_rng(0)
+    for _ in range(40):  # 1 .. 5 sequences of 1 .. width tokens (at least one verifying a draft)
+        lens = rng.integers(1, width + 1, size=rng.integers(1, len(PROMPTS) + 1)).tolist()
+        lens[0] = max(lens[0], 2)
+        assert graphs.key(step_batch(pager, list(enumerate(lens)))) in keys, lens
+    assert len(set(keys)) == len(keys) and all(k.num_tokens <= 64 for k in keys)
+    assert graphs.capture_keys(keys, "verify") == len(keys) and set(graphs.graphs) == set(keys)
+    assert len(keys) == 14 and graphs.capture_keys(graphs.prefill_keys(), "prefill") == 2  # up to max_graphs only
+
+
+def test_a_uniform_verify_narrower_than_the_decode_graphs_takes_the_ragged_twin(make_pager) -> None:
+    runner, pager = prefilled_runner(make_pager)
+    narrow = step_batch(pager, [(0, 2), (1, 2), (2, 2)])  # `compact` cut every block to one draft
+    kv = runner.kv_cache.kv.clone()
+    want = runner.forward(narrow).hidden_states  # eager
+    runner.kv_cache.kv.copy_(kv)
+    runner.prepare_decode_graphs(ladder=(1, 2, 4), max_blocks_per_seq=MAX_BLOCKS, capture=False, query_lens=(1, 4))
+    runner.prepare_ragged_graphs(SEQ_LADDER, TOKEN_LADDER, MAX_BLOCKS, capture=False)
+    calls = []
+    run = runner.ragged_graphs.run
+    runner.ragged_graphs.run = lambda batch: calls.append(batch.num_tokens) or run(batch)
+    got = runner.forward(narrow).hidden_states
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    runner.forward(step_batch(pager, [(0, 4), (1, 4)]))  # the captured width: the decode graphs
+    runner.forward(step_batch(pager, [(0, 1), (1, 1)]))  # a decode: the decode graphs
+    assert calls == [6]

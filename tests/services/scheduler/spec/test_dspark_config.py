@@ -64,8 +64,9 @@ def test_the_8b_benchmark_draft_config_fits_the_8b_target():
     [
         ({"architectures": ["Qwen3ForCausalLM"]}, "architectures must be"),
         ({"mask_token_id": 151936}, "mask_token_id 151936 is outside the vocabulary"),
-        ({"target_layer_ids": [1, 9, 36]}, r"out of range \[0, 35\]"),
-        ({"target_layer_ids": [-1, 9]}, "embedding output"),
+        ({"target_layer_ids": [1, 9, 36]}, r"out of range \[-1, 35\]"),
+        ({"target_layer_ids": [-2, 9]}, r"out of range \[-1, 35\]"),
+        ({"target_layer_ids": [9, -1]}, "strictly increasing"),
         ({"target_layer_ids": [9, 1]}, "strictly increasing"),
         ({"target_layer_ids": []}, "must not be empty"),
         ({"block_size": 0}, "block_size must be >= 1"),
@@ -77,6 +78,10 @@ def test_the_8b_benchmark_draft_config_fits_the_8b_target():
 def test_malformed_configs_are_refused_with_the_reason(change, message):
     with pytest.raises(DraftConfigError, match=message):
         DSparkConfig.from_dict({**DEEPSPEC_4B, **change})
+
+
+def test_minus_one_names_the_embedding_output_as_deepspec_allows():
+    assert DSparkConfig.from_dict({**DEEPSPEC_4B, "target_layer_ids": [-1, 9, 17]}).target_layer_ids == (-1, 9, 17)
 
 
 def test_a_missing_field_is_named():

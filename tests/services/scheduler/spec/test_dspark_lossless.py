@@ -11,7 +11,7 @@ import torch
 from services.scheduler.spec.accept import VerifyBlock, accept
 from services.scheduler.spec.base import ContextRows, DraftRequest
 from services.scheduler.spec.dspark import DSparkProposer
-from services.scheduler.spec.verify_plan import verify_lengths
+from services.scheduler.policy.verify_budget import VerifyBudget
 from tests.services.scheduler.spec.chi_square import chi_square_p_value
 
 NUM_TRIALS = 10_000
@@ -92,10 +92,11 @@ def test_dspark_drafts_verified_by_accept_follow_the_target(proposals):
 
 
 def test_verify_lengths_cut_by_this_blocks_confidence_stay_lossless(proposals):
-    """`compact`: each request verifies the prefix its prefix survival earns in a fixed budget."""
+    """`compact`: each request verifies the prefix whose survival reaches the previous step's lambda."""
     drafts, q, confidence = proposals
-    confidence = confidence + 0.3 * torch.rand(confidence.shape, generator=torch.Generator().manual_seed(4))
-    num_draft = verify_lengths(confidence, num_extra_rows=2 * NUM_TRIALS)  # half the slots, unevenly
+    budget = VerifyBudget(lambda tokens: 1.0)
+    budget.threshold = float(confidence.cumprod(dim=1)[:, 1].median())  # cuts the blocks unevenly
+    num_draft = torch.tensor([budget.num_to_verify(row, drafts.shape[1]) for row in confidence.tolist()])
     assert len(set(num_draft.tolist())) > 2
     p_chain = target_chain(q.shape[2], drafts.shape[1], torch.Generator().manual_seed(1))
     p_values = emitted_marginal_p_values(drafts, q, p_chain, torch.Generator().manual_seed(3), num_draft)

@@ -1,0 +1,104 @@
+"""The DSpark benches at toy size on the CPU: `dspark-sps` (the step-cost table), `dspark-sts` (the
+confidence head's temperature) and `gpu-core --speedup` (plain against DSpark static and compact,
+acceptance replayed); and the replayed acceptance itself. Subprocesses, as the other smoke runs."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from ops.bench.accept_replay import AcceptReplay
+from services.scheduler.spec.calibration import load_temperature
+from services.scheduler.spec.step_cost import StepCost
+
+REPO = Path(__file__).resolve().parents[3]
+
+
+def bench(*argv: str) -> subprocess.CompletedProcess:
+    done = subprocess.run([sys.executable, "-m", "ops.bench", *argv], cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)},
+                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    return done
+
+
+def test_dspark_sps_profiles_a_table_the_scheduler_loads(tmp_path):
+    bench("dspark-sps", "--device", "cpu", "--tiny", "--max-batch", "4", "--repeats", "2", "--context", "16",
+          "--out", str(tmp_path / "sps.json"), "--save", str(tmp_path))  # fmt: skip
+    result = json.loads((tmp_path / "sps.json").read_text())
+    assert [r["tokens"] for r in result["rows"]] == [1, 2, 4, 8, 16]  # powers of two and B * (gamma + 1), gamma 3
+    assert [r["seqs"] for r in result["rows"]] == [1, 1, 1, 2, 4]
+    cost = StepCost.load(tmp_path)
+    assert [t for t, _ in cost.points] == [1, 2, 4, 8, 16]
+    assert all(a <= b for (_, a), (_, b) in zip(cost.points, cost.points[1:]))  # never cheaper with more tokens
+
+
+def test_dspark_sts_fits_and_saves_a_temperature(tmp_path):
+    draft = tmp_path / "draft"
+    draft.mkdir()
+    bundled = REPO / "ops/models/sparkwire-micro-dspark"
+    for name in ("config.json", "model.safetensors"):
+        (draft / name).symlink_to(bundled / name)
+    bench("dspark-sts", "--draft", str(draft), "--num-prompts", "2", "--new-tokens", "24", "--save", "--out", str(tmp_path / "sts.json"))
+    result = json.loads((tmp_path / "sts.json").read_text())
+    assert result["slots"] > 100 and 0 < result["accepted_share"] < 1
+    assert result["ece"] <= result["ece_at_1"]
+    assert load_temperature(draft) == result["temperature"] != 1.0
+
+
+def test_gpu_core_speedup_reports_plain_static_and_compact(tmp_path):
+    counts = tmp_path / "counts.json"
+    counts.write_text(json.dumps({"accept_length_counts": [0, 1, 1, 1, 5]}))  # gamma 3: mostly every draft kept
+    done = bench("gpu-core", "--device", "cpu", "--tiny", "--speedup", "--batches", "1", "2", "--prompt-len", "8",
+                 "--new-tokens", "24", "--rounds", "1", "--accept-lengths", str(counts), "--out", str(tmp_path / "core.json"))  # fmt: skip
+    result = json.loads((tmp_path / "core.json").read_text())
+    assert result["accept_replay"]["accept_len_mean"] == pytest.approx((1 + 2 + 3 + 20) / 8, abs=1e-3)
+    assert [(r["batch"], r["mode"], r["logprobs"]) for r in result["speedup"]] == [
+        (b, mode, lp) for b in (1, 2) for mode, lp in (("plain", "plain"), ("plain", "top20"), ("static", "plain"),
+                                                       ("static", "top20"), ("compact", "plain"))]  # fmt: skip
+    for row in result["speedup"]:
+        per_step = row["tokens_per_request_step"]
+        assert per_step == 1.0 if row["mode"] == "plain" else 1.0 < per_step <= 4.0
+    assert [r["batch"] for r in result["speedup_summary"]] == [1, 2]
+    assert all(r["static_speedup"] > 0 and r["compact_speedup"] > 0 for r in result["speedup_summary"])
+    assert "compact tok/s" in done.stdout.splitlines()[-4]
+
+
+def test_replayed_acceptance_draws_its_distribution_and_hazards():
+    replay = AcceptReplay.geometric(7)
+    assert replay.mean == pytest.approx(4.04, abs=0.01)
+    draws = replay.sampler(torch.device("cpu"))(200_000)
+    assert draws.float().mean().item() == pytest.approx(replay.mean, abs=0.02) and int(draws.min()) >= 1
+    assert replay.hazards() == pytest.approx([0.79] * 7)
+    folded = AcceptReplay.from_counts([0, 2, 0, 1, 1, 4], gamma=3)  # a gamma-4 run's 5 tokens count as 4
+    assert folded.probs == pytest.approx((0, 0.25, 0, 0.125, 0.625))
+    assert AcceptReplay.fixed(3, 2).hazards() == [1.0, 0.0, 0.0]  # the first draft always kept, the second never
+
+
+def test_a_pair_runs_counts_are_replayed(tmp_path):
+    path = tmp_path / "pair.json"
+    path.write_text(json.dumps({"pair": [{"mode": "plain"}, {"mode": "dspark", "accept_length_counts": [0, 1, 3]},
+                                         {"mode": "dspark", "accept_length_counts": [0, 1, 1]}]}))  # fmt: skip
+    assert AcceptReplay.load(path, gamma=1).probs == pytest.approx((0, 2 / 6, 4 / 6))
+    path.write_text("{}")
+    with pytest.raises(ValueError, match="no accept_length_counts"):
+        AcceptReplay.load(path, gamma=1)
+
+
+@pytest.mark.timeout(240)
+def test_dspark_serve_runs_plain_and_compact_through_the_stack(tmp_path):
+    out = tmp_path / "serve.json"
+    done = bench("dspark-serve", "--device", "cpu", "--model-config", "ops/models/sparkwire-micro", "--draft-model",
+                 "ops/models/sparkwire-micro-dspark", "--concurrency", "1", "--prompts-per-level", "2", "--output-len", "6",
+                 "--modes", "plain", "compact", "--out", str(out))  # fmt: skip
+    result = json.loads(out.read_text())
+    assert "error" not in result
+    assert [(r["mode"], r["concurrency"], r["completed"], r["failed"]) for r in result["rows"]] == [
+        (mode, 1, 2, 0) for mode in ("plain", "compact")]
+    assert result["summary"][0]["compact_speedup"] > 0 and "compact tok/s" in done.stdout
+    assert "DSparkDrafter" in (tmp_path / "dspark_serve_logs" / "scheduler-compact.log").read_text()
