@@ -196,7 +196,7 @@ def add_check_arguments(parser: argparse.ArgumentParser, *, tiny: str, repeats: 
         parser.add_argument("--model", type=Path, default=None, help="another config directory (dummy weights), e.g. ops/model_configs/Qwen3-0.6B")
     parser.add_argument("--repeats", type=int, default=repeats, help=f"timed {what} (median)")
     parser.add_argument("--budget-s", type=float, default=budget_s, help="sections not started this long after the start are skipped")
-    parser.add_argument("--out", type=Path, default=Path(out), help="the JSON written (the ledger: results/gpu_kernels.md)")
+    parser.add_argument("--out", type=Path, default=Path(out), help="the JSON written")
 
 
 def deadline_sections(result: dict, deadline: float) -> Callable[[str, Callable[[], object]], object]:
