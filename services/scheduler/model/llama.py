@@ -33,6 +33,7 @@ from torch import nn
 
 from services.scheduler.model.attention import AttentionPlan, DecodePlan, VarlenPlan, paged_attention, plan_attention
 from services.scheduler.model.batch import ForwardBatch
+from services.scheduler.model.batch_invariant import Linear, linear
 from services.scheduler.model.config import SLIDING, ModelConfig
 from services.scheduler.model.kv_cache import PagedKVCache
 from services.scheduler.model.rope import apply_rope, default_inv_freq, rope_cos_sin, rope_frequencies
@@ -88,16 +89,17 @@ def gelu_tanh_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return F.gelu(gate, approximate="tanh") * up
 
 
-def takes_gemv(x: torch.Tensor, fused: bool) -> bool:
-    """Whether a matmul of x [T, K] runs as triton_fused's one-token GEMV."""
-    return fused and x.shape[0] == GEMV_TOKENS
+def takes_gemv(x: torch.Tensor, fused: bool, linear: nn.Module) -> bool:
+    """Whether a matmul of x [T, K] runs as triton_fused's one-token GEMV (never a batch-invariant
+    one: a row must round as it does among others)."""
+    return fused and x.shape[0] == GEMV_TOKENS and not getattr(linear, "invariant", False)
 
 
 def norm_linear(
     x: torch.Tensor, residual: torch.Tensor | None, norm: nn.Module, linear: nn.Linear, fused: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(linear(norm(x + residual)), x + residual) as `add_rms_norm`; fused at one token, one launch."""
-    if takes_gemv(x, fused) and norm.fusable:
+    if takes_gemv(x, fused, linear) and norm.fusable:
         from services.scheduler.model.triton_fused import norm_gemv_triton
 
         return norm_gemv_triton(x, residual, norm.weight, norm.eps, linear.weight, linear.bias)
@@ -107,7 +109,7 @@ def norm_linear(
 
 def project(x: torch.Tensor, linear: nn.Linear, fused: bool = False) -> torch.Tensor:
     """linear(x) for x [T, K]; fused at one token, the one-token GEMV."""
-    if takes_gemv(x, fused):
+    if takes_gemv(x, fused, linear):
         from services.scheduler.model.triton_fused import gemv_triton
 
         return gemv_triton(x, linear.weight, linear.bias)
@@ -116,7 +118,7 @@ def project(x: torch.Tensor, linear: nn.Linear, fused: bool = False) -> torch.Te
 
 def silu_linear(gate_up: torch.Tensor, linear: nn.Linear, fused: bool = False) -> torch.Tensor:
     """linear(SiLU(gate) * up) for gate_up [T, 2I]; fused at one token, one launch."""
-    if takes_gemv(gate_up, fused):
+    if takes_gemv(gate_up, fused, linear):
         from services.scheduler.model.triton_fused import silu_gemv_triton
 
         return silu_gemv_triton(gate_up, linear.weight, linear.bias)
@@ -130,7 +132,7 @@ def softcap(x: torch.Tensor, cap: float | None) -> torch.Tensor:
 
 def make_linear(in_features: int, out_features: int, bias: bool) -> nn.Linear:
     """Every projection of the decoder (a quantized checkpoint's linear would be built here)."""
-    return nn.Linear(in_features, out_features, bias=bias)
+    return Linear(in_features, out_features, bias=bias)
 
 
 def rope_inv_freq(config: ModelConfig, local: bool = False) -> torch.Tensor:
@@ -285,9 +287,10 @@ class CausalLM(nn.Module):
         self.config = config
         self.model = DecoderModel(config, self.layer_class, self.layer_class.norm_class)
         if not config.tie_word_embeddings:
-            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+            self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         self.init_rope()
         self.fused_kernels = False  # the Triton kernels of triton_fused.py (CUDA; the interpreter in tests)
+        self.batch_invariant = False  # `batch_invariant.set_batch_invariant`: every product row by row
 
     def init_rope(self, device: torch.device | None = None) -> None:
         """The RoPE tables' inverse frequencies (fp32: positions need the precision), on `device` (None:
@@ -345,7 +348,8 @@ class CausalLM(nn.Module):
 
     def head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, V] in the model's dtype, soft-capped where the config says (Gemma 2), as transformers does."""
-        return softcap(F.linear(hidden, self.lm_head_weight), self.config.final_logit_softcap)
+        product = linear if self.batch_invariant else F.linear
+        return softcap(product(hidden, self.lm_head_weight), self.config.final_logit_softcap)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.head_logits(hidden).float()  # [N, V]
