@@ -21,6 +21,7 @@ from services.scheduler.config import SchedulerConfig
 from services.scheduler.core import SchedulerCore
 from services.scheduler.flags import DEFAULT_CHUNKED_PREFILL_SIZE, DEFAULT_MAX_RUNNING_REQUESTS
 from services.scheduler.model import MemoryReserve, ModelConfig, ModelRunner, load_model_runner
+from services.scheduler.model.batch_invariant import set_batch_invariant
 from services.scheduler.model.dense_attention import DenseConfig, resolve_dense_kernel
 from services.scheduler.model.flash4_attention import warm_flash4
 from services.scheduler.model.ragged_graphs import seq_ladder, token_ladder
@@ -148,9 +149,11 @@ def load_runner(config: SchedulerConfig) -> ModelRunner:
         reserve=reserve,
         seed=config.seed,
         cuda_graphs=False,  # captured by `prepare_runtime`, once the verify width and captured layers are known
-        fused_kernels=None if config.fused_kernels else False,  # None: on where Triton runs (CUDA)
+        # None: on where Triton runs (CUDA); deterministic needs its per-row norms
+        fused_kernels=None if config.fused_kernels or config.deterministic else False,
         split_kv_decode=config.split_kv_decode,
         max_model_len=config.max_model_len,
+        batch_invariant=config.deterministic,
     )
 
 
@@ -163,6 +166,7 @@ def load_proposer(config: SchedulerConfig, runner: ModelRunner) -> Proposer | No
         config.resolved_draft_model, runner, load_format=config.load_format, seed=config.seed,
         num_draft_tokens=config.num_draft_tokens, context_window=config.draft_context_window,
     )  # fmt: skip
+    set_batch_invariant(proposer.drafter, runner.batch_invariant)  # seeded drafts' q: the row's own
     if runner.decode_kernel:  # CUDA: greedy drafts replay graphs
         from services.scheduler.spec.draft_graphs import DraftGraphs
 
@@ -173,7 +177,7 @@ def load_proposer(config: SchedulerConfig, runner: ModelRunner) -> Proposer | No
 def prepare_runtime(config: SchedulerConfig, settings: CoreSettings, runner: ModelRunner, proposer: Proposer | None) -> None:
     """Everything a first request would otherwise wait for: graphs captured, kernels compiled."""
     capture_layers = () if proposer is None else tuple(proposer.capture_layers)  # the drafter's context
-    if runner.decode_kernel:
+    if runner.decode_kernel and not runner.batch_invariant:  # invariant: every step is ragged
         query_lens = (1,) if proposer is None else (1, proposer.num_draft_tokens + 1)
         runner.prepare_decode_graphs(query_lens=query_lens, capture_layers=capture_layers)
     if config.ragged_cuda_graphs and runner.ragged_kernel:  # CUDA with Triton
@@ -181,7 +185,7 @@ def prepare_runtime(config: SchedulerConfig, settings: CoreSettings, runner: Mod
                                      capture_layers=capture_layers)  # fmt: skip
         runner.ragged_graphs.capture_prefill_keys()  # arrivals beside decodes: no capture pauses them later
     on_cuda = runner.device.type == "cuda"
-    if config.dense_prefill and on_cuda and config.resolved_max_prefill_tokens > config.chunked_prefill_size:
+    if config.dense_prefill and on_cuda and not runner.batch_invariant and config.resolved_max_prefill_tokens > config.chunked_prefill_size:
         # only queries no chunk-budget step holds: steps past the budget run eagerly whatever their path
         runner.dense_prefill = dense_prefill_config(config, runner)
     if settings.worker.fused_logprobs:

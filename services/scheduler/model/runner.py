@@ -72,7 +72,8 @@ class ModelRunner:
         default: on CUDA with Triton); split_kv_decode: that decode kernel splits each sequence's keys
         across programs where the batch alone leaves SMs idle (`kv_splits.num_kv_splits`; default on;
         nothing without the decode kernel);
-        num_sms: the SMs the split count fills (None: read from the device once, here; 0 off CUDA)."""
+        num_sms: the SMs the split count fills (None: read from the device once, here; 0 off CUDA);
+        batch_invariant: every row's numbers its own (`batch_invariant.py`, `--deterministic`), for life."""
         self.model = model
         self.kv_cache = kv_cache
         self.config: ModelConfig = model.config
@@ -90,6 +91,7 @@ class ModelRunner:
         self._num_sms = device_sms(kv_cache.kv.device) if num_sms is None else num_sms
         self._dense_prefill: DenseConfig | None = None
         self.batch_invariant = batch_invariant
+        set_batch_invariant(model, batch_invariant)
 
     def prepare_decode_graphs(
         self,
@@ -153,17 +155,6 @@ class ModelRunner:
         if on != self.model.fused_kernels and (self.decode_graphs is not None or self.ragged_graphs is not None):
             raise RuntimeError("fused_kernels switched with CUDA graphs captured: drop them first")
         self.model.fused_kernels = on
-
-    @property
-    def batch_invariant(self) -> bool:
-        return self.model.batch_invariant
-
-    @batch_invariant.setter
-    def batch_invariant(self, on: bool) -> None:
-        """Only while no graph is captured, for the reason `fused_kernels` gives."""
-        if on != self.model.batch_invariant and (self.decode_graphs is not None or self.ragged_graphs is not None):
-            raise RuntimeError("batch_invariant switched with CUDA graphs captured: drop them first")
-        set_batch_invariant(self.model, on)
 
     @property
     def dense_prefill(self) -> DenseConfig | None:
