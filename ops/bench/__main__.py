@@ -47,6 +47,8 @@ SUITES: dict[str, Suite] = {
                       "HBM roofline"),
     "gpu-prefill": Suite("ops.bench.gpu_prefill_profile", "a 32k prompt with top-2 prompt logprobs through the core: seconds, "
                          "device time by kernel kind"),
+    "deterministic": Suite("ops.bench.deterministic_check", "--deterministic: bitwise logprobs across batch, chunking, "
+                           "preemption, DSpark and forks (on; the bf16 drift off), and its cost on the 8B shape"),
     "two-gpu-serve": Suite("ops.bench.two_gpu_serve", "two schedulers on two GPUs behind one NATS: scaling, placement, one "
                            "stopping mid-run"),
 }
