@@ -145,28 +145,18 @@ class Pair:
         self._prepare(chunk)
 
     def _proposer(self, runner, draft: Path, load_format: str):
-        """A drafter in the runner's mode for good, replaying draft graphs on CUDA (as `build` serves it)."""
-        from services.scheduler.model.batch_invariant import set_batch_invariant
-        from services.scheduler.spec.dspark_loader import load_dspark_proposer
-
-        proposer = load_dspark_proposer(draft, runner, load_format=load_format)
-        set_batch_invariant(proposer.drafter, runner.batch_invariant)
-        if runner.decode_kernel:
-            from services.scheduler.spec.draft_graphs import DraftGraphs
-
-            proposer = DraftGraphs(proposer)
-        return proposer
+        """A drafter in the runner's mode, as `build` serves it (draft graphs and, mode off, decode graphs on CUDA)."""
+        self.use(runner.batch_invariant)
+        return harness.dspark_proposer(runner, draft, load_format)
 
     def _prepare(self, chunk: int) -> None:
-        """As `build.prepare_runtime`: decode graphs for mode off, ragged graphs for both (CUDA)."""
+        """As `build.prepare_runtime`: ragged graphs for both modes (CUDA)."""
         from services.scheduler.model.ragged_graphs import seq_ladder, token_ladder
 
         for mode, runner in self.runners.items():
             self.use(mode)
-            layers = tuple(self.proposers[mode].capture_layers)
-            if runner.decode_kernel and not mode:
-                runner.prepare_decode_graphs(query_lens=(1, self.proposers[mode].num_draft_tokens + 1), capture_layers=layers)
             if runner.ragged_kernel:
+                layers = tuple(self.proposers[mode].capture_layers)
                 runner.prepare_ragged_graphs(seq_ladder(64), token_ladder(chunk), capture_layers=layers)
 
     def use(self, mode: bool):
