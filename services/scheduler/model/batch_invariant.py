@@ -17,6 +17,7 @@ Norms, RoPE, the K/V write and SiLU are per-row already (`triton_fused`: one pro
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -83,12 +84,17 @@ def matmul_triton(
     from services.scheduler.model.triton_matmul import launch_matmul
 
     if num_sms is None:
-        num_sms = torch.cuda.get_device_properties(x.device).multi_processor_count if x.device.type == "cuda" else 1
+        num_sms = device_sms(x.device.index) if x.device.type == "cuda" else 1
     x = x if x.stride(-1) == 1 else x.contiguous()
     out = torch.empty(x.shape[0], weight.shape[0], dtype=x.dtype, device=x.device)
     if x.shape[0] == 0:
         return out
     return launch_matmul(x, weight, bias, out, tile_config(weight.shape[0], weight.shape[1], num_sms))
+
+
+@functools.cache
+def device_sms(index: int | None) -> int:
+    return torch.cuda.get_device_properties(index if index is not None else torch.cuda.current_device()).multi_processor_count
 
 
 def attend_rowwise(

@@ -153,3 +153,33 @@ def test_seeded_sampling_is_bitwise_across_batch_compositions(runner, dspark, wi
     busy = run(core(runner, chunked_prefill_size=12, **spec()), [*others[:4], *SEEDED[:3]], {2: [*others[4:], *SEEDED[3:]]})
     assert_bitwise(lone, busy, [r.rid for r in SEEDED])
     assert len({tuple(r.tokens) for r in lone.values()}) == len(SEEDED)
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_build_resolves_the_mode_once_into_the_runner_and_the_drafter(deterministic, tmp_path):
+    from ops.bench.scheduler_harness import proposer_of, runner_of, tiny_draft_config
+    from services.scheduler.build import build_core
+    from services.scheduler.config import SchedulerConfig
+
+    draft = tiny_draft_config(RANDOM_TINY_MODEL, tmp_path)
+    built = build_core(SchedulerConfig(model=str(RANDOM_TINY_MODEL), device="cpu", num_kv_blocks=32, load_format="dummy",
+                                       deterministic=deterministic, speculative_algorithm="dspark", draft_model=str(draft)))  # fmt: skip
+    runner, drafter = runner_of(built), proposer_of(built).drafter
+    assert runner.batch_invariant == deterministic and runner.model.batch_invariant == deterministic
+    for model in (runner.model, drafter):
+        flags = [m.invariant for m in model.modules() if hasattr(m, "invariant")]
+        assert flags and all(flag == deterministic for flag in flags)
+    assert runner.decode_graphs is None
+
+
+def test_on_cuda_the_mode_takes_the_per_row_torch_logprobs(monkeypatch):
+    """The fused logprob kernels split a row by the batch's row count: the mode leaves them off."""
+    from types import SimpleNamespace
+
+    from services.scheduler import build
+    from services.scheduler.config import SchedulerConfig
+
+    monkeypatch.setattr(build, "triton_available", lambda: True)
+    cuda = SimpleNamespace(device=torch.device("cuda"))
+    assert build.resolve(SchedulerConfig(device="cpu"), cuda).worker.fused_logprobs
+    assert not build.resolve(SchedulerConfig(device="cpu", deterministic=True), cuda).worker.fused_logprobs
