@@ -209,7 +209,7 @@ class ModelRunner:
         if query_len is None and graphable and self.ragged_graphs.fits(batch):
             return self.ragged_graphs.run(batch)
         if query_len is None and (self.ragged_kernel or self.batch_invariant):
-            plan = plan_varlen(batch, self.config.num_queries_per_kv, self.ragged_kernel, dense=self.dense_prefill,
+            plan = plan_varlen(batch, self.config.num_queries_per_kv, use_kernel=self.ragged_kernel, dense=self.dense_prefill,
                                invariant=self.batch_invariant)  # fmt: skip
             return ForwardOutput(*self.model(batch, self.kv_cache, plan))
         hidden, captured = self.model(batch, self.kv_cache)

@@ -4,6 +4,8 @@ Triton's interpreter, for the fixed-tile matmul and the varlen kernel's invarian
 
 from __future__ import annotations
 
+import importlib.util
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -97,3 +99,21 @@ def test_interpreted_varlen_kernel_invariant_mode_is_the_same_for_decode_verify_
                                        LaunchConfig(block_n=16), invariant=True)  # fmt: skip
 
     decode_chunk_and_verify(attend)
+
+
+@pytest.mark.skipif(INTERPRETED or importlib.util.find_spec("triton") is None, reason="needs Triton (its compiler, not a GPU)")
+@pytest.mark.parametrize("has_bias", [False, True])
+def test_matmul_kernel_compiles_for_the_h100(has_bias) -> None:
+    # The interpreter runs the kernel's Python; the compiler also checks its types and the bf16 dot.
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from services.scheduler.model import triton_matmul
+
+    config = tile_config(4096, 4096, 132)
+    signature = {**dict.fromkeys(["x_ptr", "w_ptr", "b_ptr", "out_ptr"], "*bf16"),
+                 **dict.fromkeys(["M", "N", "K", "stride_xm", "stride_wn", "stride_om"], "i32")}  # fmt: skip
+    constants = {"HAS_BIAS": has_bias, "BLOCK_M": config.block_m, "BLOCK_N": config.block_n, "BLOCK_K": config.block_k}
+    source = ASTSource(triton_matmul._matmul_kernel, {**signature, **dict.fromkeys(constants, "constexpr")}, constants)
+    assert triton.compile(source, target=GPUTarget("cuda", 90, 32)).asm["cubin"]
