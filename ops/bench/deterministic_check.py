@@ -30,7 +30,7 @@ import torch
 
 from contracts.scheduler import ForkedChoice, LogprobParams, SamplingParams
 from ops.bench import scheduler_harness as harness
-from ops.bench.common import MODEL_CONFIGS, RESULTS, TINY_MODEL, add_check_arguments, bench_dtype, deadline_sections, \
+from ops.bench.common import MODEL_CONFIGS, TINY_MODEL, add_check_arguments, bench_dtype, deadline_sections, \
     device_name, finish_run, script  # fmt: skip
 from ops.bench.gpu_core_check import requests as decode_requests
 from ops.bench.gpu_core_check import time_core
