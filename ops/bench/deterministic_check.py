@@ -12,7 +12,8 @@ does the mode cost?
 - cost (the 8B shape): decode tok/s mode on / off at batch 1 and 64, served as `build_core` serves
   them (graphs), and DSpark's speedup over plain decoding with the mode on at an EXPLICITLY
   SIMULATED accept length (`--simulate-accept-len`, default 4: every verify keeps 3 drafts + the
-  bonus whatever the target says).
+  bonus whatever the target says); and (CUDA) each 8B weight's invariant GEMM against cuBLAS, with
+  the tile configurations it could fix instead (`batch_invariant.tile_config`'s choice, from figures).
 
     sparkwire bench deterministic --out $OUT/deterministic.json --budget-s 280
     sparkwire bench deterministic --device cpu --tiny --out /tmp/det.json  # smoke: the tiny model, a dummy drafter
@@ -245,6 +246,39 @@ def cost(pair: Pair, batches: list[int], prompt_len: int, new_tokens: int, accep
     return rows
 
 
+GEMM_CANDIDATES = ((16, 128), (32, 128), (64, 128), (128, 128), (64, 64), (128, 64))  # (block_n, block_k)
+
+
+def gemm_rows(config_dir: Path, batches: list[int]) -> list[dict]:
+    """CUDA: per weight shape of the model at `config_dir`, the invariant GEMM (its one tile
+    configuration, and the alternatives it could have fixed) against cuBLAS, us per call, at each batch."""
+    from triton.testing import do_bench
+
+    from services.scheduler.model.batch_invariant import TileConfig, matmul_triton, tile_config
+    from services.scheduler.model.config import ModelConfig
+    from services.scheduler.model.triton_matmul import launch_matmul
+
+    model = ModelConfig.from_pretrained(config_dir)
+    h, d = model.hidden_size, model.head_dim
+    shapes = {"qkv": ((model.num_attention_heads + 2 * model.num_key_value_heads) * d, h), "o": (h, model.num_attention_heads * d),
+              "gate_up": (2 * model.intermediate_size, h), "down": (h, model.intermediate_size), "lm_head": (model.vocab_size, h)}  # fmt: skip
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    rows = []
+    for name, (n, k) in shapes.items():
+        weight = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k**0.5
+        for m in batches:
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
+            timed = {f"{bn}x{bk}": do_bench(lambda c=TileConfig(64, bn, bk, 4, 3): launch_matmul(x, weight, None, out, c),
+                                           warmup=10, rep=40) for bn, bk in GEMM_CANDIDATES}  # fmt: skip
+            chosen = tile_config(n, k, sms)
+            rows.append({"weight": name, "n": n, "k": k, "batch": m, "chosen": f"{chosen.block_n}x{chosen.block_k}",
+                         "us_chosen": 1e3 * do_bench(lambda: matmul_triton(x, weight), warmup=10, rep=40),
+                         "us_cublas": 1e3 * do_bench(lambda: torch.nn.functional.linear(x, weight), warmup=10, rep=40),
+                         **{f"us_{key}": 1e3 * ms for key, ms in timed.items()}})  # fmt: skip
+    return rows
+
+
 def table(result: dict) -> str:
     lines = [f"deterministic on {result['device']}"]
     for key in ("axes_micro_on", "axes_micro_off", "axes_8b_on", "axes_8b_off"):
@@ -254,6 +288,11 @@ def table(result: dict) -> str:
                 lines.append(f"{model:5} {row['mode']:3} {row['axis']:20} identical {row['identical_outputs']:3}/{row['requests']:<3} "
                              f"chosen {row['max_abs_delta_chosen']:.3g} top {row['max_abs_delta_top']:.3g} bitwise {row['bitwise']}"
                              + (f" preemptions {row['preemptions']}" if "preemptions" in row else ""))  # fmt: skip
+    for row in result.get("gemm") or []:
+        if isinstance(row, dict) and "weight" in row:
+            best = min((k for k in row if k.startswith("us_") and "x" in k), key=lambda k: row[k])
+            lines.append(f"gemm {row['weight']:8} batch {row['batch']:3}: {row['chosen']} {row['us_chosen']:.1f} us, "
+                         f"cuBLAS {row['us_cublas']:.1f} us, best {best[3:]} {row[best]:.1f} us")  # fmt: skip
     for row in result.get("cost") or []:
         if isinstance(row, dict) and "batch" in row:
             lines.append(f"cost batch {row['batch']:3}: on/off {row['on_over_off']:.3f}  dspark(on, accept "
@@ -291,6 +330,8 @@ def main(args: argparse.Namespace) -> int:
             result[f"load_{name}"] = "ok"
             if name == cost_model:
                 section("cost", lambda: cost(pair, args.batches, 128, args.cost_new_tokens, args.simulate_accept_len))
+                if args.device == "cuda":
+                    section("gemm", lambda: gemm_rows(target, args.batches))
             prompts = args.prompts_8b if name == "8b" else args.prompts
             for mode in (True, False):
                 section(f"axes_{name}_{'on' if mode else 'off'}", lambda: axes(pair, mode, prompts, args.new_tokens))
