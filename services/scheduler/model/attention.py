@@ -311,9 +311,9 @@ def varlen_attention_torch(
     softcap: float = 0.0,
     invariant: bool = False,
 ) -> torch.Tensor:
-    """The varlen kernel's reference (invariant: `batch_invariant.attend_rowwise`, a host sync). Query token i of sequence b (q_len = query_start_loc[b + 1] -
-    query_start_loc[b]) sits at position seq_lens[b] - q_len + i and sees keys 0 .. that position
-    (the last `window` of them with window > 0).
+    """The varlen kernel's reference (invariant: `batch_invariant.attend_rowwise`, with a host sync).
+    Query token i of sequence b (q_len = query_start_loc[b + 1] - query_start_loc[b]) sits at position
+    seq_lens[b] - q_len + i and sees keys 0 .. that position (the last `window` of them with window > 0).
     As in the kernel, sequences may be empty (q_len 0: padding) and tokens past query_start_loc[-1]
     belong to none (padding): the kernel stores nothing for them, the twin zeros (no host sync)."""
     num_tokens = query.shape[0]

@@ -4,7 +4,7 @@ alone, whatever else shares the step.
 A GEMM's rounding depends on its reduction order, and libraries pick that order (tile shape,
 split-K, the tensor-core instruction) from the whole problem's shape, M included: the same row
 multiplied alone and among 63 others may round differently. Here:
-- `linear` on CUDA is a Triton matmul with one tile configuration per weight shape (N, K), whatever
+- `invariant_linear` on CUDA is a Triton matmul with one tile configuration per weight shape (N, K), whatever
   M, and no split-K: every output tile walks K in the same BLOCK_K steps, and a row's products meet
   only its own row of x. Elsewhere its twin multiplies each row as its own [1, K] @ [K, N] call:
   the same call, on a fresh contiguous row, whatever the batch.
@@ -31,7 +31,7 @@ class Linear(nn.Linear):
     invariant = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias) if self.invariant else F.linear(x, self.weight, self.bias)
+        return invariant_linear(x, self.weight, self.bias) if self.invariant else F.linear(x, self.weight, self.bias)
 
 
 def set_batch_invariant(model: nn.Module, on: bool) -> None:
@@ -42,7 +42,7 @@ def set_batch_invariant(model: nn.Module, on: bool) -> None:
     model.batch_invariant = on
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., K] @ weight [N, K]^T (+ bias [N]) -> [..., N], each row's value independent of the others."""
     rows = x.reshape(-1, x.shape[-1])  # [M, K]
     if x.device.type == "cuda":

@@ -33,7 +33,7 @@ from torch import nn
 
 from services.scheduler.model.attention import AttentionPlan, DecodePlan, VarlenPlan, paged_attention, plan_attention
 from services.scheduler.model.batch import ForwardBatch
-from services.scheduler.model.batch_invariant import Linear, linear
+from services.scheduler.model.batch_invariant import Linear, invariant_linear
 from services.scheduler.model.config import SLIDING, ModelConfig
 from services.scheduler.model.kv_cache import PagedKVCache
 from services.scheduler.model.rope import apply_rope, default_inv_freq, rope_cos_sin, rope_frequencies
@@ -348,7 +348,7 @@ class CausalLM(nn.Module):
 
     def head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, V] in the model's dtype, soft-capped where the config says (Gemma 2), as transformers does."""
-        product = linear if self.batch_invariant else F.linear
+        product = invariant_linear if self.batch_invariant else F.linear
         return softcap(product(hidden, self.lm_head_weight), self.config.final_logit_softcap)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

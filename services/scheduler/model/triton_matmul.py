@@ -1,4 +1,4 @@
-"""The batch-invariant GEMM (`batch_invariant.linear` on CUDA): out = x @ w^T (+ b), fp32 accumulation.
+"""The batch-invariant GEMM (`batch_invariant.invariant_linear` on CUDA): out = x @ w^T (+ b), fp32 accumulation.
 
 One program per (BLOCK_M x BLOCK_N) output tile; it walks K from 0 in BLOCK_K steps, so a row's
 reduction order is fixed by (N, K) and the tile configuration, which `batch_invariant.tile_config`

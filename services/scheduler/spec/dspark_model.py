@@ -44,7 +44,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from services.scheduler.model.batch_invariant import Linear, linear
+from services.scheduler.model.batch_invariant import Linear, invariant_linear
 from services.scheduler.model.config import ModelConfig
 from services.scheduler.model.llama import MLP, RMSNorm, apply_rope, rope_cos_sin, rope_inv_freq, rope_parameters, softcap
 from services.scheduler.spec.dspark_config import DSparkConfig
@@ -270,7 +270,7 @@ class DSparkDrafter(nn.Module):
         return self.norm(x)
 
     def base_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        product = linear if getattr(self, "batch_invariant", False) else F.linear
+        product = invariant_linear if getattr(self, "batch_invariant", False) else F.linear
         return softcap(product(hidden, self.target.lm_head_weight), self.target.logit_softcap).float()  # [..., V]
 
     def markov_step(self, prev: torch.Tensor, hidden: torch.Tensor, state: torch.Tensor | None) -> tuple:
