@@ -117,3 +117,29 @@ def test_matmul_kernel_compiles_for_the_h100(has_bias) -> None:
     constants = {"HAS_BIAS": has_bias, "BLOCK_M": config.block_m, "BLOCK_N": config.block_n, "BLOCK_K": config.block_k}
     source = ASTSource(triton_matmul._matmul_kernel, {**signature, **dict.fromkeys(constants, "constexpr")}, constants)
     assert triton.compile(source, target=GPUTarget("cuda", 90, 32)).asm["cubin"]
+
+
+@pytest.mark.skipif(not INTERPRETED, reason="run by test_kernels_in_the_triton_interpreter")
+def test_interpreted_runner_on_the_kernels_answers_a_request_alike_alone_and_beside_others() -> None:
+    """The mode's routing as CUDA runs it, the kernels interpreted: fused norms/RoPE/K-V write, every
+    step on the varlen kernel's invariant plan, through the padded ragged-graph path too."""
+    from services.models import RANDOM_TINY_MODEL
+    from services.scheduler.build import core_for
+    from services.scheduler.model.loader import load_model_runner
+    from tests.services.scheduler.test_scheduler_core import prompt_of, request, run
+    from contracts.scheduler import LogprobParams
+
+    runner = load_model_runner(RANDOM_TINY_MODEL, device="cpu", num_kv_blocks=64, kv_block_size=16, fused_kernels=True,
+                               batch_invariant=True)  # fmt: skip
+    runner.ragged_kernel = True
+    runner.prepare_ragged_graphs((1, 2), (4, 16), capture=False)
+    torch.set_num_threads(1)  # a child process of its own: many small calls, and a second thread only waits
+    asks = LogprobParams(return_logprob=True, logprob_start_len=0, top_logprobs_num=3)
+    reqs = [request(f"k{i}", prompt_of(70 + i, 5 + 6 * i), max_new_tokens=2, ignore_eos=True, logprobs=asks) for i in range(2)]
+    alone = {r.rid: run(core_for(runner, chunked_prefill_size=64), [r])[r.rid] for r in reqs}
+    together = run(core_for(runner, chunked_prefill_size=4), reqs)  # chunks beside decodes
+    for rid, a in alone.items():
+        b = together[rid]
+        assert a.tokens == b.tokens, rid
+        for name in ("input_token", "input_top_values", "output_token", "output_top_values"):
+            assert a.cat(name).tobytes() == b.cat(name).tobytes(), (rid, name)
