@@ -18,6 +18,7 @@ Norms, RoPE, the K/V write and SiLU are per-row already (`triton_fused`: one pro
 from __future__ import annotations
 
 import functools
+import importlib.util
 from dataclasses import dataclass
 
 import torch
@@ -45,7 +46,7 @@ def set_batch_invariant(model: nn.Module, on: bool) -> None:
 def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., K] @ weight [N, K]^T (+ bias [N]) -> [..., N], each row's value independent of the others."""
     rows = x.reshape(-1, x.shape[-1])  # [M, K]
-    if x.device.type == "cuda":
+    if x.device.type == "cuda" and has_triton():
         out = matmul_triton(rows, weight, bias)
     else:
         out = linear_rowwise(rows, weight, bias)
@@ -90,6 +91,11 @@ def matmul_triton(
     if x.shape[0] == 0:
         return out
     return launch_matmul(x, weight, bias, out, tile_config(weight.shape[0], weight.shape[1], num_sms))
+
+
+@functools.cache
+def has_triton() -> bool:
+    return importlib.util.find_spec("triton") is not None
 
 
 @functools.cache
