@@ -246,7 +246,9 @@ def cost(pair: Pair, batches: list[int], prompt_len: int, new_tokens: int, accep
     return rows
 
 
-GEMM_CANDIDATES = ((16, 128), (32, 128), (64, 128), (128, 128), (64, 64), (128, 64))  # (block_n, block_k)
+# (block_m, block_n, block_k): the fixed configuration's alternatives, to choose from figures
+GEMM_CANDIDATES = ((64, 16, 128), (64, 32, 128), (64, 64, 128), (64, 128, 128), (64, 64, 64), (16, 32, 128), (16, 64, 128),
+                   (32, 64, 128))  # fmt: skip
 
 
 def gemm_rows(config_dir: Path, batches: list[int]) -> list[dict]:
@@ -269,10 +271,11 @@ def gemm_rows(config_dir: Path, batches: list[int]) -> list[dict]:
         for m in batches:
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
-            timed = {f"{bn}x{bk}": do_bench(lambda c=TileConfig(64, bn, bk, 4, 3): launch_matmul(x, weight, None, out, c),
-                                           warmup=10, rep=40) for bn, bk in GEMM_CANDIDATES}  # fmt: skip
+            timed = {f"{bm}x{bn}x{bk}": do_bench(lambda c=TileConfig(bm, bn, bk, 4, 3): launch_matmul(x, weight, None, out, c),
+                                                warmup=10, rep=40) for bm, bn, bk in GEMM_CANDIDATES}  # fmt: skip
             chosen = tile_config(n, k, sms)
-            rows.append({"weight": name, "n": n, "k": k, "batch": m, "chosen": f"{chosen.block_n}x{chosen.block_k}",
+            rows.append({"weight": name, "n": n, "k": k, "batch": m,
+                         "chosen": f"{chosen.block_m}x{chosen.block_n}x{chosen.block_k}",
                          "us_chosen": 1e3 * do_bench(lambda: matmul_triton(x, weight), warmup=10, rep=40),
                          "us_cublas": 1e3 * do_bench(lambda: torch.nn.functional.linear(x, weight), warmup=10, rep=40),
                          **{f"us_{key}": 1e3 * ms for key, ms in timed.items()}})  # fmt: skip
