@@ -105,7 +105,7 @@ def test_every_scheduler_flag_of_up_reaches_the_scheduler_with_its_value(tmp_pat
               "--max-model-len", "300", "--kv-cache-memory-fraction", "0.25", "--no-ragged-cuda-graphs",
               "--no-logprob-cuda-graphs", "--no-greedy-logprob-graphs", "--no-fused-kernels", "--no-fused-logprobs", "--no-split-kv-decode", "--speculative-algorithm", "dspark", "--draft-model", str(tmp_path / "d"),
               "--speculative-num-draft-tokens", "5", "--draft-context-window", "512", "--verify-mode", "compact",
-              "--step-trace", str(tmp_path / "trace"), "--revision", "v2"]  # fmt: skip
+              "--step-trace", str(tmp_path / "trace"), "--revision", "v2", "--deterministic"]  # fmt: skip
     up = build_parser(["up", *values]).parse_args(["up", *values])
     defaults = build_parser(["up"]).parse_args(["up"])
     scheduler_argv = service_argv("scheduler", up)[3:]
@@ -208,3 +208,16 @@ def test_the_install_hint_names_this_python_and_where_the_project_comes_from(tmp
     assert here["CPU only"].endswith("torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu")
     wheel = install_commands("/opt/py/bin/python3", checkout=tmp_path)  # no pyproject.toml there
     assert wheel["then"] == "/opt/py/bin/python3 -m pip install '<the sparkwire wheel or checkout>[scheduler]'"
+
+
+@pytest.mark.parametrize("spelling", ["--deterministic", "--enable-deterministic-inference"])
+def test_deterministic_and_its_peer_spelling_reach_the_scheduler_config(spelling, monkeypatch):
+    from services.scheduler.__main__ import config_from_args
+
+    for up, wanted in ((["up"], False), (["up", spelling], True)):
+        scheduler = service_argv("scheduler", build_parser(up).parse_args(up))
+        assert config_from_args(build_parser(scheduler[3:]).parse_args(scheduler[3:])).deterministic == wanted
+    monkeypatch.setenv("SPARKWIRE_DETERMINISTIC", "1")
+    assert build_parser(["up"]).parse_args(["up"]).deterministic
+    monkeypatch.setenv("SPARKWIRE_DETERMINISTIC", "0")
+    assert not build_parser(["up"]).parse_args(["up"]).deterministic

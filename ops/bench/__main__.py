@@ -55,6 +55,8 @@ SUITES: dict[str, Suite] = {
                          "device time by kernel kind"),
     "gpu-models": Suite("ops.bench.gpu_models", "Qwen3-30B-A3B (MoE) decode against its bytes floor, the fused MoE kernel "
                         "against its twin, Qwen3-8B FP8 against bf16 and FP8 logprobs against dequantized"),
+    "deterministic": Suite("ops.bench.deterministic_check", "--deterministic: bitwise logprobs across batch, chunking, "
+                           "preemption, DSpark and forks (on; the bf16 drift off), and its cost on the 8B shape"),
     "two-gpu-serve": Suite("ops.bench.two_gpu_serve", "two schedulers on two GPUs behind one NATS: scaling, placement, one "
                            "stopping mid-run"),
 }

@@ -133,12 +133,16 @@ def dspark_proposer(runner, draft: Path, load_format: str = "dummy", confidences
     confidences: its blocks carry them (`compact`; `static` serves without)."""
     from services.scheduler.spec.dspark_loader import load_dspark_proposer
 
+    from services.scheduler.model.batch_invariant import set_batch_invariant
+
     proposer = load_dspark_proposer(draft, runner, load_format=load_format, confidences=confidences)
+    set_batch_invariant(proposer.drafter, runner.batch_invariant)  # as `build.load_proposer`
     if runner.decode_kernel:
         from services.scheduler.spec.draft_graphs import DraftGraphs
 
         proposer = DraftGraphs(proposer)
-        runner.prepare_decode_graphs(query_lens=(1, proposer.num_draft_tokens + 1), capture_layers=tuple(proposer.capture_layers))
+        if not runner.batch_invariant:  # a batch-invariant runner's steps are all ragged
+            runner.prepare_decode_graphs(query_lens=(1, proposer.num_draft_tokens + 1), capture_layers=tuple(proposer.capture_layers))
     return proposer
 
 

@@ -31,6 +31,7 @@ class EnvSettings:
     api_key: str = ""  # SPARKWIRE_API_KEY: the tokenizer's --api-key (kept out of process lists)
     allocator: str = "tuned"  # "tuned" (services/common/memory.py) or "default" (glibc's own thresholds)
     collector: str = "tuned"  # "tuned" (services/common/memory.py) or "default" (CPython's own thresholds, nothing frozen)
+    deterministic: bool = False  # SPARKWIRE_DETERMINISTIC=1: the scheduler's --deterministic
 
     @classmethod
     def from_environ(cls, environ: Mapping[str, str] = os.environ) -> EnvSettings:
@@ -38,8 +39,14 @@ class EnvSettings:
         for spec in fields(cls):
             raw = environ.get(PREFIX + spec.name.upper())
             if raw is not None:
-                values[spec.name] = type(spec.default)(raw)
+                values[spec.name] = _parse(raw, type(spec.default))
         return cls(**values)
+
+
+def _parse(raw: str, kind: type) -> object:
+    if kind is bool:  # bool("0") would be True
+        return raw.strip().lower() in ("1", "true", "yes", "on")
+    return kind(raw)
 
 
 def connection_values(environ: Mapping[str, str] = os.environ) -> dict[str, str]:

@@ -21,6 +21,7 @@ from services.scheduler.config import SchedulerConfig
 from services.scheduler.core import SchedulerCore
 from services.scheduler.flags import DEFAULT_CHUNKED_PREFILL_SIZE, DEFAULT_MAX_RUNNING_REQUESTS
 from services.scheduler.model import MemoryReserve, ModelConfig, ModelRunner, load_model_runner
+from services.scheduler.model.batch_invariant import set_batch_invariant
 from services.scheduler.model.dense_attention import DenseConfig, resolve_dense_kernel
 from services.scheduler.model.flash4_attention import warm_flash4
 from services.scheduler.model.ragged_graphs import seq_ladder, token_ladder
@@ -59,7 +60,8 @@ class CoreSettings:
 def resolve(config: SchedulerConfig, runner: ModelRunner) -> CoreSettings:
     """The config's switches as they hold on the runner's device: a CUDA-only switch is off elsewhere."""
     on_cuda = runner.device.type == "cuda"
-    fused_logprobs = config.fused_logprobs and on_cuda and triton_available()
+    # the fused kernels split a row's reduction by the batch's row count: deterministic takes torch's per-row one
+    fused_logprobs = config.fused_logprobs and on_cuda and triton_available() and not config.deterministic
     worker = WorkerOptions(
         logprobs_mode=config.logprobs_mode,
         logprob_graphs=config.logprob_cuda_graphs and on_cuda,
@@ -154,10 +156,12 @@ def load_runner(config: SchedulerConfig) -> ModelRunner:
         reserve=reserve,
         seed=config.seed,
         cuda_graphs=False,  # captured by `prepare_runtime`, once the verify width and captured layers are known
-        fused_kernels=None if config.fused_kernels else False,  # None: on where Triton runs (CUDA)
+        # None: on where Triton runs (CUDA); deterministic needs its per-row norms
+        fused_kernels=None if config.fused_kernels or config.deterministic else False,
         split_kv_decode=config.split_kv_decode,
         max_model_len=config.max_model_len,
         quantization=config.quantization,
+        batch_invariant=config.deterministic,
     )
 
 
@@ -171,6 +175,7 @@ def load_proposer(config: SchedulerConfig, runner: ModelRunner) -> Proposer | No
         num_draft_tokens=config.num_draft_tokens, context_window=config.draft_context_window,
         confidences=config.verify_mode == "compact",
     )  # fmt: skip
+    set_batch_invariant(proposer.drafter, runner.batch_invariant)  # seeded drafts' q: the row's own
     if runner.decode_kernel:  # CUDA: greedy drafts replay graphs
         from services.scheduler.spec.draft_graphs import DraftGraphs
 
@@ -181,7 +186,7 @@ def load_proposer(config: SchedulerConfig, runner: ModelRunner) -> Proposer | No
 def prepare_runtime(config: SchedulerConfig, settings: CoreSettings, runner: ModelRunner, proposer: Proposer | None) -> None:
     """Everything a first request would otherwise wait for: graphs captured, kernels compiled."""
     capture_layers = () if proposer is None else tuple(proposer.capture_layers)  # the drafter's context
-    if runner.decode_kernel:
+    if runner.decode_kernel and not runner.batch_invariant:  # invariant: every step is ragged
         query_lens = (1,) if proposer is None else (1, proposer.num_draft_tokens + 1)
         runner.prepare_decode_graphs(query_lens=query_lens, capture_layers=capture_layers)
     if config.ragged_cuda_graphs and runner.ragged_kernel:  # CUDA with Triton
@@ -191,7 +196,7 @@ def prepare_runtime(config: SchedulerConfig, settings: CoreSettings, runner: Mod
         if proposer is not None and settings.verify_mode == "compact":
             runner.ragged_graphs.capture_keys(runner.ragged_graphs.verify_keys(proposer.num_draft_tokens + 1), "verify")
     on_cuda = runner.device.type == "cuda"
-    if config.dense_prefill and on_cuda and config.resolved_max_prefill_tokens > config.chunked_prefill_size:
+    if config.dense_prefill and on_cuda and not runner.batch_invariant and config.resolved_max_prefill_tokens > config.chunked_prefill_size:
         # only queries no chunk-budget step holds: steps past the budget run eagerly whatever their path
         runner.dense_prefill = dense_prefill_config(config, runner)
     if settings.worker.fused_logprobs:

@@ -43,6 +43,7 @@ class SchedulerConfig:
     chunked_prefill_size: int = DEFAULT_CHUNKED_PREFILL_SIZE
     max_prefill_tokens: int | None = None  # tokens per step while nothing decodes (`Policy`); None: `resolved_max_prefill_tokens`
     overlap_decode: bool = True  # `SchedulerCore`: the next decode step launched before this one's readback
+    deterministic: bool = False  # batch-invariant numerics (`ModelRunner.batch_invariant`)
     ragged_cuda_graphs: bool = True  # CUDA with Triton: ragged steps replay graphs
     logprob_cuda_graphs: bool = True  # CUDA: output logprobs replay graphs (`LogprobGraphs`; exact against eager)
     # CUDA, with them: greedy decode steps' tokens and rows from one graph (`LogprobGraphs.greedy`);

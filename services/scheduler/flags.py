@@ -62,6 +62,11 @@ def add_model_arguments(parser: argparse.ArgumentParser, env: EnvSettings) -> No
     add("--max-model-len", type=int, default=None, help="longest prompt + output (default: the model's)")
     add("--kv-cache-memory-fraction", type=float, default=CUDA_KV_CACHE_FRACTION,
         help="CUDA: the share of device memory left free by the weights (a drafter's included) that the KV caches take")  # fmt: skip
+    add("--deterministic", "--enable-deterministic-inference", dest="deterministic",
+        action=argparse.BooleanOptionalAction, default=env.deterministic,
+        help="every id and logprob a request gets back depends on that request alone, not on the batch, the prompt's "
+             "chunking or speculation: batch-invariant matmuls, norms, attention and logprobs (SPARKWIRE_DETERMINISTIC; "
+             "SGLang's --enable-deterministic-inference, vLLM's VLLM_BATCH_INVARIANT; default off)")  # fmt: skip
     add("--step-trace", default=None, metavar="DIR",
         help="write one JSON line per scheduler step to DIR/<instance id>.jsonl: its wall time, shape and waits "
              "(read by ops/bench/step_trace_summary.py; default off)")  # fmt: skip
@@ -126,6 +131,7 @@ def scheduler_argv(args: argparse.Namespace) -> list[str]:
     argv += ["--max-prefill-tokens", str(args.max_prefill_tokens)] if args.max_prefill_tokens is not None else []
     argv += ["--kv-cache-memory-fraction", str(args.kv_cache_memory_fraction)]
     argv += ["--overlap-decode" if args.overlap_decode else "--no-overlap-decode"]
+    argv += ["--deterministic" if args.deterministic else "--no-deterministic"]
     argv += ["--step-trace", args.step_trace] if args.step_trace else []
     argv += ["--dtype", args.dtype] if args.dtype else []
     argv += ["--quantization", args.quantization] if args.quantization else []

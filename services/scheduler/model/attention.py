@@ -76,6 +76,7 @@ class VarlenPlan:
     block_m: int  # query tokens per tile
     use_kernel: bool  # True: the Triton kernel; False: the torch twin
     dense: DensePlan | None = None  # sequences attended by SDPA instead (no tiles); None: none
+    invariant: bool = False  # a row's reduction order set by its position alone (`batch_invariant`)
 
 
 MAX_TILE_ROWS = 128  # query rows (tokens x GQA group) per kernel program
@@ -112,20 +113,23 @@ def plan_varlen(
     use_kernel: bool = True,
     max_rows: int = MAX_TILE_ROWS,
     dense: DenseConfig | None = None,
+    invariant: bool = False,
 ) -> VarlenPlan:
     """The tile map of a ragged step, built on the host and uploaded once (no host sync when the
     batch carries its lengths on the host). group: query heads per kv head. dense: queries of at
-    least `dense.min_query_len` tokens get no tiles and go through `dense_attention` instead."""
+    least `dense.min_query_len` tokens get no tiles and go through `dense_attention` instead.
+    invariant: one tile size whatever the step, no dense queries (`batch_invariant`)."""
     starts, seq_lens = host_lengths(batch)
     query_lens = [end - start for start, end in zip(starts, starts[1:])]
-    query_lens, dense_plan = _split_dense(starts, seq_lens, query_lens, dense)
-    block_m = tile_tokens(max(query_lens, default=1), group, max_rows)
+    query_lens, dense_plan = _split_dense(starts, seq_lens, query_lens, None if invariant else dense)
+    block_m = tile_tokens(max_rows if invariant else max(query_lens, default=1), group, max_rows)
     device = batch.input_ids.device
     tiles = torch.tensor(query_tiles(query_lens, seq_lens, block_m), dtype=torch.int32).reshape(-1, 2).T.contiguous()
     if device.type == "cuda":
         tiles = tiles.pin_memory()
     tiles = tiles.to(device, non_blocking=True)  # [2, num_tiles]
-    return VarlenPlan(batch.query_start_loc, batch.seq_lens, batch.block_tables, tiles, block_m, use_kernel, dense_plan)
+    return VarlenPlan(batch.query_start_loc, batch.seq_lens, batch.block_tables, tiles, block_m, use_kernel, dense_plan,
+                      invariant)  # fmt: skip
 
 
 def _split_dense(
@@ -287,9 +291,9 @@ def varlen_attention(
         from services.scheduler.model.triton_varlen import varlen_attention_triton
 
         out = varlen_attention_triton(query, key_cache, value_cache, *tensors, plan.tiles, plan.block_m, scale,
-                                      window=window, softcap=softcap)  # fmt: skip
+                                      window=window, softcap=softcap, invariant=plan.invariant)  # fmt: skip
     else:  # the twin computes the dense rows too; attend_dense overwrites them
-        out = varlen_attention_torch(query, key_cache, value_cache, *tensors, scale, window, softcap)
+        out = varlen_attention_torch(query, key_cache, value_cache, *tensors, scale, window, softcap, plan.invariant)
     if plan.dense is not None:  # rows the kernel left unwritten (no tiles)
         attend_dense(query, key_cache, value_cache, plan.block_tables, plan.dense, scale, out)
     return out
@@ -305,10 +309,11 @@ def varlen_attention_torch(
     scale: float,
     window: int = 0,
     softcap: float = 0.0,
+    invariant: bool = False,
 ) -> torch.Tensor:
-    """The varlen kernel's reference. Query token i of sequence b (q_len = query_start_loc[b + 1] -
-    query_start_loc[b]) sits at position seq_lens[b] - q_len + i and sees keys 0 .. that position
-    (the last `window` of them with window > 0).
+    """The varlen kernel's reference (invariant: `batch_invariant.attend_rowwise`, with a host sync).
+    Query token i of sequence b (q_len = query_start_loc[b + 1] - query_start_loc[b]) sits at position
+    seq_lens[b] - q_len + i and sees keys 0 .. that position (the last `window` of them with window > 0).
     As in the kernel, sequences may be empty (q_len 0: padding) and tokens past query_start_loc[-1]
     belong to none (padding): the kernel stores nothing for them, the twin zeros (no host sync)."""
     num_tokens = query.shape[0]
@@ -319,6 +324,11 @@ def varlen_attention_torch(
     token_seq = (torch.searchsorted(starts[1:], tokens, right=True)).clamp_max(len(query_lens) - 1)  # [T]
     index = tokens - starts[token_seq]  # [T], query index in its sequence
     visible = torch.where(covered, seq_lens.long()[token_seq] - query_lens[token_seq] + index + 1, 1)  # [T]
+    if invariant:
+        from services.scheduler.model.batch_invariant import attend_rowwise
+
+        rows = (token_seq.tolist(), torch.where(covered, visible, 0).tolist())
+        return attend_rowwise(query, key_cache, value_cache, *rows, block_tables, scale, window, softcap)
     out = attend_visible_keys(query, key_cache, value_cache, token_seq, visible, block_tables, scale, window, softcap)
     return out.masked_fill(~covered[:, None, None], 0.0)
 

@@ -33,6 +33,7 @@ from torch import nn
 
 from services.scheduler.model.attention import AttentionPlan, DecodePlan, VarlenPlan, paged_attention, plan_attention
 from services.scheduler.model.batch import ForwardBatch
+from services.scheduler.model.batch_invariant import Linear, invariant_linear
 from services.scheduler.model.config import SLIDING, ModelConfig
 from services.scheduler.model.kv_cache import PagedKVCache
 from services.scheduler.model.rope import apply_rope, default_inv_freq, rope_cos_sin, rope_frequencies
@@ -89,8 +90,9 @@ def gelu_tanh_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 def takes_gemv(x: torch.Tensor, fused: bool, linear: nn.Module) -> bool:
-    """Whether a matmul of x [T, K] by `linear` runs as triton_fused's one-token GEMV (float weights only: not fp8.py's)."""
-    return fused and x.shape[0] == GEMV_TOKENS and isinstance(linear, nn.Linear)
+    """Whether a matmul of x [T, K] by `linear` runs as triton_fused's one-token GEMV (float weights
+    only, not fp8.py's; never a batch-invariant one: a row must round as it does among others)."""
+    return fused and x.shape[0] == GEMV_TOKENS and isinstance(linear, nn.Linear) and not getattr(linear, "invariant", False)
 
 
 def norm_linear(
@@ -130,7 +132,7 @@ def softcap(x: torch.Tensor, cap: float | None) -> torch.Tensor:
 
 def make_linear(in_features: int, out_features: int, bias: bool) -> nn.Linear:
     """Every projection of the decoder (a quantized checkpoint's linear would be built here)."""
-    return nn.Linear(in_features, out_features, bias=bias)
+    return Linear(in_features, out_features, bias=bias)
 
 
 def rope_inv_freq(config: ModelConfig, local: bool = False) -> torch.Tensor:
@@ -290,9 +292,10 @@ class CausalLM(nn.Module):
         self.config = config
         self.model = DecoderModel(config, self.layer_class, self.layer_class.norm_class)
         if not config.tie_word_embeddings:
-            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+            self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         self.init_rope()
         self.fused_kernels = False  # the Triton kernels of triton_fused.py (CUDA; the interpreter in tests)
+        self.batch_invariant = False  # `batch_invariant.set_batch_invariant`: every product row by row
 
     def init_rope(self, device: torch.device | None = None) -> None:
         """The RoPE tables' inverse frequencies (fp32: positions need the precision), on `device` (None:
@@ -350,7 +353,8 @@ class CausalLM(nn.Module):
 
     def head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, V] in the model's dtype, soft-capped where the config says (Gemma 2), as transformers does."""
-        return softcap(F.linear(hidden, self.lm_head_weight), self.config.final_logit_softcap)
+        product = invariant_linear if self.batch_invariant else F.linear
+        return softcap(product(hidden, self.lm_head_weight), self.config.final_logit_softcap)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.head_logits(hidden).float()  # [N, V]

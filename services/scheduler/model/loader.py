@@ -92,12 +92,14 @@ def load_model_runner(
     split_kv_decode: bool = DEFAULT_SPLIT_KV_DECODE,
     max_model_len: int | None = None,
     quantization: str | None = None,
+    batch_invariant: bool = False,
 ) -> ModelRunner:
     """Load the model at `path` onto `device` in `dtype` and allocate its paged KV cache.
 
     cuda_graphs None: capture decode CUDA graphs when on CUDA with Triton; True/False forces it.
     fused_kernels: `ModelRunner.fused_kernels` (None: on CUDA with Triton). split_kv_decode:
-    `ModelRunner.split_kv_decode` (default on).
+    `ModelRunner.split_kv_decode` (default on). batch_invariant: `ModelRunner.batch_invariant`
+    (`--deterministic`; no decode graphs: every step is ragged).
     kv_cache_bytes (or, on CUDA, `kv_cache_fraction` of the memory free after the weights and the
     reserve's weights) holds the cache's blocks together with the reserve's per-block bytes.
     max_model_len: the longest sequence served (`ModelConfig.context_len`: LongRoPE's factors, and
@@ -108,6 +110,8 @@ def load_model_runner(
         raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {load_format!r}")
     model_dir = Path(path)
     config = ModelConfig.from_pretrained(model_dir, context_len=max_model_len)
+    if batch_invariant and (config.num_experts or config.quantization is not None or quantization is not None):
+        raise ValueError("--deterministic covers dense bf16/fp32 models only: MoE experts and FP8 projections are not batch-invariant yet")
     device = torch.device(device)
     model = _empty_model(config, device, dtype)
     _fill_weights(model, model_dir, config, load_format, seed)
@@ -116,8 +120,9 @@ def load_model_runner(
     model.eval()
     num_blocks = num_kv_blocks or _default_num_blocks(config, kv_block_size, dtype, device, kv_cache_bytes, kv_cache_fraction, reserve)
     cache = PagedKVCache(config, num_blocks, kv_block_size, dtype, device)
-    runner = ModelRunner(model, cache, fused_kernels=fused_kernels, split_kv_decode=split_kv_decode)
-    if cuda_graphs if cuda_graphs is not None else runner.decode_kernel:
+    runner = ModelRunner(model, cache, fused_kernels=fused_kernels, split_kv_decode=split_kv_decode,
+                         batch_invariant=batch_invariant)  # fmt: skip
+    if (cuda_graphs if cuda_graphs is not None else runner.decode_kernel) and not batch_invariant:
         runner.prepare_decode_graphs()
     return runner
 

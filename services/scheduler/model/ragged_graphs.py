@@ -169,7 +169,8 @@ class RaggedGraphRunner:
     def key(self, batch: ForwardBatch) -> RaggedKey:
         seqs = self.seq_ladder[bisect.bisect_left(self.seq_ladder, batch.num_seqs)]
         tokens = self._token_rung(batch.num_tokens)
-        return RaggedKey(seqs, tokens, tile_tokens(max(batch.host_query_lens), self.group, self.max_tile_rows))
+        longest = self.max_tile_rows if self.model.batch_invariant else max(batch.host_query_lens)  # invariant: one tile size
+        return RaggedKey(seqs, tokens, tile_tokens(longest, self.group, self.max_tile_rows))
 
     def run(self, batch: ForwardBatch) -> ForwardOutput:
         """Hidden states [T, H] and captures of a ragged batch that `fits`; logits None (the caller
@@ -211,7 +212,7 @@ class RaggedGraphRunner:
         seqs = key.num_seqs + 1
         tiles = self.tiles[: 2 * key.num_tiles].view(2, key.num_tiles)  # [2, num_tiles]
         tensors = (self.query_start_loc[: seqs + 1], self.seq_lens[:seqs], self.block_tables[:seqs])
-        return VarlenPlan(*tensors, tiles, key.block_m, self.use_kernel)
+        return VarlenPlan(*tensors, tiles, key.block_m, self.use_kernel, invariant=self.model.batch_invariant)
 
     def _static_batch(self, key: RaggedKey) -> ForwardBatch:
         seqs, tokens = key.num_seqs + 1, key.num_tokens

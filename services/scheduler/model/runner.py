@@ -9,6 +9,9 @@ verify blocks of per-request lengths) run on CUDA through the Triton varlen kern
 host-built tile map (`VarlenPlan`), elsewhere through the ragged SDPA groups; once
 `prepare_ragged_graphs` has been called, those within its ladders are padded to a (sequence rung,
 token rung, block_m) key and replayed from CUDA graphs captured on first use (`ragged_graphs.py`).
+With `batch_invariant` set (`--deterministic`), every step takes the varlen path with one tile
+size and every product is batch-invariant (`batch_invariant.py`): a row's numbers depend on that
+row alone, for decode, verify and prefill queries alike.
 With `dense_prefill` set, a ragged step's long queries are attended over gathered K/V by
 FlashAttention-4 or torch SDPA instead of the varlen kernel (`dense_attention.py`); such steps run
 eagerly, never from a graph.
@@ -23,6 +26,7 @@ import torch
 from services.scheduler.flags import DEFAULT_SPLIT_KV_DECODE
 from services.scheduler.model.attention import DecodePlan, plan_varlen
 from services.scheduler.model.batch import ForwardBatch, ForwardOutput
+from services.scheduler.model.batch_invariant import set_batch_invariant
 from services.scheduler.model.config import ModelConfig
 from services.scheduler.model.dense_attention import DenseConfig
 from services.scheduler.model.graphs import DEFAULT_LADDER, DecodeGraphRunner, uniform_query_len
@@ -60,6 +64,7 @@ class ModelRunner:
         fused_kernels: bool | None = None,
         split_kv_decode: bool = DEFAULT_SPLIT_KV_DECODE,
         num_sms: int | None = None,
+        batch_invariant: bool = False,
     ) -> None:
         """decode_kernel: eager uniform-query steps use the Triton decode kernel; ragged_kernel: ragged
         steps use the Triton varlen kernel, not the SDPA groups; fused_kernels: the model's small ops
@@ -67,7 +72,8 @@ class ModelRunner:
         default: on CUDA with Triton); split_kv_decode: that decode kernel splits each sequence's keys
         across programs where the batch alone leaves SMs idle (`kv_splits.num_kv_splits`; default on;
         nothing without the decode kernel);
-        num_sms: the SMs the split count fills (None: read from the device once, here; 0 off CUDA)."""
+        num_sms: the SMs the split count fills (None: read from the device once, here; 0 off CUDA);
+        batch_invariant: every row's numbers its own (`batch_invariant.py`, `--deterministic`), for life."""
         self.model = model
         self.kv_cache = kv_cache
         self.config: ModelConfig = model.config
@@ -84,6 +90,8 @@ class ModelRunner:
         self._split_kv_decode = split_kv_decode
         self._num_sms = device_sms(kv_cache.kv.device) if num_sms is None else num_sms
         self._dense_prefill: DenseConfig | None = None
+        self.batch_invariant = batch_invariant
+        set_batch_invariant(model, batch_invariant)
 
     def prepare_decode_graphs(
         self,
@@ -192,7 +200,7 @@ class ModelRunner:
         """Run one step: write the new tokens' K/V, return final hidden states [T, H] (+ captures)."""
         self._check(batch)
         batch = self._on_device(batch)
-        query_len = uniform_query_len(batch)
+        query_len = None if self.batch_invariant else uniform_query_len(batch)  # invariant: one attention order for all
         if query_len is not None and self.decode_graphs is not None and self.decode_graphs.fits(batch, query_len):
             return self.decode_graphs.run(batch, query_len)
         graphable = self.ragged_graphs is not None and not _has_dense_query(self.dense_prefill, batch)
@@ -201,8 +209,9 @@ class ModelRunner:
             return self.ragged_graphs.run(batch)
         if query_len is not None and self.decode_kernel:
             return ForwardOutput(*self.model(batch, self.kv_cache, self.decode_plan(batch, query_len)))
-        if query_len is None and self.ragged_kernel:
-            plan = plan_varlen(batch, self.config.num_queries_per_kv, dense=self.dense_prefill)
+        if query_len is None and (self.ragged_kernel or self.batch_invariant):
+            plan = plan_varlen(batch, self.config.num_queries_per_kv, use_kernel=self.ragged_kernel, dense=self.dense_prefill,
+                               invariant=self.batch_invariant)  # fmt: skip
             return ForwardOutput(*self.model(batch, self.kv_cache, plan))
         hidden, captured = self.model(batch, self.kv_cache)
         return ForwardOutput(hidden_states=hidden, captured=captured)

@@ -101,6 +101,7 @@ def _varlen_kernel(
     stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_ot, stride_oh, stride_tb,
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, ROWS: tl.constexpr, HEAD_DIM: tl.constexpr,
     PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP2: tl.constexpr,
+    INVARIANT: tl.constexpr,
 ):
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -123,6 +124,8 @@ def _varlen_kernel(
     acc = tl.zeros([ROWS, HEAD_DIM], tl.float32)
     if WINDOW > 0:  # from the block of the first row's window start, both ends masked
         unmasked_end = tl.maximum(context + first - WINDOW + 1, 0) // BLOCK_N * BLOCK_N
+    elif INVARIANT:  # every block on the masked path: a row's arithmetic never depends on its tile
+        unmasked_end = 0
     else:
         unmasked_end = (context + first + 1) // BLOCK_N * BLOCK_N  # keys below it: visible to every row
         for start in range(0, unmasked_end, BLOCK_N):
@@ -153,6 +156,7 @@ def varlen_attention_triton(
     config: LaunchConfig | None = None,
     window: int = 0,
     softcap: float = 0.0,
+    invariant: bool = False,
 ) -> torch.Tensor:
     """query [T, Hq, D]; caches [N, page_size, Hkv, D] (new K/V already written); query_start_loc
     int32 [B + 1]; seq_lens int32 [B]; block_tables int32 [B, M]; tiles int32 [2, num_tiles]
@@ -164,7 +168,7 @@ def varlen_attention_triton(
     query = query.contiguous() if query.stride(-1) != 1 else query
     out = torch.empty_like(query)
     rows = tile_rows(block_m, group)
-    config = config or default_launch_config(rows)
+    config = config or default_launch_config(rows)  # rows fixed by block_m: invariant plans fix that
     num_tiles = tiles.shape[1]
     if num_tiles == 0:
         return out
@@ -173,7 +177,7 @@ def varlen_attention_triton(
         query.stride(0), query.stride(1), key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         out.stride(0), out.stride(1), block_tables.stride(0),
         GROUP=group, BLOCK_M=block_m, ROWS=rows, HEAD_DIM=head_dim, PAGE_SIZE=page_size, BLOCK_N=config.block_n,
-        WINDOW=window, SOFTCAP2=float(softcap) * LOG2_E,
+        WINDOW=window, SOFTCAP2=float(softcap) * LOG2_E, INVARIANT=invariant,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip
     return out

@@ -44,6 +44,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from services.scheduler.model.batch_invariant import Linear, invariant_linear
 from services.scheduler.model.config import ModelConfig
 from services.scheduler.model.llama import MLP, RMSNorm, apply_rope, rope_cos_sin, rope_inv_freq, rope_parameters, softcap
 from services.scheduler.spec.dspark_config import DSparkConfig
@@ -75,10 +76,10 @@ class DraftAttention(nn.Module):
             config.num_attention_heads, config.num_key_value_heads, config.head_dim,
         )  # fmt: skip
         bias = config.attention_bias
-        self.q_proj = nn.Linear(config.hidden_size, self.num_heads * self.head_dim, bias=bias)
-        self.k_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
-        self.v_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=bias)
+        self.q_proj = Linear(config.hidden_size, self.num_heads * self.head_dim, bias=bias)
+        self.k_proj = Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
+        self.o_proj = Linear(self.num_heads * self.head_dim, config.hidden_size, bias=bias)
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
 
@@ -142,7 +143,7 @@ class MarkovHead(nn.Module):
     def __init__(self, vocab_size: int, rank: int, hidden_size: int) -> None:
         super().__init__()
         self.markov_w1 = nn.Embedding(vocab_size, rank)  # W1 [V, r]
-        self.markov_w2 = nn.Linear(rank, vocab_size, bias=False)  # W2: r -> V
+        self.markov_w2 = Linear(rank, vocab_size, bias=False)  # W2: r -> V
 
     def latent(self, prev: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         return self.markov_w1(prev)  # [..., r]
@@ -161,7 +162,7 @@ class GatedMarkovHead(MarkovHead):
 
     def __init__(self, vocab_size: int, rank: int, hidden_size: int) -> None:
         super().__init__(vocab_size, rank, hidden_size)
-        self.gate_proj = nn.Linear(hidden_size + rank, rank)
+        self.gate_proj = Linear(hidden_size + rank, rank)
 
     def latent(self, prev: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         embedded = self.markov_w1(prev)
@@ -174,7 +175,7 @@ class RecurrentMarkovHead(MarkovHead):
 
     def __init__(self, vocab_size: int, rank: int, hidden_size: int) -> None:
         super().__init__(vocab_size, rank, hidden_size)
-        self.joint_proj = nn.Linear(2 * rank + hidden_size, 3 * rank)
+        self.joint_proj = Linear(2 * rank + hidden_size, 3 * rank)
 
     def step(self, prev: torch.Tensor, hidden: torch.Tensor, state: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         embedded = self.markov_w1(prev)  # [..., r]
@@ -198,7 +199,7 @@ MARKOV_HEADS = {"vanilla": MarkovHead, "gated": GatedMarkovHead, "rnn": Recurren
 class ConfidenceHead(nn.Module):
     def __init__(self, input_dim: int) -> None:
         super().__init__()
-        self.proj = nn.Linear(input_dim, 1)
+        self.proj = Linear(input_dim, 1)
 
     def forward(self, features: torch.Tensor) -> torch.Tensor:
         return self.proj(features).squeeze(-1).float()  # logit, [...]
@@ -212,7 +213,7 @@ class DSparkDrafter(nn.Module):
         backbone = config.backbone
         self.config = config
         self.target = SharedTarget(embed_tokens, lm_head_weight, logit_softcap)
-        self.fc = nn.Linear(config.num_context_layers * backbone.hidden_size, backbone.hidden_size, bias=False)
+        self.fc = Linear(config.num_context_layers * backbone.hidden_size, backbone.hidden_size, bias=False)
         self.hidden_norm = RMSNorm(backbone.hidden_size, backbone.rms_norm_eps)
         self.layers = nn.ModuleList(DraftLayer(backbone) for _ in range(backbone.num_hidden_layers))
         self.norm = RMSNorm(backbone.hidden_size, backbone.rms_norm_eps)
@@ -269,7 +270,8 @@ class DSparkDrafter(nn.Module):
         return self.norm(x)
 
     def base_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return softcap(F.linear(hidden, self.target.lm_head_weight), self.target.logit_softcap).float()  # [..., V]
+        product = invariant_linear if getattr(self, "batch_invariant", False) else F.linear
+        return softcap(product(hidden, self.target.lm_head_weight), self.target.logit_softcap).float()  # [..., V]
 
     def markov_step(self, prev: torch.Tensor, hidden: torch.Tensor, state: torch.Tensor | None) -> tuple:
         """One serving slot's Markov bias ([B, V], or 0.0 without the head) and the head's next state."""

@@ -94,3 +94,12 @@ def test_dspark_on_qwen3_moe_is_lossless(saved_family, tmp_path) -> None:
     assert all(result.spec_verify_ct for result in results.values())
     for rid, result in results.items():
         check_against_transformers(model, result, prompts[rid])
+
+
+def test_deterministic_mode_refuses_a_moe_model(saved_family) -> None:
+    # Its experts' products are not batch-invariant: the mode says so rather than promise it.
+    from services.scheduler.model.loader import load_model_runner
+
+    _, path = saved_family("qwen3-moe")
+    with pytest.raises(ValueError, match="--deterministic covers dense"):
+        load_model_runner(path, num_kv_blocks=8, kv_block_size=16, batch_invariant=True)

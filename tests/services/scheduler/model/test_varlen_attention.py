@@ -117,7 +117,7 @@ def test_runner_sends_ragged_steps_to_the_varlen_plan_and_uniform_ones_elsewhere
     runner, mixed = prefilled_runner(make_pager)
     planned = []
 
-    def twin_plan(batch, group, **options):
+    def twin_plan(batch, group, use_kernel=True, **options):
         planned.append(batch.num_tokens)
         return plan_varlen(batch, group, use_kernel=False, **options)
 
