@@ -232,7 +232,8 @@ def chat_prompt(
     template_kwargs: dict[str, Any] | None, tools: list[dict[str, Any]] | None = None,
 ) -> str:  # fmt: skip
     """The prompt text of a conversation, rendered with the model's chat template (a template's
-    refusal is a 400 naming `messages`)."""
+    refusal is a 400 naming `messages`; tools or tool calls it would not render, a 400 naming them)."""
+    _check_template_reads(model.chat_template or "", messages, tools)
     try:
         text = model.render_chat(
             chat_messages(messages), add_generation_prompt=add_generation_prompt,
@@ -242,6 +243,14 @@ def chat_prompt(
         raise InvalidRequest(str(exc), "messages") from None
     check_text_size(text, model, "messages")
     return text
+
+
+def _check_template_reads(template: str, messages: list[ChatMessage], tools: list[dict[str, Any]] | None) -> None:
+    """A template that never mentions tools or tool calls would drop them silently: refused."""
+    require(not tools or "tools" in template, "this model's chat template does not render tools", "tools")
+    for index, message in enumerate(messages):
+        require(not message.tool_calls or "tool_calls" in template,
+                "this model's chat template does not render tool calls", f"messages[{index}].tool_calls")  # fmt: skip
 
 
 def tokenize_ids(body: TokenizeBody, model: TextModel) -> list[int]:

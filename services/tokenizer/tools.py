@@ -95,9 +95,7 @@ class CallReader:
 
     def feed(self, text: str) -> Read:
         self._held += text
-        read = self._hermes() if self.fmt == HERMES else self._llama3()
-        self.num_calls += len(read.calls)
-        return read
+        return self._hermes() if self.fmt == HERMES else self._llama3()
 
     def finish(self) -> Read:
         """The rest at the end of the output: an unclosed call that parses is a call, else content."""
@@ -136,6 +134,7 @@ class CallReader:
                 read.content += HERMES_START + body + HERMES_END
             else:
                 read.calls.append(call)
+                self.num_calls += 1
 
     def _sendable(self, content: str) -> str:
         """Whitespace between calls is the format's, not content."""

@@ -228,7 +228,7 @@ def generate_grammar(body: SamplingParamsBody, names: Mapping[str, str]) -> Gram
     given = [name for name in ("json_schema", "regex", "ebnf") if getattr(body, name) is not None]
     if not given:
         return None
-    require(len(given) == 1, f"give at most one of json_schema, regex and ebnf (got {', '.join(given)})", names[given[1]])
+    require(len(given) == 1, f"give at most one of json_schema, regex and ebnf (got {', '.join(given)})", names[given[-1]])
     name = given[0]
     if name == "json_schema":
         return Grammar(GrammarKind.JSON_SCHEMA, schema_text(body.json_schema, names[name]))
