@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import json
 import math
+import re
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -232,8 +233,13 @@ def generate_grammar(body: SamplingParamsBody, names: Mapping[str, str]) -> Gram
     name = given[0]
     if name == "json_schema":
         return Grammar(GrammarKind.JSON_SCHEMA, schema_text(body.json_schema, names[name]))
-    kind = GrammarKind.REGEX if name == "regex" else GrammarKind.EBNF
-    return Grammar(kind, _sized(getattr(body, name), names[name]))
+    if name == "regex":
+        try:
+            re.compile(body.regex)
+        except re.error as exc:
+            require(False, f"is not a regular expression: {exc}", names[name])
+        return Grammar(GrammarKind.REGEX, _sized(body.regex, names[name]))
+    return Grammar(GrammarKind.EBNF, _sized(body.ebnf, names[name]))
 
 
 def check_penalties(body: SamplingParamsBody, names: Mapping[str, str]) -> None:
