@@ -90,21 +90,24 @@ class GrammarMatchers:
             if found is not None:
                 self._compiled.move_to_end(grammar)
                 return found
-            compiled = self._compiler_of().compile_grammar(_xgrammar_of(grammar))
+            compiler = self._compiler_of()
+        compiled = compiler.compile_grammar(_xgrammar_of(grammar))  # unlocked: a long compile never holds up a step's cache hit
+        with self._lock:
             self._compiled[grammar] = compiled
             if len(self._compiled) > MAX_COMPILED:
                 self._compiled.popitem(last=False)
-            return compiled
+        return compiled
 
     def release(self, rid: str) -> None:
         self._kept.pop(rid, None)
 
-    def bitmask(self, blocks: Sequence[GrammarBlock | None], width: int) -> torch.Tensor | None:
+    def bitmask(self, blocks: Sequence[GrammarBlock | None], width: int, pin: bool = False) -> torch.Tensor | None:
         """int32 [len(blocks) * width, num_words] on the host: `width` rows per block (None: a
-        sequence without a grammar, every token allowed); None when no block has a grammar."""
+        sequence without a grammar, every token allowed); None when no block has a grammar.
+        pin: in pinned memory, so that its copy to a GPU does not wait for the queued forward."""
         if all(block is None for block in blocks):
             return None
-        masks = torch.full((len(blocks) * width, self.num_words), ALL_ALLOWED, dtype=torch.int32)
+        masks = torch.full((len(blocks) * width, self.num_words), ALL_ALLOWED, dtype=torch.int32, pin_memory=pin)
         for b, block in enumerate(blocks):
             if block is not None:
                 self._fill_block(block, masks, b * width, width)

@@ -263,7 +263,7 @@ class ModelWorker:
         """Each row masked by its grammar's state after the drafts before it (`grammar.py`); the
         host fills the bitmasks here, after the step's forward is queued, so the device is busy meanwhile."""
         blocks = [_grammar_block(s) for s in producers]
-        bitmask = self.grammars.bitmask(blocks, width)  # int32 [P * (K + 1), W] on the host, or None
+        bitmask = self.grammars.bitmask(blocks, width, pin=logits.is_cuda)  # int32 [P * (K + 1), W] on the host, or None
         if bitmask is None:
             return logits
         return apply_token_bitmask(logits, bitmask.to(logits.device, non_blocking=True))
