@@ -1,4 +1,4 @@
-"""What structured output adds to a decode step, on the CPU (services/scheduler/grammar.py).
+"""What structured output adds to a decode step (services/scheduler/grammar.py), CPU or GPU.
 
 Three figures per batch size B, in microseconds (medians):
 
@@ -7,12 +7,13 @@ Three figures per batch size B, in microseconds (medians):
           back all of them) — the host work, which the worker does while the device runs the forward
 - apply:  `apply_token_bitmask` over the B x width rows of logits [rows, V]
 - step:   `core.step` wall time of a plain greedy decode step on the bundled micro model, every
-          request under a JSON schema against none (the CPU forward included, so only the
-          difference says anything; on a GPU the fill overlaps the forward)
+          request under a JSON schema against none (the forward included, so only the difference
+          says anything; on a GPU the fill overlaps the forward, `--device cuda`, bf16)
 
 Sequences sit at spread positions of a valid answer (`ANSWER`) so the matchers are in varied states.
 
     sparkwire bench grammar-overhead --out ops/bench/results/grammar_overhead.json
+    sparkwire bench grammar-overhead --device cuda --out grammar_overhead_gpu.json
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from tokenizers import Tokenizer
 
 from contracts.scheduler import Grammar, GrammarKind, SamplingParams
 from ops.bench import scheduler_harness as harness
-from ops.bench.common import write_json
+from ops.bench.common import bench_dtype, device_name, synchronize, write_json
 from services.models import BUNDLED_MODEL
 from services.scheduler.grammar import GrammarBlock, GrammarMatchers
 from services.scheduler.logits_processing import apply_token_bitmask
@@ -50,16 +51,18 @@ ANSWER = '{"id": 4242, "name": "a fairly long name of a thing", "tags": ["red", 
 GRAMMAR = Grammar(GrammarKind.JSON_SCHEMA, json.dumps(SCHEMA))
 
 
-def _median_us(call, repeats: int) -> float:
+def _median_us(call, repeats: int, device: str = "cpu") -> float:
     times = []
     for _ in range(repeats):
+        synchronize(device)
         start = time.perf_counter()
         call()
+        synchronize(device)
         times.append(time.perf_counter() - start)
     return 1e6 * statistics.median(times)
 
 
-def fill_and_apply(model: Path, batch: int, width: int, repeats: int) -> dict[str, float]:
+def fill_and_apply(model: Path, batch: int, width: int, repeats: int, device: str) -> dict[str, float]:
     config = json.loads((model / "config.json").read_text())
     eos = config["eos_token_id"] if isinstance(config["eos_token_id"], list) else [config["eos_token_id"]]
     matchers = GrammarMatchers(str(model), config["vocab_size"], eos)
@@ -68,15 +71,15 @@ def fill_and_apply(model: Path, batch: int, width: int, repeats: int) -> dict[st
     positions = [room * b // max(batch, 1) for b in range(batch)]
     blocks = [GrammarBlock(f"r{b}", GRAMMAR, answer, 0, p, answer[p : p + width - 1]) for b, p in enumerate(positions)]
     matchers.bitmask(blocks, width)  # compile, matchers caught up: what a running batch has
-    logits = torch.randn(batch * width, config["vocab_size"])
-    mask = matchers.bitmask(blocks, width)
+    logits = torch.randn(batch * width, config["vocab_size"], device=device)
+    mask = matchers.bitmask(blocks, width).to(device)
     return {
-        "fill_us": _median_us(lambda: matchers.bitmask(blocks, width), repeats),
-        "apply_us": _median_us(lambda: apply_token_bitmask(logits, mask), repeats),
+        "fill_us": _median_us(lambda: matchers.bitmask(blocks, width, pin=device == "cuda"), repeats),
+        "apply_us": _median_us(lambda: apply_token_bitmask(logits, mask), repeats, device),
     }
 
 
-def step_times(runner, model: Path, batch: int, steps: int) -> dict[str, float]:
+def step_times(runner, model: Path, batch: int, steps: int, device: str) -> dict[str, float]:
     found = {}
     for name, grammar in (("plain", None), ("grammar", GRAMMAR)):
         core = harness.core_for(runner, max_running_requests=batch, chunked_prefill_size=4096, tokenizer_dir=str(model))
@@ -87,8 +90,10 @@ def step_times(runner, model: Path, batch: int, steps: int) -> dict[str, float]:
         core.step()  # the prefill
         times = []
         for _ in range(steps):
+            synchronize(device)
             start = time.perf_counter()
             core.step()
+            synchronize(device)
             times.append(time.perf_counter() - start)
         found[f"step_{name}_us"] = 1e6 * statistics.median(times)
     found["step_overhead_us"] = found["step_grammar_us"] - found["step_plain_us"]
@@ -98,16 +103,16 @@ def step_times(runner, model: Path, batch: int, steps: int) -> dict[str, float]:
 def run(args: argparse.Namespace) -> dict:
     deadline = time.monotonic() + args.budget_s
     torch.set_num_threads(args.threads)
-    result: dict = {"model": args.model.name, "threads": args.threads, "rows": []}
-    runner = load_model_runner(args.model, device="cpu", dtype=torch.float32, num_kv_blocks=2048, kv_block_size=16)
+    result: dict = {"model": args.model.name, "device": device_name(args.device), "threads": args.threads, "rows": []}
+    runner = load_model_runner(args.model, device=args.device, dtype=bench_dtype(args.device), num_kv_blocks=2048, kv_block_size=16)
     for batch in args.batches:
         for width in args.widths:
             if time.monotonic() > deadline:
                 result["cut_short"] = True
                 break
-            row = {"batch": batch, "width": width, **fill_and_apply(args.model, batch, width, args.repeats)}
+            row = {"batch": batch, "width": width, **fill_and_apply(args.model, batch, width, args.repeats, args.device)}
             if width == 1:
-                row |= step_times(runner, args.model, batch, args.steps)
+                row |= step_times(runner, args.model, batch, args.steps, args.device)
             result["rows"].append({k: round(v, 1) if isinstance(v, float) else v for k, v in row.items()})
     return result
 
@@ -123,6 +128,7 @@ def table(result: dict) -> str:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", type=Path, default=BUNDLED_MODEL, help="a model directory with tokenizer.json")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64])
     parser.add_argument("--widths", type=int, nargs="+", default=[1, 8], help="rows per sequence: 1 plain, K + 1 with K drafts")
     parser.add_argument("--repeats", type=int, default=50)
