@@ -120,9 +120,13 @@ def _generate(client: httpx.Client, grammar: dict, prompt: str, sampling: dict, 
 
 
 def _openai(client: httpx.Client, chat: bool, schema: dict, prompt: str, sampling: dict, stream: bool) -> tuple[str, str]:
-    body = {"max_tokens": MAX_TOKENS, "stream": stream, **sampling,
-            "response_format": {"type": "json_schema", "json_schema": {"name": "answer", "schema": schema}}}  # fmt: skip
+    body = {**sampling, "response_format": {"type": "json_schema", "json_schema": {"name": "answer", "schema": schema}}}
     body |= {"messages": [{"role": "user", "content": prompt}]} if chat else {"prompt": prompt}
+    return _openai_body(client, body, chat, stream)
+
+
+def _openai_body(client: httpx.Client, body: dict, chat: bool, stream: bool) -> tuple[str, str]:
+    body = {"max_tokens": MAX_TOKENS, "stream": stream, **body}
     response = client.post("/v1/chat/completions" if chat else "/v1/completions", json=body)
     assert response.status_code == 200, response.text
     if not stream:
@@ -183,6 +187,16 @@ def test_every_answer_validates_against_its_schema_or_regex(answers, name, greed
 
 def test_greedy_dspark_equals_greedy_plain_under_the_same_grammar(answers):
     assert answers["dspark", True] == answers["plain", True]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_json_object_answers_are_json_objects(stacks, stream):
+    with httpx.Client(base_url=stacks[1].base_url, timeout=60) as client:
+        for seed in range(3):
+            body = {"messages": [{"role": "user", "content": "Give me a JSON object"}], "temperature": 1.0, "seed": seed,
+                    "response_format": {"type": "json_object"}}  # fmt: skip
+            text, finish = _openai_body(client, body, chat=True, stream=stream)
+            assert finish == "stop" and isinstance(json.loads(text), dict), text
 
 
 def test_a_grammar_that_does_not_compile_fails_the_request_with_its_reason(stacks):
