@@ -55,8 +55,8 @@ def new_request(rid: str, prompt: np.ndarray, sampling: SamplingParams, logprobs
 def core_for(runner, *, max_running_requests: int, chunked_prefill_size: int, proposer=None,
              simulated_accept_len: int | None = None, **options: Any):  # fmt: skip
     """A `SchedulerCore` over `runner`. options: max_model_len, logprobs_mode, logprob_graphs,
-    greedy_logprob_graphs, fused_logprobs, overlap_decode, max_prefill_tokens (the core's own
-    defaults where left out). simulated_accept_len: every verify keeps that many tokens whatever the
+    greedy_logprob_graphs, fused_logprobs, overlap_decode, max_prefill_tokens, tokenizer_dir (for
+    grammars; the core's own defaults where left out). simulated_accept_len: every verify keeps that many tokens whatever the
     target says (needs a proposer) — timings at a chosen accept length, never the model's output."""
     from services.scheduler import build
     from services.scheduler.core import SchedulerCore
