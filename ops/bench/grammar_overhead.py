@@ -72,7 +72,7 @@ def fill_and_apply(model: Path, batch: int, width: int, repeats: int, device: st
     blocks = [GrammarBlock(f"r{b}", GRAMMAR, answer, 0, p, answer[p : p + width - 1]) for b, p in enumerate(positions)]
     matchers.bitmask(blocks, width)  # compile, matchers caught up: what a running batch has
     logits = torch.randn(batch * width, config["vocab_size"], device=device)
-    mask = matchers.bitmask(blocks, width).to(device)
+    mask = matchers.bitmask(blocks, width).masks.to(device)
     return {
         "fill_us": _median_us(lambda: matchers.bitmask(blocks, width, pin=device == "cuda"), repeats),
         "apply_us": _median_us(lambda: apply_token_bitmask(logits, mask), repeats, device),

@@ -48,6 +48,12 @@ class GrammarBlock:
     drafts: Sequence[int]  # row j has seen drafts 1..j too
 
 
+@dataclass(frozen=True)
+class GrammarRows:
+    masks: torch.Tensor  # int32 [R, num_words] on the host
+    rows: list[int] | None  # [R]: the logits rows they mask; None: every row, in order
+
+
 class _Kept:
     """A sequence's matcher and how many of its committed outputs it has accepted."""
 
@@ -101,17 +107,18 @@ class GrammarMatchers:
     def release(self, rid: str) -> None:
         self._kept.pop(rid, None)
 
-    def bitmask(self, blocks: Sequence[GrammarBlock | None], width: int, pin: bool = False) -> torch.Tensor | None:
-        """int32 [len(blocks) * width, num_words] on the host: `width` rows per block (None: a
-        sequence without a grammar, every token allowed); None when no block has a grammar.
-        pin: in pinned memory, so that its copy to a GPU does not wait for the queued forward."""
-        if all(block is None for block in blocks):
+    def bitmask(self, blocks: Sequence[GrammarBlock | None], width: int, pin: bool = False) -> GrammarRows | None:
+        """The bitmasks of the `width` rows of every block with a grammar (None: a sequence without
+        one, its rows left alone); None when no block has a grammar. pin: in pinned memory, so that
+        their copy to a GPU does not wait for the queued forward."""
+        constrained = [b for b, block in enumerate(blocks) if block is not None]
+        if not constrained:
             return None
-        masks = torch.full((len(blocks) * width, self.num_words), ALL_ALLOWED, dtype=torch.int32, pin_memory=pin)
-        for b, block in enumerate(blocks):
-            if block is not None:
-                self._fill_block(block, masks, b * width, width)
-        return masks
+        masks = torch.full((len(constrained) * width, self.num_words), ALL_ALLOWED, dtype=torch.int32, pin_memory=pin)
+        for i, b in enumerate(constrained):
+            self._fill_block(blocks[b], masks, i * width, width)
+        rows = None if len(constrained) == len(blocks) else [b * width + j for b in constrained for j in range(width)]
+        return GrammarRows(masks, rows)
 
     def _fill_block(self, block: GrammarBlock, masks: torch.Tensor, first: int, width: int) -> None:
         kept = self._caught_up(block)

@@ -262,11 +262,14 @@ class ModelWorker:
     def _grammar_masked(self, producers: list[SeqStep], logits: torch.Tensor, width: int) -> torch.Tensor:
         """Each row masked by its grammar's state after the drafts before it (`grammar.py`); the
         host fills the bitmasks here, after the step's forward is queued, so the device is busy meanwhile."""
-        blocks = [_grammar_block(s) for s in producers]
-        bitmask = self.grammars.bitmask(blocks, width, pin=logits.is_cuda)  # int32 [P * (K + 1), W] on the host, or None
-        if bitmask is None:
+        found = self.grammars.bitmask([_grammar_block(s) for s in producers], width, pin=logits.is_cuda)
+        if found is None:
             return logits
-        return apply_token_bitmask(logits, bitmask.to(logits.device, non_blocking=True))
+        masks = found.masks.to(logits.device, non_blocking=True)  # int32 [R, W]
+        if found.rows is None:  # every producer has a grammar
+            return apply_token_bitmask(logits, masks)
+        rows = torch.tensor(found.rows, device=logits.device)  # [R]
+        return logits.index_copy(0, rows, apply_token_bitmask(logits[rows], masks))
 
     def _sampling_inputs(
         self, producers: list[SeqStep], logits: torch.Tensor, drafts: torch.Tensor

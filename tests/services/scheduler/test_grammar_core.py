@@ -76,7 +76,7 @@ def test_verify_rows_follow_the_drafts_and_the_matcher_rolls_back():
     a, b, c, d, e, z = (tokenizer.token_to_id(ch) for ch in "abcdez")
 
     tokens = [7, 8, a]  # two prompt tokens, then a committed output
-    first = matchers.bitmask([GrammarBlock("r", grammar, tokens, 2, 1, [b, c, z])], 4)
+    first = matchers.bitmask([GrammarBlock("r", grammar, tokens, 2, 1, [b, c, z])], 4).masks
     fresh = xgrammar.GrammarMatcher(matchers.compiled(grammar))
     expected = xgrammar.allocate_token_bitmask(4, VOCAB)
     fresh.accept_token(a)
@@ -87,7 +87,9 @@ def test_verify_rows_follow_the_drafts_and_the_matcher_rolls_back():
     expected[3] = -1
     assert torch.equal(first, expected)
     # the drafts were rolled back: accepted b and a bonus d come as committed tokens next
-    second = matchers.bitmask([GrammarBlock("r", grammar, [*tokens, b, d], 2, 3, [e])], 2)
+    found = matchers.bitmask([None, GrammarBlock("r", grammar, [*tokens, b, d], 2, 3, [e]), None], 2)
+    assert found.rows == [2, 3]  # the constrained block's rows alone
+    second = found.masks
     after_abd = xgrammar.GrammarMatcher(matchers.compiled(grammar))
     assert all(after_abd.accept_token(t) for t in (a, b, d))
     row = xgrammar.allocate_token_bitmask(1, VOCAB)
@@ -140,3 +142,13 @@ def test_processed_logprobs_reflect_the_mask_and_raw_ones_do_not(make_core):
     assert (raw_top > -9999).all()  # the model's own distribution: nothing masked
     processed_own, raw_own = np.concatenate(processed.output_token), np.concatenate(raw.output_token)
     assert (processed_own >= raw_own - 1e-5).all() and (processed_own > raw_own + 1e-3).any()  # renormalized over fewer tokens
+
+
+def test_in_a_mixed_batch_only_the_constrained_rows_are_masked(make_core, dspark, text_of):  # noqa: F811
+    constrained = _grammar_requests(0.0)[:4]
+    free = [request(f"f{i}", prompt_of(90 + i, 6), max_new_tokens=12, ignore_eos=True) for i in range(3)]
+    alone = run(make_core(tokenizer_dir=str(RANDOM_TINY_MODEL), proposer=dspark()), free)
+    mixed = run(make_core(tokenizer_dir=str(RANDOM_TINY_MODEL), proposer=dspark()), [*constrained[:2], *free, *constrained[2:]])
+    assert {r.rid: mixed[r.rid].tokens for r in free} == {r.rid: alone[r.rid].tokens for r in free}
+    for r in constrained:
+        assert matches(r.sampling.grammar, text_of(mixed[r.rid].tokens)), (r.rid, text_of(mixed[r.rid].tokens))
