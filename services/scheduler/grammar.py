@@ -51,7 +51,7 @@ class GrammarBlock:
 @dataclass(frozen=True)
 class GrammarRows:
     masks: torch.Tensor  # int32 [R, num_words] on the host
-    rows: list[int] | None  # [R]: the logits rows they mask; None: every row, in order
+    rows: torch.Tensor | None  # int64 [R] on the host: the logits rows they mask; None: every row, in order
 
 
 class _Kept:
@@ -117,8 +117,10 @@ class GrammarMatchers:
         masks = torch.full((len(constrained) * width, self.num_words), ALL_ALLOWED, dtype=torch.int32, pin_memory=pin)
         for i, b in enumerate(constrained):
             self._fill_block(blocks[b], masks, i * width, width)
-        rows = None if len(constrained) == len(blocks) else [b * width + j for b in constrained for j in range(width)]
-        return GrammarRows(masks, rows)
+        if len(constrained) == len(blocks):
+            return GrammarRows(masks, None)
+        rows = torch.tensor([b * width + j for b in constrained for j in range(width)], dtype=torch.int64)
+        return GrammarRows(masks, rows.pin_memory() if pin else rows)
 
     def _fill_block(self, block: GrammarBlock, masks: torch.Tensor, first: int, width: int) -> None:
         kept = self._caught_up(block)

@@ -61,9 +61,10 @@ def apply_min_tokens(logits: torch.Tensor, blocked: torch.Tensor) -> torch.Tenso
 def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
     """logits f32 [B, V]; bitmask int32 [B, ceil(V / 32)], bit t % 32 of word t // 32 set where
     token t is allowed (xgrammar's layout) -> the others -inf."""
-    shifts = torch.arange(8, dtype=torch.uint8, device=logits.device)  # [8]
+    ones = torch.ones(8, dtype=torch.uint8, device=logits.device)
+    bits = ones << torch.arange(8, dtype=torch.uint8, device=logits.device)  # [8]: 1, 2, 4, ..., 128 (made on the device: no copy)
     words = bitmask.contiguous().view(torch.uint8)  # [B, 4W]: little-endian, byte k of a word holds its bits 8k..8k+7
-    allowed = ((words.unsqueeze(-1) >> shifts) & 1).view(bitmask.shape[0], -1)[:, : logits.shape[1]]  # uint8 [B, V]
+    allowed = (words.unsqueeze(-1) & bits).view(bitmask.shape[0], -1)[:, : logits.shape[1]]  # uint8 [B, V], 0: refused
     return logits.masked_fill(allowed == 0, float("-inf"))
 
 

@@ -268,7 +268,7 @@ class ModelWorker:
         masks = found.masks.to(logits.device, non_blocking=True)  # int32 [R, W]
         if found.rows is None:  # every producer has a grammar
             return apply_token_bitmask(logits, masks)
-        rows = torch.tensor(found.rows, device=logits.device)  # [R]
+        rows = found.rows.to(logits.device, non_blocking=True)  # [R]
         return logits.index_copy(0, rows, apply_token_bitmask(logits[rows], masks))
 
     def _sampling_inputs(

@@ -88,7 +88,7 @@ def test_verify_rows_follow_the_drafts_and_the_matcher_rolls_back():
     assert torch.equal(first, expected)
     # the drafts were rolled back: accepted b and a bonus d come as committed tokens next
     found = matchers.bitmask([None, GrammarBlock("r", grammar, [*tokens, b, d], 2, 3, [e]), None], 2)
-    assert found.rows == [2, 3]  # the constrained block's rows alone
+    assert found.rows.tolist() == [2, 3]  # the constrained block's rows alone
     second = found.masks
     after_abd = xgrammar.GrammarMatcher(matchers.compiled(grammar))
     assert all(after_abd.accept_token(t) for t in (a, b, d))
