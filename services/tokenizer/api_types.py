@@ -255,6 +255,7 @@ class ChatBody(OpenAIBody, kw_only=True):
         "auto (default with tools): the model decides; required: one call, forced; a named function: "
         "a call of it, forced; none: no tools"
     )] = None
+    parallel_tool_calls: Annotated[bool | None, doc("false: at most one tool call comes back (the model's first)")] = None
     functions: Unsupported = None
     function_call: Unsupported = None
     audio: Unsupported = None

@@ -354,7 +354,7 @@ def chat_response(plan: Plan, results: list[GenerationResult], model: TextModel)
 
 
 def _reader(plan: Plan) -> CallReader | None:
-    return None if plan.tools is None else CallReader(plan.tools.format)
+    return None if plan.tools is None else CallReader(plan.tools.format, plan.tools.max_calls)
 
 
 def _joined(first: Read, second: Read) -> Read:

@@ -39,6 +39,7 @@ class ToolPlan:
     tools: list[dict[str, Any]]  # OpenAI tool objects, as the chat template reads them
     format: str  # tools.HERMES or tools.LLAMA3
     grammar: Grammar | None  # `required` or a named function; None: `auto`
+    max_calls: int | None = None  # 1 with `parallel_tool_calls: false`
 
 
 def tool_plan(body: ChatBody, chat_template: str | None) -> ToolPlan | None:
@@ -57,14 +58,15 @@ def tool_plan(body: ChatBody, chat_template: str | None) -> ToolPlan | None:
     functions = [_function(tool.function) for tool in body.tools]
     fmt = tool_format(chat_template)
     tools = [{"type": "function", "function": f} for f in functions]
+    max_calls = 1 if body.parallel_tool_calls is False else None
     if choice in (None, "auto"):
-        return ToolPlan(tools, fmt, None)
+        return ToolPlan(tools, fmt, None, max_calls)
     if isinstance(choice, NamedToolChoice):
         named = [f for f in functions if f["name"] == choice.function.name]
         require(bool(named), f"no tool is named {choice.function.name!r}", "tool_choice.function.name")
-        return ToolPlan(tools, fmt, forced_grammar(named, fmt))
+        return ToolPlan(tools, fmt, forced_grammar(named, fmt), max_calls)
     require(choice == "required", "must be none, auto, required or a named function", "tool_choice")
-    return ToolPlan(tools, fmt, forced_grammar(functions, fmt))
+    return ToolPlan(tools, fmt, forced_grammar(functions, fmt), max_calls)
 
 
 def _function(function) -> dict[str, Any]:

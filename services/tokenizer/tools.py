@@ -86,8 +86,9 @@ class Read:
 class CallReader:
     """Content and tool calls out of a choice's text, fed in pieces (`feed`, then `finish`)."""
 
-    def __init__(self, fmt: str) -> None:
+    def __init__(self, fmt: str, max_calls: int | None = None) -> None:
         self.fmt = fmt
+        self.max_calls = max_calls  # calls past it are dropped (`parallel_tool_calls: false`)
         self._held = ""  # text not sent yet: a possible or open call
         self._in_call = False
         self.num_calls = 0
@@ -110,8 +111,12 @@ class CallReader:
             read = Read(content=held)
         if self.num_calls and not read.content.strip():
             read.content = ""
+        read.calls = read.calls[: self._room()]
         self.num_calls += len(read.calls)
         return read
+
+    def _room(self) -> int | None:
+        return None if self.max_calls is None else max(self.max_calls - self.num_calls, 0)
 
     def _hermes(self) -> Read:
         read = Read()
@@ -132,7 +137,7 @@ class CallReader:
             call = _parsed_call(body.strip())
             if call is None:
                 read.content += HERMES_START + body + HERMES_END
-            else:
+            elif self._room() != 0:
                 read.calls.append(call)
                 self.num_calls += 1
 

@@ -24,8 +24,8 @@ def chat(**fields) -> ChatBody:
     return msgspec.convert({"messages": MESSAGES} | fields, ChatBody)
 
 
-def read_all(fmt: str, pieces: list[str]) -> tuple[str, list[dict]]:
-    reader, content, calls = CallReader(fmt), "", []
+def read_all(fmt: str, pieces: list[str], max_calls: int | None = None) -> tuple[str, list[dict]]:
+    reader, content, calls = CallReader(fmt, max_calls), "", []
     for piece in pieces:
         read = reader.feed(piece)
         content, calls = content + read.content, calls + read.calls
@@ -45,6 +45,14 @@ def test_hermes_calls_read_the_same_whole_or_streamed_in_any_split(size):
     assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == [
         ("get_weather", {"city": "Paris"}), ("get_time", {})]  # fmt: skip
     assert all(c["type"] == "function" and c["id"].startswith("call_") for c in calls)
+
+
+def test_parallel_tool_calls_false_keeps_the_first_call():
+    content, calls = read_all(HERMES, [HERMES_TEXT], max_calls=1)
+    assert content == "Let me check. " and [c["function"]["name"] for c in calls] == ["get_weather"]
+    text = '{"name": "a", "parameters": {}}; {"name": "b", "parameters": {}}'
+    assert [c["function"]["name"] for c in read_all(LLAMA3, [text], max_calls=1)[1]] == ["a"]
+    assert tool_plan(chat(tools=[WEATHER], parallel_tool_calls=False), "<tool_call>").max_calls == 1
 
 
 def test_streamed_content_is_sent_as_soon_as_it_cannot_start_a_call():
