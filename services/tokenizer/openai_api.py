@@ -14,7 +14,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import msgspec
-
 from litestar import Request, post
 from litestar.response import Response, Stream
 
@@ -43,7 +42,7 @@ from services.tokenizer.openai_format import (
     visible_bytes,
 )
 from services.tokenizer.requests import Delta, RequestFailed
-from services.tokenizer.structured import ToolPlan, response_format_grammar, tool_plan
+from services.tokenizer.structured import ToolPlan, response_format_grammar, template_tools, tool_plan
 from services.tokenizer.tools import CallReader, Read
 from services.tokenizer.text_model import TextModel
 from services.tokenizer.validation import (
@@ -260,7 +259,7 @@ def tokenize_ids(body: TokenizeBody, model: TextModel) -> list[int]:
     require((body.prompt is None) != (body.messages is None), "give exactly one of prompt and messages", "prompt")
     require(not body.tools or body.messages is not None, "tools need messages (a prompt is tokenized as it is)", "tools")
     if body.messages is not None:
-        tools = [msgspec.to_builtins(tool) for tool in body.tools] if body.tools else None
+        tools = template_tools(body.tools) if body.tools else None
         text = chat_prompt(model, body.messages, body.add_generation_prompt, body.continue_final_message,
                            body.chat_template_kwargs, tools)  # fmt: skip
         return model.encode(text, add_special_tokens=body.add_special_tokens is True)

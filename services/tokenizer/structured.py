@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from contracts.scheduler import Grammar, GrammarKind
-from services.tokenizer.api_types import ChatBody, NamedToolChoice, ResponseFormat
+from services.tokenizer.api_types import ChatBody, NamedToolChoice, ResponseFormat, Tool
 from services.tokenizer.tools import forced_grammar, tool_format
 from services.tokenizer.validation import require, schema_text
 
@@ -55,9 +55,9 @@ def tool_plan(body: ChatBody, chat_template: str | None) -> ToolPlan | None:
         require(params is None or isinstance(params, dict), "must be a JSON Schema object", f"tools[{index}].function.parameters")
     if choice == "none":
         return None
-    functions = [_function(tool.function) for tool in body.tools]
+    tools = template_tools(body.tools)
+    functions = [tool["function"] for tool in tools]
     fmt = tool_format(chat_template)
-    tools = [{"type": "function", "function": f} for f in functions]
     max_calls = 1 if body.parallel_tool_calls is False else None
     if choice in (None, "auto"):
         return ToolPlan(tools, fmt, None, max_calls)
@@ -67,6 +67,11 @@ def tool_plan(body: ChatBody, chat_template: str | None) -> ToolPlan | None:
         return ToolPlan(tools, fmt, forced_grammar(named, fmt), max_calls)
     require(choice == "required", "must be none, auto, required or a named function", "tool_choice")
     return ToolPlan(tools, fmt, forced_grammar(functions, fmt), max_calls)
+
+
+def template_tools(tools: list[Tool]) -> list[dict[str, Any]]:
+    """OpenAI tool objects as chat templates read them (unset fields left out, as clients send them)."""
+    return [{"type": "function", "function": _function(tool.function)} for tool in tools]
 
 
 def _function(function) -> dict[str, Any]:
