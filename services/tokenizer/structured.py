@@ -8,7 +8,6 @@ fails the request.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from typing import Any
 
