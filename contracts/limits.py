@@ -24,6 +24,7 @@ MAX_TOKENS = 2**31 - 1  # token counts and positions: int32 on the wire and in t
 MAX_REASON_CHARS = 4096
 MAX_ARRAY_DIMS = 4
 MAX_TEMPERATURE = 1e6
+MAX_GRAMMAR_CHARS = 256 * 1024  # a JSON schema, regex or EBNF grammar's text
 MAX_FORKED_CHOICES = 127  # the other choices of one n > 1 request (the tokenizer's fan-out limit, less one)
 
 # An instance id becomes one token of a subject (`sparkwire.v2.detokenizer.<id>.tokens`): no dots,

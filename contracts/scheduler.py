@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import enum
 from typing import Annotated
 
 import msgspec
@@ -9,6 +10,7 @@ import msgspec
 from contracts.arrays import NDArray
 from contracts.limits import (
     MAX_FORKED_CHOICES,
+    MAX_GRAMMAR_CHARS,
     MAX_STOP_TOKEN_IDS,
     MAX_TOKEN_IDS_LOGPROB,
     MAX_TOKENS,
@@ -22,6 +24,26 @@ from contracts.limits import (
     Temperature,
     TokenId,
 )
+
+
+class GrammarKind(enum.IntEnum):
+    JSON_OBJECT = 0  # any JSON object (OpenAI's json_object); `text` unused
+    JSON_SCHEMA = 1  # a JSON Schema document
+    REGEX = 2
+    EBNF = 3  # xgrammar's EBNF, `root` the start rule
+
+
+GrammarAffix = Annotated[str, msgspec.Meta(max_length=1024)]
+
+
+class Grammar(msgspec.Struct, frozen=True, gc=False, omit_defaults=True):
+    """What a request's output must match: `prefix`, then a match of `text`, then `suffix` (a forced
+    tool call wraps its JSON in the model's markers). The scheduler masks every token that leaves it."""
+
+    kind: GrammarKind
+    text: Annotated[str, msgspec.Meta(max_length=MAX_GRAMMAR_CHARS)] = ""
+    prefix: GrammarAffix = ""
+    suffix: GrammarAffix = ""
 
 
 class SamplingParams(msgspec.Struct, frozen=True, gc=False, omit_defaults=True):
@@ -39,6 +61,7 @@ class SamplingParams(msgspec.Struct, frozen=True, gc=False, omit_defaults=True):
     repetition_penalty: float = 1.0
     min_new_tokens: int = 0
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias added to its logit)
+    grammar: Grammar | None = None  # structured output (services/scheduler/grammar.py)
 
 
 class LogprobParams(msgspec.Struct, frozen=True, gc=False, omit_defaults=True):

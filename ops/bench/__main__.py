@@ -33,6 +33,8 @@ SUITES: dict[str, Suite] = {
                          "concurrent streams; lost/short/5xx must be 0"),
     "host-step": Suite("ops.bench.host_step_cost", "the core's host time per decode step, piece by piece (CPU)"),
     "host-context": Suite("ops.bench.host_context_cost", "the core's host time per decode step against the context length (CPU)"),
+    "grammar-overhead": Suite("ops.bench.grammar_overhead", "structured output's cost a decode step: bitmask fill per row, "
+                              "applying it, a step with and without a grammar (CPU)"),
     "logprob-ops": Suite("ops.bench.logprob_ops", "torch ops and kernels output logprobs add to a decode step (CPU)"),
     "dspark-accept": Suite("ops.bench.dspark_context_accept", "the bundled DSpark pair's accept length by prompt length and "
                            "draft context window"),

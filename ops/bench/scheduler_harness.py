@@ -56,11 +56,11 @@ def core_for(runner, *, max_running_requests: int, chunked_prefill_size: int, pr
              simulated_accept_len: int | None = None, accept_replay=None, **options: Any):  # fmt: skip
     """A `SchedulerCore` over `runner`. options: max_model_len, logprobs_mode, logprob_graphs,
     greedy_logprob_graphs, fused_logprobs, overlap_decode, max_prefill_tokens, verify_mode,
-    verify_step_cost (the core's own defaults where left out). simulated_accept_len: every verify
-    keeps that many tokens whatever the target says; accept_replay (`accept_replay.AcceptReplay`):
-    each request's verify at each step keeps a length drawn from it, and in `compact` the drafter's
-    confidences are the replay's hazards (both need a proposer) — timings at a chosen acceptance,
-    never the model's output."""
+    verify_step_cost, tokenizer_dir (for grammars; the core's own defaults where left out).
+    simulated_accept_len: every verify keeps that many tokens whatever the target says;
+    accept_replay (`accept_replay.AcceptReplay`): each request's verify at each step keeps a length
+    drawn from it, and in `compact` the drafter's confidences are the replay's hazards (both need a
+    proposer) — timings at a chosen acceptance, never the model's output."""
     from services.scheduler import build
     from services.scheduler.core import SchedulerCore
 

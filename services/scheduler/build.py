@@ -67,6 +67,7 @@ def resolve(config: SchedulerConfig, runner: ModelRunner) -> CoreSettings:
         logprob_graphs=config.logprob_cuda_graphs and on_cuda,
         greedy_logprob_graphs=config.greedy_logprob_graphs,
         fused_logprobs=fused_logprobs,
+        tokenizer_dir=config.model,
     )
     return CoreSettings(
         max_running_requests=config.max_running_requests,

@@ -96,8 +96,9 @@ class SchedulerCore:
         return self.policy.admission.length_error(num_prompt_tokens)
 
     def request_error(self, request: SchedulerRequest) -> str | None:
-        """Why this core cannot run `request` (the policy's one admission check); None when it can."""
-        return self.policy.admission.error(request)
+        """Why this core cannot run `request` (the policy's one admission check, then its grammar,
+        compiled here off the step thread); None when it can."""
+        return self.policy.admission.error(request) or self.worker.grammars.error(request.sampling.grammar)
 
     def has_room(self, num_prompt_tokens: int, num_claimed: int = 0, num_choices: int = 1) -> bool:
         """Load-aware placement: whether this core should take one more request (of `num_choices`

@@ -11,6 +11,8 @@ draw, in vLLM's order, each row with its own parameters:
    encourages; r = 1 is the identity).
 4. `frequency_penalty` f and `presence_penalty` p (OpenAI): over the output so far only,
    `l[t] -= f * count(t) + p * [count(t) > 0]`.
+5. a grammar (structured output): tokens its bitmask does not allow get `-inf`
+   (`apply_token_bitmask`; the bitmasks come from `grammar.GrammarMatchers`).
 
 A row is one position a token is drawn for. Under speculative decoding the rows of one request's
 verify block differ in their output so far (row j has also seen draft tokens 1..j), which is
@@ -54,6 +56,16 @@ def apply_logit_bias(logits: torch.Tensor, rows: torch.Tensor, token_ids: torch.
 def apply_min_tokens(logits: torch.Tensor, blocked: torch.Tensor) -> torch.Tensor:
     """logits f32 [B, V]; blocked bool [B, V]: ids each row may not produce yet -> -inf."""
     return logits.masked_fill(blocked, float("-inf"))
+
+
+def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+    """logits f32 [B, V]; bitmask int32 [B, ceil(V / 32)], bit t % 32 of word t // 32 set where
+    token t is allowed (xgrammar's layout) -> the others -inf."""
+    ones = torch.ones(8, dtype=torch.uint8, device=logits.device)
+    bits = ones << torch.arange(8, dtype=torch.uint8, device=logits.device)  # [8]: 1, 2, 4, ..., 128 (made on the device: no copy)
+    words = bitmask.contiguous().view(torch.uint8)  # [B, 4W]: little-endian, byte k of a word holds its bits 8k..8k+7
+    allowed = (words.unsqueeze(-1) & bits).view(bitmask.shape[0], -1)[:, : logits.shape[1]]  # uint8 [B, V], 0: refused
+    return logits.masked_fill(allowed == 0, float("-inf"))
 
 
 def apply_repetition_penalty(logits: torch.Tensor, seen: torch.Tensor, penalty: torch.Tensor) -> torch.Tensor:

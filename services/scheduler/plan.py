@@ -71,7 +71,7 @@ class SeqStep(msgspec.Struct, frozen=True, gc=False):
     slots: np.ndarray | list[int]  # int64 [num_query], KV slot of each query token
     block_table: np.ndarray  # int32 [blocks]: `BlockManager.block_table`'s view, read when the step is launched
     output_position: int  # output index of the first token this step produces
-    history: list[int] | None = None  # prompt + output tokens committed before the query (penalized requests only)
+    history: list[int] | None = None  # prompt + output tokens committed before the query (penalized or grammar requests only)
 
     @property
     def num_query(self) -> int:

@@ -53,4 +53,4 @@ def has_penalties(params: SamplingParams) -> bool:
 
 def is_identity(params: SamplingParams) -> bool:
     """True when none of `logits_processing`'s processors changes this request's logits."""
-    return not params.logit_bias and params.min_new_tokens == 0 and not has_penalties(params)
+    return not params.logit_bias and params.min_new_tokens == 0 and not has_penalties(params) and params.grammar is None

@@ -155,7 +155,11 @@ class SchedulerService:
         if len(aborted) == len(routes):
             return
         scheduled = SchedulerRequest.from_generate(request)
-        if (error := self._core.request_error(scheduled)) is not None:
+        if scheduled.sampling.grammar is None:
+            error = self._core.request_error(scheduled)
+        else:  # its grammar compiles off the event loop (the first also loads xgrammar): heartbeats go on
+            error = await asyncio.to_thread(self._core.request_error, scheduled)
+        if error is not None:
             log.warning("scheduler.request_refused", rid=request.rid, error=error)
             finish = Finish(FinishType.ABORT, message=f"request refused: {error}")
             refusals = [RequestOutput(rid, owner, [], request.input_ids.shape[0], finish, None) for rid, owner in routes]

@@ -52,11 +52,13 @@ class SamplingParamsBody(msgspec.Struct, kw_only=True):
         dict[str, float] | None, doc("Token id (as a string) to a bias in [-100, 100] added to its logit")
     ] = None
     n: Annotated[int, doc("Outputs per prompt, sharing one prefill; the answer is then a list")] = 1
-    regex: Unsupported = None
+    regex: Annotated[str | None, doc("Structured output: the text matches this regular expression")] = None
+    json_schema: Annotated[
+        str | None, doc("Structured output: the text is JSON valid under this JSON Schema (given as a JSON string)")
+    ] = None
+    ebnf: Annotated[str | None, doc("Structured output: the text matches this EBNF grammar (xgrammar's; start rule `root`)")] = None
     stop_regex: Unsupported = None
     sampling_seed: Unsupported = None
-    json_schema: Unsupported = None
-    ebnf: Unsupported = None
     structural_tag: Unsupported = None
     custom_params: Unsupported = None
 
@@ -103,6 +105,39 @@ class StreamOptions(msgspec.Struct, kw_only=True):
     continuous_usage_stats: Annotated[bool, doc("The call's usage so far in every chunk (vLLM)")] = False
 
 
+class JsonSchemaFormat(msgspec.Struct, kw_only=True):
+    name: str | None = None
+    description: str | None = None
+    schema: Annotated[dict[str, Any] | None, doc("The JSON Schema every answer is valid under")] = None
+    strict: bool | None = None
+
+
+class ResponseFormat(msgspec.Struct, kw_only=True):
+    type: Annotated[str, doc("text, json_object (any JSON object) or json_schema")]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class FunctionDefinition(msgspec.Struct, kw_only=True):
+    name: str
+    description: str | None = None
+    parameters: Annotated[dict[str, Any] | None, doc("JSON Schema of the arguments (a forced call's are valid under it)")] = None
+    strict: bool | None = None
+
+
+class Tool(msgspec.Struct, kw_only=True):
+    type: str = "function"
+    function: FunctionDefinition
+
+
+class NamedFunction(msgspec.Struct, kw_only=True):
+    name: str
+
+
+class NamedToolChoice(msgspec.Struct, kw_only=True):
+    type: str = "function"
+    function: NamedFunction
+
+
 class OpenAIBody(msgspec.Struct, kw_only=True):
     """Fields /v1/completions and /v1/chat/completions share."""
 
@@ -138,7 +173,9 @@ class OpenAIBody(msgspec.Struct, kw_only=True):
     guided_choice: Unsupported = None
     guided_grammar: Unsupported = None
     structured_outputs: Unsupported = None
-    response_format: Unsupported = None
+    response_format: Annotated[
+        ResponseFormat | None, doc("Structured output: json_object or json_schema (the answer is forced to match)")
+    ] = None
     allowed_token_ids: Unsupported = None
     bad_words: Unsupported = None
     prompt_logprobs: Unsupported = None
@@ -174,12 +211,23 @@ class ContentPart(msgspec.Struct, kw_only=True):
     text: str | None = None
 
 
+class CalledFunction(msgspec.Struct, kw_only=True):
+    name: str
+    arguments: Annotated[str, doc("The arguments as a JSON string (as OpenAI returns them)")]
+
+
+class ToolCall(msgspec.Struct, kw_only=True):
+    id: str | None = None
+    type: str = "function"
+    function: CalledFunction
+
+
 class ChatMessage(msgspec.Struct, kw_only=True):
     role: str
     content: str | list[ContentPart] | None = None
     name: Annotated[str | None, doc("Handed to the chat template, as transformers hands it")] = None
-    tool_calls: Unsupported = None
-    tool_call_id: Unsupported = None
+    tool_calls: Annotated[list[ToolCall] | None, doc("An assistant's earlier tool calls")] = None
+    tool_call_id: Annotated[str | None, doc("A tool message: the call it answers")] = None
 
 
 class ChatBody(OpenAIBody, kw_only=True):
@@ -202,8 +250,12 @@ class ChatBody(OpenAIBody, kw_only=True):
     add_special_tokens: Annotated[
         bool, doc("vLLM extra: the tokenizer's special tokens around the rendered prompt (off: the template writes them)")
     ] = False
-    tools: Unsupported = None
-    tool_choice: Unsupported = None
+    tools: Annotated[list[Tool] | None, doc("Functions the model may call, shown to it through the chat template")] = None
+    tool_choice: Annotated[str | NamedToolChoice | None, doc(
+        "auto (default with tools): the model decides; required: one call, forced; a named function: "
+        "a call of it, forced; none: no tools"
+    )] = None
+    parallel_tool_calls: Annotated[bool | None, doc("false: at most one tool call comes back (the model's first)")] = None
     functions: Unsupported = None
     function_call: Unsupported = None
     audio: Unsupported = None
@@ -233,7 +285,7 @@ class TokenizeBody(msgspec.Struct, kw_only=True):
     chat_template_kwargs: Annotated[dict[str, Any] | None, doc("Messages only, as on /v1/chat/completions")] = None
     return_token_strs: Annotated[bool, doc("Also return each token as the tokenizer spells it")] = False
     model: str | None = None
-    tools: Unsupported = None
+    tools: Annotated[list[Tool] | None, doc("Messages only, as on /v1/chat/completions")] = None
     chat_template: Unsupported = None
 
 

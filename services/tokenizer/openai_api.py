@@ -7,15 +7,18 @@ their results with `openai_format`.
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
 from litestar import Request, post
 from litestar.response import Response, Stream
 
-from contracts.detokenizer import Finish
+from contracts.detokenizer import Finish, FinishType
+from contracts.scheduler import Grammar
 from services.common.metrics import finish_reason
 from services.tokenizer.api_types import (
     ChatBody,
@@ -39,6 +42,8 @@ from services.tokenizer.openai_format import (
     visible_bytes,
 )
 from services.tokenizer.requests import Delta, RequestFailed
+from services.tokenizer.structured import ToolPlan, response_format_grammar, template_tools, tool_plan
+from services.tokenizer.tools import CallReader, Read
 from services.tokenizer.text_model import TextModel
 from services.tokenizer.validation import (
     GenerationSpec,
@@ -87,6 +92,7 @@ class Plan:
     echo: bool
     top_k: int | None  # None: no logprobs
     skip_special_tokens: bool
+    tools: ToolPlan | None = None  # chat with tools: calls are read back from each choice's text
 
 
 def finish_name(finish: Finish | None) -> str | None:
@@ -149,10 +155,13 @@ def _choices(
     max_logprobs: int,
     max_tokens: int,
     request_id: str,
+    grammar: Grammar | None = None,
 ) -> list[Choice]:
     check_n(body.n, len(prompts), "n")
     sampling_body = _sampling_body(body, max_tokens)
     sampling, detokenize = check_sampling(sampling_body, model, SAMPLING_NAMES)
+    if grammar is not None:
+        sampling = msgspec.structs.replace(sampling, grammar=grammar)
     rids = iter(wire_rids(request_id, len(prompts) * body.n))
     choices = []
     for ids, text in prompts:
@@ -175,7 +184,8 @@ def completion_plan(body: CompletionBody, frontend: Frontend, request_id: str) -
     )
     max_tokens = 16 if body.max_tokens is None else body.max_tokens
     prompts = completion_prompts(body.prompt, model, body.add_special_tokens)
-    choices = _choices(prompts, body, model, request, COMPLETION_LOGPROB_NAMES, limit, max_tokens, request_id)
+    grammar = response_format_grammar(body.response_format)
+    choices = _choices(prompts, body, model, request, COMPLETION_LOGPROB_NAMES, limit, max_tokens, request_id, grammar)
     name = frontend.config.model_name
     return Plan(f"cmpl-{request_id}", int(time.time()), name, choices, body.echo, body.logprobs, body.skip_special_tokens)
 
@@ -195,20 +205,38 @@ def _template_message(message: ChatMessage, where: str) -> dict[str, Any]:
             require(part.type == "text", f"a {part.type!r} part cannot be read: this server's model takes text only",
                     f"{where}.content[{index}].type")  # fmt: skip
         content = "".join(part.text or "" for part in content)
-    rendered = {"role": message.role, "content": content or ""}
-    return rendered if message.name is None else rendered | {"name": message.name}
+    rendered: dict[str, Any] = {"role": message.role, "content": content or ""}
+    if message.name is not None:
+        rendered["name"] = message.name
+    if message.tool_calls:
+        rendered["tool_calls"] = [_template_call(call) for call in message.tool_calls]
+    if message.tool_call_id is not None:
+        rendered["tool_call_id"] = message.tool_call_id
+    return rendered
+
+
+def _template_call(call) -> dict[str, Any]:
+    """An earlier tool call as chat templates read it: arguments as an object where they parse
+    (as vLLM hands them; templates write them with `tojson`)."""
+    try:
+        arguments = json.loads(call.function.arguments)
+    except ValueError:
+        arguments = call.function.arguments
+    function = {"name": call.function.name, "arguments": arguments}
+    return {"id": call.id, "type": call.type, "function": function}
 
 
 def chat_prompt(
     model: TextModel, messages: list[ChatMessage], add_generation_prompt: bool, continue_final_message: bool,
-    template_kwargs: dict[str, Any] | None,
+    template_kwargs: dict[str, Any] | None, tools: list[dict[str, Any]] | None = None,
 ) -> str:  # fmt: skip
     """The prompt text of a conversation, rendered with the model's chat template (a template's
-    refusal is a 400 naming `messages`)."""
+    refusal is a 400 naming `messages`; tools or tool calls it would not render, a 400 naming them)."""
+    _check_template_reads(model.chat_template or "", messages, tools)
     try:
         text = model.render_chat(
             chat_messages(messages), add_generation_prompt=add_generation_prompt,
-            continue_final_message=continue_final_message, extra=template_kwargs,
+            continue_final_message=continue_final_message, extra=template_kwargs, tools=tools,
         )  # fmt: skip
     except ValueError as exc:
         raise InvalidRequest(str(exc), "messages") from None
@@ -216,14 +244,24 @@ def chat_prompt(
     return text
 
 
+def _check_template_reads(template: str, messages: list[ChatMessage], tools: list[dict[str, Any]] | None) -> None:
+    """A template that never mentions tools or tool calls would drop them silently: refused."""
+    require(not tools or "tools" in template, "this model's chat template does not render tools", "tools")
+    for index, message in enumerate(messages):
+        require(not message.tool_calls or "tool_calls" in template,
+                "this model's chat template does not render tool calls", f"messages[{index}].tool_calls")  # fmt: skip
+
+
 def tokenize_ids(body: TokenizeBody, model: TextModel) -> list[int]:
     """/tokenize's ids (vLLM's shape): a prompt's, or those of chat messages rendered as
     /v1/chat/completions renders them."""
     refuse_unsupported(body)
     require((body.prompt is None) != (body.messages is None), "give exactly one of prompt and messages", "prompt")
+    require(not body.tools or body.messages is not None, "tools need messages (a prompt is tokenized as it is)", "tools")
     if body.messages is not None:
+        tools = template_tools(body.tools) if body.tools else None
         text = chat_prompt(model, body.messages, body.add_generation_prompt, body.continue_final_message,
-                           body.chat_template_kwargs)  # fmt: skip
+                           body.chat_template_kwargs, tools)  # fmt: skip
         return model.encode(text, add_special_tokens=body.add_special_tokens is True)
     assert body.prompt is not None
     check_text_size(body.prompt, model, "prompt")
@@ -237,15 +275,21 @@ def chat_plan(body: ChatBody, frontend: Frontend, request_id: str) -> Plan:
     top = body.top_logprobs or 0
     require(0 <= top <= min(limit, 20), f"must be in [0, {min(limit, 20)}]", "top_logprobs")
     require(body.logprobs or top == 0, "top_logprobs needs logprobs=true", "top_logprobs")
-    text = chat_prompt(model, body.messages, body.add_generation_prompt, body.continue_final_message, body.chat_template_kwargs)
+    tools = tool_plan(body, model.chat_template)
+    grammar = response_format_grammar(body.response_format)
+    if tools is not None and tools.grammar is not None:
+        require(grammar is None, "cannot be combined with a forced tool call (tool_choice)", "response_format")
+        grammar = tools.grammar
+    text = chat_prompt(model, body.messages, body.add_generation_prompt, body.continue_final_message, body.chat_template_kwargs,
+                       None if tools is None else tools.tools)  # fmt: skip
     ids = check_prompt(model.encode(text, add_special_tokens=body.add_special_tokens), model, "messages")
     max_tokens = body.max_tokens if body.max_completion_tokens is None else body.max_completion_tokens
     max_tokens = model.max_model_len - len(ids) if max_tokens is None else max_tokens
     request = LogprobRequest(return_logprob=body.logprobs, top_logprobs_num=top)
-    choices = _choices([(ids, text)], body, model, request, CHAT_LOGPROB_NAMES, limit, max_tokens, request_id)
+    choices = _choices([(ids, text)], body, model, request, CHAT_LOGPROB_NAMES, limit, max_tokens, request_id, grammar)
     top_k = top if body.logprobs else None
     name = frontend.config.model_name
-    return Plan(f"chatcmpl-{request_id}", int(time.time()), name, choices, False, top_k, body.skip_special_tokens)
+    return Plan(f"chatcmpl-{request_id}", int(time.time()), name, choices, False, top_k, body.skip_special_tokens, tools)
 
 
 def _usage(plan: Plan, results: list[GenerationResult]) -> dict[str, int]:
@@ -292,16 +336,35 @@ def _chat_logprobs(plan: Plan, chunks: LogprobChunks, output_ids: list[int], mod
 
 
 def chat_response(plan: Plan, results: list[GenerationResult], model: TextModel) -> dict[str, Any]:
-    choices = [
-        {
+    choices = []
+    for index, result in enumerate(results):
+        message: dict[str, Any] = {"role": "assistant", "content": result.text}
+        reader = _reader(plan)
+        if reader is not None:
+            read = _joined(reader.feed(result.text), reader.finish())
+            message = {"role": "assistant", "content": read.content or None, "tool_calls": read.calls}
+        choices.append({
             "index": index,
-            "message": {"role": "assistant", "content": result.text},
+            "message": message,
             "logprobs": _chat_logprobs(plan, result.chunks, result.output_ids, model),
-            "finish_reason": finish_name(result.finish),
-        }
-        for index, result in enumerate(results)
-    ]
+            "finish_reason": _chat_finish(result.finish, reader),
+        })  # fmt: skip
     return _body(plan, "chat.completion", choices, _usage(plan, results))
+
+
+def _reader(plan: Plan) -> CallReader | None:
+    return None if plan.tools is None else CallReader(plan.tools.format, plan.tools.max_calls)
+
+
+def _joined(first: Read, second: Read) -> Read:
+    return Read(first.content + second.content, first.calls + second.calls)
+
+
+def _chat_finish(finish: Finish | None, reader: CallReader | None) -> str | None:
+    """OpenAI's `tool_calls` where a choice that stopped by itself made calls."""
+    if finish is not None and finish.type == FinishType.STOP and reader is not None and reader.num_calls:
+        return "tool_calls"
+    return finish_name(finish)
 
 
 def _delta_chunks(delta: Delta) -> LogprobChunks:
@@ -317,6 +380,7 @@ class _StreamState:
         self.results = [GenerationResult(c.spec) for c in plan.choices]
         self.offsets = [0] * len(plan.choices)  # characters of text already sent per choice
         self.echoed = [False] * len(plan.choices)
+        self.readers = [_reader(plan) for _ in plan.choices]
 
 
 def _chunk(plan: Plan, kind: str, choices: list[dict[str, Any]], usage: dict[str, int] | None = None) -> bytes:
@@ -337,7 +401,23 @@ def _completion_entry(plan: Plan, state: _StreamState, index: int, delta: Delta,
 def _chat_entry(plan: Plan, state: _StreamState, index: int, delta: Delta, model: TextModel) -> dict[str, Any]:
     state.results[index].add(delta)
     logprobs = _chat_logprobs(plan, _delta_chunks(delta), delta.token_ids, model)
-    return {"index": index, "delta": {"content": delta.text}, "logprobs": logprobs, "finish_reason": finish_name(delta.finish)}
+    reader = state.readers[index]
+    if reader is None:
+        message = {"content": delta.text}
+    else:
+        read = reader.feed(delta.text)
+        if delta.finish is not None:
+            read = _joined(read, reader.finish())
+        message = _call_delta(read, reader.num_calls - len(read.calls))
+    return {"index": index, "delta": message, "logprobs": logprobs, "finish_reason": _chat_finish(delta.finish, reader)}
+
+
+def _call_delta(read: Read, first_index: int) -> dict[str, Any]:
+    """A stream delta of `read`: its content, and each call whole, numbered from `first_index`."""
+    message: dict[str, Any] = {"content": read.content}
+    if read.calls:
+        message["tool_calls"] = [{"index": first_index + i} | call for i, call in enumerate(read.calls)]
+    return message
 
 
 @dataclass(frozen=True)

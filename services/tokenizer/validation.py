@@ -7,7 +7,9 @@ NATS and the HTTP layer turns `InvalidRequest` into an OpenAI-style 400.
 from __future__ import annotations
 
 import functools
+import json
 import math
+import re
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -16,8 +18,8 @@ from typing import Any
 import msgspec
 
 from contracts.detokenizer import DetokenizeParams
-from contracts.limits import MAX_CLIENT_RID_CHARS, MAX_TOKEN_IDS_LOGPROB, MAX_TOKENS
-from contracts.scheduler import LogprobParams, SamplingParams
+from contracts.limits import MAX_CLIENT_RID_CHARS, MAX_GRAMMAR_CHARS, MAX_TOKEN_IDS_LOGPROB, MAX_TOKENS
+from contracts.scheduler import Grammar, GrammarKind, LogprobParams, SamplingParams
 from services.tokenizer.api_types import GenerateBody, SamplingParamsBody, Unsupported
 from services.tokenizer.text_model import TextModel
 
@@ -178,6 +180,7 @@ def check_sampling(
         seed=body.seed,
         stop_token_ids=tuple(stop_ids),
         ignore_eos=body.ignore_eos,
+        grammar=generate_grammar(body, names),
         **_processor_fields(body, check_logit_bias(body.logit_bias, model, names["logit_bias"])),
     )
     detokenize = DetokenizeParams(
@@ -203,6 +206,40 @@ def wire_checked(message: msgspec.Struct, names: Mapping[str, str]) -> msgspec.S
         field = where.rstrip("`").split(".")[0].split("[")[0]
         raise InvalidRequest(problem, names.get(field, field or None)) from None
     return message
+
+
+def _sized(text: str, param: str) -> str:
+    require(0 < len(text) <= MAX_GRAMMAR_CHARS, f"1 to {MAX_GRAMMAR_CHARS} characters", param)
+    return text
+
+
+def schema_text(schema: Any, param: str) -> str:
+    """A JSON Schema (a JSON object, or its text) as compact text."""
+    if isinstance(schema, str):
+        try:
+            schema = json.loads(schema)
+        except ValueError as exc:
+            require(False, f"is not valid JSON: {exc}", param)
+    require(isinstance(schema, dict), "must be a JSON Schema object", param)
+    return _sized(json.dumps(schema, ensure_ascii=False, separators=(",", ":")), param)
+
+
+def generate_grammar(body: SamplingParamsBody, names: Mapping[str, str]) -> Grammar | None:
+    """/generate's `json_schema`, `regex` or `ebnf` (at most one)."""
+    given = [name for name in ("json_schema", "regex", "ebnf") if getattr(body, name) is not None]
+    if not given:
+        return None
+    require(len(given) == 1, f"give at most one of json_schema, regex and ebnf (got {', '.join(given)})", names[given[-1]])
+    name = given[0]
+    if name == "json_schema":
+        return Grammar(GrammarKind.JSON_SCHEMA, schema_text(body.json_schema, names[name]))
+    if name == "regex":
+        try:
+            re.compile(body.regex)
+        except re.error as exc:
+            require(False, f"is not a regular expression: {exc}", names[name])
+        return Grammar(GrammarKind.REGEX, _sized(body.regex, names[name]))
+    return Grammar(GrammarKind.EBNF, _sized(body.ebnf, names[name]))
 
 
 def check_penalties(body: SamplingParamsBody, names: Mapping[str, str]) -> None:
@@ -244,7 +281,7 @@ def _neutral(name: str, value: Any) -> bool:
     """Whether an unsupported field's value asks for nothing beyond what we do anyway."""
     if value is None or value is False or value == [] or value == {}:
         return True
-    neutral = {"response_format": ({"type": "text"},), "tool_choice": ("none", "auto"), "modalities": (["text"],), "n": (1,)}
+    neutral = {"modalities": (["text"],), "n": (1,)}
     return value in neutral.get(name, ())
 
 

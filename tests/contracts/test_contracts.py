@@ -25,6 +25,8 @@ from contracts.detokenizer import (
     TokenBatch,
 )
 from contracts.scheduler import (
+    Grammar,
+    GrammarKind,
     AbortRequest,
     ForkedChoice,
     GenerateRequest,
@@ -93,6 +95,8 @@ SAMPLES: list[msgspec.Struct] = [
     COLUMNS,
     FLAT,
     SamplingParams(max_new_tokens=16, temperature=0.0, top_k=5, seed=42, stop_token_ids=(2, 3), ignore_eos=True),
+    Grammar(GrammarKind.REGEX, r"\d+", prefix="<n>", suffix="</n>"),
+    SamplingParams(grammar=Grammar(GrammarKind.JSON_OBJECT)),
     LogprobParams(return_logprob=True, logprob_start_len=0, top_logprobs_num=2, token_ids_logprob=(5, 6)),
     SchedulerClaim("rid-1", 32768),
     SchedulerClaim("rid-1", 12, detokenizer_id="d", choices=(ForkedChoice("rid-2", "d2", seed=-5), ForkedChoice("rid-3", "d"))),

@@ -30,5 +30,5 @@ def test_the_reference_has_every_route_and_every_body_parameter():
 
 def test_unsupported_parameters_say_so():
     text = reference(openapi_schema())
-    row = next(line for line in text.splitlines() if line.startswith("| response_format |"))
+    row = next(line for line in text.splitlines() if line.startswith("| guided_json |"))
     assert "Not supported here" in row

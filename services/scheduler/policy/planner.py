@@ -165,7 +165,7 @@ class Planner:
         hi = min(end, seq.num_prompt - 1)  # position p comes from row p - 1
         slots = self._blocks.slots(seq.rid, start, end + num_draft)
         table = self._blocks.block_table(seq.rid)
-        history = seq.tokens if params.has_penalties else None
+        history = seq.tokens if params.has_penalties or params.sampling.grammar is not None else None
         return SeqStep(params, start, from_pool, tokens, num_draft, samples, seq.next_prompt_logprob, hi, slots, table,
                        num_outputs, history)  # fmt: skip
 

@@ -27,7 +27,10 @@ from dataclasses import dataclass
 import torch
 
 from services.scheduler.host_io import HostReadback, HostUpload, PendingReadback
-from services.scheduler.logits_processing import KeptPenalties, PenalizedBlock, ProcessorRows, apply_processors
+from services.scheduler.grammar import GrammarBlock, GrammarMatchers
+from services.scheduler.logits_processing import (
+    KeptPenalties, PenalizedBlock, ProcessorRows, apply_processors, apply_token_bitmask,
+)  # fmt: skip
 from services.scheduler.logprob_graphs import GreedyRows, LogprobGraphs
 from services.scheduler.logprobs import TopKKeys, logprobs_on_device
 from services.scheduler.model.batch import ForwardBatch
@@ -58,6 +61,7 @@ class WorkerOptions:
     logprob_graphs: bool = False
     greedy_logprob_graphs: bool = False
     fused_logprobs: bool | None = None
+    tokenizer_dir: str | None = None  # the model directory whose tokenizer.json grammars compile against
 
 
 @dataclass(frozen=True)
@@ -98,6 +102,7 @@ class ModelWorker:
         self._pool = TokenPool(runner.device)
         self._draft_probs: dict[str, torch.Tensor] = {}  # rid -> q [gamma, V] of its pending block
         self._penalties = KeptPenalties()  # penalized requests' counts on the device, kept across steps
+        self.grammars = GrammarMatchers(options.tokenizer_dir, self.vocab_size, runner.config.eos_token_ids)
         self._device_times = DeviceTimes()
         self.last_forward_s = 0.0  # the last step's forward + verify + logprobs, device time on CUDA
         self.last_draft_s = 0.0  # the last step's inject + propose
@@ -111,6 +116,7 @@ class ModelWorker:
         for rid in rids:
             self._draft_probs.pop(rid, None)
             self._penalties.release(rid)
+            self.grammars.release(rid)
             self._pool.release(rid)
 
     def execute(self, plan: StepPlan) -> list[SeqResult]:
@@ -250,7 +256,20 @@ class ModelWorker:
         counts, seen = self._penalties.rows(blocks, width, vocab, logits.device)
         eos = [frozenset(self.runner.config.eos_token_ids)] * len(params)
         rows = ProcessorRows(params, num_outputs, eos, counts, seen)
-        return apply_processors(logits.reshape(-1, vocab), rows).view(num_producers, width, vocab)
+        processed = apply_processors(logits.reshape(-1, vocab), rows)
+        return self._grammar_masked(producers, processed, width).view(num_producers, width, vocab)
+
+    def _grammar_masked(self, producers: list[SeqStep], logits: torch.Tensor, width: int) -> torch.Tensor:
+        """Each row masked by its grammar's state after the drafts before it (`grammar.py`); the
+        host fills the bitmasks here, after the step's forward is queued, so the device is busy meanwhile."""
+        found = self.grammars.bitmask([_grammar_block(s) for s in producers], width, pin=logits.is_cuda)
+        if found is None:
+            return logits
+        masks = found.masks.to(logits.device, non_blocking=True)  # int32 [R, W]
+        if found.rows is None:  # every producer has a grammar
+            return apply_token_bitmask(logits, masks)
+        rows = found.rows.to(logits.device, non_blocking=True)  # [R]
+        return logits.index_copy(0, rows, apply_token_bitmask(logits[rows], masks))
 
     def _sampling_inputs(
         self, producers: list[SeqStep], logits: torch.Tensor, drafts: torch.Tensor
@@ -330,6 +349,13 @@ def _any_processes_logits(plan: StepPlan, steps) -> bool:
     """Whether a processor changes the logits of one of `steps` (of `plan`): no pass over them
     where the plan says none of its sequences' are (`StepPlan.processes_logits`)."""
     return plan.processes_logits is not False and any(s.params.processes_logits for s in steps)
+
+
+def _grammar_block(step: SeqStep) -> GrammarBlock | None:
+    grammar = step.params.sampling.grammar
+    if grammar is None:
+        return None
+    return GrammarBlock(step.rid, grammar, step.history, step.params.num_prompt, step.output_position, step.drafts)
 
 
 def _fit_rows(q: torch.Tensor, num_slots: int) -> torch.Tensor:

@@ -128,3 +128,19 @@ async def test_a_template_error_is_a_400_with_the_templates_message(tmp_path, st
     assert response.status_code == 400
     error = response.json()["error"]
     assert error["param"] == "messages" and "Conversation roles must alternate" in error["message"]
+
+
+def test_the_bundled_template_renders_tools_and_tool_calls_as_transformers_does():
+    from services.models import BUNDLED_MODEL
+
+    ours, theirs = TextModel.from_dir(BUNDLED_MODEL), transformers.AutoTokenizer.from_pretrained(BUNDLED_MODEL)
+    call = {"id": "call_1", "type": "function", "function": {"name": "add", "arguments": {"a": 1, "b": 2}}}
+    messages = [*CONVERSATIONS[1], {"role": "assistant", "content": "", "tool_calls": [call]},
+                {"role": "tool", "tool_call_id": "call_1", "content": "3"}]  # fmt: skip
+    expected = theirs.apply_chat_template(messages, tools=TOOLS, tokenize=False, add_generation_prompt=True)
+    assert ours.render_chat(messages, tools=TOOLS) == expected
+    assert '<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>' in expected
+    assert "<tool_response>\n3\n</tool_response>" in expected and '"a + b <sum>"' in expected
+    plain = theirs.apply_chat_template(CONVERSATIONS[1], tokenize=False, add_generation_prompt=True)
+    assert ours.render_chat(CONVERSATIONS[1]) == plain == "".join(
+        f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in CONVERSATIONS[1]) + "<|im_start|>assistant\n"

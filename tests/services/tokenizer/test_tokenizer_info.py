@@ -64,7 +64,7 @@ async def test_tokenize_a_prompt_or_chat_messages(url, text_model, path):
 
 @pytest.mark.parametrize(
     "body, param",
-    [({"prompt": "a", "messages": HI}, "prompt"), ({}, "prompt"), ({"prompt": "a", "tools": [{"type": "function"}]}, "tools"),
+    [({"prompt": "a", "messages": HI}, "prompt"), ({}, "prompt"), ({"prompt": "a", "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
      ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, "messages[0].content[0].type")],
 )  # fmt: skip
 async def test_tokenize_refuses_what_it_cannot_honour_by_name(url, body, param):

@@ -1,5 +1,5 @@
 """Fields that change a result reach what acts on them, or are a 400 naming them (PRODUCT §7a):
-image parts, tool-call messages, `include_stop_str_in_output`, `stream_options` usage, the vLLM
+image parts, tool-call messages, structured output, `include_stop_str_in_output`, `stream_options` usage, the vLLM
 text extras. The detokenizer's side of `no_stop_trim` runs through the real stack in
 tests/e2e/test_openai_client_e2e.py."""
 
@@ -96,3 +96,20 @@ async def test_false_is_a_neutral_value_of_an_unsupported_flag(url, backend):
     async with httpx.AsyncClient(base_url=url) as client:
         response = await client.post("/v1/chat/completions", json=CHAT | {"return_token_ids": False, "echo": False})
     assert response.status_code == 200, response.text
+
+
+@pytest.mark.parametrize("path, body, kind, text", [
+    ("/generate", {"text": "hi", "sampling_params": {"max_new_tokens": 4, "regex": "[ab]+"}}, "REGEX", "[ab]+"),
+    ("/generate", {"text": "hi", "sampling_params": {"max_new_tokens": 4, "ebnf": 'root ::= "a"'}}, "EBNF", 'root ::= "a"'),
+    ("/generate", {"text": "hi", "sampling_params": {"max_new_tokens": 4, "json_schema": '{"type": "integer"}'}}, "JSON_SCHEMA",
+     '{"type":"integer"}'),
+    ("/v1/chat/completions", CHAT | {"response_format": {"type": "json_object"}}, "JSON_OBJECT", ""),
+    ("/v1/completions", COMPLETION | {"response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": {"type": "boolean"}}}},
+     "JSON_SCHEMA", '{"type":"boolean"}'),
+])  # fmt: skip
+async def test_structured_output_reaches_the_scheduler_as_a_grammar(url, backend, path, body, kind, text):
+    async with httpx.AsyncClient(base_url=url) as client:
+        response = await client.post(path, json=body)
+    assert response.status_code == 200, response.text
+    grammar = backend.requests[-1].sampling.grammar
+    assert grammar.kind.name == kind and grammar.text == text

@@ -1,0 +1,82 @@
+"""OpenAI's structured output and tools -> the `Grammar` the scheduler enforces.
+
+`response_format` and `tools` / `tool_choice` (/v1/chat/completions, /v1/completions); SGLang's
+sampling params are `validation.generate_grammar`'s. Shapes are checked here (a 400 naming the
+field); whether a grammar compiles is the scheduler's check (`scheduler/grammar.py`), whose refusal
+fails the request.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from contracts.scheduler import Grammar, GrammarKind
+from services.tokenizer.api_types import ChatBody, NamedToolChoice, ResponseFormat, Tool
+from services.tokenizer.tools import forced_grammar, tool_format
+from services.tokenizer.validation import require, schema_text
+
+MAX_TOOLS = 128
+
+
+def response_format_grammar(response_format: ResponseFormat | None) -> Grammar | None:
+    """OpenAI's `response_format`: text (none), json_object, json_schema."""
+    if response_format is None or response_format.type == "text":
+        return None
+    if response_format.type == "json_object":
+        return Grammar(GrammarKind.JSON_OBJECT)
+    require(response_format.type == "json_schema", "type must be text, json_object or json_schema", "response_format.type")
+    spec = response_format.json_schema
+    require(spec is not None and spec.schema is not None, "json_schema.schema is required", "response_format.json_schema")
+    return Grammar(GrammarKind.JSON_SCHEMA, schema_text(spec.schema, "response_format.json_schema.schema"))
+
+
+@dataclass(frozen=True)
+class ToolPlan:
+    """A chat call's tools: what the template shows, the format read back, the forcing grammar."""
+
+    tools: list[dict[str, Any]]  # OpenAI tool objects, as the chat template reads them
+    format: str  # tools.HERMES or tools.LLAMA3
+    grammar: Grammar | None  # `required` or a named function; None: `auto`
+    max_calls: int | None = None  # 1 with `parallel_tool_calls: false`
+
+
+def tool_plan(body: ChatBody, chat_template: str | None) -> ToolPlan | None:
+    """None without tools or with `tool_choice: none` (then the model is not shown them)."""
+    choice = body.tool_choice
+    if not body.tools:
+        require(choice in (None, "none", "auto"), "needs tools", "tool_choice")
+        return None
+    require(len(body.tools) <= MAX_TOOLS, f"at most {MAX_TOOLS} tools", "tools")
+    for index, tool in enumerate(body.tools):
+        require(tool.type == "function", "only function tools are supported", f"tools[{index}].type")
+        params = tool.function.parameters
+        require(params is None or isinstance(params, dict), "must be a JSON Schema object", f"tools[{index}].function.parameters")
+    if choice == "none":
+        return None
+    tools = template_tools(body.tools)
+    functions = [tool["function"] for tool in tools]
+    fmt = tool_format(chat_template)
+    max_calls = 1 if body.parallel_tool_calls is False else None
+    if choice in (None, "auto"):
+        return ToolPlan(tools, fmt, None, max_calls)
+    if isinstance(choice, NamedToolChoice):
+        named = [f for f in functions if f["name"] == choice.function.name]
+        require(bool(named), f"no tool is named {choice.function.name!r}", "tool_choice.function.name")
+        return ToolPlan(tools, fmt, forced_grammar(named, fmt), max_calls)
+    require(choice == "required", "must be none, auto, required or a named function", "tool_choice")
+    return ToolPlan(tools, fmt, forced_grammar(functions, fmt), max_calls)
+
+
+def template_tools(tools: list[Tool]) -> list[dict[str, Any]]:
+    """OpenAI tool objects as chat templates read them (unset fields left out, as clients send them)."""
+    return [{"type": "function", "function": _function(tool.function)} for tool in tools]
+
+
+def _function(function) -> dict[str, Any]:
+    found = {"name": function.name}
+    if function.description is not None:
+        found["description"] = function.description
+    if function.parameters is not None:
+        found["parameters"] = function.parameters
+    return found

@@ -1,0 +1,129 @@
+"""Structured output and tools in the tokenizer: request fields -> grammars, and tool calls read
+back from text, whole or streamed in any split."""
+
+from __future__ import annotations
+
+import json
+
+import msgspec
+import pytest
+
+from contracts.scheduler import GrammarKind
+from services.tokenizer.api_types import ChatBody, ResponseFormat, SamplingParamsBody
+from services.tokenizer.structured import response_format_grammar, tool_plan
+from services.tokenizer.tools import HERMES, LLAMA3, CallReader, tool_format
+from services.tokenizer.validation import GENERATE_NAMES, InvalidRequest, generate_grammar
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}  # fmt: skip
+TIME = {"type": "function", "function": {"name": "get_time"}}
+MESSAGES = [{"role": "user", "content": "hi"}]
+
+
+def chat(**fields) -> ChatBody:
+    return msgspec.convert({"messages": MESSAGES} | fields, ChatBody)
+
+
+def read_all(fmt: str, pieces: list[str], max_calls: int | None = None) -> tuple[str, list[dict]]:
+    reader, content, calls = CallReader(fmt, max_calls), "", []
+    for piece in pieces:
+        read = reader.feed(piece)
+        content, calls = content + read.content, calls + read.calls
+    read = reader.finish()
+    return content + read.content, calls + read.calls
+
+
+HERMES_TEXT = ('Let me check. <tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
+               '<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>')  # fmt: skip
+
+
+@pytest.mark.parametrize("size", [1, 2, 3, 7, 1000])
+def test_hermes_calls_read_the_same_whole_or_streamed_in_any_split(size):
+    pieces = [HERMES_TEXT[i : i + size] for i in range(0, len(HERMES_TEXT), size)]
+    content, calls = read_all(HERMES, pieces)
+    assert content == "Let me check. "
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == [
+        ("get_weather", {"city": "Paris"}), ("get_time", {})]  # fmt: skip
+    assert all(c["type"] == "function" and c["id"].startswith("call_") for c in calls)
+
+
+def test_parallel_tool_calls_false_keeps_the_first_call():
+    content, calls = read_all(HERMES, [HERMES_TEXT], max_calls=1)
+    assert content == "Let me check. " and [c["function"]["name"] for c in calls] == ["get_weather"]
+    text = '{"name": "a", "parameters": {}}; {"name": "b", "parameters": {}}'
+    assert [c["function"]["name"] for c in read_all(LLAMA3, [text], max_calls=1)[1]] == ["a"]
+    assert tool_plan(chat(tools=[WEATHER], parallel_tool_calls=False), "<tool_call>").max_calls == 1
+
+
+def test_streamed_content_is_sent_as_soon_as_it_cannot_start_a_call():
+    reader = CallReader(HERMES)
+    assert reader.feed("Hello <tool").content == "Hello "  # "<tool" may begin a call: held
+    assert reader.feed("box> there").content == "<toolbox> there"
+
+
+def test_a_call_that_does_not_parse_is_content_and_an_unclosed_one_that_parses_is_a_call():
+    assert read_all(HERMES, ["<tool_call>not json</tool_call> ok"]) == ("<tool_call>not json</tool_call> ok", [])
+    content, calls = read_all(HERMES, ['<tool_call>\n{"name": "f", "arguments": {"a": 1}}'])
+    assert content == "" and calls[0]["function"] == {"name": "f", "arguments": '{"a": 1}'}
+
+
+def test_llama3_json_calls():
+    text = '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Oslo"}}; {"name": "get_time", "parameters": {}}'
+    content, calls = read_all(LLAMA3, [text[:5], text[5:]])
+    assert content == "" and [c["function"]["name"] for c in calls] == ["get_weather", "get_time"]
+    assert read_all(LLAMA3, ["Just ", "text."]) == ("Just text.", [])
+
+
+def test_the_format_comes_from_the_chat_template():
+    assert tool_format("... <tool_call> ...") == HERMES
+    assert tool_format("{{ '<|python_tag|>' }} ipython") == LLAMA3
+    assert tool_format(None) == HERMES
+
+
+def test_required_and_named_force_a_call_auto_and_none_do_not():
+    template = "<tool_call> tools"
+    assert tool_plan(chat(tools=[WEATHER]), template).grammar is None  # auto
+    assert tool_plan(chat(tools=[WEATHER], tool_choice="none"), template) is None
+    required = tool_plan(chat(tools=[WEATHER, TIME], tool_choice="required"), template).grammar
+    assert required.prefix == "<tool_call>\n" and required.suffix == "\n</tool_call>"
+    assert [c["properties"]["name"]["const"] for c in json.loads(required.text)["anyOf"]] == ["get_weather", "get_time"]
+    named = tool_plan(chat(tools=[WEATHER, TIME], tool_choice={"type": "function", "function": {"name": "get_weather"}}),
+                      "<|python_tag|>").grammar  # fmt: skip
+    schema = json.loads(named.text)
+    assert named.prefix == "" and schema["properties"]["name"] == {"const": "get_weather"}
+    assert schema["properties"]["parameters"] == WEATHER["function"]["parameters"]
+
+
+@pytest.mark.parametrize("fields, param", [
+    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice.function.name"),
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"tools": [WEATHER], "tool_choice": "sometimes"}, "tool_choice"),
+])  # fmt: skip
+def test_bad_tool_choices_are_400s_naming_the_field(fields, param):
+    with pytest.raises(InvalidRequest) as refused:
+        tool_plan(chat(**fields), "<tool_call>")
+    assert refused.value.param == param
+
+
+def test_response_formats():
+    assert response_format_grammar(ResponseFormat(type="text")) is None
+    assert response_format_grammar(ResponseFormat(type="json_object")).kind == GrammarKind.JSON_OBJECT
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    spec = msgspec.convert({"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}, ResponseFormat)
+    grammar = response_format_grammar(spec)
+    assert grammar.kind == GrammarKind.JSON_SCHEMA and json.loads(grammar.text) == schema
+    with pytest.raises(InvalidRequest) as refused:
+        response_format_grammar(ResponseFormat(type="json_schema"))
+    assert refused.value.param == "response_format.json_schema"
+
+
+def test_generate_grammar_fields():
+    assert generate_grammar(SamplingParamsBody(), GENERATE_NAMES) is None
+    assert generate_grammar(SamplingParamsBody(regex=r"\d+"), GENERATE_NAMES).text == r"\d+"
+    assert generate_grammar(SamplingParamsBody(ebnf='root ::= "a"'), GENERATE_NAMES).kind == GrammarKind.EBNF
+    assert json.loads(generate_grammar(SamplingParamsBody(json_schema='{"type": "integer"}'), GENERATE_NAMES).text) == {"type": "integer"}
+    for body, param in [(SamplingParamsBody(json_schema="{nope"), "json_schema"), (SamplingParamsBody(json_schema="[1]"), "json_schema"),
+                        (SamplingParamsBody(regex="a", ebnf="b"), "ebnf"), (SamplingParamsBody(regex=""), "regex")]:  # fmt: skip
+        with pytest.raises(InvalidRequest) as refused:
+            generate_grammar(body, GENERATE_NAMES)
+        assert refused.value.param == f"sampling_params.{param}"
