@@ -44,6 +44,7 @@ class CoreSettings:
     verify_mode: str = "static"
     seed: int = 0
     overlap_decode: bool = True  # the next step launched before this one's readback (`SchedulerCore`)
+    prefix_caching: bool = True  # `BlockManager`: full KV blocks shared across requests
     worker: WorkerOptions = WorkerOptions()
 
     @classmethod
@@ -72,6 +73,7 @@ def resolve(config: SchedulerConfig, runner: ModelRunner) -> CoreSettings:
         verify_mode=config.verify_mode,
         seed=config.seed,
         overlap_decode=config.overlap_decode,
+        prefix_caching=config.prefix_caching,
         worker=worker,
     )
 
@@ -120,6 +122,7 @@ def make_policy(runner: ModelRunner, settings: CoreSettings, proposer: Proposer 
         num_draft_tokens=proposer.num_draft_tokens if proposer is not None else 0,
         verify_mode=settings.verify_mode,
         seed=settings.seed,
+        prefix_caching=settings.prefix_caching,
     ))  # fmt: skip
 
 

@@ -40,6 +40,7 @@ class SchedulerConfig:
     max_running_requests: int = DEFAULT_MAX_RUNNING_REQUESTS
     chunked_prefill_size: int = DEFAULT_CHUNKED_PREFILL_SIZE
     max_prefill_tokens: int | None = None  # tokens per step while nothing decodes (`Policy`); None: `resolved_max_prefill_tokens`
+    prefix_caching: bool = True  # full KV blocks kept and shared across requests (`prefix_cache.py`)
     overlap_decode: bool = True  # `SchedulerCore`: the next decode step launched before this one's readback
     ragged_cuda_graphs: bool = True  # CUDA with Triton: ragged steps replay graphs
     logprob_cuda_graphs: bool = True  # CUDA: output logprobs replay graphs (`LogprobGraphs`; exact against eager)

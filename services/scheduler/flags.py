@@ -52,6 +52,10 @@ def add_model_arguments(parser: argparse.ArgumentParser, env: EnvSettings) -> No
         help=f"tokens per scheduler step while no request decodes (a prompt arriving alone); at least --chunked-prefill-size "
              f"(default: the larger of {DEFAULT_MAX_PREFILL_TOKENS} and --chunked-prefill-size)")  # fmt: skip
     add("--max-running-requests", type=int, default=DEFAULT_MAX_RUNNING_REQUESTS, help="most requests decoded at once")
+    add("--prefix-caching", "--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+        help="keep full KV blocks after their requests and share them with later requests that start with the same "
+             "tokens (default on; --no-prefix-caching or --disable-radix-cache turns it off)")  # fmt: skip
+    add("--disable-radix-cache", dest="prefix_caching", action="store_false", help=argparse.SUPPRESS)
     add("--overlap-decode", action=argparse.BooleanOptionalAction, default=True,
         help="launch each decode step (and arrivals' first prompt chunks beside it) before the last one's tokens are "
              "read back, so the device does not wait for the host between decode steps (default on)")  # fmt: skip
@@ -120,6 +124,7 @@ def scheduler_argv(args: argparse.Namespace) -> list[str]:
     argv += ["--max-prefill-tokens", str(args.max_prefill_tokens)] if args.max_prefill_tokens is not None else []
     argv += ["--kv-cache-memory-fraction", str(args.kv_cache_memory_fraction)]
     argv += ["--overlap-decode" if args.overlap_decode else "--no-overlap-decode"]
+    argv += ["--prefix-caching" if args.prefix_caching else "--no-prefix-caching"]
     argv += ["--step-trace", args.step_trace] if args.step_trace else []
     argv += ["--dtype", args.dtype] if args.dtype else []
     argv += [f"--{name}" if getattr(args, name.replace("-", "_")) else f"--no-{name}" for name in CUDA_SWITCHES]

@@ -21,6 +21,7 @@ class PolicyConfig:
     verify_mode: str = "static"
     confidence_threshold: float = 0.3  # `compact`: verify drafts while their survival stays above this
     seed: int = 0  # seeds the sampling seeds of requests that bring none
+    prefix_caching: bool = True  # full KV blocks kept and shared across requests (`prefix_cache.py`)
 
     def __post_init__(self) -> None:
         for name in ("max_running_requests", "chunk_budget", "max_model_len", "vocab_size"):

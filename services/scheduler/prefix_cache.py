@@ -1,0 +1,72 @@
+"""The prefix cache's index: which KV block holds the full block of tokens a hash names.
+
+The blocks themselves stay the `BlockManager`'s: a block whose KV is computed and full is
+registered here (`add`), shared by refcount with every request whose prompt starts with the same
+blocks, and kept, once no request holds it, on the block manager's free queue behind the blocks
+that hold nothing; it is evicted (`evict`) only when an allocation takes it, least recently
+released first. `salt` is folded into every hash (`block_hash.py`): whatever changes the KV
+(a weight swap) sets a new one (`set_salt`), after which no earlier block is ever found again.
+"""
+
+from __future__ import annotations
+
+from services.common.block_hash import extend_hashes
+
+
+class PrefixCache:
+    def __init__(self, block_size: int, enabled: bool = True, salt: int = 0) -> None:
+        self.block_size = block_size
+        self.enabled = enabled
+        self.salt = salt
+        self._block_of: dict[int, int] = {}  # hash -> block
+        self._hash_of: dict[int, int] = {}  # block -> hash
+
+    def __len__(self) -> int:
+        return len(self._block_of)
+
+    def hashes(self, known: list[int], tokens: list[int]) -> list[int]:
+        """The chain over `tokens`' full blocks, `known` (its first hashes, same salt) grown in place."""
+        return extend_hashes(known, tokens, self.block_size, self.salt) if self.enabled else known
+
+    def lookup(self, hashes: list[int]) -> list[int]:
+        """The cached blocks of the longest prefix of `hashes` (the first miss ends it)."""
+        blocks = []
+        for h in hashes:
+            block = self._block_of.get(h)
+            if block is None:
+                break
+            blocks.append(block)
+        return blocks
+
+    def is_cached(self, block: int) -> bool:
+        return block in self._hash_of
+
+    def add(self, block: int, h: int) -> bool:
+        """Register `block` as holding the tokens `h` names; False (nothing kept) where another block
+        already does or the block holds other cached tokens."""
+        if not self.enabled or h in self._block_of or block in self._hash_of:
+            return False
+        self._block_of[h] = block
+        self._hash_of[block] = h
+        return True
+
+    def evict(self, block: int) -> None:
+        h = self._hash_of.pop(block, None)
+        if h is not None:
+            del self._block_of[h]
+
+    def flush(self) -> int:
+        """Forget every cached block (held ones stay held, never found again); how many were cached."""
+        count = len(self._block_of)
+        self._block_of.clear()
+        self._hash_of.clear()
+        return count
+
+    def set_salt(self, salt: int) -> None:
+        """Whatever the KV depends on changed (new weights): forget everything, and key new blocks by `salt`."""
+        self.flush()
+        self.salt = salt
+
+    def hashes_summary(self) -> list[int]:
+        """Every cached block's hash (the placement summary)."""
+        return list(self._block_of)
