@@ -108,6 +108,7 @@ def _to_output(entry: _Pending) -> RequestOutput:
         finish=entry.finish,
         logprobs=entry.logprobs if seq.params.wants_logprobs else None,
         spec_verify_ct=seq.spec_verify_ct if seq.speculative else None,
+        cached_tokens=seq.num_cached,
     )
 
 

@@ -55,7 +55,7 @@ class Planner:
         self._chunk_budget = config.chunk_budget
         self._prefill_budget = max(config.chunk_budget, config.prefill_budget or config.chunk_budget)
         self.num_preemptions = 0
-        self.num_cached_tokens = 0  # tokens requests took from the prefix cache instead of computing
+        self.num_cached_tokens = 0  # prompt tokens requests took from the prefix cache instead of computing
 
     def schedule(self, ahead: bool = False) -> tuple[StepPlan, list[Sequence]] | None:
         """The next step's plan and its sequences, in order; None only `ahead`, where it would preempt."""
@@ -182,8 +182,10 @@ class Planner:
         return prefix
 
     def _count_hit(self, seq: Sequence, num_tokens: int) -> None:
-        self.num_cached_tokens += num_tokens
-        seq.num_cached = max(seq.num_cached, min(num_tokens, seq.num_prompt))
+        """A request's hits count once, prompt tokens only (a resumed request's second hit is not a query's)."""
+        cached = max(seq.num_cached, min(num_tokens, seq.num_prompt))
+        self.num_cached_tokens += cached - seq.num_cached
+        seq.num_cached = cached
         seq.next_commit = (num_tokens // self._blocks.block_size + 1) * self._blocks.block_size
 
     def commit(self, seq: Sequence) -> None:

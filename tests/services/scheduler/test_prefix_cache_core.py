@@ -141,3 +141,21 @@ def test_multi_turn_conversation_hits_its_own_history(make_core):
         got = run(off_core, [request(f"t{turn}", prompt, max_new_tokens=8, ignore_eos=True)])[f"t{turn}"]
         assert got.tokens == results[turn]
         prompt = prompt + got.tokens + prompt_of(turn, 5)
+
+
+def test_cached_tokens_ride_every_output_and_the_token_batch(make_core):
+    from services.common.arrays import from_wire
+    from services.scheduler.wire import to_token_batches
+
+    core = make_core()
+    run(core, [request("x", BASE[:70], max_new_tokens=2)])
+    core.add(request("y", BASE[:70], max_new_tokens=2))
+    outputs = []
+    while core.has_work():
+        outputs += core.step()
+    assert outputs and all(o.cached_tokens == 64 for o in outputs)
+    batch = to_token_batches(outputs, "s", 1)["detok"]
+    assert from_wire(batch.cached_tokens).tolist() == [64] * len(outputs)
+    fresh = make_core(prefix_caching=False)
+    fresh.add(request("z", BASE[:70], max_new_tokens=2))
+    assert all(o.cached_tokens == 0 for o in fresh.step())
