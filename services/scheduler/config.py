@@ -60,6 +60,7 @@ class SchedulerConfig:
     seed: int = 0
     instance_id: str = "scheduler"
     nats: NatsConnection = NatsConnection()
+    prefix_summary_interval_s: float = 0.5  # how often the cached blocks' summary goes to the tokenizers (placement)
     claim_expiry_s: float = 30.0  # a claimed rid whose GenerateRequest never arrives is forgotten
     kv_cache_memory_fraction: float = CUDA_KV_CACHE_FRACTION  # CUDA: the KV caches' share of the memory free once weights (a drafter's too) are loaded
     metrics_host: str = "127.0.0.1"

@@ -10,6 +10,8 @@ released first. `salt` is folded into every hash (`block_hash.py`): whatever cha
 
 from __future__ import annotations
 
+import numpy as np
+
 from services.common.block_hash import extend_hashes
 
 
@@ -67,6 +69,9 @@ class PrefixCache:
         self.flush()
         self.salt = salt
 
-    def hashes_summary(self) -> list[int]:
-        """Every cached block's hash (the placement summary)."""
-        return list(self._block_of)
+    def summary(self, limit: int) -> np.ndarray:
+        """u4 [<= limit]: the low 32 bits of the newest cached blocks' hashes (`PrefixSummary`). Read
+        from the event loop while the step thread runs: `list` copies the dict in one C call (int
+        keys), under the GIL."""
+        hashes = list(self._block_of)[-limit:]
+        return (np.asarray(hashes, np.uint64) & np.uint64(0xFFFFFFFF)).astype("<u4")
