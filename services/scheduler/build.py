@@ -19,10 +19,16 @@ import structlog
 
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.core import SchedulerCore
-from services.scheduler.flags import DEFAULT_CHUNKED_PREFILL_SIZE, DEFAULT_MAX_RUNNING_REQUESTS
+from services.scheduler.flags import (
+    DEFAULT_CHUNKED_PREFILL_SIZE,
+    DEFAULT_MAX_RUNNING_REQUESTS,
+    KV_TOKENS_PER_RUNNING_REQUEST,
+    MAX_DEFAULT_RUNNING_REQUESTS,
+)
 from services.scheduler.model import MemoryReserve, ModelConfig, ModelRunner, load_model_runner
 from services.scheduler.model.dense_attention import DenseConfig, resolve_dense_kernel
 from services.scheduler.model.flash4_attention import warm_flash4
+from services.scheduler.model.graphs import decode_ladder
 from services.scheduler.model.ragged_graphs import seq_ladder, token_ladder
 from services.scheduler.model.runner import triton_available
 from services.scheduler.policy import Policy, PolicyConfig
@@ -66,7 +72,7 @@ def resolve(config: SchedulerConfig, runner: ModelRunner) -> CoreSettings:
         fused_logprobs=fused_logprobs,
     )
     return CoreSettings(
-        max_running_requests=config.max_running_requests,
+        max_running_requests=config.max_running_requests or default_max_running(runner),
         chunked_prefill_size=config.chunked_prefill_size,
         max_prefill_tokens=config.resolved_max_prefill_tokens,
         max_model_len=config.max_model_len,
@@ -76,6 +82,14 @@ def resolve(config: SchedulerConfig, runner: ModelRunner) -> CoreSettings:
         prefix_caching=config.prefix_caching,
         worker=worker,
     )
+
+
+def default_max_running(runner: ModelRunner) -> int:
+    """The running limit a GPU's KV cache affords (a small model on a large GPU scales past 64); 64 off CUDA."""
+    if runner.device.type != "cuda":
+        return DEFAULT_MAX_RUNNING_REQUESTS
+    per_kv = runner.num_blocks * runner.block_size // KV_TOKENS_PER_RUNNING_REQUEST // 64 * 64
+    return max(DEFAULT_MAX_RUNNING_REQUESTS, min(MAX_DEFAULT_RUNNING_REQUESTS, per_kv))
 
 
 def build_core(config: SchedulerConfig) -> SchedulerCore:
@@ -178,9 +192,10 @@ def prepare_runtime(config: SchedulerConfig, settings: CoreSettings, runner: Mod
     capture_layers = () if proposer is None else tuple(proposer.capture_layers)  # the drafter's context
     if runner.decode_kernel:
         query_lens = (1,) if proposer is None else (1, proposer.num_draft_tokens + 1)
-        runner.prepare_decode_graphs(query_lens=query_lens, capture_layers=capture_layers)
+        runner.prepare_decode_graphs(decode_ladder(settings.max_running_requests), query_lens=query_lens,
+                                     capture_layers=capture_layers)  # fmt: skip
     if config.ragged_cuda_graphs and runner.ragged_kernel:  # CUDA with Triton
-        runner.prepare_ragged_graphs(seq_ladder(config.max_running_requests), token_ladder(config.chunked_prefill_size),
+        runner.prepare_ragged_graphs(seq_ladder(settings.max_running_requests), token_ladder(config.chunked_prefill_size),
                                      capture_layers=capture_layers)  # fmt: skip
         runner.ragged_graphs.capture_prefill_keys()  # arrivals beside decodes: no capture pauses them later
     on_cuda = runner.device.type == "cuda"

@@ -12,7 +12,6 @@ from services.scheduler.flags import (
     CUDA_KV_CACHE_FRACTION,
     DEFAULT_CHUNKED_PREFILL_SIZE,
     DEFAULT_MAX_PREFILL_TOKENS,
-    DEFAULT_MAX_RUNNING_REQUESTS,
     DEFAULT_SPLIT_KV_DECODE,
     DENSE_ATTENTION_CHOICES,
     DEVICES,
@@ -37,7 +36,7 @@ class SchedulerConfig:
     device: str = "auto"  # auto: cuda when available, else cpu
     dtype: str | None = None  # None: float32 on cpu, bfloat16 on cuda
     load_format: str = "auto"
-    max_running_requests: int = DEFAULT_MAX_RUNNING_REQUESTS
+    max_running_requests: int | None = None  # None: from the KV cache on CUDA (`build.default_max_running`), else the default
     chunked_prefill_size: int = DEFAULT_CHUNKED_PREFILL_SIZE
     max_prefill_tokens: int | None = None  # tokens per step while nothing decodes (`Policy`); None: `resolved_max_prefill_tokens`
     prefix_caching: bool = True  # full KV blocks kept and shared across requests (`prefix_cache.py`)
@@ -74,8 +73,10 @@ class SchedulerConfig:
         _check_choice("speculative_algorithm", self.speculative_algorithm, SPECULATIVE_ALGORITHMS)
         if self.dtype is not None:
             _check_choice("dtype", self.dtype, (*DTYPES, "auto"))
-        for name in ("max_running_requests", "chunked_prefill_size", "kv_block_size"):
+        for name in ("chunked_prefill_size", "kv_block_size"):
             _check_positive(name, getattr(self, name))
+        if self.max_running_requests is not None:
+            _check_positive("max_running_requests", self.max_running_requests)
         if self.max_prefill_tokens is not None and self.max_prefill_tokens < self.chunked_prefill_size:
             raise ValueError(f"max_prefill_tokens ({self.max_prefill_tokens}) must be at least chunked_prefill_size "
                              f"({self.chunked_prefill_size})")  # fmt: skip
