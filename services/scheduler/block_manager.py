@@ -64,7 +64,7 @@ class BlockManager:
             raise ValueError(f"num_blocks ({num_blocks}) and block_size ({block_size}) must be positive")
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self.cache = PrefixCache(block_size, prefix_caching)
+        self.cache = PrefixCache(block_size, prefix_caching, num_blocks=num_blocks)
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))  # taken from the front
         self._tables: dict[str, _Table] = {}
         self._refs = [0] * num_blocks  # holders of each block

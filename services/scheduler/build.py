@@ -137,6 +137,7 @@ def make_policy(runner: ModelRunner, settings: CoreSettings, proposer: Proposer 
         verify_mode=settings.verify_mode,
         seed=settings.seed,
         prefix_caching=settings.prefix_caching,
+        cache_prompt_rows=settings.prefix_caching and settings.worker.logprobs_mode == "raw",
     ))  # fmt: skip
 
 

@@ -13,13 +13,15 @@ from __future__ import annotations
 import numpy as np
 
 from services.common.block_hash import extend_hashes
+from services.scheduler.prompt_rows import PromptRows
 
 
 class PrefixCache:
-    def __init__(self, block_size: int, enabled: bool = True, salt: int = 0) -> None:
+    def __init__(self, block_size: int, enabled: bool = True, salt: int = 0, num_blocks: int = 0) -> None:
         self.block_size = block_size
         self.enabled = enabled
         self.salt = salt
+        self.rows = PromptRows(block_size, num_blocks)  # prompt logprob rows of cached blocks' positions
         self._block_of: dict[int, int] = {}  # hash -> block
         self._hash_of: dict[int, int] = {}  # block -> hash
 
@@ -56,12 +58,14 @@ class PrefixCache:
         h = self._hash_of.pop(block, None)
         if h is not None:
             del self._block_of[h]
+            self.rows.drop(h)
 
     def flush(self) -> int:
         """Forget every cached block (held ones stay held, never found again); how many were cached."""
         count = len(self._block_of)
         self._block_of.clear()
         self._hash_of.clear()
+        self.rows.clear()
         return count
 
     def set_salt(self, salt: int) -> None:

@@ -22,6 +22,7 @@ class PolicyConfig:
     confidence_threshold: float = 0.3  # `compact`: verify drafts while their survival stays above this
     seed: int = 0  # seeds the sampling seeds of requests that bring none
     prefix_caching: bool = True  # full KV blocks kept and shared across requests (`prefix_cache.py`)
+    cache_prompt_rows: bool = True  # with it, prompt logprob rows kept with the blocks (raw rows only: `prompt_rows.py`)
 
     def __post_init__(self) -> None:
         for name in ("max_running_requests", "chunk_budget", "max_model_len", "vocab_size"):

@@ -58,10 +58,15 @@ class Outputs:
         if step.prompt_lo == seq.params.prompt_logprob_start:
             rows = rows.with_null_row()
         rows = (rows if rows.__class__ is RowLogprobs else rows.rows()).at(step.prompt_lo)
+        self.give_kept_prompt(seq, rows)
+
+    def give_kept_prompt(self, seq: Sequence, rows: RowLogprobs) -> None:
+        """Prompt rows in position order (a step's, or kept with cached blocks): after any this step gave already."""
         if seq.wants_flat:
             seq.held_prompt.append(rows)
-        else:
-            self._entry(seq).logprobs.prompt = rows
+            return
+        entry = self._entry(seq)
+        entry.logprobs.prompt = rows if entry.logprobs.prompt is None else RowLogprobs.joined([entry.logprobs.prompt, rows])
 
     def attach_flat(self, seq: Sequence) -> None:
         """PRODUCT §5: the whole prompt's rows, once it is in, their top-k as the flat arrays. Rows

@@ -14,7 +14,8 @@ Prefix caching: a request admitted with no blocks of its own starts from the lon
 full blocks equal to its tokens' first blocks (`_cached_prefix`), and computes only the rest; each
 step's computed full blocks are registered as they fill (`commit`). A hit stops before the last
 token (it must be computed to sample) and before any prompt position whose logprob row the
-request still wants (a row comes from the position before it).
+request still wants (a row comes from the position before it), unless those rows were kept with
+the cached blocks (`prompt_rows.py`): then they are returned at admission, not computed.
 
 Planned ahead (a step in flight whose results are not applied yet, its effects counted by
 `Policy.expect`), a plan never preempts: it is None where it would have to, and the step after the
@@ -29,6 +30,7 @@ import structlog
 
 from contracts.detokenizer import Finish, FinishType
 from services.scheduler.block_manager import BlockManager
+from services.common.logprob_rows import HostRows
 from services.scheduler.plan import SeqStep, StepPlan
 from services.scheduler.policy.config import PolicyConfig
 from services.scheduler.policy.forks import Forks
@@ -159,6 +161,8 @@ class Planner:
             self._waiting.popleft()
             self._blocks.allocate(seq.rid, total, prefix)
             self._count_hit(seq, len(prefix) * self._blocks.block_size)
+            if seq.next_prompt_logprob < min(seq.num_prompt, len(prefix) * self._blocks.block_size):
+                self._give_rows(seq, len(prefix) * self._blocks.block_size + 1)
             self._running.add(seq)
             admitted.append((seq, num_tokens, num_draft))
             budget -= num_tokens + num_draft
@@ -172,14 +176,39 @@ class Planner:
             return []
         if seq.hash_salt != cache.salt:
             seq.block_hashes, seq.hash_salt = [], cache.salt
-        limit = seq.num_tokens - 1
-        if seq.next_prompt_logprob < seq.num_prompt:
-            limit = min(limit, max(0, seq.next_prompt_logprob - 1))
-        hashes = cache.hashes(seq.block_hashes, seq.tokens)[: limit // size]
+        hashes = cache.hashes(seq.block_hashes, seq.tokens)[: (seq.num_tokens - 1) // size]
         prefix = self._blocks.cached_prefix(seq.rid, hashes)
+        start = seq.next_prompt_logprob
+        if start < seq.num_prompt:  # prompt rows wanted from `start`: computed, or kept with the blocks
+            del prefix[max(max(0, start - 1) // size, self._num_row_blocks(seq, hashes, start)) :]
         if prefix and len(prefix) * size == seq.sampled_position:
             prefix.pop()  # a resumed request's query never starts at a token its last step sampled
         return prefix
+
+    def _num_row_blocks(self, seq: Sequence, hashes: list[int], start: int) -> int:
+        """Blocks a request may start from whose prompt rows past `start` (the null entry's) are all
+        kept, through the first position past them (0: not so)."""
+        logprobs = seq.params.logprobs
+        if not self.config.cache_prompt_rows or logprobs.token_ids_logprob:
+            return 0
+        end = min(seq.num_prompt, self._blocks.cache.rows.covered(hashes, seq.tokens, start + 1, logprobs.top_logprobs_num))
+        return (end - 1) // self._blocks.block_size if end > start + 1 else 0
+
+    def _give_rows(self, seq: Sequence, end: int) -> None:
+        """The kept prompt rows of [next_prompt_logprob, end), the first the null entry, returned now."""
+        start, cache = seq.next_prompt_logprob, self._blocks.cache
+        rows = cache.rows.rows(seq.block_hashes, start + 1, end, seq.params.logprobs.top_logprobs_num)
+        self._outputs.give_kept_prompt(seq, rows.with_null_row().at(start))
+        seq.next_prompt_logprob = end
+
+    def keep_rows(self, seq: Sequence, step: SeqStep, rows: HostRows) -> None:
+        """A step's prompt rows, kept under their full prompt blocks' hashes (raw rows, top-k ones only)."""
+        if not self.config.cache_prompt_rows or rows.num_rows == 0:
+            return
+        cache, size = self._blocks.cache, self._blocks.block_size
+        hashes = cache.hashes(seq.block_hashes, seq.tokens[: seq.num_prompt])[: seq.num_prompt // size]
+        first = step.prompt_lo + (step.prompt_lo == seq.params.prompt_logprob_start)  # the null entry has no row
+        cache.rows.keep(hashes, seq.tokens, first, rows)
 
     def _count_hit(self, seq: Sequence, num_tokens: int) -> None:
         """A request's hits count once, prompt tokens only (a resumed request's second hit is not a query's)."""

@@ -193,6 +193,7 @@ class Policy:
                 continue  # finished or aborted since the plan was made (ahead: its token is dropped)
             if result.prompt_logprobs is not None:
                 self._outputs.record_prompt(seq, step, result)
+                self._planner.keep_rows(seq, step, result.prompt_logprobs)
             end = step.start + step.num_committed  # committed tokens in KV after the step
             seq.num_computed = end + max(0, len(result.tokens) - 1)
             seq.next_prompt_logprob = _next_prompt_logprob(step)

@@ -159,3 +159,48 @@ def test_cached_tokens_ride_every_output_and_the_token_batch(make_core):
     fresh = make_core(prefix_caching=False)
     fresh.add(request("z", BASE[:70], max_new_tokens=2))
     assert all(o.cached_tokens == 0 for o in fresh.step())
+
+
+TOP5 = LogprobParams(return_logprob=True, logprob_start_len=0, top_logprobs_num=5)
+TOP8_LATE = LogprobParams(return_logprob=True, logprob_start_len=20, top_logprobs_num=8)
+
+
+def test_kept_prompt_rows_are_returned_without_computing_the_prefix(make_core):
+    prompt = BASE[:70]
+    core = make_core()
+    first = run(core, [request("x", prompt, logprobs=TOP5, max_new_tokens=2)])["x"]
+    computed = core.stats().num_prompt_tokens
+    second = run(core, [request("y", prompt, logprobs=TOP5, max_new_tokens=2)])["y"]
+    assert core.stats().num_prompt_tokens - computed == 70 - 64  # the 4 cached blocks' rows were kept, not computed
+    _assert_same({"r": first}, {"r": second})
+    assert second.input_start == 0 and len(second.cat("input_token")) == 70
+    # top-3 of the kept top-5, from a later position: still no prefill of the prefix
+    computed = core.stats().num_prompt_tokens
+    three = LogprobParams(return_logprob=True, logprob_start_len=5, top_logprobs_num=3)
+    third = run(core, [request("z", prompt, logprobs=three, max_new_tokens=2)])["z"]
+    assert core.stats().num_prompt_tokens - computed == 6
+    cold = run(make_core(prefix_caching=False), [request("z", prompt, logprobs=three, max_new_tokens=2)])
+    _assert_same(cold, {"z": third})
+
+
+def test_a_larger_k_than_kept_recomputes_and_equals_a_cold_server(make_core):
+    prompt = BASE[:70]
+    core = make_core()
+    run(core, [request("x", prompt, logprobs=TOP5, max_new_tokens=2)])
+    computed = core.stats().num_prompt_tokens
+    got = run(core, [request("y", prompt, logprobs=TOP8_LATE, max_new_tokens=3)])
+    assert core.stats().num_prompt_tokens - computed == 70 - 16  # only the block before position 19 came from the cache
+    _assert_same(run(make_core(prefix_caching=False), [request("y", prompt, logprobs=TOP8_LATE, max_new_tokens=3)]), got)
+    computed = core.stats().num_prompt_tokens  # now top-8 rows from 20 on are kept: a second ask computes the tail only
+    again = run(core, [request("w", prompt, logprobs=TOP8_LATE, max_new_tokens=3)])
+    assert core.stats().num_prompt_tokens - computed == 6
+    _assert_same({"w": got["y"]}, again)
+
+
+def test_processed_mode_keeps_no_prompt_rows(make_core):
+    prompt = BASE[:70]
+    core = make_core(logprobs_mode="processed")
+    run(core, [request("x", prompt, logprobs=TOP5, max_new_tokens=2)])
+    computed = core.stats().num_prompt_tokens
+    run(core, [request("y", prompt, logprobs=TOP5, max_new_tokens=2)])
+    assert core.stats().num_prompt_tokens - computed == 70  # rows from position 0 wanted: nothing cached could serve
