@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ops.bench.common import REPO, RESULTS, script
+from ops.bench.common import REPO, script
 from ops.bench.gpu_serve_check import serving_model_dir
 from ops.bench.serve import ServeConfig, run_serve_benchmark
 from ops.bench.serve_launch import launched_stack
@@ -176,7 +176,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         parser.add_argument(f"--{name.replace('_', '-')}", type=int, default=None)
     parser.add_argument("--budget-s", type=float, default=None, help=f"skip scenarios that would start later (default {defaults.budget_s:.0f})")
     parser.add_argument("--up-args", default="", help="more `sparkwire up` flags for both stacks")
-    parser.add_argument("--out", type=Path, default=RESULTS / "gpu_prefix_cache.json")
+    parser.add_argument("--out", type=Path, default=Path("gpu_prefix_cache.json"), help="the JSON (figures go to results/gpu_serve.md)")
 
 
 def main(args: argparse.Namespace) -> int:
