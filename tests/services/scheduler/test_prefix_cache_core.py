@@ -120,11 +120,15 @@ def test_forked_choices_over_a_cached_prefix_equal_the_cache_off(make_core):
 def test_dspark_over_cached_prefixes_equals_the_cache_off(make_core, dspark, chunk):  # noqa: F811
     first = request("seed", BASE + [5], ignore_eos=True, max_new_tokens=5)
     joins = {4: sharing("a", [17, 32, 49, 80])}
-    off = run(make_core(prefix_caching=False, chunked_prefill_size=chunk, proposer=dspark()), [first], joins)
+    off_core = make_core(prefix_caching=False, chunked_prefill_size=chunk, proposer=dspark())
+    off = run(off_core, [first], joins)
     core = make_core(chunked_prefill_size=chunk, proposer=dspark())
     on = run(core, [first], joins)
     _assert_same(off, on)
+    # the drafter's keys and values of the cached positions were cached with the target's (same slots): the same drafts
+    assert {rid: r.spec_verify_ct for rid, r in on.items()} == {rid: r.spec_verify_ct for rid, r in off.items()}
     assert core.stats().num_prefix_hits > 0 and core.stats().num_drafted_tokens > 0
+    assert core.stats().num_accepted_tokens == off_core.stats().num_accepted_tokens
     assert_all_free(core)
 
 
