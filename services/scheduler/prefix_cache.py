@@ -24,6 +24,7 @@ class PrefixCache:
         self.rows = PromptRows(block_size, num_blocks)  # prompt logprob rows of cached blocks' positions
         self._block_of: dict[int, int] = {}  # hash -> block
         self._hash_of: dict[int, int] = {}  # block -> hash
+        self.version = 0  # changes whenever the set of cached hashes does (summaries go out when it did)
 
     def __len__(self) -> int:
         return len(self._block_of)
@@ -52,6 +53,7 @@ class PrefixCache:
             return False
         self._block_of[h] = block
         self._hash_of[block] = h
+        self.version += 1
         return True
 
     def evict(self, block: int) -> None:
@@ -59,6 +61,7 @@ class PrefixCache:
         if h is not None:
             del self._block_of[h]
             self.rows.drop(h)
+            self.version += 1
 
     def flush(self) -> int:
         """Forget every cached block (held ones stay held, never found again); how many were cached."""
@@ -66,6 +69,7 @@ class PrefixCache:
         self._block_of.clear()
         self._hash_of.clear()
         self.rows.clear()
+        self.version += 1
         return count
 
     def set_salt(self, salt: int) -> None:

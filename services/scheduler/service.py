@@ -46,6 +46,7 @@ from services.scheduler.wire import to_token_batches
 log = structlog.get_logger(__name__)
 
 SHUTDOWN_MESSAGE = "the scheduler is shutting down"
+SUMMARY_REFRESH_S = 1.5  # an unchanged prefix summary is sent again this often (tokenizers drop one older than 3 s)
 
 
 async def connect(config: SchedulerConfig) -> Transport:
@@ -202,9 +203,12 @@ class SchedulerService:
     async def _publish_summaries(self) -> None:
         """Cache-aware placement: what this scheduler caches, and its load, every interval (a
         tokenizer reads the latest and never waits for one)."""
-        cache = self._core.policy.blocks.cache
+        cache, sent_version, sent_at = self._core.policy.blocks.cache, -1, 0.0
         while cache.enabled:
             await asyncio.sleep(self._config.prefix_summary_interval_s)
+            if cache.version == sent_version and time.monotonic() - sent_at < SUMMARY_REFRESH_S:
+                continue  # unchanged: sent again only so often, to stay fresh at the tokenizers
+            sent_version, sent_at = cache.version, time.monotonic()
             summary = PrefixSummary(self._id, cache.salt, cache.block_size, to_wire(cache.summary(MAX_SUMMARY_HASHES)),
                                     self._core.num_running + len(self._claims), self._core.policy.config.max_running_requests)  # fmt: skip
             try:

@@ -126,7 +126,8 @@ class Placement:
         return reply
 
     async def _claim_holder(self, pending: PendingRequest, choices: tuple[ForkedChoice, ...]) -> SchedulerClaimReply | None:
-        """A claim to the scheduler holding the prompt's prefix; None where there is none, or it is busy or gone."""
+        """A claim to the scheduler holding the prompt's prefix; None where there is none, or it is
+        busy, leaving or gone (the queue group answers then, errors included)."""
         spec = pending.spec
         holder = self.holder(spec.prompt_ids)
         if holder is None:
@@ -137,10 +138,8 @@ class Placement:
         except ServiceUnavailable:
             self._held.pop(holder, None)
             return None
-        if reply.busy:
-            return None
         if not reply.accepted:
-            raise InvalidRequest(reply.error or "the scheduler refused the request")
+            return None
         if holder in self._held:
             self._held[holder].num_placed += 1
         return reply
