@@ -72,7 +72,7 @@ def resolve(config: SchedulerConfig, runner: ModelRunner) -> CoreSettings:
         fused_logprobs=fused_logprobs,
     )
     return CoreSettings(
-        max_running_requests=config.max_running_requests or default_max_running(runner),
+        max_running_requests=config.max_running_requests or default_max_running(runner, config.speculative_algorithm),
         chunked_prefill_size=config.chunked_prefill_size,
         max_prefill_tokens=config.resolved_max_prefill_tokens,
         max_model_len=config.max_model_len,
@@ -84,9 +84,10 @@ def resolve(config: SchedulerConfig, runner: ModelRunner) -> CoreSettings:
     )
 
 
-def default_max_running(runner: ModelRunner) -> int:
-    """The running limit a GPU's KV cache affords (a small model on a large GPU scales past 64); 64 off CUDA."""
-    if runner.device.type != "cuda":
+def default_max_running(runner: ModelRunner, speculative_algorithm: str = "none") -> int:
+    """The running limit a GPU's KV cache affords (a small model on a large GPU scales past 64); 64
+    off CUDA, and with a drafter (its verify graphs' logits buffers grow with rung x block width)."""
+    if runner.device.type != "cuda" or speculative_algorithm != "none":
         return DEFAULT_MAX_RUNNING_REQUESTS
     per_kv = runner.num_blocks * runner.block_size // KV_TOKENS_PER_RUNNING_REQUEST // 64 * 64
     return max(DEFAULT_MAX_RUNNING_REQUESTS, min(MAX_DEFAULT_RUNNING_REQUESTS, per_kv))

@@ -56,7 +56,7 @@ def add_model_arguments(parser: argparse.ArgumentParser, env: EnvSettings) -> No
         help=f"tokens per scheduler step while no request decodes (a prompt arriving alone); at least --chunked-prefill-size "
              f"(default: the larger of {DEFAULT_MAX_PREFILL_TOKENS} and --chunked-prefill-size)")  # fmt: skip
     add("--max-running-requests", type=int, default=None,
-        help=f"most requests decoded at once (default: on CUDA one per {KV_TOKENS_PER_RUNNING_REQUEST} KV cache tokens, "
+        help=f"most requests decoded at once (default: on CUDA without a drafter, one per {KV_TOKENS_PER_RUNNING_REQUEST} KV cache tokens, "
              f"{DEFAULT_MAX_RUNNING_REQUESTS} to {MAX_DEFAULT_RUNNING_REQUESTS}, in steps of 64; elsewhere {DEFAULT_MAX_RUNNING_REQUESTS})")  # fmt: skip
     add("--prefix-caching", "--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
         help="keep full KV blocks after their requests and share them with later requests that start with the same "

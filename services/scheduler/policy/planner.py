@@ -140,7 +140,7 @@ class Planner:
         while self._waiting and budget > 0 and len(self._running) < self.config.max_running_requests:
             seq = self._waiting[0]
             prefix = self._cached_prefix(seq)
-            seq.num_computed += len(prefix) * self._blocks.block_size  # a fork starts with its prompt's shared blocks
+            seq.num_computed += len(prefix) * self._blocks.block_size  # cached blocks (a fork holds its shared ones already)
             num_tokens, num_draft = self._query_size(seq, budget)
             total = seq.num_computed + num_tokens + num_draft
             new_blocks = self._blocks.num_new_blocks(seq.rid, total, prefix)

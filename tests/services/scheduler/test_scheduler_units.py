@@ -424,5 +424,6 @@ def test_the_running_limit_defaults_from_the_kv_cache_on_cuda_only():
     assert default_max_running(runner("cuda", 100)) == 64  # a small cache: never below the old default
     assert default_max_running(runner("cuda", 20_480)) == 320  # 320k tokens: one request per 1024, in steps of 64
     assert default_max_running(runner("cuda", 10**6)) == 512
+    assert default_max_running(runner("cuda", 10**6), "dspark") == 64
     assert decode_ladder(320)[-2:] == (256, 320) and decode_ladder(300)[-2:] == (256, 300)
     assert decode_ladder(64)[-1] == 64 and max(decode_ladder(512)) == 512 and 100 in decode_ladder(100)
