@@ -50,10 +50,13 @@ class _Held:
     def load(self) -> int:
         return self.summary.num_held + self.num_placed
 
-    def num_matched(self, prompt_ids: tuple[int, ...]) -> int:
-        """Leading blocks of the prompt this scheduler caches."""
+    def num_matched(self, prompt_ids: tuple[int, ...], chains: dict[tuple[int, int], list[int]]) -> int:
+        """Leading blocks of the prompt this scheduler caches (`chains`: the prompt's hashes by (block size, salt), filled here)."""
+        key = (self.summary.block_size, self.summary.salt)
+        if key not in chains:
+            chains[key] = block_hashes(prompt_ids, *key)
         count = 0
-        for h in block_hashes(prompt_ids, self.summary.block_size, self.summary.salt):
+        for h in chains[key]:
             if h & 0xFFFFFFFF not in self.hashes:
                 break
             count += 1
@@ -79,7 +82,8 @@ class Placement:
         it has no room or is far busier than the least busy; None: ask the queue group."""
         now = time.monotonic()
         fresh = {sid: held for sid, held in self._held.items() if now - held.received_at < SUMMARY_STALE_S}
-        matched = {sid: held.num_matched(prompt_ids) for sid, held in fresh.items()}
+        chains: dict[tuple[int, int], list[int]] = {}  # schedulers of one model share one chain: hashed once
+        matched = {sid: held.num_matched(prompt_ids, chains) for sid, held in fresh.items()}
         best = max(matched, key=matched.__getitem__, default=None)
         if best is None or matched[best] == 0:
             return None

@@ -211,11 +211,14 @@ class Planner:
         cache.rows.keep(hashes, seq.tokens, first, rows)
 
     def _count_hit(self, seq: Sequence, num_tokens: int) -> None:
-        """A request's hits count once, prompt tokens only (a resumed request's second hit is not a query's)."""
+        """A request's hits count once, prompt tokens only, before it generated any (a resumed
+        request's hit on its own blocks is no query's: queries count each prompt once)."""
+        seq.next_commit = (num_tokens // self._blocks.block_size + 1) * self._blocks.block_size
+        if seq.num_tokens > seq.num_prompt:
+            return
         cached = max(seq.num_cached, min(num_tokens, seq.num_prompt))
         self.num_cached_tokens += cached - seq.num_cached
         seq.num_cached = cached
-        seq.next_commit = (num_tokens // self._blocks.block_size + 1) * self._blocks.block_size
 
     def commit(self, seq: Sequence) -> None:
         """Register `seq`'s full blocks whose KV is computed and tokens known in the prefix cache."""
