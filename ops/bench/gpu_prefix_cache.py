@@ -72,6 +72,9 @@ def run(check: PrefixCheck, out: Path) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="sparkwire-prefix-") as tmp:
         model_dir = serving_model_dir(check.model_config, Path(tmp) / "model")
         for cache in ("on", "off"):
+            if time.monotonic() - began > check.budget_s:
+                result[cache] = {"scenarios": {}, "skipped": f"past --budget-s {check.budget_s:.0f}"}
+                continue
             flags = () if cache == "on" else ("--no-prefix-caching",)
             log = out.with_name(f"{out.stem}_{cache}_up.log")
             result[cache] = run_stack(check, model_dir, flags, log, began, wide=cache == "on")
