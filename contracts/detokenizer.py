@@ -74,11 +74,14 @@ class TokenBatch(msgspec.Struct, frozen=True, gc=False, omit_defaults=True):
     output_logprobs: LogprobColumns | None = None
     prompt_logprobs: LogprobColumns | None = None
     prompt_top_flat: LogprobColumns | None = None
+    cached_tokens: NDArray | None = None  # i32 [R], prompt tokens found in KV (prefix cache); absent: none
 
     def __post_init__(self) -> None:
         counts = check_columns(self.rids, self.num_new_tokens, self.new_token_ids, self.prompt_tokens, self.finish,
                                self.spec_verify_ct)  # fmt: skip
         check_logprobs(counts, self.output_logprobs, self.prompt_logprobs, self.prompt_top_flat)
+        if self.cached_tokens is not None and not self.cached_tokens.is_vector("<i4", len(self.rids)):
+            raise ValueError(f"cached_tokens must be an int32 vector of {len(self.rids)} entries")
 
 
 def check_columns(

@@ -149,3 +149,9 @@ class SchedulerInfo(msgspec.Struct, frozen=True, gc=False, omit_defaults=True):
     vocab_size: Count
     speculative_algorithm: Annotated[str, msgspec.Meta(max_length=64)] = "none"
     num_running: Count = 0
+
+
+class FlushCache(msgspec.Struct, frozen=True, gc=False):
+    """Forget every cached KV block (SGLang's /flush_cache): broadcast to every scheduler."""
+
+    sent_at: float

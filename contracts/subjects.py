@@ -10,6 +10,9 @@ Routing in one picture (instance ids are uuid4 hex strings chosen at start-up):
     detok.    ──publish──▶ tokenizer_outputs(id)     (direct: one TextBatch per batch per tokenizer)
     all       ──publish──▶ heartbeat(service)        (broadcast liveness + "dead" sentinel)
     tokenizer ──request──▶ SCHEDULER_PING            (queue group: /health)
+    tokenizer ──request──▶ scheduler_claim(id)       (direct: the scheduler holding the prompt's prefix)
+    tokenizer ──publish──▶ SCHEDULER_FLUSH_CACHE     (broadcast: every scheduler forgets its prefix cache)
+    scheduler ──publish──▶ PREFIX_SUMMARY            (broadcast: the blocks it caches, for placement)
 
 Direct subjects have exactly one subscriber, which is what makes splitting a large message into
 chunks safe: every chunk reaches the same process, in order.
@@ -24,6 +27,8 @@ ALL = f"{PREFIX}.>"  # what `sparkwire record` captures
 SCHEDULER_CLAIM = f"{PREFIX}.scheduler.claim"
 SCHEDULER_ABORT = f"{PREFIX}.scheduler.abort"
 SCHEDULER_PING = f"{PREFIX}.scheduler.ping"
+SCHEDULER_FLUSH_CACHE = f"{PREFIX}.scheduler.flush_cache"
+PREFIX_SUMMARY = f"{PREFIX}.tokenizer.prefix_summary"
 DETOKENIZER_REGISTER = f"{PREFIX}.detokenizer.register"
 
 SCHEDULER_QUEUE = "scheduler"
@@ -32,6 +37,10 @@ DETOKENIZER_QUEUE = "detokenizer"
 
 def scheduler_generate(instance_id: str) -> str:
     return f"{PREFIX}.scheduler.{instance_id}.generate"
+
+
+def scheduler_claim(instance_id: str) -> str:
+    return f"{PREFIX}.scheduler.{instance_id}.claim"
 
 
 def detokenizer_tokens(instance_id: str) -> str:

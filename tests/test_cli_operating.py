@@ -101,7 +101,7 @@ def test_every_scheduler_flag_of_up_reaches_the_scheduler_with_its_value(tmp_pat
     """Each flag `sparkwire up` shares with `sparkwire scheduler` (services/scheduler/flags.py),
     given a value other than its default, arrives in the scheduler's parsed arguments unchanged."""
     values = ["--model", str(tmp_path), "--device", "cpu", "--dtype", "float16", "--load-format", "dummy", "--quantization", "fp8",
-              "--logprobs-mode", "processed", "--chunked-prefill-size", "4096", "--max-prefill-tokens", "9000", "--no-dense-prefill", "--dense-attention", "sdpa", "--max-running-requests", "7", "--no-overlap-decode",
+              "--logprobs-mode", "processed", "--chunked-prefill-size", "4096", "--max-prefill-tokens", "9000", "--no-dense-prefill", "--dense-attention", "sdpa", "--max-running-requests", "7", "--no-overlap-decode", "--no-prefix-caching",
               "--max-model-len", "300", "--kv-cache-memory-fraction", "0.25", "--no-ragged-cuda-graphs",
               "--no-logprob-cuda-graphs", "--no-greedy-logprob-graphs", "--no-fused-kernels", "--no-fused-logprobs", "--no-split-kv-decode", "--speculative-algorithm", "dspark", "--draft-model", str(tmp_path / "d"),
               "--speculative-num-draft-tokens", "5", "--draft-context-window", "512", "--verify-mode", "compact",

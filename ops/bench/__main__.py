@@ -48,6 +48,8 @@ SUITES: dict[str, Suite] = {
                         "time between steps"),
     "gpu-serve": Suite("ops.bench.gpu_serve_check", "the whole stack on a GPU: concurrency 64 with and without top-20, batch 1, "
                        "Poisson, 32k prompt + top-2; the core as the bar"),
+    "gpu-prefix-cache": Suite("ops.bench.gpu_prefix_cache", "the whole stack on a GPU, prefix cache on vs off: shared-prefix "
+                              "groups, multi-turn TTFT by turn; concurrency 256 vs 64 at the running limit from memory"),
     "gpu-serve-ab": Suite("ops.bench.serve_ab", "gpu-serve for two or more trees on one machine, rounds alternating"),
     "gpu-core": Suite("ops.bench.gpu_core_check", "the core's decode step at batch 1 / 64: plain, top-20, DSpark at a simulated "
                       "accept length; --before another tree"),

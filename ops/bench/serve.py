@@ -33,7 +33,9 @@ from ops.bench.common import RESULTS, script
 from ops.bench.serve_client import ENDPOINTS, RequestOptions, RequestRecord, client_session, send
 from ops.bench.serve_launch import launched_stack
 from ops.bench.serve_metrics import per_request, summarize, table
-from ops.bench.serve_workload import Prompt, arrival_offsets, jsonl_prompts, random_prompts, token_pool
+from ops.bench.serve_workload import Prompt, arrival_offsets, jsonl_prompts, random_prompts, shared_prefix_prompts, token_pool
+
+DATASETS = ("random", "generated-shared-prefix")
 from services.models import BUNDLED_MODEL
 
 
@@ -46,6 +48,11 @@ class ServeConfig:
     output_len: int = 128  # max tokens asked per request (exact with ignore_eos)
     range_ratio: float = 0.0  # lengths uniform in [len * (1 - r), len * (1 + r)]
     dataset_path: Path | None = None  # a JSONL file of prompts instead of random ones
+    dataset: str = "random"  # random, or generated-shared-prefix: groups sharing a long system prompt (SGLang's)
+    gsp_num_groups: int = 64
+    gsp_prompts_per_group: int = 16  # so num_prompts is num_groups x this, whatever --num-prompts says
+    gsp_system_prompt_len: int = 2048
+    gsp_question_len: int = 128
     vocab_from: Path = BUNDLED_MODEL  # a model directory whose tokenizer's ids random prompts use
     request_rate: float = math.inf  # requests per second; inf: all at once
     burstiness: float = 1.0  # gamma shape of the arrival intervals; 1: Poisson
@@ -77,6 +84,8 @@ class ServeConfig:
             # OpenAI's way (echo) streams the prompt back as if generated; /generate keeps them apart.
             "prompt_logprobs": not self.prompt_logprobs or (self.endpoint == "generate" and self.logprobs is not None),
             "num_warmups": self.num_warmups >= 0,
+            "dataset": self.dataset in DATASETS,
+            "gsp": min(self.gsp_num_groups, self.gsp_prompts_per_group, self.gsp_system_prompt_len, self.gsp_question_len) >= 1,
         }
         if bad := [name for name, ok in checks.items() if not ok]:
             raise ValueError(f"invalid serve benchmark settings: {bad} ({self})")
@@ -85,6 +94,9 @@ class ServeConfig:
         if self.dataset_path is not None:
             return jsonl_prompts(self.dataset_path, self.num_prompts, self.output_len)
         pool = token_pool(self.vocab_from)
+        if self.dataset == "generated-shared-prefix":
+            return shared_prefix_prompts(self.gsp_num_groups, self.gsp_prompts_per_group, self.gsp_system_prompt_len,
+                                         self.gsp_question_len, self.output_len, pool, self.seed)  # fmt: skip
         return random_prompts(self.num_prompts, self.input_len, self.output_len, self.range_ratio, pool, self.seed)
 
     def as_json(self) -> dict[str, Any]:
@@ -227,6 +239,13 @@ def add_arguments(serve: argparse.ArgumentParser) -> None:
     load.add_argument("--range-ratio", type=float, default=0.0, help="lengths uniform in len * [1 - r, 1 + r]")
     load.add_argument("--dataset-path", type=Path, default=None,
                       help='JSONL prompts instead: {"prompt": str} or {"input_ids": [int]}, optional "output_len"')
+    load.add_argument("--dataset", choices=DATASETS, default="random",
+                      help="generated-shared-prefix: --gsp-num-groups system prompts of --gsp-system-prompt-len ids, each "
+                           "with --gsp-prompts-per-group questions of --gsp-question-len ids (SGLang's; --num-prompts ignored)")
+    load.add_argument("--gsp-num-groups", type=int, default=64)
+    load.add_argument("--gsp-prompts-per-group", type=int, default=16)
+    load.add_argument("--gsp-system-prompt-len", type=int, default=2048)
+    load.add_argument("--gsp-question-len", type=int, default=128)
     load.add_argument("--vocab-from", type=Path, default=None, help="model dir whose tokenizer random ids come from")
     load.add_argument("--request-rate", type=float, default=float("inf"), help="requests/s (default inf: all at once)")
     load.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of arrival gaps; 1 = Poisson")
@@ -246,7 +265,8 @@ def add_arguments(serve: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> int:
     names = ("base_url", "endpoint", "model_name", "api_key", "num_prompts", "input_len", "output_len", "range_ratio",
              "dataset_path", "request_rate", "burstiness", "max_concurrency", "ignore_eos", "temperature", "logprobs",
-             "prompt_logprobs", "num_warmups", "seed", "request_timeout_s")  # fmt: skip
+             "prompt_logprobs", "num_warmups", "seed", "request_timeout_s", "dataset", "gsp_num_groups",
+             "gsp_prompts_per_group", "gsp_system_prompt_len", "gsp_question_len")  # fmt: skip
     settings = {name: getattr(args, name) for name in names}
     if args.vocab_from is not None:
         settings["vocab_from"] = args.vocab_from

@@ -88,3 +88,33 @@ def arrival_offsets(num: int, request_rate: float, burstiness: float, seed: int)
     rng = np.random.default_rng(seed + 1)  # not the prompts' stream: changing lengths keeps the timing
     intervals = rng.gamma(shape=burstiness, scale=1.0 / (request_rate * burstiness), size=max(num - 1, 0))
     return np.concatenate([[0.0], np.cumsum(intervals)])  # [num]
+
+
+def shared_prefix_prompts(
+    num_groups: int, prompts_per_group: int, system_len: int, question_len: int, output_len: int, pool: np.ndarray, seed: int
+) -> list[Prompt]:
+    """SGLang's `generated-shared-prefix` shape: `num_groups` system prompts of `system_len` ids,
+    each followed by `prompts_per_group` questions of `question_len` ids; the requests in a random
+    order (a group's requests arrive spread over the run, as a service's users' do)."""
+    rng = np.random.default_rng(seed)
+    systems = [tuple(int(i) for i in rng.choice(pool, size=system_len)) for _ in range(num_groups)]
+    prompts = [Prompt(system + tuple(int(i) for i in rng.choice(pool, size=question_len)), None, output_len)
+               for system in systems for _ in range(prompts_per_group)]  # fmt: skip
+    order = rng.permutation(len(prompts))
+    return [prompts[i] for i in order]
+
+
+def multi_turn_prompts(
+    num_conversations: int, num_turns: int, turn_len: int, output_len: int, pool: np.ndarray, seed: int
+) -> list[list[Prompt]]:
+    """Conversations that grow turn by turn: turn t's prompt is turn t - 1's, an answer of
+    `output_len` ids standing in for the reply (ids, not the reply's text: a fixed workload), and a
+    new message of `turn_len` ids. [turn][conversation]: send a turn once the one before is answered."""
+    rng = np.random.default_rng(seed)
+    histories: list[tuple[int, ...]] = [() for _ in range(num_conversations)]
+    turns = []
+    for _ in range(num_turns):
+        histories = [h + tuple(int(i) for i in rng.choice(pool, size=turn_len)) for h in histories]
+        turns.append([Prompt(h, None, output_len) for h in histories])
+        histories = [h + tuple(int(i) for i in rng.choice(pool, size=output_len)) for h in histories]
+    return turns

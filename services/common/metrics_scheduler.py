@@ -59,7 +59,7 @@ class SchedulerStats:
     forward_seconds: float = 0.0  # target forward + verify, summed over steps (device time on CUDA)
     draft_seconds: float = 0.0  # drafter inject + propose, summed over steps
     num_prefix_cache_queries: int = 0  # prompt tokens of the requests added
-    num_prefix_cache_hits: int = 0  # of those, tokens whose KV was shared instead of computed
+    num_prefix_cache_hits: int = 0  # of those, tokens whose KV was found computed (prefix cache, forked choices)
 
 
 class StepOutput(Protocol):
@@ -90,7 +90,8 @@ class _SnapshotCollector:
             ("spec_decode_num_draft_tokens", "Draft tokens proposed", stats.num_spec_draft_tokens),
             ("spec_decode_num_accepted_tokens", "Draft tokens accepted", stats.num_spec_accepted_tokens),
             ("prefix_cache_queries", "Prompt tokens of the requests added", stats.num_prefix_cache_queries),
-            ("prefix_cache_hits", "Prompt tokens whose KV was shared, not computed (the forked choices of n > 1)",
+            ("prefix_cache_hits", "Prompt tokens whose KV was found computed, not computed again (the prefix cache, "
+                                  "the forked choices of n > 1)",
              stats.num_prefix_cache_hits),
         )
         counters += (

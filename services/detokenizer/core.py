@@ -223,6 +223,7 @@ class DetokenizerCore:
             prompt_tokens=batch.prompt_tokens if whole else _take(batch.prompt_tokens, indices),
             finish=[entry.finish for entry in entries],
             spec_verify_ct=batch.spec_verify_ct if whole else _take(batch.spec_verify_ct, indices),
+            cached_tokens=batch.cached_tokens if whole else _take(batch.cached_tokens, indices),
             output_logprobs=output,
             prompt_logprobs=prompt,
             prompt_top_flat=flat,

@@ -6,9 +6,13 @@ back rejected tokens is the scheduler lowering its length, optionally followed b
 whole trailing blocks back.
 
 Blocks are refcounted: `fork` gives a child the parent's first full blocks (the choices of an
-`n` > 1 request share their prompt's KV). A shared block is never written again: every writer
-writes only past its own computed length, which lies past the shared blocks. A block returns to
-the free list when its last holder frees it.
+`n` > 1 request share their prompt's KV), and `allocate` starts a table from a cached prefix (the
+prefix cache, `prefix_cache.py`: `cached_prefix`, then `commit` registers a table's computed full
+blocks). A shared block is never written again: every writer writes only past its own computed
+length, which lies past the shared blocks. A block returns to the free queue when its last holder
+frees it: at its front if it holds nothing cached, at its back if it does, so allocation takes
+empty blocks first, then evicts cached ones least recently released first (lazy eviction: a cached
+block stays findable until taken).
 
 Each table is an int32 array grown by doubling (`_Table`): a step reads a long context's table as
 one array view, where a list of thousands of ids cost the step's host time per sequence twice over
@@ -18,7 +22,11 @@ context.
 
 from __future__ import annotations
 
+from collections import OrderedDict
+
 import numpy as np
+
+from services.scheduler.prefix_cache import PrefixCache
 
 SMALL_RANGE = 32  # ranges up to this many positions are computed in plain Python
 
@@ -27,9 +35,11 @@ class _Table:
     """One request's block ids, in order, in an int32 array with room to grow; `view` is the ids held
     (remade on each change, so a step's reads make none)."""
 
-    __slots__ = ("ids", "size", "view")
+    __slots__ = ("ids", "size", "view", "num_hashed", "salt")
 
-    def __init__(self, ids: np.ndarray | None = None) -> None:
+    def __init__(self, salt: int, ids: np.ndarray | None = None) -> None:
+        self.salt = salt  # the cache's salt when the table began: its blocks are registered under it only
+        self.num_hashed = 0  # leading blocks `commit` went over
         self.size = 0 if ids is None else len(ids)
         self.ids = np.zeros(max(8, self.size), np.int32)  # [capacity]
         self.ids[: self.size] = ids if ids is not None else []
@@ -49,12 +59,13 @@ class _Table:
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    def __init__(self, num_blocks: int, block_size: int, prefix_caching: bool = True) -> None:
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"num_blocks ({num_blocks}) and block_size ({block_size}) must be positive")
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self._free: list[int] = list(range(num_blocks - 1, -1, -1))  # stack: lowest id popped first
+        self.cache = PrefixCache(block_size, prefix_caching, num_blocks=num_blocks)
+        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))  # taken from the front
         self._tables: dict[str, _Table] = {}
         self._refs = [0] * num_blocks  # holders of each block
 
@@ -69,9 +80,17 @@ class BlockManager:
         table = self._tables.get(rid)
         return 0 if table is None else table.size * self.block_size
 
-    def num_new_blocks(self, rid: str, num_tokens: int) -> int:
-        """Blocks `allocate(rid, num_tokens)` would take from the free list."""
-        return self._num_new(self._tables.get(rid), num_tokens)
+    def num_new_blocks(self, rid: str, num_tokens: int, prefix: list[int] | None = None) -> int:
+        """Blocks `allocate(rid, num_tokens, prefix)` would take from the free queue (cached blocks no
+        one holds are on it)."""
+        if not prefix:
+            return self._num_new(self._tables.get(rid), num_tokens)
+        refs = self._refs
+        return max(0, self.num_blocks_for(num_tokens) - len(prefix)) + sum(refs[b] == 0 for b in prefix)
+
+    def cached_prefix(self, rid: str, hashes: list[int]) -> list[int]:
+        """The cached blocks `rid` could start from (a request that holds no blocks yet)."""
+        return [] if rid in self._tables else self.cache.lookup(hashes)
 
     def _num_new(self, table: _Table | None, num_tokens: int) -> int:
         return max(0, self.num_blocks_for(num_tokens) - (0 if table is None else table.size))
@@ -89,26 +108,48 @@ class BlockManager:
         if needed > len(self._free):
             return False
         if table is None:
-            table = self._tables[rid] = _Table()
+            table = self._tables[rid] = _Table(self.cache.salt)
         self._take(table, needed)
         return True
 
-    def allocate(self, rid: str, num_tokens: int) -> None:
-        """Grow `rid`'s table to hold `num_tokens` tokens in all (a no-op if it already does)."""
-        table = self._tables.get(rid)
-        needed = self._num_new(table, num_tokens)
+    def allocate(self, rid: str, num_tokens: int, prefix: list[int] | None = None) -> None:
+        """Grow `rid`'s table to hold `num_tokens` tokens in all (a no-op if it already does); a
+        table that does not exist yet starts with the cached blocks `prefix` (`cached_prefix`)."""
+        needed = self.num_new_blocks(rid, num_tokens, prefix)
         if needed > len(self._free):
             raise MemoryError(f"{rid}: needs {needed} KV blocks, {len(self._free)} free")
+        table = self._tables.get(rid)
         if table is None:
-            table = self._tables[rid] = _Table()
-        self._take(table, needed)
+            table = self._tables[rid] = _Table(self.cache.salt, self._hold(prefix) if prefix else None)
+            table.num_hashed = table.size
+        self._take(table, self._num_new(table, num_tokens))
+
+    def _hold(self, blocks: list[int]) -> np.ndarray:
+        for block in blocks:
+            if self._refs[block] == 0:
+                del self._free[block]
+            self._refs[block] += 1
+        return np.asarray(blocks, np.int32)
 
     def _take(self, table: _Table, count: int) -> None:
-        """`count` free blocks onto the end of `table`, each held once (the caller checked they are free)."""
+        """`count` free blocks onto the end of `table`, each held once (the caller checked they are
+        free); a cached block taken is evicted."""
         for _ in range(count):
-            block = self._free.pop()
+            block = self._free.popitem(last=False)[0]
             self._refs[block] = 1
+            if self.cache.is_cached(block):
+                self.cache.evict(block)
             table.append(block)
+
+    def commit(self, rid: str, hashes: list[int]) -> None:
+        """Register `rid`'s leading full blocks as cached: `hashes` (the chain over its tokens) covers
+        only blocks whose KV is computed. A table begun under another salt registers nothing."""
+        table = self._tables.get(rid)
+        if table is None or table.salt != self.cache.salt or not self.cache.enabled:
+            return
+        for index in range(table.num_hashed, min(len(hashes), table.size)):
+            self.cache.add(table.ids.item(index), hashes[index])
+        table.num_hashed = max(table.num_hashed, min(len(hashes), table.size))
 
     def fork(self, parent: str, child: str, num_tokens: int) -> None:
         """`child` starts with the blocks of `parent`'s first `num_tokens` tokens (a whole number of
@@ -118,7 +159,7 @@ class BlockManager:
         shared = self._tables[parent].view[: num_tokens // self.block_size]
         for block in shared.tolist():
             self._refs[block] += 1
-        self._tables[child] = _Table(shared)
+        self._tables[child] = _Table(self._tables[parent].salt, shared)
 
     def shrink(self, rid: str, num_tokens: int) -> None:
         """Give back the blocks past the first `num_tokens` tokens (rollback)."""
@@ -135,7 +176,9 @@ class BlockManager:
     def _release(self, block: int) -> None:
         self._refs[block] -= 1
         if self._refs[block] == 0:
-            self._free.append(block)
+            self._free[block] = None  # at the back: a cached block, evicted last
+            if not self.cache.is_cached(block):
+                self._free.move_to_end(block, last=False)
 
     def holds(self, rid: str) -> bool:
         return rid in self._tables

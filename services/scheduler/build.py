@@ -19,11 +19,17 @@ import structlog
 
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.core import SchedulerCore
-from services.scheduler.flags import DEFAULT_CHUNKED_PREFILL_SIZE, DEFAULT_MAX_RUNNING_REQUESTS
+from services.scheduler.flags import (
+    DEFAULT_CHUNKED_PREFILL_SIZE,
+    DEFAULT_MAX_RUNNING_REQUESTS,
+    KV_TOKENS_PER_RUNNING_REQUEST,
+    MAX_DEFAULT_RUNNING_REQUESTS,
+)
 from services.scheduler.model import MemoryReserve, ModelConfig, ModelRunner, load_model_runner
 from services.scheduler.model.batch_invariant import set_batch_invariant
 from services.scheduler.model.dense_attention import DenseConfig, resolve_dense_kernel
 from services.scheduler.model.flash4_attention import warm_flash4
+from services.scheduler.model.graphs import decode_ladder
 from services.scheduler.model.ragged_graphs import seq_ladder, token_ladder
 from services.scheduler.model.runner import triton_available
 from services.scheduler.policy import Policy, PolicyConfig
@@ -47,6 +53,7 @@ class CoreSettings:
     verify_step_cost: tuple[tuple[int, float], ...] = DEFAULT_POINTS  # `compact`: the drafter's SPS table
     seed: int = 0
     overlap_decode: bool = True  # the next step launched before this one's readback (`SchedulerCore`)
+    prefix_caching: bool = True  # `BlockManager`: full KV blocks shared across requests
     worker: WorkerOptions = WorkerOptions()
 
     @classmethod
@@ -70,7 +77,7 @@ def resolve(config: SchedulerConfig, runner: ModelRunner) -> CoreSettings:
         tokenizer_dir=config.model,
     )
     return CoreSettings(
-        max_running_requests=config.max_running_requests,
+        max_running_requests=config.max_running_requests or default_max_running(runner, config.speculative_algorithm),
         chunked_prefill_size=config.chunked_prefill_size,
         max_prefill_tokens=config.resolved_max_prefill_tokens,
         max_model_len=config.max_model_len,
@@ -78,8 +85,18 @@ def resolve(config: SchedulerConfig, runner: ModelRunner) -> CoreSettings:
         verify_step_cost=StepCost.load(config.resolved_draft_model if config.speculative_algorithm == "dspark" else None).points,
         seed=config.seed,
         overlap_decode=config.overlap_decode,
+        prefix_caching=config.prefix_caching,
         worker=worker,
     )
+
+
+def default_max_running(runner: ModelRunner, speculative_algorithm: str = "none") -> int:
+    """The running limit a GPU's KV cache affords (a small model on a large GPU scales past 64); 64
+    off CUDA, and with a drafter (its verify graphs' logits buffers grow with rung x block width)."""
+    if runner.device.type != "cuda" or speculative_algorithm != "none":
+        return DEFAULT_MAX_RUNNING_REQUESTS
+    per_kv = runner.num_blocks * runner.block_size // KV_TOKENS_PER_RUNNING_REQUEST // 64 * 64
+    return max(DEFAULT_MAX_RUNNING_REQUESTS, min(MAX_DEFAULT_RUNNING_REQUESTS, per_kv))
 
 
 def build_core(config: SchedulerConfig) -> SchedulerCore:
@@ -129,6 +146,8 @@ def make_policy(runner: ModelRunner, settings: CoreSettings, proposer: Proposer 
         verify_mode=settings.verify_mode,
         verify_step_cost=settings.verify_step_cost,
         seed=settings.seed,
+        prefix_caching=settings.prefix_caching,
+        cache_prompt_rows=settings.prefix_caching and settings.worker.logprobs_mode == "raw",
     ))  # fmt: skip
 
 
@@ -189,9 +208,10 @@ def prepare_runtime(config: SchedulerConfig, settings: CoreSettings, runner: Mod
     capture_layers = () if proposer is None else tuple(proposer.capture_layers)  # the drafter's context
     if runner.decode_kernel and not runner.batch_invariant:  # invariant: every step is ragged
         query_lens = (1,) if proposer is None else (1, proposer.num_draft_tokens + 1)
-        runner.prepare_decode_graphs(query_lens=query_lens, capture_layers=capture_layers)
+        runner.prepare_decode_graphs(decode_ladder(settings.max_running_requests), query_lens=query_lens,
+                                     capture_layers=capture_layers)  # fmt: skip
     if config.ragged_cuda_graphs and runner.ragged_kernel:  # CUDA with Triton
-        runner.prepare_ragged_graphs(seq_ladder(config.max_running_requests), token_ladder(config.chunked_prefill_size),
+        runner.prepare_ragged_graphs(seq_ladder(settings.max_running_requests), token_ladder(config.chunked_prefill_size),
                                      capture_layers=capture_layers)  # fmt: skip
         runner.ragged_graphs.capture_prefill_keys()  # arrivals beside decodes: no capture pauses them later
         if proposer is not None and settings.verify_mode == "compact":

@@ -12,7 +12,6 @@ from services.scheduler.flags import (
     CUDA_KV_CACHE_FRACTION,
     DEFAULT_CHUNKED_PREFILL_SIZE,
     DEFAULT_MAX_PREFILL_TOKENS,
-    DEFAULT_MAX_RUNNING_REQUESTS,
     DEFAULT_SPLIT_KV_DECODE,
     DENSE_ATTENTION_CHOICES,
     DEVICES,
@@ -39,9 +38,10 @@ class SchedulerConfig:
     dtype: str | None = None  # None: float32 on cpu, bfloat16 on cuda
     load_format: str = "auto"
     quantization: str | None = None  # one of QUANTIZATIONS: quantized at load; None: the checkpoint's own
-    max_running_requests: int = DEFAULT_MAX_RUNNING_REQUESTS
+    max_running_requests: int | None = None  # None: from the KV cache on CUDA (`build.default_max_running`), else the default
     chunked_prefill_size: int = DEFAULT_CHUNKED_PREFILL_SIZE
     max_prefill_tokens: int | None = None  # tokens per step while nothing decodes (`Policy`); None: `resolved_max_prefill_tokens`
+    prefix_caching: bool = True  # full KV blocks kept and shared across requests (`prefix_cache.py`)
     overlap_decode: bool = True  # `SchedulerCore`: the next decode step launched before this one's readback
     deterministic: bool = False  # batch-invariant numerics (`ModelRunner.batch_invariant`)
     ragged_cuda_graphs: bool = True  # CUDA with Triton: ragged steps replay graphs
@@ -62,6 +62,7 @@ class SchedulerConfig:
     seed: int = 0
     instance_id: str = "scheduler"
     nats: NatsConnection = NatsConnection()
+    prefix_summary_interval_s: float = 0.5  # how often the cached blocks' summary goes to the tokenizers (placement)
     claim_expiry_s: float = 30.0  # a claimed rid whose GenerateRequest never arrives is forgotten
     kv_cache_memory_fraction: float = CUDA_KV_CACHE_FRACTION  # CUDA: the KV caches' share of the memory free once weights (a drafter's too) are loaded
     metrics_host: str = "127.0.0.1"
@@ -77,8 +78,10 @@ class SchedulerConfig:
         _check_choice("speculative_algorithm", self.speculative_algorithm, SPECULATIVE_ALGORITHMS)
         if self.dtype is not None:
             _check_choice("dtype", self.dtype, (*DTYPES, "auto"))
-        for name in ("max_running_requests", "chunked_prefill_size", "kv_block_size"):
+        for name in ("chunked_prefill_size", "kv_block_size"):
             _check_positive(name, getattr(self, name))
+        if self.max_running_requests is not None:
+            _check_positive("max_running_requests", self.max_running_requests)
         if self.max_prefill_tokens is not None and self.max_prefill_tokens < self.chunked_prefill_size:
             raise ValueError(f"max_prefill_tokens ({self.max_prefill_tokens}) must be at least chunked_prefill_size "
                              f"({self.chunked_prefill_size})")  # fmt: skip

@@ -19,7 +19,11 @@ DTYPE_CHOICES = (*DTYPE_NAMES, "auto")  # auto: the checkpoint's torch_dtype
 LOAD_FORMATS = ("auto", "dummy")
 QUANTIZATIONS = ("fp8",)  # --quantization: an unquantized checkpoint quantized at load (model/fp8.py)
 LOGPROBS_MODES = ("raw", "processed")
-DEFAULT_MAX_RUNNING_REQUESTS = 64
+DEFAULT_MAX_RUNNING_REQUESTS = 64  # off CUDA, and the least on it
+# CUDA: the running limit from the KV cache, a request per this many cached tokens, up to the cap
+# (what a small model on a large GPU decodes at once; SGLang sizes it from memory too)
+KV_TOKENS_PER_RUNNING_REQUEST = 1024
+MAX_DEFAULT_RUNNING_REQUESTS = 512
 DEFAULT_CHUNKED_PREFILL_SIZE = 2048  # tokens per step, prefill chunks and decode tokens together
 # Tokens per step while no sequence decodes (nothing to stall): a long prompt alone runs faster in
 # steps well past the chunk budget (`--dense-prefill`), and hardly faster again past 16384
@@ -55,7 +59,13 @@ def add_model_arguments(parser: argparse.ArgumentParser, env: EnvSettings) -> No
     add("--max-prefill-tokens", type=int, default=None,
         help=f"tokens per scheduler step while no request decodes (a prompt arriving alone); at least --chunked-prefill-size "
              f"(default: the larger of {DEFAULT_MAX_PREFILL_TOKENS} and --chunked-prefill-size)")  # fmt: skip
-    add("--max-running-requests", type=int, default=DEFAULT_MAX_RUNNING_REQUESTS, help="most requests decoded at once")
+    add("--max-running-requests", type=int, default=None,
+        help=f"most requests decoded at once (default: on CUDA without a drafter, one per {KV_TOKENS_PER_RUNNING_REQUEST} KV cache tokens, "
+             f"{DEFAULT_MAX_RUNNING_REQUESTS} to {MAX_DEFAULT_RUNNING_REQUESTS}, in steps of 64; elsewhere {DEFAULT_MAX_RUNNING_REQUESTS})")  # fmt: skip
+    add("--prefix-caching", "--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+        help="keep full KV blocks after their requests and share them with later requests that start with the same "
+             "tokens (default on; --no-prefix-caching or --disable-radix-cache turns it off)")  # fmt: skip
+    add("--disable-radix-cache", dest="prefix_caching", action="store_false", help=argparse.SUPPRESS)
     add("--overlap-decode", action=argparse.BooleanOptionalAction, default=True,
         help="launch each decode step (and arrivals' first prompt chunks beside it) before the last one's tokens are "
              "read back, so the device does not wait for the host between decode steps (default on)")  # fmt: skip
@@ -127,11 +137,13 @@ def scheduler_argv(args: argparse.Namespace) -> list[str]:
     """Every flag above back as argv (--model and --max-model-len aside: `sparkwire up` gives
     those to the tokenizer too), for `sparkwire up` to pass to its scheduler."""
     argv = ["--device", args.device, "--load-format", args.load_format, "--logprobs-mode", args.logprobs_mode]
-    argv += ["--chunked-prefill-size", str(args.chunked_prefill_size), "--max-running-requests", str(args.max_running_requests)]
+    argv += ["--chunked-prefill-size", str(args.chunked_prefill_size)]
+    argv += ["--max-running-requests", str(args.max_running_requests)] if args.max_running_requests is not None else []
     argv += ["--max-prefill-tokens", str(args.max_prefill_tokens)] if args.max_prefill_tokens is not None else []
     argv += ["--kv-cache-memory-fraction", str(args.kv_cache_memory_fraction)]
     argv += ["--overlap-decode" if args.overlap_decode else "--no-overlap-decode"]
     argv += ["--deterministic" if args.deterministic else "--no-deterministic"]
+    argv += ["--prefix-caching" if args.prefix_caching else "--no-prefix-caching"]
     argv += ["--step-trace", args.step_trace] if args.step_trace else []
     argv += ["--dtype", args.dtype] if args.dtype else []
     argv += ["--quantization", args.quantization] if args.quantization else []

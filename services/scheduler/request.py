@@ -43,6 +43,7 @@ class RequestOutput(msgspec.Struct, frozen=True):
     finish: Finish | None
     logprobs: RequestLogprobs | None  # None when the request did not ask for logprobs
     spec_verify_ct: int | None = None  # verify passes so far; None without speculative decoding
+    cached_tokens: int = 0  # prompt tokens whose KV it found computed (the prefix cache, a forked prompt)
 
 
 def has_penalties(params: SamplingParams) -> bool:

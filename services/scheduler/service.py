@@ -18,8 +18,11 @@ import structlog
 
 from contracts import subjects
 from contracts.detokenizer import Finish, FinishType, TokenBatch
+from contracts.tokenizer import MAX_SUMMARY_HASHES, PrefixSummary
+from services.common.arrays import to_wire
 from contracts.scheduler import (
     AbortRequest,
+    FlushCache,
     GenerateRequest,
     SchedulerClaim,
     SchedulerClaimReply,
@@ -43,6 +46,7 @@ from services.scheduler.wire import to_token_batches
 log = structlog.get_logger(__name__)
 
 SHUTDOWN_MESSAGE = "the scheduler is shutting down"
+SUMMARY_REFRESH_S = 1.5  # an unchanged prefix summary is sent again this often (tokenizers drop one older than 3 s)
 
 
 async def connect(config: SchedulerConfig) -> Transport:
@@ -95,6 +99,7 @@ class SchedulerService:
         await self._telemetry.start(self._config.metrics_host, self._config.metrics_port)
         decode = asyncio.create_task(self._decode_loop(), name="scheduler-decode")
         expiry = asyncio.create_task(self._expire_claims(), name="scheduler-claims")
+        summaries = asyncio.create_task(self._publish_summaries(), name="scheduler-prefix-summary")
         log.info("scheduler.ready", instance=self._id, model=self._config.model)
         settle_startup_heap()
         stopped = asyncio.create_task(stop.wait())
@@ -103,6 +108,7 @@ class SchedulerService:
         if not decode.done():
             await self._drain(decode)
         expiry.cancel()
+        summaries.cancel()
         return await self._shutdown(decode)
 
     async def _subscribe(self) -> None:
@@ -113,7 +119,9 @@ class SchedulerService:
         await transport.subscribe(subjects.scheduler_generate(self._id), GenerateRequest, self._on_generate)
         await transport.subscribe(subjects.SCHEDULER_ABORT, AbortRequest, self._on_abort)
         pings = await transport.subscribe(subjects.SCHEDULER_PING, SchedulerPing, self._on_ping, queue=subjects.SCHEDULER_QUEUE)
-        self._queue_subscriptions = [claims, pings]
+        direct_claims = await transport.subscribe(subjects.scheduler_claim(self._id), SchedulerClaim, self._on_claim)
+        await transport.subscribe(subjects.SCHEDULER_FLUSH_CACHE, FlushCache, self._on_flush_cache)
+        self._queue_subscriptions = [claims, pings, direct_claims]
 
     async def _drain(self, decode: asyncio.Task[None]) -> None:
         """Leave without losing a token: leave the claim and ping queue groups (new requests go
@@ -191,6 +199,26 @@ class SchedulerService:
             num_running=self._core.num_running,
         )
         await self._transport.respond(msg, info)
+
+    async def _on_flush_cache(self, _flush: FlushCache, _msg: Delivery) -> None:
+        self._core.reset_prefix_cache()
+        log.info("scheduler.prefix_cache_flushed", instance=self._id)
+
+    async def _publish_summaries(self) -> None:
+        """Cache-aware placement: what this scheduler caches, and its load, every interval (a
+        tokenizer reads the latest and never waits for one)."""
+        cache, sent_version, sent_at = self._core.policy.blocks.cache, -1, 0.0
+        while cache.enabled:
+            await asyncio.sleep(self._config.prefix_summary_interval_s)
+            if cache.version == sent_version and time.monotonic() - sent_at < SUMMARY_REFRESH_S:
+                continue  # unchanged: sent again only so often, to stay fresh at the tokenizers
+            sent_version, sent_at = cache.version, time.monotonic()
+            summary = PrefixSummary(self._id, cache.salt, cache.block_size, to_wire(cache.summary(MAX_SUMMARY_HASHES)),
+                                    self._core.num_running + len(self._claims), self._core.policy.config.max_running_requests)  # fmt: skip
+            try:
+                await self._transport.publish(subjects.PREFIX_SUMMARY, summary)
+            except Exception as exc:  # a summary lost is a hint lost: placement goes on without it
+                log.warning("scheduler.prefix_summary_failed", error=repr(exc))
 
     async def _expire_claims(self) -> None:
         while True:

@@ -28,7 +28,7 @@ class SchedulerStats:
     forward_s: float = 0.0  # target forward + verify + logprobs, summed over steps
     draft_s: float = 0.0  # drafter inject + propose, summed over steps
     num_prefix_queries: int = 0  # prompt tokens of the requests added (vLLM's prefix-cache queries)
-    num_prefix_hits: int = 0  # of those, tokens whose KV was shared, not computed (forked choices)
+    num_prefix_hits: int = 0  # of those, tokens whose KV was found computed (the prefix cache, forked choices)
 
     @property
     def kv_usage(self) -> float:

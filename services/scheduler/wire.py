@@ -33,6 +33,7 @@ def _token_batch(outputs: list[RequestOutput], scheduler_id: str, step: int) -> 
         prompt_tokens=to_wire(np.asarray([o.prompt_tokens for o in outputs], np.int32)),  # [R]
         finish=[output.finish for output in outputs],
         spec_verify_ct=_verify_counts(outputs),
+        cached_tokens=_cached_counts(outputs),
         output_logprobs=to_columns([None if e is None else e.output for e in entries]) if any_logprobs else None,
         prompt_logprobs=to_columns(_prompt_rows(entries, "prompt")) if any_logprobs else None,
         prompt_top_flat=to_columns(_prompt_rows(entries, "flat")) if any_logprobs else None,
@@ -44,6 +45,13 @@ def _prompt_rows(entries: list[RequestLogprobs | None], kind: str) -> list:
     if not any(e is not None and getattr(e, kind) is not None for e in entries):
         return []
     return [None if e is None else getattr(e, kind) for e in entries]
+
+
+def _cached_counts(outputs: list[RequestOutput]) -> NDArray | None:
+    """i32 [R], prompt tokens found in KV per request; absent when none found any."""
+    if not any(o.cached_tokens for o in outputs):
+        return None
+    return to_wire(np.asarray([o.cached_tokens for o in outputs], np.int32))
 
 
 def _verify_counts(outputs: list[RequestOutput]) -> NDArray | None:

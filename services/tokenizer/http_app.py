@@ -106,6 +106,12 @@ def _service_states(frontend: Frontend, alive: dict[str, list[str]], scheduler_a
     return states
 
 
+@post("/flush_cache", status_code=200, responses=ERROR_RESPONSES, summary="Every scheduler forgets its prefix cache (SGLang-compatible)")
+async def flush_cache(frontend: Frontend) -> dict[str, Any]:
+    await frontend.service.flush_cache()
+    return {"status": "ok", "message": "Cache flushed."}
+
+
 @post(["/tokenize", "/v1/tokenize"], status_code=200, responses=ERROR_RESPONSES,
       summary="A prompt, or chat messages rendered with the model's chat template, to token ids (vLLM-compatible)")  # fmt: skip
 async def tokenize(data: TokenizeBody, frontend: Frontend, request: Request) -> dict[str, Any]:
@@ -236,7 +242,7 @@ def _on_unexpected(_request: Request, exc: Exception) -> Response[dict[str, Any]
     return _error(500, "internal server error; the server log has the details under this request's id", "internal_error")
 
 
-ROUTE_HANDLERS = [generate, health, tokenize, detokenize, models, model, metrics, openapi_json, *openai_api.ROUTES,
+ROUTE_HANDLERS = [generate, health, flush_cache, tokenize, detokenize, models, model, metrics, openapi_json, *openai_api.ROUTES,
                   *info_api.ROUTES]  # fmt: skip
 
 

@@ -65,6 +65,7 @@ class GenerationResult:
     prompt_tokens: int = 0
     finish: Finish | None = None
     spec_verify_ct: int | None = None
+    cached_tokens: int = 0  # prompt tokens the scheduler found in KV (SGLang's meta_info.cached_tokens)
     chunks: LogprobChunks = field(default_factory=LogprobChunks)
 
     def add(self, delta: Delta) -> None:
@@ -74,6 +75,7 @@ class GenerationResult:
         self.output_ids.extend(delta.token_ids)
         self.prompt_tokens = delta.prompt_tokens or self.prompt_tokens or len(self.spec.prompt_ids)
         self.finish = delta.finish
+        self.cached_tokens = max(self.cached_tokens, delta.cached_tokens)
         if delta.spec_verify_ct is not None:
             self.spec_verify_ct = delta.spec_verify_ct
         if not self.spec.stream:
@@ -101,6 +103,7 @@ def meta_info(result: GenerationResult, logprob_fields: dict[str, Any]) -> dict[
         "id": result.spec.response_id or result.spec.rid,
         "prompt_tokens": result.prompt_tokens or len(result.spec.prompt_ids),
         "completion_tokens": len(result.output_ids),
+        "cached_tokens": result.cached_tokens,
         "finish_reason": finish_reason(result.finish),
         "e2e_latency": result.e2e_latency,
         **logprob_fields,

@@ -292,10 +292,16 @@ def chat_plan(body: ChatBody, frontend: Frontend, request_id: str) -> Plan:
     return Plan(f"chatcmpl-{request_id}", int(time.time()), name, choices, False, top_k, body.skip_special_tokens, tools)
 
 
-def _usage(plan: Plan, results: list[GenerationResult]) -> dict[str, int]:
+def _usage(plan: Plan, results: list[GenerationResult]) -> dict[str, Any]:
     prompt = sum(len(spec.prompt_ids) for spec in {c.spec.prompt_ids: c.spec for c in plan.choices}.values())
     completion = sum(len(r.output_ids) for r in results)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    cached, seen = 0, set()
+    for choice, result in zip(plan.choices, results):  # per distinct prompt, its first choice's (the others forked from it)
+        if choice.spec.prompt_ids not in seen:
+            seen.add(choice.spec.prompt_ids)
+            cached += result.cached_tokens
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}  # fmt: skip
 
 
 def _completion_logprobs(

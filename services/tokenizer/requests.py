@@ -41,6 +41,7 @@ class Delta:
     finish: Finish | None
     logprobs: tuple[RequestLogprobs, ...]  # each TextBatch's entries for the request, in arrival order
     spec_verify_ct: int | None  # the request's verify steps so far (cumulative)
+    cached_tokens: int = 0  # prompt tokens the scheduler found in KV (a running total too)
 
 
 def merge_deltas(deltas: list[Delta]) -> Delta:
@@ -55,6 +56,7 @@ def merge_deltas(deltas: list[Delta]) -> Delta:
         deltas[-1].finish,
         tuple(entries for d in deltas for entries in d.logprobs),
         next((d.spec_verify_ct for d in reversed(deltas) if d.spec_verify_ct is not None), None),
+        max(d.cached_tokens for d in deltas),
     )
 
 
@@ -162,6 +164,7 @@ class PendingRequests:
         token_ids = from_wire(batch.new_token_ids).tolist()  # [sum(counts)]
         prompt_tokens = from_wire(batch.prompt_tokens).tolist()  # [R]
         verify = from_wire(batch.spec_verify_ct).tolist() if batch.spec_verify_ct is not None else None
+        cached = from_wire(batch.cached_tokens).tolist() if batch.cached_tokens is not None else [0] * len(batch.rids)
         logprobs = _request_logprobs(batch)
         start = 0
         for i, rid in enumerate(batch.rids):
@@ -170,7 +173,8 @@ class PendingRequests:
             if pending is not None:
                 ct = verify[i] if verify is not None else None
                 entries = (logprobs[i],) if logprobs[i] is not None else ()
-                delta = Delta(batch.text_deltas[i], token_ids[start:end], prompt_tokens[i], batch.finish[i], entries, ct)
+                delta = Delta(batch.text_deltas[i], token_ids[start:end], prompt_tokens[i], batch.finish[i], entries, ct,
+                              cached[i])  # fmt: skip
                 self._push(pending, delta)
             start = end
 

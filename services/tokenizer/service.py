@@ -20,7 +20,7 @@ import structlog
 
 from contracts import subjects
 from contracts.scheduler import AbortRequest, SchedulerInfo, SchedulerPing
-from contracts.tokenizer import TextBatch
+from contracts.tokenizer import PrefixSummary, TextBatch
 from services.common.heartbeat import HeartbeatMonitor, HeartbeatPublisher
 from services.common.nats_reader import Delivery
 from services.common.transport import Traffic, Transport, remember_sender
@@ -60,6 +60,7 @@ class TokenizerService:
         service = cls(config, transport, on_done)
         outputs = subjects.tokenizer_outputs(config.instance_id)
         await transport.subscribe(outputs, TextBatch, service._on_outputs, on_gap=service._on_outputs_lost)
+        await transport.subscribe(subjects.PREFIX_SUMMARY, PrefixSummary, service._placement.on_summary)
         await service._schedulers.start()
         await service._detokenizers.start()
         await transport.flush()  # the SUBs went out on the receiving connection, beats go on the other: in effect first
@@ -130,6 +131,10 @@ class TokenizerService:
                 subjects.SCHEDULER_PING, SchedulerPing(time.time()), SchedulerInfo, self.config.health_timeout_s
             )
         return None
+
+    async def flush_cache(self) -> None:
+        """Every scheduler forgets its cached KV blocks (SGLang's /flush_cache)."""
+        await self._placement.flush_caches()
 
     @property
     def is_connected(self) -> bool:

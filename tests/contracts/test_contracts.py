@@ -37,7 +37,8 @@ from contracts.scheduler import (
     SchedulerInfo,
     SchedulerPing,
 )
-from contracts.tokenizer import TextBatch
+from contracts.scheduler import FlushCache
+from contracts.tokenizer import PrefixSummary, TextBatch
 from services.common.arrays import from_wire, to_wire
 
 
@@ -79,6 +80,7 @@ SAMPLES: list[msgspec.Struct] = [
         prompt_tokens=i32(5, 6, 7),
         finish=[None, Finish(FinishType.LENGTH), None],
         spec_verify_ct=i32(1, 2, 3),
+        cached_tokens=i32(0, 16, 0),
     ),
     TokenBatch(  # every kind of logprob rows as the batch's columns
         scheduler_id="s",
@@ -99,6 +101,8 @@ SAMPLES: list[msgspec.Struct] = [
     SamplingParams(grammar=Grammar(GrammarKind.JSON_OBJECT)),
     LogprobParams(return_logprob=True, logprob_start_len=0, top_logprobs_num=2, token_ids_logprob=(5, 6)),
     SchedulerClaim("rid-1", 32768),
+    FlushCache(12.5),
+    PrefixSummary("s", -3, 16, to_wire(np.asarray([1, 2**32 - 1], "<u4")), 5, 64),
     SchedulerClaim("rid-1", 12, detokenizer_id="d", choices=(ForkedChoice("rid-2", "d2", seed=-5), ForkedChoice("rid-3", "d"))),
     SchedulerClaimReply("s", accepted=False, error="prompt too long"),
     SchedulerClaimReply("s", forks=True),
@@ -299,3 +303,11 @@ def test_direct_subjects_embed_the_instance_id():
     for make in (subjects.scheduler_generate, subjects.detokenizer_tokens, subjects.tokenizer_outputs):
         assert ".abc123." in make("abc123")
         assert make("a") != make("b")
+
+
+def test_a_prefix_summary_or_token_batch_of_the_wrong_shape_is_rejected():
+    with pytest.raises(ValueError):
+        PrefixSummary("s", 0, 16, i32(1, 2), 0, 1)  # int32, not u4
+    with pytest.raises(ValueError):
+        TokenBatch(scheduler_id="s", step=1, rids=["a"], num_new_tokens=i32(0), new_token_ids=i32(), prompt_tokens=i32(1),
+                   finish=[None], cached_tokens=i32(1, 2))  # fmt: skip

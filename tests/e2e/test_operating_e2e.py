@@ -132,7 +132,7 @@ def test_every_service_exports_metrics_of_a_known_mix(operated: OperatedStack) -
     length = lambda reason: ("sparkwire:request_success_total", (("finished_reason", reason), *MODEL))  # noqa: E731
     assert scheduler[length("length")] == NUM_PARALLEL + (1 if streamed_tokens == 8 else 0)
     assert scheduler[("sparkwire:num_preemptions_total", MODEL)] > 0
-    assert scheduler[("sparkwire:prefix_cache_queries_total", MODEL)] > 0  # no n > 1 here: no hits
+    assert scheduler[("sparkwire:prefix_cache_queries_total", MODEL)] > 0  # no n > 1, prompts under a block: no hits
     assert scheduler[("sparkwire:prefix_cache_hits_total", MODEL)] == 0
     assert scheduler[("sparkwire:generation_tokens_total", MODEL)] > finished_tokens + streamed_tokens
     assert scheduler[("sparkwire:iteration_tokens_total_count", MODEL)] > 0

@@ -26,6 +26,13 @@ from services.scheduler.model.kv_splits import num_kv_splits
 from services.scheduler.model.llama import CausalLM
 
 DEFAULT_LADDER = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128)
+WIDE_RUNGS = (160, 192, 256, 320, 384, 448, 512)  # past 128: padding <= 25%
+
+
+def decode_ladder(max_running_requests: int) -> tuple[int, ...]:
+    """Decode graphs' batch sizes up to the running limit, which is a rung too."""
+    rungs = (*DEFAULT_LADDER, *WIDE_RUNGS)
+    return tuple(sorted({r for r in rungs if r < max_running_requests} | {max_running_requests}))
 T = TypeVar("T")
 
 

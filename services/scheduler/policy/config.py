@@ -22,6 +22,8 @@ class PolicyConfig:
     verify_mode: str = "static"
     verify_step_cost: tuple[tuple[int, float], ...] = DEFAULT_POINTS  # `compact`: (tokens, seconds) of a step
     seed: int = 0  # seeds the sampling seeds of requests that bring none
+    prefix_caching: bool = True  # full KV blocks kept and shared across requests (`prefix_cache.py`)
+    cache_prompt_rows: bool = True  # with it, prompt logprob rows kept with the blocks (raw rows only: `prompt_rows.py`)
 
     def __post_init__(self) -> None:
         for name in ("max_running_requests", "chunk_budget", "max_model_len", "vocab_size"):

@@ -45,7 +45,7 @@ class Forks:
         prompt = _joined(parent.prompt_parts)
         for child in parent.forks:
             self._blocks.fork(parent.rid, child.rid, shared)
-            child.num_computed = shared
+            child.num_computed = child.num_cached = shared
             self.num_prefix_hits += shared
             child.next_prompt_logprob, child.flat_sent = child.num_prompt, True  # returned here, once
             if child.params.wants_logprobs and not prompt.is_empty():

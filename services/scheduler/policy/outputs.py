@@ -58,10 +58,15 @@ class Outputs:
         if step.prompt_lo == seq.params.prompt_logprob_start:
             rows = rows.with_null_row()
         rows = (rows if rows.__class__ is RowLogprobs else rows.rows()).at(step.prompt_lo)
+        self.give_kept_prompt(seq, rows)
+
+    def give_kept_prompt(self, seq: Sequence, rows: RowLogprobs) -> None:
+        """Prompt rows in position order (a step's, or kept with cached blocks): after any this step gave already."""
         if seq.wants_flat:
             seq.held_prompt.append(rows)
-        else:
-            self._entry(seq).logprobs.prompt = rows
+            return
+        entry = self._entry(seq)
+        entry.logprobs.prompt = rows if entry.logprobs.prompt is None else RowLogprobs.joined([entry.logprobs.prompt, rows])
 
     def attach_flat(self, seq: Sequence) -> None:
         """PRODUCT §5: the whole prompt's rows, once it is in, their top-k as the flat arrays. Rows
@@ -108,6 +113,7 @@ def _to_output(entry: _Pending) -> RequestOutput:
         finish=entry.finish,
         logprobs=entry.logprobs if seq.params.wants_logprobs else None,
         spec_verify_ct=seq.spec_verify_ct if seq.speculative else None,
+        cached_tokens=seq.num_cached,
     )
 
 

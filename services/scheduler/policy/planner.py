@@ -10,6 +10,13 @@ of the queue; on resume it re-prefills prompt + generated tokens (its pending dr
 last chunk), and since sampling depends only on (seed, output position) and logprobs already
 returned are not returned again, its results are those it would have had alone.
 
+Prefix caching: a request admitted with no blocks of its own starts from the longest run of cached
+full blocks equal to its tokens' first blocks (`_cached_prefix`), and computes only the rest; each
+step's computed full blocks are registered as they fill (`commit`). A hit stops before the last
+token (it must be computed to sample) and before any prompt position whose logprob row the
+request still wants (a row comes from the position before it), unless those rows were kept with
+the cached blocks (`prompt_rows.py`): then they are returned at admission, not computed.
+
 Planned ahead (a step in flight whose results are not applied yet, its effects counted by
 `Policy.expect`), a plan never preempts: it is None where it would have to, and the step after the
 in-flight one's results plans instead.
@@ -23,6 +30,7 @@ import structlog
 
 from contracts.detokenizer import Finish, FinishType
 from services.scheduler.block_manager import BlockManager
+from services.common.logprob_rows import HostRows
 from services.scheduler.plan import SeqStep, StepPlan
 from services.scheduler.policy.config import PolicyConfig
 from services.scheduler.policy.forks import Forks
@@ -53,6 +61,7 @@ class Planner:
         compact = config.verify_mode == "compact"
         self._budget = VerifyBudget(StepCost(config.verify_step_cost)) if compact else None
         self.num_preemptions = 0
+        self.num_cached_tokens = 0  # prompt tokens requests took from the prefix cache instead of computing
 
     def schedule(self, ahead: bool = False) -> tuple[StepPlan, list[Sequence]] | None:
         """The next step's plan and its sequences, in order; None only `ahead`, where it would preempt."""
@@ -134,13 +143,17 @@ class Planner:
         admitted = []
         while self._waiting and budget > 0 and len(self._running) < self.config.max_running_requests:
             seq = self._waiting[0]
+            prefix = self._cached_prefix(seq)
+            seq.num_computed += len(prefix) * self._blocks.block_size  # cached blocks (a fork holds its shared ones already)
             num_tokens, num_draft = self._query_size(seq, budget)
-            total = seq.num_computed + num_tokens + num_draft  # a fork starts with its prompt's shared blocks
+            total = seq.num_computed + num_tokens + num_draft
+            new_blocks = self._blocks.num_new_blocks(seq.rid, total, prefix)
             # keep one block per running request free so admissions rarely force a preemption
-            needed = self._blocks.num_new_blocks(seq.rid, total) + len(self._running)
-            if needed > self._blocks.num_free_blocks and self._running:
+            if new_blocks + len(self._running) > self._blocks.num_free_blocks and self._running:
+                seq.num_computed -= len(prefix) * self._blocks.block_size
                 break
-            if not self._blocks.can_allocate(seq.rid, total):
+            if new_blocks > self._blocks.num_free_blocks:
+                seq.num_computed -= len(prefix) * self._blocks.block_size
                 if self._running:
                     break
                 if self._forks.drop_waiting_holds():  # alone and still too big: it can never run
@@ -150,11 +163,76 @@ class Planner:
                 self.fail(seq, f"the KV cache cannot hold {num_tokens} tokens of this request")
                 continue
             self._waiting.popleft()
-            self._blocks.allocate(seq.rid, total)
+            self._blocks.allocate(seq.rid, total, prefix)
+            self._count_hit(seq, len(prefix) * self._blocks.block_size)
+            if seq.next_prompt_logprob < min(seq.num_prompt, len(prefix) * self._blocks.block_size):
+                self._give_rows(seq, len(prefix) * self._blocks.block_size + 1)
             self._running.add(seq)
             admitted.append((seq, num_tokens, num_draft))
             budget -= num_tokens + num_draft
         return admitted
+
+    def _cached_prefix(self, seq: Sequence) -> list[int]:
+        """The cached blocks `seq` can start from: none where it holds blocks already (a fork, a
+        prefill under way) or the cache is off (see the module's doc for the other limits)."""
+        cache, size = self._blocks.cache, self._blocks.block_size
+        if not cache.enabled or seq.num_computed or self._blocks.holds(seq.rid):
+            return []
+        if seq.hash_salt != cache.salt:
+            seq.block_hashes, seq.hash_salt = [], cache.salt
+        hashes = cache.hashes(seq.block_hashes, seq.tokens)[: (seq.num_tokens - 1) // size]
+        prefix = self._blocks.cached_prefix(seq.rid, hashes)
+        start = seq.next_prompt_logprob
+        if start < seq.num_prompt:  # prompt rows wanted from `start`: computed, or kept with the blocks
+            del prefix[max(max(0, start - 1) // size, self._num_row_blocks(seq, hashes, start)) :]
+        if prefix and len(prefix) * size == seq.sampled_position:
+            prefix.pop()  # a resumed request's query never starts at a token its last step sampled
+        return prefix
+
+    def _num_row_blocks(self, seq: Sequence, hashes: list[int], start: int) -> int:
+        """Blocks a request may start from whose prompt rows past `start` (the null entry's) are all
+        kept, through the first position past them (0: not so)."""
+        logprobs = seq.params.logprobs
+        if not self.config.cache_prompt_rows or logprobs.token_ids_logprob:
+            return 0
+        end = min(seq.num_prompt, self._blocks.cache.rows.covered(hashes, seq.tokens, start + 1, logprobs.top_logprobs_num))
+        return (end - 1) // self._blocks.block_size if end > start + 1 else 0
+
+    def _give_rows(self, seq: Sequence, end: int) -> None:
+        """The kept prompt rows of [next_prompt_logprob, end), the first the null entry, returned now."""
+        start, cache = seq.next_prompt_logprob, self._blocks.cache
+        rows = cache.rows.rows(seq.block_hashes, start + 1, end, seq.params.logprobs.top_logprobs_num)
+        self._outputs.give_kept_prompt(seq, rows.with_null_row().at(start))
+        seq.next_prompt_logprob = end
+
+    def keep_rows(self, seq: Sequence, step: SeqStep, rows: HostRows) -> None:
+        """A step's prompt rows, kept under their full prompt blocks' hashes (raw rows, top-k ones only)."""
+        if not self.config.cache_prompt_rows or rows.num_rows == 0:
+            return
+        cache, size = self._blocks.cache, self._blocks.block_size
+        hashes = cache.hashes(seq.block_hashes, seq.tokens[: seq.num_prompt])[: seq.num_prompt // size]
+        first = step.prompt_lo + (step.prompt_lo == seq.params.prompt_logprob_start)  # the null entry has no row
+        cache.rows.keep(hashes, seq.tokens, first, rows)
+
+    def _count_hit(self, seq: Sequence, num_tokens: int) -> None:
+        """A request's hits count once, prompt tokens only, before it generated any (a resumed
+        request's hit on its own blocks is no query's: queries count each prompt once)."""
+        seq.next_commit = (num_tokens // self._blocks.block_size + 1) * self._blocks.block_size
+        if seq.num_tokens > seq.num_prompt:
+            return
+        cached = max(seq.num_cached, min(num_tokens, seq.num_prompt))
+        self.num_cached_tokens += cached - seq.num_cached
+        seq.num_cached = cached
+
+    def commit(self, seq: Sequence) -> None:
+        """Register `seq`'s full blocks whose KV is computed and tokens known in the prefix cache."""
+        cache, size = self._blocks.cache, self._blocks.block_size
+        num_full = min(seq.num_computed, len(seq.tokens)) // size
+        if seq.hash_salt != cache.salt:
+            seq.block_hashes, seq.hash_salt = [], cache.salt
+        hashes = cache.hashes(seq.block_hashes, seq.tokens[: num_full * size]) if len(seq.block_hashes) < num_full else seq.block_hashes
+        self._blocks.commit(seq.rid, hashes[:num_full])
+        seq.next_commit = (num_full + 1) * size
 
     def _seq_step(self, seq: Sequence, num_tokens: int, num_draft: int) -> SeqStep:
         start, params, num_outputs = seq.num_computed, seq.params, seq.num_tokens - seq.num_prompt

@@ -58,7 +58,7 @@ class _Arrivals:
 class Policy:
     def __init__(self, config: PolicyConfig) -> None:
         self.config = config
-        self.blocks = BlockManager(config.num_blocks, config.block_size)
+        self.blocks = BlockManager(config.num_blocks, config.block_size, config.prefix_caching)
         self.admission = Admission(self.blocks, config.max_model_len, config.vocab_size)
         self._waiting: deque[Sequence] = deque()
         self._running = RunningSet()
@@ -86,8 +86,8 @@ class Policy:
 
     @property
     def num_prefix_hits(self) -> int:
-        """Prompt tokens whose KV a request took from another instead of computing it (forked choices)."""
-        return self._forks.num_prefix_hits
+        """Tokens whose KV a request took from another instead of computing it (the prefix cache, forked choices)."""
+        return self._forks.num_prefix_hits + self._planner.num_cached_tokens
 
     def has_work(self) -> bool:
         return bool(self._waiting or self._running or self._outputs.has_pending())
@@ -193,6 +193,7 @@ class Policy:
                 continue  # finished or aborted since the plan was made (ahead: its token is dropped)
             if result.prompt_logprobs is not None:
                 self._outputs.record_prompt(seq, step, result)
+                self._planner.keep_rows(seq, step, result.prompt_logprobs)
             end = step.start + step.num_committed  # committed tokens in KV after the step
             seq.num_computed = end + max(0, len(result.tokens) - 1)
             seq.next_prompt_logprob = _next_prompt_logprob(step)
@@ -202,6 +203,8 @@ class Policy:
                 self._append_tokens(seq, step, result, launched.expected)
             elif end == seq.num_tokens and seq.num_outputs >= seq.max_outputs:
                 self._finish(seq, Finish(FinishType.LENGTH))  # nothing left to generate
+            if seq.num_computed >= seq.next_commit and self.blocks.cache.enabled and seq in self._running:
+                self._planner.commit(seq)
         return self.take_outputs()
 
     def _prompt_done(self, seq: Sequence) -> None:
@@ -231,6 +234,8 @@ class Policy:
 
     def _finish(self, seq: Sequence, finish: Finish) -> None:
         self._running.remove(seq)
+        if self.blocks.cache.enabled:
+            self._planner.commit(seq)  # its last full blocks, with the tokens of this step
         self.blocks.free(seq.rid)
         self._outputs.finish(seq, finish)
 

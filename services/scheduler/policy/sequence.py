@@ -35,6 +35,10 @@ class Sequence:
     spec_verify_ct: int = 0
     forks: list[Sequence] = field(default_factory=list)  # choices waiting for this prefill, then forked
     prompt_parts: list[RequestLogprobs] = field(default_factory=list)  # prompt rows returned so far, for forks
+    block_hashes: list[int] = field(default_factory=list)  # the prefix cache's chain over its full blocks of `tokens`
+    hash_salt: int = 0  # the cache's salt `block_hashes` was computed with
+    num_cached: int = 0  # prompt tokens it found in KV (the prefix cache, or its parent's as a fork): usage's cached_tokens
+    next_commit: int = 0  # tokens in KV at which its next full block is ready for the cache
     # read several times a sequence a step: plain attributes, not properties
     rid: str = field(init=False)
     num_prompt: int = field(init=False)

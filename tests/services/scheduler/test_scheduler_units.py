@@ -409,3 +409,21 @@ def test_dense_prefill_takes_flash4_where_it_compiles_and_sdpa_where_auto_meets_
 def test_the_scheduler_config_refuses_an_unknown_dense_kernel():
     with pytest.raises(ValueError, match="dense_attention"):
         SchedulerConfig(dense_attention="cudnn")
+
+
+def test_the_running_limit_defaults_from_the_kv_cache_on_cuda_only():
+    import types
+
+    from services.scheduler.build import default_max_running
+    from services.scheduler.model.graphs import decode_ladder
+
+    def runner(device: str, num_blocks: int):
+        return types.SimpleNamespace(device=torch.device(device), num_blocks=num_blocks, block_size=16)
+
+    assert default_max_running(runner("cpu", 10**6)) == 64
+    assert default_max_running(runner("cuda", 100)) == 64  # a small cache: never below the old default
+    assert default_max_running(runner("cuda", 20_480)) == 320  # 320k tokens: one request per 1024, in steps of 64
+    assert default_max_running(runner("cuda", 10**6)) == 512
+    assert default_max_running(runner("cuda", 10**6), "dspark") == 64
+    assert decode_ladder(320)[-2:] == (256, 320) and decode_ladder(300)[-2:] == (256, 300)
+    assert decode_ladder(64)[-1] == 64 and max(decode_ladder(512)) == 512 and 100 in decode_ladder(100)
