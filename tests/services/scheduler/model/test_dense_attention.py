@@ -208,7 +208,7 @@ def test_runner_sends_dense_steps_around_the_ragged_graphs_and_matches_the_sdpa_
     plans = []
 
     def twin_plan(batch, group, **options):
-        plans.append(plan_varlen(batch, group, use_kernel=False, **options))
+        plans.append(plan_varlen(batch, group, **{**options, "use_kernel": False}))
         return plans[-1]
 
     monkeypatch.setattr(runner_module, "plan_varlen", twin_plan)
