@@ -77,8 +77,12 @@ def resolve(config: SchedulerConfig, runner: ModelRunner) -> CoreSettings:
 
 
 def build_core(config: SchedulerConfig) -> SchedulerCore:
-    """Load the model (minutes for a large one: call it off the event loop) and wrap it in a core."""
-    runner = load_runner(config)
+    """Load the model (minutes for a large one: call it off the event loop) and wrap it in a core.
+    With `tensor_parallel_size` N > 1 this process is rank 0 of N (`rank_group.py`)."""
+    if config.tensor_parallel_size > 1:
+        runner = load_leader(config)
+    else:
+        runner = load_runner(config)
     proposer = load_proposer(config, runner)
     settings = resolve(config, runner)
     prepare_runtime(config, settings, runner, proposer)
@@ -129,7 +133,28 @@ def check_model(config: SchedulerConfig) -> None:
     ModelConfig.from_pretrained(config.model, context_len=config.max_model_len)
 
 
-def load_runner(config: SchedulerConfig) -> ModelRunner:
+def load_leader(config: SchedulerConfig) -> ModelRunner:
+    """Rank 0's runner: the followers spawned and joined, its shard loaded, its calls led."""
+    from services.scheduler.rank_group import start_group, tensor_parallel
+
+    groups, leader = start_group(config)
+    runner = load_runner(config, tensor_parallel(groups, ModelConfig.from_pretrained(config.model, context_len=config.max_model_len)))
+    runner.leader = leader
+    return runner
+
+
+def load_follower(config: SchedulerConfig, groups) -> ModelRunner:
+    """Rank r > 0's runner, loaded and prepared as rank 0's is (the same graphs capture the same collectives)."""
+    from services.scheduler.rank_group import rank_device, tensor_parallel
+
+    model = ModelConfig.from_pretrained(config.model, context_len=config.max_model_len)
+    runner = load_runner(config, tensor_parallel(groups, model), rank_device(config.resolved_device, groups.rank))
+    prepare_runtime(config, resolve(config, runner), runner, None)
+    return runner
+
+
+def load_runner(config: SchedulerConfig, tp=None, device: str | None = None) -> ModelRunner:
+    """tp: this rank's `TensorParallel` (None: the whole model); device: a rank's own (None: the config's)."""
     reserve = MemoryReserve()
     if config.speculative_algorithm == "dspark":
         from services.scheduler.spec.dspark_loader import drafter_memory
@@ -138,7 +163,7 @@ def load_runner(config: SchedulerConfig) -> ModelRunner:
         reserve = drafter_memory(config.resolved_draft_model, target_config, config.torch_dtype, config.kv_block_size)
     return load_model_runner(
         config.model,
-        device=config.resolved_device,
+        device=device or config.resolved_device,
         dtype=config.torch_dtype,
         load_format=config.load_format,
         num_kv_blocks=config.num_kv_blocks,
@@ -152,6 +177,7 @@ def load_runner(config: SchedulerConfig) -> ModelRunner:
         split_kv_decode=config.split_kv_decode,
         max_model_len=config.max_model_len,
         quantization=config.quantization,
+        tp=tp,
     )
 
 

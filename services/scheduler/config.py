@@ -66,6 +66,7 @@ class SchedulerConfig:
     metrics_host: str = "127.0.0.1"
     metrics_port: int | None = None  # None: no /metrics endpoint; 0: any free port (logged)
     step_trace: str | None = None  # a directory: one JSON line per step to <instance_id>.jsonl (`step_trace.py`)
+    tensor_parallel_size: int = 1  # ranks the model is sharded over (`rank_group.py`); 1: one process, no group
 
     def __post_init__(self) -> None:
         _check_choice("device", self.device, DEVICES)
@@ -76,7 +77,9 @@ class SchedulerConfig:
         _check_choice("speculative_algorithm", self.speculative_algorithm, SPECULATIVE_ALGORITHMS)
         if self.dtype is not None:
             _check_choice("dtype", self.dtype, (*DTYPES, "auto"))
-        for name in ("max_running_requests", "chunked_prefill_size", "kv_block_size"):
+        if self.tensor_parallel_size > 1 and self.speculative_algorithm != "none":
+            raise ValueError("--tensor-parallel-size > 1 does not take speculative decoding yet")
+        for name in ("max_running_requests", "chunked_prefill_size", "kv_block_size", "tensor_parallel_size"):
             _check_positive(name, getattr(self, name))
         if self.max_prefill_tokens is not None and self.max_prefill_tokens < self.chunked_prefill_size:
             raise ValueError(f"max_prefill_tokens ({self.max_prefill_tokens}) must be at least chunked_prefill_size "

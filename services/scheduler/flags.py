@@ -60,6 +60,8 @@ def add_model_arguments(parser: argparse.ArgumentParser, env: EnvSettings) -> No
         help="launch each decode step (and arrivals' first prompt chunks beside it) before the last one's tokens are "
              "read back, so the device does not wait for the host between decode steps (default on)")  # fmt: skip
     add("--max-model-len", type=int, default=None, help="longest prompt + output (default: the model's)")
+    add("--tensor-parallel-size", "--tp", type=int, default=1, dest="tensor_parallel_size",
+        help="shard the model over this many ranks (GPUs cuda:0..N-1; processes on cpu), one scheduler")  # fmt: skip
     add("--kv-cache-memory-fraction", type=float, default=CUDA_KV_CACHE_FRACTION,
         help="CUDA: the share of device memory left free by the weights (a drafter's included) that the KV caches take")  # fmt: skip
     add("--step-trace", default=None, metavar="DIR",
@@ -123,6 +125,7 @@ def scheduler_argv(args: argparse.Namespace) -> list[str]:
     argv += ["--chunked-prefill-size", str(args.chunked_prefill_size), "--max-running-requests", str(args.max_running_requests)]
     argv += ["--max-prefill-tokens", str(args.max_prefill_tokens)] if args.max_prefill_tokens is not None else []
     argv += ["--kv-cache-memory-fraction", str(args.kv_cache_memory_fraction)]
+    argv += ["--tensor-parallel-size", str(args.tensor_parallel_size)]
     argv += ["--overlap-decode" if args.overlap_decode else "--no-overlap-decode"]
     argv += ["--step-trace", args.step_trace] if args.step_trace else []
     argv += ["--dtype", args.dtype] if args.dtype else []

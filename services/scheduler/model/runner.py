@@ -84,6 +84,7 @@ class ModelRunner:
         self._split_kv_decode = split_kv_decode
         self._num_sms = device_sms(kv_cache.kv.device) if num_sms is None else num_sms
         self._dense_prefill: DenseConfig | None = None
+        self.leader = None  # rank_group.Leader on rank 0 of a tensor-parallel group: each call sent to the other ranks first
 
     def prepare_decode_graphs(
         self,
@@ -191,6 +192,8 @@ class ModelRunner:
     def forward(self, batch: ForwardBatch) -> ForwardOutput:
         """Run one step: write the new tokens' K/V, return final hidden states [T, H] (+ captures)."""
         self._check(batch)
+        if self.leader is not None:
+            self.leader.forward(batch)
         batch = self._on_device(batch)
         query_len = uniform_query_len(batch)
         if query_len is not None and self.decode_graphs is not None and self.decode_graphs.fits(batch, query_len):
@@ -213,7 +216,10 @@ class ModelRunner:
     @torch.inference_mode()
     def head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """The LM head alone: [N, V] in the model's dtype (prompt logprobs' chunks: the fused kernels read it as is)."""
-        return self.model.head_logits(hidden.to(self.device, self.dtype))
+        hidden = hidden.to(self.device, self.dtype)
+        if self.leader is not None:
+            self.leader.head(hidden)
+        return self.model.head_logits(hidden)
 
     @torch.inference_mode()
     def embed_tokens(self, ids: torch.Tensor) -> torch.Tensor:

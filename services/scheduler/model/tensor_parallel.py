@@ -1,0 +1,157 @@
+"""Tensor parallelism (Megatron's layout): one model sharded over the N ranks of a process group.
+
+q/k/v and gate/up are column-parallel (each rank holds its heads' rows, its block of the
+intermediate size), o_proj and down_proj row-parallel (the matching input columns) and followed by
+one all-reduce each (`DecoderLayer.tp`); KV heads split across ranks, or replicated where there
+are fewer KV heads than ranks (rank r then keeps KV head r // (N / Hkv)); the embedding and the LM
+head are vocabulary-parallel (rank r holds rows [r Vs, (r + 1) Vs) of Vs = ceil(V / N), the last
+shard padded with zero rows). Each rank builds its model from `shard_config` (the local head
+counts and intermediate size: its KV cache, kernels and plans see its own shapes), and the loader
+slices every checkpoint tensor to this rank's part with `TensorParallel.shard` as it is read: a
+rank never holds another rank's weights.
+
+`TensorParallel` holds the device group (gloo on CPU, NCCL on CUDA) as an explicit object, never
+torch.distributed's default group. N = 1 builds no `TensorParallel` at all: the layers' hooks are
+`None` and run today's code.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from services.scheduler.model.config import ModelConfig
+
+SUPPORTED = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+COLUMN_HEADS = ("q_proj",)  # rows in blocks of this rank's query heads
+COLUMN_KV = ("k_proj", "v_proj")  # rows of this rank's KV heads
+COLUMN = ("gate_proj", "up_proj")  # rows in blocks of the intermediate size
+ROW = ("o_proj", "down_proj")  # input columns; the bias added once (rank 0) before the all-reduce
+VOCAB = ("embed_tokens.weight", "lm_head.weight")
+
+
+class TensorParallelError(ValueError):
+    """A model or setting tensor parallelism cannot shard."""
+
+
+def check_shardable(config: ModelConfig, size: int, quantization: str | None = None) -> None:
+    """Raise `TensorParallelError` (one line) unless `config` can be split over `size` ranks."""
+    if size == 1:
+        return
+    if config.architecture not in SUPPORTED or config.num_experts or config.quantization or quantization:
+        what = "FP8" if config.quantization or quantization else config.architecture
+        raise TensorParallelError(f"--tensor-parallel-size {size}: {what} is not sharded (supported: {', '.join(SUPPORTED)}, unquantized)")
+    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+    if heads % size or config.intermediate_size % size or (kv_heads % size and size % kv_heads):
+        raise TensorParallelError(
+            f"--tensor-parallel-size {size} must divide the {heads} attention heads and the intermediate size "
+            f"{config.intermediate_size}, and divide or be a multiple of the {kv_heads} KV heads"
+        )
+
+
+def shard_config(config: ModelConfig, size: int) -> ModelConfig:
+    """One rank's shapes: its query heads, KV heads (at least one) and intermediate block; the vocabulary stays whole."""
+    return dataclasses.replace(
+        config,
+        num_attention_heads=config.num_attention_heads // size,
+        num_key_value_heads=max(1, config.num_key_value_heads // size),
+        intermediate_size=config.intermediate_size // size,
+    )
+
+
+@dataclass(frozen=True)
+class TensorParallel:
+    """This rank's place in the group, the group's collectives and the slicing of checkpoint tensors."""
+
+    rank: int
+    size: int
+    group: object  # a torch.distributed ProcessGroup{Gloo,NCCL}, used through its own methods
+    config: ModelConfig  # the whole model's
+
+    @property
+    def vocab_shard(self) -> int:
+        return -(-self.config.vocab_size // self.size)
+
+    @property
+    def vocab_start(self) -> int:
+        return self.rank * self.vocab_shard
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """The sum over ranks of x, in place (a row-parallel projection's partial outputs)."""
+        self.group.allreduce([x]).wait()
+        return x
+
+    def gather_vocab(self, logits: torch.Tensor) -> torch.Tensor:
+        """[N, Vs] shards -> the whole [N, V], the padding rows dropped."""
+        parts = [torch.empty_like(logits) for _ in range(self.size)]
+        self.group.allgather([parts], [logits.contiguous()]).wait()
+        return torch.cat(parts, dim=-1)[:, : self.config.vocab_size]
+
+    def broadcast(self, x: torch.Tensor) -> torch.Tensor:
+        """Rank 0's x on every rank, in place."""
+        self.group.broadcast(x, 0).wait()
+        return x
+
+    def shard(self, name: str, full: torch.Tensor) -> torch.Tensor:
+        """This rank's part of checkpoint tensor `name` (a Hugging Face name), given the whole of it."""
+        parts = name.split(".")
+        proj = parts[-2] if len(parts) >= 2 else ""
+        if name.endswith(VOCAB):
+            return self._vocab_rows(full)
+        if proj in COLUMN_HEADS:
+            return _block(full, 0, self.rank, self.size)
+        if proj in COLUMN_KV:
+            kv_heads = self.config.num_key_value_heads
+            if kv_heads >= self.size:
+                return _block(full, 0, self.rank, self.size)
+            return _block(full, 0, self.rank // (self.size // kv_heads), kv_heads)
+        if proj in COLUMN:
+            return _block(full, 0, self.rank, self.size)
+        if proj in ROW:
+            if parts[-1] == "bias":
+                return full if self.rank == 0 else torch.zeros_like(full)
+            return _block(full, 1, self.rank, self.size)
+        return full  # norms: every rank's whole
+
+    def _vocab_rows(self, full: torch.Tensor) -> torch.Tensor:
+        rows = full[self.vocab_start : self.vocab_start + self.vocab_shard]
+        if rows.shape[0] == self.vocab_shard:
+            return rows
+        return torch.cat([rows, rows.new_zeros(self.vocab_shard - rows.shape[0], *rows.shape[1:])])
+
+
+def _block(full: torch.Tensor, dim: int, index: int, count: int) -> torch.Tensor:
+    return full.chunk(count, dim=dim)[index]  # `check_shardable` made every split even
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Rows [start, start + Vs) of the embedding; other ids look up zeros, and the all-reduce makes every row whole."""
+
+    def __init__(self, tp: TensorParallel, hidden_size: int) -> None:
+        super().__init__()
+        self.tp = tp
+        self.weight = nn.Parameter(torch.empty(tp.vocab_shard, hidden_size))
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        local = input_ids - self.tp.vocab_start
+        mine = (local >= 0) & (local < self.tp.vocab_shard)
+        out = F.embedding(torch.where(mine, local, 0), self.weight) * mine.unsqueeze(-1).to(self.weight.dtype)
+        return self.tp.all_reduce(out)
+
+
+def shard_model(model: nn.Module, tp: TensorParallel) -> nn.Module:
+    """Swap a model built from `shard_config` (on the meta device) to vocabulary-parallel embedding
+    and LM head, and hand every layer the group for its two all-reduces."""
+    hidden = tp.config.hidden_size
+    dtype = model.model.embed_tokens.weight.dtype
+    model.model.embed_tokens = VocabParallelEmbedding(tp, hidden).to(dtype)
+    if not tp.config.tie_word_embeddings:
+        model.lm_head = nn.Linear(hidden, tp.vocab_shard, bias=False).to(dtype)
+    for layer in model.model.layers:
+        layer.tp = tp
+    model.tp = tp
+    return model

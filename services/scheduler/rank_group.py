@@ -1,0 +1,218 @@
+"""One scheduler over N tensor-parallel ranks: rank 0 is the scheduler, ranks 1..N-1 its followers.
+
+`start_group` (rank 0, from `build.build_core`) spawns the followers as child processes of the
+scheduler, on loopback, and joins them in two process groups built on one TCP store: a gloo
+control group, over which rank 0 sends each model call as plain values (a msgspec `RankCall`:
+the step's `ForwardBatch` arrays, or the shape of the hidden rows whose logits it wants), and the
+device group of the model's collectives (`TensorParallel`: gloo on CPU, NCCL on CUDA). Rank 0 runs
+the policy, the worker and the NATS adapter; its `ModelRunner` hands each call to `Leader` first
+(`ModelRunner.leader`), so every rank runs the same forward, in the same order, on its shard.
+
+A follower that dies leaves rank 0's next call (or the collective it is in) raising
+`RankLostError`/the group's error: the step fails, the scheduler fails its requests with that
+error and exits, and `sparkwire up` restarts it, group and all. Followers exit when rank 0 does
+(their parent gone, or a control call failing).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import multiprocessing
+import os
+import socket
+import sys
+import threading
+import time
+
+import msgspec
+import numpy as np
+import structlog
+import torch
+import torch.distributed as dist
+
+from services.scheduler.model.batch import ForwardBatch
+from services.scheduler.model.config import ModelConfig
+from services.scheduler.model.tensor_parallel import TensorParallel
+
+log = structlog.get_logger(__name__)
+
+GROUP_TIMEOUT = datetime.timedelta(hours=24)  # followers wait this long between steps (an idle scheduler)
+JOIN_TIMEOUT_S = 600.0  # every rank has joined the store by then (model loading comes after)
+PARENT_POLL_S = 1.0
+BATCH_ARRAYS = ("input_ids", "positions", "query_start_loc", "seq_lens", "block_tables", "slot_mapping")
+
+
+class RankLostError(RuntimeError):
+    """A tensor-parallel rank exited: the group cannot run another step."""
+
+
+class Array(msgspec.Struct, array_like=True):
+    dtype: str
+    shape: tuple[int, ...]
+    data: bytes
+
+    @classmethod
+    def of(cls, tensor: torch.Tensor) -> Array:
+        host = tensor.detach().cpu().contiguous()
+        return cls(str(host.dtype).removeprefix("torch."), tuple(host.shape), host.numpy().tobytes())
+
+    def tensor(self) -> torch.Tensor:
+        return torch.from_numpy(np.frombuffer(self.data, dtype=self.dtype).reshape(self.shape).copy())
+
+
+class RankCall(msgspec.Struct):
+    """One model call, rank 0 to the followers: "forward" (a batch), "head" (the LM head over hidden
+    rows that follow on the device group) or "stop"."""
+
+    op: str
+    arrays: dict[str, Array] = {}
+    capture_layers: tuple[int, ...] = ()
+    host_query_lens: tuple[int, ...] | None = None
+    host_seq_lens: tuple[int, ...] | None = None
+    hidden_shape: tuple[int, ...] = ()
+
+    def batch(self) -> ForwardBatch:
+        tensors = {name: self.arrays[name].tensor() for name in BATCH_ARRAYS}
+        return ForwardBatch(**tensors, capture_layers=self.capture_layers, host_query_lens=self.host_query_lens,
+                            host_seq_lens=self.host_seq_lens)  # fmt: skip
+
+
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(RankCall)
+
+
+@dataclasses.dataclass
+class Groups:
+    rank: int
+    size: int
+    control: object  # ProcessGroupGloo: RankCall bytes, on the host
+    device: object  # the model's collectives: ProcessGroupGloo on CPU, ProcessGroupNCCL on CUDA
+
+    def send(self, call: RankCall) -> None:
+        data = _encoder.encode(call)
+        self.control.broadcast(torch.tensor([len(data)], dtype=torch.int64), 0).wait()
+        self.control.broadcast(torch.frombuffer(bytearray(data), dtype=torch.uint8), 0).wait()
+
+    def receive(self) -> RankCall:
+        length = torch.zeros(1, dtype=torch.int64)
+        self.control.broadcast(length, 0).wait()
+        data = torch.empty(int(length.item()), dtype=torch.uint8)
+        self.control.broadcast(data, 0).wait()
+        return _decoder.decode(data.numpy().tobytes())
+
+
+def rank_device(device: str, rank: int) -> str:
+    """Rank r's device: cuda:r on CUDA, the CPU otherwise."""
+    return f"cuda:{rank}" if device.startswith("cuda") else device
+
+
+def join(rank: int, size: int, port: int, device: str) -> Groups:
+    """This rank's two groups, on the store rank 0 serves at 127.0.0.1:port."""
+    store = dist.TCPStore("127.0.0.1", port, size, rank == 0, timeout=datetime.timedelta(seconds=JOIN_TIMEOUT_S))
+    control = dist.ProcessGroupGloo(dist.PrefixStore("control", store), rank, size, GROUP_TIMEOUT)
+    if device.startswith("cuda"):
+        torch.cuda.set_device(device)
+        group = dist.ProcessGroupNCCL(dist.PrefixStore("device", store), rank, size)
+    else:
+        group = dist.ProcessGroupGloo(dist.PrefixStore("device", store), rank, size, GROUP_TIMEOUT)
+    return Groups(rank, size, control, group)
+
+
+def tensor_parallel(groups: Groups, config: ModelConfig) -> TensorParallel:
+    return TensorParallel(groups.rank, groups.size, groups.device, config)
+
+
+class Leader:
+    """Rank 0's side: each model call sent to the followers before rank 0 runs it (`ModelRunner.leader`)."""
+
+    def __init__(self, groups: Groups, followers: list[multiprocessing.Process]) -> None:
+        self.groups = groups
+        self.followers = followers
+
+    def forward(self, batch: ForwardBatch) -> None:
+        self._check_alive()
+        arrays = {name: Array.of(getattr(batch, name)) for name in BATCH_ARRAYS}
+        self.groups.send(RankCall("forward", arrays, tuple(batch.capture_layers), batch.host_query_lens, batch.host_seq_lens))
+
+    def head(self, hidden: torch.Tensor) -> None:
+        self._check_alive()
+        self.groups.send(RankCall("head", hidden_shape=tuple(hidden.shape)))
+        self.groups.device.broadcast(hidden.contiguous(), 0).wait()
+
+    def stop(self) -> None:
+        """Followers leave their loop; those still running after a while are terminated."""
+        if all(p.exitcode is None for p in self.followers):
+            try:
+                self.groups.send(RankCall("stop"))
+            except Exception:  # noqa: BLE001 - a follower already gone: terminated below
+                pass
+        for process in self.followers:
+            process.join(timeout=5.0)
+            if process.exitcode is None:
+                process.terminate()
+
+    def _check_alive(self) -> None:
+        for rank, process in enumerate(self.followers, start=1):
+            if process.exitcode is not None:
+                raise RankLostError(f"tensor-parallel rank {rank} of {self.groups.size} exited with code {process.exitcode}")
+
+
+def start_group(config) -> tuple[Groups, Leader]:
+    """Rank 0 of a `SchedulerConfig`'s group: spawn ranks 1..N-1 (`follower_main`), join them."""
+    size = config.tensor_parallel_size
+    port = _free_port()
+    context = multiprocessing.get_context("spawn")
+    followers = [
+        context.Process(target=follower_main, args=(config, rank, port), name=f"sparkwire-tp-rank{rank}", daemon=True)
+        for rank in range(1, size)
+    ]
+    for process in followers:
+        process.start()
+    groups = join(0, size, port, rank_device(config.resolved_device, 0))
+    log.info("rank_group.joined", size=size, followers=[p.pid for p in followers])
+    return groups, Leader(groups, followers)
+
+
+def follower_main(config, rank: int, port: int) -> None:
+    """A follower's process: join, load its shard as rank 0 loads its own, then run rank 0's calls until "stop"."""
+    from services.scheduler.build import load_follower  # the composition root builds this rank's runner
+
+    _exit_with_parent()
+    groups = join(rank, config.tensor_parallel_size, port, rank_device(config.resolved_device, rank))
+    runner = load_follower(config, groups)
+    try:
+        serve(runner, groups)
+    except Exception as exc:  # noqa: BLE001 - rank 0 gone or the group broken: nothing left to serve
+        print(f"sparkwire scheduler rank {rank}: leaving: {type(exc).__name__}: {exc}", file=sys.stderr)
+        os._exit(1)
+
+
+def serve(runner, groups: Groups) -> None:
+    """Run rank 0's calls on this rank's runner, in order, until "stop"."""
+    while (call := groups.receive()).op != "stop":
+        if call.op == "forward":
+            runner.forward(call.batch())
+        elif call.op == "head":
+            hidden = torch.empty(call.hidden_shape, dtype=runner.dtype, device=runner.device)
+            groups.device.broadcast(hidden, 0).wait()
+            runner.head_logits(hidden)
+        else:
+            raise ValueError(f"unknown rank call {call.op!r}")
+
+
+def _exit_with_parent() -> None:
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(PARENT_POLL_S)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="tp-parent-watch", daemon=True).start()
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
