@@ -138,7 +138,8 @@ def load_leader(config: SchedulerConfig) -> ModelRunner:
     from services.scheduler.rank_group import start_group, tensor_parallel
 
     groups, leader = start_group(config)
-    runner = load_runner(config, tensor_parallel(groups, ModelConfig.from_pretrained(config.model, context_len=config.max_model_len)))
+    model = ModelConfig.from_pretrained(config.model, context_len=config.max_model_len)
+    runner = load_runner(config, tensor_parallel(groups, model, leader))
     runner.leader = leader
     return runner
 

@@ -40,6 +40,7 @@ log = structlog.get_logger(__name__)
 GROUP_TIMEOUT = datetime.timedelta(hours=24)  # followers wait this long between steps (an idle scheduler)
 JOIN_TIMEOUT_S = 600.0  # every rank has joined the store by then (model loading comes after)
 PARENT_POLL_S = 1.0
+EXIT_WAIT_S = 5.0  # a collective broken by a dead rank waits this long for its exit code
 BATCH_ARRAYS = ("input_ids", "positions", "query_start_loc", "seq_lens", "block_tables", "slot_mapping")
 
 
@@ -119,8 +120,8 @@ def join(rank: int, size: int, port: int, device: str) -> Groups:
     return Groups(rank, size, control, group)
 
 
-def tensor_parallel(groups: Groups, config: ModelConfig) -> TensorParallel:
-    return TensorParallel(groups.rank, groups.size, groups.device, config)
+def tensor_parallel(groups: Groups, config: ModelConfig, leader: Leader | None = None) -> TensorParallel:
+    return TensorParallel(groups.rank, groups.size, groups.device, config, None if leader is None else leader.explain)
 
 
 class Leader:
@@ -133,12 +134,19 @@ class Leader:
     def forward(self, batch: ForwardBatch) -> None:
         self._check_alive()
         arrays = {name: Array.of(getattr(batch, name)) for name in BATCH_ARRAYS}
-        self.groups.send(RankCall("forward", arrays, tuple(batch.capture_layers), batch.host_query_lens, batch.host_seq_lens))
+        self._send(RankCall("forward", arrays, tuple(batch.capture_layers), batch.host_query_lens, batch.host_seq_lens))
 
     def head(self, hidden: torch.Tensor) -> None:
         self._check_alive()
-        self.groups.send(RankCall("head", hidden_shape=tuple(hidden.shape)))
-        self.groups.device.broadcast(hidden.contiguous(), 0).wait()
+        self._send(RankCall("head", hidden_shape=tuple(hidden.shape)), hidden.contiguous())
+
+    def _send(self, call: RankCall, hidden: torch.Tensor | None = None) -> None:
+        try:
+            self.groups.send(call)
+            if hidden is not None:
+                self.groups.device.broadcast(hidden, 0).wait()
+        except RuntimeError as exc:
+            raise self.explain(exc) from exc
 
     def stop(self) -> None:
         """Followers leave their loop; those still running after a while are terminated."""
@@ -151,6 +159,17 @@ class Leader:
             process.join(timeout=5.0)
             if process.exitcode is None:
                 process.terminate()
+
+    def explain(self, error: Exception) -> Exception:
+        """A failed collective's error: the rank that died, once it has (within EXIT_WAIT_S), else as it came."""
+        deadline = time.monotonic() + EXIT_WAIT_S
+        while time.monotonic() < deadline:
+            try:
+                self._check_alive()
+            except RankLostError as lost:
+                return lost
+            time.sleep(0.05)
+        return error
 
     def _check_alive(self) -> None:
         for rank, process in enumerate(self.followers, start=1):

@@ -18,6 +18,7 @@ torch.distributed's default group. N = 1 builds no `TensorParallel` at all: the 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -71,6 +72,7 @@ class TensorParallel:
     size: int
     group: object  # a torch.distributed ProcessGroup{Gloo,NCCL}, used through its own methods
     config: ModelConfig  # the whole model's
+    explain: Callable[[Exception], Exception] | None = None  # a failed collective's error in the group's words (a dead rank)
 
     @property
     def vocab_shard(self) -> int:
@@ -82,19 +84,27 @@ class TensorParallel:
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """The sum over ranks of x, in place (a row-parallel projection's partial outputs)."""
-        self.group.allreduce([x]).wait()
+        self._wait(self.group.allreduce([x]))
         return x
 
     def gather_vocab(self, logits: torch.Tensor) -> torch.Tensor:
         """[N, Vs] shards -> the whole [N, V], the padding rows dropped."""
         parts = [torch.empty_like(logits) for _ in range(self.size)]
-        self.group.allgather([parts], [logits.contiguous()]).wait()
+        self._wait(self.group.allgather([parts], [logits.contiguous()]))
         return torch.cat(parts, dim=-1)[:, : self.config.vocab_size]
 
     def broadcast(self, x: torch.Tensor) -> torch.Tensor:
         """Rank 0's x on every rank, in place."""
-        self.group.broadcast(x, 0).wait()
+        self._wait(self.group.broadcast(x, 0))
         return x
+
+    def _wait(self, work) -> None:
+        try:
+            work.wait()
+        except RuntimeError as exc:
+            if self.explain is None:
+                raise
+            raise self.explain(exc) from exc
 
     def shard(self, name: str, full: torch.Tensor) -> torch.Tensor:
         """This rank's part of checkpoint tensor `name` (a Hugging Face name), given the whole of it."""
