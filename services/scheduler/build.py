@@ -14,6 +14,7 @@ import dataclasses
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import structlog
 
@@ -150,8 +151,26 @@ def load_follower(config: SchedulerConfig, groups) -> ModelRunner:
 
     model = ModelConfig.from_pretrained(config.model, context_len=config.max_model_len)
     runner = load_runner(config, tensor_parallel(groups, model), rank_device(config.resolved_device, groups.rank))
-    prepare_runtime(config, resolve(config, runner), runner, None)
+    prepare_runtime(config, resolve(config, runner), runner, draft_shape(config))
     return runner
+
+
+@dataclass(frozen=True)
+class DraftShape:
+    """What `prepare_runtime` reads of a proposer: a follower rank has no drafter (rank 0 drafts) but
+    captures the graphs rank 0 captures (their collectives pair up)."""
+
+    capture_layers: tuple[int, ...]
+    num_draft_tokens: int
+
+
+def draft_shape(config: SchedulerConfig) -> DraftShape | None:
+    if config.speculative_algorithm != "dspark":
+        return None
+    from services.scheduler.spec.dspark_config import DSparkConfig
+
+    draft = DSparkConfig.from_pretrained(Path(config.resolved_draft_model))
+    return DraftShape(tuple(draft.target_layer_ids), config.num_draft_tokens or draft.block_size)
 
 
 def load_runner(config: SchedulerConfig, tp=None, device: str | None = None) -> ModelRunner:
@@ -187,9 +206,14 @@ def load_proposer(config: SchedulerConfig, runner: ModelRunner) -> Proposer | No
         return None
     from services.scheduler.spec.dspark_loader import load_dspark_proposer
 
+    head = None
+    if config.tensor_parallel_size > 1:  # the drafter runs on rank 0 alone, over the whole vocabulary
+        from services.scheduler.model.loader import load_whole_head
+
+        head = load_whole_head(config.model, runner.device, runner.dtype, config.load_format, config.seed)
     proposer = load_dspark_proposer(
         config.resolved_draft_model, runner, load_format=config.load_format, seed=config.seed,
-        num_draft_tokens=config.num_draft_tokens, context_window=config.draft_context_window,
+        num_draft_tokens=config.num_draft_tokens, context_window=config.draft_context_window, head=head,
     )  # fmt: skip
     if runner.decode_kernel:  # CUDA: greedy drafts replay graphs
         from services.scheduler.spec.draft_graphs import DraftGraphs

@@ -77,8 +77,6 @@ class SchedulerConfig:
         _check_choice("speculative_algorithm", self.speculative_algorithm, SPECULATIVE_ALGORITHMS)
         if self.dtype is not None:
             _check_choice("dtype", self.dtype, (*DTYPES, "auto"))
-        if self.tensor_parallel_size > 1 and self.speculative_algorithm != "none":
-            raise ValueError("--tensor-parallel-size > 1 does not take speculative decoding yet")
         for name in ("max_running_requests", "chunked_prefill_size", "kv_block_size", "tensor_parallel_size"):
             _check_positive(name, getattr(self, name))
         if self.max_prefill_tokens is not None and self.max_prefill_tokens < self.chunked_prefill_size:
