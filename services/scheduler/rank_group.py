@@ -2,9 +2,11 @@
 
 `start_group` (rank 0, from `build.build_core`) spawns the followers as child processes of the
 scheduler, on loopback, and joins them in two process groups built on one TCP store: a gloo
-control group, over which rank 0 sends each model call as plain values (a msgspec `RankCall`:
-the step's `ForwardBatch` arrays, or the shape of the hidden rows whose logits it wants), and the
-device group of the model's collectives (`TensorParallel`: gloo on CPU, NCCL on CUDA). Rank 0 runs
+control group, over which rank 0 sends each model call as plain values (a msgspec `RankCall`: the
+step's `ForwardBatch` shapes and host lengths, or the shape of the hidden rows whose logits it
+wants), and the device group of the model's collectives (`TensorParallel`: gloo on CPU, NCCL on
+CUDA), which carries the call's tensors from device to device (the batch's arrays packed in one
+int64 buffer: no host read of a token the device sampled last step). Rank 0 runs
 the policy, the worker and the NATS adapter; its `ModelRunner` hands each call to `Leader` first
 (`ModelRunner.leader`), so every rank runs the same forward, in the same order, on its shard.
 
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import math
 import multiprocessing
 import os
 import socket
@@ -26,7 +29,6 @@ import threading
 import time
 
 import msgspec
-import numpy as np
 import structlog
 import torch
 import torch.distributed as dist
@@ -48,35 +50,30 @@ class RankLostError(RuntimeError):
     """A tensor-parallel rank exited: the group cannot run another step."""
 
 
-class Array(msgspec.Struct, array_like=True):
-    dtype: str
-    shape: tuple[int, ...]
-    data: bytes
-
-    @classmethod
-    def of(cls, tensor: torch.Tensor) -> Array:
-        host = tensor.detach().cpu().contiguous()
-        return cls(str(host.dtype).removeprefix("torch."), tuple(host.shape), host.numpy().tobytes())
-
-    def tensor(self) -> torch.Tensor:
-        return torch.from_numpy(np.frombuffer(self.data, dtype=self.dtype).reshape(self.shape).copy())
-
-
 class RankCall(msgspec.Struct):
-    """One model call, rank 0 to the followers: "forward" (a batch), "head" (the LM head over hidden
-    rows that follow on the device group) or "stop"."""
+    """One model call, rank 0 to the followers: "forward" (a batch, whose arrays follow on the
+    device group as one int64 buffer: no host copy of what the device holds), "head" (the LM head
+    over hidden rows that follow on the device group) or "stop"."""
 
     op: str
-    arrays: dict[str, Array] = {}
+    shapes: tuple[tuple[int, ...], ...] = ()  # each of BATCH_ARRAYS'
+    dtypes: tuple[str, ...] = ()
     capture_layers: tuple[int, ...] = ()
     host_query_lens: tuple[int, ...] | None = None
     host_seq_lens: tuple[int, ...] | None = None
     hidden_shape: tuple[int, ...] = ()
 
-    def batch(self) -> ForwardBatch:
-        tensors = {name: self.arrays[name].tensor() for name in BATCH_ARRAYS}
+    def batch(self, packed: torch.Tensor) -> ForwardBatch:
+        sizes = [math.prod(shape) for shape in self.shapes]
+        parts = packed.split(sizes)
+        tensors = {name: part.view(shape).to(getattr(torch, dtype))
+                   for name, part, shape, dtype in zip(BATCH_ARRAYS, parts, self.shapes, self.dtypes)}  # fmt: skip
         return ForwardBatch(**tensors, capture_layers=self.capture_layers, host_query_lens=self.host_query_lens,
                             host_seq_lens=self.host_seq_lens)  # fmt: skip
+
+    @property
+    def num_packed(self) -> int:
+        return sum(math.prod(shape) for shape in self.shapes)
 
 
 _encoder = msgspec.msgpack.Encoder()
@@ -127,24 +124,29 @@ def tensor_parallel(groups: Groups, config: ModelConfig, leader: Leader | None =
 class Leader:
     """Rank 0's side: each model call sent to the followers before rank 0 runs it (`ModelRunner.leader`)."""
 
-    def __init__(self, groups: Groups, followers: list[multiprocessing.Process]) -> None:
+    def __init__(self, groups: Groups, followers: list[multiprocessing.Process], device: str) -> None:
         self.groups = groups
         self.followers = followers
+        self.device = torch.device(device)
 
     def forward(self, batch: ForwardBatch) -> None:
         self._check_alive()
-        arrays = {name: Array.of(getattr(batch, name)) for name in BATCH_ARRAYS}
-        self._send(RankCall("forward", arrays, tuple(batch.capture_layers), batch.host_query_lens, batch.host_seq_lens))
+        tensors = [getattr(batch, name) for name in BATCH_ARRAYS]
+        shapes = tuple(tuple(t.shape) for t in tensors)
+        dtypes = tuple(str(t.dtype).removeprefix("torch.") for t in tensors)
+        packed = torch.cat([t.reshape(-1).to(self.device, torch.int64) for t in tensors])
+        call = RankCall("forward", shapes, dtypes, tuple(batch.capture_layers), batch.host_query_lens, batch.host_seq_lens)
+        self._send(call, packed)
 
     def head(self, hidden: torch.Tensor) -> None:
         self._check_alive()
         self._send(RankCall("head", hidden_shape=tuple(hidden.shape)), hidden.contiguous())
 
-    def _send(self, call: RankCall, hidden: torch.Tensor | None = None) -> None:
+    def _send(self, call: RankCall, payload: torch.Tensor | None = None) -> None:
         try:
             self.groups.send(call)
-            if hidden is not None:
-                self.groups.device.broadcast(hidden, 0).wait()
+            if payload is not None:
+                self.groups.device.broadcast(payload, 0).wait()
         except RuntimeError as exc:
             raise self.explain(exc) from exc
 
@@ -188,9 +190,10 @@ def start_group(config) -> tuple[Groups, Leader]:
     ]
     for process in followers:
         process.start()
-    groups = join(0, size, port, rank_device(config.resolved_device, 0))
+    device = rank_device(config.resolved_device, 0)
+    groups = join(0, size, port, device)
     log.info("rank_group.joined", size=size, followers=[p.pid for p in followers])
-    return groups, Leader(groups, followers)
+    return groups, Leader(groups, followers, device)
 
 
 def follower_main(config, rank: int, port: int) -> None:
@@ -211,7 +214,9 @@ def serve(runner, groups: Groups) -> None:
     """Run rank 0's calls on this rank's runner, in order, until "stop"."""
     while (call := groups.receive()).op != "stop":
         if call.op == "forward":
-            runner.forward(call.batch())
+            packed = torch.empty(call.num_packed, dtype=torch.int64, device=runner.device)
+            groups.device.broadcast(packed, 0).wait()
+            runner.forward(call.batch(packed))
         elif call.op == "head":
             hidden = torch.empty(call.hidden_shape, dtype=runner.dtype, device=runner.device)
             groups.device.broadcast(hidden, 0).wait()
