@@ -190,10 +190,23 @@ def start_group(config) -> tuple[Groups, Leader]:
     ]
     for process in followers:
         process.start()
+    joined = threading.Event()
+    threading.Thread(target=_fail_start_if_one_exits, args=(followers, joined), name="tp-start-watch", daemon=True).start()
     device = rank_device(config.resolved_device, 0)
     groups = join(0, size, port, device)
+    joined.set()
     log.info("rank_group.joined", size=size, followers=[p.pid for p in followers])
     return groups, Leader(groups, followers, device)
+
+
+def _fail_start_if_one_exits(followers: list[multiprocessing.Process], joined: threading.Event) -> None:
+    """A follower that dies before the group is joined would leave rank 0 waiting for it: end the process instead."""
+    while not joined.wait(PARENT_POLL_S):
+        for rank, process in enumerate(followers, start=1):
+            if process.exitcode is not None:
+                print(f"sparkwire scheduler: tensor-parallel rank {rank} exited with code {process.exitcode} "
+                      "before the group was joined", file=sys.stderr, flush=True)  # fmt: skip
+                os._exit(1)
 
 
 def follower_main(config, rank: int, port: int) -> None:

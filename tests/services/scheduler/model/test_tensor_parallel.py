@@ -17,7 +17,7 @@ from services.scheduler.build import core_for, load_leader
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.model import load_model_runner
 from services.scheduler.model.config import ModelConfig
-from services.scheduler.model.tensor_parallel import TensorParallelError, check_shardable
+from services.scheduler.model.tensor_parallel import TensorParallel, TensorParallelError, check_shardable
 from services.scheduler.rank_group import RankLostError
 from test_scheduler_core import prompt_of, request, run
 
@@ -83,6 +83,7 @@ def test_sharded_model_serves_what_the_whole_model_serves(saved_family, groups, 
     expected = run(core_for(whole(path), **OPTIONS), mixed_requests())
     got = run(core_for(groups(path, size), **OPTIONS), mixed_requests())
     assert_same(expected, got)
+    assert whole(path).model.tp is None and all(layer.tp is None for layer in whole(path).model.model.layers)  # TP = 1: no hook
     assert len(got["greedy"].cat("input_token")) == 37 and got["greedy"].cat("input_top_ids").shape[-1] == 20
 
 
@@ -115,6 +116,17 @@ def test_a_killed_rank_fails_the_step_clearly(saved_family):
                 core.step()
     finally:
         runner.leader.stop()
+
+
+def test_vocabulary_shards_pad_the_last_rank_and_concatenate_to_the_whole(saved_family):
+    config = dataclasses.replace(ModelConfig.from_pretrained(saved_family("qwen3")[1]), vocab_size=10)
+    full = torch.arange(30.0).view(10, 3)
+    shards = [TensorParallel(rank, 4, None, config).shard("lm_head.weight", full) for rank in range(4)]
+    assert [s.shape[0] for s in shards] == [3, 3, 3, 3] and shards[3][1:].eq(0).all()
+    assert torch.equal(torch.cat(shards)[:10], full)
+    kv = torch.arange(2 * 32.0).view(2 * 32, 1)  # 2 KV heads of head_dim 32 over 4 ranks: each kept by 2
+    parts = [TensorParallel(rank, 4, None, config).shard("model.layers.0.self_attn.k_proj.weight", kv) for rank in range(4)]
+    assert torch.equal(parts[0], parts[1]) and torch.equal(parts[2], parts[3]) and torch.equal(torch.cat(parts[1:3]), kv)
 
 
 def test_unshardable_models_are_refused_in_one_line(saved_family):
