@@ -130,8 +130,12 @@ def make_policy(runner: ModelRunner, settings: CoreSettings, proposer: Proposer 
 
 def check_model(config: SchedulerConfig) -> None:
     """What `build_core` refuses in milliseconds (no config.json, an unsupported architecture),
-    raised before `connect`: a bad `--model` fails at once, whether NATS answers or not."""
-    ModelConfig.from_pretrained(config.model, context_len=config.max_model_len)
+    raised before `connect`: a bad `--model` fails at once, whether NATS answers or not; so does a
+    model `--tensor-parallel-size` cannot shard, before any rank is spawned."""
+    from services.scheduler.model.tensor_parallel import check_shardable
+
+    model = ModelConfig.from_pretrained(config.model, context_len=config.max_model_len)
+    check_shardable(model, config.tensor_parallel_size, config.quantization)
 
 
 def load_leader(config: SchedulerConfig) -> ModelRunner:

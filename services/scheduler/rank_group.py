@@ -23,6 +23,7 @@ import datetime
 import math
 import multiprocessing
 import os
+import signal
 import socket
 import sys
 import threading
@@ -43,6 +44,7 @@ GROUP_TIMEOUT = datetime.timedelta(hours=24)  # followers wait this long between
 JOIN_TIMEOUT_S = 600.0  # every rank has joined the store by then (model loading comes after)
 PARENT_POLL_S = 1.0
 EXIT_WAIT_S = 5.0  # a collective broken by a dead rank waits this long for its exit code
+EXIT_GRACE_S = 15.0  # a dead rank's scheduler has this long to fail its step and exit by itself
 BATCH_ARRAYS = ("input_ids", "positions", "query_start_loc", "seq_lens", "block_tables", "slot_mapping")
 
 
@@ -128,6 +130,22 @@ class Leader:
         self.groups = groups
         self.followers = followers
         self.device = torch.device(device)
+        self._stopped = threading.Event()
+        threading.Thread(target=self._watch, name="tp-rank-watch", daemon=True).start()
+
+    def _watch(self) -> None:
+        """A dead rank normally fails the next step (`explain`), and the service exits; a collective
+        that cannot notice it (NCCL waits for a peer that is gone) or an idle scheduler would not:
+        after EXIT_GRACE_S this process ends itself, and the supervisor restarts the group."""
+        while not self._stopped.wait(PARENT_POLL_S):
+            try:
+                self._check_alive()
+            except RankLostError as lost:
+                log.error("rank_group.rank_lost", error=str(lost))
+                if not self._stopped.wait(EXIT_GRACE_S):
+                    print(f"sparkwire scheduler: {lost}; leaving", file=sys.stderr, flush=True)
+                    os._exit(1)
+                return
 
     def forward(self, batch: ForwardBatch) -> None:
         self._check_alive()
@@ -152,6 +170,7 @@ class Leader:
 
     def stop(self) -> None:
         """Followers leave their loop; those still running after a while are terminated."""
+        self._stopped.set()
         if all(p.exitcode is None for p in self.followers):
             try:
                 self.groups.send(RankCall("stop"))
@@ -213,6 +232,8 @@ def follower_main(config, rank: int, port: int) -> None:
     """A follower's process: join, load its shard as rank 0 loads its own, then run rank 0's calls until "stop"."""
     from services.scheduler.build import load_follower  # the composition root builds this rank's runner
 
+    for stop in (signal.SIGINT, signal.SIGTERM):  # a follower leaves when rank 0 does, after its drain
+        signal.signal(stop, signal.SIG_IGN)
     _exit_with_parent()
     groups = join(rank, config.tensor_parallel_size, port, rank_device(config.resolved_device, rank))
     runner = load_follower(config, groups)

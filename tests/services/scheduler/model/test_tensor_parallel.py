@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from contracts.scheduler import ForkedChoice, LogprobParams
-from services.scheduler.build import core_for, load_leader
+from services.scheduler.build import check_model, core_for, load_leader
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.model import load_model_runner
 from services.scheduler.model.config import ModelConfig
@@ -133,7 +133,7 @@ def test_unshardable_models_are_refused_in_one_line(saved_family):
     config = ModelConfig.from_pretrained(saved_family("qwen3")[1])
     check_shardable(config, 1)
     with pytest.raises(TensorParallelError, match="must divide the 4 attention heads"):
-        check_shardable(config, 3)
+        check_model(SchedulerConfig(model=str(saved_family("qwen3")[1]), tensor_parallel_size=3))  # before any spawn
     with pytest.raises(TensorParallelError, match="FP8 is not sharded"):
         check_shardable(config, 2, quantization="fp8")
     with pytest.raises(TensorParallelError, match="MixtralForCausalLM is not sharded"):
