@@ -185,6 +185,10 @@ def load_runner(config: SchedulerConfig, tp=None, device: str | None = None) -> 
 
         target_config = ModelConfig.from_pretrained(config.model)
         reserve = drafter_memory(config.resolved_draft_model, target_config, config.torch_dtype, config.kv_block_size)
+        if tp is not None and tp.rank == 0:  # and the target's whole embedding and LM head, which its drafter reads
+            copies = 1 if target_config.tie_word_embeddings else 2
+            head_bytes = copies * target_config.vocab_size * target_config.hidden_size * config.torch_dtype.itemsize
+            reserve = dataclasses.replace(reserve, weight_bytes=reserve.weight_bytes + head_bytes)
     return load_model_runner(
         config.model,
         device=device or config.resolved_device,

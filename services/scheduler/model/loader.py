@@ -121,6 +121,8 @@ def load_model_runner(
     model.eval()
     config = model.config  # a rank's own head counts: its cache holds its KV heads
     num_blocks = num_kv_blocks or _default_num_blocks(config, kv_block_size, dtype, device, kv_cache_bytes, kv_cache_fraction, reserve)
+    if tp is not None:  # every rank's cache holds the blocks rank 0's policy hands out
+        num_blocks = tp.min_over_ranks(num_blocks, device)
     cache = PagedKVCache(config, num_blocks, kv_block_size, dtype, device)
     runner = ModelRunner(model, cache, fused_kernels=fused_kernels, split_kv_decode=split_kv_decode)
     if cuda_graphs if cuda_graphs is not None else runner.decode_kernel:

@@ -87,6 +87,16 @@ class TensorParallel:
         self._wait(self.group.allreduce([x]))
         return x
 
+    def min_over_ranks(self, value: int, device: torch.device) -> int:
+        """The smallest of every rank's `value` (KV blocks: each rank sizes its cache from its own free memory)."""
+        import torch.distributed as dist
+
+        options = dist.AllreduceOptions()
+        options.reduceOp = dist.ReduceOp.MIN
+        counts = torch.tensor([value], dtype=torch.int64, device=device)
+        self._wait(self.group.allreduce([counts], options))
+        return int(counts.item())
+
     def gather_vocab(self, logits: torch.Tensor) -> torch.Tensor:
         """[N, Vs] shards -> the whole [N, V], the padding rows dropped."""
         parts = [torch.empty_like(logits) for _ in range(self.size)]
