@@ -64,6 +64,8 @@ class RankCall(msgspec.Struct):
     host_query_lens: tuple[int, ...] | None = None
     host_seq_lens: tuple[int, ...] | None = None
     hidden_shape: tuple[int, ...] = ()
+    top_k: int = 0  # "columns": the top-k width, and each row's number of requested ids (-1: none)
+    num_ids: int = -1
 
     def batch(self, packed: torch.Tensor) -> ForwardBatch:
         sizes = [math.prod(shape) for shape in self.shapes]
@@ -160,11 +162,17 @@ class Leader:
         self._check_alive()
         self._send(RankCall("head", hidden_shape=tuple(hidden.shape)), hidden.contiguous())
 
-    def _send(self, call: RankCall, payload: torch.Tensor | None = None) -> None:
+    def columns(self, hidden: torch.Tensor, targets: torch.Tensor, k: int, ids: torch.Tensor | None) -> None:
+        self._check_alive()
+        wanted = targets.reshape(-1) if ids is None else torch.cat([targets.reshape(-1), ids.reshape(-1)])
+        call = RankCall("columns", hidden_shape=tuple(hidden.shape), top_k=k, num_ids=-1 if ids is None else ids.shape[1])
+        self._send(call, hidden.contiguous(), wanted.to(self.device, torch.int64))
+
+    def _send(self, call: RankCall, *payload: torch.Tensor) -> None:
         try:
             self.groups.send(call)
-            if payload is not None:
-                self.groups.device.broadcast(payload, 0).wait()
+            for tensor in payload:
+                self.groups.device.broadcast(tensor, 0).wait()
         except RuntimeError as exc:
             raise self.explain(exc) from exc
 
@@ -255,6 +263,14 @@ def serve(runner, groups: Groups) -> None:
             hidden = torch.empty(call.hidden_shape, dtype=runner.dtype, device=runner.device)
             groups.device.broadcast(hidden, 0).wait()
             runner.head_logits(hidden)
+        elif call.op == "columns":
+            hidden = torch.empty(call.hidden_shape, dtype=runner.dtype, device=runner.device)
+            rows = call.hidden_shape[0]
+            wanted = torch.empty(rows * (1 + max(call.num_ids, 0)), dtype=torch.int64, device=runner.device)
+            groups.device.broadcast(hidden, 0).wait()
+            groups.device.broadcast(wanted, 0).wait()
+            ids = None if call.num_ids < 0 else wanted[rows:].view(rows, call.num_ids)
+            runner.sharded_columns(hidden, wanted[:rows], call.top_k, ids)
         else:
             raise ValueError(f"unknown rank call {call.op!r}")
 

@@ -30,7 +30,13 @@ from services.scheduler.model.kv_cache import PagedKVCache, bytes_per_block, num
 from services.scheduler.model.llama import CausalLM
 from services.scheduler.model.registry import build_model
 from services.scheduler.model.runner import ModelRunner
-from services.scheduler.model.tensor_parallel import TensorParallel, check_shardable, shard_config, shard_model
+from services.scheduler.model.tensor_parallel import (
+    ShardedColumns,
+    TensorParallel,
+    check_shardable,
+    shard_config,
+    shard_model,
+)
 
 DUMMY_STD = 0.02  # the reference initializer_range
 # Random tensors larger than this repeat with this period: generating billions of values on the
@@ -125,6 +131,8 @@ def load_model_runner(
         num_blocks = tp.min_over_ranks(num_blocks, device)
     cache = PagedKVCache(config, num_blocks, kv_block_size, dtype, device)
     runner = ModelRunner(model, cache, fused_kernels=fused_kernels, split_kv_decode=split_kv_decode)
+    if tp is not None:
+        runner.sharded_columns = ShardedColumns(runner)
     if cuda_graphs if cuda_graphs is not None else runner.decode_kernel:
         runner.prepare_decode_graphs()
     return runner

@@ -85,6 +85,7 @@ class ModelRunner:
         self._num_sms = device_sms(kv_cache.kv.device) if num_sms is None else num_sms
         self._dense_prefill: DenseConfig | None = None
         self.leader = None  # rank_group.Leader on rank 0 of a tensor-parallel group: each call sent to the other ranks first
+        self.sharded_columns = None  # tensor_parallel.ShardedColumns where the LM head holds a vocabulary shard
 
     def prepare_decode_graphs(
         self,

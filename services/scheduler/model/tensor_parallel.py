@@ -103,6 +103,46 @@ class TensorParallel:
         self._wait(self.group.allgather([parts], [logits.contiguous()]))
         return torch.cat(parts, dim=-1)[:, : self.config.vocab_size]
 
+    def logprob_columns(
+        self, logits: torch.Tensor, targets: torch.Tensor, k: int, ids: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """`logprobs.logprob_columns`' raw columns (token [c], top-k values and ids [c, k], ids [c, m])
+        from this rank's logits shard f32 [c, Vs], exact across shards with no whole row anywhere:
+        log-sum-exp from every shard's maximum and sum, each wanted id's value from the shard that owns
+        it (the others add 0), the top-k merged from every shard's own top-k (ties: the smaller id)."""
+        from services.scheduler.logprobs import TopKKeys, top_k_sorted
+
+        shard = logits.shape[-1]
+        global_ids = torch.arange(self.vocab_start, self.vocab_start + shard, device=logits.device)
+        logits = logits.masked_fill(global_ids >= self.config.vocab_size, float("-inf"))  # the last shard's padding
+        local_max = logits.max(dim=-1).values  # [c]
+        stats = self._gather(torch.stack([local_max, torch.exp(logits - local_max[:, None]).sum(dim=-1)]))  # [N, 2, c]
+        top = stats[:, 0].max(dim=0).values
+        lse = top + torch.log((stats[:, 1] * torch.exp(stats[:, 0] - top)).sum(dim=0))  # [c]
+        logprobs = logits - lse[:, None]
+        wanted = targets[:, None] if ids is None else torch.cat([targets[:, None], ids], dim=1)  # [c, 1 + m]
+        local = wanted - self.vocab_start
+        mine = (local >= 0) & (local < shard)
+        values = self.all_reduce(torch.where(mine, logprobs.gather(1, local.clamp(0, shard - 1)), 0.0))
+        token, ids_lp = values[:, 0], values[:, 1:]
+        if k == 0:
+            return token, logprobs[:, :0], torch.empty(logits.shape[0], 0, dtype=torch.int32, device=logits.device), ids_lp
+        keys = TopKKeys(above=((1 << 30) - global_ids).to(torch.int32), tied=(-global_ids).to(torch.int32))
+        top_values, top_ids = top_k_sorted(logprobs, min(k, shard), keys)
+        top_ids = top_ids + self.vocab_start
+        candidates = torch.cat(list(self._gather(top_values)), dim=-1)  # [c, N k]
+        candidate_ids = torch.cat(list(self._gather(top_ids)), dim=-1)
+        by_id = candidate_ids.argsort(dim=-1, stable=True)  # then by value, stably: ties keep the smaller id first
+        candidates, candidate_ids = candidates.gather(1, by_id), candidate_ids.gather(1, by_id)
+        order = candidates.argsort(dim=-1, descending=True, stable=True)[:, :k]
+        return token, candidates.gather(1, order), candidate_ids.gather(1, order).to(torch.int32), ids_lp
+
+    def _gather(self, x: torch.Tensor) -> torch.Tensor:
+        """Every rank's x, stacked [N, ...]."""
+        parts = [torch.empty_like(x) for _ in range(self.size)]
+        self._wait(self.group.allgather([parts], [x.contiguous()]))
+        return torch.stack(parts)
+
     def broadcast(self, x: torch.Tensor) -> torch.Tensor:
         """Rank 0's x on every rank, in place."""
         self._wait(self.group.broadcast(x, 0))
@@ -161,6 +201,26 @@ class VocabParallelEmbedding(nn.Module):
         mine = (local >= 0) & (local < self.tp.vocab_shard)
         out = F.embedding(torch.where(mine, local, 0), self.weight) * mine.unsqueeze(-1).to(self.weight.dtype)
         return self.tp.all_reduce(out)
+
+
+class ShardedColumns:
+    """Raw logprob columns of hidden rows [c, H] through a vocabulary-sharded LM head, every rank's
+    shard taking part (`TensorParallel.logprob_columns`): prompt logprobs never build a whole logits
+    row (`logprobs_on_device`'s to_columns). On rank 0 the call goes to the other ranks first."""
+
+    def __init__(self, runner) -> None:
+        self.runner = runner
+
+    @torch.inference_mode()
+    def __call__(
+        self, hidden: torch.Tensor, targets: torch.Tensor, k: int, ids: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        runner = self.runner
+        hidden = hidden.to(runner.device, runner.dtype)
+        if runner.leader is not None:
+            runner.leader.columns(hidden, targets, k, ids)
+        logits = F.linear(hidden, runner.model.lm_head_weight).float()  # [c, Vs]
+        return runner.model.tp.logprob_columns(logits, targets.to(runner.device), k, None if ids is None else ids.to(runner.device))
 
 
 def shard_model(model: nn.Module, tp: TensorParallel) -> nn.Module:

@@ -87,6 +87,20 @@ def test_sharded_model_serves_what_the_whole_model_serves(saved_family, groups, 
     assert len(got["greedy"].cat("input_token")) == 37 and got["greedy"].cat("input_top_ids").shape[-1] == 20
 
 
+def test_prompt_logprobs_never_gather_a_whole_logits_row(saved_family, groups, monkeypatch):
+    """Prompt rows come from every shard's statistics (`TensorParallel.logprob_columns`); only the rows
+    a token is sampled from are gathered whole (the sampler reads them)."""
+    _, path = saved_family("qwen3")
+    gathered = []
+    whole_rows = TensorParallel.gather_vocab
+    monkeypatch.setattr(TensorParallel, "gather_vocab", lambda self, logits: gathered.append(logits.shape[0]) or whole_rows(self, logits))
+    prompt = small_prompt(8, 45)
+    asks = lambda: [request("p", prompt, max_new_tokens=2, logprobs=LOGPROBS, ignore_eos=True)]  # noqa: E731
+    got = run(core_for(groups(path, 2), **{**OPTIONS, "chunked_prefill_size": 256}), asks())
+    assert len(got["p"].cat("input_token")) == 45 and sum(gathered) == 2  # one sampled row per step
+    assert_same(run(core_for(whole(path), **{**OPTIONS, "chunked_prefill_size": 256}), asks()), got)
+
+
 def test_preemption_and_forks_match_tp1(saved_family, groups):
     _, path = saved_family("qwen3")
     prompts = [small_prompt(20 + i, 2 + 3 * i) for i in range(4)]
