@@ -110,43 +110,50 @@ class TensorParallel:
         from this rank's logits shard f32 [c, Vs], exact across shards with no whole row anywhere:
         log-sum-exp from every shard's maximum and sum, each wanted id's value from the shard that owns
         it (the others add 0), the top-k merged from every shard's own top-k (ties: the smaller id)."""
-        from services.scheduler.logprobs import TopKKeys, top_k_sorted
-
         shard = logits.shape[-1]
         global_ids = torch.arange(self.vocab_start, self.vocab_start + shard, device=logits.device)
         logits = logits.masked_fill(global_ids >= self.config.vocab_size, float("-inf"))  # the last shard's padding
+        logprobs = logits - self._log_sum_exp(logits)[:, None]  # [c, Vs]
+        wanted = targets[:, None] if ids is None else torch.cat([targets[:, None], ids], dim=1)  # [c, 1 + m]
+        values = self._owned(logprobs, wanted)
+        if k == 0:
+            no_ids = torch.empty(logits.shape[0], 0, dtype=torch.int32, device=logits.device)
+            return values[:, 0], logprobs[:, :0], no_ids, values[:, 1:]
+        return values[:, 0], *self._merged_top_k(logprobs, global_ids, k), values[:, 1:]
+
+    def _log_sum_exp(self, logits: torch.Tensor) -> torch.Tensor:
+        """[c] over the whole vocabulary, from every shard's maximum and sum of exp(logit - maximum)."""
         local_max = logits.max(dim=-1).values  # [c]
         stats = self._gather(torch.stack([local_max, torch.exp(logits - local_max[:, None]).sum(dim=-1)]))  # [N, 2, c]
         top = stats[:, 0].max(dim=0).values
-        lse = top + torch.log((stats[:, 1] * torch.exp(stats[:, 0] - top)).sum(dim=0))  # [c]
-        logprobs = logits - lse[:, None]
-        wanted = targets[:, None] if ids is None else torch.cat([targets[:, None], ids], dim=1)  # [c, 1 + m]
+        return top + torch.log((stats[:, 1] * torch.exp(stats[:, 0] - top)).sum(dim=0))
+
+    def _owned(self, logprobs: torch.Tensor, wanted: torch.Tensor) -> torch.Tensor:
+        """The logprob of each wanted id [c, w], from the shard that owns it (every other shard adds 0)."""
+        shard = logprobs.shape[-1]
         local = wanted - self.vocab_start
         mine = (local >= 0) & (local < shard)
-        values = self.all_reduce(torch.where(mine, logprobs.gather(1, local.clamp(0, shard - 1)), 0.0))
-        token, ids_lp = values[:, 0], values[:, 1:]
-        if k == 0:
-            return token, logprobs[:, :0], torch.empty(logits.shape[0], 0, dtype=torch.int32, device=logits.device), ids_lp
+        return self.all_reduce(torch.where(mine, logprobs.gather(1, local.clamp(0, shard - 1)), 0.0))
+
+    def _merged_top_k(self, logprobs: torch.Tensor, global_ids: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """values f32 [c, k], ids int32 [c, k] over the whole vocabulary: descending, ties by the smaller id,
+        from every shard's own top-k (the whole top-k lies among them)."""
+        from services.scheduler.logprobs import TopKKeys, top_k_sorted
+
         keys = TopKKeys(above=((1 << 30) - global_ids).to(torch.int32), tied=(-global_ids).to(torch.int32))
-        top_values, top_ids = top_k_sorted(logprobs, min(k, shard), keys)
-        top_ids = top_ids + self.vocab_start
-        candidates = torch.cat(list(self._gather(top_values)), dim=-1)  # [c, N k]
-        candidate_ids = torch.cat(list(self._gather(top_ids)), dim=-1)
+        values, ids = top_k_sorted(logprobs, min(k, logprobs.shape[-1]), keys)
+        candidates = torch.cat(list(self._gather(values)), dim=-1)  # [c, N k]
+        candidate_ids = torch.cat(list(self._gather(ids + self.vocab_start)), dim=-1)
         by_id = candidate_ids.argsort(dim=-1, stable=True)  # then by value, stably: ties keep the smaller id first
         candidates, candidate_ids = candidates.gather(1, by_id), candidate_ids.gather(1, by_id)
         order = candidates.argsort(dim=-1, descending=True, stable=True)[:, :k]
-        return token, candidates.gather(1, order), candidate_ids.gather(1, order).to(torch.int32), ids_lp
+        return candidates.gather(1, order), candidate_ids.gather(1, order).to(torch.int32)
 
     def _gather(self, x: torch.Tensor) -> torch.Tensor:
         """Every rank's x, stacked [N, ...]."""
         parts = [torch.empty_like(x) for _ in range(self.size)]
         self._wait(self.group.allgather([parts], [x.contiguous()]))
         return torch.stack(parts)
-
-    def broadcast(self, x: torch.Tensor) -> torch.Tensor:
-        """Rank 0's x on every rank, in place."""
-        self._wait(self.group.broadcast(x, 0))
-        return x
 
     def _wait(self, work) -> None:
         try:

@@ -171,3 +171,37 @@ def test_dspark_on_two_ranks_is_greedy_identical_to_plain_tp1():
         core.worker.runner.leader.stop()
     assert_same(plain, spec, tol=1e-4)  # verify blocks against one-token decode steps: test_speculative_loop's bound
     assert sum(r.spec_verify_ct or 0 for r in spec.values()) > 0
+
+
+def test_sharded_columns_equal_whole_rows_with_ties_across_shards(saved_family):
+    """Two gloo ranks as threads of this process: ties inside and across shards keep the smaller ids."""
+    import datetime
+    import threading
+
+    import torch.distributed as dist
+
+    from services.common.nats_server import free_port
+    from services.scheduler.logprobs import TopKKeys, logprob_columns
+
+    config = dataclasses.replace(ModelConfig.from_pretrained(saved_family("qwen3")[1]), vocab_size=11)  # shards of 6, padded
+    logits = torch.tensor([[1.0, 3.0, 3.0, 0.5, 3.0, 2.0, 3.0, 3.0, -1.0, 2.0, 3.0],
+                           [0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0]])  # fmt: skip
+    targets, ids = torch.tensor([6, 10]), torch.tensor([[0, 10], [5, 3]])
+    expected = logprob_columns(logits, targets, 5, ids, None, TopKKeys.build(11, "cpu"))
+    port, got = free_port(), {}
+
+    def rank(r: int) -> None:
+        store = dist.TCPStore("127.0.0.1", port, 2, r == 0, timeout=datetime.timedelta(seconds=30))
+        tp = TensorParallel(r, 2, dist.ProcessGroupGloo(store, r, 2, datetime.timedelta(seconds=30)), config)
+        shard = torch.nn.functional.pad(logits, (0, 1))[:, r * 6 : (r + 1) * 6]
+        got[r] = tp.logprob_columns(shard, targets, 5, ids)
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    for r in range(2):
+        for column, want in zip(got[r], expected, strict=True):
+            torch.testing.assert_close(column, want, atol=1e-6, rtol=0)
+    assert got[0][2][0].tolist() == [1, 2, 4, 6, 7] and got[0][2][1].tolist() == [0, 1, 2, 3, 4]
