@@ -136,6 +136,12 @@ def check_model(config: SchedulerConfig) -> None:
 
     model = ModelConfig.from_pretrained(config.model, context_len=config.max_model_len)
     check_shardable(model, config.tensor_parallel_size, config.quantization)
+    size = config.tensor_parallel_size
+    if size > 1 and config.resolved_device == "cuda":
+        import torch
+
+        if torch.cuda.device_count() < size:
+            raise ValueError(f"--tensor-parallel-size {size} needs {size} GPUs; {torch.cuda.device_count()} visible")
 
 
 def load_leader(config: SchedulerConfig) -> ModelRunner:

@@ -148,6 +148,9 @@ def test_unshardable_models_are_refused_in_one_line(saved_family):
     check_shardable(config, 1)
     with pytest.raises(TensorParallelError, match="must divide the 4 attention heads"):
         check_model(SchedulerConfig(model=str(saved_family("qwen3")[1]), tensor_parallel_size=3))  # before any spawn
+    if torch.cuda.device_count() < 2:
+        with pytest.raises(ValueError, match="--tensor-parallel-size 2 needs 2 GPUs"):
+            check_model(SchedulerConfig(model=str(saved_family("qwen3")[1]), device="cuda", tensor_parallel_size=2))
     with pytest.raises(TensorParallelError, match="FP8 is not sharded"):
         check_shardable(config, 2, quantization="fp8")
     with pytest.raises(TensorParallelError, match="MixtralForCausalLM is not sharded"):
