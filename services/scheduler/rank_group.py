@@ -18,6 +18,7 @@ error and exits, and `sparkwire up` restarts it, group and all. Followers exit w
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import datetime
 import math
@@ -133,6 +134,7 @@ class Leader:
         self.followers = followers
         self.device = torch.device(device)
         self._stopped = threading.Event()
+        atexit.register(self._stopped.set)  # followers end with this process: no loss to report then
         threading.Thread(target=self._watch, name="tp-rank-watch", daemon=True).start()
 
     def _watch(self) -> None:
