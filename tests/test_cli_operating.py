@@ -105,7 +105,7 @@ def test_every_scheduler_flag_of_up_reaches_the_scheduler_with_its_value(tmp_pat
               "--max-model-len", "300", "--kv-cache-memory-fraction", "0.25", "--no-ragged-cuda-graphs",
               "--no-logprob-cuda-graphs", "--no-greedy-logprob-graphs", "--no-fused-kernels", "--no-fused-logprobs", "--no-split-kv-decode", "--speculative-algorithm", "dspark", "--draft-model", str(tmp_path / "d"),
               "--speculative-num-draft-tokens", "5", "--draft-context-window", "512", "--verify-mode", "compact",
-              "--step-trace", str(tmp_path / "trace"), "--revision", "v2", "--deterministic"]  # fmt: skip
+              "--step-trace", str(tmp_path / "trace"), "--revision", "v2", "--deterministic", "--tp", "2"]  # fmt: skip
     up = build_parser(["up", *values]).parse_args(["up", *values])
     defaults = build_parser(["up"]).parse_args(["up"])
     scheduler_argv = service_argv("scheduler", up)[3:]

@@ -36,7 +36,7 @@ from services.common.nats_server import free_port, start_nats_server, stop_proce
 from services.models import BUNDLED_MODEL
 
 ROOT = Path(__file__).resolve().parents[1]
-APP_SERVICES = ("scheduler", "scheduler-cpu", "detokenizer", "tokenizer")
+APP_SERVICES = ("scheduler", "scheduler-tp", "scheduler-cpu", "detokenizer", "tokenizer")
 HAPROXY_CFG = ROOT / "ops" / "docker" / "haproxy.cfg"
 REPLICA_HOSTS = ("127.0.0.2", "127.0.0.3")
 
@@ -75,6 +75,16 @@ def test_scheduler_reserves_a_gpu_and_a_cpu_profile_runs_without_one(compose):
     cpu = compose["services"]["scheduler-cpu"]
     assert cpu["profiles"] == ["cpu"] and "deploy" not in cpu and "--device" in cpu["command"]
     assert cpu["command"][cpu["command"].index("--device") + 1] == "cpu"
+
+
+def test_a_tensor_parallel_scheduler_takes_as_many_gpus_as_ranks(compose):
+    tp = compose["services"]["scheduler-tp"]
+    size = int(tp["command"][tp["command"].index("--tensor-parallel-size") + 1])
+    assert tp["profiles"] == ["tp"] and size > 1
+    assert tp["deploy"]["resources"]["reservations"]["devices"] == [{"driver": "nvidia", "count": size, "capabilities": ["gpu"]}]
+    argv = tp["command"][1:]
+    args = build_parser(argv).parse_args(argv)  # the command parses as written
+    assert args.tensor_parallel_size == size
 
 
 def test_one_port_through_the_proxy_and_none_on_the_replicas(compose):
@@ -131,7 +141,7 @@ def test_the_cuda_scheduler_image_installs_flash4_and_the_cpu_one_does_not(compo
 def test_service_command_parses_with_the_real_cli(compose, name):
     argv = compose["services"][name]["command"][1:]
     args = build_parser(argv).parse_args(argv)
-    assert args.command == name.removesuffix("-cpu") and callable(args.run)
+    assert args.command == name.removesuffix("-cpu").removesuffix("-tp") and callable(args.run)
     assert compose["services"][name]["environment"]["SPARKWIRE_NATS_URL"] == "nats://nats:4222"
 
 

@@ -59,6 +59,7 @@ def config_from_args(args: argparse.Namespace) -> SchedulerConfig:
         deterministic=args.deterministic,
         prefix_caching=args.prefix_caching,
         step_trace=args.step_trace,
+        tensor_parallel_size=args.tensor_parallel_size,
         dense_attention=args.dense_attention,
         kv_block_size=args.kv_block_size,
         num_kv_blocks=args.num_kv_blocks,

@@ -14,6 +14,7 @@ import dataclasses
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import structlog
 
@@ -100,8 +101,12 @@ def default_max_running(runner: ModelRunner, speculative_algorithm: str = "none"
 
 
 def build_core(config: SchedulerConfig) -> SchedulerCore:
-    """Load the model (minutes for a large one: call it off the event loop) and wrap it in a core."""
-    runner = load_runner(config)
+    """Load the model (minutes for a large one: call it off the event loop) and wrap it in a core.
+    With `tensor_parallel_size` N > 1 this process is rank 0 of N (`rank_group.py`)."""
+    if config.tensor_parallel_size > 1:
+        runner = load_leader(config)
+    else:
+        runner = load_runner(config)
     proposer = load_proposer(config, runner)
     settings = resolve(config, runner)
     prepare_runtime(config, settings, runner, proposer)
@@ -153,20 +158,74 @@ def make_policy(runner: ModelRunner, settings: CoreSettings, proposer: Proposer 
 
 def check_model(config: SchedulerConfig) -> None:
     """What `build_core` refuses in milliseconds (no config.json, an unsupported architecture),
-    raised before `connect`: a bad `--model` fails at once, whether NATS answers or not."""
-    ModelConfig.from_pretrained(config.model, context_len=config.max_model_len)
+    raised before `connect`: a bad `--model` fails at once, whether NATS answers or not; so does a
+    model `--tensor-parallel-size` cannot shard, before any rank is spawned."""
+    from services.scheduler.model.tensor_parallel import check_shardable
+
+    model = ModelConfig.from_pretrained(config.model, context_len=config.max_model_len)
+    check_shardable(model, config.tensor_parallel_size, config.quantization)
+    size = config.tensor_parallel_size
+    if size > 1 and config.resolved_device == "cuda":
+        import torch
+
+        if torch.cuda.device_count() < size:
+            raise ValueError(f"--tensor-parallel-size {size} needs {size} GPUs; {torch.cuda.device_count()} visible")
 
 
-def load_runner(config: SchedulerConfig) -> ModelRunner:
+def load_leader(config: SchedulerConfig) -> ModelRunner:
+    """Rank 0's runner: the followers spawned and joined, its shard loaded, its calls led."""
+    from services.scheduler.rank_group import start_group, tensor_parallel
+
+    groups, leader = start_group(config)
+    model = ModelConfig.from_pretrained(config.model, context_len=config.max_model_len)
+    runner = load_runner(config, tensor_parallel(groups, model, leader))
+    runner.leader = leader
+    return runner
+
+
+def load_follower(config: SchedulerConfig, groups) -> ModelRunner:
+    """Rank r > 0's runner, loaded and prepared as rank 0's is (the same graphs capture the same collectives)."""
+    from services.scheduler.rank_group import rank_device, tensor_parallel
+
+    model = ModelConfig.from_pretrained(config.model, context_len=config.max_model_len)
+    runner = load_runner(config, tensor_parallel(groups, model), rank_device(config.resolved_device, groups.rank))
+    prepare_runtime(config, resolve(config, runner), runner, draft_shape(config))
+    return runner
+
+
+@dataclass(frozen=True)
+class DraftShape:
+    """What `prepare_runtime` reads of a proposer: a follower rank has no drafter (rank 0 drafts) but
+    captures the graphs rank 0 captures (their collectives pair up)."""
+
+    capture_layers: tuple[int, ...]
+    num_draft_tokens: int
+
+
+def draft_shape(config: SchedulerConfig) -> DraftShape | None:
+    if config.speculative_algorithm != "dspark":
+        return None
+    from services.scheduler.spec.dspark_config import DSparkConfig
+
+    draft = DSparkConfig.from_pretrained(Path(config.resolved_draft_model))
+    return DraftShape(tuple(draft.target_layer_ids), config.num_draft_tokens or draft.block_size)
+
+
+def load_runner(config: SchedulerConfig, tp=None, device: str | None = None) -> ModelRunner:
+    """tp: this rank's `TensorParallel` (None: the whole model); device: a rank's own (None: the config's)."""
     reserve = MemoryReserve()
     if config.speculative_algorithm == "dspark":
         from services.scheduler.spec.dspark_loader import drafter_memory
 
         target_config = ModelConfig.from_pretrained(config.model)
         reserve = drafter_memory(config.resolved_draft_model, target_config, config.torch_dtype, config.kv_block_size)
+        if tp is not None and tp.rank == 0:  # and the target's whole embedding and LM head, which its drafter reads
+            copies = 1 if target_config.tie_word_embeddings else 2
+            head_bytes = copies * target_config.vocab_size * target_config.hidden_size * config.torch_dtype.itemsize
+            reserve = dataclasses.replace(reserve, weight_bytes=reserve.weight_bytes + head_bytes)
     return load_model_runner(
         config.model,
-        device=config.resolved_device,
+        device=device or config.resolved_device,
         dtype=config.torch_dtype,
         load_format=config.load_format,
         num_kv_blocks=config.num_kv_blocks,
@@ -182,6 +241,7 @@ def load_runner(config: SchedulerConfig) -> ModelRunner:
         max_model_len=config.max_model_len,
         quantization=config.quantization,
         batch_invariant=config.deterministic,
+        tp=tp,
     )
 
 
@@ -190,9 +250,14 @@ def load_proposer(config: SchedulerConfig, runner: ModelRunner) -> Proposer | No
         return None
     from services.scheduler.spec.dspark_loader import load_dspark_proposer
 
+    head = None
+    if config.tensor_parallel_size > 1:  # the drafter runs on rank 0 alone, over the whole vocabulary
+        from services.scheduler.model.loader import load_whole_head
+
+        head = load_whole_head(config.model, runner.device, runner.dtype, config.load_format, config.seed)
     proposer = load_dspark_proposer(
         config.resolved_draft_model, runner, load_format=config.load_format, seed=config.seed,
-        num_draft_tokens=config.num_draft_tokens, context_window=config.draft_context_window,
+        num_draft_tokens=config.num_draft_tokens, context_window=config.draft_context_window, head=head,
         confidences=config.verify_mode == "compact",
     )  # fmt: skip
     set_batch_invariant(proposer.drafter, runner.batch_invariant)  # seeded drafts' q: the row's own

@@ -68,6 +68,7 @@ class SchedulerConfig:
     metrics_host: str = "127.0.0.1"
     metrics_port: int | None = None  # None: no /metrics endpoint; 0: any free port (logged)
     step_trace: str | None = None  # a directory: one JSON line per step to <instance_id>.jsonl (`step_trace.py`)
+    tensor_parallel_size: int = 1  # ranks the model is sharded over (`rank_group.py`); 1: one process, no group
 
     def __post_init__(self) -> None:
         _check_choice("device", self.device, DEVICES)
@@ -78,7 +79,7 @@ class SchedulerConfig:
         _check_choice("speculative_algorithm", self.speculative_algorithm, SPECULATIVE_ALGORITHMS)
         if self.dtype is not None:
             _check_choice("dtype", self.dtype, (*DTYPES, "auto"))
-        for name in ("chunked_prefill_size", "kv_block_size"):
+        for name in ("chunked_prefill_size", "kv_block_size", "tensor_parallel_size"):
             _check_positive(name, getattr(self, name))
         if self.max_running_requests is not None:
             _check_positive("max_running_requests", self.max_running_requests)

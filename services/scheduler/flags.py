@@ -70,6 +70,8 @@ def add_model_arguments(parser: argparse.ArgumentParser, env: EnvSettings) -> No
         help="launch each decode step (and arrivals' first prompt chunks beside it) before the last one's tokens are "
              "read back, so the device does not wait for the host between decode steps (default on)")  # fmt: skip
     add("--max-model-len", type=int, default=None, help="longest prompt + output (default: the model's)")
+    add("--tensor-parallel-size", "--tp", type=int, default=1, dest="tensor_parallel_size",
+        help="shard the model over this many ranks (GPUs cuda:0..N-1; processes on cpu), one scheduler")  # fmt: skip
     add("--kv-cache-memory-fraction", type=float, default=CUDA_KV_CACHE_FRACTION,
         help="CUDA: the share of device memory left free by the weights (a drafter's included) that the KV caches take")  # fmt: skip
     add("--deterministic", "--enable-deterministic-inference", dest="deterministic",
@@ -141,6 +143,7 @@ def scheduler_argv(args: argparse.Namespace) -> list[str]:
     argv += ["--max-running-requests", str(args.max_running_requests)] if args.max_running_requests is not None else []
     argv += ["--max-prefill-tokens", str(args.max_prefill_tokens)] if args.max_prefill_tokens is not None else []
     argv += ["--kv-cache-memory-fraction", str(args.kv_cache_memory_fraction)]
+    argv += ["--tensor-parallel-size", str(args.tensor_parallel_size)]
     argv += ["--overlap-decode" if args.overlap_decode else "--no-overlap-decode"]
     argv += ["--deterministic" if args.deterministic else "--no-deterministic"]
     argv += ["--prefix-caching" if args.prefix_caching else "--no-prefix-caching"]

@@ -121,6 +121,7 @@ def logprobs_on_device(
     processed: bool,
     sampled: torch.Tensor | None = None,
     fused: bool = False,
+    to_columns: Callable[..., tuple[torch.Tensor, ...]] | None = None,
 ) -> RowLogprobs[torch.Tensor] | None:
     """Every query's rows, concatenated (k padded to the largest: [n, max_k], ids to [n, max_m]), still on
     the device; computed in chunks, so a 32k-row prompt never holds [32k, V] logits. None if no rows.
@@ -128,7 +129,9 @@ def logprobs_on_device(
     inputs: `logprob_inputs(queries, processed, ...)` on the device (in processed mode, with the sampling
     parameters). to_logits: hidden rows [c, H] -> logits [c, V] in the model's dtype (None: `source` is
     logits). sampled: int64 [N], one per row of `source`, the token sampled from it this step, for
-    queries whose `targets` are None. fused: `runs_fused`'s switch.
+    queries whose `targets` are None. fused: `runs_fused`'s switch. to_columns: hidden rows, targets,
+    k, ids -> raw columns, where the LM head is vocabulary-sharded (`ModelRunner.sharded_columns`):
+    raw rows take it instead of whole logits.
     """
     if not queries or sum(len(q.rows) for q in queries) == 0:
         return None
@@ -142,11 +145,14 @@ def logprobs_on_device(
     for start in range(0, num_rows, chunk_rows):
         chunk = slice(start, min(start + chunk_rows, num_rows))
         picked = source[chunk] if rows is None else source[rows[chunk]]
+        ids = inputs["ids"][chunk] if "ids" in inputs else None
+        if to_columns is not None and not processed:
+            parts.append(to_columns(picked, targets[chunk], k, ids))
+            continue
         logits = to_logits(picked) if to_logits is not None else picked  # [c, V]
         if not fused_rows:
             logits = logits.float()  # the torch ops work in f32: the model-dtype chunk goes now, not with the chunk
         sampling = {name: t[chunk] for name, t in inputs.items() if name in SAMPLING_INPUTS} if processed else None
-        ids = inputs["ids"][chunk] if "ids" in inputs else None
         parts.append(logprob_columns(logits, targets[chunk], k, ids, sampling, keys, fused))
         del logits  # freed before the next chunk's are made: one chunk's logits at a time
     if len(parts) == 1:

@@ -251,6 +251,7 @@ class DecoderLayer(nn.Module):
     attention_class: type[nn.Module] = Attention
     mlp_class: type[nn.Module] = MLP  # a mixture of experts takes the same [T, H] -> [T, H]
     norm_class: type[nn.Module] = RMSNorm
+    tp = None  # tensor_parallel.TensorParallel: sums o_proj's and down_proj's partial outputs over ranks
 
     def __init__(self, config: ModelConfig, layer_index: int) -> None:
         super().__init__()
@@ -270,8 +271,11 @@ class DecoderLayer(nn.Module):
         output. residual None: x is the whole stream (the embeddings, or a layer output made whole)."""
         qkv, residual = norm_linear(x, residual, self.input_layernorm, self.self_attn.qkv_proj, fused)
         x = self.self_attn(qkv, ropes, batch, cache, plan, fused)
+        if self.tp is not None:
+            x = self.tp.all_reduce(x)
         gate_up, residual = norm_linear(x, residual, self.post_attention_layernorm, self.mlp.gate_up_proj, fused)
-        return self.mlp.down(gate_up, fused), residual
+        x = self.mlp.down(gate_up, fused)
+        return (x if self.tp is None else self.tp.all_reduce(x)), residual
 
 
 class DecoderModel(nn.Module):
@@ -286,6 +290,7 @@ class CausalLM(nn.Module):
     """`forward` returns final-normed hidden states [T, H] and the captured layers' outputs."""
 
     layer_class: type[nn.Module] = DecoderLayer
+    tp = None  # tensor_parallel.TensorParallel: the LM head holds a vocabulary shard, gathered whole
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -354,7 +359,10 @@ class CausalLM(nn.Module):
     def head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, V] in the model's dtype, soft-capped where the config says (Gemma 2), as transformers does."""
         product = invariant_linear if self.batch_invariant else F.linear
-        return softcap(product(hidden, self.lm_head_weight), self.config.final_logit_softcap)
+        logits = product(hidden, self.lm_head_weight)
+        if self.tp is not None:
+            logits = self.tp.gather_vocab(logits)
+        return softcap(logits, self.config.final_logit_softcap)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.head_logits(hidden).float()  # [N, V]

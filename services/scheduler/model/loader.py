@@ -30,6 +30,13 @@ from services.scheduler.model.kv_cache import PagedKVCache, bytes_per_block, num
 from services.scheduler.model.llama import CausalLM
 from services.scheduler.model.registry import build_model
 from services.scheduler.model.runner import ModelRunner
+from services.scheduler.model.tensor_parallel import (
+    ShardedColumns,
+    TensorParallel,
+    check_shardable,
+    shard_config,
+    shard_model,
+)
 
 DUMMY_STD = 0.02  # the reference initializer_range
 # Random tensors larger than this repeat with this period: generating billions of values on the
@@ -93,6 +100,7 @@ def load_model_runner(
     max_model_len: int | None = None,
     quantization: str | None = None,
     batch_invariant: bool = False,
+    tp: TensorParallel | None = None,
 ) -> ModelRunner:
     """Load the model at `path` onto `device` in `dtype` and allocate its paged KV cache.
 
@@ -105,6 +113,7 @@ def load_model_runner(
     max_model_len: the longest sequence served (`ModelConfig.context_len`: LongRoPE's factors, and
     dynamic RoPE's limit); None: the config's max_position_embeddings.
     quantization "fp8": quantize an unquantized checkpoint's projections to FP8 at load (`fp8.py`).
+    tp: this rank's shard of a tensor-parallel group (`tensor_parallel.py`): its weights sliced as they are read.
     """
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {load_format!r}")
@@ -112,25 +121,37 @@ def load_model_runner(
     config = ModelConfig.from_pretrained(model_dir, context_len=max_model_len)
     if batch_invariant and (config.num_experts or config.quantization is not None or quantization is not None):
         raise ValueError("--deterministic covers dense bf16/fp32 models only: MoE experts and FP8 projections are not batch-invariant yet")
+    if batch_invariant and tp is not None:
+        raise ValueError("--deterministic with --tensor-parallel-size > 1 is not supported yet: the shards' all-reduces are not batch-invariant")
     device = torch.device(device)
-    model = _empty_model(config, device, dtype)
-    _fill_weights(model, model_dir, config, load_format, seed)
+    if tp is not None:
+        check_shardable(config, tp.size, quantization)
+    model = _empty_model(config, device, dtype, tp)
+    _fill_weights(model, model_dir, config, load_format, seed, tp)
     if quantization is not None:
         model = _quantize_at_load(model, config, quantization)
     model.eval()
+    config = model.config  # a rank's own head counts: its cache holds its KV heads
     num_blocks = num_kv_blocks or _default_num_blocks(config, kv_block_size, dtype, device, kv_cache_bytes, kv_cache_fraction, reserve)
+    if tp is not None:  # every rank's cache holds the blocks rank 0's policy hands out
+        num_blocks = tp.min_over_ranks(num_blocks, device)
     cache = PagedKVCache(config, num_blocks, kv_block_size, dtype, device)
     runner = ModelRunner(model, cache, fused_kernels=fused_kernels, split_kv_decode=split_kv_decode,
                          batch_invariant=batch_invariant)  # fmt: skip
+    if tp is not None:
+        runner.sharded_columns = ShardedColumns(runner)
     if (cuda_graphs if cuda_graphs is not None else runner.decode_kernel) and not batch_invariant:
         runner.prepare_decode_graphs()
     return runner
 
 
-def _empty_model(config: ModelConfig, device: torch.device, dtype: torch.dtype) -> CausalLM:
+def _empty_model(config: ModelConfig, device: torch.device, dtype: torch.dtype, tp: TensorParallel | None = None) -> CausalLM:
     # Built on the meta device so no host memory or init kernels are spent on weights we overwrite.
     with torch.device("meta"):
-        model = build_model(config).to(dtype)
+        if tp is None:
+            model = build_model(config).to(dtype)
+        else:
+            model = shard_model(build_model(shard_config(config, tp.size)).to(dtype), tp)
         if config.quantization is not None:  # after the cast: FP8 weights and fp32 scales keep their dtypes
             model = empty_fp8_linears(model, config.quantization)
     model = model.to_empty(device=device)
@@ -146,13 +167,15 @@ def _quantize_at_load(model: CausalLM, config: ModelConfig, quantization: str) -
     return quantize_linears(model)
 
 
-def _fill_weights(model: CausalLM, model_dir: Path, config: ModelConfig, load_format: str, seed: int) -> None:
+def _fill_weights(
+    model: CausalLM, model_dir: Path, config: ModelConfig, load_format: str, seed: int, tp: TensorParallel | None = None
+) -> None:
     if load_format == "dummy":
-        fill_random_weights(model, seed)
+        fill_random_weights(model, seed, tp)
     elif _safetensors_files(model_dir):
-        load_safetensors(model, model_dir)
+        load_safetensors(model, model_dir, tp=tp)
     elif config.sparkwire_weights == "seeded-random":
-        fill_random_weights(model, config.sparkwire_seed)
+        fill_random_weights(model, config.sparkwire_seed, tp)
     else:
         raise NoWeightsError(
             f"no *.safetensors files in {model_dir}; pass --load-format dummy for random weights"
@@ -168,9 +191,12 @@ def _safetensors_files(model_dir: Path) -> list[Path]:
 
 
 @torch.no_grad()
-def load_safetensors(model: torch.nn.Module, model_dir: Path, ignored: tuple[str, ...] = ()) -> None:
+def load_safetensors(
+    model: torch.nn.Module, model_dir: Path, ignored: tuple[str, ...] = (), tp: TensorParallel | None = None
+) -> None:
     """Copy every parameter, by its Hugging Face name, from the directory's safetensors files, after
-    checking the files' names against the model's (`ignored`: names the caller knows it does not use)."""
+    checking the files' names against the model's (`ignored`: names the caller knows it does not use;
+    `tp`: each tensor sliced to this rank's part)."""
     needed = dict(model.checkpoint_tensors())
     files = _safetensors_files(model_dir)
     fp8_names = {name for name, param in needed.items() if param.dtype == FP8}
@@ -181,7 +207,8 @@ def load_safetensors(model: torch.nn.Module, model_dir: Path, ignored: tuple[str
             for name in handle.keys():
                 if name in needed:
                     param = needed.pop(name)
-                    param.copy_(_fitted(handle.get_tensor(name), param))
+                    tensor = handle.get_tensor(name)
+                    param.copy_(_fitted(tensor if tp is None else tp.shard(name, tensor), param))
                     progress.advance(num_bytes=_nbytes(param), tensor=name)
     progress.close()
 
@@ -226,17 +253,49 @@ def _tied_head(model: torch.nn.Module) -> set[str]:
 
 
 @torch.no_grad()
-def fill_random_weights(model: CausalLM, seed: int) -> None:
-    """Deterministic weights: same seed, same values, on any device (drawn on the host, then moved)."""
+def fill_random_weights(model: CausalLM, seed: int, tp: TensorParallel | None = None) -> None:
+    """Deterministic weights: same seed, same values, on any device (drawn on the host, then moved);
+    with `tp`, this rank's slices of the whole model's tensors."""
     tensors = list(model.checkpoint_tensors())
+    shapes = None if tp is None else _whole_shapes(tp.config)
     progress = _load_progress(model, [param for _, param in tensors], weights="random")
     for name, param in tensors:
         if name.endswith(("norm.weight", "weight_scale", "weight_scale_inv")):  # scales of 1: FP8 weights as drawn
             param.fill_(1.0)
-        else:
+        elif shapes is None:
             param.copy_(_random_tensor(name, param.shape, seed, param.device))
+        else:
+            param.copy_(tp.shard(name, _random_tensor(name, shapes[name], seed, torch.device("cpu"))))
         progress.advance(num_bytes=_nbytes(param), tensor=name)
     progress.close()
+
+
+@torch.no_grad()
+def load_whole_head(
+    path: str | Path, device: str | torch.device, dtype: torch.dtype, load_format: str = "auto", seed: int = 0
+) -> tuple[torch.nn.Embedding, torch.Tensor]:
+    """The whole embedding and LM head [V, H] of the model at `path`, filled as `load_model_runner`
+    fills them: rank 0 of a tensor-parallel group keeps them for a drafter, which reads them whole."""
+    model_dir = Path(path)
+    config = ModelConfig.from_pretrained(model_dir)
+    embed = torch.nn.Embedding(config.vocab_size, config.hidden_size, device=device, dtype=dtype)
+    tensors = {"model.embed_tokens.weight": embed.weight}
+    if not config.tie_word_embeddings:
+        tensors["lm_head.weight"] = torch.empty_like(embed.weight)
+    files = [] if load_format == "dummy" else _safetensors_files(model_dir)
+    for file in files:
+        with safe_open(str(file), framework="pt", device="cpu") as handle:
+            for name in set(handle.keys()) & set(tensors):
+                tensors[name].copy_(handle.get_tensor(name))
+    if not files:
+        for name, tensor in tensors.items():
+            tensor.copy_(_random_tensor(name, tensor.shape, seed if load_format == "dummy" else config.sparkwire_seed, tensor.device))
+    return embed, tensors.get("lm_head.weight", embed.weight)
+
+
+def _whole_shapes(config: ModelConfig) -> dict[str, torch.Size]:
+    with torch.device("meta"):
+        return {name: param.shape for name, param in build_model(config).checkpoint_tensors()}
 
 
 def _load_progress(model: torch.nn.Module, params, **fields: str) -> Progress:

@@ -92,6 +92,8 @@ class ModelRunner:
         self._dense_prefill: DenseConfig | None = None
         self.batch_invariant = batch_invariant
         set_batch_invariant(model, batch_invariant)
+        self.leader = None  # rank_group.Leader on rank 0 of a tensor-parallel group: each call sent to the other ranks first
+        self.sharded_columns = None  # tensor_parallel.ShardedColumns where the LM head holds a vocabulary shard
 
     def prepare_decode_graphs(
         self,
@@ -199,6 +201,8 @@ class ModelRunner:
     def forward(self, batch: ForwardBatch) -> ForwardOutput:
         """Run one step: write the new tokens' K/V, return final hidden states [T, H] (+ captures)."""
         self._check(batch)
+        if self.leader is not None:
+            self.leader.forward(batch)
         batch = self._on_device(batch)
         query_len = None if self.batch_invariant else uniform_query_len(batch)  # invariant: one attention order for all
         if query_len is not None and self.decode_graphs is not None and self.decode_graphs.fits(batch, query_len):
@@ -223,7 +227,10 @@ class ModelRunner:
     @torch.inference_mode()
     def head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """The LM head alone: [N, V] in the model's dtype (prompt logprobs' chunks: the fused kernels read it as is)."""
-        return self.model.head_logits(hidden.to(self.device, self.dtype))
+        hidden = hidden.to(self.device, self.dtype)
+        if self.leader is not None:
+            self.leader.head(hidden)
+        return self.model.head_logits(hidden)
 
     @torch.inference_mode()
     def embed_tokens(self, ids: torch.Tensor) -> torch.Tensor:

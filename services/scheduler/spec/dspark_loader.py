@@ -55,13 +55,15 @@ TARGET_COPIES = ("embed_tokens.weight", "lm_head.weight")  # published drafts' f
 
 def load_dspark_proposer(
     path: str | Path, runner: ModelRunner, *, load_format: str = "auto", seed: int = 0, num_draft_tokens: int | None = None,
-    context_window: int | None = None, confidences: bool = True,
+    context_window: int | None = None, confidences: bool = True, head: tuple[nn.Module, torch.Tensor] | None = None,
 ) -> DSparkProposer:
     """The drafter at `path`, on the runner's device and dtype, with a KV cache shaped like the runner's;
     context_window None: the draft config's, 0: the whole context (`DSparkProposer`); confidences:
-    whether its blocks carry them (`compact`), calibrated by the temperature beside it."""
+    whether its blocks carry them (`compact`), calibrated by the temperature beside it; head: the
+    target's whole (embedding, LM head weight) where the runner holds a vocabulary shard (`loader.load_whole_head`)."""
+    embed_tokens, lm_head_weight = head or (runner.model.model.embed_tokens, runner.lm_head_weight)
     drafter = load_drafter(
-        path, runner.model.model.embed_tokens, runner.lm_head_weight, runner.config,
+        path, embed_tokens, lm_head_weight, runner.config,
         load_format=load_format, seed=seed, logit_softcap=runner.config.final_logit_softcap,
     )  # fmt: skip
     temperature = load_temperature(path) if confidences else None

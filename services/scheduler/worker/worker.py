@@ -302,7 +302,8 @@ class ModelWorker:
         """output_lp: the output rows already computed (`_greedy_rows`); None: computed here."""
         prompt = [job.query for job in wanted.prompt]
         prompt_lp = logprobs_on_device(prompt, section(arrays, PROMPT_LP), hidden, self.runner.head_logits,
-                                       self._top_k_keys, self._processed, fused=self._fused_logprobs)  # fmt: skip
+                                       self._top_k_keys, self._processed, fused=self._fused_logprobs,
+                                       to_columns=self.runner.sharded_columns)  # fmt: skip
         if wanted.output and verified is not None and output_lp is None:
             logits = verified.logits.view(-1, verified.logits.shape[-1])  # [P * (K + 1), V]
             sampled = verified.tokens.reshape(-1)  # [P * (K + 1)]: each logits row's token, sampled this step

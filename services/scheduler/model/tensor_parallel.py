@@ -1,0 +1,244 @@
+"""Tensor parallelism (Megatron's layout): one model sharded over the N ranks of a process group.
+
+q/k/v and gate/up are column-parallel (each rank holds its heads' rows, its block of the
+intermediate size), o_proj and down_proj row-parallel (the matching input columns) and followed by
+one all-reduce each (`DecoderLayer.tp`); KV heads split across ranks, or replicated where there
+are fewer KV heads than ranks (rank r then keeps KV head r // (N / Hkv)); the embedding and the LM
+head are vocabulary-parallel (rank r holds rows [r Vs, (r + 1) Vs) of Vs = ceil(V / N), the last
+shard padded with zero rows). Each rank builds its model from `shard_config` (the local head
+counts and intermediate size: its KV cache, kernels and plans see its own shapes), and the loader
+slices every checkpoint tensor to this rank's part with `TensorParallel.shard` as it is read: a
+rank never holds another rank's weights.
+
+`TensorParallel` holds the device group (gloo on CPU, NCCL on CUDA) as an explicit object, never
+torch.distributed's default group. N = 1 builds no `TensorParallel` at all: the layers' hooks are
+`None` and run today's code.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from services.scheduler.model.config import ModelConfig
+
+SUPPORTED = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+COLUMN_HEADS = ("q_proj",)  # rows in blocks of this rank's query heads
+COLUMN_KV = ("k_proj", "v_proj")  # rows of this rank's KV heads
+COLUMN = ("gate_proj", "up_proj")  # rows in blocks of the intermediate size
+ROW = ("o_proj", "down_proj")  # input columns; the bias added once (rank 0) before the all-reduce
+VOCAB = ("embed_tokens.weight", "lm_head.weight")
+
+
+class TensorParallelError(ValueError):
+    """A model or setting tensor parallelism cannot shard."""
+
+
+def check_shardable(config: ModelConfig, size: int, quantization: str | None = None) -> None:
+    """Raise `TensorParallelError` (one line) unless `config` can be split over `size` ranks."""
+    if size == 1:
+        return
+    if config.architecture not in SUPPORTED or config.num_experts or config.quantization or quantization:
+        what = "FP8" if config.quantization or quantization else config.architecture
+        raise TensorParallelError(f"--tensor-parallel-size {size}: {what} is not sharded (supported: {', '.join(SUPPORTED)}, unquantized)")
+    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+    if heads % size or config.intermediate_size % size or (kv_heads % size and size % kv_heads):
+        raise TensorParallelError(
+            f"--tensor-parallel-size {size} must divide the {heads} attention heads and the intermediate size "
+            f"{config.intermediate_size}, and divide or be a multiple of the {kv_heads} KV heads"
+        )
+
+
+def shard_config(config: ModelConfig, size: int) -> ModelConfig:
+    """One rank's shapes: its query heads, KV heads (at least one) and intermediate block; the vocabulary stays whole."""
+    return dataclasses.replace(
+        config,
+        num_attention_heads=config.num_attention_heads // size,
+        num_key_value_heads=max(1, config.num_key_value_heads // size),
+        intermediate_size=config.intermediate_size // size,
+    )
+
+
+@dataclass(frozen=True)
+class TensorParallel:
+    """This rank's place in the group, the group's collectives and the slicing of checkpoint tensors."""
+
+    rank: int
+    size: int
+    group: object  # a torch.distributed ProcessGroup{Gloo,NCCL}, used through its own methods
+    config: ModelConfig  # the whole model's
+    explain: Callable[[Exception], Exception] | None = None  # a failed collective's error in the group's words (a dead rank)
+
+    @property
+    def vocab_shard(self) -> int:
+        return -(-self.config.vocab_size // self.size)
+
+    @property
+    def vocab_start(self) -> int:
+        return self.rank * self.vocab_shard
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """The sum over ranks of x, in place (a row-parallel projection's partial outputs)."""
+        self._wait(self.group.allreduce([x]))
+        return x
+
+    def min_over_ranks(self, value: int, device: torch.device) -> int:
+        """The smallest of every rank's `value` (KV blocks: each rank sizes its cache from its own free memory)."""
+        import torch.distributed as dist
+
+        options = dist.AllreduceOptions()
+        options.reduceOp = dist.ReduceOp.MIN
+        counts = torch.tensor([value], dtype=torch.int64, device=device)
+        self._wait(self.group.allreduce([counts], options))
+        return int(counts.item())
+
+    def gather_vocab(self, logits: torch.Tensor) -> torch.Tensor:
+        """[N, Vs] shards -> the whole [N, V], the padding rows dropped."""
+        parts = [torch.empty_like(logits) for _ in range(self.size)]
+        self._wait(self.group.allgather([parts], [logits.contiguous()]))
+        return torch.cat(parts, dim=-1)[:, : self.config.vocab_size]
+
+    def logprob_columns(
+        self, logits: torch.Tensor, targets: torch.Tensor, k: int, ids: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """`logprobs.logprob_columns`' raw columns (token [c], top-k values and ids [c, k], ids [c, m])
+        from this rank's logits shard f32 [c, Vs], exact across shards with no whole row anywhere:
+        log-sum-exp from every shard's maximum and sum, each wanted id's value from the shard that owns
+        it (the others add 0), the top-k merged from every shard's own top-k (ties: the smaller id)."""
+        shard = logits.shape[-1]
+        global_ids = torch.arange(self.vocab_start, self.vocab_start + shard, device=logits.device)
+        logits = logits.masked_fill(global_ids >= self.config.vocab_size, float("-inf"))  # the last shard's padding
+        logprobs = logits - self._log_sum_exp(logits)[:, None]  # [c, Vs]
+        wanted = targets[:, None] if ids is None else torch.cat([targets[:, None], ids], dim=1)  # [c, 1 + m]
+        values = self._owned(logprobs, wanted)
+        if k == 0:
+            no_ids = torch.empty(logits.shape[0], 0, dtype=torch.int32, device=logits.device)
+            return values[:, 0], logprobs[:, :0], no_ids, values[:, 1:]
+        return values[:, 0], *self._merged_top_k(logprobs, global_ids, k), values[:, 1:]
+
+    def _log_sum_exp(self, logits: torch.Tensor) -> torch.Tensor:
+        """[c] over the whole vocabulary, from every shard's maximum and sum of exp(logit - maximum)."""
+        local_max = logits.max(dim=-1).values  # [c]
+        stats = self._gather(torch.stack([local_max, torch.exp(logits - local_max[:, None]).sum(dim=-1)]))  # [N, 2, c]
+        top = stats[:, 0].max(dim=0).values
+        return top + torch.log((stats[:, 1] * torch.exp(stats[:, 0] - top)).sum(dim=0))
+
+    def _owned(self, logprobs: torch.Tensor, wanted: torch.Tensor) -> torch.Tensor:
+        """The logprob of each wanted id [c, w], from the shard that owns it (every other shard adds 0)."""
+        shard = logprobs.shape[-1]
+        local = wanted - self.vocab_start
+        mine = (local >= 0) & (local < shard)
+        return self.all_reduce(torch.where(mine, logprobs.gather(1, local.clamp(0, shard - 1)), 0.0))
+
+    def _merged_top_k(self, logprobs: torch.Tensor, global_ids: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """values f32 [c, k], ids int32 [c, k] over the whole vocabulary: descending, ties by the smaller id,
+        from every shard's own top-k (the whole top-k lies among them)."""
+        from services.scheduler.logprobs import TopKKeys, top_k_sorted
+
+        keys = TopKKeys(above=((1 << 30) - global_ids).to(torch.int32), tied=(-global_ids).to(torch.int32))
+        values, ids = top_k_sorted(logprobs, min(k, logprobs.shape[-1]), keys)
+        candidates = torch.cat(list(self._gather(values)), dim=-1)  # [c, N k]
+        candidate_ids = torch.cat(list(self._gather(ids + self.vocab_start)), dim=-1)
+        by_id = candidate_ids.argsort(dim=-1, stable=True)  # then by value, stably: ties keep the smaller id first
+        candidates, candidate_ids = candidates.gather(1, by_id), candidate_ids.gather(1, by_id)
+        order = candidates.argsort(dim=-1, descending=True, stable=True)[:, :k]
+        return candidates.gather(1, order), candidate_ids.gather(1, order).to(torch.int32)
+
+    def _gather(self, x: torch.Tensor) -> torch.Tensor:
+        """Every rank's x, stacked [N, ...]."""
+        parts = [torch.empty_like(x) for _ in range(self.size)]
+        self._wait(self.group.allgather([parts], [x.contiguous()]))
+        return torch.stack(parts)
+
+    def _wait(self, work) -> None:
+        try:
+            work.wait()
+        except RuntimeError as exc:
+            if self.explain is None:
+                raise
+            raise self.explain(exc) from exc
+
+    def shard(self, name: str, full: torch.Tensor) -> torch.Tensor:
+        """This rank's part of checkpoint tensor `name` (a Hugging Face name), given the whole of it."""
+        parts = name.split(".")
+        proj = parts[-2] if len(parts) >= 2 else ""
+        if name.endswith(VOCAB):
+            return self._vocab_rows(full)
+        if proj in COLUMN_HEADS:
+            return _block(full, 0, self.rank, self.size)
+        if proj in COLUMN_KV:
+            kv_heads = self.config.num_key_value_heads
+            if kv_heads >= self.size:
+                return _block(full, 0, self.rank, self.size)
+            return _block(full, 0, self.rank // (self.size // kv_heads), kv_heads)
+        if proj in COLUMN:
+            return _block(full, 0, self.rank, self.size)
+        if proj in ROW:
+            if parts[-1] == "bias":
+                return full if self.rank == 0 else torch.zeros_like(full)
+            return _block(full, 1, self.rank, self.size)
+        return full  # norms: every rank's whole
+
+    def _vocab_rows(self, full: torch.Tensor) -> torch.Tensor:
+        rows = full[self.vocab_start : self.vocab_start + self.vocab_shard]
+        if rows.shape[0] == self.vocab_shard:
+            return rows
+        return torch.cat([rows, rows.new_zeros(self.vocab_shard - rows.shape[0], *rows.shape[1:])])
+
+
+def _block(full: torch.Tensor, dim: int, index: int, count: int) -> torch.Tensor:
+    return full.chunk(count, dim=dim)[index]  # `check_shardable` made every split even
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Rows [start, start + Vs) of the embedding; other ids look up zeros, and the all-reduce makes every row whole."""
+
+    def __init__(self, tp: TensorParallel, hidden_size: int) -> None:
+        super().__init__()
+        self.tp = tp
+        self.weight = nn.Parameter(torch.empty(tp.vocab_shard, hidden_size))
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        local = input_ids - self.tp.vocab_start
+        mine = (local >= 0) & (local < self.tp.vocab_shard)
+        out = F.embedding(torch.where(mine, local, 0), self.weight) * mine.unsqueeze(-1).to(self.weight.dtype)
+        return self.tp.all_reduce(out)
+
+
+class ShardedColumns:
+    """Raw logprob columns of hidden rows [c, H] through a vocabulary-sharded LM head, every rank's
+    shard taking part (`TensorParallel.logprob_columns`): prompt logprobs never build a whole logits
+    row (`logprobs_on_device`'s to_columns). On rank 0 the call goes to the other ranks first."""
+
+    def __init__(self, runner) -> None:
+        self.runner = runner
+
+    @torch.inference_mode()
+    def __call__(
+        self, hidden: torch.Tensor, targets: torch.Tensor, k: int, ids: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        runner = self.runner
+        hidden = hidden.to(runner.device, runner.dtype)
+        if runner.leader is not None:
+            runner.leader.columns(hidden, targets, k, ids)
+        logits = F.linear(hidden, runner.model.lm_head_weight).float()  # [c, Vs]
+        return runner.model.tp.logprob_columns(logits, targets.to(runner.device), k, None if ids is None else ids.to(runner.device))
+
+
+def shard_model(model: nn.Module, tp: TensorParallel) -> nn.Module:
+    """Swap a model built from `shard_config` (on the meta device) to vocabulary-parallel embedding
+    and LM head, and hand every layer the group for its two all-reduces."""
+    hidden = tp.config.hidden_size
+    dtype = model.model.embed_tokens.weight.dtype
+    model.model.embed_tokens = VocabParallelEmbedding(tp, hidden).to(dtype)
+    if not tp.config.tie_word_embeddings:
+        model.lm_head = nn.Linear(hidden, tp.vocab_shard, bias=False).to(dtype)
+    for layer in model.model.layers:
+        layer.tp = tp
+    model.tp = tp
+    return model

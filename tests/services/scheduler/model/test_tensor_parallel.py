@@ -1,0 +1,210 @@
+"""Tensor parallelism on the CPU with real rank processes over gloo: TP = 2 and 4 serve exactly what
+TP = 1 serves (ids identical, every logprob kind within 1e-5 in fp32), and a dead rank fails the
+step with a clear error instead of hanging."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import signal
+
+import numpy as np
+import pytest
+import torch
+
+from contracts.scheduler import ForkedChoice, LogprobParams
+from services.scheduler.build import check_model, core_for, load_leader
+from services.scheduler.config import SchedulerConfig
+from services.scheduler.model import load_model_runner
+from services.scheduler.model.config import ModelConfig
+from services.scheduler.model.tensor_parallel import TensorParallel, TensorParallelError, check_shardable
+from services.scheduler.rank_group import RankLostError
+from test_scheduler_core import prompt_of, request, run
+
+TOL = 1e-5
+NUM_KV_BLOCKS = 256
+LOGPROBS = LogprobParams(return_logprob=True, logprob_start_len=0, top_logprobs_num=20, token_ids_logprob=(7, 3, 383))
+FLAT = LogprobParams(return_logprob=True, logprob_start_len=2, top_logprobs_num=4, flat_prompt_top_logprobs=True)
+OPTIONS = dict(max_running_requests=64, chunked_prefill_size=16, logprobs_mode="raw", seed=0)
+
+
+@pytest.fixture(scope="module")
+def groups():
+    """(model dir, size) -> rank 0's runner of a live group; every group stopped at the end."""
+    live = {}
+
+    def get(path, size):
+        if (path, size) not in live:
+            config = SchedulerConfig(model=str(path), device="cpu", num_kv_blocks=NUM_KV_BLOCKS, tensor_parallel_size=size)
+            live[path, size] = load_leader(config)
+        return live[path, size]
+
+    yield get
+    for runner in live.values():
+        runner.leader.stop()
+
+
+def whole(path):
+    return load_model_runner(path, device="cpu", dtype=torch.float32, num_kv_blocks=NUM_KV_BLOCKS)
+
+
+def small_prompt(seed: int, length: int) -> list[int]:
+    return [t % 380 + 3 for t in prompt_of(seed, length)]
+
+
+def mixed_requests():
+    return [
+        request("greedy", small_prompt(1, 37), max_new_tokens=7, logprobs=LOGPROBS, ignore_eos=True),
+        request("sampled", small_prompt(2, 21), max_new_tokens=7, temperature=1.0, seed=5, logprobs=LOGPROBS, ignore_eos=True),
+        request("flat", small_prompt(3, 29), max_new_tokens=5, temperature=0.7, top_k=40, seed=9, logprobs=FLAT,
+                ignore_eos=True),  # fmt: skip
+    ]
+
+
+def assert_same(expected, got, tol: float = TOL) -> None:
+    assert set(got) == set(expected)
+    for rid, a in expected.items():
+        b = got[rid]
+        assert b.tokens == a.tokens and b.finish == a.finish, rid
+        for name in ("input_token", "input_top_values", "input_ids", "output_token", "output_top_values", "output_ids"):
+            if getattr(a, name):
+                np.testing.assert_allclose(b.cat(name), a.cat(name), atol=tol, equal_nan=True, err_msg=f"{rid} {name}")
+        for name in ("input_top_ids", "output_top_ids"):
+            if getattr(a, name):
+                np.testing.assert_array_equal(b.cat(name), a.cat(name), err_msg=f"{rid} {name}")
+        if a.flat is not None:
+            np.testing.assert_allclose(b.flat[0], a.flat[0], atol=tol)
+            np.testing.assert_array_equal(b.flat[1], a.flat[1])
+
+
+@pytest.mark.parametrize(("family", "size"), [("qwen3", 2), ("llama", 4), ("qwen2", 2)])
+def test_sharded_model_serves_what_the_whole_model_serves(saved_family, groups, family, size):
+    _, path = saved_family(family)
+    expected = run(core_for(whole(path), **OPTIONS), mixed_requests())
+    got = run(core_for(groups(path, size), **OPTIONS), mixed_requests())
+    assert_same(expected, got)
+    assert whole(path).model.tp is None and all(layer.tp is None for layer in whole(path).model.model.layers)  # TP = 1: no hook
+    assert len(got["greedy"].cat("input_token")) == 37 and got["greedy"].cat("input_top_ids").shape[-1] == 20
+
+
+def test_prompt_logprobs_never_gather_a_whole_logits_row(saved_family, groups, monkeypatch):
+    """Prompt rows come from every shard's statistics (`TensorParallel.logprob_columns`); only the rows
+    a token is sampled from are gathered whole (the sampler reads them)."""
+    _, path = saved_family("qwen3")
+    gathered = []
+    whole_rows = TensorParallel.gather_vocab
+    monkeypatch.setattr(TensorParallel, "gather_vocab", lambda self, logits: gathered.append(logits.shape[0]) or whole_rows(self, logits))
+    prompt = small_prompt(8, 45)
+    asks = lambda: [request("p", prompt, max_new_tokens=2, logprobs=LOGPROBS, ignore_eos=True)]  # noqa: E731
+    got = run(core_for(groups(path, 2), **{**OPTIONS, "chunked_prefill_size": 256}), asks())
+    assert len(got["p"].cat("input_token")) == 45 and sum(gathered) == 2  # one sampled row per step
+    assert_same(run(core_for(whole(path), **{**OPTIONS, "chunked_prefill_size": 256}), asks()), got)
+
+
+def test_preemption_and_forks_match_tp1(saved_family, groups):
+    _, path = saved_family("qwen3")
+    prompts = [small_prompt(20 + i, 2 + 3 * i) for i in range(4)]
+    requests = lambda: [request(f"r{i}", prompts[i % 4], max_new_tokens=14, ignore_eos=True) for i in range(32)]  # noqa: E731
+    expected = run(core_for(whole(path), **{**OPTIONS, "chunked_prefill_size": 64}), requests())
+    core = core_for(groups(path, 2), **{**OPTIONS, "num_blocks": 5, "chunked_prefill_size": 64})
+    assert_same(expected, run(core, requests()))
+    assert core.num_preemptions > 0
+
+    first = request("f", small_prompt(7, 35), max_new_tokens=6, temperature=1.0, seed=3, logprobs=LOGPROBS)
+    forked = dataclasses.replace(first, choices=(ForkedChoice("f.1", "detok", 4), ForkedChoice("f.2", "detok", 8)))
+    assert_same(run(core_for(whole(path), **OPTIONS), [forked]), run(core_for(groups(path, 2), **OPTIONS), [forked]))
+
+
+def test_a_killed_rank_fails_the_step_clearly(saved_family):
+    _, path = saved_family("qwen3")
+    runner = load_leader(SchedulerConfig(model=str(path), device="cpu", num_kv_blocks=NUM_KV_BLOCKS, tensor_parallel_size=2))
+    try:
+        core = core_for(runner, **OPTIONS)
+        core.add(request("a", small_prompt(4, 40), max_new_tokens=20, ignore_eos=True))
+        core.step()  # the first prompt chunk ran on both ranks
+        follower = runner.leader.followers[0]
+        os.kill(follower.pid, signal.SIGKILL)
+        follower.join(timeout=30)
+        with pytest.raises(RankLostError, match="tensor-parallel rank 1 of 2 exited with code -9"):
+            for _ in range(10):
+                core.step()
+    finally:
+        runner.leader.stop()
+
+
+def test_vocabulary_shards_pad_the_last_rank_and_concatenate_to_the_whole(saved_family):
+    config = dataclasses.replace(ModelConfig.from_pretrained(saved_family("qwen3")[1]), vocab_size=10)
+    full = torch.arange(30.0).view(10, 3)
+    shards = [TensorParallel(rank, 4, None, config).shard("lm_head.weight", full) for rank in range(4)]
+    assert [s.shape[0] for s in shards] == [3, 3, 3, 3] and shards[3][1:].eq(0).all()
+    assert torch.equal(torch.cat(shards)[:10], full)
+    kv = torch.arange(2 * 32.0).view(2 * 32, 1)  # 2 KV heads of head_dim 32 over 4 ranks: each kept by 2
+    parts = [TensorParallel(rank, 4, None, config).shard("model.layers.0.self_attn.k_proj.weight", kv) for rank in range(4)]
+    assert torch.equal(parts[0], parts[1]) and torch.equal(parts[2], parts[3]) and torch.equal(torch.cat(parts[1:3]), kv)
+
+
+def test_unshardable_models_are_refused_in_one_line(saved_family):
+    config = ModelConfig.from_pretrained(saved_family("qwen3")[1])
+    check_shardable(config, 1)
+    with pytest.raises(TensorParallelError, match="must divide the 4 attention heads"):
+        check_model(SchedulerConfig(model=str(saved_family("qwen3")[1]), tensor_parallel_size=3))  # before any spawn
+    if torch.cuda.device_count() < 2:
+        with pytest.raises(ValueError, match="--tensor-parallel-size 2 needs 2 GPUs"):
+            check_model(SchedulerConfig(model=str(saved_family("qwen3")[1]), device="cuda", tensor_parallel_size=2))
+    with pytest.raises(TensorParallelError, match="FP8 is not sharded"):
+        check_shardable(config, 2, quantization="fp8")
+    with pytest.raises(TensorParallelError, match="MixtralForCausalLM is not sharded"):
+        check_shardable(ModelConfig.from_pretrained(saved_family("mixtral")[1]), 2)
+
+
+def test_dspark_on_two_ranks_is_greedy_identical_to_plain_tp1():
+    """The bundled pair: the drafter on rank 0 over the whole vocabulary, the target's verify sharded."""
+    from services.models import BUNDLED_MODEL
+    from services.scheduler.build import build_core
+
+    prompts = [[(7 * i + 13 * j) % 4000 + 3 for j in range(9 + 5 * i)] for i in range(3)]
+    requests = lambda: [request(f"d{i}", p, max_new_tokens=12, logprobs=LOGPROBS, ignore_eos=True)  # noqa: E731
+                        for i, p in enumerate(prompts)]  # fmt: skip
+    base = dict(model=str(BUNDLED_MODEL), device="cpu", dtype="float32", num_kv_blocks=NUM_KV_BLOCKS, chunked_prefill_size=16)
+    plain = run(build_core(SchedulerConfig(**base)), requests())
+    core = build_core(SchedulerConfig(**base, speculative_algorithm="dspark", tensor_parallel_size=2))
+    try:
+        spec = run(core, requests())
+    finally:
+        core.worker.runner.leader.stop()
+    assert_same(plain, spec, tol=1e-4)  # verify blocks against one-token decode steps: test_speculative_loop's bound
+    assert sum(r.spec_verify_ct or 0 for r in spec.values()) > 0
+
+
+def test_sharded_columns_equal_whole_rows_with_ties_across_shards(saved_family):
+    """Two gloo ranks as threads of this process: ties inside and across shards keep the smaller ids."""
+    import datetime
+    import threading
+
+    import torch.distributed as dist
+
+    from services.common.nats_server import free_port
+    from services.scheduler.logprobs import TopKKeys, logprob_columns
+
+    config = dataclasses.replace(ModelConfig.from_pretrained(saved_family("qwen3")[1]), vocab_size=11)  # shards of 6, padded
+    logits = torch.tensor([[1.0, 3.0, 3.0, 0.5, 3.0, 2.0, 3.0, 3.0, -1.0, 2.0, 3.0],
+                           [0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0]])  # fmt: skip
+    targets, ids = torch.tensor([6, 10]), torch.tensor([[0, 10], [5, 3]])
+    expected = logprob_columns(logits, targets, 5, ids, None, TopKKeys.build(11, "cpu"))
+    port, got = free_port(), {}
+
+    def rank(r: int) -> None:
+        store = dist.TCPStore("127.0.0.1", port, 2, r == 0, timeout=datetime.timedelta(seconds=30))
+        tp = TensorParallel(r, 2, dist.ProcessGroupGloo(store, r, 2, datetime.timedelta(seconds=30)), config)
+        shard = torch.nn.functional.pad(logits, (0, 1))[:, r * 6 : (r + 1) * 6]
+        got[r] = tp.logprob_columns(shard, targets, 5, ids)
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    for r in range(2):
+        for column, want in zip(got[r], expected, strict=True):
+            torch.testing.assert_close(column, want, atol=1e-6, rtol=0)
+    assert got[0][2][0].tolist() == [1, 2, 4, 6, 7] and got[0][2][1].tolist() == [0, 1, 2, 3, 4]
