@@ -74,6 +74,7 @@ class TokenBatch(msgspec.Struct, frozen=True, gc=False, omit_defaults=True):
     output_logprobs: LogprobColumns | None = None
     prompt_logprobs: LogprobColumns | None = None
     prompt_top_flat: LogprobColumns | None = None
+    weight_version: Annotated[str, msgspec.Meta(max_length=256)] | None = None  # appended: the weights of the step
 
     def __post_init__(self) -> None:
         counts = check_columns(self.rids, self.num_new_tokens, self.new_token_ids, self.prompt_tokens, self.finish,

@@ -10,6 +10,8 @@ Routing in one picture (instance ids are uuid4 hex strings chosen at start-up):
     detok.    ──publish──▶ tokenizer_outputs(id)     (direct: one TextBatch per batch per tokenizer)
     all       ──publish──▶ heartbeat(service)        (broadcast liveness + "dead" sentinel)
     tokenizer ──request──▶ SCHEDULER_PING            (queue group: /health)
+    tokenizer ──request──▶ scheduler_control(id)     (direct: every live scheduler, RL endpoints)
+    pusher    ──publish──▶ scheduler_weights(id)     (direct: weight pieces, then a commit request)
 
 Direct subjects have exactly one subscriber, which is what makes splitting a large message into
 chunks safe: every chunk reaches the same process, in order.
@@ -32,6 +34,16 @@ DETOKENIZER_QUEUE = "detokenizer"
 
 def scheduler_generate(instance_id: str) -> str:
     return f"{PREFIX}.scheduler.{instance_id}.generate"
+
+
+def scheduler_control(instance_id: str) -> str:
+    """Direct: pause, continue, release, resume, update from disk (contracts/weights.py)."""
+    return f"{PREFIX}.scheduler.{instance_id}.control"
+
+
+def scheduler_weights(instance_id: str) -> str:
+    """Direct: pushed weight pieces and their commit (contracts/weights.py)."""
+    return f"{PREFIX}.scheduler.{instance_id}.weights"
 
 
 def detokenizer_tokens(instance_id: str) -> str:

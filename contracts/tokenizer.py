@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Annotated
+
 import msgspec
 
 from contracts.arrays import NDArray
@@ -31,6 +33,7 @@ class TextBatch(msgspec.Struct, frozen=True, gc=False, omit_defaults=True):
     output_logprobs: LogprobColumns | None = None
     prompt_logprobs: LogprobColumns | None = None
     prompt_top_flat: LogprobColumns | None = None
+    weight_version: Annotated[str, msgspec.Meta(max_length=256)] | None = None  # as in `TokenBatch`
 
     def __post_init__(self) -> None:
         if len(self.text_deltas) != len(self.rids):

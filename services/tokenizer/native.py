@@ -65,6 +65,7 @@ class GenerationResult:
     prompt_tokens: int = 0
     finish: Finish | None = None
     spec_verify_ct: int | None = None
+    weight_version: str | None = None  # the weights of its last tokens
     chunks: LogprobChunks = field(default_factory=LogprobChunks)
 
     def add(self, delta: Delta) -> None:
@@ -76,6 +77,7 @@ class GenerationResult:
         self.finish = delta.finish
         if delta.spec_verify_ct is not None:
             self.spec_verify_ct = delta.spec_verify_ct
+        self.weight_version = delta.weight_version or self.weight_version
         if not self.spec.stream:
             self.chunks.add_all(delta.logprobs)
 
@@ -98,6 +100,7 @@ def meta_info(result: GenerationResult, logprob_fields: dict[str, Any]) -> dict[
         "completion_tokens": len(result.output_ids),
         "finish_reason": finish_reason(result.finish),
         "e2e_latency": result.e2e_latency,
+        "weight_version": result.weight_version,
         **logprob_fields,
     }
     if result.spec_verify_ct is not None:

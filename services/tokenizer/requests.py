@@ -41,6 +41,7 @@ class Delta:
     finish: Finish | None
     logprobs: tuple[RequestLogprobs, ...]  # each TextBatch's entries for the request, in arrival order
     spec_verify_ct: int | None  # the request's verify steps so far (cumulative)
+    weight_version: str | None = None  # the weights that produced it
 
 
 def merge_deltas(deltas: list[Delta]) -> Delta:
@@ -55,6 +56,7 @@ def merge_deltas(deltas: list[Delta]) -> Delta:
         deltas[-1].finish,
         tuple(entries for d in deltas for entries in d.logprobs),
         next((d.spec_verify_ct for d in reversed(deltas) if d.spec_verify_ct is not None), None),
+        next((d.weight_version for d in reversed(deltas) if d.weight_version is not None), None),
     )
 
 
@@ -170,7 +172,8 @@ class PendingRequests:
             if pending is not None:
                 ct = verify[i] if verify is not None else None
                 entries = (logprobs[i],) if logprobs[i] is not None else ()
-                delta = Delta(batch.text_deltas[i], token_ids[start:end], prompt_tokens[i], batch.finish[i], entries, ct)
+                delta = Delta(batch.text_deltas[i], token_ids[start:end], prompt_tokens[i], batch.finish[i], entries, ct,
+                              batch.weight_version)  # fmt: skip
                 self._push(pending, delta)
             start = end
 
