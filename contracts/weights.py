@@ -74,24 +74,25 @@ class ControlReply(msgspec.Struct, frozen=True, gc=False, omit_defaults=True):
     seconds: float = 0.0
 
 
-class WeightPiece(msgspec.Struct, frozen=True, gc=False, tag=True, array_like=True):
-    """Bytes [offset, offset + len(data)) of one tensor of one version (row-major, little-endian)."""
+class WeightPiece(msgspec.Struct, frozen=True, gc=False, tag=True):
+    """Bytes [offset, offset + len(data)) of one tensor of one push (row-major, little-endian)."""
 
-    version: WeightVersion
+    push_id: WeightVersion  # the push's own id (a uuid): pieces of different pushes never mix
     target: WeightTarget
     name: TensorName
     dtype: TensorDtype
     shape: Annotated[tuple[Dim, ...], msgspec.Meta(max_length=MAX_ARRAY_DIMS)]
     offset: Annotated[int, msgspec.Meta(ge=0)]
     data: Annotated[bytes, msgspec.Meta(max_length=MAX_PIECE_BYTES)]
-    xxh3: Annotated[int, msgspec.Meta(ge=0, lt=1 << 64)]  # xxh3_64 of `data`
+    xxh3: Annotated[int, msgspec.Meta(ge=0)]  # xxh3_64 of `data` (unsigned 64-bit)
 
 
 class WeightCommit(msgspec.Struct, frozen=True, gc=False, tag=True, omit_defaults=True):
-    """Sent (as a request) after a version's last piece: swap if all of `names` arrived whole."""
+    """Sent (as a request) after a push's last piece: swap if all of `names` arrived whole."""
 
-    version: WeightVersion
+    push_id: WeightVersion
     names: Annotated[tuple[TensorName, ...], msgspec.Meta(max_length=MAX_TENSORS)]
+    weight_version: WeightVersion | None = None  # None: the scheduler counts one up
     target: WeightTarget = WeightTarget.MODEL
     abort_all_requests: bool = False
 

@@ -99,7 +99,7 @@ class SchedulerControls:
         tensors = self._pushed.take(commit)
         served = served_tensors(self._core.worker, commit.target)
         check_shapes(served, self._pushed.shapes(tensors))
-        return await self._swap(tensors, commit.target, commit.version or None, commit.abort_all_requests), 0
+        return await self._swap(tensors, commit.target, commit.weight_version, commit.abort_all_requests), 0
 
     async def _swap(self, tensors: dict[str, torch.Tensor], target: WeightTarget, version: str | None, abort_all: bool) -> int:
         """Copy `tensors` in between two steps; with `abort_all`, every held request ends first,

@@ -68,7 +68,7 @@ class PushedVersions:
 
     def add(self, piece: WeightPiece, missed: int = 0) -> None:
         """`missed`: messages of this sender lost right before this one (the transport's gap count)."""
-        key = (piece.target, piece.version)
+        key = (piece.target, piece.push_id)
         if key not in self._versions:
             while len(self._versions) >= MAX_VERSIONS_IN_PROGRESS:
                 self._versions.pop(next(iter(self._versions)))
@@ -80,9 +80,9 @@ class PushedVersions:
 
     def take(self, commit: WeightCommit) -> dict[str, torch.Tensor]:
         """The committed version's tensors (name -> host tensor); raises `IncompleteVersion`."""
-        version = self._versions.pop((commit.target, commit.version), None)
+        version = self._versions.pop((commit.target, commit.push_id), None)
         if version is None:
-            raise IncompleteVersion(f"no piece of version {commit.version!r} arrived")
+            raise IncompleteVersion(f"no piece of push {commit.push_id!r} arrived")
         return version.tensors(commit.names)
 
     def shapes(self, tensors: dict[str, torch.Tensor]) -> dict[str, tuple[tuple[int, ...], str]]:
