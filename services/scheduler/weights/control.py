@@ -54,6 +54,7 @@ class SchedulerControls:
         self._wake = wake  # the step thread: a control is work
         self._pushed = PushedVersions()
         self._released: memory.Released | None = None
+        self._num_updates = 0  # the default weight_version: "0" at start-up, then a count of the swaps
         self._transport: Transport | None = None
 
     async def subscribe(self, transport: Transport) -> None:
@@ -108,7 +109,8 @@ class SchedulerControls:
         def swap(core: SchedulerCore) -> list[RequestOutput]:
             outputs = core.policy.fail_all(UPDATE_ABORT) if abort_all else []
             copy_weights(served_tensors(core.worker, target), tensors)
-            between_steps.weights_changed(core, version or _next_version(core.controls.weight_version))
+            self._num_updates += 1
+            between_steps.weights_changed(core, version or str(self._num_updates))
             return outputs
 
         return await self._between(swap, drain=not abort_all)
@@ -145,8 +147,3 @@ class SchedulerControls:
 def _pause(core: SchedulerCore, paused: bool, abort: bool) -> list[RequestOutput]:
     core.controls.paused = paused
     return core.policy.fail_all(PAUSE_ABORT) if abort else []
-
-
-def _next_version(version: str) -> str:
-    """The default weight_version: a counter from "0" (the weights loaded at start-up)."""
-    return str(int(version) + 1) if version.isdigit() else f"{version}+1"
