@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import torch
 import xxhash
 
@@ -37,7 +38,7 @@ class _Version:
         if buffer is None or end > buffer.numel():
             self.error = f"tensor {piece.name!r}: a piece does not fit the tensor's declared shape and dtype"
             return
-        buffer[piece.offset : end] = torch.frombuffer(piece.data, dtype=torch.uint8)
+        buffer.numpy()[piece.offset : end] = np.frombuffer(piece.data, dtype=np.uint8)
         self.received[piece.name] += len(piece.data)
 
     def _buffer(self, piece: WeightPiece) -> torch.Tensor | None:
