@@ -100,9 +100,10 @@ def meta_info(result: GenerationResult, logprob_fields: dict[str, Any]) -> dict[
         "completion_tokens": len(result.output_ids),
         "finish_reason": finish_reason(result.finish),
         "e2e_latency": result.e2e_latency,
-        "weight_version": result.weight_version,
         **logprob_fields,
     }
+    if result.weight_version is not None:  # the scheduler's policy version (absent only from older schedulers)
+        meta["weight_version"] = result.weight_version
     if result.spec_verify_ct is not None:
         meta["spec_verify_ct"] = result.spec_verify_ct
         meta["spec_accept_length"] = len(result.output_ids) / max(result.spec_verify_ct, 1)

@@ -3,7 +3,7 @@
 Each is one `Control` (contracts/weights.py) sent to every live scheduler at once; the answer
 comes when all have answered and lists each (`schedulers`). A refusal by any (new weights of
 another shape, a missing file) is a 400 with its reason; the refusing schedulers keep their old
-state. No scheduler alive: 503.
+state. No scheduler alive, or one that does not answer: 503.
 """
 
 from __future__ import annotations
@@ -21,8 +21,10 @@ from contracts.weights import (
     PauseGeneration,
     ReleaseMemory,
     ResumeMemory,
+    Path,
     UpdateFromDisk,
     WeightTarget,
+    WeightVersion,
 )
 from services.tokenizer.api_types import doc
 from services.tokenizer.error_schema import ERROR_RESPONSES
@@ -34,9 +36,9 @@ TARGETS = {"model": WeightTarget.MODEL, "draft": WeightTarget.DRAFT}
 
 
 class UpdateWeightsBody(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
-    model_path: Annotated[str, doc("A directory of *.safetensors (or one file) with the served model's names and shapes")]
+    model_path: Annotated[Path, doc("A directory of *.safetensors (or one file) with the served model's names and shapes")]
     load_format: Literal["auto", "safetensors"] = "auto"
-    weight_version: Annotated[str | None, doc("Tags every answer from the new weights; default: a counter")] = None
+    weight_version: Annotated[WeightVersion | None, doc("Tags every answer from the new weights; default: a counter")] = None
     abort_all_requests: Annotated[bool, doc("End requests in flight (finish reason abort) instead of letting them finish on the old weights")] = False
     target: Annotated[Literal["model", "draft"], doc("The target model or the DSpark drafter")] = "model"
 
@@ -58,9 +60,11 @@ async def _send(frontend: Frontend, message: Control) -> Response[dict[str, Any]
     versions = sorted({entry["weight_version"] for entry in schedulers if entry["success"]})
     body = {"success": not failed, "message": failed[0]["message"] if failed else "ok", "schedulers": schedulers,
             "weight_version": versions[0] if len(versions) == 1 else None}  # fmt: skip
-    if failed:
-        body |= error_body(failed[0]["message"], "invalid_request_error", None)
-    return Response(body, status_code=400 if failed else 200)
+    if not failed:
+        return Response(body, status_code=200)
+    silent = any(isinstance(reply, str) for reply in replies.values())  # a scheduler gone or stuck: not the caller's fault
+    body |= error_body(failed[0]["message"], *(("service_unavailable", 503) if silent else ("invalid_request_error", None)))
+    return Response(body, status_code=503 if silent else 400)
 
 
 def _entry(scheduler_id: str, reply: ControlReply | str) -> dict[str, Any]:
