@@ -47,6 +47,8 @@ SUITES: dict[str, Suite] = {
                       "HBM roofline"),
     "gpu-prefill": Suite("ops.bench.gpu_prefill_profile", "a 32k prompt with top-2 prompt logprobs through the core: seconds, "
                          "device time by kernel kind"),
+    "rl-weights": Suite("ops.bench.rl_weights", "new weights without a restart: update time from disk and over NATS, TTFT "
+                        "after, against a scheduler restart; NATS GB/s into one scheduler"),
     "two-gpu-serve": Suite("ops.bench.two_gpu_serve", "two schedulers on two GPUs behind one NATS: scaling, placement, one "
                            "stopping mid-run"),
 }
