@@ -13,6 +13,7 @@ lost or corrupt, a name or shape the served model does not have; it keeps its ol
 from __future__ import annotations
 
 import asyncio
+import time
 import uuid
 from collections.abc import Iterator, Mapping
 
@@ -26,7 +27,8 @@ from services.common.transport import Transport
 
 PIECE_BYTES = 64 << 20  # large enough to amortize a message, small enough to stay far below max_message_bytes
 COMMIT_TIMEOUT_S = 600.0  # requests in flight finish on the old weights before the swap
-DISCOVERY_S = 5.0  # how long to listen for scheduler heartbeats
+DISCOVERY_S = 5.0  # how long to listen for scheduler heartbeats at most
+QUIET_S = 1.5  # no new scheduler heard for this long (three default heartbeat intervals): all are known
 
 
 class PushFailed(RuntimeError):
@@ -64,16 +66,17 @@ class WeightPusher:
         await self.transport.close()
 
     async def schedulers(self, wait_s: float = DISCOVERY_S) -> list[str]:
-        """The live schedulers, from their heartbeats (listening up to `wait_s` for the first)."""
+        """The live schedulers, from their heartbeats: listening until none new was heard for
+        `QUIET_S` after the first, or `wait_s` at most."""
         monitor = HeartbeatMonitor(self.transport, "scheduler", wait_s * 4, lambda *_: None)
         await monitor.start()
         try:
-            for _ in range(int(wait_s / 0.05)):
-                if monitor.alive_instances():
-                    await asyncio.sleep(0.2)  # the others' beats come within the same interval
-                    break
+            deadline, known, quiet_since = time.monotonic() + wait_s, set(), time.monotonic()
+            while time.monotonic() < deadline and not (known and time.monotonic() - quiet_since > QUIET_S):
                 await asyncio.sleep(0.05)
-            return monitor.alive_instances()
+                if (alive := set(monitor.alive_instances())) != known:
+                    known, quiet_since = alive, time.monotonic()
+            return sorted(known)
         finally:
             await monitor.stop()
 

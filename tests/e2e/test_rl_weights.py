@@ -10,7 +10,11 @@ from __future__ import annotations
 
 import os
 import re
+import json
 import shutil
+import subprocess
+import sys
+import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -23,6 +27,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from contracts.weights import WeightCommit, WeightTarget
+from e2e.reference import merge_events
 from e2e.stack import Service, Stack, generate_body, service_argv, start_replicas
 from services.models import BUNDLED_MODEL
 from services.scheduler.model.config import ModelConfig
@@ -33,7 +38,7 @@ from services.weights.push import WeightPusher, pieces
 TOL = 1e-5
 CONFIG = ModelConfig.from_pretrained(BUNDLED_MODEL)
 KV_BUDGET_BYTES = _default_num_blocks(CONFIG, 16, torch.float32, torch.device("cpu"), None) * bytes_per_block(CONFIG, 16, torch.float32)
-LONG = 48  # tokens of an in-flight request: many steps, so the update lands mid-request
+LONG = 96  # tokens of an in-flight request: many steps, so the update lands mid-request
 
 
 def save_weights(directory: Path, seed: int | None, **reshape: tuple[int, ...]) -> Path:
@@ -84,11 +89,24 @@ def same_answer(got: dict, want: dict) -> None:
         assert max(abs(float(a) - float(b)) for a, b in zip(flat_got, flat_want)) <= TOL
 
 
+def streamed(url: str, text: str, max_new_tokens: int, started: threading.Event) -> dict:
+    """A streamed /generate folded into one answer; `started` is set at its first event."""
+    body = generate_body(text, max_new_tokens, return_logprob=True, top_logprobs_num=2, stream=True)
+    events = []
+    with httpx.stream("POST", f"{url}/generate", json=body, timeout=120) as response:
+        for line in response.iter_lines():
+            if line.startswith("data:") and (payload := line.removeprefix("data:").strip()) != "[DONE]":
+                events.append(json.loads(payload))
+                started.set()
+    return merge_events(events)
+
+
 def while_updating(url: str, path: str, **body: object) -> tuple[list[dict], httpx.Response]:
-    """Four long requests in flight, then the update: their answers and the update's."""
+    """Four long requests streaming (each has its first token), then the update: their answers and the update's."""
+    started = [threading.Event() for _ in range(4)]
     with ThreadPoolExecutor(4) as pool:
-        flying = [pool.submit(gen, url, f"x = {i} +", LONG) for i in range(4)]
-        time.sleep(1.0)  # they are running
+        flying = [pool.submit(streamed, url, f"x = {i} +", LONG, started[i]) for i in range(4)]
+        assert all(event.wait(60) for event in started)
         update = post(url, path, **body)
         return [f.result() for f in flying], update
 
@@ -141,6 +159,20 @@ def test_abort_all_requests_ends_in_flight_requests_with_abort(rl, weights):
     assert any(got["meta_info"]["finish_reason"]["type"] == "abort" for got in flown)
     version = update.json()["weight_version"]
     assert version == "2" and gen(url)["meta_info"]["weight_version"] == "2"  # the default: the count of swaps
+
+
+@pytest.mark.timeout(300)
+def test_the_readme_loop_runs(rl):
+    """README.md's RL loop, as a user runs it, against this stack."""
+    _, url = rl
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    code = re.search(r"<!-- rl-loop -->\n```python\n(.*?)```\n<!-- /rl-loop -->", readme, re.S).group(1)
+    assert len(code.splitlines()) <= 25
+    env = {**os.environ, "SPARKWIRE_URL": url, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    ran = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=240)
+    assert ran.returncode == 0, ran.stderr[-3000:]
+    lines = ran.stdout.splitlines()
+    assert [line.split()[0] for line in lines[1:3]] == ["step-1", "step-2"] and lines[-1] == "step-3"
 
 
 async def _push(url: str, stack: Stack, tensors: dict, version: str) -> dict:
