@@ -115,3 +115,29 @@ def test_new_weights_of_another_shape_name_the_first_tensor_at_fault():
         check_shapes(served, {"a": ((2, 3), "float32"), "b": ((4,), "float32"), "c": ((1,), "float32")})
     with pytest.raises(WeightMismatch, match="'a' is I8"):
         check_shapes(served, {"a": ((2, 3), "I8"), "b": ((4,), "float32")})
+
+
+def test_the_drafters_weights_update_apart_from_the_targets(make_core, tiny_runner, tmp_path):
+    from services.scheduler.spec.dspark import DSparkProposer
+    from services.scheduler.spec.dspark_config import draft_config_for_target
+    from services.scheduler.spec.dspark_loader import empty_drafter, fill_random_weights, save_drafter
+    from services.scheduler.weights.tensors import copy_weights, read_safetensors, served_tensors
+    from test_scheduler_core import run
+
+    config = draft_config_for_target(tiny_runner.config, num_draft_layers=1, mask_token_id=5, block_size=4, markov_rank=8)
+    drafters = [empty_drafter(config, tiny_runner.model.model.embed_tokens, tiny_runner.lm_head_weight) for _ in range(2)]
+    for seed, drafter in zip((3, 4), drafters):
+        fill_random_weights(drafter, seed=seed)
+    save_drafter(drafters[1], tmp_path / "draft")
+    core = make_core(proposer=DSparkProposer(drafters[0].eval(), tiny_runner.num_blocks, tiny_runner.block_size))
+    with pytest.raises(WeightMismatch, match="runs no drafter"):
+        served_tensors(make_core().worker, WeightTarget.DRAFT)
+    target_before = {name: t.clone() for name, t in served_tensors(core.worker, WeightTarget.MODEL).items()}
+    served = served_tensors(core.worker, WeightTarget.DRAFT)
+    core.controls.add(Control(lambda c: (copy_weights(served, read_safetensors(tmp_path / "draft", served)), [])[1]))
+    plain = run(make_core(), [request("a", prompt_of(7, 11), max_new_tokens=10, ignore_eos=True)])["a"].tokens
+    spec = run(core, [request("a", prompt_of(7, 11), max_new_tokens=10, ignore_eos=True)])["a"].tokens
+    assert spec == plain  # greedy output is the target's, whatever drafts
+    new = dict(drafters[1].checkpoint_tensors())
+    assert all(torch.equal(tensor, new[name]) for name, tensor in dict(drafters[0].checkpoint_tensors()).items())
+    assert all(torch.equal(t, target_before[name]) for name, t in served_tensors(core.worker, WeightTarget.MODEL).items())
