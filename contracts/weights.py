@@ -20,7 +20,6 @@ import msgspec
 from contracts.limits import MAX_ARRAY_DIMS, Count, Dim, InstanceId, Reason
 
 MAX_TENSORS = 1 << 20
-MAX_PIECE_BYTES = 1 << 30
 WeightVersion = Annotated[str, msgspec.Meta(max_length=256)]
 TensorName = Annotated[str, msgspec.Meta(min_length=1, max_length=1024)]
 Path = Annotated[str, msgspec.Meta(min_length=1, max_length=4096)]
@@ -83,7 +82,7 @@ class WeightPiece(msgspec.Struct, frozen=True, gc=False, tag=True):
     dtype: TensorDtype
     shape: Annotated[tuple[Dim, ...], msgspec.Meta(max_length=MAX_ARRAY_DIMS)]
     offset: Annotated[int, msgspec.Meta(ge=0)]
-    data: Annotated[bytes, msgspec.Meta(max_length=MAX_PIECE_BYTES)]
+    data: memoryview  # decoded as a view into the received message (no copy); at most the transport's max_message_bytes
     xxh3: Annotated[int, msgspec.Meta(ge=0)]  # xxh3_64 of `data` (unsigned 64-bit)
 
 

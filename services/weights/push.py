@@ -47,7 +47,7 @@ def pieces(tensors: Mapping[str, torch.Tensor], push_id: str, target: WeightTarg
         raw = host.view(torch.uint8).reshape(-1).numpy() if host.numel() else host.numpy().view("u1")
         dtype = str(host.dtype).removeprefix("torch.")
         for offset in range(0, max(raw.size, 1), piece_bytes):
-            data = raw[offset : offset + piece_bytes].tobytes()
+            data = memoryview(raw[offset : offset + piece_bytes])  # no copy: encoding copies once
             yield WeightPiece(push_id, target, name, dtype, tuple(host.shape), offset, data, xxhash.xxh3_64_intdigest(data))
 
 

@@ -34,12 +34,12 @@ class _Version:
             self.error = f"tensor {piece.name!r}: the piece at byte {piece.offset} failed its checksum (corrupted in transit)"
             return
         buffer = self._buffer(piece)
-        end = piece.offset + len(piece.data)
+        end = piece.offset + piece.data.nbytes
         if buffer is None or end > buffer.numel():
             self.error = f"tensor {piece.name!r}: a piece does not fit the tensor's declared shape and dtype"
             return
         buffer.numpy()[piece.offset : end] = np.frombuffer(piece.data, dtype=np.uint8)
-        self.received[piece.name] += len(piece.data)
+        self.received[piece.name] += piece.data.nbytes
 
     def _buffer(self, piece: WeightPiece) -> torch.Tensor | None:
         declared = (tuple(piece.shape), piece.dtype)
