@@ -130,7 +130,7 @@ def push_over_nats(nats_url: str, model_dir: Path) -> dict:
 
 def run(args: argparse.Namespace) -> dict:
     deadline = time.monotonic() + args.budget_s
-    result: dict = {"device": args.device, "shape": "bundled" if args.tiny else "Qwen3-8B", "budget_s": args.budget_s, "skipped": []}
+    result: dict = {"device": args.device, "shape": "bundled" if args.tiny else args.model_config.name, "budget_s": args.budget_s, "skipped": []}
 
     def phase(name: str, fn):  # type: ignore[no-untyped-def]
         if time.monotonic() > deadline:
@@ -145,7 +145,7 @@ def run(args: argparse.Namespace) -> dict:
             shutil.copytree(BUNDLED_MODEL, model_dir, ignore=shutil.ignore_patterns("training"))
             result["weight_bytes"] = (model_dir / "model.safetensors").stat().st_size
         else:
-            serving_model_dir(SHAPE, model_dir)
+            serving_model_dir(args.model_config, model_dir)
             began = time.perf_counter()
             result["weight_bytes"] = write_dummy_weights(model_dir)
             result["write_s"] = time.perf_counter() - began
@@ -193,6 +193,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--budget-s", type=float, default=270.0, help="no phase starts after this many seconds")
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     parser.add_argument("--tiny", action="store_true", help="the bundled model instead of the 8B shape (CPU smoke)")
+    parser.add_argument("--model-config", type=Path, default=SHAPE, help="the shape's config directory (dummy weights)")
 
 
 def main(args: argparse.Namespace) -> int:

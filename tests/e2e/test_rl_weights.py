@@ -175,11 +175,6 @@ def test_the_readme_loop_runs(rl):
     assert [line.split()[0] for line in lines[1:3]] == ["step-1", "step-2"] and lines[-1] == "step-3"
 
 
-async def _push(url: str, stack: Stack, tensors: dict, version: str) -> dict:
-    async with await WeightPusher.connect(stack.nats.url) as pusher:
-        return await pusher.push(tensors, version)
-
-
 def _checkpoint(directory: Path) -> dict[str, torch.Tensor]:
     return load_file(str(directory / "model.safetensors"))
 
@@ -187,8 +182,12 @@ def _checkpoint(directory: Path) -> dict[str, torch.Tensor]:
 @pytest.mark.timeout(300)
 async def test_push_weights_over_nats_to_both_schedulers(rl, weights):
     stack, url = rl
-    replies = await _push(url, stack, _checkpoint(weights["B"]), "pushed-B")
-    assert len(replies) == 2 and {r.weight_version for r in replies.values()} == {"pushed-B"}
+    argv = [sys.executable, "-m", "services.cli", "push-weights", "--nats-url", stack.nats.url, str(weights["B"]),
+            "--weight-version", "pushed-B"]  # fmt: skip
+    pushed = subprocess.run(argv, capture_output=True, text=True, timeout=120)
+    assert pushed.returncode == 0, pushed.stderr[-3000:]
+    replies = json.loads(pushed.stdout.splitlines()[-1])
+    assert len(replies) == 2 and {r["weight_version"] for r in replies.values()} == {"pushed-B"}
     on_b = gen(url)
     assert on_b["meta_info"]["weight_version"] == "pushed-B"
     await _push_broken(stack, weights["A"], drop=True)
