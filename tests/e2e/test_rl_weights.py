@@ -249,6 +249,18 @@ def test_pause_in_place_holds_requests_until_continue(rl):
         same_answer(waiting.result(timeout=60), alone)
 
 
+@pytest.mark.timeout(180)
+def test_pause_with_abort_ends_requests_in_flight(rl):
+    _, url = rl
+    flown, paused = while_updating(url, "pause_generation", mode="abort")
+    assert paused.status_code == 200, paused.text
+    assert all(got["meta_info"]["finish_reason"]["type"] == "abort" or got["meta_info"]["completion_tokens"] == LONG
+               for got in flown)  # fmt: skip
+    assert sum(s["num_aborted"] for s in paused.json()["schedulers"]) >= 1
+    assert post(url, "continue_generation").status_code == 200
+    assert gen(url)["meta_info"]["completion_tokens"] == 12
+
+
 @pytest.mark.timeout(300)
 def test_a_fresh_scheduler_on_b_answers_as_the_updated_ones(rl, weights):
     """Last: the pushed schedulers leave, one started on B's directory answers exactly the same."""
