@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 import structlog
 import torch
@@ -71,13 +71,18 @@ class SchedulerControls:
             return
         await self._transport.respond(msg, await self._answer(self._commit(message)))
 
-    async def _answer(self, work) -> ControlReply:  # type: ignore[no-untyped-def]
+    async def _answer(self, work: Awaitable[tuple[int, int]]) -> ControlReply:
+        """The reply to a control: (requests it ended, bytes it freed), or why it was refused."""
         began = time.perf_counter()
         try:
             num_aborted, freed = await work
-        except REFUSALS as exc:
-            log.warning("scheduler.control_refused", error=str(exc))
-            return ControlReply(self._id, ok=False, error=str(exc), weight_version=self._core.controls.weight_version)
+        except Exception as exc:  # every control is answered: its caller waits for each scheduler
+            if isinstance(exc, REFUSALS):
+                log.warning("scheduler.control_refused", error=str(exc))
+            else:
+                log.exception("scheduler.control_failed")
+            error = str(exc) if isinstance(exc, REFUSALS) else f"{type(exc).__name__}: {exc}"
+            return ControlReply(self._id, ok=False, error=error[:4096], weight_version=self._core.controls.weight_version)
         seconds = time.perf_counter() - began
         version = self._core.controls.weight_version
         log.info("scheduler.control_done", weight_version=version, num_aborted=num_aborted, seconds=round(seconds, 3))
