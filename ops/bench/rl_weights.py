@@ -7,7 +7,8 @@ directory) on one GPU; `--tiny`: the bundled model on the CPU (the smoke configu
 Phases, each skipped once `--budget-s` is spent: write the weights; start nats-server, a
 detokenizer and a tokenizer; start the scheduler and wait for /health (the restart); one
 1-token /generate (TTFT); POST /update_weights_from_disk with the same directory; TTFT; push the
-same tensors with `WeightPusher` over loopback NATS; TTFT.
+same tensors with `WeightPusher` over loopback NATS; TTFT; release the KV cache and the weights
+and resume (memory freed, measured by the scheduler); TTFT.
 
     sparkwire bench rl-weights --out ops/bench/results/rl_weights.json --budget-s 270
 """
@@ -110,6 +111,18 @@ def update_from_disk(base_url: str, model_dir: Path) -> dict:
     return {"update_s": seconds, "scheduler_s": response.json()["schedulers"][0]["seconds"]}
 
 
+def release_and_resume(base_url: str) -> dict:
+    """Free the KV cache and the weights (kept on the host), then take them back: the measured bytes freed, and each time."""
+    began = time.perf_counter()
+    released = httpx.post(f"{base_url}/release_memory_occupation", json={"tags": ["kv_cache", "weights"]}, timeout=READY_TIMEOUT_S)
+    middle = time.perf_counter()
+    resumed = httpx.post(f"{base_url}/resume_memory_occupation", timeout=READY_TIMEOUT_S)
+    released.raise_for_status()
+    resumed.raise_for_status()
+    return {"freed_bytes": released.json()["schedulers"][0]["freed_bytes"], "release_s": middle - began,
+            "resume_s": time.perf_counter() - middle}  # fmt: skip
+
+
 def push_over_nats(nats_url: str, model_dir: Path, limit_s: float) -> dict:
     """The same tensors pushed to the one scheduler; a push still running after `limit_s` is cut
     off (the scheduler keeps its weights) and reported with the bytes per second it could not beat."""
@@ -165,6 +178,8 @@ def run(args: argparse.Namespace) -> dict:
             phase("ttft_after_disk_s", lambda: ttft_s(stack.base_url))
             phase("nats", lambda: push_over_nats(stack.nats.url, model_dir, max(30.0, deadline - time.monotonic() + 30.0)))
             phase("ttft_after_nats_s", lambda: ttft_s(stack.base_url))
+            phase("memory", lambda: release_and_resume(stack.base_url))
+            phase("ttft_after_resume_s", lambda: ttft_s(stack.base_url))
         except Exception:
             print("\n".join(process.log_tail() for process in stack.processes.values()), file=sys.stderr)
             raise
@@ -190,6 +205,9 @@ def table(result: dict) -> str:
         lines.append(f"NATS into one scheduler: {result['nats']['gb_per_s']:.2f} GB/s ({result['nats']['bytes'] / 1e9:.2f} GB)")
     elif "nats" in result:
         lines.append(f"NATS push cut off after {result['nats']['timed_out_s']:.0f} s: below {result['nats']['gb_per_s_below']:.2f} GB/s")
+    if "memory" in result:
+        memory = result["memory"]
+        lines.append(f"release: {memory['freed_bytes'] / 1e9:.2f} GB freed in {memory['release_s']:.2f} s, resume {memory['resume_s']:.2f} s")
     if result["skipped"]:
         lines.append(f"skipped (budget): {', '.join(result['skipped'])}")
     return "\n".join(lines)

@@ -24,7 +24,8 @@ def test_every_phase_runs_on_the_bundled_model(tmp_path):
     for kind in ("disk", "nats"):
         assert 0 < result[kind]["update_s"] and result[kind]["vs_restart"] > 0
     assert result["nats"]["bytes"] > 0.9 * result["weight_bytes"]  # every tensor went over NATS
-    assert all(result[k] > 0 for k in ("ttft_after_restart_s", "ttft_after_disk_s", "ttft_after_nats_s"))
+    assert all(result[k] > 0 for k in ("ttft_after_restart_s", "ttft_after_disk_s", "ttft_after_nats_s", "ttft_after_resume_s"))
+    assert result["memory"]["resume_s"] > 0
 
 
 def test_dummy_weights_are_a_checkpoint_the_loader_takes(tmp_path, monkeypatch):
