@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from services.scheduler.weights.tensors import dspark_proposer
 from services.scheduler.worker import ModelWorker
 
 
@@ -25,12 +26,12 @@ class Released:
 def kv_tensors(worker: ModelWorker) -> list[torch.Tensor]:
     """The paged KV caches: the target's and, under DSpark, the drafter's."""
     caches = [worker.runner.kv_cache.kv]
-    drafter_cache = getattr(worker.proposer, "kv_cache", None)
+    drafter_cache = getattr(dspark_proposer(worker), "kv_cache", None)
     return caches + ([drafter_cache.kv] if drafter_cache is not None else [])
 
 
 def weight_tensors(worker: ModelWorker) -> list[torch.Tensor]:
-    modules = [worker.runner.model, getattr(worker.proposer, "drafter", None)]
+    modules = [worker.runner.model, getattr(dspark_proposer(worker), "drafter", None)]
     seen: dict[int, torch.Tensor] = {}
     for module in filter(None, modules):
         for param in module.parameters():
@@ -68,6 +69,8 @@ def resume(worker: ModelWorker, released: Released) -> None:
     if runner.device.type == "cuda" and moved:  # captured graphs read the old addresses: run eager from here
         runner.drop_decode_graphs()
         runner.drop_ragged_graphs()
+        if hasattr(worker.proposer, "drop_graphs"):
+            worker.proposer.drop_graphs()
     _settle(runner.device)
 
 

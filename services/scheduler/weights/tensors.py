@@ -28,10 +28,16 @@ def served_tensors(worker: ModelWorker, target: WeightTarget) -> dict[str, torch
     """name -> the served tensor (a view into the model's parameters) of the target or drafter."""
     if target == WeightTarget.MODEL:
         return dict(worker.runner.model.checkpoint_tensors())
-    drafter = getattr(worker.proposer, "drafter", None)
+    drafter = getattr(dspark_proposer(worker), "drafter", None)
     if drafter is None:
         raise WeightMismatch("this scheduler runs no drafter: there are no draft weights to update")
     return dict(drafter.checkpoint_tensors())
+
+
+def dspark_proposer(worker: ModelWorker):  # type: ignore[no-untyped-def]
+    """The worker's DSpark proposer (under `DraftGraphs` on CUDA), or None."""
+    proposer = worker.proposer
+    return getattr(proposer, "proposer", proposer)
 
 
 def check_shapes(served: Mapping[str, torch.Tensor], shapes: Mapping[str, tuple[tuple[int, ...], str]]) -> None:

@@ -141,3 +141,26 @@ def test_the_drafters_weights_update_apart_from_the_targets(make_core, tiny_runn
     new = dict(drafters[1].checkpoint_tensors())
     assert all(torch.equal(tensor, new[name]) for name, tensor in dict(drafters[0].checkpoint_tensors()).items())
     assert all(torch.equal(t, target_before[name]) for name, t in served_tensors(core.worker, WeightTarget.MODEL).items())
+
+
+def test_release_frees_both_kv_caches_and_resume_serves_the_same(make_core, tiny_runner):
+    from services.scheduler.spec.dspark import DSparkProposer
+    from services.scheduler.spec.dspark_config import draft_config_for_target
+    from services.scheduler.spec.dspark_loader import empty_drafter, fill_random_weights
+    from services.scheduler.weights import memory
+    from test_scheduler_core import run
+
+    config = draft_config_for_target(tiny_runner.config, num_draft_layers=1, mask_token_id=5, block_size=4, markov_rank=8)
+    drafter = empty_drafter(config, tiny_runner.model.model.embed_tokens, tiny_runner.lm_head_weight)
+    fill_random_weights(drafter, seed=3)
+    core = make_core(proposer=DSparkProposer(drafter.eval(), tiny_runner.num_blocks, tiny_runner.block_size))
+    ask = [request("a", prompt_of(8, 13), max_new_tokens=10, ignore_eos=True)]
+    before = run(core, ask)["a"].tokens
+    caches = memory.kv_tensors(core.worker)
+    sizes = [t.untyped_storage().nbytes() for t in caches]
+    assert len(caches) == 2 and min(sizes) > 0
+    released = memory.release(core.worker, weights=True)  # weights stay on the CPU: only the caches go
+    assert [t.untyped_storage().nbytes() for t in caches] == [0, 0] and released.weights == []
+    memory.resume(core.worker, released)
+    assert [t.untyped_storage().nbytes() for t in caches] == sizes
+    assert run(core, [request("a", prompt_of(8, 13), max_new_tokens=10, ignore_eos=True)])["a"].tokens == before
