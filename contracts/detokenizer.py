@@ -75,6 +75,7 @@ class TokenBatch(msgspec.Struct, frozen=True, gc=False, omit_defaults=True):
     prompt_logprobs: LogprobColumns | None = None
     prompt_top_flat: LogprobColumns | None = None
     cached_tokens: NDArray | None = None  # i32 [R], prompt tokens found in KV (prefix cache); absent: none
+    weight_version: Annotated[str, msgspec.Meta(max_length=256)] | None = None  # appended: the weights of the step
 
     def __post_init__(self) -> None:
         counts = check_columns(self.rids, self.num_new_tokens, self.new_token_ids, self.prompt_tokens, self.finish,

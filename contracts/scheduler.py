@@ -149,6 +149,7 @@ class SchedulerInfo(msgspec.Struct, frozen=True, gc=False, omit_defaults=True):
     vocab_size: Count
     speculative_algorithm: Annotated[str, msgspec.Meta(max_length=64)] = "none"
     num_running: Count = 0
+    weight_version: Annotated[str, msgspec.Meta(max_length=256)] = ""  # appended: the policy version served
 
 
 class FlushCache(msgspec.Struct, frozen=True, gc=False):

@@ -13,6 +13,8 @@ Routing in one picture (instance ids are uuid4 hex strings chosen at start-up):
     tokenizer ──request──▶ scheduler_claim(id)       (direct: the scheduler holding the prompt's prefix)
     tokenizer ──publish──▶ SCHEDULER_FLUSH_CACHE     (broadcast: every scheduler forgets its prefix cache)
     scheduler ──publish──▶ PREFIX_SUMMARY            (broadcast: the blocks it caches, for placement)
+    tokenizer ──request──▶ scheduler_control(id)     (direct: every live scheduler, RL endpoints)
+    pusher    ──publish──▶ scheduler_weights(id)     (direct: weight pieces, then a commit request)
 
 Direct subjects have exactly one subscriber, which is what makes splitting a large message into
 chunks safe: every chunk reaches the same process, in order.
@@ -41,6 +43,14 @@ def scheduler_generate(instance_id: str) -> str:
 
 def scheduler_claim(instance_id: str) -> str:
     return f"{PREFIX}.scheduler.{instance_id}.claim"
+def scheduler_control(instance_id: str) -> str:
+    """Direct: pause, continue, release, resume, update from disk (contracts/weights.py)."""
+    return f"{PREFIX}.scheduler.{instance_id}.control"
+
+
+def scheduler_weights(instance_id: str) -> str:
+    """Direct: pushed weight pieces and their commit (contracts/weights.py)."""
+    return f"{PREFIX}.scheduler.{instance_id}.weights"
 
 
 def detokenizer_tokens(instance_id: str) -> str:

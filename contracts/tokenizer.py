@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Annotated
+
 import msgspec
 
 from contracts.arrays import NDArray
@@ -34,6 +36,7 @@ class TextBatch(msgspec.Struct, frozen=True, gc=False, omit_defaults=True):
     prompt_logprobs: LogprobColumns | None = None
     prompt_top_flat: LogprobColumns | None = None
     cached_tokens: NDArray | None = None  # i32 [R], prompt tokens found in KV (prefix cache); absent: none
+    weight_version: Annotated[str, msgspec.Meta(max_length=256)] | None = None  # as in `TokenBatch`
 
     def __post_init__(self) -> None:
         if len(self.text_deltas) != len(self.rids):

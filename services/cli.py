@@ -70,6 +70,7 @@ COMMANDS: dict[str, Command] = {
         "services.recorder.__main__", "add_replay_arguments", "replay_main", "publish a recorded file back to NATS"
     ),
     "bench": Command("ops.bench.__main__", "add_arguments", "main", "benchmarks (PRODUCT.md section 9)"),
+    "push-weights": Command("services.weights.__main__", "add_arguments", "main", "push new weights to every scheduler over NATS"),
 }
 
 

@@ -61,6 +61,8 @@ SUITES: dict[str, Suite] = {
                         "against its twin, Qwen3-8B FP8 against bf16 and FP8 logprobs against dequantized"),
     "deterministic": Suite("ops.bench.deterministic_check", "--deterministic: bitwise logprobs across batch, chunking, "
                            "preemption, DSpark and forks (on; the bf16 drift off), and its cost on the 8B shape"),
+    "rl-weights": Suite("ops.bench.rl_weights", "new weights without a restart: update time from disk and over NATS, TTFT "
+                        "after, against a scheduler restart; NATS GB/s into one scheduler"),
     "two-gpu-serve": Suite("ops.bench.two_gpu_serve", "two schedulers on two GPUs behind one NATS: scaling, placement, one "
                            "stopping mid-run"),
 }

@@ -227,6 +227,7 @@ class DetokenizerCore:
             output_logprobs=output,
             prompt_logprobs=prompt,
             prompt_top_flat=flat,
+            weight_version=batch.weight_version,
         )
 
 

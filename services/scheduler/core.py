@@ -19,6 +19,10 @@ the host reads, applies and hands on step N, and plans step N + 2. A sequence th
 N (a stop, EOS, an abort applied between steps) has computed one token too many in step N + 1,
 which `update` drops.
 
+Between steps (`between_steps.py`): controls (new weights, a pause, a memory release) run in a
+step of their own, with nothing in flight, so no step mixes the state before them with the state
+after; while a control drains the held requests or the core is paused, arrivals stay in the inbox.
+
 Queue time (vLLM's `request_queue_time_seconds`) is measured here: from `add` until the first step
 whose plan includes the request (its first prefill chunk).
 """
@@ -29,6 +33,7 @@ import threading
 import time
 from collections.abc import Callable
 
+from services.scheduler.between_steps import BetweenSteps, Control
 from services.scheduler.plan import StepPlan
 from services.scheduler.step_counts import QueueTimes, SchedulerStats, StepCounts, StepRecord, step_record
 from services.scheduler.policy import Policy
@@ -62,6 +67,7 @@ class SchedulerCore:
         self._last_step: tuple | None = None  # (plan, followed, follows, collect_s, wait_s) of the last `step`, for `last_step`
         self.num_steps = 0
         self._counts = StepCounts(policy.config.num_draft_tokens)
+        self.controls = BetweenSteps()  # `controls.add(Control)` from any thread
 
     # ---- thread-safe entry points ----
 
@@ -84,8 +90,14 @@ class SchedulerCore:
 
     def has_work(self) -> bool:
         with self._lock:
-            inbox = bool(self._inbox or self._inbox_aborts)
-        return inbox or self._in_flight is not None or self.policy.has_work()
+            if self.controls.pending:
+                return True
+            if self.controls.holds_arrivals:  # only aborts of requests already taken count
+                waiting = {rid for request in self._inbox for rid in (request.rid, *(c.rid for c in request.choices))}
+                inbox = any(rid not in waiting for rid, _ in self._inbox_aborts)
+            else:
+                inbox = bool(self._inbox or self._inbox_aborts)
+        return inbox or self._in_flight is not None or (self.policy.has_work() and not self.controls.paused)
 
     @property
     def num_running(self) -> int:
@@ -133,6 +145,7 @@ class SchedulerCore:
 
         Not thread-safe with `step`: call it only when no step runs.
         """
+        self.controls.fail(message)
         requests, _ = self._drain_inbox()
         for request in requests:
             self.policy.add(request)
@@ -161,18 +174,19 @@ class SchedulerCore:
             self.policy.add(request)
         for rid, reason in aborts:  # 2
             self.policy.abort(rid, reason)
+        if self._in_flight is None and (self.controls.paused or self.controls.pending):
+            control = self.controls.take(len(self.policy.held()))
+            if control is not None or self.controls.paused:
+                return self._idle(on_queued, control)
         launched, self._in_flight = self._in_flight, None
         followed = launched is not None
         if launched is None:
             plan = self.policy.schedule()  # 3
             self._queue_times.scheduled(plan)
             if not plan.steps:
-                if on_queued is not None:
-                    on_queued()
-                self.num_steps += 1
-                return self._finished(self.policy.take_outputs())
+                return self._idle(on_queued)
             launched = self.worker.launch(plan)  # 4
-        if self.overlap_decode and self.policy.can_expect(launched.plan):
+        if self.overlap_decode and not self.controls.pending and self.policy.can_expect(launched.plan):
             self._in_flight = self._launch_ahead(launched.plan)  # 3 and 4 of the next step
         if on_queued is not None:
             on_queued()
@@ -185,6 +199,21 @@ class SchedulerCore:
         self.num_steps += 1
         return self._finished(outputs)
 
+    def _idle(self, on_queued: Callable[[], None] | None, control: Control | None = None) -> list[RequestOutput]:
+        """A step that launches nothing: the outputs built so far (aborts), after `control`'s."""
+        outputs: list[RequestOutput] = []
+        if control is not None:
+            try:
+                outputs = control.run(self)
+            except Exception as exc:  # the control's caller learns it; the core goes on as before
+                control.done.set_exception(exc)
+            else:
+                control.done.set_result(len(outputs))
+        if on_queued is not None:
+            on_queued()
+        self.num_steps += 1
+        return self._finished([*outputs, *self.policy.take_outputs()])
+
     def _launch_ahead(self, plan: StepPlan) -> LaunchedStep | None:
         """The step after `plan`, planned from `plan`'s expected effects and launched behind it;
         None where there is nothing to launch or it would preempt (the next `step` plans it)."""
@@ -196,9 +225,14 @@ class SchedulerCore:
         return self.worker.launch(following)
 
     def _drain_inbox(self) -> tuple[list[SchedulerRequest], list[tuple[str, str]]]:
+        """Arrivals and aborts; while controls hold arrivals, those (and their aborts) stay."""
         with self._lock:
-            requests, self._inbox = self._inbox, []
             aborts, self._inbox_aborts = self._inbox_aborts, []
+            if self.controls.holds_arrivals:
+                waiting = {rid for request in self._inbox for rid in (request.rid, *(c.rid for c in request.choices))}
+                self._inbox_aborts = [abort for abort in aborts if abort[0] in waiting]
+                return [], [abort for abort in aborts if abort[0] not in waiting]
+            requests, self._inbox = self._inbox, []
             arrivals, self._inbox_arrivals = self._inbox_arrivals, {}
             resets, self._inbox_cache_resets = self._inbox_cache_resets, []
         self._queue_times.arrived(arrivals)

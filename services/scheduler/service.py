@@ -41,6 +41,7 @@ from services.scheduler.core import SchedulerCore
 from services.scheduler.request import RequestOutput, SchedulerRequest
 from services.scheduler.step_loop import StepThread
 from services.scheduler.step_trace import StepTrace
+from services.scheduler.weights.control import SchedulerControls
 from services.scheduler.wire import to_token_batches
 
 log = structlog.get_logger(__name__)
@@ -65,6 +66,7 @@ class SchedulerService:
         self._heartbeat: HeartbeatPublisher | None = None
         trace = StepTrace.open(config.step_trace, config.instance_id) if config.step_trace else None
         self._steps = StepThread(core, trace)
+        self._controls = SchedulerControls(core, self._id, self._steps.wake)  # RL: weights, pauses, memory
         self._closing = False
         self._claims: dict[str, float] = {}  # rid -> monotonic deadline for its GenerateRequest
         self._claim_owners: dict[str, str] = {}  # rid -> detokenizer id, for claims that name one
@@ -121,6 +123,7 @@ class SchedulerService:
         pings = await transport.subscribe(subjects.SCHEDULER_PING, SchedulerPing, self._on_ping, queue=subjects.SCHEDULER_QUEUE)
         direct_claims = await transport.subscribe(subjects.scheduler_claim(self._id), SchedulerClaim, self._on_claim)
         await transport.subscribe(subjects.SCHEDULER_FLUSH_CACHE, FlushCache, self._on_flush_cache)
+        await self._controls.subscribe(transport)
         self._queue_subscriptions = [claims, pings, direct_claims]
 
     async def _drain(self, decode: asyncio.Task[None]) -> None:
@@ -197,6 +200,7 @@ class SchedulerService:
             vocab_size=self._core.vocab_size,
             speculative_algorithm=self._config.speculative_algorithm,
             num_running=self._core.num_running,
+            weight_version=self._core.controls.weight_version,
         )
         await self._transport.respond(msg, info)
 
@@ -252,16 +256,16 @@ class SchedulerService:
         try:
             while (result := await self._steps.next()) is not None:
                 self._telemetry.observe_queue_times(result.queue_times)
-                await self._publish(result.outputs, result.step)
+                await self._publish(result.outputs, result.step, result.weight_version)
                 self._steps.published()
         finally:
             await self._steps.stop()
 
-    async def _publish(self, outputs: list[RequestOutput], step: int) -> bool:
+    async def _publish(self, outputs: list[RequestOutput], step: int, weight_version: str | None = None) -> bool:
         """True when every destination's batch was published."""
         self._telemetry.observe_step(outputs)
         published = True
-        for detokenizer_id, batch in to_token_batches(outputs, self._id, step).items():
+        for detokenizer_id, batch in to_token_batches(outputs, self._id, step, weight_version).items():
             published &= await self._publish_to(detokenizer_id, batch)
         return published
 

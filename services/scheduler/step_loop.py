@@ -39,6 +39,7 @@ class StepResult:
     outputs: list[RequestOutput]
     step: int  # core.num_steps once the step was done
     queue_times: list[float]  # seconds from `add` to first scheduled, of the requests it scheduled first
+    weight_version: str | None = None  # the weights the step's outputs come from (as at its start)
 
 
 class StepThread:
@@ -100,10 +101,11 @@ class StepThread:
         try:
             while (turn := self._wait_for_turn()) is not None:
                 begin = time.monotonic()
+                version = self._core.controls.weight_version
                 outputs = self._core.step(hand_over)
                 ended = time.monotonic()
                 queue_times = list(self._core.take_queue_times().values())
-                kept.append(StepResult(outputs, self._core.num_steps, queue_times))
+                kept.append(StepResult(outputs, self._core.num_steps, queue_times, version))
                 if not self._core.has_in_flight:
                     hand_over()
                 if self._trace is not None:

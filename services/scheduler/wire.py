@@ -12,15 +12,17 @@ from services.common.logprob_rows import RequestLogprobs, to_columns
 from services.scheduler.request import RequestOutput
 
 
-def to_token_batches(outputs: list[RequestOutput], scheduler_id: str, step: int) -> dict[str, TokenBatch]:
+def to_token_batches(
+    outputs: list[RequestOutput], scheduler_id: str, step: int, weight_version: str | None = None
+) -> dict[str, TokenBatch]:
     """Group by detokenizer id, keeping each request's order within its group."""
     groups: dict[str, list[RequestOutput]] = {}
     for output in outputs:
         groups.setdefault(output.detokenizer_id, []).append(output)
-    return {detokenizer_id: _token_batch(group, scheduler_id, step) for detokenizer_id, group in groups.items()}
+    return {detokenizer_id: _token_batch(group, scheduler_id, step, weight_version) for detokenizer_id, group in groups.items()}
 
 
-def _token_batch(outputs: list[RequestOutput], scheduler_id: str, step: int) -> TokenBatch:
+def _token_batch(outputs: list[RequestOutput], scheduler_id: str, step: int, weight_version: str | None) -> TokenBatch:
     new_ids = [token for output in outputs for token in output.new_token_ids]
     entries = [output.logprobs for output in outputs]
     any_logprobs = entries.count(None) < len(entries)
@@ -37,6 +39,7 @@ def _token_batch(outputs: list[RequestOutput], scheduler_id: str, step: int) -> 
         output_logprobs=to_columns([None if e is None else e.output for e in entries]) if any_logprobs else None,
         prompt_logprobs=to_columns(_prompt_rows(entries, "prompt")) if any_logprobs else None,
         prompt_top_flat=to_columns(_prompt_rows(entries, "flat")) if any_logprobs else None,
+        weight_version=weight_version,
     )
 
 

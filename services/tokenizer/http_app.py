@@ -24,7 +24,7 @@ from litestar.openapi import OpenAPIConfig
 from litestar.response import Response, Stream
 from litestar.types import ASGIApp
 
-from services.tokenizer import info_api, openai_api
+from services.tokenizer import info_api, openai_api, rl_api
 from services.tokenizer.edge import HttpEdge, request_id_of
 from services.tokenizer.api_types import ChatBody, CompletionBody, DetokenizeBody, GenerateBody, TokenizeBody
 from services.tokenizer.error_schema import ERROR_RESPONSES
@@ -243,7 +243,7 @@ def _on_unexpected(_request: Request, exc: Exception) -> Response[dict[str, Any]
 
 
 ROUTE_HANDLERS = [generate, health, flush_cache, tokenize, detokenize, models, model, metrics, openapi_json, *openai_api.ROUTES,
-                  *info_api.ROUTES]  # fmt: skip
+                  *info_api.ROUTES, *rl_api.ROUTES]  # fmt: skip
 
 
 def create_app(frontend: Frontend | None) -> Litestar:

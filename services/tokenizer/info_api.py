@@ -33,13 +33,14 @@ async def version() -> dict[str, str]:
 @get("/get_model_info", responses=ERROR_RESPONSES, summary="The served model (SGLang's shape)")
 async def get_model_info(frontend: Frontend) -> dict[str, Any]:
     model, path = frontend.model, str(frontend.config.model_dir)
+    scheduler = await frontend.service.ping()
     return {
         "model_path": path,
         "tokenizer_path": path,
         "served_model_name": frontend.config.model_name,
         "is_generation": True,
         "preferred_sampling_params": None,
-        "weight_version": "default",  # weights are never replaced while serving
+        "weight_version": None if scheduler is None else scheduler.weight_version,  # a scheduler's (RL updates)
         "has_image_understanding": False,
         "has_audio_understanding": False,
         "model_type": model.model_type,

@@ -66,6 +66,7 @@ class GenerationResult:
     finish: Finish | None = None
     spec_verify_ct: int | None = None
     cached_tokens: int = 0  # prompt tokens the scheduler found in KV (SGLang's meta_info.cached_tokens)
+    weight_version: str | None = None  # the weights of its last tokens
     chunks: LogprobChunks = field(default_factory=LogprobChunks)
 
     def add(self, delta: Delta) -> None:
@@ -78,6 +79,7 @@ class GenerationResult:
         self.cached_tokens = max(self.cached_tokens, delta.cached_tokens)
         if delta.spec_verify_ct is not None:
             self.spec_verify_ct = delta.spec_verify_ct
+        self.weight_version = delta.weight_version or self.weight_version
         if not self.spec.stream:
             self.chunks.add_all(delta.logprobs)
 
@@ -108,6 +110,8 @@ def meta_info(result: GenerationResult, logprob_fields: dict[str, Any]) -> dict[
         "e2e_latency": result.e2e_latency,
         **logprob_fields,
     }
+    if result.weight_version is not None:  # the scheduler's policy version (absent only from older schedulers)
+        meta["weight_version"] = result.weight_version
     if result.spec_verify_ct is not None:
         meta["spec_verify_ct"] = result.spec_verify_ct
         meta["spec_accept_length"] = accept_length(len(result.output_ids), result.spec_verify_ct)

@@ -324,11 +324,20 @@ def completion_response(plan: Plan, results: list[GenerationResult], model: Text
         logprobs = _completion_logprobs(plan, choice, result.chunks, result.output_ids, model, plan.echo, 0)
         text = prefix + result.text
         choices.append({"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_name(result.finish)})
-    return _body(plan, "text_completion", choices, _usage(plan, results))
+    return _body(plan, "text_completion", choices, _usage(plan, results), _fingerprint(results))
 
 
-def _body(plan: Plan, kind: str, choices: list[dict[str, Any]], usage: dict[str, int] | None) -> dict[str, Any]:
+def _fingerprint(results: list[GenerationResult]) -> str | None:
+    """OpenAI's `system_fingerprint`: the weight_version of the policy that answered."""
+    return next((result.weight_version for result in results if result.weight_version), None)
+
+
+def _body(
+    plan: Plan, kind: str, choices: list[dict[str, Any]], usage: dict[str, int] | None, fingerprint: str | None = None
+) -> dict[str, Any]:
     body: dict[str, Any] = {"id": plan.id, "object": kind, "created": plan.created, "model": plan.model, "choices": choices}
+    if fingerprint is not None:
+        body["system_fingerprint"] = fingerprint
     if usage is not None:
         body["usage"] = usage
     return body
@@ -355,7 +364,7 @@ def chat_response(plan: Plan, results: list[GenerationResult], model: TextModel)
             "logprobs": _chat_logprobs(plan, result.chunks, result.output_ids, model),
             "finish_reason": _chat_finish(result.finish, reader),
         })  # fmt: skip
-    return _body(plan, "chat.completion", choices, _usage(plan, results))
+    return _body(plan, "chat.completion", choices, _usage(plan, results), _fingerprint(results))
 
 
 def _reader(plan: Plan) -> CallReader | None:
@@ -389,8 +398,10 @@ class _StreamState:
         self.readers = [_reader(plan) for _ in plan.choices]
 
 
-def _chunk(plan: Plan, kind: str, choices: list[dict[str, Any]], usage: dict[str, int] | None = None) -> bytes:
-    return sse(_body(plan, kind, choices, usage))
+def _chunk(
+    plan: Plan, kind: str, choices: list[dict[str, Any]], usage: dict[str, int] | None = None, fingerprint: str | None = None
+) -> bytes:
+    return sse(_body(plan, kind, choices, usage, fingerprint))
 
 
 def _completion_entry(plan: Plan, state: _StreamState, index: int, delta: Delta, model: TextModel) -> dict[str, Any]:
@@ -450,7 +461,7 @@ async def _events(plan: Plan, frontend: Frontend, pendings: list, chat: bool, us
     entry = _chat_entry if chat else _completion_entry
     try:
         async for index, delta in merged_deltas(pendings):
-            yield _chunk(plan, kind, [entry(plan, state, index, delta, frontend.model)], so_far())
+            yield _chunk(plan, kind, [entry(plan, state, index, delta, frontend.model)], so_far(), delta.weight_version)
     except RequestFailed as exc:
         yield sse(error_body(str(exc)))
         yield SSE_DONE

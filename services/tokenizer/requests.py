@@ -42,6 +42,7 @@ class Delta:
     logprobs: tuple[RequestLogprobs, ...]  # each TextBatch's entries for the request, in arrival order
     spec_verify_ct: int | None  # the request's verify steps so far (cumulative)
     cached_tokens: int = 0  # prompt tokens the scheduler found in KV (a running total too)
+    weight_version: str | None = None  # the weights that produced it
 
 
 def merge_deltas(deltas: list[Delta]) -> Delta:
@@ -57,6 +58,7 @@ def merge_deltas(deltas: list[Delta]) -> Delta:
         tuple(entries for d in deltas for entries in d.logprobs),
         next((d.spec_verify_ct for d in reversed(deltas) if d.spec_verify_ct is not None), None),
         max(d.cached_tokens for d in deltas),
+        next((d.weight_version for d in reversed(deltas) if d.weight_version is not None), None),
     )
 
 
@@ -174,7 +176,7 @@ class PendingRequests:
                 ct = verify[i] if verify is not None else None
                 entries = (logprobs[i],) if logprobs[i] is not None else ()
                 delta = Delta(batch.text_deltas[i], token_ids[start:end], prompt_tokens[i], batch.finish[i], entries, ct,
-                              cached[i])  # fmt: skip
+                              cached[i], batch.weight_version)  # fmt: skip
                 self._push(pending, delta)
             start = end
 

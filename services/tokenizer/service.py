@@ -21,6 +21,7 @@ import structlog
 from contracts import subjects
 from contracts.scheduler import AbortRequest, SchedulerInfo, SchedulerPing
 from contracts.tokenizer import PrefixSummary, TextBatch
+from contracts.weights import Control, ControlReply
 from services.common.heartbeat import HeartbeatMonitor, HeartbeatPublisher
 from services.common.nats_reader import Delivery
 from services.common.transport import Traffic, Transport, remember_sender
@@ -135,6 +136,18 @@ class TokenizerService:
     async def flush_cache(self) -> None:
         """Every scheduler forgets its cached KV blocks (SGLang's /flush_cache)."""
         await self._placement.flush_caches()
+    async def control(self, message: Control, timeout_s: float) -> dict[str, ControlReply | str]:
+        """Send `message` to every live scheduler at once: scheduler id -> its reply, or why none came."""
+
+        async def ask(scheduler_id: str) -> ControlReply | str:
+            subject = subjects.scheduler_control(scheduler_id)
+            try:
+                return await self._transport.request(subject, message, ControlReply, timeout_s)
+            except (nats.errors.Error, asyncio.TimeoutError) as exc:
+                return f"no answer: {type(exc).__name__}"
+
+        ids = self._schedulers.alive_instances()
+        return dict(zip(ids, await asyncio.gather(*(ask(scheduler_id) for scheduler_id in ids)), strict=True))
 
     @property
     def is_connected(self) -> bool:

@@ -16,6 +16,17 @@ from contracts import subjects
 from contracts.arrays import NDArray
 from contracts.control import Heartbeat
 from contracts.logprobs import LogprobColumns
+from contracts.weights import (
+    ContinueGeneration,
+    ControlReply,
+    PauseGeneration,
+    ReleaseMemory,
+    ResumeMemory,
+    UpdateFromDisk,
+    WeightCommit,
+    WeightPiece,
+    WeightTarget,
+)
 from contracts.detokenizer import (
     DetokenizeParams,
     DetokenizerRegistration,
@@ -123,7 +134,16 @@ SAMPLES: list[msgspec.Struct] = [
         finish=[Finish(FinishType.STOP, matched=2), None],
         spec_verify_ct=None,
         output_logprobs=LogprobColumns(rows=i32(0, 2), token=flat32(-0.5, -0.25)),
+        weight_version="step-3",
     ),
+    UpdateFromDisk("/ckpt/step-3", weight_version="step-3", abort_all_requests=True, target=WeightTarget.DRAFT),
+    PauseGeneration(abort=True),
+    ContinueGeneration(),
+    ReleaseMemory(weights=True),
+    ResumeMemory(),
+    ControlReply("s", ok=False, error="tensor 'x' has shape [2]", weight_version="3", num_aborted=1, freed_bytes=5, seconds=0.5),
+    WeightPiece("push-1", WeightTarget.MODEL, "model.norm.weight", "bfloat16", (2,), 0, memoryview(b"\x00\x01\x02\x03"), 2**64 - 1),
+    WeightCommit("push-1", ("model.norm.weight",), "step-4", abort_all_requests=True),
 ]
 
 

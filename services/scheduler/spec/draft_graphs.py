@@ -53,6 +53,10 @@ class DraftGraphs:
     def inject(self, context: ContextRows) -> None:
         self.proposer.inject(context)
 
+    def drop_graphs(self) -> None:
+        """Graphs read the drafter's storage where it was when captured: after it moved, capture again on use."""
+        self._graphs.clear()
+
     @torch.inference_mode()
     def propose(self, request: DraftRequest) -> DraftProposal:
         batch = len(request.rids)

@@ -134,7 +134,7 @@ async def test_the_next_step_runs_while_the_last_steps_outputs_are_published(har
         step_of[id(outputs)] = index
         return outputs
 
-    async def watched_publish(outputs, step):
+    async def watched_publish(outputs, step, *version):
         index = step_of.get(id(outputs))
         if index is not None:
             deadline = loop.time() + 1.0
@@ -143,7 +143,7 @@ async def test_the_next_step_runs_while_the_last_steps_outputs_are_published(har
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(stepped.wait(), deadline - loop.time())
             overlapped.append(calls[0] > index)
-        await original_publish(outputs, step)
+        await original_publish(outputs, step, *version)
 
     original_step, original_publish, overlapped = core.step, service._publish, []
     core.step, service._publish = slow_step, watched_publish
@@ -274,9 +274,9 @@ class Journal:
             self.events.append(("stepped", core.num_steps))
             return outputs
 
-        async def journaled_publish(outputs, number):
+        async def journaled_publish(outputs, number, *version):
             self.events.append(("published", number))
-            return await publish(outputs, number)
+            return await publish(outputs, number, *version)
 
         def journaled_fail_all(message):
             self.events.append(("fail_all", 1 if self.stepping else 0))

@@ -7,6 +7,7 @@ import threading
 
 import pytest
 
+from services.scheduler.between_steps import BetweenSteps
 from services.scheduler.step_loop import StepThread
 
 RUN_AHEAD_CHANCE_S = 0.1  # time a loop that ignored the bound would have to begin one more step
@@ -23,6 +24,7 @@ class PacedCore:
         self.loop, self.steps_left, self.fail_at, self.follows = loop, steps_left, fail_at, follows
         self.gate_queue_at, self.queue_gate = gate_queue_at, threading.Event()  # that step queues once the gate is set
         self.permits = threading.Semaphore(0)
+        self.controls = BetweenSteps()  # the weight_version each step's outputs are tagged with
         self.began = 0
         self.queued = 0
         self.num_steps = 0

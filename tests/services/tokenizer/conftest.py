@@ -12,6 +12,7 @@ import msgspec
 import numpy as np
 import pytest
 
+from contracts.weights import Control, ControlReply
 from contracts import subjects
 from contracts.control import Heartbeat
 from contracts.detokenizer import (
@@ -136,6 +137,7 @@ class FakeBackend:
         await t.subscribe(subjects.SCHEDULER_CLAIM, SchedulerClaim, self._on_claim, queue="scheduler")
         await t.subscribe(subjects.scheduler_generate(SCHEDULER_ID), GenerateRequest, self._on_generate)
         await t.subscribe(subjects.SCHEDULER_ABORT, AbortRequest, self._on_abort)
+        await t.subscribe(subjects.scheduler_control(SCHEDULER_ID), Control, self._on_control)
         if answer_pings:
             await t.subscribe(subjects.SCHEDULER_PING, SchedulerPing, self._on_ping, queue="scheduler")
         await t.flush()
@@ -168,6 +170,10 @@ class FakeBackend:
 
     async def _on_ping(self, msg: SchedulerPing, raw) -> None:
         await self.transport.respond(raw, SchedulerInfo(SCHEDULER_ID, "sparkwire-tiny", 32768, 2048))
+
+    async def _on_control(self, msg: Control, raw) -> None:
+        """RL controls: done at once (the stand-in has no weights)."""
+        await self.transport.respond(raw, ControlReply(SCHEDULER_ID, weight_version="0"))
 
     async def _on_abort(self, msg: AbortRequest, _raw) -> None:
         self.aborts.append(msg)

@@ -140,6 +140,7 @@ BODIES = {
     "/v1/tokenize": {"messages": [{"role": "user", "content": "hi"}]},
     "/detokenize": {"tokens": [5]},
     "/v1/detokenize": {"tokens": [5]},
+    "/update_weights_from_disk": {"model_path": "/checkpoints/step-1"},
 }
 
 

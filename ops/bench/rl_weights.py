@@ -1,0 +1,230 @@
+"""New weights without a restart (issue 45): how long an update takes from disk and over NATS, the
+first token after it, against restarting the scheduler on the same weights; NATS throughput into
+one scheduler.
+
+The 8B shape (Qwen3-8B's config, dummy bf16 weights written as safetensors into a temporary
+directory) on one GPU; `--tiny`: the bundled model on the CPU (the smoke configuration CI runs).
+Phases, each skipped once `--budget-s` is spent: write the weights; start nats-server, a
+detokenizer and a tokenizer; start the scheduler and wait for /health (the restart); one
+1-token /generate (TTFT); POST /update_weights_from_disk with the same directory; TTFT; push the
+same tensors with `WeightPusher` over loopback NATS; TTFT; release the KV cache and the weights
+and resume (memory freed, measured by the scheduler); TTFT.
+
+    sparkwire bench rl-weights --out ops/bench/results/rl_weights.json --budget-s 270
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+from ops.bench.common import write_json
+from ops.bench.gpu_serve_check import serving_model_dir
+from ops.bench.serve_launch import LoggedProcess, health_ok
+from services.common.nats_server import free_port, start_nats_server
+from services.models import BUNDLED_MODEL
+
+REPO = Path(__file__).resolve().parents[2]
+RESULTS = REPO / "ops/bench/results"
+SHAPE = REPO / "ops/model_configs/Qwen3-8B"
+SHARD_BYTES = 4 << 30
+PERIOD = 4_000_037  # dummy values repeat with this period: drawing billions would dominate the run
+READY_TIMEOUT_S = 600.0
+PROMPT = "def fibonacci(n):"
+
+
+def write_dummy_weights(model_dir: Path) -> int:
+    """bf16 safetensors shards for every tensor the model reads; the bytes written."""
+    import torch
+    from safetensors.torch import save_file
+
+    from services.scheduler.model.config import ModelConfig
+    from services.scheduler.model.registry import build_model
+
+    with torch.device("meta"):
+        model = build_model(ModelConfig.from_pretrained(model_dir)).to(torch.bfloat16)
+    period = (torch.randn(PERIOD, generator=torch.Generator().manual_seed(0)) * 0.02).to(torch.bfloat16)
+    shard, size, index, total = {}, 0, 0, 0
+    for name, meta in model.checkpoint_tensors():
+        numel = meta.numel()
+        shard[name] = period.repeat(-(-numel // PERIOD))[:numel].view(meta.shape).clone()
+        size += 2 * numel
+        if size >= SHARD_BYTES:
+            save_file(shard, str(model_dir / f"model-{index:05d}.safetensors"))
+            shard, size, index, total = {}, 0, index + 1, total + size
+    if shard:
+        save_file(shard, str(model_dir / f"model-{index:05d}.safetensors"))
+    return total + size
+
+
+class Stack:
+    """nats-server, a detokenizer, a tokenizer and (restartable) one scheduler, logs in `log_dir`."""
+
+    def __init__(self, model_dir: Path, device: str, log_dir: Path) -> None:
+        self.model_dir, self.device, self.log_dir = model_dir, device, log_dir
+        self.nats = start_nats_server()
+        self.port = free_port()
+        self.base_url = f"http://127.0.0.1:{self.port}"
+        self.processes: dict[str, LoggedProcess] = {}
+
+    def start(self, name: str, *args: str) -> LoggedProcess:
+        argv = [sys.executable, "-m", "services.cli", name, "--nats-url", self.nats.url, "--model", str(self.model_dir), *args]
+        self.processes[name] = LoggedProcess.start(name, argv, self.log_dir / f"{name}.log", append=True)
+        return self.processes[name]
+
+    def restart_scheduler_s(self) -> float:
+        """Seconds from starting a scheduler until /health answers 200 (load, graphs, join)."""
+        began = time.perf_counter()
+        self.start("scheduler", "--device", self.device)
+        self.processes["scheduler"].wait_until(lambda: health_ok(self.base_url), READY_TIMEOUT_S, "/health not 200")
+        return time.perf_counter() - began
+
+    def close(self) -> None:
+        for process in reversed(list(self.processes.values())):
+            process.stop(60.0)
+        self.nats.stop()
+
+
+def ttft_s(base_url: str) -> float:
+    """One greedy 1-token /generate: the time to its first (only) token."""
+    body = {"text": PROMPT, "sampling_params": {"max_new_tokens": 1, "temperature": 0}}
+    began = time.perf_counter()
+    response = httpx.post(f"{base_url}/generate", json=body, timeout=READY_TIMEOUT_S)
+    response.raise_for_status()
+    return time.perf_counter() - began
+
+
+def update_from_disk(base_url: str, model_dir: Path) -> dict:
+    began = time.perf_counter()
+    response = httpx.post(f"{base_url}/update_weights_from_disk", json={"model_path": str(model_dir), "weight_version": "disk-1"},
+                          timeout=READY_TIMEOUT_S)  # fmt: skip
+    seconds = time.perf_counter() - began
+    response.raise_for_status()
+    return {"update_s": seconds, "scheduler_s": response.json()["schedulers"][0]["seconds"]}
+
+
+def release_and_resume(base_url: str) -> dict:
+    """Free the KV cache and the weights (kept on the host), then take them back: the measured bytes freed, and each time."""
+    began = time.perf_counter()
+    released = httpx.post(f"{base_url}/release_memory_occupation", json={"tags": ["kv_cache", "weights"]}, timeout=READY_TIMEOUT_S)
+    middle = time.perf_counter()
+    resumed = httpx.post(f"{base_url}/resume_memory_occupation", timeout=READY_TIMEOUT_S)
+    released.raise_for_status()
+    resumed.raise_for_status()
+    return {"freed_bytes": released.json()["schedulers"][0]["freed_bytes"], "release_s": middle - began,
+            "resume_s": time.perf_counter() - middle}  # fmt: skip
+
+
+def push_over_nats(nats_url: str, model_dir: Path, limit_s: float) -> dict:
+    """The same tensors pushed to the one scheduler; a push still running after `limit_s` is cut
+    off (the scheduler keeps its weights) and reported with the bytes per second it could not beat."""
+    from services.weights.__main__ import load_checkpoint
+    from services.weights.push import WeightPusher
+
+    tensors = load_checkpoint(model_dir)
+    num_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
+
+    async def push() -> float:
+        async with await WeightPusher.connect(nats_url) as pusher:
+            ids = await pusher.schedulers()
+            began = time.perf_counter()
+            await pusher.push(tensors, "nats-1", scheduler_ids=ids)
+            return time.perf_counter() - began
+
+    try:
+        seconds = asyncio.run(asyncio.wait_for(push(), limit_s))
+    except TimeoutError:
+        return {"timed_out_s": limit_s, "bytes": num_bytes, "gb_per_s_below": num_bytes / limit_s / 1e9}
+    return {"update_s": seconds, "bytes": num_bytes, "gb_per_s": num_bytes / seconds / 1e9}
+
+
+def run(args: argparse.Namespace) -> dict:
+    deadline = time.monotonic() + args.budget_s
+    result: dict = {"device": args.device, "shape": "bundled" if args.tiny else args.model_config.name, "budget_s": args.budget_s, "skipped": []}
+
+    def phase(name: str, fn):  # type: ignore[no-untyped-def]
+        if time.monotonic() > deadline:
+            result["skipped"].append(name)
+            return None
+        result[name] = fn()
+        return result[name]
+
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = Path(tmp) / "model"
+        if args.tiny:
+            shutil.copytree(BUNDLED_MODEL, model_dir, ignore=shutil.ignore_patterns("training"))
+            result["weight_bytes"] = (model_dir / "model.safetensors").stat().st_size
+        else:
+            serving_model_dir(args.model_config, model_dir)
+            began = time.perf_counter()
+            result["weight_bytes"] = write_dummy_weights(model_dir)
+            result["write_s"] = time.perf_counter() - began
+        stack = Stack(model_dir, args.device, Path(tmp))
+        try:
+            stack.start("detokenizer")
+            stack.start("tokenizer", "--port", str(stack.port))
+            phase("restart_s", stack.restart_scheduler_s)
+            phase("ttft_after_restart_s", lambda: ttft_s(stack.base_url))
+            phase("ttft_warm_s", lambda: ttft_s(stack.base_url))
+            phase("disk", lambda: update_from_disk(stack.base_url, model_dir))
+            phase("ttft_after_disk_s", lambda: ttft_s(stack.base_url))
+            phase("nats", lambda: push_over_nats(stack.nats.url, model_dir, max(30.0, deadline - time.monotonic() + 30.0)))
+            phase("ttft_after_nats_s", lambda: ttft_s(stack.base_url))
+            phase("memory", lambda: release_and_resume(stack.base_url))
+            phase("ttft_after_resume_s", lambda: ttft_s(stack.base_url))
+        except Exception:
+            print("\n".join(process.log_tail() for process in stack.processes.values()), file=sys.stderr)
+            raise
+        finally:
+            stack.close()
+    restart = result.get("restart_s")
+    for kind in ("disk", "nats"):
+        if restart and "update_s" in result.get(kind, {}):
+            result[kind]["vs_restart"] = result[kind]["update_s"] / restart
+    return result
+
+
+def table(result: dict) -> str:
+    rows = [("restart of the scheduler (to /health 200)", result.get("restart_s"), None)]
+    for kind in ("disk", "nats"):
+        entry = result.get(kind) or {}
+        rows.append((f"update over {kind}", entry.get("update_s"), entry.get("vs_restart")))
+    lines = [f"{'what':44} {'seconds':>9} {'x restart':>10}"]
+    lines += [f"{what:44} {'-' if s is None else f'{s:9.2f}':>9} {'-' if r is None else f'{r:10.3f}':>10}" for what, s, r in rows]
+    ttfts = ", ".join(f"{k.removeprefix('ttft_').removesuffix('_s')} {result[k]:.3f}" for k in result if k.startswith("ttft_"))
+    lines.append(f"TTFT (s): {ttfts}")
+    if "gb_per_s" in result.get("nats", {}):
+        lines.append(f"NATS into one scheduler: {result['nats']['gb_per_s']:.2f} GB/s ({result['nats']['bytes'] / 1e9:.2f} GB)")
+    elif "nats" in result:
+        lines.append(f"NATS push cut off after {result['nats']['timed_out_s']:.0f} s: below {result['nats']['gb_per_s_below']:.2f} GB/s")
+    if "memory" in result:
+        memory = result["memory"]
+        lines.append(f"release: {memory['freed_bytes'] / 1e9:.2f} GB freed in {memory['release_s']:.2f} s, resume {memory['resume_s']:.2f} s")
+    if result["skipped"]:
+        lines.append(f"skipped (budget): {', '.join(result['skipped'])}")
+    return "\n".join(lines)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--out", type=Path, default=RESULTS / "rl_weights.json")
+    parser.add_argument("--budget-s", type=float, default=270.0, help="no phase starts after this many seconds")
+    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    parser.add_argument("--tiny", action="store_true", help="the bundled model instead of the 8B shape (CPU smoke)")
+    parser.add_argument("--model-config", type=Path, default=SHAPE, help="the shape's config directory (dummy weights)")
+
+
+def main(args: argparse.Namespace) -> int:
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    result = run(args)
+    write_json(args.out, result)
+    print(json.dumps({k: v for k, v in result.items() if not isinstance(v, dict)}), file=sys.stderr)
+    print(table(result))
+    return 0

@@ -1,0 +1,1 @@
+"""New weights without a restart: from disk or pushed over NATS, swapped between two steps."""

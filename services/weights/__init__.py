@@ -1,0 +1,1 @@
+"""Pushing new weights to every scheduler over NATS (`sparkwire push-weights`, `WeightPusher`)."""

@@ -1,0 +1,107 @@
+"""The trainer's side of a weight push: a state dict (name -> tensor) to every live scheduler.
+
+Each tensor travels as `WeightPiece`s of at most `piece_bytes` (its raw bytes and their xxh3-64)
+on each scheduler's direct weights subject, framed and flow controlled by the transport (a
+scheduler that reads slowly slows the push down instead of piling bytes up in NATS); then one
+`WeightCommit` request per scheduler, answered once that scheduler swapped (or refused: a piece
+lost or corrupt, a name or shape the served model does not have; it keeps its old weights).
+
+    async with await WeightPusher.connect("nats://127.0.0.1:4222") as pusher:
+        replies = await pusher.push(model.state_dict(), weight_version="step-12")
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import Iterator, Mapping
+
+import torch
+import xxhash
+
+from contracts import subjects
+from contracts.weights import ControlReply, WeightCommit, WeightPiece, WeightTarget
+from services.common.heartbeat import HeartbeatMonitor
+from services.common.transport import Transport
+
+PIECE_BYTES = 64 << 20  # large enough to amortize a message, small enough to stay far below max_message_bytes
+COMMIT_TIMEOUT_S = 600.0  # requests in flight finish on the old weights before the swap
+DISCOVERY_S = 5.0  # how long to listen for scheduler heartbeats at most
+QUIET_S = 1.5  # no new scheduler heard for this long (three default heartbeat intervals): all are known
+
+
+class PushFailed(RuntimeError):
+    """At least one scheduler refused the version or did not answer; `replies` says which."""
+
+    def __init__(self, replies: dict[str, ControlReply | str]) -> None:
+        refused = {sid: r if isinstance(r, str) else r.error for sid, r in replies.items() if isinstance(r, str) or not r.ok}
+        super().__init__(f"weights refused by {len(refused)} of {len(replies)} schedulers: {refused}")
+        self.replies = replies
+
+
+def pieces(tensors: Mapping[str, torch.Tensor], push_id: str, target: WeightTarget, piece_bytes: int = PIECE_BYTES) -> Iterator[WeightPiece]:
+    """Every tensor's bytes as pieces (host, contiguous; the tensor's own dtype)."""
+    for name, tensor in tensors.items():
+        host = tensor.detach().to("cpu").contiguous()
+        raw = host.view(torch.uint8).reshape(-1).numpy() if host.numel() else host.numpy().view("u1")
+        dtype = str(host.dtype).removeprefix("torch.")
+        for offset in range(0, max(raw.size, 1), piece_bytes):
+            data = memoryview(raw[offset : offset + piece_bytes])  # no copy: encoding copies once
+            yield WeightPiece(push_id, target, name, dtype, tuple(host.shape), offset, data, xxhash.xxh3_64_intdigest(data))
+
+
+class WeightPusher:
+    def __init__(self, transport: Transport) -> None:
+        self.transport = transport
+
+    @classmethod
+    async def connect(cls, nats_url: str) -> WeightPusher:
+        return cls(await Transport.connect(nats_url, f"weights-pusher-{uuid.uuid4().hex[:8]}"))
+
+    async def __aenter__(self) -> WeightPusher:
+        return self
+
+    async def __aexit__(self, *_exc: object) -> None:
+        await self.transport.close()
+
+    async def schedulers(self, wait_s: float = DISCOVERY_S) -> list[str]:
+        """The live schedulers, from their heartbeats: listening until none new was heard for
+        `QUIET_S` after the first, or `wait_s` at most."""
+        monitor = HeartbeatMonitor(self.transport, "scheduler", wait_s * 4, lambda *_: None)
+        await monitor.start()
+        try:
+            deadline, known, quiet_since = time.monotonic() + wait_s, set(), time.monotonic()
+            while time.monotonic() < deadline and not (known and time.monotonic() - quiet_since > QUIET_S):
+                await asyncio.sleep(0.05)
+                if (alive := set(monitor.alive_instances())) != known:
+                    known, quiet_since = alive, time.monotonic()
+            return sorted(known)
+        finally:
+            await monitor.stop()
+
+    async def push(
+        self, tensors: Mapping[str, torch.Tensor], weight_version: str | None = None, *,
+        target: WeightTarget = WeightTarget.MODEL, abort_all_requests: bool = False, scheduler_ids: list[str] | None = None,
+    ) -> dict[str, ControlReply]:  # fmt: skip
+        """Push to every live scheduler (or `scheduler_ids`); raises `PushFailed` unless all swapped."""
+        ids = scheduler_ids if scheduler_ids is not None else await self.schedulers()
+        if not ids:
+            raise PushFailed({})
+        push_id = uuid.uuid4().hex
+        commit = WeightCommit(push_id, tuple(tensors), weight_version, target, abort_all_requests)
+        replies = await asyncio.gather(*(self.send(sid, pieces(tensors, push_id, target), commit) for sid in ids))
+        answered = dict(zip(ids, replies, strict=True))
+        if any(isinstance(r, str) or not r.ok for r in answered.values()):
+            raise PushFailed(answered)
+        return answered  # type: ignore[return-value]
+
+    async def send(self, scheduler_id: str, parts: Iterator[WeightPiece], commit: WeightCommit) -> ControlReply | str:
+        """One scheduler: its pieces, then the commit; its reply, or why none came."""
+        subject = subjects.scheduler_weights(scheduler_id)
+        try:
+            for piece in parts:
+                await self.transport.publish(subject, piece)
+            return await self.transport.request(subject, commit, ControlReply, COMMIT_TIMEOUT_S)
+        except Exception as exc:  # a scheduler gone mid-push: reported as its answer
+            return f"no answer: {type(exc).__name__}: {exc}"

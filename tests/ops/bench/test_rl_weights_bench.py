@@ -1,0 +1,39 @@
+"""`sparkwire bench rl-weights` (ops/bench/rl_weights.py) on CPU with the bundled model, so the GPU
+run cannot rot: every phase runs, and the dummy-weight writer makes a checkpoint the loader takes."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from ops.bench.rl_weights import write_dummy_weights
+from services.models import RANDOM_TINY_MODEL
+from services.scheduler.model import load_model_runner
+from tests.ops.bench.bench_cli import bench
+
+
+@pytest.mark.timeout(300)
+def test_every_phase_runs_on_the_bundled_model(tmp_path):
+    out = tmp_path / "rl.json"
+    assert bench("rl-weights", "--device", "cpu", "--tiny", "--budget-s", 250, "--out", out) == 0
+    result = json.loads(out.read_text())
+    assert result["skipped"] == [] and result["restart_s"] > 0
+    for kind in ("disk", "nats"):
+        assert 0 < result[kind]["update_s"] and result[kind]["vs_restart"] > 0
+    assert result["nats"]["bytes"] > 0.9 * result["weight_bytes"]  # every tensor went over NATS
+    assert all(result[k] > 0 for k in ("ttft_after_restart_s", "ttft_after_disk_s", "ttft_after_nats_s", "ttft_after_resume_s"))
+    assert result["memory"]["resume_s"] > 0
+
+
+def test_dummy_weights_are_a_checkpoint_the_loader_takes(tmp_path, monkeypatch):
+    monkeypatch.setattr("ops.bench.rl_weights.SHARD_BYTES", 1 << 20)  # several shards
+    model_dir = tmp_path / "model"
+    shutil.copytree(RANDOM_TINY_MODEL, model_dir)
+    written = write_dummy_weights(model_dir)
+    assert len(list(model_dir.glob("*.safetensors"))) > 1
+    runner = load_model_runner(model_dir, dtype=torch.bfloat16, num_kv_blocks=4)
+    assert written == sum(2 * t.numel() for _, t in runner.model.checkpoint_tensors())
+    assert runner.model.model.norm.weight.abs().sum() > 0
