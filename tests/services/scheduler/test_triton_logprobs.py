@@ -117,7 +117,7 @@ def test_the_scheduler_flag_reaches_the_core_only_where_triton_runs(flag, device
 
     import sys
 
-    runner = SimpleNamespace(device=torch.device(device), decode_kernel=False, ragged_kernel=False,
+    runner = SimpleNamespace(device=torch.device(device), decode_kernel=False, ragged_kernel=False, num_blocks=64, block_size=16,
                              config=SimpleNamespace(vocab_size=96), dtype=torch.bfloat16)  # fmt: skip
     warmed = []
     kernels = SimpleNamespace(warm_kernels=lambda vocab, on, dtypes, argmax: warmed.append((vocab, on.type, dtypes, argmax)))
