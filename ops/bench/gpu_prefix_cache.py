@@ -90,7 +90,7 @@ def run_stack(check: PrefixCheck, model_dir: Path, flags: tuple[str, ...], log: 
     base_url = f"http://127.0.0.1:{free_port()}"
     scenarios: dict[str, Any] = {}
     with launched_stack(up_args, base_url, log) as stack:
-        serve(base_url, check, num_prompts=check.concurrency, input_len=check.random_len)  # warm-up: graphs, connections
+        serve(base_url, check, num_prompts=check.concurrency, input_len=check.random_len, seed=99)  # warm-up (prompts of its own)
         for name in ("shared_prefix", "multi_turn", *(("concurrency",) if wide else ())):
             if time.monotonic() - began > check.budget_s:
                 scenarios[name] = {"skipped": f"past --budget-s {check.budget_s:.0f}"}
