@@ -126,8 +126,9 @@ def multi_turn(base_url: str, check: PrefixCheck, work: Path) -> dict[str, Any]:
 
 
 def concurrency(base_url: str, check: PrefixCheck, _work: Path) -> dict[str, Any]:
-    return {str(level): serve(base_url, check, num_prompts=check.random_prompts, input_len=check.random_len, max_concurrency=level)
-            for level in (check.concurrency, check.wide_concurrency)}  # fmt: skip
+    # prompts of its own per level: the cache would hold the first level's for the second
+    return {str(level): serve(base_url, check, num_prompts=check.random_prompts, input_len=check.random_len, max_concurrency=level,
+                              seed=level) for level in (check.concurrency, check.wide_concurrency)}  # fmt: skip
 
 
 SCENARIOS = {"shared_prefix": shared_prefix, "multi_turn": multi_turn, "concurrency": concurrency}
