@@ -130,7 +130,7 @@ async def benchmark(config: ServeConfig) -> dict[str, Any]:
         model_name = await _model_name(client, config)
         options = RequestOptions(config.ignore_eos, config.temperature, config.logprobs, config.prompt_logprobs, model_name)
         if config.num_warmups:
-            warm = [prompts[i % len(prompts)] for i in range(config.num_warmups)]
+            warm = _warmup_prompts(config, prompts)
             await _timed_run(client, dataclasses.replace(config, request_rate=math.inf, progress=False), options, warm)
         cpu_start, began = time.process_time(), time.monotonic()
         records, duration_s = await _timed_run(client, config, options, prompts)
@@ -139,6 +139,14 @@ async def benchmark(config: ServeConfig) -> dict[str, Any]:
     client = {"client_cpu_s": client_cpu_s, "client_cpu_fraction": client_cpu_s / duration_s,
               "monotonic_window": [began, time.monotonic()]}  # the timed run on time.monotonic(): a step trace's clock
     return {"config": config.as_json(), **summarize(records, duration_s), **client, "requests": per_request(records)}
+
+
+def _warmup_prompts(config: ServeConfig, prompts: list[Prompt]) -> list[Prompt]:
+    """Generated workloads warm up on prompts of their own (another seed): a server's prefix cache
+    would otherwise hold the timed run's prompts before it starts. A dataset file's repeat it."""
+    if config.dataset_path is None:
+        return dataclasses.replace(config, seed=config.seed + 1, num_prompts=config.num_warmups).prompts()[: config.num_warmups]
+    return [prompts[i % len(prompts)] for i in range(config.num_warmups)]
 
 
 async def _model_name(client: aiohttp.ClientSession, config: ServeConfig) -> str | None:

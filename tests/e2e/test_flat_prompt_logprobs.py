@@ -52,7 +52,9 @@ def test_long_real_prompt_flat_equals_nested(stack: Stack) -> None:
     assert values.shape == (len(prompt) - 1, LONG_K)
     rows = nested.json()["meta_info"]["input_top_logprobs"]
     assert rows[0] is None and len(rows) == len(prompt)
-    np.testing.assert_array_equal(values, np.array([[e[0] for e in row] for row in rows[1:]], np.float32))
+    # the second request reuses the first's cached prefix (its rows kept, exact); its last rows are
+    # computed over another split, rounding differently
+    np.testing.assert_allclose(values, np.array([[e[0] for e in row] for row in rows[1:]], np.float32), atol=1e-5)
     np.testing.assert_array_equal(ids, np.array([[e[1] for e in row] for row in rows[1:]], np.int32))
     assert np.all(np.diff(values, axis=1) <= 0)  # each row sorted by logprob
 

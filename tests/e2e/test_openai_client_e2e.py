@@ -19,6 +19,10 @@ from e2e.reference import TOL, Vocab, check_top, load_reference_runner, post_gen
 from e2e.stack import Stack
 from services.scheduler.model import ModelRunner
 
+# The same prompt asked twice: the second reuses the first's cached prefix, so its tail is computed
+# over another split and rounds differently (float32, well inside TOL)
+SAME = 1e-5
+
 pytestmark = pytest.mark.timeout(60)
 
 PROMPT = "def héllo(a, b):\n    return ✓ a"  # multi-byte characters exercise text_offset
@@ -100,9 +104,9 @@ def check_echo_logprobs(logprobs: Any, text: str, native: dict[str, Any], vocab:
     assert logprobs.tokens == [label(vocab, i) for i in ids]
     assert logprobs.token_logprobs[0] is None and logprobs.top_logprobs[0] is None
     for got, want in zip(logprobs.token_logprobs[1:], values[1:], strict=True):
-        assert abs(got - want) <= 1e-6
+        assert abs(got - want) <= SAME
     for got, want in zip(logprobs.top_logprobs[1:], tops[1:], strict=True):
-        assert got == pytest.approx({label(vocab, i): v for v, i, _ in want}, abs=1e-6)
+        assert got == pytest.approx({label(vocab, i): v for v, i, _ in want}, abs=SAME)
     pieces = [vocab.token_bytes(i) for i in ids]
     assert b"".join(pieces).decode("utf-8") == text
     assert logprobs.text_offset == char_offsets(pieces)
@@ -145,9 +149,9 @@ def test_completions_stream_with_echo_and_logprobs_equals_non_stream(oai, model)
     assert tokens == full.logprobs.tokens
     assert offsets == full.logprobs.text_offset  # offsets continue across chunks
     assert values[0] is None and tops[0] is None
-    assert values[1:] == pytest.approx(full.logprobs.token_logprobs[1:], abs=1e-6)
+    assert values[1:] == pytest.approx(full.logprobs.token_logprobs[1:], abs=SAME)
     for got, want in zip(tops[1:], full.logprobs.top_logprobs[1:], strict=True):
-        assert got == pytest.approx(want, abs=1e-6)
+        assert got == pytest.approx(want, abs=SAME)
 
 
 def test_completions_stream_without_echo_has_output_logprobs_only(oai, model, http, vocab, runner):
@@ -164,7 +168,7 @@ def test_completions_stream_without_echo_has_output_logprobs_only(oai, model, ht
         row = ref[len(ids) + j - 1]
         assert abs(values[j] - row[token_id].item()) <= TOL
         assert set(tops[j]) == {label(vocab, i) for _, i, _ in native["meta_info"]["output_top_logprobs"][j]}
-        assert max(tops[j].values()) == pytest.approx(values[j], abs=1e-6)  # greedy: the token is the top-1
+        assert max(tops[j].values()) == pytest.approx(values[j], abs=SAME)  # greedy: the token is the top-1
 
 
 # ---- chat ----
@@ -196,7 +200,7 @@ def test_chat_logprobs_and_top_logprobs(oai, model, http, vocab, runner):
     assert reply.choices[0].message.content == native["text"]
     assert b"".join(bytes(item.bytes) for item in content).decode("utf-8") == native["text"]
     for item, (value, _, _) in zip(content, native["meta_info"]["output_token_logprobs"], strict=True):
-        assert abs(item.logprob - value) <= 1e-6
+        assert abs(item.logprob - value) <= SAME
     check_chat_content(content, output, vocab, reference_logprobs(runner, ids + output), len(ids), 3)
 
 
@@ -212,7 +216,7 @@ def test_chat_stream_logprobs_equal_non_stream(oai, model, http, vocab, runner):
     assert text == full.message.content
     want = full.logprobs.content
     assert [(c.token, c.bytes) for c in content] == [(c.token, c.bytes) for c in want]
-    assert [c.logprob for c in content] == pytest.approx([c.logprob for c in want], abs=1e-6)
+    assert [c.logprob for c in content] == pytest.approx([c.logprob for c in want], abs=SAME)
     for got, expected in zip(content, want, strict=True):
         assert [(t.token, t.bytes) for t in got.top_logprobs] == [(t.token, t.bytes) for t in expected.top_logprobs]
     ids = vocab.chat_ids(MESSAGES)
