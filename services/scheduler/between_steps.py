@@ -73,4 +73,10 @@ def weights_changed(core: SchedulerCore, version: str) -> None:
     from the old ones (a prefix cache's blocks) is dropped here, and blocks cached from now on are
     keyed by the new version (a block of the old weights is never found again)."""
     core.controls.weight_version = version
-    core.reset_prefix_cache(salt=zlib.crc32(version.encode()))
+    core.policy.blocks.cache.set_salt(zlib.crc32(version.encode()))
+
+
+def flush_prefix_cache(core: SchedulerCore) -> list[RequestOutput]:
+    """SGLang's /flush_cache, between steps: every cached KV block forgotten (held ones stay held)."""
+    core.policy.blocks.cache.flush()
+    return []

@@ -60,7 +60,6 @@ class SchedulerCore:
         self._inbox: list[SchedulerRequest] = []
         self._inbox_aborts: list[tuple[str, str]] = []
         self._inbox_arrivals: dict[str, float] = {}  # rid -> when `add` took it
-        self._inbox_cache_resets: list[int | None] = []  # `reset_prefix_cache` calls not applied yet
         self._clock = clock
         self._queue_times = QueueTimes(clock)
         self._in_flight: LaunchedStep | None = None  # launched, results not applied yet (overlapped decoding)
@@ -81,12 +80,6 @@ class SchedulerCore:
     def abort(self, rid: str, reason: str = "abort") -> None:
         with self._lock:
             self._inbox_aborts.append((rid, reason))
-
-    def reset_prefix_cache(self, salt: int | None = None) -> None:
-        """Before the next step, forget every cached KV block (/flush_cache); with `salt`, key the
-        blocks cached from then on by it (whatever the KV depends on changed: new weights)."""
-        with self._lock:
-            self._inbox_cache_resets.append(salt)
 
     def has_work(self) -> bool:
         with self._lock:
@@ -234,11 +227,7 @@ class SchedulerCore:
                 return [], [abort for abort in aborts if abort[0] not in waiting]
             requests, self._inbox = self._inbox, []
             arrivals, self._inbox_arrivals = self._inbox_arrivals, {}
-            resets, self._inbox_cache_resets = self._inbox_cache_resets, []
         self._queue_times.arrived(arrivals)
-        cache = self.policy.blocks.cache
-        for salt in resets:
-            cache.flush() if salt is None else cache.set_salt(salt)
         return requests, aborts
 
     def _finished(self, outputs: list[RequestOutput]) -> list[RequestOutput]:

@@ -36,6 +36,7 @@ from services.common.logging import bound_request_id, request_id_from
 from services.common.metrics_scheduler import SchedulerStats, SchedulerTelemetry
 from services.common.nats_reader import Delivery
 from services.common.transport import Traffic, Transport
+from services.scheduler.between_steps import Control, flush_prefix_cache
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.core import SchedulerCore
 from services.scheduler.request import RequestOutput, SchedulerRequest
@@ -205,7 +206,8 @@ class SchedulerService:
         await self._transport.respond(msg, info)
 
     async def _on_flush_cache(self, _flush: FlushCache, _msg: Delivery) -> None:
-        self._core.reset_prefix_cache()
+        self._core.controls.add(Control(flush_prefix_cache))  # between steps, like every control
+        self._steps.wake()
         log.info("scheduler.prefix_cache_flushed", instance=self._id)
 
     async def _publish_summaries(self) -> None:

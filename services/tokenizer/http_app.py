@@ -108,7 +108,7 @@ def _service_states(frontend: Frontend, alive: dict[str, list[str]], scheduler_a
 
 @post("/flush_cache", status_code=200, responses=ERROR_RESPONSES, summary="Every scheduler forgets its prefix cache (SGLang-compatible)")
 async def flush_cache(frontend: Frontend) -> dict[str, Any]:
-    await frontend.service.flush_cache()
+    await frontend.service.placement.flush_caches()
     return {"status": "ok", "message": "Cache flushed."}
 
 

@@ -48,7 +48,7 @@ class TokenizerService:
         timeout = config.nats.heartbeat_timeout_s
         self._schedulers = HeartbeatMonitor(transport, "scheduler", timeout, self._on_dead)
         self._detokenizers = HeartbeatMonitor(transport, "detokenizer", timeout, self._on_dead)
-        self._placement = Placement(config, transport)
+        self.placement = Placement(config, transport)  # which scheduler a request goes to; /flush_cache
         self._watchdog: asyncio.Task[None] | None = None
         self._background: set[asyncio.Task[None]] = set()
         self._detokenizers_by_sender: OrderedDict[str, str] = OrderedDict()  # Sw-Seq sender -> detokenizer id
@@ -61,7 +61,7 @@ class TokenizerService:
         service = cls(config, transport, on_done)
         outputs = subjects.tokenizer_outputs(config.instance_id)
         await transport.subscribe(outputs, TextBatch, service._on_outputs, on_gap=service._on_outputs_lost)
-        await transport.subscribe(subjects.PREFIX_SUMMARY, PrefixSummary, service._placement.on_summary)
+        await transport.subscribe(subjects.PREFIX_SUMMARY, PrefixSummary, service.placement.on_summary)
         await service._schedulers.start()
         await service._detokenizers.start()
         await transport.flush()  # the SUBs went out on the receiving connection, beats go on the other: in effect first
@@ -96,12 +96,12 @@ class TokenizerService:
         gets choice 0, and the others are claimed and sent as requests of their own."""
         pendings = [self.pending.add(spec) for spec in specs]
         try:
-            await self._placement.register_all(pendings)
-            reply = await self._placement.claim(pendings[0], pendings[1:])
+            await self.placement.register_all(pendings)
+            reply = await self.placement.claim(pendings[0], pendings[1:])
             together = pendings if reply.forks else pendings[:1]
             await self._send(reply.scheduler_id, together)
             for pending in pendings[len(together) :]:
-                await self._send((await self._placement.claim(pending, [])).scheduler_id, [pending])
+                await self._send((await self.placement.claim(pending, [])).scheduler_id, [pending])
         except BaseException:
             for pending in pendings:
                 self.pending.remove(pending.rid, outcome=None)
@@ -133,9 +133,6 @@ class TokenizerService:
             )
         return None
 
-    async def flush_cache(self) -> None:
-        """Every scheduler forgets its cached KV blocks (SGLang's /flush_cache)."""
-        await self._placement.flush_caches()
     async def control(self, message: Control, timeout_s: float) -> dict[str, ControlReply | str]:
         """Send `message` to every live scheduler at once: scheduler id -> its reply, or why none came."""
 

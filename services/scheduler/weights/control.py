@@ -23,7 +23,6 @@ from contracts.weights import (
     ControlReply,
     PauseGeneration,
     ReleaseMemory,
-    ResumeMemory,
     UpdateFromDisk,
     WeightCommit,
     WeightMessage,
@@ -132,7 +131,7 @@ class SchedulerControls:
         if core.policy.held():
             raise RuntimeError(f"{len(core.policy.held())} requests hold KV blocks: pause_generation with abort first")
         self._released = memory.release(core.worker, weights)
-        core.reset_prefix_cache()  # the released storage comes back zeroed: no cached block survives it
+        core.policy.blocks.cache.flush()  # the released storage comes back zeroed: no cached block survives it
         core.controls.paused = True  # arrivals wait for resume
         return []
 
