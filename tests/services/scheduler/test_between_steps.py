@@ -164,3 +164,28 @@ def test_release_frees_both_kv_caches_and_resume_serves_the_same(make_core, tiny
     memory.resume(core.worker, released)
     assert [t.untyped_storage().nbytes() for t in caches] == sizes
     assert run(core, [request("a", prompt_of(8, 13), max_new_tokens=10, ignore_eos=True)])["a"].tokens == before
+
+
+def test_a_weight_swap_leaves_no_cached_prefix_of_the_old_weights(make_core):
+    # The prefix cache keys blocks by the weights' version: after `weights_changed` the same prompt
+    # finds nothing cached (its KV would be the old weights'), and a flush control forgets too.
+    from services.scheduler.between_steps import flush_prefix_cache, weights_changed
+
+    core = make_core(prefix_caching=True)
+    cached: dict[str, int] = {}
+
+    def serve(rid: str) -> None:
+        core.add(request(rid, prompt_of(7, 40), max_new_tokens=2, ignore_eos=True))
+        step_until_idle(core, lambda o: cached.__setitem__(o.rid, max(cached.get(o.rid, 0), o.cached_tokens)))
+
+    serve("first")
+    serve("again")
+    assert cached["first"] == 0 and cached["again"] > 0  # the cache serves a repeat
+    core.controls.add(Control(lambda c: (weights_changed(c, "v2"), [])[1]))
+    serve("after_swap")
+    assert cached["after_swap"] == 0
+    serve("again_on_v2")
+    assert cached["again_on_v2"] > 0
+    core.controls.add(Control(flush_prefix_cache))
+    serve("after_flush")
+    assert cached["after_flush"] == 0
