@@ -30,9 +30,10 @@ class Permissions:
 
 PERMISSIONS: dict[str, Permissions] = {
     "tokenizer": Permissions(
-        publish=(subjects.DETOKENIZER_REGISTER, subjects.SCHEDULER_CLAIM, subjects.scheduler_generate("*"),
-                 subjects.SCHEDULER_ABORT, subjects.SCHEDULER_PING, subjects.heartbeat("tokenizer"), INBOX),
-        subscribe=(subjects.tokenizer_outputs("*"), subjects.HEARTBEAT_ALL, INBOX),
+        publish=(subjects.DETOKENIZER_REGISTER, subjects.SCHEDULER_CLAIM, subjects.scheduler_claim("*"),
+                 subjects.scheduler_generate("*"), subjects.SCHEDULER_ABORT, subjects.SCHEDULER_PING,
+                 subjects.SCHEDULER_FLUSH_CACHE, subjects.scheduler_control("*"), subjects.heartbeat("tokenizer"), INBOX),
+        subscribe=(subjects.tokenizer_outputs("*"), subjects.PREFIX_SUMMARY, subjects.HEARTBEAT_ALL, INBOX),
     ),
     "detokenizer": Permissions(
         publish=(subjects.tokenizer_outputs("*"), subjects.SCHEDULER_ABORT, subjects.heartbeat("detokenizer"), INBOX),
@@ -40,10 +41,13 @@ PERMISSIONS: dict[str, Permissions] = {
                    subjects.HEARTBEAT_ALL, INBOX),
     ),
     "scheduler": Permissions(
-        publish=(subjects.detokenizer_tokens("*"), subjects.heartbeat("scheduler"), INBOX),
-        subscribe=(subjects.SCHEDULER_CLAIM, subjects.scheduler_generate("*"), subjects.SCHEDULER_ABORT,
-                   subjects.SCHEDULER_PING, subjects.HEARTBEAT_ALL, INBOX),
+        publish=(subjects.detokenizer_tokens("*"), subjects.PREFIX_SUMMARY, subjects.heartbeat("scheduler"), INBOX),
+        subscribe=(subjects.SCHEDULER_CLAIM, subjects.scheduler_claim("*"), subjects.scheduler_generate("*"),
+                   subjects.SCHEDULER_ABORT, subjects.SCHEDULER_PING, subjects.SCHEDULER_FLUSH_CACHE,
+                   subjects.scheduler_control("*"), subjects.scheduler_weights("*"), subjects.HEARTBEAT_ALL, INBOX),
     ),
+    # `sparkwire push-weights` / `WeightPusher`: a trainer's weight pieces to each live scheduler.
+    "trainer": Permissions(publish=(subjects.scheduler_weights("*"), INBOX), subscribe=(subjects.HEARTBEAT_ALL, INBOX)),
     # `sparkwire record` reads everything; `sparkwire replay` writes everything (operators only).
     "recorder": Permissions(publish=(INBOX,), subscribe=(subjects.ALL, INBOX)),
     "replay": Permissions(publish=(subjects.ALL, INBOX), subscribe=(INBOX,)),
