@@ -9,11 +9,14 @@ import sys
 from pathlib import Path
 
 from contracts.weights import WeightTarget
+from services.common.connection import add_connection_arguments, connection_from_args
+from services.common.settings import connection_values
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("path", help="a directory of *.safetensors, or one .safetensors file")
-    parser.add_argument("--nats-url", required=True, help="the NATS server the schedulers use")
+    # the schedulers' NATS server; on a secured one, `--nats-user trainer` (its password from SPARKWIRE_NATS_PASSWORD)
+    add_connection_arguments(parser, connection_values())
     parser.add_argument("--weight-version", default=None, help="tags every answer from the new weights (default: a counter)")
     parser.add_argument("--target", choices=("model", "draft"), default="model", help="the target model or the DSpark drafter")
     parser.add_argument("--abort-all-requests", action="store_true", help="end requests in flight instead of letting them finish")
@@ -33,7 +36,7 @@ async def _push(args: argparse.Namespace) -> int:
 
     tensors = load_checkpoint(Path(args.path))
     target = WeightTarget.DRAFT if args.target == "draft" else WeightTarget.MODEL
-    async with await WeightPusher.connect(args.nats_url) as pusher:
+    async with await WeightPusher.connect(connection_from_args(args, connection_values())) as pusher:
         try:
             replies = await pusher.push(tensors, args.weight_version, target=target, abort_all_requests=args.abort_all_requests)
         except PushFailed as exc:

@@ -22,6 +22,7 @@ import xxhash
 
 from contracts import subjects
 from contracts.weights import ControlReply, WeightCommit, WeightPiece, WeightTarget
+from services.common.connection import NatsConnection
 from services.common.heartbeat import HeartbeatMonitor
 from services.common.transport import Transport
 
@@ -56,8 +57,8 @@ class WeightPusher:
         self.transport = transport
 
     @classmethod
-    async def connect(cls, nats_url: str) -> WeightPusher:
-        return cls(await Transport.connect(nats_url, f"weights-pusher-{uuid.uuid4().hex[:8]}"))
+    async def connect(cls, connection: NatsConnection | str) -> WeightPusher:
+        return cls(await Transport.connect(connection, f"weights-pusher-{uuid.uuid4().hex[:8]}"))
 
     async def __aenter__(self) -> WeightPusher:
         return self
