@@ -180,6 +180,6 @@ def test_on_cuda_the_mode_takes_the_per_row_torch_logprobs(monkeypatch):
     from services.scheduler.config import SchedulerConfig
 
     monkeypatch.setattr(build, "triton_available", lambda: True)
-    cuda = SimpleNamespace(device=torch.device("cuda"))
+    cuda = SimpleNamespace(device=torch.device("cuda"), num_blocks=64, block_size=16)  # a KV size: the running limit from memory
     assert build.resolve(SchedulerConfig(device="cpu"), cuda).worker.fused_logprobs
     assert not build.resolve(SchedulerConfig(device="cpu", deterministic=True), cuda).worker.fused_logprobs
