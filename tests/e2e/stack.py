@@ -7,6 +7,8 @@ failing test prints.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import os
 import subprocess
 import sys
@@ -111,6 +113,39 @@ def start_stack(log_dir: Path) -> Stack:
         stack.stop()
         raise
     return stack
+
+
+MICRO = ROOT / "ops/models/sparkwire-micro"
+MICRO_DRAFT = ROOT / "ops/models/sparkwire-micro-dspark"
+
+
+def start_micro_stack(log_dir: Path, *scheduler_flags: str) -> Stack:
+    """The bundled model's stack, `scheduler_flags` given to its scheduler only."""
+    stack = Stack(start_nats_server(), log_dir)
+    model = ("--model", str(MICRO))
+    for name in ("scheduler", "detokenizer", "tokenizer"):
+        extra = (*model, "--port", str(stack.port)) if name == "tokenizer" else model
+        extra = (*extra, *scheduler_flags) if name == "scheduler" else extra
+        stack.services[name] = Service.start(name, service_argv(name, stack.nats.url, *extra), log_dir)
+    try:
+        stack.wait_healthy()
+    except BaseException:
+        stack.stop()
+        raise
+    return stack
+
+
+def plain_and_dspark_stacks(tmp_path_factory) -> Iterator[tuple[Stack, Stack]]:
+    """A module fixture's body: the bundled model served plain and with its DSpark drafter."""
+    plain = start_micro_stack(tmp_path_factory.mktemp("plain"))
+    try:
+        spec = start_micro_stack(tmp_path_factory.mktemp("dspark"), "--speculative-algorithm", "dspark", "--draft-model", str(MICRO_DRAFT))
+    except BaseException:
+        plain.stop()
+        raise
+    yield plain, spec
+    spec.stop()
+    plain.stop()
 
 
 def start_replicas(log_dir: Path, count: int = 2, schedulers: int = 1) -> tuple[Stack, list[str]]:

@@ -9,47 +9,20 @@ detokenizer must cut exactly where plain decoding stops.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from pathlib import Path
 
 import httpx
 import pytest
 
-from e2e.stack import ROOT, Service, Stack, service_argv
-from services.common.nats_server import start_nats_server
+from e2e.stack import Stack, plain_and_dspark_stacks
 
 pytestmark = pytest.mark.timeout(240)
 
-TARGET = ROOT / "ops/models/sparkwire-micro"
-DRAFT = ROOT / "ops/models/sparkwire-micro-dspark"
 PROMPTS = ["def fibonacci(n):", "import os\n\n\ndef main():", "class Stack:\n    def __init__(self):"]
-
-
-def _start(log_dir: Path, *scheduler_flags: str) -> Stack:
-    stack = Stack(start_nats_server(), log_dir)
-    model = ("--model", str(TARGET))
-    for name in ("scheduler", "detokenizer", "tokenizer"):
-        extra = (*model, "--port", str(stack.port)) if name == "tokenizer" else model
-        extra = (*extra, *scheduler_flags) if name == "scheduler" else extra
-        stack.services[name] = Service.start(name, service_argv(name, stack.nats.url, *extra), log_dir)
-    try:
-        stack.wait_healthy()
-    except BaseException:
-        stack.stop()
-        raise
-    return stack
 
 
 @pytest.fixture(scope="module")
 def stacks(tmp_path_factory) -> Iterator[tuple[Stack, Stack]]:
-    plain = _start(tmp_path_factory.mktemp("plain"))
-    try:
-        spec = _start(tmp_path_factory.mktemp("dspark"), "--speculative-algorithm", "dspark", "--draft-model", str(DRAFT))
-    except BaseException:
-        plain.stop()
-        raise
-    yield plain, spec
-    spec.stop()
-    plain.stop()
+    yield from plain_and_dspark_stacks(tmp_path_factory)
 
 
 def _generate(stack: Stack, text: str, **extra) -> dict:
