@@ -87,26 +87,21 @@ def test_phi3_within_its_original_context_takes_the_short_factors(saved_family) 
         check_against_transformers(model, result, prompts[rid])
 
 
-def test_dspark_on_gemma2_uses_the_scaled_embedding_and_the_soft_capped_head(saved_family, tmp_path) -> None:
-    # The drafter shares the target's embedding module and head (gemma.py says why q is soft-capped
-    # too); speculative greedy output and logprobs still equal transformers' (lossless).
+def random_drafter(runner, tmp_path):
+    """A one-layer DSpark drafter of random weights reading the target's layer 1, saved and loaded as served."""
     from services.scheduler.spec.dspark_config import draft_config_for_target
     from services.scheduler.spec.dspark_loader import empty_drafter, fill_random_weights, load_dspark_proposer, save_drafter
 
-    model, path = saved_family("gemma2")
-    runner = load_model_runner(path, num_kv_blocks=48, kv_block_size=16)
     config = draft_config_for_target(runner.config, num_draft_layers=1, mask_token_id=5, block_size=4, markov_rank=8,
                                      target_layer_ids=(1,))  # fmt: skip
     drafter = empty_drafter(config, runner.model.model.embed_tokens, runner.lm_head_weight)
     fill_random_weights(drafter, seed=3)
-    proposer = load_dspark_proposer(save_drafter(drafter, tmp_path / "draft"), runner)
-    loaded = proposer.drafter
-    assert loaded.target.logit_softcap == 6.0
-    ids = torch.tensor([[9, 17]])
-    torch.testing.assert_close(loaded.block_embeddings(ids[:, 0])[0, 0], model.model.embed_tokens(ids)[0, 0])
-    hidden = torch.randn(3, 64, generator=torch.Generator().manual_seed(2))
-    with torch.no_grad():
-        torch.testing.assert_close(loaded.base_logits(hidden), model.lm_head(hidden).div(6.0).tanh().mul(6.0))
+    return load_dspark_proposer(save_drafter(drafter, tmp_path / "draft"), runner)
+
+
+def check_speculative_against_transformers(model, runner, proposer) -> None:
+    """Greedy DSpark over PROMPT_LENS (verify steps of q = 5): every request verified, and its ids
+    and logprobs equal transformers' (lossless)."""
     runner.prepare_decode_graphs(ladder=(1, 2, 4), query_lens=(1, 5), capture=False, capture_layers=(1,))
     core = core_for(runner, max_running_requests=8, chunked_prefill_size=16, seed=0, proposer=proposer)
     prompts = {f"r{i}": prompt(n, seed=i) for i, n in enumerate(PROMPT_LENS)}
@@ -115,3 +110,19 @@ def test_dspark_on_gemma2_uses_the_scaled_embedding_and_the_soft_capped_head(sav
     assert all(result.spec_verify_ct for result in results.values())
     for rid, result in results.items():
         check_against_transformers(model, result, prompts[rid])
+
+
+def test_dspark_on_gemma2_uses_the_scaled_embedding_and_the_soft_capped_head(saved_family, tmp_path) -> None:
+    # The drafter shares the target's embedding module and head (gemma.py says why q is soft-capped
+    # too); speculative greedy output and logprobs still equal transformers' (lossless).
+    model, path = saved_family("gemma2")
+    runner = load_model_runner(path, num_kv_blocks=48, kv_block_size=16)
+    proposer = random_drafter(runner, tmp_path)
+    loaded = proposer.drafter
+    assert loaded.target.logit_softcap == 6.0
+    ids = torch.tensor([[9, 17]])
+    torch.testing.assert_close(loaded.block_embeddings(ids[:, 0])[0, 0], model.model.embed_tokens(ids)[0, 0])
+    hidden = torch.randn(3, 64, generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        torch.testing.assert_close(loaded.base_logits(hidden), model.lm_head(hidden).div(6.0).tanh().mul(6.0))
+    check_speculative_against_transformers(model, runner, proposer)

@@ -73,27 +73,12 @@ def test_experts_reference_is_the_sum_of_each_tokens_experts() -> None:
 def test_dspark_on_qwen3_moe_is_lossless(saved_family, tmp_path) -> None:
     # A drafter reading the MoE target's layer 1 (verify steps of q = 5 route every drafted token):
     # the speculative greedy output and logprobs still equal transformers'.
-    from services.scheduler.build import core_for
     from services.scheduler.model.loader import load_model_runner
-    from services.scheduler.spec.dspark_config import draft_config_for_target
-    from services.scheduler.spec.dspark_loader import empty_drafter, fill_random_weights, load_dspark_proposer, save_drafter
-    from tests.services.scheduler.model.test_families_core import LOGPROBS, PROMPT_LENS, prompt
-    from tests.services.scheduler.test_scheduler_core import request, run
+    from tests.services.scheduler.model.test_families_core import check_speculative_against_transformers, random_drafter
 
     model, path = saved_family("qwen3-moe")
     runner = load_model_runner(path, num_kv_blocks=48, kv_block_size=16)
-    config = draft_config_for_target(runner.config, num_draft_layers=1, mask_token_id=5, block_size=4, markov_rank=8,
-                                     target_layer_ids=(1,))  # fmt: skip
-    drafter = empty_drafter(config, runner.model.model.embed_tokens, runner.lm_head_weight)
-    fill_random_weights(drafter, seed=3)
-    proposer = load_dspark_proposer(save_drafter(drafter, tmp_path / "draft"), runner)
-    runner.prepare_decode_graphs(ladder=(1, 2, 4), query_lens=(1, 5), capture=False, capture_layers=(1,))
-    core = core_for(runner, max_running_requests=8, chunked_prefill_size=16, seed=0, proposer=proposer)
-    prompts = {f"r{i}": prompt(n, seed=i) for i, n in enumerate(PROMPT_LENS)}
-    results = run(core, [request(rid, p, max_new_tokens=10, logprobs=LOGPROBS, ignore_eos=True) for rid, p in prompts.items()])
-    assert all(result.spec_verify_ct for result in results.values())
-    for rid, result in results.items():
-        check_against_transformers(model, result, prompts[rid])
+    check_speculative_against_transformers(model, runner, random_drafter(runner, tmp_path))
 
 
 def test_deterministic_mode_refuses_a_moe_model(saved_family) -> None:
