@@ -17,12 +17,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import tempfile
 import time
 from pathlib import Path
 
 from ops.bench import scheduler_harness as harness
-from ops.bench.common import (MODEL_CONFIGS, RESULTS, TINY_MODEL, bench_dtype, device_name, median_ms, ragged_step, script,
+from ops.bench.common import (MODEL_CONFIGS, RESULTS, bench_dtype, device_name, median_ms, ragged_step, script,
                               write_json)  # fmt: skip
 from services.scheduler.model.config import ModelConfig
 from services.scheduler.model.loader import load_model_runner
@@ -115,9 +114,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> int:
     if not args.tiny:
         return measure(args)
-    with tempfile.TemporaryDirectory(prefix="sparkwire-tiny-draft-") as tmp:
-        args.target, args.draft = TINY_MODEL, harness.tiny_draft_config(TINY_MODEL, Path(tmp))
-        return measure(args)
+    return harness.on_tiny_pair(args, measure)
 
 
 def measure(args: argparse.Namespace) -> int:

@@ -38,7 +38,6 @@ import json
 import os
 import subprocess
 import sys
-import tempfile
 import time
 import warnings
 from pathlib import Path
@@ -50,7 +49,7 @@ from contracts.scheduler import LogprobParams, SamplingParams
 from ops.bench import dspark_sps
 from ops.bench import scheduler_harness as harness
 from ops.bench.accept_replay import ALPHA, AcceptReplay
-from ops.bench.common import MODEL_CONFIGS, RESULTS, TINY_MODEL, bench_dtype, device_name, script, synchronize, write_json
+from ops.bench.common import MODEL_CONFIGS, RESULTS, bench_dtype, device_name, script, synchronize, write_json
 from services.scheduler.model.loader import load_model_runner
 from services.scheduler.model.ragged_graphs import seq_ladder, token_ladder
 from services.scheduler.model.runner import triton_available
@@ -571,9 +570,7 @@ def main(args: argparse.Namespace) -> int:
         return 0
     if not args.tiny:
         return measure(args)
-    with tempfile.TemporaryDirectory(prefix="sparkwire-tiny-draft-") as tmp:
-        args.target, args.draft = TINY_MODEL, harness.tiny_draft_config(TINY_MODEL, Path(tmp))
-        return measure(args)
+    return harness.on_tiny_pair(args, measure)
 
 
 def measure(args: argparse.Namespace) -> int:

@@ -180,6 +180,18 @@ def tiny_draft_config(target: Path, into: Path) -> Path:
     return into
 
 
+def on_tiny_pair(args, measure) -> int:
+    """`measure(args)` with `args.target` / `args.draft` the tiny random target and a one-layer
+    dummy drafter for it (the smoke runs of the DSpark benchmarks)."""
+    import tempfile
+
+    from ops.bench.common import TINY_MODEL
+
+    with tempfile.TemporaryDirectory(prefix="sparkwire-tiny-draft-") as tmp:
+        args.target, args.draft = TINY_MODEL, tiny_draft_config(TINY_MODEL, Path(tmp))
+        return measure(args)
+
+
 @functools.cache
 def _simulated_accept_worker() -> type:
     """`ModelWorker`'s benchmark subclass, defined on first use (its module needs torch)."""
