@@ -160,3 +160,16 @@ def _render_traffic(traffic) -> str:
     registry = CollectorRegistry()
     registry.register(TrafficCollector(lambda: traffic))
     return render(registry).decode()
+
+
+def test_no_metric_name_is_exported_by_both_the_tokenizer_and_the_scheduler():
+    # Sums across jobs must not double-count: the tokenizer's token and request counters carry
+    # names of their own (`tokenizer_*`), the scheduler keeps vLLM's.
+    from services.tokenizer.metrics import Metrics
+
+    def names(registry: CollectorRegistry) -> set[str]:
+        return {family.name for family in registry.collect()}
+
+    tokenizer, scheduler = Metrics("m"), SchedulerMetrics(lambda: SchedulerStats(num_running=0), "m")
+    assert names(tokenizer.registry) and names(scheduler.registry)
+    assert names(tokenizer.registry) & names(scheduler.registry) == set()
