@@ -63,6 +63,8 @@ SUITES: dict[str, Suite] = {
                            "preemption, DSpark and forks (on; the bf16 drift off), and its cost on the 8B shape"),
     "rl-weights": Suite("ops.bench.rl_weights", "new weights without a restart: update time from disk and over NATS, TTFT "
                         "after, against a scheduler restart; NATS GB/s into one scheduler"),
+    "lm-eval-cache": Suite("ops.bench.lm_eval_cache", "lm-evaluation-harness (local-completions) on a few-shot multiple-choice "
+                           "task, prefix cache on vs off: identical scores, wall time, cache hits"),
     "two-gpu-serve": Suite("ops.bench.two_gpu_serve", "two schedulers on two GPUs behind one NATS: scaling, placement, one "
                            "stopping mid-run"),
 }
