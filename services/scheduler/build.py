@@ -68,8 +68,8 @@ class CoreSettings:
 def resolve(config: SchedulerConfig, runner: ModelRunner) -> CoreSettings:
     """The config's switches as they hold on the runner's device: a CUDA-only switch is off elsewhere."""
     on_cuda = runner.device.type == "cuda"
-    # the fused kernels split a row's reduction by the batch's row count: deterministic takes torch's per-row one
-    fused_logprobs = config.fused_logprobs and on_cuda and triton_available() and not config.deterministic
+    # deterministic: the kernels split each row by the vocabulary alone (the worker passes runner.batch_invariant)
+    fused_logprobs = config.fused_logprobs and on_cuda and triton_available()
     worker = WorkerOptions(
         logprobs_mode=config.logprobs_mode,
         logprob_graphs=config.logprob_cuda_graphs and on_cuda,

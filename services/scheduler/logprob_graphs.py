@@ -105,10 +105,12 @@ class LogprobGraphs:
     """`logprobs_on_device` for rows of given logits (no `to_logits`), replayed from graphs."""
 
     def __init__(self, keys: TopKKeys, capture: bool = True, max_graphs: int = MAX_GRAPHS, max_rows: int = DEFAULT_MAX_ROWS,
-                 fused: bool = False):  # fmt: skip
-        """fused: `logprobs.runs_fused`'s switch, for the captured work and the eager fallback alike."""
+                 fused: bool = False, invariant: bool = False):  # fmt: skip
+        """fused: `logprobs.runs_fused`'s switch, invariant: `logprobs.logprob_columns`', for the captured
+        work and the eager fallback alike."""
         self.keys = keys
         self.fused = fused
+        self.invariant = invariant
         self.capture = capture
         self.max_graphs = max_graphs
         self.vocab_size = keys.tied.shape[0]
@@ -141,13 +143,13 @@ class LogprobGraphs:
         key = self._key(num_rows, k, m, sampling)
         entry = None if key is None or key in self._failed else self._graphs.get(key) or self._build(key)
         if entry is None:
-            return logprobs_on_device(queries, inputs, logits, None, self.keys, processed, sampled, self.fused)
+            return logprobs_on_device(queries, inputs, logits, None, self.keys, processed, sampled, self.fused, invariant=self.invariant)
         _fill(entry.inputs, inputs, logits, sampled, num_rows)
         if entry.graph is not None:
             entry.graph.replay()
             out = entry.output
         else:
-            out = RowLogprobs(*_columns(entry.inputs, key, self.keys, self.fused))
+            out = RowLogprobs(*_columns(entry.inputs, key, self.keys, self.fused, self.invariant))
         return RowLogprobs(out.token[:num_rows], out.top_values[:num_rows, :k], out.top_ids[:num_rows, :k], out.ids[:num_rows, :m])
 
     def greedy(
@@ -176,7 +178,7 @@ class LogprobGraphs:
         if entry.graph is not None:
             entry.graph.replay()
         else:
-            _greedy_columns(entry, key, self.keys, self.fused)
+            _greedy_columns(entry, key, self.keys, self.fused, self.invariant)
         return entry.greedy
 
     def _greedy_graph(self, call: tuple, static_logits: torch.Tensor) -> tuple[_Key, _Graph] | None:
@@ -246,9 +248,9 @@ class LogprobGraphs:
 
     def _capture(self, entry: _Graph, key: _Key) -> tuple[torch.cuda.CUDAGraph, RowLogprobs]:
         if entry.packed is not None:
-            run = lambda: _greedy_columns(entry, key, self.keys, self.fused)  # noqa: E731
+            run = lambda: _greedy_columns(entry, key, self.keys, self.fused, self.invariant)  # noqa: E731
         else:
-            run = lambda: RowLogprobs(*_columns(entry.inputs, key, self.keys, self.fused))  # noqa: E731
+            run = lambda: RowLogprobs(*_columns(entry.inputs, key, self.keys, self.fused, self.invariant))  # noqa: E731
         graph, output = capture_graph(run, self._pool)
         self._pool = graph.pool()
         return graph, output
@@ -259,9 +261,9 @@ def _rung(ladder: tuple[int, ...], size: int) -> int | None:
     return ladder[index] if index < len(ladder) else None
 
 
-def _columns(static: dict[str, torch.Tensor], key: _Key, keys: TopKKeys, fused: bool):
+def _columns(static: dict[str, torch.Tensor], key: _Key, keys: TopKKeys, fused: bool, invariant: bool):
     sampling = None if key.sampling is None else {name: static[name] for name in key.sampling}
-    return logprob_columns(static["logits"], static["targets"], key.k, static.get("ids"), sampling, keys, fused)
+    return logprob_columns(static["logits"], static["targets"], key.k, static.get("ids"), sampling, keys, fused, invariant=invariant)
 
 
 PACKED_ALIGN_WORDS = 4  # each column of a greedy key's buffer starts at a multiple of 16 bytes
@@ -292,14 +294,14 @@ def _packed_tokens(packed: torch.Tensor, rows: int) -> torch.Tensor:
     return packed[: 2 * rows].view(torch.int64)
 
 
-def _greedy_columns(entry: _Graph, key: _Key, keys: TopKKeys, fused: bool) -> RowLogprobs[torch.Tensor]:
+def _greedy_columns(entry: _Graph, key: _Key, keys: TopKKeys, fused: bool, invariant: bool) -> RowLogprobs[torch.Tensor]:
     """A greedy key's work: each row's argmax, then its columns with the argmax as targets, all into
     the key's buffer (what its graph captures; the twin runs it eagerly). The fused kernels take the
     argmax in their first pass over the logits (`logprob_columns`' argmax_targets)."""
     static, tokens = entry.inputs, _packed_tokens(entry.packed, key.rows)
     sampling = None if key.sampling is None else {name: static[name] for name in key.sampling}
     logprob_columns(static["logits"], tokens, key.k, static.get("ids"), sampling, keys, fused, out=entry.output.columns(),
-                    argmax_targets=True)  # fmt: skip
+                    argmax_targets=True, invariant=invariant)  # fmt: skip
     return entry.output
 
 

@@ -122,6 +122,7 @@ def logprobs_on_device(
     sampled: torch.Tensor | None = None,
     fused: bool = False,
     to_columns: Callable[..., tuple[torch.Tensor, ...]] | None = None,
+    invariant: bool = False,
 ) -> RowLogprobs[torch.Tensor] | None:
     """Every query's rows, concatenated (k padded to the largest: [n, max_k], ids to [n, max_m]), still on
     the device; computed in chunks, so a 32k-row prompt never holds [32k, V] logits. None if no rows.
@@ -131,7 +132,7 @@ def logprobs_on_device(
     logits). sampled: int64 [N], one per row of `source`, the token sampled from it this step, for
     queries whose `targets` are None. fused: `runs_fused`'s switch. to_columns: hidden rows, targets,
     k, ids -> raw columns, where the LM head is vocabulary-sharded (`ModelRunner.sharded_columns`):
-    raw rows take it instead of whole logits.
+    raw rows take it instead of whole logits. invariant: `logprob_columns`'.
     """
     if not queries or sum(len(q.rows) for q in queries) == 0:
         return None
@@ -153,7 +154,7 @@ def logprobs_on_device(
         if not fused_rows:
             logits = logits.float()  # the torch ops work in f32: the model-dtype chunk goes now, not with the chunk
         sampling = {name: t[chunk] for name, t in inputs.items() if name in SAMPLING_INPUTS} if processed else None
-        parts.append(logprob_columns(logits, targets[chunk], k, ids, sampling, keys, fused))
+        parts.append(logprob_columns(logits, targets[chunk], k, ids, sampling, keys, fused, invariant=invariant))
         del logits  # freed before the next chunk's are made: one chunk's logits at a time
     if len(parts) == 1:
         return RowLogprobs(*parts[0])
@@ -198,19 +199,21 @@ def logprob_columns(
     fused: bool = False,
     out: tuple[torch.Tensor, ...] | None = None,
     argmax_targets: bool = False,
+    invariant: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """One chunk's device work: logits [c, V] (f32, or the model's dtype) -> the columns of `RowLogprobs`
     (token [c], top-k [c, k] twice, ids [c, m]). sampling: None in raw mode, else processed mode's present
     inputs [c]. fused: `runs_fused`'s switch. out: the four columns' tensors to write (the kernels
     write them as they are; the torch path copies into them), None: new ones. argmax_targets:
     targets int64 [c] is written first, each row's `torch.argmax` of the logits, then read as the
-    targets (a greedy step's tokens; the kernels take it in their first pass over the row). Every op
+    targets (a greedy step's tokens; the kernels take it in their first pass over the row). invariant
+    (`--deterministic`): the kernels split a row by the vocabulary alone, never by the row count. Every op
     is per row (what lets `LogprobGraphs` run it on padded rows), and neither path syncs with the host
     (what lets it capture them)."""
     if runs_fused(fused, sampling is not None, k):
         from services.scheduler.triton_logprobs import raw_logprob_columns
 
-        return raw_logprob_columns(logits, targets, k, ids, out=out, argmax_targets=argmax_targets)
+        return raw_logprob_columns(logits, targets, k, ids, out=out, argmax_targets=argmax_targets, invariant=invariant)
     if argmax_targets:
         torch.argmax(logits, dim=-1, out=targets)
     columns = _gather(_log_distribution(logits.float(), sampling), targets, k, ids, keys)

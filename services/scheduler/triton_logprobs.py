@@ -101,13 +101,15 @@ def warm_kernels(vocab_size: int, device: torch.device, dtypes: tuple[torch.dtyp
 def raw_logprob_columns(
     logits: torch.Tensor, targets: torch.Tensor, k: int, ids: torch.Tensor | None, *, block: int | None = None,
     max_splits: int | None = None, target_programs: int = TARGET_PROGRAMS, out: tuple[torch.Tensor, ...] | None = None,
-    argmax_targets: bool = False,
+    argmax_targets: bool = False, invariant: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """logits [c, V] bf16/f16/f32, targets int64 [c], ids int64 [c, m] or None, 0 <= k <= min(MAX_FUSED_K, V)
     -> token f32 [c], top-k values f32 [c, k], top-k ids int32 [c, k], ids' logprobs f32 [c, m].
     out: those four, contiguous, to write into (`LogprobGraphs.greedy`'s one buffer); None: new ones.
     argmax_targets: targets (contiguous) is written, not read: each row's argmax, as `torch.argmax`
-    gives it, which is then the row's target (a greedy step's token).
+    gives it, which is then the row's target (a greedy step's token). invariant (`--deterministic`):
+    the splits follow the vocabulary alone, as for one row, so a row's reduction order never depends
+    on how many rows share the call.
     block (None: BLOCK), max_splits (None: MAX_SPLITS) and target_programs
     are for tests and the layout sweep (ops/bench/gpu_logprob_kernel_check.py --sweep)."""
     assert 0 <= k <= MAX_FUSED_K, k
@@ -126,7 +128,7 @@ def raw_logprob_columns(
     if num_rows == 0:
         return token, values, top_ids, requested
     k_pad = max(2, triton.next_power_of_2(k))
-    splits, per_split = split_layout(num_rows, vocab, k_pad, block, MAX_SPLITS if max_splits is None else max_splits, target_programs)
+    splits, per_split = split_layout(1 if invariant else num_rows, vocab, k_pad, block, MAX_SPLITS if max_splits is None else max_splits, target_programs)
     maxes = torch.empty(num_rows, splits, dtype=torch.float32, device=device)  # [c, S]
     sums = torch.empty_like(maxes)  # [c, S]
     # The pads are the most splits any number of rows gets at this vocabulary and k, not this call's

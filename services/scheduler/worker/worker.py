@@ -94,7 +94,9 @@ class ModelWorker:
         fused = options.fused_logprobs
         self._fused_logprobs = runner.device.type == "cuda" and triton_available() if fused is None else fused
         capture = runner.device.type == "cuda"
-        graphs = LogprobGraphs(self._top_k_keys, capture=capture, fused=self._fused_logprobs) if options.logprob_graphs else None
+        self._invariant_logprobs = runner.batch_invariant  # the kernels' splits from the vocabulary alone
+        graphs = LogprobGraphs(self._top_k_keys, capture=capture, fused=self._fused_logprobs,
+                               invariant=self._invariant_logprobs) if options.logprob_graphs else None  # fmt: skip
         self.logprob_graphs = graphs
         self.greedy_logprob_graphs = options.greedy_logprob_graphs
         self._upload = HostUpload(runner.device)
@@ -303,7 +305,7 @@ class ModelWorker:
         prompt = [job.query for job in wanted.prompt]
         prompt_lp = logprobs_on_device(prompt, section(arrays, PROMPT_LP), hidden, self.runner.head_logits,
                                        self._top_k_keys, self._processed, fused=self._fused_logprobs,
-                                       to_columns=self.runner.sharded_columns)  # fmt: skip
+                                       to_columns=self.runner.sharded_columns, invariant=self._invariant_logprobs)  # fmt: skip
         if wanted.output and verified is not None and output_lp is None:
             logits = verified.logits.view(-1, verified.logits.shape[-1])  # [P * (K + 1), V]
             sampled = verified.tokens.reshape(-1)  # [P * (K + 1)]: each logits row's token, sampled this step
@@ -312,7 +314,7 @@ class ModelWorker:
                 output_lp = self.logprob_graphs.compute(queries, inputs, logits, self._processed, sampled)
             else:
                 output_lp = logprobs_on_device(queries, inputs, logits, None, self._top_k_keys, self._processed, sampled,
-                                               self._fused_logprobs)  # fmt: skip
+                                               self._fused_logprobs, invariant=self._invariant_logprobs)  # fmt: skip
         return LogprobJobs(wanted.prompt, prompt_lp, wanted.output, output_lp)
 
     # 6. propose

@@ -172,14 +172,20 @@ def test_build_resolves_the_mode_once_into_the_runner_and_the_drafter(determinis
     assert runner.decode_graphs is None
 
 
-def test_on_cuda_the_mode_takes_the_per_row_torch_logprobs(monkeypatch):
-    """The fused logprob kernels split a row by the batch's row count: the mode leaves them off."""
+def test_on_cuda_the_mode_takes_the_fused_logprobs_split_by_the_vocabulary_alone(monkeypatch):
+    """torch's CUDA log_softmax was not batch-invariant at a 151,936-token vocabulary (an H100 run of
+    `sparkwire bench deterministic`: one ulp between a row alone and in a batch); the mode keeps the
+    fused kernels and the worker hands them its runner's invariance (their splits from the vocabulary alone)."""
     from types import SimpleNamespace
 
     from services.scheduler import build
     from services.scheduler.config import SchedulerConfig
+    from services.scheduler.worker.worker import ModelWorker, WorkerOptions
 
     monkeypatch.setattr(build, "triton_available", lambda: True)
     cuda = SimpleNamespace(device=torch.device("cuda"), num_blocks=64, block_size=16)  # a KV size: the running limit from memory
-    assert build.resolve(SchedulerConfig(device="cpu"), cuda).worker.fused_logprobs
-    assert not build.resolve(SchedulerConfig(device="cpu", deterministic=True), cuda).worker.fused_logprobs
+    assert build.resolve(SchedulerConfig(device="cpu", deterministic=True), cuda).worker.fused_logprobs
+    for invariant in (False, True):
+        runner = SimpleNamespace(device=torch.device("cpu"), config=SimpleNamespace(vocab_size=96, eos_token_ids=(0,)), batch_invariant=invariant)
+        worker = ModelWorker(runner, WorkerOptions(logprob_graphs=True, fused_logprobs=True))
+        assert worker.logprob_graphs.invariant is invariant and worker._invariant_logprobs is invariant

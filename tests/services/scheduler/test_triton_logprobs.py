@@ -250,6 +250,25 @@ def test_interpreted_kernels_match_the_torch_path(dtype, num_rows, max_splits) -
         assert got[2][0, :7].tolist() == [4, VOCAB - 1, 3, 130, 700, 1000, VOCAB - 2]
 
 
+@interpreted
+def test_interpreted_invariant_layout_gives_a_row_the_same_bits_alone_and_among_others() -> None:
+    """--deterministic: a row's columns, computed alone and as one of 9 rows, are bitwise equal, where
+    the default layout gives those two calls different split counts (so different reduction orders)."""
+    from services.scheduler.triton_logprobs import raw_logprob_columns, split_layout
+
+    k_pad = 32
+    assert split_layout(1, VOCAB, k_pad, BLOCK, target_programs=27) != split_layout(9, VOCAB, k_pad, BLOCK, target_programs=27)
+    logits = tricky_logits(9, torch.float32, seed=3)
+    logits[3:] = torch.randn(6, VOCAB, generator=torch.Generator().manual_seed(4)) * 7  # not bf16-valued: rounding shows
+    targets, ids = row_inputs(9, 3)
+    many = raw_logprob_columns(logits, targets, 20, ids, block=BLOCK, target_programs=27, invariant=True)
+    for row in (0, 5, 8):
+        alone = raw_logprob_columns(logits[row : row + 1].clone(), targets[row : row + 1], 20, ids[row : row + 1],
+                                    block=BLOCK, target_programs=27, invariant=True)  # fmt: skip
+        for got, want in zip(alone, many, strict=True):
+            assert torch.equal(got[0], want[row])
+
+
 # One tile a split (3 rows x 47 splits: 141 programs a kernel, ~8 s interpreted on a 2-core box) in f32
 # only: every logit here is bf16-valued, so bf16 changes only the loads' upcast, run at 16 tiles a split
 # and at one split.
