@@ -15,9 +15,19 @@ is skipped:
 - `fp8_steps_<layout>`: Qwen3-8B bf16, FP8 block-wise and FP8 per-channel (a section each), decode
   step at batch 1 and 64 as above; `fp8_steps` gathers them with each step over bf16's (issue 42's
   target: block-wise batch 1 <= 0.65).
+- `fp8_w8a8`: is FP8 on CUDA right? In each FP8 layout's model, every `Fp8Linear` of every layer is
+  checked during a decode step (batch 1 and 64) and a prefill of 4 x 64 tokens: its output on the
+  device against `Fp8Linear.w8a8_reference` on the same input (fp32, activations quantized per token
+  and 128 columns as the kernel does, per row on cuBLAS's path): per layer, the largest |diff| and
+  that over the largest |reference| of its projections. Bound: bf16's rounding of the output (2^-8 of
+  the largest value) and fp32 summation order; `path` says which path ran ("twin" off CUDA: then the
+  numbers are FP8 activation quantization's own error).
+- `fp8_linear`: µs per call of each Qwen3-8B projection at batch 1 and 64 (a CUDA graph of 10 calls
+  replayed): FP8 block-wise, FP8 per-channel and bf16 `F.linear`, with the weight's GB/s.
 - `fp8_logprobs`: each FP8 layout's log-softmax over 4 prompts of 64 tokens against the same weights
-  dequantized to bf16 (`Fp8Linear`'s twin): largest |diff| over the reference's top-20 and over the
-  whole vocabulary, and how often the greedy token agrees.
+  dequantized to bf16 (`Fp8Linear`'s twin, activations not quantized): largest |diff| over the
+  reference's top-20 and over the whole vocabulary, and how often the greedy token agrees (through 36
+  random layers this mostly measures FP8 activation rounding amplified; `fp8_w8a8` is the check).
 
     sparkwire bench gpu-models --out $OUT/gpu_models.json
     TRITON_INTERPRET=1 python ops/bench/gpu_models.py --device cpu --tiny --out /tmp/models.json  # smoke
@@ -40,7 +50,7 @@ from ops.bench.common import (
 )  # fmt: skip
 from services.scheduler.model import fp8
 from services.scheduler.model.config import ModelConfig
-from services.scheduler.model.fp8 import FP8, Fp8Scheme, empty_fp8_linears
+from services.scheduler.model.fp8 import FP8, Fp8Linear, Fp8Scheme, empty_fp8_linears
 from services.scheduler.model.kv_cache import PagedKVCache
 from services.scheduler.model.moe import SparseMoE, experts_reference, route
 from services.scheduler.model.registry import build_model
@@ -58,6 +68,8 @@ TINY_MOE = {"architectures": ["Qwen3MoeForCausalLM"], "vocab_size": 2048, "hidde
 TINY_DENSE = {**{k: v for k, v in TINY_MOE.items() if "expert" not in k and "moe" not in k and k != "norm_topk_prob"},
               "architectures": ["Qwen3ForCausalLM"]}  # fmt: skip
 TINY_BATCHES, TINY_CONTEXT, TINY_KERNEL_TOKENS, TINY_BLOCK = (1, 4), 20, (1, 5), (32, 32)
+W8A8_BOUND = 1e-2  # fp8_w8a8: largest |diff| over largest |reference| a layer may show (bf16 output rounding: 2^-8)
+LINEAR_CALLS = 10  # fp8_linear: calls per timed graph replay
 
 
 # ---- dummy models ----
@@ -195,14 +207,15 @@ def moe_rows(args: argparse.Namespace, device: torch.device, dtype: torch.dtype,
 
 
 def layout_rows(args: argparse.Namespace, layout: str, device: torch.device, dtype: torch.dtype, bandwidth: float,
-                logprobs: list[dict]) -> list[dict]:  # fmt: skip
-    """One layout's decode rows (and, for FP8, its logprob agreement)."""
+                logprobs: list[dict], w8a8: list[dict]) -> list[dict]:  # fmt: skip
+    """One layout's decode rows (and, for FP8, its logprob agreement and W8A8 check)."""
     batches, context = (TINY_BATCHES, TINY_CONTEXT) if args.tiny else (BATCHES, CONTEXT)
     scheme = FP8_LAYOUTS[layout]
     runner = dummy_runner(model_config(args, moe=False, scheme=scheme), device, dtype, max(batches), context)
     try:
         if scheme is not None:
             logprobs.append({"layout": layout, **logprob_agreement(runner, length=min(64, context))})
+            w8a8.extend({"layout": layout, **row} for row in w8a8_rows(runner, batches, context))
         return [{"model": "Qwen3-8B", "layout": layout, **decode_row(runner, b, context, args.repeats, bandwidth)} for b in batches]
     finally:
         del runner
@@ -214,6 +227,78 @@ def fp8_rows(result: dict) -> list[dict]:
     rows = [r for layout in FP8_LAYOUTS for r in result.get(f"fp8_steps_{layout}") or [] if isinstance(r, dict)]
     base = {r["batch"]: r["step_ms"] for r in rows if r["layout"] == "bf16"}
     return [{**r, "step_over_bf16": round(r["step_ms"] / base[r["batch"]], 3) if r["batch"] in base else None} for r in rows]
+
+
+@torch.inference_mode()
+def w8a8_rows(runner: ModelRunner, batches: tuple[int, ...], context: int) -> list[dict]:
+    """Per (step, layer): every Fp8Linear's device output against its `w8a8_reference`, checked in a
+    forward hook as eager steps run (decode at each batch, then a prefill of 4 prompts)."""
+    length = min(64, context)
+    steps = [(f"decode {b}", ragged_step([(context - 1, 1)] * b, PAGE, -(-context // PAGE), runner.device.type)) for b in batches]
+    steps.append((f"prefill 4x{length}", ragged_step([(0, length)] * 4, PAGE, -(-length // PAGE), runner.device.type)))
+    worst: dict[tuple[str, int], dict] = {}
+    current = [""]
+
+    def check(layer: int, module: Fp8Linear, inputs: tuple, output: torch.Tensor) -> None:
+        want = module.w8a8_reference(inputs[0])
+        row = worst.setdefault((current[0], layer), {"step": current[0], "layer": layer, "max_abs": 0.0, "ref_max": 0.0})
+        row["max_abs"] = max(row["max_abs"], float((output.float() - want).abs().max()))
+        row["ref_max"] = max(row["ref_max"], float(want.abs().max()))
+
+    handles = [module.register_forward_hook(lambda m, i, o, layer=int(name.split(".")[2]): check(layer, m, i, o))
+               for name, module in runner.model.named_modules() if isinstance(module, Fp8Linear)]  # fmt: skip
+    try:
+        for current[0], step in steps:
+            runner.forward(step)
+    finally:
+        for handle in handles:
+            handle.remove()
+    path = "fp8" if fp8.fp8_matmul_available(runner.device) else "twin"
+    return [{**row, "path": path, "max_rel": row["max_abs"] / max(row["ref_max"], 1e-30),
+             "within_bound": row["max_abs"] <= W8A8_BOUND * row["ref_max"]} for row in worst.values()]  # fmt: skip
+
+
+def projection_shapes(config: ModelConfig) -> dict[str, tuple[int, int]]:
+    """(N, K) of a decoder layer's four projections."""
+    heads, kv, hd, hidden = config.num_attention_heads, config.num_key_value_heads, config.head_dim, config.hidden_size
+    inter = config.intermediate_size
+    return {"qkv_proj": ((heads + 2 * kv) * hd, hidden), "o_proj": (hidden, heads * hd), "gate_up_proj": (2 * inter, hidden),
+            "down_proj": (hidden, inter)}  # fmt: skip
+
+
+@torch.inference_mode()
+def fp8_linear_rows(args: argparse.Namespace, device: torch.device, dtype: torch.dtype) -> list[dict]:
+    rows = []
+    gen = torch.Generator(device=device).manual_seed(2)
+    for name, (n, k) in projection_shapes(model_config(args, moe=False)).items():
+        layers = {"bf16": torch.nn.Linear(k, n, bias=False, device=device, dtype=dtype)}
+        for layout, scheme in FP8_LAYOUTS.items():
+            if scheme is not None:
+                block = (TINY_BLOCK if args.tiny else scheme.block) if scheme.block else None
+                layers[layout] = Fp8Linear(k, n, False, block, dtype).to(device)
+                layers[layout].weight.copy_(torch.randn(n, k, generator=gen, device=device).to(FP8))
+                layers[layout].scale.fill_(0.02)
+        for batch in TINY_BATCHES if args.tiny else BATCHES:
+            x = torch.randn(batch, k, generator=gen, device=device, dtype=dtype)
+            for layout, layer in layers.items():
+                us = 1e3 * median_ms(replayed(lambda layer=layer: layer(x), device), device.type, args.repeats) / LINEAR_CALLS
+                weight_bytes = layer.weight.numel() * layer.weight.element_size()
+                rows.append({"projection": name, "n": n, "k": k, "batch": batch, "layout": layout, "us": round(us, 2),
+                             "weight_gb_per_s": round(weight_bytes / us / 1e3, 1)})  # fmt: skip
+    return rows
+
+
+def replayed(fn, device: torch.device):
+    """LINEAR_CALLS calls of fn: one CUDA graph's replay on CUDA (no host launch gaps), a loop elsewhere."""
+    if device.type != "cuda":
+        return lambda: [fn() for _ in range(LINEAR_CALLS)]
+    fn()  # compiles before capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(LINEAR_CALLS):
+            fn()
+    return graph.replay
 
 
 @contextlib.contextmanager
@@ -255,10 +340,14 @@ def run(args: argparse.Namespace) -> dict:
         result["moe_kernel"] = {"skipped": "needs CUDA or TRITON_INTERPRET=1"}
     section("moe_steps", lambda: moe_rows(args, device, dtype, bandwidth))
     logprobs: list[dict] = []
+    w8a8: list[dict] = []
     for layout in FP8_LAYOUTS:
-        section(f"fp8_steps_{layout}", lambda layout=layout: layout_rows(args, layout, device, dtype, bandwidth, logprobs))
+        section(f"fp8_steps_{layout}", lambda layout=layout: layout_rows(args, layout, device, dtype, bandwidth, logprobs, w8a8))
     result["fp8_steps"] = fp8_rows(result)
     result["fp8_logprobs"] = logprobs
+    result["fp8_w8a8"] = w8a8
+    section("fp8_linear", lambda: fp8_linear_rows(args, device, dtype))
+    free_device_memory()
     return finish_run(result, args, deadline, table)
 
 
@@ -277,8 +366,28 @@ def table(result: dict) -> str:
     lines += ["", "| FP8 layout | rows | max |Δ logprob| top-20 | max |Δ| all | greedy agree |", "|---|---|---|---|---|"]
     for r in result["fp8_logprobs"]:
         lines.append(f"| {r['layout']} | {r['rows']} | {r['max_abs_diff_top20']:.4f} | {r['max_abs_diff_all']:.4f} | {r['greedy_agree']} |")
+    lines += ["", "| FP8 W8A8 check: layout | step | path | layers | worst layer | max |diff| | over max |ref| | all within bound |",
+              "|---|---|---|---|---|---|---|---|"]
+    for (layout, step), rows in sorted(_grouped(result["fp8_w8a8"], ("layout", "step")).items()):
+        bad = max(rows, key=lambda r: r["max_rel"])
+        lines.append(f"| {layout} | {step} | {bad['path']} | {len(rows)} | {bad['layer']} | {bad['max_abs']:.3g} | {bad['max_rel']:.2e} "
+                     f"| {all(r['within_bound'] for r in rows)} |")  # fmt: skip
+    linear = result.get("fp8_linear")
+    if isinstance(linear, list):
+        lines += ["", "| projection (N x K) | batch | " + " | ".join(f"{layout} µs (GB/s)" for layout in FP8_LAYOUTS) + " |",
+                  "|---|---|" + "---|" * len(FP8_LAYOUTS)]  # fmt: skip
+        for (name, batch), rows in _grouped(linear, ("projection", "batch")).items():
+            cells = {r["layout"]: f"{r['us']} ({r['weight_gb_per_s']})" for r in rows}
+            lines.append(f"| {name} ({rows[0]['n']} x {rows[0]['k']}) | {batch} | " + " | ".join(cells.get(lay, "") for lay in FP8_LAYOUTS) + " |")
     errors = [name for name, value in result.items() if isinstance(value, dict) and ("error" in value or "skipped" in value)]
     return "\n".join(lines + ([f"not run or failed: {', '.join(errors)}"] if errors else []))
+
+
+def _grouped(rows: list[dict], keys: tuple[str, ...]) -> dict[tuple, list[dict]]:
+    groups: dict[tuple, list[dict]] = {}
+    for row in rows:
+        groups.setdefault(tuple(row[key] for key in keys), []).append(row)
+    return groups
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -1,7 +1,10 @@
 """`sparkwire bench gpu-models` (ops/bench/gpu_models.py) in its CPU smoke mode, in Triton's interpreter
 (skipped without Triton; the test extras install it): the fused MoE kernel matches its twin at the
 tiny shape, every decode row of the MoE, bf16 and both FP8 layouts runs with its replay's tokens
-equal to eager, and FP8's logprobs are compared (on the CPU both sides are the twin: 0)."""
+equal to eager, FP8's logprobs are compared (on the CPU both sides are the twin: 0), every FP8
+projection of every layer is checked against its W8A8 reference (on the CPU the twin runs, which
+does not quantize activations: a difference of FP8 activation rounding's size, which the check must
+see), and each projection shape is timed in every layout."""
 
 from __future__ import annotations
 
@@ -27,3 +30,13 @@ def test_cpu_tiny_run_in_the_triton_interpreter(tmp_path) -> None:
     assert all(r["next_tokens_agree"] and r["step_ms"] > 0 and r["bytes_read_gb"] > 0 for r in steps)
     assert [r["layout"] for r in result["fp8_logprobs"]] == ["fp8-block", "fp8-channel"]
     assert all(r["max_abs_diff_all"] == 0.0 and r["greedy_agree"] == 1.0 for r in result["fp8_logprobs"])
+    w8a8 = result["fp8_w8a8"]
+    assert sorted({(r["layout"], r["step"], r["layer"]) for r in w8a8}) == sorted(
+        (layout, step, layer) for layout in ("fp8-block", "fp8-channel") for step in ("decode 1", "decode 4", "prefill 4x20")
+        for layer in (0, 1)
+    )
+    assert all(r["path"] == "twin" and 1e-3 < r["max_rel"] < 0.1 for r in w8a8)
+    assert {(r["projection"], r["batch"], r["layout"]) for r in result["fp8_linear"]} == {
+        (name, batch, layout) for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj") for batch in (1, 4)
+        for layout in ("bf16", "fp8-block", "fp8-channel")
+    }
