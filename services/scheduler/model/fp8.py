@@ -51,11 +51,11 @@ class Fp8Linear(nn.Module):
         super().__init__()
         self.in_features, self.out_features, self.block = in_features, out_features, block
         self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=FP8), requires_grad=False)
+        scale = nn.Parameter(torch.empty(scale_shape(self.weight.shape, block)), requires_grad=False)  # fp32 [N] or [N / bn, K / bk]
         if block is None:
-            self.weight_scale = nn.Parameter(torch.empty(out_features), requires_grad=False)  # [N] fp32
+            self.weight_scale = scale
         else:
-            tiles = (-(-out_features // block[0]), -(-in_features // block[1]))
-            self.weight_scale_inv = nn.Parameter(torch.empty(tiles), requires_grad=False)  # [N / bn, K / bk] fp32
+            self.weight_scale_inv = scale
         self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype), requires_grad=False) if bias else None
 
     @property
@@ -70,12 +70,7 @@ class Fp8Linear(nn.Module):
 
     def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
         """W8 * scale [N, K] in fp32, rounded once to dtype."""
-        scale = self.scale.float()
-        if self.block is None:
-            return (self.weight.float() * scale[:, None]).to(dtype)
-        rows, cols = self.block
-        full = scale.repeat_interleave(rows, dim=0)[: self.out_features].repeat_interleave(cols, dim=1)
-        return (self.weight.float() * full[:, : self.in_features]).to(dtype)
+        return dequantize(self.weight, self.scale, self.block, dtype)
 
     def on_cublas(self, num_rows: int) -> bool:
         return self.block is None and num_rows > DECODE_ROWS
@@ -141,9 +136,25 @@ def scaled_mm_rows(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Te
 
 @torch.no_grad()
 def quantize_weight_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """A float weight [N, K] -> (FP8 [N, K], fp32 per-row scales [N]): `--quantization fp8`."""
-    q, scale = quantize_groups(weight, weight.shape[-1])
-    return q, scale.squeeze(1)
+    """A float weight [..., N, K] -> (FP8 [..., N, K], fp32 per-row scales [..., N]): `--quantization fp8`."""
+    q, scale = quantize_groups(weight.reshape(-1, weight.shape[-1]), weight.shape[-1])
+    return q.view(weight.shape), scale.view(weight.shape[:-1])
+
+
+def dequantize(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None, dtype: torch.dtype) -> torch.Tensor:
+    """W8 [..., N, K] times its scales (per row [..., N], or per tile [..., N / bn, K / bk]) in fp32, rounded once to dtype."""
+    scale = scale.float()
+    if block is None:
+        return (weight.float() * scale.unsqueeze(-1)).to(dtype)
+    rows, cols = weight.shape[-2:]
+    full = scale.repeat_interleave(block[0], dim=-2)[..., :rows, :].repeat_interleave(block[1], dim=-1)[..., :cols]
+    return (weight.float() * full).to(dtype)
+
+
+def scale_shape(shape: torch.Size, block: tuple[int, int] | None) -> tuple[int, ...]:
+    """The fp32 scales of an FP8 weight [..., N, K]: [..., N] per row, [..., N / bn, K / bk] per tile."""
+    *lead, rows, cols = shape
+    return (*lead, rows) if block is None else (*lead, -(-rows // block[0]), -(-cols // block[1]))
 
 
 def fp8_modules(model: nn.Module, scheme: Fp8Scheme) -> Iterator[tuple[nn.Module, str, nn.Linear]]:

@@ -75,6 +75,17 @@ def with_weights(model: torch.nn.Module, weights: dict[str, torch.Tensor]) -> to
     return reference
 
 
+def loaded_with_weights(path: Path, weights: dict[str, torch.Tensor], tmp_path: Path) -> torch.nn.Module:
+    """transformers' model of the checkpoint at path with `weights` (checkpoint names) in place: its
+    loader maps per-expert tensors onto the fused expert parameters its MoE models hold."""
+    import transformers
+
+    (tmp_path / "reference").mkdir()
+    save_file({**load_file(str(path / "model.safetensors")), **weights}, str(tmp_path / "reference" / "model.safetensors"))
+    (tmp_path / "reference" / "config.json").write_text((path / "config.json").read_text())
+    return transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "reference", dtype=torch.float32).eval()
+
+
 @pytest.mark.parametrize("layout", ["block", "channel", "tensor"])
 def test_fp8_checkpoint_matches_its_dequantized_reference(saved_family, tmp_path, layout: str) -> None:
     model, path = saved_family("qwen3")
@@ -241,3 +252,59 @@ def test_fp8_kernels_compile_for_hopper() -> None:
         assert compile_for_hopper(triton_fp8._fp8_linear_kernel, signature, constants, divisible, num_warps=4, num_stages=plan.num_stages)
     sums = {"partial_ptr": "*fp32", "out_ptr": "*bf16", "numel": i32, "splits": i32}
     assert compile_for_hopper(triton_fp8._sum_splits_kernel, sums, {"BLOCK": triton_fp8.SUM_BLOCK}, num_warps=4)
+
+
+@pytest.mark.parametrize("layout", ["block", "channel"])
+def test_fp8_moe_checkpoint_matches_its_dequantized_reference(saved_family, tmp_path, layout: str) -> None:
+    # Qwen3-MoE with every projection and expert in FP8 (Qwen3-30B-A3B-FP8's layout: experts.{e}.{gate,up,down}_proj.weight
+    # and weight_scale_inv; the router stays float), through the core with its twin, against transformers
+    # running the dequantized weights: within 1e-4, the bound of the dense case.
+    from services.scheduler.model.moe import Experts
+
+    model, path = saved_family("qwen3-moe")
+    dequantized = write_fp8_checkpoint(path, tmp_path / "fp8", layout)
+    assert any(".experts.3.up_proj.weight" in name for name in dequantized)
+    runner = load_model_runner(tmp_path / "fp8", num_kv_blocks=4)
+    experts = [m for m in runner.model.modules() if isinstance(m, Experts)]
+    assert experts and all(m.quantized and m.block == ((BLOCK, BLOCK) if layout == "block" else None) for m in experts)
+    reference = loaded_with_weights(path, dequantized, tmp_path)
+    results, prompts = serve(tmp_path / "fp8", graph_twins=False)
+    for rid, result in results.items():
+        check_against_transformers(reference, result, prompts[rid])
+
+
+def test_quantization_fp8_quantizes_moe_experts(saved_family, tmp_path) -> None:
+    from services.scheduler.model.moe import Experts
+
+    model, path = saved_family("qwen3-moe")
+    runner = load_model_runner(path, num_kv_blocks=4, quantization="fp8")
+    experts = [m for m in runner.model.modules() if isinstance(m, Experts)]
+    assert experts and all(m.quantized and m.down_proj_scale.shape == m.down_proj.shape[:2] for m in experts)
+    weights = {name: weight for name, weight in load_file(str(path / "model.safetensors")).items() if name.split(".")[-2] in PROJECTIONS}
+    dequantized = {}
+    for name, weight in weights.items():
+        q, scale = quantize_weight_rows(weight)
+        dequantized[name] = q.float() * scale[:, None]
+    reference = loaded_with_weights(path, dequantized, tmp_path)
+    core_results, prompts = serve_quantized(path)
+    for rid, result in core_results.items():
+        check_against_transformers(reference, result, prompts[rid])
+
+
+@interpreted
+@pytest.mark.parametrize("layout", ["block", "rows"])
+def test_fused_fp8_experts_match_the_twin_interpreted(layout: str) -> None:
+    # The Triton MoE kernel on FP8 stacks (upcast per tile, scaled per step) against the twin on the dequantized ones.
+    from services.scheduler.model.fp8 import dequantize, scale_shape
+    from services.scheduler.model.moe import experts_reference, route
+    from services.scheduler.model.triton_moe import fused_experts
+
+    gen = torch.Generator().manual_seed(3)
+    experts, hidden, inter, block = 6, 96, 64, (BLOCK, BLOCK) if layout == "block" else None
+    stacks = [(torch.randn(experts, 2 * inter, hidden, generator=gen) * 100).to(FP8), (torch.randn(experts, hidden, inter, generator=gen) * 100).to(FP8)]
+    scales = [torch.rand(scale_shape(stack.shape, block), generator=gen) / 1000 + 1e-4 for stack in stacks]
+    x = torch.randn(7, hidden, generator=gen)
+    weights, ids = route(torch.randn(7, experts, generator=gen), 2, renormalize=True)
+    got = fused_experts(x, *stacks, weights, ids, (*scales, block))
+    want = experts_reference(x, *(dequantize(stack, scale, block, torch.float32) for stack, scale in zip(stacks, scales)), weights, ids)
+    torch.testing.assert_close(got, want, atol=1e-5 * float(want.abs().max()), rtol=1e-5)
