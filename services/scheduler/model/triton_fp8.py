@@ -72,8 +72,9 @@ def _fp8_linear_kernel(
         in_k = k < K
         x = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_x + k[None, :], mask=in_rows[:, None] & in_k[None, :], other=0.0)
         x = x.to(tl.float32)
-        x_scale = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-12) / FP8_LIMIT  # [BM]
-        x8 = tl.minimum(tl.maximum(x / x_scale[:, None], -FP8_LIMIT), FP8_LIMIT).to(w_ptr.dtype.element_ty)
+        # divisions rounded to nearest, as torch divides (fp32 "/" is an approximate division on CUDA): x8 as `quantize_groups` gives it
+        x_scale = tl.div_rn(tl.maximum(tl.max(tl.abs(x), axis=1), 1e-12), FP8_LIMIT)  # [BM]
+        x8 = tl.minimum(tl.maximum(tl.div_rn(x, x_scale[:, None]), -FP8_LIMIT), FP8_LIMIT).to(w_ptr.dtype.element_ty)
         w = tl.load(w_ptr + cols[None, :].to(tl.int64) * stride_w + k[:, None], mask=in_cols[None, :] & in_k[:, None], other=0.0)
         scale_col = tl.minimum(group, (K - 1) // BLOCK_K)  # a step past K (the last split's) reads a real scale, times 0
         w_scale = tl.load(w_scale_ptr + (cols // GROUP_N) * stride_ws_n + scale_col * stride_ws_k, mask=in_cols, other=0.0)  # [BN]
