@@ -7,11 +7,13 @@ Sections, each in its own try/except; one that would start more than --budget-s 
 is skipped:
 - `moe_kernel`: one sparse layer's experts at the 30B-A3B shape (128 experts, top 8, H 2048, I 768)
   for 1, 64 and 2048 tokens, uneven random routing: µs of `triton_moe.fused_experts` and of
-  `moe.experts_reference`, and the largest |diff| over the largest |value|.
+  `moe.experts_reference`, and the largest |diff| over the largest |value|; then the fused kernel on
+  FP8 stacks (128 x 128 block scales) against the twin on their dequantized weights.
 - `moe_steps`: the 30B-A3B decode step (context 256, CUDA graph replayed, the fused kernels on) at
   batch 1 and 64: ms/step, tok/s, and the floor: the bytes the step reads (attention, router, the
   distinct experts its routing hits, the LM head; measured from one eager step) at the measured
-  copy bandwidth; the replay's next tokens against the eager step's.
+  copy bandwidth; the replay's next tokens against the eager step's. In bf16, then FP8 block-wise
+  (projections and expert stacks; `x bf16` the step over bf16's).
 - `fp8_steps_<layout>`: Qwen3-8B bf16, FP8 block-wise and FP8 per-channel (a section each), decode
   step at batch 1 and 64 as above; `fp8_steps` gathers them with each step over bf16's (issue 42's
   target: block-wise batch 1 <= 0.65).
@@ -50,15 +52,16 @@ from ops.bench.common import (
 )  # fmt: skip
 from services.scheduler.model import fp8
 from services.scheduler.model.config import ModelConfig
-from services.scheduler.model.fp8 import FP8, Fp8Linear, Fp8Scheme, empty_fp8_linears
+from services.scheduler.model.fp8 import FP8, Fp8Linear, Fp8Scheme, dequantize, empty_fp8_linears, scale_shape
 from services.scheduler.model.kv_cache import PagedKVCache
-from services.scheduler.model.moe import SparseMoE, experts_reference, route
+from services.scheduler.model.moe import Experts, SparseMoE, empty_fp8_experts, experts_reference, route
 from services.scheduler.model.registry import build_model
 from services.scheduler.model.runner import ModelRunner
 
 MOE_MODEL, DENSE_MODEL = MODEL_CONFIGS / "Qwen3-30B-A3B", MODEL_CONFIGS / "Qwen3-8B"
 BATCHES, CONTEXT, PAGE = (1, 64), 256, 16
 KERNEL_TOKENS = (1, 64, 2048)
+MOE_FP8_BLOCK = (128, 128)  # Qwen3-30B-A3B-FP8's tiles
 FP8_LAYOUTS = {"bf16": None, "fp8-block": Fp8Scheme(block=(128, 128)), "fp8-channel": Fp8Scheme()}
 # --tiny: the same code on shapes a CPU runs in seconds (the kernel section in Triton's interpreter); a vocabulary
 # of 2048: `common.ragged_step` draws its ids below that
@@ -91,7 +94,7 @@ def dummy_runner(config: ModelConfig, device: torch.device, dtype: torch.dtype, 
     with torch.device("meta"):
         model = build_model(config).to(dtype)
         if config.quantization is not None:
-            model = empty_fp8_linears(model, config.quantization)
+            model = empty_fp8_experts(empty_fp8_linears(model, config.quantization), config.quantization)
     model = model.to_empty(device=device)
     model.init_rope(device)
     gen = torch.Generator(device=device).manual_seed(0)
@@ -100,7 +103,7 @@ def dummy_runner(config: ModelConfig, device: torch.device, dtype: torch.dtype, 
             param.fill_(1.0)
         elif param.dtype == FP8:
             param.copy_(torch.randn(param.shape, generator=gen, device=device, dtype=torch.bfloat16).clamp(-fp8.FP8_MAX, fp8.FP8_MAX))
-        elif name.endswith(("weight_scale", "weight_scale_inv")):
+        elif name.endswith(("weight_scale", "weight_scale_inv", "proj_scale")):
             param.uniform_(0.018, 0.022, generator=gen)
         else:
             param.normal_(0.0, 0.02, generator=gen)
@@ -135,6 +138,10 @@ def kernel_rows(args: argparse.Namespace, device: torch.device, dtype: torch.dty
     gen = torch.Generator(device=device).manual_seed(1)
     gate_up = 0.02 * torch.randn(experts, 2 * inter, hidden, generator=gen, device=device, dtype=dtype)
     down = 0.02 * torch.randn(experts, hidden, inter, generator=gen, device=device, dtype=dtype)
+    block = TINY_BLOCK if args.tiny else MOE_FP8_BLOCK
+    fp8_stacks = [(torch.randn(stack.shape, generator=gen, device=device) * 64).to(FP8) for stack in (gate_up, down)]
+    fp8_scales = [torch.full(scale_shape(stack.shape, block), 0.02 / 64, device=device) for stack in fp8_stacks]
+    fp8_twin = [dequantize(stack, scale, block, dtype) for stack, scale in zip(fp8_stacks, fp8_scales)]
     rows = []
     for tokens in TINY_KERNEL_TOKENS if args.tiny else KERNEL_TOKENS:
         x = torch.randn(tokens, hidden, generator=gen, device=device, dtype=dtype)
@@ -144,7 +151,11 @@ def kernel_rows(args: argparse.Namespace, device: torch.device, dtype: torch.dty
         rows.append({"tokens": tokens, "experts_hit": int(ids.unique().numel()),
                      "fused_us": 1e3 * median_ms(lambda: fused_experts(x, gate_up, down, weights, ids), device.type, args.repeats),
                      "twin_us": 1e3 * median_ms(lambda: experts_reference(x, gate_up, down, weights, ids), device.type, args.repeats),
-                     "rel_diff": worst_row_rel_diff(fused.float(), twin.float())})  # fmt: skip
+                     "rel_diff": worst_row_rel_diff(fused.float(), twin.float()),
+                     "fp8_fused_us": 1e3 * median_ms(lambda: fused_experts(x, *fp8_stacks, weights, ids, (*fp8_scales, block)),
+                                                     device.type, args.repeats),
+                     "fp8_rel_diff": worst_row_rel_diff(fused_experts(x, *fp8_stacks, weights, ids, (*fp8_scales, block)).float(),
+                                                        experts_reference(x, *fp8_twin, weights, ids).float())})  # fmt: skip
     return rows
 
 
@@ -158,7 +169,8 @@ def step_bytes(runner: ModelRunner, experts_hit: list[int], num_tokens: int, con
     for name, param in runner.model.named_parameters():
         if "embed_tokens" not in name and ".experts." not in name:
             total += param.numel() * param.element_size()
-    expert_bytes = 3 * config.hidden_size * config.moe_intermediate_size * runner.dtype.itemsize
+    stacks = next((m for m in runner.model.modules() if isinstance(m, Experts)), None)  # every sparse layer's are alike
+    expert_bytes = sum(p.numel() * p.element_size() for p in stacks.parameters()) // config.num_experts if stacks else 0  # scales too
     return total + expert_bytes * sum(experts_hit)
 
 
@@ -198,12 +210,16 @@ def decode_row(runner: ModelRunner, batch: int, context: int, repeats: int, band
 
 
 def moe_rows(args: argparse.Namespace, device: torch.device, dtype: torch.dtype, bandwidth: float) -> list[dict]:
+    """The 30B-A3B decode rows in bf16, then with every projection and expert stack FP8 block-wise."""
     batches, context = (TINY_BATCHES, TINY_CONTEXT) if args.tiny else (BATCHES, CONTEXT)
-    runner = dummy_runner(model_config(args, moe=True), device, dtype, max(batches), context)
-    rows = [{"model": "Qwen3-30B-A3B", **decode_row(runner, b, context, args.repeats, bandwidth)} for b in batches]
-    del runner
-    free_device_memory()
-    return rows
+    rows = []
+    for layout, scheme in (("bf16", None), ("fp8-block", Fp8Scheme(block=MOE_FP8_BLOCK))):
+        runner = dummy_runner(model_config(args, moe=True, scheme=scheme), device, dtype, max(batches), context)
+        rows += [{"model": "Qwen3-30B-A3B", "layout": layout, **decode_row(runner, b, context, args.repeats, bandwidth)} for b in batches]
+        del runner
+        free_device_memory()
+    base = {r["batch"]: r["step_ms"] for r in rows if r["layout"] == "bf16"}
+    return [{**r, "step_over_bf16": round(r["step_ms"] / base[r["batch"]], 3)} for r in rows]
 
 
 def layout_rows(args: argparse.Namespace, layout: str, device: torch.device, dtype: torch.dtype, bandwidth: float,
@@ -353,9 +369,11 @@ def run(args: argparse.Namespace) -> dict:
 
 def table(result: dict) -> str:
     lines = [f"device {result['device']}, torch {result['torch']}, copy {result['copy_gb_per_s']} GB/s, {result['elapsed_s']} s", "",
-             "| MoE experts, tokens | experts hit | fused µs | twin µs | rel diff |", "|---|---|---|---|---|"]  # fmt: skip
+             "| MoE experts, tokens | experts hit | fused µs | twin µs | rel diff | FP8 fused µs | FP8 rel diff |",
+             "|---|---|---|---|---|---|---|"]  # fmt: skip
     for r in result["moe_kernel"] if isinstance(result["moe_kernel"], list) else []:
-        lines.append(f"| {r['tokens']} | {r['experts_hit']} | {r['fused_us']:.1f} | {r['twin_us']:.1f} | {r['rel_diff']:.2e} |")
+        lines.append(f"| {r['tokens']} | {r['experts_hit']} | {r['fused_us']:.1f} | {r['twin_us']:.1f} | {r['rel_diff']:.2e} "
+                     f"| {r['fp8_fused_us']:.1f} | {r['fp8_rel_diff']:.2e} |")  # fmt: skip
     lines += ["", "| model | layout | batch | ms/step | tok/s | floor ms (GB read) | floor/step | x bf16 | tokens = eager |",
               "|---|---|---|---|---|---|---|---|---|"]
     steps = [*(result["moe_steps"] if isinstance(result["moe_steps"], list) else []),
