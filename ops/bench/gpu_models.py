@@ -26,6 +26,9 @@ is skipped:
   numbers are FP8 activation quantization's own error).
 - `fp8_linear`: µs per call of each Qwen3-8B projection at batch 1 and 64 (a CUDA graph of 10 calls
   replayed): FP8 block-wise, FP8 per-channel and bf16 `F.linear`, with the weight's GB/s.
+- `fp8_tiles`: for tuning `triton_fp8.tiles`: each projection at batch 1 and 64 through the
+  block-wise kernel under every (BLOCK_N 32/64/128, programs per SM 2/4/8, stages 3/4/5); `default`
+  marks the tiling `tiles` chooses. The table lists the fastest and the default per projection.
 - `fp8_logprobs`: each FP8 layout's log-softmax over 4 prompts of 64 tokens against the same weights
   dequantized to bf16 (`Fp8Linear`'s twin, activations not quantized): largest |diff| over the
   reference's top-20 and over the whole vocabulary, and how often the greedy token agrees (through 36
@@ -304,6 +307,50 @@ def fp8_linear_rows(args: argparse.Namespace, device: torch.device, dtype: torch
     return rows
 
 
+# fp8_tiles: the decode tilings tried against `triton_fp8.tiles`' choice (block-wise 128 x 128), for tuning it
+TILE_CANDIDATES = [(block_n, per_sm, stages) for block_n in (32, 64, 128) for per_sm in (2, 4, 8) for stages in (3, 4, 5)]
+
+
+@torch.inference_mode()
+def fp8_tile_rows(args: argparse.Namespace, device: torch.device, dtype: torch.dtype) -> list[dict]:
+    """µs of each Qwen3-8B projection through the block-wise FP8 kernel at each decode batch, under
+    each candidate (BLOCK_N, programs per SM, stages), set on `triton_fp8` for the call."""
+    from services.scheduler.model import triton_fp8
+
+    block = TINY_BLOCK if args.tiny else (128, 128)
+    candidates = TILE_CANDIDATES[:2] if args.tiny else TILE_CANDIDATES
+    gen = torch.Generator(device=device).manual_seed(3)
+    rows = []
+    for name, (n, k) in projection_shapes(model_config(args, moe=False)).items():
+        layer = Fp8Linear(k, n, False, block, dtype).to(device)
+        layer.weight.copy_(torch.randn(n, k, generator=gen, device=device).to(FP8))
+        layer.scale.fill_(0.02)
+        for batch in TINY_BATCHES if args.tiny else BATCHES:
+            x = torch.randn(batch, k, generator=gen, device=device, dtype=dtype)
+            default = triton_fp8.tiles(batch, n, k, block[1], triton_fp8.num_sms(device))
+            for block_n, per_sm, stages in candidates:
+                with tiles_set(triton_fp8, block_n, per_sm, stages) as plan_of:
+                    us = 1e3 * median_ms(replayed(lambda: layer(x), device), device.type, args.repeats) / LINEAR_CALLS
+                    plan = plan_of(batch, n, k, block[1], triton_fp8.num_sms(device))
+                rows.append({"projection": name, "batch": batch, "block_n": block_n, "programs_per_sm": per_sm, "stages": stages,
+                             "splits": plan.splits, "us": round(us, 2), "weight_gb_per_s": round(n * k / us / 1e3, 1),
+                             "default": plan == default})  # fmt: skip
+    return rows
+
+
+@contextlib.contextmanager
+def tiles_set(module, block_n: int, per_sm: int, stages: int):
+    """`module.tiles` with these decode tiles, for the block's duration; yields the patched `tiles`."""
+    saved = module.DECODE_BLOCK_N, module.PROGRAMS_PER_SM, module.tiles
+    module.DECODE_BLOCK_N, module.PROGRAMS_PER_SM = block_n, per_sm
+    patched = lambda *a: dataclasses.replace(saved[2](*a), num_stages=stages)  # noqa: E731
+    module.tiles = patched
+    try:
+        yield patched
+    finally:
+        module.DECODE_BLOCK_N, module.PROGRAMS_PER_SM, module.tiles = saved
+
+
 def replayed(fn, device: torch.device):
     """LINEAR_CALLS calls of fn: one CUDA graph's replay on CUDA (no host launch gaps), a loop elsewhere."""
     if device.type != "cuda":
@@ -363,6 +410,7 @@ def run(args: argparse.Namespace) -> dict:
     result["fp8_logprobs"] = logprobs
     result["fp8_w8a8"] = w8a8
     section("fp8_linear", lambda: fp8_linear_rows(args, device, dtype))
+    section("fp8_tiles", lambda: fp8_tile_rows(args, device, dtype))
     free_device_memory()
     return finish_run(result, args, deadline, table)
 
@@ -397,6 +445,14 @@ def table(result: dict) -> str:
         for (name, batch), rows in _grouped(linear, ("projection", "batch")).items():
             cells = {r["layout"]: f"{r['us']} ({r['weight_gb_per_s']})" for r in rows}
             lines.append(f"| {name} ({rows[0]['n']} x {rows[0]['k']}) | {batch} | " + " | ".join(cells.get(lay, "") for lay in FP8_LAYOUTS) + " |")
+    tiles = result.get("fp8_tiles")
+    if isinstance(tiles, list):
+        lines += ["", "| FP8 tiles: projection | batch | default µs (BLOCK_N, per SM, stages) | best µs (BLOCK_N, per SM, stages) |",
+                  "|---|---|---|---|"]
+        for (name, batch), rows in _grouped(tiles, ("projection", "batch")).items():
+            best, default = min(rows, key=lambda r: r["us"]), next((r for r in rows if r["default"]), None)
+            cell = lambda r: f"{r['us']} ({r['block_n']}, {r['programs_per_sm']}, {r['stages']})" if r else "-"  # noqa: E731
+            lines.append(f"| {name} | {batch} | {cell(default)} | {cell(best)} |")
     errors = [name for name, value in result.items() if isinstance(value, dict) and ("error" in value or "skipped" in value)]
     return "\n".join(lines + ([f"not run or failed: {', '.join(errors)}"] if errors else []))
 

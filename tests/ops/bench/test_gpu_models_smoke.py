@@ -4,7 +4,7 @@ tiny shape (on bf16 and FP8 stacks), every decode row of the MoE (bf16, FP8), bf
 layouts runs with its replay's tokens equal to eager, FP8's logprobs are compared (on the CPU both sides are the twin: 0), every FP8
 projection of every layer is checked against its W8A8 reference (on the CPU the twin runs, which
 does not quantize activations: a difference of FP8 activation rounding's size, which the check must
-see), and each projection shape is timed in every layout."""
+see), each projection shape is timed in every layout and, block-wise, under candidate decode tiles."""
 
 from __future__ import annotations
 
@@ -43,3 +43,4 @@ def test_cpu_tiny_run_in_the_triton_interpreter(tmp_path) -> None:
         (name, batch, layout) for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj") for batch in (1, 4)
         for layout in ("bf16", "fp8-block", "fp8-channel")
     }
+    assert len(result["fp8_tiles"]) == 4 * 2 * 2 and all(r["us"] > 0 and r["splits"] >= 1 for r in result["fp8_tiles"])
