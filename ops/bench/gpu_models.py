@@ -27,7 +27,7 @@ is skipped:
 - `fp8_linear`: µs per call of each Qwen3-8B projection at batch 1 and 64 (a CUDA graph of 10 calls
   replayed): FP8 block-wise, FP8 per-channel and bf16 `F.linear`, with the weight's GB/s.
 - `fp8_tiles`: for tuning `triton_fp8.tiles`: each projection at batch 1 and 64 through the
-  block-wise kernel under every (BLOCK_N 32/64/128, programs per SM 2/4/8, stages 3/4/5); `default`
+  block-wise kernel under every (BLOCK_N 32/64/128, programs per SM 1/2/4/8, stages 3/4/5); `default`
   marks the tiling `tiles` chooses. The table lists the fastest and the default per projection.
 - `fp8_logprobs`: each FP8 layout's log-softmax over 4 prompts of 64 tokens against the same weights
   dequantized to bf16 (`Fp8Linear`'s twin, activations not quantized): largest |diff| over the
@@ -308,7 +308,7 @@ def fp8_linear_rows(args: argparse.Namespace, device: torch.device, dtype: torch
 
 
 # fp8_tiles: the decode tilings tried against `triton_fp8.tiles`' choice (block-wise 128 x 128), for tuning it
-TILE_CANDIDATES = [(block_n, per_sm, stages) for block_n in (32, 64, 128) for per_sm in (2, 4, 8) for stages in (3, 4, 5)]
+TILE_CANDIDATES = [(block_n, per_sm, stages) for block_n in (32, 64, 128) for per_sm in (1, 2, 4, 8) for stages in (3, 4, 5)]
 
 
 @torch.inference_mode()

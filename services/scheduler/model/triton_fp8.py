@@ -100,7 +100,8 @@ def tiles(num_rows: int, out_features: int, in_features: int, block_k: int, num_
     block_m = max(16, triton.next_power_of_2(num_rows)) if decode else 64
     block_n = DECODE_BLOCK_N if decode else 128
     steps = triton.cdiv(in_features, block_k)
-    wanted = triton.cdiv(PROGRAMS_PER_SM * num_sms, triton.cdiv(num_rows, block_m) * triton.cdiv(out_features, block_n))
+    # split only where it at least doubles the programs: each split costs the partials' pass
+    wanted = PROGRAMS_PER_SM * num_sms // (triton.cdiv(num_rows, block_m) * triton.cdiv(out_features, block_n))
     # the partial sums (S x M x N fp32, written then read) stay under half the weight's N x K bytes
     splits = max(1, min(wanted, steps // MIN_STEPS_PER_SPLIT, in_features // (8 * num_rows)))
     per_split = triton.cdiv(steps, splits)
