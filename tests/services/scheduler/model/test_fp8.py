@@ -187,6 +187,8 @@ def test_fp8_path_matches_its_w8a8_reference_interpreted(num_rows: int, layout: 
     # fp32 sums in another order; cuBLAS's row-scaled GEMM writes bf16
     tolerance = 4e-3 if linear.on_cublas(num_rows) else 1e-5
     torch.testing.assert_close(got, want, atol=tolerance * float(want.abs().max()), rtol=tolerance)
+    twin = torch.nn.functional.linear(x, linear.dequantized(torch.float32))  # the CPU path: activations as they are, here exact
+    torch.testing.assert_close(got, twin, atol=tolerance * float(want.abs().max()), rtol=tolerance)
 
 
 def representable_activations(num_rows: int, in_features: int, group: int, gen: torch.Generator) -> torch.Tensor:
