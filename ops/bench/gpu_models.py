@@ -7,17 +7,32 @@ Sections, each in its own try/except; one that would start more than --budget-s 
 is skipped:
 - `moe_kernel`: one sparse layer's experts at the 30B-A3B shape (128 experts, top 8, H 2048, I 768)
   for 1, 64 and 2048 tokens, uneven random routing: µs of `triton_moe.fused_experts` and of
-  `moe.experts_reference`, and the largest |diff| over the largest |value|.
+  `moe.experts_reference`, and the largest |diff| over the largest |value|; then the fused kernel on
+  FP8 stacks (128 x 128 block scales) against the twin on their dequantized weights.
 - `moe_steps`: the 30B-A3B decode step (context 256, CUDA graph replayed, the fused kernels on) at
   batch 1 and 64: ms/step, tok/s, and the floor: the bytes the step reads (attention, router, the
   distinct experts its routing hits, the LM head; measured from one eager step) at the measured
-  copy bandwidth; the replay's next tokens against the eager step's.
+  copy bandwidth; the replay's next tokens against the eager step's. In bf16, then FP8 block-wise
+  (projections and expert stacks; `x bf16` the step over bf16's).
 - `fp8_steps_<layout>`: Qwen3-8B bf16, FP8 block-wise and FP8 per-channel (a section each), decode
   step at batch 1 and 64 as above; `fp8_steps` gathers them with each step over bf16's (issue 42's
   target: block-wise batch 1 <= 0.65).
+- `fp8_w8a8`: is FP8 on CUDA right? In each FP8 layout's model, every `Fp8Linear` of every layer is
+  checked during a decode step (batch 1 and 64) and a prefill of 4 x 64 tokens: its output on the
+  device against `Fp8Linear.w8a8_reference` on the same input (fp32, activations quantized per token
+  and 128 columns as the kernel does, per row on cuBLAS's path): per layer, the largest |diff| and
+  that over the largest |reference| of its projections. Bound: bf16's rounding of the output (2^-8 of
+  the largest value) and fp32 summation order; `path` says which path ran ("twin" off CUDA: then the
+  numbers are FP8 activation quantization's own error).
+- `fp8_linear`: µs per call of each Qwen3-8B projection at batch 1 and 64 (a CUDA graph of 10 calls
+  replayed): FP8 block-wise, FP8 per-channel and bf16 `F.linear`, with the weight's GB/s.
+- `fp8_tiles`: for tuning `triton_fp8.tiles`: each projection at batch 1 and 64 through the
+  block-wise kernel under every (BLOCK_N 32/64/128, programs per SM 1/2/4/8, stages 3/4/5); `default`
+  marks the tiling `tiles` chooses. The table lists the fastest and the default per projection.
 - `fp8_logprobs`: each FP8 layout's log-softmax over 4 prompts of 64 tokens against the same weights
-  dequantized to bf16 (`Fp8Linear`'s twin): largest |diff| over the reference's top-20 and over the
-  whole vocabulary, and how often the greedy token agrees.
+  dequantized to bf16 (`Fp8Linear`'s twin, activations not quantized): largest |diff| over the
+  reference's top-20 and over the whole vocabulary, and how often the greedy token agrees (through 36
+  random layers this mostly measures FP8 activation rounding amplified; `fp8_w8a8` is the check).
 
     sparkwire bench gpu-models --out $OUT/gpu_models.json
     TRITON_INTERPRET=1 python ops/bench/gpu_models.py --device cpu --tiny --out /tmp/models.json  # smoke
@@ -40,15 +55,16 @@ from ops.bench.common import (
 )  # fmt: skip
 from services.scheduler.model import fp8
 from services.scheduler.model.config import ModelConfig
-from services.scheduler.model.fp8 import FP8, Fp8Scheme, empty_fp8_linears
+from services.scheduler.model.fp8 import FP8, Fp8Linear, Fp8Scheme, dequantize, empty_fp8_linears, scale_shape
 from services.scheduler.model.kv_cache import PagedKVCache
-from services.scheduler.model.moe import SparseMoE, experts_reference, route
+from services.scheduler.model.moe import Experts, SparseMoE, empty_fp8_experts, experts_reference, route
 from services.scheduler.model.registry import build_model
 from services.scheduler.model.runner import ModelRunner
 
 MOE_MODEL, DENSE_MODEL = MODEL_CONFIGS / "Qwen3-30B-A3B", MODEL_CONFIGS / "Qwen3-8B"
 BATCHES, CONTEXT, PAGE = (1, 64), 256, 16
 KERNEL_TOKENS = (1, 64, 2048)
+MOE_FP8_BLOCK = (128, 128)  # Qwen3-30B-A3B-FP8's tiles
 FP8_LAYOUTS = {"bf16": None, "fp8-block": Fp8Scheme(block=(128, 128)), "fp8-channel": Fp8Scheme()}
 # --tiny: the same code on shapes a CPU runs in seconds (the kernel section in Triton's interpreter); a vocabulary
 # of 2048: `common.ragged_step` draws its ids below that
@@ -58,6 +74,8 @@ TINY_MOE = {"architectures": ["Qwen3MoeForCausalLM"], "vocab_size": 2048, "hidde
 TINY_DENSE = {**{k: v for k, v in TINY_MOE.items() if "expert" not in k and "moe" not in k and k != "norm_topk_prob"},
               "architectures": ["Qwen3ForCausalLM"]}  # fmt: skip
 TINY_BATCHES, TINY_CONTEXT, TINY_KERNEL_TOKENS, TINY_BLOCK = (1, 4), 20, (1, 5), (32, 32)
+W8A8_BOUND = 1e-2  # fp8_w8a8: largest |diff| over largest |reference| a layer may show (bf16 output rounding: 2^-8)
+LINEAR_CALLS = 10  # fp8_linear: calls per timed graph replay
 
 
 # ---- dummy models ----
@@ -79,7 +97,7 @@ def dummy_runner(config: ModelConfig, device: torch.device, dtype: torch.dtype, 
     with torch.device("meta"):
         model = build_model(config).to(dtype)
         if config.quantization is not None:
-            model = empty_fp8_linears(model, config.quantization)
+            model = empty_fp8_experts(empty_fp8_linears(model, config.quantization), config.quantization)
     model = model.to_empty(device=device)
     model.init_rope(device)
     gen = torch.Generator(device=device).manual_seed(0)
@@ -88,7 +106,7 @@ def dummy_runner(config: ModelConfig, device: torch.device, dtype: torch.dtype, 
             param.fill_(1.0)
         elif param.dtype == FP8:
             param.copy_(torch.randn(param.shape, generator=gen, device=device, dtype=torch.bfloat16).clamp(-fp8.FP8_MAX, fp8.FP8_MAX))
-        elif name.endswith(("weight_scale", "weight_scale_inv")):
+        elif name.endswith(("weight_scale", "weight_scale_inv", "proj_scale")):
             param.uniform_(0.018, 0.022, generator=gen)
         else:
             param.normal_(0.0, 0.02, generator=gen)
@@ -123,6 +141,10 @@ def kernel_rows(args: argparse.Namespace, device: torch.device, dtype: torch.dty
     gen = torch.Generator(device=device).manual_seed(1)
     gate_up = 0.02 * torch.randn(experts, 2 * inter, hidden, generator=gen, device=device, dtype=dtype)
     down = 0.02 * torch.randn(experts, hidden, inter, generator=gen, device=device, dtype=dtype)
+    block = TINY_BLOCK if args.tiny else MOE_FP8_BLOCK
+    fp8_stacks = [(torch.randn(stack.shape, generator=gen, device=device) * 64).to(FP8) for stack in (gate_up, down)]
+    fp8_scales = [torch.full(scale_shape(stack.shape, block), 0.02 / 64, device=device) for stack in fp8_stacks]
+    fp8_twin = [dequantize(stack, scale, block, dtype) for stack, scale in zip(fp8_stacks, fp8_scales)]
     rows = []
     for tokens in TINY_KERNEL_TOKENS if args.tiny else KERNEL_TOKENS:
         x = torch.randn(tokens, hidden, generator=gen, device=device, dtype=dtype)
@@ -132,7 +154,11 @@ def kernel_rows(args: argparse.Namespace, device: torch.device, dtype: torch.dty
         rows.append({"tokens": tokens, "experts_hit": int(ids.unique().numel()),
                      "fused_us": 1e3 * median_ms(lambda: fused_experts(x, gate_up, down, weights, ids), device.type, args.repeats),
                      "twin_us": 1e3 * median_ms(lambda: experts_reference(x, gate_up, down, weights, ids), device.type, args.repeats),
-                     "rel_diff": worst_row_rel_diff(fused.float(), twin.float())})  # fmt: skip
+                     "rel_diff": worst_row_rel_diff(fused.float(), twin.float()),
+                     "fp8_fused_us": 1e3 * median_ms(lambda: fused_experts(x, *fp8_stacks, weights, ids, (*fp8_scales, block)),
+                                                     device.type, args.repeats),
+                     "fp8_rel_diff": worst_row_rel_diff(fused_experts(x, *fp8_stacks, weights, ids, (*fp8_scales, block)).float(),
+                                                        experts_reference(x, *fp8_twin, weights, ids).float())})  # fmt: skip
     return rows
 
 
@@ -146,7 +172,8 @@ def step_bytes(runner: ModelRunner, experts_hit: list[int], num_tokens: int, con
     for name, param in runner.model.named_parameters():
         if "embed_tokens" not in name and ".experts." not in name:
             total += param.numel() * param.element_size()
-    expert_bytes = 3 * config.hidden_size * config.moe_intermediate_size * runner.dtype.itemsize
+    stacks = next((m for m in runner.model.modules() if isinstance(m, Experts)), None)  # every sparse layer's are alike
+    expert_bytes = sum(p.numel() * p.element_size() for p in stacks.parameters()) // config.num_experts if stacks else 0  # scales too
     return total + expert_bytes * sum(experts_hit)
 
 
@@ -186,23 +213,28 @@ def decode_row(runner: ModelRunner, batch: int, context: int, repeats: int, band
 
 
 def moe_rows(args: argparse.Namespace, device: torch.device, dtype: torch.dtype, bandwidth: float) -> list[dict]:
+    """The 30B-A3B decode rows in bf16, then with every projection and expert stack FP8 block-wise."""
     batches, context = (TINY_BATCHES, TINY_CONTEXT) if args.tiny else (BATCHES, CONTEXT)
-    runner = dummy_runner(model_config(args, moe=True), device, dtype, max(batches), context)
-    rows = [{"model": "Qwen3-30B-A3B", **decode_row(runner, b, context, args.repeats, bandwidth)} for b in batches]
-    del runner
-    free_device_memory()
-    return rows
+    rows = []
+    for layout, scheme in (("bf16", None), ("fp8-block", Fp8Scheme(block=MOE_FP8_BLOCK))):
+        runner = dummy_runner(model_config(args, moe=True, scheme=scheme), device, dtype, max(batches), context)
+        rows += [{"model": "Qwen3-30B-A3B", "layout": layout, **decode_row(runner, b, context, args.repeats, bandwidth)} for b in batches]
+        del runner
+        free_device_memory()
+    base = {r["batch"]: r["step_ms"] for r in rows if r["layout"] == "bf16"}
+    return [{**r, "step_over_bf16": round(r["step_ms"] / base[r["batch"]], 3)} for r in rows]
 
 
 def layout_rows(args: argparse.Namespace, layout: str, device: torch.device, dtype: torch.dtype, bandwidth: float,
-                logprobs: list[dict]) -> list[dict]:  # fmt: skip
-    """One layout's decode rows (and, for FP8, its logprob agreement)."""
+                logprobs: list[dict], w8a8: list[dict]) -> list[dict]:  # fmt: skip
+    """One layout's decode rows (and, for FP8, its logprob agreement and W8A8 check)."""
     batches, context = (TINY_BATCHES, TINY_CONTEXT) if args.tiny else (BATCHES, CONTEXT)
     scheme = FP8_LAYOUTS[layout]
     runner = dummy_runner(model_config(args, moe=False, scheme=scheme), device, dtype, max(batches), context)
     try:
         if scheme is not None:
             logprobs.append({"layout": layout, **logprob_agreement(runner, length=min(64, context))})
+            w8a8.extend({"layout": layout, **row} for row in w8a8_rows(runner, batches, context))
         return [{"model": "Qwen3-8B", "layout": layout, **decode_row(runner, b, context, args.repeats, bandwidth)} for b in batches]
     finally:
         del runner
@@ -214,6 +246,122 @@ def fp8_rows(result: dict) -> list[dict]:
     rows = [r for layout in FP8_LAYOUTS for r in result.get(f"fp8_steps_{layout}") or [] if isinstance(r, dict)]
     base = {r["batch"]: r["step_ms"] for r in rows if r["layout"] == "bf16"}
     return [{**r, "step_over_bf16": round(r["step_ms"] / base[r["batch"]], 3) if r["batch"] in base else None} for r in rows]
+
+
+@torch.inference_mode()
+def w8a8_rows(runner: ModelRunner, batches: tuple[int, ...], context: int) -> list[dict]:
+    """Per (step, layer): every Fp8Linear's device output against its `w8a8_reference`, checked in a
+    forward hook as eager steps run (decode at each batch, then a prefill of 4 prompts)."""
+    length = min(64, context)
+    steps = [(f"decode {b}", ragged_step([(context - 1, 1)] * b, PAGE, -(-context // PAGE), runner.device.type)) for b in batches]
+    steps.append((f"prefill 4x{length}", ragged_step([(0, length)] * 4, PAGE, -(-length // PAGE), runner.device.type)))
+    worst: dict[tuple[str, int], dict] = {}
+    current = [""]
+
+    def check(layer: int, module: Fp8Linear, inputs: tuple, output: torch.Tensor) -> None:
+        want = module.w8a8_reference(inputs[0])
+        row = worst.setdefault((current[0], layer), {"step": current[0], "layer": layer, "max_abs": 0.0, "ref_max": 0.0})
+        row["max_abs"] = max(row["max_abs"], float((output.float() - want).abs().max()))
+        row["ref_max"] = max(row["ref_max"], float(want.abs().max()))
+
+    handles = [module.register_forward_hook(lambda m, i, o, layer=int(name.split(".")[2]): check(layer, m, i, o))
+               for name, module in runner.model.named_modules() if isinstance(module, Fp8Linear)]  # fmt: skip
+    try:
+        for current[0], step in steps:
+            runner.forward(step)
+    finally:
+        for handle in handles:
+            handle.remove()
+    path = "fp8" if fp8.fp8_matmul_available(runner.device) else "twin"
+    return [{**row, "path": path, "max_rel": row["max_abs"] / max(row["ref_max"], 1e-30),
+             "within_bound": row["max_abs"] <= W8A8_BOUND * row["ref_max"]} for row in worst.values()]  # fmt: skip
+
+
+def projection_shapes(config: ModelConfig) -> dict[str, tuple[int, int]]:
+    """(N, K) of a decoder layer's four projections."""
+    heads, kv, hd, hidden = config.num_attention_heads, config.num_key_value_heads, config.head_dim, config.hidden_size
+    inter = config.intermediate_size
+    return {"qkv_proj": ((heads + 2 * kv) * hd, hidden), "o_proj": (hidden, heads * hd), "gate_up_proj": (2 * inter, hidden),
+            "down_proj": (hidden, inter)}  # fmt: skip
+
+
+@torch.inference_mode()
+def fp8_linear_rows(args: argparse.Namespace, device: torch.device, dtype: torch.dtype) -> list[dict]:
+    rows = []
+    gen = torch.Generator(device=device).manual_seed(2)
+    for name, (n, k) in projection_shapes(model_config(args, moe=False)).items():
+        layers = {"bf16": torch.nn.Linear(k, n, bias=False, device=device, dtype=dtype)}
+        for layout, scheme in FP8_LAYOUTS.items():
+            if scheme is not None:
+                block = (TINY_BLOCK if args.tiny else scheme.block) if scheme.block else None
+                layers[layout] = Fp8Linear(k, n, False, block, dtype).to(device)
+                layers[layout].weight.copy_(torch.randn(n, k, generator=gen, device=device).to(FP8))
+                layers[layout].scale.fill_(0.02)
+        for batch in TINY_BATCHES if args.tiny else BATCHES:
+            x = torch.randn(batch, k, generator=gen, device=device, dtype=dtype)
+            for layout, layer in layers.items():
+                us = 1e3 * median_ms(replayed(lambda layer=layer: layer(x), device), device.type, args.repeats) / LINEAR_CALLS
+                weight_bytes = layer.weight.numel() * layer.weight.element_size()
+                rows.append({"projection": name, "n": n, "k": k, "batch": batch, "layout": layout, "us": round(us, 2),
+                             "weight_gb_per_s": round(weight_bytes / us / 1e3, 1)})  # fmt: skip
+    return rows
+
+
+# fp8_tiles: the decode tilings tried against `triton_fp8.tiles`' choice (block-wise 128 x 128), for tuning it
+TILE_CANDIDATES = [(block_n, per_sm, stages) for block_n in (32, 64, 128) for per_sm in (1, 2, 4, 8) for stages in (3, 4, 5)]
+
+
+@torch.inference_mode()
+def fp8_tile_rows(args: argparse.Namespace, device: torch.device, dtype: torch.dtype) -> list[dict]:
+    """µs of each Qwen3-8B projection through the block-wise FP8 kernel at each decode batch, under
+    each candidate (BLOCK_N, programs per SM, stages), set on `triton_fp8` for the call."""
+    from services.scheduler.model import triton_fp8
+
+    block = TINY_BLOCK if args.tiny else (128, 128)
+    candidates = TILE_CANDIDATES[:2] if args.tiny else TILE_CANDIDATES
+    gen = torch.Generator(device=device).manual_seed(3)
+    rows = []
+    for name, (n, k) in projection_shapes(model_config(args, moe=False)).items():
+        layer = Fp8Linear(k, n, False, block, dtype).to(device)
+        layer.weight.copy_(torch.randn(n, k, generator=gen, device=device).to(FP8))
+        layer.scale.fill_(0.02)
+        for batch in TINY_BATCHES if args.tiny else BATCHES:
+            x = torch.randn(batch, k, generator=gen, device=device, dtype=dtype)
+            default = triton_fp8.tiles(batch, n, k, block[1], triton_fp8.num_sms(device))
+            for block_n, per_sm, stages in candidates:
+                with tiles_set(triton_fp8, block_n, per_sm, stages) as plan_of:
+                    us = 1e3 * median_ms(replayed(lambda: layer(x), device), device.type, args.repeats) / LINEAR_CALLS
+                    plan = plan_of(batch, n, k, block[1], triton_fp8.num_sms(device))
+                rows.append({"projection": name, "batch": batch, "block_n": block_n, "programs_per_sm": per_sm, "stages": stages,
+                             "splits": plan.splits, "us": round(us, 2), "weight_gb_per_s": round(n * k / us / 1e3, 1),
+                             "default": plan == default})  # fmt: skip
+    return rows
+
+
+@contextlib.contextmanager
+def tiles_set(module, block_n: int, per_sm: int, stages: int):
+    """`module.tiles` with these decode tiles, for the block's duration; yields the patched `tiles`."""
+    saved = module.DECODE_BLOCK_N, module.PROGRAMS_PER_SM, module.tiles
+    module.DECODE_BLOCK_N, module.PROGRAMS_PER_SM = block_n, per_sm
+    patched = lambda *a: dataclasses.replace(saved[2](*a), num_stages=stages)  # noqa: E731
+    module.tiles = patched
+    try:
+        yield patched
+    finally:
+        module.DECODE_BLOCK_N, module.PROGRAMS_PER_SM, module.tiles = saved
+
+
+def replayed(fn, device: torch.device):
+    """LINEAR_CALLS calls of fn: one CUDA graph's replay on CUDA (no host launch gaps), a loop elsewhere."""
+    if device.type != "cuda":
+        return lambda: [fn() for _ in range(LINEAR_CALLS)]
+    fn()  # compiles before capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(LINEAR_CALLS):
+            fn()
+    return graph.replay
 
 
 @contextlib.contextmanager
@@ -255,18 +403,25 @@ def run(args: argparse.Namespace) -> dict:
         result["moe_kernel"] = {"skipped": "needs CUDA or TRITON_INTERPRET=1"}
     section("moe_steps", lambda: moe_rows(args, device, dtype, bandwidth))
     logprobs: list[dict] = []
+    w8a8: list[dict] = []
     for layout in FP8_LAYOUTS:
-        section(f"fp8_steps_{layout}", lambda layout=layout: layout_rows(args, layout, device, dtype, bandwidth, logprobs))
+        section(f"fp8_steps_{layout}", lambda layout=layout: layout_rows(args, layout, device, dtype, bandwidth, logprobs, w8a8))
     result["fp8_steps"] = fp8_rows(result)
     result["fp8_logprobs"] = logprobs
+    result["fp8_w8a8"] = w8a8
+    section("fp8_linear", lambda: fp8_linear_rows(args, device, dtype))
+    section("fp8_tiles", lambda: fp8_tile_rows(args, device, dtype))
+    free_device_memory()
     return finish_run(result, args, deadline, table)
 
 
 def table(result: dict) -> str:
     lines = [f"device {result['device']}, torch {result['torch']}, copy {result['copy_gb_per_s']} GB/s, {result['elapsed_s']} s", "",
-             "| MoE experts, tokens | experts hit | fused µs | twin µs | rel diff |", "|---|---|---|---|---|"]  # fmt: skip
+             "| MoE experts, tokens | experts hit | fused µs | twin µs | rel diff | FP8 fused µs | FP8 rel diff |",
+             "|---|---|---|---|---|---|---|"]  # fmt: skip
     for r in result["moe_kernel"] if isinstance(result["moe_kernel"], list) else []:
-        lines.append(f"| {r['tokens']} | {r['experts_hit']} | {r['fused_us']:.1f} | {r['twin_us']:.1f} | {r['rel_diff']:.2e} |")
+        lines.append(f"| {r['tokens']} | {r['experts_hit']} | {r['fused_us']:.1f} | {r['twin_us']:.1f} | {r['rel_diff']:.2e} "
+                     f"| {r['fp8_fused_us']:.1f} | {r['fp8_rel_diff']:.2e} |")  # fmt: skip
     lines += ["", "| model | layout | batch | ms/step | tok/s | floor ms (GB read) | floor/step | x bf16 | tokens = eager |",
               "|---|---|---|---|---|---|---|---|---|"]
     steps = [*(result["moe_steps"] if isinstance(result["moe_steps"], list) else []),
@@ -277,8 +432,36 @@ def table(result: dict) -> str:
     lines += ["", "| FP8 layout | rows | max |Δ logprob| top-20 | max |Δ| all | greedy agree |", "|---|---|---|---|---|"]
     for r in result["fp8_logprobs"]:
         lines.append(f"| {r['layout']} | {r['rows']} | {r['max_abs_diff_top20']:.4f} | {r['max_abs_diff_all']:.4f} | {r['greedy_agree']} |")
+    lines += ["", "| FP8 W8A8 check: layout | step | path | layers | worst layer | max |diff| | over max |ref| | all within bound |",
+              "|---|---|---|---|---|---|---|---|"]
+    for (layout, step), rows in sorted(_grouped(result["fp8_w8a8"], ("layout", "step")).items()):
+        bad = max(rows, key=lambda r: r["max_rel"])
+        lines.append(f"| {layout} | {step} | {bad['path']} | {len(rows)} | {bad['layer']} | {bad['max_abs']:.3g} | {bad['max_rel']:.2e} "
+                     f"| {all(r['within_bound'] for r in rows)} |")  # fmt: skip
+    linear = result.get("fp8_linear")
+    if isinstance(linear, list):
+        lines += ["", "| projection (N x K) | batch | " + " | ".join(f"{layout} µs (GB/s)" for layout in FP8_LAYOUTS) + " |",
+                  "|---|---|" + "---|" * len(FP8_LAYOUTS)]  # fmt: skip
+        for (name, batch), rows in _grouped(linear, ("projection", "batch")).items():
+            cells = {r["layout"]: f"{r['us']} ({r['weight_gb_per_s']})" for r in rows}
+            lines.append(f"| {name} ({rows[0]['n']} x {rows[0]['k']}) | {batch} | " + " | ".join(cells.get(lay, "") for lay in FP8_LAYOUTS) + " |")
+    tiles = result.get("fp8_tiles")
+    if isinstance(tiles, list):
+        lines += ["", "| FP8 tiles: projection | batch | default µs (BLOCK_N, per SM, stages) | best µs (BLOCK_N, per SM, stages) |",
+                  "|---|---|---|---|"]
+        for (name, batch), rows in _grouped(tiles, ("projection", "batch")).items():
+            best, default = min(rows, key=lambda r: r["us"]), next((r for r in rows if r["default"]), None)
+            cell = lambda r: f"{r['us']} ({r['block_n']}, {r['programs_per_sm']}, {r['stages']})" if r else "-"  # noqa: E731
+            lines.append(f"| {name} | {batch} | {cell(default)} | {cell(best)} |")
     errors = [name for name, value in result.items() if isinstance(value, dict) and ("error" in value or "skipped" in value)]
     return "\n".join(lines + ([f"not run or failed: {', '.join(errors)}"] if errors else []))
+
+
+def _grouped(rows: list[dict], keys: tuple[str, ...]) -> dict[tuple, list[dict]]:
+    groups: dict[tuple, list[dict]] = {}
+    for row in rows:
+        groups.setdefault(tuple(row[key] for key in keys), []).append(row)
+    return groups
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -50,7 +50,7 @@ def add_model_arguments(parser: argparse.ArgumentParser, env: EnvSettings) -> No
         help="weights and KV cache (default: float32 on cpu, bfloat16 on cuda; auto: the checkpoint's torch_dtype)")  # fmt: skip
     add("--load-format", choices=LOAD_FORMATS, default="auto", help="dummy: random weights from config.json")
     add("--quantization", choices=QUANTIZATIONS, default=None,
-        help="fp8: quantize an unquantized checkpoint's projections to FP8 at load, per output channel (FP8 checkpoints "
+        help="fp8: quantize an unquantized checkpoint's projections and MoE experts to FP8 at load, per output channel (FP8 checkpoints "
              "load as shipped without it)")  # fmt: skip
     add("--logprobs-mode", choices=LOGPROBS_MODES, default="raw",
         help="raw: logprobs of the model's own distribution; processed: after temperature")  # fmt: skip

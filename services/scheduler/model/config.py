@@ -303,8 +303,6 @@ def _quantization(raw: dict[str, Any]) -> Fp8Scheme | None:
             f"quantization_config quant_method {method!r} is not supported (supported: {', '.join(SUPPORTED_QUANTIZATIONS)}, "
             "or an unquantized checkpoint)"
         )
-    if raw.get("num_experts") or raw.get("num_local_experts"):
-        raise UnsupportedModelError("fp8 checkpoints of mixture-of-experts models are not supported (dense models only)")
     return _fp8_scheme(quantization)
 
 

@@ -7,13 +7,15 @@ Three layouts, one module (`Fp8Linear`), dequantized as W = W8 * scale:
   per output row, held as one per row [N] so that fused q/k/v and gate/up keep each part's own;
 - `--quantization fp8` (`quantize_linears`): a bf16 checkpoint's weights quantized at load, per row
   (amax / 448).
-Activations are quantized per token on the fly ("dynamic": a per-tensor static `input_scale` is
-refused at config time): per token and column group inside the Triton kernel of `triton_fp8.py`
-(block-wise weights; per-row ones in decode-sized steps), per token for per-row weights in larger
-steps (`torch._scaled_mm`, row-wise scales).
-That path needs float8 tensor cores (CUDA compute capability 8.9+); elsewhere (CPU, older GPUs)
-the twin dequantizes the weight to the activations' dtype and runs the plain linear: the CPU tests'
-reference, which the GPU path matches to FP8 activation rounding (ops/bench gpu-models reports it).
+On CUDA (compute capability 8.9+, FP8 tensor cores) the projections are W8A8: activations are
+quantized per token on the fly ("dynamic": a per-tensor static `input_scale` is refused at config
+time), one fp32 scale per token and group of columns (`activation_group`: the weight's k tile for
+block-wise weights, 128 columns for per-row ones inside the Triton kernel of `triton_fp8.py`, the
+whole row on cuBLAS's row-scaled GEMM, `torch._scaled_mm`, which per-row weights take past
+`DECODE_ROWS`). The same per-token quantization whatever the batch: a token's output does not
+depend on the tokens beside it. `w8a8_reference` is that arithmetic in fp32 torch (the GPU check's
+reference, ops/bench gpu-models). Elsewhere (CPU, older GPUs) the twin dequantizes the weight to the
+activations' dtype and runs the plain linear (the CPU tests' reference).
 """
 
 from __future__ import annotations
@@ -29,9 +31,10 @@ from torch import nn
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0  # float8_e4m3fn's largest finite value
 SUPPORTED_QUANTIZATIONS = ("fp8",)  # quantization_config quant_method values loaded as shipped
-# Per-row weights past this many rows: cuBLAS's row-scaled FP8 GEMM (`torch._scaled_mm`), its
-# activation quantized by torch ops; at or under it the Triton kernel, which quantizes inside.
-CUBLAS_MIN_ROWS = 16
+# Steps of at most this many rows are decode-sized: the Triton kernel streams the weight, split along K
+# (`triton_fp8.tiles`). Past it, per-row weights take cuBLAS's row-scaled FP8 GEMM (`torch._scaled_mm`).
+DECODE_ROWS = 64
+ACTIVATION_GROUP = 128  # per-row weights in the Triton kernel: columns per activation scale
 QUANTIZED_PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")  # the router and lm_head stay unquantized
 
 
@@ -48,11 +51,11 @@ class Fp8Linear(nn.Module):
         super().__init__()
         self.in_features, self.out_features, self.block = in_features, out_features, block
         self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=FP8), requires_grad=False)
+        scale = nn.Parameter(torch.empty(scale_shape(self.weight.shape, block)), requires_grad=False)  # fp32 [N] or [N / bn, K / bk]
         if block is None:
-            self.weight_scale = nn.Parameter(torch.empty(out_features), requires_grad=False)  # [N] fp32
+            self.weight_scale = scale
         else:
-            tiles = (-(-out_features // block[0]), -(-in_features // block[1]))
-            self.weight_scale_inv = nn.Parameter(torch.empty(tiles), requires_grad=False)  # [N / bn, K / bk] fp32
+            self.weight_scale_inv = scale
         self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype), requires_grad=False) if bias else None
 
     @property
@@ -67,23 +70,39 @@ class Fp8Linear(nn.Module):
 
     def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
         """W8 * scale [N, K] in fp32, rounded once to dtype."""
-        scale = self.scale.float()
-        if self.block is None:
-            return (self.weight.float() * scale[:, None]).to(dtype)
-        rows, cols = self.block
-        full = scale.repeat_interleave(rows, dim=0)[: self.out_features].repeat_interleave(cols, dim=1)
-        return (self.weight.float() * full[:, : self.in_features]).to(dtype)
+        return dequantize(self.weight, self.scale, self.block, dtype)
+
+    def on_cublas(self, num_rows: int) -> bool:
+        return self.block is None and num_rows > DECODE_ROWS
+
+    def activation_group(self, num_rows: int) -> int:
+        """Columns per activation scale on the FP8 path for a step of `num_rows` tokens."""
+        if self.on_cublas(num_rows):
+            return self.in_features
+        return ACTIVATION_GROUP if self.block is None else self.block[1]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not fp8_matmul_available(x.device):
             return F.linear(x, self.dequantized(x.dtype), self.bias)
-        if self.block is None and x.numel() > CUBLAS_MIN_ROWS * x.shape[-1]:
+        if self.on_cublas(x.numel() // x.shape[-1]):
             out = scaled_mm_rows(x, self.weight, self.weight_scale)
         else:
             from services.scheduler.model.triton_fp8 import fp8_linear
 
             out = fp8_linear(x, self.weight, self.scale, self.block)
         return out if self.bias is None else out + self.bias
+
+    @torch.no_grad()
+    def w8a8_reference(self, x: torch.Tensor) -> torch.Tensor:
+        """The FP8 path's arithmetic in fp32: x [..., K] quantized per token and `activation_group`
+        columns as the path quantizes it, times the weight dequantized -> [..., N] fp32."""
+        flat = x.reshape(-1, self.in_features)
+        group = self.activation_group(flat.shape[0])
+        x_q, x_scale = quantize_groups(flat, group)
+        x_dequantized = x_q.float() * x_scale.repeat_interleave(group, dim=1)[:, : self.in_features]  # [M, K]
+        out = x_dequantized @ self.dequantized(torch.float32).T
+        out = out if self.bias is None else out + self.bias.float()
+        return out.view(*x.shape[:-1], -1)
 
 
 def fp8_matmul_available(device: torch.device) -> bool:
@@ -96,15 +115,20 @@ def _capability(index: int) -> tuple[int, int]:
     return torch.cuda.get_device_capability(index)  # a fixed property of the card: asked once, not per layer
 
 
-def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [M, K] -> (FP8 [M, K], fp32 scales [M, 1]) with x ~= q * scale, one scale per row (amax / 448)."""
-    scale = x.abs().amax(dim=-1, keepdim=True).float().clamp(min=1e-12) / FP8_MAX  # [M, 1]
-    return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
+def quantize_groups(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] -> (FP8 [M, K], fp32 scales [M, ceil(K / group)]) with x ~= q * scale, one scale per row
+    and `group` columns (amax / 448; a last, shorter group where group does not divide K)."""
+    rows, cols = x.shape
+    groups = -(-cols // group)
+    grouped = F.pad(x.float(), (0, groups * group - cols)).view(rows, groups, group)
+    scale = grouped.abs().amax(dim=-1).clamp(min=1e-12) / FP8_MAX  # [M, K / group]
+    q = (grouped / scale.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).to(FP8).view(rows, groups * group)
+    return q[:, :cols], scale
 
 
 def scaled_mm_rows(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor) -> torch.Tensor:
     """x [M, K] (bf16/fp16/fp32) times FP8 weight [N, K] with per-row weight scales [N] -> [M, N] in x's dtype."""
-    x_q, x_scale = quantize_rows(x.reshape(-1, x.shape[-1]))
+    x_q, x_scale = quantize_groups(x.reshape(-1, x.shape[-1]), x.shape[-1])  # one scale per row [M, 1]
     out_dtype = x.dtype if x.dtype != torch.float32 else torch.bfloat16  # row-wise _scaled_mm writes 16-bit
     out = torch._scaled_mm(x_q, weight.t(), scale_a=x_scale, scale_b=weight_scale.float().view(1, -1), out_dtype=out_dtype)
     return out.to(x.dtype).view(*x.shape[:-1], -1)
@@ -112,9 +136,25 @@ def scaled_mm_rows(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Te
 
 @torch.no_grad()
 def quantize_weight_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """A float weight [N, K] -> (FP8 [N, K], fp32 per-row scales [N]): `--quantization fp8`."""
-    q, scale = quantize_rows(weight)
-    return q, scale.squeeze(1)
+    """A float weight [..., N, K] -> (FP8 [..., N, K], fp32 per-row scales [..., N]): `--quantization fp8`."""
+    q, scale = quantize_groups(weight.reshape(-1, weight.shape[-1]), weight.shape[-1])
+    return q.view(weight.shape), scale.view(weight.shape[:-1])
+
+
+def dequantize(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None, dtype: torch.dtype) -> torch.Tensor:
+    """W8 [..., N, K] times its scales (per row [..., N], or per tile [..., N / bn, K / bk]) in fp32, rounded once to dtype."""
+    scale = scale.float()
+    if block is None:
+        return (weight.float() * scale.unsqueeze(-1)).to(dtype)
+    rows, cols = weight.shape[-2:]
+    full = scale.repeat_interleave(block[0], dim=-2)[..., :rows, :].repeat_interleave(block[1], dim=-1)[..., :cols]
+    return (weight.float() * full).to(dtype)
+
+
+def scale_shape(shape: torch.Size, block: tuple[int, int] | None) -> tuple[int, ...]:
+    """The fp32 scales of an FP8 weight [..., N, K]: [..., N] per row, [..., N / bn, K / bk] per tile."""
+    *lead, rows, cols = shape
+    return (*lead, rows) if block is None else (*lead, -(-rows // block[0]), -(-cols // block[1]))
 
 
 def fp8_modules(model: nn.Module, scheme: Fp8Scheme) -> Iterator[tuple[nn.Module, str, nn.Linear]]:

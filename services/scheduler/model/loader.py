@@ -28,6 +28,7 @@ from services.scheduler.model.config import ModelConfig
 from services.scheduler.model.fp8 import FP8, empty_fp8_linears, quantize_linears
 from services.scheduler.model.kv_cache import PagedKVCache, bytes_per_block, num_blocks_for_budget
 from services.scheduler.model.llama import CausalLM
+from services.scheduler.model.moe import empty_fp8_experts, quantize_experts
 from services.scheduler.model.registry import build_model
 from services.scheduler.model.runner import ModelRunner
 from services.scheduler.model.tensor_parallel import (
@@ -112,7 +113,7 @@ def load_model_runner(
     reserve's weights) holds the cache's blocks together with the reserve's per-block bytes.
     max_model_len: the longest sequence served (`ModelConfig.context_len`: LongRoPE's factors, and
     dynamic RoPE's limit); None: the config's max_position_embeddings.
-    quantization "fp8": quantize an unquantized checkpoint's projections to FP8 at load (`fp8.py`).
+    quantization "fp8": quantize an unquantized checkpoint's projections and expert stacks to FP8 at load (`fp8.py`, `moe.py`).
     tp: this rank's shard of a tensor-parallel group (`tensor_parallel.py`): its weights sliced as they are read.
     """
     if load_format not in LOAD_FORMATS:
@@ -153,7 +154,7 @@ def _empty_model(config: ModelConfig, device: torch.device, dtype: torch.dtype, 
         else:
             model = shard_model(build_model(shard_config(config, tp.size)).to(dtype), tp)
         if config.quantization is not None:  # after the cast: FP8 weights and fp32 scales keep their dtypes
-            model = empty_fp8_linears(model, config.quantization)
+            model = empty_fp8_experts(empty_fp8_linears(model, config.quantization), config.quantization)
     model = model.to_empty(device=device)
     model.init_rope(device)  # fp32: positions need the precision
     return model
@@ -164,7 +165,7 @@ def _quantize_at_load(model: CausalLM, config: ModelConfig, quantization: str) -
         raise ValueError(f"quantization must be one of {QUANTIZATIONS} or None, got {quantization!r}")
     if config.quantization is not None:
         raise ValueError("--quantization fp8 quantizes an unquantized checkpoint; this one is already fp8")
-    return quantize_linears(model)
+    return quantize_experts(quantize_linears(model))
 
 
 def _fill_weights(

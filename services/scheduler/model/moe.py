@@ -14,6 +14,12 @@ for down, capacity sized from the batch, so CUDA graphs capture it), elsewhere `
 (the twin: one matmul per expert that got a token). The weights live as [E, 2I, H] and [E, H, I]
 stacks; each checkpoint tensor (`experts.{e}.gate_proj.weight`, Mixtral's `w1`/`w3`/`w2`) fills a
 slice of them. DSpark reads the residual stream after each layer, as for dense models.
+
+FP8 experts (`to_fp8`): the stacks in float8_e4m3fn with fp32 scales, per tile ([E, 2I / bn, H / bk],
+a block-wise checkpoint's `experts.{e}.gate_proj.weight_scale_inv`, gate's tiles above up's) or per
+row ([E, 2I], `weight_scale`, or `--quantization fp8`'s, `quantize_experts`). The Triton kernel
+reads them as they are (W8A16: each FP8 tile upcast to the activations' dtype, its scale applied to
+the tile's fp32 dot), the twin dequantizes the stacks (`fp8.dequantize`) and runs as above.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ from torch import nn
 
 from services.scheduler.model.batch import ForwardBatch
 from services.scheduler.model.config import ModelConfig
+from services.scheduler.model.fp8 import FP8, Fp8Scheme, dequantize, quantize_weight_rows, scale_shape
 from services.scheduler.model.kv_cache import PagedKVCache
 from services.scheduler.model.llama import MLP, CausalLM, DecoderLayer, Plan, Ropes, add_rms_norm, norm_linear, silu_mul
 
@@ -75,21 +82,70 @@ class Experts(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(experts, hidden, inter))  # [E, H, I]
         self.intermediate_size = inter
 
+    block: tuple[int, int] | None = None  # FP8 stacks: their scales' tile (None: one scale per row)
+
+    @property
+    def quantized(self) -> bool:
+        return self.gate_up_proj.dtype == FP8
+
+    def to_fp8(self, block: tuple[int, int] | None) -> None:
+        """Hold both stacks as empty FP8 with their fp32 scales (`gate_up_proj_scale`, `down_proj_scale`)."""
+        if block is not None and self.intermediate_size % block[0]:
+            raise ValueError(f"block-wise FP8 experts need moe_intermediate_size ({self.intermediate_size}) a multiple of {block[0]}")
+        self.block = block
+        for name in ("gate_up_proj", "down_proj"):
+            stack = getattr(self, name)
+            setattr(self, name, nn.Parameter(torch.empty(stack.shape, dtype=FP8, device=stack.device), requires_grad=False))
+            scale = torch.empty(scale_shape(stack.shape, block), device=stack.device)
+            setattr(self, f"{name}_scale", nn.Parameter(scale, requires_grad=False))
+
     def checkpoint_slices(self) -> Iterator[tuple[str, torch.Tensor]]:
         gate, up, down = self.names
+        scale_rows = self.intermediate_size // (self.block[0] if self.block else 1)
+        scale_name = "weight_scale" if self.block is None else "weight_scale_inv"
         for expert in range(self.gate_up_proj.shape[0]):
             gate_part, up_part = self.gate_up_proj[expert].split(self.intermediate_size, dim=0)
             yield f"experts.{expert}.{gate}.weight", gate_part
             yield f"experts.{expert}.{up}.weight", up_part
             yield f"experts.{expert}.{down}.weight", self.down_proj[expert]
+            if self.quantized:
+                gate_scale, up_scale = self.gate_up_proj_scale[expert].split(scale_rows, dim=0)
+                yield f"experts.{expert}.{gate}.{scale_name}", gate_scale
+                yield f"experts.{expert}.{up}.{scale_name}", up_scale
+                yield f"experts.{expert}.{down}.{scale_name}", self.down_proj_scale[expert]
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, fused: bool = False) -> torch.Tensor:
         # On CUDA the kernel even with the fused small ops off: the twin syncs the host, which graphs cannot capture.
         if fused or x.is_cuda:
             from services.scheduler.model.triton_moe import fused_experts
 
-            return fused_experts(x, self.gate_up_proj, self.down_proj, weights, ids)
+            scales = (self.gate_up_proj_scale, self.down_proj_scale, self.block) if self.quantized else None
+            return fused_experts(x, self.gate_up_proj, self.down_proj, weights, ids, scales)
+        if self.quantized:
+            gate_up = dequantize(self.gate_up_proj, self.gate_up_proj_scale, self.block, x.dtype)
+            down = dequantize(self.down_proj, self.down_proj_scale, self.block, x.dtype)
+            return experts_reference(x, gate_up, down, weights, ids)
         return experts_reference(x, self.gate_up_proj, self.down_proj, weights, ids)
+
+
+def empty_fp8_experts(model: nn.Module, scheme: Fp8Scheme) -> nn.Module:
+    """Every expert stack as empty FP8 in the checkpoint's layout (a block-wise or per-row FP8 checkpoint fills it)."""
+    for module in model.modules():
+        if isinstance(module, Experts):
+            module.to_fp8(scheme.block)
+    return model
+
+
+@torch.no_grad()
+def quantize_experts(model: nn.Module) -> nn.Module:
+    """`--quantization fp8`: each expert stack quantized per row (amax / 448), as `fp8.quantize_linears` does projections."""
+    for module in model.modules():
+        if isinstance(module, Experts) and not module.quantized:
+            stacks = {name: quantize_weight_rows(getattr(module, name)) for name in ("gate_up_proj", "down_proj")}
+            module.to_fp8(None)
+            for name, (q, scale) in stacks.items():
+                getattr(module, name).data, getattr(module, f"{name}_scale").data = q, scale
+    return model
 
 
 class MixtralExperts(Experts):

@@ -1,81 +1,143 @@
-"""FP8 linear (W8A8) for `fp8.Fp8Linear`; its twin is `Fp8Linear.dequantized` + F.linear.
+"""FP8 linear (W8A8) for `fp8.Fp8Linear`; its reference is `Fp8Linear.w8a8_reference`, its CPU twin
+`Fp8Linear.dequantized` + F.linear.
 
 The weight W8 [N, K] comes with one scale per (bn, bk) tile (block-wise, Sw [N / bn, K / bk]) or one
 per row (Sw [N], a tile of (1, K)). The activations are quantized inside the kernel, per token and
-per BLOCK_K columns (the weight's bk for block-wise), as each K step loads them:
+per BLOCK_K columns (the weight's bk for block-wise, `fp8.ACTIVATION_GROUP` for per-row), as each
+K step loads them (`fp8.quantize_groups` in torch):
     sx[m, g] = max(|x[m, g-th group]|) / 448,   x8 = fp8(x / sx)
     y[m, n] = sum_g sx[m, g] * Sw[n, g] * sum_{k in group g} x8[m, k] * W8[n, k]
-one FP8 tensor-core dot per K step, scaled and accumulated in fp32, rounded once to x's dtype: one
-launch per projection (the activation's quantization is no kernels of its own; every N tile
-quantizes the same few rows again, which costs nothing next to streaming the weight).
-`quantize_groups` is the same quantization in torch (the tests' reference). Grids follow the
-shapes only (CUDA graphs capture it).
+one FP8 tensor-core dot per K step, scaled and accumulated in fp32, rounded once to x's dtype.
+
+Why W8A8 in decode too: a decode step reads each weight byte once, so its time is the weight's
+bytes whatever the dot's inputs; FP8 x FP8 dots take the weight as it lies (no per-element upcast to
+bf16, which on Hopper costs about as much ALU time as the byte takes to arrive), and a token's
+quantization is the same in decode and prefill (the checkpoints' own 1 x 128 activation scheme).
+Quantizing x inside costs a few operations per activation element, re-done by each program that
+reads it: small next to the weight tile the same step streams.
+
+`tiles` picks the tiling by the step's rows. Decode-sized steps (M <= `fp8.DECODE_ROWS`) are
+bandwidth-bound: the weight must stream from every SM at once, which a few N tiles cannot do
+(N / 64 = 64 programs for a 4096-row projection, half an H100), so K is split too, until about
+`PROGRAMS_PER_SM` programs per SM stream their own slice of the weight; each split writes fp32
+partial sums [S, M, N] and `_sum_splits_kernel` adds them in split order (deterministic, no atomics)
+and rounds once. Splits are whole K steps, so the activation groups, and the result up to fp32
+summation order, do not depend on the split. Larger steps take 64 x 128 tiles, split only while
+they are too few to fill the SMs (a verify step of a few hundred tokens).
+Grids follow the shapes only (CUDA graphs capture them).
 """
 
 from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-from services.scheduler.model.fp8 import FP8, FP8_MAX
+from services.scheduler.model.fp8 import ACTIVATION_GROUP, DECODE_ROWS, FP8_MAX
 
-ROW_SCALE_BLOCK_K = 128  # per-row weights: the activations' group along K
+PROGRAMS_PER_SM = 4  # decode: programs in flight per SM, each streaming its own slice of the weight
+MIN_STEPS_PER_SPLIT = 4  # K steps a split keeps, so each program's loads still pipeline
+DECODE_BLOCK_N = 64
+HOPPER_SMS = 132  # off CUDA (the interpreter): the tiles an H100 would take
+SUM_BLOCK = 1024
+
+
+@dataclass(frozen=True)
+class Tiles:
+    block_m: int
+    block_n: int
+    splits: int  # programs along K; > 1: fp32 partial sums, added by `_sum_splits_kernel`
+    steps_per_split: int  # BLOCK_K steps each split takes (the last may run past K: masked)
+    num_stages: int
 
 
 @triton.jit
 def _fp8_linear_kernel(
-    x_ptr, w_ptr, w_scale_ptr, out_ptr, M, N, K,
-    stride_x, stride_w, stride_ws_n, stride_ws_k, stride_out,
+    x_ptr, w_ptr, w_scale_ptr, out_ptr, M, N, K, steps_per_split,
+    stride_x, stride_w, stride_ws_n, stride_ws_k, stride_out_split, stride_out,
     GROUP_N: tl.constexpr, FP8_LIMIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)  # [BM]
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
+    split = tl.program_id(2)
     ks = tl.arange(0, BLOCK_K)
     in_rows, in_cols = rows < M, cols < N
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for group in range(0, tl.cdiv(K, BLOCK_K)):
+    first = split * steps_per_split
+    for group in range(first, first + steps_per_split):
         k = group * BLOCK_K + ks
-        x = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_x + k[None, :], mask=in_rows[:, None] & (k < K)[None, :], other=0.0)
+        in_k = k < K
+        x = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_x + k[None, :], mask=in_rows[:, None] & in_k[None, :], other=0.0)
         x = x.to(tl.float32)
-        x_scale = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-12) / FP8_LIMIT  # [BM]
-        x8 = tl.minimum(tl.maximum(x / x_scale[:, None], -FP8_LIMIT), FP8_LIMIT).to(w_ptr.dtype.element_ty)
-        w = tl.load(w_ptr + cols[None, :].to(tl.int64) * stride_w + k[:, None], mask=in_cols[None, :] & (k < K)[:, None], other=0.0)
-        w_scale = tl.load(w_scale_ptr + (cols // GROUP_N) * stride_ws_n + group * stride_ws_k, mask=in_cols, other=0.0)  # [BN]
+        # divisions rounded to nearest, as torch divides (fp32 "/" is an approximate division on CUDA): x8 as `quantize_groups` gives it
+        x_scale = tl.div_rn(tl.maximum(tl.max(tl.abs(x), axis=1), 1e-12), FP8_LIMIT)  # [BM]
+        x8 = tl.minimum(tl.maximum(tl.div_rn(x, x_scale[:, None]), -FP8_LIMIT), FP8_LIMIT).to(w_ptr.dtype.element_ty)
+        w = tl.load(w_ptr + cols[None, :].to(tl.int64) * stride_w + k[:, None], mask=in_cols[None, :] & in_k[:, None], other=0.0)
+        scale_col = tl.minimum(group, (K - 1) // BLOCK_K)  # a step past K (the last split's) reads a real scale, times 0
+        w_scale = tl.load(w_scale_ptr + (cols // GROUP_N) * stride_ws_n + scale_col * stride_ws_k, mask=in_cols, other=0.0)  # [BN]
         acc += tl.dot(x8, w) * x_scale[:, None] * w_scale[None, :]
-    out = out_ptr + rows[:, None].to(tl.int64) * stride_out + cols[None, :]
+    out = out_ptr + split * stride_out_split + rows[:, None].to(tl.int64) * stride_out + cols[None, :]
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=in_rows[:, None] & in_cols[None, :])
 
 
-def quantize_groups(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The kernel's activation quantization in torch: x [M, K] -> (FP8 [M, K], fp32 scales [M, K / group])."""
-    rows, cols = x.shape
-    grouped = x.float().reshape(rows, cols // group, group)
-    scale = grouped.abs().amax(dim=-1).clamp(min=1e-12) / FP8_MAX  # [M, K / group]
-    return (grouped / scale.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).to(FP8).view(rows, cols), scale
+@triton.jit
+def _sum_splits_kernel(partial_ptr, out_ptr, numel, splits, BLOCK: tl.constexpr):
+    # out[i] = sum_s partial[s, i] in split order, rounded once to out's dtype
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < numel
+    total = tl.zeros((BLOCK,), dtype=tl.float32)
+    for split in range(0, splits):
+        total += tl.load(partial_ptr + split * numel + offs, mask=mask, other=0.0)
+    tl.store(out_ptr + offs, total.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def tiles(num_rows: int, out_features: int) -> tuple[int, int]:
-    """(BLOCK_M, BLOCK_N): decode-sized steps take short, narrow tiles, so that enough programs stream the weight."""
-    if num_rows <= 16:
-        return 16, 32 if out_features <= 8192 else 64
-    return 64, 128
+def tiles(num_rows: int, out_features: int, in_features: int, block_k: int, num_sms: int = HOPPER_SMS) -> Tiles:
+    """The tiling of a step of `num_rows` tokens through an [N, K] weight (module doc)."""
+    decode = num_rows <= DECODE_ROWS
+    block_m = max(16, triton.next_power_of_2(num_rows)) if decode else 64
+    block_n = DECODE_BLOCK_N if decode else 128
+    steps = triton.cdiv(in_features, block_k)
+    # split only where it at least doubles the programs: each split costs the partials' pass
+    wanted = PROGRAMS_PER_SM * num_sms // (triton.cdiv(num_rows, block_m) * triton.cdiv(out_features, block_n))
+    # the partial sums (S x M x N fp32, written then read) stay under half the weight's N x K bytes
+    splits = max(1, min(wanted, steps // MIN_STEPS_PER_SPLIT, in_features // (8 * num_rows)))
+    per_split = triton.cdiv(steps, splits)
+    return Tiles(block_m, block_n, triton.cdiv(steps, per_split), per_split, 4 if decode else 3)
 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, block: tuple[int, int] | None) -> torch.Tensor:
     """x [..., K] @ (W8 [N, K], scales per tile [N / bn, K / bk] or per row [N])^T -> [..., N] in x's dtype."""
     flat = x.reshape(-1, x.shape[-1])
+    flat = flat if flat.stride(-1) == 1 else flat.contiguous()
     num_rows, (n, k) = flat.shape[0], weight.shape
-    out = torch.empty(num_rows, n, dtype=x.dtype, device=x.device)
-    block_m, block_n = tiles(num_rows, n)
     if block is None:  # a row's scale for every K step
-        group_n, block_k, stride_ws = 1, ROW_SCALE_BLOCK_K, (weight_scale.stride(0), 0)
+        group_n, block_k, stride_ws = 1, ACTIVATION_GROUP, (weight_scale.stride(0), 0)
     else:
         group_n, block_k, stride_ws = block[0], block[1], (weight_scale.stride(0), weight_scale.stride(1))
-    grid = (triton.cdiv(num_rows, block_m), triton.cdiv(n, block_n))
+    plan = tiles(num_rows, n, k, block_k, num_sms(x.device))
+    out = torch.empty(num_rows, n, dtype=x.dtype, device=x.device)
+    partial = out if plan.splits == 1 else torch.empty(plan.splits, num_rows, n, dtype=torch.float32, device=x.device)
+    grid = (triton.cdiv(num_rows, plan.block_m), triton.cdiv(n, plan.block_n), plan.splits)
     _fp8_linear_kernel[grid](
-        flat, weight, weight_scale, out, num_rows, n, k, flat.stride(0), weight.stride(0), *stride_ws, out.stride(0),
-        GROUP_N=group_n, FP8_LIMIT=FP8_MAX, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-        num_warps=4, num_stages=4 if num_rows <= 16 else 3,
+        flat, weight, weight_scale, partial, num_rows, n, k, plan.steps_per_split,
+        flat.stride(0), weight.stride(0), *stride_ws, num_rows * n, n,
+        GROUP_N=group_n, FP8_LIMIT=FP8_MAX, BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, BLOCK_K=block_k,
+        num_warps=4, num_stages=plan.num_stages,
     )  # fmt: skip
+    if plan.splits > 1:
+        _sum_splits_kernel[(triton.cdiv(num_rows * n, SUM_BLOCK),)](partial, out, num_rows * n, plan.splits, BLOCK=SUM_BLOCK)
     return out.view(*x.shape[:-1], n)
+
+
+def num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return HOPPER_SMS
+    return _cuda_sms(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.cache
+def _cuda_sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count  # a fixed property of the card

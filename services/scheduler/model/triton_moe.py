@@ -11,6 +11,10 @@ a step in two grouped GEMMs.
    SiLU(gate) * up, down = h[pair] @ W2[e]^T; fp32 sums, each output rounded to x's dtype; a block
    past the last expert's run exits at once.
 3. `moe.combine`, as the twin: each pair's row times its router weight, summed per token in fp32.
+FP8 expert stacks (`scales`: their fp32 scales, per row or per (bn, bk) tile) are read as FP8, half
+the bytes of bf16: each K step's tile is upcast to the activations' dtype (exactly: e4m3 values fit
+bf16) and its dot times the step's scales [BN] is added in fp32 (BLOCK_K divides bk, so one scale
+per column and step).
 Grids and buffers follow the shapes only, so CUDA graphs capture the whole layer.
 """
 
@@ -26,12 +30,12 @@ from services.scheduler.model.moe import combine
 
 @triton.jit
 def _grouped_gemm_kernel(
-    a_ptr, w_ptr, out_ptr, pairs_ptr, block_experts_ptr, num_pairs, N, K,
-    stride_a, stride_we, stride_wn, stride_out,
-    ROWS_PER_PAIR_DIV: tl.constexpr, NUM_EXPERTS: tl.constexpr, IEEE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    a_ptr, w_ptr, s_ptr, out_ptr, pairs_ptr, block_experts_ptr, num_pairs, N, K,
+    stride_a, stride_we, stride_wn, stride_se, stride_sn, stride_sk, stride_out,
+    ROWS_PER_PAIR_DIV: tl.constexpr, NUM_EXPERTS: tl.constexpr, IEEE: tl.constexpr, SCALED: tl.constexpr,
+    GROUP_N: tl.constexpr, GROUP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    # out[pair, n] = sum_k a[pair // DIV, k] * w[expert, n, k] for the block's pairs.
+    # out[pair, n] = sum_k a[pair // DIV, k] * w[expert, n, k] (* s[expert, n // GROUP_N, k // GROUP_K]) for the block's pairs.
     block = tl.program_id(0)
     expert = tl.load(block_experts_ptr + block).to(tl.int64)
     if expert >= NUM_EXPERTS:
@@ -47,12 +51,21 @@ def _grouped_gemm_kernel(
         a = tl.load(a_ptr + rows[:, None] * stride_a + (k0 + ks)[None, :], mask=valid[:, None] & in_k[None, :], other=0.0)
         w_tile = w_ptr + expert * stride_we + cols[None, :] * stride_wn + (k0 + ks)[:, None]
         w = tl.load(w_tile, mask=(cols < N)[None, :] & in_k[:, None], other=0.0)  # [BK, BN]
-        if IEEE:
-            acc = tl.dot(a, w, acc, input_precision="ieee")
+        if SCALED:
+            scale = tl.load(s_ptr + expert * stride_se + (cols // GROUP_N) * stride_sn + (k0 // GROUP_K) * stride_sk,
+                            mask=cols < N, other=0.0)  # [BN]  # fmt: skip
+            acc += _dot(a, w.to(a.dtype), tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), IEEE) * scale[None, :]
         else:
-            acc = tl.dot(a, w, acc)
+            acc = _dot(a, w, acc, IEEE)
     out = out_ptr + pairs.to(tl.int64)[:, None] * stride_out + cols[None, :]
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=valid[:, None] & (cols < N)[None, :])
+
+
+@triton.jit
+def _dot(a, w, acc, IEEE: tl.constexpr):
+    if IEEE:
+        return tl.dot(a, w, acc, input_precision="ieee")
+    return tl.dot(a, w, acc)
 
 
 def capacity(num_pairs: int, num_experts: int, block_m: int) -> int:
@@ -133,18 +146,25 @@ def align_to_blocks_torch(ids: torch.Tensor, num_experts: int, block_m: int) -> 
 
 def grouped_gemm(
     a: torch.Tensor, weights: torch.Tensor, sorted_pairs: torch.Tensor, block_experts: torch.Tensor, num_pairs: int,
-    rows_per_pair_div: int, block_m: int,
+    rows_per_pair_div: int, block_m: int, scale: torch.Tensor | None = None, block: tuple[int, int] | None = None,
 ) -> torch.Tensor:
-    """out [num_pairs, N] = a[pair // div] @ weights[expert of pair]^T."""
+    """out [num_pairs, N] = a[pair // div] @ weights[expert of pair]^T; FP8 weights with their `scale`
+    (per row [E, N], or per `block` tile [E, N / bn, K / bk])."""
     num_experts, n, k = weights.shape
     out = a.new_empty(num_pairs, n)
     block_n, block_k = (64, 64) if a.dtype == torch.float32 else (128, 64)
+    if scale is None:
+        scale_args, group = (weights, 0, 0, 0), (1, block_k)
+    elif block is None:
+        scale_args, group = (scale, scale.stride(0), scale.stride(1), 0), (1, block_k)
+    else:
+        scale_args, group, block_k = (scale, *scale.stride()), block, min(block_k, block[1])
     grid = (block_experts.numel(), triton.cdiv(n, block_n))
     _grouped_gemm_kernel[grid](
-        a, weights, out, sorted_pairs, block_experts, num_pairs, n, k,
-        a.stride(0), weights.stride(0), weights.stride(1), out.stride(0),
-        ROWS_PER_PAIR_DIV=rows_per_pair_div, NUM_EXPERTS=num_experts, IEEE=a.dtype == torch.float32,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+        a, weights, scale_args[0], out, sorted_pairs, block_experts, num_pairs, n, k,
+        a.stride(0), weights.stride(0), weights.stride(1), *scale_args[1:], out.stride(0),
+        ROWS_PER_PAIR_DIV=rows_per_pair_div, NUM_EXPERTS=num_experts, IEEE=a.dtype == torch.float32, SCALED=scale is not None,
+        GROUP_N=group[0], GROUP_K=group[1], BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
     )  # fmt: skip
     return out
 
@@ -155,13 +175,17 @@ def block_m_for(num_pairs: int, num_experts: int) -> int:
 
 
 def fused_experts(
-    x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
+    x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+    scales: tuple[torch.Tensor, torch.Tensor, tuple[int, int] | None] | None = None,
 ) -> torch.Tensor:
-    """As `moe.experts_reference`: x [T, H], gate_up [E, 2I, H], down [E, H, I], weights fp32/ids [T, k] -> [T, H]."""
+    """As `moe.experts_reference`: x [T, H], gate_up [E, 2I, H], down [E, H, I], weights fp32/ids [T, k] -> [T, H];
+    FP8 stacks come with `scales` (gate_up's, down's, their tile or None for per-row)."""
     num_tokens, top_k = ids.shape
     num_pairs, num_experts = num_tokens * top_k, gate_up.shape[0]
     block_m = block_m_for(num_pairs, num_experts)
     sorted_pairs, block_experts = align_to_blocks(ids, num_experts, block_m)
+    gate_up_scale, down_scale, block = scales if scales is not None else (None, None, None)
     x = x.contiguous()
-    hidden = silu_mul(grouped_gemm(x, gate_up, sorted_pairs, block_experts, num_pairs, top_k, block_m), fused=x.is_cuda)
-    return combine(grouped_gemm(hidden, down, sorted_pairs, block_experts, num_pairs, 1, block_m), weights)
+    gate_up_out = grouped_gemm(x, gate_up, sorted_pairs, block_experts, num_pairs, top_k, block_m, gate_up_scale, block)
+    hidden = silu_mul(gate_up_out, fused=x.is_cuda)
+    return combine(grouped_gemm(hidden, down, sorted_pairs, block_experts, num_pairs, 1, block_m, down_scale, block), weights)

@@ -75,6 +75,17 @@ def with_weights(model: torch.nn.Module, weights: dict[str, torch.Tensor]) -> to
     return reference
 
 
+def loaded_with_weights(path: Path, weights: dict[str, torch.Tensor], tmp_path: Path) -> torch.nn.Module:
+    """transformers' model of the checkpoint at path with `weights` (checkpoint names) in place: its
+    loader maps per-expert tensors onto the fused expert parameters its MoE models hold."""
+    import transformers
+
+    (tmp_path / "reference").mkdir()
+    save_file({**load_file(str(path / "model.safetensors")), **weights}, str(tmp_path / "reference" / "model.safetensors"))
+    (tmp_path / "reference" / "config.json").write_text((path / "config.json").read_text())
+    return transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "reference", dtype=torch.float32).eval()
+
+
 @pytest.mark.parametrize("layout", ["block", "channel", "tensor"])
 def test_fp8_checkpoint_matches_its_dequantized_reference(saved_family, tmp_path, layout: str) -> None:
     model, path = saved_family("qwen3")
@@ -143,37 +154,67 @@ def test_triton_fp8_in_the_interpreter() -> None:
     run_interpreted_cases(__file__)
 
 
+# Odd shapes: N not a multiple of any tile, K of no activation group; block-wise K = 300 is 10 steps of
+# 32 and per-row K = 1100 is 9 of 128, so decode-sized steps split K (`test_decode_steps_split_k`).
+KERNEL_SHAPES = {"block": (100, 300), "rows": (100, 1100)}
+
+
+def odd_fp8_linear(layout: str, gen: torch.Generator) -> Fp8Linear:
+    """An Fp8Linear [N, K] of KERNEL_SHAPES with random FP8 weights and scales."""
+    n, k = KERNEL_SHAPES[layout]
+    block = (BLOCK, BLOCK) if layout == "block" else None
+    linear = Fp8Linear(k, n, bias=False, block=block, dtype=torch.float32)
+    linear.weight.data = (torch.randn(n, k, generator=gen) * 100).to(FP8)
+    linear.scale.data = torch.rand(linear.scale.shape, generator=gen) / 100 + 1e-3
+    return linear
+
+
 @interpreted
-@pytest.mark.parametrize("num_rows", [1, 5, 40])
+@pytest.mark.parametrize("num_rows", [1, 3, 64, 300])
 @pytest.mark.parametrize("layout", ["block", "rows"])
-def test_fp8_kernel_matches_dequantized_twin_interpreted(num_rows: int, layout: str) -> None:
-    from services.scheduler.model.triton_fp8 import ROW_SCALE_BLOCK_K, fp8_linear, quantize_groups
+def test_fp8_path_matches_its_w8a8_reference_interpreted(num_rows: int, layout: str, monkeypatch) -> None:
+    # Fp8Linear's CUDA path (the Triton kernel, per-row weights past DECODE_ROWS torch._scaled_mm,
+    # which runs on the CPU too) against `w8a8_reference`, on activations its quantization keeps exactly.
+    from services.scheduler.model import fp8
 
     gen = torch.Generator().manual_seed(num_rows)
-    in_features = 64 if layout == "block" else 2 * ROW_SCALE_BLOCK_K  # per-row: two activation groups
-    weight = 0.1 * torch.randn(96, in_features, generator=gen)
-    if layout == "block":
-        q, scale = quantize_blocks(weight)
-        dequantized, block, group = dequantize_blocks(q, scale), (BLOCK, BLOCK), BLOCK
-    else:
-        q, scale = quantize_weight_rows(weight)
-        dequantized, block, group = q.float() * scale[:, None], None, ROW_SCALE_BLOCK_K
-    x = representable_activations(num_rows, in_features, group, gen)
-    out = fp8_linear(x, q, scale, block)
-    x_q, x_scale = quantize_groups(x, group)
-    torch.testing.assert_close(x_q.float() * x_scale.repeat_interleave(group, dim=1), x)  # quantized exactly
-    want = x @ dequantized.T
-    torch.testing.assert_close(out, want, atol=1e-5 * float(want.abs().max()), rtol=1e-5)  # fp32 sums, another order
+    linear = odd_fp8_linear(layout, gen)
+    monkeypatch.setattr(fp8, "fp8_matmul_available", lambda device: True)
+    x = representable_activations(num_rows, linear.in_features, linear.activation_group(num_rows), gen)
+    got, want = linear(x), linear.w8a8_reference(x)
+    x_q, x_scale = fp8.quantize_groups(x, linear.activation_group(num_rows))
+    torch.testing.assert_close(x_q.float() * x_scale.repeat_interleave(linear.activation_group(num_rows), 1)[:, : x.shape[1]], x)
+    # fp32 sums in another order; cuBLAS's row-scaled GEMM writes bf16
+    tolerance = 4e-3 if linear.on_cublas(num_rows) else 1e-5
+    torch.testing.assert_close(got, want, atol=tolerance * float(want.abs().max()), rtol=tolerance)
+    twin = torch.nn.functional.linear(x, linear.dequantized(torch.float32))  # the CPU path: activations as they are, here exact
+    torch.testing.assert_close(got, twin, atol=tolerance * float(want.abs().max()), rtol=tolerance)
 
 
 def representable_activations(num_rows: int, in_features: int, group: int, gen: torch.Generator) -> torch.Tensor:
-    """FP8 values times a power of two per (row, group), each group holding a +-448: the kernel's own
-    quantization gives them back exactly, whatever its rounding (Triton's interpreter converts fp32
-    to FP8 without carrying a round-up into the exponent, 31.5 -> 16; the GPU rounds to nearest)."""
-    q = (torch.randn(num_rows, in_features, generator=gen) * 100).to(FP8).float()
+    """FP8 values times a power of two per (row, group), each group holding a +-448: FP8 quantization
+    per `group` columns gives them back exactly, whatever its rounding (Triton's interpreter converts
+    fp32 to FP8 without carrying a round-up into the exponent, 31.5 -> 16; the GPU rounds to nearest)."""
+    groups = -(-in_features // group)
+    q = (torch.randn(num_rows, groups * group, generator=gen) * 100).to(FP8).float()
     q[:, ::group] = FP8_MAX
-    scale = 2.0 ** torch.randint(-6, 2, (num_rows, in_features // group), generator=gen).float()
-    return q * scale.repeat_interleave(group, dim=1)
+    scale = 2.0 ** torch.randint(-6, 2, (num_rows, groups), generator=gen).float()
+    return (q * scale.repeat_interleave(group, dim=1))[:, :in_features].contiguous()
+
+
+def test_decode_steps_split_k() -> None:
+    from services.scheduler.model import triton_fp8
+    from services.scheduler.model.fp8 import ACTIVATION_GROUP, DECODE_ROWS
+
+    # the interpreted cases: decode-sized steps split K, the 300-row one does not
+    assert triton_fp8.tiles(1, *KERNEL_SHAPES["block"], BLOCK).splits > 1
+    assert triton_fp8.tiles(64, *KERNEL_SHAPES["rows"], ACTIVATION_GROUP).splits > 1
+    assert triton_fp8.tiles(300, *KERNEL_SHAPES["block"], BLOCK).splits == 1
+    # Qwen3-8B's o_proj (4096 x 4096) on an H100: a decode step streams the weight from ~4 programs per SM (not 0.5)
+    for num_rows in (1, DECODE_ROWS):
+        plan = triton_fp8.tiles(num_rows, 4096, 4096, 128, num_sms=132)
+        assert plan.splits * 4096 // plan.block_n >= 3 * 132 and plan.splits * plan.steps_per_split * 128 == 4096
+    assert triton_fp8.tiles(2048, 4096, 4096, 128, num_sms=132).splits == 1
 
 
 @interpreted
@@ -197,13 +238,75 @@ def test_interpreted_fp8_projections_skip_the_one_token_gemvs(tokens: int, make_
 
 
 @compiles
-def test_fp8_kernel_compiles_for_hopper() -> None:
+def test_fp8_kernels_compile_for_hopper() -> None:
     # FP8 tensor-core dots exist from sm_89 on: the interpreter cannot tell whether these tiles lower.
     from services.scheduler.model import triton_fp8
 
     i32 = "i32"
-    signature = {"x_ptr": "*bf16", "w_ptr": "*fp8e4nv", "w_scale_ptr": "*fp32", "out_ptr": "*bf16", "M": i32, "N": i32, "K": i32,
-                 "stride_x": i32, "stride_w": i32, "stride_ws_n": i32, "stride_ws_k": i32, "stride_out": i32}  # fmt: skip
-    for group_n, (block_m, block_n) in ((1, triton_fp8.tiles(1, 4096)), (128, triton_fp8.tiles(1, 24576)), (128, triton_fp8.tiles(64, 4096))):
-        constants = {"GROUP_N": group_n, "FP8_LIMIT": FP8_MAX, "BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": 128}
-        assert compile_for_hopper(triton_fp8._fp8_linear_kernel, signature, constants, num_warps=4, num_stages=4)
+    signature = {"x_ptr": "*bf16", "w_ptr": "*fp8e4nv", "w_scale_ptr": "*fp32", "out_ptr": "*fp32", "M": i32, "N": i32, "K": i32,
+                 "steps_per_split": i32, "stride_x": i32, "stride_w": i32, "stride_ws_n": i32, "stride_ws_k": i32,
+                 "stride_out_split": i32, "stride_out": i32}  # fmt: skip
+    divisible = ("x_ptr", "w_ptr", "w_scale_ptr", "out_ptr", "N", "K", "stride_x", "stride_w", "stride_out_split", "stride_out")
+    for group_n, num_rows, n, k in ((1, 1, 4096, 4096), (128, 1, 24576, 4096), (128, 3, 4096, 12288), (128, 64, 4096, 4096),
+                                    (1, 64, 6144, 4096), (128, 300, 4096, 4096)):  # fmt: skip
+        plan = triton_fp8.tiles(num_rows, n, k, 128)
+        constants = {"GROUP_N": group_n, "FP8_LIMIT": FP8_MAX, "BLOCK_M": plan.block_m, "BLOCK_N": plan.block_n, "BLOCK_K": 128}
+        assert compile_for_hopper(triton_fp8._fp8_linear_kernel, signature, constants, divisible, num_warps=4, num_stages=plan.num_stages)
+    sums = {"partial_ptr": "*fp32", "out_ptr": "*bf16", "numel": i32, "splits": i32}
+    assert compile_for_hopper(triton_fp8._sum_splits_kernel, sums, {"BLOCK": triton_fp8.SUM_BLOCK}, num_warps=4)
+
+
+@pytest.mark.parametrize("layout", ["block", "channel"])
+def test_fp8_moe_checkpoint_matches_its_dequantized_reference(saved_family, tmp_path, layout: str) -> None:
+    # Qwen3-MoE with every projection and expert in FP8 (Qwen3-30B-A3B-FP8's layout: experts.{e}.{gate,up,down}_proj.weight
+    # and weight_scale_inv; the router stays float), through the core with its twin, against transformers
+    # running the dequantized weights: within 1e-4, the bound of the dense case.
+    from services.scheduler.model.moe import Experts
+
+    model, path = saved_family("qwen3-moe")
+    dequantized = write_fp8_checkpoint(path, tmp_path / "fp8", layout)
+    assert any(".experts.3.up_proj.weight" in name for name in dequantized)
+    runner = load_model_runner(tmp_path / "fp8", num_kv_blocks=4)
+    experts = [m for m in runner.model.modules() if isinstance(m, Experts)]
+    assert experts and all(m.quantized and m.block == ((BLOCK, BLOCK) if layout == "block" else None) for m in experts)
+    reference = loaded_with_weights(path, dequantized, tmp_path)
+    results, prompts = serve(tmp_path / "fp8", graph_twins=False)
+    for rid, result in results.items():
+        check_against_transformers(reference, result, prompts[rid])
+
+
+def test_quantization_fp8_quantizes_moe_experts(saved_family, tmp_path) -> None:
+    from services.scheduler.model.moe import Experts
+
+    model, path = saved_family("qwen3-moe")
+    runner = load_model_runner(path, num_kv_blocks=4, quantization="fp8")
+    experts = [m for m in runner.model.modules() if isinstance(m, Experts)]
+    assert experts and all(m.quantized and m.down_proj_scale.shape == m.down_proj.shape[:2] for m in experts)
+    weights = {name: weight for name, weight in load_file(str(path / "model.safetensors")).items() if name.split(".")[-2] in PROJECTIONS}
+    dequantized = {}
+    for name, weight in weights.items():
+        q, scale = quantize_weight_rows(weight)
+        dequantized[name] = q.float() * scale[:, None]
+    reference = loaded_with_weights(path, dequantized, tmp_path)
+    core_results, prompts = serve_quantized(path)
+    for rid, result in core_results.items():
+        check_against_transformers(reference, result, prompts[rid])
+
+
+@interpreted
+@pytest.mark.parametrize("layout", ["block", "rows"])
+def test_fused_fp8_experts_match_the_twin_interpreted(layout: str) -> None:
+    # The Triton MoE kernel on FP8 stacks (upcast per tile, scaled per step) against the twin on the dequantized ones.
+    from services.scheduler.model.fp8 import dequantize, scale_shape
+    from services.scheduler.model.moe import experts_reference, route
+    from services.scheduler.model.triton_moe import fused_experts
+
+    gen = torch.Generator().manual_seed(3)
+    experts, hidden, inter, block = 6, 96, 64, (BLOCK, BLOCK) if layout == "block" else None
+    stacks = [(torch.randn(experts, 2 * inter, hidden, generator=gen) * 100).to(FP8), (torch.randn(experts, hidden, inter, generator=gen) * 100).to(FP8)]
+    scales = [torch.rand(scale_shape(stack.shape, block), generator=gen) / 1000 + 1e-4 for stack in stacks]
+    x = torch.randn(7, hidden, generator=gen)
+    weights, ids = route(torch.randn(7, experts, generator=gen), 2, renormalize=True)
+    got = fused_experts(x, *stacks, weights, ids, (*scales, block))
+    want = experts_reference(x, *(dequantize(stack, scale, block, torch.float32) for stack, scale in zip(stacks, scales)), weights, ids)
+    torch.testing.assert_close(got, want, atol=1e-5 * float(want.abs().max()), rtol=1e-5)

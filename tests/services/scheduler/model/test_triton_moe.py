@@ -113,10 +113,15 @@ def test_moe_kernels_compile_for_hopper_at_the_30b_a3b_shape() -> None:
     from services.scheduler.model import triton_moe
 
     i32, i64 = "i32", "*i64"
-    gemm = {"a_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16", "pairs_ptr": i64, "block_experts_ptr": i64, "num_pairs": i32,
-            "N": i32, "K": i32, "stride_a": i32, "stride_we": i32, "stride_wn": i32, "stride_out": i32}  # fmt: skip
+    gemm = {"a_ptr": "*bf16", "w_ptr": "*bf16", "s_ptr": "*bf16", "out_ptr": "*bf16", "pairs_ptr": i64, "block_experts_ptr": i64,
+            "num_pairs": i32, "N": i32, "K": i32, "stride_a": i32, "stride_we": i32, "stride_wn": i32, "stride_se": i32,
+            "stride_sn": i32, "stride_sk": i32, "stride_out": i32}  # fmt: skip
     align = {"ids_ptr": i64, "sorted_ptr": i64, "block_experts_ptr": i64, "num_pairs": i32, "rows": i32, "num_blocks": i32}
-    for div, block_m in ((8, 16), (1, 64)):  # gate/up at decode, down at prefill
-        constants = {"ROWS_PER_PAIR_DIV": div, "NUM_EXPERTS": 128, "IEEE": False, "BLOCK_M": block_m, "BLOCK_N": 128, "BLOCK_K": 64}
-        assert compile_for_hopper(triton_moe._grouped_gemm_kernel, gemm, constants)
+    fp8 = {**gemm, "w_ptr": "*fp8e4nv", "s_ptr": "*fp32"}
+    # gate/up at decode, down at prefill; FP8 block-wise (128 x 128) and per-row stacks
+    for signature, div, block_m, scaled, group in ((gemm, 8, 16, False, (1, 64)), (gemm, 1, 64, False, (1, 64)),
+                                                   (fp8, 8, 16, True, (128, 128)), (fp8, 1, 64, True, (1, 64))):  # fmt: skip
+        constants = {"ROWS_PER_PAIR_DIV": div, "NUM_EXPERTS": 128, "IEEE": False, "SCALED": scaled, "GROUP_N": group[0],
+                     "GROUP_K": group[1], "BLOCK_M": block_m, "BLOCK_N": 128, "BLOCK_K": 64}  # fmt: skip
+        assert compile_for_hopper(triton_moe._grouped_gemm_kernel, signature, constants)
     assert compile_for_hopper(triton_moe._align_kernel, align, {"NUM_EXPERTS": 128, "EXPERTS_POW2": 128, "BLOCK_M": 16, "CHUNK": 32})

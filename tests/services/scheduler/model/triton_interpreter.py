@@ -56,11 +56,15 @@ def run_interpreted_cases(test_file: str, timeout_s: float = 300) -> None:
 compiles = pytest.mark.skipif(INTERPRETED or importlib.util.find_spec("triton") is None, reason="needs Triton (its compiler, not a GPU)")
 
 
-def compile_for_hopper(kernel, signature: dict[str, str], constants: dict, **options) -> bytes:
-    """`kernel` compiled down to an sm_90 cubin (H100/H200) with these argument types and constexprs."""
+def compile_for_hopper(kernel, signature: dict[str, str], constants: dict, divisible: tuple[str, ...] = (), **options) -> bytes:
+    """`kernel` compiled down to an sm_90 cubin (H100/H200) with these argument types and constexprs;
+    `divisible`: arguments known to be multiples of 16, as Triton's launcher specializes them at run
+    time (a K of 4096, a row stride): what lets masked loads vectorize and the K loop pipeline."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    source = ASTSource(kernel, {**signature, **dict.fromkeys(constants, "constexpr")}, constants)
+    names = list(signature)
+    attrs = {(names.index(name),): [["tt.divisibility", 16]] for name in divisible}
+    source = ASTSource(kernel, {**signature, **dict.fromkeys(constants, "constexpr")}, constants, attrs=attrs)
     return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options).asm["cubin"]
