@@ -1,22 +1,61 @@
-"""OpenAI's structured output and tools -> the `Grammar` the scheduler enforces.
+"""Structured output and tools -> the `Grammar` the scheduler enforces.
 
-`response_format` and `tools` / `tool_choice` (/v1/chat/completions, /v1/completions); SGLang's
-sampling params are `validation.generate_grammar`'s. Shapes are checked here (a 400 naming the
-field); whether a grammar compiles is the scheduler's check (`scheduler/grammar.py`), whose refusal
-fails the request.
+OpenAI's `response_format` and `tools` / `tool_choice` (/v1/chat/completions, /v1/completions),
+and SGLang's sampling params `json_schema`, `regex` and `ebnf` (/generate, `generate_grammar`).
+Shapes are checked here (a 400 naming the field); whether a grammar compiles is the scheduler's
+check (`scheduler/grammar.py`), whose refusal fails the request.
 """
 
 from __future__ import annotations
 
+import json
+import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from contracts.limits import MAX_GRAMMAR_CHARS
 from contracts.scheduler import Grammar, GrammarKind
-from services.tokenizer.api_types import ChatBody, NamedToolChoice, ResponseFormat, Tool
+from services.tokenizer.api_types import ChatBody, NamedToolChoice, ResponseFormat, SamplingParamsBody, Tool
+from services.tokenizer.invalid import require
 from services.tokenizer.tools import forced_grammar, tool_format
-from services.tokenizer.validation import require, schema_text
 
 MAX_TOOLS = 128
+
+
+def _sized(text: str, param: str) -> str:
+    require(0 < len(text) <= MAX_GRAMMAR_CHARS, f"1 to {MAX_GRAMMAR_CHARS} characters", param)
+    return text
+
+
+def schema_text(schema: Any, param: str) -> str:
+    """A JSON Schema (a JSON object, or its text) as compact text."""
+    if isinstance(schema, str):
+        try:
+            schema = json.loads(schema)
+        except ValueError as exc:
+            require(False, f"is not valid JSON: {exc}", param)
+    require(isinstance(schema, dict), "must be a JSON Schema object", param)
+    return _sized(json.dumps(schema, ensure_ascii=False, separators=(",", ":")), param)
+
+
+def generate_grammar(body: SamplingParamsBody, names: Mapping[str, str]) -> Grammar | None:
+    """/generate's `json_schema`, `regex` or `ebnf` (at most one)."""
+    given = [name for name in ("json_schema", "regex", "ebnf") if getattr(body, name) is not None]
+    if not given:
+        return None
+    require(len(given) == 1, f"give at most one of json_schema, regex and ebnf (got {', '.join(given)})", names[given[-1]])
+    name = given[0]
+    if name == "json_schema":
+        return Grammar(GrammarKind.JSON_SCHEMA, schema_text(body.json_schema, names[name]))
+    if name == "regex":
+        try:
+            re.compile(body.regex)
+        except re.error as exc:
+            require(False, f"is not a regular expression: {exc}", names[name])
+        return Grammar(GrammarKind.REGEX, _sized(body.regex, names[name]))
+    return Grammar(GrammarKind.EBNF, _sized(body.ebnf, names[name]))
+
 
 
 def response_format_grammar(response_format: ResponseFormat | None) -> Grammar | None:

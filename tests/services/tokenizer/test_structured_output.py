@@ -10,9 +10,10 @@ import pytest
 
 from contracts.scheduler import GrammarKind
 from services.tokenizer.api_types import ChatBody, ResponseFormat, SamplingParamsBody
-from services.tokenizer.structured import response_format_grammar, tool_plan
+from services.tokenizer.invalid import InvalidRequest
+from services.tokenizer.structured import generate_grammar, response_format_grammar, tool_plan
 from services.tokenizer.tools import HERMES, LLAMA3, CallReader, tool_format
-from services.tokenizer.validation import GENERATE_NAMES, InvalidRequest, generate_grammar
+from services.tokenizer.validation import GENERATE_NAMES
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}  # fmt: skip
