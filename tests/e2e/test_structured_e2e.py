@@ -172,13 +172,19 @@ def test_json_object_answers_are_json_objects(stacks, stream):
             assert finish == "stop" and isinstance(json.loads(text), dict), text
 
 
-def test_a_grammar_that_does_not_compile_fails_the_request_with_its_reason(stacks):
+def test_a_grammar_that_does_not_compile_is_a_400_before_it_is_admitted(stacks, oai):
     body = {"text": "x", "sampling_params": {"ebnf": 'root ::= ("unclosed"'}}
     response = httpx.post(f"{stacks[0].base_url}/generate", json=body, timeout=30)
-    finish = response.json()["meta_info"]["finish_reason"]
-    assert finish["type"] == "abort" and "ebnf grammar does not compile" in finish["message"], response.text
+    assert response.status_code == 400 and response.json()["error"]["param"] == "sampling_params.ebnf", response.text
+    assert "does not compile: EBNF parser error" in response.json()["error"]["message"]
     bad_regex = httpx.post(f"{stacks[0].base_url}/generate", json={"text": "x", "sampling_params": {"regex": "(a"}}, timeout=30)
     assert bad_regex.status_code == 400 and bad_regex.json()["error"]["param"] == "sampling_params.regex"
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 5, "maximum": 1}}}
+    for stream in (False, True):
+        with pytest.raises(openai.BadRequestError) as refused:
+            oai.chat.completions.create(model=oai.models.list().data[0].id, messages=QUESTION, stream=stream, max_tokens=8,
+                                        response_format={"type": "json_schema", "json_schema": {"name": "n", "schema": schema}})  # fmt: skip
+        assert refused.value.body["param"] == "response_format.json_schema.schema", refused.value.body
 
 
 # ---- tools, with the official client ----

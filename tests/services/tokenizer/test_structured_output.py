@@ -9,9 +9,10 @@ import msgspec
 import pytest
 
 from contracts.scheduler import GrammarKind
-from services.tokenizer.api_types import ChatBody, ResponseFormat, SamplingParamsBody
+from services.common import grammars
+from services.tokenizer.api_types import ChatBody, GenerateBody, ResponseFormat, SamplingParamsBody
 from services.tokenizer.invalid import InvalidRequest
-from services.tokenizer.structured import generate_grammar, response_format_grammar, tool_plan
+from services.tokenizer.structured import asks_for_grammar, generate_grammar, response_format_grammar, tool_plan
 from services.tokenizer.tools import HERMES, LLAMA3, CallReader, tool_format
 from services.tokenizer.validation import GENERATE_NAMES
 
@@ -128,3 +129,22 @@ def test_generate_grammar_fields():
         with pytest.raises(InvalidRequest) as refused:
             generate_grammar(body, GENERATE_NAMES)
         assert refused.value.param == f"sampling_params.{param}"
+
+
+def test_a_grammar_xgrammar_refuses_is_a_400_with_its_reason_and_without_xgrammar_the_scheduler_decides(monkeypatch):
+    bad = SamplingParamsBody(ebnf='root ::= "a" | b')
+    with pytest.raises(InvalidRequest) as refused:
+        generate_grammar(bad, GENERATE_NAMES)
+    assert refused.value.param == "sampling_params.ebnf"
+    message = refused.value.message  # xgrammar's words, without where in its C++ they were raised
+    assert message.startswith("does not compile: EBNF parser error at line 1") and message.endswith('Rule "b" is not defined')
+    monkeypatch.setattr(grammars, "xgrammar_installed", lambda: False)  # the torch-free front-end image
+    assert generate_grammar(bad, GENERATE_NAMES).text == 'root ::= "a" | b'
+
+
+def test_only_bodies_that_may_bring_a_grammar_are_prepared_off_the_loop():
+    assert asks_for_grammar(msgspec.convert({"text": "x", "sampling_params": {"regex": "a"}}, GenerateBody))
+    assert not asks_for_grammar(msgspec.convert({"text": "x", "sampling_params": {"temperature": 0}}, GenerateBody))
+    assert asks_for_grammar(chat(tools=[WEATHER], tool_choice="required"))
+    assert asks_for_grammar(chat(response_format={"type": "json_object"}))
+    assert not asks_for_grammar(chat(tools=[WEATHER], tool_choice="auto"))
