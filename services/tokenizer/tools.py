@@ -185,7 +185,7 @@ class CallReader:
             read.content += held
         if self.num_calls and not read.content.strip():
             read.content = ""
-        return read
+        return Read().add(read)
 
     def _step(self, read: Read) -> bool:
         """Read what the held text decides; whether anything changed (then step again)."""

@@ -183,3 +183,10 @@ def test_only_bodies_that_may_bring_a_grammar_are_prepared_off_the_loop():
     assert asks_for_grammar(chat(tools=[WEATHER], tool_choice="required"))
     assert asks_for_grammar(chat(response_format={"type": "json_object"}))
     assert not asks_for_grammar(chat(tools=[WEATHER], tool_choice="auto"))
+
+
+def test_an_output_that_ends_inside_the_arguments_keeps_what_was_held_back_as_its_last_fragment():
+    reader = CallReader(HERMES)
+    reader.feed('<tool_call>\n{"name": "f", "arguments": {"a": "x"')
+    assert reader.feed(" <").calls == [{"index": 0, "function": {"arguments": " "}}]  # "<" may begin "</tool_call>": held
+    assert reader.finish() == Read("", [{"index": 0, "function": {"arguments": "<"}}])
