@@ -131,7 +131,7 @@ def add_cuda_arguments(parser: argparse.ArgumentParser) -> None:
     for name, (default, help_text) in CUDA_SWITCHES.items():
         parser.add_argument(f"--{name}", action=argparse.BooleanOptionalAction, default=default, help=help_text)
     parser.add_argument("--dense-attention", choices=DENSE_ATTENTION_CHOICES, default="auto",
-                        help="the kernel of --dense-prefill: flash4 (FlashAttention-4, pip install 'sparkwire[flash4]'; "
+                        help="the kernel of --dense-prefill: flash4 (FlashAttention-4, pip install -e '.[flash4]'; "
                              "Hopper or Blackwell), sdpa (torch SDPA, cuDNN first); auto: flash4 where it runs, else sdpa")  # fmt: skip
 
 

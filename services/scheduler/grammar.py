@@ -16,7 +16,6 @@ Bitmasks are int32 [rows, ceil(V / 32)], bit t % 32 of word t // 32 set where to
 
 from __future__ import annotations
 
-import json
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -26,7 +25,8 @@ from pathlib import Path
 import structlog
 import torch
 
-from contracts.scheduler import Grammar, GrammarKind
+from contracts.scheduler import Grammar
+from services.common.grammars import compile_failure, xgrammar_of
 
 log = structlog.get_logger(__name__)
 # xgrammar (and the transformers tokenizer it reads) is imported on the first grammar: seconds of
@@ -87,7 +87,7 @@ class GrammarMatchers:
         try:
             self.compiled(grammar)
         except Exception as exc:  # xgrammar raises RuntimeError / ValueError subclasses for bad grammars
-            return f"the {grammar.kind.name.lower()} grammar does not compile: {exc}"
+            return f"the {grammar.kind.name.lower()} grammar {compile_failure(exc)}"
         return None
 
     def compiled(self, grammar: Grammar):
@@ -97,7 +97,7 @@ class GrammarMatchers:
                 self._compiled.move_to_end(grammar)
                 return found
             compiler = self._compiler_of()
-        compiled = compiler.compile_grammar(_xgrammar_of(grammar))  # unlocked: a long compile never holds up a step's cache hit
+        compiled = compiler.compile_grammar(xgrammar_of(grammar))  # unlocked: a long compile never holds up a step's cache hit
         with self._lock:
             self._compiled[grammar] = compiled
             if len(self._compiled) > MAX_COMPILED:
@@ -167,30 +167,3 @@ def _compiler(tokenizer_dir: str | None, vocab_size: int, eos_ids: list[int]):
     tokenizer = PreTrainedTokenizerFast(tokenizer_file=str(path))
     info = xgrammar.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=eos_ids)
     return xgrammar.GrammarCompiler(info, max_threads=1)
-
-
-def _xgrammar_of(grammar: Grammar):
-    """The xgrammar `Grammar` of `grammar`: its kind's, between its literal prefix and suffix.
-    JSON comes without free whitespace, so a weak model cannot pad its answer forever."""
-    import xgrammar
-
-    if grammar.kind == GrammarKind.JSON_OBJECT:
-        body = xgrammar.Grammar.from_json_schema(json.dumps({"type": "object"}), any_whitespace=False, strict_mode=False)
-    elif grammar.kind == GrammarKind.JSON_SCHEMA:
-        body = xgrammar.Grammar.from_json_schema(grammar.text, any_whitespace=False)
-    elif grammar.kind == GrammarKind.REGEX:
-        body = xgrammar.Grammar.from_regex(grammar.text)
-    else:
-        body = xgrammar.Grammar.from_ebnf(grammar.text)
-    parts = [_literal(grammar.prefix), body, _literal(grammar.suffix)]
-    parts = [part for part in parts if part is not None]
-    return body if len(parts) == 1 else xgrammar.Grammar.concat(*parts)
-
-
-def _literal(text: str):
-    if not text:
-        return None
-    import xgrammar
-
-    escaped = text.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n").replace("\r", "\\r").replace("\t", "\\t")
-    return xgrammar.Grammar.from_ebnf(f'root ::= "{escaped}"')

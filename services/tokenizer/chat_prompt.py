@@ -9,7 +9,8 @@ from typing import Any
 
 from services.tokenizer.api_types import ChatMessage
 from services.tokenizer.text_model import TextModel
-from services.tokenizer.validation import InvalidRequest, check_text_size, refuse_unsupported, require
+from services.tokenizer.invalid import InvalidRequest, require
+from services.tokenizer.validation import check_text_size, refuse_unsupported
 
 
 def chat_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:

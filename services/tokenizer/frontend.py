@@ -8,8 +8,9 @@ import time
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import ParamSpec, TypeVar
+from typing import Any, TypeVar
 
+import msgspec
 import structlog
 from litestar import Request
 
@@ -18,6 +19,7 @@ from services.tokenizer.metrics import Metrics
 from services.tokenizer.native import SSE_DONE, GenerationResult, collect, error_body, sse
 from services.tokenizer.requests import Delta, PendingRequest, RequestFailed
 from services.tokenizer.service import TokenizerService
+from services.tokenizer.structured import asks_for_grammar
 from services.tokenizer.text_model import TextModel
 from services.tokenizer.validation import GenerationSpec
 
@@ -29,7 +31,6 @@ SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 OFF_LOOP_MIN_BODY_BYTES = 64 * 1024
 NUM_TOKENIZE_WORKERS = 2
 
-P = ParamSpec("P")
 R = TypeVar("R")
 
 
@@ -50,12 +51,14 @@ class Frontend:
         default_factory=lambda: ThreadPoolExecutor(NUM_TOKENIZE_WORKERS, thread_name_prefix="tokenize")
     )
 
-    async def prepare(self, request: Request, work: Callable[P, R], *args: P.args, **kwargs: P.kwargs) -> R:
-        """Run `work` (validation and tokenization: plain CPU work) for this request's body, in a
-        worker thread when the body is large, so no prompt stalls the other requests."""
-        if int(request.headers.get("content-length") or 0) < OFF_LOOP_MIN_BODY_BYTES:
-            return work(*args, **kwargs)
-        return await asyncio.get_running_loop().run_in_executor(self.workers, lambda: work(*args, **kwargs))
+    async def prepare(self, request: Request, work: Callable[..., R], body: msgspec.Struct, *args: Any) -> R:
+        """Run `work(body, *args)` (validation and tokenization: plain CPU work), in a worker thread
+        when the body is large or brings a grammar (xgrammar parses it, and the process's first
+        grammar imports xgrammar: seconds), so no request stalls the others."""
+        small = int(request.headers.get("content-length") or 0) < OFF_LOOP_MIN_BODY_BYTES
+        if small and not asks_for_grammar(body):
+            return work(body, *args)
+        return await asyncio.get_running_loop().run_in_executor(self.workers, lambda: work(body, *args))
 
     async def submit_all(self, specs: list[GenerationSpec], n: int = 1) -> list[PendingRequest]:
         """Submit every spec (prompt-major: each run of `n` is one prompt's choices, submitted

@@ -41,7 +41,8 @@ from services.tokenizer.native import (
 )
 from services.tokenizer.requests import RequestFailed
 from services.tokenizer.service import ServiceUnavailable
-from services.tokenizer.validation import MAX_BODY_BYTES, InvalidRequest, require, validate_generate
+from services.tokenizer.invalid import InvalidRequest, require
+from services.tokenizer.validation import MAX_BODY_BYTES, validate_generate
 
 log = structlog.get_logger(__name__)
 

@@ -20,6 +20,7 @@ from services.tokenizer.chat_prompt import chat_prompt
 from services.tokenizer.edge import request_id_of
 from services.tokenizer.error_schema import ERROR_RESPONSES
 from services.tokenizer.frontend import SSE_HEADERS, Frontend, stream_then_abort
+from services.tokenizer.invalid import require
 from services.tokenizer.openai_responses import Choice, Plan, chat_response, completion_response, stream_events, stream_usage
 from services.tokenizer.structured import response_format_grammar, template_tools, tool_plan
 from services.tokenizer.text_model import TextModel
@@ -33,7 +34,6 @@ from services.tokenizer.validation import (
     check_sampling,
     check_text_size,
     refuse_unsupported,
-    require,
     wire_rids,
 )
 

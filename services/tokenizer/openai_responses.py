@@ -18,7 +18,7 @@ from services.tokenizer.openai_format import Positions, chat_content, completion
 from services.tokenizer.requests import Delta, RequestFailed
 from services.tokenizer.structured import ToolPlan
 from services.tokenizer.text_model import TextModel
-from services.tokenizer.tools import CallReader, Read
+from services.tokenizer.tools import CallReader, whole_calls
 from services.tokenizer.validation import GenerationSpec
 
 
@@ -110,8 +110,8 @@ def chat_response(plan: Plan, results: list[GenerationResult], model: TextModel)
         message: dict[str, Any] = {"role": "assistant", "content": result.text}
         reader = _reader(plan)
         if reader is not None:
-            read = _joined(reader.feed(result.text), reader.finish())
-            message = {"role": "assistant", "content": read.content or None, "tool_calls": read.calls}
+            read = reader.feed(result.text).add(reader.finish())
+            message = {"role": "assistant", "content": read.content or None, "tool_calls": whole_calls(read.calls)}
         choices.append({
             "index": index,
             "message": message,
@@ -123,10 +123,6 @@ def chat_response(plan: Plan, results: list[GenerationResult], model: TextModel)
 
 def _reader(plan: Plan) -> CallReader | None:
     return None if plan.tools is None else CallReader(plan.tools.format, plan.tools.max_calls)
-
-
-def _joined(first: Read, second: Read) -> Read:
-    return Read(first.content + second.content, first.calls + second.calls)
 
 
 def _chat_finish(finish: Finish | None, reader: CallReader | None) -> str | None:
@@ -178,17 +174,9 @@ def _chat_entry(plan: Plan, state: _StreamState, index: int, delta: Delta, model
     else:
         read = reader.feed(delta.text)
         if delta.finish is not None:
-            read = _joined(read, reader.finish())
-        message = _call_delta(read, reader.num_calls - len(read.calls))
+            read = read.add(reader.finish())
+        message = {"content": read.content or None, "tool_calls": read.calls} if read.calls else {"content": read.content}
     return {"index": index, "delta": message, "logprobs": logprobs, "finish_reason": _chat_finish(delta.finish, reader)}
-
-
-def _call_delta(read: Read, first_index: int) -> dict[str, Any]:
-    """A stream delta of `read`: its content, and each call whole, numbered from `first_index`."""
-    message: dict[str, Any] = {"content": read.content}
-    if read.calls:
-        message["tool_calls"] = [{"index": first_index + i} | call for i, call in enumerate(read.calls)]
-    return message
 
 
 @dataclass(frozen=True)

@@ -27,7 +27,8 @@ from services.common.logging import request_headers
 from services.common.transport import Transport
 from services.tokenizer.config import TokenizerConfig
 from services.tokenizer.requests import PendingRequest
-from services.tokenizer.validation import GenerationSpec, InvalidRequest
+from services.tokenizer.invalid import InvalidRequest
+from services.tokenizer.validation import GenerationSpec
 
 CLAIM_RETRY_FIRST_S = 0.002  # pauses between claims that found no room: 0, 2, 4, ... 25 ms
 CLAIM_RETRY_MAX_S = 0.025  # short: a scheduler that frees a slot idles until the next claim arrives

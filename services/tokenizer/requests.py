@@ -24,7 +24,8 @@ from contracts.tokenizer import TextBatch
 from services.common.arrays import from_wire
 from services.common.logprob_rows import RequestLogprobs, from_columns
 from services.common.metrics import finish_reason
-from services.tokenizer.validation import GenerationSpec, InvalidRequest
+from services.tokenizer.invalid import InvalidRequest
+from services.tokenizer.validation import GenerationSpec
 
 
 class RequestFailed(Exception):

@@ -1,22 +1,83 @@
-"""OpenAI's structured output and tools -> the `Grammar` the scheduler enforces.
+"""Structured output and tools -> the `Grammar` the scheduler enforces.
 
-`response_format` and `tools` / `tool_choice` (/v1/chat/completions, /v1/completions); SGLang's
-sampling params are `validation.generate_grammar`'s. Shapes are checked here (a 400 naming the
-field); whether a grammar compiles is the scheduler's check (`scheduler/grammar.py`), whose refusal
-fails the request.
+OpenAI's `response_format` and `tools` / `tool_choice` (/v1/chat/completions, /v1/completions),
+and SGLang's sampling params `json_schema`, `regex` and `ebnf` (/generate, `generate_grammar`).
+Shapes are checked here, and every grammar is parsed by xgrammar before the request is admitted
+(`compiles`): a bad schema, regex or EBNF is a 400 naming the field. Where xgrammar is not
+installed (the torch-free front-end image) the scheduler's compile (`scheduler/grammar.py`) is the
+only check, and its refusal fails the request.
 """
 
 from __future__ import annotations
 
+import json
+import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
+
+from contracts.limits import MAX_GRAMMAR_CHARS
 from contracts.scheduler import Grammar, GrammarKind
-from services.tokenizer.api_types import ChatBody, NamedToolChoice, ResponseFormat, Tool
+from services.common.grammars import parse_failure
+from services.tokenizer.api_types import ChatBody, CompletionBody, GenerateBody, NamedToolChoice, ResponseFormat, SamplingParamsBody, Tool
+from services.tokenizer.invalid import require
 from services.tokenizer.tools import forced_grammar, tool_format
-from services.tokenizer.validation import require, schema_text
 
 MAX_TOOLS = 128
+
+
+def compiles(grammar: Grammar, param: str) -> Grammar:
+    """`grammar`, once xgrammar has parsed it; else a 400 naming `param` with xgrammar's reason."""
+    failure = parse_failure(grammar)
+    require(failure is None, failure or "", param)
+    return grammar
+
+
+def asks_for_grammar(body: msgspec.Struct) -> bool:
+    """Whether a request body may bring a grammar: `compiles` parses it with xgrammar, which the
+    process's first grammar imports (seconds), so such a body is prepared off the event loop."""
+    if isinstance(body, GenerateBody):
+        sampling = body.sampling_params
+        return sampling is not None and any(getattr(sampling, name) is not None for name in ("json_schema", "regex", "ebnf"))
+    if isinstance(body, ChatBody) and body.tool_choice not in (None, "none", "auto"):
+        return True
+    return isinstance(body, CompletionBody | ChatBody) and body.response_format is not None
+
+
+def _sized(text: str, param: str) -> str:
+    require(0 < len(text) <= MAX_GRAMMAR_CHARS, f"1 to {MAX_GRAMMAR_CHARS} characters", param)
+    return text
+
+
+def schema_text(schema: Any, param: str) -> str:
+    """A JSON Schema (a JSON object, or its text) as compact text."""
+    if isinstance(schema, str):
+        try:
+            schema = json.loads(schema)
+        except ValueError as exc:
+            require(False, f"is not valid JSON: {exc}", param)
+    require(isinstance(schema, dict), "must be a JSON Schema object", param)
+    return _sized(json.dumps(schema, ensure_ascii=False, separators=(",", ":")), param)
+
+
+def generate_grammar(body: SamplingParamsBody, names: Mapping[str, str]) -> Grammar | None:
+    """/generate's `json_schema`, `regex` or `ebnf` (at most one)."""
+    given = [name for name in ("json_schema", "regex", "ebnf") if getattr(body, name) is not None]
+    if not given:
+        return None
+    require(len(given) == 1, f"give at most one of json_schema, regex and ebnf (got {', '.join(given)})", names[given[-1]])
+    name = given[0]
+    if name == "json_schema":
+        return compiles(Grammar(GrammarKind.JSON_SCHEMA, schema_text(body.json_schema, names[name])), names[name])
+    if name == "regex":
+        try:
+            re.compile(body.regex)
+        except re.error as exc:
+            require(False, f"is not a regular expression: {exc}", names[name])
+        return compiles(Grammar(GrammarKind.REGEX, _sized(body.regex, names[name])), names[name])
+    return compiles(Grammar(GrammarKind.EBNF, _sized(body.ebnf, names[name])), names[name])
 
 
 def response_format_grammar(response_format: ResponseFormat | None) -> Grammar | None:
@@ -28,7 +89,8 @@ def response_format_grammar(response_format: ResponseFormat | None) -> Grammar |
     require(response_format.type == "json_schema", "type must be text, json_object or json_schema", "response_format.type")
     spec = response_format.json_schema
     require(spec is not None and spec.schema is not None, "json_schema.schema is required", "response_format.json_schema")
-    return Grammar(GrammarKind.JSON_SCHEMA, schema_text(spec.schema, "response_format.json_schema.schema"))
+    param = "response_format.json_schema.schema"
+    return compiles(Grammar(GrammarKind.JSON_SCHEMA, schema_text(spec.schema, param)), param)
 
 
 @dataclass(frozen=True)
@@ -61,11 +123,19 @@ def tool_plan(body: ChatBody, chat_template: str | None) -> ToolPlan | None:
     if choice in (None, "auto"):
         return ToolPlan(tools, fmt, None, max_calls)
     if isinstance(choice, NamedToolChoice):
-        named = [f for f in functions if f["name"] == choice.function.name]
+        named = [i for i, f in enumerate(functions) if f["name"] == choice.function.name]
         require(bool(named), f"no tool is named {choice.function.name!r}", "tool_choice.function.name")
-        return ToolPlan(tools, fmt, forced_grammar(named, fmt), max_calls)
+        return ToolPlan(tools, fmt, _forced(functions, named, fmt), max_calls)
     require(choice == "required", "must be none, auto, required or a named function", "tool_choice")
-    return ToolPlan(tools, fmt, forced_grammar(functions, fmt), max_calls)
+    return ToolPlan(tools, fmt, _forced(functions, list(range(len(functions))), fmt), max_calls)
+
+
+def _forced(functions: list[dict[str, Any]], indexes: list[int], fmt: str) -> Grammar:
+    """One call of one of the functions at `indexes`, each one's call parsed by xgrammar first, so
+    that a `parameters` schema it refuses is a 400 naming that tool."""
+    for index in indexes:
+        compiles(forced_grammar([functions[index]], fmt), f"tools[{index}].function.parameters")
+    return forced_grammar([functions[index] for index in indexes], fmt)
 
 
 def template_tools(tools: list[Tool]) -> list[dict[str, Any]]:

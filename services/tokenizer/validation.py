@@ -7,9 +7,7 @@ NATS and the HTTP layer turns `InvalidRequest` into an OpenAI-style 400.
 from __future__ import annotations
 
 import functools
-import json
 import math
-import re
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -18,17 +16,12 @@ from typing import Any
 import msgspec
 
 from contracts.detokenizer import DetokenizeParams
-from contracts.limits import MAX_CLIENT_RID_CHARS, MAX_GRAMMAR_CHARS, MAX_TOKEN_IDS_LOGPROB, MAX_TOKENS
-from contracts.scheduler import Grammar, GrammarKind, LogprobParams, SamplingParams
+from contracts.limits import MAX_CLIENT_RID_CHARS, MAX_TOKEN_IDS_LOGPROB, MAX_TOKENS
+from contracts.scheduler import LogprobParams, SamplingParams
 from services.tokenizer.api_types import GenerateBody, SamplingParamsBody, Unsupported
+from services.tokenizer.invalid import InvalidRequest, require
+from services.tokenizer.structured import generate_grammar
 from services.tokenizer.text_model import TextModel
-
-
-class InvalidRequest(Exception):
-    def __init__(self, message: str, param: str | None = None) -> None:
-        super().__init__(message)
-        self.message = message
-        self.param = param
 
 
 @dataclass(frozen=True)
@@ -84,11 +77,6 @@ def wire_rids(request_id: str, count: int) -> list[str]:
     X-Request-Id or `rid` (another client, another replica, a reconnect racing an abort)."""
     nonce = uuid.uuid4().hex[:12]
     return [f"{request_id}-{nonce}-{index}" for index in range(count)]
-
-
-def require(condition: bool, message: str, param: str) -> None:
-    if not condition:
-        raise InvalidRequest(message, param)
 
 
 def check_prompt(ids: list[int], model: TextModel, param: str) -> tuple[int, ...]:
@@ -206,40 +194,6 @@ def wire_checked(message: msgspec.Struct, names: Mapping[str, str]) -> msgspec.S
         field = where.rstrip("`").split(".")[0].split("[")[0]
         raise InvalidRequest(problem, names.get(field, field or None)) from None
     return message
-
-
-def _sized(text: str, param: str) -> str:
-    require(0 < len(text) <= MAX_GRAMMAR_CHARS, f"1 to {MAX_GRAMMAR_CHARS} characters", param)
-    return text
-
-
-def schema_text(schema: Any, param: str) -> str:
-    """A JSON Schema (a JSON object, or its text) as compact text."""
-    if isinstance(schema, str):
-        try:
-            schema = json.loads(schema)
-        except ValueError as exc:
-            require(False, f"is not valid JSON: {exc}", param)
-    require(isinstance(schema, dict), "must be a JSON Schema object", param)
-    return _sized(json.dumps(schema, ensure_ascii=False, separators=(",", ":")), param)
-
-
-def generate_grammar(body: SamplingParamsBody, names: Mapping[str, str]) -> Grammar | None:
-    """/generate's `json_schema`, `regex` or `ebnf` (at most one)."""
-    given = [name for name in ("json_schema", "regex", "ebnf") if getattr(body, name) is not None]
-    if not given:
-        return None
-    require(len(given) == 1, f"give at most one of json_schema, regex and ebnf (got {', '.join(given)})", names[given[-1]])
-    name = given[0]
-    if name == "json_schema":
-        return Grammar(GrammarKind.JSON_SCHEMA, schema_text(body.json_schema, names[name]))
-    if name == "regex":
-        try:
-            re.compile(body.regex)
-        except re.error as exc:
-            require(False, f"is not a regular expression: {exc}", names[name])
-        return Grammar(GrammarKind.REGEX, _sized(body.regex, names[name]))
-    return Grammar(GrammarKind.EBNF, _sized(body.ebnf, names[name]))
 
 
 def check_penalties(body: SamplingParamsBody, names: Mapping[str, str]) -> None:

@@ -6,7 +6,7 @@ to both, through /generate (json_schema, regex), /v1/chat/completions and /v1/co
 validates (`jsonschema`, `re.fullmatch`), and greedy DSpark answers equal greedy plain ones. Then
 the official `openai` client runs the tool-call flow (request -> tool_calls -> tool result ->
 answer) with the bundled chat template, streamed and not, for `required`, a named function and
-`auto`.
+`auto`, and its stream accumulator rebuilds the whole answer from the streamed tool-call fragments.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ import httpx
 import jsonschema
 import openai
 import pytest
+from openai.lib.streaming.chat import ChatCompletionStreamState
 
 from e2e.stack import Stack, plain_and_dspark_stacks
 
@@ -172,13 +173,19 @@ def test_json_object_answers_are_json_objects(stacks, stream):
             assert finish == "stop" and isinstance(json.loads(text), dict), text
 
 
-def test_a_grammar_that_does_not_compile_fails_the_request_with_its_reason(stacks):
+def test_a_grammar_that_does_not_compile_is_a_400_before_it_is_admitted(stacks, oai):
     body = {"text": "x", "sampling_params": {"ebnf": 'root ::= ("unclosed"'}}
     response = httpx.post(f"{stacks[0].base_url}/generate", json=body, timeout=30)
-    finish = response.json()["meta_info"]["finish_reason"]
-    assert finish["type"] == "abort" and "ebnf grammar does not compile" in finish["message"], response.text
+    assert response.status_code == 400 and response.json()["error"]["param"] == "sampling_params.ebnf", response.text
+    assert "does not compile: EBNF parser error" in response.json()["error"]["message"]
     bad_regex = httpx.post(f"{stacks[0].base_url}/generate", json={"text": "x", "sampling_params": {"regex": "(a"}}, timeout=30)
     assert bad_regex.status_code == 400 and bad_regex.json()["error"]["param"] == "sampling_params.regex"
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 5, "maximum": 1}}}
+    for stream in (False, True):
+        with pytest.raises(openai.BadRequestError) as refused:
+            oai.chat.completions.create(model=oai.models.list().data[0].id, messages=QUESTION, stream=stream, max_tokens=8,
+                                        response_format={"type": "json_schema", "json_schema": {"name": "n", "schema": schema}})  # fmt: skip
+        assert refused.value.body["param"] == "response_format.json_schema.schema", refused.value.body
 
 
 # ---- tools, with the official client ----
@@ -251,3 +258,33 @@ def test_auto_tool_choice_flow(oai, stream):
     assert calls or isinstance(content, str)
     earlier = [{"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris", "days": 7}'}}]
     _answer_after(oai, stream, earlier)
+
+
+def _calls(choice) -> list[tuple[str, str, str]]:
+    return [(call.type, call.function.name, call.function.arguments) for call in choice.message.tool_calls or []]
+
+
+@pytest.mark.parametrize("choice", ["required", "named", "auto"])
+def test_streamed_tool_calls_come_in_fragments_that_the_clients_accumulator_adds_up_to_the_whole_answer(oai, choice):
+    """OpenAI's shape: a call's first delta carries its index, id, type and name, the next ones
+    fragments of its arguments as they are generated; `openai`'s own stream accumulator rebuilds
+    the non-streamed answer from them (ids aside)."""
+    tool_choice = {"required": "required", "named": {"type": "function", "function": {"name": "get_weather"}}, "auto": "auto"}[choice]
+    request = {"model": oai.models.list().data[0].id, "messages": QUESTION, "tools": [WEATHER, TIME],
+               "tool_choice": tool_choice, "temperature": 0, "max_tokens": 64}  # fmt: skip
+    whole = oai.chat.completions.create(**request).choices[0]
+    state, deltas = ChatCompletionStreamState(), []
+    for chunk in oai.chat.completions.create(stream=True, **request):
+        state.handle_chunk(chunk)
+        deltas += [call for streamed in chunk.choices for call in streamed.delta.tool_calls or []]
+    streamed = state.current_completion_snapshot.choices[0]  # as accumulated (the final parse refuses a `length` answer)
+    assert _calls(streamed) == _calls(whole) and streamed.finish_reason == whole.finish_reason
+    assert (streamed.message.content or None) == whole.message.content
+    if choice == "auto":
+        return  # the small model rarely calls on its own: the answers agreeing is the point
+    assert len(_calls(whole)) == 1 and whole.finish_reason == "tool_calls"
+    head, fragments = deltas[0], deltas[1:]
+    assert head.index == 0 and head.id.startswith("call_") and head.type == "function" and head.function.name == _calls(whole)[0][1]
+    assert all(d.index == 0 and d.id is None and d.function.name is None and d.function.arguments for d in fragments)
+    if choice == "named":  # get_weather's arguments (a city and a number of days) take several steps
+        assert len(fragments) >= 3, deltas  # they arrive while they are generated, not in one piece at the end

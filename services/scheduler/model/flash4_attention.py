@@ -9,7 +9,7 @@ output are in the step's own row layout ([T, H, D], BSHD), so nothing is transpo
 the dense path's contiguous gather: FA4 reading the 16-token pages in place (its `page_table`) was
 slower, and as 128-token pages (one a key tile, its TMA path) no faster.
 
-The package is optional (`pip install 'sparkwire[flash4]'`): it needs CUDA on compute
+The package is optional (`pip install -e '.[flash4]'` from a checkout): it needs CUDA on compute
 capability 9.x (Hopper, its SM90 forward) or 10.x, and JIT-compiles each kernel variant on first
 use (seconds each, so `warm_flash4` does it at start-up; a new length does not compile again).
 `flash4_unavailable` says why it cannot run here, or None. CI has no GPU: the CPU tests cover the
@@ -32,7 +32,7 @@ def flash4_unavailable(device: torch.device) -> str | None:
     if device.type != "cuda":
         return f"flash4 needs CUDA, not {device.type}"
     if importlib.util.find_spec("flash_attn") is None or importlib.util.find_spec(FLASH4_MODULE) is None:
-        return "flash4 is not installed (pip install 'sparkwire[flash4]')"
+        return "flash4 is not installed (pip install -e '.[flash4]')"
     if not torch.cuda.is_available():
         return "flash4 needs CUDA, and this torch has none"
     major, minor = torch.cuda.get_device_capability(device)

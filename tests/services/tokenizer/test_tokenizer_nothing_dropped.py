@@ -14,6 +14,8 @@ pytestmark = pytest.mark.timeout(30)
 
 CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
 COMPLETION = {"prompt": "hi", "max_tokens": 4}
+# The process's first grammar imports xgrammar (and torch under it) in the tokenizer: seconds on a busy CI machine.
+GRAMMAR_TIMEOUT_S = 25.0
 IMAGE = {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}}
 
 
@@ -108,8 +110,34 @@ async def test_false_is_a_neutral_value_of_an_unsupported_flag(url, backend):
      "JSON_SCHEMA", '{"type":"boolean"}'),
 ])  # fmt: skip
 async def test_structured_output_reaches_the_scheduler_as_a_grammar(url, backend, path, body, kind, text):
-    async with httpx.AsyncClient(base_url=url) as client:
+    async with httpx.AsyncClient(base_url=url, timeout=GRAMMAR_TIMEOUT_S) as client:
         response = await client.post(path, json=body)
     assert response.status_code == 200, response.text
     grammar = backend.requests[-1].sampling.grammar
     assert grammar.kind.name == kind and grammar.text == text
+
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}
+BROKEN_TOOL = {"type": "function", "function": {"name": "broken", "parameters": {"type": "object", "properties": {"n": {"type": "int"}}}}}
+
+
+@pytest.mark.parametrize("path, body, param, reason", [
+    ("/generate", {"text": "hi", "sampling_params": {"ebnf": 'root ::= ("unclosed"'}}, "sampling_params.ebnf", "EBNF parser error"),
+    ("/generate", {"text": "hi", "stream": True, "sampling_params": {"regex": "(?<=a)b"}}, "sampling_params.regex",
+     "Lookbehind"),  # Python's `re` takes it; xgrammar does not
+    ("/generate", {"text": "hi", "sampling_params": {"json_schema": '{"type": "foo"}'}}, "sampling_params.json_schema", "foo"),
+    ("/v1/chat/completions", CHAT | {"stream": True, "response_format": {"type": "json_schema", "json_schema": {
+        "name": "n", "schema": {"type": "integer", "minimum": 5, "maximum": 1}}}}, "response_format.json_schema.schema", "minimum"),
+    ("/v1/completions", COMPLETION | {"response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": {"enum": []}}}},
+     "response_format.json_schema.schema", "enum"),
+    ("/v1/chat/completions", CHAT | {"tools": [WEATHER, BROKEN_TOOL], "tool_choice": "required"}, "tools[1].function.parameters", "int"),
+])  # fmt: skip
+async def test_a_grammar_that_does_not_compile_is_a_400_naming_its_field(url, backend, path, body, param, reason):
+    """Refused before it is admitted (xgrammar parses it here), streamed or not: never a 200 that ends in abort."""
+    async with httpx.AsyncClient(base_url=url, timeout=GRAMMAR_TIMEOUT_S) as client:
+        response = await client.post(path, json=body)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == param and error["type"] == "invalid_request_error", error
+    assert error["message"].startswith(f"{param}: does not compile: ") and reason in error["message"], error
+    assert backend.requests == []

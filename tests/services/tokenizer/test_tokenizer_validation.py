@@ -72,7 +72,8 @@ def test_every_bound_of_the_wire_types_is_a_400_naming_the_field():
     """The net under the hand-written checks: what the receiver's typed decoder would refuse."""
     from contracts.detokenizer import DetokenizeParams
     from contracts.scheduler import LogprobParams, SamplingParams
-    from services.tokenizer.validation import InvalidRequest, wire_checked
+    from services.tokenizer.invalid import InvalidRequest
+    from services.tokenizer.validation import wire_checked
 
     names = {"temperature": "sampling_params.temperature", "stop": "sampling_params.stop"}
     cases = [

@@ -91,7 +91,7 @@ def test_flash4_not_installed_is_said_before_the_gpu_is_asked_anything(monkeypat
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *args: None)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *args: pytest.fail("asked the GPU"))
     cuda = torch.device("cuda")
-    assert flash4_unavailable(cuda) == "flash4 is not installed (pip install 'sparkwire[flash4]')"
+    assert flash4_unavailable(cuda) == "flash4 is not installed (pip install -e '.[flash4]')"
     assert resolve_dense_kernel("auto", cuda) == "sdpa"
 
 
