@@ -212,3 +212,33 @@ def test_interpreted_runner_on_the_kernels_answers_a_request_alike_alone_and_bes
         assert a.tokens == b.tokens, rid
         for name in ("input_token", "input_top_values", "output_token", "output_top_values"):
             assert a.cat(name).tobytes() == b.cat(name).tobytes(), (rid, name)
+
+
+@pytest.mark.skipif(not INTERPRETED, reason="run by test_kernels_in_the_triton_interpreter")
+def test_interpreted_gemma2_rows_are_bitwise_alone_and_beside_others_on_the_row_norms(saved_family, monkeypatch) -> None:
+    """Tiny Gemma 2 (sandwich (1 + w) norms, sliding windows, soft-capping) in the mode as CUDA runs
+    it, the kernels interpreted: every norm on the row kernel (`llama.norm_rows`), and a request's
+    ids and logprobs the same bits alone and in 4-token chunks beside another's decodes."""
+    from contracts.scheduler import LogprobParams
+    from services.scheduler.build import core_for
+    from services.scheduler.model import gemma, llama
+    from services.scheduler.model.loader import load_model_runner
+    from tests.services.scheduler.model.test_families_core import prompt
+    from tests.services.scheduler.test_scheduler_core import request, run
+
+    routed = []
+    monkeypatch.setattr(gemma, "norm_rows", lambda x, norm: routed.append(norm) or llama.norm_rows(x, norm))
+    _, path = saved_family("gemma2")
+    runner = load_model_runner(path, device="cpu", num_kv_blocks=64, kv_block_size=16, fused_kernels=True, batch_invariant=True)
+    set_batch_invariant(runner.model, True, row_kernels=True)  # what CUDA gets by default
+    runner.ragged_kernel = True
+    torch.set_num_threads(1)
+    asks = LogprobParams(return_logprob=True, logprob_start_len=0, top_logprobs_num=3)
+    reqs = [request(f"g{i}", prompt(9 + 8 * i, seed=i), max_new_tokens=3, ignore_eos=True, logprobs=asks) for i in range(2)]
+    alone = {r.rid: run(core_for(runner, chunked_prefill_size=64), [r])[r.rid] for r in reqs}
+    together = run(core_for(runner, chunked_prefill_size=4), reqs)
+    assert {type(norm) for norm in routed} == {gemma.GemmaRMSNorm}
+    for rid, a in alone.items():
+        assert len(a.tokens) == 3 and a.tokens == together[rid].tokens, rid
+        for name in ("input_token", "input_top_values", "output_token", "output_top_values"):
+            assert a.cat(name).tobytes() == together[rid].cat(name).tobytes(), (rid, name)
