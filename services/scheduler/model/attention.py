@@ -31,6 +31,7 @@ import torch.nn.functional as F
 
 from services.scheduler.model.batch import ForwardBatch
 from services.scheduler.model.dense_attention import DenseConfig, DensePlan, attend_dense, attend_dense_sequence, plan_dense
+from services.scheduler.model.kv_splits import invariant_kv_splits
 
 MAX_BATCHED_QUERY_LEN = 16  # longer queries are prefill chunks, attended one sequence at a time
 
@@ -77,6 +78,7 @@ class VarlenPlan:
     use_kernel: bool  # True: the Triton kernel; False: the torch twin
     dense: DensePlan | None = None  # sequences attended by SDPA instead (no tiles); None: none
     invariant: bool = False  # a row's reduction order set by its position alone (`batch_invariant`)
+    num_kv_splits: int = 1  # invariant: programs per tile along the keys (`kv_splits.invariant_kv_splits`)
 
 
 MAX_TILE_ROWS = 128  # query rows (tokens x GQA group) per kernel program
@@ -114,11 +116,14 @@ def plan_varlen(
     max_rows: int = MAX_TILE_ROWS,
     dense: DenseConfig | None = None,
     invariant: bool = False,
+    split_sms: int = 0,
+    num_kv_heads: int = 1,
 ) -> VarlenPlan:
     """The tile map of a ragged step, built on the host and uploaded once (no host sync when the
     batch carries its lengths on the host). group: query heads per kv head. dense: queries of at
     least `dense.min_query_len` tokens get no tiles and go through `dense_attention` instead.
-    invariant: one tile size whatever the step, no dense queries (`batch_invariant`)."""
+    invariant: one tile size, no dense queries, keys split by size over the SMs (split_sms) the
+    tiles' programs leave idle (`batch_invariant`, `kv_splits`)."""
     starts, seq_lens = host_lengths(batch)
     query_lens = [end - start for start, end in zip(starts, starts[1:])]
     query_lens, dense_plan = _split_dense(starts, seq_lens, query_lens, None if invariant else dense)
@@ -128,8 +133,9 @@ def plan_varlen(
     if device.type == "cuda":
         tiles = tiles.pin_memory()
     tiles = tiles.to(device, non_blocking=True)  # [2, num_tiles]
+    splits = invariant_kv_splits(tiles.shape[1], num_kv_heads, starts[-1], max(seq_lens, default=0), split_sms)
     return VarlenPlan(batch.query_start_loc, batch.seq_lens, batch.block_tables, tiles, block_m, use_kernel, dense_plan,
-                      invariant)  # fmt: skip
+                      invariant, splits if invariant else 1)  # fmt: skip
 
 
 def _split_dense(
@@ -291,7 +297,7 @@ def varlen_attention(
         from services.scheduler.model.triton_varlen import varlen_attention_triton
 
         out = varlen_attention_triton(query, key_cache, value_cache, *tensors, plan.tiles, plan.block_m, scale,
-                                      window=window, softcap=softcap, invariant=plan.invariant)  # fmt: skip
+                                      window=window, softcap=softcap, invariant=plan.invariant, kv_splits=plan.num_kv_splits)  # fmt: skip
     else:  # the twin computes the dense rows too; attend_dense overwrites them
         out = varlen_attention_torch(query, key_cache, value_cache, *tensors, scale, window, softcap, plan.invariant)
     if plan.dense is not None:  # rows the kernel left unwritten (no tiles)

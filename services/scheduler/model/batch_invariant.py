@@ -12,7 +12,8 @@ multiplied alone and among 63 others may round differently. Here:
   sees, one call per token, so a decode query, a verify block's query and a prefill chunk's query at
   the same position run the same arithmetic. The kernel side is `triton_varlen` with a fixed tile
   (`attention.plan_varlen(invariant=True)`).
-Norms, RoPE, the K/V write and SiLU are per-row already (`triton_fused`: one program per row).
+Norms, RoPE, the K/V write and SiLU are per-row already (`triton_fused`: one program per row); norms
+outside the fused path (Gemma's, the drafter's) take its norm kernel too (`llama.norm_rows`).
 """
 
 from __future__ import annotations
@@ -35,12 +36,25 @@ class Linear(nn.Linear):
         return invariant_linear(x, self.weight, self.bias) if self.invariant else F.linear(x, self.weight, self.bias)
 
 
-def set_batch_invariant(model: nn.Module, on: bool) -> None:
-    """Every `Linear` of `model` (and the model itself, for a tied LM head) computes batch-invariantly."""
+def set_batch_invariant(model: nn.Module, on: bool, row_kernels: bool | None = None) -> None:
+    """Every `Linear` of `model`, every module with a `batch_invariant` flag (the model itself, for a
+    tied LM head; the drafter's attention) computes batch-invariantly; with row_kernels, every norm
+    with a `row_kernel` flag runs on triton_fused's one-program-per-row kernel (None: where Triton
+    runs, CUDA; the interpreter in tests)."""
+    rows = on and (_on_triton_device(model) if row_kernels is None else row_kernels)
     for module in model.modules():
         if isinstance(module, Linear):
             module.invariant = on
+        if hasattr(module, "row_kernel"):
+            module.row_kernel = rows
+        if hasattr(module, "batch_invariant"):
+            module.batch_invariant = on
     model.batch_invariant = on
+
+
+def _on_triton_device(model: nn.Module) -> bool:
+    weight = next(model.parameters(), None)
+    return weight is not None and weight.is_cuda and has_triton()
 
 
 def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -3,7 +3,8 @@
 What differs from Llama, as transformers' Gemma2/Gemma3 modules compute it:
 - the embedding is scaled by sqrt(hidden), the scale rounded to the weights' dtype first;
 - RMSNorm multiplies by (1 + weight) in fp32 and rounds once (`GemmaRMSNorm`), also on Gemma 3's
-  per-head q/k norms; the fused Triton norms compute Llama's rounding, so these stay on torch ops;
+  per-head q/k norms; the fused Triton norms compute Llama's rounding, so these stay on torch ops
+  (in the deterministic mode, on the row norm kernel, which computes Gemma's too: `llama.norm_rows`);
 - each layer has four norms: the attention output and the MLP output are normed before they join
   the residual stream ("sandwich" norms);
 - the MLP is GeGLU with tanh-GELU; scores are scaled by query_pre_attn_scalar ** -0.5;
@@ -27,13 +28,15 @@ from torch import nn
 from services.scheduler.model.batch import ForwardBatch
 from services.scheduler.model.config import ModelConfig
 from services.scheduler.model.kv_cache import PagedKVCache
-from services.scheduler.model.llama import Attention, CausalLM, DecoderLayer, Plan, Ropes, add_rms_norm
+from services.scheduler.model.llama import Attention, CausalLM, DecoderLayer, Plan, Ropes, add_rms_norm, norm_rows
 
 
 class GemmaRMSNorm(nn.Module):
     """x / rms(x) * (1 + weight), all in fp32, rounded once to x's dtype; the weight starts at 0."""
 
-    fusable = False  # triton_fused's norms multiply the weight after rounding, Llama's way
+    fusable = False  # triton_fused's fused norms multiply the weight after rounding, Llama's way
+    unit_offset = True  # the row kernel's Gemma rounding (`llama.norm_rows`)
+    row_kernel = False  # `batch_invariant.set_batch_invariant`: each row by triton_fused's norm kernel
 
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -41,6 +44,8 @@ class GemmaRMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.row_kernel:
+            return norm_rows(x, self)
         normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
         return (normed * (1.0 + self.weight.float())).to(x.dtype)
 

@@ -47,6 +47,8 @@ Ropes = dict[str, tuple[torch.Tensor, torch.Tensor]]  # table -> (cos, sin) [T, 
 
 class RMSNorm(nn.Module):
     fusable = True  # triton_fused's norms compute this rounding
+    unit_offset = False  # Gemma's norms multiply by (1 + weight) (`gemma.GemmaRMSNorm`)
+    row_kernel = False  # `batch_invariant.set_batch_invariant`: each row by triton_fused's one-program-per-row norm
 
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -54,9 +56,20 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.row_kernel:
+            return norm_rows(x, self)
         # rms_norm normalises in fp32 and rounds once to x's dtype, then the weight multiplies in that
         # dtype: the reference's numerics, in 2 kernels instead of 8 (decode is launch-bound).
         return self.weight * F.rms_norm(x, (x.shape[-1],), eps=self.eps)
+
+
+def norm_rows(x: torch.Tensor, norm: nn.Module) -> torch.Tensor:
+    """norm(x) of x [..., H] by triton_fused's norm kernel, one program per row: a row's sums never
+    meet another row, whatever the batch (torch's reduction picks its split from the whole shape)."""
+    from services.scheduler.model.triton_fused import add_rms_norm_triton
+
+    rows = x.reshape(-1, x.shape[-1]).contiguous()  # [N, H]
+    return add_rms_norm_triton(rows, None, norm.weight, norm.eps, norm.unit_offset)[0].view(*x.shape[:-1], -1)
 
 
 def add_rms_norm(

@@ -52,6 +52,7 @@ from services.scheduler.model.attention import MAX_TILE_ROWS, VarlenPlan, query_
 from services.scheduler.model.batch import ForwardBatch, ForwardOutput
 from services.scheduler.model.graphs import capture_graph, head_rows
 from services.scheduler.model.kv_cache import PagedKVCache
+from services.scheduler.model.kv_splits import invariant_kv_splits
 from services.scheduler.model.llama import CausalLM
 
 DEFAULT_SEQ_LADDER = (1, 2, 4, 8, 16, 32, 64, 128)
@@ -123,12 +124,16 @@ class RaggedGraphRunner:
         capture_layers: tuple[int, ...] = (),
         max_graphs: int = DEFAULT_MAX_GRAPHS,
         max_tile_rows: int = MAX_TILE_ROWS,
+        split_sms: int = 0,
     ) -> None:
+        """split_sms: the deterministic mode's plans spread a key's splits over the SMs the tiles leave
+        idle (`kv_splits.invariant_kv_splits`, per key: its token rung, tile count and the table's width)."""
         if not seq_ladder or min(seq_ladder) < 1 or not token_ladder or min(token_ladder) < 1:
             raise ValueError(f"ladders must hold positive sizes, got {seq_ladder}, {token_ladder}")
         self.model, self.cache, self.capture, self.use_kernel = model, cache, capture, use_kernel
         self.seq_ladder, self.token_ladder = tuple(sorted(set(seq_ladder))), tuple(sorted(set(token_ladder)))
         self.capture_layers, self.max_graphs, self.max_tile_rows = tuple(capture_layers), max_graphs, max_tile_rows
+        self.split_sms = split_sms
         self.group = model.config.num_queries_per_kv
         self.max_blocks = max_blocks_per_seq or -(-model.config.max_position_embeddings // cache.block_size)
         self._allocate(self.seq_ladder[-1] + 1, self.token_ladder[-1], cache.kv.device)
@@ -212,7 +217,10 @@ class RaggedGraphRunner:
         seqs = key.num_seqs + 1
         tiles = self.tiles[: 2 * key.num_tiles].view(2, key.num_tiles)  # [2, num_tiles]
         tensors = (self.query_start_loc[: seqs + 1], self.seq_lens[:seqs], self.block_tables[:seqs])
-        return VarlenPlan(*tensors, tiles, key.block_m, self.use_kernel, invariant=self.model.batch_invariant)
+        invariant = self.model.batch_invariant
+        splits = invariant_kv_splits(key.num_tiles, self.model.config.num_key_value_heads, key.num_tokens,
+                                     self.max_blocks * self.cache.block_size, self.split_sms)  # fmt: skip
+        return VarlenPlan(*tensors, tiles, key.block_m, self.use_kernel, invariant=invariant, num_kv_splits=splits if invariant else 1)
 
     def _static_batch(self, key: RaggedKey) -> ForwardBatch:
         seqs, tokens = key.num_seqs + 1, key.num_tokens

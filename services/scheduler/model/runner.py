@@ -140,7 +140,7 @@ class ModelRunner:
             raise ValueError("capturing ragged steps needs the varlen kernel (ragged_kernel)")
         self.ragged_graphs = RaggedGraphRunner(
             self.model, self.kv_cache, seq_ladder, token_ladder, max_blocks_per_seq, capture=capture,
-            use_kernel=self.ragged_kernel, capture_layers=capture_layers, max_graphs=max_graphs,
+            use_kernel=self.ragged_kernel, capture_layers=capture_layers, max_graphs=max_graphs, split_sms=self.split_sms,
         )  # fmt: skip
 
     def drop_ragged_graphs(self) -> None:
@@ -215,7 +215,8 @@ class ModelRunner:
             return ForwardOutput(*self.model(batch, self.kv_cache, self.decode_plan(batch, query_len)))
         if query_len is None and (self.ragged_kernel or self.batch_invariant):
             plan = plan_varlen(batch, self.config.num_queries_per_kv, use_kernel=self.ragged_kernel, dense=self.dense_prefill,
-                               invariant=self.batch_invariant)  # fmt: skip
+                               invariant=self.batch_invariant, split_sms=self.split_sms,
+                               num_kv_heads=self.config.num_key_value_heads)  # fmt: skip
             return ForwardOutput(*self.model(batch, self.kv_cache, plan))
         hidden, captured = self.model(batch, self.kv_cache)
         return ForwardOutput(hidden_states=hidden, captured=captured)

@@ -33,8 +33,9 @@ import triton.language as tl
 def _add_rms_norm_kernel(
     x_ptr, residual_ptr, weight_ptr, out_ptr, residual_out_ptr, eps,
     stride_x, stride_r, stride_o, stride_ro, HIDDEN: tl.constexpr, BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+    UNIT_OFFSET: tl.constexpr,
 ):
-    # One program per token row.
+    # One program per token row. UNIT_OFFSET: Gemma's norm, x * rstd * (1 + weight) in fp32, rounded once.
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     in_row = cols < HIDDEN
@@ -44,8 +45,11 @@ def _add_rms_norm_kernel(
         tl.store(residual_out_ptr + row * stride_ro + cols, x, mask=in_row)
     xf = x.to(tl.float32)
     rstd = tl.math.rsqrt(tl.sum(xf * xf, axis=0) / HIDDEN + eps)
-    weight = tl.load(weight_ptr + cols, mask=in_row, other=0.0)
-    out = _rms_scaled(xf, rstd, weight.to(tl.float32), x_ptr.dtype.element_ty)
+    weight = tl.load(weight_ptr + cols, mask=in_row, other=0.0).to(tl.float32)
+    if UNIT_OFFSET:
+        out = xf * rstd * (1.0 + weight)
+    else:
+        out = _rms_scaled(xf, rstd, weight, x_ptr.dtype.element_ty)
     tl.store(out_ptr + row * stride_o + cols, out.to(out_ptr.dtype.element_ty), mask=in_row)
 
 
@@ -62,20 +66,21 @@ def _rms_scaled(xf, rstd, weight, dtype: tl.constexpr):
 
 
 def add_rms_norm_triton(
-    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float, unit_offset: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """x, residual [T, H] (rows contiguous) -> (weight * rms_norm(x + residual), x + residual);
-    residual None: (weight * rms_norm(x), x)."""
+    residual None: (weight * rms_norm(x), x). unit_offset: Gemma's (1 + weight), in x's dtype
+    (twin `gemma.GemmaRMSNorm`)."""
     num_tokens, hidden = x.shape
     assert x.stride(1) == 1 and (residual is None or residual.stride(1) == 1), "rows must be contiguous"
-    out = torch.empty(x.shape, dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
+    out = torch.empty(x.shape, dtype=x.dtype if unit_offset else torch.promote_types(x.dtype, weight.dtype), device=x.device)
     summed = x if residual is None else torch.empty_like(x)
     residual_in = x if residual is None else residual  # unread without a residual
     block = triton.next_power_of_2(hidden)
     _add_rms_norm_kernel[(num_tokens,)](
         x, residual_in, weight, out, summed, eps,
         x.stride(0), residual_in.stride(0), out.stride(0), summed.stride(0),
-        HIDDEN=hidden, BLOCK=block, HAS_RESIDUAL=residual is not None, num_warps=_warps(block),
+        HIDDEN=hidden, BLOCK=block, HAS_RESIDUAL=residual is not None, UNIT_OFFSET=unit_offset, num_warps=_warps(block),
     )  # fmt: skip
     return out, summed
 

@@ -114,7 +114,11 @@ class DSparkProposer:
         return self.drafter.run_block(x, positions, context, mask)
 
     def window_binds(self, max_anchor_position: int) -> bool:
-        """Whether rows with anchors up to max_anchor_position read fewer blocks than all those below it."""
+        """Whether rows with anchors up to max_anchor_position read fewer blocks than all those below it;
+        in the deterministic mode whenever there is a window: a row's context then starts where its
+        own anchor says, alone or batched (`triton_draft_attention`)."""
+        if self.context_window is not None and getattr(self.drafter, "batch_invariant", False):
+            return True
         return self.context_window is not None and self._window_blocks() < -(-max_anchor_position // self.kv_cache.block_size)
 
     def context_block_count(self, max_anchor_position: int) -> int:

@@ -44,7 +44,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from services.scheduler.model.batch_invariant import Linear, invariant_linear
+from services.scheduler.model.batch_invariant import Linear, has_triton, invariant_linear
 from services.scheduler.model.config import ModelConfig
 from services.scheduler.model.llama import MLP, RMSNorm, apply_rope, rope_cos_sin, rope_inv_freq, rope_parameters, softcap
 from services.scheduler.spec.dspark_config import DSparkConfig
@@ -70,6 +70,8 @@ class DraftTrainOutput:
 
 
 class DraftAttention(nn.Module):
+    batch_invariant = False  # `set_batch_invariant`: each block's attention its own (`attend_block_rows`)
+
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = (
@@ -93,11 +95,44 @@ class DraftAttention(nn.Module):
         n, num_queries = x.shape[:2]
         flat = x.reshape(n * num_queries, x.shape[2])  # [N*Q, H]
         q = apply_rope(self.q_norm(self.q_proj(flat).view(-1, self.num_heads, self.head_dim)), *rope)
-        k, v = self.key_value(flat, rope)  # [N*Q, Hkv, D]
-        keys = torch.cat((context[0], k.view(n, num_queries, self.num_kv_heads, self.head_dim)), dim=1)
-        values = torch.cat((context[1], v.view(n, num_queries, self.num_kv_heads, self.head_dim)), dim=1)
-        out = masked_attention(q.view(n, num_queries, self.num_heads, self.head_dim), keys, values, mask)
+        block = tuple(t.view(n, num_queries, self.num_kv_heads, self.head_dim) for t in self.key_value(flat, rope))
+        q = q.view(n, num_queries, self.num_heads, self.head_dim)
+        if self.batch_invariant:
+            out = attend_block_rows(q, context, block, mask)
+        else:
+            keys, values = (torch.cat((c, b), dim=1) for c, b in zip(context, block))  # [N, C + Q, Hkv, D]
+            out = masked_attention(q, keys, values, mask)
         return self.o_proj(out.reshape(n, num_queries, self.num_heads * self.head_dim))
+
+
+def attend_block_rows(
+    q: torch.Tensor, context: tuple[torch.Tensor, ...], block: tuple[torch.Tensor, ...], mask: torch.Tensor
+) -> torch.Tensor:
+    """`masked_attention` of serving blocks (each block's queries see the same keys), each block's
+    numbers its own whatever the batch: on CUDA the Triton kernel (`triton_draft_attention`),
+    elsewhere one call per block over exactly the keys it sees. q [N, Q, Hq, D]; context K, V
+    [N, C, Hkv, D]; block K, V [N, Q, Hkv, D]; mask bool [N, 1, Q, C + Q] -> [N, Q, Hq, D]."""
+    seen = mask[:, 0, 0, : context[0].shape[1]]  # [N, C]
+    scale = q.shape[-1] ** -0.5
+    if q.is_cuda and has_triton():
+        from services.scheduler.spec.triton_draft_attention import draft_attention_triton
+
+        return draft_attention_triton(q, context, block, seen, scale)
+    out = torch.empty_like(q)
+    for b in range(q.shape[0]):
+        keys, values = (torch.cat((c[b][seen[b]], k[b])).float() for c, k in zip(context, block))  # [L, Hkv, D], fresh
+        out[b] = _attend_one_block(q[b], keys, values, scale)
+    return out
+
+
+def _attend_one_block(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float) -> torch.Tensor:
+    """q [Q, Hq, D] over keys, values [L, Hkv, D] (fp32), fp32 inside -> [Q, Hq, D] in q's dtype."""
+    num_queries, num_heads, head_dim = q.shape
+    num_kv_heads = keys.shape[1]
+    grouped = q.to(torch.float32, copy=True).view(num_queries, num_kv_heads, num_heads // num_kv_heads, head_dim)
+    scores = torch.einsum("qhgd,khd->hgqk", grouped, keys) * scale  # [Hkv, g, Q, L]
+    out = torch.einsum("hgqk,khd->qhgd", scores.softmax(dim=-1), values)  # [Q, Hkv, g, D]
+    return out.reshape(num_queries, num_heads, head_dim).to(q.dtype)
 
 
 def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

@@ -155,6 +155,35 @@ def test_seeded_sampling_is_bitwise_across_batch_compositions(runner, dspark, wi
     assert len({tuple(r.tokens) for r in lone.values()}) == len(SEEDED)
 
 
+@pytest.mark.parametrize("context_window", [None, 40])
+def test_a_blocks_drafts_are_bitwise_alone_and_beside_longer_contexts(runner, dspark, context_window):
+    """The drafter's block attention (`dspark_model.attend_block_rows`): one request's drafts, their
+    q and confidences are the same bits proposed alone and beside rows whose longer contexts widen
+    every row's context keys (SDPA over the batch's widest context rounds them otherwise)."""
+    from services.scheduler.spec.base import ContextRows, DraftRequest
+
+    proposer = dspark()
+    proposer.context_window = context_window
+    lens, width = [7, 230, 45, 130], 16  # context lengths; table blocks per sequence
+    tables = torch.arange(len(lens) * width, dtype=torch.int32).view(len(lens), width)
+    hidden = torch.randn(sum(lens), proposer.drafter.fc.in_features, generator=torch.Generator().manual_seed(0))
+    for b, (n, rows) in enumerate(zip(lens, hidden.split(lens))):
+        positions = torch.arange(n)
+        proposer.inject(ContextRows(rows, positions, tables[b].long()[positions // 16] * 16 + positions % 16))
+
+    def propose(rows: list[int], temperature: float):
+        return proposer.propose(DraftRequest(tuple(map(str, rows)), torch.tensor([11 + r for r in rows]),
+                                             torch.tensor([lens[r] for r in rows]), tables[rows], max(lens[r] for r in rows),
+                                             (temperature,) * len(rows), tuple(100 + r for r in rows)))  # fmt: skip
+
+    for temperature in (0.0, 1.0):
+        for row in (0, 2):
+            alone, batched = propose([row], temperature), propose([0, 1, 2, 3], temperature)
+            for name in ("tokens", "probs", "confidence"):
+                a, b = getattr(alone, name), getattr(batched, name)
+                assert (a is None) == (b is None) and (a is None or torch.equal(a[0], b[row])), (row, temperature, name)
+
+
 @pytest.mark.parametrize("deterministic", [False, True])
 def test_build_resolves_the_mode_once_into_the_runner_and_the_drafter(deterministic, tmp_path):
     from ops.bench.scheduler_harness import proposer_of, runner_of, tiny_draft_config

@@ -87,6 +87,11 @@ def test_interpreted_matmul_is_batch_invariant() -> None:
 
 @pytest.mark.skipif(not INTERPRETED, reason="run by test_kernels_in_the_triton_interpreter")
 def test_interpreted_varlen_kernel_invariant_mode_is_the_same_for_decode_verify_and_prefill_queries() -> None:
+    decode_chunk_and_verify(varlen_invariant())
+
+
+def varlen_invariant(kv_splits: int = 1, window: int = 0, softcap: float = 0.0, block_n: int = 16):
+    """The varlen kernel's invariant mode over its own tile map, with `kv_splits` programs per tile along the keys."""
     from services.scheduler.model.triton_varlen import LaunchConfig, varlen_attention_triton
 
     group = 2  # ragged_inputs' 4 query heads over 2 kv heads
@@ -96,9 +101,49 @@ def test_interpreted_varlen_kernel_invariant_mode_is_the_same_for_decode_verify_
         query_lens = starts.diff().tolist()
         tiles = torch.tensor(query_tiles(query_lens, seq_lens.tolist(), block_m), dtype=torch.int32).T.contiguous()
         return varlen_attention_triton(query, key_cache, value_cache, starts, seq_lens, tables, tiles, block_m, 0.3,
-                                       LaunchConfig(block_n=16), invariant=True)  # fmt: skip
+                                       LaunchConfig(block_n=block_n), window=window, softcap=softcap, invariant=True,
+                                       kv_splits=kv_splits)  # fmt: skip
 
-    decode_chunk_and_verify(attend)
+    return attend
+
+
+# A decode, a prefill chunk that crosses the 512-key split boundary and a verify block, past 2 key splits.
+LONG_QUERIES, LONG_KEYS = [1, 40, 5], [700, 530, 300]
+
+
+@pytest.mark.skipif(not INTERPRETED, reason="run by test_kernels_in_the_triton_interpreter")
+@pytest.mark.parametrize(("window", "softcap"), [(0, 0.0), (300, 0.0), (0, 5.0)])
+def test_interpreted_invariant_split_kv_is_by_size_whatever_the_batch_and_query_count(window, softcap) -> None:
+    """Past KV_SPLIT_TOKENS keys: each chunk query alone as a decode step, with its keys spread over
+    3 programs or walked by one, and inside a 4-query verify block, is the chunk's row bit for bit;
+    and the rows are attention (float64 reference)."""
+    from services.scheduler.model.kv_splits import KV_SPLIT_TOKENS
+
+    assert max(LONG_KEYS) > 2 * KV_SPLIT_TOKENS > min(LONG_KEYS)
+    query, key_cache, value_cache, starts, seq_lens, tables = ragged_inputs(LONG_QUERIES, LONG_KEYS, page=16)
+    serial, split = varlen_invariant(1, window, softcap), varlen_invariant(3, window, softcap)
+    whole = serial(query, key_cache, value_cache, starts, seq_lens, tables)  # [46, Hq, D]
+    assert torch.equal(split(query, key_cache, value_cache, starts, seq_lens, tables), whole)
+    chunk, one = whole[1:41], torch.tensor([0, 1], dtype=torch.int32)
+    for i in (0, 1, 2, 21, 22, 39):  # around the split boundary at position 512 (the chunk starts at 490)
+        for attend in (serial, split):
+            alone = attend(query[1 + i : 2 + i], key_cache, value_cache, one, torch.tensor([490 + i + 1], dtype=torch.int32), tables[1:2])
+            assert torch.equal(alone[0], chunk[i]), i
+    block = torch.tensor([0, 4], dtype=torch.int32)  # verify queries 19..22 of the chunk, across the boundary
+    got = split(query[20:24], key_cache, value_cache, block, torch.tensor([490 + 23], dtype=torch.int32), tables[1:2])
+    assert torch.equal(got, chunk[19:23])
+    reference = varlen_attention_torch(query, key_cache, value_cache, starts, seq_lens, tables, 0.3, window, softcap)
+    torch.testing.assert_close(whole, reference, atol=2e-5, rtol=2e-5)
+
+
+def test_invariant_split_count_spreads_only_idle_sms_within_the_partials_bound() -> None:
+    from services.scheduler.model.kv_splits import KV_SPLIT_TOKENS, MAX_SPLIT_PARTIALS, invariant_kv_splits
+
+    assert invariant_kv_splits(1, 8, 1, 40 * KV_SPLIT_TOKENS, 132) == 40  # batch 1: one program per split
+    assert invariant_kv_splits(1, 8, 1, KV_SPLIT_TOKENS, 132) == 1  # one split: nothing to spread
+    assert invariant_kv_splits(64, 8, 64, 40 * KV_SPLIT_TOKENS, 132) == 1  # the tiles fill the SMs
+    assert invariant_kv_splits(1, 8, MAX_SPLIT_PARTIALS, 2 * KV_SPLIT_TOKENS, 132) == 1  # partials past the bound
+    assert invariant_kv_splits(1, 8, 1, 40 * KV_SPLIT_TOKENS, 0) == 1  # off CUDA, or split-KV off
 
 
 @pytest.mark.skipif(INTERPRETED or importlib.util.find_spec("triton") is None, reason="needs Triton (its compiler, not a GPU)")
@@ -117,6 +162,30 @@ def test_matmul_kernel_compiles_for_the_h100(has_bias) -> None:
     constants = {"HAS_BIAS": has_bias, "BLOCK_M": config.block_m, "BLOCK_N": config.block_n, "BLOCK_K": config.block_k}
     source = ASTSource(triton_matmul._matmul_kernel, {**signature, **dict.fromkeys(constants, "constexpr")}, constants)
     assert triton.compile(source, target=GPUTarget("cuda", 90, 32)).asm["cubin"]
+
+
+@pytest.mark.skipif(INTERPRETED or importlib.util.find_spec("triton") is None, reason="needs Triton (its compiler, not a GPU)")
+@pytest.mark.parametrize("window", [0, 4096])
+def test_split_and_merge_kernels_compile_for_the_h100(window) -> None:
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from services.scheduler.model import triton_varlen
+
+    lengths = {**dict.fromkeys(["query_start_ptr", "seq_lens_ptr", "tables_ptr", "tiles_ptr"], "*i32"),
+               **dict.fromkeys(["num_tiles", "num_heads", "num_splits"], "i32")}  # fmt: skip
+    partials = dict.fromkeys(["max_ptr", "sum_ptr", "acc_ptr"], "*fp32")
+    rows = {"GROUP": 4, "BLOCK_M": 32, "ROWS": 128, "HEAD_DIM": 128, "WINDOW": window, "KV_SPLIT": 256}
+    split = {**dict.fromkeys(["q_ptr", "k_ptr", "v_ptr"], "*bf16"), **partials, **lengths, "qk_scale": "fp32",
+             **dict.fromkeys(["stride_qt", "stride_qh", "stride_kb", "stride_ks", "stride_kh", "stride_tb"], "i32")}  # fmt: skip
+    split_constants = {**rows, "PAGE_SIZE": 16, "BLOCK_N": 64, "SOFTCAP2": 0.0}
+    merge = {**partials, "out_ptr": "*bf16", **{k: v for k, v in lengths.items() if k != "tables_ptr"},
+             "stride_ot": "i32", "stride_oh": "i32"}  # fmt: skip
+    for kernel, signature, constants in ((triton_varlen._varlen_split_kernel, split, split_constants),
+                                         (triton_varlen._varlen_merge_kernel, merge, rows)):  # fmt: skip
+        source = ASTSource(kernel, {**signature, **dict.fromkeys(constants, "constexpr")}, constants)
+        assert triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"enable_fp_fusion": False}).asm["cubin"]
 
 
 @pytest.mark.skipif(not INTERPRETED, reason="run by test_kernels_in_the_triton_interpreter")
@@ -143,3 +212,33 @@ def test_interpreted_runner_on_the_kernels_answers_a_request_alike_alone_and_bes
         assert a.tokens == b.tokens, rid
         for name in ("input_token", "input_top_values", "output_token", "output_top_values"):
             assert a.cat(name).tobytes() == b.cat(name).tobytes(), (rid, name)
+
+
+@pytest.mark.skipif(not INTERPRETED, reason="run by test_kernels_in_the_triton_interpreter")
+def test_interpreted_gemma2_rows_are_bitwise_alone_and_beside_others_on_the_row_norms(saved_family, monkeypatch) -> None:
+    """Tiny Gemma 2 (sandwich (1 + w) norms, sliding windows, soft-capping) in the mode as CUDA runs
+    it, the kernels interpreted: every norm on the row kernel (`llama.norm_rows`), and a request's
+    ids and logprobs the same bits alone and in 4-token chunks beside another's decodes."""
+    from contracts.scheduler import LogprobParams
+    from services.scheduler.build import core_for
+    from services.scheduler.model import gemma, llama
+    from services.scheduler.model.loader import load_model_runner
+    from tests.services.scheduler.model.test_families_core import prompt
+    from tests.services.scheduler.test_scheduler_core import request, run
+
+    routed = []
+    monkeypatch.setattr(gemma, "norm_rows", lambda x, norm: routed.append(norm) or llama.norm_rows(x, norm))
+    _, path = saved_family("gemma2")
+    runner = load_model_runner(path, device="cpu", num_kv_blocks=64, kv_block_size=16, fused_kernels=True, batch_invariant=True)
+    set_batch_invariant(runner.model, True, row_kernels=True)  # what CUDA gets by default
+    runner.ragged_kernel = True
+    torch.set_num_threads(1)
+    asks = LogprobParams(return_logprob=True, logprob_start_len=0, top_logprobs_num=3)
+    reqs = [request(f"g{i}", prompt(9 + 8 * i, seed=i), max_new_tokens=3, ignore_eos=True, logprobs=asks) for i in range(2)]
+    alone = {r.rid: run(core_for(runner, chunked_prefill_size=64), [r])[r.rid] for r in reqs}
+    together = run(core_for(runner, chunked_prefill_size=4), reqs)
+    assert {type(norm) for norm in routed} == {gemma.GemmaRMSNorm}
+    for rid, a in alone.items():
+        assert len(a.tokens) == 3 and a.tokens == together[rid].tokens, rid
+        for name in ("input_token", "input_top_values", "output_token", "output_top_values"):
+            assert a.cat(name).tobytes() == together[rid].cat(name).tobytes(), (rid, name)

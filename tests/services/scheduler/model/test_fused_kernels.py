@@ -107,6 +107,23 @@ def test_interpreted_add_rms_norm_matches_twin(with_residual) -> None:
 
 
 @interpreted
+def test_interpreted_row_norm_computes_gemmas_rounding_row_by_row() -> None:
+    """`llama.norm_rows` on a Gemma norm (the deterministic mode's): (1 + w) in fp32, rounded once, as
+    `GemmaRMSNorm`'s torch ops, and each row the same bits alone as among others."""
+    from services.scheduler.model.gemma import GemmaRMSNorm
+    from services.scheduler.model.llama import norm_rows
+
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randn(2, 7, 48, generator=gen).to(torch.bfloat16)  # [..., H]: rows of any leading shape
+    norm = GemmaRMSNorm(48, 1e-6)
+    norm.weight.data.copy_(0.3 * torch.randn(48, generator=gen))
+    with torch.no_grad():
+        got = norm_rows(x, norm)
+        assert got.dtype == torch.bfloat16 and torch.equal(norm_rows(x[1, 3:4], norm), got[1, 3:4])
+        torch.testing.assert_close(got.float(), norm(x).float(), atol=1e-2, rtol=1e-2)  # bf16: one rounding apart at most
+
+
+@interpreted
 def test_interpreted_silu_mul_matches_twin() -> None:
     from services.scheduler.model.triton_fused import silu_mul_triton
 
@@ -268,7 +285,8 @@ def test_kernels_compile_for_the_h200_at_the_8b_shape() -> None:
                  "out_ptr": bf16, "residual_out_ptr": bf16, "eps": "fp32", "stride_w": i32, "N": i32}  # fmt: skip
     gemv = {"in_ptr": bf16, "weight_ptr": bf16, "bias_ptr": bf16, "out_ptr": bf16, "stride_w": i32, "N": i32}
     kernels = [
-        *((triton_fused._add_rms_norm_kernel, norm, {"HIDDEN": 4096, "BLOCK": 4096, "HAS_RESIDUAL": has}) for has in (False, True)),
+        *((triton_fused._add_rms_norm_kernel, norm, {"HIDDEN": 4096, "BLOCK": 4096, "HAS_RESIDUAL": has, "UNIT_OFFSET": gemma})
+          for has in (False, True) for gemma in (False, True)),
         *((triton_fused._rotate_and_store_kernel, rope,
            {"NUM_HEADS": 32, "NUM_KV_HEADS": 8, "HEAD_DIM": 128, "BLOCK_SIZE": 16, "HEADS_PER_PROGRAM": per_program, "QK_NORM": qk})
           for qk in (False, True) for per_program in (1, triton_fused.ROPE_HEADS_PER_PROGRAM, 16)),  # 16: the last masked

@@ -143,8 +143,8 @@ def test_interpreted_varlen_kernel_on_a_padded_step_with_a_window() -> None:
 
 
 @pytest.mark.skipif(INTERPRETED or importlib.util.find_spec("triton") is None, reason="needs Triton (its compiler, not a GPU)")
-@pytest.mark.parametrize(("window", "softcap", "invariant"), [(0, 0.0, False), (4096, 50.0, False), (0, 0.0, True)])
-def test_varlen_kernel_compiles_for_the_h200(window, softcap, invariant) -> None:
+@pytest.mark.parametrize(("window", "softcap", "kv_split"), [(0, 0.0, 0), (4096, 50.0, 0), (0, 0.0, 256), (4096, 50.0, 256)])
+def test_varlen_kernel_compiles_for_the_h200(window, softcap, kv_split) -> None:
     # The interpreter runs the kernel's Python; the compiler also checks types across its branches.
     import triton
     from triton.backends.compiler import GPUTarget
@@ -157,7 +157,7 @@ def test_varlen_kernel_compiles_for_the_h200(window, softcap, invariant) -> None
     strides = ["stride_qt", "stride_qh", "stride_kb", "stride_ks", "stride_kh", "stride_ot", "stride_oh", "stride_tb"]
     signature |= {"num_tiles": "i32", "qk_scale": "fp32", **dict.fromkeys(strides, "i32")}
     constants = {"GROUP": 4, "BLOCK_M": 32, "ROWS": 128, "HEAD_DIM": 128, "PAGE_SIZE": 16, "BLOCK_N": 64,
-                 "WINDOW": window, "SOFTCAP2": softcap * triton_varlen.LOG2_E, "INVARIANT": invariant}  # fmt: skip
+                 "WINDOW": window, "SOFTCAP2": softcap * triton_varlen.LOG2_E, "KV_SPLIT": kv_split}  # fmt: skip
     source = ASTSource(triton_varlen._varlen_kernel, {**signature, **dict.fromkeys(constants, "constexpr")}, constants)
     assert triton.compile(source, target=GPUTarget("cuda", 90, 32)).asm["cubin"]
 

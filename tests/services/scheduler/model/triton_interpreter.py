@@ -24,8 +24,11 @@ interpreted = pytest.mark.skipif(not INTERPRETED, reason="run in the Triton inte
 
 
 def interpreter_environ() -> dict[str, str]:
-    """Ours, with Triton in interpreter mode and the repository importable (a child runs a script)."""
-    return {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(REPO)}
+    """Ours, with Triton in interpreter mode and the repository importable (a child runs a script).
+    The interpreter's tl.dot is numpy's matmul: OpenBLAS's AVX2/AVX-512 sgemm kernels round a row
+    differently by its place in the block (seen on an AMD EPYC), which a GPU's tensor cores do not,
+    so the batch-invariance cases take its SSE/AVX kernel, whose rows are their own."""
+    return {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(REPO), "OPENBLAS_CORETYPE": "Sandybridge"}
 
 
 def run_script_interpreted(script: str, args: list[str], timeout_s: float = 300) -> subprocess.CompletedProcess[str]:
