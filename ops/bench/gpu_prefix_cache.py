@@ -14,6 +14,7 @@ prefix cache (its default) and once with `--no-prefix-caching`; each stack runs:
 A scenario that would start after `--budget-s` is skipped (recorded so).
 
     sparkwire bench gpu-prefix-cache --out $OUT/gpu_prefix_cache.json
+    sparkwire bench gpu-prefix-cache --model-config ops/model_configs/Qwen3-8B --scenarios shared_prefix --groups 32 --out ...
     sparkwire bench gpu-prefix-cache --device cpu --tiny --out /tmp/prefix.json  # CPU smoke (CI)
 """
 
@@ -56,6 +57,7 @@ class PrefixCheck:
     random_len: int = 128
     budget_s: float = 270.0
     up_args: tuple[str, ...] = ()
+    scenarios: tuple[str, ...] = ("shared_prefix", "multi_turn", "concurrency")  # `concurrency`: the cache-on stack only
 
     @classmethod
     def tiny(cls, **overrides: Any) -> PrefixCheck:
@@ -91,7 +93,7 @@ def run_stack(check: PrefixCheck, model_dir: Path, flags: tuple[str, ...], log: 
     scenarios: dict[str, Any] = {}
     with launched_stack(up_args, base_url, log) as stack:
         serve(base_url, check, num_prompts=check.concurrency, input_len=check.random_len, seed=99)  # warm-up (prompts of its own)
-        for name in ("shared_prefix", "multi_turn", *(("concurrency",) if wide else ())):
+        for name in (n for n in check.scenarios if wide or n != "concurrency"):
             if time.monotonic() - began > check.budget_s:
                 scenarios[name] = {"skipped": f"past --budget-s {check.budget_s:.0f}"}
                 continue
@@ -180,15 +182,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         parser.add_argument(f"--{name.replace('_', '-')}", type=int, default=None)
     parser.add_argument("--budget-s", type=float, default=None, help=f"skip scenarios that would start later (default {defaults.budget_s:.0f})")
     parser.add_argument("--up-args", default="", help="more `sparkwire up` flags for both stacks")
+    parser.add_argument("--scenarios", nargs="+", choices=tuple(SCENARIOS), default=None, help="which to run (default all)")
     parser.add_argument("--out", type=Path, default=Path("gpu_prefix_cache.json"), help="the JSON (figures go to results/gpu_serve.md)")
 
 
 def main(args: argparse.Namespace) -> int:
     import shlex
 
-    names = [f.name for f in dataclasses.fields(PrefixCheck) if f.name not in ("model_config", "device", "up_args")]
+    names = [f.name for f in dataclasses.fields(PrefixCheck) if f.name not in ("model_config", "device", "up_args", "scenarios")]
     overrides = {name: getattr(args, name) for name in names if getattr(args, name, None) is not None}
     overrides["up_args"] = tuple(shlex.split(args.up_args))
+    if args.scenarios:
+        overrides["scenarios"] = tuple(args.scenarios)
     if args.tiny:
         check = PrefixCheck.tiny(**overrides, **({"device": args.device} if args.device != "cuda" else {}))
     else:
