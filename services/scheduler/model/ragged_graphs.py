@@ -4,7 +4,8 @@ from CUDA graphs over padded static buffers.
 Eagerly, a ragged step is host-bound (36 layers x ~40 ops, each launched from Python); replaying
 a graph takes those launches off the host. The varlen kernel (`triton_varlen.py`) reads everything
 it needs from device tensors and a host-built tile map, so it can be captured with a fixed grid.
-Graphs are keyed by (sequence rung S, token rung T, block_m):
+Graphs are keyed by (sequence rung S, token rung T, block_m, and in the deterministic mode the
+key-split count, `kv_splits.invariant_kv_splits`):
 
 - tokens are padded up to T (token ids 0, position 0, K/V written to the cache's trash block) and
   belong to no sequence: no tile covers them, the kernel stores nothing for them, and every other
@@ -52,7 +53,7 @@ from services.scheduler.model.attention import MAX_TILE_ROWS, VarlenPlan, query_
 from services.scheduler.model.batch import ForwardBatch, ForwardOutput
 from services.scheduler.model.graphs import capture_graph, head_rows
 from services.scheduler.model.kv_cache import PagedKVCache
-from services.scheduler.model.kv_splits import invariant_kv_splits
+from services.scheduler.model.kv_splits import KV_SPLIT_TOKENS, invariant_kv_splits
 from services.scheduler.model.llama import CausalLM
 
 DEFAULT_SEQ_LADDER = (1, 2, 4, 8, 16, 32, 64, 128)
@@ -96,6 +97,7 @@ class RaggedKey:
     num_seqs: int  # sequence rung S; the graph holds S + 1 sequences, the last always empty
     num_tokens: int  # token rung T
     block_m: int  # query tokens per tile
+    kv_splits: int = 1  # deterministic mode: programs per tile along the keys, a power of two (`kv_splits`)
 
     @property
     def num_tiles(self) -> int:
@@ -126,8 +128,9 @@ class RaggedGraphRunner:
         max_tile_rows: int = MAX_TILE_ROWS,
         split_sms: int = 0,
     ) -> None:
-        """split_sms: the deterministic mode's plans spread a key's splits over the SMs the tiles leave
-        idle (`kv_splits.invariant_kv_splits`, per key: its token rung, tile count and the table's width)."""
+        """split_sms: the deterministic mode's plans spread a tile's key splits over the SMs the tiles
+        leave idle (`kv_splits.invariant_kv_splits`); the split count is part of the key (a power of
+        two from the step's longest sequence), so a graph's grid and partials fit the step."""
         if not seq_ladder or min(seq_ladder) < 1 or not token_ladder or min(token_ladder) < 1:
             raise ValueError(f"ladders must hold positive sizes, got {seq_ladder}, {token_ladder}")
         self.model, self.cache, self.capture, self.use_kernel = model, cache, capture, use_kernel
@@ -175,7 +178,13 @@ class RaggedGraphRunner:
         seqs = self.seq_ladder[bisect.bisect_left(self.seq_ladder, batch.num_seqs)]
         tokens = self._token_rung(batch.num_tokens)
         longest = self.max_tile_rows if self.model.batch_invariant else max(batch.host_query_lens)  # invariant: one tile size
-        return RaggedKey(seqs, tokens, tile_tokens(longest, self.group, self.max_tile_rows))
+        key = RaggedKey(seqs, tokens, tile_tokens(longest, self.group, self.max_tile_rows))
+        if not self.model.batch_invariant:
+            return key
+        splits = -(-max(batch.host_seq_lens) // KV_SPLIT_TOKENS)  # the longest sequence's, rounded up to a power of two
+        max_keys = KV_SPLIT_TOKENS << max(0, splits - 1).bit_length()
+        heads = self.model.config.num_key_value_heads
+        return dataclasses.replace(key, kv_splits=invariant_kv_splits(key.num_tiles, heads, tokens, max_keys, self.split_sms))
 
     def run(self, batch: ForwardBatch) -> ForwardOutput:
         """Hidden states [T, H] and captures of a ragged batch that `fits`; logits None (the caller
@@ -217,10 +226,8 @@ class RaggedGraphRunner:
         seqs = key.num_seqs + 1
         tiles = self.tiles[: 2 * key.num_tiles].view(2, key.num_tiles)  # [2, num_tiles]
         tensors = (self.query_start_loc[: seqs + 1], self.seq_lens[:seqs], self.block_tables[:seqs])
-        invariant = self.model.batch_invariant
-        splits = invariant_kv_splits(key.num_tiles, self.model.config.num_key_value_heads, key.num_tokens,
-                                     self.max_blocks * self.cache.block_size, self.split_sms)  # fmt: skip
-        return VarlenPlan(*tensors, tiles, key.block_m, self.use_kernel, invariant=invariant, num_kv_splits=splits if invariant else 1)
+        return VarlenPlan(*tensors, tiles, key.block_m, self.use_kernel, invariant=self.model.batch_invariant,
+                          num_kv_splits=key.kv_splits)  # fmt: skip
 
     def _static_batch(self, key: RaggedKey) -> ForwardBatch:
         seqs, tokens = key.num_seqs + 1, key.num_tokens

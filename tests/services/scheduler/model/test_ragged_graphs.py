@@ -71,6 +71,26 @@ def test_worst_case_tile_count_holds_any_step_of_the_key() -> None:
     assert padded_tiles(query_lens, query_lens, key).shape[1] == key.num_tiles == 16
 
 
+def test_invariant_keys_carry_a_power_of_two_split_count_the_plan_launches(make_pager) -> None:
+    """`--deterministic` on CUDA: a graph key holds its key-split count (from the step's longest
+    sequence, a power of two so few keys), and the plan it builds launches that many programs a tile."""
+    from services.scheduler.model.batch_invariant import set_batch_invariant
+    from services.scheduler.model.kv_splits import KV_SPLIT_TOKENS
+
+    runner, pager = prefilled_runner(make_pager)
+    set_batch_invariant(runner.model, True)
+    graphs = RaggedGraphRunner(runner.model, runner.kv_cache, SEQ_LADDER, TOKEN_LADDER, MAX_BLOCKS, capture=False,
+                               use_kernel=False, split_sms=132)  # fmt: skip
+    batch = step_batch(pager, STEPS["mixed"])
+    longest = max(batch.host_seq_lens)
+    key = graphs.key(batch)
+    assert key.kv_splits == 1 << (-(-longest // KV_SPLIT_TOKENS) - 1).bit_length()
+    assert graphs._plan(key).num_kv_splits == key.kv_splits and graphs.key(dataclasses.replace(
+        batch, host_seq_lens=(3 * KV_SPLIT_TOKENS,) + batch.host_seq_lens[1:])).kv_splits == 4  # fmt: skip
+    set_batch_invariant(runner.model, False)
+    assert graphs.key(batch).kv_splits == 1
+
+
 def test_seq_ladder_stops_at_the_most_running_requests() -> None:
     assert seq_ladder(64) == (1, 2, 4, 8, 16, 32, 64) and seq_ladder(100) == (1, 2, 4, 8, 16, 32, 64, 100)
 
