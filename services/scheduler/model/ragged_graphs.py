@@ -26,7 +26,8 @@ Capture is lazy, on a key's first use: the key set is the product of three ladde
 a workload never visits, and capturing all of it at start-up would cost seconds and one output
 buffer per key. `capture_prefill_keys` captures, at start-up, the keys of steps that carry a prefill
 chunk of 32+ tokens (the largest block_m, every sequence and token rung): those are the ones a
-burst of arrivals visits while other requests decode, and a capture mid-serving pauses them all;
+burst of arrivals visits while other requests decode, and a capture mid-serving pauses them all
+(and one key of each smaller block_m, `block_size_keys`: a variant's first compile is the slow part);
 likewise `verify_keys` under `compact`, whose steps are ragged verify blocks keyed by their total
 tokens (and uniform ones narrower than the decode graphs' widths, which the runner sends here).
 A capture costs one eager warm-up forward plus the capture, once per key; it runs with every row
@@ -252,6 +253,14 @@ class RaggedGraphRunner:
         keys = [RaggedKey(s, t, block_m) for s in self.seq_ladder for t in self.token_ladder if t >= max(s, block_m)]
         return keys[: self.max_graphs]
 
+    def block_size_keys(self) -> list[RaggedKey]:
+        """One key for each smaller block_m (the fewest sequences, the smallest token rung that holds it):
+        capturing it compiles that block_m's kernel variant, which otherwise compiles inside the first
+        step that needs one (a prefix-cache hit's short tail, a verify block) and pauses every request."""
+        largest = tile_tokens(self.token_ladder[-1], self.group, self.max_tile_rows)
+        sizes = sorted({tile_tokens(1 << bits, self.group, self.max_tile_rows) for bits in range(largest.bit_length())} - {largest})
+        return [RaggedKey(self.seq_ladder[0], self._token_rung(max(size, self.seq_ladder[0])), size) for size in sizes]
+
     def verify_keys(self, width: int) -> list[RaggedKey]:
         """Keys of `compact` verify steps: S sequences (a rung) of 1 .. `width` tokens each, the longest
         at least 2 (else the step is a uniform decode), so their total tokens' rungs run from that of
@@ -268,8 +277,9 @@ class RaggedGraphRunner:
         return self.token_ladder[bisect.bisect_left(self.token_ladder, num_tokens)]
 
     def capture_prefill_keys(self) -> int:
-        """Capture `prefill_keys()` now (start-up), with progress; the number captured. No-op without capture."""
-        return self.capture_keys(self.prefill_keys(), "prefill")
+        """Capture `prefill_keys()` and `block_size_keys()` now (start-up), with progress; the number
+        captured. No-op without capture."""
+        return self.capture_keys(self.prefill_keys() + self.block_size_keys(), "prefill")
 
     def capture_keys(self, keys: list[RaggedKey], what: str) -> int:
         """Capture `keys` now (start-up) while `max_graphs` leaves room, with progress; the number captured."""

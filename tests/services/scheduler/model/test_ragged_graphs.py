@@ -241,6 +241,11 @@ def test_start_up_captures_every_prefill_key_once(make_pager, fake_cuda_capture)
     assert block_m == graphs.max_tile_rows // graphs.group  # a chunk of that many tokens or more takes it
     assert {(k.num_seqs, k.num_tokens) for k in keys} == {(s, t) for s in SEQ_LADDER for t in TOKEN_LADDER if t >= max(s, block_m)}
     assert all(k.block_m == block_m for k in keys)
+    # and one key of each smaller block_m, each the smallest that holds it: every kernel variant compiled at start-up
+    smaller = graphs.block_size_keys()
+    assert [k.block_m for k in smaller] == [1 << bits for bits in range(block_m.bit_length() - 1)]
+    assert all(k.num_seqs == SEQ_LADDER[0] and k.num_tokens == min(t for t in TOKEN_LADDER if t >= k.block_m) for k in smaller)
+    keys = keys + smaller
     assert graphs.capture_prefill_keys() == len(keys) and set(graphs.graphs) == set(keys)
     assert graphs.capture_prefill_keys() == 0  # captured already
     one_chunk = step_batch(pager, [(5, block_m)])  # a prefill chunk of block_m tokens: a captured key
