@@ -31,7 +31,7 @@ from services.scheduler.model.llama import CausalLM
 from services.scheduler.model.registry import build_model
 from services.scheduler.model.runner import ModelRunner
 from services.scheduler.model.tensor_parallel import (
-    ShardedColumns,
+    ShardedRows,
     TensorParallel,
     check_shardable,
     shard_config,
@@ -139,7 +139,7 @@ def load_model_runner(
     runner = ModelRunner(model, cache, fused_kernels=fused_kernels, split_kv_decode=split_kv_decode,
                          batch_invariant=batch_invariant)  # fmt: skip
     if tp is not None:
-        runner.sharded_columns = ShardedColumns(runner)
+        runner.sharded_rows = ShardedRows(runner)
     if (cuda_graphs if cuda_graphs is not None else runner.decode_kernel) and not batch_invariant:
         runner.prepare_decode_graphs()
     return runner

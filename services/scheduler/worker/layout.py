@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from services.scheduler.model.tensor_parallel import RowDraw
 from services.scheduler.plan import SeqStep, StepPlan
 
 
@@ -38,6 +39,18 @@ class StepLayout:
         first = np.asarray([self.row_start[i] + s.num_committed - 1 for i, s in zip(self.producers, steps)], np.int64)
         num_draft = np.asarray([s.num_draft for s in steps], np.int64)
         return first[:, None] + np.minimum(np.arange(self.max_draft + 1)[None, :], num_draft[:, None])
+
+
+def shard_draws(plan: StepPlan, layout: StepLayout, processed: bool) -> tuple[RowDraw, ...] | None:
+    """Each producer's draw where the step's tokens and output logprobs can come from vocabulary
+    shards (`ShardedRows`); None where some row needs its whole logits row: drafts to verify, a logit
+    processor (bias, min_tokens, penalties, a grammar), top-p (the sorted row's cumulative mass) or
+    processed-mode logprobs. Such a step gathers its sampled rows whole."""
+    producers = [plan.steps[i] for i in layout.producers]
+    if layout.max_draft > 0 or processed or any(s.params.processes_logits or s.params.sampling.top_p < 1.0 for s in producers):
+        return None
+    return tuple(RowDraw(s.params.sampling.temperature, s.params.seed if s.params.samples_randomly else None,
+                         s.output_position, s.params.sampling.top_k, s.params.sampling.min_p) for s in producers)  # fmt: skip
 
 
 def forward_arrays(plan: StepPlan, layout: StepLayout, trash_block: int) -> dict[str, np.ndarray]:

@@ -40,7 +40,7 @@ from services.common.logprob_rows import RowLogprobs
 from services.scheduler.sampler import draw_noise, mix_seed, sampling_probs
 from services.scheduler.spec.accept import VerifyBlock, accept
 from services.scheduler.spec.base import ContextRows, DraftRequest, Proposer
-from services.scheduler.worker.layout import StepLayout, accept_arrays, forward_arrays
+from services.scheduler.worker.layout import StepLayout, accept_arrays, forward_arrays, shard_draws
 from services.scheduler.worker.logprob_asks import OUTPUT_LP, PROMPT_LP, LogprobAsks, LogprobJobs, ask, section
 from services.scheduler.worker.readback import DeviceTimes, StepClock, StepParts
 from services.scheduler.worker.token_pool import TokenPool
@@ -77,11 +77,13 @@ class LaunchedStep:
 
 @dataclass(frozen=True)
 class _Verified:
-    logits: torch.Tensor  # f32 [P, K + 1, V], what output logprobs read: raw, or after logits_processing when processed
+    logits: torch.Tensor | None  # f32 [P, K + 1, V], what output logprobs read: raw, or after logits_processing
+    # when processed; None: sampled from vocabulary shards, whose output logprobs come from `hidden`
     num_accepted: torch.Tensor | None  # int64 [P]; None: no drafts were verified (plain greedy decoding), none accepted
     next_token: torch.Tensor  # int64 [P]
     tokens: torch.Tensor  # int64 [P, K + 1]: accepted drafts, then next_token (then padding); from
     # `_greedy_rows` [R, 1] with R >= P (rows past P: a decode graph's padded rows, never read)
+    hidden: torch.Tensor | None = None  # [P, H]: the rows `_sample_on_shards` drew from
 
 
 class ModelWorker:
@@ -98,6 +100,7 @@ class ModelWorker:
         self.logprob_graphs = graphs
         self.greedy_logprob_graphs = options.greedy_logprob_graphs
         self._upload = HostUpload(runner.device)
+        self._to_columns = None if runner.sharded_rows is None else runner.sharded_rows.columns  # a vocabulary shard's logprobs
         self._readback = HostReadback()
         self._pool = TokenPool(runner.device)
         self._draft_probs: dict[str, torch.Tensor] = {}  # rid -> q [gamma, V] of its pending block
@@ -184,6 +187,8 @@ class ModelWorker:
             return None
         producers = [plan.steps[i] for i in layout.producers]
         width = layout.max_draft + 1
+        if self.runner.sharded_rows is not None and (draws := shard_draws(plan, layout, self._processed)) is not None:
+            return self._sample_on_shards(out, arrays, draws, layout.verifies_every_row)
         if layout.verifies_every_row:  # a decode step: its rows are the producers', in order
             logits = out.logits if out.logits is not None else self.runner.compute_logits(out.hidden_states)  # [P, V]
         else:
@@ -209,6 +214,14 @@ class ModelWorker:
         padded = torch.cat([block.drafts, next_token[:, None]], dim=1)  # [P, K + 1]
         tokens = torch.where(slots[None, :] < num_accepted[:, None], padded, next_token[:, None])  # [P, K + 1]
         return _Verified(reported, num_accepted, next_token, tokens)
+
+    def _sample_on_shards(self, out, arrays, draws, every_row: bool) -> _Verified:
+        """Tensor parallelism: each producer's token drawn from the ranks' vocabulary shards, as TP = 1
+        draws it from the whole row (`TensorParallel.sample`)."""
+        hidden = out.hidden_states if every_row else out.hidden_states[arrays["verify_rows"].reshape(-1)]  # [P, H]
+        next_token = self.runner.sharded_rows.sample(hidden, draws)  # [P]
+        num_accepted = torch.zeros_like(next_token) if "drafts" in arrays else None
+        return _Verified(None, num_accepted, next_token, next_token[:, None], hidden)
 
     def _greedy_rows(self, plan: StepPlan, layout: StepLayout, wanted: LogprobAsks, arrays, out) -> tuple[_Verified, GreedyRows] | None:
         """A plain greedy decode graph step whose every producer wants output logprobs (the commonest
@@ -303,16 +316,17 @@ class ModelWorker:
         prompt = [job.query for job in wanted.prompt]
         prompt_lp = logprobs_on_device(prompt, section(arrays, PROMPT_LP), hidden, self.runner.head_logits,
                                        self._top_k_keys, self._processed, fused=self._fused_logprobs,
-                                       to_columns=self.runner.sharded_columns)  # fmt: skip
+                                       to_columns=self._to_columns)  # fmt: skip
         if wanted.output and verified is not None and output_lp is None:
-            logits = verified.logits.view(-1, verified.logits.shape[-1])  # [P * (K + 1), V]
             sampled = verified.tokens.reshape(-1)  # [P * (K + 1)]: each logits row's token, sampled this step
             queries, inputs = [job.query for job in wanted.output], section(arrays, OUTPUT_LP)
-            if self.logprob_graphs is not None:
+            if self.logprob_graphs is not None and verified.logits is not None:
+                logits = verified.logits.view(-1, verified.logits.shape[-1])  # [P * (K + 1), V]
                 output_lp = self.logprob_graphs.compute(queries, inputs, logits, self._processed, sampled)
-            else:
-                output_lp = logprobs_on_device(queries, inputs, logits, None, self._top_k_keys, self._processed, sampled,
-                                               self._fused_logprobs)  # fmt: skip
+            else:  # whole rows; or hidden rows, drawn from vocabulary shards, whose columns come from the shards too
+                source = verified.hidden if verified.logits is None else verified.logits.view(-1, verified.logits.shape[-1])
+                output_lp = logprobs_on_device(queries, inputs, source, None, self._top_k_keys, self._processed, sampled,
+                                               self._fused_logprobs, self._to_columns if verified.logits is None else None)  # fmt: skip
         return LogprobJobs(wanted.prompt, prompt_lp, wanted.output, output_lp)
 
     # 6. propose

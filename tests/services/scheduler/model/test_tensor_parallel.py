@@ -53,12 +53,24 @@ def small_prompt(seed: int, length: int) -> list[int]:
 
 
 def mixed_requests():
+    """Every kind of sampled row: greedy, T = 1, top-k, min-p (drawn from the shards), and top-p and a
+    penalty (gathered whole) in the same steps."""
     return [
         request("greedy", small_prompt(1, 37), max_new_tokens=7, logprobs=LOGPROBS, ignore_eos=True),
         request("sampled", small_prompt(2, 21), max_new_tokens=7, temperature=1.0, seed=5, logprobs=LOGPROBS, ignore_eos=True),
         request("flat", small_prompt(3, 29), max_new_tokens=5, temperature=0.7, top_k=40, seed=9, logprobs=FLAT,
                 ignore_eos=True),  # fmt: skip
+        request("min_p", small_prompt(5, 12), max_new_tokens=6, temperature=1.5, min_p=0.05, seed=2, logprobs=LOGPROBS,
+                ignore_eos=True),  # fmt: skip
+        request("top_p", small_prompt(6, 9), max_new_tokens=6, temperature=1.0, top_p=0.8, seed=4, ignore_eos=True),
+        request("penalty", small_prompt(7, 15), max_new_tokens=6, temperature=1.0, presence_penalty=0.5, seed=6,
+                logprobs=LOGPROBS, ignore_eos=True),  # fmt: skip
     ]
+
+
+def shard_sampled_requests():
+    """Rows `layout.shard_draws` draws from the shards: greedy, T = 1, top-k and min-p."""
+    return [r for r in mixed_requests() if r.rid not in ("top_p", "penalty")]
 
 
 def assert_same(expected, got, tol: float = TOL) -> None:
@@ -87,18 +99,21 @@ def test_sharded_model_serves_what_the_whole_model_serves(saved_family, groups, 
     assert len(got["greedy"].cat("input_token")) == 37 and got["greedy"].cat("input_top_ids").shape[-1] == 20
 
 
-def test_prompt_logprobs_never_gather_a_whole_logits_row(saved_family, groups, monkeypatch):
-    """Prompt rows come from every shard's statistics (`TensorParallel.logprob_columns`); only the rows
-    a token is sampled from are gathered whole (the sampler reads them)."""
+def test_no_logits_row_is_gathered_whole_for_logprobs_or_sampling(saved_family, groups, monkeypatch):
+    """Prompt and output logprobs and the sampled tokens come from every shard's statistics
+    (`TensorParallel.logprob_columns`, `TensorParallel.sample`): greedy, T = 1, top-k and min-p rows
+    never gather a whole logits row; a top-p row's step gathers just its producers' rows."""
     _, path = saved_family("qwen3")
     gathered = []
     whole_rows = TensorParallel.gather_vocab
     monkeypatch.setattr(TensorParallel, "gather_vocab", lambda self, logits: gathered.append(logits.shape[0]) or whole_rows(self, logits))
-    prompt = small_prompt(8, 45)
-    asks = lambda: [request("p", prompt, max_new_tokens=2, logprobs=LOGPROBS, ignore_eos=True)]  # noqa: E731
-    got = run(core_for(groups(path, 2), **{**OPTIONS, "chunked_prefill_size": 256}), asks())
-    assert len(got["p"].cat("input_token")) == 45 and sum(gathered) == 2  # one sampled row per step
-    assert_same(run(core_for(whole(path), **{**OPTIONS, "chunked_prefill_size": 256}), asks()), got)
+    options = {**OPTIONS, "chunked_prefill_size": 256}
+    got = run(core_for(groups(path, 2), **options), shard_sampled_requests())
+    assert gathered == [] and len(got["greedy"].cat("input_token")) == 37
+    assert_same(run(core_for(whole(path), **options), shard_sampled_requests()), got)
+    top_p = [r for r in mixed_requests() if r.rid == "top_p"]
+    assert_same(run(core_for(whole(path), **options), top_p), run(core_for(groups(path, 2), **options), top_p))
+    assert sum(gathered) == 6  # one row per step: its 6 tokens
 
 
 def test_preemption_and_forks_match_tp1(saved_family, groups):
@@ -176,35 +191,67 @@ def test_dspark_on_two_ranks_is_greedy_identical_to_plain_tp1():
     assert sum(r.spec_verify_ct or 0 for r in spec.values()) > 0
 
 
-def test_sharded_columns_equal_whole_rows_with_ties_across_shards(saved_family):
-    """Two gloo ranks as threads of this process: ties inside and across shards keep the smaller ids."""
+def on_two_threads(config: ModelConfig, logits: torch.Tensor, call) -> dict:
+    """call(tp, shard) on two gloo ranks as threads of this process, each given its shard of `logits`
+    [c, 11] (shards of 6, the last padded) -> {rank: what it returned}."""
     import datetime
     import threading
 
     import torch.distributed as dist
 
     from services.common.nats_server import free_port
-    from services.scheduler.logprobs import TopKKeys, logprob_columns
 
-    config = dataclasses.replace(ModelConfig.from_pretrained(saved_family("qwen3")[1]), vocab_size=11)  # shards of 6, padded
-    logits = torch.tensor([[1.0, 3.0, 3.0, 0.5, 3.0, 2.0, 3.0, 3.0, -1.0, 2.0, 3.0],
-                           [0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0]])  # fmt: skip
-    targets, ids = torch.tensor([6, 10]), torch.tensor([[0, 10], [5, 3]])
-    expected = logprob_columns(logits, targets, 5, ids, None, TopKKeys.build(11, "cpu"))
     port, got = free_port(), {}
 
     def rank(r: int) -> None:
         store = dist.TCPStore("127.0.0.1", port, 2, r == 0, timeout=datetime.timedelta(seconds=30))
         tp = TensorParallel(r, 2, dist.ProcessGroupGloo(store, r, 2, datetime.timedelta(seconds=30)), config)
-        shard = torch.nn.functional.pad(logits, (0, 1))[:, r * 6 : (r + 1) * 6]
-        got[r] = tp.logprob_columns(shard, targets, 5, ids)
+        got[r] = call(tp, torch.nn.functional.pad(logits, (0, 1))[:, r * 6 : (r + 1) * 6])
 
     threads = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
     for thread in threads:
         thread.start()
     for thread in threads:
         thread.join(timeout=60)
+    return got
+
+
+TIED = torch.tensor([[1.0, 3.0, 3.0, 0.5, 3.0, 2.0, 3.0, 3.0, -1.0, 2.0, 3.0],
+                     [0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0]])  # fmt: skip
+
+
+def test_sharded_columns_equal_whole_rows_with_ties_across_shards(saved_family):
+    """Ties inside and across shards keep the smaller ids."""
+    from services.scheduler.logprobs import TopKKeys, logprob_columns
+
+    config = dataclasses.replace(ModelConfig.from_pretrained(saved_family("qwen3")[1]), vocab_size=11)
+    targets, ids = torch.tensor([6, 10]), torch.tensor([[0, 10], [5, 3]])
+    expected = logprob_columns(TIED, targets, 5, ids, None, TopKKeys.build(11, "cpu"))
+    got = on_two_threads(config, TIED, lambda tp, shard: tp.logprob_columns(shard, targets, 5, ids))
     for r in range(2):
         for column, want in zip(got[r], expected, strict=True):
             torch.testing.assert_close(column, want, atol=1e-6, rtol=0)
     assert got[0][2][0].tolist() == [1, 2, 4, 6, 7] and got[0][2][1].tolist() == [0, 1, 2, 3, 4]
+
+
+def test_sharded_draws_are_the_whole_rows_draws(saved_family):
+    """`TensorParallel.sample` over two shards draws, seed for seed, the token TP = 1 draws from the
+    whole row (`sampling_probs`, `draw_noise`, the race's argmax): greedy ties to the smaller id, and
+    top-k cutting through ties across shards, min-p and plain T = 1 rows over many seeds."""
+    from contracts.scheduler import SamplingParams
+    from services.scheduler.model.tensor_parallel import RowDraw
+    from services.scheduler.sampler import draw_noise, sampling_probs
+
+    config = dataclasses.replace(ModelConfig.from_pretrained(saved_family("qwen3")[1]), vocab_size=11)
+    kinds = [dict(temperature=1.0), dict(temperature=0.8, top_k=3), dict(temperature=2.0, min_p=0.6), dict(temperature=1.0, top_k=6, min_p=0.2)]
+    params = [SamplingParams(**kinds[i % len(kinds)], seed=i) for i in range(64)] + [SamplingParams(temperature=0.0)] * 2
+    logits = torch.cat([TIED[:1].expand(64, -1), TIED])  # [66, 11]
+    positions = list(range(66))
+    draws = tuple(RowDraw(p.temperature, p.seed, pos, p.top_k, p.min_p) for p, pos in zip(params, positions))
+    noise, _ = draw_noise([p.seed if p.temperature > 0 else None for p in params], positions, 0, 11, torch.device("cpu"))
+    expected = (sampling_probs(logits, params) / noise).argmax(dim=-1)
+    expected[-2:] = logits[-2:].argmax(dim=-1)
+    got = on_two_threads(config, logits, lambda tp, shard: tp.sample(shard, draws))
+    assert got[0].tolist() == got[1].tolist() == expected.tolist()
+    assert expected[-2:].tolist() == [1, 0] and set(expected[1:64:4].tolist()) <= {1, 2, 4}  # top-3 of the tied 3.0s: ids 1, 2, 4
+    assert len(set(expected[:64:4].tolist())) > 2  # the T = 1 rows do draw
