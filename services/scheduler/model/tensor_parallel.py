@@ -1,8 +1,9 @@
 """Tensor parallelism (Megatron's layout): one model sharded over the N ranks of a process group.
 
 q/k/v and gate/up are column-parallel (each rank holds its heads' rows, its block of the
-intermediate size), o_proj and down_proj row-parallel (the matching input columns) and followed by
-one all-reduce each (`DecoderLayer.tp`); KV heads split across ranks, or replicated where there
+intermediate size; a mixture of experts: every expert's block, the router whole), o_proj and
+down_proj row-parallel (the matching input columns) and followed by one all-reduce each
+(`DecoderLayer.tp`, `MoeDecoderLayer`); KV heads split across ranks, or replicated where there
 are fewer KV heads than ranks (rank r then keeps KV head r // (N / Hkv)); the embedding and the LM
 head are vocabulary-parallel (rank r holds rows [r Vs, (r + 1) Vs) of Vs = ceil(V / N), the last
 shard padded with zero rows). Each rank builds its model from `shard_config` (the local head
@@ -28,11 +29,12 @@ from torch import nn
 
 from services.scheduler.model.config import ModelConfig
 
-SUPPORTED = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+SUPPORTED = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM",
+             "MixtralForCausalLM")
 COLUMN_HEADS = ("q_proj",)  # rows in blocks of this rank's query heads
 COLUMN_KV = ("k_proj", "v_proj")  # rows of this rank's KV heads
-COLUMN = ("gate_proj", "up_proj")  # rows in blocks of the intermediate size
-ROW = ("o_proj", "down_proj")  # input columns; the bias added once (rank 0) before the all-reduce
+COLUMN = ("gate_proj", "up_proj", "w1", "w3")  # rows in blocks of the (each expert's) intermediate size
+ROW = ("o_proj", "down_proj", "w2")  # input columns; the bias added once (rank 0) before the all-reduce
 VOCAB = ("embed_tokens.weight", "lm_head.weight")
 
 
@@ -54,24 +56,27 @@ def check_shardable(config: ModelConfig, size: int, quantization: str | None = N
     """Raise `TensorParallelError` (one line) unless `config` can be split over `size` ranks."""
     if size == 1:
         return
-    if config.architecture not in SUPPORTED or config.num_experts or config.quantization or quantization:
+    if config.architecture not in SUPPORTED or config.quantization or quantization:
         what = "FP8" if config.quantization or quantization else config.architecture
         raise TensorParallelError(f"--tensor-parallel-size {size}: {what} is not sharded (supported: {', '.join(SUPPORTED)}, unquantized)")
     heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
-    if heads % size or config.intermediate_size % size or (kv_heads % size and size % kv_heads):
+    inter = config.moe_intermediate_size if config.num_experts else config.intermediate_size
+    if heads % size or config.intermediate_size % size or inter % size or (kv_heads % size and size % kv_heads):
         raise TensorParallelError(
             f"--tensor-parallel-size {size} must divide the {heads} attention heads and the intermediate size "
-            f"{config.intermediate_size}, and divide or be a multiple of the {kv_heads} KV heads"
+            f"{inter}, and divide or be a multiple of the {kv_heads} KV heads"
         )
 
 
 def shard_config(config: ModelConfig, size: int) -> ModelConfig:
-    """One rank's shapes: its query heads, KV heads (at least one) and intermediate block; the vocabulary stays whole."""
+    """One rank's shapes: its query heads, KV heads (at least one) and intermediate block (each
+    expert's too: every rank holds every expert's block, the router whole); the vocabulary stays whole."""
     return dataclasses.replace(
         config,
         num_attention_heads=config.num_attention_heads // size,
         num_key_value_heads=max(1, config.num_key_value_heads // size),
         intermediate_size=config.intermediate_size // size,
+        moe_intermediate_size=config.moe_intermediate_size // size,
     )
 
 

@@ -89,7 +89,7 @@ def assert_same(expected, got, tol: float = TOL) -> None:
             np.testing.assert_array_equal(b.flat[1], a.flat[1])
 
 
-@pytest.mark.parametrize(("family", "size"), [("qwen3", 2), ("llama", 4), ("qwen2", 2)])
+@pytest.mark.parametrize(("family", "size"), [("qwen3", 2), ("llama", 4), ("qwen2", 2), ("qwen3-moe", 2), ("mixtral", 2)])
 def test_sharded_model_serves_what_the_whole_model_serves(saved_family, groups, family, size):
     _, path = saved_family(family)
     expected = run(core_for(whole(path), **OPTIONS), mixed_requests())
@@ -168,8 +168,11 @@ def test_unshardable_models_are_refused_in_one_line(saved_family):
             check_model(SchedulerConfig(model=str(saved_family("qwen3")[1]), device="cuda", tensor_parallel_size=2))
     with pytest.raises(TensorParallelError, match="FP8 is not sharded"):
         check_shardable(config, 2, quantization="fp8")
-    with pytest.raises(TensorParallelError, match="MixtralForCausalLM is not sharded"):
-        check_shardable(ModelConfig.from_pretrained(saved_family("mixtral")[1]), 2)
+    with pytest.raises(TensorParallelError, match="FP8 is not sharded"):
+        check_shardable(ModelConfig.from_pretrained(saved_family("mixtral")[1]), 2, quantization="fp8")
+    moe = dataclasses.replace(ModelConfig.from_pretrained(saved_family("qwen3-moe")[1]), moe_intermediate_size=30)
+    with pytest.raises(TensorParallelError, match="the intermediate size 30"):
+        check_shardable(moe, 4)
 
 
 def test_dspark_on_two_ranks_is_greedy_identical_to_plain_tp1():
