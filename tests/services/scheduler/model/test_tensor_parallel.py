@@ -1,6 +1,8 @@
 """Tensor parallelism on the CPU with real rank processes over gloo: TP = 2 and 4 serve exactly what
-TP = 1 serves (ids identical, every logprob kind within 1e-5 in fp32), and a dead rank fails the
-step with a clear error instead of hanging."""
+TP = 1 serves (ids identical, every logprob kind within 1e-5 in fp32; dense and MoE families;
+sampled rows drawn from vocabulary shards), DSpark on two ranks is greedy-identical and lossless at
+T = 1, and a dead rank fails the step with a clear error instead of hanging. One rank group per
+(model, size) for the whole module."""
 
 from __future__ import annotations
 
@@ -175,23 +177,54 @@ def test_unshardable_models_are_refused_in_one_line(saved_family):
         check_shardable(moe, 4)
 
 
-def test_dspark_on_two_ranks_is_greedy_identical_to_plain_tp1():
-    """The bundled pair: the drafter on rank 0 over the whole vocabulary, the target's verify sharded."""
+DSPARK = dict(device="cpu", dtype="float32", num_kv_blocks=NUM_KV_BLOCKS, chunked_prefill_size=16)
+
+
+@pytest.fixture(scope="module")
+def dspark_group():
+    """The bundled pair's DSpark core on two ranks: the drafter on rank 0 over the whole vocabulary,
+    the target's verify sharded."""
+    from services.models import BUNDLED_MODEL
+    from services.scheduler.build import build_core
+
+    core = build_core(SchedulerConfig(model=str(BUNDLED_MODEL), speculative_algorithm="dspark", tensor_parallel_size=2, **DSPARK))
+    yield core
+    core.worker.runner.leader.stop()
+
+
+def test_dspark_on_two_ranks_is_greedy_identical_to_plain_tp1(dspark_group):
     from services.models import BUNDLED_MODEL
     from services.scheduler.build import build_core
 
     prompts = [[(7 * i + 13 * j) % 4000 + 3 for j in range(9 + 5 * i)] for i in range(3)]
     requests = lambda: [request(f"d{i}", p, max_new_tokens=12, logprobs=LOGPROBS, ignore_eos=True)  # noqa: E731
                         for i, p in enumerate(prompts)]  # fmt: skip
-    base = dict(model=str(BUNDLED_MODEL), device="cpu", dtype="float32", num_kv_blocks=NUM_KV_BLOCKS, chunked_prefill_size=16)
-    plain = run(build_core(SchedulerConfig(**base)), requests())
-    core = build_core(SchedulerConfig(**base, speculative_algorithm="dspark", tensor_parallel_size=2))
-    try:
-        spec = run(core, requests())
-    finally:
-        core.worker.runner.leader.stop()
+    plain = run(build_core(SchedulerConfig(model=str(BUNDLED_MODEL), **DSPARK)), requests())
+    spec = run(dspark_group, requests())
     assert_same(plain, spec, tol=1e-4)  # verify blocks against one-token decode steps: test_speculative_loop's bound
     assert sum(r.spec_verify_ct or 0 for r in spec.values()) > 0
+
+
+def test_dspark_on_two_ranks_samples_the_target_distribution(dspark_group):
+    """T = 1, lossless: the first token (drawn from the shards) and the second (the accept rule over
+    a drafted block, its target rows gathered) follow the target's distributions, the second given
+    the commonest first. Chi-square p > 1e-4 on fixed seeds (`spec/chi_square.py`)."""
+    from services.models import BUNDLED_MODEL
+    from tests.plain_forward import reference_logprobs
+    from tests.services.scheduler.spec.chi_square import pooled_p_value
+
+    prompt, num_samples = [(11 * j) % 4000 + 3 for j in range(7)], 600
+    asks = [request(f"s{i}", prompt, max_new_tokens=2, temperature=1.0, seed=i, ignore_eos=True) for i in range(num_samples)]
+    got = run(dspark_group, asks)
+    tokens = torch.tensor([got[f"s{i}"].tokens for i in range(num_samples)])  # [N, 2]
+    reference = load_model_runner(BUNDLED_MODEL, device="cpu", dtype=torch.float32, num_kv_blocks=4)
+    first = reference_logprobs(reference, prompt)[-1].exp()  # [V]
+    common = int(tokens[:, 0].mode().values)
+    second = reference_logprobs(reference, [*prompt, common])[-1].exp()
+    assert pooled_p_value(tokens[:, 0], first) > 1e-4
+    assert pooled_p_value(tokens[tokens[:, 0] == common, 1], second) > 1e-4
+    assert (tokens[:, 0] == common).sum() >= 100 and len(set(tokens[:, 1].tolist())) > 5
+    assert sum(r.spec_verify_ct or 0 for r in got.values()) >= num_samples  # every second token verified a block
 
 
 def on_two_threads(config: ModelConfig, logits: torch.Tensor, call) -> dict:
