@@ -70,11 +70,6 @@ def mixed_requests():
     ]
 
 
-def shard_sampled_requests():
-    """Rows `layout.shard_draws` draws from the shards: greedy, T = 1, top-k and min-p."""
-    return [r for r in mixed_requests() if r.rid not in ("top_p", "penalty")]
-
-
 def assert_same(expected, got, tol: float = TOL) -> None:
     assert set(got) == set(expected)
     for rid, a in expected.items():
@@ -101,21 +96,24 @@ def test_sharded_model_serves_what_the_whole_model_serves(saved_family, groups, 
     assert len(got["greedy"].cat("input_token")) == 37 and got["greedy"].cat("input_top_ids").shape[-1] == 20
 
 
-def test_no_logits_row_is_gathered_whole_for_logprobs_or_sampling(saved_family, groups, monkeypatch):
-    """Prompt and output logprobs and the sampled tokens come from every shard's statistics
-    (`TensorParallel.logprob_columns`, `TensorParallel.sample`): greedy, T = 1, top-k and min-p rows
-    never gather a whole logits row; a top-p row's step gathers just its producers' rows."""
-    _, path = saved_family("qwen3")
-    gathered = []
+@pytest.fixture
+def gathered(monkeypatch) -> list[int]:
+    """The number of rows of each whole-vocabulary gather (`TensorParallel.gather_vocab`) on rank 0."""
+    rows = []
     whole_rows = TensorParallel.gather_vocab
-    monkeypatch.setattr(TensorParallel, "gather_vocab", lambda self, logits: gathered.append(logits.shape[0]) or whole_rows(self, logits))
+    monkeypatch.setattr(TensorParallel, "gather_vocab", lambda self, logits: rows.append(logits.shape[0]) or whole_rows(self, logits))
+    return rows
+
+
+def test_only_rows_that_need_the_whole_row_are_gathered(saved_family, groups, gathered):
+    """Prompt and output logprobs and the sampled tokens of greedy, T = 1, top-k and min-p rows come
+    from every shard's statistics (`TensorParallel.logprob_columns`, `TensorParallel.sample`); the
+    top-p and penalty requests' rows alone are gathered whole, in the same steps."""
+    _, path = saved_family("qwen3")
     options = {**OPTIONS, "chunked_prefill_size": 256}
-    got = run(core_for(groups(path, 2), **options), shard_sampled_requests())
-    assert gathered == [] and len(got["greedy"].cat("input_token")) == 37
-    assert_same(run(core_for(whole(path), **options), shard_sampled_requests()), got)
-    top_p = [r for r in mixed_requests() if r.rid == "top_p"]
-    assert_same(run(core_for(whole(path), **options), top_p), run(core_for(groups(path, 2), **options), top_p))
-    assert sum(gathered) == 6  # one row per step: its 6 tokens
+    got = run(core_for(groups(path, 2), **options), mixed_requests())
+    assert sum(gathered) == 12 and len(got["greedy"].cat("input_token")) == 37  # top_p's 6 tokens, penalty's 6
+    assert_same(run(core_for(whole(path), **options), mixed_requests()), got)
 
 
 def test_preemption_and_forks_match_tp1(saved_family, groups):
@@ -192,7 +190,8 @@ def dspark_group():
     core.worker.runner.leader.stop()
 
 
-def test_dspark_on_two_ranks_is_greedy_identical_to_plain_tp1(dspark_group):
+def test_dspark_on_two_ranks_is_greedy_identical_to_plain_tp1(dspark_group, gathered):
+    """Greedy verify blocks accepted on argmaxes merged from the shards: no row gathered whole."""
     from services.models import BUNDLED_MODEL
     from services.scheduler.build import build_core
 
@@ -202,7 +201,7 @@ def test_dspark_on_two_ranks_is_greedy_identical_to_plain_tp1(dspark_group):
     plain = run(build_core(SchedulerConfig(model=str(BUNDLED_MODEL), **DSPARK)), requests())
     spec = run(dspark_group, requests())
     assert_same(plain, spec, tol=1e-4)  # verify blocks against one-token decode steps: test_speculative_loop's bound
-    assert sum(r.spec_verify_ct or 0 for r in spec.values()) > 0
+    assert sum(r.spec_verify_ct or 0 for r in spec.values()) > 0 and gathered == []
 
 
 def test_dspark_on_two_ranks_samples_the_target_distribution(dspark_group):
