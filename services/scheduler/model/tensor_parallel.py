@@ -53,12 +53,14 @@ class TensorParallelError(ValueError):
 
 
 def check_shardable(config: ModelConfig, size: int, quantization: str | None = None) -> None:
-    """Raise `TensorParallelError` (one line) unless `config` can be split over `size` ranks."""
+    """Raise `TensorParallelError` (one line) unless `config` can be split over `size` ranks (FP8
+    checkpoints too: their scales sliced with their weights; `--quantization fp8` is refused: its
+    per-row scales over a row-parallel rank's columns would not be TP = 1's)."""
     if size == 1:
         return
-    if config.architecture not in SUPPORTED or config.quantization or quantization:
-        what = "FP8" if config.quantization or quantization else config.architecture
-        raise TensorParallelError(f"--tensor-parallel-size {size}: {what} is not sharded (supported: {', '.join(SUPPORTED)}, unquantized)")
+    if config.architecture not in SUPPORTED or quantization:
+        what = "--quantization fp8 (FP8 checkpoints are)" if quantization else config.architecture
+        raise TensorParallelError(f"--tensor-parallel-size {size}: {what} is not sharded (supported: {', '.join(SUPPORTED)})")
     heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
     inter = config.moe_intermediate_size if config.num_experts else config.intermediate_size
     if heads % size or config.intermediate_size % size or inter % size or (kv_heads % size and size % kv_heads):
@@ -66,6 +68,20 @@ def check_shardable(config: ModelConfig, size: int, quantization: str | None = N
             f"--tensor-parallel-size {size} must divide the {heads} attention heads and the intermediate size "
             f"{inter}, and divide or be a multiple of the {kv_heads} KV heads"
         )
+    _check_fp8_tiles(config, size)
+
+
+def _check_fp8_tiles(config: ModelConfig, size: int) -> None:
+    """Block-wise FP8: each rank's rows (q, k/v, gate/up) and input columns (o, down) whole tiles."""
+    block = None if config.quantization is None else config.quantization.block
+    if block is None:
+        return
+    local = shard_config(config, size)
+    rows = (local.num_attention_heads * config.head_dim, local.num_key_value_heads * config.head_dim, local.intermediate_size)
+    columns = (local.num_attention_heads * config.head_dim, local.intermediate_size)
+    if any(r % block[0] for r in rows) or any(c % block[1] for c in columns):
+        raise TensorParallelError(f"--tensor-parallel-size {size}: each rank's projections {rows} x {columns} are not "
+                                  f"whole FP8 tiles of {block[0]} x {block[1]}")  # fmt: skip
 
 
 def shard_config(config: ModelConfig, size: int) -> ModelConfig:
@@ -254,6 +270,8 @@ class TensorParallel:
         proj = parts[-2] if len(parts) >= 2 else ""
         if name.endswith(VOCAB):
             return self._vocab_rows(full)
+        if parts[-1] == "weight_scale" and (proj in ROW or full.ndim == 0):
+            return full  # FP8: one scale per output row (or one in all): a row-parallel rank's rows are whole
         if proj in COLUMN_HEADS:
             return _block(full, 0, self.rank, self.size)
         if proj in COLUMN_KV:

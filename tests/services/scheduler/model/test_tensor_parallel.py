@@ -19,6 +19,7 @@ from services.scheduler.build import check_model, core_for, load_leader
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.model import load_model_runner
 from services.scheduler.model.config import ModelConfig
+from services.scheduler.model.fp8 import Fp8Linear, Fp8Scheme
 from services.scheduler.model.tensor_parallel import TensorParallel, TensorParallelError, check_shardable
 from services.scheduler.rank_group import RankLostError
 from test_scheduler_core import prompt_of, request, run
@@ -116,6 +117,20 @@ def test_only_rows_that_need_the_whole_row_are_gathered(saved_family, groups, ga
     assert_same(run(core_for(whole(path), **options), mixed_requests()), got)
 
 
+@pytest.mark.parametrize("layout", ["block", "channel"])
+def test_fp8_checkpoints_shard_with_their_scales(saved_family, groups, tmp_path, layout):
+    """Block-wise scales sliced with their tiles (rows, or a row-parallel rank's columns), per-row
+    scales with their rows (whole on a row-parallel rank): TP = 2 serves what TP = 1 serves."""
+    from tests.services.scheduler.model.test_fp8 import write_fp8_checkpoint
+
+    write_fp8_checkpoint(saved_family("qwen3")[1], tmp_path / "fp8", layout, block=16)
+    expected = run(core_for(whole(tmp_path / "fp8"), **OPTIONS), mixed_requests())
+    runner = groups(tmp_path / "fp8", 2)
+    assert_same(expected, run(core_for(runner, **OPTIONS), mixed_requests()))
+    down = runner.model.model.layers[0].mlp.down_proj
+    assert isinstance(down, Fp8Linear) and down.weight.shape == (64, 48) and down.scale.shape == ((4, 3) if layout == "block" else (64,))
+
+
 def test_preemption_and_forks_match_tp1(saved_family, groups):
     _, path = saved_family("qwen3")
     prompts = [small_prompt(20 + i, 2 + 3 * i) for i in range(4)]
@@ -166,10 +181,10 @@ def test_unshardable_models_are_refused_in_one_line(saved_family):
     if torch.cuda.device_count() < 2:
         with pytest.raises(ValueError, match="--tensor-parallel-size 2 needs 2 GPUs"):
             check_model(SchedulerConfig(model=str(saved_family("qwen3")[1]), device="cuda", tensor_parallel_size=2))
-    with pytest.raises(TensorParallelError, match="FP8 is not sharded"):
+    with pytest.raises(TensorParallelError, match=r"--quantization fp8 \(FP8 checkpoints are\) is not sharded"):
         check_shardable(config, 2, quantization="fp8")
-    with pytest.raises(TensorParallelError, match="FP8 is not sharded"):
-        check_shardable(ModelConfig.from_pretrained(saved_family("mixtral")[1]), 2, quantization="fp8")
+    with pytest.raises(TensorParallelError, match=r"each rank's projections \(64, 32, 48\) x \(64, 48\) are not whole FP8 tiles of 32 x 32"):
+        check_shardable(dataclasses.replace(config, quantization=Fp8Scheme(block=(32, 32))), 2)
     moe = dataclasses.replace(ModelConfig.from_pretrained(saved_family("qwen3-moe")[1]), moe_intermediate_size=30)
     with pytest.raises(TensorParallelError, match="the intermediate size 30"):
         check_shardable(moe, 4)
