@@ -121,13 +121,7 @@ class TensorParallel:
 
     def min_over_ranks(self, value: int, device: torch.device) -> int:
         """The smallest of every rank's `value` (KV blocks: each rank sizes its cache from its own free memory)."""
-        import torch.distributed as dist
-
-        options = dist.AllreduceOptions()
-        options.reduceOp = dist.ReduceOp.MIN
-        counts = torch.tensor([value], dtype=torch.int64, device=device)
-        self._wait(self.group.allreduce([counts], options))
-        return int(counts.item())
+        return int(self._reduce(torch.tensor([value], dtype=torch.int64, device=device), "MIN").item())
 
     def gather_vocab(self, logits: torch.Tensor) -> torch.Tensor:
         """[N, Vs] shards -> the whole [N, V], the padding rows dropped."""
@@ -160,7 +154,7 @@ class TensorParallel:
         rank taking its shard's columns of the row's noise (keyed by seed, position and global id), so
         the winner is the same. Only each shard's winner (value, id) and the softmax's maximum and sum
         cross ranks; top-k from the merged per-shard top-k, min-p from the maximum. Top-p needs the
-        sorted whole row: the worker gathers those rows instead (`layout.shard_draws`)."""
+        sorted whole row: the worker gathers those rows instead (`worker/layout.ShardSplit`)."""
         global_ids = torch.arange(self.vocab_start, self.vocab_start + logits.shape[-1], device=logits.device)
         logits = logits.masked_fill(global_ids >= self.config.vocab_size, float("-inf"))  # the last shard's padding
         greedy = self._merged_argmax(logits, global_ids)  # [c]
@@ -188,7 +182,7 @@ class TensorParallel:
 
     def _filtered_out(self, probs: torch.Tensor, draws: tuple[RowDraw, ...], global_ids: torch.Tensor) -> torch.Tensor:
         """bool [c, Vs]: what `sampler.filtered_out` drops of the whole row (top-p aside): below min_p times
-        the row's largest p (exp(0) / sum), or past the top_k-th in (p descending, id ascending) order."""
+        the row's largest p, or past the top_k-th in (p descending, id ascending) order."""
         device = probs.device
         drop = torch.zeros_like(probs, dtype=torch.bool)
         if any(d.min_p > 0 for d in draws):
