@@ -52,15 +52,13 @@ class TensorParallelError(ValueError):
     """A model or setting tensor parallelism cannot shard."""
 
 
-def check_shardable(config: ModelConfig, size: int, quantization: str | None = None) -> None:
+def check_shardable(config: ModelConfig, size: int) -> None:
     """Raise `TensorParallelError` (one line) unless `config` can be split over `size` ranks (FP8
-    checkpoints too: their scales sliced with their weights; `--quantization fp8` is refused: its
-    per-row scales over a row-parallel rank's columns would not be TP = 1's)."""
+    checkpoints: their scales sliced with their weights, block-wise tiles never straddling ranks)."""
     if size == 1:
         return
-    if config.architecture not in SUPPORTED or quantization:
-        what = "--quantization fp8 (FP8 checkpoints are)" if quantization else config.architecture
-        raise TensorParallelError(f"--tensor-parallel-size {size}: {what} is not sharded (supported: {', '.join(SUPPORTED)})")
+    if config.architecture not in SUPPORTED:
+        raise TensorParallelError(f"--tensor-parallel-size {size}: {config.architecture} is not sharded (supported: {', '.join(SUPPORTED)})")
     heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
     inter = config.moe_intermediate_size if config.num_experts else config.intermediate_size
     if heads % size or config.intermediate_size % size or inter % size or (kv_heads % size and size % kv_heads):
@@ -122,6 +120,11 @@ class TensorParallel:
     def min_over_ranks(self, value: int, device: torch.device) -> int:
         """The smallest of every rank's `value` (KV blocks: each rank sizes its cache from its own free memory)."""
         return int(self._reduce(torch.tensor([value], dtype=torch.int64, device=device), "MIN").item())
+
+    def whole_amax(self, projection: str, amax: torch.Tensor) -> torch.Tensor:
+        """`fp8.quantize_linears`' per-row amax [N, 1] over the whole weight: a row-parallel projection's
+        rows span every rank's columns (the scale TP = 1 computes); a column-parallel one's are here."""
+        return self._reduce(amax, "MAX") if projection in ROW else amax
 
     def gather_vocab(self, logits: torch.Tensor) -> torch.Tensor:
         """[N, Vs] shards -> the whole [N, V], the padding rows dropped."""

@@ -33,14 +33,15 @@ OPTIONS = dict(max_running_requests=64, chunked_prefill_size=16, logprobs_mode="
 
 @pytest.fixture(scope="module")
 def groups():
-    """(model dir, size) -> rank 0's runner of a live group; every group stopped at the end."""
+    """(model dir, size, quantization) -> rank 0's runner of a live group; every group stopped at the end."""
     live = {}
 
-    def get(path, size):
-        if (path, size) not in live:
-            config = SchedulerConfig(model=str(path), device="cpu", num_kv_blocks=NUM_KV_BLOCKS, tensor_parallel_size=size)
-            live[path, size] = load_leader(config)
-        return live[path, size]
+    def get(path, size, quantization=None):
+        if (path, size, quantization) not in live:
+            config = SchedulerConfig(model=str(path), device="cpu", num_kv_blocks=NUM_KV_BLOCKS, tensor_parallel_size=size,
+                                     quantization=quantization)  # fmt: skip
+            live[path, size, quantization] = load_leader(config)
+        return live[path, size, quantization]
 
     yield get
     for runner in live.values():
@@ -117,18 +118,24 @@ def test_only_rows_that_need_the_whole_row_are_gathered(saved_family, groups, ga
     assert_same(run(core_for(whole(path), **options), mixed_requests()), got)
 
 
-@pytest.mark.parametrize("layout", ["block", "channel"])
-def test_fp8_checkpoints_shard_with_their_scales(saved_family, groups, tmp_path, layout):
+@pytest.mark.parametrize("layout", ["block", "channel", "quantized at load"])
+def test_fp8_shards_with_its_scales(saved_family, groups, tmp_path, layout):
     """Block-wise scales sliced with their tiles (rows, or a row-parallel rank's columns), per-row
-    scales with their rows (whole on a row-parallel rank): TP = 2 serves what TP = 1 serves."""
+    scales with their rows (whole on a row-parallel rank), `--quantization fp8`'s per-row scales from
+    the whole row's amax (over every rank's columns): TP = 2 serves what TP = 1 serves."""
     from tests.services.scheduler.model.test_fp8 import write_fp8_checkpoint
 
-    write_fp8_checkpoint(saved_family("qwen3")[1], tmp_path / "fp8", layout, block=16)
-    expected = run(core_for(whole(tmp_path / "fp8"), **OPTIONS), mixed_requests())
-    runner = groups(tmp_path / "fp8", 2)
-    assert_same(expected, run(core_for(runner, **OPTIONS), mixed_requests()))
+    path, quantization = saved_family("qwen3")[1], "fp8"
+    if layout != "quantized at load":
+        path, quantization = tmp_path / "fp8", None
+        write_fp8_checkpoint(saved_family("qwen3")[1], path, layout, block=16)
+    one = load_model_runner(path, device="cpu", dtype=torch.float32, num_kv_blocks=NUM_KV_BLOCKS, quantization=quantization)
+    runner = groups(path, 2, quantization)
+    assert_same(run(core_for(one, **OPTIONS), mixed_requests()), run(core_for(runner, **OPTIONS), mixed_requests()))
     down = runner.model.model.layers[0].mlp.down_proj
     assert isinstance(down, Fp8Linear) and down.weight.shape == (64, 48) and down.scale.shape == ((4, 3) if layout == "block" else (64,))
+    if quantization:
+        torch.testing.assert_close(down.scale, one.model.model.layers[0].mlp.down_proj.scale, atol=0, rtol=0)
 
 
 def test_preemption_and_forks_match_tp1(saved_family, groups):
@@ -181,8 +188,6 @@ def test_unshardable_models_are_refused_in_one_line(saved_family):
     if torch.cuda.device_count() < 2:
         with pytest.raises(ValueError, match="--tensor-parallel-size 2 needs 2 GPUs"):
             check_model(SchedulerConfig(model=str(saved_family("qwen3")[1]), device="cuda", tensor_parallel_size=2))
-    with pytest.raises(TensorParallelError, match=r"--quantization fp8 \(FP8 checkpoints are\) is not sharded"):
-        check_shardable(config, 2, quantization="fp8")
     with pytest.raises(TensorParallelError, match=r"each rank's projections \(64, 32, 48\) x \(64, 48\) are not whole FP8 tiles of 32 x 32"):
         check_shardable(dataclasses.replace(config, quantization=Fp8Scheme(block=(32, 32))), 2)
     moe = dataclasses.replace(ModelConfig.from_pretrained(saved_family("qwen3-moe")[1]), moe_intermediate_size=30)
