@@ -163,7 +163,7 @@ def check_model(config: SchedulerConfig) -> None:
     from services.scheduler.model.tensor_parallel import check_shardable
 
     model = ModelConfig.from_pretrained(config.model, context_len=config.max_model_len)
-    check_shardable(model, config.tensor_parallel_size, config.quantization)
+    check_shardable(model, config.tensor_parallel_size)
     size = config.tensor_parallel_size
     if size > 1 and config.resolved_device == "cuda":
         import torch

@@ -131,7 +131,7 @@ def logprobs_on_device(
     parameters). to_logits: hidden rows [c, H] -> logits [c, V] in the model's dtype (None: `source` is
     logits). sampled: int64 [N], one per row of `source`, the token sampled from it this step, for
     queries whose `targets` are None. fused: `runs_fused`'s switch. to_columns: hidden rows, targets,
-    k, ids -> raw columns, where the LM head is vocabulary-sharded (`ModelRunner.sharded_columns`):
+    k, ids -> raw columns, where the LM head is vocabulary-sharded (`ModelRunner.sharded_rows.columns`):
     raw rows take it instead of whole logits. invariant: `logprob_columns`'.
     """
     if not queries or sum(len(q.rows) for q in queries) == 0:

@@ -37,7 +37,7 @@ import torch.distributed as dist
 
 from services.scheduler.model.batch import ForwardBatch
 from services.scheduler.model.config import ModelConfig
-from services.scheduler.model.tensor_parallel import TensorParallel
+from services.scheduler.model.tensor_parallel import RowDraw, TensorParallel
 
 log = structlog.get_logger(__name__)
 
@@ -67,6 +67,7 @@ class RankCall(msgspec.Struct):
     hidden_shape: tuple[int, ...] = ()
     top_k: int = 0  # "columns": the top-k width, and each row's number of requested ids (-1: none)
     num_ids: int = -1
+    draws: tuple[RowDraw, ...] = ()  # "sample": each row's
 
     def batch(self, packed: torch.Tensor) -> ForwardBatch:
         sizes = [math.prod(shape) for shape in self.shapes]
@@ -170,6 +171,10 @@ class Leader:
         call = RankCall("columns", hidden_shape=tuple(hidden.shape), top_k=k, num_ids=-1 if ids is None else ids.shape[1])
         self._send(call, hidden.contiguous(), wanted.to(self.device, torch.int64))
 
+    def sample(self, hidden: torch.Tensor, draws: tuple[RowDraw, ...]) -> None:
+        self._check_alive()
+        self._send(RankCall("sample", hidden_shape=tuple(hidden.shape), draws=draws), hidden.contiguous())
+
     def _send(self, call: RankCall, *payload: torch.Tensor) -> None:
         try:
             self.groups.send(call)
@@ -272,7 +277,11 @@ def serve(runner, groups: Groups) -> None:
             groups.device.broadcast(hidden, 0).wait()
             groups.device.broadcast(wanted, 0).wait()
             ids = None if call.num_ids < 0 else wanted[rows:].view(rows, call.num_ids)
-            runner.sharded_columns(hidden, wanted[:rows], call.top_k, ids)
+            runner.sharded_rows.columns(hidden, wanted[:rows], call.top_k, ids)
+        elif call.op == "sample":
+            hidden = torch.empty(call.hidden_shape, dtype=runner.dtype, device=runner.device)
+            groups.device.broadcast(hidden, 0).wait()
+            runner.sharded_rows.sample(hidden, call.draws)
         else:
             raise ValueError(f"unknown rank call {call.op!r}")
 

@@ -21,7 +21,7 @@ activations' dtype and runs the plain linear (the CPU tests' reference).
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -135,8 +135,12 @@ def scaled_mm_rows(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Te
 
 
 @torch.no_grad()
-def quantize_weight_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """A float weight [..., N, K] -> (FP8 [..., N, K], fp32 per-row scales [..., N]): `--quantization fp8`."""
+def quantize_weight_rows(weight: torch.Tensor, amax: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """A float weight [..., N, K] -> (FP8 [..., N, K], fp32 per-row scales [..., N]): `--quantization fp8`.
+    amax [N, 1]: each row's, given where the weight holds a part of each row (a row-parallel rank's)."""
+    if amax is not None:
+        scale = amax.float().clamp(min=1e-12) / FP8_MAX  # [N, 1]
+        return (weight.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale.squeeze(1)
     q, scale = quantize_groups(weight.reshape(-1, weight.shape[-1]), weight.shape[-1])
     return q.view(weight.shape), scale.view(weight.shape[:-1])
 
@@ -177,12 +181,15 @@ def empty_fp8_linears(model: nn.Module, scheme: Fp8Scheme) -> nn.Module:
 
 
 @torch.no_grad()
-def quantize_linears(model: nn.Module) -> nn.Module:
-    """`--quantization fp8`: each loaded projection quantized per output row, in place of its float weight."""
+def quantize_linears(model: nn.Module, whole_amax: Callable[[str, torch.Tensor], torch.Tensor] | None = None) -> nn.Module:
+    """`--quantization fp8`: each loaded projection quantized per output row, in place of its float weight.
+    whole_amax(projection, amax [N, 1]): each row's amax over the whole weight, where a rank holds
+    some of its columns (tensor parallelism: `TensorParallel.whole_amax`)."""
     for parent, attribute, linear in list(fp8_modules(model, Fp8Scheme())):
         with torch.device(linear.weight.device):
             fp8 = Fp8Linear(linear.in_features, linear.out_features, linear.bias is not None, None, linear.weight.dtype)
-        fp8.weight.data, fp8.weight_scale.data = quantize_weight_rows(linear.weight)
+        amax = None if whole_amax is None else whole_amax(attribute, linear.weight.abs().amax(dim=-1, keepdim=True))
+        fp8.weight.data, fp8.weight_scale.data = quantize_weight_rows(linear.weight, amax)
         if linear.bias is not None:
             fp8.bias.data = linear.bias.detach()
         setattr(parent, attribute, fp8)

@@ -171,6 +171,9 @@ class DecodeGraphRunner:
         plan = self.plan(rung, query_len)
         hidden, captured = self.model(self._static_batch(rung, query_len), self.cache, plan)  # [rung * q, H]
         # every row of a uniform step is a row the worker verifies: the LM head belongs in the graph
+        # (not under tensor parallelism: rows are sampled from vocabulary shards, `ShardedRows`)
+        if self.model.tp is not None:
+            return ForwardOutput(hidden, captured)
         return ForwardOutput(hidden, captured, self.model.compute_logits(hidden))  # logits f32 [rung * q, V]
 
     def _capture_all(self) -> None:

@@ -32,7 +32,7 @@ from services.scheduler.model.moe import empty_fp8_experts, quantize_experts
 from services.scheduler.model.registry import build_model
 from services.scheduler.model.runner import ModelRunner
 from services.scheduler.model.tensor_parallel import (
-    ShardedColumns,
+    ShardedRows,
     TensorParallel,
     check_shardable,
     shard_config,
@@ -126,11 +126,11 @@ def load_model_runner(
         raise ValueError("--deterministic with --tensor-parallel-size > 1 is not supported yet: the shards' all-reduces are not batch-invariant")
     device = torch.device(device)
     if tp is not None:
-        check_shardable(config, tp.size, quantization)
+        check_shardable(config, tp.size)
     model = _empty_model(config, device, dtype, tp)
     _fill_weights(model, model_dir, config, load_format, seed, tp)
     if quantization is not None:
-        model = _quantize_at_load(model, config, quantization)
+        model = _quantize_at_load(model, config, quantization, tp)
     model.eval()
     config = model.config  # a rank's own head counts: its cache holds its KV heads
     num_blocks = num_kv_blocks or _default_num_blocks(config, kv_block_size, dtype, device, kv_cache_bytes, kv_cache_fraction, reserve)
@@ -140,7 +140,7 @@ def load_model_runner(
     runner = ModelRunner(model, cache, fused_kernels=fused_kernels, split_kv_decode=split_kv_decode,
                          batch_invariant=batch_invariant)  # fmt: skip
     if tp is not None:
-        runner.sharded_columns = ShardedColumns(runner)
+        runner.sharded_rows = ShardedRows(runner)
     if (cuda_graphs if cuda_graphs is not None else runner.decode_kernel) and not batch_invariant:
         runner.prepare_decode_graphs()
     return runner
@@ -160,12 +160,14 @@ def _empty_model(config: ModelConfig, device: torch.device, dtype: torch.dtype, 
     return model
 
 
-def _quantize_at_load(model: CausalLM, config: ModelConfig, quantization: str) -> CausalLM:
+def _quantize_at_load(model: CausalLM, config: ModelConfig, quantization: str, tp: TensorParallel | None) -> CausalLM:
     if quantization not in QUANTIZATIONS:
         raise ValueError(f"quantization must be one of {QUANTIZATIONS} or None, got {quantization!r}")
     if config.quantization is not None:
         raise ValueError("--quantization fp8 quantizes an unquantized checkpoint; this one is already fp8")
-    return quantize_experts(quantize_linears(model))
+    if tp is not None and config.num_experts:
+        raise ValueError("--quantization fp8 with --tensor-parallel-size > 1 quantizes dense models only: MoE experts are not sharded in FP8 yet")
+    return quantize_experts(quantize_linears(model, None if tp is None else tp.whole_amax))
 
 
 def _fill_weights(

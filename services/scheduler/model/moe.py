@@ -186,13 +186,17 @@ class MoeDecoderLayer(DecoderLayer):
         self, x: torch.Tensor, residual: torch.Tensor | None, ropes: Ropes, batch: ForwardBatch,
         cache: PagedKVCache, plan: Plan, fused: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """As `DecoderLayer.forward`; a sparse MLP takes the normed stream whole (no gate_up to fuse the norm with)."""
+        """As `DecoderLayer.forward`; a sparse MLP takes the normed stream whole (no gate_up to fuse the norm with).
+        Under tensor parallelism each rank's experts hold their intermediate block: one all-reduce sums them."""
         if not isinstance(self.mlp, SparseMoE):
             return super().forward(x, residual, ropes, batch, cache, plan, fused)
         qkv, residual = norm_linear(x, residual, self.input_layernorm, self.self_attn.qkv_proj, fused)
         x = self.self_attn(qkv, ropes, batch, cache, plan, fused)
+        if self.tp is not None:
+            x = self.tp.all_reduce(x)
         normed, residual = add_rms_norm(x, residual, self.post_attention_layernorm, fused)
-        return self.mlp(normed, fused), residual
+        x = self.mlp(normed, fused)
+        return (x if self.tp is None else self.tp.all_reduce(x)), residual
 
 
 class MixtralDecoderLayer(MoeDecoderLayer):

@@ -93,7 +93,7 @@ class ModelRunner:
         self.batch_invariant = batch_invariant
         set_batch_invariant(model, batch_invariant)
         self.leader = None  # rank_group.Leader on rank 0 of a tensor-parallel group: each call sent to the other ranks first
-        self.sharded_columns = None  # tensor_parallel.ShardedColumns where the LM head holds a vocabulary shard
+        self.sharded_rows = None  # tensor_parallel.ShardedRows where the LM head holds a vocabulary shard
 
     def prepare_decode_graphs(
         self,

@@ -1,8 +1,9 @@
 """Tensor parallelism (Megatron's layout): one model sharded over the N ranks of a process group.
 
 q/k/v and gate/up are column-parallel (each rank holds its heads' rows, its block of the
-intermediate size), o_proj and down_proj row-parallel (the matching input columns) and followed by
-one all-reduce each (`DecoderLayer.tp`); KV heads split across ranks, or replicated where there
+intermediate size; a mixture of experts: every expert's block, the router whole), o_proj and
+down_proj row-parallel (the matching input columns) and followed by one all-reduce each
+(`DecoderLayer.tp`, `MoeDecoderLayer`); KV heads split across ranks, or replicated where there
 are fewer KV heads than ranks (rank r then keeps KV head r // (N / Hkv)); the embedding and the LM
 head are vocabulary-parallel (rank r holds rows [r Vs, (r + 1) Vs) of Vs = ceil(V / N), the last
 shard padded with zero rows). Each rank builds its model from `shard_config` (the local head
@@ -21,46 +22,77 @@ import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import msgspec
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from services.scheduler.model.config import ModelConfig
 
-SUPPORTED = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+SUPPORTED = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM",
+             "MixtralForCausalLM")
 COLUMN_HEADS = ("q_proj",)  # rows in blocks of this rank's query heads
 COLUMN_KV = ("k_proj", "v_proj")  # rows of this rank's KV heads
-COLUMN = ("gate_proj", "up_proj")  # rows in blocks of the intermediate size
-ROW = ("o_proj", "down_proj")  # input columns; the bias added once (rank 0) before the all-reduce
+COLUMN = ("gate_proj", "up_proj", "w1", "w3")  # rows in blocks of the (each expert's) intermediate size
+ROW = ("o_proj", "down_proj", "w2")  # input columns; the bias added once (rank 0) before the all-reduce
 VOCAB = ("embed_tokens.weight", "lm_head.weight")
+
+
+class RowDraw(msgspec.Struct, frozen=True):
+    """How one sampled row picks its token (`TensorParallel.sample`), as plain values rank 0 sends."""
+
+    temperature: float  # <= 0: greedy (the raw logits' argmax)
+    seed: int | None  # the request's; None for a greedy row
+    position: int  # its output position: the noise is keyed by (seed, position), as `sampler.draw_noise`'s
+    top_k: int = 0  # 0: off
+    min_p: float = 0.0
 
 
 class TensorParallelError(ValueError):
     """A model or setting tensor parallelism cannot shard."""
 
 
-def check_shardable(config: ModelConfig, size: int, quantization: str | None = None) -> None:
-    """Raise `TensorParallelError` (one line) unless `config` can be split over `size` ranks."""
+def check_shardable(config: ModelConfig, size: int) -> None:
+    """Raise `TensorParallelError` (one line) unless `config` can be split over `size` ranks (FP8
+    checkpoints: their scales sliced with their weights, block-wise tiles never straddling ranks)."""
     if size == 1:
         return
-    if config.architecture not in SUPPORTED or config.num_experts or config.quantization or quantization:
-        what = "FP8" if config.quantization or quantization else config.architecture
-        raise TensorParallelError(f"--tensor-parallel-size {size}: {what} is not sharded (supported: {', '.join(SUPPORTED)}, unquantized)")
+    if config.architecture not in SUPPORTED:
+        raise TensorParallelError(f"--tensor-parallel-size {size}: {config.architecture} is not sharded (supported: {', '.join(SUPPORTED)})")
     heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
-    if heads % size or config.intermediate_size % size or (kv_heads % size and size % kv_heads):
+    inter = config.moe_intermediate_size if config.num_experts else config.intermediate_size
+    if heads % size or config.intermediate_size % size or inter % size or (kv_heads % size and size % kv_heads):
         raise TensorParallelError(
             f"--tensor-parallel-size {size} must divide the {heads} attention heads and the intermediate size "
-            f"{config.intermediate_size}, and divide or be a multiple of the {kv_heads} KV heads"
+            f"{inter}, and divide or be a multiple of the {kv_heads} KV heads"
         )
+    if config.num_experts and config.quantization is not None:
+        raise TensorParallelError(f"--tensor-parallel-size {size}: FP8 MoE checkpoints are not sharded yet (their expert scales)")
+    _check_fp8_tiles(config, size)
+
+
+def _check_fp8_tiles(config: ModelConfig, size: int) -> None:
+    """Block-wise FP8: each rank's rows (q, k/v, gate/up) and input columns (o, down) whole tiles."""
+    block = None if config.quantization is None else config.quantization.block
+    if block is None:
+        return
+    local = shard_config(config, size)
+    rows = (local.num_attention_heads * config.head_dim, local.num_key_value_heads * config.head_dim, local.intermediate_size)
+    columns = (local.num_attention_heads * config.head_dim, local.intermediate_size)
+    if any(r % block[0] for r in rows) or any(c % block[1] for c in columns):
+        raise TensorParallelError(f"--tensor-parallel-size {size}: each rank's projections {rows} x {columns} are not "
+                                  f"whole FP8 tiles of {block[0]} x {block[1]}")  # fmt: skip
 
 
 def shard_config(config: ModelConfig, size: int) -> ModelConfig:
-    """One rank's shapes: its query heads, KV heads (at least one) and intermediate block; the vocabulary stays whole."""
+    """One rank's shapes: its query heads, KV heads (at least one) and intermediate block (each
+    expert's too: every rank holds every expert's block, the router whole); the vocabulary stays whole."""
     return dataclasses.replace(
         config,
         num_attention_heads=config.num_attention_heads // size,
         num_key_value_heads=max(1, config.num_key_value_heads // size),
         intermediate_size=config.intermediate_size // size,
+        moe_intermediate_size=config.moe_intermediate_size // size,
     )
 
 
@@ -89,13 +121,12 @@ class TensorParallel:
 
     def min_over_ranks(self, value: int, device: torch.device) -> int:
         """The smallest of every rank's `value` (KV blocks: each rank sizes its cache from its own free memory)."""
-        import torch.distributed as dist
+        return int(self._reduce(torch.tensor([value], dtype=torch.int64, device=device), "MIN").item())
 
-        options = dist.AllreduceOptions()
-        options.reduceOp = dist.ReduceOp.MIN
-        counts = torch.tensor([value], dtype=torch.int64, device=device)
-        self._wait(self.group.allreduce([counts], options))
-        return int(counts.item())
+    def whole_amax(self, projection: str, amax: torch.Tensor) -> torch.Tensor:
+        """`fp8.quantize_linears`' per-row amax [N, 1] over the whole weight: a row-parallel projection's
+        rows span every rank's columns (the scale TP = 1 computes); a column-parallel one's are here."""
+        return self._reduce(amax, "MAX") if projection in ROW else amax
 
     def gather_vocab(self, logits: torch.Tensor) -> torch.Tensor:
         """[N, Vs] shards -> the whole [N, V], the padding rows dropped."""
@@ -120,6 +151,75 @@ class TensorParallel:
             no_ids = torch.empty(logits.shape[0], 0, dtype=torch.int32, device=logits.device)
             return values[:, 0], logprobs[:, :0], no_ids, values[:, 1:]
         return values[:, 0], *self._merged_top_k(logprobs, global_ids, k), values[:, 1:]
+
+    def sample(self, logits: torch.Tensor, draws: tuple[RowDraw, ...]) -> torch.Tensor:
+        """Token ids int64 [c] drawn from this rank's logits shard f32 [c, Vs] (every rank gets them),
+        the very tokens TP = 1 draws from whole rows (`accept` with no drafts): greedy rows the first
+        argmax, sampled rows the exponential race argmax(p_i / E_i) of `sampler.draw_noise`'s E, each
+        rank taking its shard's columns of the row's noise (keyed by seed, position and global id), so
+        the winner is the same. Only each shard's winner (value, id) and the softmax's maximum and sum
+        cross ranks; top-k from the merged per-shard top-k, min-p from the maximum. Top-p needs the
+        sorted whole row: the worker gathers those rows instead (`worker/layout.ShardSplit`)."""
+        global_ids = torch.arange(self.vocab_start, self.vocab_start + logits.shape[-1], device=logits.device)
+        logits = logits.masked_fill(global_ids >= self.config.vocab_size, float("-inf"))  # the last shard's padding
+        greedy = self._merged_argmax(logits, global_ids)  # [c]
+        if all(d.temperature <= 0 for d in draws):
+            return greedy
+        sampled = self._merged_argmax(self._race_scores(logits, draws, global_ids), global_ids)
+        is_greedy = torch.tensor([d.temperature <= 0 for d in draws], device=logits.device)
+        return torch.where(is_greedy, greedy, sampled)
+
+    def _race_scores(self, logits: torch.Tensor, draws: tuple[RowDraw, ...], global_ids: torch.Tensor) -> torch.Tensor:
+        """p_i / E_i over this shard [c, Vs]: p = softmax(logits / T) after top-k and min-p (0 where they drop i)."""
+        from services.scheduler.sampler import draw_noise
+
+        device = logits.device
+        temps = torch.tensor([max(d.temperature, 1e-6) for d in draws], device=device)  # [c], as `sampling_probs`
+        scaled = logits / temps[:, None]  # [c, Vs]
+        top = self._reduce(scaled.max(dim=-1).values, "MAX")  # [c]
+        exps = torch.exp(scaled - top[:, None])
+        probs = exps / self._reduce(exps.sum(dim=-1), "SUM")[:, None]  # [c, Vs]
+        probs = probs.masked_fill(self._filtered_out(probs, draws, global_ids), 0.0)
+        seeds = [d.seed if d.temperature > 0 else None for d in draws]
+        noise, _ = draw_noise(seeds, [d.position for d in draws], 0, self.config.vocab_size, device)  # [c, V]
+        noise = F.pad(noise, (0, self.size * self.vocab_shard - noise.shape[1]), value=1.0)
+        return probs / noise[:, self.vocab_start : self.vocab_start + logits.shape[-1]]
+
+    def _filtered_out(self, probs: torch.Tensor, draws: tuple[RowDraw, ...], global_ids: torch.Tensor) -> torch.Tensor:
+        """bool [c, Vs]: what `sampler.filtered_out` drops of the whole row (top-p aside): below min_p times
+        the row's largest p, or past the top_k-th in (p descending, id ascending) order."""
+        device = probs.device
+        drop = torch.zeros_like(probs, dtype=torch.bool)
+        if any(d.min_p > 0 for d in draws):
+            min_p = torch.tensor([d.min_p for d in draws], device=device)  # [c]
+            drop |= probs < (min_p * self._reduce(probs.amax(dim=-1), "MAX"))[:, None]
+        ks = [min(d.top_k, self.config.vocab_size) if d.top_k > 0 else 0 for d in draws]
+        if max(ks) == 0:
+            return drop
+        values, ids = self._merged_top_k(probs, global_ids, max(ks))  # [c, K]
+        kth = torch.tensor([max(k, 1) - 1 for k in ks], device=device)[:, None]  # [c, 1]
+        kth_value, kth_id = values.gather(1, kth), ids.gather(1, kth).long()  # [c, 1]
+        past_k = (probs < kth_value) | ((probs == kth_value) & (global_ids[None, :] > kth_id))
+        return drop | (past_k & torch.tensor([k > 0 for k in ks], device=device)[:, None])
+
+    def _merged_argmax(self, values: torch.Tensor, global_ids: torch.Tensor) -> torch.Tensor:
+        """int64 [c]: the global argmax of rows sharded [c, Vs], the smallest id among equal maxima
+        (`torch.argmax`'s first one: shards hold ascending id ranges)."""
+        local = values.argmax(dim=-1)  # [c]
+        best = values.gather(1, local[:, None])[:, 0]
+        stats = self._gather(torch.stack([best, global_ids[local].to(values.dtype)]))  # [N, 2, c]; ids < 2^24 exact
+        winner = stats[:, 0].argmax(dim=0)  # [c], the first rank holding the maximum
+        return stats[:, 1].gather(0, winner[None])[0].long()
+
+    def _reduce(self, x: torch.Tensor, op: str) -> torch.Tensor:
+        """x reduced over ranks (a new tensor; x is left as it was)."""
+        import torch.distributed as dist
+
+        options = dist.AllreduceOptions()
+        options.reduceOp = getattr(dist.ReduceOp, op)
+        out = x.clone()
+        self._wait(self.group.allreduce([out], options))
+        return out
 
     def _log_sum_exp(self, logits: torch.Tensor) -> torch.Tensor:
         """[c] over the whole vocabulary, from every shard's maximum and sum of exp(logit - maximum)."""
@@ -169,6 +269,8 @@ class TensorParallel:
         proj = parts[-2] if len(parts) >= 2 else ""
         if name.endswith(VOCAB):
             return self._vocab_rows(full)
+        if parts[-1] == "weight_scale" and (proj in ROW or full.ndim == 0):
+            return full  # FP8: one scale per output row (or one in all): a row-parallel rank's rows are whole
         if proj in COLUMN_HEADS:
             return _block(full, 0, self.rank, self.size)
         if proj in COLUMN_KV:
@@ -210,16 +312,17 @@ class VocabParallelEmbedding(nn.Module):
         return self.tp.all_reduce(out)
 
 
-class ShardedColumns:
-    """Raw logprob columns of hidden rows [c, H] through a vocabulary-sharded LM head, every rank's
-    shard taking part (`TensorParallel.logprob_columns`): prompt logprobs never build a whole logits
-    row (`logprobs_on_device`'s to_columns). On rank 0 the call goes to the other ranks first."""
+class ShardedRows:
+    """Hidden rows [c, H] through a vocabulary-sharded LM head, every rank's shard taking part: their
+    raw logprob columns (`TensorParallel.logprob_columns`; prompt and output logprobs,
+    `logprobs_on_device`'s to_columns) and their sampled tokens (`TensorParallel.sample`), with no
+    whole logits row anywhere. On rank 0 each call goes to the other ranks first."""
 
     def __init__(self, runner) -> None:
         self.runner = runner
 
     @torch.inference_mode()
-    def __call__(
+    def columns(
         self, hidden: torch.Tensor, targets: torch.Tensor, k: int, ids: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         runner = self.runner
@@ -228,6 +331,15 @@ class ShardedColumns:
             runner.leader.columns(hidden, targets, k, ids)
         logits = F.linear(hidden, runner.model.lm_head_weight).float()  # [c, Vs]
         return runner.model.tp.logprob_columns(logits, targets.to(runner.device), k, None if ids is None else ids.to(runner.device))
+
+    @torch.inference_mode()
+    def sample(self, hidden: torch.Tensor, draws: tuple[RowDraw, ...]) -> torch.Tensor:
+        """int64 [c]: each row's token, as `RowDraw` says."""
+        runner = self.runner
+        hidden = hidden.to(runner.device, runner.dtype)
+        if runner.leader is not None:
+            runner.leader.sample(hidden, draws)
+        return runner.model.tp.sample(F.linear(hidden, runner.model.lm_head_weight).float(), draws)  # [c, Vs] -> [c]
 
 
 def shard_model(model: nn.Module, tp: TensorParallel) -> nn.Module:

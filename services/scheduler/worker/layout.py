@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from services.scheduler.model.tensor_parallel import RowDraw
 from services.scheduler.plan import SeqStep, StepPlan
 
 
@@ -38,6 +39,39 @@ class StepLayout:
         first = np.asarray([self.row_start[i] + s.num_committed - 1 for i, s in zip(self.producers, steps)], np.int64)
         num_draft = np.asarray([s.num_draft for s in steps], np.int64)
         return first[:, None] + np.minimum(np.arange(self.max_draft + 1)[None, :], num_draft[:, None])
+
+
+GREEDY_DRAW = RowDraw(0.0, None, 0)
+
+
+@dataclass(frozen=True)
+class ShardSplit:
+    """Tensor parallelism: the producers (positions in `StepLayout.producers`) whose verify rows are
+    drawn from vocabulary shards (`ShardedRows.sample`), and those whose rows are gathered whole: a
+    logit processor (bias, min_tokens, penalties, a grammar), top-p (the sorted row's cumulative
+    mass) or drafts to verify by sampling (the residual max(p - q, 0) over the drafter's whole q)."""
+
+    on_shards: list[int]
+    whole: list[int]
+    draws: tuple[RowDraw, ...]  # [len(on_shards) * (K + 1)]: every row its argmax, a sampled producer's first its draw
+
+    @classmethod
+    def of(cls, plan: StepPlan, layout: StepLayout) -> ShardSplit:
+        on_shards, whole, draws = [], [], []
+        for p, i in enumerate(layout.producers):
+            params = plan.steps[i].params
+            sampling, sampled = params.sampling, params.samples_randomly
+            if params.processes_logits or sampling.top_p < 1.0 or (sampled and plan.steps[i].num_draft > 0):
+                whole.append(p)
+                continue
+            on_shards.append(p)
+            first = RowDraw(sampling.temperature, params.seed, plan.steps[i].output_position, sampling.top_k, sampling.min_p)
+            draws += [first if sampled else GREEDY_DRAW, *(GREEDY_DRAW,) * layout.max_draft]
+        return cls(on_shards, whole, tuple(draws))
+
+    def rows(self, producers: list[int], width: int) -> np.ndarray:
+        """int64 [len(producers) * width]: the verify rows of these producers."""
+        return (np.asarray(producers, np.int64)[:, None] * width + np.arange(width)).reshape(-1)
 
 
 def forward_arrays(plan: StepPlan, layout: StepLayout, trash_block: int) -> dict[str, np.ndarray]:

@@ -40,10 +40,12 @@ from services.common.logprob_rows import RowLogprobs
 from services.scheduler.sampler import draw_noise, mix_seed, sampling_probs
 from services.scheduler.spec.accept import VerifyBlock, accept
 from services.scheduler.spec.base import ContextRows, DraftRequest, Proposer
-from services.scheduler.worker.layout import StepLayout, accept_arrays, forward_arrays
+from services.scheduler.worker.draft_probs import DraftProbs
+from services.scheduler.worker.layout import ShardSplit, StepLayout, accept_arrays, forward_arrays
 from services.scheduler.worker.logprob_asks import OUTPUT_LP, PROMPT_LP, LogprobAsks, LogprobJobs, ask, section
 from services.scheduler.worker.readback import DeviceTimes, StepClock, StepParts
 from services.scheduler.worker.token_pool import TokenPool
+from services.scheduler.worker.verified import Verified, accepted_argmax, block_tokens, merged, rows_of
 
 DRAFT_SALT = 0x2545F4914F6CDD1D  # draft sampling noise: its own stream of the request's seed
 
@@ -75,15 +77,6 @@ class LaunchedStep:
     clock: StepClock
 
 
-@dataclass(frozen=True)
-class _Verified:
-    logits: torch.Tensor  # f32 [P, K + 1, V], what output logprobs read: raw, or after logits_processing when processed
-    num_accepted: torch.Tensor | None  # int64 [P]; None: no drafts were verified (plain greedy decoding), none accepted
-    next_token: torch.Tensor  # int64 [P]
-    tokens: torch.Tensor  # int64 [P, K + 1]: accepted drafts, then next_token (then padding); from
-    # `_greedy_rows` [R, 1] with R >= P (rows past P: a decode graph's padded rows, never read)
-
-
 class ModelWorker:
     def __init__(self, runner, options: WorkerOptions = WorkerOptions(), proposer: Proposer | None = None) -> None:
         self.runner = runner
@@ -100,9 +93,10 @@ class ModelWorker:
         self.logprob_graphs = graphs
         self.greedy_logprob_graphs = options.greedy_logprob_graphs
         self._upload = HostUpload(runner.device)
+        self._to_columns = None if runner.sharded_rows is None else runner.sharded_rows.columns  # a vocabulary shard's logprobs
         self._readback = HostReadback()
         self._pool = TokenPool(runner.device)
-        self._draft_probs: dict[str, torch.Tensor] = {}  # rid -> q [gamma, V] of its pending block
+        self._draft_probs = DraftProbs()
         self._penalties = KeptPenalties()  # penalized requests' counts on the device, kept across steps
         self.grammars = GrammarMatchers(options.tokenizer_dir, self.vocab_size, runner.config.eos_token_ids)
         self._device_times = DeviceTimes()
@@ -116,7 +110,7 @@ class ModelWorker:
 
     def release(self, rids: list[str]) -> None:
         for rid in rids:
-            self._draft_probs.pop(rid, None)
+            self._draft_probs.release(rid)
             self._penalties.release(rid)
             self.grammars.release(rid)
             self._pool.release(rid)
@@ -154,7 +148,7 @@ class ModelWorker:
         if self.proposer is not None:
             clock.mark()
         pending = self._readback.start()  # 7
-        self._keep_draft_probs(plan, layout, proposal)
+        self._draft_probs.keep(plan, layout.producers, proposal)
         return LaunchedStep(plan, layout, parts, pending, clock)
 
     def collect(self, launched: LaunchedStep) -> list[SeqResult]:
@@ -181,24 +175,29 @@ class ModelWorker:
 
     # 4. verify
 
-    def _verify(self, plan: StepPlan, layout: StepLayout, out, arrays: dict[str, torch.Tensor]) -> _Verified | None:
+    def _verify(self, plan: StepPlan, layout: StepLayout, out, arrays: dict[str, torch.Tensor]) -> Verified | None:
         if not layout.producers:
             return None
+        if self.runner.sharded_rows is not None and not self._processed:
+            return self._verify_on_shards(plan, layout, out, arrays)
         producers = [plan.steps[i] for i in layout.producers]
-        width = layout.max_draft + 1
         if layout.verifies_every_row:  # a decode step: its rows are the producers', in order
             logits = out.logits if out.logits is not None else self.runner.compute_logits(out.hidden_states)  # [P, V]
         else:
             rows = arrays["verify_rows"].reshape(-1)
             # a graph step computed every row's logits already
             logits = out.logits[rows] if out.logits is not None else self.runner.compute_logits(out.hidden_states[rows])
-        logits = logits.view(len(producers), width, -1)  # [P, K + 1, V]
+        return self._choose(plan, producers, logits.view(len(producers), layout.max_draft + 1, -1), arrays)
+
+    def _choose(self, plan: StepPlan, producers: list[SeqStep], logits: torch.Tensor, arrays) -> Verified:
+        """The producers' tokens from their whole verify rows' logits f32 [P, K + 1, V] (`arrays`: their
+        drafts, num_draft and is_greedy; no drafts: plain greedy decoding)."""
         # what argmax and sampling see (no pass over the producers where the plan says none processes them)
         chosen = logits if plan.processes_logits is False else self._processed_logits(producers, logits)
         reported = chosen if self._processed else logits  # raw logprobs: before the processors too
         if "drafts" not in arrays:  # plain greedy decoding: the argmax is the token, no draft to accept
             next_token = chosen[:, 0].argmax(dim=-1)
-            return _Verified(reported, None, next_token, next_token[:, None])
+            return Verified(reported, None, next_token, next_token[:, None])
         block = VerifyBlock(
             target_argmax=chosen.argmax(dim=-1),
             drafts=arrays["drafts"],
@@ -206,16 +205,32 @@ class ModelWorker:
             is_greedy=arrays["is_greedy"].bool(),
             **self._sampling_inputs(producers, chosen, arrays["drafts"]),
         )
-        num_accepted, next_token = self._accept(block)  # [P], [P]
-        slots = torch.arange(width, device=logits.device)  # [K + 1]
-        padded = torch.cat([block.drafts, next_token[:, None]], dim=1)  # [P, K + 1]
-        tokens = torch.where(slots[None, :] < num_accepted[:, None], padded, next_token[:, None])  # [P, K + 1]
-        return _Verified(reported, num_accepted, next_token, tokens)
+        num_accepted, next_token = accept(block)  # [P], [P]
+        return Verified(reported, num_accepted, next_token, block_tokens(block.drafts, num_accepted, next_token))
 
-    def _greedy_rows(self, plan: StepPlan, layout: StepLayout, wanted: LogprobAsks, arrays, out) -> tuple[_Verified, GreedyRows] | None:
+    def _verify_on_shards(self, plan: StepPlan, layout: StepLayout, out, arrays) -> Verified:
+        """Tensor parallelism, raw logprobs: the producers' verify rows drawn from the ranks' vocabulary
+        shards as TP = 1 draws them from whole rows (`TensorParallel.sample`; a block accepted on those
+        argmaxes), but for those `ShardSplit` sends whole, whose rows alone are gathered (`_choose`).
+        Every row's output logprobs come from the shards (raw: before any processor)."""
+        width, split = layout.max_draft + 1, ShardSplit.of(plan, layout)
+        hidden = out.hidden_states if layout.verifies_every_row else out.hidden_states[arrays["verify_rows"].reshape(-1)]  # [P W, H]
+        parts = []
+        if split.on_shards:
+            picked = hidden if not split.whole else hidden[torch.from_numpy(split.rows(split.on_shards, width)).to(hidden.device)]
+            drawn = self.runner.sharded_rows.sample(picked, split.draws).view(-1, width)  # [S, W]
+            parts.append((split.on_shards, accepted_argmax(drawn, rows_of(arrays, split.on_shards, split.whole))))
+        if split.whole:
+            rows = torch.from_numpy(split.rows(split.whole, width)).to(hidden.device)
+            logits = self.runner.compute_logits(hidden[rows]).view(len(split.whole), width, -1)  # [W, K + 1, V]
+            producers = [plan.steps[layout.producers[p]] for p in split.whole]
+            parts.append((split.whole, self._choose(plan, producers, logits, rows_of(arrays, split.whole, split.on_shards))))
+        return merged(parts, len(layout.producers), hidden)
+
+    def _greedy_rows(self, plan: StepPlan, layout: StepLayout, wanted: LogprobAsks, arrays, out) -> tuple[Verified, GreedyRows] | None:
         """A plain greedy decode graph step whose every producer wants output logprobs (the commonest
         step with them): its tokens and rows from `LogprobGraphs.greedy`, one graph over the decode
-        graph's logits, which also takes the argmax (padded rows: `_Verified`). None: `_verify` and
+        graph's logits, which also takes the argmax (padded rows: `Verified`). None: `_verify` and
         `_logprobs` take the step."""
         if not self.greedy_logprob_graphs or self.logprob_graphs is None or out.static_logits is None:
             return None
@@ -231,11 +246,7 @@ class ModelWorker:
             return None
         tokens = found.tokens  # [R], R >= P
         num_producers = len(layout.producers)
-        return _Verified(out.logits.view(num_producers, 1, -1), None, tokens[:num_producers], tokens[:, None]), found
-
-    def _accept(self, block: VerifyBlock) -> tuple[torch.Tensor, torch.Tensor]:
-        """The accept rule (`spec.accept`)."""
-        return accept(block)
+        return Verified(out.logits.view(num_producers, 1, -1), None, tokens[:num_producers], tokens[:, None]), found
 
     def _plain_greedy(self, plan: StepPlan, layout: StepLayout) -> bool:
         """No drafts, no proposer, every producer greedy: the step's token is the argmax, nothing more
@@ -284,37 +295,29 @@ class ModelWorker:
         probs = sampling_probs(logits.reshape(-1, vocab), row_params).view(num_rows, width, vocab)
         seeds = [s.params.seed if s.params.samples_randomly else None for s in producers]
         noise, uniforms = draw_noise(seeds, [s.output_position for s in producers], width - 1, vocab, logits.device)
-        draft_probs = self._stacked_draft_probs(producers, drafts, vocab)
+        draft_probs = self._draft_probs.stacked(producers, drafts, vocab)
         return {"target_probs": probs, "draft_probs": draft_probs, "uniforms": uniforms, "noise": noise}
-
-    def _stacked_draft_probs(self, producers: list[SeqStep], drafts: torch.Tensor, vocab: int) -> torch.Tensor | None:
-        """q [P, K, V] of the blocks being verified; None when every block came without q (point masses)."""
-        num_slots = drafts.shape[1]
-        stored = [self._draft_probs.get(s.rid) if s.num_draft > 0 else None for s in producers]
-        if num_slots == 0 or all(q is None for q in stored):
-            return None
-        point_masses = torch.nn.functional.one_hot(drafts, vocab).float()  # [P, K, V]
-        rows = [point_masses[p] if q is None else _fit_rows(q, num_slots) for p, q in enumerate(stored)]
-        return torch.stack(rows)
 
     # 5. logprobs
 
-    def _logprobs(self, wanted: LogprobAsks, arrays, hidden: torch.Tensor, verified: _Verified | None,
+    def _logprobs(self, wanted: LogprobAsks, arrays, hidden: torch.Tensor, verified: Verified | None,
                   output_lp: RowLogprobs[torch.Tensor] | None = None) -> LogprobJobs:  # fmt: skip
         """output_lp: the output rows already computed (`_greedy_rows`); None: computed here."""
         prompt = [job.query for job in wanted.prompt]
         prompt_lp = logprobs_on_device(prompt, section(arrays, PROMPT_LP), hidden, self.runner.head_logits,
                                        self._top_k_keys, self._processed, fused=self._fused_logprobs,
-                                       to_columns=self.runner.sharded_columns, invariant=self._invariant_logprobs)  # fmt: skip
+                                       to_columns=self._to_columns, invariant=self._invariant_logprobs)  # fmt: skip
         if wanted.output and verified is not None and output_lp is None:
-            logits = verified.logits.view(-1, verified.logits.shape[-1])  # [P * (K + 1), V]
             sampled = verified.tokens.reshape(-1)  # [P * (K + 1)]: each logits row's token, sampled this step
             queries, inputs = [job.query for job in wanted.output], section(arrays, OUTPUT_LP)
-            if self.logprob_graphs is not None:
+            if self.logprob_graphs is not None and verified.logits is not None:
+                logits = verified.logits.view(-1, verified.logits.shape[-1])  # [P * (K + 1), V]
                 output_lp = self.logprob_graphs.compute(queries, inputs, logits, self._processed, sampled)
-            else:
-                output_lp = logprobs_on_device(queries, inputs, logits, None, self._top_k_keys, self._processed, sampled,
-                                               self._fused_logprobs, invariant=self._invariant_logprobs)  # fmt: skip
+            else:  # whole rows; or hidden rows, drawn from vocabulary shards, whose columns come from the shards too
+                source = verified.hidden if verified.logits is None else verified.logits.view(-1, verified.logits.shape[-1])
+                output_lp = logprobs_on_device(queries, inputs, source, None, self._top_k_keys, self._processed, sampled,
+                                               self._fused_logprobs, self._to_columns if verified.logits is None else None,
+                                               invariant=self._invariant_logprobs)  # fmt: skip
         return LogprobJobs(wanted.prompt, prompt_lp, wanted.output, output_lp)
 
     # 6. propose
@@ -338,15 +341,6 @@ class ModelWorker:
         )
         return self.proposer.propose(request)
 
-    def _keep_draft_probs(self, plan: StepPlan, layout: StepLayout, proposal) -> None:
-        if proposal is None or proposal.probs is None:
-            return
-        for p, i in enumerate(layout.producers):
-            if plan.steps[i].params.samples_randomly:
-                self._draft_probs[plan.steps[i].rid] = proposal.probs[p]
-
-
-
 
 def _any_processes_logits(plan: StepPlan, steps) -> bool:
     """Whether a processor changes the logits of one of `steps` (of `plan`): no pass over them
@@ -359,11 +353,4 @@ def _grammar_block(step: SeqStep) -> GrammarBlock | None:
     if grammar is None:
         return None
     return GrammarBlock(step.rid, grammar, step.history, step.params.num_prompt, step.output_position, step.drafts)
-
-
-def _fit_rows(q: torch.Tensor, num_slots: int) -> torch.Tensor:
-    """q [gamma, V] -> [num_slots, V]: cut, or padded with copies of its last row (never read)."""
-    if q.shape[0] >= num_slots:
-        return q[:num_slots]
-    return torch.cat([q, q[-1:].expand(num_slots - q.shape[0], -1)])
 

@@ -43,15 +43,15 @@ def dequantize_blocks(q: torch.Tensor, scale: torch.Tensor, block: int = BLOCK) 
     return q.float() * scale.repeat_interleave(block, 0).repeat_interleave(block, 1)
 
 
-def write_fp8_checkpoint(src: Path, dst: Path, layout: str) -> dict[str, torch.Tensor]:
-    """Copy the checkpoint at src with its projections in FP8 (`layout` "block", "channel" or "tensor");
-    returns the dequantized weights by name (the reference's)."""
+def write_fp8_checkpoint(src: Path, dst: Path, layout: str, block: int = BLOCK) -> dict[str, torch.Tensor]:
+    """Copy the checkpoint at src with its projections in FP8 (`layout` "block" of `block` x `block`
+    tiles, "channel" or "tensor"); returns the dequantized weights by name (the reference's)."""
     dst.mkdir()
     tensors, dequantized = load_file(str(src / "model.safetensors")), {}
     for name in [n for n in tensors if n.endswith(".weight") and n.split(".")[-2] in PROJECTIONS]:
         if layout == "block":
-            q, scale = quantize_blocks(tensors[name])
-            tensors[name.replace(".weight", ".weight_scale_inv")], dequantized[name] = scale, dequantize_blocks(q, scale)
+            q, scale = quantize_blocks(tensors[name], block)
+            tensors[name.replace(".weight", ".weight_scale_inv")], dequantized[name] = scale, dequantize_blocks(q, scale, block)
         elif layout == "tensor":  # one scalar per projection: fused q/k/v keep each part's own
             scale = tensors[name].abs().max() / FP8_MAX
             q = (tensors[name] / scale).to(FP8)
@@ -64,7 +64,7 @@ def write_fp8_checkpoint(src: Path, dst: Path, layout: str) -> dict[str, torch.T
     config = json.loads((src / "config.json").read_text())
     config["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic"}
     if layout == "block":
-        config["quantization_config"]["weight_block_size"] = [BLOCK, BLOCK]
+        config["quantization_config"]["weight_block_size"] = [block, block]
     (dst / "config.json").write_text(json.dumps(config))
     return dequantized
 

@@ -1,6 +1,8 @@
 """Tensor parallelism on the CPU with real rank processes over gloo: TP = 2 and 4 serve exactly what
-TP = 1 serves (ids identical, every logprob kind within 1e-5 in fp32), and a dead rank fails the
-step with a clear error instead of hanging."""
+TP = 1 serves (ids identical, every logprob kind within 1e-5 in fp32; dense and MoE families;
+sampled rows drawn from vocabulary shards), DSpark on two ranks is greedy-identical and lossless at
+T = 1, and a dead rank fails the step with a clear error instead of hanging. One rank group per
+(model, size) for the whole module."""
 
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ from services.scheduler.build import check_model, core_for, load_leader
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.model import load_model_runner
 from services.scheduler.model.config import ModelConfig
+from services.scheduler.model.fp8 import Fp8Linear, Fp8Scheme
 from services.scheduler.model.tensor_parallel import TensorParallel, TensorParallelError, check_shardable
 from services.scheduler.rank_group import RankLostError
 from test_scheduler_core import prompt_of, request, run
@@ -30,14 +33,15 @@ OPTIONS = dict(max_running_requests=64, chunked_prefill_size=16, logprobs_mode="
 
 @pytest.fixture(scope="module")
 def groups():
-    """(model dir, size) -> rank 0's runner of a live group; every group stopped at the end."""
+    """(model dir, size, quantization) -> rank 0's runner of a live group; every group stopped at the end."""
     live = {}
 
-    def get(path, size):
-        if (path, size) not in live:
-            config = SchedulerConfig(model=str(path), device="cpu", num_kv_blocks=NUM_KV_BLOCKS, tensor_parallel_size=size)
-            live[path, size] = load_leader(config)
-        return live[path, size]
+    def get(path, size, quantization=None):
+        if (path, size, quantization) not in live:
+            config = SchedulerConfig(model=str(path), device="cpu", num_kv_blocks=NUM_KV_BLOCKS, tensor_parallel_size=size,
+                                     quantization=quantization)  # fmt: skip
+            live[path, size, quantization] = load_leader(config)
+        return live[path, size, quantization]
 
     yield get
     for runner in live.values():
@@ -53,11 +57,18 @@ def small_prompt(seed: int, length: int) -> list[int]:
 
 
 def mixed_requests():
+    """Every kind of sampled row: greedy, T = 1, top-k, min-p (drawn from the shards), and top-p and a
+    penalty (gathered whole) in the same steps."""
     return [
         request("greedy", small_prompt(1, 37), max_new_tokens=7, logprobs=LOGPROBS, ignore_eos=True),
         request("sampled", small_prompt(2, 21), max_new_tokens=7, temperature=1.0, seed=5, logprobs=LOGPROBS, ignore_eos=True),
         request("flat", small_prompt(3, 29), max_new_tokens=5, temperature=0.7, top_k=40, seed=9, logprobs=FLAT,
                 ignore_eos=True),  # fmt: skip
+        request("min_p", small_prompt(5, 12), max_new_tokens=6, temperature=1.5, min_p=0.05, seed=2, logprobs=LOGPROBS,
+                ignore_eos=True),  # fmt: skip
+        request("top_p", small_prompt(6, 9), max_new_tokens=6, temperature=1.0, top_p=0.8, seed=4, ignore_eos=True),
+        request("penalty", small_prompt(7, 15), max_new_tokens=6, temperature=1.0, presence_penalty=0.5, seed=6,
+                logprobs=LOGPROBS, ignore_eos=True),  # fmt: skip
     ]
 
 
@@ -77,7 +88,7 @@ def assert_same(expected, got, tol: float = TOL) -> None:
             np.testing.assert_array_equal(b.flat[1], a.flat[1])
 
 
-@pytest.mark.parametrize(("family", "size"), [("qwen3", 2), ("llama", 4), ("qwen2", 2)])
+@pytest.mark.parametrize(("family", "size"), [("qwen3", 2), ("llama", 4), ("qwen2", 2), ("qwen3-moe", 2), ("mixtral", 2)])
 def test_sharded_model_serves_what_the_whole_model_serves(saved_family, groups, family, size):
     _, path = saved_family(family)
     expected = run(core_for(whole(path), **OPTIONS), mixed_requests())
@@ -87,18 +98,44 @@ def test_sharded_model_serves_what_the_whole_model_serves(saved_family, groups, 
     assert len(got["greedy"].cat("input_token")) == 37 and got["greedy"].cat("input_top_ids").shape[-1] == 20
 
 
-def test_prompt_logprobs_never_gather_a_whole_logits_row(saved_family, groups, monkeypatch):
-    """Prompt rows come from every shard's statistics (`TensorParallel.logprob_columns`); only the rows
-    a token is sampled from are gathered whole (the sampler reads them)."""
-    _, path = saved_family("qwen3")
-    gathered = []
+@pytest.fixture
+def gathered(monkeypatch) -> list[int]:
+    """The number of rows of each whole-vocabulary gather (`TensorParallel.gather_vocab`) on rank 0."""
+    rows = []
     whole_rows = TensorParallel.gather_vocab
-    monkeypatch.setattr(TensorParallel, "gather_vocab", lambda self, logits: gathered.append(logits.shape[0]) or whole_rows(self, logits))
-    prompt = small_prompt(8, 45)
-    asks = lambda: [request("p", prompt, max_new_tokens=2, logprobs=LOGPROBS, ignore_eos=True)]  # noqa: E731
-    got = run(core_for(groups(path, 2), **{**OPTIONS, "chunked_prefill_size": 256}), asks())
-    assert len(got["p"].cat("input_token")) == 45 and sum(gathered) == 2  # one sampled row per step
-    assert_same(run(core_for(whole(path), **{**OPTIONS, "chunked_prefill_size": 256}), asks()), got)
+    monkeypatch.setattr(TensorParallel, "gather_vocab", lambda self, logits: rows.append(logits.shape[0]) or whole_rows(self, logits))
+    return rows
+
+
+def test_only_rows_that_need_the_whole_row_are_gathered(saved_family, groups, gathered):
+    """Prompt and output logprobs and the sampled tokens of greedy, T = 1, top-k and min-p rows come
+    from every shard's statistics (`TensorParallel.logprob_columns`, `TensorParallel.sample`); the
+    top-p and penalty requests' rows alone are gathered whole, in the same steps."""
+    _, path = saved_family("qwen3")
+    options = {**OPTIONS, "chunked_prefill_size": 256}
+    got = run(core_for(groups(path, 2), **options), mixed_requests())
+    assert sum(gathered) == 12 and len(got["greedy"].cat("input_token")) == 37  # top_p's 6 tokens, penalty's 6
+    assert_same(run(core_for(whole(path), **options), mixed_requests()), got)
+
+
+@pytest.mark.parametrize("layout", ["block", "channel", "quantized at load"])
+def test_fp8_shards_with_its_scales(saved_family, groups, tmp_path, layout):
+    """Block-wise scales sliced with their tiles (rows, or a row-parallel rank's columns), per-row
+    scales with their rows (whole on a row-parallel rank), `--quantization fp8`'s per-row scales from
+    the whole row's amax (over every rank's columns): TP = 2 serves what TP = 1 serves."""
+    from tests.services.scheduler.model.test_fp8 import write_fp8_checkpoint
+
+    path, quantization = saved_family("qwen3")[1], "fp8"
+    if layout != "quantized at load":
+        path, quantization = tmp_path / "fp8", None
+        write_fp8_checkpoint(saved_family("qwen3")[1], path, layout, block=16)
+    one = load_model_runner(path, device="cpu", dtype=torch.float32, num_kv_blocks=NUM_KV_BLOCKS, quantization=quantization)
+    runner = groups(path, 2, quantization)
+    assert_same(run(core_for(one, **OPTIONS), mixed_requests()), run(core_for(runner, **OPTIONS), mixed_requests()))
+    down = runner.model.model.layers[0].mlp.down_proj
+    assert isinstance(down, Fp8Linear) and down.weight.shape == (64, 48) and down.scale.shape == ((4, 3) if layout == "block" else (64,))
+    if quantization:
+        torch.testing.assert_close(down.scale, one.model.model.layers[0].mlp.down_proj.scale, atol=0, rtol=0)
 
 
 def test_preemption_and_forks_match_tp1(saved_family, groups):
@@ -151,60 +188,127 @@ def test_unshardable_models_are_refused_in_one_line(saved_family):
     if torch.cuda.device_count() < 2:
         with pytest.raises(ValueError, match="--tensor-parallel-size 2 needs 2 GPUs"):
             check_model(SchedulerConfig(model=str(saved_family("qwen3")[1]), device="cuda", tensor_parallel_size=2))
-    with pytest.raises(TensorParallelError, match="FP8 is not sharded"):
-        check_shardable(config, 2, quantization="fp8")
-    with pytest.raises(TensorParallelError, match="MixtralForCausalLM is not sharded"):
-        check_shardable(ModelConfig.from_pretrained(saved_family("mixtral")[1]), 2)
+    with pytest.raises(TensorParallelError, match=r"each rank's projections \(64, 32, 48\) x \(64, 48\) are not whole FP8 tiles of 32 x 32"):
+        check_shardable(dataclasses.replace(config, quantization=Fp8Scheme(block=(32, 32))), 2)
+    moe = dataclasses.replace(ModelConfig.from_pretrained(saved_family("qwen3-moe")[1]), moe_intermediate_size=30)
+    with pytest.raises(TensorParallelError, match="the intermediate size 30"):
+        check_shardable(moe, 4)
+    with pytest.raises(TensorParallelError, match="FP8 MoE checkpoints are not sharded yet"):
+        check_shardable(dataclasses.replace(moe, moe_intermediate_size=32, quantization=Fp8Scheme(block=None)), 2)
 
 
-def test_dspark_on_two_ranks_is_greedy_identical_to_plain_tp1():
-    """The bundled pair: the drafter on rank 0 over the whole vocabulary, the target's verify sharded."""
+DSPARK = dict(device="cpu", dtype="float32", num_kv_blocks=NUM_KV_BLOCKS, chunked_prefill_size=16)
+
+
+@pytest.fixture(scope="module")
+def dspark_group():
+    """The bundled pair's DSpark core on two ranks: the drafter on rank 0 over the whole vocabulary,
+    the target's verify sharded."""
+    from services.models import BUNDLED_MODEL
+    from services.scheduler.build import build_core
+
+    core = build_core(SchedulerConfig(model=str(BUNDLED_MODEL), speculative_algorithm="dspark", tensor_parallel_size=2, **DSPARK))
+    yield core
+    core.worker.runner.leader.stop()
+
+
+def test_dspark_on_two_ranks_is_greedy_identical_to_plain_tp1(dspark_group, gathered):
+    """Greedy verify blocks accepted on argmaxes merged from the shards: no row gathered whole."""
     from services.models import BUNDLED_MODEL
     from services.scheduler.build import build_core
 
     prompts = [[(7 * i + 13 * j) % 4000 + 3 for j in range(9 + 5 * i)] for i in range(3)]
     requests = lambda: [request(f"d{i}", p, max_new_tokens=12, logprobs=LOGPROBS, ignore_eos=True)  # noqa: E731
                         for i, p in enumerate(prompts)]  # fmt: skip
-    base = dict(model=str(BUNDLED_MODEL), device="cpu", dtype="float32", num_kv_blocks=NUM_KV_BLOCKS, chunked_prefill_size=16)
-    plain = run(build_core(SchedulerConfig(**base)), requests())
-    core = build_core(SchedulerConfig(**base, speculative_algorithm="dspark", tensor_parallel_size=2))
-    try:
-        spec = run(core, requests())
-    finally:
-        core.worker.runner.leader.stop()
+    plain = run(build_core(SchedulerConfig(model=str(BUNDLED_MODEL), **DSPARK)), requests())
+    spec = run(dspark_group, requests())
     assert_same(plain, spec, tol=1e-4)  # verify blocks against one-token decode steps: test_speculative_loop's bound
-    assert sum(r.spec_verify_ct or 0 for r in spec.values()) > 0
+    assert sum(r.spec_verify_ct or 0 for r in spec.values()) > 0 and gathered == []
 
 
-def test_sharded_columns_equal_whole_rows_with_ties_across_shards(saved_family):
-    """Two gloo ranks as threads of this process: ties inside and across shards keep the smaller ids."""
+def test_dspark_on_two_ranks_samples_the_target_distribution(dspark_group):
+    """T = 1, lossless: the first token (drawn from the shards) and the second (the accept rule over
+    a drafted block, its target rows gathered) follow the target's distributions, the second given
+    the commonest first. Chi-square p > 1e-4 on fixed seeds (`spec/chi_square.py`)."""
+    from services.models import BUNDLED_MODEL
+    from tests.plain_forward import reference_logprobs
+    from tests.services.scheduler.spec.chi_square import pooled_p_value
+
+    prompt, num_samples = [(11 * j) % 4000 + 3 for j in range(7)], 600
+    asks = [request(f"s{i}", prompt, max_new_tokens=2, temperature=1.0, seed=i, ignore_eos=True) for i in range(num_samples)]
+    got = run(dspark_group, asks)
+    tokens = torch.tensor([got[f"s{i}"].tokens for i in range(num_samples)])  # [N, 2]
+    reference = load_model_runner(BUNDLED_MODEL, device="cpu", dtype=torch.float32, num_kv_blocks=4)
+    first = reference_logprobs(reference, prompt)[-1].exp()  # [V]
+    common = int(tokens[:, 0].mode().values)
+    second = reference_logprobs(reference, [*prompt, common])[-1].exp()
+    assert pooled_p_value(tokens[:, 0], first) > 1e-4
+    assert pooled_p_value(tokens[tokens[:, 0] == common, 1], second) > 1e-4
+    assert (tokens[:, 0] == common).sum() >= 100 and len(set(tokens[:, 1].tolist())) > 5
+    assert sum(r.spec_verify_ct or 0 for r in got.values()) >= num_samples  # every second token verified a block
+
+
+def on_two_threads(config: ModelConfig, logits: torch.Tensor, call) -> dict:
+    """call(tp, shard) on two gloo ranks as threads of this process, each given its shard of `logits`
+    [c, 11] (shards of 6, the last padded) -> {rank: what it returned}."""
     import datetime
     import threading
 
     import torch.distributed as dist
 
     from services.common.nats_server import free_port
-    from services.scheduler.logprobs import TopKKeys, logprob_columns
 
-    config = dataclasses.replace(ModelConfig.from_pretrained(saved_family("qwen3")[1]), vocab_size=11)  # shards of 6, padded
-    logits = torch.tensor([[1.0, 3.0, 3.0, 0.5, 3.0, 2.0, 3.0, 3.0, -1.0, 2.0, 3.0],
-                           [0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0]])  # fmt: skip
-    targets, ids = torch.tensor([6, 10]), torch.tensor([[0, 10], [5, 3]])
-    expected = logprob_columns(logits, targets, 5, ids, None, TopKKeys.build(11, "cpu"))
     port, got = free_port(), {}
 
     def rank(r: int) -> None:
         store = dist.TCPStore("127.0.0.1", port, 2, r == 0, timeout=datetime.timedelta(seconds=30))
         tp = TensorParallel(r, 2, dist.ProcessGroupGloo(store, r, 2, datetime.timedelta(seconds=30)), config)
-        shard = torch.nn.functional.pad(logits, (0, 1))[:, r * 6 : (r + 1) * 6]
-        got[r] = tp.logprob_columns(shard, targets, 5, ids)
+        got[r] = call(tp, torch.nn.functional.pad(logits, (0, 1))[:, r * 6 : (r + 1) * 6])
 
     threads = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
     for thread in threads:
         thread.start()
     for thread in threads:
         thread.join(timeout=60)
+    return got
+
+
+TIED = torch.tensor([[1.0, 3.0, 3.0, 0.5, 3.0, 2.0, 3.0, 3.0, -1.0, 2.0, 3.0],
+                     [0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0]])  # fmt: skip
+
+
+def test_sharded_columns_equal_whole_rows_with_ties_across_shards(saved_family):
+    """Ties inside and across shards keep the smaller ids."""
+    from services.scheduler.logprobs import TopKKeys, logprob_columns
+
+    config = dataclasses.replace(ModelConfig.from_pretrained(saved_family("qwen3")[1]), vocab_size=11)
+    targets, ids = torch.tensor([6, 10]), torch.tensor([[0, 10], [5, 3]])
+    expected = logprob_columns(TIED, targets, 5, ids, None, TopKKeys.build(11, "cpu"))
+    got = on_two_threads(config, TIED, lambda tp, shard: tp.logprob_columns(shard, targets, 5, ids))
     for r in range(2):
         for column, want in zip(got[r], expected, strict=True):
             torch.testing.assert_close(column, want, atol=1e-6, rtol=0)
     assert got[0][2][0].tolist() == [1, 2, 4, 6, 7] and got[0][2][1].tolist() == [0, 1, 2, 3, 4]
+
+
+def test_sharded_draws_are_the_whole_rows_draws(saved_family):
+    """`TensorParallel.sample` over two shards draws, seed for seed, the token TP = 1 draws from the
+    whole row (`sampling_probs`, `draw_noise`, the race's argmax): greedy ties to the smaller id, and
+    top-k cutting through ties across shards, min-p and plain T = 1 rows over many seeds."""
+    from contracts.scheduler import SamplingParams
+    from services.scheduler.model.tensor_parallel import RowDraw
+    from services.scheduler.sampler import draw_noise, sampling_probs
+
+    config = dataclasses.replace(ModelConfig.from_pretrained(saved_family("qwen3")[1]), vocab_size=11)
+    kinds = [dict(temperature=1.0), dict(temperature=0.8, top_k=3), dict(temperature=2.0, min_p=0.6), dict(temperature=1.0, top_k=6, min_p=0.2)]
+    params = [SamplingParams(**kinds[i % len(kinds)], seed=i) for i in range(64)] + [SamplingParams(temperature=0.0)] * 2
+    logits = torch.cat([TIED[:1].expand(64, -1), TIED])  # [66, 11]
+    positions = list(range(66))
+    draws = tuple(RowDraw(p.temperature, p.seed, pos, p.top_k, p.min_p) for p, pos in zip(params, positions))
+    noise, _ = draw_noise([p.seed if p.temperature > 0 else None for p in params], positions, 0, 11, torch.device("cpu"))
+    expected = (sampling_probs(logits, params) / noise).argmax(dim=-1)
+    expected[-2:] = logits[-2:].argmax(dim=-1)
+    got = on_two_threads(config, logits, lambda tp, shard: tp.sample(shard, draws))
+    assert got[0].tolist() == got[1].tolist() == expected.tolist()
+    assert expected[-2:].tolist() == [1, 0] and set(expected[1:64:4].tolist()) <= {1, 2, 4}  # top-3 of the tied 3.0s: ids 1, 2, 4
+    assert len(set(expected[:64:4].tolist())) > 2  # the T = 1 rows do draw
