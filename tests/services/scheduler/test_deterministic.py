@@ -215,6 +215,7 @@ def test_on_cuda_the_mode_takes_the_fused_logprobs_split_by_the_vocabulary_alone
     cuda = SimpleNamespace(device=torch.device("cuda"), num_blocks=64, block_size=16)  # a KV size: the running limit from memory
     assert build.resolve(SchedulerConfig(device="cpu", deterministic=True), cuda).worker.fused_logprobs
     for invariant in (False, True):
-        runner = SimpleNamespace(device=torch.device("cpu"), config=SimpleNamespace(vocab_size=96, eos_token_ids=(0,)), batch_invariant=invariant)
+        runner = SimpleNamespace(device=torch.device("cpu"), config=SimpleNamespace(vocab_size=96, eos_token_ids=(0,)), batch_invariant=invariant,
+                                 sharded_rows=None)
         worker = ModelWorker(runner, WorkerOptions(logprob_graphs=True, fused_logprobs=True))
         assert worker.logprob_graphs.invariant is invariant and worker._invariant_logprobs is invariant
