@@ -303,6 +303,7 @@ def nats_only(size_gb: float) -> dict:
     import torch
     import uvloop
 
+    from ops.bench.logprob_transport import ProcessMeter
     from services.weights.push import WeightPusher
 
     shapes = synthetic_shapes(size_gb)
@@ -313,14 +314,21 @@ def nats_only(size_gb: float) -> dict:
     receiver = subprocess.Popen([sys.executable, "-c", code, nats.url, json.dumps(shapes)], stdout=subprocess.PIPE, text=True, cwd=REPO,
                                 env=os.environ | {"PYTHONPATH": os.pathsep.join(filter(None, (str(REPO), os.environ.get("PYTHONPATH"))))})  # fmt: skip
 
+    meter = ProcessMeter({"pusher": os.getpid(), "receiver": receiver.pid, "nats-server": nats.process.pid})
+    cpu: dict[str, float] = {}
+
     async def push() -> list[dict]:
         runs = []
         async with await WeightPusher.connect(nats.url) as pusher:
             for index in range(NATS_PUSHES):
+                before = meter.read()
                 began = time.perf_counter()
                 replies = await pusher.push(tensors, f"bench-{index}", scheduler_ids=[RECEIVER_ID])
                 seconds = time.perf_counter() - began
                 runs.append({"seconds": seconds, "gb_per_s": num_bytes / seconds / 1e9, "swap_s": replies[RECEIVER_ID].seconds})
+                if index:  # the steady pushes: where each process spends its CPU
+                    for name, used in meter.per_run(before, meter.read(), 1).items():
+                        cpu[name] = cpu.get(name, 0.0) + used["cpu_ms"] / 1e3 / (num_bytes / 1e9) / (NATS_PUSHES - 1)
         return runs
 
     try:
@@ -331,7 +339,7 @@ def nats_only(size_gb: float) -> dict:
         receiver.kill()
         receiver.wait()
         nats.stop()
-    return {"size_gb": size_gb, "bytes": num_bytes, "num_tensors": len(tensors), "pushes": pushes,
+    return {"size_gb": size_gb, "bytes": num_bytes, "num_tensors": len(tensors), "pushes": pushes, "cpu_s_per_gb": cpu,
             "first_gb_per_s": pushes[0]["gb_per_s"], "steady_gb_per_s": max(p["gb_per_s"] for p in pushes[1:])}  # fmt: skip
 
 
@@ -346,9 +354,10 @@ def compare(before_tree: Path, size_gb: float, rounds: int) -> dict:
 
 
 def nats_table(results: dict[str, dict]) -> str:
-    lines = [f"{'tree':8} {'GB':>6} {'first push GB/s':>16} {'steady GB/s':>12} {'swap s':>7}"]
+    lines = [f"{'tree':8} {'GB':>6} {'first push GB/s':>16} {'steady GB/s':>12} {'swap s':>7}  CPU s per GB (steady)"]
     for name, r in results.items():
-        lines.append(f"{name:8} {r['bytes'] / 1e9:6.2f} {r['first_gb_per_s']:16.3f} {r['steady_gb_per_s']:12.3f} {r['pushes'][-1]['swap_s']:7.3f}")
+        cpu = ", ".join(f"{process} {seconds:.2f}" for process, seconds in r.get("cpu_s_per_gb", {}).items())
+        lines.append(f"{name:8} {r['bytes'] / 1e9:6.2f} {r['first_gb_per_s']:16.3f} {r['steady_gb_per_s']:12.3f} {r['pushes'][-1]['swap_s']:7.3f}  {cpu}")
     return "\n".join(lines)
 
 
