@@ -156,10 +156,15 @@ def push_over_nats(nats_url: str, model_dir: Path, limit_s: float) -> dict:
         async with await WeightPusher.connect(nats_url) as pusher:
             ids = await pusher.schedulers()
             for index in range(2):
-                if seconds and time.monotonic() + seconds[0] > deadline:
+                if seconds and time.monotonic() + 1.5 * seconds[0] > deadline:
                     break
                 began = time.perf_counter()
-                await asyncio.wait_for(pusher.push(tensors, f"nats-{index + 1}", scheduler_ids=ids), deadline - time.monotonic())
+                try:
+                    await asyncio.wait_for(pusher.push(tensors, f"nats-{index + 1}", scheduler_ids=ids), deadline - time.monotonic())
+                except TimeoutError:
+                    if not seconds:
+                        raise
+                    break  # the first push's figure stands
                 seconds.append(time.perf_counter() - began)
         return seconds
 
