@@ -32,9 +32,15 @@ def encode_parts(encoder: msgspec.msgpack.Encoder, message: msgspec.Struct) -> l
     head = encoder.encode(msgspec.structs.replace(message, **{last: b""}))
     if not head.endswith(EMPTY_BIN):
         raise TypeError(f"{type(message).__name__}.{last} is not encoded last as bytes")
-    size = data.nbytes  # msgpack's shortest bin header, as msgspec writes it
-    header = b"\xc4" + size.to_bytes(1, "big") if size < 1 << 8 else b"\xc5" + size.to_bytes(2, "big") if size < 1 << 16 else b"\xc6" + size.to_bytes(4, "big")
-    return [head[: -len(EMPTY_BIN)] + header, data]
+    return [head[: -len(EMPTY_BIN)] + _bin_header(data.nbytes), data]
+
+
+def _bin_header(size: int) -> bytes:
+    """msgpack's shortest bin header for `size` bytes (bin 8, 16 or 32), as msgspec writes it."""
+    for marker, width in ((b"\xc4", 1), (b"\xc5", 2), (b"\xc6", 4)):
+        if size < 1 << (8 * width):
+            return marker + size.to_bytes(width, "big")
+    raise ValueError(f"{size} bytes: over msgpack's 4 GiB bin limit")
 
 
 def header_block(headers: dict[str, str]) -> bytes:

@@ -60,8 +60,8 @@ from nats.aio.msg import Msg
 from services.common.connection import NatsConnection, as_connection
 from services.common.nats_reader import Delivery, NatsReader, ReaderError, ReaderEvents
 from services.common.nats_start import auth_rejected, connect_nats_py, is_auth_rejection, unreachable
-from services.common.scatter import Buffer, header_block, publish_parts
 from services.common.natspy_reader import NatsPyReader
+from services.common.scatter import Buffer, header_block, publish_parts
 
 log = structlog.get_logger(__name__)
 

@@ -51,7 +51,8 @@ class _Version:
         if piece.name not in self.buffers:
             nbytes = math.prod(piece.shape) * torch.empty(0, dtype=getattr(torch, piece.dtype)).element_size()
             spare = self._spare.get(nbytes)
-            self.buffers[piece.name] = spare.pop() if spare else torch.empty(nbytes, dtype=torch.uint8, pin_memory=torch.cuda.is_available())
+            pinned = torch.cuda.is_available()
+            self.buffers[piece.name] = spare.pop() if spare else torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned)
             self.shapes[piece.name], self.received[piece.name] = declared, 0
         return self.buffers[piece.name] if self.shapes[piece.name] == declared else None
 
