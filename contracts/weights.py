@@ -82,8 +82,10 @@ class WeightPiece(msgspec.Struct, frozen=True, gc=False, tag=True):
     dtype: TensorDtype
     shape: Annotated[tuple[Dim, ...], msgspec.Meta(max_length=MAX_ARRAY_DIMS)]
     offset: Annotated[int, msgspec.Meta(ge=0)]
-    data: memoryview  # decoded as a view into the received message (no copy); at most the transport's max_message_bytes
     xxh3: Annotated[int, msgspec.Meta(ge=0)]  # xxh3_64 of `data` (unsigned 64-bit)
+    # Last, so a piece is sent as its header and the tensor's own bytes (`scatter.encode_parts`);
+    # decoded as a view into the received message (no copy); at most the transport's max_message_bytes
+    data: memoryview
 
 
 class WeightCommit(msgspec.Struct, frozen=True, gc=False, tag=True, omit_defaults=True):

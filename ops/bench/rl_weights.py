@@ -7,10 +7,18 @@ directory) on one GPU; `--tiny`: the bundled model on the CPU (the smoke configu
 Phases, each skipped once `--budget-s` is spent: write the weights; start nats-server, a
 detokenizer and a tokenizer; start the scheduler and wait for /health (the restart); one
 1-token /generate (TTFT); POST /update_weights_from_disk with the same directory; TTFT; push the
-same tensors with `WeightPusher` over loopback NATS; TTFT; release the KV cache and the weights
-and resume (memory freed, measured by the scheduler); TTFT.
+same tensors with `WeightPusher` over loopback NATS, twice (the first push, then the steady state
+of an RL loop); TTFT; release the KV cache and the weights and resume (memory freed, measured by
+the scheduler); TTFT.
+
+`--nats-only SIZE_GB`: no model, no GPU. Pushes of a synthetic bf16 state dict of about SIZE_GB
+into one receiver process that runs the scheduler's side of a push (its transport, the staging of
+pieces in `PushedVersions`, the checks and the copy into served tensors of a commit) on a
+nats-server with the project's config; GB/s of each push, the first (staging allocated) and the
+steady state of an RL loop. `--before DIR` runs DIR's own copy of this script too, alternating.
 
     sparkwire bench rl-weights --out ops/bench/results/rl_weights.json --budget-s 270
+    sparkwire bench rl-weights --nats-only 1 --before /tmp/before --rounds 3   # -> results/rl_weights_cpu.json
 """
 
 from __future__ import annotations
@@ -18,7 +26,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
+import os
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
@@ -26,7 +37,7 @@ from pathlib import Path
 
 import httpx
 
-from ops.bench.common import write_json
+from ops.bench.common import script, write_json
 from ops.bench.gpu_serve_check import serving_model_dir
 from ops.bench.serve_launch import LoggedProcess, health_ok
 from services.common.nats_server import free_port, start_nats_server
@@ -39,6 +50,9 @@ SHARD_BYTES = 4 << 30
 PERIOD = 4_000_037  # dummy values repeat with this period: drawing billions would dominate the run
 READY_TIMEOUT_S = 600.0
 PROMPT = "def fibonacci(n):"
+NATS_PUSHES = 3  # the first allocates the receiver's staging; the rest are an RL loop's steady state
+RECEIVER_ID = "bench-receiver"
+HIDDEN = 2048  # the synthetic state dict's width: a small transformer's tensor sizes, 4 KiB norms to 24 MiB MLPs
 
 
 def write_dummy_weights(model_dir: Path) -> int:
@@ -124,26 +138,42 @@ def release_and_resume(base_url: str) -> dict:
 
 
 def push_over_nats(nats_url: str, model_dir: Path, limit_s: float) -> dict:
-    """The same tensors pushed to the one scheduler; a push still running after `limit_s` is cut
-    off (the scheduler keeps its weights) and reported with the bytes per second it could not beat."""
+    """The same tensors pushed to the one scheduler twice: the first push (the scheduler allocates
+    its staging buffers) and the second (an RL loop's steady state, into the same buffers). A
+    push still running after `limit_s` is cut off (the scheduler keeps its weights) and reported
+    with the bytes per second it could not beat."""
+    import uvloop
+
     from services.weights.__main__ import load_checkpoint
     from services.weights.push import WeightPusher
 
     tensors = load_checkpoint(model_dir)
     num_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
+    deadline = time.monotonic() + limit_s
 
-    async def push() -> float:
+    async def push() -> list[float]:
+        seconds = []
         async with await WeightPusher.connect(nats_url) as pusher:
             ids = await pusher.schedulers()
-            began = time.perf_counter()
-            await pusher.push(tensors, "nats-1", scheduler_ids=ids)
-            return time.perf_counter() - began
+            for index in range(2):
+                if seconds and time.monotonic() + 1.5 * seconds[0] > deadline:
+                    break
+                began = time.perf_counter()
+                try:
+                    await asyncio.wait_for(pusher.push(tensors, f"nats-{index + 1}", scheduler_ids=ids), deadline - time.monotonic())
+                except TimeoutError:
+                    if not seconds:
+                        raise
+                    break  # the first push's figure stands
+                seconds.append(time.perf_counter() - began)
+        return seconds
 
     try:
-        seconds = asyncio.run(asyncio.wait_for(push(), limit_s))
+        seconds = uvloop.run(push())
     except TimeoutError:
         return {"timed_out_s": limit_s, "bytes": num_bytes, "gb_per_s_below": num_bytes / limit_s / 1e9}
-    return {"update_s": seconds, "bytes": num_bytes, "gb_per_s": num_bytes / seconds / 1e9}
+    steady = {"steady_update_s": seconds[1], "steady_gb_per_s": num_bytes / seconds[1] / 1e9} if len(seconds) > 1 else {}
+    return {"update_s": seconds[0], "bytes": num_bytes, "gb_per_s": num_bytes / seconds[0] / 1e9} | steady
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -202,7 +232,9 @@ def table(result: dict) -> str:
     ttfts = ", ".join(f"{k.removeprefix('ttft_').removesuffix('_s')} {result[k]:.3f}" for k in result if k.startswith("ttft_"))
     lines.append(f"TTFT (s): {ttfts}")
     if "gb_per_s" in result.get("nats", {}):
-        lines.append(f"NATS into one scheduler: {result['nats']['gb_per_s']:.2f} GB/s ({result['nats']['bytes'] / 1e9:.2f} GB)")
+        nats = result["nats"]
+        steady = f", the second push {nats['steady_gb_per_s']:.2f} GB/s" if "steady_gb_per_s" in nats else ""
+        lines.append(f"NATS into one scheduler: {nats['gb_per_s']:.2f} GB/s ({nats['bytes'] / 1e9:.2f} GB){steady}")
     elif "nats" in result:
         lines.append(f"NATS push cut off after {result['nats']['timed_out_s']:.0f} s: below {result['nats']['gb_per_s_below']:.2f} GB/s")
     if "memory" in result:
@@ -213,18 +245,164 @@ def table(result: dict) -> str:
     return "\n".join(lines)
 
 
+def synthetic_shapes(size_gb: float) -> dict[str, tuple[int, ...]]:
+    """Shapes of about `size_gb` GB of bf16 tensors: an embedding, then layers of a HIDDEN-wide transformer."""
+    layer = {"input_layernorm.weight": (HIDDEN,), "self_attn.q_proj.weight": (HIDDEN, HIDDEN),
+             "self_attn.k_proj.weight": (HIDDEN // 4, HIDDEN), "self_attn.v_proj.weight": (HIDDEN // 4, HIDDEN),
+             "self_attn.o_proj.weight": (HIDDEN, HIDDEN), "post_attention_layernorm.weight": (HIDDEN,),
+             "mlp.gate_proj.weight": (3 * HIDDEN, HIDDEN), "mlp.up_proj.weight": (3 * HIDDEN, HIDDEN),
+             "mlp.down_proj.weight": (HIDDEN, 3 * HIDDEN)}  # fmt: skip
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (32768, HIDDEN)}
+    while 2 * sum(math.prod(shape) for shape in shapes.values()) < size_gb * 1e9:
+        index = len(shapes) // len(layer)
+        shapes |= {f"model.layers.{index}.{name}": shape for name, shape in layer.items()}
+    return shapes
+
+
+def receive(url: str, shapes_json: str) -> None:
+    """The receiver process of `--nats-only`: prints "ready" once subscribed, then serves pushes until killed."""
+    from services.common.lifecycle import run_event_loop
+
+    run_event_loop(_receive(url, {name: tuple(shape) for name, shape in json.loads(shapes_json).items()}))
+
+
+async def _receive(url: str, shapes: dict[str, tuple[int, ...]]) -> None:
+    """A scheduler's weights subject without a model, handled as `SchedulerControls._on_weights`
+    handles it; its swap is the copy into served tensors (host tensors here)."""
+    import torch
+
+    from contracts import subjects
+    from contracts.weights import ControlReply, WeightMessage, WeightPiece
+    from services.common.transport import Transport
+    from services.scheduler.weights.pieces import PushedVersions
+    from services.scheduler.weights.tensors import check_shapes, copy_weights
+
+    served = {name: torch.zeros(shape, dtype=torch.bfloat16) for name, shape in shapes.items()}
+    transport = await Transport.connect(url, RECEIVER_ID)
+    pushed = PushedVersions()
+
+    async def on_weights(message, msg) -> None:  # type: ignore[no-untyped-def]
+        if isinstance(message, WeightPiece):
+            await asyncio.to_thread(pushed.add, message, msg.missed)
+            return
+        began = time.perf_counter()
+        try:
+            tensors = pushed.take(message)
+            check_shapes(served, pushed.shapes(tensors))
+            copy_weights(served, tensors)
+            reply = ControlReply(RECEIVER_ID, weight_version=message.weight_version or "", seconds=time.perf_counter() - began)
+        except Exception as exc:  # refused: reported to the pusher, as the scheduler does
+            reply = ControlReply(RECEIVER_ID, ok=False, error=str(exc)[:4096])
+        finally:
+            pushed.recycle()
+        await transport.respond(msg, reply)
+
+    await transport.subscribe(subjects.scheduler_weights(RECEIVER_ID), WeightMessage, on_weights)
+    await transport.flush()
+    print("ready", flush=True)
+    await asyncio.Event().wait()
+
+
+def nats_only(size_gb: float) -> dict:
+    """`NATS_PUSHES` pushes of the synthetic state dict into one receiver process; seconds and GB/s of each."""
+    import torch
+    import uvloop
+
+    from ops.bench.logprob_transport import ProcessMeter
+    from services.weights.push import WeightPusher
+
+    shapes = synthetic_shapes(size_gb)
+    tensors = {name: torch.empty(shape, dtype=torch.bfloat16).fill_(index % 7 - 3) for index, (name, shape) in enumerate(shapes.items())}
+    num_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
+    nats = start_nats_server()
+    code = "import sys; from ops.bench.rl_weights import receive; receive(sys.argv[1], sys.argv[2])"
+    receiver = subprocess.Popen([sys.executable, "-c", code, nats.url, json.dumps(shapes)], stdout=subprocess.PIPE, text=True, cwd=REPO,
+                                env=os.environ | {"PYTHONPATH": os.pathsep.join(filter(None, (str(REPO), os.environ.get("PYTHONPATH"))))})  # fmt: skip
+
+    meter = ProcessMeter({"pusher": os.getpid(), "receiver": receiver.pid, "nats-server": nats.process.pid})
+    cpu: dict[str, float] = {}
+
+    async def push() -> list[dict]:
+        runs = []
+        async with await WeightPusher.connect(nats.url) as pusher:
+            for index in range(NATS_PUSHES):
+                before = meter.read()
+                began = time.perf_counter()
+                replies = await pusher.push(tensors, f"bench-{index}", scheduler_ids=[RECEIVER_ID])
+                seconds = time.perf_counter() - began
+                runs.append({"seconds": seconds, "gb_per_s": num_bytes / seconds / 1e9, "swap_s": replies[RECEIVER_ID].seconds})
+                if index:  # the steady pushes: where each process spends its CPU
+                    for name, used in meter.per_run(before, meter.read(), 1).items():
+                        cpu[name] = cpu.get(name, 0.0) + used["cpu_ms"] / 1e3 / (num_bytes / 1e9) / (NATS_PUSHES - 1)
+        return runs
+
+    try:
+        if receiver.stdout is None or receiver.stdout.readline().strip() != "ready":
+            raise RuntimeError(f"the receiver did not start (exit {receiver.poll()})")
+        pushes = uvloop.run(push())
+    finally:
+        receiver.kill()
+        receiver.wait()
+        nats.stop()
+    return {"size_gb": size_gb, "bytes": num_bytes, "num_tensors": len(tensors), "pushes": pushes, "cpu_s_per_gb": cpu,
+            "first_gb_per_s": pushes[0]["gb_per_s"], "steady_gb_per_s": max(p["gb_per_s"] for p in pushes[1:])}  # fmt: skip
+
+
+def compare(before_tree: Path, size_gb: float, rounds: int) -> dict:
+    """`--nats-only` on the other tree and this one alternately, `rounds` times each; each tree's best round."""
+    from ops.bench.other_tree import alternate  # the parent's only: the child imports from the other tree
+
+    trees = {"before": before_tree, "after": REPO}
+    runs = alternate(__file__, trees, ["--nats-only", str(size_gb)], rounds)
+    return {name: max(results, key=lambda r: r["steady_gb_per_s"]) | {"tree": str(trees[name]), "rounds": results}
+            for name, results in runs.items()}  # fmt: skip
+
+
+def nats_table(results: dict[str, dict]) -> str:
+    lines = [f"{'tree':8} {'GB':>6} {'first push GB/s':>16} {'steady GB/s':>12} {'swap s':>7}  CPU s per GB (steady)"]
+    for name, r in results.items():
+        cpu = ", ".join(f"{process} {seconds:.2f}" for process, seconds in r.get("cpu_s_per_gb", {}).items())
+        lines.append(f"{name:8} {r['bytes'] / 1e9:6.2f} {r['first_gb_per_s']:16.3f} {r['steady_gb_per_s']:12.3f} {r['pushes'][-1]['swap_s']:7.3f}  {cpu}")
+    return "\n".join(lines)
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--out", type=Path, default=RESULTS / "rl_weights.json")
+    parser.add_argument("--out", type=Path, help="default: results/rl_weights.json, with --nats-only results/rl_weights_cpu.json")
     parser.add_argument("--budget-s", type=float, default=270.0, help="no phase starts after this many seconds")
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     parser.add_argument("--tiny", action="store_true", help="the bundled model instead of the 8B shape (CPU smoke)")
     parser.add_argument("--model-config", type=Path, default=SHAPE, help="the shape's config directory (dummy weights)")
+    parser.add_argument("--nats-only", type=float, metavar="SIZE_GB", help="only push GB/s into one receiver, no model (CPU)")
+    parser.add_argument("--before", type=Path, help="with --nats-only: another tree's copy of this script too, alternating")
+    parser.add_argument("--rounds", type=int, default=3, help="with --before: rounds of each tree")
+    parser.add_argument("--print-json", action="store_true", help=argparse.SUPPRESS)  # a subprocess's output
 
 
 def main(args: argparse.Namespace) -> int:
+    args.out = args.out or RESULTS / ("rl_weights.json" if args.nats_only is None else "rl_weights_cpu.json")
     args.out.parent.mkdir(parents=True, exist_ok=True)
+    if args.nats_only is not None:
+        return main_nats_only(args)
     result = run(args)
     write_json(args.out, result)
     print(json.dumps({k: v for k, v in result.items() if not isinstance(v, dict)}), file=sys.stderr)
     print(table(result))
     return 0
+
+
+def main_nats_only(args: argparse.Namespace) -> int:
+    if args.before is not None:
+        result = compare(args.before.resolve(), args.nats_only, args.rounds)
+        print(nats_table(result))
+    else:
+        result = nats_only(args.nats_only)
+        if args.print_json:
+            print(json.dumps(result))
+            return 0
+        print(nats_table({"this": result}))
+    write_json(args.out, result)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(script(__doc__, add_arguments, main))

@@ -17,7 +17,9 @@
 - Order. Publishes to one subject leave in call order (a per-subject lock), and each
   subscription hands decoded messages to its handler from its own task, in arrival order, so a
   slow handler never blocks the client's read loop.
-- Two connections. Publishing, requests and replies use nats-py. Every subscription is read by
+- Two connections. Publishing, requests and replies use nats-py; framed chunks reach its writer
+  as views of the payload (`scatter.publish_parts`), and a payload given in parts (a weight
+  piece's header and its tensor bytes) is never joined. Every subscription is read by
   `nats_reader.NatsReader`, which reads each payload from the socket straight into its final
   buffer (a chunk into its place in the reassembly buffer): nats-py's read path was the largest
   cost of a 21 MB message on the 2-core machine. All of one service's subscriptions share the
@@ -59,6 +61,7 @@ from services.common.connection import NatsConnection, as_connection
 from services.common.nats_reader import Delivery, NatsReader, ReaderError, ReaderEvents
 from services.common.nats_start import auth_rejected, connect_nats_py, is_auth_rejection, unreachable
 from services.common.natspy_reader import NatsPyReader
+from services.common.scatter import Buffer, header_block, publish_parts
 
 log = structlog.get_logger(__name__)
 
@@ -70,8 +73,6 @@ CHUNK_HEADER = "Sw-Chunk"
 ACK_HEADER = "Sw-Ack"
 SEQ_HEADER = "Sw-Seq"
 MARK_HEADER = "Sw-Mark"  # no message: the sender's last Sw-Seq number to this subject
-NATS_HEADER_LINE = b"NATS/1.0\r\n"
-CRLF_LEN = 2
 
 FRAMED_MIN_BYTES = 256 * 1024  # from this size on, messages are framed and flow controlled
 DEFAULT_WINDOW_BYTES = 32 * 1024 * 1024  # unacked bytes in flight per destination subject
@@ -105,8 +106,7 @@ class ReceiverGone(TransportError):
 
 def header_block_size(headers: dict[str, str]) -> int:
     """Bytes of the encoded NATS header block: `NATS/1.0\\r\\n` + `Key: Value\\r\\n`... + `\\r\\n`."""
-    lines = sum(len(key.encode()) + 2 + len(value.encode()) + CRLF_LEN for key, value in headers.items())
-    return len(NATS_HEADER_LINE) + lines + CRLF_LEN
+    return len(header_block(headers))
 
 
 def chunk_headers(
@@ -136,6 +136,17 @@ def plan_chunks(
         if num_chunks < 10**width:
             return chunk_size, num_chunks, width
     raise AssertionError("unreachable")
+
+
+def byte_range(parts: list[memoryview], start: int, end: int) -> list[memoryview]:
+    """Bytes [start, end) of the concatenation of `parts` (byte views), as views into them."""
+    views, offset = [], 0
+    for part in parts:
+        low, high = max(start - offset, 0), min(end - offset, len(part))
+        if low < high:
+            views.append(part[low:high])
+        offset += len(part)
+    return views
 
 
 @dataclass
@@ -335,38 +346,41 @@ class Transport:
         return buffer
 
     async def publish(
-        self, subject: str, message: msgspec.Struct | bytes | bytearray, headers: dict[str, str] | None = None
+        self, subject: str, message: msgspec.Struct | Buffer | list[Buffer], headers: dict[str, str] | None = None
     ) -> None:
         """Publish, framing and flow-controlling large payloads. Raises `ReceiverGone` when a
         framed message's receiver stopped acking for `ack_timeout_s`. `headers` (e.g. the
-        request id) travel with the message, on every chunk of a framed one."""
-        payload = message if isinstance(message, (bytes, bytearray)) else self.encode(message)
+        request id) travel with the message, on every chunk of a framed one. A list is the
+        payload in parts (`scatter.encode_parts`): they travel as they are, without a join."""
+        if isinstance(message, msgspec.Struct):
+            message = self.encode(message)
+        parts = [memoryview(part).cast("B") for part in (message if isinstance(message, list) else [message])]
+        size = sum(len(part) for part in parts)
         window = self._send.of(subject)
-        flow_controlled = self._send.window_bytes > 0 and len(payload) >= FRAMED_MIN_BYTES
+        flow_controlled = self._send.window_bytes > 0 and size >= FRAMED_MIN_BYTES
         async with window.lock:  # Sw-Seq numbers are taken in send order
             window.last_number, window.last_sent = next(window.seq), time.monotonic()
             extra = (headers or {}) | {SEQ_HEADER: f"{self._sender_id} {window.last_number}"}
-            if flow_controlled or len(payload) + header_block_size(extra) > self.max_payload:
-                await self._publish_framed(subject, payload, window, extra)
+            if flow_controlled or size + header_block_size(extra) > self.max_payload:
+                await self._publish_framed(subject, parts, size, window, extra)
             else:
-                await self._nc.publish(subject, payload, headers=extra)
+                await self._nc.publish(subject, b"".join(parts), headers=extra)
                 self.events.traffic.chunks_sent += 1
             self.events.traffic.messages_sent += 1
-            self.events.traffic.bytes_sent += len(payload)
+            self.events.traffic.bytes_sent += size
 
     async def _publish_framed(
-        self, subject: str, payload: bytes | bytearray, window: _Window, extra: dict[str, str]
+        self, subject: str, parts: list[memoryview], size: int, window: _Window, extra: dict[str, str]
     ) -> None:
         ack_subject = await self._send.ack_inbox() if self._send.window_bytes > 0 else None
         msg_id = f"{self._sender_id}-{next(self._seq)}"
-        chunk_size, num_chunks, width = plan_chunks(len(payload), self.max_payload, msg_id, ack_subject, extra)
-        view = memoryview(payload).cast("B")  # byte-sized items: len(chunk) is its size in bytes
+        chunk_size, num_chunks, width = plan_chunks(size, self.max_payload, msg_id, ack_subject, extra)
         for index in range(num_chunks):
-            chunk = view[index * chunk_size : (index + 1) * chunk_size]  # no copy; nats-py joins it once
+            chunk = byte_range(parts, index * chunk_size, (index + 1) * chunk_size)  # views: no copy
             if ack_subject is not None:
-                await self._send.acquire(subject, window, f"{msg_id} {index}", len(chunk))
+                await self._send.acquire(subject, window, f"{msg_id} {index}", sum(map(len, chunk)))
             headers = chunk_headers(msg_id, index, num_chunks, width, ack_subject, extra)
-            await self._nc.publish(subject, chunk, headers=headers)
+            await publish_parts(self._nc, subject, headers, chunk)
             self.events.traffic.chunks_sent += 1
 
     async def request(
@@ -618,7 +632,7 @@ class _Receiver:
             return self._drop(delivery, size, "transport.bad_framing", error=str(exc))
         self._whole = framing is None or framing[2] == 1
         if self._whole:
-            return memoryview(bytearray(size))
+            return memoryview(np.empty(size, dtype=np.uint8))  # not bytearray: no zero fill of what the socket overwrites
         msg_id, index, total = framing
         state = self._partial.get(msg_id)
         if state is None and index == 0:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import sys
 from pathlib import Path
@@ -47,4 +46,6 @@ async def _push(args: argparse.Namespace) -> int:
 
 
 def main(args: argparse.Namespace) -> int:
-    return asyncio.run(_push(args))
+    from services.common.lifecycle import run_event_loop
+
+    return run_event_loop(_push(args))  # uvloop: it writes a piece's parts with one writev, no join

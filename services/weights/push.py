@@ -1,10 +1,12 @@
 """The trainer's side of a weight push: a state dict (name -> tensor) to every live scheduler.
 
-Each tensor travels as `WeightPiece`s of at most `piece_bytes` (its raw bytes and their xxh3-64)
-on each scheduler's direct weights subject, framed and flow controlled by the transport (a
-scheduler that reads slowly slows the push down instead of piling bytes up in NATS); then one
-`WeightCommit` request per scheduler, answered once that scheduler swapped (or refused: a piece
-lost or corrupt, a name or shape the served model does not have; it keeps its old weights).
+Each tensor travels as `WeightPiece`s (its raw bytes and their xxh3-64) on each scheduler's direct
+weights subject, framed and flow controlled by the transport (a scheduler that reads slowly slows
+the push down instead of piling bytes up in NATS); then one `WeightCommit` request per scheduler,
+answered once that scheduler swapped (or refused: a piece lost or corrupt, a name or shape the
+served model does not have; it keeps its old weights). A piece is as large as still travels as
+one NATS message, hashed once and sent as its small header and a view of the tensor's bytes
+(`scatter.encode_parts`) to every scheduler: no copy of the tensor's bytes on this side.
 
     async with await WeightPusher.connect("nats://127.0.0.1:4222") as pusher:
         replies = await pusher.push(model.state_dict(), weight_version="step-12")
@@ -15,8 +17,9 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 
+import msgspec
 import torch
 import xxhash
 
@@ -24,9 +27,11 @@ from contracts import subjects
 from contracts.weights import ControlReply, WeightCommit, WeightPiece, WeightTarget
 from services.common.connection import NatsConnection
 from services.common.heartbeat import HeartbeatMonitor
+from services.common.scatter import encode_parts
 from services.common.transport import Transport
 
-PIECE_BYTES = 64 << 20  # large enough to amortize a message, small enough to stay far below max_message_bytes
+PIECE_ALIGN = 64 << 10  # pieces start at aligned offsets of the tensor (whole pages for the copies)
+PIECE_HEADROOM = 16 << 10  # a piece's header (a tensor name of up to 4 KiB) and the transport's framing headers
 COMMIT_TIMEOUT_S = 600.0  # requests in flight finish on the old weights before the swap
 DISCOVERY_S = 5.0  # how long to listen for scheduler heartbeats at most
 QUIET_S = 1.5  # no new scheduler heard for this long (three default heartbeat intervals): all are known
@@ -41,20 +46,27 @@ class PushFailed(RuntimeError):
         self.replies = replies
 
 
-def pieces(tensors: Mapping[str, torch.Tensor], push_id: str, target: WeightTarget, piece_bytes: int = PIECE_BYTES) -> Iterator[WeightPiece]:
+def piece_bytes_for(max_payload: int) -> int:
+    """The most tensor bytes of a piece that still travels as one NATS message of `max_payload`."""
+    return max(PIECE_ALIGN, (max_payload - PIECE_HEADROOM) // PIECE_ALIGN * PIECE_ALIGN)
+
+
+def pieces(tensors: Mapping[str, torch.Tensor], push_id: str, target: WeightTarget, piece_bytes: int) -> Iterator[WeightPiece]:
     """Every tensor's bytes as pieces (host, contiguous; the tensor's own dtype)."""
     for name, tensor in tensors.items():
         host = tensor.detach().to("cpu").contiguous()
         raw = host.view(torch.uint8).reshape(-1).numpy() if host.numel() else host.numpy().view("u1")
         dtype = str(host.dtype).removeprefix("torch.")
         for offset in range(0, max(raw.size, 1), piece_bytes):
-            data = memoryview(raw[offset : offset + piece_bytes])  # no copy: encoding copies once
-            yield WeightPiece(push_id, target, name, dtype, tuple(host.shape), offset, data, xxhash.xxh3_64_intdigest(data))
+            data = memoryview(raw[offset : offset + piece_bytes])  # no copy, here or when sent
+            yield WeightPiece(push_id, target, name, dtype, tuple(host.shape), offset, xxhash.xxh3_64_intdigest(data), data)
 
 
 class WeightPusher:
     def __init__(self, transport: Transport) -> None:
         self.transport = transport
+        self.piece_bytes = piece_bytes_for(transport.max_payload)
+        self._encoder = msgspec.msgpack.Encoder()
 
     @classmethod
     async def connect(cls, connection: NatsConnection | str) -> WeightPusher:
@@ -91,18 +103,30 @@ class WeightPusher:
             raise PushFailed({})
         push_id = uuid.uuid4().hex
         commit = WeightCommit(push_id, tuple(tensors), weight_version, target, abort_all_requests)
-        replies = await asyncio.gather(*(self.send(sid, pieces(tensors, push_id, target), commit) for sid in ids))
-        answered = dict(zip(ids, replies, strict=True))
+        answered = await self.send(ids, pieces(tensors, push_id, target, self.piece_bytes), commit)
         if any(isinstance(r, str) or not r.ok for r in answered.values()):
             raise PushFailed(answered)
         return answered  # type: ignore[return-value]
 
-    async def send(self, scheduler_id: str, parts: Iterator[WeightPiece], commit: WeightCommit) -> ControlReply | str:
-        """One scheduler: its pieces, then the commit; its reply, or why none came."""
-        subject = subjects.scheduler_weights(scheduler_id)
+    async def send(self, scheduler_ids: Sequence[str], parts: Iterable[WeightPiece], commit: WeightCommit) -> dict[str, ControlReply | str]:
+        """Each piece to every scheduler (hashed and encoded once), then the commit to each: each
+        one's reply, or why none came (a scheduler gone mid-push gets no more pieces)."""
+        gone: dict[str, str] = {}
+        for piece in parts:
+            payload = encode_parts(self._encoder, piece)
+            await asyncio.gather(*(self._publish(sid, payload, gone) for sid in scheduler_ids if sid not in gone))
+        live = [sid for sid in scheduler_ids if sid not in gone]
+        replies = dict(zip(live, await asyncio.gather(*(self._commit(sid, commit) for sid in live)), strict=True))
+        return {sid: gone[sid] if sid in gone else replies[sid] for sid in scheduler_ids}
+
+    async def _publish(self, scheduler_id: str, payload: list, gone: dict[str, str]) -> None:
         try:
-            for piece in parts:
-                await self.transport.publish(subject, piece)
-            return await self.transport.request(subject, commit, ControlReply, COMMIT_TIMEOUT_S)
+            await self.transport.publish(subjects.scheduler_weights(scheduler_id), payload)
+        except Exception as exc:  # a scheduler gone mid-push: reported as its answer
+            gone[scheduler_id] = f"no answer: {type(exc).__name__}: {exc}"
+
+    async def _commit(self, scheduler_id: str, commit: WeightCommit) -> ControlReply | str:
+        try:
+            return await self.transport.request(subjects.scheduler_weights(scheduler_id), commit, ControlReply, COMMIT_TIMEOUT_S)
         except Exception as exc:  # a scheduler gone mid-push: reported as its answer
             return f"no answer: {type(exc).__name__}: {exc}"

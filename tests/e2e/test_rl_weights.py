@@ -211,7 +211,7 @@ async def _push_broken(stack: Stack, directory: Path, drop: bool) -> None:
             else:
                 parts[victim] = msgspec.structs.replace(parts[victim], xxh3=parts[victim].xxh3 ^ 1)
             commit = WeightCommit(f"broken-{sid}", tuple(tensors), "broken")
-            reply = await pusher.send(sid, iter(parts), commit)
+            reply = (await pusher.send([sid], iter(parts), commit))[sid]
             assert not reply.ok and reply.weight_version == "pushed-B"
             assert ("checksum" if not drop else "bytes arrived") in reply.error
 

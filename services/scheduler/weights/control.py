@@ -65,8 +65,8 @@ class SchedulerControls:
         await self._transport.respond(msg, await self._answer(self._control(message)))
 
     async def _on_weights(self, message: WeightPiece | WeightCommit, msg: Delivery) -> None:
-        if isinstance(message, WeightPiece):
-            self._pushed.add(message, msg.missed)
+        if isinstance(message, WeightPiece):  # checked and copied off the loop: it reads the next piece meanwhile
+            await asyncio.to_thread(self._pushed.add, message, msg.missed)
             return
         await self._transport.respond(msg, await self._answer(self._commit(message)))
 
@@ -102,9 +102,11 @@ class SchedulerControls:
 
     async def _commit(self, commit: WeightCommit) -> tuple[int, int]:
         tensors = self._pushed.take(commit)
-        served = served_tensors(self._core.worker, commit.target)
-        check_shapes(served, self._pushed.shapes(tensors))
-        return await self._swap(tensors, commit.target, commit.weight_version, commit.abort_all_requests), 0
+        try:
+            check_shapes(served_tensors(self._core.worker, commit.target), self._pushed.shapes(tensors))
+            return await self._swap(tensors, commit.target, commit.weight_version, commit.abort_all_requests), 0
+        finally:
+            self._pushed.recycle()
 
     async def _swap(self, tensors: dict[str, torch.Tensor], target: WeightTarget, version: str | None, abort_all: bool) -> int:
         """Copy `tensors` in between two steps; with `abort_all`, every held request ends first,
@@ -121,6 +123,7 @@ class SchedulerControls:
 
     async def _release(self, weights: bool) -> tuple[int, int]:
         device = self._core.worker.runner.device
+        self._pushed.drop_spare()
         before = memory.used_bytes(device)
         await self._between(lambda core: self._release_now(core, weights))
         return 0, before - memory.used_bytes(device)

@@ -24,8 +24,18 @@ def test_every_phase_runs_on_the_bundled_model(tmp_path):
     for kind in ("disk", "nats"):
         assert 0 < result[kind]["update_s"] and result[kind]["vs_restart"] > 0
     assert result["nats"]["bytes"] > 0.9 * result["weight_bytes"]  # every tensor went over NATS
+    assert result["nats"]["steady_update_s"] > 0  # pushed twice: the second into the staging of the first
     assert all(result[k] > 0 for k in ("ttft_after_restart_s", "ttft_after_disk_s", "ttft_after_nats_s", "ttft_after_resume_s"))
     assert result["memory"]["resume_s"] > 0
+
+
+@pytest.mark.timeout(120)
+def test_nats_only_pushes_into_a_receiver_process_without_a_model(tmp_path):
+    out = tmp_path / "nats.json"
+    assert bench("rl-weights", "--nats-only", 0.1, "--out", out) == 0
+    result = json.loads(out.read_text())
+    assert len(result["pushes"]) == 3 and all(push["gb_per_s"] > 0 and push["swap_s"] > 0 for push in result["pushes"])
+    assert set(result["cpu_s_per_gb"]) == {"pusher", "receiver", "nats-server"}
 
 
 def test_dummy_weights_are_a_checkpoint_the_loader_takes(tmp_path, monkeypatch):

@@ -68,18 +68,25 @@ async def subscribed_pair(url: str, block_s: float = 0.0, **options) -> tuple[Tr
 
 
 def record_commands(transport: Transport) -> list[tuple[int, int]]:
-    """(header bytes, header + payload bytes) of every HPUB the client writes."""
+    """(header bytes, header + payload bytes) of every HPUB the client writes to its socket
+    (nats-py's flusher hands its writer whole commands: a PUB/HPUB line, then its payload)."""
     sent: list[tuple[int, int]] = []
-    nc = transport._nc
-    original = nc._send_command
+    writer = transport._nc._transport
+    original = writer.writelines
 
-    async def spy(cmd: bytes, priority: bool = False) -> None:
-        if cmd.startswith(b"HPUB"):
-            hdr_len, total = cmd.split(b"\r\n", 1)[0].split()[-2:]
-            sent.append((int(hdr_len), int(total)))
-        await original(cmd, priority=priority)
+    def spy(parts) -> None:
+        stream, start = b"".join(parts), 0
+        while start < len(stream):
+            line_end = stream.index(b"\r\n", start)
+            words = stream[start:line_end].split()
+            start = line_end + 2
+            if words[0] == b"HPUB":
+                sent.append((int(words[-2]), int(words[-1])))
+            if words[0] in (b"HPUB", b"PUB"):
+                start += int(words[-1]) + 2
+        original(parts)
 
-    nc._send_command = spy
+    writer.writelines = spy
     return sent
 
 
@@ -89,6 +96,7 @@ async def test_header_block_size_is_what_nats_py_sends(nats_server):
     sent = record_commands(sender)
     headers = {MSG_HEADER: "abc-1", CHUNK_HEADER: "03/17", "Sw-Ack": "_INBOX.xyz"}
     await sender._nc.publish(SUBJECT, b"x", headers=headers)
+    await sender._nc.flush()
     assert sent == [(header_block_size(headers), header_block_size(headers) + 1)]
     await sender.close()
 

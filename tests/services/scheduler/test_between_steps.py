@@ -89,6 +89,21 @@ def test_pieces_reassemble_into_the_pushed_tensors():
     assert all(torch.equal(got[name], tensor) and got[name].dtype == tensor.dtype for name, tensor in TENSORS.items())
 
 
+def test_the_next_push_is_staged_in_the_buffers_of_the_last_one_once_recycled():
+    versions = PushedVersions()
+    staged = []
+    for push_id, recycled in (("p1", True), ("p2", False), ("p3", True)):
+        for piece in pieces(TENSORS, push_id, WeightTarget.MODEL, piece_bytes=8):
+            versions.add(piece)
+        got = versions.take(commit(push_id))
+        assert all(torch.equal(got[name], tensor) for name, tensor in TENSORS.items())
+        staged.append({name: t.data_ptr() for name, t in got.items()})
+        if recycled:
+            versions.recycle()
+    assert staged[1] == staged[0]  # p1 was swapped and recycled: p2 reuses its buffers
+    assert not set(staged[2].values()) & set(staged[1].values())  # p2 was not recycled (still being swapped): never written
+
+
 @pytest.mark.parametrize("fault", ["dropped", "checksum", "gap"])
 def test_a_faulty_push_is_refused_with_its_reason(fault):
     versions = PushedVersions()
