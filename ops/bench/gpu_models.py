@@ -51,7 +51,7 @@ import torch
 
 from ops.bench.common import (
     MODEL_CONFIGS, add_check_arguments, bench_dtype, copy_bandwidth_gb_s, deadline_sections, device_name, finish_run,
-    median_ms, next_tokens, ragged_step, script, worst_row_rel_diff,
+    median_ms, next_tokens, only, ragged_step, script, worst_row_rel_diff,
 )  # fmt: skip
 from services.scheduler.model import fp8
 from services.scheduler.model.config import ModelConfig
@@ -394,7 +394,7 @@ def run(args: argparse.Namespace) -> dict:
     bandwidth = copy_bandwidth_gb_s(device.type)
     result: dict = {"device": device_name(device.type), "torch": torch.__version__, "copy_gb_per_s": round(bandwidth, 1),
                     "context": TINY_CONTEXT if args.tiny else CONTEXT}  # fmt: skip
-    section = deadline_sections(result, deadline)
+    section = only(args.sections, deadline_sections(result, deadline))
     interpretable = device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
     if interpretable:
         section("moe_kernel", lambda: kernel_rows(args, device, dtype))
@@ -406,7 +406,7 @@ def run(args: argparse.Namespace) -> dict:
     w8a8: list[dict] = []
     for layout in FP8_LAYOUTS:
         section(f"fp8_steps_{layout}", lambda layout=layout: layout_rows(args, layout, device, dtype, bandwidth, logprobs, w8a8))
-    result["fp8_steps"] = fp8_rows(result)
+    result["fp8_steps"] = fp8_rows(result) if any(f"fp8_steps_{layout}" in result for layout in FP8_LAYOUTS) else []
     result["fp8_logprobs"] = logprobs
     result["fp8_w8a8"] = w8a8
     section("fp8_linear", lambda: fp8_linear_rows(args, device, dtype))
@@ -419,12 +419,12 @@ def table(result: dict) -> str:
     lines = [f"device {result['device']}, torch {result['torch']}, copy {result['copy_gb_per_s']} GB/s, {result['elapsed_s']} s", "",
              "| MoE experts, tokens | experts hit | fused µs | twin µs | rel diff | FP8 fused µs | FP8 rel diff |",
              "|---|---|---|---|---|---|---|"]  # fmt: skip
-    for r in result["moe_kernel"] if isinstance(result["moe_kernel"], list) else []:
+    for r in result["moe_kernel"] if isinstance(result.get("moe_kernel"), list) else []:
         lines.append(f"| {r['tokens']} | {r['experts_hit']} | {r['fused_us']:.1f} | {r['twin_us']:.1f} | {r['rel_diff']:.2e} "
                      f"| {r['fp8_fused_us']:.1f} | {r['fp8_rel_diff']:.2e} |")  # fmt: skip
     lines += ["", "| model | layout | batch | ms/step | tok/s | floor ms (GB read) | floor/step | x bf16 | tokens = eager |",
               "|---|---|---|---|---|---|---|---|---|"]
-    steps = [*(result["moe_steps"] if isinstance(result["moe_steps"], list) else []),
+    steps = [*(result["moe_steps"] if isinstance(result.get("moe_steps"), list) else []),
              *(result["fp8_steps"] if isinstance(result["fp8_steps"], list) else [])]  # fmt: skip
     for r in steps:
         lines.append(f"| {r['model']} | {r.get('layout', 'bf16')} | {r['batch']} | {r['step_ms']} | {r['tok_per_s']} | {r['floor_ms']} "
@@ -467,10 +467,15 @@ def _grouped(rows: list[dict], keys: tuple[str, ...]) -> dict[tuple, list[dict]]
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_check_arguments(parser, tiny="tiny MoE and dense shapes, context 20", repeats=20, budget_s=240, out="gpu_models.json",
                         what="replays per measurement")  # fmt: skip
+    parser.add_argument("--sections", nargs="*", default=None, help="run only these (moe_kernel, moe_steps, "
+                        f"{', '.join('fp8_steps_' + layout for layout in FP8_LAYOUTS)}, fp8_linear, fp8_tiles); default all")  # fmt: skip
 
 
 def main(args: argparse.Namespace) -> int:
     result = run(args)
+    if args.sections:  # every section asked for ran
+        return 0 if all(name in result and not (isinstance(result[name], dict) and result[name].keys() & {"error", "skipped"})
+                        for name in args.sections) else 1  # fmt: skip
     return 0 if isinstance(result.get("moe_steps"), list) and len(result["fp8_steps"]) == 2 * len(FP8_LAYOUTS) else 1
 
 
