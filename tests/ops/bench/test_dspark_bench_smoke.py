@@ -64,8 +64,14 @@ def test_gpu_core_speedup_reports_plain_static_and_compact(tmp_path):
     for row in result["speedup"]:
         per_step = row["tokens_per_request_step"]
         assert per_step == 1.0 if row["mode"] == "plain" else 1.0 < per_step <= 4.0
+        assert 0 < row["held_steps"] < row["steps"] and row["held_tokens"] == pytest.approx(row["held_steps"] * row["batch"] * row["held_tokens_per_row"])
+        if row["mode"] == "plain":  # every request runs to the last step, which all of them finish in
+            assert row["held_steps"] == row["steps"] - 1 and row["mean_rows"] == row["batch"]
+        else:  # the replay's draws (mostly 4 tokens, never more) are what the held steps commit, not the dummy pair's
+            assert 2.5 < row["held_tokens_per_row"] <= 4.0
     assert [r["batch"] for r in result["speedup_summary"]] == [1, 2]
     assert all(r["static_speedup"] > 0 and r["compact_speedup"] > 0 for r in result["speedup_summary"])
+    assert all(r["static_speedup_drained"] > 0 and r["plain_tok_s_drained"] > 0 for r in result["speedup_summary"])
     assert "compact tok/s" in done.stdout.splitlines()[-4]
 
 
