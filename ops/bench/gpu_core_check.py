@@ -102,7 +102,7 @@ def time_core(core, reqs, warm_steps: int = 3) -> dict:
     wall = time.perf_counter() - start
     return {"ms_per_step": 1e3 * wall / max(steps, 1), "tok_s": tokens / wall, "steps": steps, "tokens": tokens,
             "mean_rows": rows / max(steps, 1), "held_tok_s": held["tokens"] / held["wall"] if held["wall"] > 0 else 0.0,
-            "held_steps": held["steps"], "held_tokens": held["tokens"]}  # fmt: skip
+            "held_steps": held["steps"], "held_tokens": held["tokens"], "held_ms_per_step": 1e3 * held["wall"] / max(held["steps"], 1)}  # fmt: skip
 
 
 # (row name, logprobs, output logprobs from LogprobGraphs): the top-20 cost, eager and with graphs
