@@ -83,12 +83,15 @@ def profile(runner, gamma: int, capture_layers: tuple[int, ...], max_batch: int,
 
 
 def step_cost(rows: list[dict]) -> StepCost:
-    """The table as the scheduler reads it (seconds; each point no cheaper than the one before)."""
-    points, floor = [], 0.0
-    for row in rows:
-        floor = max(floor, row["ms"] / 1e3)
-        points.append((row["tokens"], floor))
-    return StepCost(tuple(points))
+    """The table as the scheduler reads it (seconds; each point no cheaper than the one before):
+    each T costs the least measured at T or at any larger step. A slow outlier (a shared machine, a
+    capture inside the timing) then stays one point's error instead of raising every larger T to
+    it, which would make the verify budget buy no drafts at all past it."""
+    points, ceiling = [], float("inf")
+    for row in reversed(rows):
+        ceiling = min(ceiling, row["ms"] / 1e3)
+        points.append((row["tokens"], ceiling))
+    return StepCost(tuple(reversed(points)))
 
 
 def table(result: dict) -> str:

@@ -199,6 +199,9 @@ def _simulated_accept_worker() -> type:
 
     from services.scheduler.worker import ModelWorker
 
+    if not callable(getattr(ModelWorker, "_accept", None)):  # an override of nothing would time the model's own acceptance
+        raise TypeError("ModelWorker has no _accept(block) to override: the replayed acceptance would be ignored")
+
     class SimulatedAcceptWorker(ModelWorker):
         """BENCHMARK ONLY: every verify keeps min(n - 1, k) of its k drafts, n drawn per row from the
         replay whatever the target says, so a draft/verify loop is timed at a chosen acceptance (the

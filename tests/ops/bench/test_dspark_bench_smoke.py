@@ -38,6 +38,17 @@ def test_dspark_sps_profiles_a_table_the_scheduler_loads(tmp_path):
     assert all(a <= b for (_, a), (_, b) in zip(cost.points, cost.points[1:]))  # never cheaper with more tokens
 
 
+def test_one_slow_point_of_the_sps_table_does_not_raise_the_larger_steps():
+    from ops.bench.dspark_sps import step_cost
+    from services.scheduler.policy.verify_budget import best_lengths, prefix_survivals
+
+    ms = {1: 3.4, 2: 6.1, 4: 6.6, 8: 7.5, 16: 7.8, 32: 462.0, 64: 17.0, 128: 33.5, 256: 46.5}  # a CPU run's table, 32 an outlier
+    cost = step_cost([{"tokens": t, "seqs": 1, "ms": v} for t, v in ms.items()])
+    assert [round(1e3 * s, 1) for _, s in cost.points] == [3.4, 6.1, 6.6, 7.5, 7.8, 17.0, 17.0, 33.5, 46.5]
+    lengths, _ = best_lengths(prefix_survivals([[0.79, 0.79, 0.79]] * 16), cost, 16, 16)
+    assert set(lengths) == {3}  # 64 tokens at 17 ms, not 0 drafts (a running max priced 17 .. 64 tokens at 462 ms)
+
+
 def test_dspark_sts_fits_and_saves_a_temperature(tmp_path):
     draft = tmp_path / "draft"
     draft.mkdir()
@@ -64,8 +75,14 @@ def test_gpu_core_speedup_reports_plain_static_and_compact(tmp_path):
     for row in result["speedup"]:
         per_step = row["tokens_per_request_step"]
         assert per_step == 1.0 if row["mode"] == "plain" else 1.0 < per_step <= 4.0
+        assert 0 < row["held_steps"] < row["steps"] and row["held_tokens"] == pytest.approx(row["held_steps"] * row["batch"] * row["held_tokens_per_row"])
+        if row["mode"] == "plain":  # every request runs to the last step, which all of them finish in
+            assert row["held_steps"] == row["steps"] - 1 and row["mean_rows"] == row["batch"]
+        else:  # the replay's draws (mostly 4 tokens, never more) are what the held steps commit, not the dummy pair's
+            assert 2.5 < row["held_tokens_per_row"] <= 4.0
     assert [r["batch"] for r in result["speedup_summary"]] == [1, 2]
     assert all(r["static_speedup"] > 0 and r["compact_speedup"] > 0 for r in result["speedup_summary"])
+    assert all(r["static_speedup_drained"] > 0 and r["plain_tok_s_drained"] > 0 for r in result["speedup_summary"])
     assert "compact tok/s" in done.stdout.splitlines()[-4]
 
 
