@@ -60,6 +60,7 @@ class DSparkProposer:
         self.has_confidence = drafter.confidence_head is not None
         self.confidence_temperature = confidence_temperature
         self.kv_cache = PagedKVCache(drafter.config.backbone, num_blocks, block_size, weight.dtype, weight.device)
+        self.leader = None  # rank_group.Leader on rank 0 of a tensor-parallel group: each propose sent to the other ranks first
 
     @property
     def device(self) -> torch.device:
@@ -77,7 +78,10 @@ class DSparkProposer:
         return self.draft(self.draft_inputs(request))
 
     def draft_inputs(self, request: DraftRequest) -> DraftInputs:
-        """Upload the request's host fields (without waiting on the device) and cut the context blocks."""
+        """Upload the request's host fields (without waiting on the device) and cut the context blocks;
+        on rank 0 of a tensor-parallel group, first send the request to the other ranks, which propose it too."""
+        if self.leader is not None:
+            self.leader.draft(request)
         anchors = request.anchor_positions.to(self.device)
         blocks, start = self._context_blocks(request, anchors)
         inputs = DraftInputs(
@@ -143,7 +147,7 @@ class DSparkProposer:
         return table.gather(1, columns).long().clamp_min(0), first * size
 
     def _draft(self, hidden: torch.Tensor, inputs: DraftInputs) -> DraftProposal:
-        sampler = _BlockSampler(inputs, hidden.shape[1])
+        sampler = _BlockSampler(inputs, hidden.shape[1], self.drafter.tp)
         base = self.drafter.base_logits(hidden)  # [B, gamma, V]
         prev, state = inputs.anchor_tokens, None  # state: the recurrent Markov head's
         tokens, probs = [], []
@@ -193,9 +197,13 @@ def _pad(tensor: torch.Tensor | None, extra: int, fill) -> torch.Tensor | None:
 
 
 class _BlockSampler:
-    """Per-slot draws for one block: argmax for greedy rows, inverse-CDF sampling of q for the others."""
+    """Per-slot draws for one block: argmax for greedy rows, inverse-CDF sampling of q for the others.
+    Tensor parallelism (`tp`): the logits are this rank's vocabulary shard [B, Vs]; an all-greedy block's
+    argmax is merged from the shards (no whole row anywhere), a block with sampled rows gathers its
+    rows whole on every rank (the sampled verify needs the whole q: max(p - q, 0)) and draws as TP = 1."""
 
-    def __init__(self, inputs: DraftInputs, gamma: int) -> None:
+    def __init__(self, inputs: DraftInputs, gamma: int, tp=None) -> None:
+        self.tp = tp
         self.all_greedy = inputs.temperatures is None
         if self.all_greedy:
             return
@@ -205,6 +213,10 @@ class _BlockSampler:
 
     def draw(self, logits: torch.Tensor, slot: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         """logits f32 [B, V] (Markov-corrected) -> (token int64 [B], q f32 [B, V] or None when all greedy)."""
+        if self.tp is not None and self.all_greedy:
+            return self.tp.argmax(logits), None
+        if self.tp is not None:
+            logits = self.tp.gather_vocab(logits)  # [B, Vs] -> [B, V] on every rank: each draws the same token
         greedy = logits.argmax(dim=-1)
         if self.all_greedy:
             return greedy, None
