@@ -81,7 +81,8 @@ def drafter_memory(
     (one rank's shard of the layers and KV heads where `tp_size` > 1; the Markov head counted whole)."""
     config = DSparkConfig.from_pretrained(Path(path))
     config.check_target(target_config)
-    config = replace(config, backbone=shard_config(config.backbone, tp_size))
+    if tp_size > 1:
+        config = replace(config, backbone=shard_config(config.backbone, tp_size))
     with torch.device("meta"):
         embed = nn.Embedding(target_config.vocab_size, target_config.hidden_size)
         drafter = DSparkDrafter(config, embed, torch.empty(target_config.vocab_size, target_config.hidden_size)).to(dtype)

@@ -281,6 +281,31 @@ def test_sharded_dspark_drafts_and_serves_what_tp1_does(dspark_groups, gathered,
     assert drafter.markov_head.markov_w2.weight.shape[0] == drafter.target.lm_head_weight.shape[0] == 4096 // size
 
 
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs (NCCL)")
+def test_sharded_dspark_on_two_gpus_drafts_what_one_gpu_drafts(monkeypatch):
+    """CUDA: the drafter's collectives inside its graphs (`DraftGraphs`, NCCL) next to the target's;
+    greedy blocks and tokens as on one GPU, sampled rows served too."""
+    from services.models import BUNDLED_MODEL
+    from services.scheduler.build import build_core
+
+    prompts = [[(7 * i + 13 * j) % 4000 + 3 for j in range(9 + 5 * i)] for i in range(8)]
+    requests = lambda: [request(f"g{i}", p, max_new_tokens=48, ignore_eos=True) for i, p in enumerate(prompts)] + [  # noqa: E731
+        request(f"s{i}", p, max_new_tokens=48, temperature=1.0, seed=i, ignore_eos=True) for i, p in enumerate(prompts)]  # fmt: skip
+    served = {}
+    for size in (1, 2):
+        core = build_core(SchedulerConfig(model=str(BUNDLED_MODEL), speculative_algorithm="dspark", device="cuda",
+                                          dtype="float32", tensor_parallel_size=size))  # fmt: skip
+        drafts = recorded_drafts(core, monkeypatch)
+        try:
+            served[size] = drafts, run(core, requests())
+        finally:
+            if size > 1:
+                core.worker.runner.leader.stop()
+    greedy = lambda found: {rid: v for rid, v in found.items() if rid.startswith("g")}  # noqa: E731
+    assert greedy(served[2][0]) == greedy(served[1][0]) and len(served[2][1]) == 16
+    assert all(served[2][1][rid].tokens == served[1][1][rid].tokens for rid in greedy(served[1][1]))
+
+
 def test_dspark_on_two_ranks_samples_the_target_distribution(dspark_groups):
     """T = 1, lossless: the first token (drawn from the shards) and the second (the accept rule over
     a drafted block, its target rows gathered) follow the target's distributions, the second given
