@@ -90,12 +90,15 @@ class DSparkProposer:
         temperatures = request.temperatures
         if all(t <= 0 for t in temperatures):
             return inputs
-        return replace(
+        inputs = replace(
             inputs,
             temperatures=_to_device([t if t > 0 else 1.0 for t in temperatures], torch.float32, self.device),
             is_greedy=_to_device([t <= 0 for t in temperatures], torch.bool, self.device),
             seeds=_to_device([fold_seed(seed) for seed in request.seeds], torch.int64, self.device),
         )
+        if self.drafter.tp is None:
+            return inputs
+        return replace(inputs, sampled_rows=_to_device([i for i, t in enumerate(temperatures) if t > 0], torch.int64, self.device))
 
     @torch.inference_mode()
     def draft(self, inputs: DraftInputs) -> DraftProposal:
@@ -180,6 +183,7 @@ class DraftInputs:
     temperatures: torch.Tensor | None = None  # f32 [B], 1.0 on greedy rows
     is_greedy: torch.Tensor | None = None  # bool [B]
     seeds: torch.Tensor | None = None  # int64 [B], each in [0, 2^32) (counter_rng.fold_seed)
+    sampled_rows: torch.Tensor | None = None  # int64 [S], the rows that sample (tensor parallelism only)
 
     def padded(self, batch: int, block: int) -> DraftInputs:
         """Rows appended up to `batch` (a graph's size): anchor 0 at position 0, every block `block`
@@ -197,35 +201,50 @@ def _pad(tensor: torch.Tensor | None, extra: int, fill) -> torch.Tensor | None:
 
 
 class _BlockSampler:
-    """Per-slot draws for one block: argmax for greedy rows, inverse-CDF sampling of q for the others.
-    Tensor parallelism (`tp`): the logits are this rank's vocabulary shard [B, Vs]; an all-greedy block's
-    argmax is merged from the shards (no whole row anywhere), a block with sampled rows gathers its
-    rows whole on every rank (the sampled verify needs the whole q: max(p - q, 0)) and draws as TP = 1."""
+    """Per-slot draws for one block: argmax for greedy rows, inverse-CDF sampling of q for the others."""
 
     def __init__(self, inputs: DraftInputs, gamma: int, tp=None) -> None:
-        self.tp = tp
+        self.tp = tp  # tensor_parallel.TensorParallel where the logits are this rank's vocabulary shard
         self.all_greedy = inputs.temperatures is None
         if self.all_greedy:
             return
         self.is_greedy = inputs.is_greedy  # [B]
         self.temperatures = inputs.temperatures[:, None]  # [B, 1]
         self.uniforms = seeded_uniforms(inputs.seeds, gamma)  # f64 [B, gamma]
+        self.sampled_rows = inputs.sampled_rows  # [S] under tensor parallelism
 
     def draw(self, logits: torch.Tensor, slot: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         """logits f32 [B, V] (Markov-corrected) -> (token int64 [B], q f32 [B, V] or None when all greedy)."""
-        if self.tp is not None and self.all_greedy:
-            return self.tp.argmax(logits), None
         if self.tp is not None:
-            logits = self.tp.gather_vocab(logits)  # [B, Vs] -> [B, V] on every rank: each draws the same token
+            return self._draw_on_shards(logits, slot)
         greedy = logits.argmax(dim=-1)
         if self.all_greedy:
             return greedy, None
         q = (logits / self.temperatures).softmax(dim=-1)  # greedy rows: softmax at T = 1, ignored by accept
-        cdf = q.double().cumsum(dim=-1)  # [B, V]; float64 so the drawn law is q to ~1e-16, not 1e-7
-        # The first token whose cdf exceeds u * total: zero-probability tokens are never drawn.
-        point = self.uniforms[:, slot : slot + 1] * cdf[:, -1:]  # [B, 1]
-        sampled = torch.searchsorted(cdf, point, right=True)[:, 0].clamp_max(q.shape[1] - 1)
+        sampled = _inverse_cdf(q, self.uniforms[:, slot : slot + 1])
         return torch.where(self.is_greedy, greedy, sampled), q
+
+    def _draw_on_shards(self, logits: torch.Tensor, slot: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """`draw` from this rank's shard [B, Vs]: every row's argmax merged from the shards (no whole row),
+        the sampled rows [S] alone gathered whole on every rank (their verify reads the whole q:
+        max(p - q, 0)) and drawn as TP = 1 draws them, the same token on every rank; greedy rows' q are
+        zeros (the accept rule reads none)."""
+        greedy = self.tp.argmax(logits)  # [B]
+        if self.all_greedy:
+            return greedy, None
+        rows = self.sampled_rows
+        q_rows = (self.tp.gather_vocab(logits[rows]) / self.temperatures[rows]).softmax(dim=-1)  # [S, V]
+        sampled = _inverse_cdf(q_rows, self.uniforms[rows, slot : slot + 1])
+        q = q_rows.new_zeros(logits.shape[0], q_rows.shape[1]).index_copy(0, rows, q_rows)
+        return greedy.index_copy(0, rows, sampled), q
+
+
+def _inverse_cdf(q: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """q f32 [R, V], uniforms f64 [R, 1] -> int64 [R]: the first token whose cumulative q exceeds
+    u * total (zero-probability tokens are never drawn)."""
+    cdf = q.double().cumsum(dim=-1)  # [R, V]; float64 so the drawn law is q to ~1e-16, not 1e-7
+    point = uniforms * cdf[:, -1:]  # [R, 1]
+    return torch.searchsorted(cdf, point, right=True)[:, 0].clamp_max(q.shape[1] - 1)
 
 
 def _serving_mask(anchors: torch.Tensor, key_positions: torch.Tensor, gamma: int, window: int | None = None) -> torch.Tensor:
