@@ -204,11 +204,20 @@ def test_a_drafter_shard_is_its_rank_s_slice_of_the_whole_drafter(load_format):
             assert torch.equal(shard[name], whole[name]), name
 
 
-def test_unshardable_models_are_refused_in_one_line(saved_family):
+def test_unshardable_models_are_refused_in_one_line(saved_family, tmp_path):
+    import json
+
+    from services.models import BUNDLED_DRAFT_MODEL, BUNDLED_MODEL
+
     config = ModelConfig.from_pretrained(saved_family("qwen3")[1])
     check_shardable(config, 1)
     with pytest.raises(TensorParallelError, match="must divide the 4 attention heads"):
         check_model(SchedulerConfig(model=str(saved_family("qwen3")[1]), tensor_parallel_size=3))  # before any spawn
+    draft = json.loads((BUNDLED_DRAFT_MODEL / "config.json").read_text()) | {"intermediate_size": 510}
+    (tmp_path / "config.json").write_text(json.dumps(draft))
+    with pytest.raises(TensorParallelError, match="the intermediate size 510"):  # the drafter is sharded too
+        check_model(SchedulerConfig(model=str(BUNDLED_MODEL), speculative_algorithm="dspark", draft_model=str(tmp_path),
+                                    tensor_parallel_size=4))  # fmt: skip
     if torch.cuda.device_count() < 2:
         with pytest.raises(ValueError, match="--tensor-parallel-size 2 needs 2 GPUs"):
             check_model(SchedulerConfig(model=str(saved_family("qwen3")[1]), device="cuda", tensor_parallel_size=2))
