@@ -14,7 +14,6 @@ import dataclasses
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 
 import structlog
 
@@ -165,6 +164,10 @@ def check_model(config: SchedulerConfig) -> None:
     model = ModelConfig.from_pretrained(config.model, context_len=config.max_model_len)
     check_shardable(model, config.tensor_parallel_size)
     size = config.tensor_parallel_size
+    if size > 1 and config.speculative_algorithm == "dspark":  # its drafter is sharded the same way
+        from services.scheduler.spec.dspark_config import DSparkConfig
+
+        check_shardable(DSparkConfig.from_pretrained(config.resolved_draft_model).backbone, size)
     if size > 1 and config.resolved_device == "cuda":
         import torch
 
@@ -183,32 +186,16 @@ def load_leader(config: SchedulerConfig) -> ModelRunner:
     return runner
 
 
-def load_follower(config: SchedulerConfig, groups) -> ModelRunner:
-    """Rank r > 0's runner, loaded and prepared as rank 0's is (the same graphs capture the same collectives)."""
+def load_follower(config: SchedulerConfig, groups) -> tuple[ModelRunner, Proposer | None]:
+    """Rank r > 0's runner and its shard of the drafter, loaded and prepared as rank 0's are (the same
+    graphs capture the same collectives)."""
     from services.scheduler.rank_group import rank_device, tensor_parallel
 
     model = ModelConfig.from_pretrained(config.model, context_len=config.max_model_len)
     runner = load_runner(config, tensor_parallel(groups, model), rank_device(config.resolved_device, groups.rank))
-    prepare_runtime(config, resolve(config, runner), runner, draft_shape(config))
-    return runner
-
-
-@dataclass(frozen=True)
-class DraftShape:
-    """What `prepare_runtime` reads of a proposer: a follower rank has no drafter (rank 0 drafts) but
-    captures the graphs rank 0 captures (their collectives pair up)."""
-
-    capture_layers: tuple[int, ...]
-    num_draft_tokens: int
-
-
-def draft_shape(config: SchedulerConfig) -> DraftShape | None:
-    if config.speculative_algorithm != "dspark":
-        return None
-    from services.scheduler.spec.dspark_config import DSparkConfig
-
-    draft = DSparkConfig.from_pretrained(Path(config.resolved_draft_model))
-    return DraftShape(tuple(draft.target_layer_ids), config.num_draft_tokens or draft.block_size)
+    proposer = load_proposer(config, runner)
+    prepare_runtime(config, resolve(config, runner), runner, proposer)
+    return runner, proposer
 
 
 def load_runner(config: SchedulerConfig, tp=None, device: str | None = None) -> ModelRunner:
@@ -218,11 +205,8 @@ def load_runner(config: SchedulerConfig, tp=None, device: str | None = None) -> 
         from services.scheduler.spec.dspark_loader import drafter_memory
 
         target_config = ModelConfig.from_pretrained(config.model)
-        reserve = drafter_memory(config.resolved_draft_model, target_config, config.torch_dtype, config.kv_block_size)
-        if tp is not None and tp.rank == 0:  # and the target's whole embedding and LM head, which its drafter reads
-            copies = 1 if target_config.tie_word_embeddings else 2
-            head_bytes = copies * target_config.vocab_size * target_config.hidden_size * config.torch_dtype.itemsize
-            reserve = dataclasses.replace(reserve, weight_bytes=reserve.weight_bytes + head_bytes)
+        reserve = drafter_memory(config.resolved_draft_model, target_config, config.torch_dtype, config.kv_block_size,
+                                 config.tensor_parallel_size)  # fmt: skip
     return load_model_runner(
         config.model,
         device=device or config.resolved_device,
@@ -250,16 +234,12 @@ def load_proposer(config: SchedulerConfig, runner: ModelRunner) -> Proposer | No
         return None
     from services.scheduler.spec.dspark_loader import load_dspark_proposer
 
-    head = None
-    if config.tensor_parallel_size > 1:  # the drafter runs on rank 0 alone, over the whole vocabulary
-        from services.scheduler.model.loader import load_whole_head
-
-        head = load_whole_head(config.model, runner.device, runner.dtype, config.load_format, config.seed)
-    proposer = load_dspark_proposer(
+    proposer = load_dspark_proposer(  # a tensor-parallel rank's: its shard, run by every rank (`shard_drafter`)
         config.resolved_draft_model, runner, load_format=config.load_format, seed=config.seed,
-        num_draft_tokens=config.num_draft_tokens, context_window=config.draft_context_window, head=head,
+        num_draft_tokens=config.num_draft_tokens, context_window=config.draft_context_window,
         confidences=config.verify_mode == "compact",
     )  # fmt: skip
+    proposer.leader = runner.leader  # rank 0: each propose sent to the other ranks first
     set_batch_invariant(proposer.drafter, runner.batch_invariant)  # seeded drafts' q: the row's own
     if runner.decode_kernel:  # CUDA: greedy drafts replay graphs
         from services.scheduler.spec.draft_graphs import DraftGraphs

@@ -38,6 +38,7 @@ import torch.distributed as dist
 from services.scheduler.model.batch import ForwardBatch
 from services.scheduler.model.config import ModelConfig
 from services.scheduler.model.tensor_parallel import RowDraw, TensorParallel
+from services.scheduler.spec.base import ContextRows, DraftRequest
 
 log = structlog.get_logger(__name__)
 
@@ -56,7 +57,8 @@ class RankLostError(RuntimeError):
 class RankCall(msgspec.Struct):
     """One model call, rank 0 to the followers: "forward" (a batch, whose arrays follow on the
     device group as one int64 buffer: no host copy of what the device holds), "head" (the LM head
-    over hidden rows that follow on the device group) or "stop"."""
+    over hidden rows that follow on the device group), "columns" / "sample" (`ShardedRows`), "draft"
+    (a DSpark `DraftRequest`: its anchors and block tables follow as one int64 buffer) or "stop"."""
 
     op: str
     shapes: tuple[tuple[int, ...], ...] = ()  # each of BATCH_ARRAYS'
@@ -68,6 +70,9 @@ class RankCall(msgspec.Struct):
     top_k: int = 0  # "columns": the top-k width, and each row's number of requested ids (-1: none)
     num_ids: int = -1
     draws: tuple[RowDraw, ...] = ()  # "sample": each row's
+    max_anchor_position: int = 0  # "draft": the request's host fields (shapes: its block tables' [B, M])
+    temperatures: tuple[float, ...] = ()
+    seeds: tuple[int, ...] = ()
 
     def batch(self, packed: torch.Tensor) -> ForwardBatch:
         sizes = [math.prod(shape) for shape in self.shapes]
@@ -76,6 +81,13 @@ class RankCall(msgspec.Struct):
                    for name, part, shape, dtype in zip(BATCH_ARRAYS, parts, self.shapes, self.dtypes)}  # fmt: skip
         return ForwardBatch(**tensors, capture_layers=self.capture_layers, host_query_lens=self.host_query_lens,
                             host_seq_lens=self.host_seq_lens)  # fmt: skip
+
+    def draft_request(self, packed: torch.Tensor) -> DraftRequest:
+        """packed: [anchor tokens [B], anchor positions [B], block tables [B, M]] as one int64 buffer."""
+        rows = self.shapes[0][0]
+        tokens, positions, tables = packed.split([rows, rows, self.num_packed])
+        return DraftRequest(("",) * rows, tokens, positions, tables.view(self.shapes[0]).int(), self.max_anchor_position,
+                            self.temperatures, self.seeds)  # fmt: skip
 
     @property
     def num_packed(self) -> int:
@@ -175,6 +187,14 @@ class Leader:
         self._check_alive()
         self._send(RankCall("sample", hidden_shape=tuple(hidden.shape), draws=draws), hidden.contiguous())
 
+    def draft(self, request: DraftRequest) -> None:
+        self._check_alive()
+        tables = request.block_tables
+        call = RankCall("draft", shapes=(tuple(tables.shape),), max_anchor_position=request.max_anchor_position,
+                        temperatures=request.temperatures, seeds=request.seeds)  # fmt: skip
+        parts = (request.anchor_tokens, request.anchor_positions, tables)
+        self._send(call, torch.cat([t.reshape(-1).to(self.device, torch.int64) for t in parts]))
+
     def _send(self, call: RankCall, *payload: torch.Tensor) -> None:
         try:
             self.groups.send(call)
@@ -251,21 +271,31 @@ def follower_main(config, rank: int, port: int) -> None:
         signal.signal(stop, signal.SIG_IGN)
     _exit_with_parent()
     groups = join(rank, config.tensor_parallel_size, port, rank_device(config.resolved_device, rank))
-    runner = load_follower(config, groups)
+    runner, proposer = load_follower(config, groups)
     try:
-        serve(runner, groups)
+        serve(runner, groups, proposer)
     except Exception as exc:  # noqa: BLE001 - rank 0 gone or the group broken: nothing left to serve
         print(f"sparkwire scheduler rank {rank}: leaving: {type(exc).__name__}: {exc}", file=sys.stderr)
         os._exit(1)
 
 
-def serve(runner, groups: Groups) -> None:
-    """Run rank 0's calls on this rank's runner, in order, until "stop"."""
+def serve(runner, groups: Groups, proposer=None) -> None:
+    """Run rank 0's calls on this rank's runner and drafter, in order, until "stop". A forward's
+    captured rows go into this rank's draft KV cache at once, as rank 0's worker injects them (no
+    collective: rank 0 sends nothing for it)."""
     while (call := groups.receive()).op != "stop":
         if call.op == "forward":
             packed = torch.empty(call.num_packed, dtype=torch.int64, device=runner.device)
             groups.device.broadcast(packed, 0).wait()
-            runner.forward(call.batch(packed))
+            batch = call.batch(packed)
+            out = runner.forward(batch)
+            if proposer is not None and out.captured is not None:
+                proposer.inject(ContextRows(out.captured, batch.positions, batch.slot_mapping))
+        elif call.op == "draft":
+            rows, width = call.shapes[0]
+            packed = torch.empty(rows * (2 + width), dtype=torch.int64, device=runner.device)
+            groups.device.broadcast(packed, 0).wait()
+            proposer.propose(call.draft_request(packed))
         elif call.op == "head":
             hidden = torch.empty(call.hidden_shape, dtype=runner.dtype, device=runner.device)
             groups.device.broadcast(hidden, 0).wait()

@@ -256,11 +256,12 @@ def _tied_head(model: torch.nn.Module) -> set[str]:
 
 
 @torch.no_grad()
-def fill_random_weights(model: CausalLM, seed: int, tp: TensorParallel | None = None) -> None:
+def fill_random_weights(model: CausalLM, seed: int, tp: TensorParallel | None = None, shapes: dict[str, torch.Size] | None = None) -> None:
     """Deterministic weights: same seed, same values, on any device (drawn on the host, then moved);
-    with `tp`, this rank's slices of the whole model's tensors."""
+    with `tp`, this rank's slices of the whole model's tensors (`shapes`: theirs; None: tp.config's CausalLM's)."""
     tensors = list(model.checkpoint_tensors())
-    shapes = None if tp is None else _whole_shapes(tp.config)
+    if tp is not None and shapes is None:
+        shapes = _whole_shapes(tp.config)
     progress = _load_progress(model, [param for _, param in tensors], weights="random")
     for name, param in tensors:
         if name.endswith(("norm.weight", "weight_scale", "weight_scale_inv")):  # scales of 1: FP8 weights as drawn
@@ -274,28 +275,6 @@ def fill_random_weights(model: CausalLM, seed: int, tp: TensorParallel | None = 
 
 
 @torch.no_grad()
-def load_whole_head(
-    path: str | Path, device: str | torch.device, dtype: torch.dtype, load_format: str = "auto", seed: int = 0
-) -> tuple[torch.nn.Embedding, torch.Tensor]:
-    """The whole embedding and LM head [V, H] of the model at `path`, filled as `load_model_runner`
-    fills them: rank 0 of a tensor-parallel group keeps them for a drafter, which reads them whole."""
-    model_dir = Path(path)
-    config = ModelConfig.from_pretrained(model_dir)
-    embed = torch.nn.Embedding(config.vocab_size, config.hidden_size, device=device, dtype=dtype)
-    tensors = {"model.embed_tokens.weight": embed.weight}
-    if not config.tie_word_embeddings:
-        tensors["lm_head.weight"] = torch.empty_like(embed.weight)
-    files = [] if load_format == "dummy" else _safetensors_files(model_dir)
-    for file in files:
-        with safe_open(str(file), framework="pt", device="cpu") as handle:
-            for name in set(handle.keys()) & set(tensors):
-                tensors[name].copy_(handle.get_tensor(name))
-    if not files:
-        for name, tensor in tensors.items():
-            tensor.copy_(_random_tensor(name, tensor.shape, seed if load_format == "dummy" else config.sparkwire_seed, tensor.device))
-    return embed, tensors.get("lm_head.weight", embed.weight)
-
-
 def _whole_shapes(config: ModelConfig) -> dict[str, torch.Size]:
     with torch.device("meta"):
         return {name: param.shape for name, param in build_model(config).checkpoint_tensors()}

@@ -152,6 +152,10 @@ class TensorParallel:
             return values[:, 0], logprobs[:, :0], no_ids, values[:, 1:]
         return values[:, 0], *self._merged_top_k(logprobs, global_ids, k), values[:, 1:]
 
+    def argmax(self, logits: torch.Tensor) -> torch.Tensor:
+        """int64 [c]: the whole rows' first argmax, from this rank's shard [c, Vs] (every rank gets it)."""
+        return self.sample(logits, (RowDraw(0.0, None, 0),) * logits.shape[0])
+
     def sample(self, logits: torch.Tensor, draws: tuple[RowDraw, ...]) -> torch.Tensor:
         """Token ids int64 [c] drawn from this rank's logits shard f32 [c, Vs] (every rank gets them),
         the very tokens TP = 1 draws from whole rows (`accept` with no drafts): greedy rows the first

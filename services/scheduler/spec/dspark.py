@@ -60,6 +60,7 @@ class DSparkProposer:
         self.has_confidence = drafter.confidence_head is not None
         self.confidence_temperature = confidence_temperature
         self.kv_cache = PagedKVCache(drafter.config.backbone, num_blocks, block_size, weight.dtype, weight.device)
+        self.leader = None  # rank_group.Leader on rank 0 of a tensor-parallel group: each propose sent to the other ranks first
 
     @property
     def device(self) -> torch.device:
@@ -77,7 +78,10 @@ class DSparkProposer:
         return self.draft(self.draft_inputs(request))
 
     def draft_inputs(self, request: DraftRequest) -> DraftInputs:
-        """Upload the request's host fields (without waiting on the device) and cut the context blocks."""
+        """Upload the request's host fields (without waiting on the device) and cut the context blocks;
+        on rank 0 of a tensor-parallel group, first send the request to the other ranks, which propose it too."""
+        if self.leader is not None:
+            self.leader.draft(request)
         anchors = request.anchor_positions.to(self.device)
         blocks, start = self._context_blocks(request, anchors)
         inputs = DraftInputs(
@@ -86,12 +90,15 @@ class DSparkProposer:
         temperatures = request.temperatures
         if all(t <= 0 for t in temperatures):
             return inputs
-        return replace(
+        inputs = replace(
             inputs,
             temperatures=_to_device([t if t > 0 else 1.0 for t in temperatures], torch.float32, self.device),
             is_greedy=_to_device([t <= 0 for t in temperatures], torch.bool, self.device),
             seeds=_to_device([fold_seed(seed) for seed in request.seeds], torch.int64, self.device),
         )
+        if self.drafter.tp is None:
+            return inputs
+        return replace(inputs, sampled_rows=_to_device([i for i, t in enumerate(temperatures) if t > 0], torch.int64, self.device))
 
     @torch.inference_mode()
     def draft(self, inputs: DraftInputs) -> DraftProposal:
@@ -143,7 +150,7 @@ class DSparkProposer:
         return table.gather(1, columns).long().clamp_min(0), first * size
 
     def _draft(self, hidden: torch.Tensor, inputs: DraftInputs) -> DraftProposal:
-        sampler = _BlockSampler(inputs, hidden.shape[1])
+        sampler = _BlockSampler(inputs, hidden.shape[1], self.drafter.tp)
         base = self.drafter.base_logits(hidden)  # [B, gamma, V]
         prev, state = inputs.anchor_tokens, None  # state: the recurrent Markov head's
         tokens, probs = [], []
@@ -176,6 +183,7 @@ class DraftInputs:
     temperatures: torch.Tensor | None = None  # f32 [B], 1.0 on greedy rows
     is_greedy: torch.Tensor | None = None  # bool [B]
     seeds: torch.Tensor | None = None  # int64 [B], each in [0, 2^32) (counter_rng.fold_seed)
+    sampled_rows: torch.Tensor | None = None  # int64 [S], the rows that sample (tensor parallelism only)
 
     def padded(self, batch: int, block: int) -> DraftInputs:
         """Rows appended up to `batch` (a graph's size): anchor 0 at position 0, every block `block`
@@ -195,25 +203,48 @@ def _pad(tensor: torch.Tensor | None, extra: int, fill) -> torch.Tensor | None:
 class _BlockSampler:
     """Per-slot draws for one block: argmax for greedy rows, inverse-CDF sampling of q for the others."""
 
-    def __init__(self, inputs: DraftInputs, gamma: int) -> None:
+    def __init__(self, inputs: DraftInputs, gamma: int, tp=None) -> None:
+        self.tp = tp  # tensor_parallel.TensorParallel where the logits are this rank's vocabulary shard
         self.all_greedy = inputs.temperatures is None
         if self.all_greedy:
             return
         self.is_greedy = inputs.is_greedy  # [B]
         self.temperatures = inputs.temperatures[:, None]  # [B, 1]
         self.uniforms = seeded_uniforms(inputs.seeds, gamma)  # f64 [B, gamma]
+        self.sampled_rows = inputs.sampled_rows  # [S] under tensor parallelism
 
     def draw(self, logits: torch.Tensor, slot: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         """logits f32 [B, V] (Markov-corrected) -> (token int64 [B], q f32 [B, V] or None when all greedy)."""
+        if self.tp is not None:
+            return self._draw_on_shards(logits, slot)
         greedy = logits.argmax(dim=-1)
         if self.all_greedy:
             return greedy, None
         q = (logits / self.temperatures).softmax(dim=-1)  # greedy rows: softmax at T = 1, ignored by accept
-        cdf = q.double().cumsum(dim=-1)  # [B, V]; float64 so the drawn law is q to ~1e-16, not 1e-7
-        # The first token whose cdf exceeds u * total: zero-probability tokens are never drawn.
-        point = self.uniforms[:, slot : slot + 1] * cdf[:, -1:]  # [B, 1]
-        sampled = torch.searchsorted(cdf, point, right=True)[:, 0].clamp_max(q.shape[1] - 1)
+        sampled = _inverse_cdf(q, self.uniforms[:, slot : slot + 1])
         return torch.where(self.is_greedy, greedy, sampled), q
+
+    def _draw_on_shards(self, logits: torch.Tensor, slot: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """`draw` from this rank's shard [B, Vs]: every row's argmax merged from the shards (no whole row),
+        the sampled rows [S] alone gathered whole on every rank (their verify reads the whole q:
+        max(p - q, 0)) and drawn as TP = 1 draws them, the same token on every rank; greedy rows' q are
+        zeros (the accept rule reads none)."""
+        greedy = self.tp.argmax(logits)  # [B]
+        if self.all_greedy:
+            return greedy, None
+        rows = self.sampled_rows
+        q_rows = (self.tp.gather_vocab(logits[rows]) / self.temperatures[rows]).softmax(dim=-1)  # [S, V]
+        sampled = _inverse_cdf(q_rows, self.uniforms[rows, slot : slot + 1])
+        q = q_rows.new_zeros(logits.shape[0], q_rows.shape[1]).index_copy(0, rows, q_rows)
+        return greedy.index_copy(0, rows, sampled), q
+
+
+def _inverse_cdf(q: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """q f32 [R, V], uniforms f64 [R, 1] -> int64 [R]: the first token whose cumulative q exceeds
+    u * total (zero-probability tokens are never drawn)."""
+    cdf = q.double().cumsum(dim=-1)  # [R, V]; float64 so the drawn law is q to ~1e-16, not 1e-7
+    point = uniforms * cdf[:, -1:]  # [R, 1]
+    return torch.searchsorted(cdf, point, right=True)[:, 0].clamp_max(q.shape[1] - 1)
 
 
 def _serving_mask(anchors: torch.Tensor, key_positions: torch.Tensor, gamma: int, window: int | None = None) -> torch.Tensor:

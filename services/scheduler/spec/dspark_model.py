@@ -156,6 +156,8 @@ def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
 
 
 class DraftLayer(nn.Module):
+    tp = None  # tensor_parallel.TensorParallel (`dspark_tp`): sums o_proj's and down_proj's partial outputs over ranks
+
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.self_attn = DraftAttention(config)
@@ -164,8 +166,11 @@ class DraftLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, x: torch.Tensor, rope: Rope, context: tuple[torch.Tensor, ...], mask: torch.Tensor) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), rope, context, mask)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        x = x + self._summed(self.self_attn(self.input_layernorm(x), rope, context, mask))
+        return x + self._summed(self.mlp(self.post_attention_layernorm(x)))
+
+    def _summed(self, partial: torch.Tensor) -> torch.Tensor:
+        return partial if self.tp is None else self.tp.all_reduce(partial)
 
 
 class MarkovHead(nn.Module):
@@ -241,6 +246,8 @@ class ConfidenceHead(nn.Module):
 
 
 class DSparkDrafter(nn.Module):
+    tp = None  # tensor_parallel.TensorParallel where the drafter is sharded (`dspark_tp.shard_drafter`)
+
     def __init__(
         self, config: DSparkConfig, embed_tokens: nn.Module, lm_head_weight: torch.Tensor, logit_softcap: float | None = None
     ) -> None:

@@ -1,8 +1,8 @@
 """Tensor parallelism on the CPU with real rank processes over gloo: TP = 2 and 4 serve exactly what
 TP = 1 serves (ids identical, every logprob kind within 1e-5 in fp32; dense and MoE families;
-sampled rows drawn from vocabulary shards), DSpark on two ranks is greedy-identical and lossless at
-T = 1, and a dead rank fails the step with a clear error instead of hanging. One rank group per
-(model, size) for the whole module."""
+sampled rows drawn from vocabulary shards), DSpark with its drafter sharded too drafts TP = 1's
+greedy blocks on 2 and 4 ranks and is lossless at T = 1, and a dead rank fails the step with a
+clear error instead of hanging. One rank group per (model, size) for the whole module."""
 
 from __future__ import annotations
 
@@ -180,11 +180,44 @@ def test_vocabulary_shards_pad_the_last_rank_and_concatenate_to_the_whole(saved_
     assert torch.equal(parts[0], parts[1]) and torch.equal(parts[2], parts[3]) and torch.equal(torch.cat(parts[1:3]), kv)
 
 
-def test_unshardable_models_are_refused_in_one_line(saved_family):
+@pytest.mark.parametrize("load_format", ["auto", "dummy"])
+def test_a_drafter_shard_is_its_rank_s_slice_of_the_whole_drafter(load_format):
+    """Read from its checkpoint or drawn at random, each rank's drafter holds its heads' rows of q/k/v
+    (the 2 KV heads over 4 ranks: each kept by 2), its columns of o/down, its vocabulary rows of W2,
+    and fc, W1 and the confidence head whole."""
+    from services.models import BUNDLED_DRAFT_MODEL, BUNDLED_MODEL
+    from services.scheduler.spec.dspark_loader import load_drafter
+
+    target = ModelConfig.from_pretrained(BUNDLED_MODEL)
+    embed, head = torch.nn.Embedding(target.vocab_size, target.hidden_size), torch.zeros(target.vocab_size, target.hidden_size)
+    load = lambda tp=None: load_drafter(BUNDLED_DRAFT_MODEL, embed, head, target, load_format=load_format, seed=3, tp=tp)  # noqa: E731
+    whole = dict(load().named_parameters())
+    for rank in range(4):
+        shard = dict(load(TensorParallel(rank, 4, None, target)).named_parameters())
+        layer = "layers.1.self_attn."
+        assert torch.equal(shard[layer + "q_proj.weight"], whole[layer + "q_proj.weight"].chunk(4)[rank])
+        assert torch.equal(shard[layer + "k_proj.weight"], whole[layer + "k_proj.weight"].chunk(2)[rank // 2])
+        assert torch.equal(shard[layer + "o_proj.weight"], whole[layer + "o_proj.weight"].chunk(4, dim=1)[rank])
+        assert torch.equal(shard["layers.0.mlp.down_proj.weight"], whole["layers.0.mlp.down_proj.weight"].chunk(4, dim=1)[rank])
+        assert torch.equal(shard["markov_head.markov_w2.weight"], whole["markov_head.markov_w2.weight"].chunk(4)[rank])
+        for name in ("fc.weight", "markov_head.markov_w1.weight", "confidence_head.proj.weight", layer + "k_norm.weight"):
+            assert torch.equal(shard[name], whole[name]), name
+
+
+def test_unshardable_models_are_refused_in_one_line(saved_family, tmp_path):
+    import json
+
+    from services.models import BUNDLED_DRAFT_MODEL, BUNDLED_MODEL
+
     config = ModelConfig.from_pretrained(saved_family("qwen3")[1])
     check_shardable(config, 1)
     with pytest.raises(TensorParallelError, match="must divide the 4 attention heads"):
         check_model(SchedulerConfig(model=str(saved_family("qwen3")[1]), tensor_parallel_size=3))  # before any spawn
+    draft = json.loads((BUNDLED_DRAFT_MODEL / "config.json").read_text()) | {"intermediate_size": 510}
+    (tmp_path / "config.json").write_text(json.dumps(draft))
+    with pytest.raises(TensorParallelError, match="the intermediate size 510"):  # the drafter is sharded too
+        check_model(SchedulerConfig(model=str(BUNDLED_MODEL), speculative_algorithm="dspark", draft_model=str(tmp_path),
+                                    tensor_parallel_size=4))  # fmt: skip
     if torch.cuda.device_count() < 2:
         with pytest.raises(ValueError, match="--tensor-parallel-size 2 needs 2 GPUs"):
             check_model(SchedulerConfig(model=str(saved_family("qwen3")[1]), device="cuda", tensor_parallel_size=2))
@@ -201,32 +234,92 @@ DSPARK = dict(device="cpu", dtype="float32", num_kv_blocks=NUM_KV_BLOCKS, chunke
 
 
 @pytest.fixture(scope="module")
-def dspark_group():
-    """The bundled pair's DSpark core on two ranks: the drafter on rank 0 over the whole vocabulary,
-    the target's verify sharded."""
+def dspark_groups():
+    """size -> the bundled pair's DSpark core on that many ranks, every rank drafting on its shard of
+    the drafter (`dspark_loader.shard_drafter`); every group stopped at the end."""
     from services.models import BUNDLED_MODEL
     from services.scheduler.build import build_core
 
-    core = build_core(SchedulerConfig(model=str(BUNDLED_MODEL), speculative_algorithm="dspark", tensor_parallel_size=2, **DSPARK))
-    yield core
-    core.worker.runner.leader.stop()
+    live = {}
+
+    def get(size):
+        if size not in live:
+            live[size] = build_core(SchedulerConfig(model=str(BUNDLED_MODEL), speculative_algorithm="dspark",
+                                                    tensor_parallel_size=size, **DSPARK))  # fmt: skip
+        return live[size]
+
+    yield get
+    for core in live.values():
+        core.worker.runner.leader.stop()
 
 
-def test_dspark_on_two_ranks_is_greedy_identical_to_plain_tp1(dspark_group, gathered):
-    """Greedy verify blocks accepted on argmaxes merged from the shards: no row gathered whole."""
+def recorded_drafts(core, monkeypatch) -> dict[str, list[list[int]]]:
+    """rid -> every block rank 0's proposer drafts for it from now on, in order."""
+    drafts, propose = {}, core.worker.proposer.propose
+
+    def recording(request):
+        proposal = propose(request)
+        for rid, block in zip(request.rids, proposal.tokens.tolist(), strict=True):
+            drafts.setdefault(rid, []).append(block)
+        return proposal
+
+    monkeypatch.setattr(core.worker.proposer, "propose", recording)
+    return drafts
+
+
+@pytest.mark.parametrize("size", [2, 4])
+def test_sharded_dspark_drafts_and_serves_what_tp1_does(dspark_groups, gathered, monkeypatch, size):
+    """Every rank drafts on its shard (its draft heads, its rows of W2 and of the target's LM head;
+    4 ranks: the drafter's 2 KV heads replicated): the greedy blocks, argmax-merged from the shards,
+    are TP = 1's blocks, accepted on argmaxes merged from the target's shards. Only the sampled
+    request's rows are gathered whole: one drafting row per slot, and its verify blocks of K + 1 = 8."""
     from services.models import BUNDLED_MODEL
     from services.scheduler.build import build_core
 
     prompts = [[(7 * i + 13 * j) % 4000 + 3 for j in range(9 + 5 * i)] for i in range(3)]
     requests = lambda: [request(f"d{i}", p, max_new_tokens=12, logprobs=LOGPROBS, ignore_eos=True)  # noqa: E731
-                        for i, p in enumerate(prompts)]  # fmt: skip
-    plain = run(build_core(SchedulerConfig(model=str(BUNDLED_MODEL), **DSPARK)), requests())
-    spec = run(dspark_group, requests())
-    assert_same(plain, spec, tol=1e-4)  # verify blocks against one-token decode steps: test_speculative_loop's bound
-    assert sum(r.spec_verify_ct or 0 for r in spec.values()) > 0 and gathered == []
+                        for i, p in enumerate(prompts)] + [request("s", prompts[1], max_new_tokens=12, temperature=1.0, seed=7,
+                                                                   ignore_eos=True)]  # fmt: skip
+    one = build_core(SchedulerConfig(model=str(BUNDLED_MODEL), speculative_algorithm="dspark", **DSPARK))
+    expected_drafts, expected = recorded_drafts(one, monkeypatch), run(one, requests())
+    core = dspark_groups(size)
+    drafts, spec = recorded_drafts(core, monkeypatch), run(core, requests())
+    greedy = lambda found: {rid: v for rid, v in found.items() if rid != "s"}  # noqa: E731
+    assert_same(greedy(expected), greedy(spec), tol=1e-4)
+    assert greedy(drafts) == greedy(expected_drafts) and sum(map(len, greedy(drafts).values())) >= 6
+    assert 1 in gathered and all(rows == 1 or rows % 8 == 0 for rows in gathered) and len(spec["s"].tokens) == 12
+    assert sum(r.spec_verify_ct or 0 for r in spec.values()) > 0
+    drafter, heads = core.worker.proposer.drafter, one.worker.proposer.drafter.layers[0].self_attn.num_heads
+    assert drafter.layers[0].self_attn.num_heads == heads // size and drafter.tp.size == size
+    assert drafter.markov_head.markov_w2.weight.shape[0] == drafter.target.lm_head_weight.shape[0] == 4096 // size
 
 
-def test_dspark_on_two_ranks_samples_the_target_distribution(dspark_group):
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs (NCCL)")
+def test_sharded_dspark_on_two_gpus_drafts_what_one_gpu_drafts(monkeypatch):
+    """CUDA: the drafter's collectives inside its graphs (`DraftGraphs`, NCCL) next to the target's;
+    greedy blocks and tokens as on one GPU, sampled rows served too."""
+    from services.models import BUNDLED_MODEL
+    from services.scheduler.build import build_core
+
+    prompts = [[(7 * i + 13 * j) % 4000 + 3 for j in range(9 + 5 * i)] for i in range(8)]
+    requests = lambda: [request(f"g{i}", p, max_new_tokens=48, ignore_eos=True) for i, p in enumerate(prompts)] + [  # noqa: E731
+        request(f"s{i}", p, max_new_tokens=48, temperature=1.0, seed=i, ignore_eos=True) for i, p in enumerate(prompts)]  # fmt: skip
+    served = {}
+    for size in (1, 2):
+        core = build_core(SchedulerConfig(model=str(BUNDLED_MODEL), speculative_algorithm="dspark", device="cuda",
+                                          dtype="float32", tensor_parallel_size=size))  # fmt: skip
+        drafts = recorded_drafts(core, monkeypatch)
+        try:
+            served[size] = drafts, run(core, requests())
+        finally:
+            if size > 1:
+                core.worker.runner.leader.stop()
+    greedy = lambda found: {rid: v for rid, v in found.items() if rid.startswith("g")}  # noqa: E731
+    assert greedy(served[2][0]) == greedy(served[1][0]) and len(served[2][1]) == 16
+    assert all(served[2][1][rid].tokens == served[1][1][rid].tokens for rid in greedy(served[1][1]))
+
+
+def test_dspark_on_two_ranks_samples_the_target_distribution(dspark_groups):
     """T = 1, lossless: the first token (drawn from the shards) and the second (the accept rule over
     a drafted block, its target rows gathered) follow the target's distributions, the second given
     the commonest first. Chi-square p > 1e-4 on fixed seeds (`spec/chi_square.py`)."""
@@ -236,7 +329,7 @@ def test_dspark_on_two_ranks_samples_the_target_distribution(dspark_group):
 
     prompt, num_samples = [(11 * j) % 4000 + 3 for j in range(7)], 600
     asks = [request(f"s{i}", prompt, max_new_tokens=2, temperature=1.0, seed=i, ignore_eos=True) for i in range(num_samples)]
-    got = run(dspark_group, asks)
+    got = run(dspark_groups(2), asks)
     tokens = torch.tensor([got[f"s{i}"].tokens for i in range(num_samples)])  # [N, 2]
     reference = load_model_runner(BUNDLED_MODEL, device="cpu", dtype=torch.float32, num_kv_blocks=4)
     first = reference_logprobs(reference, prompt)[-1].exp()  # [V]
