@@ -16,6 +16,7 @@ from e2e.stack import generate_body
 from e2e.test_up import start_up, wait_for_line
 from e2e.test_up_supervision import pid_of, wait_status
 from services.common.nats_server import free_port
+from services.models import BUNDLED_MODEL
 
 
 def greedy(url: str) -> dict:
@@ -52,6 +53,10 @@ def test_up_with_two_ranks_serves_and_survives_a_killed_rank(tmp_path):
         wait_status(url, 200, 120)
         after = greedy(url)
         assert (after["text"], after["output_ids"]) == (before["text"], before["output_ids"])
+        # new weights would reach rank 0's shards only: refused in one line, the old ones keep serving
+        update = httpx.post(f"{url}/update_weights_from_disk", json={"model_path": str(BUNDLED_MODEL)}, timeout=60)
+        assert update.status_code == 400 and "not supported yet" in update.text, update.text
+        assert greedy(url)["output_ids"] == before["output_ids"]
         process.send_signal(signal.SIGINT)
         assert process.wait(timeout=30) == 0, log.read_text()[-4000:]
     finally:

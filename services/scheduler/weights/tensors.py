@@ -26,6 +26,8 @@ class WeightMismatch(ValueError):
 
 def served_tensors(worker: ModelWorker, target: WeightTarget) -> dict[str, torch.Tensor]:
     """name -> the served tensor (a view into the model's parameters) of the target or drafter."""
+    if getattr(worker.runner, "leader", None) is not None:  # rank 0 holds only its shards; the others would keep the old weights
+        raise WeightMismatch("weight updates under --tensor-parallel-size > 1 are not supported yet: restart on the new weights")
     if target == WeightTarget.MODEL:
         return dict(worker.runner.model.checkpoint_tensors())
     drafter = getattr(dspark_proposer(worker), "drafter", None)
