@@ -32,7 +32,7 @@ from typing import Any
 from ops.bench.common import REPO, script
 from ops.bench.gpu_serve_check import serving_model_dir
 from ops.bench.serve import ServeConfig, run_serve_benchmark
-from ops.bench.serve_launch import launched_stack
+from ops.bench.serve_launch import launched_stack, prefix_cache_counters, scheduler_metrics_url
 from ops.bench.serve_workload import multi_turn_prompts, token_pool
 from services.common.nats_server import free_port
 from services.models import BUNDLED_MODEL
@@ -91,14 +91,18 @@ def run_stack(check: PrefixCheck, model_dir: Path, flags: tuple[str, ...], log: 
     up_args = ("--device", check.device, "--load-format", "dummy", "--model", str(model_dir), *flags, *check.up_args)
     base_url = f"http://127.0.0.1:{free_port()}"
     scenarios: dict[str, Any] = {}
+    cached: dict[str, dict[str, float]] = {}  # scenario -> prompt tokens found in KV (hits) of all (queries)
     with launched_stack(up_args, base_url, log) as stack:
+        metrics_url = scheduler_metrics_url(stack)
         serve(base_url, check, num_prompts=check.concurrency, input_len=check.random_len, seed=99)  # warm-up (prompts of its own)
         for name in (n for n in check.scenarios if wide or n != "concurrency"):
             if time.monotonic() - began > check.budget_s:
                 scenarios[name] = {"skipped": f"past --budget-s {check.budget_s:.0f}"}
                 continue
+            before = prefix_cache_counters(metrics_url)
             scenarios[name] = SCENARIOS[name](base_url, check, log.parent)
-    return {"ready_s": stack.ready_s, "up_exit_code": stack.exit_code, "scenarios": scenarios}
+            cached[name] = {k: v - before[k] for k, v in prefix_cache_counters(metrics_url).items()}
+    return {"ready_s": stack.ready_s, "up_exit_code": stack.exit_code, "scenarios": scenarios, "prefix_cache": cached}
 
 
 def serve(base_url: str, check: PrefixCheck, **settings: Any) -> dict[str, Any]:
@@ -168,6 +172,9 @@ def table(result: dict[str, Any]) -> str:
                     lines.append(f"| multi_turn (TTFT p50 by turn: {ttfts}) | {cache} | | | | |")
                 else:
                     lines.append(f"| {label} | {cache} | {row.get('skipped', '?')} | | | |")
+    for cache in ("on", "off"):
+        counted = result[cache].get("prefix_cache", {}).items()
+        lines += [f"{name} ({cache}): {c['hits']:.0f} of {c['queries']:.0f} prompt tokens cached" for name, c in counted]
     lines += [f"{name}: {value:.2f}" for name, value in result["summary"].items()]
     return "\n".join(lines)
 

@@ -23,7 +23,6 @@ import dataclasses
 import json
 import os
 import random
-import re
 import tempfile
 import time
 from dataclasses import dataclass
@@ -33,13 +32,11 @@ from unittest import mock
 
 import httpx
 
-from ops.bench.serve_launch import launched_stack
+from ops.bench.serve_launch import launched_stack, prefix_cache_counters, scheduler_metrics_url
 from services.common.nats_server import free_port
 from services.models import BUNDLED_MODEL
 
 TASK = "python-idioms"
-HITS, QUERIES = "sparkwire:prefix_cache_hits_total", "sparkwire:prefix_cache_queries_total"
-SCHEDULER_METRICS = re.compile(r"Prometheus metrics: scheduler (\S+/metrics)")
 PREAMBLE = (
     '"""Python idioms, one small complete block each, as the standard library writes them."""\n\n'
     "from __future__ import annotations\n\nimport os\nimport re\nimport sys\nfrom collections import defaultdict\n"
@@ -160,23 +157,15 @@ def evaluate(base_url: str, model: str, check: EvalCheck, tasks: Any) -> dict[st
             "loglikelihoods": [[resp[0][0] for resp in sample["resps"]] for sample in samples]}  # fmt: skip
 
 
-def counters(metrics_url: str) -> dict[str, float]:
-    text = httpx.get(metrics_url, timeout=10).text
-    found = {name: float(line.rsplit(" ", 1)[1]) for line in text.splitlines() for name in (HITS, QUERIES)
-             if line.startswith(name + "{")}  # fmt: skip
-    return {"hits": found[HITS], "queries": found[QUERIES]}
-
-
 def run_stack(check: EvalCheck, flags: tuple[str, ...], tasks: Any, log: Path) -> dict[str, Any]:
     up_args = ("--model", str(check.model), "--device", check.device, *flags, *check.up_args)
     base_url = f"http://127.0.0.1:{free_port()}"
     with launched_stack(up_args, base_url, log) as stack:
-        stack.up.wait_until(lambda: SCHEDULER_METRICS.search(stack.up.log()) is not None, 30, "no metrics line from `up`")
-        metrics_url = SCHEDULER_METRICS.search(stack.up.log()).group(1)
+        metrics_url = scheduler_metrics_url(stack)
         model = warm_up(base_url)
-        before = counters(metrics_url)
+        before = prefix_cache_counters(metrics_url)
         run = evaluate(base_url, model, check, tasks)
-        after = counters(metrics_url)
+        after = prefix_cache_counters(metrics_url)
     run["prefix_cache"] = {name: after[name] - before[name] for name in after}
     return {"up_flags": list(flags), "ready_s": stack.ready_s, **run}
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import subprocess
 import sys
 import time
@@ -29,6 +30,8 @@ POLL_S = 0.25
 STOP_GRACE_S = 60.0  # `up` itself gives each service 10 s after SIGTERM, and they drain first
 LOG_TAIL_CHARS = 4000
 OWNED_FLAGS = ("--host", "--port")  # taken from the base URL, so the benchmark hits what it started
+SCHEDULER_METRICS = re.compile(r"Prometheus metrics: scheduler (\S+/metrics)")  # `up`'s line naming the scheduler's page
+PREFIX_HITS, PREFIX_QUERIES = "sparkwire:prefix_cache_hits_total", "sparkwire:prefix_cache_queries_total"
 
 
 @dataclass
@@ -111,3 +114,17 @@ def launched_stack(
     finally:
         stack.up.stop(STOP_GRACE_S)
         stack.exit_code = stack.up.process.returncode
+
+
+def scheduler_metrics_url(stack: LaunchedStack, timeout_s: float = 30.0) -> str:
+    """The scheduler's Prometheus page, as `up` logs it."""
+    stack.up.wait_until(lambda: SCHEDULER_METRICS.search(stack.up.log()) is not None, timeout_s, "no metrics line from `up`")
+    return SCHEDULER_METRICS.search(stack.up.log()).group(1)
+
+
+def prefix_cache_counters(metrics_url: str) -> dict[str, float]:
+    """The scheduler's prefix-cache counters, in prompt tokens: hits (KV found computed) and queries (all)."""
+    text = httpx.get(metrics_url, timeout=10).text
+    found = {name: float(line.rsplit(" ", 1)[1]) for line in text.splitlines() for name in (PREFIX_HITS, PREFIX_QUERIES)
+             if line.startswith(name + "{")}  # fmt: skip
+    return {"hits": found[PREFIX_HITS], "queries": found[PREFIX_QUERIES]}

@@ -16,6 +16,13 @@ step's computed full blocks are registered as they fill (`commit`). A hit stops 
 token (it must be computed to sample) and before any prompt position whose logprob row the
 request still wants (a row comes from the position before it), unless those rows were kept with
 the cached blocks (`prompt_rows.py`): then they are returned at admission, not computed.
+Requests of one prefix that arrive together would each compute it (SGLang's in-batch prefix
+caching answers the same): a waiting request whose first uncached block a running request is
+computing and has not committed (equal chained hashes: equal prefixes) keeps its place while other
+work fills the step (`_may_wait_for`, `_computing`), and is admitted a step or two later as a hit.
+The wait is bounded: with budget left for admissions every running prefill got all its tokens, so
+the block is in this step or the one in flight, committed by that step's update (or its holder
+left); where nothing else would run this step, the request goes at once.
 
 Planned ahead (a step in flight whose results are not applied yet, its effects counted by
 `Policy.expect`), a plan never preempts: it is None where it would have to, and the step after the
@@ -81,7 +88,7 @@ class Planner:
                 budget -= num_tokens + num_draft
         except _WouldPreempt:
             return None
-        chosen.extend(self._admit(budget))
+        chosen.extend(self._admit(budget, busy=bool(chosen)))
         self._observe_blocks(chosen)
         return self._running.plan([self._seq_step(seq, n, k) for seq, n, k in chosen]), [seq for seq, _, _ in chosen]
 
@@ -139,11 +146,19 @@ class Planner:
         self.num_preemptions += 1
         log.debug("scheduler.preempt", rid=seq.rid, tokens=seq.num_tokens)
 
-    def _admit(self, budget: int) -> list[tuple[Sequence, int, int]]:
-        admitted = []
+    def _admit(self, budget: int, busy: bool) -> list[tuple[Sequence, int, int]]:
+        """Waiting requests in order while budget, running limit and KV allow; one whose prefix a
+        running request is computing stays in its place (a step not `busy` takes it anyway)."""
+        admitted, deferred = [], []
+        computing: set[int] | None = None  # `_computing`, built when first asked, grown by each admission
         while self._waiting and budget > 0 and len(self._running) < self.config.max_running_requests:
             seq = self._waiting[0]
             prefix = self._cached_prefix(seq)
+            if (busy or admitted) and self._may_wait_for(seq, len(prefix)):
+                computing = self._computing() if computing is None else computing
+                if seq.block_hashes[len(prefix)] in computing:
+                    deferred.append(self._waiting.popleft())
+                    continue
             seq.num_computed += len(prefix) * self._blocks.block_size  # cached blocks (a fork holds its shared ones already)
             num_tokens, num_draft = self._query_size(seq, budget)
             total = seq.num_computed + num_tokens + num_draft
@@ -168,9 +183,29 @@ class Planner:
             if seq.next_prompt_logprob < min(seq.num_prompt, len(prefix) * self._blocks.block_size):
                 self._give_rows(seq, len(prefix) * self._blocks.block_size + 1)
             self._running.add(seq)
+            if computing is not None:
+                computing.update(seq.block_hashes[len(prefix) :])
             admitted.append((seq, num_tokens, num_draft))
             budget -= num_tokens + num_draft
+        self._waiting.extendleft(reversed(deferred))
         return admitted
+
+    def _may_wait_for(self, seq: Sequence, num_cached_blocks: int) -> bool:
+        """Whether block `num_cached_blocks` of `seq` (its first uncached one), once cached, would
+        lengthen its hit: a request with no output yet, no blocks of its own, and no prompt row
+        wanted from that block (rows from position p need position p - 1 computed)."""
+        if not self._blocks.cache.enabled or seq.num_computed or seq.num_tokens > seq.num_prompt:
+            return False
+        limit = (seq.num_tokens - 1) // self._blocks.block_size  # the last token is always computed
+        if seq.next_prompt_logprob < seq.num_prompt:
+            limit = min(limit, max(0, seq.next_prompt_logprob - 1) // self._blocks.block_size)
+        return num_cached_blocks < limit and not self._blocks.holds(seq.rid)
+
+    def _computing(self) -> set[int]:
+        """Hashes of the full blocks running requests compute (this step, in flight or next),
+        not committed yet: past each one's committed blocks (`next_commit`)."""
+        size = self._blocks.block_size
+        return {h for seq in self._running for h in seq.block_hashes[max(0, seq.next_commit // size - 1) :]}
 
     def _cached_prefix(self, seq: Sequence) -> list[int]:
         """The cached blocks `seq` can start from: none where it holds blocks already (a fork, a

@@ -1,7 +1,6 @@
 """`sparkwire bench gpu-prefix-cache` at toy size on the CPU (the bundled model), so the GPU run
-cannot rot: both stacks come up, every scenario completes, and the cache-on stack found the shared
-prefixes (its prompt tokens computed are fewer: seen in the scheduler's counters via the speedup's
-inputs only on the GPU, so here the workloads' shapes)."""
+cannot rot: both stacks come up, every scenario completes, the workloads have their shapes, and
+the scheduler's counters say the cache-on stack found the shared prefixes (the cache-off one none)."""
 
 from __future__ import annotations
 
@@ -37,4 +36,6 @@ def test_every_scenario_runs_at_toy_size(tmp_path, capsys):
         assert [t["prompt_len"] for t in scenarios["multi_turn"]["turns"]] == [16, 36, 56]
     assert set(result["on"]["scenarios"]["concurrency"]) == {"4", "8"} and "concurrency" not in result["off"]["scenarios"]
     assert {"shared_prefix_tok_s_on_over_off", "multi_turn_ttft_last_over_first", "wide_over_narrow_tok_s"} <= set(result["summary"])
+    assert result["on"]["prefix_cache"]["shared_prefix"]["hits"] > 0 == result["off"]["prefix_cache"]["shared_prefix"]["hits"]
+    assert result["on"]["prefix_cache"]["shared_prefix"]["queries"] == 9 * (48 + 8)
     assert "| shared_prefix | on | 9 / 0 |" in capsys.readouterr().out

@@ -208,3 +208,17 @@ def test_processed_mode_keeps_no_prompt_rows(make_core):
     computed = core.stats().num_prompt_tokens
     run(core, [request("y", prompt, logprobs=TOP5, max_new_tokens=2)])
     assert core.stats().num_prompt_tokens - computed == 70  # rows from position 0 wanted: nothing cached could serve
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+@pytest.mark.parametrize("chunk", [40, 1024])
+def test_a_group_arriving_together_computes_its_shared_prefix_once(make_core, overlap, chunk):
+    """8 requests sharing a 4-block prefix arrive in one step whose budget would admit them all (or,
+    chunk 40, the first's prefill spans two steps): the first computes the prefix, the others wait
+    for its blocks to be committed (a step, two planned ahead) and hit."""
+    group = [request(f"g{i}", BASE[:64] + prompt_of(100 + i, 5), ignore_eos=True, max_new_tokens=4) for i in range(8)]
+    off, on, core = both(make_core, group, chunked_prefill_size=chunk, overlap_decode=overlap)
+    _assert_same(off, on)
+    assert sorted(result.cached_tokens for result in on.values()) == [0] + [64] * 7
+    assert core.stats().num_prompt_tokens == 69 + 7 * 5  # the prefix once, each tail once
+    assert_all_free(core)

@@ -35,6 +35,7 @@ class Result:
     flat: tuple | None = None
     num_input_entries: int = 0
     spec_verify_ct: int | None = None
+    cached_tokens: int = 0  # prompt tokens found in KV (usage's cached_tokens)
 
     def absorb(self, output) -> None:
         assert self.finish is None, "nothing may follow a finish"
@@ -42,6 +43,7 @@ class Result:
         self.tokens.extend(output.new_token_ids)
         self.finish = output.finish
         self.spec_verify_ct = output.spec_verify_ct
+        self.cached_tokens = output.cached_tokens
         lp = output.logprobs
         if lp is None:
             return
