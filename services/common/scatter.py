@@ -43,6 +43,17 @@ def _bin_header(size: int) -> bytes:
     raise ValueError(f"{size} bytes: over msgpack's 4 GiB bin limit")
 
 
+def byte_range(parts: list[memoryview], start: int, end: int) -> list[memoryview]:
+    """Bytes [start, end) of the concatenation of `parts` (byte views), as views into them."""
+    views, offset = [], 0
+    for part in parts:
+        low, high = max(start - offset, 0), min(end - offset, len(part))
+        if low < high:
+            views.append(part[low:high])
+        offset += len(part)
+    return views
+
+
 def header_block(headers: dict[str, str]) -> bytes:
     """The NATS header block: `NATS/1.0\\r\\n` + `Key: Value\\r\\n`... + `\\r\\n` (as nats-py writes it)."""
     if any(c in key + value for key, value in headers.items() for c in "\r\n"):

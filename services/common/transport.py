@@ -61,7 +61,7 @@ from services.common.connection import NatsConnection, as_connection
 from services.common.nats_reader import Delivery, NatsReader, ReaderError, ReaderEvents
 from services.common.nats_start import auth_rejected, connect_nats_py, is_auth_rejection, unreachable
 from services.common.natspy_reader import NatsPyReader
-from services.common.scatter import Buffer, header_block, publish_parts
+from services.common.scatter import Buffer, byte_range, header_block, publish_parts
 
 log = structlog.get_logger(__name__)
 
@@ -136,17 +136,6 @@ def plan_chunks(
         if num_chunks < 10**width:
             return chunk_size, num_chunks, width
     raise AssertionError("unreachable")
-
-
-def byte_range(parts: list[memoryview], start: int, end: int) -> list[memoryview]:
-    """Bytes [start, end) of the concatenation of `parts` (byte views), as views into them."""
-    views, offset = [], 0
-    for part in parts:
-        low, high = max(start - offset, 0), min(end - offset, len(part))
-        if low < high:
-            views.append(part[low:high])
-        offset += len(part)
-    return views
 
 
 @dataclass

@@ -12,7 +12,8 @@ import pytest
 
 from contracts.weights import WeightMessage, WeightPiece, WeightTarget
 from services.common.scatter import encode_parts, publish_parts
-from services.common.transport import Transport, byte_range
+from services.common.scatter import byte_range
+from services.common.transport import Transport
 
 MB = 1024 * 1024
 SUBJECT = "sparkwire.v1.test.scatter"
