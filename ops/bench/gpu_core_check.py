@@ -630,11 +630,18 @@ def measure(args: argparse.Namespace) -> int:
     return 0
 
 
+KV_BLOCK = 16
+
+
 def measure_speedup(args: argparse.Namespace) -> int:
     deadline = time.monotonic() + args.budget_s
     result = {"device": device_name(args.device), "torch": torch.__version__, "prompt_len": args.prompt_len,
               "new_tokens": args.new_tokens, "rounds": args.rounds}  # fmt: skip
-    runner = load_model_runner(args.target, device=args.device, dtype=bench_dtype(args.device), load_format="dummy", cuda_graphs=False)
+    # The KV cache holds the largest batch's sequences and no more: sized from free memory it left an
+    # 80 GB card too little for the drafter, its graphs and a 64-row verify's activations.
+    blocks = 2 * max(args.batches) * -(-(args.prompt_len + args.new_tokens + 64) // KV_BLOCK)
+    runner = load_model_runner(args.target, device=args.device, dtype=bench_dtype(args.device), load_format="dummy", cuda_graphs=False,
+                               num_kv_blocks=blocks, kv_block_size=KV_BLOCK)  # fmt: skip
     if runner.decode_kernel:
         runner.prepare_decode_graphs(query_lens=(1,))
     speedup(args, runner, result, deadline)
