@@ -12,8 +12,9 @@ does the mode cost?
 - cost (the 8B shape): decode tok/s mode on / off at batch 1 and 64, served as `build_core` serves
   them (graphs), and DSpark's speedup over plain decoding with the mode on at an EXPLICITLY
   SIMULATED accept length (`--simulate-accept-len`, default 4: every verify keeps 3 drafts + the
-  bonus whatever the target says); and (CUDA) each 8B weight's invariant GEMM against cuBLAS, with
-  the tile configurations it could fix instead (`batch_invariant.tile_config`'s choice, from figures).
+  bonus whatever the target says); and (CUDA) each 8B weight's invariant GEMM (split-K and its
+  ordered sum included) against cuBLAS, with the tile configurations and K splits it could fix
+  instead (`batch_invariant.tile_config`'s choice, from figures), and the layer's four summed.
   Each cost row says whether it meets issue 43's targets (on/off >= 0.9 at batch 1, >= 0.8 at 64;
   DSpark with the mode on >= 2x). The 8B shape runs first, so its cost rows fit any budget.
 - kernel bits (CUDA): the mode's attention kernels in bf16, bitwise (`kernel_bits`).
@@ -296,14 +297,20 @@ def kernel_bits() -> dict:
             "draft_block_alone_equals_batched": torch.equal(alone[0], batched[0])}  # fmt: skip
 
 
-# (block_m, block_n, block_k): the fixed configuration's alternatives, to choose from figures
-GEMM_CANDIDATES = ((64, 16, 128), (64, 32, 128), (64, 64, 128), (64, 128, 128), (64, 64, 64), (16, 32, 128), (16, 64, 128),
-                   (32, 64, 128))  # fmt: skip
+# (block_m, block_n, block_k, K splits): the fixed configuration's alternatives, to choose from figures
+GEMM_CANDIDATES = ((64, 16, 128, 1), (64, 32, 128, 1), (64, 64, 128, 1), (64, 128, 128, 1), (64, 64, 64, 1), (64, 16, 128, 2),
+                   (64, 32, 128, 2), (64, 64, 128, 2), (64, 64, 128, 4), (64, 64, 128, 8), (64, 128, 128, 4))  # fmt: skip
+LAYER_WEIGHTS = ("qkv", "o", "gate_up", "down")
+
+
+def tile_name(config) -> str:
+    return f"{config.block_m}x{config.block_n}x{config.block_k}s{config.splits}"
 
 
 def gemm_rows(config_dir: Path, batches: list[int]) -> list[dict]:
     """CUDA: per weight shape of the model at `config_dir`, the invariant GEMM (its one tile
-    configuration, and the alternatives it could have fixed) against cuBLAS, us per call, at each batch."""
+    configuration with its K splits, and the alternatives it could have fixed) against cuBLAS, us per
+    call, at each batch; per batch, the layer's four GEMMs summed."""
     from triton.testing import do_bench
 
     from services.scheduler.model.batch_invariant import TileConfig, matmul_triton, tile_config
@@ -321,15 +328,23 @@ def gemm_rows(config_dir: Path, batches: list[int]) -> list[dict]:
         for m in batches:
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
-            timed = {f"{bm}x{bn}x{bk}": do_bench(lambda c=TileConfig(bm, bn, bk, 4, 3): launch_matmul(x, weight, None, out, c),
-                                                warmup=10, rep=40) for bm, bn, bk in GEMM_CANDIDATES}  # fmt: skip
-            chosen = tile_config(n, k, sms)
-            rows.append({"weight": name, "n": n, "k": k, "batch": m,
-                         "chosen": f"{chosen.block_m}x{chosen.block_n}x{chosen.block_k}",
+            candidates = [TileConfig(bm, bn, bk, 4, 3, splits) for bm, bn, bk, splits in GEMM_CANDIDATES]
+            timed = {tile_name(c): do_bench(lambda c=c: launch_matmul(x, weight, None, out, c), warmup=10, rep=40) for c in candidates}
+            rows.append({"weight": name, "n": n, "k": k, "batch": m, "chosen": tile_name(tile_config(n, k, sms)),
                          "us_chosen": 1e3 * do_bench(lambda: matmul_triton(x, weight), warmup=10, rep=40),
                          "us_cublas": 1e3 * do_bench(lambda: torch.nn.functional.linear(x, weight), warmup=10, rep=40),
                          **{f"us_{key}": 1e3 * ms for key, ms in timed.items()}})  # fmt: skip
-    return rows
+    return rows + layer_rows(rows, batches)
+
+
+def layer_rows(rows: list[dict], batches: list[int]) -> list[dict]:
+    """Per batch, one decoder layer's GEMMs (qkv, o, gate_up, down) summed: invariant and cuBLAS."""
+    sums = []
+    for m in batches:
+        layer = [row for row in rows if row["batch"] == m and row["weight"] in LAYER_WEIGHTS]
+        chosen, cublas = sum(row["us_chosen"] for row in layer), sum(row["us_cublas"] for row in layer)
+        sums.append({"layer_batch": m, "us_chosen": chosen, "us_cublas": cublas, "chosen_over_cublas": chosen / cublas})
+    return sums
 
 
 def table(result: dict) -> str:
@@ -348,6 +363,9 @@ def table(result: dict) -> str:
             best = min((k for k in row if k.startswith("us_") and "x" in k), key=lambda k: row[k])
             lines.append(f"gemm {row['weight']:8} batch {row['batch']:3}: {row['chosen']} {row['us_chosen']:.1f} us, "
                          f"cuBLAS {row['us_cublas']:.1f} us, best {best[3:]} {row[best]:.1f} us")  # fmt: skip
+        elif isinstance(row, dict) and "layer_batch" in row:
+            lines.append(f"gemm layer    batch {row['layer_batch']:3}: {row['us_chosen']:.1f} us, cuBLAS {row['us_cublas']:.1f} us "
+                         f"({row['chosen_over_cublas']:.2f}x)")  # fmt: skip
     for row in result.get("cost") or []:
         if isinstance(row, dict) and "batch" in row:
             lines.append(f"cost batch {row['batch']:3}: on/off {row['on_over_off']:.3f} (target >= {row['target_on_over_off']}: "

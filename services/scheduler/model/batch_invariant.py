@@ -4,10 +4,11 @@ alone, whatever else shares the step.
 A GEMM's rounding depends on its reduction order, and libraries pick that order (tile shape,
 split-K, the tensor-core instruction) from the whole problem's shape, M included: the same row
 multiplied alone and among 63 others may round differently. Here:
-- `invariant_linear` on CUDA is a Triton matmul with one tile configuration per weight shape (N, K), whatever
-  M, and no split-K: every output tile walks K in the same BLOCK_K steps, and a row's products meet
-  only its own row of x. Elsewhere its twin multiplies each row as its own [1, K] @ [K, N] call:
-  the same call, on a fresh contiguous row, whatever the batch.
+- `invariant_linear` on CUDA is a Triton matmul with one tile configuration per weight shape (N, K),
+  split-K included, whatever M: every output tile walks each K split in the same BLOCK_K steps, the
+  splits' fp32 partials are added in split order, and a row's products meet only its own row of x.
+  Elsewhere its twin multiplies each row as its own [1, K] @ [K, N] call: the same call, on a fresh
+  contiguous row, whatever the batch.
 - `attend_rowwise` is the attention twin: each query token over exactly the keys its position
   sees, one call per token, so a decode query, a verify block's query and a prefill chunk's query at
   the same position run the same arithmetic. The kernel side is `triton_varlen` with a fixed tile
@@ -75,6 +76,14 @@ def linear_rowwise(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     return out
 
 
+# A one-row step streams the weight once, so its time is the weight's bytes over the bandwidth the
+# step's programs keep busy: where N gives too few tiles, K is split until about this many programs
+# per SM stream their own slice (two 64-row tiles of three stages fill an SM's shared memory).
+SPLIT_PROGRAMS_PER_SM = 2
+SPLIT_BLOCK_N = 64
+MIN_STEPS_PER_SPLIT = 4  # BLOCK_K steps a split keeps, so each program's loads still pipeline
+
+
 @dataclass(frozen=True)
 class TileConfig:
     block_m: int
@@ -82,20 +91,30 @@ class TileConfig:
     block_k: int
     num_warps: int
     num_stages: int
+    splits: int = 1  # programs along K, each cdiv(K / BLOCK_K, splits) whole steps; > 1: fp32 partials added in split order
 
 
 def tile_config(n: int, k: int, num_sms: int) -> TileConfig:
-    """The one tile configuration of a weight [N, K], whatever M: N split finely enough that a
-    one-row step still has a program on most SMs (a GEMV is bandwidth-bound), K never split."""
-    block_n = next((b for b in (128, 64, 32) if -(-n // b) >= num_sms), 16)
+    """The one tile configuration of a weight [N, K], whatever M (a function of N, K and the card
+    alone, so a row's reduction order is too). A one-row step is bandwidth-bound and must keep most
+    SMs streaming: N fine enough for a program per SM where that takes tiles of 128 (or where K is
+    too short to split, down to 16), else 64-wide tiles with K split into whole BLOCK_K steps."""
     block_k = 128 if k % 128 == 0 else 64
-    return TileConfig(block_m=64, block_n=block_n, block_k=block_k, num_warps=4, num_stages=3)
+    steps = -(-k // block_k)
+    wanted = SPLIT_PROGRAMS_PER_SM * num_sms // -(-n // SPLIT_BLOCK_N)
+    splits = max(1, min(wanted, steps // MIN_STEPS_PER_SPLIT))
+    if -(-n // 128) >= num_sms or splits == 1:
+        block_n = next((b for b in (128, 64, 32) if -(-n // b) >= num_sms), 16)
+        return TileConfig(block_m=64, block_n=block_n, block_k=block_k, num_warps=4, num_stages=3)
+    per_split = -(-steps // splits)
+    return TileConfig(block_m=64, block_n=SPLIT_BLOCK_N, block_k=block_k, num_warps=4, num_stages=3, splits=-(-steps // per_split))
 
 
 def matmul_triton(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, num_sms: int | None = None
 ) -> torch.Tensor:
-    """x [M, K] @ weight [N, K]^T (+ bias) -> [M, N] in x's dtype, fp32 accumulation, no split-K."""
+    """x [M, K] @ weight [N, K]^T (+ bias) -> [M, N] in x's dtype, fp32 accumulation, K split as
+    `tile_config` says for the weight's shape and `num_sms` (None: this card's)."""
     from services.scheduler.model.triton_matmul import launch_matmul
 
     if num_sms is None:

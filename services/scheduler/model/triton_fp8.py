@@ -20,9 +20,9 @@ reads it: small next to the weight tile the same step streams.
 bandwidth-bound: the weight must stream from every SM at once, which a few N tiles cannot do
 (N / 64 = 64 programs for a 4096-row projection, half an H100), so K is split too, until about
 `PROGRAMS_PER_SM` programs per SM stream their own slice of the weight; each split writes fp32
-partial sums [S, M, N] and `_sum_splits_kernel` adds them in split order (deterministic, no atomics)
-and rounds once. Splits are whole K steps, so the activation groups, and the result up to fp32
-summation order, do not depend on the split. Larger steps take 64 x 128 tiles, split only while
+partial sums [S, M, N] and `triton_matmul.sum_splits` adds them in split order (deterministic, no
+atomics) and rounds once. Splits are whole K steps, so the activation groups, and the result up to
+fp32 summation order, do not depend on the split. Larger steps take 64 x 128 tiles, split only while
 they are too few to fill the SMs (a verify step of a few hundred tokens).
 Grids follow the shapes only (CUDA graphs capture them).
 """
@@ -37,19 +37,19 @@ import triton
 import triton.language as tl
 
 from services.scheduler.model.fp8 import ACTIVATION_GROUP, DECODE_ROWS, FP8_MAX
+from services.scheduler.model.triton_matmul import sum_splits
 
 PROGRAMS_PER_SM = 4  # decode: programs in flight per SM, each streaming its own slice of the weight
 MIN_STEPS_PER_SPLIT = 4  # K steps a split keeps, so each program's loads still pipeline
 DECODE_BLOCK_N = 64
 HOPPER_SMS = 132  # off CUDA (the interpreter): the tiles an H100 would take
-SUM_BLOCK = 1024
 
 
 @dataclass(frozen=True)
 class Tiles:
     block_m: int
     block_n: int
-    splits: int  # programs along K; > 1: fp32 partial sums, added by `_sum_splits_kernel`
+    splits: int  # programs along K; > 1: fp32 partial sums, added by `triton_matmul.sum_splits`
     steps_per_split: int  # BLOCK_K steps each split takes (the last may run past K: masked)
     num_stages: int
 
@@ -81,17 +81,6 @@ def _fp8_linear_kernel(
         acc += tl.dot(x8, w) * x_scale[:, None] * w_scale[None, :]
     out = out_ptr + split * stride_out_split + rows[:, None].to(tl.int64) * stride_out + cols[None, :]
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=in_rows[:, None] & in_cols[None, :])
-
-
-@triton.jit
-def _sum_splits_kernel(partial_ptr, out_ptr, numel, splits, BLOCK: tl.constexpr):
-    # out[i] = sum_s partial[s, i] in split order, rounded once to out's dtype
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < numel
-    total = tl.zeros((BLOCK,), dtype=tl.float32)
-    for split in range(0, splits):
-        total += tl.load(partial_ptr + split * numel + offs, mask=mask, other=0.0)
-    tl.store(out_ptr + offs, total.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def tiles(num_rows: int, out_features: int, in_features: int, block_k: int, num_sms: int = HOPPER_SMS) -> Tiles:
@@ -128,7 +117,7 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
         num_warps=4, num_stages=plan.num_stages,
     )  # fmt: skip
     if plan.splits > 1:
-        _sum_splits_kernel[(triton.cdiv(num_rows * n, SUM_BLOCK),)](partial, out, num_rows * n, plan.splits, BLOCK=SUM_BLOCK)
+        sum_splits(partial, out)
     return out.view(*x.shape[:-1], n)
 
 

@@ -5,13 +5,17 @@ Triton's interpreter, for the fixed-tile matmul and the varlen kernel's invarian
 from __future__ import annotations
 
 import importlib.util
+import inspect
+from dataclasses import replace
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 from services.scheduler.model.attention import MAX_TILE_ROWS, query_tiles, tile_tokens, varlen_attention_torch
-from services.scheduler.model.batch_invariant import Linear, linear_rowwise, set_batch_invariant, tile_config
+from services.scheduler.model.batch_invariant import (
+    MIN_STEPS_PER_SPLIT, Linear, TileConfig, linear_rowwise, set_batch_invariant, tile_config,
+)  # fmt: skip
 from tests.services.scheduler.model.test_varlen_attention import ragged_inputs
 from tests.services.scheduler.model.triton_interpreter import INTERPRETED, run_interpreted_cases
 
@@ -19,6 +23,12 @@ GEN = torch.Generator().manual_seed(7)
 X = torch.randn(67, 96, generator=GEN)
 W = torch.randn(80, 96, generator=GEN)
 B = torch.randn(80, generator=GEN)
+# A weight whose one-row step gets K split 3 ways on a 4-SM card: 37 rows of N make one tile, K = 777 makes
+# 13 BLOCK_K steps (5, 5, 3 per split), the last 9 columns wide.
+SPLIT_SHAPE, SPLIT_SMS = (37, 777), 4
+SPLIT_X = torch.randn(64, SPLIT_SHAPE[1], generator=GEN)
+SPLIT_W = torch.randn(*SPLIT_SHAPE, generator=GEN)
+SPLIT_B = torch.randn(SPLIT_SHAPE[0], generator=GEN)
 
 
 def assert_rows_invariant(product) -> None:
@@ -46,9 +56,22 @@ def test_linear_module_switches_to_the_invariant_product() -> None:
 
 
 def test_one_tile_config_per_weight_shape_whatever_m() -> None:
+    # the configuration, K's split count included, is a function of (N, K, SMs): M is not even an argument
+    assert list(inspect.signature(tile_config).parameters) == ["n", "k", "num_sms"]
     assert tile_config(4096, 4096, 132) == tile_config(4096, 4096, 132)
-    assert tile_config(4096, 4096, 132).block_n == 16 and tile_config(28672, 4096, 132).block_n == 128
-    assert tile_config(4096, 96, 132).block_k == 64  # K not a multiple of 128
+    assert tile_config(28672, 4096, 132) == TileConfig(64, 128, 128, 4, 3, splits=1)  # N alone fills the SMs
+    assert tile_config(4096, 96, 132).block_k == 64 and tile_config(4096, 96, 132).splits == 1  # K too short to split
+    assert tile_config(4096, 512, 132).block_n == 16  # ... so the one-row step's programs come from finer N tiles
+
+
+def test_k_is_split_where_n_gives_a_one_row_step_too_few_programs() -> None:
+    down, o = tile_config(4096, 12288, 132), tile_config(4096, 4096, 132)  # the 8B shape's down and o projections
+    assert (down.block_n, down.splits) == (64, 4) and (o.block_n, o.splits) == (64, 4)
+    for config, k in ((down, 12288), (o, 4096), (tile_config(*SPLIT_SHAPE, SPLIT_SMS), SPLIT_SHAPE[1])):
+        steps = -(-k // config.block_k)
+        assert -(-steps // -(-steps // config.splits)) == config.splits  # whole BLOCK_K steps, none idle
+        assert steps // config.splits >= MIN_STEPS_PER_SPLIT
+    assert tile_config(*SPLIT_SHAPE, SPLIT_SMS).splits == 3
 
 
 def decode_chunk_and_verify(attend) -> None:
@@ -83,6 +106,29 @@ def test_interpreted_matmul_is_batch_invariant() -> None:
     from services.scheduler.model.batch_invariant import matmul_triton
 
     assert_rows_invariant(lambda x: matmul_triton(x, W, B, num_sms=4))
+
+
+@pytest.mark.skipif(not INTERPRETED, reason="run by test_kernels_in_the_triton_interpreter")
+def test_interpreted_split_k_matmul_rows_are_the_same_bits_alone_and_in_batches_of_3_17_64() -> None:
+    from services.scheduler.model.batch_invariant import matmul_triton
+    from services.scheduler.model.triton_matmul import launch_matmul
+
+    def product(x):
+        return matmul_triton(x, SPLIT_W, SPLIT_B, num_sms=SPLIT_SMS)
+
+    whole = product(SPLIT_X)  # [64, 37]
+    for i in (0, 16, 17, 40, 63):
+        assert torch.equal(product(SPLIT_X[i : i + 1]), whole[i : i + 1]), i
+    for rows in (slice(15, 18), slice(40, 57), slice(0, 17)):
+        assert torch.equal(product(SPLIT_X[rows]), whole[rows]), rows
+    reference = F.linear(SPLIT_X.double(), SPLIT_W.double(), SPLIT_B.double()).float()
+    torch.testing.assert_close(whole, reference, atol=2e-4, rtol=1e-5)
+    # the split count shows in the bits (K walked whole rounds these rows otherwise): equal bits above
+    # mean every batch took the same count
+    config = tile_config(*SPLIT_SHAPE, SPLIT_SMS)
+    unsplit = launch_matmul(SPLIT_X, SPLIT_W, SPLIT_B, torch.empty_like(whole), replace(config, splits=1))
+    torch.testing.assert_close(unsplit, reference, atol=2e-4, rtol=1e-5)
+    assert not torch.equal(unsplit, whole)
 
 
 @pytest.mark.skipif(not INTERPRETED, reason="run by test_kernels_in_the_triton_interpreter")
@@ -148,7 +194,8 @@ def test_invariant_split_count_spreads_only_idle_sms_within_the_partials_bound()
 
 @pytest.mark.skipif(INTERPRETED or importlib.util.find_spec("triton") is None, reason="needs Triton (its compiler, not a GPU)")
 @pytest.mark.parametrize("has_bias", [False, True])
-def test_matmul_kernel_compiles_for_the_h100(has_bias) -> None:
+@pytest.mark.parametrize(("n", "k"), [(28672, 4096), (4096, 12288)])  # one split (bf16 out); four (fp32 partials)
+def test_matmul_kernel_compiles_for_the_h100(has_bias, n, k) -> None:
     # The interpreter runs the kernel's Python; the compiler also checks its types and the bf16 dot.
     import triton
     from triton.backends.compiler import GPUTarget
@@ -156,9 +203,9 @@ def test_matmul_kernel_compiles_for_the_h100(has_bias) -> None:
 
     from services.scheduler.model import triton_matmul
 
-    config = tile_config(4096, 4096, 132)
-    signature = {**dict.fromkeys(["x_ptr", "w_ptr", "b_ptr", "out_ptr"], "*bf16"),
-                 **dict.fromkeys(["M", "N", "K", "stride_xm", "stride_wn", "stride_om"], "i32")}  # fmt: skip
+    config = tile_config(n, k, 132)
+    signature = {**dict.fromkeys(["x_ptr", "w_ptr", "b_ptr"], "*bf16"), "out_ptr": "*bf16" if config.splits == 1 else "*fp32",
+                 **dict.fromkeys(["M", "N", "K", "k_per_split", "stride_xm", "stride_wn", "stride_out_split", "stride_om"], "i32")}  # fmt: skip
     constants = {"HAS_BIAS": has_bias, "BLOCK_M": config.block_m, "BLOCK_N": config.block_n, "BLOCK_K": config.block_k}
     source = ASTSource(triton_matmul._matmul_kernel, {**signature, **dict.fromkeys(constants, "constexpr")}, constants)
     assert triton.compile(source, target=GPUTarget("cuda", 90, 32)).asm["cubin"]

@@ -240,7 +240,7 @@ def test_interpreted_fp8_projections_skip_the_one_token_gemvs(tokens: int, make_
 @compiles
 def test_fp8_kernels_compile_for_hopper() -> None:
     # FP8 tensor-core dots exist from sm_89 on: the interpreter cannot tell whether these tiles lower.
-    from services.scheduler.model import triton_fp8
+    from services.scheduler.model import triton_fp8, triton_matmul
 
     i32 = "i32"
     signature = {"x_ptr": "*bf16", "w_ptr": "*fp8e4nv", "w_scale_ptr": "*fp32", "out_ptr": "*fp32", "M": i32, "N": i32, "K": i32,
@@ -253,7 +253,7 @@ def test_fp8_kernels_compile_for_hopper() -> None:
         constants = {"GROUP_N": group_n, "FP8_LIMIT": FP8_MAX, "BLOCK_M": plan.block_m, "BLOCK_N": plan.block_n, "BLOCK_K": 128}
         assert compile_for_hopper(triton_fp8._fp8_linear_kernel, signature, constants, divisible, num_warps=4, num_stages=plan.num_stages)
     sums = {"partial_ptr": "*fp32", "out_ptr": "*bf16", "numel": i32, "splits": i32}
-    assert compile_for_hopper(triton_fp8._sum_splits_kernel, sums, {"BLOCK": triton_fp8.SUM_BLOCK}, num_warps=4)
+    assert compile_for_hopper(triton_matmul._sum_splits_kernel, sums, {"BLOCK": triton_matmul.SUM_BLOCK}, num_warps=4)
 
 
 @pytest.mark.parametrize("layout", ["block", "channel"])
