@@ -19,6 +19,7 @@ few warm-up requests; output tok/s, ITL and TTFT as `sparkwire bench serve` repo
 from __future__ import annotations
 
 import argparse
+import shlex
 import sys
 import tempfile
 import time
@@ -44,7 +45,7 @@ def scheduler_argv(args: argparse.Namespace, model_dir: Path, nats_url: str, mod
     if args.accept_lengths is not None:
         argv += ["--accept-lengths", str(args.accept_lengths)]
     argv += ["--", "--model", str(model_dir), "--nats-url", nats_url, "--device", args.device, "--load-format", "dummy",
-             "--max-running-requests", str(max(args.concurrency))]  # fmt: skip
+             "--max-running-requests", str(max(args.concurrency)), *shlex.split(args.scheduler_flags)]  # fmt: skip
     if mode != "plain":
         argv += ["--speculative-algorithm", "dspark", "--draft-model", str(args.draft_model), "--verify-mode", mode]
     return argv
@@ -72,7 +73,9 @@ def run_mode(args, mode: str, model_dir: Path, nats_url: str, base_url: str, log
 
 
 def summary_rows(rows: list[dict]) -> list[dict]:
-    tok_s = {(r["mode"], r["concurrency"]): r["output_throughput"] for r in rows if r.get("output_throughput")}
+    # a level where requests failed has no throughput to compare (a scheduler that ran out of memory
+    # answers a few requests fast and fails the rest)
+    tok_s = {(r["mode"], r["concurrency"]): r["output_throughput"] for r in rows if r.get("output_throughput") and not r.get("failed")}
     out = []
     for concurrency in sorted({c for _, c in tok_s}):
         plain = tok_s.get(("plain", concurrency))
@@ -80,6 +83,7 @@ def summary_rows(rows: list[dict]) -> list[dict]:
         for mode in MODES[1:]:
             value = tok_s.get((mode, concurrency))
             row[f"{mode}_tok_s"], row[f"{mode}_speedup"] = value, (value / plain if value and plain else None)
+        row["failed"] = {r["mode"]: r["failed"] for r in rows if r.get("concurrency") == concurrency and r.get("failed")}
         out.append(row)
     return out
 
@@ -92,7 +96,8 @@ def table(result: dict) -> str:
              "|---|---|---|---|"]  # fmt: skip
     for r in result.get("summary", []):
         lines.append(f"| {r['concurrency']} | {fmt(r['plain_tok_s'], '.0f')} | {fmt(r['static_tok_s'], '.0f')} "
-                     f"({fmt(r['static_speedup'], '.2f')}) | {fmt(r['compact_tok_s'], '.0f')} ({fmt(r['compact_speedup'], '.2f')}) |")  # fmt: skip
+                     f"({fmt(r['static_speedup'], '.2f')}) | {fmt(r['compact_tok_s'], '.0f')} ({fmt(r['compact_speedup'], '.2f')}) |"
+                     + "".join(f" {mode}: {n} failed" for mode, n in r.get("failed", {}).items()))  # fmt: skip
     return "\n".join(lines)
 
 
@@ -135,6 +140,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--accept-lengths", type=Path, default=None, help="a JSON with accept_length_counts to replay")
     parser.add_argument("--modes", nargs="*", choices=MODES, default=list(MODES))
+    parser.add_argument("--scheduler-flags", default="", help="more `sparkwire scheduler` flags for every mode (e.g. --kv-cache-memory-fraction 0.7)")
     parser.add_argument("--budget-s", type=float, default=480, help="modes and levels not started by then are skipped")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)  # the replaying scheduler itself
     parser.add_argument("scheduler_args", nargs="*", help=argparse.SUPPRESS)

@@ -19,6 +19,7 @@ import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
+import structlog
 import torch
 from safetensors import safe_open
 
@@ -71,6 +72,9 @@ class UnexpectedTensorError(KeyError):
 
 class NoWeightsError(FileNotFoundError):
     """load_format "auto" found neither safetensors nor a seeded-random marker."""
+
+
+log = structlog.get_logger(__name__)
 
 
 @dataclass(frozen=True)
@@ -137,6 +141,8 @@ def load_model_runner(
     if tp is not None:  # every rank's cache holds the blocks rank 0's policy hands out
         num_blocks = tp.min_over_ranks(num_blocks, device)
     cache = PagedKVCache(config, num_blocks, kv_block_size, dtype, device)
+    log.info("kv_cache.allocated", blocks=num_blocks, tokens=num_blocks * kv_block_size, gib=round(cache.kv.nbytes / 2**30, 2),
+             free_gib=round(torch.cuda.mem_get_info(device)[0] / 2**30, 2) if device.type == "cuda" else None)  # fmt: skip
     runner = ModelRunner(model, cache, fused_kernels=fused_kernels, split_kv_decode=split_kv_decode,
                          batch_invariant=batch_invariant)  # fmt: skip
     if tp is not None:

@@ -119,3 +119,15 @@ def test_dspark_serve_runs_plain_and_compact_through_the_stack(tmp_path):
         (mode, 1, 2, 0) for mode in ("plain", "compact")]
     assert result["summary"][0]["compact_speedup"] > 0 and "compact tok/s" in done.stdout
     assert "DSparkDrafter" in (tmp_path / "dspark_serve_logs" / "scheduler-compact.log").read_text()
+
+
+def test_dspark_serve_compares_no_level_where_requests_failed():
+    from ops.bench.dspark_serve import summary_rows, table
+
+    rows = [{"mode": "plain", "concurrency": 64, "output_throughput": 5981.0, "failed": 0},
+            {"mode": "static", "concurrency": 64, "output_throughput": 2.9, "failed": 188},
+            {"mode": "compact", "concurrency": 64, "output_throughput": 7000.0, "failed": 0}]  # fmt: skip
+    (summary,) = summary_rows(rows)
+    assert summary["static_speedup"] is None and summary["compact_speedup"] == pytest.approx(7000 / 5981)
+    assert summary["failed"] == {"static": 188}
+    assert "static: 188 failed" in table({"accept_replay": "x", "summary": [summary]})
