@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
+from ops.bench.accept_replay import AcceptReplay
 from ops.train.corpus import build_manifest, collect, write_corpus
 from tests.ops.bench.bench_cli import bench
 from tests.ops.train.conftest import write_fake_stdlib
@@ -16,6 +19,7 @@ def toy_corpus(root):
     return root / "corpus"
 
 
+@pytest.mark.timeout(240)  # ~20 s alone; CI's 2 shared cores can take several times that
 def test_toy_pair_is_trained_then_measured_with_the_same_greedy_ids(tmp_path, capsys) -> None:
     out = tmp_path / "pair.json"
     argv = ["--corpus", toy_corpus(tmp_path), "--recipe", "toy", "--target-steps", "2", "--device", "cpu", "--batches", "1", "2",
@@ -38,6 +42,7 @@ def test_toy_pair_is_trained_then_measured_with_the_same_greedy_ids(tmp_path, ca
             assert 1.0 <= row["accept_len"] <= 5.0 and row["speedup"] > 0
     dspark = [row["accept_length_counts"] for row in result["speed"][1::2]]
     assert result["accept_length_counts"] == [sum(column) for column in zip(*dspark)] and sum(result["accept_length_counts"]) > 0
+    assert AcceptReplay.load(out, gamma=4).gamma == 4  # what gpu-core --speedup --accept-lengths replays
     assert "| True | 2 |" in capsys.readouterr().out
 
 
