@@ -16,15 +16,16 @@ Weights over 10 MB stay out of the repository and the GPU machine starts bare, s
    core built as `sparkwire scheduler` builds it (`build_core`: CUDA graphs, draft graphs; no prefix
    cache, so every round does the same work) on the first `batch` held-out prompts, warmed up by one
    run, then `--rounds` runs alternating which mode goes first; tok/s of the median round over the
-   decode steps (`gpu_core_check.time_core`). Every request's ids are compared with plain's: without
-   `--deterministic` bf16 rounding may part them (the share identical is reported), with it
-   (`speed_deterministic`) they must be identical, and the run exits 1 if they are not.
+   decode steps until the last request ends (`gpu_core_check.time_core`; `held_tok_s`: until the
+   first does). Every request's ids are compared with plain's: without `--deterministic` bf16
+   rounding may part them (the share identical is reported), with it (`speed_deterministic`) they
+   must be identical, and the run exits 1 if they are not.
 
 The JSON (`--out`) is rewritten after each section, so a run cut short keeps what finished. Its
 top-level `accept_length_counts` (verify passes by tokens gained, `speed`'s DSpark rows) is what
 `sparkwire bench gpu-core --speedup --accept-lengths FILE` replays on the 8B shape.
 
-    sparkwire bench trained-pair --corpus CORPUS --budget-s 500 --out $OUT/trained_pair.json
+    sparkwire bench trained-pair --corpus .corpus --budget-s 450 --out $OUT/trained_pair.json
     sparkwire bench trained-pair --corpus CORPUS --recipe toy --device cpu --out /tmp/pair.json  # smoke
 """
 
@@ -120,7 +121,8 @@ def speed_rows(target: Path, draft: Path, prompts: list[list[int]], batches, new
 
 
 def _served_core(target, draft, prompts, batches, new_tokens: int, device: str, deterministic: bool):
-    longest = max(len(p) for p in prompts[: max(batches)]) + new_tokens + 2 * harness.KV_BLOCK_SIZE  # + a verify block past the end
+    # + a verify block past the end
+    longest = max(len(p) for p in prompts[: max(batches)]) + new_tokens + 2 * harness.KV_BLOCK_SIZE
     spec = {} if draft is None else {"draft_model": str(draft), "speculative_algorithm": "dspark"}
     return harness.served_core(target, device=device, max_running_requests=max(batches), prefix_caching=False,
                                num_kv_blocks=max(batches) * (-(-longest // harness.KV_BLOCK_SIZE) + 1),
@@ -134,7 +136,7 @@ def _requests(prompts: list[list[int]], new_tokens: int, tag: str) -> list:
 
 def _row(batch: int, mode: str, deterministic: bool, timed: list[dict], ids: list[list[list[int]]]) -> dict:
     median = sorted(timed, key=lambda r: r["tok_s"])[len(timed) // 2]
-    keep = ("tok_s", "ms_per_step", "steps", "tokens")
+    keep = ("tok_s", "held_tok_s", "ms_per_step", "steps", "tokens")
     return {"batch": batch, "mode": mode, "deterministic": deterministic, **{k: median[k] for k in keep},
             "rounds_tok_s": [r["tok_s"] for r in timed], "rounds_same_ids": all(run == ids[0] for run in ids)}  # fmt: skip
 
