@@ -42,6 +42,8 @@ SUITES: dict[str, Suite] = {
                         "saved beside the drafter for `compact`"),
     "dspark-sts": Suite("ops.bench.dspark_sts", "the confidence head's temperature (calibration, ECE) on held-out drafts "
                         "of a trained pair, saved beside the drafter"),
+    "trained-pair": Suite("ops.bench.trained_pair", "a trained pair (the `large` recipe) trained in the call: its accept "
+                          "length on held-out code, tok/s with DSpark against plain at batch 1 / 16, the same greedy ids"),
     "dspark-serve": Suite("ops.bench.dspark_serve", "the whole stack at concurrency 1 / 16 / 64: plain against DSpark "
                           "static and compact, acceptance replayed (8B shape, dummy weights)"),
     "step-trace": Suite("ops.bench.step_trace_summary", "a scheduler's --step-trace summarized: time by step kind, host ms, "

@@ -5,8 +5,8 @@ of one fixed length, a run draws each request's length at each step from a distr
 n = 1 .. gamma + 1 tokens a verify commits (the bonus token included), independently:
 
 - measured: a JSON file whose `accept_length_counts` are verify passes by tokens gained (index =
-  tokens, as the scheduler's `spec_accept_lengths` metric and `sparkwire bench gpu-core --pair`
-  write them);
+  tokens, as the scheduler's `spec_accept_lengths` metric, `sparkwire bench trained-pair` and
+  `sparkwire bench gpu-core --pair` write them);
 - `--simulate-accept-len N`: every verify commits N (the old fixed length);
 - default: each draft survives with probability ALPHA given the ones before it (a geometric
   length cut at gamma + 1), ALPHA = 0.79, mean 4.04 tokens a verify at gamma = 7.

@@ -71,8 +71,9 @@ def requests(batch: int, prompt_len: int, new_tokens: int, vocab: int, logprobs:
     return [harness.new_request(f"{tag}{i}", p, sampling, logprobs) for i, p in enumerate(prompts)]
 
 
-def time_core(core, reqs, warm_steps: int = 3) -> dict:
-    """Prefill, then time the decode steps (after `warm_steps`) until every request finishes.
+def time_core(core, reqs, warm_steps: int = 3, ids: dict[str, list[int]] | None = None) -> dict:
+    """Prefill, then time the decode steps (after `warm_steps`) until every request finishes; `ids`
+    (where given) gets every request's output ids, the untimed steps' too, by rid.
 
     Also the held batch (`held_*`): the steps before the first request finishes, every request
     still running, as a server at a steady concurrency keeps them. Where requests commit different
@@ -83,7 +84,7 @@ def time_core(core, reqs, warm_steps: int = 3) -> dict:
     for r in reqs:
         core.add(r)
     for _ in range(1 + warm_steps):  # prefill (and the first token), then a few decode steps
-        core.step()
+        _collect(ids, core.step())
     device = harness.runner_of(core).device.type
     synchronize(device)
     held = {"tokens": 0, "steps": 0, "wall": 0.0}
@@ -91,6 +92,7 @@ def time_core(core, reqs, warm_steps: int = 3) -> dict:
     start = time.perf_counter()
     while core.has_work():
         outputs = core.step()  # returns once its readback is on the host: the device ran it
+        _collect(ids, outputs)
         step_tokens = sum(len(o.new_token_ids) for o in outputs)
         record = harness.last_step(core)
         num_rows = record.num_seqs if record is not None else 0
@@ -103,6 +105,12 @@ def time_core(core, reqs, warm_steps: int = 3) -> dict:
     return {"ms_per_step": 1e3 * wall / max(steps, 1), "tok_s": tokens / wall, "steps": steps, "tokens": tokens,
             "mean_rows": rows / max(steps, 1), "held_tok_s": held["tokens"] / held["wall"] if held["wall"] > 0 else 0.0,
             "held_steps": held["steps"], "held_tokens": held["tokens"], "held_ms_per_step": 1e3 * held["wall"] / max(held["steps"], 1)}  # fmt: skip
+
+
+def _collect(ids: dict[str, list[int]] | None, outputs) -> None:
+    if ids is not None:
+        for output in outputs:
+            ids.setdefault(output.rid, []).extend(output.new_token_ids)
 
 
 # (row name, logprobs, output logprobs from LogprobGraphs): the top-20 cost, eager and with graphs
@@ -228,46 +236,20 @@ def dspark_rows(runner, draft: Path, batches, prompt_len, new_tokens, accept_len
 
 
 def pair_rows(target: Path, draft: Path, batches, new_tokens: int, device: str) -> list[dict]:
-    """The trained pair: plain greedy against DSpark greedy on Python prompts (the device's own standard
-    library, first lines of files), the same tokens expected; accept length = tokens / verify passes."""
+    """The trained pair: plain greedy against DSpark greedy (`trained_pair.speed_rows`) on Python
+    prompts (the device's own standard library, first lines of files), the same tokens expected."""
     import glob
 
     from tokenizers import Tokenizer
 
+    from ops.bench.trained_pair import speed_rows
+
     tokenizer = Tokenizer.from_file(str(target / "tokenizer.json"))
     files = sorted(glob.glob("/usr/lib/python3*/[a-z]*.py"))[: max(batches)] or [__file__] * max(batches)
-    prompts = [np.asarray(tokenizer.encode(Path(f).read_text(errors="replace")[:400]).ids[:64], np.int32) for f in files]
-    prompts = [p for p in prompts if len(p) > 4] or [np.arange(5, 40, dtype=np.int32)]
-    runner = load_model_runner(target, device=device, dtype=bench_dtype(device), cuda_graphs=False)
-    proposer = harness.dspark_proposer(runner, draft, load_format="auto")
-    sampling = SamplingParams(max_new_tokens=new_tokens, temperature=0.0, ignore_eos=True)
-    rows = []
-    for batch in batches:
-        reqs = [harness.new_request(f"p{i}", prompts[i % len(prompts)], sampling) for i in range(batch)]
-        outputs = {}
-        for name, spec in (("plain", None), ("dspark", proposer)):
-            core = harness.core_for(runner, max_running_requests=max(batches), chunked_prefill_size=16384, proposer=spec)
-            time_core(core, reqs)  # warm-up (and the tokens, below, from a second run)
-            for r in reqs:
-                core.add(r)
-            tokens: dict[str, list[int]] = {}
-            verify: dict[str, int] = {}
-            synchronize(device)
-            start = time.perf_counter()
-            while core.has_work():
-                for o in core.step():
-                    tokens.setdefault(o.rid, []).extend(o.new_token_ids)
-                    verify[o.rid] = o.spec_verify_ct or 0
-            synchronize(device)
-            wall = time.perf_counter() - start
-            outputs[name] = tokens
-            row = {"batch": batch, "mode": name, "tok_s": sum(map(len, tokens.values())) / wall}
-            if spec is not None:
-                row["accept_len"] = (sum(map(len, tokens.values())) - batch) / max(1, sum(verify.values()))
-                row["accept_length_counts"] = harness.accept_length_counts(core)  # both runs: `--accept-lengths` reads them
-                row["same_tokens_as_plain"] = sum(outputs["plain"][r] == tokens[r] for r in tokens) / batch
-            rows.append(row)
-    return rows
+    prompts = [tokenizer.encode(Path(f).read_text(errors="replace")[:400]).ids[:64] for f in files]
+    prompts = [p for p in prompts if len(p) > 4] or [list(range(5, 40))]
+    prompts = [prompts[i % len(prompts)] for i in range(max(batches))]
+    return speed_rows(target, draft, prompts, batches, new_tokens, device, rounds=1)
 
 
 # ---- --speedup: plain against DSpark static and compact, replayed acceptance ----
@@ -548,7 +530,7 @@ def table(result: dict) -> str:
     for r in result.get("kernels", []):
         lines.append(f"| kernel {r['kernel']} q={r['query_len']} (err {r['max_abs_err']:.1e}) | {r['batch']} | {r['ms']:.4f} | |")
     for r in result.get("pair", []):
-        extra = f" accept {r['accept_len']:.2f}, same tokens {r['same_tokens_as_plain']:.2f}" if "accept_len" in r else ""
+        extra = f" accept {r['accept_len'] or 0:.2f}, same tokens {r['same_tokens_as_plain']:.2f}" if "accept_len" in r else ""
         lines.append(f"| trained pair {r['mode']}{extra} | {r['batch']} | | {r['tok_s']:.0f} |")
     for r in result.get("logprob_path", []):
         lines.append(f"| logprob path alone, top-{r['k']}, {r['rows_per_request']} rows/request: ms back to back; "
@@ -590,7 +572,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="only plain against DSpark static and compact at --batches (default 1 16 64), acceptance replayed, "
                              "tok/s at the held batch (and over the drained run)")
     parser.add_argument("--accept-lengths", type=Path, default=None,
-                        help="--speedup: a JSON with accept_length_counts (a --pair run's) to replay; default geometric, mean ~4")
+                        help="--speedup: a JSON with accept_length_counts (a trained-pair or --pair run's) to replay; "
+                             "default geometric, mean ~4")
     parser.add_argument("--budget-s", type=float, default=280, help="--speedup: runs not started by then are skipped")
     parser.add_argument("--out", type=Path, default=RESULTS / "gpu_core.json")
 

@@ -10,6 +10,7 @@ import json
 import math
 import platform
 import random
+import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TypeVar
@@ -98,23 +99,26 @@ def adamw(params: list[torch.nn.Parameter], lr: float, weight_decay: float, deca
 def train_loop(
     module: torch.nn.Module, params: list[torch.nn.Parameter], optimizer: torch.optim.Optimizer,
     recipe: TargetRecipe | DrafterRecipe, step_loss: Callable[[], torch.Tensor],
-    evaluate: Callable[[], Mapping[str, float]], desc: str,
+    evaluate: Callable[[], Mapping[str, float]], desc: str, max_seconds: float | None = None,
 ) -> History:  # fmt: skip
     """`recipe.steps` optimiser steps on `step_loss()` (the next batch's loss, under autocast) at the
     lr_at schedule, gradients clipped to CLIP_NORM over `params`. Returns {"train": [(step, mean
     loss over the last LOG_EVERY steps)], then one list per name `evaluate()` returns, a point every
     `recipe.eval_every` steps}; both also at the last step. `module` trains throughout: `evaluate`
-    leaves it in training mode."""
+    leaves it in training mode. `max_seconds`: the first step ending past that much time is the
+    last (the schedule stays the recipe's, cut short; `steps_run` says where)."""
     history: History = {"train": []}
     running = torch.zeros((), device=params[0].device)  # summed on the device: no sync per step
     bar = progress(recipe.steps, desc)
     module.train()
+    started = time.monotonic()
     for step in range(recipe.steps):
         set_lr(optimizer, lr_at(step, recipe.lr, recipe.warmup_steps, recipe.steps))
         loss = step_loss()
         optimizer_step(loss, params, optimizer)
         running += loss.detach()
-        done, last = step + 1, step + 1 == recipe.steps
+        out_of_time = max_seconds is not None and time.monotonic() - started > max_seconds
+        done, last = step + 1, step + 1 == recipe.steps or out_of_time
         if done % LOG_EVERY == 0 or last:
             history["train"].append((done, float(running) / ((step % LOG_EVERY) + 1)))
             running.zero_()
@@ -123,8 +127,15 @@ def train_loop(
             for name, value in evaluate().items():
                 history.setdefault(name, []).append((done, value))
         bar.update(1)
+        if last:
+            break
     bar.close()
     return history
+
+
+def steps_run(history: History) -> int:
+    """Optimiser steps a `train_loop` ran (fewer than the recipe's where `max_seconds` cut it)."""
+    return history["train"][-1][0]
 
 
 def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
@@ -144,6 +155,9 @@ def add_run_arguments(parser: argparse.ArgumentParser, recipes: Mapping[str, obj
     parser.add_argument("--recipe", choices=tuple(recipes), default="micro")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--steps", type=int, default=None, help="override the recipe's step count (timing runs)")
+    parser.add_argument("--max-seconds", type=float, default=None,
+                        help="stop at the first step ending past this many seconds of training (the schedule stays the "
+                             "recipe's; the results JSON's steps_run says how many ran)")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="FIELD=VALUE",
                         help="override one recipe field (sweeps; repeatable; the results JSON's recipe_settings "
                              "holds the fields it ran with)")

@@ -40,6 +40,7 @@ from ops.train.common import (
     run_recipe,
     sample_windows,
     seed_everything,
+    steps_run,
     token_stream,
     train_loop,
     write_json,
@@ -221,7 +222,8 @@ def held_out(drafter, features_of, windows: torch.Tensor, recipe: DrafterRecipe,
     return sums
 
 
-def train(drafter, features_of, recipe: DrafterRecipe, batches: Batches, held_out_windows, device) -> dict:
+def train(drafter, features_of, recipe: DrafterRecipe, batches: Batches, held_out_windows, device,
+          max_seconds: float | None = None) -> dict:  # fmt: skip
     """The shared loop on dspark_loss; returns {"train": [...], "eval": [...], "eval_greedy_accept": [...]}."""
     params = [p for p in drafter.parameters() if p.requires_grad]
     optimizer = adamw(params, recipe.lr, recipe.weight_decay)
@@ -234,7 +236,7 @@ def train(drafter, features_of, recipe: DrafterRecipe, batches: Batches, held_ou
         scores = held_out(drafter, features_of, held_out_windows, recipe, device)
         return {"eval": scores["loss"], "eval_greedy_accept": scores["greedy_accept"]}
 
-    return train_loop(drafter, params, optimizer, recipe, step_loss, evaluate, "drafter")
+    return train_loop(drafter, params, optimizer, recipe, step_loss, evaluate, "drafter", max_seconds)
 
 
 def save(drafter: DSparkDrafter, out: Path, recipe_name: str, recipe: DrafterRecipe, seed: int) -> None:
@@ -266,13 +268,14 @@ def main(argv: list[str] | None = None) -> int:
     pool = distilled_pool(model, recipe, train_tokens, device, generator)
     distill_seconds = time.perf_counter() - started
     batches = Batches(recipe, train_tokens, pool, generator)
-    history = train(drafter, features_of, recipe, batches, eval_windows(eval_tokens, recipe.seq_len, recipe.eval_windows), device)
+    held_out_windows = eval_windows(eval_tokens, recipe.seq_len, recipe.eval_windows)
+    history = train(drafter, features_of, recipe, batches, held_out_windows, device, args.max_seconds)
     seconds = time.perf_counter() - started
     save(drafter, args.out, args.recipe, recipe, args.seed)
     parameters = sum(p.numel() for p in drafter.parameters())
     figures = {
         "target_layer_ids": list(drafter.config.target_layer_ids), "parameters": parameters,
-        "distilled_sequences": pool.shape[0], "distill_seconds": round(distill_seconds, 1),
+        "distilled_sequences": pool.shape[0], "distill_seconds": round(distill_seconds, 1), "steps_run": steps_run(history),
         "train_seconds": round(seconds, 1), "final_train_loss": history["train"][-1][1],
         "final_eval_loss": history["eval"][-1][1],
         "final_eval_teacher_forced_greedy_accept": history["eval_greedy_accept"][-1][1],
@@ -280,7 +283,8 @@ def main(argv: list[str] | None = None) -> int:
     }  # fmt: skip
     curves = {"train": history["train"], "held-out": history["eval"]}
     results = write_results(args, recipe, curves, f"DSpark drafter ({args.recipe}, seed {args.seed})", figures, history)
-    print(f"drafter {args.recipe} seed {args.seed}: {parameters:,} params, {seconds:.0f} s, train loss "
+    print(f"drafter {args.recipe} seed {args.seed}: {parameters:,} params, {results['steps_run']} of {recipe.steps} steps, "
+          f"{seconds:.0f} s, train loss "
           f"{results['final_train_loss']:.3f}, held-out loss {results['final_eval_loss']:.3f}, teacher-forced "
           f"greedy accept {results['final_eval_teacher_forced_greedy_accept']:.2f}")  # fmt: skip
     return 0

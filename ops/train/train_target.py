@@ -29,6 +29,7 @@ from ops.train.common import (
     run_recipe,
     sample_windows,
     seed_everything,
+    steps_run,
     token_stream,
     train_loop,
     write_json,
@@ -94,7 +95,7 @@ def held_out_loss(model: torch.nn.Module, windows: torch.Tensor, device: torch.d
 
 def train(
     model: torch.nn.Module, recipe: TargetRecipe, train_tokens: torch.Tensor, eval_tokens: torch.Tensor,
-    device: torch.device, seed: int,
+    device: torch.device, seed: int, max_seconds: float | None = None,
 ) -> dict:  # fmt: skip
     """The shared loop on next-token cross-entropy; returns {"train": [(step, loss)], "eval": [...]}."""
     generator = torch.Generator().manual_seed(seed)
@@ -111,7 +112,7 @@ def train(
     def evaluate() -> dict[str, float]:
         return {"eval": held_out_loss(model, held_out, device)}
 
-    return train_loop(model, params, optimizer, recipe, step_loss, evaluate, "target")
+    return train_loop(model, params, optimizer, recipe, step_loss, evaluate, "target", max_seconds)
 
 
 def save_checkpoint(model: torch.nn.Module, config: dict, tokenizer_dir: Path, out: Path) -> None:
@@ -146,16 +147,18 @@ def main(argv: list[str] | None = None) -> int:
     config = hf_config(recipe, tokenizer, args.recipe, args.seed)
     model = build_model(config, device)
     started = time.perf_counter()
-    history = train(model, recipe, train_tokens, eval_tokens, device, args.seed)
+    history = train(model, recipe, train_tokens, eval_tokens, device, args.seed, args.max_seconds)
     seconds = time.perf_counter() - started
     save_checkpoint(model, config, args.tokenizer, args.out)
     figures = {
         "parameters": count_parameters(model), "train_tokens": train_tokens.numel(), "eval_tokens": eval_tokens.numel(),
-        "tokens_seen": recipe.steps * recipe.batch_size * recipe.seq_len, "train_seconds": round(seconds, 1),
+        "steps_run": steps_run(history), "tokens_seen": steps_run(history) * recipe.batch_size * recipe.seq_len,
+        "train_seconds": round(seconds, 1),
         "final_train_loss": history["train"][-1][1], "final_eval_loss": history["eval"][-1][1],
     }  # fmt: skip
     results = write_results(args, recipe, history, f"target ({args.recipe}, seed {args.seed})", figures, history)
-    print(f"target {args.recipe} seed {args.seed}: {results['parameters']:,} params, {seconds:.0f} s, "
+    print(f"target {args.recipe} seed {args.seed}: {results['parameters']:,} params, {results['steps_run']} of "
+          f"{recipe.steps} steps, {seconds:.0f} s, "
           f"train loss {results['final_train_loss']:.3f}, held-out loss {results['final_eval_loss']:.3f}")  # fmt: skip
     return 0
 

@@ -65,6 +65,23 @@ def test_train_loop_mean_loss_covers_each_log_window():
     assert history["train"] == [(50, sum(range(50)) / 50), (60, sum(range(50, 60)) / 10)]
 
 
+def test_train_loop_stops_at_the_first_step_past_max_seconds_and_logs_it_as_the_last(monkeypatch):
+    recipe = toy_recipe(steps=120, eval_every=40)
+    module = Recorder()
+    params = list(module.parameters())
+    ticks = iter(range(1000))  # the loop's clock: one second a reading
+    monkeypatch.setattr(common, "time", type("Clock", (), {"monotonic": staticmethod(lambda: float(next(ticks)))}))
+
+    def step_loss() -> torch.Tensor:
+        return ((module.weight - 3.0) ** 2).mean()
+
+    optimizer = common.adamw(params, recipe.lr, 0.0)
+    history = common.train_loop(module, params, optimizer, recipe, step_loss, lambda: {"eval": 0.0}, "test", max_seconds=2.5)
+    # read at the start (0), then after each step: 1, 2, 3 > 2.5 -> step 3 is the last, logged and evaluated
+    assert [step for step, _ in history["train"]] == [3] and [step for step, _ in history["eval"]] == [3]
+    assert common.steps_run(history) == 3
+
+
 def test_adamw_decays_matrices_only_when_asked():
     matrix, vector = torch.nn.Parameter(torch.ones(2, 2)), torch.nn.Parameter(torch.ones(2))
     split = common.adamw([matrix, vector], 1e-3, 0.1, decay_vectors=False)
