@@ -162,6 +162,11 @@ def tiles(num_rows: int, out_features: int, in_features: int, block_k: int, num_
     rows x block_k columns (group_n 1: a scale per row) (module doc)."""
     if num_rows == GEMV_ROWS:
         return gemv_tiles(out_features, in_features, block_k, num_sms, group_n)
+    return tensor_core_tiles(num_rows, out_features, in_features, block_k, num_sms)
+
+
+def tensor_core_tiles(num_rows: int, out_features: int, in_features: int, block_k: int, num_sms: int = HOPPER_SMS) -> Tiles:
+    """`_fp8_linear_kernel`'s tiling of a step of `num_rows` tokens (module doc)."""
     decode = num_rows <= DECODE_ROWS
     block_m = max(16, triton.next_power_of_2(num_rows)) if decode else 64
     block_n = DECODE_BLOCK_N if decode else 128

@@ -288,9 +288,16 @@ def test_fp8_kernels_compile_for_hopper() -> None:
     divisible = ("x_ptr", "w_ptr", "w_scale_ptr", "out_ptr", "N", "K", "stride_x", "stride_w", "stride_out_split", "stride_out")
     for group_n, num_rows, n, k in ((1, 1, 4096, 4096), (128, 1, 24576, 4096), (128, 3, 4096, 12288), (128, 64, 4096, 4096),
                                     (1, 64, 6144, 4096), (128, 300, 4096, 4096)):  # fmt: skip
-        plan = triton_fp8.tiles(num_rows, n, k, 128)
+        plan = triton_fp8.tensor_core_tiles(num_rows, n, k, 128)
         constants = {"GROUP_N": group_n, "FP8_LIMIT": FP8_MAX, "BLOCK_M": plan.block_m, "BLOCK_N": plan.block_n, "BLOCK_K": 128}
         assert compile_for_hopper(triton_fp8._fp8_linear_kernel, signature, constants, divisible, num_warps=4, num_stages=plan.num_stages)
+    gemv = {"x_ptr": "*bf16", "w_ptr": "*fp8e4nv", "w_scale_ptr": "*fp32", "out_ptr": "*bf16", "N": i32, "K": i32, "steps_per_split": i32,
+            "stride_w": i32, "stride_ws_n": i32, "stride_ws_k": i32, "stride_out_split": i32}  # fmt: skip
+    for group_n, n, k in ((1, 4096, 4096), (128, 6144, 4096), (128, 24576, 4096), (128, 4096, 12288)):
+        plan = triton_fp8.tiles(1, n, k, 128, num_sms=132, group_n=group_n)
+        constants = {"GROUP_N": group_n, "FP8_LIMIT": FP8_MAX, "BLOCK_N": plan.block_n, "GROUPS": plan.groups_per_step, "GROUP_K": 128}
+        assert compile_for_hopper(triton_fp8._fp8_gemv_kernel, gemv, constants, ("x_ptr", "w_ptr", "out_ptr", "K", "stride_w"),
+                                  num_warps=plan.num_warps, num_stages=plan.num_stages)  # fmt: skip
     sums = {"partial_ptr": "*fp32", "out_ptr": "*bf16", "numel": i32, "splits": i32}
     assert compile_for_hopper(triton_fp8._sum_splits_kernel, sums, {"BLOCK": triton_fp8.SUM_BLOCK}, num_warps=4)
 
