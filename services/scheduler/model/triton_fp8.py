@@ -10,11 +10,10 @@ K step loads them (`fp8.quantize_groups` in torch):
 one FP8 tensor-core dot per K step, scaled and accumulated in fp32, rounded once to x's dtype.
 
 Why W8A8 in decode too: a decode step reads each weight byte once, so its time is the weight's
-bytes whatever the dot's inputs; FP8 x FP8 dots take the weight as it lies (no per-element upcast to
-bf16, which on Hopper costs about as much ALU time as the byte takes to arrive), and a token's
-quantization is the same in decode and prefill (the checkpoints' own 1 x 128 activation scheme).
-Quantizing x inside costs a few operations per activation element, re-done by each program that
-reads it: small next to the weight tile the same step streams.
+bytes whatever the dot's inputs, and a token's quantization is the same in decode and prefill (the
+checkpoints' own 1 x 128 activation scheme), whichever kernel runs it. Quantizing x inside costs a
+few operations per activation element, re-done by each program that reads it: small next to the
+weight tile the same step streams.
 
 `tiles` picks the tiling by the step's rows. Decode-sized steps (M <= `fp8.DECODE_ROWS`) are
 bandwidth-bound: the weight must stream from every SM at once, which a few N tiles cannot do
@@ -33,6 +32,7 @@ registers and multiplied by the token's quantized activations (the same x8 and s
 per lane in fp32 and reduced once (tl.sum) at the end. BLOCK_N divides the weight's bn, so a program's
 rows share one block scale per K group: folded with sx into the activations once per step, which
 leaves one upcast and one FMA per weight byte (per-row scales multiply the row's sum at the end).
+x8 is the same: x / sx rounded to nearest from sx's correctly rounded reciprocal (`_div_rn_by`).
 N / BLOCK_N programs fill the SMs at Qwen3's shapes; a weight with few rows splits K as above.
 Grids follow the shapes only (CUDA graphs capture them).
 """
@@ -55,7 +55,7 @@ HOPPER_SMS = 132  # off CUDA (the interpreter): the tiles an H100 would take
 SUM_BLOCK = 1024
 GEMV_ROWS = 1  # steps of this many tokens take the GEMV
 GEMV_BLOCK_N = 16  # the GEMV's rows per program, halved while fewer than GEMV_PROGRAMS_PER_SM programs per SM
-GEMV_PROGRAMS_PER_SM = 3
+GEMV_PROGRAMS_PER_SM = 2  # at least; up to 4 of 4 warps fit an SM's registers, so Qwen3's projections run in about one wave
 GEMV_STEP_BYTES = 8192  # weight bytes a GEMV program loads per K step: 64 a lane at 4 warps, four 16-byte loads
 GEMV_WARPS = 4
 

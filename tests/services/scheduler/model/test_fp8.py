@@ -251,7 +251,7 @@ def test_one_token_steps_take_the_gemv() -> None:
         for group_n in (1, 128):
             plan = triton_fp8.tiles(1, n, k, 128, num_sms=132, group_n=group_n)
             assert plan.block_m == triton_fp8.GEMV_ROWS and plan.splits == 1 and 128 % plan.block_n == 0
-            assert plan.steps_per_split * plan.groups_per_step * 128 == k and n // plan.block_n >= 3 * 132
+            assert plan.steps_per_split * plan.groups_per_step * 128 == k and n // plan.block_n >= triton_fp8.GEMV_PROGRAMS_PER_SM * 132
         assert triton_fp8.tiles(2, n, k, 128, num_sms=132).block_m >= 16
     assert triton_fp8.gemv_tiles(100, 300, 32, group_n=48, block_n=32).block_n == 16  # the largest power of two dividing 48
 
