@@ -126,11 +126,12 @@ def _fp8_gemv_kernel(
         w = tl.load(w_ptr + rows[:, None, None].to(tl.int64) * stride_w + k[None, :, :],
                     mask=in_rows[:, None, None] & in_k[None, :, :], other=0.0)  # fmt: skip
         x = tl.load(x_ptr + k, mask=in_k, other=0.0).to(tl.float32)
+        w_scale = 1.0
+        if GROUP_N > 1:  # a past-K group (the last split's) reads a real scale, times 0
+            w_scale = tl.load(scale_row + tl.minimum(group, (K - 1) // GROUP_K) * stride_ws_k)  # [G]
         x_scale = tl.div_rn(tl.maximum(tl.max(tl.abs(x), axis=1), 1e-12), FP8_LIMIT)  # [G]
         x8 = tl.minimum(tl.maximum(_div_rn_by(x, x_scale[:, None], tl.div_rn(1.0, x_scale)[:, None]), -FP8_LIMIT), FP8_LIMIT)
-        if GROUP_N > 1:  # a past-K group (the last split's) reads a real scale, times 0
-            x_scale *= tl.load(scale_row + tl.minimum(group, (K - 1) // GROUP_K) * stride_ws_k)
-        x_scaled = x8.to(w_ptr.dtype.element_ty).to(tl.float32) * x_scale[:, None]  # [G, GK]
+        x_scaled = x8.to(w_ptr.dtype.element_ty).to(tl.float32) * (x_scale * w_scale)[:, None]  # [G, GK]
         acc += w.to(tl.float32) * x_scaled[None, :, :]
     out = tl.sum(tl.sum(acc, axis=2), axis=1)  # [BN]
     if GROUP_N == 1:  # per row: its scale times its sum
