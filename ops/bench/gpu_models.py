@@ -26,9 +26,11 @@ is skipped:
   numbers are FP8 activation quantization's own error).
 - `fp8_linear`: µs per call of each Qwen3-8B projection at batch 1 and 64 (a CUDA graph of 10 calls
   replayed): FP8 block-wise, FP8 per-channel and bf16 `F.linear`, with the weight's GB/s.
-- `fp8_tiles`: for tuning `triton_fp8.tiles`: each projection at batch 1 and 64 through the
-  block-wise kernel under every (BLOCK_N 32/64/128, programs per SM 1/2/4/8, stages 3/4/5); `default`
-  marks the tiling `tiles` chooses. The table lists the fastest and the default per projection.
+- `fp8_tiles`: for tuning `triton_fp8.tiles`: each projection through the block-wise kernels, at
+  batch 1 the GEMV under every (BLOCK_N 8/16/32, columns a step 256/512/1024, warps 4/8) beside the
+  tensor-core kernel's own tiling (what batch 1 ran before the GEMV), at 64 the tensor-core kernel
+  under every (BLOCK_N 32/64/128, programs per SM 1/2/4/8, stages 3/4/5); `default` marks the tiling
+  `tiles` chooses. The table lists the fastest and the default per projection, batch and kernel.
 - `fp8_logprobs`: each FP8 layout's log-softmax over 4 prompts of 64 tokens against the same weights
   dequantized to bf16 (`Fp8Linear`'s twin, activations not quantized): largest |diff| over the
   reference's top-20 and over the whole vocabulary, and how often the greedy token agrees (through 36
@@ -307,18 +309,21 @@ def fp8_linear_rows(args: argparse.Namespace, device: torch.device, dtype: torch
     return rows
 
 
-# fp8_tiles: the decode tilings tried against `triton_fp8.tiles`' choice (block-wise 128 x 128), for tuning it
+# fp8_tiles: the decode tilings tried against `triton_fp8.tiles`' choice (block-wise 128 x 128), for tuning it: the
+# tensor-core kernel's (BLOCK_N, programs per SM, stages) past one token, the GEMV's (BLOCK_N, columns a step, warps) at one
 TILE_CANDIDATES = [(block_n, per_sm, stages) for block_n in (32, 64, 128) for per_sm in (1, 2, 4, 8) for stages in (3, 4, 5)]
+GEMV_CANDIDATES = [(block_n, step_k, warps) for block_n in (8, 16, 32) for step_k in (256, 512, 1024) for warps in (4, 8)]
 
 
 @torch.inference_mode()
 def fp8_tile_rows(args: argparse.Namespace, device: torch.device, dtype: torch.dtype) -> list[dict]:
-    """µs of each Qwen3-8B projection through the block-wise FP8 kernel at each decode batch, under
-    each candidate (BLOCK_N, programs per SM, stages), set on `triton_fp8` for the call."""
+    """µs of each Qwen3-8B projection through the block-wise FP8 kernels at each decode batch, under
+    each candidate tiling: at batch 1 the GEMV's candidates and the tensor-core kernel's own tiling
+    (what batch 1 took before the GEMV), past it the tensor-core kernel's candidates."""
     from services.scheduler.model import triton_fp8
 
     block = TINY_BLOCK if args.tiny else (128, 128)
-    candidates = TILE_CANDIDATES[:2] if args.tiny else TILE_CANDIDATES
+    sms = triton_fp8.num_sms(device)
     gen = torch.Generator(device=device).manual_seed(3)
     rows = []
     for name, (n, k) in projection_shapes(model_config(args, moe=False)).items():
@@ -327,28 +332,39 @@ def fp8_tile_rows(args: argparse.Namespace, device: torch.device, dtype: torch.d
         layer.scale.fill_(0.02)
         for batch in TINY_BATCHES if args.tiny else BATCHES:
             x = torch.randn(batch, k, generator=gen, device=device, dtype=dtype)
-            default = triton_fp8.tiles(batch, n, k, block[1], triton_fp8.num_sms(device))
-            for block_n, per_sm, stages in candidates:
-                with tiles_set(triton_fp8, block_n, per_sm, stages) as plan_of:
-                    us = 1e3 * median_ms(replayed(lambda: layer(x), device), device.type, args.repeats) / LINEAR_CALLS
-                    plan = plan_of(batch, n, k, block[1], triton_fp8.num_sms(device))
-                rows.append({"projection": name, "batch": batch, "block_n": block_n, "programs_per_sm": per_sm, "stages": stages,
-                             "splits": plan.splits, "us": round(us, 2), "weight_gb_per_s": round(n * k / us / 1e3, 1),
-                             "default": plan == default})  # fmt: skip
+            default = triton_fp8.tiles(batch, n, k, block[1], sms, block[0])
+            for kernel, setting, plan in candidate_plans(args, triton_fp8, batch, n, k, block, sms):
+                us = 1e3 * median_ms(replayed(lambda: triton_fp8.fp8_linear(x, layer.weight, layer.scale, block, plan), device),
+                                     device.type, args.repeats) / LINEAR_CALLS  # fmt: skip
+                rows.append({"projection": name, "batch": batch, "kernel": kernel, "tiles": setting, "splits": plan.splits,
+                             "us": round(us, 2), "weight_gb_per_s": round(n * k / us / 1e3, 1), "default": plan == default})  # fmt: skip
     return rows
 
 
+def candidate_plans(args: argparse.Namespace, triton_fp8, batch: int, n: int, k: int, block: tuple[int, int], sms: int):
+    """(kernel, its setting as text, `triton_fp8.Tiles`) for each tiling fp8_tiles times."""
+    if batch == triton_fp8.GEMV_ROWS:
+        default = triton_fp8.tensor_core_tiles(batch, n, k, block[1], sms)
+        yield "tensor-core", f"BLOCK_N {default.block_n}, {triton_fp8.PROGRAMS_PER_SM}/SM, stages {default.num_stages}", default
+        for block_n, step_k, warps in GEMV_CANDIDATES[:2] if args.tiny else GEMV_CANDIDATES:
+            plan = triton_fp8.gemv_tiles(n, k, block[1], sms, block[0], block_n, step_k, warps)
+            yield "gemv", f"BLOCK_N {plan.block_n}, {plan.groups_per_step * block[1]} columns, {warps} warps", plan
+        return
+    for block_n, per_sm, stages in TILE_CANDIDATES[:2] if args.tiny else TILE_CANDIDATES:
+        with tiles_set(triton_fp8, block_n, per_sm):
+            plan = dataclasses.replace(triton_fp8.tensor_core_tiles(batch, n, k, block[1], sms), num_stages=stages)
+        yield "tensor-core", f"BLOCK_N {block_n}, {per_sm}/SM, stages {stages}", plan
+
+
 @contextlib.contextmanager
-def tiles_set(module, block_n: int, per_sm: int, stages: int):
-    """`module.tiles` with these decode tiles, for the block's duration; yields the patched `tiles`."""
-    saved = module.DECODE_BLOCK_N, module.PROGRAMS_PER_SM, module.tiles
+def tiles_set(module, block_n: int, per_sm: int):
+    """`module.tensor_core_tiles` with these decode tiles, for the block's duration."""
+    saved = module.DECODE_BLOCK_N, module.PROGRAMS_PER_SM
     module.DECODE_BLOCK_N, module.PROGRAMS_PER_SM = block_n, per_sm
-    patched = lambda *a: dataclasses.replace(saved[2](*a), num_stages=stages)  # noqa: E731
-    module.tiles = patched
     try:
-        yield patched
+        yield
     finally:
-        module.DECODE_BLOCK_N, module.PROGRAMS_PER_SM, module.tiles = saved
+        module.DECODE_BLOCK_N, module.PROGRAMS_PER_SM = saved
 
 
 def replayed(fn, device: torch.device):
@@ -447,12 +463,11 @@ def table(result: dict) -> str:
             lines.append(f"| {name} ({rows[0]['n']} x {rows[0]['k']}) | {batch} | " + " | ".join(cells.get(lay, "") for lay in FP8_LAYOUTS) + " |")
     tiles = result.get("fp8_tiles")
     if isinstance(tiles, list):
-        lines += ["", "| FP8 tiles: projection | batch | default µs (BLOCK_N, per SM, stages) | best µs (BLOCK_N, per SM, stages) |",
-                  "|---|---|---|---|"]
-        for (name, batch), rows in _grouped(tiles, ("projection", "batch")).items():
+        lines += ["", "| FP8 tiles: projection | batch | kernel | default µs, GB/s (tiles) | best µs, GB/s (tiles) |", "|---|---|---|---|---|"]
+        for (name, batch, kernel), rows in _grouped(tiles, ("projection", "batch", "kernel")).items():
             best, default = min(rows, key=lambda r: r["us"]), next((r for r in rows if r["default"]), None)
-            cell = lambda r: f"{r['us']} ({r['block_n']}, {r['programs_per_sm']}, {r['stages']})" if r else "-"  # noqa: E731
-            lines.append(f"| {name} | {batch} | {cell(default)} | {cell(best)} |")
+            cell = lambda r: f"{r['us']}, {r['weight_gb_per_s']} ({r['tiles']}, {r['splits']} splits)" if r else "-"  # noqa: E731
+            lines.append(f"| {name} | {batch} | {kernel} | {cell(default)} | {cell(best)} |")
     errors = [name for name, value in result.items() if isinstance(value, dict) and ("error" in value or "skipped" in value)]
     return "\n".join(lines + ([f"not run or failed: {', '.join(errors)}"] if errors else []))
 

@@ -31,8 +31,9 @@ from torch import nn
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0  # float8_e4m3fn's largest finite value
 SUPPORTED_QUANTIZATIONS = ("fp8",)  # quantization_config quant_method values loaded as shipped
-# Steps of at most this many rows are decode-sized: the Triton kernel streams the weight, split along K
-# (`triton_fp8.tiles`). Past it, per-row weights take cuBLAS's row-scaled FP8 GEMM (`torch._scaled_mm`).
+# Steps of at most this many rows are decode-sized: the Triton kernels stream the weight (one token: a GEMV;
+# more: tensor-core tiles split along K; `triton_fp8.tiles`). Past it, per-row weights take cuBLAS's
+# row-scaled FP8 GEMM (`torch._scaled_mm`).
 DECODE_ROWS = 64
 ACTIVATION_GROUP = 128  # per-row weights in the Triton kernel: columns per activation scale
 QUANTIZED_PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")  # the router and lm_head stay unquantized

@@ -10,11 +10,10 @@ K step loads them (`fp8.quantize_groups` in torch):
 one FP8 tensor-core dot per K step, scaled and accumulated in fp32, rounded once to x's dtype.
 
 Why W8A8 in decode too: a decode step reads each weight byte once, so its time is the weight's
-bytes whatever the dot's inputs; FP8 x FP8 dots take the weight as it lies (no per-element upcast to
-bf16, which on Hopper costs about as much ALU time as the byte takes to arrive), and a token's
-quantization is the same in decode and prefill (the checkpoints' own 1 x 128 activation scheme).
-Quantizing x inside costs a few operations per activation element, re-done by each program that
-reads it: small next to the weight tile the same step streams.
+bytes whatever the dot's inputs, and a token's quantization is the same in decode and prefill (the
+checkpoints' own 1 x 128 activation scheme), whichever kernel runs it. Quantizing x inside costs a
+few operations per activation element, re-done by each program that reads it: small next to the
+weight tile the same step streams.
 
 `tiles` picks the tiling by the step's rows. Decode-sized steps (M <= `fp8.DECODE_ROWS`) are
 bandwidth-bound: the weight must stream from every SM at once, which a few N tiles cannot do
@@ -24,6 +23,17 @@ partial sums [S, M, N] and `triton_matmul.sum_splits` adds them in split order (
 atomics) and rounds once. Splits are whole K steps, so the activation groups, and the result up to
 fp32 summation order, do not depend on the split. Larger steps take 64 x 128 tiles, split only while
 they are too few to fill the SMs (a verify step of a few hundred tokens).
+
+A one-token step (batch-1 decode) takes `_fp8_gemv_kernel` instead: a tensor-core dot needs 16 rows
+at least, 15 of them zeros here, and its activation loads and scales serialise each K step. The GEMV
+is triton_fused's `_gemv_kernel` for FP8: a program owns BLOCK_N output rows and streams its
+[BLOCK_N, groups_per_step x bk] weight tiles along K in wide contiguous loads, upcast to fp32 in
+registers and multiplied by the token's quantized activations (the same x8 and sx as above), summed
+per lane in fp32 and reduced once (tl.sum) at the end. BLOCK_N divides the weight's bn, so a program's
+rows share one block scale per K group: folded with sx into the activations once per step, which
+leaves one upcast and one FMA per weight byte (per-row scales multiply the row's sum at the end).
+x8 is the same: x / sx rounded to nearest from sx's correctly rounded reciprocal (`_div_rn_by`).
+N / BLOCK_N programs fill the SMs at Qwen3's shapes; a weight with few rows splits K as above.
 Grids follow the shapes only (CUDA graphs capture them).
 """
 
@@ -43,15 +53,22 @@ PROGRAMS_PER_SM = 4  # decode: programs in flight per SM, each streaming its own
 MIN_STEPS_PER_SPLIT = 4  # K steps a split keeps, so each program's loads still pipeline
 DECODE_BLOCK_N = 64
 HOPPER_SMS = 132  # off CUDA (the interpreter): the tiles an H100 would take
+GEMV_ROWS = 1  # steps of this many tokens take the GEMV
+GEMV_BLOCK_N = 16  # the GEMV's rows per program, halved while fewer than GEMV_PROGRAMS_PER_SM programs per SM
+GEMV_PROGRAMS_PER_SM = 2  # at least; up to 4 of 4 warps fit an SM's registers, so Qwen3's projections run in about one wave
+GEMV_STEP_BYTES = 8192  # weight bytes a GEMV program loads per K step: 64 a lane at 4 warps, four 16-byte loads
+GEMV_WARPS = 4
 
 
 @dataclass(frozen=True)
 class Tiles:
-    block_m: int
+    block_m: int  # GEMV_ROWS: the GEMV (BLOCK_N rows of the weight per program); else the tensor-core kernel's rows
     block_n: int
     splits: int  # programs along K; > 1: fp32 partial sums, added by `triton_matmul.sum_splits`
-    steps_per_split: int  # BLOCK_K steps each split takes (the last may run past K: masked)
+    steps_per_split: int  # BLOCK_K steps each split takes (K steps: BLOCK_K, or the GEMV's groups_per_step groups; the last may run past K: masked)
     num_stages: int
+    groups_per_step: int = 1  # activation groups (bk columns) per K step
+    num_warps: int = 4
 
 
 @triton.jit
@@ -83,8 +100,63 @@ def _fp8_linear_kernel(
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=in_rows[:, None] & in_cols[None, :])
 
 
-def tiles(num_rows: int, out_features: int, in_features: int, block_k: int, num_sms: int = HOPPER_SMS) -> Tiles:
-    """The tiling of a step of `num_rows` tokens through an [N, K] weight (module doc)."""
+@triton.jit
+def _fp8_gemv_kernel(
+    x_ptr, w_ptr, w_scale_ptr, out_ptr, N, K, steps_per_split, stride_w, stride_ws_n, stride_ws_k, stride_out_split,
+    GROUP_N: tl.constexpr, FP8_LIMIT: tl.constexpr, BLOCK_N: tl.constexpr, GROUPS: tl.constexpr, GROUP_K: tl.constexpr,
+):
+    # One token x [K]; weight tiles [BLOCK_N, GROUPS, GROUP_K], a K step = GROUPS activation groups.
+    # x is quantized by each program as it streams (x is L2-resident, and BLOCK_N weight bytes share each
+    # of its elements): dearer in ALU than a quantizing kernel run once, but that kernel's launch and
+    # x8's round trip would cost each projection more at one token.
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
+    split = tl.program_id(1)
+    groups = tl.arange(0, GROUPS)
+    in_rows = rows < N
+    # block-wise: BLOCK_N divides GROUP_N, so the program's rows share their scales' row
+    scale_row = w_scale_ptr + (tl.program_id(0) * BLOCK_N // GROUP_N) * stride_ws_n
+    acc = tl.zeros((BLOCK_N, GROUPS, GROUP_K), dtype=tl.float32)
+    first = split * steps_per_split
+    for step in range(first, first + steps_per_split):
+        group = step * GROUPS + groups  # [G]
+        k = group[:, None] * GROUP_K + tl.arange(0, GROUP_K)[None, :]  # [G, GK]
+        in_k = k < K
+        # the weight's loads first: in flight while x is quantized (no prefetch of the next step: twice
+        # the registers, half the programs resident per SM)
+        w = tl.load(w_ptr + rows[:, None, None].to(tl.int64) * stride_w + k[None, :, :],
+                    mask=in_rows[:, None, None] & in_k[None, :, :], other=0.0)  # fmt: skip
+        x = tl.load(x_ptr + k, mask=in_k, other=0.0).to(tl.float32)
+        w_scale = 1.0
+        if GROUP_N > 1:  # a past-K group (the last split's) reads a real scale, times 0
+            w_scale = tl.load(scale_row + tl.minimum(group, (K - 1) // GROUP_K) * stride_ws_k)  # [G]
+        x_scale = tl.div_rn(tl.maximum(tl.max(tl.abs(x), axis=1), 1e-12), FP8_LIMIT)  # [G]
+        x8 = tl.minimum(tl.maximum(_div_rn_by(x, x_scale[:, None], tl.div_rn(1.0, x_scale)[:, None]), -FP8_LIMIT), FP8_LIMIT)
+        x_scaled = x8.to(w_ptr.dtype.element_ty).to(tl.float32) * (x_scale * w_scale)[:, None]  # [G, GK]
+        acc += w.to(tl.float32) * x_scaled[None, :, :]
+    out = tl.sum(tl.sum(acc, axis=2), axis=1)  # [BN]
+    if GROUP_N == 1:  # per row: its scale times its sum
+        out *= tl.load(w_scale_ptr + rows * stride_ws_n, mask=in_rows, other=0.0)
+    tl.store(out_ptr + split * stride_out_split + rows, out.to(out_ptr.dtype.element_ty), mask=in_rows)
+
+
+@triton.jit
+def _div_rn_by(a, b, reciprocal):
+    """a / b rounded to nearest (as torch divides) from b's correctly rounded reciprocal, shared by
+    a group: Markstein's correction, q + (a - q b) / b, exact without overflow or underflow."""
+    q = a * reciprocal
+    return tl.fma(tl.fma(-q, b, a), reciprocal, q)
+
+
+def tiles(num_rows: int, out_features: int, in_features: int, block_k: int, num_sms: int = HOPPER_SMS, group_n: int = 1) -> Tiles:
+    """The tiling of a step of `num_rows` tokens through an [N, K] weight whose scales cover group_n
+    rows x block_k columns (group_n 1: a scale per row) (module doc)."""
+    if num_rows == GEMV_ROWS:
+        return gemv_tiles(out_features, in_features, block_k, num_sms, group_n)
+    return tensor_core_tiles(num_rows, out_features, in_features, block_k, num_sms)
+
+
+def tensor_core_tiles(num_rows: int, out_features: int, in_features: int, block_k: int, num_sms: int = HOPPER_SMS) -> Tiles:
+    """`_fp8_linear_kernel`'s tiling of a step of `num_rows` tokens (module doc)."""
     decode = num_rows <= DECODE_ROWS
     block_m = max(16, triton.next_power_of_2(num_rows)) if decode else 64
     block_n = DECODE_BLOCK_N if decode else 128
@@ -97,8 +169,34 @@ def tiles(num_rows: int, out_features: int, in_features: int, block_k: int, num_
     return Tiles(block_m, block_n, triton.cdiv(steps, per_split), per_split, 4 if decode else 3)
 
 
-def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, block: tuple[int, int] | None) -> torch.Tensor:
-    """x [..., K] @ (W8 [N, K], scales per tile [N / bn, K / bk] or per row [N])^T -> [..., N] in x's dtype."""
+def gemv_tiles(out_features: int, in_features: int, block_k: int, num_sms: int = HOPPER_SMS, group_n: int = 1,
+               block_n: int | None = None, step_k: int | None = None, num_warps: int = GEMV_WARPS) -> Tiles:  # fmt: skip
+    """The GEMV's tiling of one token through an [N, K] weight. block_n rows per program (a divisor of
+    group_n when group_n > 1); by default GEMV_BLOCK_N, halved while the programs would not reach
+    GEMV_PROGRAMS_PER_SM per SM. step_k columns a K step (whole activation groups; by default
+    GEMV_STEP_BYTES a step). K is split where the rows alone give too few programs."""
+    if block_n is None:
+        block_n = GEMV_BLOCK_N
+        while block_n > 1 and triton.cdiv(out_features, block_n) < GEMV_PROGRAMS_PER_SM * num_sms:
+            block_n //= 2
+    block_n = min(block_n, group_n & -group_n) if group_n > 1 else block_n  # the largest power of two dividing group_n
+    step_k = step_k or GEMV_STEP_BYTES // max(block_n, 8)  # at most 1024 columns: a few-row weight's K still splits
+    groups_per_step = min(_floor_power_of_2(max(1, step_k // block_k)), triton.next_power_of_2(triton.cdiv(in_features, block_k)))
+    steps = triton.cdiv(in_features, groups_per_step * block_k)
+    wanted = GEMV_PROGRAMS_PER_SM * num_sms // triton.cdiv(out_features, block_n)
+    per_split = triton.cdiv(steps, max(1, min(wanted, steps // MIN_STEPS_PER_SPLIT)))
+    return Tiles(GEMV_ROWS, block_n, triton.cdiv(steps, per_split), per_split, 1, groups_per_step, num_warps)
+
+
+def _floor_power_of_2(n: int) -> int:
+    return 1 << (n.bit_length() - 1)
+
+
+def fp8_linear(
+    x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, block: tuple[int, int] | None, plan: Tiles | None = None
+) -> torch.Tensor:
+    """x [..., K] @ (W8 [N, K], scales per tile [N / bn, K / bk] or per row [N])^T -> [..., N] in x's dtype.
+    plan: the tiling (`tiles`' choice by default; a GEMV's needs one row and block_n dividing bn)."""
     flat = x.reshape(-1, x.shape[-1])
     flat = flat if flat.stride(-1) == 1 else flat.contiguous()
     num_rows, (n, k) = flat.shape[0], weight.shape
@@ -106,16 +204,23 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
         group_n, block_k, stride_ws = 1, ACTIVATION_GROUP, (weight_scale.stride(0), 0)
     else:
         group_n, block_k, stride_ws = block[0], block[1], (weight_scale.stride(0), weight_scale.stride(1))
-    plan = tiles(num_rows, n, k, block_k, num_sms(x.device))
+    plan = plan or tiles(num_rows, n, k, block_k, num_sms(x.device), group_n)
     out = torch.empty(num_rows, n, dtype=x.dtype, device=x.device)
     partial = out if plan.splits == 1 else torch.empty(plan.splits, num_rows, n, dtype=torch.float32, device=x.device)
-    grid = (triton.cdiv(num_rows, plan.block_m), triton.cdiv(n, plan.block_n), plan.splits)
-    _fp8_linear_kernel[grid](
-        flat, weight, weight_scale, partial, num_rows, n, k, plan.steps_per_split,
-        flat.stride(0), weight.stride(0), *stride_ws, num_rows * n, n,
-        GROUP_N=group_n, FP8_LIMIT=FP8_MAX, BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, BLOCK_K=block_k,
-        num_warps=4, num_stages=plan.num_stages,
-    )  # fmt: skip
+    if plan.block_m == GEMV_ROWS:
+        assert num_rows == GEMV_ROWS and (group_n == 1 or group_n % plan.block_n == 0), (num_rows, plan)
+        _fp8_gemv_kernel[(triton.cdiv(n, plan.block_n), plan.splits)](
+            flat, weight, weight_scale, partial, n, k, plan.steps_per_split, weight.stride(0), *stride_ws, n,
+            GROUP_N=group_n, FP8_LIMIT=FP8_MAX, BLOCK_N=plan.block_n, GROUPS=plan.groups_per_step, GROUP_K=block_k,
+            num_warps=plan.num_warps, num_stages=plan.num_stages,
+        )  # fmt: skip
+    else:
+        _fp8_linear_kernel[(triton.cdiv(num_rows, plan.block_m), triton.cdiv(n, plan.block_n), plan.splits)](
+            flat, weight, weight_scale, partial, num_rows, n, k, plan.steps_per_split,
+            flat.stride(0), weight.stride(0), *stride_ws, num_rows * n, n,
+            GROUP_N=group_n, FP8_LIMIT=FP8_MAX, BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, BLOCK_K=block_k,
+            num_warps=plan.num_warps, num_stages=plan.num_stages,
+        )  # fmt: skip
     if plan.splits > 1:
         sum_splits(partial, out)
     return out.view(*x.shape[:-1], n)

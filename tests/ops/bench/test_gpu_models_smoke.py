@@ -4,7 +4,8 @@ tiny shape (on bf16 and FP8 stacks), every decode row of the MoE (bf16, FP8), bf
 layouts runs with its replay's tokens equal to eager, FP8's logprobs are compared (on the CPU both sides are the twin: 0), every FP8
 projection of every layer is checked against its W8A8 reference (on the CPU the twin runs, which
 does not quantize activations: a difference of FP8 activation rounding's size, which the check must
-see), each projection shape is timed in every layout and, block-wise, under candidate decode tiles."""
+see), each projection shape is timed in every layout and, block-wise, under candidate decode tiles (the
+GEMV's at batch 1)."""
 
 from __future__ import annotations
 
@@ -43,4 +44,6 @@ def test_cpu_tiny_run_in_the_triton_interpreter(tmp_path) -> None:
         (name, batch, layout) for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj") for batch in (1, 4)
         for layout in ("bf16", "fp8-block", "fp8-channel")
     }
-    assert len(result["fp8_tiles"]) == 4 * 2 * 2 and all(r["us"] > 0 and r["splits"] >= 1 for r in result["fp8_tiles"])
+    # per projection: at batch 1 the tensor-core kernel's own tiling and 2 GEMV candidates, at 4 2 tensor-core candidates
+    assert len(result["fp8_tiles"]) == 4 * (1 + 2 + 2) and all(r["us"] > 0 and r["splits"] >= 1 for r in result["fp8_tiles"])
+    assert {(r["batch"], r["kernel"]) for r in result["fp8_tiles"]} == {(1, "tensor-core"), (1, "gemv"), (4, "tensor-core")}

@@ -191,6 +191,31 @@ def test_fp8_path_matches_its_w8a8_reference_interpreted(num_rows: int, layout: 
     torch.testing.assert_close(got, twin, atol=tolerance * float(want.abs().max()), rtol=tolerance)
 
 
+@interpreted
+@pytest.mark.parametrize("layout", ["block", "rows"])
+def test_one_token_gemv_matches_w8a8_and_the_tensor_core_kernel_interpreted(layout: str) -> None:
+    # A one-token step takes `_fp8_gemv_kernel` (`tiles`' choice), under its default tiling, programs
+    # of several rows (N = 100 is no multiple of 16) and a split K, against `w8a8_reference` and
+    # against the tensor-core kernel given the same row.
+    from services.scheduler.model import triton_fp8
+    from services.scheduler.model.fp8 import ACTIVATION_GROUP
+
+    linear = odd_fp8_linear(layout, torch.Generator().manual_seed(7))
+    (n, k), group_n, block_k = KERNEL_SHAPES[layout], linear.block[0] if linear.block else 1, linear.activation_group(1)
+    x = representable_activations(1, k, block_k, torch.Generator().manual_seed(8))
+    plans = [triton_fp8.tiles(1, n, k, block_k, group_n=group_n),
+             triton_fp8.gemv_tiles(n, k, block_k, group_n=group_n, block_n=16, step_k=2 * block_k),
+             triton_fp8.gemv_tiles(n, k, block_k, group_n=group_n, block_n=4, step_k=block_k)]  # fmt: skip
+    assert all(plan.block_m == triton_fp8.GEMV_ROWS for plan in plans) and plans[2].splits > 1 and plans[1].block_n == 16
+    want = linear.w8a8_reference(x)
+    tensor_cores = triton_fp8.fp8_linear(x, linear.weight, linear.scale, linear.block, triton_fp8.tiles(2, n, k, block_k))
+    assert block_k == (BLOCK if layout == "block" else ACTIVATION_GROUP)
+    for plan in plans:
+        got = triton_fp8.fp8_linear(x, linear.weight, linear.scale, linear.block, plan)
+        torch.testing.assert_close(got, want, atol=1e-5 * float(want.abs().max()), rtol=1e-5)
+        torch.testing.assert_close(got, tensor_cores, atol=1e-5 * float(want.abs().max()), rtol=1e-5)
+
+
 def representable_activations(num_rows: int, in_features: int, group: int, gen: torch.Generator) -> torch.Tensor:
     """FP8 values times a power of two per (row, group), each group holding a +-448: FP8 quantization
     per `group` columns gives them back exactly, whatever its rounding (Triton's interpreter converts
@@ -206,15 +231,29 @@ def test_decode_steps_split_k() -> None:
     from services.scheduler.model import triton_fp8
     from services.scheduler.model.fp8 import ACTIVATION_GROUP, DECODE_ROWS
 
-    # the interpreted cases: decode-sized steps split K, the 300-row one does not
-    assert triton_fp8.tiles(1, *KERNEL_SHAPES["block"], BLOCK).splits > 1
+    # the interpreted cases: decode-sized steps past one token split K, the 300-row one does not
+    assert triton_fp8.tiles(3, *KERNEL_SHAPES["block"], BLOCK).splits > 1
     assert triton_fp8.tiles(64, *KERNEL_SHAPES["rows"], ACTIVATION_GROUP).splits > 1
     assert triton_fp8.tiles(300, *KERNEL_SHAPES["block"], BLOCK).splits == 1
     # Qwen3-8B's o_proj (4096 x 4096) on an H100: a decode step streams the weight from ~4 programs per SM (not 0.5)
     for num_rows in (1, DECODE_ROWS):
-        plan = triton_fp8.tiles(num_rows, 4096, 4096, 128, num_sms=132)
-        assert plan.splits * 4096 // plan.block_n >= 3 * 132 and plan.splits * plan.steps_per_split * 128 == 4096
+        plan = triton_fp8.tiles(num_rows, 4096, 4096, 128, num_sms=132, group_n=128)
+        assert plan.splits * 4096 // plan.block_n >= 3 * 132 and plan.splits * plan.steps_per_split * 128 * plan.groups_per_step == 4096
     assert triton_fp8.tiles(2048, 4096, 4096, 128, num_sms=132).splits == 1
+
+
+def test_one_token_steps_take_the_gemv() -> None:
+    # batch-1 decode: the GEMV (rows of the weight per program, no tensor-core dot), unsplit at Qwen3-8B's
+    # projections, its rows inside one block scale's; two tokens keep the tensor-core kernel
+    from services.scheduler.model import triton_fp8
+
+    for n, k in ((6144, 4096), (4096, 4096), (24576, 4096), (4096, 12288)):
+        for group_n in (1, 128):
+            plan = triton_fp8.tiles(1, n, k, 128, num_sms=132, group_n=group_n)
+            assert plan.block_m == triton_fp8.GEMV_ROWS and plan.splits == 1 and 128 % plan.block_n == 0
+            assert plan.steps_per_split * plan.groups_per_step * 128 == k and n // plan.block_n >= triton_fp8.GEMV_PROGRAMS_PER_SM * 132
+        assert triton_fp8.tiles(2, n, k, 128, num_sms=132).block_m >= 16
+    assert triton_fp8.gemv_tiles(100, 300, 32, group_n=48, block_n=32).block_n == 16  # the largest power of two dividing 48
 
 
 @interpreted
@@ -249,9 +288,16 @@ def test_fp8_kernels_compile_for_hopper() -> None:
     divisible = ("x_ptr", "w_ptr", "w_scale_ptr", "out_ptr", "N", "K", "stride_x", "stride_w", "stride_out_split", "stride_out")
     for group_n, num_rows, n, k in ((1, 1, 4096, 4096), (128, 1, 24576, 4096), (128, 3, 4096, 12288), (128, 64, 4096, 4096),
                                     (1, 64, 6144, 4096), (128, 300, 4096, 4096)):  # fmt: skip
-        plan = triton_fp8.tiles(num_rows, n, k, 128)
+        plan = triton_fp8.tensor_core_tiles(num_rows, n, k, 128)
         constants = {"GROUP_N": group_n, "FP8_LIMIT": FP8_MAX, "BLOCK_M": plan.block_m, "BLOCK_N": plan.block_n, "BLOCK_K": 128}
         assert compile_for_hopper(triton_fp8._fp8_linear_kernel, signature, constants, divisible, num_warps=4, num_stages=plan.num_stages)
+    gemv = {"x_ptr": "*bf16", "w_ptr": "*fp8e4nv", "w_scale_ptr": "*fp32", "out_ptr": "*bf16", "N": i32, "K": i32, "steps_per_split": i32,
+            "stride_w": i32, "stride_ws_n": i32, "stride_ws_k": i32, "stride_out_split": i32}  # fmt: skip
+    for group_n, n, k in ((1, 4096, 4096), (128, 6144, 4096), (128, 24576, 4096), (128, 4096, 12288)):
+        plan = triton_fp8.tiles(1, n, k, 128, num_sms=132, group_n=group_n)
+        constants = {"GROUP_N": group_n, "FP8_LIMIT": FP8_MAX, "BLOCK_N": plan.block_n, "GROUPS": plan.groups_per_step, "GROUP_K": 128}
+        assert compile_for_hopper(triton_fp8._fp8_gemv_kernel, gemv, constants, ("x_ptr", "w_ptr", "out_ptr", "K", "stride_w"),
+                                  num_warps=plan.num_warps, num_stages=plan.num_stages)  # fmt: skip
     sums = {"partial_ptr": "*fp32", "out_ptr": "*bf16", "numel": i32, "splits": i32}
     assert compile_for_hopper(triton_matmul._sum_splits_kernel, sums, {"BLOCK": triton_matmul.SUM_BLOCK}, num_warps=4)
 
