@@ -46,6 +46,8 @@ class RowDraw(msgspec.Struct, frozen=True):
     position: int  # its output position: the noise is keyed by (seed, position), as `sampler.draw_noise`'s
     top_k: int = 0  # 0: off
     min_p: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # the request's (id, bias): `logits_processing.apply_id_edits`
+    blocked: tuple[int, ...] = ()  # ids min_tokens holds back at this row (`logits_processing.blocked_ids`)
 
 
 class TensorParallelError(ValueError):
@@ -158,7 +160,8 @@ class TensorParallel:
 
     def sample(self, logits: torch.Tensor, draws: tuple[RowDraw, ...]) -> torch.Tensor:
         """Token ids int64 [c] drawn from this rank's logits shard f32 [c, Vs] (every rank gets them),
-        the very tokens TP = 1 draws from whole rows (`accept` with no drafts): greedy rows the first
+        the very tokens TP = 1 draws from whole rows (`accept` with no drafts), after the rows' per-id
+        edits (logit bias, min_tokens), each shard editing the ids it holds: greedy rows the first
         argmax, sampled rows the exponential race argmax(w_i / E_i) on the unnormalised weights
         w = exp(logits / T - max) (`sampler.sampling_weights`) and `sampler.draw_noise`'s E, each rank
         taking its shard's columns of the row's noise (keyed by seed, position and global id). The
@@ -166,8 +169,12 @@ class TensorParallel:
         TP = 1's. Only each shard's winner (value, id) and the maximum cross ranks; top-k from the
         merged per-shard top-k, min-p from w's largest, exactly 1. Top-p needs the sorted whole row:
         the worker gathers those rows instead (`worker/layout.ShardSplit`)."""
+        from services.scheduler.logits_processing import apply_id_edits
+
         global_ids = torch.arange(self.vocab_start, self.vocab_start + logits.shape[-1], device=logits.device)
         logits = logits.masked_fill(global_ids >= self.config.vocab_size, float("-inf"))  # the last shard's padding
+        if any(d.logit_bias or d.blocked for d in draws):
+            logits = apply_id_edits(logits, [d.logit_bias for d in draws], [d.blocked for d in draws], self.vocab_start)
         greedy = self._merged_argmax(logits, global_ids)  # [c]
         if all(d.temperature <= 0 for d in draws):
             return greedy

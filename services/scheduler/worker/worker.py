@@ -218,7 +218,7 @@ class ModelWorker:
         shards as TP = 1 draws them from whole rows (`TensorParallel.sample`; a block accepted on those
         argmaxes), but for those `ShardSplit` sends whole, whose rows alone are gathered (`_choose`).
         Every row's output logprobs come from the shards (raw: before any processor)."""
-        width, split = layout.max_draft + 1, ShardSplit.of(plan, layout)
+        width, split = layout.max_draft + 1, ShardSplit.of(plan, layout, frozenset(self.runner.config.eos_token_ids))
         hidden = out.hidden_states if layout.verifies_every_row else out.hidden_states[arrays["verify_rows"].reshape(-1)]  # [P W, H]
         parts = []
         if split.on_shards:

@@ -57,9 +57,14 @@ def small_prompt(seed: int, length: int) -> list[int]:
 
 
 def mixed_requests():
-    """Every kind of sampled row: greedy, T = 1, top-k, min-p (drawn from the shards), and top-p and a
-    penalty (gathered whole) in the same steps."""
+    """Every kind of sampled row: greedy, T = 1, top-k, min-p, logit bias and min_tokens (drawn from the
+    shards), and top-p and a penalty (gathered whole) in the same steps. "biased": id 300 (the last
+    shard's) biased to win, held back by min_tokens as a stop token for 3 tokens, then it stops the request."""
     return [
+        request("biased", small_prompt(8, 11), max_new_tokens=6, logit_bias=((300, 40.0),), min_new_tokens=3,
+                stop_token_ids=(300,), logprobs=LOGPROBS),  # fmt: skip
+        request("biased_sampled", small_prompt(9, 14), max_new_tokens=6, temperature=1.0, top_k=50, seed=3,
+                logit_bias=((40, 4.0), (200, -100.0)), min_new_tokens=2, stop_token_ids=(40,), ignore_eos=True),  # fmt: skip
         request("greedy", small_prompt(1, 37), max_new_tokens=7, logprobs=LOGPROBS, ignore_eos=True),
         request("sampled", small_prompt(2, 21), max_new_tokens=7, temperature=1.0, seed=5, logprobs=LOGPROBS, ignore_eos=True),
         request("flat", small_prompt(3, 29), max_new_tokens=5, temperature=0.7, top_k=40, seed=9, logprobs=FLAT,
@@ -96,6 +101,7 @@ def test_sharded_model_serves_what_the_whole_model_serves(saved_family, groups, 
     assert_same(expected, got)
     assert whole(path).model.tp is None and all(layer.tp is None for layer in whole(path).model.model.layers)  # TP = 1: no hook
     assert len(got["greedy"].cat("input_token")) == 37 and got["greedy"].cat("input_top_ids").shape[-1] == 20
+    assert got["biased"].tokens[3] == 300 and 300 not in got["biased"].tokens[:3]
 
 
 @pytest.fixture
@@ -108,9 +114,9 @@ def gathered(monkeypatch) -> list[int]:
 
 
 def test_only_rows_that_need_the_whole_row_are_gathered(saved_family, groups, gathered):
-    """Prompt and output logprobs and the sampled tokens of greedy, T = 1, top-k and min-p rows come
-    from every shard's statistics (`TensorParallel.logprob_columns`, `TensorParallel.sample`); the
-    top-p and penalty requests' rows alone are gathered whole, in the same steps."""
+    """Prompt and output logprobs and the sampled tokens of greedy, T = 1, top-k, min-p, logit bias and
+    min_tokens rows come from every shard's statistics (`TensorParallel.logprob_columns`,
+    `TensorParallel.sample`); the top-p and penalty requests' rows alone are gathered whole, in the same steps."""
     _, path = saved_family("qwen3")
     options = {**OPTIONS, "chunked_prefill_size": 256}
     got = run(core_for(groups(path, 2), **options), mixed_requests())
@@ -272,18 +278,25 @@ def test_sharded_dspark_drafts_and_serves_what_tp1_does(dspark_groups, gathered,
     """Every rank drafts on its shard (its draft heads, its rows of W2 and of the target's LM head;
     4 ranks: the drafter's 2 KV heads replicated): the greedy blocks, argmax-merged from the shards,
     are TP = 1's blocks, accepted on argmaxes merged from the target's shards. Only the sampled
-    request's rows are gathered whole: one drafting row per slot, and its verify blocks of K + 1 = 8."""
+    request's rows are gathered whole: one drafting row per slot, and its verify blocks of K + 1 = 8.
+    "b" (greedy, id 17 biased up and a stop token held back by min_tokens for 5 tokens) is verified on
+    the shards too, each verify row with the ids min_tokens holds back after the drafts before it."""
     from services.models import BUNDLED_MODEL
     from services.scheduler.build import build_core
 
     prompts = [[(7 * i + 13 * j) % 4000 + 3 for j in range(9 + 5 * i)] for i in range(3)]
     requests = lambda: [request(f"d{i}", p, max_new_tokens=12, logprobs=LOGPROBS, ignore_eos=True)  # noqa: E731
                         for i, p in enumerate(prompts)] + [request("s", prompts[1], max_new_tokens=12, temperature=1.0, seed=7,
-                                                                   ignore_eos=True)]  # fmt: skip
+                                                                   ignore_eos=True),
+                                                           request("b", prompts[2], max_new_tokens=12, logit_bias=((17, 3.0),),
+                                                                   min_new_tokens=5, stop_token_ids=(17,), ignore_eos=True)]  # fmt: skip
     one = build_core(SchedulerConfig(model=str(BUNDLED_MODEL), speculative_algorithm="dspark", **DSPARK))
     expected_drafts, expected = recorded_drafts(one, monkeypatch), run(one, requests())
     core = dspark_groups(size)
+    edited, sample = [], TensorParallel.sample
+    monkeypatch.setattr(TensorParallel, "sample", lambda tp, logits, draws: edited.extend(d.blocked for d in draws) or sample(tp, logits, draws))
     drafts, spec = recorded_drafts(core, monkeypatch), run(core, requests())
+    assert (17,) in edited and () in edited and spec["b"].tokens[-1] == 17 and 17 not in spec["b"].tokens[:5]
     greedy = lambda found: {rid: v for rid, v in found.items() if rid != "s"}  # noqa: E731
     assert_same(greedy(expected), greedy(spec), tol=1e-4)
     assert greedy(drafts) == greedy(expected_drafts) and sum(map(len, greedy(drafts).values())) >= 6
