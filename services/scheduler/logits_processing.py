@@ -195,32 +195,36 @@ def apply_processors(logits: torch.Tensor, rows: ProcessorRows) -> torch.Tensor:
     """Steps 1-4 for every row of logits f32 [B, V]; a new tensor (or `logits` when nothing applies)."""
     if all(is_identity(p) for p in rows.params):
         return logits
-    vocab, device = logits.shape[1], logits.device
-    logits = _bias(logits, rows.params)
-    blocked = [(row, t) for row, (p, n, eos) in enumerate(zip(rows.params, rows.num_outputs, rows.eos_ids, strict=True))
-               for t in _blocked(p, n, eos) if t < vocab]  # fmt: skip
-    if blocked:
-        mask = torch.zeros_like(logits, dtype=torch.bool)
-        mask[tuple(torch.tensor(blocked, device=device).T)] = True
-        logits = apply_min_tokens(logits, mask)
+    blocked = [blocked_ids(p, n, eos) for p, n, eos in zip(rows.params, rows.num_outputs, rows.eos_ids, strict=True)]
+    logits = apply_id_edits(logits, [p.logit_bias for p in rows.params], blocked)
     return _penalties(logits, rows)
 
 
-def _blocked(params: SamplingParams, num_outputs: int, eos_ids: frozenset[int]) -> frozenset[int]:
-    """Token ids a row may not produce yet: its stop tokens until min_tokens are out (then none)."""
+def apply_id_edits(
+    logits: torch.Tensor, biases: Sequence[Sequence[tuple[int, float]]], blocked: Sequence[Sequence[int]], first_id: int = 0
+) -> torch.Tensor:
+    """Steps 1-2 (per-id edits) on logits f32 [B, Vs] holding ids [first_id, first_id + Vs): each row's
+    (id, bias) pairs added, its blocked ids (`blocked_ids`) -inf; ids outside the slice skipped, so a
+    vocabulary shard (`TensorParallel.sample`) edits what it holds exactly as the whole row is edited."""
+    width, device = logits.shape[1], logits.device
+    triples = [(row, t - first_id, b) for row, pairs in enumerate(biases) for t, b in pairs if 0 <= t - first_id < width]
+    if triples:
+        rows, ids, values = zip(*triples, strict=True)
+        as_long = lambda values: torch.tensor(values, dtype=torch.int64, device=device)  # noqa: E731
+        logits = apply_logit_bias(logits, as_long(rows), as_long(ids), torch.tensor(values, dtype=logits.dtype, device=device))
+    pairs = [(row, t - first_id) for row, ids in enumerate(blocked) for t in ids if 0 <= t - first_id < width]
+    if pairs:
+        mask = torch.zeros_like(logits, dtype=torch.bool)
+        mask[tuple(torch.tensor(pairs, device=device).T)] = True
+        logits = apply_min_tokens(logits, mask)
+    return logits
+
+
+def blocked_ids(params: SamplingParams, num_outputs: int, eos_ids: frozenset[int]) -> tuple[int, ...]:
+    """Token ids a row may not produce yet, ascending: its stop tokens until min_tokens are out (then none)."""
     if num_outputs >= params.min_new_tokens:
-        return frozenset()
-    return (frozenset() if params.ignore_eos else eos_ids) | frozenset(params.stop_token_ids)
-
-
-def _bias(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
-    triples = [(row, t, b) for row, p in enumerate(params) for t, b in p.logit_bias]
-    if not triples:
-        return logits
-    rows, ids, values = zip(*triples, strict=True)
-    device = logits.device
-    as_long = lambda values: torch.tensor(values, dtype=torch.int64, device=device)  # noqa: E731
-    return apply_logit_bias(logits, as_long(rows), as_long(ids), torch.tensor(values, dtype=logits.dtype, device=device))
+        return ()
+    return tuple(sorted((frozenset() if params.ignore_eos else eos_ids) | frozenset(params.stop_token_ids)))
 
 
 def _penalties(logits: torch.Tensor, rows: ProcessorRows) -> torch.Tensor:

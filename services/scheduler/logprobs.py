@@ -29,7 +29,7 @@ import torch
 
 from contracts.scheduler import SamplingParams
 from services.common.logprob_rows import HostRows, RowLogprobs, RowSpan, are_all_rows
-from services.scheduler.sampler import filter_arrays, filtered_out, unfiltered
+from services.scheduler.sampler import exp_from_max, filter_arrays, filtered_out, unfiltered
 
 CHUNK_BYTES = 512 * 1024 * 1024  # a chunk's fp32 logprobs, at most (and 1024 rows); with its logits and the
 # top-k's int32 keys and masks, a chunk holds ~4x this (the int64 temporaries of the first top-k held ~8x)
@@ -242,7 +242,7 @@ def _log_distribution(logits: torch.Tensor, sampling: dict[str, torch.Tensor] | 
     if "temperature" in sampling:
         logits = logits / sampling["temperature"][:, None]  # [c, V]
     if "top_k" in sampling:
-        removed = filtered_out(torch.softmax(logits, dim=-1), sampling["top_k"], sampling["top_p"], sampling["min_p"])
+        removed = filtered_out(exp_from_max(logits), sampling["top_k"], sampling["top_p"], sampling["min_p"])
         logits = logits.masked_fill(removed, float("-inf"))
     return torch.log_softmax(logits, dim=-1).clamp_min(FILTERED_LOGPROB)
 

@@ -1,7 +1,10 @@
 """Sampling, vectorized over the rows that sample this step.
 
-The draw is Gumbel-max in its exponential form: token = argmax(p_i / E_i) with E_i ~ Exp(1) i.i.d.,
-which samples exactly from p. E for a seeded request's output position i comes from a generator
+The draw is Gumbel-max in its exponential form: token = argmax(w_i / E_i) with E_i ~ Exp(1) i.i.d.,
+which samples exactly from p = w / sum(w). The race runs on the unnormalised weights
+w_i = exp(logit_i / T - max) (`sampling_weights`): no sum enters it, so vocabulary shards, whose
+maximum is exact but whose sum adds in another order, draw bitwise the same id as whole rows
+(`TensorParallel.sample`). E for a seeded request's output position i comes from a generator
 seeded with mix(seed, i) alone, so the draw does not depend on which other requests share the
 batch, nor on preemption and re-prefill. Requests without a seed get their generator seed from the
 scheduler's own generator. Greedy rows (temperature 0) take the argmax of the raw logits, the
@@ -48,10 +51,10 @@ class Sampler:
         temperatures = [row.params.temperature for row in rows]
         if all(t <= 0 for t in temperatures):
             return greedy_ids
-        probs = sampling_probs(logits, [r.params for r in rows])  # [B, V]
+        weights = sampling_weights(logits, [r.params for r in rows])  # [B, V]
         seeds = [self._seed(row) for row in rows]
         noise, _ = draw_noise(seeds, [row.position for row in rows], 0, logits.shape[1], logits.device)
-        sampled = (probs / noise).argmax(dim=-1)  # [B]
+        sampled = (weights / noise).argmax(dim=-1)  # [B]
         is_greedy = torch.tensor([t <= 0 for t in temperatures], device=logits.device)
         return torch.where(is_greedy, greedy_ids, sampled)
 
@@ -61,15 +64,21 @@ class Sampler:
         return row.params.seed if row.params.seed is not None else self._rng.getrandbits(63)
 
 
-def sampling_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-    """The distribution each row samples from: softmax(logits / T), then top-k/top-p/min-p. [B, V]."""
+def sampling_weights(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """The distribution each row samples from, unnormalised: exp_from_max(logits / T), 0 where
+    top-k/top-p/min-p drop a token. f32 [B, V]; p = w / w.sum(-1)."""
     device = logits.device
     temps = torch.tensor([max(p.temperature, 1e-6) for p in params], device=device)  # [B]
-    probs = torch.softmax(logits / temps[:, None], dim=-1)  # [B, V]
+    weights = exp_from_max(logits / temps[:, None])  # [B, V]
     if all(unfiltered(p) for p in params):
-        return probs
+        return weights
     filters = {name: torch.from_numpy(a).to(device) for name, a in filter_arrays(params).items()}
-    return probs.masked_fill(filtered_out(probs, **filters), 0.0)
+    return weights.masked_fill(filtered_out(weights, **filters), 0.0)
+
+
+def exp_from_max(scaled: torch.Tensor) -> torch.Tensor:
+    """exp(x - the row's maximum) [B, V]: softmax without its sum; each row's largest entry is exactly 1."""
+    return torch.exp(scaled - scaled.amax(dim=-1, keepdim=True))
 
 
 def draw_noise(
@@ -110,16 +119,17 @@ def filter_arrays(params: list[SamplingParams]) -> dict[str, np.ndarray]:
     }
 
 
-def filtered_out(probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
-    """probs f32 [B, V] (after temperature) -> bool [B, V]: the tokens each row's top-k, top-p
-    and min-p (`filter_arrays`) remove. The token whose cumulative mass crosses top_p is kept; ties keep the lower id."""
-    vocab = probs.shape[1]
-    sorted_p, order = probs.sort(dim=-1, descending=True, stable=True)  # [B, V]
-    ranks = torch.arange(vocab, device=probs.device)  # [V]
-    mass_before = sorted_p.cumsum(dim=-1) - sorted_p  # [B, V]
+def filtered_out(weights: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """weights f32 [B, V] (`exp_from_max` after temperature) -> bool [B, V]: the tokens each row's top-k,
+    top-p and min-p (`filter_arrays`) remove. The token whose cumulative mass crosses top_p of the row's
+    total is kept; ties keep the lower id."""
+    vocab = weights.shape[1]
+    sorted_w, order = weights.sort(dim=-1, descending=True, stable=True)  # [B, V]
+    ranks = torch.arange(vocab, device=weights.device)  # [V]
+    mass = sorted_w.cumsum(dim=-1)  # [B, V]
     drop = ranks[None, :] >= top_k[:, None]
-    drop |= mass_before > top_p[:, None]
-    drop |= sorted_p < min_p[:, None] * sorted_p[:, :1]
+    drop |= mass - sorted_w > top_p[:, None] * mass[:, -1:]
+    drop |= sorted_w < min_p[:, None] * sorted_w[:, :1]
     return torch.zeros_like(drop).scatter_(1, order, drop)
 
 

@@ -46,6 +46,8 @@ class RowDraw(msgspec.Struct, frozen=True):
     position: int  # its output position: the noise is keyed by (seed, position), as `sampler.draw_noise`'s
     top_k: int = 0  # 0: off
     min_p: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # the request's (id, bias): `logits_processing.apply_id_edits`
+    blocked: tuple[int, ...] = ()  # ids min_tokens holds back at this row (`logits_processing.blocked_ids`)
 
 
 class TensorParallelError(ValueError):
@@ -158,14 +160,21 @@ class TensorParallel:
 
     def sample(self, logits: torch.Tensor, draws: tuple[RowDraw, ...]) -> torch.Tensor:
         """Token ids int64 [c] drawn from this rank's logits shard f32 [c, Vs] (every rank gets them),
-        the very tokens TP = 1 draws from whole rows (`accept` with no drafts): greedy rows the first
-        argmax, sampled rows the exponential race argmax(p_i / E_i) of `sampler.draw_noise`'s E, each
-        rank taking its shard's columns of the row's noise (keyed by seed, position and global id), so
-        the winner is the same. Only each shard's winner (value, id) and the softmax's maximum and sum
-        cross ranks; top-k from the merged per-shard top-k, min-p from the maximum. Top-p needs the
-        sorted whole row: the worker gathers those rows instead (`worker/layout.ShardSplit`)."""
+        the very tokens TP = 1 draws from whole rows (`accept` with no drafts), after the rows' per-id
+        edits (logit bias, min_tokens), each shard editing the ids it holds: greedy rows the first
+        argmax, sampled rows the exponential race argmax(w_i / E_i) on the unnormalised weights
+        w = exp(logits / T - max) (`sampler.sampling_weights`) and `sampler.draw_noise`'s E, each rank
+        taking its shard's columns of the row's noise (keyed by seed, position and global id). The
+        maximum is exact over shards and no sum enters w, so every w_i / E_i and the winner are bitwise
+        TP = 1's. Only each shard's winner (value, id) and the maximum cross ranks; top-k from the
+        merged per-shard top-k, min-p from w's largest, exactly 1. Top-p needs the sorted whole row:
+        the worker gathers those rows instead (`worker/layout.ShardSplit`)."""
+        from services.scheduler.logits_processing import apply_id_edits
+
         global_ids = torch.arange(self.vocab_start, self.vocab_start + logits.shape[-1], device=logits.device)
         logits = logits.masked_fill(global_ids >= self.config.vocab_size, float("-inf"))  # the last shard's padding
+        if any(d.logit_bias or d.blocked for d in draws):
+            logits = apply_id_edits(logits, [d.logit_bias for d in draws], [d.blocked for d in draws], self.vocab_start)
         greedy = self._merged_argmax(logits, global_ids)  # [c]
         if all(d.temperature <= 0 for d in draws):
             return greedy
@@ -174,36 +183,33 @@ class TensorParallel:
         return torch.where(is_greedy, greedy, sampled)
 
     def _race_scores(self, logits: torch.Tensor, draws: tuple[RowDraw, ...], global_ids: torch.Tensor) -> torch.Tensor:
-        """p_i / E_i over this shard [c, Vs]: p = softmax(logits / T) after top-k and min-p (0 where they drop i)."""
+        """w_i / E_i over this shard [c, Vs]: w = exp(logits / T - the row's maximum) after top-k and min-p (0 where they drop i)."""
         from services.scheduler.sampler import draw_noise
 
         device = logits.device
-        temps = torch.tensor([max(d.temperature, 1e-6) for d in draws], device=device)  # [c], as `sampling_probs`
+        temps = torch.tensor([max(d.temperature, 1e-6) for d in draws], device=device)  # [c], as `sampling_weights`
         scaled = logits / temps[:, None]  # [c, Vs]
-        top = self._reduce(scaled.max(dim=-1).values, "MAX")  # [c]
-        exps = torch.exp(scaled - top[:, None])
-        probs = exps / self._reduce(exps.sum(dim=-1), "SUM")[:, None]  # [c, Vs]
-        probs = probs.masked_fill(self._filtered_out(probs, draws, global_ids), 0.0)
+        weights = torch.exp(scaled - self._reduce(scaled.amax(dim=-1), "MAX")[:, None])  # `exp_from_max` of the whole row
+        weights = weights.masked_fill(self._filtered_out(weights, draws, global_ids), 0.0)
         seeds = [d.seed if d.temperature > 0 else None for d in draws]
         noise, _ = draw_noise(seeds, [d.position for d in draws], 0, self.config.vocab_size, device)  # [c, V]
         noise = F.pad(noise, (0, self.size * self.vocab_shard - noise.shape[1]), value=1.0)
-        return probs / noise[:, self.vocab_start : self.vocab_start + logits.shape[-1]]
+        return weights / noise[:, self.vocab_start : self.vocab_start + logits.shape[-1]]
 
-    def _filtered_out(self, probs: torch.Tensor, draws: tuple[RowDraw, ...], global_ids: torch.Tensor) -> torch.Tensor:
+    def _filtered_out(self, weights: torch.Tensor, draws: tuple[RowDraw, ...], global_ids: torch.Tensor) -> torch.Tensor:
         """bool [c, Vs]: what `sampler.filtered_out` drops of the whole row (top-p aside): below min_p times
-        the row's largest p, or past the top_k-th in (p descending, id ascending) order."""
-        device = probs.device
-        drop = torch.zeros_like(probs, dtype=torch.bool)
+        the row's largest w (exactly 1: exp(0)), or past the top_k-th in (w descending, id ascending) order."""
+        device = weights.device
+        drop = torch.zeros_like(weights, dtype=torch.bool)
         if any(d.min_p > 0 for d in draws):
-            min_p = torch.tensor([d.min_p for d in draws], device=device)  # [c]
-            drop |= probs < (min_p * self._reduce(probs.amax(dim=-1), "MAX"))[:, None]
+            drop |= weights < torch.tensor([d.min_p for d in draws], device=device)[:, None]
         ks = [min(d.top_k, self.config.vocab_size) if d.top_k > 0 else 0 for d in draws]
         if max(ks) == 0:
             return drop
-        values, ids = self._merged_top_k(probs, global_ids, max(ks))  # [c, K]
+        values, ids = self._merged_top_k(weights, global_ids, max(ks))  # [c, K]
         kth = torch.tensor([max(k, 1) - 1 for k in ks], device=device)[:, None]  # [c, 1]
         kth_value, kth_id = values.gather(1, kth), ids.gather(1, kth).long()  # [c, 1]
-        past_k = (probs < kth_value) | ((probs == kth_value) & (global_ids[None, :] > kth_id))
+        past_k = (weights < kth_value) | ((weights == kth_value) & (global_ids[None, :] > kth_id))
         return drop | (past_k & torch.tensor([k > 0 for k in ks], device=device)[:, None])
 
     def _merged_argmax(self, values: torch.Tensor, global_ids: torch.Tensor) -> torch.Tensor:

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from services.scheduler.logits_processing import blocked_ids
 from services.scheduler.model.tensor_parallel import RowDraw
 from services.scheduler.plan import SeqStep, StepPlan
 
@@ -41,37 +42,52 @@ class StepLayout:
         return first[:, None] + np.minimum(np.arange(self.max_draft + 1)[None, :], num_draft[:, None])
 
 
-GREEDY_DRAW = RowDraw(0.0, None, 0)
-
-
 @dataclass(frozen=True)
 class ShardSplit:
     """Tensor parallelism: the producers (positions in `StepLayout.producers`) whose verify rows are
-    drawn from vocabulary shards (`ShardedRows.sample`), and those whose rows are gathered whole: a
-    logit processor (bias, min_tokens, penalties, a grammar), top-p (the sorted row's cumulative
-    mass) or drafts to verify by sampling (the residual max(p - q, 0) over the drafter's whole q)."""
+    drawn from vocabulary shards (`ShardedRows.sample`; logit bias and min_tokens edit each shard's
+    own ids), and those whose rows are gathered whole: penalties or a grammar (their inputs, token
+    counts and bitmasks over the whole vocabulary, live on rank 0), top-p (the sorted row's cumulative
+    mass: one gather beats a distributed sort and sums in TP = 1's order) or drafts to verify by
+    sampling (the residual max(p - q, 0) over the drafter's whole q). docs/architecture.md weighs each."""
 
     on_shards: list[int]
     whole: list[int]
     draws: tuple[RowDraw, ...]  # [len(on_shards) * (K + 1)]: every row its argmax, a sampled producer's first its draw
 
     @classmethod
-    def of(cls, plan: StepPlan, layout: StepLayout) -> ShardSplit:
+    def of(cls, plan: StepPlan, layout: StepLayout, eos_ids: frozenset[int]) -> ShardSplit:
         on_shards, whole, draws = [], [], []
         for p, i in enumerate(layout.producers):
-            params = plan.steps[i].params
+            step = plan.steps[i]
+            params = step.params
             sampling, sampled = params.sampling, params.samples_randomly
-            if params.processes_logits or sampling.top_p < 1.0 or (sampled and plan.steps[i].num_draft > 0):
+            if params.has_penalties or sampling.grammar is not None or sampling.top_p < 1.0 or (sampled and step.num_draft > 0):
                 whole.append(p)
                 continue
             on_shards.append(p)
-            first = RowDraw(sampling.temperature, params.seed, plan.steps[i].output_position, sampling.top_k, sampling.min_p)
-            draws += [first if sampled else GREEDY_DRAW, *(GREEDY_DRAW,) * layout.max_draft]
+            draws += _row_draws(step, layout.max_draft + 1, eos_ids)
         return cls(on_shards, whole, tuple(draws))
 
     def rows(self, producers: list[int], width: int) -> np.ndarray:
         """int64 [len(producers) * width]: the verify rows of these producers."""
         return (np.asarray(producers, np.int64)[:, None] * width + np.arange(width)).reshape(-1)
+
+
+def _row_draws(step: SeqStep, width: int, eos_ids: frozenset[int]) -> list[RowDraw]:
+    """A producer's `width` verify rows: each its argmax, a sampled one's first its draw; row j with its
+    logit bias and the ids min_tokens holds back after the outputs and drafts 1..j before it
+    (`Worker._processed_logits`' rows)."""
+    params, sampling = step.params, step.params.sampling
+    draws = []
+    for j in range(width):
+        blocked = blocked_ids(sampling, step.output_position + min(j, step.num_draft), eos_ids)
+        if j == 0 and params.samples_randomly:
+            draws.append(RowDraw(sampling.temperature, params.seed, step.output_position, sampling.top_k, sampling.min_p,
+                                 sampling.logit_bias, blocked))  # fmt: skip
+        else:
+            draws.append(RowDraw(0.0, None, 0, logit_bias=sampling.logit_bias, blocked=blocked))
+    return draws
 
 
 def forward_arrays(plan: StepPlan, layout: StepLayout, trash_block: int) -> dict[str, np.ndarray]:

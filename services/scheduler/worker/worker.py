@@ -37,7 +37,7 @@ from services.scheduler.model.batch import ForwardBatch
 from services.scheduler.model.runner import triton_available
 from services.scheduler.plan import SeqResult, SeqStep, StepPlan
 from services.common.logprob_rows import RowLogprobs
-from services.scheduler.sampler import draw_noise, mix_seed, sampling_probs
+from services.scheduler.sampler import draw_noise, mix_seed, sampling_weights
 from services.scheduler.spec.accept import VerifyBlock, accept
 from services.scheduler.spec.base import ContextRows, DraftRequest, Proposer
 from services.scheduler.worker.draft_probs import DraftProbs
@@ -218,7 +218,7 @@ class ModelWorker:
         shards as TP = 1 draws them from whole rows (`TensorParallel.sample`; a block accepted on those
         argmaxes), but for those `ShardSplit` sends whole, whose rows alone are gathered (`_choose`).
         Every row's output logprobs come from the shards (raw: before any processor)."""
-        width, split = layout.max_draft + 1, ShardSplit.of(plan, layout)
+        width, split = layout.max_draft + 1, ShardSplit.of(plan, layout, frozenset(self.runner.config.eos_token_ids))
         hidden = out.hidden_states if layout.verifies_every_row else out.hidden_states[arrays["verify_rows"].reshape(-1)]  # [P W, H]
         parts = []
         if split.on_shards:
@@ -297,11 +297,11 @@ class ModelWorker:
         params = [s.params.sampling for s in producers]
         num_rows, width, vocab = logits.shape
         row_params = [p for p in params for _ in range(width)]
-        probs = sampling_probs(logits.reshape(-1, vocab), row_params).view(num_rows, width, vocab)
+        weights = sampling_weights(logits.reshape(-1, vocab), row_params).view(num_rows, width, vocab)
         seeds = [s.params.seed if s.params.samples_randomly else None for s in producers]
         noise, uniforms = draw_noise(seeds, [s.output_position for s in producers], width - 1, vocab, logits.device)
         draft_probs = self._draft_probs.stacked(producers, drafts, vocab)
-        return {"target_probs": probs, "draft_probs": draft_probs, "uniforms": uniforms, "noise": noise}
+        return {"target_weights": weights, "draft_probs": draft_probs, "uniforms": uniforms, "noise": noise}
 
     # 5. logprobs
 

@@ -123,14 +123,14 @@ def test_dspark_logprobs_of_sampled_tokens_are_the_target_rows(make_core, dspark
 
 def test_processed_logprobs_with_dspark_are_the_sampler_distribution(make_core, dspark, tiny_runner):
     from plain_forward import reference_logprobs
-    from services.scheduler.sampler import sampling_probs
+    from services.scheduler.sampler import sampling_weights
 
     params = LogprobParams(return_logprob=True, top_logprobs_num=3)
     req = request("a", prompt_of(16, 8), max_new_tokens=8, temperature=0.5, seed=1, top_k=5, logprobs=params)
     result = run(make_core(logprobs_mode="processed", proposer=dspark()), [req])["a"]
     rows = reference_logprobs(tiny_runner, prompt_of(16, 8) + result.tokens)[8 - 1 : -1]  # log-softmax: shift-invariant
-    probs = sampling_probs(rows, [req.sampling] * len(rows))
-    probs = probs / probs.sum(dim=1, keepdim=True)  # the filters remove mass; logprobs renormalise
+    weights = sampling_weights(rows, [req.sampling] * len(rows))
+    probs = weights / weights.sum(dim=1, keepdim=True)  # the filters remove mass; logprobs renormalise
     expected = probs.gather(1, torch.tensor(result.tokens)[:, None])[:, 0].log().numpy()
     np.testing.assert_allclose(result.cat("output_token"), expected, atol=1e-4)
 

@@ -57,9 +57,14 @@ def small_prompt(seed: int, length: int) -> list[int]:
 
 
 def mixed_requests():
-    """Every kind of sampled row: greedy, T = 1, top-k, min-p (drawn from the shards), and top-p and a
-    penalty (gathered whole) in the same steps."""
+    """Every kind of sampled row: greedy, T = 1, top-k, min-p, logit bias and min_tokens (drawn from the
+    shards), and top-p and a penalty (gathered whole) in the same steps. "biased": id 300 (the last
+    shard's) biased to win, held back by min_tokens as a stop token for 3 tokens, then it stops the request."""
     return [
+        request("biased", small_prompt(8, 11), max_new_tokens=6, logit_bias=((300, 40.0),), min_new_tokens=3,
+                stop_token_ids=(300,), logprobs=LOGPROBS),  # fmt: skip
+        request("biased_sampled", small_prompt(9, 14), max_new_tokens=6, temperature=1.0, top_k=50, seed=3,
+                logit_bias=((40, 4.0), (200, -100.0)), min_new_tokens=2, stop_token_ids=(40,), ignore_eos=True),  # fmt: skip
         request("greedy", small_prompt(1, 37), max_new_tokens=7, logprobs=LOGPROBS, ignore_eos=True),
         request("sampled", small_prompt(2, 21), max_new_tokens=7, temperature=1.0, seed=5, logprobs=LOGPROBS, ignore_eos=True),
         request("flat", small_prompt(3, 29), max_new_tokens=5, temperature=0.7, top_k=40, seed=9, logprobs=FLAT,
@@ -96,6 +101,7 @@ def test_sharded_model_serves_what_the_whole_model_serves(saved_family, groups, 
     assert_same(expected, got)
     assert whole(path).model.tp is None and all(layer.tp is None for layer in whole(path).model.model.layers)  # TP = 1: no hook
     assert len(got["greedy"].cat("input_token")) == 37 and got["greedy"].cat("input_top_ids").shape[-1] == 20
+    assert got["biased"].tokens[3] == 300 and 300 not in got["biased"].tokens[:3]
 
 
 @pytest.fixture
@@ -108,9 +114,9 @@ def gathered(monkeypatch) -> list[int]:
 
 
 def test_only_rows_that_need_the_whole_row_are_gathered(saved_family, groups, gathered):
-    """Prompt and output logprobs and the sampled tokens of greedy, T = 1, top-k and min-p rows come
-    from every shard's statistics (`TensorParallel.logprob_columns`, `TensorParallel.sample`); the
-    top-p and penalty requests' rows alone are gathered whole, in the same steps."""
+    """Prompt and output logprobs and the sampled tokens of greedy, T = 1, top-k, min-p, logit bias and
+    min_tokens rows come from every shard's statistics (`TensorParallel.logprob_columns`,
+    `TensorParallel.sample`); the top-p and penalty requests' rows alone are gathered whole, in the same steps."""
     _, path = saved_family("qwen3")
     options = {**OPTIONS, "chunked_prefill_size": 256}
     got = run(core_for(groups(path, 2), **options), mixed_requests())
@@ -272,18 +278,25 @@ def test_sharded_dspark_drafts_and_serves_what_tp1_does(dspark_groups, gathered,
     """Every rank drafts on its shard (its draft heads, its rows of W2 and of the target's LM head;
     4 ranks: the drafter's 2 KV heads replicated): the greedy blocks, argmax-merged from the shards,
     are TP = 1's blocks, accepted on argmaxes merged from the target's shards. Only the sampled
-    request's rows are gathered whole: one drafting row per slot, and its verify blocks of K + 1 = 8."""
+    request's rows are gathered whole: one drafting row per slot, and its verify blocks of K + 1 = 8.
+    "b" (greedy, id 17 biased up and a stop token held back by min_tokens for 5 tokens) is verified on
+    the shards too, each verify row with the ids min_tokens holds back after the drafts before it."""
     from services.models import BUNDLED_MODEL
     from services.scheduler.build import build_core
 
     prompts = [[(7 * i + 13 * j) % 4000 + 3 for j in range(9 + 5 * i)] for i in range(3)]
     requests = lambda: [request(f"d{i}", p, max_new_tokens=12, logprobs=LOGPROBS, ignore_eos=True)  # noqa: E731
                         for i, p in enumerate(prompts)] + [request("s", prompts[1], max_new_tokens=12, temperature=1.0, seed=7,
-                                                                   ignore_eos=True)]  # fmt: skip
+                                                                   ignore_eos=True),
+                                                           request("b", prompts[2], max_new_tokens=12, logit_bias=((17, 3.0),),
+                                                                   min_new_tokens=5, stop_token_ids=(17,), ignore_eos=True)]  # fmt: skip
     one = build_core(SchedulerConfig(model=str(BUNDLED_MODEL), speculative_algorithm="dspark", **DSPARK))
     expected_drafts, expected = recorded_drafts(one, monkeypatch), run(one, requests())
     core = dspark_groups(size)
+    edited, sample = [], TensorParallel.sample
+    monkeypatch.setattr(TensorParallel, "sample", lambda tp, logits, draws: edited.extend(d.blocked for d in draws) or sample(tp, logits, draws))
     drafts, spec = recorded_drafts(core, monkeypatch), run(core, requests())
+    assert (17,) in edited and () in edited and spec["b"].tokens[-1] == 17 and 17 not in spec["b"].tokens[:5]
     greedy = lambda found: {rid: v for rid, v in found.items() if rid != "s"}  # noqa: E731
     assert_same(greedy(expected), greedy(spec), tol=1e-4)
     assert greedy(drafts) == greedy(expected_drafts) and sum(map(len, greedy(drafts).values())) >= 6
@@ -341,9 +354,9 @@ def test_dspark_on_two_ranks_samples_the_target_distribution(dspark_groups):
     assert sum(r.spec_verify_ct or 0 for r in got.values()) >= num_samples  # every second token verified a block
 
 
-def on_two_threads(config: ModelConfig, logits: torch.Tensor, call) -> dict:
-    """call(tp, shard) on two gloo ranks as threads of this process, each given its shard of `logits`
-    [c, 11] (shards of 6, the last padded) -> {rank: what it returned}."""
+def on_threads(config: ModelConfig, logits: torch.Tensor, call, size: int = 2) -> dict:
+    """call(tp, shard) on `size` gloo ranks as threads of this process, each given its shard of
+    `logits` [c, 11] (shards of ceil(11 / size), the last padded) -> {rank: what it returned}."""
     import datetime
     import threading
 
@@ -351,14 +364,15 @@ def on_two_threads(config: ModelConfig, logits: torch.Tensor, call) -> dict:
 
     from services.common.nats_server import free_port
 
-    port, got = free_port(), {}
+    port, got, shard = free_port(), {}, -(-logits.shape[1] // size)
+    padded = torch.nn.functional.pad(logits, (0, size * shard - logits.shape[1]))
 
     def rank(r: int) -> None:
-        store = dist.TCPStore("127.0.0.1", port, 2, r == 0, timeout=datetime.timedelta(seconds=30))
-        tp = TensorParallel(r, 2, dist.ProcessGroupGloo(store, r, 2, datetime.timedelta(seconds=30)), config)
-        got[r] = call(tp, torch.nn.functional.pad(logits, (0, 1))[:, r * 6 : (r + 1) * 6])
+        store = dist.TCPStore("127.0.0.1", port, size, r == 0, timeout=datetime.timedelta(seconds=30))
+        tp = TensorParallel(r, size, dist.ProcessGroupGloo(store, r, size, datetime.timedelta(seconds=30)), config)
+        got[r] = call(tp, padded[:, r * shard : (r + 1) * shard].contiguous())
 
-    threads = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(size)]
     for thread in threads:
         thread.start()
     for thread in threads:
@@ -377,31 +391,79 @@ def test_sharded_columns_equal_whole_rows_with_ties_across_shards(saved_family):
     config = dataclasses.replace(ModelConfig.from_pretrained(saved_family("qwen3")[1]), vocab_size=11)
     targets, ids = torch.tensor([6, 10]), torch.tensor([[0, 10], [5, 3]])
     expected = logprob_columns(TIED, targets, 5, ids, None, TopKKeys.build(11, "cpu"))
-    got = on_two_threads(config, TIED, lambda tp, shard: tp.logprob_columns(shard, targets, 5, ids))
+    got = on_threads(config, TIED, lambda tp, shard: tp.logprob_columns(shard, targets, 5, ids))
     for r in range(2):
         for column, want in zip(got[r], expected, strict=True):
             torch.testing.assert_close(column, want, atol=1e-6, rtol=0)
     assert got[0][2][0].tolist() == [1, 2, 4, 6, 7] and got[0][2][1].tolist() == [0, 1, 2, 3, 4]
 
 
+def whole_row_draws(logits: torch.Tensor, params: list) -> torch.Tensor:
+    """int64 [c]: what TP = 1's worker draws from whole rows (`sampling_weights`, `draw_noise`, `accept`
+    with no drafts), the row at output position 0 for every row."""
+    from services.scheduler.sampler import draw_noise, sampling_weights
+    from services.scheduler.spec.accept import VerifyBlock, accept
+
+    rows = logits.shape[0]
+    noise, _ = draw_noise([p.seed if p.temperature > 0 else None for p in params], list(range(rows)), 0, 11, torch.device("cpu"))
+    block = VerifyBlock(target_argmax=logits.argmax(dim=-1)[:, None], drafts=torch.zeros(rows, 0, dtype=torch.int64),
+                        num_draft=torch.zeros(rows, dtype=torch.int64), is_greedy=torch.tensor([p.temperature <= 0 for p in params]),
+                        target_weights=sampling_weights(logits, params)[:, None], uniforms=torch.zeros(rows, 0), noise=noise)  # fmt: skip
+    return accept(block)[1]
+
+
 def test_sharded_draws_are_the_whole_rows_draws(saved_family):
     """`TensorParallel.sample` over two shards draws, seed for seed, the token TP = 1 draws from the
-    whole row (`sampling_probs`, `draw_noise`, the race's argmax): greedy ties to the smaller id, and
-    top-k cutting through ties across shards, min-p and plain T = 1 rows over many seeds."""
+    whole row: greedy ties to the smaller id, and top-k cutting through ties across shards, min-p and
+    plain T = 1 rows over many seeds."""
     from contracts.scheduler import SamplingParams
     from services.scheduler.model.tensor_parallel import RowDraw
-    from services.scheduler.sampler import draw_noise, sampling_probs
 
     config = dataclasses.replace(ModelConfig.from_pretrained(saved_family("qwen3")[1]), vocab_size=11)
     kinds = [dict(temperature=1.0), dict(temperature=0.8, top_k=3), dict(temperature=2.0, min_p=0.6), dict(temperature=1.0, top_k=6, min_p=0.2)]
     params = [SamplingParams(**kinds[i % len(kinds)], seed=i) for i in range(64)] + [SamplingParams(temperature=0.0)] * 2
     logits = torch.cat([TIED[:1].expand(64, -1), TIED])  # [66, 11]
-    positions = list(range(66))
-    draws = tuple(RowDraw(p.temperature, p.seed, pos, p.top_k, p.min_p) for p, pos in zip(params, positions))
-    noise, _ = draw_noise([p.seed if p.temperature > 0 else None for p in params], positions, 0, 11, torch.device("cpu"))
-    expected = (sampling_probs(logits, params) / noise).argmax(dim=-1)
-    expected[-2:] = logits[-2:].argmax(dim=-1)
-    got = on_two_threads(config, logits, lambda tp, shard: tp.sample(shard, draws))
+    draws = tuple(RowDraw(p.temperature, p.seed, pos, p.top_k, p.min_p) for pos, p in enumerate(params))
+    expected = whole_row_draws(logits, params)
+    got = on_threads(config, logits, lambda tp, shard: tp.sample(shard, draws))
     assert got[0].tolist() == got[1].tolist() == expected.tolist()
     assert expected[-2:].tolist() == [1, 0] and set(expected[1:64:4].tolist()) <= {1, 2, 4}  # top-3 of the tied 3.0s: ids 1, 2, 4
     assert len(set(expected[:64:4].tolist())) > 2  # the T = 1 rows do draw
+
+
+def near_ties(num_seeds: int, ulps: int) -> tuple[torch.Tensor, list]:
+    """Rows [num_seeds * (2 ulps + 1), 11] whose race between id 2 (the first shard) and id 8 (another)
+    is decided within `ulps` floats of a tie: logit 8 = 1 + log(E_8 / E_2) with logit 2 = 1, stepped
+    -ulps..ulps floats, so w_8 / E_8 ~ w_2 / E_2 and a softmax sum added in another order (shards')
+    can flip the winner. T = 1, each row's seed its own, the noise of `whole_row_draws`' positions."""
+    from contracts.scheduler import SamplingParams
+    from services.scheduler.sampler import draw_noise
+
+    generator, rows, params = torch.Generator().manual_seed(0), [], []
+    for seed in range(num_seeds):
+        base = -4.0 - torch.rand(11, generator=generator) * 4  # [11], well below both racers
+        base[2] = 1.0
+        for step in range(-ulps, ulps + 1):
+            noise, _ = draw_noise([seed], [len(rows)], 0, 11, torch.device("cpu"))  # [1, 11]
+            tie = 1.0 + torch.log(noise[0, 8] / noise[0, 2])
+            for _ in range(abs(step)):
+                tie = torch.nextafter(tie, torch.tensor(float("inf") if step > 0 else float("-inf")))
+            rows.append(base.clone().index_fill_(0, torch.tensor([8]), tie))
+            params.append(SamplingParams(temperature=1.0, seed=seed))
+    return torch.stack(rows), params
+
+
+@pytest.mark.parametrize("size", [2, 4])
+def test_sharded_draws_equal_whole_rows_at_float_near_ties(saved_family, size):
+    """The race runs on unnormalised weights exp(logit / T - max): no sum enters it, so at a race
+    decided by an ulp, 2 and 4 shards (whose softmax sum adds in another order) draw TP = 1's id."""
+    from services.scheduler.model.tensor_parallel import RowDraw
+
+    config = dataclasses.replace(ModelConfig.from_pretrained(saved_family("qwen3")[1]), vocab_size=11)
+    logits, params = near_ties(200, 3)  # [1400, 11]
+    draws = tuple(RowDraw(p.temperature, p.seed, pos) for pos, p in enumerate(params))
+    expected = whole_row_draws(logits, params)
+    got = on_threads(config, logits, lambda tp, shard: tp.sample(shard, draws), size)
+    assert ((expected == 2) | (expected == 8)).sum() > 0.95 * len(expected)  # the races are the near-tied ids'
+    for r in range(size):
+        assert got[r].tolist() == expected.tolist(), f"rank {r}: rows {(got[r] != expected).nonzero()[:, 0].tolist()} differ"

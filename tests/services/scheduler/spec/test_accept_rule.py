@@ -48,7 +48,7 @@ def test_greedy_rows_ignore_sampling_inputs_in_a_mixed_batch():
         drafts=torch.tensor([[1, 2], [1, 2]]),
         num_draft=torch.tensor([2, 2]),
         is_greedy=torch.tensor([True, False]),
-        target_probs=p,
+        target_weights=p,
         draft_probs=torch.full((2, 2, VOCAB), 1.0 / VOCAB),
         uniforms=torch.tensor([[0.99, 0.99], [0.99, 0.99]]),  # q == p: the sampled row accepts anyway
         noise=torch.ones(2, VOCAB),
@@ -64,7 +64,7 @@ def test_point_mass_drafts_accept_with_probability_p_and_resample_without_the_dr
         drafts=torch.tensor([[0], [0]]),
         num_draft=torch.tensor([1, 1]),
         is_greedy=torch.tensor([False, False]),
-        target_probs=p.contiguous(),
+        target_weights=p.contiguous(),
         draft_probs=None,
         uniforms=torch.tensor([[0.4], [0.6]]),  # accept iff u * 1 < p(d) = 0.5
         noise=torch.ones(2, VOCAB),
@@ -153,7 +153,7 @@ def run_rule(seed: int, *, point_mass_drafts: bool = False, hide_q: bool = False
         drafts=drafts,
         num_draft=num_draft,
         is_greedy=torch.zeros(NUM_TRIALS, dtype=torch.bool),
-        target_probs=p_rows,
+        target_weights=p_rows,
         draft_probs=None if (point_mass_drafts or hide_q) else (wrong_q or (lambda q: q))(q_rows),
         uniforms=torch.zeros_like(uniforms) if uniforms_zero else uniforms,
         noise=torch.empty(NUM_TRIALS, VOCAB).exponential_(generator=generator),

@@ -60,7 +60,8 @@ def emitted_marginal_p_values(drafts, q, p_chain, generator, num_draft=None) -> 
     p_rows = torch.stack([p_chain[j][prefix[:, j]] for j in range(gamma + 1)], dim=1).float()  # [N, gamma + 1, V]
     block = VerifyBlock(
         target_argmax=p_rows.argmax(dim=-1), drafts=drafts, num_draft=num_draft,
-        is_greedy=torch.zeros(NUM_TRIALS, dtype=torch.bool), target_probs=p_rows, draft_probs=q,
+        is_greedy=torch.zeros(NUM_TRIALS, dtype=torch.bool), draft_probs=q,
+        target_weights=p_rows / p_rows.amax(dim=-1, keepdim=True),  # unnormalised, as `sampling_weights` gives them
         uniforms=torch.rand(NUM_TRIALS, gamma, generator=generator),
         noise=torch.empty(NUM_TRIALS, q.shape[2]).exponential_(generator=generator),
     )  # fmt: skip
