@@ -12,8 +12,12 @@ Pieces are striped over several NATS connections (`num_connections`, one per `CO
 cores by default): nats-server reads and routes each client connection's messages in one
 goroutine, so one connection caps a push at what one of its cores copies. Pieces can take any
 path: each names its tensor and offset and is checked alone, so only the commit has to come after
-all of them (each connection is flushed to the server before the commit leaves). Each connection
-is its own flow-control sender: at most `num_connections` windows of unacked bytes per scheduler.
+all of them: it leaves once the scheduler acked every piece of the other connections (they may
+reach it through other servers of a cluster, and a flush to one server orders nothing there).
+The transport acks only the messages it frames (`FRAMED_MIN_BYTES` on): a smaller piece rides on
+the first connection, in order with the commit.
+Each connection is its own flow-control sender: at most `num_connections` windows of unacked
+bytes per scheduler.
 
     async with await WeightPusher.connect("nats://127.0.0.1:4222") as pusher:
         replies = await pusher.push(model.state_dict(), weight_version="step-12")
@@ -37,7 +41,7 @@ from contracts.weights import ControlReply, WeightCommit, WeightPiece, WeightTar
 from services.common.connection import NatsConnection
 from services.common.heartbeat import HeartbeatMonitor
 from services.common.scatter import encode_parts
-from services.common.transport import Transport
+from services.common.transport import FRAMED_MIN_BYTES, Transport
 
 PIECE_ALIGN = 64 << 10  # pieces start at aligned offsets of the tensor (whole pages for the copies)
 PIECE_HEADROOM = 16 << 10  # a piece's header (a tensor name of up to 4 KiB) and the transport's framing headers
@@ -140,7 +144,7 @@ class WeightPusher:
         gone: dict[str, str] = {}
         shared = iter(parts)  # each connection's sender takes the next piece when it is ready for one
         await asyncio.gather(*(self._stream(transport, scheduler_ids, shared, gone) for transport in self.transports))
-        await asyncio.gather(*(self._flush(transport) for transport in self.transports[1:]))
+        await asyncio.gather(*(self._settle(transport, scheduler_ids, gone) for transport in self.transports[1:]))
         live = [sid for sid in scheduler_ids if sid not in gone]
         replies = dict(zip(live, await asyncio.gather(*(self._commit(sid, commit) for sid in live)), strict=True))
         return {sid: gone[sid] if sid in gone else replies[sid] for sid in scheduler_ids}
@@ -148,15 +152,19 @@ class WeightPusher:
     async def _stream(self, transport: Transport, scheduler_ids: Sequence[str], parts: Iterator[WeightPiece], gone: dict[str, str]) -> None:
         for piece in parts:
             payload = encode_parts(self._encoder, piece)
-            await asyncio.gather(*(self._publish(transport, sid, payload, gone) for sid in scheduler_ids if sid not in gone))
+            acked = sum(len(part) for part in payload) >= FRAMED_MIN_BYTES
+            via = transport if acked else self.transport
+            await asyncio.gather(*(self._publish(via, sid, payload, gone) for sid in scheduler_ids if sid not in gone))
 
     @staticmethod
-    async def _flush(transport: Transport) -> None:
-        """The server has routed every piece sent on `transport`: they reach each scheduler ahead of
-        the commit (sent on the first connection). On failure the commit may overtake a piece,
-        which the scheduler then refuses as missing: a version is never served partial."""
-        with contextlib.suppress(Exception):
-            await transport.flush()
+    async def _settle(transport: Transport, scheduler_ids: Sequence[str], gone: dict[str, str]) -> None:
+        """Every scheduler handled the pieces sent on `transport`: the commit (sent on the first
+        connection) comes after them. A piece lost on the way is never acked: after the ack
+        timeout the commit goes anyway and the scheduler refuses the version as incomplete."""
+        for sid in scheduler_ids:
+            if sid not in gone:
+                with contextlib.suppress(Exception):
+                    await transport.settled(subjects.scheduler_weights(sid))
 
     async def _publish(self, transport: Transport, scheduler_id: str, payload: list, gone: dict[str, str]) -> None:
         try:
