@@ -14,6 +14,8 @@
   the receiver's memory — also when the receiver's event loop is busy. Acks are per chunk, not
   per message, because one message (21 MB of prompt logprobs) can exceed `max_pending` alone.
   No ack progress for `ack_timeout_s` means the receiver is gone: `ReceiverGone` is raised.
+  `settled(subject)` waits for every ack: the receiver handled all that was sent (an order
+  across the connections of one sender, which NATS gives only within one connection).
 - Order. Publishes to one subject leave in call order (a per-subject lock), and each
   subscription hands decoded messages to its handler from its own task, in arrival order, so a
   slow handler never blocks the client's read loop.
