@@ -15,10 +15,13 @@ the scheduler); TTFT.
 into one receiver process that runs the scheduler's side of a push (its transport, the staging of
 pieces in `PushedVersions`, the checks and the copy into served tensors of a commit) on a
 nats-server with the project's config; GB/s of each push, the first (staging allocated) and the
-steady state of an RL loop. `--before DIR` runs DIR's own copy of this script too, alternating.
+steady state of an RL loop. `--before DIR` runs DIR's own copy of this script too, alternating;
+`--connections 1,4` pushes over each number of NATS connections in turn (the pusher's default:
+one per 4 cores, 1 to 4), alternating.
 
     sparkwire bench rl-weights --out ops/bench/results/rl_weights.json --budget-s 270
     sparkwire bench rl-weights --nats-only 1 --before /tmp/before --rounds 3   # -> results/rl_weights_cpu.json
+    sparkwire bench rl-weights --nats-only 2 --connections 1,4 --rounds 2      # one connection against four
 """
 
 from __future__ import annotations
@@ -137,7 +140,7 @@ def release_and_resume(base_url: str) -> dict:
             "resume_s": time.perf_counter() - middle}  # fmt: skip
 
 
-def push_over_nats(nats_url: str, model_dir: Path, limit_s: float) -> dict:
+def push_over_nats(nats_url: str, model_dir: Path, limit_s: float, connections: int | None) -> dict:
     """The same tensors pushed to the one scheduler twice: the first push (the scheduler allocates
     its staging buffers) and the second (an RL loop's steady state, into the same buffers). A
     push still running after `limit_s` is cut off (the scheduler keeps its weights) and reported
@@ -153,7 +156,7 @@ def push_over_nats(nats_url: str, model_dir: Path, limit_s: float) -> dict:
 
     async def push() -> list[float]:
         seconds = []
-        async with await WeightPusher.connect(nats_url) as pusher:
+        async with await WeightPusher.connect(nats_url, connections) as pusher:
             ids = await pusher.schedulers()
             for index in range(2):
                 if seconds and time.monotonic() + 1.5 * seconds[0] > deadline:
@@ -206,7 +209,7 @@ def run(args: argparse.Namespace) -> dict:
             phase("ttft_warm_s", lambda: ttft_s(stack.base_url))
             phase("disk", lambda: update_from_disk(stack.base_url, model_dir))
             phase("ttft_after_disk_s", lambda: ttft_s(stack.base_url))
-            phase("nats", lambda: push_over_nats(stack.nats.url, model_dir, max(30.0, deadline - time.monotonic() + 30.0)))
+            phase("nats", lambda: push_over_nats(stack.nats.url, model_dir, max(30.0, deadline - time.monotonic() + 30.0), args.connections[0]))
             phase("ttft_after_nats_s", lambda: ttft_s(stack.base_url))
             phase("memory", lambda: release_and_resume(stack.base_url))
             phase("ttft_after_resume_s", lambda: ttft_s(stack.base_url))
@@ -303,8 +306,9 @@ async def _receive(url: str, shapes: dict[str, tuple[int, ...]]) -> None:
     await asyncio.Event().wait()
 
 
-def nats_only(size_gb: float) -> dict:
-    """`NATS_PUSHES` pushes of the synthetic state dict into one receiver process; seconds and GB/s of each."""
+def nats_only(size_gb: float, connections: int | None = None) -> dict:
+    """`NATS_PUSHES` pushes of the synthetic state dict into one receiver process over `connections`
+    (None: the pusher's default); seconds and GB/s of each."""
     import torch
     import uvloop
 
@@ -321,10 +325,12 @@ def nats_only(size_gb: float) -> dict:
 
     meter = ProcessMeter({"pusher": os.getpid(), "receiver": receiver.pid, "nats-server": nats.process.pid})
     cpu: dict[str, float] = {}
+    used_connections = []
 
     async def push() -> list[dict]:
         runs = []
-        async with await WeightPusher.connect(nats.url) as pusher:
+        async with await WeightPusher.connect(nats.url, connections) as pusher:
+            used_connections.append(len(pusher.transports))
             for index in range(NATS_PUSHES):
                 before = meter.read()
                 began = time.perf_counter()
@@ -344,7 +350,7 @@ def nats_only(size_gb: float) -> dict:
         receiver.kill()
         receiver.wait()
         nats.stop()
-    return {"size_gb": size_gb, "bytes": num_bytes, "num_tensors": len(tensors), "pushes": pushes, "cpu_s_per_gb": cpu,
+    return {"size_gb": size_gb, "bytes": num_bytes, "num_tensors": len(tensors), "connections": used_connections[0], "pushes": pushes, "cpu_s_per_gb": cpu,
             "first_gb_per_s": pushes[0]["gb_per_s"], "steady_gb_per_s": max(p["gb_per_s"] for p in pushes[1:])}  # fmt: skip
 
 
@@ -358,11 +364,20 @@ def compare(before_tree: Path, size_gb: float, rounds: int) -> dict:
             for name, results in runs.items()}  # fmt: skip
 
 
+def by_connections(size_gb: float, counts: list[int], rounds: int) -> dict:
+    """`--nats-only` over each number of pusher connections in turn, `rounds` times; each count's best round."""
+    runs: dict[int, list[dict]] = {count: [] for count in counts}
+    for _ in range(rounds):
+        for count in counts:
+            runs[count].append(nats_only(size_gb, count))
+    return {f"{count} conn": max(results, key=lambda r: r["steady_gb_per_s"]) | {"rounds": results} for count, results in runs.items()}
+
+
 def nats_table(results: dict[str, dict]) -> str:
-    lines = [f"{'tree':8} {'GB':>6} {'first push GB/s':>16} {'steady GB/s':>12} {'swap s':>7}  CPU s per GB (steady)"]
+    lines = [f"{'tree':8} {'conns':>5} {'GB':>6} {'first push GB/s':>16} {'steady GB/s':>12} {'swap s':>7}  CPU s per GB (steady)"]
     for name, r in results.items():
         cpu = ", ".join(f"{process} {seconds:.2f}" for process, seconds in r.get("cpu_s_per_gb", {}).items())
-        lines.append(f"{name:8} {r['bytes'] / 1e9:6.2f} {r['first_gb_per_s']:16.3f} {r['steady_gb_per_s']:12.3f} {r['pushes'][-1]['swap_s']:7.3f}  {cpu}")
+        lines.append(f"{name:8} {r.get('connections', 1):>5} {r['bytes'] / 1e9:6.2f} {r['first_gb_per_s']:16.3f} {r['steady_gb_per_s']:12.3f} {r['pushes'][-1]['swap_s']:7.3f}  {cpu}")
     return "\n".join(lines)
 
 
@@ -374,7 +389,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model-config", type=Path, default=SHAPE, help="the shape's config directory (dummy weights)")
     parser.add_argument("--nats-only", type=float, metavar="SIZE_GB", help="only push GB/s into one receiver, no model (CPU)")
     parser.add_argument("--before", type=Path, help="with --nats-only: another tree's copy of this script too, alternating")
-    parser.add_argument("--rounds", type=int, default=3, help="with --before: rounds of each tree")
+    parser.add_argument("--rounds", type=int, default=3, help="with --before or several --connections: rounds of each")
+    parser.add_argument("--connections", type=lambda text: [int(n) for n in text.split(",")], default=[None], metavar="N[,M...]",
+                        help="NATS connections the pusher stripes pieces over (default: its own, from the CPU count); several: each in turn")  # fmt: skip
     parser.add_argument("--print-json", action="store_true", help=argparse.SUPPRESS)  # a subprocess's output
 
 
@@ -394,8 +411,11 @@ def main_nats_only(args: argparse.Namespace) -> int:
     if args.before is not None:
         result = compare(args.before.resolve(), args.nats_only, args.rounds)
         print(nats_table(result))
+    elif len(args.connections) > 1:
+        result = by_connections(args.nats_only, args.connections, args.rounds)
+        print(nats_table(result))
     else:
-        result = nats_only(args.nats_only)
+        result = nats_only(args.nats_only, args.connections[0])
         if args.print_json:
             print(json.dumps(result))
             return 0

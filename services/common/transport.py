@@ -14,6 +14,8 @@
   the receiver's memory — also when the receiver's event loop is busy. Acks are per chunk, not
   per message, because one message (21 MB of prompt logprobs) can exceed `max_pending` alone.
   No ack progress for `ack_timeout_s` means the receiver is gone: `ReceiverGone` is raised.
+  `settled(subject)` waits for every ack: the receiver handled all that was sent (an order
+  across the connections of one sender, which NATS gives only within one connection).
 - Order. Publishes to one subject leave in call order (a per-subject lock), and each
   subscription hands decoded messages to its handler from its own task, in arrival order, so a
   slow handler never blocks the client's read loop.
@@ -214,7 +216,19 @@ class _SendWindows:
     async def acquire(self, subject: str, window: _Window, key: str, size: int) -> None:
         """Wait until `size` more bytes fit in `subject`'s window (one chunk always fits an empty
         one), then count the chunk `key` in it."""
-        while window.num_bytes and window.num_bytes + size > self.window_bytes:
+        await self._wait(subject, window, lambda: window.num_bytes + size > self.window_bytes)
+        self.ack_keys[key] = subject
+        window.add(key, size)
+
+    async def settled(self, subject: str) -> None:
+        """Wait until every chunk sent to `subject` is acked."""
+        if subject in self.windows and self.window_bytes > 0:
+            await self._wait(subject, self.windows[subject], lambda: True)
+
+    async def _wait(self, subject: str, window: _Window, too_full: Callable[[], bool]) -> None:
+        """While `window` holds chunks and `too_full()`; `ReceiverGone` once its oldest chunk went
+        unacked for the ack timeout."""
+        while window.num_bytes and too_full():
             remaining = window.oldest_sent_at() + self._ack_timeout_s - time.monotonic()
             if remaining <= 0:
                 self._forget(window)
@@ -225,8 +239,6 @@ class _SendWindows:
             window.changed.clear()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(window.changed.wait(), remaining)
-        self.ack_keys[key] = subject
-        window.add(key, size)
 
     def _forget(self, window: _Window) -> None:
         for key in window.outstanding:
@@ -371,6 +383,12 @@ class Transport:
             headers = chunk_headers(msg_id, index, num_chunks, width, ack_subject, extra)
             await publish_parts(self._nc, subject, headers, chunk)
             self.events.traffic.chunks_sent += 1
+
+    async def settled(self, subject: str) -> None:
+        """Wait until the receiver of `subject` acked every framed message sent to it, i.e. handled
+        them all, whatever servers and routes they crossed. Raises `ReceiverGone` when acks stop
+        for `ack_timeout_s`."""
+        await self._send.settled(subject)
 
     async def request(
         self, subject: str, message: msgspec.Struct, reply_type: type[T], timeout: float,

@@ -19,6 +19,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--weight-version", default=None, help="tags every answer from the new weights (default: a counter)")
     parser.add_argument("--target", choices=("model", "draft"), default="model", help="the target model or the DSpark drafter")
     parser.add_argument("--abort-all-requests", action="store_true", help="end requests in flight instead of letting them finish")
+    parser.add_argument("--connections", type=int, default=None, metavar="N",
+                        help="NATS connections the pieces are striped over (default: sized from the CPU count)")  # fmt: skip
 
 
 def load_checkpoint(path: Path) -> dict:
@@ -35,7 +37,7 @@ async def _push(args: argparse.Namespace) -> int:
 
     tensors = load_checkpoint(Path(args.path))
     target = WeightTarget.DRAFT if args.target == "draft" else WeightTarget.MODEL
-    async with await WeightPusher.connect(connection_from_args(args, connection_values())) as pusher:
+    async with await WeightPusher.connect(connection_from_args(args, connection_values()), args.connections) as pusher:
         try:
             replies = await pusher.push(tensors, args.weight_version, target=target, abort_all_requests=args.abort_all_requests)
         except PushFailed as exc:

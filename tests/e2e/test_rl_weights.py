@@ -183,7 +183,7 @@ def _checkpoint(directory: Path) -> dict[str, torch.Tensor]:
 async def test_push_weights_over_nats_to_both_schedulers(rl, weights):
     stack, url = rl
     argv = [sys.executable, "-m", "services.cli", "push-weights", "--nats-url", stack.nats.url, str(weights["B"]),
-            "--weight-version", "pushed-B"]  # fmt: skip
+            "--weight-version", "pushed-B", "--connections", "2"]  # fmt: skip
     pushed = subprocess.run(argv, capture_output=True, text=True, timeout=120)
     assert pushed.returncode == 0, pushed.stderr[-3000:]
     replies = json.loads(pushed.stdout.splitlines()[-1])

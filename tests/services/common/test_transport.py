@@ -299,3 +299,18 @@ async def test_acks_give_the_whole_window_back_after_delivery(nats_server):
     assert sender._send.ack_keys == {}
     await sender.close()
     await receiver.close()
+
+
+@pytest.mark.timeout(30)
+async def test_settled_returns_once_the_receiver_handled_every_framed_message(nats_server):
+    sender, receiver, got = await subscribed_pair(nats_server.url, block_s=0.05, ack_timeout_s=0.5)
+    for seq in range(4):
+        await sender.publish(SUBJECT, blob(seq, 1 * MB))
+    await sender.settled(SUBJECT)
+    assert [message.seq for message in got.got] == [0, 1, 2, 3]  # handled, not only sent
+    await sender.publish("sparkwire.v1.test.nobody", blob(4, 1 * MB))
+    with pytest.raises(ReceiverGone, match="nobody"):
+        await sender.settled("sparkwire.v1.test.nobody")
+    await sender.settled("sparkwire.v1.test.never_sent_to")
+    await sender.close()
+    await receiver.close()
