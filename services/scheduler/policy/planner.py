@@ -19,10 +19,11 @@ the cached blocks (`prompt_rows.py`): then they are returned at admission, not c
 Requests of one prefix that arrive together would each compute it (SGLang's in-batch prefix
 caching answers the same): a waiting request whose first uncached block a running request is
 computing and has not committed (equal chained hashes: equal prefixes) keeps its place while other
-work fills the step (`_may_wait_for`, `_computing`), and is admitted a step or two later as a hit.
+work fills the step (`_may_wait_for`, `_computing`), and is admitted in the next step as a hit.
 The wait is bounded: with budget left for admissions every running prefill got all its tokens, so
-the block is in this step or the one in flight, committed by that step's update (or its holder
-left); where nothing else would run this step, the request goes at once.
+the block is in this step, committed once the step is launched (`Policy.expect`: later steps run
+after it and read its KV) or its results applied, whichever comes first (or its holder left);
+where nothing else would run this step, the request goes at once.
 
 Planned ahead (a step in flight whose results are not applied yet, its effects counted by
 `Policy.expect`), a plan never preempts: it is None where it would have to, and the step after the
@@ -202,8 +203,8 @@ class Planner:
         return num_cached_blocks < limit and not self._blocks.holds(seq.rid)
 
     def _computing(self) -> set[int]:
-        """Hashes of the full blocks running requests compute (this step, in flight or next),
-        not committed yet: past each one's committed blocks (`next_commit`)."""
+        """Hashes of the full blocks running requests compute (this step or next), not committed
+        yet: past each one's committed blocks (`next_commit`)."""
         size = self._blocks.block_size
         return {h for seq in self._running for h in seq.block_hashes[max(0, seq.next_commit // size - 1) :]}
 

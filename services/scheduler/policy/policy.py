@@ -184,6 +184,8 @@ class Policy:
             seq.next_prompt_logprob = _next_prompt_logprob(step)
             if step.samples:
                 seq.expect_token()
+            if seq.num_computed >= seq.next_commit and self.blocks.cache.enabled:
+                self._planner.commit(seq)  # launched: every later step reads its blocks' KV computed
 
     def update(self, plan: StepPlan, results: list[SeqResult]) -> list[RequestOutput]:
         """Advance every planned sequence by its result; returns the step's outputs."""

@@ -215,10 +215,31 @@ def test_processed_mode_keeps_no_prompt_rows(make_core):
 def test_a_group_arriving_together_computes_its_shared_prefix_once(make_core, overlap, chunk):
     """8 requests sharing a 4-block prefix arrive in one step whose budget would admit them all (or,
     chunk 40, the first's prefill spans two steps): the first computes the prefix, the others wait
-    for its blocks to be committed (a step, two planned ahead) and hit."""
+    for its blocks to be committed (one step, planned ahead or not) and hit."""
     group = [request(f"g{i}", BASE[:64] + prompt_of(100 + i, 5), ignore_eos=True, max_new_tokens=4) for i in range(8)]
     off, on, core = both(make_core, group, chunked_prefill_size=chunk, overlap_decode=overlap)
     _assert_same(off, on)
     assert sorted(result.cached_tokens for result in on.values()) == [0] + [64] * 7
     assert core.stats().num_prompt_tokens == 69 + 7 * 5  # the prefix once, each tail once
+    assert_all_free(core)
+
+
+def test_a_waiting_group_hits_in_the_step_planned_after_its_prefix_is_launched(make_core):
+    """Planned ahead, the waiting requests hit the prefix in the step right after the one computing
+    it: blocks count as committed once that step is launched (every later step reads their KV), so
+    no step runs only the first request's decode while the others wait for its results."""
+    group = [request(f"g{i}", BASE[:64] + prompt_of(100 + i, 5), ignore_eos=True, max_new_tokens=4) for i in range(8)]
+    core = make_core(chunked_prefill_size=1024, overlap_decode=True)
+    for each in group:
+        core.add(each)
+    first_call: dict[str, int] = {}
+    for call in range(1, 40):
+        for output in core.step():
+            if output.new_token_ids:
+                first_call.setdefault(output.rid, call)
+        if not core.has_work():
+            break
+    assert first_call.pop("g0") == 1  # the prefix and its tail, alone in the first step
+    assert set(first_call.values()) == {2}  # the seven others: a hit in the step planned ahead
+    assert core.stats().num_prompt_tokens == 69 + 7 * 5
     assert_all_free(core)
