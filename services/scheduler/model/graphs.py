@@ -70,9 +70,9 @@ def capture_graph(
 class SharedOutputs:
     """One buffer per output for every graph of a runner, each graph writing the first rows [:n].
 
-    A graph's own outputs would stay allocated in its pool for as long as the graph lives: summed over
-    a ladder of keys that is GiBs at an 8B shape (a decode key's f32 logits [rung * q, V], a ragged
-    key's hidden states and captures [T, (1 + C) * H]). Graphs of a runner replay one at a time and a
+    A graph's own outputs would stay allocated in its pool for as long as the graph lives, a sum over
+    every key of the ladders (a decode key's f32 logits [rung * q, V], a ragged key's hidden states
+    and captures [T, (1 + C) * H]) that the KV budget leaves no room for. Graphs of a runner replay one at a time and a
     step reads its outputs before the next replay (`run`'s contract), so the keys need only one set,
     sized by the most rows any key has. `write` copies into it (as `.float()` would copy: same values)."""
 
