@@ -205,8 +205,9 @@ def load_runner(config: SchedulerConfig, tp=None, device: str | None = None) -> 
         from services.scheduler.spec.dspark_loader import drafter_memory
 
         target_config = ModelConfig.from_pretrained(config.model)
+        max_rows = config.max_running_requests or DEFAULT_MAX_RUNNING_REQUESTS  # a drafter's, as `default_max_running` says
         reserve = drafter_memory(config.resolved_draft_model, target_config, config.torch_dtype, config.kv_block_size,
-                                 config.tensor_parallel_size)  # fmt: skip
+                                 config.tensor_parallel_size, max_rows)  # fmt: skip
     return load_model_runner(
         config.model,
         device=device or config.resolved_device,

@@ -8,6 +8,7 @@ pads up to the next rung (padded sequences: tokens 0 at positions 0..q-1, seq_le
 and slot in the cache's trash block, so their K/V writes never reach a real sequence), then
 replays the graph, or, with `capture=False` (the CPU twin CI tests), runs the very same padded
 forward eagerly. With `capture_layers` the graphs also return those layers' outputs (DSpark).
+Every graph writes its logits into the first rows of one buffer (`SharedOutputs`), not one of its own.
 """
 
 from __future__ import annotations
@@ -66,6 +67,32 @@ def capture_graph(
     return graph, output
 
 
+class SharedOutputs:
+    """One buffer per output for every graph of a runner, each graph writing the first rows [:n].
+
+    A graph's own outputs would stay allocated in its pool for as long as the graph lives, a sum over
+    every key of the ladders (a decode key's f32 logits [rung * q, V], a ragged key's hidden states
+    and captures [T, (1 + C) * H]) that the KV budget leaves no room for. Graphs of a runner replay one at a time and a
+    step reads its outputs before the next replay (`run`'s contract), so the keys need only one set,
+    sized by the most rows any key has. `write` copies into it (as `.float()` would copy: same values)."""
+
+    def __init__(self, max_rows: int) -> None:
+        self.max_rows = max_rows
+        self.buffers: dict[str, torch.Tensor] = {}
+
+    def write(self, name: str, value: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """value [n, ...] -> buffer `name`'s rows [:n] holding it, in `dtype` (None: value's)."""
+        buffer = self.buffers.get(name)
+        if buffer is None:  # first written by a capture's eager warm-up: outside any graph pool
+            buffer = torch.empty((self.max_rows, *value.shape[1:]), dtype=dtype or value.dtype, device=value.device)
+            self.buffers[name] = buffer
+        return buffer[: value.shape[0]].copy_(value)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.nbytes for b in self.buffers.values())
+
+
 class DecodeGraphRunner:
     def __init__(
         self,
@@ -90,6 +117,7 @@ class DecodeGraphRunner:
         self._allocate(self.ladder[-1], self.query_lens[-1], cache.kv.device)
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self.outputs: dict[tuple[int, int], ForwardOutput] = {}
+        self.shared = SharedOutputs(self.ladder[-1] * self.query_lens[-1])  # every key's logits
         if capture:
             self._capture_all()
 
@@ -174,7 +202,8 @@ class DecodeGraphRunner:
         # (not under tensor parallelism: rows are sampled from vocabulary shards, `ShardedRows`)
         if self.model.tp is not None:
             return ForwardOutput(hidden, captured)
-        return ForwardOutput(hidden, captured, self.model.compute_logits(hidden))  # logits f32 [rung * q, V]
+        logits = self.shared.write("logits", self.model.head_logits(hidden), torch.float32)  # `compute_logits`: f32 [rung * q, V]
+        return ForwardOutput(hidden, captured, logits)
 
     def _capture_all(self) -> None:
         # Largest first, all graphs in one memory pool: smaller graphs reuse the largest one's blocks.

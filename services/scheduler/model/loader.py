@@ -80,11 +80,12 @@ log = structlog.get_logger(__name__)
 @dataclass(frozen=True)
 class MemoryReserve:
     """Device memory the KV cache budget must leave to others: a drafter's weights (loaded after
-    the target, once its embedding and LM head exist) and its own KV cache, which has as many
-    blocks as the target's."""
+    the target, once its embedding and LM head exist), the vocabulary-wide tensors its steps hold
+    (`dspark_loader.draft_step_bytes`), and its own KV cache, which has as many blocks as the target's."""
 
     weight_bytes: int = 0  # taken from the free memory before the cache is sized (CUDA)
     bytes_per_block: int = 0  # each cache block costs this much more elsewhere
+    step_bytes: int = 0  # taken like the weights: what a step holds at the most running requests
 
 
 def load_model_runner(
@@ -322,5 +323,6 @@ def _default_num_blocks(
 
 
 def cuda_kv_budget(free_bytes: int, fraction: float, reserve: MemoryReserve) -> int:
-    """Bytes for the KV caches: `fraction` of what stays free once the reserve's weights load."""
-    return int(max(0, free_bytes - reserve.weight_bytes) * fraction)
+    """Bytes for the KV caches: `fraction` of what stays free once the reserve's weights load and
+    its steps' tensors are set aside."""
+    return int(max(0, free_bytes - reserve.weight_bytes - reserve.step_bytes) * fraction)

@@ -32,7 +32,8 @@ likewise `verify_keys` under `compact`, whose steps are ragged verify blocks key
 tokens (and uniform ones narrower than the decode graphs' widths, which the runner sends here).
 A capture costs one eager warm-up forward plus the capture, once per key; it runs with every row
 padded, so it writes the trash block only. All graphs share one memory pool (intermediates are
-reused between keys; each key keeps only its outputs, [T, H] and the captures).
+reused between keys) and write their outputs, [T, H] and the captures, into the first T rows of one
+set of buffers (`SharedOutputs`): a key holds none of its own.
 After `max_graphs` captures, steps of new keys are not taken (`fits`); a capture that fails is
 logged and its key left eager. Each capture is logged (`cuda_graphs.ragged_capture.done`, with its
 key). With `capture=False` (the CPU twin CI tests) the very same padded forward runs eagerly, on the
@@ -52,7 +53,7 @@ import torch
 from services.common.progress import Progress
 from services.scheduler.model.attention import MAX_TILE_ROWS, VarlenPlan, query_tiles, tile_tokens
 from services.scheduler.model.batch import ForwardBatch, ForwardOutput
-from services.scheduler.model.graphs import capture_graph, head_rows
+from services.scheduler.model.graphs import SharedOutputs, capture_graph, head_rows
 from services.scheduler.model.kv_cache import PagedKVCache
 from services.scheduler.model.kv_splits import KV_SPLIT_TOKENS, invariant_kv_splits
 from services.scheduler.model.llama import CausalLM
@@ -143,6 +144,7 @@ class RaggedGraphRunner:
         self._allocate(self.seq_ladder[-1] + 1, self.token_ladder[-1], cache.kv.device)
         self.graphs: dict[RaggedKey, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[RaggedKey, ForwardOutput] = {}
+        self.shared = SharedOutputs(self.token_ladder[-1])  # every key's hidden states and captures
         self.capture_seconds: dict[RaggedKey, float] = {}
         self.failed: set[RaggedKey] = set()  # keys whose capture raised: never tried again
         self._pool = None
@@ -244,7 +246,8 @@ class RaggedGraphRunner:
 
     def _forward(self, key: RaggedKey) -> ForwardOutput:
         hidden, captured = self.model(self._static_batch(key), self.cache, self._plan(key))  # [T, H]
-        return ForwardOutput(hidden, captured)
+        captured = None if captured is None else self.shared.write("captured", captured)  # [T, C * H]
+        return ForwardOutput(self.shared.write("hidden", hidden), captured)
 
     def prefill_keys(self) -> list[RaggedKey]:
         """Keys of steps with a prefill chunk of at least `max_tile_rows / group` tokens: the largest

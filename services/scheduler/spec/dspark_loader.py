@@ -74,11 +74,12 @@ def load_dspark_proposer(
 
 
 def drafter_memory(
-    path: str | Path, target_config: ModelConfig, dtype: torch.dtype, block_size: int, tp_size: int = 1
+    path: str | Path, target_config: ModelConfig, dtype: torch.dtype, block_size: int, tp_size: int = 1, max_rows: int = 0
 ) -> MemoryReserve:
-    """What the drafter at `path` will hold on the device besides the target (its weights, and its
-    KV cache per block), known before the target loads, so the target's KV cache leaves room for it
-    (one rank's shard of the layers and KV heads where `tp_size` > 1; the Markov head counted whole)."""
+    """What the drafter at `path` will hold on the device besides the target (its weights, the
+    vocabulary-wide tensors of a step at `max_rows` running requests, and its KV cache per block),
+    known before the target loads, so the target's KV cache leaves room for it (one rank's shard of
+    the layers and KV heads where `tp_size` > 1; the Markov head counted whole)."""
     config = DSparkConfig.from_pretrained(Path(path))
     config.check_target(target_config)
     if tp_size > 1:
@@ -87,7 +88,24 @@ def drafter_memory(
         embed = nn.Embedding(target_config.vocab_size, target_config.hidden_size)
         drafter = DSparkDrafter(config, embed, torch.empty(target_config.vocab_size, target_config.hidden_size)).to(dtype)
     weight_bytes = sum(p.numel() * p.element_size() for p in drafter.parameters())  # shares no target tensor
-    return MemoryReserve(weight_bytes, bytes_per_block(config.backbone, block_size, dtype))
+    step_bytes = draft_step_bytes(max_rows, config.block_size, target_config.vocab_size, dtype)
+    return MemoryReserve(weight_bytes, bytes_per_block(config.backbone, block_size, dtype), step_bytes)
+
+
+def draft_step_bytes(max_rows: int, gamma: int, vocab_size: int, dtype: torch.dtype) -> int:
+    """Bytes of the vocabulary-wide tensors one DSpark step holds at once at `max_rows` running
+    requests (f32 unless said), per row of the vocabulary:
+
+    - verify logits [R, gamma + 1, V] (a decode graph's shared buffer, or a compact step's rows),
+      and the LM head's product in `dtype` before them;
+    - the drafter's base logits [R, gamma, V], and the LM head's product in `dtype` before them;
+    - sampled requests' q [R, gamma, V] of the blocks being verified (kept since they were drafted),
+      and of the blocks being drafted;
+    - one draft slot's rows [R, V]: the Markov bias, the corrected logits, q, and its f64 CDF (two).
+    """
+    f32 = torch.float32.itemsize
+    per_row = (2 * gamma + 1) * (f32 + dtype.itemsize) + 2 * gamma * f32 + 5 * f32
+    return max_rows * vocab_size * per_row
 
 
 def load_drafter(

@@ -16,12 +16,17 @@ class DraftProbs:
         self._probs.pop(rid, None)
 
     def keep(self, plan: StepPlan, producers: list[int], proposal) -> None:
-        """A proposal's q [P, gamma, V] of the sampled producers (plan.steps[producers[p]])."""
+        """A proposal's q [P, gamma, V] of the sampled producers (plan.steps[producers[p]]). A row kept
+        as a view would keep the whole batch's q alive (greedy rows too) until its request drafts again:
+        with greedy rows beside them, the sampled rows are gathered into a tensor of their own."""
         if proposal is None or proposal.probs is None:
             return
-        for p, i in enumerate(producers):
-            if plan.steps[i].params.samples_randomly:
-                self._probs[plan.steps[i].rid] = proposal.probs[p]
+        sampled = [p for p, i in enumerate(producers) if plan.steps[i].params.samples_randomly]
+        probs = proposal.probs
+        if sampled and len(sampled) < probs.shape[0]:
+            probs = torch.stack([probs[p] for p in sampled])  # [S, gamma, V]; no index upload
+        for row, p in enumerate(sampled):
+            self._probs[plan.steps[producers[p]].rid] = probs[row]
 
     def stacked(self, producers: list[SeqStep], drafts: torch.Tensor, vocab: int) -> torch.Tensor | None:
         """q [P, K, V] of the blocks being verified; None when every block came without q (point masses)."""

@@ -158,3 +158,21 @@ def test_cuda_kv_budget_leaves_the_drafters_weights_out():
     assert cuda_kv_budget(100 * 2**30, 0.8, MemoryReserve()) == int(80 * 2**30)
     assert cuda_kv_budget(100 * 2**30, 0.8, MemoryReserve(weight_bytes=10 * 2**30)) == int(72 * 2**30)
     assert cuda_kv_budget(2**30, 0.8, MemoryReserve(weight_bytes=2**31)) == 0
+    assert cuda_kv_budget(100 * 2**30, 0.8, MemoryReserve(weight_bytes=8 * 2**30, step_bytes=2 * 2**30)) == int(72 * 2**30)
+
+
+def test_the_drafters_reserve_holds_its_steps_vocabulary_wide_tensors_at_the_running_limit():
+    """At the Qwen3-8B shape (V 151,936, gamma 7, bf16) and 64 running requests a DSpark step holds
+    ~1.4 GiB of [rows, V] tensors (CPU, measured: ops/bench/results/serve.md), which the KV budget
+    used to leave to the fraction's headroom; the reserve now counts them from the shapes."""
+    from services.models import BUNDLED_DRAFT_MODEL, BUNDLED_MODEL
+    from services.scheduler.model import ModelConfig
+    from services.scheduler.spec.dspark_config import DSparkConfig
+    from services.scheduler.spec.dspark_loader import draft_step_bytes, drafter_memory
+
+    target = ModelConfig.from_pretrained(BUNDLED_MODEL)
+    none, some = (drafter_memory(BUNDLED_DRAFT_MODEL, target, torch.bfloat16, 16, max_rows=rows) for rows in (0, 64))
+    gamma = DSparkConfig.from_pretrained(BUNDLED_DRAFT_MODEL).block_size
+    assert none.step_bytes == 0 and some.weight_bytes == none.weight_bytes
+    assert some.step_bytes == draft_step_bytes(64, gamma, target.vocab_size, torch.bfloat16) == 64 * draft_step_bytes(1, gamma, target.vocab_size, torch.bfloat16)
+    assert 1.3 * 2**30 < draft_step_bytes(64, 7, 151_936, torch.bfloat16) < 1.6 * 2**30
