@@ -93,7 +93,9 @@ class Fp8Linear(nn.Module):
             out = fp8_linear(x, self.weight, self.scale, self.block)
         return self.biased(out)
 
-    def norm_gemv(self, x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    def norm_gemv(
+        self, x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """One token on the W8A8 path: (self(norm_weight * rms_norm(x + residual)), x + residual) in one
         launch (`llama.norm_linear`'s fused step), the same bits as the norm kernel then `forward`."""
         from services.scheduler.model.triton_fp8 import fp8_norm_gemv

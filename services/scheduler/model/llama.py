@@ -16,9 +16,10 @@ between the matmuls for the Triton kernels of `triton_fused.py`, with the torch 
 twin (same rounding): residual add + RMSNorm (`add_rms_norm`), Qwen3's q/k RMSNorm + RoPE + the
 K/V write into the paged cache (`Attention.rotate_and_store`), and SiLU(gate) * up (`silu_mul`);
 at one token (`GEMV_TOKENS`) the norms take the matmul after them along (`norm_linear`: q/k/v,
-gate/up) and SiLU * up the down projection (`silu_linear`), as GEMVs in the same launch, and
-o_proj is a GEMV of its own (`project`). Norms whose rounding the kernels do not compute (Gemma's,
-`fusable` False) and other activations than SiLU stay on the torch ops.
+gate/up) and SiLU * up the down projection (`silu_linear`), as GEMVs in the same launch (FP8
+projections: `Fp8Linear.norm_gemv` / `silu_gemv`), and o_proj is a GEMV of its own (`project`).
+Norms whose rounding the kernels do not compute (Gemma's, `fusable` False) and other activations
+than SiLU stay on the torch ops.
 Layers carry the residual stream beside the sublayer output, so each add meets the norm after it:
 layer l takes (its input's last sublayer output, the stream before it) and returns the same pair.
 """

@@ -34,6 +34,15 @@ rows share one block scale per K group: folded with sx into the activations once
 leaves one upcast and one FMA per weight byte (per-row scales multiply the row's sum at the end).
 x8 is the same: x / sx rounded to nearest from sx's correctly rounded reciprocal (`_div_rn_by`).
 N / BLOCK_N programs fill the SMs at Qwen3's shapes; a weight with few rows splits K as above.
+
+The GEMV takes the small op before it along (`llama.norm_linear` / `silu_linear` at one token with
+the fused kernels on, as triton_fused's float GEMVs do): the residual add + RMSNorm before q/k/v and
+gate/up (`fp8_norm_gemv`: each program sums the row's squares as triton_fused's norm kernel does,
+pairwise, so with the same bits, while its first weight tile is in flight; program 0 writes the new
+residual), SiLU(gate) * up before down (`fp8_silu_gemv`). Each program computes that input for the
+columns it streams and rounds it to x's dtype where the unfused kernels write it out, then
+quantizes it as above: the same bits as `add_rms_norm_triton` / `silu_mul_triton` then
+`fp8_linear`, two launches and the activation's round trip fewer.
 Grids follow the shapes only (CUDA graphs capture them).
 """
 
@@ -134,7 +143,8 @@ def _fp8_gemv_kernel(
         if NORMED:  # the row's rstd while the first weight tile is in flight
             if step == first:
                 writes_residual = (tl.program_id(0) == 0) & (split == 0)
-                rstd = _summed_row_rstd(x_ptr, residual_ptr, residual_out_ptr, eps, writes_residual, HIDDEN, ROW_BLOCK, HAS_RESIDUAL)
+                rstd = _summed_row_rstd(x_ptr, residual_ptr, residual_out_ptr, eps, writes_residual, HIDDEN, ROW_BLOCK,
+                                        HAS_RESIDUAL)  # fmt: skip
         x = _gemv_input(x_ptr, residual_ptr, norm_weight_ptr, rstd, k, K, NORMED, HAS_RESIDUAL, GATED).to(tl.float32)
         w_scale = 1.0
         if GROUP_N > 1:  # a past-K group (the last split's) reads a real scale, times 0

@@ -4,7 +4,8 @@ Imported lazily, only when `CausalLM.fused_kernels` is on (CUDA; Triton's interp
 Each kernel computes what its torch twin in `llama.py` computes, rounding where it rounds:
 
 - `add_rms_norm_triton` (twin `llama.add_rms_norm`): x + residual rounded once to x's dtype (the
-  new residual), normalised in fp32, rounded, then times the weight (rounded): 1 launch for 3;
+  new residual), normalised in fp32 (the squares summed pairwise, `_row_rstd`: the same bits in
+  `triton_fp8`'s norm stage), rounded, then times the weight (rounded): 1 launch for 3;
 - `rotate_and_store_triton` (twin `Attention.rotate_and_store`): per head of one token, Qwen3's
   RMSNorm (as above), then rotate-half RoPE (x * cos rounded, plus rotated * sin, rounded once, as
   torch's addcmul), q stored, k and v written to the paged cache at the token's slot: 1 launch for
@@ -16,7 +17,7 @@ Each kernel computes what its torch twin in `llama.py` computes, rounding where 
   SiLU * up as above, then down's linear): 3 launches a layer fewer; and o_proj's alone
   (`gemv_triton`, twin `llama.project`), where cuBLAS is slow for a weight as small as the 0.6B's.
   Their sums run in another order than cuBLAS's, so these match their twins to fp32 rounding, not
-  bit for bit.
+  bit for bit. FP8 weights take `triton_fp8`'s GEMV with the same input stages.
 
 Every launch's grid and outputs follow the input shapes only: no host sync, no data-dependent
 allocation, so CUDA graphs capture them.

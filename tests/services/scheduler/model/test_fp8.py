@@ -269,7 +269,7 @@ def test_fused_input_stages_are_the_unfused_path_bitwise_interpreted(layout: str
     linear = odd_fp8_linear(layout, torch.Generator().manual_seed(9))
     (n, k), group_n, block_k = KERNEL_SHAPES[layout], linear.block[0] if linear.block else 1, linear.activation_group(1)
     gen = torch.Generator().manual_seed(10)
-    x, residual, gate_up = ((scale * torch.randn(1, width, generator=gen)).to(torch.bfloat16) for scale, width in ((4, k), (4, k), (3, 2 * k)))
+    x, residual, gate_up = (scale * torch.randn(1, width, generator=gen).to(torch.bfloat16) for scale, width in ((4, k), (4, k), (3, 2 * k)))
     norm_weight = (1.0 + 0.2 * torch.randn(k, generator=gen)).to(torch.bfloat16)
     split = triton_fp8.gemv_tiles(n, k, block_k, group_n=group_n, block_n=4, step_k=block_k)
     assert split.splits > 1
@@ -351,7 +351,8 @@ def test_fp8_kernels_compile_for_hopper() -> None:
     gemv = {"x_ptr": "*bf16", "w_ptr": "*fp8e4nv", "w_scale_ptr": "*fp32", "out_ptr": "*bf16", "N": i32, "K": i32, "steps_per_split": i32,
             "stride_w": i32, "stride_ws_n": i32, "stride_ws_k": i32, "stride_out_split": i32, "residual_ptr": "*bf16",
             "norm_weight_ptr": "*bf16", "residual_out_ptr": "*bf16", "eps": "fp32"}  # fmt: skip
-    # Qwen3-8B's projections with their input stages: plain (o_proj), norm (q/k/v, gate/up; the first layer's without a residual), SiLU (down)
+    # Qwen3-8B's projections with their input stages: plain (o_proj), norm (q/k/v, gate/up; the first
+    # layer's without a residual), SiLU (down)
     for group_n, n, k, stage in ((1, 4096, 4096, "plain"), (1, 6144, 4096, "norm"), (128, 6144, 4096, "first norm"),
                                  (128, 24576, 4096, "norm"), (128, 4096, 12288, "silu"), (128, 4096, 4096, "plain")):  # fmt: skip
         plan = triton_fp8.tiles(1, n, k, 128, num_sms=132, group_n=group_n)
