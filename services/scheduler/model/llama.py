@@ -32,10 +32,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from services.scheduler.model import fp8
 from services.scheduler.model.attention import AttentionPlan, DecodePlan, VarlenPlan, paged_attention, plan_attention
 from services.scheduler.model.batch import ForwardBatch
 from services.scheduler.model.batch_invariant import Linear, invariant_linear
-from services.scheduler.model import fp8
 from services.scheduler.model.config import SLIDING, ModelConfig
 from services.scheduler.model.fp8 import Fp8Linear
 from services.scheduler.model.kv_cache import PagedKVCache
