@@ -23,7 +23,10 @@ is skipped:
   and 128 columns as the kernel does, per row on cuBLAS's path): per layer, the largest |diff| and
   that over the largest |reference| of its projections. Bound: bf16's rounding of the output (2^-8 of
   the largest value) and fp32 summation order; `path` says which path ran ("twin" off CUDA: then the
-  numbers are FP8 activation quantization's own error).
+  numbers are FP8 activation quantization's own error). These steps run with the fused kernels off;
+  step `decode 1 fused` (path "fp8 fused", where Triton runs) checks what fusing adds at one token:
+  per layer, the FP8 GEMVs with their input stages (add + RMSNorm before q/k/v and gate/up, SiLU *
+  up before down) against the norm or SiLU kernel then the projection's GEMV, bound: the same bits.
 - `fp8_linear`: µs per call of each Qwen3-8B projection at batch 1 and 64 (a CUDA graph of 10 calls
   replayed): FP8 block-wise, FP8 per-channel and bf16 `F.linear`, with the weight's GB/s.
 - `fp8_tiles`: for tuning `triton_fp8.tiles`: each projection through the block-wise kernels, at
@@ -253,10 +256,21 @@ def fp8_rows(result: dict) -> list[dict]:
 @torch.inference_mode()
 def w8a8_rows(runner: ModelRunner, batches: tuple[int, ...], context: int) -> list[dict]:
     """Per (step, layer): every Fp8Linear's device output against its `w8a8_reference`, checked in a
-    forward hook as eager steps run (decode at each batch, then a prefill of 4 prompts)."""
-    length = min(64, context)
-    steps = [(f"decode {b}", ragged_step([(context - 1, 1)] * b, PAGE, -(-context // PAGE), runner.device.type)) for b in batches]
+    forward hook as eager steps run (decode at each batch, then a prefill of 4 prompts) with the fused
+    kernels off: fused, a one-token step's norms and SiLU take the projection after them along, which
+    then never sees its input. Those fused GEMVs: `fused_gemv_rows`, where Triton runs."""
+    length, width = min(64, context), -(-context // PAGE)
+    steps = [(f"decode {b}", ragged_step([(context - 1, 1)] * b, PAGE, width, runner.device.type)) for b in batches]
     steps.append((f"prefill 4x{length}", ragged_step([(0, length)] * 4, PAGE, -(-length // PAGE), runner.device.type)))
+    with fused_kernels(runner, False):
+        rows = hooked_w8a8_rows(runner, steps)
+    if not triton_runs(runner.device):
+        return rows
+    return rows + fused_gemv_rows(runner, ragged_step([(context - 1, 1)], PAGE, width, runner.device.type))
+
+
+def hooked_w8a8_rows(runner: ModelRunner, steps: list[tuple[str, object]]) -> list[dict]:
+    """`w8a8_rows`' forward-hook check over these (name, batch) steps."""
     worst: dict[tuple[str, int], dict] = {}
     current = [""]
 
@@ -277,6 +291,60 @@ def w8a8_rows(runner: ModelRunner, batches: tuple[int, ...], context: int) -> li
     path = "fp8" if fp8.fp8_matmul_available(runner.device) else "twin"
     return [{**row, "path": path, "max_rel": row["max_abs"] / max(row["ref_max"], 1e-30),
              "within_bound": row["max_abs"] <= W8A8_BOUND * row["ref_max"]} for row in worst.values()]  # fmt: skip
+
+
+@torch.inference_mode()
+def fused_gemv_rows(runner: ModelRunner, one_token_step) -> list[dict]:
+    """Per layer, on the inputs a one-token step gives it (the fused kernels on, W8A8 forced: Triton's
+    interpreter off CUDA): the fused FP8 GEMVs (add + RMSNorm + q/k/v, + gate/up; SiLU * up + down)
+    against the unfused kernels (the norm or SiLU kernel, then the projection's GEMV). Bound: none,
+    the same bits (`within_bound`: max_abs 0), the residual's too."""
+    layers = runner.model.model.layers
+    inputs: dict[int, tuple] = {}  # layer -> (x, residual)
+
+    def record(index: int, args: tuple) -> None:  # a pre-hook's None keeps the layer's arguments
+        inputs[index] = args[:2]
+
+    handles = [layer.register_forward_pre_hook(lambda m, args, i=i: record(i, args)) for i, layer in enumerate(layers)]
+    try:
+        with fused_kernels(runner, True), fp8_path(available=True):
+            runner.forward(one_token_step)
+            rows = [fused_gemv_row(index, layers[index], *inputs[index]) for index in sorted(inputs)]
+    finally:
+        for handle in handles:
+            handle.remove()
+    return rows
+
+
+def fused_gemv_row(index: int, layer: torch.nn.Module, x: torch.Tensor, residual: torch.Tensor | None) -> dict:
+    from services.scheduler.model.llama import add_rms_norm, norm_linear, silu_linear, silu_mul
+
+    pairs = []  # (fused, unfused)
+    for norm, linear in ((layer.input_layernorm, layer.self_attn.qkv_proj), (layer.post_attention_layernorm, layer.mlp.gate_up_proj)):
+        out, summed = norm_linear(x, residual, norm, linear, fused=True)
+        normed, want_summed = add_rms_norm(x, residual, norm, fused=True)
+        pairs += [(out, linear(normed)), (summed, want_summed)]
+    gate_up = pairs[2][1]
+    pairs.append((silu_linear(gate_up, layer.mlp.down_proj, fused=True), layer.mlp.down_proj(silu_mul(gate_up, fused=True))))
+    max_abs = max(float((got.float() - want.float()).abs().max()) for got, want in pairs)
+    ref_max = max(float(want.float().abs().max()) for _, want in pairs)
+    return {"step": "decode 1 fused", "layer": index, "max_abs": max_abs, "ref_max": ref_max, "path": "fp8 fused",
+            "max_rel": max_abs / max(ref_max, 1e-30), "within_bound": max_abs == 0.0}  # fmt: skip
+
+
+@contextlib.contextmanager
+def fused_kernels(runner: ModelRunner, on: bool):
+    """The runner's fused kernels on or off for the block's duration (no graphs captured)."""
+    saved = runner.fused_kernels
+    runner.fused_kernels = on
+    try:
+        yield
+    finally:
+        runner.fused_kernels = saved
+
+
+def triton_runs(device: torch.device) -> bool:
+    return device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def projection_shapes(config: ModelConfig) -> dict[str, tuple[int, int]]:
@@ -381,10 +449,11 @@ def replayed(fn, device: torch.device):
 
 
 @contextlib.contextmanager
-def dequantized_twin():
-    """Every `Fp8Linear` on its twin (the weight dequantized to the activations' dtype, the plain linear)."""
+def fp8_path(available: bool):
+    """Every `Fp8Linear` on the W8A8 kernels (available: off CUDA, Triton's interpreter runs them) or on
+    its twin (the weight dequantized to the activations' dtype, the plain linear)."""
     saved = fp8.fp8_matmul_available
-    fp8.fp8_matmul_available = lambda device: False
+    fp8.fp8_matmul_available = lambda device: available
     try:
         yield
     finally:
@@ -395,7 +464,7 @@ def dequantized_twin():
 def logprob_agreement(runner: ModelRunner, length: int, num_prompts: int = 4) -> dict:
     step = ragged_step([(0, length)] * num_prompts, PAGE, -(-length // PAGE), runner.device.type)
     got = torch.log_softmax(runner.compute_logits(runner.forward(step).hidden_states), dim=-1)  # [T, V]
-    with dequantized_twin():
+    with fp8_path(available=False):
         want = torch.log_softmax(runner.compute_logits(runner.forward(step).hidden_states), dim=-1)
     top = want.topk(20, dim=-1).indices
     return {"rows": int(got.shape[0]), "max_abs_diff_top20": float((got.gather(1, top) - want.gather(1, top)).abs().max()),
@@ -411,8 +480,7 @@ def run(args: argparse.Namespace) -> dict:
     result: dict = {"device": device_name(device.type), "torch": torch.__version__, "copy_gb_per_s": round(bandwidth, 1),
                     "context": TINY_CONTEXT if args.tiny else CONTEXT}  # fmt: skip
     section = only(args.sections, deadline_sections(result, deadline))
-    interpretable = device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
-    if interpretable:
+    if triton_runs(device):
         section("moe_kernel", lambda: kernel_rows(args, device, dtype))
         free_device_memory()  # the kernel rows' expert stacks, before the 30B model
     else:

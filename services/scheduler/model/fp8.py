@@ -91,6 +91,26 @@ class Fp8Linear(nn.Module):
             from services.scheduler.model.triton_fp8 import fp8_linear
 
             out = fp8_linear(x, self.weight, self.scale, self.block)
+        return self.biased(out)
+
+    def norm_gemv(
+        self, x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One token on the W8A8 path: (self(norm_weight * rms_norm(x + residual)), x + residual) in one
+        launch (`llama.norm_linear`'s fused step), the same bits as the norm kernel then `forward`."""
+        from services.scheduler.model.triton_fp8 import fp8_norm_gemv
+
+        out, summed = fp8_norm_gemv(x, residual, norm_weight, eps, self.weight, self.scale, self.block)
+        return self.biased(out), summed
+
+    def silu_gemv(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """One token on the W8A8 path: self(SiLU(gate) * up) of gate_up [1, 2K] in one launch
+        (`llama.silu_linear`'s fused step), the same bits as the SiLU kernel then `forward`."""
+        from services.scheduler.model.triton_fp8 import fp8_silu_gemv
+
+        return self.biased(fp8_silu_gemv(gate_up, self.weight, self.scale, self.block))
+
+    def biased(self, out: torch.Tensor) -> torch.Tensor:
         return out if self.bias is None else out + self.bias
 
     @torch.no_grad()

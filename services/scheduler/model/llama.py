@@ -16,9 +16,10 @@ between the matmuls for the Triton kernels of `triton_fused.py`, with the torch 
 twin (same rounding): residual add + RMSNorm (`add_rms_norm`), Qwen3's q/k RMSNorm + RoPE + the
 K/V write into the paged cache (`Attention.rotate_and_store`), and SiLU(gate) * up (`silu_mul`);
 at one token (`GEMV_TOKENS`) the norms take the matmul after them along (`norm_linear`: q/k/v,
-gate/up) and SiLU * up the down projection (`silu_linear`), as GEMVs in the same launch, and
-o_proj is a GEMV of its own (`project`). Norms whose rounding the kernels do not compute (Gemma's,
-`fusable` False) and other activations than SiLU stay on the torch ops.
+gate/up) and SiLU * up the down projection (`silu_linear`), as GEMVs in the same launch (FP8
+projections: `Fp8Linear.norm_gemv` / `silu_gemv`), and o_proj is a GEMV of its own (`project`).
+Norms whose rounding the kernels do not compute (Gemma's, `fusable` False) and other activations
+than SiLU stay on the torch ops.
 Layers carry the residual stream beside the sublayer output, so each add meets the norm after it:
 layer l takes (its input's last sublayer output, the stream before it) and returns the same pair.
 """
@@ -31,10 +32,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from services.scheduler.model import fp8
 from services.scheduler.model.attention import AttentionPlan, DecodePlan, VarlenPlan, paged_attention, plan_attention
 from services.scheduler.model.batch import ForwardBatch
 from services.scheduler.model.batch_invariant import Linear, invariant_linear
 from services.scheduler.model.config import SLIDING, ModelConfig
+from services.scheduler.model.fp8 import Fp8Linear
 from services.scheduler.model.kv_cache import PagedKVCache
 from services.scheduler.model.rope import apply_rope, default_inv_freq, rope_cos_sin, rope_frequencies
 
@@ -103,16 +106,21 @@ def gelu_tanh_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 def takes_gemv(x: torch.Tensor, fused: bool, linear: nn.Module) -> bool:
-    """Whether a matmul of x [T, K] by `linear` runs as triton_fused's one-token GEMV (float weights
-    only, not fp8.py's; never a batch-invariant one: a row must round as it does among others)."""
-    return fused and x.shape[0] == GEMV_TOKENS and isinstance(linear, nn.Linear) and not getattr(linear, "invariant", False)
+    """Whether a matmul of x [T, K] by `linear` runs as a one-token GEMV that takes the small op before
+    it along: triton_fused's for float weights, `Fp8Linear`'s (triton_fp8) where its W8A8 path runs;
+    never a batch-invariant one (a row must round as it does among others)."""
+    if not fused or x.shape[0] != GEMV_TOKENS or getattr(linear, "invariant", False):
+        return False
+    return isinstance(linear, nn.Linear) or (isinstance(linear, Fp8Linear) and fp8.fp8_matmul_available(x.device))
 
 
 def norm_linear(
-    x: torch.Tensor, residual: torch.Tensor | None, norm: nn.Module, linear: nn.Linear, fused: bool = False
+    x: torch.Tensor, residual: torch.Tensor | None, norm: nn.Module, linear: nn.Module, fused: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(linear(norm(x + residual)), x + residual) as `add_rms_norm`; fused at one token, one launch."""
     if takes_gemv(x, fused, linear) and norm.fusable:
+        if isinstance(linear, Fp8Linear):
+            return linear.norm_gemv(x, residual, norm.weight, norm.eps)
         from services.scheduler.model.triton_fused import norm_gemv_triton
 
         return norm_gemv_triton(x, residual, norm.weight, norm.eps, linear.weight, linear.bias)
@@ -121,17 +129,19 @@ def norm_linear(
 
 
 def project(x: torch.Tensor, linear: nn.Linear, fused: bool = False) -> torch.Tensor:
-    """linear(x) for x [T, K]; fused at one token, the one-token GEMV."""
-    if takes_gemv(x, fused, linear):
+    """linear(x) for x [T, K]; fused at one token, the one-token GEMV (an Fp8Linear's own path already)."""
+    if takes_gemv(x, fused, linear) and isinstance(linear, nn.Linear):
         from services.scheduler.model.triton_fused import gemv_triton
 
         return gemv_triton(x, linear.weight, linear.bias)
     return linear(x)
 
 
-def silu_linear(gate_up: torch.Tensor, linear: nn.Linear, fused: bool = False) -> torch.Tensor:
+def silu_linear(gate_up: torch.Tensor, linear: nn.Module, fused: bool = False) -> torch.Tensor:
     """linear(SiLU(gate) * up) for gate_up [T, 2I]; fused at one token, one launch."""
     if takes_gemv(gate_up, fused, linear):
+        if isinstance(linear, Fp8Linear):
+            return linear.silu_gemv(gate_up)
         from services.scheduler.model.triton_fused import silu_gemv_triton
 
         return silu_gemv_triton(gate_up, linear.weight, linear.bias)

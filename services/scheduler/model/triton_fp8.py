@@ -34,6 +34,15 @@ rows share one block scale per K group: folded with sx into the activations once
 leaves one upcast and one FMA per weight byte (per-row scales multiply the row's sum at the end).
 x8 is the same: x / sx rounded to nearest from sx's correctly rounded reciprocal (`_div_rn_by`).
 N / BLOCK_N programs fill the SMs at Qwen3's shapes; a weight with few rows splits K as above.
+
+The GEMV takes the small op before it along (`llama.norm_linear` / `silu_linear` at one token with
+the fused kernels on, as triton_fused's float GEMVs do): the residual add + RMSNorm before q/k/v and
+gate/up (`fp8_norm_gemv`: each program sums the row's squares as triton_fused's norm kernel does,
+pairwise, so with the same bits, while its first weight tile is in flight; program 0 writes the new
+residual), SiLU(gate) * up before down (`fp8_silu_gemv`). Each program computes that input for the
+columns it streams and rounds it to x's dtype where the unfused kernels write it out, then
+quantizes it as above: the same bits as `add_rms_norm_triton` / `silu_mul_triton` then
+`fp8_linear`, two launches and the activation's round trip fewer.
 Grids follow the shapes only (CUDA graphs capture them).
 """
 
@@ -47,6 +56,7 @@ import triton
 import triton.language as tl
 
 from services.scheduler.model.fp8 import ACTIVATION_GROUP, DECODE_ROWS, FP8_MAX
+from services.scheduler.model.triton_fused import _check_gemv, _rms_scaled, _rounded_sum, _row_rstd, _silu_times_up, _summed_input
 from services.scheduler.model.triton_matmul import sum_splits
 
 PROGRAMS_PER_SM = 4  # decode: programs in flight per SM, each streaming its own slice of the weight
@@ -103,16 +113,21 @@ def _fp8_linear_kernel(
 @triton.jit
 def _fp8_gemv_kernel(
     x_ptr, w_ptr, w_scale_ptr, out_ptr, N, K, steps_per_split, stride_w, stride_ws_n, stride_ws_k, stride_out_split,
+    residual_ptr, norm_weight_ptr, residual_out_ptr, eps,
     GROUP_N: tl.constexpr, FP8_LIMIT: tl.constexpr, BLOCK_N: tl.constexpr, GROUPS: tl.constexpr, GROUP_K: tl.constexpr,
+    NORMED: tl.constexpr, HAS_RESIDUAL: tl.constexpr, GATED: tl.constexpr, HIDDEN: tl.constexpr, ROW_BLOCK: tl.constexpr,
 ):
     # One token x [K]; weight tiles [BLOCK_N, GROUPS, GROUP_K], a K step = GROUPS activation groups.
     # x is quantized by each program as it streams (x is L2-resident, and BLOCK_N weight bytes share each
     # of its elements): dearer in ALU than a quantizing kernel run once, but that kernel's launch and
-    # x8's round trip would cost each projection more at one token.
+    # x8's round trip would cost each projection more at one token. The input stage (module doc) is
+    # computed the same way, by every program for the columns it streams: NORMED, x (+ residual) then
+    # RMSNorm (HIDDEN = K columns, the row's rstd first); GATED, SiLU(x[:K]) * x[K:].
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
     split = tl.program_id(1)
     groups = tl.arange(0, GROUPS)
     in_rows = rows < N
+    rstd = tl.full([], 0.0, tl.float32)
     # block-wise: BLOCK_N divides GROUP_N, so the program's rows share their scales' row
     scale_row = w_scale_ptr + (tl.program_id(0) * BLOCK_N // GROUP_N) * stride_ws_n
     acc = tl.zeros((BLOCK_N, GROUPS, GROUP_K), dtype=tl.float32)
@@ -125,7 +140,12 @@ def _fp8_gemv_kernel(
         # the registers, half the programs resident per SM)
         w = tl.load(w_ptr + rows[:, None, None].to(tl.int64) * stride_w + k[None, :, :],
                     mask=in_rows[:, None, None] & in_k[None, :, :], other=0.0)  # fmt: skip
-        x = tl.load(x_ptr + k, mask=in_k, other=0.0).to(tl.float32)
+        if NORMED:  # the row's rstd while the first weight tile is in flight
+            if step == first:
+                writes_residual = (tl.program_id(0) == 0) & (split == 0)
+                rstd = _summed_row_rstd(x_ptr, residual_ptr, residual_out_ptr, eps, writes_residual, HIDDEN, ROW_BLOCK,
+                                        HAS_RESIDUAL)  # fmt: skip
+        x = _gemv_input(x_ptr, residual_ptr, norm_weight_ptr, rstd, k, K, NORMED, HAS_RESIDUAL, GATED).to(tl.float32)
         w_scale = 1.0
         if GROUP_N > 1:  # a past-K group (the last split's) reads a real scale, times 0
             w_scale = tl.load(scale_row + tl.minimum(group, (K - 1) // GROUP_K) * stride_ws_k)  # [G]
@@ -137,6 +157,37 @@ def _fp8_gemv_kernel(
     if GROUP_N == 1:  # per row: its scale times its sum
         out *= tl.load(w_scale_ptr + rows * stride_ws_n, mask=in_rows, other=0.0)
     tl.store(out_ptr + split * stride_out_split + rows, out.to(out_ptr.dtype.element_ty), mask=in_rows)
+
+
+@triton.jit
+def _summed_row_rstd(x_ptr, residual_ptr, residual_out_ptr, eps, writes_residual, HIDDEN: tl.constexpr, ROW_BLOCK: tl.constexpr,
+                     HAS_RESIDUAL: tl.constexpr):  # fmt: skip
+    """The norm stage's rstd of the whole row x (+ residual), as triton_fused's norm kernel computes it
+    (same ROW_BLOCK, same pairwise sum: the same bits); writes_residual: this program stores the sum."""
+    cols = tl.arange(0, ROW_BLOCK)
+    x = _summed_input(x_ptr, residual_ptr, cols, HIDDEN, HAS_RESIDUAL)
+    if HAS_RESIDUAL:
+        if writes_residual:
+            tl.store(residual_out_ptr + cols, x, mask=cols < HIDDEN)
+    return _row_rstd(x.to(tl.float32), eps, HIDDEN, ROW_BLOCK)
+
+
+@triton.jit
+def _gemv_input(x_ptr, residual_ptr, norm_weight_ptr, rstd, k, K, NORMED: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+                GATED: tl.constexpr):  # fmt: skip
+    """The GEMV's input at columns k (any shape), in x's dtype, 0 past K: x; or (NORMED) norm_weight *
+    rms_norm(x + residual); or (GATED) SiLU(x[k]) * x[K + k]: each rounded where `add_rms_norm_triton`
+    and `silu_mul_triton` round, which write it out for the unfused GEMV."""
+    in_k = k < K
+    x = tl.load(x_ptr + k, mask=in_k, other=0.0)
+    if NORMED:
+        if HAS_RESIDUAL:
+            x = _rounded_sum(x, tl.load(residual_ptr + k, mask=in_k, other=0.0))
+        norm_weight = tl.load(norm_weight_ptr + k, mask=in_k, other=0.0).to(tl.float32)
+        x = _rms_scaled(x.to(tl.float32), rstd, norm_weight, x.dtype).to(x.dtype)
+    if GATED:
+        x = _silu_times_up(x, tl.load(x_ptr + K + k, mask=in_k, other=0.0)).to(x.dtype)
+    return x
 
 
 @triton.jit
@@ -200,30 +251,73 @@ def fp8_linear(
     flat = x.reshape(-1, x.shape[-1])
     flat = flat if flat.stride(-1) == 1 else flat.contiguous()
     num_rows, (n, k) = flat.shape[0], weight.shape
-    if block is None:  # a row's scale for every K step
-        group_n, block_k, stride_ws = 1, ACTIVATION_GROUP, (weight_scale.stride(0), 0)
-    else:
-        group_n, block_k, stride_ws = block[0], block[1], (weight_scale.stride(0), weight_scale.stride(1))
+    group_n, block_k, stride_ws = _scale_layout(weight_scale, block)
     plan = plan or tiles(num_rows, n, k, block_k, num_sms(x.device), group_n)
+    if plan.block_m == GEMV_ROWS:
+        return _gemv(flat, weight, weight_scale, block, plan).view(*x.shape[:-1], n)
     out = torch.empty(num_rows, n, dtype=x.dtype, device=x.device)
     partial = out if plan.splits == 1 else torch.empty(plan.splits, num_rows, n, dtype=torch.float32, device=x.device)
-    if plan.block_m == GEMV_ROWS:
-        assert num_rows == GEMV_ROWS and (group_n == 1 or group_n % plan.block_n == 0), (num_rows, plan)
-        _fp8_gemv_kernel[(triton.cdiv(n, plan.block_n), plan.splits)](
-            flat, weight, weight_scale, partial, n, k, plan.steps_per_split, weight.stride(0), *stride_ws, n,
-            GROUP_N=group_n, FP8_LIMIT=FP8_MAX, BLOCK_N=plan.block_n, GROUPS=plan.groups_per_step, GROUP_K=block_k,
-            num_warps=plan.num_warps, num_stages=plan.num_stages,
-        )  # fmt: skip
-    else:
-        _fp8_linear_kernel[(triton.cdiv(num_rows, plan.block_m), triton.cdiv(n, plan.block_n), plan.splits)](
-            flat, weight, weight_scale, partial, num_rows, n, k, plan.steps_per_split,
-            flat.stride(0), weight.stride(0), *stride_ws, num_rows * n, n,
-            GROUP_N=group_n, FP8_LIMIT=FP8_MAX, BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, BLOCK_K=block_k,
-            num_warps=plan.num_warps, num_stages=plan.num_stages,
-        )  # fmt: skip
+    _fp8_linear_kernel[(triton.cdiv(num_rows, plan.block_m), triton.cdiv(n, plan.block_n), plan.splits)](
+        flat, weight, weight_scale, partial, num_rows, n, k, plan.steps_per_split,
+        flat.stride(0), weight.stride(0), *stride_ws, num_rows * n, n,
+        GROUP_N=group_n, FP8_LIMIT=FP8_MAX, BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, BLOCK_K=block_k,
+        num_warps=plan.num_warps, num_stages=plan.num_stages,
+    )  # fmt: skip
     if plan.splits > 1:
         sum_splits(partial, out)
     return out.view(*x.shape[:-1], n)
+
+
+def fp8_norm_gemv(
+    x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
+    weight: torch.Tensor, weight_scale: torch.Tensor, block: tuple[int, int] | None, plan: Tiles | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """x, residual [1, K] -> (fp8_linear(norm_weight * rms_norm(x + residual)), x + residual) in one launch,
+    the same bits as `add_rms_norm_triton` then `fp8_linear`; residual None: (..., x). norm_weight in x's dtype."""
+    summed = x if residual is None else torch.empty_like(x)
+    norm = (x if residual is None else residual, norm_weight, summed, eps)
+    return _gemv(x, weight, weight_scale, block, plan, norm=norm, has_residual=residual is not None), summed
+
+
+def fp8_silu_gemv(
+    gate_up: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, block: tuple[int, int] | None, plan: Tiles | None = None
+) -> torch.Tensor:
+    """gate_up [1, 2I] = [gate | up] -> fp8_linear(SiLU(gate) * up) [1, N] in one launch, the same bits
+    as `silu_mul_triton` then `fp8_linear`."""
+    return _gemv(gate_up, weight, weight_scale, block, plan, gated=True)
+
+
+def _gemv(
+    x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, block: tuple[int, int] | None, plan: Tiles | None,
+    norm: tuple[torch.Tensor, torch.Tensor, torch.Tensor, float] | None = None, has_residual: bool = False, gated: bool = False,
+) -> torch.Tensor:
+    """`_fp8_gemv_kernel` on one token x [1, K] ([1, 2K] gated) -> [1, N]; norm: (residual, norm weight,
+    the sum's output, eps) of the norm stage."""
+    (n, k), (group_n, block_k, stride_ws) = weight.shape, _scale_layout(weight_scale, block)
+    _check_gemv(x, weight, x.shape[1] // 2 if gated else x.shape[1])
+    plan = plan or gemv_tiles(n, k, block_k, num_sms(x.device), group_n)
+    assert plan.block_m == GEMV_ROWS and (group_n == 1 or group_n % plan.block_n == 0), plan
+    out = torch.empty(1, n, dtype=x.dtype, device=x.device)
+    partial = out if plan.splits == 1 else torch.empty(plan.splits, 1, n, dtype=torch.float32, device=x.device)
+    residual, norm_weight, summed, eps = norm or (x, x, x, 0.0)  # unread without the norm stage
+    _fp8_gemv_kernel[(triton.cdiv(n, plan.block_n), plan.splits)](
+        x, weight, weight_scale, partial, n, k, plan.steps_per_split, weight.stride(0), *stride_ws, n,
+        residual, norm_weight, summed, eps,
+        GROUP_N=group_n, FP8_LIMIT=FP8_MAX, BLOCK_N=plan.block_n, GROUPS=plan.groups_per_step, GROUP_K=block_k,
+        NORMED=norm is not None, HAS_RESIDUAL=has_residual, GATED=gated,
+        HIDDEN=k if norm else 0, ROW_BLOCK=triton.next_power_of_2(k) if norm else 0,
+        num_warps=plan.num_warps, num_stages=plan.num_stages,
+    )  # fmt: skip
+    if plan.splits > 1:
+        sum_splits(partial, out)
+    return out
+
+
+def _scale_layout(weight_scale: torch.Tensor, block: tuple[int, int] | None) -> tuple[int, int, tuple[int, int]]:
+    """(rows a scale covers, columns a scale covers, scale strides (row, K step)) of the weight's scales."""
+    if block is None:  # a row's scale for every K step
+        return 1, ACTIVATION_GROUP, (weight_scale.stride(0), 0)
+    return block[0], block[1], (weight_scale.stride(0), weight_scale.stride(1))
 
 
 def num_sms(device: torch.device) -> int:

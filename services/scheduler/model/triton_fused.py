@@ -4,7 +4,8 @@ Imported lazily, only when `CausalLM.fused_kernels` is on (CUDA; Triton's interp
 Each kernel computes what its torch twin in `llama.py` computes, rounding where it rounds:
 
 - `add_rms_norm_triton` (twin `llama.add_rms_norm`): x + residual rounded once to x's dtype (the
-  new residual), normalised in fp32, rounded, then times the weight (rounded): 1 launch for 3;
+  new residual), normalised in fp32 (the squares summed pairwise, `_row_rstd`: the same bits in
+  `triton_fp8`'s norm stage), rounded, then times the weight (rounded): 1 launch for 3;
 - `rotate_and_store_triton` (twin `Attention.rotate_and_store`): per head of one token, Qwen3's
   RMSNorm (as above), then rotate-half RoPE (x * cos rounded, plus rotated * sin, rounded once, as
   torch's addcmul), q stored, k and v written to the paged cache at the token's slot: 1 launch for
@@ -16,7 +17,7 @@ Each kernel computes what its torch twin in `llama.py` computes, rounding where 
   SiLU * up as above, then down's linear): 3 launches a layer fewer; and o_proj's alone
   (`gemv_triton`, twin `llama.project`), where cuBLAS is slow for a weight as small as the 0.6B's.
   Their sums run in another order than cuBLAS's, so these match their twins to fp32 rounding, not
-  bit for bit.
+  bit for bit. FP8 weights take `triton_fp8`'s GEMV with the same input stages.
 
 Every launch's grid and outputs follow the input shapes only: no host sync, no data-dependent
 allocation, so CUDA graphs capture them.
@@ -44,13 +45,26 @@ def _add_rms_norm_kernel(
         x = _rounded_sum(x, tl.load(residual_ptr + row * stride_r + cols, mask=in_row, other=0.0))
         tl.store(residual_out_ptr + row * stride_ro + cols, x, mask=in_row)
     xf = x.to(tl.float32)
-    rstd = tl.math.rsqrt(tl.sum(xf * xf, axis=0) / HIDDEN + eps)
+    rstd = _row_rstd(xf, eps, HIDDEN, BLOCK)
     weight = tl.load(weight_ptr + cols, mask=in_row, other=0.0).to(tl.float32)
     if UNIT_OFFSET:
         out = xf * rstd * (1.0 + weight)
     else:
         out = _rms_scaled(xf, rstd, weight, x_ptr.dtype.element_ty)
     tl.store(out_ptr + row * stride_o + cols, out.to(out_ptr.dtype.element_ty), mask=in_row)
+
+
+@triton.jit
+def _row_rstd(xf, eps, HIDDEN: tl.constexpr, BLOCK: tl.constexpr):
+    """1 / sqrt(mean(xf^2) + eps) of a row xf [BLOCK] (fp32, 0 past HIDDEN). Each square is rounded on
+    its own (an fma with 0: never contracted into the adds), then neighbours are added in pairs, the
+    pairs' sums in pairs, and so on: every add takes one pair, so the bits do not depend on how a
+    kernel lays the row over its warps (`triton_fp8`'s norm stage gets this kernel's)."""
+    sums = tl.fma(xf, xf, 0.0)
+    for level in tl.static_range(16):  # rows up to 2^16 columns
+        if (BLOCK >> level) > 1:
+            sums = tl.sum(tl.reshape(sums, [BLOCK >> (level + 1), 2]), axis=1)
+    return tl.math.rsqrt(tl.sum(sums, axis=0) / HIDDEN + eps)
 
 
 @triton.jit

@@ -257,23 +257,80 @@ def test_one_token_steps_take_the_gemv() -> None:
 
 
 @interpreted
-@pytest.mark.parametrize("tokens", [1, 3])
-def test_interpreted_fp8_projections_skip_the_one_token_gemvs(tokens: int, make_pager) -> None:
-    # With the fused kernels on, a one-token step's projections would be triton_fused's GEMVs, which
-    # read float weights: an Fp8Linear stays on its own path, and the forward equals the unfused one.
-    from services.scheduler.model.fp8 import quantize_linears
+@pytest.mark.parametrize("layout", ["block", "rows"])
+def test_fused_input_stages_are_the_unfused_path_bitwise_interpreted(layout: str) -> None:
+    # The GEMV's input stages against the unfused FP8 path in bf16, as served: the norm kernel (with and
+    # without a residual) or the SiLU kernel writes its bf16 output, then `fp8_linear` runs the GEMV.
+    # The same bits, output and residual, under the default tiling and a split K (each split sums the
+    # row itself, one program writes the residual).
+    from services.scheduler.model import triton_fp8
+    from services.scheduler.model.triton_fused import add_rms_norm_triton, silu_mul_triton
+
+    linear = odd_fp8_linear(layout, torch.Generator().manual_seed(9))
+    (n, k), group_n, block_k = KERNEL_SHAPES[layout], linear.block[0] if linear.block else 1, linear.activation_group(1)
+    gen = torch.Generator().manual_seed(10)
+    x, residual, gate_up = (scale * torch.randn(1, width, generator=gen).to(torch.bfloat16) for scale, width in ((4, k), (4, k), (3, 2 * k)))
+    norm_weight = (1.0 + 0.2 * torch.randn(k, generator=gen)).to(torch.bfloat16)
+    split = triton_fp8.gemv_tiles(n, k, block_k, group_n=group_n, block_n=4, step_k=block_k)
+    assert split.splits > 1
+    for plan, added in ((None, residual), (split, None)):
+        got, summed = triton_fp8.fp8_norm_gemv(x, added, norm_weight, 1e-6, linear.weight, linear.scale, linear.block, plan)
+        normed, want_summed = add_rms_norm_triton(x, added, norm_weight, 1e-6)
+        assert torch.equal(got, triton_fp8.fp8_linear(normed, linear.weight, linear.scale, linear.block, plan))
+        assert torch.equal(summed, want_summed)
+    got = triton_fp8.fp8_silu_gemv(gate_up, linear.weight, linear.scale, linear.block, split)
+    assert torch.equal(got, triton_fp8.fp8_linear(silu_mul_triton(gate_up), linear.weight, linear.scale, linear.block, split))
+
+
+def fp8_random_model(config, layout: str) -> torch.nn.Module:
+    """test_fused_kernels' random model with its projections in FP8: per row, or block-wise in 16 x 16 tiles."""
+    from services.scheduler.model.fp8 import Fp8Scheme, fp8_modules, quantize_linears
+    from tests.services.scheduler.model.test_fused_kernels import random_model
+
+    model = random_model(config)
+    if layout == "rows":
+        return quantize_linears(model)
+    for parent, attribute, linear in list(fp8_modules(model, Fp8Scheme())):
+        fp8 = Fp8Linear(linear.in_features, linear.out_features, False, (16, 16), torch.float32)
+        fp8.weight.data, fp8.weight_scale_inv.data = quantize_blocks(linear.weight.detach(), 16)
+        setattr(parent, attribute, fp8)
+    return model
+
+
+@interpreted
+@pytest.mark.parametrize("layout", ["block", "rows"])
+def test_interpreted_fp8_decode_step_takes_the_fused_gemvs(layout: str, make_pager, monkeypatch) -> None:
+    # A tiny FP8 Qwen3 on the W8A8 path (as on CUDA), prefill then a one-token decode, fused kernels on
+    # and off: at one token each layer's q/k/v and gate/up take the norm GEMV and down the SiLU GEMV
+    # (none of triton_fused's float GEMVs), a prefill neither; the decode's logits and greedy ids are
+    # the unfused runner's (torch's norm and SiLU, then each projection's GEMV: fp32 sums apart).
+    from services.scheduler.model import fp8, triton_fp8, triton_fused
     from services.scheduler.model.kv_cache import PagedKVCache
     from services.scheduler.model.runner import ModelRunner
-    from tests.services.scheduler.model.test_fused_kernels import random_model, tiny_config
+    from tests.services.scheduler.model.test_fused_kernels import tiny_config
 
+    monkeypatch.setattr(fp8, "fp8_matmul_available", lambda device: True)
+    launches = []
+    for module, name in ((triton_fp8, "fp8_norm_gemv"), (triton_fp8, "fp8_silu_gemv"), (triton_fused, "norm_gemv_triton"),
+                         (triton_fused, "silu_gemv_triton"), (triton_fused, "gemv_triton")):  # fmt: skip
+        kernel = getattr(module, name)
+        monkeypatch.setattr(module, name, lambda *args, _kernel=kernel, _name=name, **kw: launches.append(_name) or _kernel(*args, **kw))
     config = tiny_config("qwen3")
+    model = fp8_random_model(config, layout)
     pager = make_pager(num_seqs=1, max_blocks_per_seq=4, block_size=4)
-    runners = [ModelRunner(quantize_linears(random_model(config)), PagedKVCache(config, pager.num_blocks, 4, torch.float32,
-                                                                                torch.device("cpu"))) for _ in range(2)]  # fmt: skip
-    runners[1].fused_kernels = True
-    batch = pager.batch([(0, list(range(5, 5 + tokens)), 0)])
-    got, want = (runner.forward(batch).hidden_states for runner in reversed(runners))
-    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    steps, logits = [], []
+    for fused in (False, True):
+        runner = ModelRunner(copy.deepcopy(model), PagedKVCache(config, pager.num_blocks, 4, torch.float32, torch.device("cpu")))
+        runner.fused_kernels = fused
+        for batch in (pager.batch([(0, [5, 6, 7], 0)]), pager.batch([(0, [8], 3)])):
+            launches.clear()
+            hidden = runner.forward(batch).hidden_states
+            steps.append(list(launches))
+        logits.append(runner.compute_logits(hidden))
+    per_layer = ["fp8_norm_gemv", "fp8_norm_gemv", "fp8_silu_gemv"]
+    assert steps == [[], [], [], per_layer * config.num_hidden_layers]
+    torch.testing.assert_close(logits[1], logits[0], atol=1e-4 * float(logits[0].abs().max()), rtol=1e-4)
+    assert torch.equal(logits[1].argmax(-1), logits[0].argmax(-1))
 
 
 @compiles
@@ -292,10 +349,17 @@ def test_fp8_kernels_compile_for_hopper() -> None:
         constants = {"GROUP_N": group_n, "FP8_LIMIT": FP8_MAX, "BLOCK_M": plan.block_m, "BLOCK_N": plan.block_n, "BLOCK_K": 128}
         assert compile_for_hopper(triton_fp8._fp8_linear_kernel, signature, constants, divisible, num_warps=4, num_stages=plan.num_stages)
     gemv = {"x_ptr": "*bf16", "w_ptr": "*fp8e4nv", "w_scale_ptr": "*fp32", "out_ptr": "*bf16", "N": i32, "K": i32, "steps_per_split": i32,
-            "stride_w": i32, "stride_ws_n": i32, "stride_ws_k": i32, "stride_out_split": i32}  # fmt: skip
-    for group_n, n, k in ((1, 4096, 4096), (128, 6144, 4096), (128, 24576, 4096), (128, 4096, 12288)):
+            "stride_w": i32, "stride_ws_n": i32, "stride_ws_k": i32, "stride_out_split": i32, "residual_ptr": "*bf16",
+            "norm_weight_ptr": "*bf16", "residual_out_ptr": "*bf16", "eps": "fp32"}  # fmt: skip
+    # Qwen3-8B's projections with their input stages: plain (o_proj), norm (q/k/v, gate/up; the first
+    # layer's without a residual), SiLU (down)
+    for group_n, n, k, stage in ((1, 4096, 4096, "plain"), (1, 6144, 4096, "norm"), (128, 6144, 4096, "first norm"),
+                                 (128, 24576, 4096, "norm"), (128, 4096, 12288, "silu"), (128, 4096, 4096, "plain")):  # fmt: skip
         plan = triton_fp8.tiles(1, n, k, 128, num_sms=132, group_n=group_n)
-        constants = {"GROUP_N": group_n, "FP8_LIMIT": FP8_MAX, "BLOCK_N": plan.block_n, "GROUPS": plan.groups_per_step, "GROUP_K": 128}
+        normed = stage.endswith("norm")
+        constants = {"GROUP_N": group_n, "FP8_LIMIT": FP8_MAX, "BLOCK_N": plan.block_n, "GROUPS": plan.groups_per_step, "GROUP_K": 128,
+                     "NORMED": normed, "HAS_RESIDUAL": stage == "norm", "GATED": stage == "silu", "HIDDEN": k if normed else 0,
+                     "ROW_BLOCK": k if normed else 0}  # fmt: skip
         assert compile_for_hopper(triton_fp8._fp8_gemv_kernel, gemv, constants, ("x_ptr", "w_ptr", "out_ptr", "K", "stride_w"),
                                   num_warps=plan.num_warps, num_stages=plan.num_stages)  # fmt: skip
     sums = {"partial_ptr": "*fp32", "out_ptr": "*bf16", "numel": i32, "splits": i32}
