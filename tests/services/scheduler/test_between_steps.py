@@ -151,7 +151,8 @@ def test_a_manifest_allocates_every_buffer_before_any_piece_arrives(monkeypatch)
 def test_pieces_that_disagree_with_their_manifest_are_refused(fault):
     listed = manifest(TENSORS, "p", WeightTarget.MODEL)
     wrong = {"shape": TensorSpec("n", "bfloat16", (6,)), "dtype": TensorSpec("n", "float16", (5,))}
-    specs = tuple(wrong.get(fault, spec) if spec.name == "n" else spec for spec in listed.tensors if fault != "unlisted" or spec.name != "n")
+    kept = [spec for spec in listed.tensors if fault != "unlisted" or spec.name != "n"]
+    specs = tuple(wrong.get(fault, spec) if spec.name == "n" else spec for spec in kept)
     versions = PushedVersions()
     parts = list(pieces(TENSORS, "p", WeightTarget.MODEL, piece_bytes=8))
     late = fault == "late_and_right"  # a piece overtook the manifest (it came on another connection): staged all the same
