@@ -1,13 +1,14 @@
 """The trainer's side of a weight push: a state dict (name -> tensor) to every live scheduler.
 
 A `WeightManifest` (every tensor's name, shape and dtype) goes first, so each scheduler allocates
-its buffers while the pieces travel. Each tensor travels as `WeightPiece`s (its raw bytes and their xxh3-64) on each scheduler's direct
-weights subject, framed and flow controlled by the transport (a scheduler that reads slowly slows
-the push down instead of piling bytes up in NATS); then one `WeightCommit` request per scheduler,
-answered once that scheduler swapped (or refused: a piece lost or corrupt, a name or shape the
-served model does not have; it keeps its old weights). A piece is as large as still travels as
-one NATS message, hashed once and sent as its small header and a view of the tensor's bytes
-(`scatter.encode_parts`) to every scheduler: no copy of the tensor's bytes on this side.
+its buffers while the pieces travel. Each tensor travels as `WeightPiece`s (its raw bytes and their
+xxh3-64) on each scheduler's direct weights subject, framed and flow controlled by the transport (a
+scheduler that reads slowly slows the push down instead of piling bytes up in NATS); then one
+`WeightCommit` request per scheduler, answered once that scheduler swapped (or refused: a piece
+lost or corrupt, a name or shape the served model does not have; it keeps its old weights). A piece
+is as large as still travels as one NATS message, hashed once and sent as its small header and a
+view of the tensor's bytes (`scatter.encode_parts`) to every scheduler: no copy of the tensor's
+bytes on this side.
 
 Pieces are striped over several NATS connections (`num_connections`, one per `CORES_PER_CONNECTION`
 cores by default): nats-server reads and routes each client connection's messages in one
