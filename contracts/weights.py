@@ -3,8 +3,11 @@
 Two direct subjects per scheduler (`subjects.scheduler_control(id)`, `subjects.scheduler_weights(id)`):
 
     tokenizer ──request──▶ scheduler_control(id)   one `Control` each, answered by a `ControlReply`
-    pusher    ──publish──▶ scheduler_weights(id)   `WeightPiece`s (framed and flow controlled by the
-                                                   transport), then one `WeightCommit` as a request
+    pusher    ──publish──▶ scheduler_weights(id)   one `WeightManifest` (every tensor's name, shape,
+                                                   dtype: the scheduler allocates its buffers while the
+                                                   pieces travel), `WeightPiece`s (framed and flow
+                                                   controlled by the transport), then one `WeightCommit`
+                                                   as a request
 
 A version swaps only when its commit finds every piece it names arrived whole (each piece's
 xxh3-64 checked on arrival); anything else is refused and the old weights keep serving.
@@ -73,6 +76,22 @@ class ControlReply(msgspec.Struct, frozen=True, gc=False, omit_defaults=True):
     seconds: float = 0.0
 
 
+class TensorSpec(msgspec.Struct, frozen=True, gc=False, array_like=True):
+    name: TensorName
+    dtype: TensorDtype
+    shape: Annotated[tuple[Dim, ...], msgspec.Meta(max_length=MAX_ARRAY_DIMS)]
+
+
+class WeightManifest(msgspec.Struct, frozen=True, gc=False, tag=True):
+    """Sent before a push's first piece: every tensor the pieces will fill. Optional (a push whose
+    manifest was lost is staged as its pieces arrive); a piece that disagrees with it (a name it
+    does not list, another shape or dtype) makes the version refused."""
+
+    push_id: WeightVersion
+    target: WeightTarget
+    tensors: Annotated[tuple[TensorSpec, ...], msgspec.Meta(max_length=MAX_TENSORS)]
+
+
 class WeightPiece(msgspec.Struct, frozen=True, gc=False, tag=True):
     """Bytes [offset, offset + len(data)) of one tensor of one push (row-major, little-endian)."""
 
@@ -98,4 +117,4 @@ class WeightCommit(msgspec.Struct, frozen=True, gc=False, tag=True, omit_default
     abort_all_requests: bool = False
 
 
-WeightMessage = WeightPiece | WeightCommit
+WeightMessage = WeightManifest | WeightPiece | WeightCommit

@@ -275,7 +275,7 @@ async def _receive(url: str, shapes: dict[str, tuple[int, ...]]) -> None:
     import torch
 
     from contracts import subjects
-    from contracts.weights import ControlReply, WeightMessage, WeightPiece
+    from contracts.weights import ControlReply, WeightManifest, WeightMessage, WeightPiece
     from services.common.transport import Transport
     from services.scheduler.weights.pieces import PushedVersions
     from services.scheduler.weights.tensors import check_shapes, copy_weights
@@ -285,6 +285,9 @@ async def _receive(url: str, shapes: dict[str, tuple[int, ...]]) -> None:
     pushed = PushedVersions()
 
     async def on_weights(message, msg) -> None:  # type: ignore[no-untyped-def]
+        if isinstance(message, WeightManifest):
+            pushed.plan(message)
+            return
         if isinstance(message, WeightPiece):
             await asyncio.to_thread(pushed.add, message, msg.missed)
             return

@@ -1,12 +1,14 @@
 """The trainer's side of a weight push: a state dict (name -> tensor) to every live scheduler.
 
-Each tensor travels as `WeightPiece`s (its raw bytes and their xxh3-64) on each scheduler's direct
-weights subject, framed and flow controlled by the transport (a scheduler that reads slowly slows
-the push down instead of piling bytes up in NATS); then one `WeightCommit` request per scheduler,
-answered once that scheduler swapped (or refused: a piece lost or corrupt, a name or shape the
-served model does not have; it keeps its old weights). A piece is as large as still travels as
-one NATS message, hashed once and sent as its small header and a view of the tensor's bytes
-(`scatter.encode_parts`) to every scheduler: no copy of the tensor's bytes on this side.
+A `WeightManifest` (every tensor's name, shape and dtype) goes first, so each scheduler allocates
+its buffers while the pieces travel. Each tensor travels as `WeightPiece`s (its raw bytes and their
+xxh3-64) on each scheduler's direct weights subject, framed and flow controlled by the transport (a
+scheduler that reads slowly slows the push down instead of piling bytes up in NATS); then one
+`WeightCommit` request per scheduler, answered once that scheduler swapped (or refused: a piece
+lost or corrupt, a name or shape the served model does not have; it keeps its old weights). A piece
+is as large as still travels as one NATS message, hashed once and sent as its small header and a
+view of the tensor's bytes (`scatter.encode_parts`) to every scheduler: no copy of the tensor's
+bytes on this side.
 
 Pieces are striped over several NATS connections (`num_connections`, one per `CORES_PER_CONNECTION`
 cores by default): nats-server reads and routes each client connection's messages in one
@@ -37,7 +39,7 @@ import torch
 import xxhash
 
 from contracts import subjects
-from contracts.weights import ControlReply, WeightCommit, WeightPiece, WeightTarget
+from contracts.weights import ControlReply, TensorSpec, WeightCommit, WeightManifest, WeightPiece, WeightTarget
 from services.common.connection import NatsConnection
 from services.common.heartbeat import HeartbeatMonitor
 from services.common.scatter import encode_parts
@@ -80,6 +82,11 @@ def pieces(tensors: Mapping[str, torch.Tensor], push_id: str, target: WeightTarg
         for offset in range(0, max(raw.size, 1), piece_bytes):
             data = memoryview(raw[offset : offset + piece_bytes])  # no copy, here or when sent
             yield WeightPiece(push_id, target, name, dtype, tuple(host.shape), offset, xxhash.xxh3_64_intdigest(data), data)
+
+
+def manifest(tensors: Mapping[str, torch.Tensor], push_id: str, target: WeightTarget) -> WeightManifest:
+    specs = (TensorSpec(name, str(t.dtype).removeprefix("torch."), tuple(t.shape)) for name, t in tensors.items())
+    return WeightManifest(push_id, target, tuple(specs))
 
 
 class WeightPusher:
@@ -132,16 +139,23 @@ class WeightPusher:
             raise PushFailed({})
         push_id = uuid.uuid4().hex
         commit = WeightCommit(push_id, tuple(tensors), weight_version, target, abort_all_requests)
-        answered = await self.send(ids, pieces(tensors, push_id, target, self.piece_bytes), commit)
+        parts = pieces(tensors, push_id, target, self.piece_bytes)
+        answered = await self.send(ids, parts, commit, manifest(tensors, push_id, target))
         if any(isinstance(r, str) or not r.ok for r in answered.values()):
             raise PushFailed(answered)
         return answered  # type: ignore[return-value]
 
-    async def send(self, scheduler_ids: Sequence[str], parts: Iterable[WeightPiece], commit: WeightCommit) -> dict[str, ControlReply | str]:
-        """Each piece to every scheduler (hashed and encoded once), over whichever connection is
-        free first, then the commit to each: each one's reply, or why none came (a scheduler gone
-        mid-push gets no more pieces)."""
+    async def send(
+        self, scheduler_ids: Sequence[str], parts: Iterable[WeightPiece], commit: WeightCommit, plan: WeightManifest | None = None,
+    ) -> dict[str, ControlReply | str]:  # fmt: skip
+        """`plan` to every scheduler, then each piece (hashed and encoded once), over whichever
+        connection is free first, then the commit to each: each one's reply, or why none came (a
+        scheduler gone mid-push gets no more pieces)."""
         gone: dict[str, str] = {}
+        if plan is not None:  # on the first connection, ahead of its pieces (those of the others may overtake it)
+            payload = self.transport.encode(plan)
+            await asyncio.gather(*(self._publish(self.transport, sid, payload, gone) for sid in scheduler_ids))
+            await self.transport.flush()
         shared = iter(parts)  # each connection's sender takes the next piece when it is ready for one
         await asyncio.gather(*(self._stream(transport, scheduler_ids, shared, gone) for transport in self.transports))
         await asyncio.gather(*(self._settle(transport, scheduler_ids, gone) for transport in self.transports[1:]))

@@ -23,7 +23,9 @@ from contracts.weights import (
     ReleaseMemory,
     ResumeMemory,
     UpdateFromDisk,
+    TensorSpec,
     WeightCommit,
+    WeightManifest,
     WeightPiece,
     WeightTarget,
 )
@@ -142,6 +144,9 @@ SAMPLES: list[msgspec.Struct] = [
     ReleaseMemory(weights=True),
     ResumeMemory(),
     ControlReply("s", ok=False, error="tensor 'x' has shape [2]", weight_version="3", num_aborted=1, freed_bytes=5, seconds=0.5),
+    TensorSpec("model.embed_tokens.weight", "bfloat16", (151936, 4096)),
+    WeightManifest("push-1", WeightTarget.MODEL, (TensorSpec("model.norm.weight", "bfloat16", (2,)),
+                                                  TensorSpec("lm_head.weight", "float32", (3, 2)))),  # fmt: skip
     WeightPiece("push-1", WeightTarget.MODEL, "model.norm.weight", "bfloat16", (2,), 0, 2**64 - 1, memoryview(b"\x00\x01\x02\x03")),
     WeightCommit("push-1", ("model.norm.weight",), "step-4", abort_all_requests=True),
 ]

@@ -1,7 +1,7 @@
 """The scheduler's RL controls over NATS: each becomes a `Control` the core runs between steps.
 
 In: `Control` requests on `scheduler_control(id)` (update from disk, pause, continue, release,
-resume), `WeightPiece`s and their `WeightCommit` on `scheduler_weights(id)`. Each request is
+resume), a push's `WeightManifest`, `WeightPiece`s and `WeightCommit` on `scheduler_weights(id)`. Each request is
 answered with a `ControlReply` once the core ran it (or refused it: the old state keeps serving).
 Reading new weights (disk, or the pieces' buffers) happens off the step thread; the step thread
 only copies them into the served tensors.
@@ -25,6 +25,7 @@ from contracts.weights import (
     ReleaseMemory,
     UpdateFromDisk,
     WeightCommit,
+    WeightManifest,
     WeightMessage,
     WeightPiece,
     WeightTarget,
@@ -64,7 +65,10 @@ class SchedulerControls:
     async def _on_control(self, message: Control, msg: Delivery) -> None:
         await self._transport.respond(msg, await self._answer(self._control(message)))
 
-    async def _on_weights(self, message: WeightPiece | WeightCommit, msg: Delivery) -> None:
+    async def _on_weights(self, message: WeightMessage, msg: Delivery) -> None:
+        if isinstance(message, WeightManifest):  # its buffers are allocated while the pieces travel
+            self._pushed.plan(message)
+            return
         if isinstance(message, WeightPiece):  # checked and copied off the loop: it reads the next piece meanwhile
             await asyncio.to_thread(self._pushed.add, message, msg.missed)
             return

@@ -3,15 +3,18 @@ pieces' assembly (services/scheduler/weights/pieces.py), without NATS."""
 
 from __future__ import annotations
 
+import time
+
 import msgspec
 import pytest
 import torch
 
-from contracts.weights import WeightCommit, WeightTarget
+from contracts.weights import TensorSpec, WeightCommit, WeightTarget
 from services.scheduler.between_steps import Control
+from services.scheduler.weights import pieces as staging
 from services.scheduler.weights.pieces import IncompleteVersion, PushedVersions
 from services.scheduler.weights.tensors import WeightMismatch, check_shapes
-from services.weights.push import pieces
+from services.weights.push import manifest, pieces
 from test_scheduler_core import prompt_of, request
 
 
@@ -115,6 +118,55 @@ def test_a_faulty_push_is_refused_with_its_reason(fault):
     for index, piece in enumerate(parts):
         versions.add(piece, missed=int(fault == "gap" and index == 3))
     reason = {"dropped": "bytes arrived", "checksum": "checksum", "gap": "lost in transit"}[fault]
+    with pytest.raises(IncompleteVersion, match=reason):
+        versions.take(commit())
+
+
+def test_a_manifest_allocates_every_buffer_before_any_piece_arrives(monkeypatch):
+    allocated: list[int] = []
+    allocate = staging._allocate
+    monkeypatch.setattr(staging, "_allocate", lambda nbytes: allocated.append(nbytes) or allocate(nbytes))
+    versions = PushedVersions()
+    versions.plan(manifest(TENSORS, "p1", WeightTarget.MODEL))
+    for _ in range(1000):  # the pool allocates them in the background
+        if len(allocated) == len(TENSORS):
+            break
+        time.sleep(0.01)
+    assert sorted(allocated) == sorted(t.numel() * t.element_size() for t in TENSORS.values())
+    for piece in pieces(TENSORS, "p1", WeightTarget.MODEL, piece_bytes=8):
+        versions.add(piece)
+    got = versions.take(commit("p1"))
+    assert all(torch.equal(got[name], tensor) and got[name].dtype == tensor.dtype for name, tensor in TENSORS.items())
+    assert len(allocated) == len(TENSORS)  # the pieces allocated nothing more
+    first = {name: t.data_ptr() for name, t in got.items()}
+    versions.recycle()
+    versions.plan(manifest(TENSORS, "p2", WeightTarget.MODEL))  # the next push: the spare buffers, nothing allocated
+    for piece in pieces(TENSORS, "p2", WeightTarget.MODEL, piece_bytes=8):
+        versions.add(piece)
+    assert {name: t.data_ptr() for name, t in versions.take(commit("p2")).items()} == first
+    assert len(allocated) == len(TENSORS)
+
+
+@pytest.mark.parametrize("fault", ["shape", "dtype", "unlisted", "late_and_right"])
+def test_pieces_that_disagree_with_their_manifest_are_refused(fault):
+    listed = manifest(TENSORS, "p", WeightTarget.MODEL)
+    wrong = {"shape": TensorSpec("n", "bfloat16", (6,)), "dtype": TensorSpec("n", "float16", (5,))}
+    kept = [spec for spec in listed.tensors if fault != "unlisted" or spec.name != "n"]
+    specs = tuple(wrong.get(fault, spec) if spec.name == "n" else spec for spec in kept)
+    versions = PushedVersions()
+    parts = list(pieces(TENSORS, "p", WeightTarget.MODEL, piece_bytes=8))
+    late = fault == "late_and_right"  # a piece overtook the manifest (it came on another connection): staged all the same
+    for piece in parts[:1] if late else []:
+        versions.add(piece)
+    versions.plan(msgspec.structs.replace(listed, tensors=specs))
+    for piece in parts[1:] if late else parts:
+        versions.add(piece)
+    if late:
+        got = versions.take(commit())
+        assert all(torch.equal(got[name], tensor) for name, tensor in TENSORS.items())
+        return
+    reason = {"shape": r"shape \[5\] bfloat16 but the push's manifest declared \[6\]", "dtype": "manifest declared \\[5\\] float16",
+              "unlisted": "manifest does not list"}[fault]  # fmt: skip
     with pytest.raises(IncompleteVersion, match=reason):
         versions.take(commit())
 

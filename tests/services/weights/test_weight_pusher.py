@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from contracts import subjects
-from contracts.weights import ControlReply, WeightCommit, WeightMessage, WeightPiece, WeightTarget
+from contracts.weights import ControlReply, WeightCommit, WeightManifest, WeightMessage, WeightPiece, WeightTarget
 from services.common.nats_reader import Delivery
 from services.common.transport import FRAMED_MIN_BYTES, MSG_HEADER, Transport, sender_of
 from services.scheduler.weights.pieces import PushedVersions
@@ -33,8 +33,13 @@ class Receiver:
         self.senders: set[str | None] = set()
         self.unacked_senders: set[str | None] = set()  # of the pieces the transport does not ack
         self.swapped: dict[str, torch.Tensor] = {}
+        self.manifests: list[WeightManifest] = []
 
-    async def on_weights(self, message: WeightPiece | WeightCommit, delivery: Delivery) -> None:
+    async def on_weights(self, message: WeightMessage, delivery: Delivery) -> None:
+        if isinstance(message, WeightManifest):
+            self.manifests.append(message)
+            self.pushed.plan(message)
+            return
         if isinstance(message, WeightPiece):
             self.senders.add(sender_of(delivery))
             if MSG_HEADER not in (delivery.headers or {}):
@@ -84,6 +89,7 @@ async def test_pieces_striped_over_connections_arrive_whole_before_the_commit(na
             assert replies[RECEIVER].ok and replies[RECEIVER].weight_version == version
             assert receiver.swapped.keys() == TENSORS.keys()
             assert all(torch.equal(receiver.swapped[name], tensor) for name, tensor in TENSORS.items())
+    assert [len(m.tensors) for m in receiver.manifests] == [len(TENSORS)] * 2  # each push's manifest went first
     assert len(receiver.senders) == num_connections  # every connection carried pieces
     assert len(receiver.unacked_senders) == 1  # with the commit, on the first connection: in order with it
     delayed.cancel()
