@@ -252,8 +252,8 @@ def ragged_graph_steps(runner: ModelRunner, shape: Shape, repeats: int) -> dict:
 
 def _hidden_and_argmax(runner: ModelRunner, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
     """(hidden states f32 [T, H], argmax of every row's logits [T]), copied out of any graph's buffers."""
-    hidden = runner.forward(batch).hidden_states
-    return hidden.float(), runner.compute_logits(hidden).argmax(-1)
+    hidden = runner.forward(batch).hidden_states  # rows of the graphs' shared output buffer: the next step overwrites them
+    return hidden.to(torch.float32, copy=True), runner.compute_logits(hidden).argmax(-1)
 
 
 def prefill_rows(runner: ModelRunner, shape: Shape) -> list[dict]:
