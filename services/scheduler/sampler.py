@@ -76,9 +76,10 @@ def sampling_weights(logits: torch.Tensor, params: list[SamplingParams]) -> torc
     return weights.masked_fill(filtered_out(weights, **filters), 0.0)
 
 
-def exp_from_max(scaled: torch.Tensor) -> torch.Tensor:
-    """exp(x - the row's maximum) [B, V]: softmax without its sum; each row's largest entry is exactly 1."""
-    return torch.exp(scaled - scaled.amax(dim=-1, keepdim=True))
+def exp_from_max(scaled: torch.Tensor, row_max: torch.Tensor | None = None) -> torch.Tensor:
+    """exp(x - the row's maximum) [B, V]: softmax without its sum; each row's largest entry is exactly 1.
+    row_max [B]: the whole row's maximum where `scaled` is one vocabulary shard of it (None: this row's)."""
+    return torch.exp(scaled - (scaled.amax(dim=-1) if row_max is None else row_max)[:, None])
 
 
 def draw_noise(

@@ -184,12 +184,12 @@ class TensorParallel:
 
     def _race_scores(self, logits: torch.Tensor, draws: tuple[RowDraw, ...], global_ids: torch.Tensor) -> torch.Tensor:
         """w_i / E_i over this shard [c, Vs]: w = exp(logits / T - the row's maximum) after top-k and min-p (0 where they drop i)."""
-        from services.scheduler.sampler import draw_noise
+        from services.scheduler.sampler import draw_noise, exp_from_max
 
         device = logits.device
         temps = torch.tensor([max(d.temperature, 1e-6) for d in draws], device=device)  # [c], as `sampling_weights`
         scaled = logits / temps[:, None]  # [c, Vs]
-        weights = torch.exp(scaled - self._reduce(scaled.amax(dim=-1), "MAX")[:, None])  # `exp_from_max` of the whole row
+        weights = exp_from_max(scaled, self._reduce(scaled.amax(dim=-1), "MAX"))  # the whole row's maximum
         weights = weights.masked_fill(self._filtered_out(weights, draws, global_ids), 0.0)
         seeds = [d.seed if d.temperature > 0 else None for d in draws]
         noise, _ = draw_noise(seeds, [d.position for d in draws], 0, self.config.vocab_size, device)  # [c, V]
