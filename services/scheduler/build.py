@@ -216,7 +216,7 @@ def load_runner(config: SchedulerConfig, tp=None, device: str | None = None) -> 
         num_kv_blocks=config.num_kv_blocks,
         kv_block_size=config.kv_block_size,
         kv_cache_bytes=config.kv_cache_bytes,
-        kv_cache_fraction=config.kv_cache_memory_fraction,
+        kv_cache_fraction=config.resolved_kv_cache_memory_fraction,
         reserve=reserve,
         seed=config.seed,
         cuda_graphs=False,  # captured by `prepare_runtime`, once the verify width and captured layers are known
@@ -250,7 +250,20 @@ def load_proposer(config: SchedulerConfig, runner: ModelRunner) -> Proposer | No
 
 
 def prepare_runtime(config: SchedulerConfig, settings: CoreSettings, runner: ModelRunner, proposer: Proposer | None) -> None:
-    """Everything a first request would otherwise wait for: graphs captured, kernels compiled."""
+    """Everything a first request would otherwise wait for: graphs captured, kernels compiled. Out of
+    device memory here is a start-up error naming the flag that leaves more (a `ValueError`: the
+    scheduler says it in one line and exits)."""
+    import torch
+
+    try:
+        _prepare_runtime(config, settings, runner, proposer)
+    except torch.cuda.OutOfMemoryError as exc:
+        raise ValueError(f"out of GPU memory at start-up, capturing graphs with the KV cache at "
+                         f"{config.resolved_kv_cache_memory_fraction} of the memory free after the weights: pass a lower "
+                         f"--kv-cache-memory-fraction or --max-running-requests ({str(exc).splitlines()[0]})") from exc  # fmt: skip
+
+
+def _prepare_runtime(config: SchedulerConfig, settings: CoreSettings, runner: ModelRunner, proposer: Proposer | None) -> None:
     capture_layers = () if proposer is None else tuple(proposer.capture_layers)  # the drafter's context
     if runner.decode_kernel and not runner.batch_invariant:  # invariant: every step is ragged
         query_lens = (1,) if proposer is None else (1, proposer.num_draft_tokens + 1)

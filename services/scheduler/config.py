@@ -10,6 +10,7 @@ from services.common.connection import NatsConnection
 from services.models import BUNDLED_DRAFT_MODEL, BUNDLED_MODEL
 from services.scheduler.flags import (
     CUDA_KV_CACHE_FRACTION,
+    DRAFTER_KV_CACHE_FRACTION,
     DEFAULT_CHUNKED_PREFILL_SIZE,
     DEFAULT_MAX_PREFILL_TOKENS,
     DEFAULT_SPLIT_KV_DECODE,
@@ -64,7 +65,7 @@ class SchedulerConfig:
     nats: NatsConnection = NatsConnection()
     prefix_summary_interval_s: float = 0.5  # how often the cached blocks' summary goes to the tokenizers (placement)
     claim_expiry_s: float = 30.0  # a claimed rid whose GenerateRequest never arrives is forgotten
-    kv_cache_memory_fraction: float = CUDA_KV_CACHE_FRACTION  # CUDA: the KV caches' share of the memory free once weights (a drafter's too) are loaded
+    kv_cache_memory_fraction: float | None = None  # CUDA: the KV caches' share of the memory free once weights (a drafter's too) are loaded; None: `resolved_kv_cache_memory_fraction`
     metrics_host: str = "127.0.0.1"
     metrics_port: int | None = None  # None: no /metrics endpoint; 0: any free port (logged)
     step_trace: str | None = None  # a directory: one JSON line per step to <instance_id>.jsonl (`step_trace.py`)
@@ -90,7 +91,7 @@ class SchedulerConfig:
             if getattr(self, name) is not None:
                 _check_positive(name, getattr(self, name))
         _check_positive("claim_expiry_s", self.claim_expiry_s)
-        if not 0 < self.kv_cache_memory_fraction <= 1:
+        if self.kv_cache_memory_fraction is not None and not 0 < self.kv_cache_memory_fraction <= 1:
             raise ValueError(f"kv_cache_memory_fraction must be in (0, 1]; got {self.kv_cache_memory_fraction}")
         _check_choice("verify_mode", self.verify_mode, VERIFY_MODES)
         _check_choice("dense_attention", self.dense_attention, DENSE_ATTENTION_CHOICES)
@@ -102,6 +103,12 @@ class SchedulerConfig:
     @property
     def resolved_max_prefill_tokens(self) -> int:
         return self.max_prefill_tokens or max(DEFAULT_MAX_PREFILL_TOKENS, self.chunked_prefill_size)
+
+    @property
+    def resolved_kv_cache_memory_fraction(self) -> float:
+        if self.kv_cache_memory_fraction is not None:
+            return self.kv_cache_memory_fraction
+        return DRAFTER_KV_CACHE_FRACTION if self.speculative_algorithm == "dspark" else CUDA_KV_CACHE_FRACTION
 
     @property
     def resolved_draft_model(self) -> str:

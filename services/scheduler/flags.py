@@ -29,6 +29,9 @@ DEFAULT_CHUNKED_PREFILL_SIZE = 2048  # tokens per step, prefill chunks and decod
 # steps well past the chunk budget (`--dense-prefill`), and hardly faster again past 16384
 DEFAULT_MAX_PREFILL_TOKENS = 16384
 CUDA_KV_CACHE_FRACTION = 0.8  # of the memory still free once weights are loaded
+# With a drafter: its graphs and step tensors need more of the rest than 0.8 leaves on an 80 GB card
+# at the 8B shape (ops/bench/results/serve.md: start-up runs out of memory at 0.8, serves at 0.6)
+DRAFTER_KV_CACHE_FRACTION = 0.6
 # Split-KV decode attention on (`--split-kv-decode`): it fills the SMs a small batch leaves idle,
 # with the same next tokens, and a batch that fills them gets one split, the same kernel
 DEFAULT_SPLIT_KV_DECODE = True
@@ -72,8 +75,9 @@ def add_model_arguments(parser: argparse.ArgumentParser, env: EnvSettings) -> No
     add("--max-model-len", type=int, default=None, help="longest prompt + output (default: the model's)")
     add("--tensor-parallel-size", "--tp", type=int, default=1, dest="tensor_parallel_size",
         help="shard the model over this many ranks (GPUs cuda:0..N-1; processes on cpu), one scheduler")  # fmt: skip
-    add("--kv-cache-memory-fraction", type=float, default=CUDA_KV_CACHE_FRACTION,
-        help="CUDA: the share of device memory left free by the weights (a drafter's included) that the KV caches take")  # fmt: skip
+    add("--kv-cache-memory-fraction", type=float, default=None,
+        help=f"CUDA: the share of device memory left free by the weights (a drafter's included) that the KV caches take "
+             f"(default {CUDA_KV_CACHE_FRACTION}; {DRAFTER_KV_CACHE_FRACTION} with a drafter)")  # fmt: skip
     add("--deterministic", "--enable-deterministic-inference", dest="deterministic",
         action=argparse.BooleanOptionalAction, default=env.deterministic,
         help="every id and logprob a request gets back depends on that request alone, not on the batch, the prompt's "
@@ -142,7 +146,7 @@ def scheduler_argv(args: argparse.Namespace) -> list[str]:
     argv += ["--chunked-prefill-size", str(args.chunked_prefill_size)]
     argv += ["--max-running-requests", str(args.max_running_requests)] if args.max_running_requests is not None else []
     argv += ["--max-prefill-tokens", str(args.max_prefill_tokens)] if args.max_prefill_tokens is not None else []
-    argv += ["--kv-cache-memory-fraction", str(args.kv_cache_memory_fraction)]
+    argv += ["--kv-cache-memory-fraction", str(args.kv_cache_memory_fraction)] if args.kv_cache_memory_fraction is not None else []
     argv += ["--tensor-parallel-size", str(args.tensor_parallel_size)]
     argv += ["--overlap-decode" if args.overlap_decode else "--no-overlap-decode"]
     argv += ["--deterministic" if args.deterministic else "--no-deterministic"]

@@ -285,20 +285,25 @@ class RaggedGraphRunner:
         return self.capture_keys(self.prefill_keys() + self.block_size_keys(), "prefill")
 
     def capture_keys(self, keys: list[RaggedKey], what: str) -> int:
-        """Capture `keys` now (start-up) while `max_graphs` leaves room, with progress; the number captured."""
+        """Capture `keys` now (start-up) while `max_graphs` leaves room, with progress; the number captured.
+        Running out of memory here raises: a server that starts this short of memory fails its first
+        steps (their cuBLAS handles, their logits), so it should not start."""
         if not self.capture:
             return 0
         keys = [k for k in keys if k not in self.graphs and k not in self.failed][: max(0, self.max_graphs - len(self.graphs))]
         progress = Progress(f"cuda_graphs.ragged_{what}_capture", "graphs", len(keys))
         for key in keys:
-            self._try_capture(key, logged=False)
+            if isinstance(error := self._try_capture(key, logged=False), torch.cuda.OutOfMemoryError):
+                progress.close()
+                raise error
             progress.advance()
         progress.close()
         return sum(key in self.graphs for key in keys)
 
-    def _try_capture(self, key: RaggedKey, logged: bool = True) -> None:
+    def _try_capture(self, key: RaggedKey, logged: bool = True) -> Exception | None:
         """A capture that fails (out of memory, an op that cannot be captured) costs this step its
-        graph, not the server: the step runs the padded path eagerly, the key is not tried again."""
+        graph, not the server: the step runs the padded path eagerly, the key is not tried again.
+        Returns the failure (None: captured)."""
         progress = Progress("cuda_graphs.ragged_capture", "graphs", 1, num_seqs=key.num_seqs, num_tokens=key.num_tokens,
                             block_m=key.block_m) if logged else None  # fmt: skip
         try:
@@ -308,10 +313,11 @@ class RaggedGraphRunner:
             self.graphs.pop(key, None)
             self.outputs.pop(key, None)
             log.warning("cuda_graphs.ragged_capture.failed", error=str(exc)[:300], **dataclasses.asdict(key))
-            return
+            return exc
         if progress is not None:
             progress.advance()
             progress.close()
+        return None
 
     def _capture(self, key: RaggedKey) -> None:
         # Every row padded and every tile a no-op: the warm-up and the capture write the trash block only.

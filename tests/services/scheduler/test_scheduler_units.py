@@ -427,3 +427,27 @@ def test_the_running_limit_defaults_from_the_kv_cache_on_cuda_only():
     assert default_max_running(runner("cuda", 10**6), "dspark") == 64
     assert decode_ladder(320)[-2:] == (256, 320) and decode_ladder(300)[-2:] == (256, 300)
     assert decode_ladder(64)[-1] == 64 and max(decode_ladder(512)) == 512 and 100 in decode_ladder(100)
+
+
+def test_the_kv_fraction_defaults_lower_with_a_drafter_and_an_explicit_one_wins():
+    from services.scheduler.flags import CUDA_KV_CACHE_FRACTION, DRAFTER_KV_CACHE_FRACTION
+
+    assert DRAFTER_KV_CACHE_FRACTION < CUDA_KV_CACHE_FRACTION
+    assert SchedulerConfig().resolved_kv_cache_memory_fraction == CUDA_KV_CACHE_FRACTION
+    assert SchedulerConfig(speculative_algorithm="dspark").resolved_kv_cache_memory_fraction == DRAFTER_KV_CACHE_FRACTION
+    assert SchedulerConfig(speculative_algorithm="dspark", kv_cache_memory_fraction=0.9).resolved_kv_cache_memory_fraction == 0.9
+    with pytest.raises(ValueError, match=r"kv_cache_memory_fraction must be in \(0, 1\]"):
+        SchedulerConfig(kv_cache_memory_fraction=0.0)
+
+
+def test_out_of_memory_while_preparing_is_a_start_up_error_naming_the_flag(monkeypatch):
+    from services.scheduler import build
+
+    def short_of_memory(*args):
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 96.00 MiB.\nmore detail")
+
+    monkeypatch.setattr(build, "_prepare_runtime", short_of_memory)
+    config = SchedulerConfig(speculative_algorithm="dspark")
+    with pytest.raises(ValueError, match=r"capturing graphs with the KV cache at 0\.6 .* lower --kv-cache-memory-fraction .*"
+                                         r"\(CUDA out of memory\. Tried to allocate 96\.00 MiB\.\)$"):  # fmt: skip
+        build.prepare_runtime(config, None, None, None)

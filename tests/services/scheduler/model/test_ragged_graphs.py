@@ -189,6 +189,33 @@ def test_a_failed_capture_runs_the_step_eagerly_and_leaves_its_key_to_the_eager_
     assert graphs.failed == {graphs.key(batch)} and not graphs.fits(batch)
 
 
+def test_start_up_stops_at_a_capture_out_of_memory_and_skips_other_failures(make_pager) -> None:
+    """Mid-serving a failed capture leaves its key eager (above); at start-up running out of memory
+    raises (a server that short would fail its first steps), any other failure skips the key."""
+    runner, _ = prefilled_runner(make_pager)
+    graphs = RaggedGraphRunner(runner.model, runner.kv_cache, SEQ_LADDER, TOKEN_LADDER, MAX_BLOCKS, capture=True, use_kernel=False)
+    tried = []
+
+    def refuse(key):
+        tried.append(key)
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    graphs._capture = refuse
+    keys = graphs.prefill_keys()
+    assert graphs.capture_keys(keys, "prefill") == 0 and tried == keys and graphs.failed == set(keys)
+    graphs = RaggedGraphRunner(runner.model, runner.kv_cache, SEQ_LADDER, TOKEN_LADDER, MAX_BLOCKS, capture=True, use_kernel=False)
+    tried.clear()
+
+    def out_of_memory(key):
+        tried.append(key)
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 96.00 MiB")
+
+    graphs._capture = out_of_memory
+    with pytest.raises(torch.cuda.OutOfMemoryError, match="Tried to allocate"):
+        graphs.capture_keys(keys, "prefill")
+    assert tried == keys[:1]
+
+
 def test_past_max_graphs_new_keys_are_not_taken(make_pager) -> None:
     runner, pager = prefilled_runner(make_pager)
     graphs = RaggedGraphRunner(runner.model, runner.kv_cache, SEQ_LADDER, TOKEN_LADDER, MAX_BLOCKS, capture=True,
