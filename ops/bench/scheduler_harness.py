@@ -87,6 +87,31 @@ def served_core(model: Path, *, device: str, **config: Any):
     return build_core(SchedulerConfig(model=str(model), device=device, **config))
 
 
+def scheduler_config(argv: list[str]):
+    """The `SchedulerConfig` of `sparkwire scheduler ARGV`, parsed as the command parses it."""
+    import argparse
+
+    from services.scheduler import __main__ as scheduler_cli
+
+    parser = argparse.ArgumentParser(prog="sparkwire scheduler")
+    scheduler_cli.add_arguments(parser)
+    return scheduler_cli.config_from_args(parser.parse_args(argv))
+
+
+def build_stages(config) -> list[tuple[str, Any]]:
+    """`build.build_core`'s stages one at a time: (name, call) pairs, each call taking the results of
+    the stages before it (name -> result) and returning its own."""
+    from services.scheduler import build
+
+    return [
+        ("load_runner", lambda done: build.load_runner(config)),
+        ("load_proposer", lambda done: build.load_proposer(config, done["load_runner"])),
+        ("resolve", lambda done: build.resolve(config, done["load_runner"])),
+        ("prepare_runtime", lambda done: build.prepare_runtime(config, done["resolve"], done["load_runner"], done["load_proposer"])),
+        ("assemble_core", lambda done: build.assemble_core(done["load_runner"], done["resolve"], done["load_proposer"])),
+    ]
+
+
 def serve_replayed(argv: list[str], replay_for) -> int:
     """BENCHMARK ONLY: `sparkwire scheduler ARGV`, built as `build_core` builds it, but with DSpark
     acceptance replayed (`replay_for(gamma)` -> an `AcceptReplay`); plain without a drafter. Serves

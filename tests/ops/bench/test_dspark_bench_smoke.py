@@ -131,3 +131,16 @@ def test_dspark_serve_compares_no_level_where_requests_failed():
     assert summary["static_speedup"] is None and summary["compact_speedup"] == pytest.approx(7000 / 5981)
     assert summary["failed"] == {"static": 188}
     assert "static: 188 failed" in table({"accept_replay": "x", "summary": [summary]})
+
+
+def test_startup_memory_accounts_for_every_byte_the_tiny_pair_allocates_on_the_cpu(tmp_path):
+    """The CPU twin of the start-up ledger: with nothing else alive in the process, the weights and
+    KV caches are everything allocated (on CUDA the rest, if any, is listed by allocation site)."""
+    bench("startup-memory", "--device", "cpu", "--tiny", "--mode", "static", "--out", str(tmp_path / "memory.json"))
+    result = json.loads((tmp_path / "memory.json").read_text())
+    assert [r["stage"] for r in result["stages"]] == ["load_runner", "load_proposer", "resolve", "prepare_runtime", "assemble_core"]
+    assert result["kv_cache_memory_fraction"] == 0.6  # a drafter's default
+    ledger = result["ledger_gib"]
+    assert set(ledger) == {"target_weights", "target_kv_cache", "drafter_weights", "drafter_kv_cache"}
+    assert result["stages"][1]["allocated_gib"] > result["stages"][0]["allocated_gib"]  # the drafter and its cache
+    assert abs(result["unnamed_gib"]) < 0.002 and "error" not in result
