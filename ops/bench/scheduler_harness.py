@@ -131,10 +131,10 @@ def serve_replayed(argv: list[str], replay_for) -> int:
     args = parser.parse_args(argv)
     configure_logging(args.log_level, args.log_format)
     config = scheduler_cli.config_from_args(args)
-    runner = build.load_runner(config)
-    proposer = build.load_proposer(config, runner)
-    settings = build.resolve(config, runner)
-    build.prepare_runtime(config, settings, runner, proposer)
+    done: dict[str, Any] = {}
+    for name, call in build_stages(config)[:-1]:  # all but assembling the core, which replays acceptance here
+        done[name] = call(done)
+    runner, proposer, settings = done["load_runner"], done["load_proposer"], done["resolve"]
     if proposer is None:
         core = build.assemble_core(runner, settings)
     else:
