@@ -144,7 +144,9 @@ def push_over_nats(nats_url: str, model_dir: Path, limit_s: float, connections: 
     """The same tensors pushed to the one scheduler twice: the first push (the scheduler allocates
     its staging buffers) and the second (an RL loop's steady state, into the same buffers). A
     push still running after `limit_s` is cut off (the scheduler keeps its weights) and reported
-    with the bytes per second it could not beat."""
+    with the bytes per second it could not beat. Each push's time splits into its pieces' travel
+    (`pieces_s`: until the commit was sent and answered, less the commit) and the scheduler's commit
+    (`commit_s`, from its reply: every buffer settled, shapes checked, the copy into the weights)."""
     import uvloop
 
     from services.weights.__main__ import load_checkpoint
@@ -154,29 +156,34 @@ def push_over_nats(nats_url: str, model_dir: Path, limit_s: float, connections: 
     num_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
     deadline = time.monotonic() + limit_s
 
-    async def push() -> list[float]:
-        seconds = []
+    async def push() -> list[tuple[float, float]]:
+        pushes = []  # (seconds, the scheduler's commit seconds)
         async with await WeightPusher.connect(nats_url, connections) as pusher:
             ids = await pusher.schedulers()
             for index in range(2):
-                if seconds and time.monotonic() + 1.5 * seconds[0] > deadline:
+                if pushes and time.monotonic() + 1.5 * pushes[0][0] > deadline:
                     break
                 began = time.perf_counter()
                 try:
-                    await asyncio.wait_for(pusher.push(tensors, f"nats-{index + 1}", scheduler_ids=ids), deadline - time.monotonic())
+                    replies = await asyncio.wait_for(pusher.push(tensors, f"nats-{index + 1}", scheduler_ids=ids), deadline - time.monotonic())
                 except TimeoutError:
-                    if not seconds:
+                    if not pushes:
                         raise
                     break  # the first push's figure stands
-                seconds.append(time.perf_counter() - began)
-        return seconds
+                pushes.append((time.perf_counter() - began, max(reply.seconds for reply in replies.values())))
+        return pushes
 
     try:
-        seconds = uvloop.run(push())
+        pushes = uvloop.run(push())
     except TimeoutError:
         return {"timed_out_s": limit_s, "bytes": num_bytes, "gb_per_s_below": num_bytes / limit_s / 1e9}
-    steady = {"steady_update_s": seconds[1], "steady_gb_per_s": num_bytes / seconds[1] / 1e9} if len(seconds) > 1 else {}
-    return {"update_s": seconds[0], "bytes": num_bytes, "gb_per_s": num_bytes / seconds[0] / 1e9} | steady
+    (first, commit), steady = pushes[0], {}
+    if len(pushes) > 1:
+        (seconds, steady_commit) = pushes[1]
+        steady = {"steady_update_s": seconds, "steady_gb_per_s": num_bytes / seconds / 1e9, "steady_commit_s": steady_commit,
+                  "steady_pieces_s": seconds - steady_commit}  # fmt: skip
+    return {"update_s": first, "bytes": num_bytes, "gb_per_s": num_bytes / first / 1e9, "commit_s": commit,
+            "pieces_s": first - commit} | steady  # fmt: skip
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -238,6 +245,9 @@ def table(result: dict) -> str:
         nats = result["nats"]
         steady = f", the second push {nats['steady_gb_per_s']:.2f} GB/s" if "steady_gb_per_s" in nats else ""
         lines.append(f"NATS into one scheduler: {nats['gb_per_s']:.2f} GB/s ({nats['bytes'] / 1e9:.2f} GB){steady}")
+        split = [f"{name} push: pieces {nats[p + 'pieces_s']:.2f} s + commit {nats[p + 'commit_s']:.2f} s"
+                 for name, p in (("first", ""), ("second", "steady_")) if p + "commit_s" in nats]  # fmt: skip
+        lines.append("; ".join(split))
     elif "nats" in result:
         lines.append(f"NATS push cut off after {result['nats']['timed_out_s']:.0f} s: below {result['nats']['gb_per_s_below']:.2f} GB/s")
     if "memory" in result:

@@ -25,6 +25,10 @@ def test_every_phase_runs_on_the_bundled_model(tmp_path):
         assert 0 < result[kind]["update_s"] and result[kind]["vs_restart"] > 0
     assert result["nats"]["bytes"] > 0.9 * result["weight_bytes"]  # every tensor went over NATS
     assert result["nats"]["steady_update_s"] > 0  # pushed twice: the second into the staging of the first
+    for prefix in ("", "steady_"):  # each push's time split: the pieces' travel, then the scheduler's commit (its reply)
+        nats = result["nats"]
+        assert 0 < nats[prefix + "commit_s"] < nats[prefix + "update_s"]
+        assert nats[prefix + "pieces_s"] + nats[prefix + "commit_s"] == pytest.approx(nats[prefix + "update_s"])
     assert all(result[k] > 0 for k in ("ttft_after_restart_s", "ttft_after_disk_s", "ttft_after_nats_s", "ttft_after_resume_s"))
     assert result["memory"]["resume_s"] > 0
 
