@@ -10,12 +10,12 @@ from services.common.connection import NatsConnection
 from services.models import BUNDLED_DRAFT_MODEL, BUNDLED_MODEL
 from services.scheduler.flags import (
     CUDA_KV_CACHE_FRACTION,
-    DRAFTER_KV_CACHE_FRACTION,
     DEFAULT_CHUNKED_PREFILL_SIZE,
     DEFAULT_MAX_PREFILL_TOKENS,
     DEFAULT_SPLIT_KV_DECODE,
     DENSE_ATTENTION_CHOICES,
     DEVICES,
+    DRAFTER_KV_CACHE_FRACTION,
     DTYPE_NAMES,
     LOAD_FORMATS,
     LOGPROBS_MODES,

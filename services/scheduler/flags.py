@@ -29,8 +29,8 @@ DEFAULT_CHUNKED_PREFILL_SIZE = 2048  # tokens per step, prefill chunks and decod
 # steps well past the chunk budget (`--dense-prefill`), and hardly faster again past 16384
 DEFAULT_MAX_PREFILL_TOKENS = 16384
 CUDA_KV_CACHE_FRACTION = 0.8  # of the memory still free once weights are loaded
-# With a drafter: its graphs and step tensors need more of the rest than 0.8 leaves on an 80 GB card
-# at the 8B shape (ops/bench/results/serve.md: start-up runs out of memory at 0.8, serves at 0.6)
+# With a drafter: its graphs and step tensors need more of what the weights leave than the plain
+# default does; on an 80 GB card at the 8B shape start-up ran out of memory (ops/bench/results/serve.md)
 DRAFTER_KV_CACHE_FRACTION = 0.6
 # Split-KV decode attention on (`--split-kv-decode`): it fills the SMs a small batch leaves idle,
 # with the same next tokens, and a batch that fills them gets one split, the same kernel
