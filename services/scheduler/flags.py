@@ -30,7 +30,7 @@ DEFAULT_CHUNKED_PREFILL_SIZE = 2048  # tokens per step, prefill chunks and decod
 DEFAULT_MAX_PREFILL_TOKENS = 16384
 CUDA_KV_CACHE_FRACTION = 0.8  # of the memory still free once weights are loaded
 # With a drafter: its graphs and step tensors need more of what the weights leave than the plain
-# default does; on an 80 GB card at the 8B shape start-up ran out of memory (ops/bench/results/serve.md)
+# default does (its start-up ran out of memory at 0.8 on a card that serves plain decoding at 0.8)
 DRAFTER_KV_CACHE_FRACTION = 0.6
 # Split-KV decode attention on (`--split-kv-decode`): it fills the SMs a small batch leaves idle,
 # with the same next tokens, and a batch that fills them gets one split, the same kernel
