@@ -14,7 +14,7 @@ import msgspec
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 
-from services.common.transport import ACK_HEADER, CHUNK_HEADER, MSG_HEADER
+from services.common.framing import ACK_HEADER, CHUNK_HEADER, MSG_HEADER
 
 
 class NatsPyReceiver:

@@ -17,7 +17,7 @@ import numpy as np
 
 from contracts import subjects
 from contracts.limits import MAX_CLIENT_RID_CHARS, MAX_STOP_STRINGS, MAX_TOKEN_IDS_LOGPROB
-from services.common.transport import ACK_HEADER, CHUNK_HEADER, MSG_HEADER
+from services.common.framing import ACK_HEADER, CHUNK_HEADER, MSG_HEADER
 from services.tokenizer.validation import MAX_BODY_BYTES, MAX_SEQUENCES_PER_CALL
 
 HUGE = 2**64

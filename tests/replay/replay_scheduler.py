@@ -25,9 +25,10 @@ from contracts import subjects
 from contracts.detokenizer import Finish, FinishType, TokenBatch
 from contracts.scheduler import GenerateRequest, SchedulerClaim, SchedulerClaimReply, SchedulerInfo, SchedulerPing
 from services.common.arrays import to_wire
+from services.common.framing import CHUNK_HEADER, MSG_HEADER
 from services.common.heartbeat import HeartbeatPublisher
 from services.common.nats_reader import Delivery
-from services.common.transport import CHUNK_HEADER, MSG_HEADER, Transport
+from services.common.transport import Transport
 from services.recorder.format import RecordedMessage, read_recording
 
 Parts = list[RecordedMessage]  # one logical message: its chunks in order (one part if unframed)

@@ -14,7 +14,8 @@ import pytest
 
 from contracts.control import Heartbeat
 from contracts.subjects import PREFIX
-from services.common.transport import CHUNK_HEADER, MSG_HEADER, Transport
+from services.common.framing import CHUNK_HEADER, MSG_HEADER
+from services.common.transport import Transport
 from services.recorder.format import FORMAT_VERSION, MAGIC, RecordingError, read_recording
 from services.recorder.record import record
 from services.recorder.replay import ReplayError, replay, subject_matches

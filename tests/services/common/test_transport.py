@@ -10,15 +10,8 @@ import msgspec
 import nats.errors
 import pytest
 
-from services.common.transport import (
-    CHUNK_HEADER,
-    MSG_HEADER,
-    PayloadTooLarge,
-    ReceiverGone,
-    Transport,
-    header_block_size,
-    plan_chunks,
-)
+from services.common.framing import CHUNK_HEADER, MSG_HEADER, header_block_size, plan_chunks
+from services.common.transport import PayloadTooLarge, ReceiverGone, Transport
 
 MB = 1024 * 1024
 SUBJECT = "sparkwire.v1.test.direct"

@@ -8,7 +8,8 @@ import asyncio
 import msgspec
 import pytest
 
-from services.common.transport import ACK_HEADER, CHUNK_HEADER, MSG_HEADER, Transport
+from services.common.framing import ACK_HEADER, CHUNK_HEADER, MSG_HEADER
+from services.common.transport import Transport
 from tests.services.common.test_transport import SUBJECT, Blob, blob, pair, subscribed_pair
 
 KB = 1024

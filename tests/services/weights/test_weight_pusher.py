@@ -11,8 +11,9 @@ import torch
 
 from contracts import subjects
 from contracts.weights import ControlReply, WeightCommit, WeightManifest, WeightMessage, WeightPiece, WeightTarget
+from services.common.framing import MSG_HEADER
 from services.common.nats_reader import Delivery
-from services.common.transport import FRAMED_MIN_BYTES, MSG_HEADER, Transport, sender_of
+from services.common.transport import FRAMED_MIN_BYTES, Transport, sender_of
 from services.scheduler.weights.pieces import PushedVersions
 from services.weights.push import WeightPusher, default_connections, pieces
 
