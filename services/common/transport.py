@@ -56,7 +56,6 @@ import msgspec
 import numpy as np
 import structlog
 from nats.aio.client import Client
-from nats.aio.msg import Msg
 
 from services.common.connection import NatsConnection, as_connection
 from services.common.framing import (
@@ -67,9 +66,14 @@ from services.common.nats_reader import Delivery, NatsReader, ReaderError, Reade
 from services.common.nats_start import auth_rejected, connect_nats_py, is_auth_rejection, unreachable
 from services.common.natspy_reader import NatsPyReader
 from services.common.scatter import Buffer, byte_range, publish_parts
+from services.common.send_windows import _SendWindows, _Window
 from services.common.transport_errors import PayloadTooLarge, ReceiverGone, TransportError
 
 log = structlog.get_logger(__name__)
+
+# Its errors are defined in transport_errors.py (the modules this one is built from raise them
+# too), and imported from here.
+__all__ = ["ConnectionEvents", "FRAMED_MIN_BYTES", "PayloadTooLarge", "ReceiverGone", "Traffic", "Transport", "TransportError"]
 
 T = TypeVar("T")
 Handler = Callable[[T, Delivery], Awaitable[None]]
@@ -82,8 +86,6 @@ DEFAULT_REASSEMBLY_TIMEOUT_S = 30.0
 # ~21 MB, the nested form about as much again, so 256 MiB leaves room without trusting a header.
 DEFAULT_MAX_MESSAGE_BYTES = 256 * 1024 * 1024
 DEFAULT_MAX_PARTIAL_BYTES = 1024 * 1024 * 1024  # all reassemblies in progress, per subscription
-MARK_PAUSES_S = (0.0, 0.5, 1.0, 2.0, 4.0)  # Sw-Mark sends after a publishing reconnect
-MARK_RECENT_S = 60.0  # subjects published to this recently get them
 MAX_TRACKED_SENDERS = 4096  # per subscription; the least recently heard sender is forgotten first
 
 
@@ -113,112 +115,6 @@ class ConnectionEvents:
     loss_listeners: list[Callable[[], None]] = field(default_factory=list)
     # Called when the publishing connection came back: what it sent just before may be lost.
     send_loss_listeners: list[Callable[[], None]] = field(default_factory=list)
-
-
-@dataclass
-class _Window:
-    """Flow-control state of one destination subject, on the sender side."""
-
-    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
-    changed: asyncio.Event = field(default_factory=asyncio.Event)
-    outstanding: dict[str, tuple[int, float]] = field(default_factory=dict)  # ack key -> (bytes, sent_at); oldest first
-    num_bytes: int = 0
-    seq: itertools.count[int] = field(default_factory=itertools.count)  # next Sw-Seq number to this subject
-    last_number: int | None = None  # the last Sw-Seq number sent to this subject
-    last_sent: float = 0.0
-
-    def add(self, key: str, size: int) -> None:
-        self.outstanding[key] = (size, time.monotonic())
-        self.num_bytes += size
-
-    def release(self, key: str) -> None:
-        size, _ = self.outstanding.pop(key)
-        self.num_bytes -= size
-        self.changed.set()
-
-    def oldest_sent_at(self) -> float:
-        return next(iter(self.outstanding.values()))[1]
-
-    def forget(self) -> None:
-        self.outstanding.clear()
-        self.num_bytes = 0
-
-
-class _SendWindows:
-    """The sender's side of flow control and gap marks: a window per destination subject, the ack
-    inbox every framed chunk names, and the marks sent after the publishing connection returns."""
-
-    def __init__(self, nc: Client, sender_id: str, window_bytes: int, ack_timeout_s: float) -> None:
-        self._nc = nc
-        self._sender_id = sender_id
-        self.window_bytes = window_bytes  # 0 disables flow control
-        self._ack_timeout_s = ack_timeout_s
-        self.windows: dict[str, _Window] = {}
-        self.ack_keys: dict[str, str] = {}  # ack key -> destination subject
-        self._ack_subject: str | None = None
-
-    def of(self, subject: str) -> _Window:
-        return self.windows.get(subject) or self.windows.setdefault(subject, _Window())
-
-    async def acquire(self, subject: str, window: _Window, key: str, size: int) -> None:
-        """Wait until `size` more bytes fit in `subject`'s window (one chunk always fits an empty
-        one), then count the chunk `key` in it."""
-        await self._wait(subject, window, lambda: window.num_bytes + size > self.window_bytes)
-        self.ack_keys[key] = subject
-        window.add(key, size)
-
-    async def settled(self, subject: str) -> None:
-        """Wait until every chunk sent to `subject` is acked."""
-        if subject in self.windows and self.window_bytes > 0:
-            await self._wait(subject, self.windows[subject], lambda: True)
-
-    async def _wait(self, subject: str, window: _Window, too_full: Callable[[], bool]) -> None:
-        """While `window` holds chunks and `too_full()`; `ReceiverGone` once its oldest chunk went
-        unacked for the ack timeout."""
-        while window.num_bytes and too_full():
-            remaining = window.oldest_sent_at() + self._ack_timeout_s - time.monotonic()
-            if remaining <= 0:
-                self._forget(window)
-                raise ReceiverGone(
-                    f"{subject}: no flow-control ack for {self._ack_timeout_s:.1f}s with "
-                    f"{window.num_bytes} bytes unacked; the receiver is gone or stuck"
-                )
-            window.changed.clear()
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(window.changed.wait(), remaining)
-
-    def _forget(self, window: _Window) -> None:
-        for key in window.outstanding:
-            self.ack_keys.pop(key, None)
-        window.forget()
-
-    async def ack_inbox(self) -> str:
-        if self._ack_subject is None:
-            subject = self._nc.new_inbox()
-            await self._nc.subscribe(subject, cb=self._on_ack, pending_msgs_limit=-1, pending_bytes_limit=-1)
-            self._ack_subject = subject
-        return self._ack_subject
-
-    async def _on_ack(self, msg: Msg) -> None:
-        key = msg.data.decode(errors="replace")
-        subject = self.ack_keys.pop(key, None)
-        if subject is not None:  # unknown keys: duplicates, or acks for a forgotten window
-            self.windows[subject].release(key)
-
-    async def send_marks(self) -> None:
-        """Our publishing connection dropped and came back. What it sent just before may be lost,
-        and when that was a subject's last message no later one shows the gap: tell each recent
-        destination the last number sent (`Sw-Mark`), a few times, since its own connection may
-        come back later than ours."""
-        for pause in MARK_PAUSES_S:
-            await asyncio.sleep(pause)
-            now = time.monotonic()
-            for subject, window in list(self.windows.items()):
-                if window.last_number is not None and now - window.last_sent < MARK_RECENT_S:
-                    async with window.lock:  # after any message already numbered
-                        mark = {SEQ_HEADER: f"{self._sender_id} {window.last_number}", MARK_HEADER: "1"}
-                        with contextlib.suppress(Exception):
-                            await self._nc.publish(subject, b"", headers=mark)
 
 
 class Transport:
