@@ -20,7 +20,8 @@ from services.common.lifecycle import wait_until
 from services.common.memory import settle_startup_heap
 from services.common.logging import request_id_from
 from services.common.nats_reader import Delivery
-from services.common.transport import Transport, remember_sender
+from services.common.receive import remember_sender
+from services.common.transport import Transport
 from services.detokenizer.config import DetokenizerConfig
 from services.detokenizer.core import DetokenizeResult, DetokenizerCore
 from services.detokenizer.metrics import DetokenizerTelemetry

@@ -24,7 +24,8 @@ from contracts.tokenizer import PrefixSummary, TextBatch
 from contracts.weights import Control, ControlReply
 from services.common.heartbeat import HeartbeatMonitor, HeartbeatPublisher
 from services.common.nats_reader import Delivery
-from services.common.transport import Traffic, Transport, remember_sender
+from services.common.receive import remember_sender
+from services.common.transport import Traffic, Transport
 from services.tokenizer.config import TokenizerConfig
 from services.common.logging import request_headers
 from services.tokenizer.placement import Placement, ServiceUnavailable, generate_request

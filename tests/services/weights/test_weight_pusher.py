@@ -13,7 +13,8 @@ from contracts import subjects
 from contracts.weights import ControlReply, WeightCommit, WeightManifest, WeightMessage, WeightPiece, WeightTarget
 from services.common.framing import MSG_HEADER
 from services.common.nats_reader import Delivery
-from services.common.transport import FRAMED_MIN_BYTES, Transport, sender_of
+from services.common.receive import sender_of
+from services.common.transport import FRAMED_MIN_BYTES, Transport
 from services.scheduler.weights.pieces import PushedVersions
 from services.weights.push import WeightPusher, default_connections, pieces
 
