@@ -14,7 +14,8 @@ import nats
 import pytest
 
 from services.common.lifecycle import EVENT_LOOPS, run_event_loop
-from services.common.nats_reader import Delivery, NatsReader, ReaderEvents, _ReadProtocol, parse_headers
+from services.common.nats_read_protocol import _ReadProtocol, parse_headers
+from services.common.nats_reader import Delivery, NatsReader, ReaderEvents
 
 
 @dataclass
