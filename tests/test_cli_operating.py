@@ -180,7 +180,7 @@ def test_more_than_one_tokenizer_share_the_port():
 
 def test_the_children_s_relayed_lines_never_run_together(capsys):
     """Each child's output is relayed by its own thread: two chatty children, every line whole."""
-    from services.launcher import Child
+    from services.supervision import Child
 
     script = "import sys\nfor i in range(20000): sys.stdout.write(f'line {i} of this child\\n')"
     interval = sys.getswitchinterval()
