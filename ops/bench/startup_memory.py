@@ -73,7 +73,8 @@ def pool_bytes(snapshot: dict) -> int:
 
 
 def top_sites(snapshot: dict, limit: int = TOP_SITES) -> list[dict[str, Any]]:
-    """Live allocations outside the graph pools, summed by their first frames in this repository."""
+    """Live allocations outside the graph pools, summed by their frames in this repository (the
+    innermost four and the outermost three)."""
     sites: collections.Counter[str] = collections.Counter()
     for seg in snapshot["segments"]:
         if tuple(seg.get("segment_pool_id", (0, 0))) != (0, 0):
@@ -82,7 +83,9 @@ def top_sites(snapshot: dict, limit: int = TOP_SITES) -> list[dict[str, Any]]:
             if block["state"] != "active_allocated":
                 continue
             frames = [f for f in block.get("frames", []) if "/services/" in f["filename"] or "/ops/" in f["filename"]]
-            sites[" < ".join(f"{Path(f['filename']).name}:{f['line']}:{f['name']}" for f in frames[:4]) or "(no repo frame)"] += block["size"]
+            named = [f"{Path(f['filename']).name}:{f['line']}:{f['name']}" for f in frames]
+            # the innermost frames say what allocated, the outermost which start-up stage asked for it
+            sites[" < ".join(named if len(named) <= 7 else [*named[:4], "...", *named[-3:]]) or "(no repo frame)"] += block["size"]
     return [{"gib": round(size / GIB, 3), "site": site} for site, size in sites.most_common(limit)]
 
 
