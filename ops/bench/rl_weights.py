@@ -15,13 +15,16 @@ the scheduler); TTFT.
 into one receiver process that runs the scheduler's side of a push (its transport, the staging of
 pieces in `PushedVersions`, the checks and the copy into served tensors of a commit) on a
 nats-server with the project's config; GB/s of each push, the first (staging allocated) and the
-steady state of an RL loop. `--before DIR` runs DIR's own copy of this script too, alternating;
+steady state of an RL loop. `--into-scheduler DEVICE`: the same pushes alternately into that
+receiver and into a real scheduler (refusing each commit: the names are not its model's), so what a
+scheduler's process costs its intake shows. `--before DIR` runs DIR's own copy of this script too, alternating;
 `--connections 1,4` pushes over each number of NATS connections in turn (the pusher's default:
 one per 4 cores, 1 to 4), alternating.
 
     sparkwire bench rl-weights --out ops/bench/results/rl_weights.json --budget-s 270
     sparkwire bench rl-weights --nats-only 1 --before /tmp/before --rounds 3   # -> results/rl_weights_cpu.json
     sparkwire bench rl-weights --nats-only 2 --connections 1,4 --rounds 2      # one connection against four
+    sparkwire bench rl-weights --nats-only 16 --into-scheduler cuda --rounds 3  # the bare receiver against a scheduler holding the 8B shape
 """
 
 from __future__ import annotations
@@ -386,6 +389,65 @@ def by_connections(size_gb: float, counts: list[int], rounds: int) -> dict:
     return {f"{count} conn": max(results, key=lambda r: r["steady_gb_per_s"]) | {"rounds": results} for count, results in runs.items()}
 
 
+def receiver_vs_scheduler(size_gb: float, device: str, model_config: Path, rounds: int) -> dict:
+    """The same synthetic tensors pushed into the bare receiver and into a real scheduler (`sparkwire
+    scheduler` on `device`: the bundled model on the CPU, `model_config`'s shape with dummy weights on
+    CUDA), alternating, `rounds` pushes each. The scheduler refuses each commit (the names are not its
+    model's), so a push's seconds are its pieces' travel and the scheduler's intake: what its process
+    does beside a push (a model on the device, its other subscriptions, its step thread) shows as the
+    difference from the receiver."""
+    import torch
+    import uvloop
+
+    from services.weights.push import PushFailed, WeightPusher
+
+    shapes = synthetic_shapes(size_gb)
+    tensors = {name: torch.empty(shape, dtype=torch.bfloat16).fill_(index % 7 - 3) for index, (name, shape) in enumerate(shapes.items())}
+    num_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
+    nats = start_nats_server()
+    env = os.environ | {"PYTHONPATH": os.pathsep.join(filter(None, (str(REPO), os.environ.get("PYTHONPATH"))))}
+    code = "import sys; from ops.bench.rl_weights import receive; receive(sys.argv[1], sys.argv[2])"
+    receiver = subprocess.Popen([sys.executable, "-c", code, nats.url, json.dumps(shapes)], stdout=subprocess.PIPE, text=True, cwd=REPO, env=env)
+    tmp = Path(tempfile.mkdtemp(prefix="sparkwire-intake-"))
+    model = BUNDLED_MODEL if device == "cpu" else serving_model_dir(model_config, tmp / "model")
+    dummy = [] if device == "cpu" else ["--load-format", "dummy"]
+    scheduler = LoggedProcess.start("scheduler", [sys.executable, "-m", "services.cli", "scheduler", "--nats-url", nats.url, "--model", str(model),
+                                                  "--device", device, *dummy], tmp / "scheduler.log")  # fmt: skip
+    seconds: dict[str, list[float]] = {"receiver": [], "scheduler": []}
+    refusals: list[str] = []  # the scheduler's: a model mismatch at the commit means every piece arrived
+
+    async def push() -> None:
+        async with await WeightPusher.connect(nats.url) as pusher:
+            found: list[str] = []
+            waited = time.monotonic() + READY_TIMEOUT_S
+            while not found and time.monotonic() < waited:
+                found = [sid for sid in await pusher.schedulers(1.0) if sid != RECEIVER_ID]
+            if not found:
+                raise RuntimeError(f"the scheduler did not join:\n{scheduler.log_tail()}")
+            targets = {"receiver": RECEIVER_ID, "scheduler": found[0]}
+            for index in range(rounds):
+                for name in (("receiver", "scheduler") if index % 2 == 0 else ("scheduler", "receiver")):
+                    began = time.perf_counter()
+                    try:
+                        await pusher.push(tensors, f"{name}-{index}", scheduler_ids=[targets[name]])
+                    except PushFailed as refused:  # the scheduler's commit: not its model's names
+                        refusals.append(str(refused))
+                    seconds[name].append(time.perf_counter() - began)
+
+    try:
+        if receiver.stdout is None or receiver.stdout.readline().strip() != "ready":
+            raise RuntimeError(f"the receiver did not start (exit {receiver.poll()})")
+        uvloop.run(push())
+    finally:
+        receiver.kill()
+        receiver.wait()
+        scheduler.stop(60.0)
+        nats.stop()
+        shutil.rmtree(tmp, ignore_errors=True)
+    return {"size_gb": size_gb, "bytes": num_bytes, "scheduler_device": device, "seconds": seconds, "refusals": refusals,
+            "gb_per_s": {name: [round(num_bytes / s / 1e9, 3) for s in runs] for name, runs in seconds.items()}}  # fmt: skip
+
+
 def nats_table(results: dict[str, dict]) -> str:
     lines = [f"{'tree':8} {'conns':>5} {'GB':>6} {'first push GB/s':>16} {'steady GB/s':>12} {'swap s':>7}  CPU s per GB (steady)"]
     for name, r in results.items():
@@ -405,6 +467,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rounds", type=int, default=3, help="with --before or several --connections: rounds of each")
     parser.add_argument("--connections", type=lambda text: [int(n) for n in text.split(",")], default=[None], metavar="N[,M...]",
                         help="NATS connections the pusher stripes pieces over (default: its own, from the CPU count); several: each in turn")  # fmt: skip
+    parser.add_argument("--into-scheduler", choices=("cpu", "cuda"), help="with --nats-only: the bare receiver against a real scheduler on this device, alternating")
     parser.add_argument("--print-json", action="store_true", help=argparse.SUPPRESS)  # a subprocess's output
 
 
@@ -421,7 +484,11 @@ def main(args: argparse.Namespace) -> int:
 
 
 def main_nats_only(args: argparse.Namespace) -> int:
-    if args.before is not None:
+    if args.into_scheduler is not None:
+        result = receiver_vs_scheduler(args.nats_only, args.into_scheduler, args.model_config, args.rounds)
+        for name, rates in result["gb_per_s"].items():
+            print(f"{name:9} GB/s by push: {', '.join(f'{rate:.3f}' for rate in rates)}")
+    elif args.before is not None:
         result = compare(args.before.resolve(), args.nats_only, args.rounds)
         print(nats_table(result))
     elif len(args.connections) > 1:

@@ -42,6 +42,17 @@ def test_nats_only_pushes_into_a_receiver_process_without_a_model(tmp_path):
     assert set(result["cpu_s_per_gb"]) == {"pusher", "receiver", "nats-server"}
 
 
+@pytest.mark.timeout(200)
+def test_into_scheduler_pushes_whole_versions_into_the_receiver_and_a_real_scheduler(tmp_path):
+    out = tmp_path / "intake.json"
+    assert bench("rl-weights", "--nats-only", 0.05, "--into-scheduler", "cpu", "--rounds", 2, "--out", out) == 0
+    result = json.loads(out.read_text())
+    assert {name: len(runs) for name, runs in result["seconds"].items()} == {"receiver": 2, "scheduler": 2}
+    assert all(rate > 0 for rates in result["gb_per_s"].values() for rate in rates)
+    # the scheduler took every piece: its commit got past the completeness check to comparing with its model
+    assert len(result["refusals"]) == 2 and all("the served model" in r or "missing from the new weights" in r for r in result["refusals"])
+
+
 def test_dummy_weights_are_a_checkpoint_the_loader_takes(tmp_path, monkeypatch):
     monkeypatch.setattr("ops.bench.rl_weights.SHARD_BYTES", 1 << 20)  # several shards
     model_dir = tmp_path / "model"
