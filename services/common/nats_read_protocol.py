@@ -1,4 +1,4 @@
-"""The byte-level half of `nats_reader.NatsReader`: `_ReadProtocol`, the
+"""The byte-level half of `nats_reader.NatsReader`: `ReadProtocol`, the
 `asyncio.BufferedProtocol` that parses the server's stream (MSG/HMSG, PING/PONG, INFO, +OK/-ERR)
 and reads each payload into the place its subscription's `PayloadSink` chose, and what it hands
 over (`Delivery`, the parsed headers) or raises (`ReaderError`). Apart from `nats_reader.py`,
@@ -77,7 +77,7 @@ class _Incoming:
     filled: int = 0
 
 
-class _ReadProtocol(asyncio.BufferedProtocol):
+class ReadProtocol(asyncio.BufferedProtocol):
     """Parses the server's byte stream. Bytes [start, end) of `buffer` are read but not parsed."""
 
     def __init__(self, reader: NatsReader) -> None:

@@ -19,7 +19,7 @@ every subscription of a service in the order they were published (what NATS guar
 of connections).
 
 The connection (servers, TLS, auth, subscriptions, keepalive, reconnects) lives here; the
-protocol's parsing, `_ReadProtocol`, and what it hands over (`Delivery`) in `nats_read_protocol.py`.
+protocol's parsing, `ReadProtocol`, and what it hands over (`Delivery`) in `nats_read_protocol.py`.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ import structlog
 from services.common.connection import (
     WEBSOCKET_SCHEMES, NatsConnection, as_connection, host_and_port, redact_url, url_credentials,
 )  # fmt: skip
-from services.common.nats_read_protocol import CRLF, Delivery, PayloadSink, ReaderError, _ReadProtocol
+from services.common.nats_read_protocol import CRLF, Delivery, PayloadSink, ReaderError, ReadProtocol
 from services.common.nats_start import CONNECT_TIMEOUT_S, RECONNECT_WAIT_S  # the pace of nats-py's connection
 
 log = structlog.get_logger(__name__)
@@ -77,7 +77,7 @@ class NatsReader:
     connection: NatsConnection
     name: str
     events: ReaderEvents = field(default_factory=ReaderEvents)
-    _protocol: _ReadProtocol | None = None
+    _protocol: ReadProtocol | None = None
     _subscriptions: dict[int, _Subscription] = field(default_factory=dict)
     _next_sid: int = 1
     _closing: bool = False
@@ -157,7 +157,7 @@ class NatsReader:
         subscription = self._subscriptions.get(sid)
         return subscription.sink if subscription is not None else None
 
-    async def _open_any(self) -> _ReadProtocol:
+    async def _open_any(self) -> ReadProtocol:
         """Each known server once, from `_server_index` on; the first that lets us in."""
         errors = []
         for step in range(len(self._servers)):
@@ -171,13 +171,13 @@ class NatsReader:
             return protocol
         raise ReaderError("no NATS server let the reader in: " + "; ".join(errors))
 
-    async def _open(self, url: str) -> _ReadProtocol:
+    async def _open(self, url: str) -> ReadProtocol:
         """TCP, the server's INFO, TLS when either side wants it, CONNECT with our credentials,
         the subscriptions again, and a PING whose PONG says the server accepted all of it."""
         loop = asyncio.get_running_loop()
         host, port = host_and_port(url)
         transport, protocol = await asyncio.wait_for(
-            loop.create_connection(lambda: _ReadProtocol(self), host, port), CONNECT_TIMEOUT_S
+            loop.create_connection(lambda: ReadProtocol(self), host, port), CONNECT_TIMEOUT_S
         )
         try:
             info = await asyncio.wait_for(protocol.info, CONNECT_TIMEOUT_S)
@@ -193,7 +193,7 @@ class NatsReader:
             raise
         return protocol
 
-    async def _start_tls(self, protocol: _ReadProtocol, host: str) -> None:
+    async def _start_tls(self, protocol: ReadProtocol, host: str) -> None:
         """Upgrade in place after INFO, as the protocol has it; our protocol object keeps parsing."""
         context = self.connection.ssl_context()
         if context is None:
@@ -226,7 +226,7 @@ class NatsReader:
         log.warning("nats_reader.server_error", service=self.name, error=message)
         self.events.on_error(message)
 
-    def _on_connection_lost(self, protocol: _ReadProtocol, exc: Exception | None) -> None:
+    def _on_connection_lost(self, protocol: ReadProtocol, exc: Exception | None) -> None:
         if protocol is not self._protocol or self._closing:
             return
         log.warning("nats_reader.disconnected", service=self.name, error=repr(exc),

@@ -1,4 +1,4 @@
-"""The transport's receiving side: each subscription's `_Receiver`, the reader's `PayloadSink`
+"""The transport's receiving side: each subscription's `SubscriptionReceiver`, the reader's `PayloadSink`
 that lands a framed message's chunks in one reassembly buffer, queues complete messages for
 decode and handler and every chunk for its ack, and counts each sender's `Sw-Seq` numbers to
 flag gaps; plus the helpers a service uses to tell who a gap is about (`remember_sender`,
@@ -80,7 +80,7 @@ class _Reassembly:
         return memoryview(self.buffer)[: self.size] if self.received == self.expected else None
 
 
-class _Receiver:
+class SubscriptionReceiver:
     """One subscription, as the reader's `PayloadSink`: picks where each payload lands (a chunk:
     its place in its message's buffer), then queues complete messages for decode and handler,
     and every chunk for its ack. It also counts each sender's `Sw-Seq` numbers (not for a queue

@@ -24,7 +24,7 @@ MARK_RECENT_S = 60.0  # subjects published to this recently get them
 
 
 @dataclass
-class _Window:
+class SendWindow:
     """Flow-control state of one destination subject, on the sender side."""
 
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
@@ -52,7 +52,7 @@ class _Window:
         self.num_bytes = 0
 
 
-class _SendWindows:
+class SendWindows:
     """The sender's side of flow control and gap marks: a window per destination subject, the ack
     inbox every framed chunk names, and the marks sent after the publishing connection returns."""
 
@@ -61,14 +61,14 @@ class _SendWindows:
         self._sender_id = sender_id
         self.window_bytes = window_bytes  # 0 disables flow control
         self._ack_timeout_s = ack_timeout_s
-        self.windows: dict[str, _Window] = {}
+        self.windows: dict[str, SendWindow] = {}
         self.ack_keys: dict[str, str] = {}  # ack key -> destination subject
         self._ack_subject: str | None = None
 
-    def of(self, subject: str) -> _Window:
-        return self.windows.get(subject) or self.windows.setdefault(subject, _Window())
+    def of(self, subject: str) -> SendWindow:
+        return self.windows.get(subject) or self.windows.setdefault(subject, SendWindow())
 
-    async def acquire(self, subject: str, window: _Window, key: str, size: int) -> None:
+    async def acquire(self, subject: str, window: SendWindow, key: str, size: int) -> None:
         """Wait until `size` more bytes fit in `subject`'s window (one chunk always fits an empty
         one), then count the chunk `key` in it."""
         await self._wait(subject, window, lambda: window.num_bytes + size > self.window_bytes)
@@ -80,7 +80,7 @@ class _SendWindows:
         if subject in self.windows and self.window_bytes > 0:
             await self._wait(subject, self.windows[subject], lambda: True)
 
-    async def _wait(self, subject: str, window: _Window, too_full: Callable[[], bool]) -> None:
+    async def _wait(self, subject: str, window: SendWindow, too_full: Callable[[], bool]) -> None:
         """While `window` holds chunks and `too_full()`; `ReceiverGone` once its oldest chunk went
         unacked for the ack timeout."""
         while window.num_bytes and too_full():
@@ -95,7 +95,7 @@ class _SendWindows:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(window.changed.wait(), remaining)
 
-    def _forget(self, window: _Window) -> None:
+    def _forget(self, window: SendWindow) -> None:
         for key in window.outstanding:
             self.ack_keys.pop(key, None)
         window.forget()

@@ -63,9 +63,9 @@ from services.common.framing import ACK_HEADER, SEQ_HEADER, BadFraming, chunk_he
 from services.common.nats_reader import Delivery, NatsReader, ReaderError, ReaderEvents
 from services.common.nats_start import auth_rejected, connect_nats_py, is_auth_rejection, unreachable
 from services.common.natspy_reader import NatsPyReader
-from services.common.receive import _Receiver
+from services.common.receive import SubscriptionReceiver
 from services.common.scatter import Buffer, byte_range, publish_parts
-from services.common.send_windows import _SendWindows, _Window
+from services.common.send_windows import SendWindows, SendWindow
 from services.common.transport_errors import PayloadTooLarge, ReceiverGone, TransportError
 
 log = structlog.get_logger(__name__)
@@ -137,14 +137,14 @@ class Transport:
         self._reassembly_timeout_s = reassembly_timeout_s
         self.max_message_bytes = max_message_bytes
         self.max_partial_bytes = max_partial_bytes
-        self._receivers: list[_Receiver] = []
+        self._receivers: list[SubscriptionReceiver] = []
         self.events.loss_listeners.append(self._forget_sequences)
         self.events.send_loss_listeners.append(self._mark_sequences_soon)
         self._sender_id = uuid.uuid4().hex[:12]
         self._seq = itertools.count()
         self._encoder = msgspec.msgpack.Encoder()
         self._tasks: list[asyncio.Task[None]] = []
-        self._send = _SendWindows(nc, self._sender_id, window_bytes, ack_timeout_s)
+        self._send = SendWindows(nc, self._sender_id, window_bytes, ack_timeout_s)
 
     @classmethod
     async def connect(
@@ -212,7 +212,7 @@ class Transport:
             self.events.traffic.bytes_sent += size
 
     async def _publish_framed(
-        self, subject: str, parts: list[memoryview], size: int, window: _Window, extra: dict[str, str]
+        self, subject: str, parts: list[memoryview], size: int, window: SendWindow, extra: dict[str, str]
     ) -> None:
         ack_subject = await self._send.ack_inbox() if self._send.window_bytes > 0 else None
         msg_id = f"{self._sender_id}-{next(self._seq)}"
@@ -265,7 +265,7 @@ class Transport:
         """Decode every message on `subject` as `message_type` and await `handler` on it, in order.
         Returns the subscription's id, for `unsubscribe`."""
         decoder = msgspec.msgpack.Decoder(message_type)
-        receiver = _Receiver(self, subject, decoder, handler, counts_gaps=not queue, on_gap=on_gap)
+        receiver = SubscriptionReceiver(self, subject, decoder, handler, counts_gaps=not queue, on_gap=on_gap)
         # No pending limits on the receiving side: memory is bounded by the senders' flow-control
         # windows instead.
         sid = self._reader.subscribe(subject, receiver, queue)

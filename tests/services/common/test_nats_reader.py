@@ -14,7 +14,7 @@ import nats
 import pytest
 
 from services.common.lifecycle import EVENT_LOOPS, run_event_loop
-from services.common.nats_read_protocol import _ReadProtocol, parse_headers
+from services.common.nats_read_protocol import ReadProtocol, parse_headers
 from services.common.nats_reader import Delivery, NatsReader, ReaderEvents
 
 
@@ -92,10 +92,10 @@ STREAM = (
 )
 
 
-async def _parse(stream: bytes, piece: int) -> tuple[Sink, FakeReader, FakeTransport, _ReadProtocol]:
+async def _parse(stream: bytes, piece: int) -> tuple[Sink, FakeReader, FakeTransport, ReadProtocol]:
     sink = Sink()
     reader = FakeReader(sink)
-    protocol = _ReadProtocol(reader)  # type: ignore[arg-type]
+    protocol = ReadProtocol(reader)  # type: ignore[arg-type]
     transport = FakeTransport()
     protocol.connection_made(transport)  # type: ignore[arg-type]
     pong = protocol.ping()
@@ -130,7 +130,7 @@ async def test_every_split_of_the_stream_parses_the_same(piece):
 async def test_a_large_payload_is_read_straight_into_its_target():
     """After the first control-buffer read, the rest of the payload goes into the target itself."""
     sink = Sink()
-    protocol = _ReadProtocol(FakeReader(sink))  # type: ignore[arg-type]
+    protocol = ReadProtocol(FakeReader(sink))  # type: ignore[arg-type]
     protocol.connection_made(FakeTransport())  # type: ignore[arg-type]
     head = f"MSG a.b 1 {len(BIG)}\r\n".encode()
     first = protocol.get_buffer(-1)
@@ -147,7 +147,7 @@ async def test_a_large_payload_is_read_straight_into_its_target():
 
 
 async def test_a_payload_without_its_crlf_is_a_protocol_error():
-    protocol = _ReadProtocol(FakeReader(Sink()))  # type: ignore[arg-type]
+    protocol = ReadProtocol(FakeReader(Sink()))  # type: ignore[arg-type]
     aborted = []
     transport = FakeTransport()
     transport.abort = lambda: aborted.append(True)  # type: ignore[method-assign]
