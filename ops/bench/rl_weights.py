@@ -25,6 +25,7 @@ one per 4 cores, 1 to 4), alternating.
     sparkwire bench rl-weights --nats-only 1 --before /tmp/before --rounds 3   # -> results/rl_weights_cpu.json
     sparkwire bench rl-weights --nats-only 2 --connections 1,4 --rounds 2      # one connection against four
     sparkwire bench rl-weights --nats-only 16 --into-scheduler cuda --rounds 3  # the bare receiver against a scheduler holding the 8B shape
+    sparkwire bench rl-weights --nats-only 1 --into-scheduler cpu --profile-scheduler /tmp/spy.txt   # and where the scheduler's GIL goes
 """
 
 from __future__ import annotations
@@ -389,18 +390,22 @@ def by_connections(size_gb: float, counts: list[int], rounds: int) -> dict:
     return {f"{count} conn": max(results, key=lambda r: r["steady_gb_per_s"]) | {"rounds": results} for count, results in runs.items()}
 
 
-def receiver_vs_scheduler(size_gb: float, device: str, model_config: Path, rounds: int) -> dict:
+def receiver_vs_scheduler(size_gb: float, device: str, model_config: Path, rounds: int, profile: Path | None = None) -> dict:
     """The same synthetic tensors pushed into the bare receiver and into a real scheduler (`sparkwire
     scheduler` on `device`: the bundled model on the CPU, `model_config`'s shape with dummy weights on
     CUDA), alternating, `rounds` pushes each. The scheduler refuses each commit (the names are not its
     model's), so a push's seconds are its pieces' travel and the scheduler's intake: what its process
     does beside a push (a model on the device, its other subscriptions, its step thread) shows as the
-    difference from the receiver."""
+    difference from the receiver. profile: py-spy the scheduler's GIL over the pushes (raw samples
+    there; `scheduler_profile`'s summary in the result)."""
     import torch
     import uvloop
 
+    from ops.bench import scheduler_profile
     from services.weights.push import PushFailed, WeightPusher
 
+    if profile is not None:
+        scheduler_profile.py_spy()  # missing: fail before anything starts
     shapes = synthetic_shapes(size_gb)
     tensors = {name: torch.empty(shape, dtype=torch.bfloat16).fill_(index % 7 - 3) for index, (name, shape) in enumerate(shapes.items())}
     num_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
@@ -415,6 +420,7 @@ def receiver_vs_scheduler(size_gb: float, device: str, model_config: Path, round
                                                   "--device", device, *dummy], tmp / "scheduler.log")  # fmt: skip
     seconds: dict[str, list[float]] = {"receiver": [], "scheduler": []}
     refusals: list[str] = []  # the scheduler's: a model mismatch at the commit means every piece arrived
+    result: dict = {}
 
     async def push() -> None:
         async with await WeightPusher.connect(nats.url) as pusher:
@@ -425,6 +431,8 @@ def receiver_vs_scheduler(size_gb: float, device: str, model_config: Path, round
             if not found:
                 raise RuntimeError(f"the scheduler did not join:\n{scheduler.log_tail()}")
             targets = {"receiver": RECEIVER_ID, "scheduler": found[0]}
+            recording = None if profile is None else scheduler_profile.Recording.start(scheduler.process.pid, profile)
+            began_all = time.perf_counter()
             for index in range(rounds):
                 for name in (("receiver", "scheduler") if index % 2 == 0 else ("scheduler", "receiver")):
                     began = time.perf_counter()
@@ -433,6 +441,8 @@ def receiver_vs_scheduler(size_gb: float, device: str, model_config: Path, round
                     except PushFailed as refused:  # the scheduler's commit: not its model's names
                         refusals.append(str(refused))
                     seconds[name].append(time.perf_counter() - began)
+            if recording is not None:
+                result["scheduler_profile"] = recording.stop(time.perf_counter() - began_all)
 
     try:
         if receiver.stdout is None or receiver.stdout.readline().strip() != "ready":
@@ -444,8 +454,8 @@ def receiver_vs_scheduler(size_gb: float, device: str, model_config: Path, round
         scheduler.stop(60.0)
         nats.stop()
         shutil.rmtree(tmp, ignore_errors=True)
-    return {"size_gb": size_gb, "bytes": num_bytes, "scheduler_device": device, "seconds": seconds, "refusals": refusals,
-            "gb_per_s": {name: [round(num_bytes / s / 1e9, 3) for s in runs] for name, runs in seconds.items()}}  # fmt: skip
+    return result | {"size_gb": size_gb, "bytes": num_bytes, "scheduler_device": device, "seconds": seconds, "refusals": refusals,
+                     "gb_per_s": {name: [round(num_bytes / s / 1e9, 3) for s in runs] for name, runs in seconds.items()}}  # fmt: skip
 
 
 def nats_table(results: dict[str, dict]) -> str:
@@ -468,6 +478,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--connections", type=lambda text: [int(n) for n in text.split(",")], default=[None], metavar="N[,M...]",
                         help="NATS connections the pusher stripes pieces over (default: its own, from the CPU count); several: each in turn")  # fmt: skip
     parser.add_argument("--into-scheduler", choices=("cpu", "cuda"), help="with --nats-only: the bare receiver against a real scheduler on this device, alternating")
+    parser.add_argument("--profile-scheduler", type=Path, metavar="RAW", help="with --into-scheduler: py-spy the scheduler's GIL over the pushes into RAW (needs py-spy)")
     parser.add_argument("--print-json", action="store_true", help=argparse.SUPPRESS)  # a subprocess's output
 
 
@@ -485,9 +496,11 @@ def main(args: argparse.Namespace) -> int:
 
 def main_nats_only(args: argparse.Namespace) -> int:
     if args.into_scheduler is not None:
-        result = receiver_vs_scheduler(args.nats_only, args.into_scheduler, args.model_config, args.rounds)
+        result = receiver_vs_scheduler(args.nats_only, args.into_scheduler, args.model_config, args.rounds, args.profile_scheduler)
         for name, rates in result["gb_per_s"].items():
             print(f"{name:9} GB/s by push: {', '.join(f'{rate:.3f}' for rate in rates)}")
+        if "scheduler_profile" in result:
+            print(json.dumps(result["scheduler_profile"], indent=1)[:3000])
     elif args.before is not None:
         result = compare(args.before.resolve(), args.nats_only, args.rounds)
         print(nats_table(result))

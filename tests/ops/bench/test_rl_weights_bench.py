@@ -43,10 +43,13 @@ def test_nats_only_pushes_into_a_receiver_process_without_a_model(tmp_path):
 
 
 @pytest.mark.timeout(200)
-def test_into_scheduler_pushes_whole_versions_into_the_receiver_and_a_real_scheduler(tmp_path):
+def test_into_scheduler_pushes_whole_versions_into_the_receiver_and_a_real_scheduler_under_py_spy(tmp_path):
     out = tmp_path / "intake.json"
-    assert bench("rl-weights", "--nats-only", 0.05, "--into-scheduler", "cpu", "--rounds", 2, "--out", out) == 0
+    spy = tmp_path / "spy.txt"
+    assert bench("rl-weights", "--nats-only", 0.05, "--into-scheduler", "cpu", "--rounds", 2, "--profile-scheduler", spy, "--out", out) == 0
     result = json.loads(out.read_text())
+    profile = result["scheduler_profile"]  # py-spy read the scheduler over the pushes and wrote its samples
+    assert "error" not in profile and spy.is_file() and 0 <= profile["gil_held_share"] <= 1
     assert {name: len(runs) for name, runs in result["seconds"].items()} == {"receiver": 2, "scheduler": 2}
     assert all(rate > 0 for rates in result["gb_per_s"].values() for rate in rates)
     # the scheduler took every piece: its commit got past the completeness check to comparing with its model
