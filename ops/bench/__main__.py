@@ -46,6 +46,8 @@ SUITES: dict[str, Suite] = {
                           "length on held-out code, tok/s with DSpark against plain at batch 1 / 16, the same greedy ids"),
     "dspark-serve": Suite("ops.bench.dspark_serve", "the whole stack at concurrency 1 / 16 / 64: plain against DSpark "
                           "static and compact, acceptance replayed (8B shape, dummy weights)"),
+    "dspark-step-profile": Suite("ops.bench.dspark_step_profile", "where a decode step's time goes on the device, plain "
+                                 "against DSpark static: busy and idle ms, kernels a step, the top kernels (torch.profiler)"),
     "startup-memory": Suite("ops.bench.startup_memory", "a scheduler's start-up stage by stage: device memory after each, "
                             "a ledger of what should hold it, the rest by allocation site (CUDA)"),
     "step-trace": Suite("ops.bench.step_trace_summary", "a scheduler's --step-trace summarized: time by step kind, host ms, "
