@@ -22,8 +22,10 @@ def test_the_front_half_carries_every_token_under_the_paced_ceiling(tmp_path):
     plain, top = result["scenarios"]["plain"], result["scenarios"]["top20"]
     assert plain["failed"] == top["failed"] == 0
     for scenario in (plain, top):
-        assert 0 < scenario["output_tok_s"] <= load.ceiling_tok_s * 1.05  # nothing outruns the stand-in's pace
-        assert scenario["tpot_p50"] >= load.step_ms * 0.9  # a token a step at most
+        # nothing outruns the stand-in's pace (the rate over the run; a request's TPOT has no such floor:
+        # its first token delivered late on a loaded machine shortens the span its TPOT divides)
+        assert 0 < scenario["output_tok_s"] <= load.ceiling_tok_s * 1.05
+        assert scenario["tpot_p50"] > 0
         assert scenario["cores"]["tokenizer-0"] > 0 and scenario["tokenizer_us_per_token"] > 0
     assert result["top20_cost"] is not None
     assert "| this tree | 1 | top20 |" in table({"this tree": [result]})
