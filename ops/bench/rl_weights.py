@@ -276,6 +276,26 @@ def synthetic_shapes(size_gb: float) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+def synthetic_state_dict(size_gb: float):
+    """(shapes, bf16 tensors, their bytes) of about `size_gb` GB: what `--nats-only` pushes."""
+    import torch
+
+    shapes = synthetic_shapes(size_gb)
+    tensors = {name: torch.empty(shape, dtype=torch.bfloat16).fill_(index % 7 - 3) for index, (name, shape) in enumerate(shapes.items())}
+    return shapes, tensors, sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+def start_receiver(nats_url: str, shapes: dict[str, tuple[int, ...]]) -> subprocess.Popen:
+    """The bare receiver process (`receive`), returned once it is subscribed."""
+    code = "import sys; from ops.bench.rl_weights import receive; receive(sys.argv[1], sys.argv[2])"
+    receiver = subprocess.Popen([sys.executable, "-c", code, nats_url, json.dumps(shapes)], stdout=subprocess.PIPE, text=True, cwd=REPO,
+                                env=os.environ | {"PYTHONPATH": os.pathsep.join(filter(None, (str(REPO), os.environ.get("PYTHONPATH"))))})  # fmt: skip
+    if receiver.stdout is None or receiver.stdout.readline().strip() != "ready":
+        receiver.kill()
+        raise RuntimeError(f"the receiver did not start (exit {receiver.wait()})")
+    return receiver
+
+
 def receive(url: str, shapes_json: str) -> None:
     """The receiver process of `--nats-only`: prints "ready" once subscribed, then serves pushes until killed."""
     from services.common.lifecycle import run_event_loop
@@ -326,19 +346,18 @@ async def _receive(url: str, shapes: dict[str, tuple[int, ...]]) -> None:
 def nats_only(size_gb: float, connections: int | None = None) -> dict:
     """`NATS_PUSHES` pushes of the synthetic state dict into one receiver process over `connections`
     (None: the pusher's default); seconds and GB/s of each."""
-    import torch
     import uvloop
 
     from ops.bench.logprob_transport import ProcessMeter
     from services.weights.push import WeightPusher
 
-    shapes = synthetic_shapes(size_gb)
-    tensors = {name: torch.empty(shape, dtype=torch.bfloat16).fill_(index % 7 - 3) for index, (name, shape) in enumerate(shapes.items())}
-    num_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
+    shapes, tensors, num_bytes = synthetic_state_dict(size_gb)
     nats = start_nats_server()
-    code = "import sys; from ops.bench.rl_weights import receive; receive(sys.argv[1], sys.argv[2])"
-    receiver = subprocess.Popen([sys.executable, "-c", code, nats.url, json.dumps(shapes)], stdout=subprocess.PIPE, text=True, cwd=REPO,
-                                env=os.environ | {"PYTHONPATH": os.pathsep.join(filter(None, (str(REPO), os.environ.get("PYTHONPATH"))))})  # fmt: skip
+    try:
+        receiver = start_receiver(nats.url, shapes)
+    except RuntimeError:
+        nats.stop()
+        raise
 
     meter = ProcessMeter({"pusher": os.getpid(), "receiver": receiver.pid, "nats-server": nats.process.pid})
     cpu: dict[str, float] = {}
@@ -360,8 +379,6 @@ def nats_only(size_gb: float, connections: int | None = None) -> dict:
         return runs
 
     try:
-        if receiver.stdout is None or receiver.stdout.readline().strip() != "ready":
-            raise RuntimeError(f"the receiver did not start (exit {receiver.poll()})")
         pushes = uvloop.run(push())
     finally:
         receiver.kill()
@@ -398,7 +415,6 @@ def receiver_vs_scheduler(size_gb: float, device: str, model_config: Path, round
     does beside a push (a model on the device, its other subscriptions, its step thread) shows as the
     difference from the receiver. profile: py-spy the scheduler's GIL over the pushes (raw samples
     there; `scheduler_profile`'s summary in the result)."""
-    import torch
     import uvloop
 
     from ops.bench import scheduler_profile
@@ -406,13 +422,13 @@ def receiver_vs_scheduler(size_gb: float, device: str, model_config: Path, round
 
     if profile is not None:
         scheduler_profile.py_spy()  # missing: fail before anything starts
-    shapes = synthetic_shapes(size_gb)
-    tensors = {name: torch.empty(shape, dtype=torch.bfloat16).fill_(index % 7 - 3) for index, (name, shape) in enumerate(shapes.items())}
-    num_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
+    shapes, tensors, num_bytes = synthetic_state_dict(size_gb)
     nats = start_nats_server()
-    env = os.environ | {"PYTHONPATH": os.pathsep.join(filter(None, (str(REPO), os.environ.get("PYTHONPATH"))))}
-    code = "import sys; from ops.bench.rl_weights import receive; receive(sys.argv[1], sys.argv[2])"
-    receiver = subprocess.Popen([sys.executable, "-c", code, nats.url, json.dumps(shapes)], stdout=subprocess.PIPE, text=True, cwd=REPO, env=env)
+    try:
+        receiver = start_receiver(nats.url, shapes)
+    except RuntimeError:
+        nats.stop()
+        raise
     tmp = Path(tempfile.mkdtemp(prefix="sparkwire-intake-"))
     model = BUNDLED_MODEL if device == "cpu" else serving_model_dir(model_config, tmp / "model")
     dummy = [] if device == "cpu" else ["--load-format", "dummy"]
@@ -420,9 +436,9 @@ def receiver_vs_scheduler(size_gb: float, device: str, model_config: Path, round
                                                   "--device", device, *dummy], tmp / "scheduler.log")  # fmt: skip
     seconds: dict[str, list[float]] = {"receiver": [], "scheduler": []}
     refusals: list[str] = []  # the scheduler's: a model mismatch at the commit means every piece arrived
-    result: dict = {}
 
-    async def push() -> None:
+    async def push() -> dict | None:
+        """The pushes; py-spy's summary of them (None without `profile`)."""
         async with await WeightPusher.connect(nats.url) as pusher:
             found: list[str] = []
             waited = time.monotonic() + READY_TIMEOUT_S
@@ -441,21 +457,19 @@ def receiver_vs_scheduler(size_gb: float, device: str, model_config: Path, round
                     except PushFailed as refused:  # the scheduler's commit: not its model's names
                         refusals.append(str(refused))
                     seconds[name].append(time.perf_counter() - began)
-            if recording is not None:
-                result["scheduler_profile"] = recording.stop(time.perf_counter() - began_all)
+            return None if recording is None else recording.stop(time.perf_counter() - began_all)
 
     try:
-        if receiver.stdout is None or receiver.stdout.readline().strip() != "ready":
-            raise RuntimeError(f"the receiver did not start (exit {receiver.poll()})")
-        uvloop.run(push())
+        spied = uvloop.run(push())
     finally:
         receiver.kill()
         receiver.wait()
         scheduler.stop(60.0)
         nats.stop()
         shutil.rmtree(tmp, ignore_errors=True)
-    return result | {"size_gb": size_gb, "bytes": num_bytes, "scheduler_device": device, "seconds": seconds, "refusals": refusals,
-                     "gb_per_s": {name: [round(num_bytes / s / 1e9, 3) for s in runs] for name, runs in seconds.items()}}  # fmt: skip
+    result = {"size_gb": size_gb, "bytes": num_bytes, "scheduler_device": device, "seconds": seconds, "refusals": refusals,
+              "gb_per_s": {name: [round(num_bytes / s / 1e9, 3) for s in runs] for name, runs in seconds.items()}}  # fmt: skip
+    return result if spied is None else result | {"scheduler_profile": spied}
 
 
 def nats_table(results: dict[str, dict]) -> str:
