@@ -285,15 +285,17 @@ def synthetic_state_dict(size_gb: float):
     return shapes, tensors, sum(t.numel() * t.element_size() for t in tensors.values())
 
 
-def start_receiver(nats_url: str, shapes: dict[str, tuple[int, ...]]) -> subprocess.Popen:
-    """The bare receiver process (`receive`), returned once it is subscribed."""
+def start_receiver(shapes: dict[str, tuple[int, ...]]):
+    """A nats-server and the bare receiver process (`receive`) on it, returned once it is subscribed."""
+    nats = start_nats_server()
     code = "import sys; from ops.bench.rl_weights import receive; receive(sys.argv[1], sys.argv[2])"
-    receiver = subprocess.Popen([sys.executable, "-c", code, nats_url, json.dumps(shapes)], stdout=subprocess.PIPE, text=True, cwd=REPO,
+    receiver = subprocess.Popen([sys.executable, "-c", code, nats.url, json.dumps(shapes)], stdout=subprocess.PIPE, text=True, cwd=REPO,
                                 env=os.environ | {"PYTHONPATH": os.pathsep.join(filter(None, (str(REPO), os.environ.get("PYTHONPATH"))))})  # fmt: skip
     if receiver.stdout is None or receiver.stdout.readline().strip() != "ready":
         receiver.kill()
+        nats.stop()
         raise RuntimeError(f"the receiver did not start (exit {receiver.wait()})")
-    return receiver
+    return nats, receiver
 
 
 def receive(url: str, shapes_json: str) -> None:
@@ -352,12 +354,7 @@ def nats_only(size_gb: float, connections: int | None = None) -> dict:
     from services.weights.push import WeightPusher
 
     shapes, tensors, num_bytes = synthetic_state_dict(size_gb)
-    nats = start_nats_server()
-    try:
-        receiver = start_receiver(nats.url, shapes)
-    except RuntimeError:
-        nats.stop()
-        raise
+    nats, receiver = start_receiver(shapes)
 
     meter = ProcessMeter({"pusher": os.getpid(), "receiver": receiver.pid, "nats-server": nats.process.pid})
     cpu: dict[str, float] = {}
@@ -423,12 +420,7 @@ def receiver_vs_scheduler(size_gb: float, device: str, model_config: Path, round
     if profile is not None:
         scheduler_profile.py_spy()  # missing: fail before anything starts
     shapes, tensors, num_bytes = synthetic_state_dict(size_gb)
-    nats = start_nats_server()
-    try:
-        receiver = start_receiver(nats.url, shapes)
-    except RuntimeError:
-        nats.stop()
-        raise
+    nats, receiver = start_receiver(shapes)
     tmp = Path(tempfile.mkdtemp(prefix="sparkwire-intake-"))
     model = BUNDLED_MODEL if device == "cpu" else serving_model_dir(model_config, tmp / "model")
     dummy = [] if device == "cpu" else ["--load-format", "dummy"]
